@@ -1,0 +1,227 @@
+"""Text corpora: which documents to read, in which order, and a fingerprint of them for the caches.
+
+A corpus is named by one string:
+  "stdlib"               this Python's standard-library `.py` sources (no download; exists wherever Python does)
+  PATH | DIR | GLOB      local `.txt` (one document per file), `.jsonl` (one document per line, field `text_field`)
+                         or `.parquet` (one document per row, column `text_field`) files, one format per corpus
+  "hf:NAME[:CONFIG]"     a Hugging Face Hub dataset, split "train", column `text_field`
+
+Every corpus is capped at `max_bytes` of UTF-8 text (0: no cap): documents are taken in order and the one that
+crosses the cap is cut there. `open_corpus` is cheap (no tokenization, no copy of large files) so that a cache
+hit costs next to nothing; `Corpus.documents()` does the reading.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import datasets
+
+STDLIB = "stdlib"
+HUB_PREFIX = "hf:"
+# file suffix -> the `datasets` packaged builder that reads it
+LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
+# stdlib directories that are not the standard library itself
+STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A fixed, ordered list of text documents."""
+
+    spec: str  # the corpus string as configured
+    description: str  # one line for logs and meta.json
+    identity: str  # sha256 hex of everything that decides the documents (content, or file paths+sizes+mtimes)
+    _load: Callable[[], datasets.Dataset]
+
+    def documents(self) -> datasets.Dataset:
+        """The documents as a Dataset with one column "text", in corpus order, capped at max_bytes."""
+        return self._load()
+
+
+def open_corpus(corpus: str, text_field: str = "text", max_bytes: int = 0,
+                hf_cache_dir: str | os.PathLike | None = None) -> Corpus:
+    """Resolve `corpus` (see the module docstring) without tokenizing anything.
+
+    `hf_cache_dir` is where `datasets` keeps its Arrow copy of local files (None: the `datasets` default).
+    Hub datasets always use the `datasets` default cache, shared with every other tool.
+    """
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0 (0: no cap), got {max_bytes}")
+    if corpus == STDLIB:
+        return _open_stdlib(max_bytes)
+    if corpus.startswith(HUB_PREFIX):
+        return _open_hub(corpus, text_field, max_bytes)
+    return _open_local(corpus, text_field, max_bytes, hf_cache_dir)
+
+
+def fingerprint(obj) -> str:
+    """sha256 hex of a JSON-serialisable object (keys sorted, so dict order does not matter)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+# ---- stdlib ----------------------------------------------------------------------------------------------------
+
+def stdlib_files(root: str | os.PathLike | None = None) -> list[Path]:
+    """Every `.py` file under the standard library directory, sorted by relative path, without installed packages."""
+    root = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):  # does not follow symlinked directories
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_SKIP_DIRS]
+        files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _read_stdlib(max_bytes: int) -> tuple[list[str], list[str]]:
+    """(relative paths, texts) of the stdlib files that fill max_bytes; the last text is cut at the cap."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names, texts, total = [], [], 0
+    for path in stdlib_files(root):
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:  # test data in legacy encodings (test/encoded_modules/...)
+            continue
+        names.append(path.relative_to(root).as_posix())
+        texts.append(text)
+        total += len(text.encode("utf-8"))
+        if max_bytes and total >= max_bytes:
+            break
+    n_whole, tail = _cap(texts, max_bytes)
+    texts = texts[:n_whole] + ([tail] if tail else [])
+    return names[:len(texts)], texts
+
+
+def _open_stdlib(max_bytes: int) -> Corpus:
+    names, texts = _read_stdlib(max_bytes)  # ~10 ms per MB: cheap enough to hash the content itself
+    content = hashlib.sha256()
+    for name, text in zip(names, texts):
+        content.update(name.encode() + b"\0" + text.encode("utf-8") + b"\0")
+    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    return Corpus(
+        spec=STDLIB,
+        description=f"Python {sys.version.split()[0]} stdlib: {len(texts)} files, {n_bytes / 1e6:.2f} MB",
+        identity=fingerprint({"kind": STDLIB, "content": content.hexdigest(), "max_bytes": max_bytes}),
+        _load=functools.partial(_load_texts, texts),
+    )
+
+
+def _load_texts(texts: list[str]) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"text": texts})
+
+
+# ---- local files -----------------------------------------------------------------------------------------------
+
+def local_files(corpus: str) -> list[Path]:
+    """The files a local corpus string names: one file, every supported file under a directory, or a glob."""
+    path = Path(corpus).expanduser()
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_BUILDERS)
+    else:
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    if not files:
+        raise FileNotFoundError(
+            f"corpus={corpus!r} is not 'stdlib', a Hub dataset ('hf:NAME'), nor a file, directory or glob that "
+            f"matches any {'/'.join(LOCAL_BUILDERS)} file")
+    suffixes = {p.suffix for p in files}
+    if not suffixes <= LOCAL_BUILDERS.keys():
+        raise ValueError(f"corpus={corpus!r}: unsupported file types {sorted(suffixes - LOCAL_BUILDERS.keys())}; "
+                         f"supported: {sorted(LOCAL_BUILDERS)}")
+    if len(suffixes) > 1:
+        raise ValueError(f"corpus={corpus!r} mixes file types {sorted(suffixes)}; use one type per corpus")
+    return [p.resolve() for p in files]
+
+
+def _open_local(corpus: str, text_field: str, max_bytes: int, hf_cache_dir) -> Corpus:
+    files = local_files(corpus)
+    # file stats, not content: hashing gigabytes on every start would cost more than the cache saves
+    stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    builder = LOCAL_BUILDERS[files[0].suffix]
+    return Corpus(
+        spec=corpus,
+        description=f"{len(files)} local {files[0].suffix} files, {sum(s[1] for s in stats) / 1e6:.2f} MB on disk",
+        identity=fingerprint({"kind": "files", "files": stats, "text_field": text_field, "max_bytes": max_bytes}),
+        _load=functools.partial(_load_local, builder, [str(p) for p in files], text_field, max_bytes,
+                                None if hf_cache_dir is None else str(hf_cache_dir)),
+    )
+
+
+def _load_local(builder: str, files: list[str], text_field: str, max_bytes: int, cache_dir) -> datasets.Dataset:
+    if builder == "text":  # a whole file is one document: EOS marks where a text ends, not where a line does
+        ds = datasets.load_dataset("text", data_files=files, split="train", sample_by="document", cache_dir=cache_dir)
+        return _cap_dataset(ds, max_bytes)
+    ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir)
+    return _cap_dataset(_text_column(ds, text_field), max_bytes)
+
+
+# ---- Hugging Face Hub ------------------------------------------------------------------------------------------
+
+def _open_hub(corpus: str, text_field: str, max_bytes: int) -> Corpus:
+    name, _, config = corpus[len(HUB_PREFIX):].partition(":")
+    if not name:
+        raise ValueError(f"corpus={corpus!r}: expected 'hf:NAME' or 'hf:NAME:CONFIG'")
+    ds = _load_hub(name, config or None)
+    # the cache files' names carry the dataset revision's hash; their sizes pin the content
+    stats = [(Path(f["filename"]).as_posix().split("/")[-4:], os.path.getsize(f["filename"])) for f in ds.cache_files]
+    return Corpus(
+        spec=corpus,
+        description=f"Hub dataset {name}{':' + config if config else ''} (train split, {len(ds)} rows)",
+        identity=fingerprint({"kind": "hub", "name": name, "config": config, "cache_files": stats,
+                              "text_field": text_field, "max_bytes": max_bytes}),
+        _load=functools.partial(_load_hub_documents, name, config or None, text_field, max_bytes),
+    )
+
+
+def _load_hub(name: str, config: str | None) -> datasets.Dataset:
+    return datasets.load_dataset(name, config, split="train")
+
+
+def _load_hub_documents(name: str, config: str | None, text_field: str, max_bytes: int) -> datasets.Dataset:
+    return _cap_dataset(_text_column(_load_hub(name, config), text_field), max_bytes)
+
+
+# ---- shared ----------------------------------------------------------------------------------------------------
+
+def _text_column(ds: datasets.Dataset, text_field: str) -> datasets.Dataset:
+    if text_field not in ds.column_names:
+        raise ValueError(f"text_field={text_field!r} is not a column of the corpus; columns: {ds.column_names}")
+    ds = ds.select_columns([text_field])
+    return ds if text_field == "text" else ds.rename_column(text_field, "text")
+
+
+def _cap(texts: Iterable[str], max_bytes: int) -> tuple[int, str]:
+    """(number of whole documents within max_bytes, the next document cut to fill the cap or "")."""
+    total = n_whole = 0
+    for text in texts:
+        n = len(text.encode("utf-8"))
+        if max_bytes and total + n > max_bytes:
+            # cut on a character boundary: "ignore" drops only a multi-byte character split by the cut
+            return n_whole, text.encode("utf-8")[:max_bytes - total].decode("utf-8", errors="ignore")
+        total += n
+        n_whole += 1
+    return n_whole, ""
+
+
+def _cap_dataset(ds: datasets.Dataset, max_bytes: int) -> datasets.Dataset:
+    """The first documents of `ds` up to max_bytes; reads only as far as the cap."""
+    if not max_bytes:
+        return ds
+    texts = (text for batch in ds.iter(batch_size=1000) for text in batch["text"])
+    n_whole, tail = _cap(texts, max_bytes)
+    if n_whole == len(ds):
+        return ds
+    head = ds.select(range(n_whole))
+    if not tail:
+        return head
+    return datasets.concatenate_datasets([head, datasets.Dataset.from_dict({"text": [tail]}, features=ds.features)])

@@ -1,0 +1,100 @@
+"""Byte-level BPE tokenizers (GPT-2's scheme): trained here with `tokenizers`, or loaded from files.
+
+Byte-level means every string maps to tokens and back exactly: text is first mapped byte-by-byte onto 256
+printable characters, so there is no unknown token and no normalisation. Documents are separated by the special
+token "<|endoftext|>" (GPT-2's EOS); inside a document that string is ordinary text (see `encode_ordinary`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+N_BYTES = 256  # the byte alphabet every byte-level BPE starts from
+
+
+def train_bpe(texts: Iterable[str] | Iterable[list[str]], vocab_size: int, length: int | None = None,
+              show_progress: bool = True) -> Tokenizer:
+    """Train a byte-level BPE of `vocab_size` tokens (256 bytes + EOS + merges) on `texts` (strings or batches).
+
+    `length` (the number of items `texts` yields) only sizes the progress bar. A small corpus may run out of
+    pairs to merge and end below `vocab_size`.
+    """
+    if vocab_size < N_BYTES + 1:
+        raise ValueError(f"vocab_size must be >= {N_BYTES + 1} (the byte alphabet and EOS), got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split regex, then bytes
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],  # id 0
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen in the corpus or not
+        show_progress=show_progress,
+    )
+    tokenizer.train_from_iterator(texts, trainer, length=length)
+    return tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load a tokenizer from a tokenizer.json file, or a directory holding tokenizer.json or GPT-2's
+    vocab.json + merges.txt. It must have the "<|endoftext|>" token (the document separator)."""
+    path = Path(path).expanduser()
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        path = path / "tokenizer.json"
+    if path.is_file():
+        tokenizer = Tokenizer.from_file(str(path))
+    elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+        # GPT-2's original files: the BPE model alone; byte-level pre-tokenizer and decoder as GPT-2 uses them
+        tokenizer = Tokenizer(models.BPE.from_file(str(path / "vocab.json"), str(path / "merges.txt")))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        if tokenizer.token_to_id(EOS_TOKEN) is not None:
+            tokenizer.add_special_tokens([EOS_TOKEN])  # keeps its id; marks it special so text never splits it
+    else:
+        raise FileNotFoundError(f"tokenizer_path={str(path)!r}: expected a tokenizer.json file, or a directory "
+                                f"with tokenizer.json or with vocab.json and merges.txt")
+    eos_id(tokenizer)  # fail at load time, not halfway through tokenizing a corpus
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike) -> None:
+    """Write tokenizer.json atomically: a concurrent reader sees the old file or the whole new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tokenizer.save(str(tmp))
+    os.replace(tmp, path)
+
+
+def eos_id(tokenizer: Tokenizer) -> int:
+    """The id of "<|endoftext|>"."""
+    token_id = tokenizer.token_to_id(EOS_TOKEN)
+    if token_id is None:
+        raise ValueError(f"the tokenizer has no {EOS_TOKEN!r} token, which separates documents")
+    return token_id
+
+
+def encode_ordinary(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text, reading special-token strings in the text as plain text (a Python file that
+    mentions "<|endoftext|>" does not end there). Batched: `tokenizers` spreads the texts over its threads."""
+    special_as_text = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = True  # a runtime flag: neither pickled nor saved, so set it per call
+    try:
+        return [encoding.ids for encoding in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+    finally:
+        tokenizer.encode_special_tokens = special_as_text
+
+
+def decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """The text of `ids`, EOS tokens included as "<|endoftext|>": decode(encode_ordinary(t)) == t exactly."""
+    return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """sha256 hex of the tokenizer's full serialisation (vocab, merges, pre-tokenizer, special tokens)."""
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()

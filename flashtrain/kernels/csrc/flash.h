@@ -1,0 +1,79 @@
+// Kernel parameters: plain structs of raw pointers, strides and sizes (no torch, no CUDA headers).
+//
+// Layouts (strides in elements, the last dimension of every tensor contiguous):
+//   q, out, dout, dq   (batch, seqlen_q, nheads,    head_dim)   or varlen (total_q, nheads,    head_dim)
+//   k, v, dk, dv       (batch, seqlen_k, nheads_kv, head_dim)   or varlen (total_k, nheads_kv, head_dim)
+//   lse, softmax_d     float32 (batch, nheads, seqlen_q)        or varlen (nheads, total_q)
+//   dq_accum           float32 (nsplits, batch, nheads, seqlen_q, head_dim) or varlen (nsplits, nheads, total_q, head_dim)
+// Varlen: cu_seqlens_q/k (batch + 1, int32) give each sequence's first row; the batch strides are then 0.
+//
+// The Python side (flashtrain/kernels/launch.py) mirrors these structs with ctypes: keep the field order, and keep
+// every 8-byte field before the 4-byte ones so that both sides lay them out without padding surprises.
+#pragma once
+
+namespace flashtrain {
+
+using i64 = long long;
+using u64 = unsigned long long;
+using u32 = unsigned int;
+
+struct FwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;
+    float* lse;
+    const int* cu_seqlens_q;  // nullptr in batch mode
+    const int* cu_seqlens_k;
+    const u64* rng_state;     // device pointer to {seed, offset}; read only when dropout is compiled in
+    i64 q_batch_stride, q_row_stride, q_head_stride;
+    i64 k_batch_stride, k_row_stride, k_head_stride;
+    i64 v_batch_stride, v_row_stride, v_head_stride;
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    i64 lse_batch_stride, lse_head_stride;  // lse row stride is 1
+    int batch, nheads, nheads_kv, head_dim;
+    int seqlen_q, seqlen_k;   // batch mode: the lengths; varlen: max_seqlen (only sizes the grid)
+    float softmax_scale;      // multiplies q.k
+    float softmax_scale_log2; // softmax_scale * log2(e): the kernels work with exp2
+    u32 keep_threshold;       // dropout: keep iff a 16-bit random number < keep_threshold = round((1 - p) * 65536)
+    float rp_dropout;         // 1 / (1 - p)
+};
+
+struct BwdParams {
+    FwdParams fwd;            // q, k, v, out, lse, seqlens, rng, scales as in the forward
+    const void* dout;
+    void* dk;
+    void* dv;
+    float* dq_accum;
+    float* softmax_d;         // D = rowsum(dout * out), same layout as lse
+    i64 do_batch_stride, do_row_stride, do_head_stride;
+    i64 dk_batch_stride, dk_row_stride, dk_head_stride;
+    i64 dv_batch_stride, dv_row_stride, dv_head_stride;
+    i64 dqa_split_stride, dqa_batch_stride, dqa_head_stride;  // dq_accum row stride is head_dim
+    int deterministic;        // 1: CTA x owns dq_accum split x and adds with plain loads/stores (no atomics)
+    int pad_;
+};
+
+// Auxiliary kernels of the backward (and the test-only dropout-mask kernel).
+struct AuxParams {
+    const void* out;
+    const void* dout;
+    void* dq;
+    float* softmax_d;
+    const float* dq_accum;
+    unsigned char* dropout_mask;  // test only: keep-mask (batch, nheads, seqlen_q, seqlen_k) or varlen (nheads, total_q, max_seqlen_k)
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    const u64* rng_state;
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    i64 do_batch_stride, do_row_stride, do_head_stride;
+    i64 dq_batch_stride, dq_row_stride, dq_head_stride;
+    i64 d_batch_stride, d_head_stride;                        // softmax_d, like lse
+    i64 dqa_split_stride, dqa_batch_stride, dqa_head_stride;
+    i64 mask_batch_stride, mask_head_stride, mask_row_stride;
+    int batch, nheads, head_dim, seqlen_q, seqlen_k, nsplits;
+    float softmax_scale;
+    u32 keep_threshold;
+};
+
+}  // namespace flashtrain

@@ -1,0 +1,227 @@
+// FlashAttention-2 forward (Dao 2023, Algorithm 1).
+//
+// One CTA computes one block of kBlockM query rows of one (batch, head): out = softmax(scale * Q K^T) V and the
+// logsumexp of each row. Q is split across warps (warp w owns rows [w * kMT * 16, (w + 1) * kMT * 16) of the block),
+// K/V are streamed through shared memory in blocks of kBlockN keys, from the last key block to the first:
+//     wait K[n]; issue V[n]    S = Q K[n]^T (mma.sync)     mask    wait V[n]; issue K[n-1]
+//     online softmax: m = max(m, rowmax S); O *= exp(m_old - m); P = exp(S - m); l = l * exp(m_old - m) + rowsum P
+//     (dropout: zero dropped P entries; l keeps the un-dropped sum)      O += P V (P stays in registers)
+// so each copy overlaps the math of the other operand. At the end out = O / l (times 1 / (1 - p) with dropout) and
+// lse = m * scale + log(l). A row with no visible key keeps l = 0 and gets out = 0, lse = -inf.
+//
+// Shared memory: Q (kBlockM x kHeadDim), K and V (kBlockN x kHeadDim), swizzled tiles; Q's space stages the output.
+// Causal masking is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+#pragma once
+#include "utils.cuh"
+
+namespace flashtrain {
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_>
+struct FwdTraits {
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
+    static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
+    static constexpr int kNThreads = kNWarps * 32;
+    static constexpr int kMT = kBlockM / (16 * kNWarps);  // m16 tiles per warp
+    static constexpr int kNT = kBlockN / 8;               // n8 tiles of S per warp
+    static constexpr int kDT = kHeadDim / 8;              // n8 tiles of O per warp
+    static_assert(kMT * 16 * kNWarps == kBlockM, "kBlockM must be a multiple of 16 * kNWarps");
+    static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "bad tile shape");
+    using TileQ = SmemTile<kBlockM, kHeadDim>;
+    using TileKV = SmemTile<kBlockN, kHeadDim>;
+    static constexpr int kSmemBytes = TileQ::kBytes + 2 * TileKV::kBytes;
+};
+
+template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kMT = T::kMT, kNT = T::kNT, kDT = T::kDT;
+    using TileQ = typename T::TileQ;
+    using TileKV = typename T::TileKV;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane >> 2, t = lane & 3;
+
+    // Causal: launch the longest rows first so that short blocks fill the tail of the grid.
+    const int m_block = T::kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int batch = blockIdx.y, head = blockIdx.z;
+    const int head_kv = head / (p.nheads / p.nheads_kv);
+    int q_start = 0, k_start = 0, seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+    if (p.cu_seqlens_q != nullptr) {
+        q_start = p.cu_seqlens_q[batch];
+        seqlen_q = p.cu_seqlens_q[batch + 1] - q_start;
+        k_start = p.cu_seqlens_k[batch];
+        seqlen_k = p.cu_seqlens_k[batch + 1] - k_start;
+    }
+    const int m0 = m_block * kBlockM;
+    if (m0 >= seqlen_q) return;
+
+    const u16* q = (const u16*)p.q + batch * p.q_batch_stride + (i64)(q_start + m0) * p.q_row_stride +
+                   head * p.q_head_stride;
+    const u16* k = (const u16*)p.k + batch * p.k_batch_stride + (i64)k_start * p.k_row_stride +
+                   head_kv * p.k_head_stride;
+    const u16* v = (const u16*)p.v + batch * p.v_batch_stride + (i64)k_start * p.v_row_stride +
+                   head_kv * p.v_head_stride;
+
+    // Key blocks [0, n_block_max) hold every key some row of this block may see.
+    int n_block_max = ceil_div(seqlen_k, kBlockN);
+    if constexpr (T::kIsCausal) {
+        const int last_visible = min_(seqlen_q, m0 + kBlockM) + seqlen_k - seqlen_q;  // exclusive
+        n_block_max = min_(n_block_max, ceil_div(max_(last_visible, 0), kBlockN));
+    }
+
+    const u32 smem_base = smem_u32(smem);
+    const u32 sQ = smem_base, sK = sQ + TileQ::kBytes, sV = sK + TileKV::kBytes;
+    load_tile_async<TileQ, T::kNThreads>(sQ, q, p.q_row_stride, seqlen_q - m0, p.head_dim, tid);
+    cp_async_commit();
+    if (n_block_max > 0) {
+        const int n0 = (n_block_max - 1) * kBlockN;
+        load_tile_async<TileKV, T::kNThreads>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0,
+                                              p.head_dim, tid);
+        cp_async_commit();
+    }
+
+    const int warp_m0 = warp * kMT * 16;  // first row of this warp inside the block
+    float o[kMT][kDT][4];
+    zero(o);
+    float row_max[kMT][2], row_sum[kMT][2];  // per (m16 tile, row g / g + 8); row_sum is this thread's partial sum
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) row_max[mt][hf] = -kInf, row_sum[mt][hf] = 0.f;
+
+    DropoutRng rng = T::kIsDropout ? DropoutRng(p.rng_state, p.keep_threshold) : DropoutRng{};
+    const int bh = batch * p.nheads + head;
+
+    for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+        const int n0 = n_block * kBlockN;
+        const u32 sQ = launder(smem_base), sK = sQ + TileQ::kBytes, sV = sK + TileKV::kBytes;
+        cp_async_wait<0>();
+        __syncthreads();  // K[n] landed; every warp is done with V[n + 1]
+        load_tile_async<TileKV, T::kNThreads>(sV, v + n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0,
+                                              p.head_dim, tid);
+        cp_async_commit();
+
+        float s[kMT][kNT][4];
+        zero(s);
+        warp_gemm_ss<T::kIsBF16, kMT, kNT, T::kHeadDim, false, false>(s, a_frag_ptr<TileQ, false>(sQ, warp_m0, 0, lane),
+                                                                       b_frag_ptr<TileKV, false>(sK, 0, 0, lane));
+
+        // Mask keys past the end and, when causal, keys right of the diagonal (only blocks that need it).
+        const bool need_mask =
+            n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
+        if (need_mask) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int row = m0 + warp_m0 + mt * 16 + g + 8 * hf;
+                    const int col_end = T::kIsCausal ? min_(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
+#pragma unroll
+                    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (n0 + nt * 8 + 2 * t + e >= col_end) s[mt][nt][2 * hf + e] = -kInf;
+                }
+        }
+
+        cp_async_wait<0>();
+        __syncthreads();  // V[n] landed; every warp is done with K[n]
+        if (n_block > 0) {
+            const int n0_next = n0 - kBlockN;
+            load_tile_async<TileKV, T::kNThreads>(sK, k + n0_next * p.k_row_stride, p.k_row_stride,
+                                                  seqlen_k - n0_next, p.head_dim, tid);
+            cp_async_commit();
+        }
+
+        // Online softmax in base 2: p = exp2(s * scale_log2 - m * scale_log2).
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                float mx = row_max[mt][hf];
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt) mx = fmax_(mx, fmax_(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
+                mx = fmax_(mx, shfl_xor(mx, 1));  // the 4 lanes of a quad share a row
+                mx = fmax_(mx, shfl_xor(mx, 2));
+                // A row that saw only masked keys so far keeps m = -inf; subtract 0 instead to avoid inf - inf.
+                const float m_scaled = mx == -kInf ? 0.f : mx * p.softmax_scale_log2;
+                const float correction = fast_exp2(row_max[mt][hf] * p.softmax_scale_log2 - m_scaled);
+                row_max[mt][hf] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& x = s[mt][nt][2 * hf + e];
+                        x = fast_exp2(x * p.softmax_scale_log2 - m_scaled);
+                        sum += x;
+                    }
+                row_sum[mt][hf] = row_sum[mt][hf] * correction + sum;  // the max moved: rescale the running sum
+#pragma unroll
+                for (int dt = 0; dt < kDT; ++dt) {
+                    o[mt][dt][2 * hf] *= correction;
+                    o[mt][dt][2 * hf + 1] *= correction;
+                }
+            }
+
+        if constexpr (T::kIsDropout) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int ks = 0; ks < kNT / 2; ++ks) {
+                    u32 bits[4];
+                    rng.bits(bits, bh, m0 + warp_m0 + mt * 16 + g, n0 + ks * 16 + 2 * t);
+#pragma unroll
+                    for (int nt2 = 0; nt2 < 2; ++nt2)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (!rng.keep_half(bits, (e >> 1) * 4 + nt2 * 2 + (e & 1))) s[mt][2 * ks + nt2][e] = 0.f;
+                }
+        }
+
+        // O += P V: P is re-packed from the S accumulators (k = key) and V[k][d] is read transposed.
+        const TilePtr<TileKV> v_ptr = b_frag_ptr<TileKV, true>(sV, 0, 0, lane);
+#pragma unroll
+        for (int ks = 0; ks < kNT / 2; ++ks) {
+            u32 a[kMT][4];
+            acc_to_a_frag<T::kIsBF16>(a, s, ks);
+#pragma unroll
+            for (int dp = 0; dp < kDT / 2; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, v_ptr.at(ks * 16, dp * 16));
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    mma_16816<T::kIsBF16>(o[mt][2 * dp], a[mt], b[0], b[1]);
+                    mma_16816<T::kIsBF16>(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+    }
+
+    // Epilogue: out = O / l, lse = m * scale + ln(l); staged through Q's shared tile for 16-byte stores.
+    cp_async_wait<0>();
+    __syncthreads();
+    float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            float sum = row_sum[mt][hf];
+            sum += shfl_xor(sum, 1);
+            sum += shfl_xor(sum, 2);
+            const bool empty = !(sum > 0.f);  // no visible key (or the sum underflowed): out = 0, lse = -inf
+            const float inv = empty ? 0.f : (T::kIsDropout ? p.rp_dropout : 1.f) / sum;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+                o[mt][dt][2 * hf] *= inv;
+                o[mt][dt][2 * hf + 1] *= inv;
+            }
+            const int row = m0 + warp_m0 + mt * 16 + g + 8 * hf;
+            if (t == 0 && row < seqlen_q)
+                lse[row] = empty ? -kInf : row_max[mt][hf] * p.softmax_scale + fast_log2(sum) / kLog2e;
+        }
+    store_acc<T::kIsBF16, TileQ>(sQ, o, warp_m0, 0, 1.f, lane);
+    __syncthreads();
+    u16* out = (u16*)p.out + batch * p.o_batch_stride + (i64)(q_start + m0) * p.o_row_stride + head * p.o_head_stride;
+    store_tile<TileQ, T::kNThreads>(sQ, out, p.o_row_stride, seqlen_q - m0, p.head_dim, tid);
+}
+
+}  // namespace flashtrain

@@ -1,0 +1,375 @@
+// Building blocks shared by the forward and backward kernels, written with inline PTX so that the sources need no
+// header at all (they compile the same under NVRTC and nvcc):
+//   - cp.async global->shared copies of 16 bytes with zero fill (rows past the sequence end, columns past head_dim);
+//   - swizzled shared-memory tiles read by ldmatrix without bank conflicts;
+//   - warp-level GEMMs on mma.sync.m16n8k16 (fp16/bf16 inputs, fp32 accumulators);
+//   - counter-based Philox4x32-10 for dropout, addressed by (batch*head, query row, key column) only, so the forward,
+//     the backward and the test-only mask kernel draw the same bits whatever their thread layout.
+//
+// Fragment layout of mma.m16n8k16 (g = lane / 4, t = lane % 4), which every kernel relies on:
+//   A (16x16, row-major): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
+//   B (16x8,  "col"):     b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]
+//   C (16x8, fp32):       c0, c1 = C[g][2t], C[g][2t+1];  c2, c3 = C[g+8][2t], C[g+8][2t+1]
+#pragma once
+#include "flash.h"
+
+namespace flashtrain {
+
+using u16 = unsigned short;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kInf = __builtin_huge_valf();
+
+// ---------------------------------------------------------------------------------------------- scalar helpers
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float fast_log2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float fmax_(float a, float b) {
+    float y;
+    asm("max.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+    return y;
+}
+__device__ __forceinline__ float shfl_xor(float x, int lane_mask) {
+    float y;
+    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(y) : "f"(x), "r"(lane_mask));
+    return y;
+}
+// Hide a value from the optimizer: addresses derived from it are then recomputed where they are used instead of
+// being hoisted out of the main loop into dozens of live registers.
+__device__ __forceinline__ u32 launder(u32 x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+__device__ __forceinline__ i64 launder(i64 x) {
+    asm volatile("" : "+l"(x));
+    return x;
+}
+__device__ __forceinline__ int min_(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int max_(int a, int b) { return a > b ? a : b; }
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Two floats -> one register of two 16-bit values (lo in the low half).
+template <bool kIsBF16> __device__ __forceinline__ u32 pack2(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack2<false>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <> __device__ __forceinline__ u32 pack2<true>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// One register of two 16-bit values -> two floats.
+template <bool kIsBF16> __device__ __forceinline__ void unpack2(u32 v, float& lo, float& hi);
+template <> __device__ __forceinline__ void unpack2<false>(u32 v, float& lo, float& hi) {
+    asm("{ .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h; }"
+        : "=f"(lo), "=f"(hi) : "r"(v));
+}
+template <> __device__ __forceinline__ void unpack2<true>(u32 v, float& lo, float& hi) {
+    asm("mov.b32 %0, %2;\n mov.b32 %1, %3;" : "=f"(lo), "=f"(hi) : "r"(v << 16), "r"(v & 0xffff0000u));
+}
+
+// ---------------------------------------------------------------------------------------------- memory helpers
+__device__ __forceinline__ u32 smem_u32(const void* ptr) {
+    u32 addr;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(ptr));
+    return addr;
+}
+// 16-byte async copy; with pred false nothing is read and the 16 shared bytes are zero-filled.
+__device__ __forceinline__ void cp_async_16(u32 smem_addr, const void* gmem, bool pred) {
+    const int src_bytes = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int kPending> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kPending));
+}
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 smem_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 smem_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr));
+}
+__device__ __forceinline__ void st_shared_b32(u32 smem_addr, u32 v) {
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_addr), "r"(v));
+}
+__device__ __forceinline__ void ld_shared_v4(u32 smem_addr, u32 (&v)[4]) {
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "r"(smem_addr));
+}
+__device__ __forceinline__ void st_global_v4(void* ptr, const u32 (&v)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+                 : "memory");
+}
+__device__ __forceinline__ void ld_global_v4(const void* ptr, u32 (&v)[4]) {
+    asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(ptr));
+}
+// dq_accum[ptr..ptr+1] += (a, b) in fp32, atomically (one vector atomic on sm_90+).
+__device__ __forceinline__ void atomic_add2(float* ptr, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(ptr), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(ptr + 1), "f"(b) : "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------- shared tiles
+// A kRows x kCols tile of 16-bit values, stored as column blocks of 64 (32 when kCols % 64 != 0) values; inside a
+// block each row's 16-byte chunks are XOR-swizzled with the row index, so that the 8 rows one ldmatrix phase reads
+// (same logical chunk, 8 consecutive rows) fall in 8 different bank groups.
+template <int kRows, int kCols> struct SmemTile {
+    static_assert(kCols % 32 == 0, "tile width must be a multiple of 32");
+    static constexpr int kBlockCols = kCols % 64 == 0 ? 64 : 32;
+    static constexpr int kNumRows = kRows, kNumCols = kCols;
+    static constexpr int kElems = kRows * kCols;
+    static constexpr int kBytes = kElems * 2;
+    // Element offset of (row, col); col % 8 may be non-zero (it stays inside its 16-byte chunk).
+    __device__ __forceinline__ static int offset(int row, int col) {
+        return offset_split(row & ~7, row & 7, col);
+    }
+    // Same with row = row8 + r, row8 a multiple of 8 and r in [0, 8): the swizzle then depends on r alone, which
+    // callers take from the lane index, so that the compiler folds the rest of the address into immediates.
+    __device__ __forceinline__ static int offset_split(int row8, int r, int col) {
+        const int block = col / kBlockCols;
+        const int chunk = (col % kBlockCols) / 8;
+        const int swizzled = chunk ^ (kBlockCols == 64 ? r : (r >> 1));
+        return block * (kRows * kBlockCols) + (row8 + r) * kBlockCols + swizzled * 8 + (col & 7);
+    }
+    __device__ __forceinline__ static u32 addr(u32 base, int row, int col) { return base + 2 * offset(row, col); }
+    __device__ __forceinline__ static u32 addr_split(u32 base, int row8, int r, int col) {
+        return base + 2 * offset_split(row8, r, col);
+    }
+};
+
+// Thread tid handles 16-byte chunks tid, tid + kNThreads, ... of a tile in row-major chunk order (coalesced in global
+// memory). When kNThreads is a multiple of the chunks per row, a thread keeps one column and steps by whole rows.
+template <class Tile, int kNThreads> struct TileCopy {
+    static constexpr int kChunksPerRow = Tile::kNumCols / 8;
+    static constexpr int kIters = Tile::kElems / 8 / kNThreads;
+    static_assert((Tile::kElems / 8) % kNThreads == 0, "tile chunks must divide evenly among threads");
+    static constexpr bool kFixedCol = kNThreads % kChunksPerRow == 0 && (kNThreads / kChunksPerRow) % 8 == 0;
+    __device__ __forceinline__ static void coords(int tid, int it, int& row, int& col) {
+        if constexpr (kFixedCol) {
+            row = tid / kChunksPerRow + it * (kNThreads / kChunksPerRow);
+            col = (tid % kChunksPerRow) * 8;
+        } else {
+            const int chunk = tid + it * kNThreads;
+            row = chunk / kChunksPerRow;
+            col = (chunk % kChunksPerRow) * 8;
+        }
+    }
+};
+
+// Copy rows [0, rows_valid) x columns [0, cols_valid) of a global tile into a shared tile with cp.async, zero-filling
+// the rest. gmem points at the tile's first row, which must exist (rows_valid > 0): the zero-fill lanes point there.
+template <class Tile, int kNThreads>
+__device__ __forceinline__ void load_tile_async(u32 smem, const u16* gmem, i64 row_stride, int rows_valid,
+                                                int cols_valid, int tid) {
+    using Copy = TileCopy<Tile, kNThreads>;
+    if constexpr (Copy::kFixedCol) {
+        // One column per thread, rows step by a multiple of 8: the shared address advances by a constant.
+        constexpr int kRowStep = kNThreads / Copy::kChunksPerRow;
+        const int row0 = tid / Copy::kChunksPerRow, col = (tid % Copy::kChunksPerRow) * 8;
+        const u32 dst = Tile::addr(smem, row0, col);
+        const i64 src = row0 * row_stride + col, step = launder(kRowStep * row_stride);
+#pragma unroll
+        for (int it = 0; it < Copy::kIters; ++it) {
+            const bool pred = row0 + it * kRowStep < rows_valid && col < cols_valid;
+            cp_async_16(dst + it * kRowStep * Tile::kBlockCols * 2, gmem + (pred ? src + it * step : 0), pred);
+        }
+    } else {
+#pragma unroll
+        for (int it = 0; it < Copy::kIters; ++it) {
+            int row, col;
+            Copy::coords(tid, it, row, col);
+            const bool pred = row < rows_valid && col < cols_valid;
+            cp_async_16(Tile::addr(smem, row, col), gmem + (pred ? row * row_stride + col : 0), pred);
+        }
+    }
+}
+
+// Copy rows [0, rows_valid) x columns [0, cols_valid) of a shared tile to global memory in 16-byte stores.
+template <class Tile, int kNThreads>
+__device__ __forceinline__ void store_tile(u32 smem, u16* gmem, i64 row_stride, int rows_valid, int cols_valid,
+                                           int tid) {
+    using Copy = TileCopy<Tile, kNThreads>;
+#pragma unroll
+    for (int it = 0; it < Copy::kIters; ++it) {
+        int row, col;
+        Copy::coords(tid, it, row, col);
+        if (row < rows_valid && col < cols_valid) {
+            u32 v[4];
+            ld_shared_v4(Tile::addr(smem, row, col), v);
+            st_global_v4(gmem + row * row_stride + col, v);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------- warp GEMMs
+template <bool kIsBF16>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    if constexpr (kIsBF16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// A lane's address inside a swizzled tile, moved by compile-time offsets at the cost of one XOR: at(drow, dcol) is the
+// address of (row + drow, col + dcol) for drow % 8 == 0 and dcol % 8 == 0. The 16-byte chunk index of col (within its
+// column block) and that of dcol must have no bit in common, which holds when a warp's columns start at a multiple of
+// a power-of-two warp width and dcol stays inside that width (static_asserts at the call sites keep it so).
+template <class Tile> struct TilePtr {
+    u32 lane_addr;
+    __device__ __forceinline__ TilePtr(u32 base, int row8, int r, int col) : lane_addr(Tile::addr_split(base, row8, r, col)) {}
+    __device__ __forceinline__ u32 at(int drow, int dcol) const {
+        constexpr int W = Tile::kBlockCols;
+        return (lane_addr ^ (((dcol % W) / 8) << 4)) + 2 * (drow * W + (dcol / W) * Tile::kNumRows * W);
+    }
+};
+
+// ldmatrix.x4 operand addresses of a warp (lane's row and column inside the 4 8x8 matrices):
+//   A from a tile holding A as [m][k] (kTrans false) or as A^T, [k][m]: at(m, k) / at(k, m) gives a0..a3 of the
+//     16x16 A tile at (m, k);
+//   B from a tile holding B as [n][k] (kTrans false) or as [k][n]: at(n, k) / at(k, n) gives b0, b1 of the n8 tile n
+//     and b0, b1 of the n8 tile n + 8.
+// row0 / col0 are the warp's offsets in the tile's own coordinates (multiples of 16).
+template <class Tile, bool kTrans>
+__device__ __forceinline__ TilePtr<Tile> a_frag_ptr(u32 base, int row0, int col0, int lane) {
+    if constexpr (!kTrans) return TilePtr<Tile>(base, row0 + (lane & 8), lane & 7, col0 + (lane >> 4) * 8);
+    else return TilePtr<Tile>(base, row0 + ((lane >> 4) << 3), lane & 7, col0 + ((lane >> 3) & 1) * 8);
+}
+template <class Tile, bool kTrans>
+__device__ __forceinline__ TilePtr<Tile> b_frag_ptr(u32 base, int row0, int col0, int lane) {
+    if constexpr (!kTrans) return TilePtr<Tile>(base, row0 + ((lane >> 4) << 3), lane & 7, col0 + ((lane >> 3) & 1) * 8);
+    else return TilePtr<Tile>(base, row0 + (((lane >> 3) & 1) << 3), lane & 7, col0 + (lane >> 4) * 8);
+}
+template <bool kTrans> __device__ __forceinline__ void ldmatrix(u32 (&r)[4], u32 addr) {
+    if constexpr (kTrans) ldmatrix_x4_trans(r, addr);
+    else ldmatrix_x4(r, addr);
+}
+
+// acc[kMT][kNT] (a (kMT*16) x (kNT*8) warp tile) += A[m.., 0..kK) * B[0..kK, n..), both from shared memory, through
+// the operand pointers built by a_frag_ptr / b_frag_ptr (which hold the warp's offsets).
+template <bool kIsBF16, int kMT, int kNT, int kK, bool kTransA, bool kTransB, class TileA, class TileB>
+__device__ __forceinline__ void warp_gemm_ss(float (&acc)[kMT][kNT][4], const TilePtr<TileA>& a_ptr,
+                                             const TilePtr<TileB>& b_ptr) {
+    static_assert(kNT % 2 == 0 && kK % 16 == 0, "warp tile must be a multiple of 16 columns and 16 k");
+#pragma unroll
+    for (int ks = 0; ks < kK / 16; ++ks) {
+        u32 a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+            ldmatrix<kTransA>(a[mt], kTransA ? a_ptr.at(ks * 16, mt * 16) : a_ptr.at(mt * 16, ks * 16));
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+            u32 b[4];
+            ldmatrix<kTransB>(b, kTransB ? b_ptr.at(ks * 16, np * 16) : b_ptr.at(np * 16, ks * 16));
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                mma_16816<kIsBF16>(acc[mt][2 * np], a[mt], b[0], b[1]);
+                mma_16816<kIsBF16>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// Accumulator fragment (row g, cols 2t..2t+1 / row g+8) of C[mt][nt] -> A fragment for the next GEMM: the output
+// columns of one GEMM become the k dimension of the next without leaving registers (P = softmax(S) feeding P @ V).
+template <bool kIsBF16, int kMT, int kNT>
+__device__ __forceinline__ void acc_to_a_frag(u32 (&a)[kMT][4], const float (&c)[kMT][kNT][4], int kslice) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = pack2<kIsBF16>(c[mt][2 * kslice][0], c[mt][2 * kslice][1]);
+        a[mt][1] = pack2<kIsBF16>(c[mt][2 * kslice][2], c[mt][2 * kslice][3]);
+        a[mt][2] = pack2<kIsBF16>(c[mt][2 * kslice + 1][0], c[mt][2 * kslice + 1][1]);
+        a[mt][3] = pack2<kIsBF16>(c[mt][2 * kslice + 1][2], c[mt][2 * kslice + 1][3]);
+    }
+}
+
+// Write a warp's accumulator tile (rows m0.., cols n0..), multiplied by scale, as 16-bit values into a shared tile.
+template <bool kIsBF16, class Tile, int kMT, int kNT>
+__device__ __forceinline__ void store_acc(u32 smem, const float (&c)[kMT][kNT][4], int m0, int n0, float scale,
+                                          int lane) {
+    const TilePtr<Tile> ptr(smem, m0, lane >> 2, n0 + 2 * (lane & 3));
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                st_shared_b32(ptr.at(mt * 16 + 8 * half, nt * 8),
+                              pack2<kIsBF16>(c[mt][nt][2 * half] * scale, c[mt][nt][2 * half + 1] * scale));
+}
+
+template <int kMT, int kNT> __device__ __forceinline__ void zero(float (&c)[kMT][kNT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[mt][nt][e] = 0.f;
+}
+
+// ---------------------------------------------------------------------------------------------- dropout
+// Philox4x32-10 (Salmon et al. 2011).
+__device__ __forceinline__ void philox(u32 (&ctr)[4], u32 key0, u32 key1) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        const u64 p0 = (u64)0xD2511F53u * ctr[0];
+        const u64 p1 = (u64)0xCD9E8D57u * ctr[2];
+        const u32 hi0 = (u32)(p0 >> 32), lo0 = (u32)p0, hi1 = (u32)(p1 >> 32), lo1 = (u32)p1;
+        ctr[0] = hi1 ^ ctr[1] ^ key0;
+        ctr[1] = lo1;
+        ctr[2] = hi0 ^ ctr[3] ^ key1;
+        ctr[3] = lo0;
+        key0 += 0x9E3779B9u;
+        key1 += 0xBB67AE85u;
+    }
+}
+
+// The random bits of query row i, key column j live in a 16x16 tile of (i, j): one Philox call per (tile, lane) where
+// lane = (i % 8) * 4 + (j / 2) % 4 is exactly the mma accumulator lane owning (i, j); its 8 16-bit outputs cover that
+// lane's 8 elements of the tile. philox_bits(i, j) returns the 4 words of the call containing (i, j).
+struct DropoutRng {
+    u32 key0, key1, offset, keep_threshold;
+    DropoutRng() = default;
+    __device__ __forceinline__ DropoutRng(const u64* rng_state, u32 keep_threshold_)
+        : key0((u32)rng_state[0]), key1((u32)(rng_state[0] >> 32)), offset((u32)rng_state[1]),
+          keep_threshold(keep_threshold_) {}
+    __device__ __forceinline__ void bits(u32 (&r)[4], int bh, int i, int j) const {
+        r[0] = (u32)(j >> 4);
+        r[1] = (u32)(i >> 4);
+        r[2] = (u32)bh;
+        r[3] = (u32)(((i & 7) << 2) | ((j >> 1) & 3)) | (offset << 5);
+        philox(r, key0, key1);
+    }
+    // Keep decision of element (i, j) from the words of its call (i, j only matter modulo the tile).
+    __device__ __forceinline__ bool keep(const u32 (&r)[4], int i, int j) const {
+        return keep_half(r, ((i >> 3) & 1) * 4 + ((j >> 3) & 1) * 2 + (j & 1));
+    }
+    // half = (i / 8 % 2) * 4 + (j / 8 % 2) * 2 + j % 2: a compile-time constant inside the kernels' unrolled loops.
+    __device__ __forceinline__ bool keep_half(const u32 (&r)[4], int half) const {
+        return ((r[half >> 1] >> ((half & 1) * 16)) & 0xffffu) < keep_threshold;
+    }
+};
+
+}  // namespace flashtrain

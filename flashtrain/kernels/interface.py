@@ -1,0 +1,280 @@
+"""Public attention functions: validate every argument, then run the CUDA kernel or the plain-PyTorch reference.
+
+impl="reference" runs flashtrain.kernels.reference; impl="cuda" runs the kernel of flashtrain.kernels.ops or raises
+RuntimeError saying why it cannot; impl="auto" runs the reference on CPU tensors and, on CUDA tensors, the kernel when
+it can run, else the reference with a one-time warning naming the reason. The reference works on the packed (varlen)
+layout only; the batch form is adapted to it here.
+"""
+
+import math
+import warnings
+
+import torch
+from torch import Tensor
+
+from flashtrain.kernels.reference import BLOCK_SPARSE_SIZE, flash_attn_reference
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+IMPLS = ("auto", "cuda", "reference")
+_warned_fallback_reasons: set[str] = set()
+
+
+def flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    block_mask: Tensor | None = None,
+    return_lse: bool = False,
+    *,
+    dropout_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    impl: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention over q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_kv, head_dim).
+
+    Returns out (batch, seqlen_q, nheads, head_dim), and with return_lse=True also lse (batch, nheads, seqlen_q),
+    float32 (float64 for float64 inputs on the reference). causal is bottom-right aligned. block_mask: bool
+    ([nheads,] ceil(seqlen_q / 128), ceil(seqlen_k / 128)), False skips a 128 x 128 block. dropout_mask: bool keep-mask
+    (batch, nheads, seqlen_q, seqlen_k); without it the mask is drawn from generator (default generator if None).
+    """
+    _check_qkv(q, k, v, rank=4, layout="(batch, seqlen, nheads, head_dim)")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: batch size {k.shape[0]} differs from q's {q.shape[0]}")
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    softmax_scale = _check_options(dropout_p, softmax_scale, causal, return_lse, generator, impl, head_dim)
+    _check_block_mask(block_mask, q, nheads, seqlen_q, seqlen_k)
+    _check_dropout_mask(dropout_mask, q, dropout_p, (batch, nheads, seqlen_q, seqlen_k))
+
+    ops = _cuda_ops_to_use(impl, q, block_mask, dropout_mask)
+    if ops is not None:
+        out, lse = ops.flash_attn_cuda(
+            q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
+            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, generator=generator,
+            **_block_mask_kwarg(block_mask),
+        )
+    else:  # batch form -> packed form with one sequence per batch entry
+        cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
+        cu_seqlens_k = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_k
+        if dropout_mask is not None:  # (batch, nheads, seqlen_q, seqlen_k) -> (nheads, batch * seqlen_q, seqlen_k)
+            dropout_mask = dropout_mask.transpose(0, 1).reshape(nheads, batch * seqlen_q, seqlen_k)
+        out, lse = flash_attn_reference(
+            q.reshape(batch * seqlen_q, nheads, head_dim),
+            k.reshape(batch * seqlen_k, k.shape[2], head_dim),
+            v.reshape(batch * seqlen_k, k.shape[2], head_dim),
+            cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale, causal=causal, block_mask=block_mask,
+            dropout_p=dropout_p, dropout_mask=dropout_mask, generator=generator,
+        )
+        out = out.view(batch, seqlen_q, nheads, head_dim)
+        lse = lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()  # (batch, nheads, seqlen_q)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    block_mask: Tensor | None = None,
+    return_lse: bool = False,
+    *,
+    dropout_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    impl: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention over packed sequences: q (total_q, nheads, head_dim), k/v (total_k, nheads_kv, head_dim); sequence b
+    is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q (int32 offsets, length batch + 1).
+
+    Returns out (total_q, nheads, head_dim), and with return_lse=True also lse (nheads, total_q). block_mask:
+    ([nheads,] ceil(max_seqlen_q / 128), ceil(max_seqlen_k / 128)), blocks counted from the start of each sequence.
+    dropout_mask: (nheads, total_q, max_seqlen_k), column j of a row is key j of that row's sequence.
+    """
+    _check_qkv(q, k, v, rank=3, layout="(total, nheads, head_dim)")
+    nheads, head_dim = q.shape[1], q.shape[2]
+    _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+    softmax_scale = _check_options(dropout_p, softmax_scale, causal, return_lse, generator, impl, head_dim)
+    _check_block_mask(block_mask, q, nheads, max_seqlen_q, max_seqlen_k)
+    _check_dropout_mask(dropout_mask, q, dropout_p, (nheads, q.shape[0], max_seqlen_k))
+
+    ops = _cuda_ops_to_use(impl, q, block_mask, dropout_mask)
+    if ops is not None:
+        out, lse = ops.flash_attn_cuda(
+            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+            generator=generator, **_block_mask_kwarg(block_mask),
+        )
+    else:
+        out, lse = flash_attn_reference(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale, causal=causal, block_mask=block_mask,
+            dropout_p=dropout_p, dropout_mask=dropout_mask, generator=generator,
+        )
+    return (out, lse) if return_lse else out
+
+
+# ---- dispatch ----------------------------------------------------------------------------------------------------
+
+
+def _cuda_ops_or_reason(q: Tensor, block_mask: Tensor | None, dropout_mask: Tensor | None):
+    """(ops module, None) when the CUDA kernel can run these arguments, else (None, why not)."""
+    if q.device.type != "cuda":
+        return None, f"the tensors are on {q.device}; the CUDA kernel needs CUDA tensors"
+    if dropout_mask is not None:
+        return None, "an explicit dropout_mask is supported by impl='reference' only"
+    try:
+        from flashtrain.kernels import ops
+    except ModuleNotFoundError as error:
+        if error.name != "flashtrain.kernels.ops":
+            raise
+        return None, "the CUDA kernels are not part of this build yet"
+    reason = ops.unavailable_reason(q.device, head_dim=q.shape[-1], dtype=q.dtype, block_mask=block_mask is not None)
+    return (None, reason) if reason is not None else (ops, None)
+
+
+def _cuda_ops_to_use(impl: str, q: Tensor, block_mask: Tensor | None, dropout_mask: Tensor | None):
+    """The ops module when the CUDA kernel runs this call, None when the reference does."""
+    if impl == "reference" or (impl == "auto" and q.device.type != "cuda"):
+        return None
+    ops, reason = _cuda_ops_or_reason(q, block_mask, dropout_mask)
+    if ops is not None:
+        return ops
+    if impl == "cuda":
+        raise RuntimeError(f"impl='cuda' cannot run: {reason}")
+    if reason not in _warned_fallback_reasons:
+        _warned_fallback_reasons.add(reason)
+        warnings.warn(f"flash attention on CUDA tensors runs the slow reference: {reason}", stacklevel=3)
+    return None
+
+
+def _block_mask_kwarg(block_mask: Tensor | None) -> dict:
+    """The kernel takes block_mask only once it supports it (unavailable_reason refuses it before)."""
+    return {} if block_mask is None else {"block_mask": block_mask}
+
+
+# ---- validation: every error names the argument -----------------------------------------------------------------
+
+
+def _check_qkv(q, k, v, *, rank: int, layout: str) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q.dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype is {x.dtype} but q.dtype is {q.dtype}; all three must be equal")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all three must be on one device")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != rank:
+            raise ValueError(f"{name} must have {rank} dims {layout}, got shape {tuple(x.shape)}")
+        if x.stride(-1) != 1 and x.shape[-1] > 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride(-1) == 1), got {x.stride(-1)}")
+    head_dim = q.shape[-1]
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim (q.shape[-1]) must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k: head_dim {k.shape[-1]} differs from q's {head_dim}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    nheads, nheads_kv = q.shape[-2], k.shape[-2]
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(
+            f"nheads_kv (k.shape[-2] = {nheads_kv}) must divide nheads (q.shape[-2] = {nheads}) for GQA/MQA"
+        )
+
+
+def _check_options(dropout_p, softmax_scale, causal, return_lse, generator, impl, head_dim: int) -> float:
+    """Validates the scalar options; returns the softmax scale to use."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    elif not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return float(softmax_scale)
+
+
+def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q: Tensor, k: Tensor) -> None:
+    lengths = {}
+    for name, cu_seqlens, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        if not isinstance(cu_seqlens, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+        if cu_seqlens.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"{name} must be 1-D of length batch + 1, got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device != q.device:
+            raise ValueError(f"{name} is on {cu_seqlens.device} but q is on {q.device}")
+        offsets = cu_seqlens.tolist()
+        if offsets[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+        lengths[name] = [end - start for start, end in zip(offsets, offsets[1:])]
+        if min(lengths[name], default=0) < 0:
+            raise ValueError(f"{name} must be non-decreasing, got {offsets}")
+        if offsets[-1] != total:
+            raise ValueError(f"{name}[-1] = {offsets[-1]} must equal the number of packed rows {total}")
+    if len(cu_seqlens_k) != len(cu_seqlens_q):
+        raise ValueError(
+            f"cu_seqlens_k has length {len(cu_seqlens_k)} but cu_seqlens_q has {len(cu_seqlens_q)}; both are batch + 1"
+        )
+    for name, max_seqlen, seq_lengths in (
+        ("max_seqlen_q", max_seqlen_q, lengths["cu_seqlens_q"]),
+        ("max_seqlen_k", max_seqlen_k, lengths["cu_seqlens_k"]),
+    ):
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+            raise TypeError(f"{name} must be an int, got {type(max_seqlen).__name__}")
+        if max_seqlen < max(seq_lengths, default=0):
+            raise ValueError(f"{name} = {max_seqlen} is below the longest sequence, {max(seq_lengths)}")
+
+
+def _check_block_mask(block_mask, q: Tensor, nheads: int, seqlen_q: int, seqlen_k: int) -> None:
+    if block_mask is None:
+        return
+    if not isinstance(block_mask, Tensor):
+        raise TypeError(f"block_mask must be a torch.Tensor or None, got {type(block_mask).__name__}")
+    if block_mask.dtype != torch.bool:
+        raise TypeError(f"block_mask must be bool, got {block_mask.dtype}")
+    blocks = (math.ceil(seqlen_q / BLOCK_SPARSE_SIZE), math.ceil(seqlen_k / BLOCK_SPARSE_SIZE))
+    if tuple(block_mask.shape) not in (blocks, (nheads, *blocks)):
+        raise ValueError(
+            f"block_mask must have shape {blocks} or {(nheads, *blocks)} "
+            f"(nheads, ceil(seqlen / {BLOCK_SPARSE_SIZE}) blocks), got {tuple(block_mask.shape)}"
+        )
+    if block_mask.device != q.device:
+        raise ValueError(f"block_mask is on {block_mask.device} but q is on {q.device}")
+
+
+def _check_dropout_mask(dropout_mask, q: Tensor, dropout_p: float, shape: tuple[int, ...]) -> None:
+    if dropout_mask is None:
+        return
+    if not isinstance(dropout_mask, Tensor):
+        raise TypeError(f"dropout_mask must be a torch.Tensor or None, got {type(dropout_mask).__name__}")
+    if dropout_mask.dtype != torch.bool:
+        raise TypeError(f"dropout_mask must be a bool keep-mask, got {dropout_mask.dtype}")
+    if tuple(dropout_mask.shape) != shape:
+        raise ValueError(f"dropout_mask must have shape {shape}, got {tuple(dropout_mask.shape)}")
+    if dropout_mask.device != q.device:
+        raise ValueError(f"dropout_mask is on {dropout_mask.device} but q is on {q.device}")
+    if dropout_p == 0:
+        raise ValueError("dropout_mask is given but dropout_p is 0; pass the dropout probability it was drawn with")

@@ -1,0 +1,113 @@
+"""Typed configuration: one dataclass per Hydra config group, registered as structured-config schemas.
+
+Every YAML file under conf/ starts from one of these schemas (its `defaults:` names `<thing>_schema`), so a
+misspelled key, in a file or on the command line, stops the start with "Key 'lr_typo' not in 'OptimConfig'".
+The root `FlashtrainConfig` ties the groups together; `launch.py` composes it and `to_object` turns it into these
+dataclasses, which also runs each one's `__post_init__` checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from flashtrain.data.lm import LMDataConfig
+from flashtrain.models.gpt2 import GPT2Config
+
+PRECISIONS = ("auto", "no", "bf16", "fp16")
+LOGGERS = ("wandb", "none")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4  # peak learning rate, reached after warmup
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps
+    warmup_steps: int = 100  # linear warmup from 0, in optimizer steps
+    weight_decay: float = 0.1  # decoupled (AdamW); never applied to biases and norm weights
+    decay_embeddings: bool = False  # also decay token/position embeddings (GPT-2 recipes: no)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    fused: bool = True  # fused AdamW kernel when the parameters are on a GPU
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip < 0:
+            raise ValueError(f"optim.grad_clip must be >= 0, got {self.grad_clip}")
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200  # optimizer steps; also the length of the LR schedule
+    stop_step: Optional[int] = None  # stop (with a checkpoint) at this step without changing the schedule
+    max_minutes: Optional[float] = None  # stop (with a checkpoint) after this much wall-clock training time
+    micro_batch_size: int = 8  # sequences per device per forward/backward
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    precision: str = "auto"  # auto (bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU) | no | bf16 | fp16
+    cpu: bool = False  # force the CPU even when a GPU is present
+    compile: bool = False  # torch.compile the model
+    log_interval: int = 10  # steps between train-loss log lines
+    eval_interval: int = 50  # steps between validation passes (and one at the end)
+    eval_batches: int = 20  # validation micro-batches per pass
+    save_interval: int = 100  # steps between checkpoints (and one at the end)
+    keep_checkpoints: int = 2  # most recent checkpoints kept on disk
+    sample_tokens: int = 120  # length of the sample printed at the end (0: none)
+    sample_prompt: str = "def "  # prompt of that sample
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"trainer.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_interval", "eval_interval",
+                     "eval_batches", "save_interval", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.stop_step is not None and not 0 < self.stop_step <= self.max_steps:
+            raise ValueError(f"trainer.stop_step must be in [1, trainer.max_steps={self.max_steps}], "
+                             f"got {self.stop_step}")
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "wandb"  # wandb | none (metrics.jsonl and the PNG curves are always written)
+    project: str = "flashtrain"  # wandb project
+    mode: str = "offline"  # wandb mode: offline needs no account; `wandb sync` uploads later
+
+    def __post_init__(self) -> None:
+        if self.kind not in LOGGERS:
+            raise ValueError(f"logger.kind must be one of {LOGGERS}, got {self.kind!r}")
+        if self.mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"logger.mode must be offline, online or disabled, got {self.mode!r}")
+
+
+@dataclass
+class FlashtrainConfig:
+    name: str = MISSING  # run name; defaults to the recipe's name. Runs land in runs/<name>/<time>/
+    seed: int = 1234  # seeds model init, dropout and the data order
+    resume: Optional[str] = None  # null: fresh run | auto: newest checkpoint of runs/<name>/ | PATH: a checkpoint or run dir
+    model: Any = MISSING  # a model schema (GPT2Config, ...): the type decides which model is built
+    data: LMDataConfig = field(default_factory=LMDataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="flashtrain_schema", node=FlashtrainConfig)
+    cs.store(group="model", name="gpt2_schema", node=GPT2Config)
+    cs.store(group="data", name="lm_schema", node=LMDataConfig)
+    cs.store(group="optim", name="adamw_schema", node=OptimConfig)
+    cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    cs.store(group="logger", name="logger_schema", node=LoggerConfig)

@@ -1,0 +1,50 @@
+"""Run metrics: appended to metrics.jsonl as they come, plotted to PNG at the end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, path: Path, enabled: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        self.records: list[dict] = []
+        if enabled and self.path.is_file():  # a resumed run appends to the same file
+            self.records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def plot(self, png: Path, title: str) -> None:
+        """Training loss and validation perplexity against tokens seen."""
+        if not self.enabled:
+            return
+        plot_curves({title: self.records}, png)
+
+
+def plot_curves(runs: dict[str, list[dict]], png: Path) -> None:
+    """One PNG with train loss (left) and validation perplexity (right, log scale) of one or more runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, records in runs.items():
+        train = [r for r in records if "train_loss" in r]
+        val = [r for r in records if "val_ppl" in r]
+        ax_loss.plot([r["tokens"] for r in train], [r["train_loss"] for r in train], label=label)
+        ax_ppl.plot([r["tokens"] for r in val], [r["val_ppl"] for r in val], marker="o", label=label)
+    ax_loss.set(xlabel="tokens", ylabel="train loss", title="training loss")
+    ax_ppl.set(xlabel="tokens", ylabel="validation perplexity", title="validation perplexity", yscale="log")
+    for ax in (ax_loss, ax_ppl):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

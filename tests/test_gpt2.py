@@ -1,0 +1,199 @@
+"""GPT-2 model: parity with transformers' GPT2LMHeadModel, HF export, attention implementations, generation."""
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError
+from transformers import GPT2Config as HFGPT2Config
+from transformers import GPT2LMHeadModel
+
+from flashtrain.models import GPT2, GPT2Config
+
+ATTN_IMPLS = ["sdpa", "reference", "flash"]  # "flash" on CPU dispatches to the reference
+TINY = dict(vocab_size=97, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+# Logits are O(1); float32 matmul reordering between implementations gives ~1e-6.
+LOGITS_ATOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def perturb_(model: torch.nn.Module, seed: int) -> None:
+    """Random biases and LayerNorm affines too, so a misplaced bias or LN weight shows in the logits."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+
+
+def tiny_hf_model(dtype: torch.dtype) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    hf_config = HFGPT2Config(**TINY, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    model = GPT2LMHeadModel(hf_config).to(dtype).eval()
+    perturb_(model, seed=1)
+    return model
+
+
+def tiny_model(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> GPT2:
+    torch.manual_seed(seed)
+    model = GPT2(GPT2Config(**(TINY | overrides))).to(dtype)
+    perturb_(model, seed=seed + 1)
+    return model
+
+
+def random_ids(batch: int, seqlen: int, seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (batch, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("attn_impl", ATTN_IMPLS)
+def test_logits_and_loss_match_hf(attn_impl, dtype):
+    hf_model = tiny_hf_model(dtype)
+    model = GPT2.from_pretrained_hf(hf_model, attn_impl=attn_impl).eval()
+    assert model.transformer.wte.weight.dtype == dtype
+    input_ids = random_ids(3, 17)
+    # Ours takes shifted targets: targets[:, t] = input_ids[:, t + 1]; the last position has none (-100).
+    targets = torch.cat([input_ids[:, 1:], torch.full((3, 1), -100)], dim=1)
+    with torch.no_grad():
+        hf_out = hf_model(input_ids, labels=input_ids)
+        logits, loss = model(input_ids, targets=targets)
+    atol = LOGITS_ATOL[dtype]
+    assert logits.shape == (3, 17, TINY["vocab_size"])
+    assert (logits - hf_out.logits).abs().max().item() <= atol
+    assert abs(loss.item() - hf_out.loss.item()) <= atol
+
+
+def test_load_old_style_hf_checkpoint():
+    """Original hub checkpoints: no "transformer." prefix, causal-mask buffers, lm_head left to the tie."""
+    hf_model = tiny_hf_model(torch.float32)
+    old_style = {key.removeprefix("transformer."): value for key, value in hf_model.state_dict().items()
+                 if key != "lm_head.weight"}
+    for i in range(TINY["n_layer"]):
+        old_style[f"h.{i}.attn.bias"] = torch.tril(torch.ones(64, 64)).view(1, 1, 64, 64)
+        old_style[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    model = GPT2.from_hf_state_dict(old_style, GPT2Config.from_hf(hf_model.config, attn_impl="sdpa")).eval()
+    input_ids = random_ids(2, 9)
+    with torch.no_grad():
+        diff = (model(input_ids)[0] - hf_model(input_ids).logits).abs().max().item()
+    assert diff <= LOGITS_ATOL[torch.float32]
+
+
+def test_export_round_trip_loads_strictly_into_hf():
+    model = tiny_model(torch.float64, attn_impl="sdpa").eval()
+    hf_model = GPT2LMHeadModel(HFGPT2Config(**TINY, bos_token_id=0, eos_token_id=0)).double().eval()
+    hf_model.load_state_dict(model.to_hf_state_dict(), strict=True)
+    input_ids = random_ids(2, 23)
+    with torch.no_grad():
+        diff = (model(input_ids)[0] - hf_model(input_ids).logits).abs().max().item()
+    assert diff <= LOGITS_ATOL[torch.float64]
+    # Tied: HF's lm_head is our wte.
+    assert torch.equal(hf_model.lm_head.weight, model.transformer.wte.weight)
+
+
+def test_gradients_agree_across_attn_impls():
+    input_ids, targets = random_ids(2, 31, seed=3), random_ids(2, 31, seed=4)
+    grads = {}
+    for attn_impl in ATTN_IMPLS:
+        model = tiny_model(torch.float64, attn_impl=attn_impl).train()  # same seed -> same weights
+        model(input_ids, targets=targets)[1].backward()
+        grads[attn_impl] = {name: param.grad for name, param in model.named_parameters()}
+    for attn_impl in ("reference", "flash"):
+        for name, grad in grads["sdpa"].items():
+            torch.testing.assert_close(grads[attn_impl][name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("attn_impl", ATTN_IMPLS)
+def test_attn_dropout_only_in_training(attn_impl):
+    input_ids = random_ids(2, 20)
+    model = tiny_model(attn_impl=attn_impl, attn_dropout=0.3)
+    no_dropout = tiny_model(attn_impl=attn_impl)
+    with torch.no_grad():
+        eval_logits = model.eval()(input_ids)[0]
+        torch.testing.assert_close(eval_logits, no_dropout.eval()(input_ids)[0], rtol=0, atol=0)
+        torch.manual_seed(5)
+        train_logits = model.train()(input_ids)[0]
+        torch.manual_seed(5)
+        train_logits_again = model(input_ids)[0]
+    assert (train_logits - eval_logits).abs().max().item() > 1e-2
+    torch.testing.assert_close(train_logits, train_logits_again, rtol=0, atol=0)  # default generator drives it
+
+
+def test_generate_is_deterministic_given_generator():
+    model = tiny_model(attn_impl="sdpa").eval()
+    prompt = random_ids(2, 5)
+    samples = [model.generate(prompt, 12, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(seed))
+               for seed in (7, 7, 8)]
+    assert samples[0].shape == (2, 17) and samples[0].dtype == torch.long
+    assert torch.equal(samples[0][:, :5], prompt)
+    assert torch.equal(samples[0], samples[1])
+    assert not torch.equal(samples[0], samples[2])
+    assert samples[0].min() >= 0 and samples[0].max() < TINY["vocab_size"]
+
+
+def test_generate_greedy_matches_forward_argmax_and_crops_context():
+    model = tiny_model(attn_impl="sdpa").eval()
+    prompt = random_ids(2, 60)  # 60 + 8 > n_positions = 64: the context must be cropped
+    expected = prompt
+    with torch.no_grad():
+        for _ in range(8):
+            logits = model(expected[:, -TINY["n_positions"]:])[0]
+            expected = torch.cat([expected, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    top_1 = model.generate(prompt, 8, top_k=1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(top_1, expected)
+    assert torch.equal(model.generate(prompt, 8, temperature=0.0), expected)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("attn_impl", "triton"), ("n_embd", 66), ("vocab_size", 0), ("n_positions", -1), ("n_layer", 0),
+    ("n_head", 0), ("dropout", 1.0), ("attn_dropout", -0.1), ("layer_norm_eps", 0.0),
+])
+def test_bad_config_field_raises_naming_it(field, value):
+    with pytest.raises(ValueError, match=field):
+        GPT2Config(**(TINY | {field: value}))
+
+
+def test_bad_inputs_raise_naming_the_argument():
+    model = tiny_model(attn_impl="sdpa")
+    with pytest.raises(ValueError, match="input_ids"):
+        model(random_ids(1, TINY["n_positions"] + 1))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(random_ids(1, 4)[0])
+    with pytest.raises(ValueError, match="targets"):
+        model(random_ids(2, 4), targets=random_ids(2, 3))
+    with pytest.raises(ValueError, match="top_k"):
+        model.generate(random_ids(1, 4), 2, top_k=0)
+
+
+def test_config_is_a_structured_config_schema():
+    schema = OmegaConf.structured(GPT2Config)
+    config = OmegaConf.to_object(OmegaConf.merge(schema, {"n_layer": 2, "attn_impl": "sdpa"}))
+    assert config == GPT2Config(n_layer=2, attn_impl="sdpa")
+    with pytest.raises(ConfigKeyError):
+        OmegaConf.merge(schema, {"n_layers": 2})  # misspelled key fails loudly
+    with pytest.raises(ValueError, match="attn_impl"):
+        OmegaConf.to_object(OmegaConf.merge(schema, {"attn_impl": "fast"}))
+
+
+def test_parameter_names_tying_count_and_init():
+    model = GPT2(GPT2Config(**TINY))
+    names = {name for name, _ in model.named_parameters()}  # tied lm_head.weight is listed once, as wte
+    assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.h.1.ln_1.weight",
+            "transformer.h.1.attn.c_attn.weight", "transformer.h.1.attn.c_proj.weight",
+            "transformer.h.1.mlp.c_fc.weight", "transformer.h.1.mlp.c_proj.weight", "transformer.ln_f.weight"} <= names
+    assert "lm_head.weight" in model.state_dict()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    hf_model = GPT2LMHeadModel(HFGPT2Config(**TINY, bos_token_id=0, eos_token_id=0))
+    assert model.num_parameters() == hf_model.num_parameters() == 110_400
+    assert model.num_parameters(exclude_embeddings=True) == hf_model.num_parameters(exclude_embeddings=True)
+    # GPT-2 init: std 0.02, residual projections 0.02 / sqrt(2 * n_layer); 16k samples -> ~1% std error.
+    c_fc_std = model.transformer.h[0].mlp.c_fc.weight.std().item()
+    c_proj_std = model.transformer.h[0].mlp.c_proj.weight.std().item()
+    assert abs(c_fc_std - 0.02) < 0.001
+    assert abs(c_proj_std - 0.02 / math.sqrt(2 * TINY["n_layer"])) < 0.0005
+    assert model.transformer.h[0].attn.c_attn.bias.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("field, value", [("activation_function", "relu"), ("n_inner", 100), ("embd_pdrop", 0.0)])
+def test_unsupported_hf_config_raises_naming_the_option(field, value):
+    hf_config = HFGPT2Config(**TINY, bos_token_id=0, eos_token_id=0, **{field: value})
+    with pytest.raises(ValueError, match=field):
+        GPT2Config.from_hf(hf_config)

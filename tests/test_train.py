@@ -1,0 +1,171 @@
+"""Training through launch.py's code path: Hydra composition + typed schemas + the Accelerate trainer."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from flashtrain.train import register_configs, train
+from flashtrain.train.checkpoint import latest_checkpoint, resolve_resume
+from flashtrain.train.optim import lr_factor, param_groups
+from flashtrain.train.trainer import build_model, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("flashtrain-cache")
+
+
+def tiny_overrides(cache_dir, *extra):
+    """A GPT-2 of 2 layers x 64 wide on ~300 KB of the stdlib corpus: a few seconds per run on 2 CPU cores."""
+    return [
+        "name=test",
+        "logger=none",
+        "model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.n_positions=128",
+        "data.max_bytes=300000", "data.vocab_size=512", "data.num_proc=1", f"data.cache_dir={cache_dir}",
+        "trainer.micro_batch_size=8", "trainer.max_steps=40", "trainer.log_interval=5",
+        "trainer.eval_interval=20", "trainer.eval_batches=4", "trainer.save_interval=20",
+        "trainer.sample_tokens=16",
+        "optim.lr=3e-3", "optim.warmup_steps=5",
+        *extra,
+    ]
+
+
+def compose_config(overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return OmegaConf.to_object(compose("config", overrides=overrides))
+
+
+def test_default_recipe_composes_to_typed_config():
+    cfg = compose_config(["name=x"])
+    assert type(cfg.model).__name__ == "GPT2Config"
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_positions) == (4, 256, 1024)
+    assert cfg.data.seq_len == 1024 and cfg.model.vocab_size == cfg.data.vocab_size
+    assert cfg.logger.kind == "wandb" and cfg.logger.mode == "offline"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("optim.lr_typo=1", "lr_typo"),
+    ("trainer.max_step=3", "max_step"),
+    ("model.n_layers=3", "n_layers"),
+])
+def test_misspelled_key_is_rejected(override, key):
+    with pytest.raises(Exception, match=key):
+        compose_config(["name=x", override])
+
+
+@pytest.mark.parametrize("override, field", [
+    ("trainer.precision=fp8", "trainer.precision"),
+    ("optim.lr=-1", "optim.lr"),
+    ("model.attn_impl=flsh", "attn_impl"),
+])
+def test_bad_value_names_the_field(override, field):
+    with pytest.raises(ValueError, match=field):
+        compose_config(["name=x", override])
+
+
+def test_launch_rejects_typo_fast():
+    proc = subprocess.run([sys.executable, "launch.py", "optim.lr_typo=1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "lr_typo" in proc.stderr and "OptimConfig" in proc.stderr
+    assert "model:" not in proc.stdout  # it stopped before building anything
+
+
+def test_training_loss_falls(cache_dir, tmp_path):
+    cfg = compose_config(tiny_overrides(cache_dir))
+    result = train(cfg, tmp_path / "run")
+    val = [r["val_loss"] for r in result.history if "val_loss" in r]
+    train_losses = [r["train_loss"] for r in result.history if "train_loss" in r]
+    assert len(val) == 3  # before training, step 20, step 40
+    assert val[0] > math.log(512) - 0.3  # an untrained model is close to uniform over the vocabulary
+    assert val[0] > val[1] > val[2] and val[-1] < val[0] - 0.6, val  # 40K tokens: a clear fall, not convergence
+    assert train_losses[-1] < train_losses[0] - 0.4, train_losses
+    assert result.final_step == 40 and result.checkpoint == latest_checkpoint(tmp_path / "run")
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl") == result.history
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 10_000
+    assert len(result.sample) > len("def ")
+
+
+def test_resume_is_exact(cache_dir, tmp_path):
+    # dropout on everywhere: a resumed run must also restore the RNG states exactly
+    extra = ["model.dropout=0.1", "model.attn_dropout=0.1", "trainer.max_steps=12", "trainer.log_interval=1",
+             "trainer.eval_interval=6", "trainer.save_interval=100", "trainer.sample_tokens=0",
+             "trainer.grad_accum_steps=2"]
+    full = train(compose_config(tiny_overrides(cache_dir, *extra)), tmp_path / "full")
+
+    first = train(compose_config(tiny_overrides(cache_dir, *extra, "trainer.stop_step=5")), tmp_path / "a")
+    assert first.final_step == 5 and first.checkpoint.name == "step_00000005"
+    second = train(compose_config(tiny_overrides(cache_dir, *extra, f"resume={tmp_path / 'a'}")), tmp_path / "b")
+    assert second.final_step == 12
+
+    def losses(history, key):
+        return {r["step"]: r[key] for r in history if key in r}
+
+    full_train, resumed_train = losses(full.history, "train_loss"), losses(second.history, "train_loss")
+    assert sorted(resumed_train) == list(range(6, 13))
+    for step in range(6, 13):
+        assert resumed_train[step] == pytest.approx(full_train[step], rel=1e-6, abs=1e-6), step
+    assert losses(second.history, "val_loss")[12] == pytest.approx(losses(full.history, "val_loss")[12], rel=1e-6)
+
+
+def test_resume_auto_picks_newest_complete_checkpoint(tmp_path):
+    runs = tmp_path / "runs" / "demo"
+    for run, steps in (("2026-01-01_00-00-00", [10, 20]), ("2026-01-02_00-00-00", [30])):
+        for step in steps:
+            (runs / run / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+    # a save that was interrupted leaves only a .tmp- directory: never picked
+    (runs / "2026-01-02_00-00-00" / "checkpoints" / ".tmp-step_00000040").mkdir()
+    assert resolve_resume("auto", runs).name == "step_00000030"
+    assert resolve_resume(str(runs / "2026-01-01_00-00-00"), runs).name == "step_00000020"
+    assert resolve_resume(None, runs) is None
+    assert resolve_resume("auto", tmp_path / "nothing") is None
+    with pytest.raises(FileNotFoundError, match="resume"):
+        resolve_resume(str(tmp_path / "missing"), runs)
+
+
+def test_param_groups_and_schedule():
+    cfg = compose_config(["name=x", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.vocab_size=50"])
+    model = build_model(cfg.model)
+    decay, no_decay = param_groups(model, weight_decay=0.1, decay_embeddings=False)
+    decay_ids = {id(p) for p in decay["params"]}
+    for name, p in model.named_parameters():
+        expect = p.dim() >= 2 and ".wte." not in name and ".wpe." not in name
+        assert (id(p) in decay_ids) == expect, name
+    n_total = sum(p.numel() for p in model.parameters())
+    assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == n_total  # tied weight counted once
+    with_emb, _ = param_groups(model, weight_decay=0.1, decay_embeddings=True)
+    assert id(model.transformer.wte.weight) in {id(p) for p in with_emb["params"]}
+
+    factors = [lr_factor(s, warmup_steps=10, max_steps=110, min_lr_ratio=0.1) for s in range(111)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert factors[60] == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the cosine
+    assert factors[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(factors[9:], factors[10:]))
+
+
+def test_launch_end_to_end_with_wandb_offline(cache_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [o for o in tiny_overrides(cache_dir) if o not in ("name=test", "logger=none")]
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "launch.py", *overrides, "trainer.max_steps=20",
+                           f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint: {run_dir / 'checkpoints' / 'step_00000020'}" in proc.stdout
+    assert "---- sample ----" in proc.stdout
+    records = read_metrics(run_dir / "metrics.jsonl")
+    ppl = [r["val_ppl"] for r in records if "val_ppl" in r]
+    assert ppl[-1] < 0.5 * ppl[0], ppl
+    assert list((run_dir / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert torch.load(run_dir / "checkpoints" / "step_00000020" / "optimizer.bin", weights_only=False)["state"]
