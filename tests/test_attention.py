@@ -320,7 +320,7 @@ def gradcheck(attention, q, k, v, fast_mode=False):
 
 
 def test_gradcheck_causal_gqa_with_dropout():
-    q, k, v, _ = make_inputs((2, 6, 4, 8), (2, 9, 2, 8))
+    q, k, v, _ = make_inputs((1, 5, 4, 4), (1, 7, 2, 4))
     gradcheck(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True), q, k, v)
     # a fresh generator with the same seed per call: the mask is re-derived identically in every forward/backward
     gradcheck(

@@ -3,6 +3,7 @@
 import itertools
 import json
 
+import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -10,6 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from flashtrain.data import corpus as corpus_module
 from flashtrain.data import lm
 from flashtrain.data.corpus import open_corpus
 from flashtrain.data.lm import (LMDataConfig, PackedLMDataset, ResumableBatchSampler, make_train_loader,
@@ -85,6 +87,7 @@ def test_token_files_hold_each_document_then_eos_split_by_seed(stdlib_small):
     assert len(documents) >= 10
 
     doc_ids = [np.array(ids + [data.eos_id]) for ids in encode_ordinary(data.tokenizer, documents)]
+    assert all(decode(data.tokenizer, ids[:-1]) == text for ids, text in zip(doc_ids, documents))
     train_idx, val_idx = split_documents(len(documents), cfg.val_fraction, cfg.seed)
     assert len(val_idx) == round(len(documents) * cfg.val_fraction)
     for path, idx, n_tokens in ((data.train_path, train_idx, data.n_train_tokens),
@@ -181,6 +184,24 @@ def test_local_corpus_cap_cuts_the_crossing_document(tmp_path):
     documents = open_corpus(str(tmp_path / "docs.jsonl"), max_bytes=max_bytes,
                             hf_cache_dir=tmp_path / "hf").documents()["text"]
     assert documents[:5] == LOCAL_DOCS[:5] and documents[5] == LOCAL_DOCS[5][:10]
+
+
+def test_hub_corpus_parses_name_and_config_and_picks_the_text_field(monkeypatch):
+    # offline: stand in for datasets.load_dataset(name, config, split="train") with an in-memory dataset
+    calls = []
+
+    def fake_load_hub(name, config):
+        calls.append((name, config))
+        return datasets.Dataset.from_dict({"id": list(range(len(LOCAL_DOCS))), "content": LOCAL_DOCS})
+
+    monkeypatch.setattr(corpus_module, "_load_hub", fake_load_hub)
+    corpus = open_corpus("hf:someone/web-text:en", text_field="content", max_bytes=len(LOCAL_DOCS[0].encode()) + 3)
+    assert corpus.documents()["text"] == [LOCAL_DOCS[0], LOCAL_DOCS[1][:3]]
+    assert calls == [("someone/web-text", "en")] * 2
+    assert open_corpus("hf:someone/web-text", text_field="content").documents()["text"] == LOCAL_DOCS
+    assert calls[-1] == ("someone/web-text", None)
+    with pytest.raises(ValueError, match="text_field='text'"):
+        open_corpus("hf:someone/web-text").documents()
 
 
 def test_bad_corpus_names_are_errors(tmp_path):
@@ -294,6 +315,18 @@ def test_val_loader_is_fixed_ordered_and_finite(stdlib_small):
     assert len(rank1) == 2 and torch.equal(rank1[0][0], passes[0][1][0]) and torch.equal(rank1[1][0], passes[0][3][0])
     with pytest.raises(ValueError, match="batch_size"):
         make_val_loader(data, batch_size=len(dataset) + 1)
+
+
+def test_loaders_leave_the_global_rng_alone(stdlib_small):
+    # resuming restores the global RNG (dropout) from a checkpoint; starting a loader must not draw from it
+    _, data = stdlib_small
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    next(iter(make_train_loader(data, batch_size=2, start_batch=5)))
+    for _ in range(2):
+        next(iter(make_val_loader(data, batch_size=2)))
+    torch.testing.assert_close(torch.rand(3), expected, rtol=0, atol=0)
 
 
 # ---- config ----------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import os
 import sys
 import sysconfig
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -42,7 +42,7 @@ class Corpus:
     spec: str  # the corpus string as configured
     description: str  # one line for logs and meta.json
     identity: str  # sha256 hex of everything that decides the documents (content, or file paths+sizes+mtimes)
-    _load: Callable[[], datasets.Dataset]
+    _load: Callable[[], datasets.Dataset] = field(repr=False, compare=False)
 
     def documents(self) -> datasets.Dataset:
         """The documents as a Dataset with one column "text", in corpus order, capped at max_bytes."""
@@ -109,7 +109,7 @@ def _open_stdlib(max_bytes: int) -> Corpus:
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
     return Corpus(
         spec=STDLIB,
-        description=f"Python {sys.version.split()[0]} stdlib: {len(texts)} files, {n_bytes / 1e6:.2f} MB",
+        description=f"Python {sys.version.split()[0]} stdlib: {len(texts)} files, {n_bytes:,} bytes",
         identity=fingerprint({"kind": STDLIB, "content": content.hexdigest(), "max_bytes": max_bytes}),
         _load=functools.partial(_load_texts, texts),
     )
@@ -150,7 +150,7 @@ def _open_local(corpus: str, text_field: str, max_bytes: int, hf_cache_dir) -> C
     builder = LOCAL_BUILDERS[files[0].suffix]
     return Corpus(
         spec=corpus,
-        description=f"{len(files)} local {files[0].suffix} files, {sum(s[1] for s in stats) / 1e6:.2f} MB on disk",
+        description=f"{len(files)} local {files[0].suffix} files, {sum(s[1] for s in stats):,} bytes on disk",
         identity=fingerprint({"kind": "files", "files": stats, "text_field": text_field, "max_bytes": max_bytes}),
         _load=functools.partial(_load_local, builder, [str(p) for p in files], text_field, max_bytes,
                                 None if hf_cache_dir is None else str(hf_cache_dir)),

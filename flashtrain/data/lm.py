@@ -335,7 +335,7 @@ def make_train_loader(data: LMData, batch_size: int, rank: int = 0, world_size: 
     dataset = PackedLMDataset(data.train_path, data.seq_len)
     sampler = ResumableBatchSampler(len(dataset), batch_size, data.seed, rank, world_size, start_batch)
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                      pin_memory=torch.cuda.is_available())
+                      pin_memory=torch.cuda.is_available(), generator=_loader_generator(data.seed))
 
 
 def make_val_loader(data: LMData, batch_size: int, max_batches: Optional[int] = None, rank: int = 0,
@@ -353,4 +353,11 @@ def make_val_loader(data: LMData, batch_size: int, max_batches: Optional[int] = 
                          f"processes; lower batch_size or seq_len, or raise val_fraction")
     batches = [list(range(b * batch_size, (b + 1) * batch_size)) for b in range(rank, n_batches, world_size)]
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
-                      pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)
+                      pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
+                      generator=_loader_generator(data.seed))
+
+
+def _loader_generator(seed: int) -> torch.Generator:
+    """A DataLoader draws its workers' base seed each time it is iterated, from the global torch RNG unless given
+    a generator: that draw would shift dropout masks between a resumed run and an uninterrupted one."""
+    return torch.Generator().manual_seed(seed)

@@ -85,7 +85,7 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) row_max[mt][hf] = -kInf, row_sum[mt][hf] = 0.f;
+        for (int hf = 0; hf < 2; ++hf) row_max[mt][hf] = -infinity(), row_sum[mt][hf] = 0.f;
 
     DropoutRng rng = T::kIsDropout ? DropoutRng(p.rng_state, p.keep_threshold) : DropoutRng{};
     const int bh = batch * p.nheads + head;
@@ -118,7 +118,7 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
                     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                         for (int e = 0; e < 2; ++e)
-                            if (n0 + nt * 8 + 2 * t + e >= col_end) s[mt][nt][2 * hf + e] = -kInf;
+                            if (n0 + nt * 8 + 2 * t + e >= col_end) s[mt][nt][2 * hf + e] = -infinity();
                 }
         }
 
@@ -142,7 +142,7 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
                 mx = fmax_(mx, shfl_xor(mx, 1));  // the 4 lanes of a quad share a row
                 mx = fmax_(mx, shfl_xor(mx, 2));
                 // A row that saw only masked keys so far keeps m = -inf; subtract 0 instead to avoid inf - inf.
-                const float m_scaled = mx == -kInf ? 0.f : mx * p.softmax_scale_log2;
+                const float m_scaled = mx == -infinity() ? 0.f : mx * p.softmax_scale_log2;
                 const float correction = fast_exp2(row_max[mt][hf] * p.softmax_scale_log2 - m_scaled);
                 row_max[mt][hf] = mx;
                 float sum = 0.f;
@@ -216,7 +216,7 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
             }
             const int row = m0 + warp_m0 + mt * 16 + g + 8 * hf;
             if (t == 0 && row < seqlen_q)
-                lse[row] = empty ? -kInf : row_max[mt][hf] * p.softmax_scale + fast_log2(sum) / kLog2e;
+                lse[row] = empty ? -infinity() : row_max[mt][hf] * p.softmax_scale + fast_log2(sum) / kLog2e;
         }
     store_acc<T::kIsBF16, TileQ>(sQ, o, warp_m0, 0, 1.f, lane);
     __syncthreads();

@@ -18,9 +18,9 @@ namespace flashtrain {
 using u16 = unsigned short;
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kInf = __builtin_huge_valf();
 
 // ---------------------------------------------------------------------------------------------- scalar helpers
+__device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -233,18 +233,24 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 
     }
 }
 
-// A lane's address inside a swizzled tile, moved by compile-time offsets at the cost of one XOR: at(drow, dcol) is the
-// address of (row + drow, col + dcol) for drow % 8 == 0 and dcol % 8 == 0. The 16-byte chunk index of col (within its
-// column block) and that of dcol must have no bit in common, which holds when a warp's columns start at a multiple of
-// a power-of-two warp width and dcol stays inside that width (static_asserts at the call sites keep it so).
-template <class Tile> struct TilePtr {
-    u32 lane_addr;
-    __device__ __forceinline__ TilePtr(u32 base, int row8, int r, int col) : lane_addr(Tile::addr_split(base, row8, r, col)) {}
+// A lane's address inside a swizzled tile, moved by compile-time offsets: at(drow, dcol) is the address of
+// (row + drow, col + dcol) for drow % 8 == 0 and dcol % 8 == 0. With kXorSafe it costs one XOR: the 16-byte chunk index
+// of col (within its column block) and that of dcol must then have no bit in common, which holds when a warp's columns
+// start at a multiple of a power-of-two warp width and dcol stays inside that width (xor_safe() below). Otherwise the
+// whole swizzle is recomputed.
+template <class Tile, bool kXorSafe = true> struct TilePtr {
+    u32 base, lane_addr;
+    int row8, r, col;
+    __device__ __forceinline__ TilePtr(u32 base_, int row8_, int r_, int col_)
+        : base(base_), lane_addr(Tile::addr_split(base_, row8_, r_, col_)), row8(row8_), r(r_), col(col_) {}
     __device__ __forceinline__ u32 at(int drow, int dcol) const {
         constexpr int W = Tile::kBlockCols;
-        return (lane_addr ^ (((dcol % W) / 8) << 4)) + 2 * (drow * W + (dcol / W) * Tile::kNumRows * W);
+        if constexpr (kXorSafe) return (lane_addr ^ (((dcol % W) / 8) << 4)) + 2 * (drow * W + (dcol / W) * Tile::kNumRows * W);
+        else return Tile::addr_split(base, row8 + drow, r, col + dcol);
     }
 };
+// Whether warps that split a tile dimension into kWarps slices of kWidth columns each can use the XOR shortcut.
+__host__ __device__ constexpr bool xor_safe(int kWarps, int kWidth) { return kWarps == 1 || (kWidth & (kWidth - 1)) == 0; }
 
 // ldmatrix.x4 operand addresses of a warp (lane's row and column inside the 4 8x8 matrices):
 //   A from a tile holding A as [m][k] (kTrans false) or as A^T, [k][m]: at(m, k) / at(k, m) gives a0..a3 of the
@@ -252,15 +258,16 @@ template <class Tile> struct TilePtr {
 //   B from a tile holding B as [n][k] (kTrans false) or as [k][n]: at(n, k) / at(k, n) gives b0, b1 of the n8 tile n
 //     and b0, b1 of the n8 tile n + 8.
 // row0 / col0 are the warp's offsets in the tile's own coordinates (multiples of 16).
-template <class Tile, bool kTrans>
-__device__ __forceinline__ TilePtr<Tile> a_frag_ptr(u32 base, int row0, int col0, int lane) {
-    if constexpr (!kTrans) return TilePtr<Tile>(base, row0 + (lane & 8), lane & 7, col0 + (lane >> 4) * 8);
-    else return TilePtr<Tile>(base, row0 + ((lane >> 4) << 3), lane & 7, col0 + ((lane >> 3) & 1) * 8);
+template <class Tile, bool kTrans, bool kXorSafe = true>
+__device__ __forceinline__ TilePtr<Tile, kXorSafe> a_frag_ptr(u32 base, int row0, int col0, int lane) {
+    if constexpr (!kTrans) return TilePtr<Tile, kXorSafe>(base, row0 + (lane & 8), lane & 7, col0 + (lane >> 4) * 8);
+    else return TilePtr<Tile, kXorSafe>(base, row0 + ((lane >> 4) << 3), lane & 7, col0 + ((lane >> 3) & 1) * 8);
 }
-template <class Tile, bool kTrans>
-__device__ __forceinline__ TilePtr<Tile> b_frag_ptr(u32 base, int row0, int col0, int lane) {
-    if constexpr (!kTrans) return TilePtr<Tile>(base, row0 + ((lane >> 4) << 3), lane & 7, col0 + ((lane >> 3) & 1) * 8);
-    else return TilePtr<Tile>(base, row0 + (((lane >> 3) & 1) << 3), lane & 7, col0 + (lane >> 4) * 8);
+template <class Tile, bool kTrans, bool kXorSafe = true>
+__device__ __forceinline__ TilePtr<Tile, kXorSafe> b_frag_ptr(u32 base, int row0, int col0, int lane) {
+    if constexpr (!kTrans)
+        return TilePtr<Tile, kXorSafe>(base, row0 + ((lane >> 4) << 3), lane & 7, col0 + ((lane >> 3) & 1) * 8);
+    else return TilePtr<Tile, kXorSafe>(base, row0 + (((lane >> 3) & 1) << 3), lane & 7, col0 + (lane >> 4) * 8);
 }
 template <bool kTrans> __device__ __forceinline__ void ldmatrix(u32 (&r)[4], u32 addr) {
     if constexpr (kTrans) ldmatrix_x4_trans(r, addr);
@@ -269,9 +276,8 @@ template <bool kTrans> __device__ __forceinline__ void ldmatrix(u32 (&r)[4], u32
 
 // acc[kMT][kNT] (a (kMT*16) x (kNT*8) warp tile) += A[m.., 0..kK) * B[0..kK, n..), both from shared memory, through
 // the operand pointers built by a_frag_ptr / b_frag_ptr (which hold the warp's offsets).
-template <bool kIsBF16, int kMT, int kNT, int kK, bool kTransA, bool kTransB, class TileA, class TileB>
-__device__ __forceinline__ void warp_gemm_ss(float (&acc)[kMT][kNT][4], const TilePtr<TileA>& a_ptr,
-                                             const TilePtr<TileB>& b_ptr) {
+template <bool kIsBF16, int kMT, int kNT, int kK, bool kTransA, bool kTransB, class PtrA, class PtrB>
+__device__ __forceinline__ void warp_gemm_ss(float (&acc)[kMT][kNT][4], const PtrA& a_ptr, const PtrB& b_ptr) {
     static_assert(kNT % 2 == 0 && kK % 16 == 0, "warp tile must be a multiple of 16 columns and 16 k");
 #pragma unroll
     for (int ks = 0; ks < kK / 16; ++ks) {
@@ -306,10 +312,10 @@ __device__ __forceinline__ void acc_to_a_frag(u32 (&a)[kMT][4], const float (&c)
 }
 
 // Write a warp's accumulator tile (rows m0.., cols n0..), multiplied by scale, as 16-bit values into a shared tile.
-template <bool kIsBF16, class Tile, int kMT, int kNT>
+template <bool kIsBF16, class Tile, bool kXorSafe = true, int kMT, int kNT>
 __device__ __forceinline__ void store_acc(u32 smem, const float (&c)[kMT][kNT][4], int m0, int n0, float scale,
                                           int lane) {
-    const TilePtr<Tile> ptr(smem, m0, lane >> 2, n0 + 2 * (lane & 3));
+    const TilePtr<Tile, kXorSafe> ptr(smem, m0, lane >> 2, n0 + 2 * (lane & 3));
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll

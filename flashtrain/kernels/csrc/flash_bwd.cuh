@@ -1,0 +1,263 @@
+// FlashAttention-2 backward (Dao 2023, Algorithm 2): recompute the attention probabilities from Q, K and the saved
+// logsumexp instead of storing them.
+//
+// One CTA owns one block of kBlockN keys of one (batch, kv head). K and V stay in shared memory; the CTA walks every
+// query block that can see these keys, for every query head of the GQA group, with Q and dO double-buffered:
+//     S = Q K^T, dP = dO V^T                       (warps tiled kWarpsM_SdP x kWarpsN_SdP over kBlockM x kBlockN)
+//     P = exp(scale * S - lse)                     (masked: 0; dropout: Pd = P * keep / (1 - p))
+//     dS = P * (dPd - D), D = rowsum(dO * out)     (dPd = dP * keep / (1 - p))
+//     P, dS -> shared memory (16-bit)
+//     dV += Pd^T dO, dK += dS^T Q                  (registers, warps tiled over kBlockN x kHeadDim)
+//     dQ(block) = dS K  -> added in fp32 to dq_accum (red.global.add; or, deterministic, by the one CTA owning a
+//                          split of dq_accum with plain loads and stores, the splits summed in order afterwards)
+// then writes dK * scale and dV. flash_aux.cuh holds the kernels that run before (D, zeroing dq_accum) and after
+// (dq = scale * dq_accum in the input dtype).
+//
+// Shared memory: Q[kStages], dO[kStages] (kBlockM x kHeadDim), K, V (kBlockN x kHeadDim), P, dS (kBlockM x kBlockN).
+#pragma once
+#include "utils.cuh"
+
+namespace flashtrain {
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsM_SdP_, int kWarpsN_dKV_,
+          int kWarpsM_dQ_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_>
+struct BwdTraits {
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
+    static constexpr int kStages = kStages_;
+    static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
+    static constexpr int kNThreads = kNWarps * 32;
+    // S and dP (kBlockM x kBlockN)
+    static constexpr int kWarpsM_SdP = kWarpsM_SdP_, kWarpsN_SdP = kNWarps / kWarpsM_SdP;
+    static constexpr int kMT_SdP = kBlockM / (16 * kWarpsM_SdP), kNT_SdP = kBlockN / (8 * kWarpsN_SdP);
+    // dK and dV (kBlockN x kHeadDim)
+    static constexpr int kWarpsN_dKV = kWarpsN_dKV_, kWarpsD_dKV = kNWarps / kWarpsN_dKV;
+    static constexpr int kMT_dKV = kBlockN / (16 * kWarpsN_dKV), kNT_dKV = kHeadDim / (8 * kWarpsD_dKV);
+    // dQ (kBlockM x kHeadDim)
+    static constexpr int kWarpsM_dQ = kWarpsM_dQ_, kWarpsD_dQ = kNWarps / kWarpsM_dQ;
+    static constexpr int kMT_dQ = kBlockM / (16 * kWarpsM_dQ), kNT_dQ = kHeadDim / (8 * kWarpsD_dQ);
+    static_assert(kMT_SdP * 16 * kWarpsM_SdP == kBlockM && kNT_SdP * 8 * kWarpsN_SdP == kBlockN, "S tiling");
+    static_assert(kMT_dKV * 16 * kWarpsN_dKV == kBlockN && kNT_dKV * 8 * kWarpsD_dKV == kHeadDim, "dKV tiling");
+    static_assert(kMT_dQ * 16 * kWarpsM_dQ == kBlockM && kNT_dQ * 8 * kWarpsD_dQ == kHeadDim, "dQ tiling");
+    static_assert(kNT_SdP % 2 == 0 && kNT_dKV % 2 == 0 && kNT_dQ % 2 == 0, "warp tiles are pairs of n8 tiles");
+    static_assert(kStages == 1 || kStages == 2, "kStages");
+    static_assert(xor_safe(kWarpsN_SdP, kNT_SdP * 8) && xor_safe(kWarpsN_dKV, kMT_dKV * 16), "power-of-two tiles");
+    static constexpr bool kXorSafe_dKV = xor_safe(kWarpsD_dKV, kNT_dKV * 8);
+    static constexpr bool kXorSafe_dQ = xor_safe(kWarpsD_dQ, kNT_dQ * 8);
+    using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO
+    using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V, then dK and dV
+    using TileP = SmemTile<kBlockM, kBlockN>;    // P and dS
+    static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileP::kBytes;
+};
+
+template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const FwdParams& f = p.fwd;
+    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN;
+    constexpr int kMT_S = T::kMT_SdP, kNT_S = T::kNT_SdP;
+    using TileQ = typename T::TileQ;
+    using TileKV = typename T::TileKV;
+    using TileP = typename T::TileP;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane >> 2, t = lane & 3;
+
+    const int batch = blockIdx.y, head_kv = blockIdx.z;
+    const int group = f.nheads / f.nheads_kv;  // query heads per kv head
+    int q_start = 0, k_start = 0, seqlen_q = f.seqlen_q, seqlen_k = f.seqlen_k;
+    if (f.cu_seqlens_q != nullptr) {
+        q_start = f.cu_seqlens_q[batch];
+        seqlen_q = f.cu_seqlens_q[batch + 1] - q_start;
+        k_start = f.cu_seqlens_k[batch];
+        seqlen_k = f.cu_seqlens_k[batch + 1] - k_start;
+    }
+    const int n_kblocks = ceil_div(seqlen_k, kBlockN);
+    float* dq_accum = p.dq_accum + (p.deterministic ? blockIdx.x * p.dqa_split_stride : 0) +
+                      batch * p.dqa_batch_stride + (i64)q_start * f.head_dim;
+
+    // Warp coordinates in the three tilings.
+    const int s_m0 = (warp / T::kWarpsN_SdP) * kMT_S * 16, s_n0 = (warp % T::kWarpsN_SdP) * kNT_S * 8;
+    const int kv_n0 = (warp / T::kWarpsD_dKV) * T::kMT_dKV * 16, kv_d0 = (warp % T::kWarpsD_dKV) * T::kNT_dKV * 8;
+    const int dq_m0 = (warp / T::kWarpsD_dQ) * T::kMT_dQ * 16, dq_d0 = (warp % T::kWarpsD_dQ) * T::kNT_dQ * 8;
+
+    const u32 smem_base = smem_u32(smem);
+    DropoutRng rng = T::kIsDropout ? DropoutRng(f.rng_state, f.keep_threshold) : DropoutRng{};
+
+    for (int n_block = blockIdx.x; n_block < n_kblocks; n_block += gridDim.x) {
+        const int n0 = n_block * kBlockN;
+        // Query blocks that see some key of this block: causal rows i >= n0 - (seqlen_k - seqlen_q).
+        const int m_block_min = T::kIsCausal ? max_(0, n0 - (seqlen_k - seqlen_q)) / kBlockM : 0;
+        const int n_mblocks = max_(0, ceil_div(seqlen_q, kBlockM) - m_block_min);
+        const int n_iters = group * n_mblocks;  // (query head, query block) pairs
+
+        const u32 sK = smem_base + 2 * T::kStages * TileQ::kBytes, sV = sK + TileKV::kBytes;
+        const u16* k = (const u16*)f.k + batch * f.k_batch_stride + (i64)(k_start + n0) * f.k_row_stride +
+                       head_kv * f.k_head_stride;
+        const u16* v = (const u16*)f.v + batch * f.v_batch_stride + (i64)(k_start + n0) * f.v_row_stride +
+                       head_kv * f.v_head_stride;
+        load_tile_async<TileKV, T::kNThreads>(sK, k, f.k_row_stride, seqlen_k - n0, f.head_dim, tid);
+        load_tile_async<TileKV, T::kNThreads>(sV, v, f.v_row_stride, seqlen_k - n0, f.head_dim, tid);
+
+        // Issue the copies of Q and dO of iteration `it` into stage `stage`.
+        auto load_q_do = [&](int it, int stage) {
+            const int head = head_kv * group + it / n_mblocks;
+            const int m0 = (m_block_min + it % n_mblocks) * kBlockM;
+            const u32 sQ = smem_base + stage * TileQ::kBytes, sdO = sQ + T::kStages * TileQ::kBytes;
+            const u16* q = (const u16*)f.q + batch * f.q_batch_stride + (i64)(q_start + m0) * f.q_row_stride +
+                           head * f.q_head_stride;
+            const u16* dout = (const u16*)p.dout + batch * p.do_batch_stride +
+                              (i64)(q_start + m0) * p.do_row_stride + head * p.do_head_stride;
+            load_tile_async<TileQ, T::kNThreads>(sQ, q, f.q_row_stride, seqlen_q - m0, f.head_dim, tid);
+            load_tile_async<TileQ, T::kNThreads>(sdO, dout, p.do_row_stride, seqlen_q - m0, f.head_dim, tid);
+        };
+        if (n_iters > 0) load_q_do(0, 0);
+        cp_async_commit();
+
+        float acc_dk[T::kMT_dKV][T::kNT_dKV][4], acc_dv[T::kMT_dKV][T::kNT_dKV][4];
+        zero(acc_dk);
+        zero(acc_dv);
+
+        for (int it = 0; it < n_iters; ++it) {
+            const int head = head_kv * group + it / n_mblocks;
+            const int m0 = (m_block_min + it % n_mblocks) * kBlockM;
+            const int stage = T::kStages == 2 ? (it & 1) : 0;
+            if (T::kStages == 2 && it + 1 < n_iters) {
+                load_q_do(it + 1, stage ^ 1);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();  // Q[it], dO[it] (and K, V) landed
+
+            const u32 base = launder(smem_base);
+            const u32 sQ = base + stage * TileQ::kBytes, sdO = sQ + T::kStages * TileQ::kBytes;
+            const u32 sK = base + 2 * T::kStages * TileQ::kBytes, sV = sK + TileKV::kBytes;
+            const u32 sP = sV + TileKV::kBytes, sdS = sP + TileP::kBytes;
+
+            // lse and D of this thread's rows; rows past the end and rows that saw no key get P = 0.
+            const i64 row_offset = batch * f.lse_batch_stride + head * f.lse_head_stride + q_start;
+            float lse_log2[kMT_S][2], dsum[kMT_S][2];
+#pragma unroll
+            for (int mt = 0; mt < kMT_S; ++mt)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int row = m0 + s_m0 + mt * 16 + g + 8 * hf;
+                    const float lse = row < seqlen_q ? f.lse[row_offset + row] : infinity();
+                    lse_log2[mt][hf] = lse == -infinity() ? infinity() : lse * kLog2e;
+                    dsum[mt][hf] = row < seqlen_q ? p.softmax_d[row_offset + row] : 0.f;
+                }
+
+            float s[kMT_S][kNT_S][4], dp[kMT_S][kNT_S][4];
+            zero(s);
+            zero(dp);
+            warp_gemm_ss<T::kIsBF16, kMT_S, kNT_S, T::kHeadDim, false, false>(
+                s, a_frag_ptr<TileQ, false>(sQ, s_m0, 0, lane), b_frag_ptr<TileKV, false>(sK, s_n0, 0, lane));
+            warp_gemm_ss<T::kIsBF16, kMT_S, kNT_S, T::kHeadDim, false, false>(
+                dp, a_frag_ptr<TileQ, false>(sdO, s_m0, 0, lane), b_frag_ptr<TileKV, false>(sV, s_n0, 0, lane));
+
+            const bool need_mask =
+                n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
+            if (need_mask) {
+#pragma unroll
+                for (int mt = 0; mt < kMT_S; ++mt)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int row = m0 + s_m0 + mt * 16 + g + 8 * hf;
+                        const int col_end =
+                            T::kIsCausal ? min_(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
+#pragma unroll
+                        for (int nt = 0; nt < kNT_S; ++nt)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e)
+                                if (n0 + s_n0 + nt * 8 + 2 * t + e >= col_end) s[mt][nt][2 * hf + e] = -infinity();
+                    }
+            }
+
+            // s <- P (with dropout: Pd = P * keep / (1 - p)), dp <- dS = P * (dPd - D), dPd = dP * keep / (1 - p).
+            const int bh = batch * f.nheads + head;
+#pragma unroll
+            for (int mt = 0; mt < kMT_S; ++mt)
+#pragma unroll
+                for (int ks = 0; ks < kNT_S / 2; ++ks) {
+                    u32 bits[4];
+                    if constexpr (T::kIsDropout)
+                        rng.bits(bits, bh, m0 + s_m0 + mt * 16 + g, n0 + s_n0 + ks * 16 + 2 * t);
+#pragma unroll
+                    for (int nt2 = 0; nt2 < 2; ++nt2)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            float& x = s[mt][2 * ks + nt2][e];
+                            float& y = dp[mt][2 * ks + nt2][e];
+                            const float prob = fast_exp2(x * f.softmax_scale_log2 - lse_log2[mt][e >> 1]);
+                            if constexpr (T::kIsDropout) {
+                                const bool keep = rng.keep_half(bits, (e >> 1) * 4 + nt2 * 2 + (e & 1));
+                                y = prob * ((keep ? y * f.rp_dropout : 0.f) - dsum[mt][e >> 1]);
+                                x = keep ? prob * f.rp_dropout : 0.f;
+                            } else {
+                                y = prob * (y - dsum[mt][e >> 1]);
+                                x = prob;
+                            }
+                        }
+                }
+            store_acc<T::kIsBF16, TileP>(sP, s, s_m0, s_n0, 1.f, lane);
+            store_acc<T::kIsBF16, TileP>(sdS, dp, s_m0, s_n0, 1.f, lane);
+            __syncthreads();  // P and dS visible to all warps
+
+            // dV += Pd^T dO and dK += dS^T Q: A = P^T read transposed from [m][n], B = dO / Q read transposed.
+            warp_gemm_ss<T::kIsBF16, T::kMT_dKV, T::kNT_dKV, kBlockM, true, true>(
+                acc_dv, a_frag_ptr<TileP, true>(sP, 0, kv_n0, lane),
+                b_frag_ptr<TileQ, true, T::kXorSafe_dKV>(sdO, 0, kv_d0, lane));
+            warp_gemm_ss<T::kIsBF16, T::kMT_dKV, T::kNT_dKV, kBlockM, true, true>(
+                acc_dk, a_frag_ptr<TileP, true>(sdS, 0, kv_n0, lane),
+                b_frag_ptr<TileQ, true, T::kXorSafe_dKV>(sQ, 0, kv_d0, lane));
+
+            // dQ(block) = dS K, added to dq_accum in fp32.
+            float acc_dq[T::kMT_dQ][T::kNT_dQ][4];
+            zero(acc_dq);
+            warp_gemm_ss<T::kIsBF16, T::kMT_dQ, T::kNT_dQ, kBlockN, false, true>(
+                acc_dq, a_frag_ptr<TileP, false>(sdS, dq_m0, 0, lane),
+                b_frag_ptr<TileKV, true, T::kXorSafe_dQ>(sK, 0, dq_d0, lane));
+            float* dq_head = dq_accum + head * p.dqa_head_stride;
+#pragma unroll
+            for (int mt = 0; mt < T::kMT_dQ; ++mt)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int row = m0 + dq_m0 + mt * 16 + g + 8 * hf;
+                    if (row >= seqlen_q) continue;
+                    float* dq_row = dq_head + (i64)row * f.head_dim;
+#pragma unroll
+                    for (int nt = 0; nt < T::kNT_dQ; ++nt) {
+                        const int col = dq_d0 + nt * 8 + 2 * t;
+                        if (col >= f.head_dim) continue;
+                        const float a = acc_dq[mt][nt][2 * hf], b = acc_dq[mt][nt][2 * hf + 1];
+                        if (p.deterministic) {
+                            dq_row[col] += a;  // this thread is the only writer of this split's element
+                            dq_row[col + 1] += b;
+                        } else {
+                            atomic_add2(dq_row + col, a, b);
+                        }
+                    }
+                }
+            __syncthreads();  // every warp is done with P, dS, Q[stage], dO[stage]
+            if (T::kStages == 1 && it + 1 < n_iters) {
+                load_q_do(it + 1, 0);
+                cp_async_commit();
+            }
+        }
+
+        // Epilogue: dK * scale and dV through the K / V tiles, then 16-byte stores.
+        cp_async_wait<0>();
+        __syncthreads();
+        store_acc<T::kIsBF16, TileKV, T::kXorSafe_dKV>(sK, acc_dk, kv_n0, kv_d0, f.softmax_scale, lane);
+        store_acc<T::kIsBF16, TileKV, T::kXorSafe_dKV>(sV, acc_dv, kv_n0, kv_d0, 1.f, lane);
+        __syncthreads();
+        u16* dk = (u16*)p.dk + batch * p.dk_batch_stride + (i64)(k_start + n0) * p.dk_row_stride +
+                  head_kv * p.dk_head_stride;
+        u16* dv = (u16*)p.dv + batch * p.dv_batch_stride + (i64)(k_start + n0) * p.dv_row_stride +
+                  head_kv * p.dv_head_stride;
+        store_tile<TileKV, T::kNThreads>(sK, dk, p.dk_row_stride, seqlen_k - n0, f.head_dim, tid);
+        store_tile<TileKV, T::kNThreads>(sV, dv, p.dv_row_stride, seqlen_k - n0, f.head_dim, tid);
+        __syncthreads();  // the next key block reloads K and V into these tiles
+    }
+}
+
+}  // namespace flashtrain

@@ -1,0 +1,129 @@
+"""Load the cubins built by flashtrain.kernels.build and launch them on the current torch stream through NVIDIA's
+cuda-python driver bindings (cuda.bindings.driver): no torch C++ extension, no ABI coupling.
+
+The ctypes structs below mirror csrc/flash.h field by field (8-byte fields first, then 4-byte ones); each kernel
+takes one such struct by value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+from cuda.bindings import driver
+
+from flashtrain.kernels import build
+
+_i64, _i32, _u32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
+
+
+class FwdParams(ctypes.Structure):
+    _fields_ = [
+        ("q", _ptr), ("k", _ptr), ("v", _ptr), ("out", _ptr), ("lse", _ptr),
+        ("cu_seqlens_q", _ptr), ("cu_seqlens_k", _ptr), ("rng_state", _ptr),
+        ("q_batch_stride", _i64), ("q_row_stride", _i64), ("q_head_stride", _i64),
+        ("k_batch_stride", _i64), ("k_row_stride", _i64), ("k_head_stride", _i64),
+        ("v_batch_stride", _i64), ("v_row_stride", _i64), ("v_head_stride", _i64),
+        ("o_batch_stride", _i64), ("o_row_stride", _i64), ("o_head_stride", _i64),
+        ("lse_batch_stride", _i64), ("lse_head_stride", _i64),
+        ("batch", _i32), ("nheads", _i32), ("nheads_kv", _i32), ("head_dim", _i32),
+        ("seqlen_q", _i32), ("seqlen_k", _i32),
+        ("softmax_scale", _f32), ("softmax_scale_log2", _f32), ("keep_threshold", _u32), ("rp_dropout", _f32),
+    ]
+
+
+class BwdParams(ctypes.Structure):
+    _fields_ = [
+        ("fwd", FwdParams),
+        ("dout", _ptr), ("dk", _ptr), ("dv", _ptr), ("dq_accum", _ptr), ("softmax_d", _ptr),
+        ("do_batch_stride", _i64), ("do_row_stride", _i64), ("do_head_stride", _i64),
+        ("dk_batch_stride", _i64), ("dk_row_stride", _i64), ("dk_head_stride", _i64),
+        ("dv_batch_stride", _i64), ("dv_row_stride", _i64), ("dv_head_stride", _i64),
+        ("dqa_split_stride", _i64), ("dqa_batch_stride", _i64), ("dqa_head_stride", _i64),
+        ("deterministic", _i32), ("pad_", _i32),
+    ]
+
+
+class AuxParams(ctypes.Structure):
+    _fields_ = [
+        ("out", _ptr), ("dout", _ptr), ("dq", _ptr), ("softmax_d", _ptr), ("dq_accum", _ptr), ("dropout_mask", _ptr),
+        ("cu_seqlens_q", _ptr), ("cu_seqlens_k", _ptr), ("rng_state", _ptr),
+        ("o_batch_stride", _i64), ("o_row_stride", _i64), ("o_head_stride", _i64),
+        ("do_batch_stride", _i64), ("do_row_stride", _i64), ("do_head_stride", _i64),
+        ("dq_batch_stride", _i64), ("dq_row_stride", _i64), ("dq_head_stride", _i64),
+        ("d_batch_stride", _i64), ("d_head_stride", _i64),
+        ("dqa_split_stride", _i64), ("dqa_batch_stride", _i64), ("dqa_head_stride", _i64),
+        ("mask_batch_stride", _i64), ("mask_head_stride", _i64), ("mask_row_stride", _i64),
+        ("batch", _i32), ("nheads", _i32), ("head_dim", _i32), ("seqlen_q", _i32), ("seqlen_k", _i32),
+        ("nsplits", _i32), ("softmax_scale", _f32), ("keep_threshold", _u32),
+    ]
+
+
+def _check(result, what: str):
+    """cuda.bindings calls return (error, *values): raise on error, return the values."""
+    err, *values = result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise RuntimeError(f"{what} failed: {name.decode() if name else err}")
+    return values[0] if len(values) == 1 else values
+
+
+class Kernel:
+    """One loaded kernel: a CUfunction plus its block size and dynamic shared memory."""
+
+    def __init__(self, function, threads: int, smem_bytes: int):
+        self.function, self.threads, self.smem_bytes = function, threads, smem_bytes
+        if smem_bytes > 48 * 1024:  # above 48 KB a kernel must opt in to its dynamic shared memory
+            _check(driver.cuFuncSetAttribute(
+                function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
+                "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+
+    def launch(self, grid: tuple[int, int, int], params: ctypes.Structure, device: torch.device) -> None:
+        if min(grid) <= 0:
+            return
+        _make_current(device.index)
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        stream = torch.cuda.current_stream(device).cuda_stream
+        _check(driver.cuLaunchKernel(self.function, *grid, self.threads, 1, 1, self.smem_bytes, stream,
+                                     ctypes.addressof(args), 0), "cuLaunchKernel")
+
+
+_lock = threading.RLock()
+_contexts: dict[int, driver.CUcontext] = {}  # device index -> primary context (the one torch uses)
+_modules: dict[tuple[int, str], driver.CUmodule] = {}  # (device index, spec name) -> loaded cubin
+_kernels: dict[tuple[int, str], Kernel] = {}  # (device index, symbol) -> kernel
+
+
+def _make_current(device_index: int) -> None:
+    """Make the device's primary context current on this thread (autograd runs backward on its own threads)."""
+    context = _contexts.get(device_index)
+    if context is None:
+        with _lock:
+            torch.cuda.init()
+            device = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
+            context = _contexts.setdefault(device_index, _check(driver.cuDevicePrimaryCtxRetain(device),
+                                                                "cuDevicePrimaryCtxRetain"))
+    current = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if int(current) != int(context):
+        _check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
+def get_kernel(spec: build.KernelSpec, symbol: str, device: torch.device) -> Kernel:
+    """The kernel `symbol` of `spec` loaded on `device`, compiling its cubin on first use (then cached on disk)."""
+    key = (device.index, symbol)
+    kernel = _kernels.get(key)
+    if kernel is not None:
+        return kernel
+    with _lock:
+        if key not in _kernels:
+            module_key = (device.index, spec.name)
+            if module_key not in _modules:
+                arch = build.arch_of_capability(*torch.cuda.get_device_capability(device))
+                cubin = build.compile_kernel(spec, arch)
+                _make_current(device.index)
+                _modules[module_key] = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({spec.name})")
+            function = _check(driver.cuModuleGetFunction(_modules[module_key], symbol.encode()),
+                              f"cuModuleGetFunction({symbol})")
+            _kernels[key] = Kernel(function, spec.threads, spec.smem_bytes)
+    return _kernels[key]

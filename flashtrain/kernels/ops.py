@@ -1,0 +1,274 @@
+"""The CUDA FlashAttention-2 kernels (csrc/) as torch custom ops, in one place.
+
+    flashtrain::flash_attn_fwd   (q, k, v, ...) -> (out, lse)
+    flashtrain::flash_attn_bwd   (dout, q, k, v, out, lse, ...) -> (dq, dk, dv)
+
+both registered with torch.library.custom_op, with fake implementations (torch.compile traces them without running
+them) and autograd (fwd's backward calls bwd). One pair of ops serves both layouts: batch form q (batch, seqlen_q,
+nheads, head_dim) when cu_seqlens_q is None, packed (varlen) form q (total_q, nheads, head_dim) otherwise.
+
+flash_attn_cuda and unavailable_reason are the hook that flashtrain.kernels.interface calls (validation of the
+user's arguments happens there; this module checks only what it relies on to launch safely).
+
+Dropout: flash_attn_cuda draws rng_state = (seed, offset), two int64 on the GPU, from the caller's generator; the
+kernels derive every keep decision from it (Philox, counter-based), the backward regenerates the same mask from the
+saved rng_state, and dropout_mask_for_testing (test only) materialises the mask of a draw.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from flashtrain.kernels import build
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@torch.compiler.assume_constant_result
+def _unavailable_reason(device_type: str, device_index: int, head_dim: int, dtype: str, block_mask: bool) -> str | None:
+    if device_type != "cuda":
+        return f"the tensors are on {device_type}; the CUDA kernels need CUDA tensors"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible to torch"
+    if block_mask:
+        return "block_mask is not supported by the CUDA kernels yet"
+    if dtype not in ("torch.float16", "torch.bfloat16"):
+        return f"the CUDA kernels support float16 and bfloat16, got {dtype}"
+    if head_dim % 8 != 0 or not 8 <= head_dim <= build.HEAD_DIMS[-1]:
+        return f"the CUDA kernels need head_dim a multiple of 8 in [8, {build.HEAD_DIMS[-1]}], got {head_dim}"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major < 8:
+        return f"the CUDA kernels need compute capability 8.0 or newer, cuda:{device_index} has {major}.{minor}"
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError as error:
+        return f"cuda-python is not installed ({error}); pip install cuda-python"
+    return build.compiler_unavailable_reason()
+
+
+def unavailable_reason(device: torch.device, *, head_dim: int, dtype: torch.dtype, block_mask: bool) -> str | None:
+    """None when the CUDA kernels can run these arguments, else a sentence saying why not."""
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+    return _unavailable_reason(device.type, index, head_dim, str(dtype), bool(block_mask))
+
+
+def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+                    generator: torch.Generator | None, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the CUDA kernel, differentiable w.r.t. q, k, v. Arguments as in flash_attn_(varlen_)func after
+    validation; cu_seqlens None selects the batch form. deterministic=True makes the backward's dq bitwise
+    reproducible (each CTA accumulates into its own dq buffer, summed in a fixed order) at some speed cost."""
+    reason = unavailable_reason(q.device, head_dim=q.shape[-1], dtype=q.dtype, block_mask=False)
+    if reason is not None:
+        raise RuntimeError(f"the CUDA attention kernel cannot run: {reason}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride(-1) == 1), got {x.stride(-1)}")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    if cu_seqlens_q is not None:
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    rng_state = _draw_rng_state(q.device, generator) if dropout_p > 0 else None
+    return flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(dropout_p),
+                          float(softmax_scale), bool(causal), rng_state, bool(deterministic))
+
+
+def _draw_rng_state(device: torch.device, generator: torch.Generator | None) -> Tensor:
+    """(seed, offset): two int64 drawn from generator (the default generator of device if None), on device."""
+    source = device if generator is None else generator.device
+    state = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device=source, generator=generator)
+    return state.to(device)
+
+
+def dropout_mask_for_testing(q: Tensor, k: Tensor, *, dropout_p: float, generator: torch.Generator | None,
+                             cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
+                             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None) -> Tensor:
+    """Test only: the keep-mask that flash_attn_cuda draws when called with a generator in the same state.
+
+    Returns bool (batch, nheads, seqlen_q, seqlen_k), or varlen (nheads, total_q, max_seqlen_k) with column j of a row
+    being key j of its own sequence (False past the sequence's end) -- the dropout_mask layout of the reference."""
+    from flashtrain.kernels import launch
+
+    rng_state = _draw_rng_state(q.device, generator)
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    nheads = q.shape[-2]
+    if varlen:
+        batch, seqlen_q, seqlen_k = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
+        mask = torch.zeros((nheads, q.shape[0], seqlen_k), dtype=torch.uint8, device=q.device)
+        mask_strides = (0, mask.stride(0), mask.stride(1))
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        mask = torch.zeros((batch, nheads, seqlen_q, seqlen_k), dtype=torch.uint8, device=q.device)
+        mask_strides = mask.stride()[:3]
+    spec = build.aux_kernels(_DTYPE_NAMES[q.dtype])
+    params = launch.AuxParams(
+        dropout_mask=mask.data_ptr(), rng_state=rng_state.data_ptr(),
+        cu_seqlens_q=_ptr(cu_seqlens_q), cu_seqlens_k=_ptr(cu_seqlens_k),
+        mask_batch_stride=mask_strides[0], mask_head_stride=mask_strides[1], mask_row_stride=mask_strides[2],
+        batch=batch, nheads=nheads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, keep_threshold=_keep_threshold(dropout_p))
+    grid = (math.ceil(seqlen_q / build.AUX_ROWS_PER_CTA), batch, nheads)
+    launch.get_kernel(spec, spec.symbols[2], q.device).launch(grid, params, q.device)
+    return mask.bool()
+
+
+# ---------------------------------------------------------------------------------------------------- the ops
+@torch.library.custom_op("flashtrain::flash_attn_fwd", mutates_args=(), device_types="cuda")
+def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+                   max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+                   rng_state: Tensor | None, deterministic: bool) -> tuple[Tensor, Tensor]:
+    from flashtrain.kernels import launch
+
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    out, lse = _empty_outputs(q, cu_seqlens_q)
+    head_dim = build.rounded_head_dim(q.shape[-1])
+    spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0)
+    params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                         softmax_scale, rng_state)
+    grid = (math.ceil(params.seqlen_q / build.FWD_TILES[head_dim].block_m), params.batch, params.nheads)
+    launch.get_kernel(spec, spec.symbols[0], q.device).launch(grid, params, q.device)
+    return out, lse
+
+
+@flash_attn_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, rng_state,
+      deterministic):
+    return _empty_outputs(q, cu_seqlens_q)
+
+
+@torch.library.custom_op("flashtrain::flash_attn_bwd", mutates_args=(), device_types="cuda")
+def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+                   dropout_p: float, softmax_scale: float, causal: bool, rng_state: Tensor | None,
+                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    from flashtrain.kernels import launch
+
+    dout, q, k, v, out = (_aligned(x) for x in (dout, q, k, v, out))
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
+    softmax_d = torch.empty_like(lse)
+    head_dim = build.rounded_head_dim(q.shape[-1])
+    tiles = build.BWD_TILES[head_dim]
+    fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                      softmax_scale, rng_state)
+    batch, nheads, nheads_kv = fwd.batch, fwd.nheads, fwd.nheads_kv
+    n_kblocks = math.ceil(fwd.seqlen_k / tiles.block_n)
+    nsplits = 1
+    if deterministic:  # enough CTAs to fill the GPU twice over; each walks key blocks x, x + nsplits, ...
+        sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+        nsplits = max(1, min(n_kblocks, math.ceil(2 * sm_count / max(1, batch * nheads_kv))))
+    dq_accum = torch.empty((nsplits, *lse.shape, q.shape[-1]), dtype=torch.float32, device=q.device)
+    varlen = cu_seqlens_q is not None
+    dqa_strides = (dq_accum.stride(0), 0, dq_accum.stride(1)) if varlen else dq_accum.stride()[:3]
+    lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+    aux_spec = build.aux_kernels(_DTYPE_NAMES[q.dtype])
+    aux = launch.AuxParams(
+        out=out.data_ptr(), dout=dout.data_ptr(), dq=dq.data_ptr(), softmax_d=softmax_d.data_ptr(),
+        dq_accum=dq_accum.data_ptr(), cu_seqlens_q=fwd.cu_seqlens_q, cu_seqlens_k=fwd.cu_seqlens_k,
+        d_batch_stride=lse_strides[0], d_head_stride=lse_strides[1], dqa_split_stride=dqa_strides[0],
+        dqa_batch_stride=dqa_strides[1], dqa_head_stride=dqa_strides[2], batch=batch, nheads=nheads,
+        head_dim=q.shape[-1], seqlen_q=fwd.seqlen_q, seqlen_k=fwd.seqlen_k, nsplits=nsplits,
+        softmax_scale=softmax_scale)
+    (aux.o_batch_stride, aux.o_row_stride, aux.o_head_stride) = _strides(out, varlen)
+    (aux.do_batch_stride, aux.do_row_stride, aux.do_head_stride) = _strides(dout, varlen)
+    (aux.dq_batch_stride, aux.dq_row_stride, aux.dq_head_stride) = _strides(dq, varlen)
+    aux_grid = (math.ceil(fwd.seqlen_q / build.AUX_ROWS_PER_CTA), batch, nheads)
+    launch.get_kernel(aux_spec, aux_spec.symbols[0], q.device).launch(aux_grid, aux, q.device)  # D, dq_accum = 0
+
+    spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0)
+    params = launch.BwdParams(
+        fwd=fwd, dout=dout.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(), dq_accum=dq_accum.data_ptr(),
+        softmax_d=softmax_d.data_ptr(), dqa_split_stride=dqa_strides[0], dqa_batch_stride=dqa_strides[1],
+        dqa_head_stride=dqa_strides[2], deterministic=int(deterministic))
+    (params.do_batch_stride, params.do_row_stride, params.do_head_stride) = _strides(dout, varlen)
+    (params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride) = _strides(dk, varlen)
+    (params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride) = _strides(dv, varlen)
+    grid = (nsplits if deterministic else n_kblocks, batch, nheads_kv)
+    launch.get_kernel(spec, spec.symbols[0], q.device).launch(grid, params, q.device)
+
+    launch.get_kernel(aux_spec, aux_spec.symbols[1], q.device).launch(aux_grid, aux, q.device)  # dq = scale * sum
+    return dq, dk, dv
+
+
+@flash_attn_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+      causal, rng_state, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale, causal, rng_state, det = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state)
+    ctx.options = (max_seqlen_q, max_seqlen_k, dropout_p, scale, causal)
+    ctx.deterministic = det
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout: Tensor, _dlse: Tensor):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
+    if dout is None:  # only lse was used, and lse carries no gradient
+        dout = torch.zeros_like(out)
+    dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, rng_state,
+                                ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _empty_outputs(q: Tensor, cu_seqlens_q: Tensor | None) -> tuple[Tensor, Tensor]:
+    """out like q (contiguous), lse float32 (batch, nheads, seqlen_q) or varlen (nheads, total_q)."""
+    out = q.new_empty(q.shape)
+    if cu_seqlens_q is None:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, lse
+
+
+def _aligned(x: Tensor) -> Tensor:
+    """x itself when the kernels' 16-byte loads of its rows are aligned (pointer and every stride), else a copy."""
+    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(stride % 8 == 0 for stride in x.stride()[:-1]):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)  # fresh allocations are aligned; head_dim % 8 == 0
+
+
+def _strides(x: Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, row, head) strides in elements; the batch stride is 0 in the packed layout."""
+    return (0, x.stride(0), x.stride(1)) if varlen else (x.stride(0), x.stride(1), x.stride(2))
+
+
+def _ptr(x: Tensor | None) -> int:
+    return 0 if x is None else x.data_ptr()
+
+
+def _keep_threshold(dropout_p: float) -> int:
+    """Keep iff a uniform 16-bit number < threshold: P(keep) = threshold / 65536 = 1 - p up to 2^-17."""
+    return min(65536, round((1.0 - dropout_p) * 65536))
+
+
+def _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                rng_state):
+    from flashtrain.kernels import launch
+
+    varlen = cu_seqlens_q is not None
+    params = launch.FwdParams(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr(),
+        cu_seqlens_q=_ptr(cu_seqlens_q), cu_seqlens_k=_ptr(cu_seqlens_k), rng_state=_ptr(rng_state),
+        lse_batch_stride=0 if varlen else lse.stride(0), lse_head_stride=lse.stride(0) if varlen else lse.stride(1),
+        batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0], nheads=q.shape[-2], nheads_kv=k.shape[-2],
+        head_dim=q.shape[-1], seqlen_q=max_seqlen_q if varlen else q.shape[1],
+        seqlen_k=max_seqlen_k if varlen else k.shape[1], softmax_scale=softmax_scale,
+        softmax_scale_log2=softmax_scale * math.log2(math.e), keep_threshold=_keep_threshold(dropout_p),
+        rp_dropout=1.0 / (1.0 - dropout_p))
+    (params.q_batch_stride, params.q_row_stride, params.q_head_stride) = _strides(q, varlen)
+    (params.k_batch_stride, params.k_row_stride, params.k_head_stride) = _strides(k, varlen)
+    (params.v_batch_stride, params.v_row_stride, params.v_head_stride) = _strides(v, varlen)
+    (params.o_batch_stride, params.o_row_stride, params.o_head_stride) = _strides(out, varlen)
+    return params

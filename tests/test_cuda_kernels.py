@@ -1,0 +1,270 @@
+"""GPU tests of the CUDA FlashAttention kernels (flashtrain/kernels/ops.py), against the fp32 reference.
+
+Tolerance rule of FlashAttention-2: for out, dq, dk and dv, the kernel's max error against the fp32 reference must be
+at most twice the max error of the same attention computed by plain PyTorch in fp16/bf16 (naive_attention on the
+low-precision inputs), plus the rounding error of the reference's values in that dtype.
+
+    pytest -m cuda tests/test_cuda_kernels.py                                   # on a GPU machine
+    compute-sanitizer --tool memcheck python tests/test_cuda_kernels.py         # small grid under the sanitizer
+"""
+
+import math
+import sys
+
+import pytest
+import torch
+
+from flashtrain.kernels import flash_attn_func, flash_attn_varlen_func, naive_attention
+
+pytestmark = pytest.mark.cuda
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _ops():
+    from flashtrain.kernels import ops
+
+    return ops
+
+
+def _inputs(shape_q, shape_k, dtype, scale=1.0, seed=0):
+    gen = torch.Generator("cuda").manual_seed(seed)
+    q = (torch.randn(shape_q, device="cuda", generator=gen) * scale).to(dtype)
+    k = (torch.randn(shape_k, device="cuda", generator=gen) * scale).to(dtype)
+    v = torch.randn(shape_k, device="cuda", generator=gen).to(dtype)
+    dout = torch.randn(shape_q, device="cuda", generator=gen).to(dtype)
+    return q, k, v, dout
+
+
+def _run(fn, q, k, v, dout):
+    """out, lse, dq, dk, dv of fn(q, k, v) -> (out, lse)."""
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out, lse = fn(q, k, v)
+    out.backward(dout)
+    return out.detach(), None if lse is None else lse.detach(), q.grad, k.grad, v.grad
+
+
+def _assert_fa2_rule(kernel, reference, lowp, dtype, what):
+    """max|kernel - ref| <= 2 max|lowp - ref| + rounding of ref to dtype (FlashAttention-2's tests)."""
+    assert torch.isfinite(kernel).all(), f"{what}: non-finite values"
+    kernel_err = (kernel.float() - reference).abs().max().item()
+    lowp_err = (lowp.float() - reference).abs().max().item()
+    rounding = (reference.to(dtype).float() - reference).abs().max().item()
+    assert kernel_err <= 2 * lowp_err + 2 * rounding + 1e-6, (
+        f"{what}: kernel error {kernel_err:.3g} > 2 x PyTorch {dtype} error {lowp_err:.3g} (+ rounding {rounding:.3g})"
+    )
+
+
+def _check_against_reference(q, k, v, dout, *, causal, dropout_p=0.0, generator_seed=None, **varlen):
+    """Kernel vs fp32 reference vs naive attention in q.dtype; varlen: cu_seqlens_q/k, max_seqlen_q/k."""
+    dtype = q.dtype
+    mask = None
+    if dropout_p > 0:
+        mask = _ops().dropout_mask_for_testing(
+            q, k, dropout_p=dropout_p, generator=torch.Generator("cuda").manual_seed(generator_seed), **varlen)
+    if varlen:
+        cu_q, cu_k, max_q, max_k = (varlen[key] for key in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                                              "max_seqlen_k"))
+
+        def attn(q, k, v, impl, **kw):
+            return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout_p, causal=causal,
+                                          return_lse=True, impl=impl, **kw)
+
+        def naive(q, k, v):
+            return naive_attention(q, k, v, cu_q, cu_k, causal=causal, dropout_p=dropout_p, dropout_mask=mask)
+    else:
+        def attn(q, k, v, impl, **kw):
+            return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, return_lse=True, impl=impl, **kw)
+
+        def naive(q, k, v):
+            return naive_attention(q, k, v, causal=causal, dropout_p=dropout_p, dropout_mask=mask)
+
+    gen = {} if dropout_p == 0 else {"generator": torch.Generator("cuda").manual_seed(generator_seed)}
+    kernel = _run(lambda q, k, v: attn(q, k, v, "cuda", **gen), q, k, v, dout)
+    ref_mask = {} if mask is None else {"dropout_mask": mask}
+    reference = _run(lambda q, k, v: attn(q, k, v, "reference", **ref_mask), q.float(), k.float(), v.float(),
+                     dout.float())
+    lowp = _run(naive, q, k, v, dout)
+    for name, got, ref, low in zip(("out", "lse", "dq", "dk", "dv"), kernel, reference, lowp):
+        if name == "lse":  # fp32 from fp32 accumulation: close to the reference, -inf where it is -inf
+            assert torch.equal(got == -math.inf, ref == -math.inf), "lse: -inf rows differ"
+            finite = ref > -math.inf
+            torch.testing.assert_close(got[finite], ref[finite], atol=2e-3, rtol=1e-3)
+        else:
+            _assert_fa2_rule(got, ref, low, dtype, name)
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------------------- batch form
+SEQLENS = [(1, 1), (17, 17), (97, 97), (128, 128), (1025, 1025), (17, 97), (97, 17), (128, 1025)]
+
+
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 96, 128, 160, 192, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_matches_reference(head_dim, dtype, causal):
+    for index, (seqlen_q, seqlen_k) in enumerate(SEQLENS):
+        nheads, nheads_kv = (4, 2) if index % 2 else (3, 3)  # GQA on every other shape
+        q, k, v, dout = _inputs((2, seqlen_q, nheads, head_dim), (2, seqlen_k, nheads_kv, head_dim), dtype,
+                                seed=index)
+        _check_against_reference(q, k, v, dout, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_matches_reference_long(head_dim, causal):
+    q, k, v, dout = _inputs((1, 4097, 2, head_dim), (1, 4097, 1, head_dim), torch.bfloat16)
+    _check_against_reference(q, k, v, dout, causal=causal)
+
+
+def test_mqa_many_heads():
+    q, k, v, dout = _inputs((2, 300, 8, 64), (2, 200, 1, 64), torch.float16)
+    _check_against_reference(q, k, v, dout, causal=True)
+
+
+def test_rows_without_visible_keys_give_zeros_and_no_nan():
+    """Causal with seqlen_q > seqlen_k: query i sees key j iff j <= i - 80, so rows 0..79 see nothing."""
+    q, k, v, dout = _inputs((2, 97, 2, 64), (2, 17, 2, 64), torch.bfloat16)
+    out, lse, dq, dk, dv = _check_against_reference(q, k, v, dout, causal=True)
+    assert torch.equal(out[:, :80], torch.zeros_like(out[:, :80]))
+    assert torch.all(lse[:, :, :80] == -math.inf) and torch.isfinite(lse[:, :, 80:]).all()
+    assert torch.equal(dq[:, :80], torch.zeros_like(dq[:, :80]))
+
+
+def test_large_magnitude_inputs_do_not_overflow():
+    q, k, v, dout = _inputs((2, 257, 2, 64), (2, 257, 2, 64), torch.float16, scale=1e3)
+    out, lse, dq, dk, dv = _check_against_reference(q, k, v, dout, causal=False)
+    assert torch.isfinite(lse).all()
+
+
+def test_non_contiguous_inputs():
+    """q, k, v as strided views of one packed qkv tensor (as a fused projection produces)."""
+    qkv = torch.randn(2, 300, 3, 4, 64, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    dout = torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16)
+    _check_against_reference(q, k, v, dout, causal=True)
+
+
+# ---------------------------------------------------------------------------------------------------- varlen
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 72])
+def test_varlen_matches_reference(dtype, causal, head_dim):
+    lengths_q = [0, 1, 17, 97, 128, 300, 5]
+    lengths_k = [3, 1, 0, 97, 200, 129, 40]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v, dout = _inputs((sum(lengths_q), 4, head_dim), (sum(lengths_k), 2, head_dim), dtype)
+    _check_against_reference(q, k, v, dout, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+
+
+# ---------------------------------------------------------------------------------------------------- dropout
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dropout_matches_reference_with_the_kernels_mask(dtype, causal, head_dim):
+    q, k, v, dout = _inputs((2, 300, 4, head_dim), (2, 257, 2, head_dim), dtype)
+    _check_against_reference(q, k, v, dout, causal=causal, dropout_p=0.17, generator_seed=1234)
+
+
+def test_dropout_varlen_matches_reference():
+    lengths_q, lengths_k = [17, 0, 200, 1], [33, 4, 129, 1]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v, dout = _inputs((sum(lengths_q), 2, 64), (sum(lengths_k), 2, 64), torch.bfloat16)
+    _check_against_reference(q, k, v, dout, causal=True, dropout_p=0.3, generator_seed=7, cu_seqlens_q=cu_q,
+                             cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+
+
+def test_dropout_mask_statistics():
+    q, k, _, _ = _inputs((2, 1024, 4, 64), (2, 1024, 4, 64), torch.float16)
+    gen = torch.Generator("cuda").manual_seed(0)
+    first = _ops().dropout_mask_for_testing(q, k, dropout_p=0.25, generator=gen)
+    second = _ops().dropout_mask_for_testing(q, k, dropout_p=0.25, generator=gen)
+    assert abs(first.float().mean().item() - 0.75) < 2e-3  # 8.4M draws: 4 standard deviations is 6e-4
+    assert abs((first == second).float().mean().item() - (0.75**2 + 0.25**2)) < 2e-3  # a new draw per call
+    # neighbouring rows and columns are not correlated (the 16x16 Philox tiles must not repeat)
+    for a, b in ((first[..., 1:, :], first[..., :-1, :]), (first[..., 1:], first[..., :-1])):
+        assert abs((a & b).float().mean().item() - 0.75**2) < 2e-3
+
+
+# ---------------------------------------------------------------------------------------------------- backward modes
+def test_deterministic_backward_is_bitwise_reproducible():
+    q, k, v, dout = _inputs((2, 1000, 4, 64), (2, 1000, 2, 64), torch.bfloat16)
+
+    def grads(deterministic):
+        def fn(q, k, v):
+            return _ops().flash_attn_cuda(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=1000,
+                                          max_seqlen_k=1000, dropout_p=0.0, softmax_scale=0.125, causal=True,
+                                          generator=None, deterministic=deterministic)
+        return _run(fn, q, k, v, dout)[2:]
+
+    first, second, atomic = grads(True), grads(True), grads(False)
+    for a, b, c in zip(first, second, atomic):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, atol=2e-2, rtol=1e-2)
+
+
+def test_opcheck():
+    ops = _ops()
+    q, k, v, _ = _inputs((2, 70, 4, 64), (2, 50, 2, 64), torch.float16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    rng_state = ops._draw_rng_state(q.device, None)
+    for args in [(q, k, v, None, None, 70, 50, 0.0, 0.125, True, None, False),
+                 (q, k, v, None, None, 70, 50, 0.1, 0.125, False, rng_state, True)]:
+        torch.library.opcheck(ops.flash_attn_fwd, args)
+    cu_q = torch.tensor([0, 30, 70], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 20, 50], dtype=torch.int32, device="cuda")
+    torch.library.opcheck(ops.flash_attn_fwd, (q[0], k[0], v[0], cu_q, cu_k, 40, 30, 0.0, 0.125, True, None, False))
+
+
+def test_torch_compile_has_no_graph_break_at_attention():
+    q, k, v, dout = _inputs((2, 256, 4, 64), (2, 256, 4, 64), torch.bfloat16)
+
+    def block(q, k, v):
+        return flash_attn_func(q.sin(), k, v, causal=True).cos()
+
+    compiled = torch.compile(block, fullgraph=True)  # fullgraph: any graph break raises
+    expected = _run(lambda q, k, v: (block(q, k, v), None), q, k, v, dout)
+    got = _run(lambda q, k, v: (compiled(q, k, v), None), q, k, v, dout)
+    for a, b in zip(got, expected):
+        if a is not None:
+            torch.testing.assert_close(a, b)
+
+
+def test_cuda_graph_capture_replays():
+    q, k, v, _ = _inputs((2, 300, 4, 64), (2, 300, 4, 64), torch.float16)
+    expected = flash_attn_func(q, k, v, causal=True, impl="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_attn_func(q, k, v, causal=True, impl="cuda")  # warm-up: compile and load outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_func(q, k, v, causal=True, impl="cuda")
+    q.mul_(0.5)
+    graph.replay()
+    torch.testing.assert_close(out, flash_attn_func(q, k, v, causal=True, impl="cuda"), atol=0, rtol=0)
+    assert not torch.equal(out, expected)
+
+
+def _sanitizer_grid() -> None:
+    """A small grid of forward + backward calls covering every kernel path, for compute-sanitizer."""
+    for head_dim, dtype, causal, dropout_p in [(64, torch.float16, False, 0.0), (128, torch.bfloat16, True, 0.1),
+                                                (96, torch.float16, True, 0.0), (256, torch.bfloat16, False, 0.0),
+                                                (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2)]:
+        q, k, v, dout = _inputs((2, 97, 4, head_dim), (2, 130, 2, head_dim), dtype)
+        _run(lambda q, k, v: flash_attn_func(q, k, v, dropout_p, causal=causal, return_lse=True, impl="cuda"),
+             q, k, v, dout)
+        lengths = torch.tensor([0, 1, 17, 97, 33])
+        cu = torch.tensor([0, *lengths.cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q, k, v, dout = _inputs((int(lengths.sum()), 4, head_dim), (int(lengths.sum()), 1, head_dim), dtype)
+        _run(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, 97, 97, dropout_p, causal=causal,
+                                                    return_lse=True, impl="cuda"), q, k, v, dout)
+    torch.cuda.synchronize()
+    print("sanitizer grid done")
+
+
+if __name__ == "__main__":
+    sys.exit(_sanitizer_grid())

@@ -1,0 +1,81 @@
+"""CPU tests of the kernel build (flashtrain/kernels/build.py): the dispatch table, the disk cache, and an nvcc
+compile check of the most demanding instantiations for sm_80 and sm_90a (skipped without nvcc). The compile check of
+every instantiation (~7 minutes on 2 cores) runs from .ci/run: python -m flashtrain.kernels.build --check-nvcc sm_80 sm_90a
+"""
+
+import ctypes
+import re
+
+import pytest
+
+from flashtrain.kernels import build
+
+SM80_MAX_SMEM = 163 * 1024  # dynamic shared memory a CTA may opt in to on A100 (H100: 227 KB)
+
+
+def test_rounded_head_dim():
+    assert [build.rounded_head_dim(d) for d in (8, 32, 40, 64, 72, 96, 128, 136, 160, 192, 200, 256)] == [
+        32, 32, 64, 64, 96, 96, 128, 192, 192, 192, 256, 256]
+    with pytest.raises(ValueError, match="head_dim"):
+        build.rounded_head_dim(264)
+
+
+def test_dispatch_table_covers_every_instantiation_once():
+    specs = build.all_kernels()
+    names = [spec.name for spec in specs]
+    assert len(names) == len(set(names)) == 2 + 2 * len(build.HEAD_DIMS) * 2 * 2 * 2
+    for spec in specs:
+        assert spec.smem_bytes <= SM80_MAX_SMEM, f"{spec.name} needs {spec.smem_bytes} bytes of shared memory"
+        assert spec.threads in (128, 256)
+
+
+def test_tiles_split_evenly_across_warps():
+    for head_dim, tiles in build.FWD_TILES.items():
+        assert tiles.block_m % (16 * tiles.nwarps) == 0 and tiles.block_n % 16 == 0
+    for head_dim, tiles in build.BWD_TILES.items():
+        assert tiles.block_m % (16 * tiles.warps_m_sdp) == 0
+        assert tiles.block_n % (16 * tiles.warps_n_dkv) == 0 and tiles.block_m % (16 * tiles.warps_m_dq) == 0
+        assert head_dim % (16 * (tiles.nwarps // tiles.warps_n_dkv)) == 0
+        assert head_dim % (16 * (tiles.nwarps // tiles.warps_m_dq)) == 0
+
+
+def test_ctypes_params_match_the_header():
+    """launch.py's structs mirror csrc/flash.h field for field, in order."""
+    launch = pytest.importorskip("flashtrain.kernels.launch", exc_type=ImportError)
+    header = (build.CSRC / "flash.h").read_text()
+    for struct in (launch.FwdParams, launch.BwdParams, launch.AuxParams):
+        body = re.search(rf"struct {struct.__name__} {{(.*?)\n}};", header, re.S).group(1)
+        body = re.sub(r"//.*", "", body)
+        fields = [name for decl in body.split(";") for name in re.findall(r"(\w+)\s*(?:,|$)", decl.strip())]
+        assert fields == [name for name, _ in struct._fields_], struct.__name__
+    assert ctypes.sizeof(launch.FwdParams) % 8 == 0 and ctypes.sizeof(launch.BwdParams) % 8 == 0
+
+
+def test_cache_key_changes_with_macros_and_arch(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHTRAIN_KERNEL_CACHE", str(tmp_path))
+    spec = build.fwd_kernel(64, "bf16", causal=True, dropout=False)
+    other = build.fwd_kernel(64, "bf16", causal=False, dropout=False)
+    paths = {build.cubin_path(spec, "sm_80", "nvcc"), build.cubin_path(spec, "sm_90a", "nvcc"),
+             build.cubin_path(other, "sm_80", "nvcc"), build.cubin_path(spec, "sm_80", "nvrtc")}
+    assert len(paths) == 4 and all(path.parent == tmp_path for path in paths)
+
+
+@pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
+def test_nvcc_compiles_the_hardest_instantiations():
+    """hdim 128 and 256 forward/backward with causal masking and dropout, plus the auxiliary kernels."""
+    specs = [build.aux_kernels("fp16"), build.fwd_kernel(128, "bf16", True, True), build.bwd_kernel(128, "bf16", True, True),
+             build.bwd_kernel(256, "fp16", True, True)]
+    assert build.check_nvcc(["sm_80", "sm_90a"], jobs=2, specs=specs) == 0
+
+
+@pytest.mark.skipif(build.nvcc_version() is None, reason="nvcc not installed")
+def test_compile_kernel_caches_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHTRAIN_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "nvrtc_version", lambda: None)  # force the nvcc path
+    spec = build.aux_kernels("bf16")
+    cubin = build.compile_kernel(spec, "sm_80")
+    assert cubin[:4] == b"\x7fELF"
+    for symbol in spec.symbols:
+        assert symbol.encode() in cubin
+    monkeypatch.setattr(build, "_compile_nvcc", lambda *args: pytest.fail("cache miss"))
+    assert build.compile_kernel(spec, "sm_80") == cubin
