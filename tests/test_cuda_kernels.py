@@ -44,12 +44,13 @@ def _run(fn, q, k, v, dout):
 
 
 def _assert_fa2_rule(kernel, reference, lowp, dtype, what):
-    """max|kernel - ref| <= 2 max|lowp - ref| + rounding of ref to dtype (FlashAttention-2's tests)."""
+    """max|kernel - ref| <= 2 max|lowp - ref| + rounding of ref to dtype + 1e-5 (FlashAttention-2's tests; the
+    absolute 1e-5 covers fp32 rounding where the exact result is 0, e.g. dq of a row that sees a single key)."""
     assert torch.isfinite(kernel).all(), f"{what}: non-finite values"
     kernel_err = (kernel.float() - reference).abs().max().item()
     lowp_err = (lowp.float() - reference).abs().max().item()
     rounding = (reference.to(dtype).float() - reference).abs().max().item()
-    assert kernel_err <= 2 * lowp_err + 2 * rounding + 1e-6, (
+    assert kernel_err <= 2 * lowp_err + 2 * rounding + 1e-5, (
         f"{what}: kernel error {kernel_err:.3g} > 2 x PyTorch {dtype} error {lowp_err:.3g} (+ rounding {rounding:.3g})"
     )
 
@@ -130,10 +131,19 @@ def test_rows_without_visible_keys_give_zeros_and_no_nan():
     assert torch.equal(dq[:, :80], torch.zeros_like(dq[:, :80]))
 
 
-def test_large_magnitude_inputs_do_not_overflow():
-    q, k, v, dout = _inputs((2, 257, 2, 64), (2, 257, 2, 64), torch.float16, scale=1e3)
-    out, lse, dq, dk, dv = _check_against_reference(q, k, v, dout, causal=False)
-    assert torch.isfinite(lse).all()
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_large_magnitude_inputs_do_not_overflow(dtype):
+    """q, k of magnitude 1e3: scores ~1e7 overflow fp16 in plain PyTorch (NaN), not in the kernel (fp32 scores)."""
+    q, k, v, dout = _inputs((2, 257, 2, 64), (2, 257, 2, 64), dtype, scale=1e3)
+    kernel = _run(lambda q, k, v: flash_attn_func(q, k, v, return_lse=True, impl="cuda"), q, k, v, dout)
+    reference = _run(lambda q, k, v: flash_attn_func(q, k, v, return_lse=True, impl="reference"), q.float(),
+                     k.float(), v.float(), dout.float())
+    for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), kernel, reference):
+        assert torch.isfinite(got).all(), name
+    out, lse = kernel[0].float(), kernel[1]
+    rounding = (reference[0].to(dtype).float() - reference[0]).abs().max().item()
+    assert (out - reference[0]).abs().max().item() <= 4 * rounding  # softmax is one-hot: out is a row of v
+    torch.testing.assert_close(lse, reference[1], atol=0, rtol=1e-4)
 
 
 def test_non_contiguous_inputs():
@@ -228,8 +238,8 @@ def test_torch_compile_has_no_graph_break_at_attention():
     expected = _run(lambda q, k, v: (block(q, k, v), None), q, k, v, dout)
     got = _run(lambda q, k, v: (compiled(q, k, v), None), q, k, v, dout)
     for a, b in zip(got, expected):
-        if a is not None:
-            torch.testing.assert_close(a, b)
+        if a is not None:  # inductor's fused sin/cos round differently from eager's: bf16 tolerances
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
 def test_cuda_graph_capture_replays():

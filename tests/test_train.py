@@ -118,6 +118,16 @@ def test_resume_is_exact(cache_dir, tmp_path):
     assert losses(second.history, "val_loss")[12] == pytest.approx(losses(full.history, "val_loss")[12], rel=1e-6)
 
 
+def test_time_limit_stops_with_checkpoint_and_eval(cache_dir, tmp_path):
+    cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_minutes=1e-6", "trainer.sample_tokens=0"))
+    result = train(cfg, tmp_path / "run")
+    assert result.final_step == 1 and result.checkpoint.name == "step_00000001"
+    assert [r["step"] for r in result.history if "val_loss" in r] == [0, 1]
+    cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_steps=3", "trainer.sample_tokens=0",
+                                        f"resume={tmp_path / 'run'}"))
+    assert train(cfg, tmp_path / "run2").final_step == 3
+
+
 def test_resume_auto_picks_newest_complete_checkpoint(tmp_path):
     runs = tmp_path / "runs" / "demo"
     for run, steps in (("2026-01-01_00-00-00", [10, 20]), ("2026-01-02_00-00-00", [30])):

@@ -60,7 +60,7 @@ class BwdTiles:
 # Tile shapes per head dim (FlashAttention-2's choices for sm80/sm90 where they fit this kernel's register budget).
 FWD_TILES = {
     32: FwdTiles(128, 128, 4),
-    64: FwdTiles(128, 128, 4),
+    64: FwdTiles(128, 64, 4),
     96: FwdTiles(128, 64, 4),
     128: FwdTiles(128, 64, 4),
     192: FwdTiles(128, 64, 8),
@@ -70,7 +70,7 @@ BWD_TILES = {
     32: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=8, warps_m_dq=4, stages=2),
     64: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2),
     96: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=8, warps_m_dq=4, stages=2),
-    128: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2),
+    128: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=2, stages=2),
     192: BwdTiles(64, 64, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2),
     256: BwdTiles(64, 64, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=1),
 }
@@ -202,7 +202,8 @@ def _compile_nvrtc(spec: KernelSpec, arch: str) -> bytes:
                                             [sources[name] for name in headers], [name.encode() for name in headers])
     _check_nvrtc(err, "nvrtcCreateProgram")
     try:
-        options = [f"--gpu-architecture={arch}", *_COMMON_FLAGS, *_macro_flags(spec)]
+        # -default-device: the kernels' lambdas carry no __device__ (nvcc infers it inside device functions)
+        options = [f"--gpu-architecture={arch}", "-default-device", *_COMMON_FLAGS, *_macro_flags(spec)]
         (err,) = nvrtc.nvrtcCompileProgram(program, len(options), [option.encode() for option in options])
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             _, size = nvrtc.nvrtcGetProgramLogSize(program)

@@ -39,7 +39,9 @@ def flash_attn_func(
     Returns out (batch, seqlen_q, nheads, head_dim), and with return_lse=True also lse (batch, nheads, seqlen_q),
     float32 (float64 for float64 inputs on the reference). causal is bottom-right aligned. block_mask: bool
     ([nheads,] ceil(seqlen_q / 128), ceil(seqlen_k / 128)), False skips a 128 x 128 block. dropout_mask: bool keep-mask
-    (batch, nheads, seqlen_q, seqlen_k); without it the mask is drawn from generator (default generator if None).
+    (batch, nheads, seqlen_q, seqlen_k); without it the mask is drawn from generator (default generator if None) and
+    regenerated in backward; each implementation draws its own masks, so the same generator state gives different
+    masks on impl="reference" and impl="cuda".
     """
     _check_qkv(q, k, v, rank=4, layout="(batch, seqlen, nheads, head_dim)")
     if k.shape[0] != q.shape[0]:

@@ -198,10 +198,10 @@ class _GroupCompute:
             lse[:, r0:r1] = row_max + row_sum.log()  # -inf + -inf = -inf for rows that saw no key
         return out, lse
 
-    def backward(self, q, k, v, out, dout, lse) -> tuple[Tensor, Tensor, Tensor]:
-        """Shapes as in forward; q pre-scaled. Returns dq (without the softmax_scale factor), dk, dv."""
+    def backward(self, q, k, v, dout, lse, delta) -> tuple[Tensor, Tensor, Tensor]:
+        """Shapes as in forward, dout like q; lse and delta = rowsum(dO * O) (rows, seqlen_q * group); q pre-scaled.
+        Returns dq (without the softmax_scale factor), dk, dv."""
         g = self.group_size
-        delta = (dout * out).sum(-1)  # D = rowsum(dO * O), (rows, seqlen_q * group)
         # rows that saw no key: exp(S - inf) = 0 (and exp(-inf - inf) = 0), not NaN
         lse = lse.masked_fill(lse == -math.inf, math.inf)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -231,29 +231,32 @@ class _GroupCompute:
 
 
 def _rows_by_kv_head(packed: Tensor, start: int, batch: int, seqlen: int, nheads_kv: int, group: int, dtype) -> Tensor:
-    """(total, nheads, D) packed rows [start, start + batch * seqlen) -> (batch * nheads_kv, seqlen * group, D)."""
+    """(total, nheads, D) packed rows [start, start + batch * seqlen) -> a new (batch * nheads_kv, seqlen * group, D)."""
     head_dim = packed.shape[-1]
+    rows = torch.empty((batch * nheads_kv, seqlen * group, head_dim), dtype=dtype, device=packed.device)
     x = packed[start : start + batch * seqlen].view(batch, seqlen, nheads_kv, group, head_dim)
-    return x.permute(0, 2, 1, 3, 4).to(dtype).reshape(batch * nheads_kv, seqlen * group, head_dim)
+    rows.view(batch, nheads_kv, seqlen, group, head_dim).copy_(x.permute(0, 2, 1, 3, 4))
+    return rows
 
 
-def _packed_from_rows(rows: Tensor, batch: int, seqlen: int, nheads_kv: int, group: int) -> Tensor:
-    """Inverse of _rows_by_kv_head: (batch * nheads_kv, seqlen * group, D) -> (batch * seqlen, nheads, D)."""
+def _copy_to_packed(packed: Tensor, rows: Tensor, batch: int, seqlen: int, nheads_kv: int, group: int) -> None:
+    """Inverse of _rows_by_kv_head: rows (batch * nheads_kv, seqlen * group, D) into packed (batch * seqlen, nheads, D)."""
     head_dim = rows.shape[-1]
-    x = rows.view(batch, nheads_kv, seqlen, group, head_dim).permute(0, 2, 1, 3, 4)
-    return x.reshape(batch * seqlen, nheads_kv * group, head_dim)
+    source = rows.view(batch, nheads_kv, seqlen, group, head_dim).permute(0, 2, 1, 3, 4)
+    packed.view(batch, seqlen, nheads_kv, group, head_dim).copy_(source)
 
 
 def _lse_rows(lse: Tensor, batch: int, seqlen: int, nheads_kv: int, group: int) -> Tensor:
-    """(nheads, batch * seqlen) packed lse -> (batch * nheads_kv, seqlen * group), the row order of _rows_by_kv_head."""
+    """(nheads, batch * seqlen) per-row values, packed like lse -> (batch * nheads_kv, seqlen * group), the row order of
+    _rows_by_kv_head."""
     x = lse.view(nheads_kv, group, batch, seqlen).permute(2, 0, 3, 1)
     return x.reshape(batch * nheads_kv, seqlen * group)
 
 
-def _lse_packed(rows: Tensor, batch: int, seqlen: int, nheads_kv: int, group: int) -> Tensor:
-    """Inverse of _lse_rows: (batch * nheads_kv, seqlen * group) -> (nheads, batch * seqlen)."""
-    x = rows.view(batch, nheads_kv, seqlen, group).permute(1, 3, 0, 2)  # (nheads_kv, group, batch, seqlen)
-    return x.reshape(nheads_kv * group, batch * seqlen)
+def _copy_lse_to_packed(packed: Tensor, rows: Tensor, batch: int, seqlen: int, nheads_kv: int, group: int) -> None:
+    """Inverse of _lse_rows: rows (batch * nheads_kv, seqlen * group) into packed (nheads, batch * seqlen)."""
+    source = rows.view(batch, nheads_kv, seqlen, group).permute(1, 3, 0, 2)  # (nheads_kv, group, batch, seqlen)
+    packed.view(nheads_kv, group, batch, seqlen).copy_(source)
 
 
 class _FlashAttentionFunction(torch.autograd.Function):
@@ -275,14 +278,14 @@ class _FlashAttentionFunction(torch.autograd.Function):
         out = q.new_zeros(q.shape)
         lse = torch.full((nheads, q.shape[0]), -math.inf, dtype=compute_dtype, device=q.device)
         for compute in computes:
-            s = compute.group
-            q_rows = _rows_by_kv_head(q, s.q_start, s.batch, s.seqlen_q, nheads_kv, group, compute_dtype)
-            k_rows = _rows_by_kv_head(k, s.k_start, s.batch, s.seqlen_k, nheads_kv, 1, compute_dtype)
-            v_rows = _rows_by_kv_head(v, s.k_start, s.batch, s.seqlen_k, nheads_kv, 1, compute_dtype)
-            out_rows, lse_rows = compute.forward(q_rows * softmax_scale, k_rows, v_rows)
-            packed_q = slice(s.q_start, s.q_start + s.batch * s.seqlen_q)
-            out[packed_q] = _packed_from_rows(out_rows, s.batch, s.seqlen_q, nheads_kv, group)
-            lse[:, packed_q] = _lse_packed(lse_rows, s.batch, s.seqlen_q, nheads_kv, group)
+            seqs = compute.group
+            q_rows = _rows_by_kv_head(q, seqs.q_start, seqs.batch, seqs.seqlen_q, nheads_kv, group, compute_dtype)
+            k_rows = _rows_by_kv_head(k, seqs.k_start, seqs.batch, seqs.seqlen_k, nheads_kv, 1, compute_dtype)
+            v_rows = _rows_by_kv_head(v, seqs.k_start, seqs.batch, seqs.seqlen_k, nheads_kv, 1, compute_dtype)
+            out_rows, lse_rows = compute.forward(q_rows.mul_(softmax_scale), k_rows, v_rows)
+            packed_q = slice(seqs.q_start, seqs.q_start + seqs.batch * seqs.seqlen_q)
+            _copy_to_packed(out[packed_q], out_rows, seqs.batch, seqs.seqlen_q, nheads_kv, group)
+            _copy_lse_to_packed(lse[:, packed_q], lse_rows, seqs.batch, seqs.seqlen_q, nheads_kv, group)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.computes = computes  # tiles, masks and the dropout seed of each sequence group
         ctx.softmax_scale = softmax_scale
@@ -290,6 +293,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         compute_dtype, scale = lse.dtype, ctx.softmax_scale
@@ -297,19 +301,22 @@ class _FlashAttentionFunction(torch.autograd.Function):
         group = q.shape[1] // nheads_kv
         dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
         for compute in ctx.computes:
-            s = compute.group
-            packed_q = slice(s.q_start, s.q_start + s.batch * s.seqlen_q)
-            packed_k = slice(s.k_start, s.k_start + s.batch * s.seqlen_k)
-            q_rows = _rows_by_kv_head(q, s.q_start, s.batch, s.seqlen_q, nheads_kv, group, compute_dtype)
-            k_rows = _rows_by_kv_head(k, s.k_start, s.batch, s.seqlen_k, nheads_kv, 1, compute_dtype)
-            v_rows = _rows_by_kv_head(v, s.k_start, s.batch, s.seqlen_k, nheads_kv, 1, compute_dtype)
-            out_rows = _rows_by_kv_head(out, s.q_start, s.batch, s.seqlen_q, nheads_kv, group, compute_dtype)
-            dout_rows = _rows_by_kv_head(dout, s.q_start, s.batch, s.seqlen_q, nheads_kv, group, compute_dtype)
-            lse_rows = _lse_rows(lse[:, packed_q], s.batch, s.seqlen_q, nheads_kv, group)
-            dq_rows, dk_rows, dv_rows = compute.backward(q_rows * scale, k_rows, v_rows, out_rows, dout_rows, lse_rows)
-            dq[packed_q] = _packed_from_rows(dq_rows.mul_(scale), s.batch, s.seqlen_q, nheads_kv, group)
-            dk[packed_k] = _packed_from_rows(dk_rows, s.batch, s.seqlen_k, nheads_kv, 1)
-            dv[packed_k] = _packed_from_rows(dv_rows, s.batch, s.seqlen_k, nheads_kv, 1)
+            seqs = compute.group
+            packed_q = slice(seqs.q_start, seqs.q_start + seqs.batch * seqs.seqlen_q)
+            packed_k = slice(seqs.k_start, seqs.k_start + seqs.batch * seqs.seqlen_k)
+            q_rows = _rows_by_kv_head(q, seqs.q_start, seqs.batch, seqs.seqlen_q, nheads_kv, group, compute_dtype)
+            k_rows = _rows_by_kv_head(k, seqs.k_start, seqs.batch, seqs.seqlen_k, nheads_kv, 1, compute_dtype)
+            v_rows = _rows_by_kv_head(v, seqs.k_start, seqs.batch, seqs.seqlen_k, nheads_kv, 1, compute_dtype)
+            dout_rows = _rows_by_kv_head(dout, seqs.q_start, seqs.batch, seqs.seqlen_q, nheads_kv, group, compute_dtype)
+            lse_rows = _lse_rows(lse[:, packed_q], seqs.batch, seqs.seqlen_q, nheads_kv, group)
+            delta = (dout[packed_q].to(compute_dtype) * out[packed_q]).sum(-1)  # D = rowsum(dO * O), (rows, nheads)
+            delta_rows = _lse_rows(delta.t(), seqs.batch, seqs.seqlen_q, nheads_kv, group)
+            dq_rows, dk_rows, dv_rows = compute.backward(
+                q_rows.mul_(scale), k_rows, v_rows, dout_rows, lse_rows, delta_rows
+            )
+            _copy_to_packed(dq[packed_q], dq_rows.mul_(scale), seqs.batch, seqs.seqlen_q, nheads_kv, group)
+            _copy_to_packed(dk[packed_k], dk_rows, seqs.batch, seqs.seqlen_k, nheads_kv, 1)
+            _copy_to_packed(dv[packed_k], dv_rows, seqs.batch, seqs.seqlen_k, nheads_kv, 1)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

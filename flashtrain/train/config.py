@@ -72,6 +72,8 @@ class TrainerConfig:
                      "eval_batches", "save_interval", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"trainer.max_minutes must be > 0 (or null), got {self.max_minutes}")
         if self.stop_step is not None and not 0 < self.stop_step <= self.max_steps:
             raise ValueError(f"trainer.stop_step must be in [1, trainer.max_steps={self.max_steps}], "
                              f"got {self.stop_step}")

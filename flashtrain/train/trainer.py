@@ -177,7 +177,8 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
         state.tokens_seen += tokens_per_step
         pbar.update(1)
 
-        last = state.step == end_step
+        out_of_time = tcfg.max_minutes is not None and (time.perf_counter() - start_time) / 60 >= tcfg.max_minutes
+        last = state.step == end_step or out_of_time
         if state.step % tcfg.log_interval == 0 or last:
             train_loss = accelerator.reduce(loss_sum / tcfg.grad_accum_steps, reduction="mean").item()
             now = time.perf_counter()
@@ -188,10 +189,9 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
             pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
         if state.step % tcfg.eval_interval == 0 or last:
             run_eval()
-        out_of_time = tcfg.max_minutes is not None and (time.perf_counter() - start_time) / 60 >= tcfg.max_minutes
-        if state.step % tcfg.save_interval == 0 or last or out_of_time:
+        if state.step % tcfg.save_interval == 0 or last:
             last_ckpt = save_checkpoint(accelerator, run_dir, state.step, tcfg.keep_checkpoints)
-        if out_of_time and not last:
+        if out_of_time and state.step < end_step:
             stopped_early = True
             break
     pbar.close()

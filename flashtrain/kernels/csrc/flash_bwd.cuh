@@ -96,10 +96,8 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
         load_tile_async<TileKV, T::kNThreads>(sK, k, f.k_row_stride, seqlen_k - n0, f.head_dim, tid);
         load_tile_async<TileKV, T::kNThreads>(sV, v, f.v_row_stride, seqlen_k - n0, f.head_dim, tid);
 
-        // Issue the copies of Q and dO of iteration `it` into stage `stage`.
-        auto load_q_do = [&](int it, int stage) {
-            const int head = head_kv * group + it / n_mblocks;
-            const int m0 = (m_block_min + it % n_mblocks) * kBlockM;
+        // Issue the copies of Q and dO of (query head, query block starting at row m0) into stage `stage`.
+        auto load_q_do = [&](int head, int m0, int stage) {
             const u32 sQ = smem_base + stage * TileQ::kBytes, sdO = sQ + T::kStages * TileQ::kBytes;
             const u16* q = (const u16*)f.q + batch * f.q_batch_stride + (i64)(q_start + m0) * f.q_row_stride +
                            head * f.q_head_stride;
@@ -108,25 +106,29 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
             load_tile_async<TileQ, T::kNThreads>(sQ, q, f.q_row_stride, seqlen_q - m0, f.head_dim, tid);
             load_tile_async<TileQ, T::kNThreads>(sdO, dout, p.do_row_stride, seqlen_q - m0, f.head_dim, tid);
         };
-        if (n_iters > 0) load_q_do(0, 0);
+        // Iterations run over query blocks [m_block_min, m_block_end) of each query head of the group in turn.
+        const int m_block_end = m_block_min + n_mblocks;
+        auto next = [&](int& head, int& m_block) {
+            if (++m_block == m_block_end) m_block = m_block_min, ++head;
+        };
+        if (n_iters > 0) load_q_do(head_kv * group, m_block_min * kBlockM, 0);
         cp_async_commit();
 
         float acc_dk[T::kMT_dKV][T::kNT_dKV][4], acc_dv[T::kMT_dKV][T::kNT_dKV][4];
         zero(acc_dk);
         zero(acc_dv);
 
-        for (int it = 0; it < n_iters; ++it) {
-            const int head = head_kv * group + it / n_mblocks;
-            const int m0 = (m_block_min + it % n_mblocks) * kBlockM;
+        // One (query head, query block) iteration; kMask: the block holds keys past the end or above the diagonal.
+        // head_next / m0_next: the following iteration's, whose Q and dO are copied during this one (2 stages).
+        auto step = [&](int it, int head, int m0, int head_next, int m0_next, auto mask_tag) {
+            constexpr bool kMask = decltype(mask_tag)::value;
             const int stage = T::kStages == 2 ? (it & 1) : 0;
+            cp_async_wait<0>();
+            __syncthreads();  // Q[it], dO[it] (and K, V) landed; every warp is done with iteration it - 1
             if (T::kStages == 2 && it + 1 < n_iters) {
-                load_q_do(it + 1, stage ^ 1);
+                load_q_do(head_next, m0_next, stage ^ 1);
                 cp_async_commit();
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
             }
-            __syncthreads();  // Q[it], dO[it] (and K, V) landed
 
             const u32 base = launder(smem_base);
             const u32 sQ = base + stage * TileQ::kBytes, sdO = sQ + T::kStages * TileQ::kBytes;
@@ -154,9 +156,7 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
             warp_gemm_ss<T::kIsBF16, kMT_S, kNT_S, T::kHeadDim, false, false>(
                 dp, a_frag_ptr<TileQ, false>(sdO, s_m0, 0, lane), b_frag_ptr<TileKV, false>(sV, s_n0, 0, lane));
 
-            const bool need_mask =
-                n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
-            if (need_mask) {
+            if constexpr (kMask) {
 #pragma unroll
                 for (int mt = 0; mt < kMT_S; ++mt)
 #pragma unroll
@@ -217,31 +217,45 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                 acc_dq, a_frag_ptr<TileP, false>(sdS, dq_m0, 0, lane),
                 b_frag_ptr<TileKV, true, T::kXorSafe_dQ>(sK, 0, dq_d0, lane));
             float* dq_head = dq_accum + head * p.dqa_head_stride;
+            auto add_dq = [&](auto deterministic_tag) {
 #pragma unroll
-            for (int mt = 0; mt < T::kMT_dQ; ++mt)
+                for (int mt = 0; mt < T::kMT_dQ; ++mt)
 #pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = m0 + dq_m0 + mt * 16 + g + 8 * hf;
-                    if (row >= seqlen_q) continue;
-                    float* dq_row = dq_head + (i64)row * f.head_dim;
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int row = m0 + dq_m0 + mt * 16 + g + 8 * hf;
+                        float* dq_row = dq_head + (i64)row * f.head_dim;
 #pragma unroll
-                    for (int nt = 0; nt < T::kNT_dQ; ++nt) {
-                        const int col = dq_d0 + nt * 8 + 2 * t;
-                        if (col >= f.head_dim) continue;
-                        const float a = acc_dq[mt][nt][2 * hf], b = acc_dq[mt][nt][2 * hf + 1];
-                        if (p.deterministic) {
-                            dq_row[col] += a;  // this thread is the only writer of this split's element
-                            dq_row[col + 1] += b;
-                        } else {
-                            atomic_add2(dq_row + col, a, b);
+                        for (int nt = 0; nt < T::kNT_dQ; ++nt) {
+                            const int col = dq_d0 + nt * 8 + 2 * t;
+                            if (row >= seqlen_q || col >= f.head_dim) continue;
+                            const float a = acc_dq[mt][nt][2 * hf], b = acc_dq[mt][nt][2 * hf + 1];
+                            if constexpr (decltype(deterministic_tag)::value) {
+                                dq_row[col] += a;  // this thread is the only writer of this split's element
+                                dq_row[col + 1] += b;
+                            } else {
+                                atomic_add2(dq_row + col, a, b);
+                            }
                         }
                     }
-                }
-            __syncthreads();  // every warp is done with P, dS, Q[stage], dO[stage]
+            };
+            if (p.deterministic) add_dq(BoolConstant<true>{});
+            else add_dq(BoolConstant<false>{});
             if (T::kStages == 1 && it + 1 < n_iters) {
-                load_q_do(it + 1, 0);
+                __syncthreads();  // every warp is done with Q and dO
+                load_q_do(head_next, m0_next, 0);
                 cp_async_commit();
             }
+        };
+        int head = head_kv * group, m_block = m_block_min;
+        for (int it = 0; it < n_iters; ++it) {
+            int head_next = head, m_block_next = m_block;
+            next(head_next, m_block_next);
+            const int m0 = m_block * kBlockM, m0_next = m_block_next * kBlockM;
+            if (n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q))
+                step(it, head, m0, head_next, m0_next, BoolConstant<true>{});
+            else
+                step(it, head, m0, head_next, m0_next, BoolConstant<false>{});
+            head = head_next, m_block = m_block_next;
         }
 
         // Epilogue: dK * scale and dV through the K / V tiles, then 16-byte stores.

@@ -90,7 +90,9 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
     DropoutRng rng = T::kIsDropout ? DropoutRng(p.rng_state, p.keep_threshold) : DropoutRng{};
     const int bh = batch * p.nheads + head;
 
-    for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+    // One key block; kMask: some key of it is past the end or right of the diagonal for some row of this block.
+    auto step = [&](int n_block, auto mask_tag) {
+        constexpr bool kMask = decltype(mask_tag)::value;
         const int n0 = n_block * kBlockN;
         const u32 sQ = launder(smem_base), sK = sQ + TileQ::kBytes, sV = sK + TileKV::kBytes;
         cp_async_wait<0>();
@@ -104,10 +106,8 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         warp_gemm_ss<T::kIsBF16, kMT, kNT, T::kHeadDim, false, false>(s, a_frag_ptr<TileQ, false>(sQ, warp_m0, 0, lane),
                                                                        b_frag_ptr<TileKV, false>(sK, 0, 0, lane));
 
-        // Mask keys past the end and, when causal, keys right of the diagonal (only blocks that need it).
-        const bool need_mask =
-            n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
-        if (need_mask) {
+        // Mask keys past the end and, when causal, keys right of the diagonal.
+        if constexpr (kMask) {
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -194,7 +194,15 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
                 }
             }
         }
+    };
+    // The blocks that need masking come first in this descending order; the rest run the mask-free copy.
+    int n_block = n_block_max - 1;
+    for (; n_block >= 0; --n_block) {
+        const int n0 = n_block * kBlockN;
+        if (!(n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q))) break;
+        step(n_block, BoolConstant<true>{});
     }
+    for (; n_block >= 0; --n_block) step(n_block, BoolConstant<false>{});
 
     // Epilogue: out = O / l, lse = m * scale + ln(l); staged through Q's shared tile for 16-byte stores.
     cp_async_wait<0>();

@@ -19,6 +19,10 @@ using u16 = unsigned short;
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+template <bool kValue> struct BoolConstant {
+    static constexpr bool value = kValue;
+};
+
 // ---------------------------------------------------------------------------------------------- scalar helpers
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 __device__ __forceinline__ float fast_exp2(float x) {
