@@ -217,7 +217,8 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                 acc_dq, a_frag_ptr<TileP, false>(sdS, dq_m0, 0, lane),
                 b_frag_ptr<TileKV, true, T::kXorSafe_dQ>(sK, 0, dq_d0, lane));
             float* dq_head = dq_accum + head * p.dqa_head_stride;
-            auto add_dq = [&](auto deterministic_tag) {
+            // kGuard: some row of the block is past the end, or head_dim < kHeadDim.
+            auto add_dq = [&](auto deterministic_tag, auto guard_tag) {
 #pragma unroll
                 for (int mt = 0; mt < T::kMT_dQ; ++mt)
 #pragma unroll
@@ -227,7 +228,7 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
 #pragma unroll
                         for (int nt = 0; nt < T::kNT_dQ; ++nt) {
                             const int col = dq_d0 + nt * 8 + 2 * t;
-                            if (row >= seqlen_q || col >= f.head_dim) continue;
+                            if (decltype(guard_tag)::value && (row >= seqlen_q || col >= f.head_dim)) continue;
                             const float a = acc_dq[mt][nt][2 * hf], b = acc_dq[mt][nt][2 * hf + 1];
                             if constexpr (decltype(deterministic_tag)::value) {
                                 dq_row[col] += a;  // this thread is the only writer of this split's element
@@ -238,8 +239,10 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                         }
                     }
             };
-            if (p.deterministic) add_dq(BoolConstant<true>{});
-            else add_dq(BoolConstant<false>{});
+            const bool guard = m0 + kBlockM > seqlen_q || f.head_dim != T::kHeadDim;
+            if (p.deterministic) add_dq(BoolConstant<true>{}, BoolConstant<true>{});
+            else if (guard) add_dq(BoolConstant<false>{}, BoolConstant<true>{});
+            else add_dq(BoolConstant<false>{}, BoolConstant<false>{});
             if (T::kStages == 1 && it + 1 < n_iters) {
                 __syncthreads();  // every warp is done with Q and dO
                 load_q_do(head_next, m0_next, 0);
