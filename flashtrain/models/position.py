@@ -1,0 +1,67 @@
+"""Longer inputs for models with learned absolute positions: grow the position table, then fine-tune.
+
+"repeat" tiles the pretrained rows, as Longformer (Beltagy et al. 2020) initialised its 4K positions from RoBERTa's
+512: position p gets pretrained row p mod n_old, so every position keeps the local structure the model learned and the
+first n_old positions are unchanged -- the extended model computes exactly what it did on inputs that fit the old
+table. RoBERTa's first pad_token_id + 1 = 2 rows are not positions (row 1 is the pad tokens' position); they are
+copied as they are and only the rows after them are tiled (Longformer's conversion script left them uninitialised).
+
+"interpolate" stretches the pretrained rows linearly over the new length, endpoints aligned: new position j takes the
+pretrained table at the fractional position j * (n_old - 1) / (new_max - 1), i.e. (1 - f) * row[floor] + f * row[floor
++ 1]. Position 0 and the last position keep their rows exactly; all others change, so outputs on short inputs change
+too (a one-token input, which only sees position 0, is the exception). For RoBERTa, again over the rows after the
+first two, which are copied.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flashtrain.models.bert import BertForMaskedLM, BertForSequenceClassification, BertModel
+from flashtrain.models.gpt2 import GPT2
+
+METHODS = ("repeat", "interpolate")
+
+
+def extend_position_embeddings(model: nn.Module, new_max: int, method: str = "repeat") -> None:
+    """Grow model's position table in place so that it takes inputs of up to new_max tokens, and update its config.
+
+    model: GPT2 (transformer.wpe, config.n_positions = new_max), or BertModel / BertForMaskedLM /
+    BertForSequenceClassification (embeddings.position_embeddings; config.max_position_embeddings = new_max, plus
+    the offset of 2 for RoBERTa, whose positions start at pad_token_id + 1). The new table is a new nn.Parameter:
+    build the optimizer after calling this.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if isinstance(model, GPT2):
+        parent, name, offset, old_max = model.transformer, "wpe", 0, model.config.n_positions
+    elif isinstance(model, (BertModel, BertForMaskedLM, BertForSequenceClassification)):
+        encoder = model if isinstance(model, BertModel) else model.encoder
+        parent, name = encoder.embeddings, "position_embeddings"
+        offset, old_max = encoder.config.position_offset, encoder.config.max_seqlen
+    else:
+        raise TypeError(f"model must be a GPT2 or a BERT/RoBERTa model of flashtrain.models, "
+                        f"got {type(model).__name__}")
+    if new_max <= old_max:
+        raise ValueError(f"new_max must exceed the current maximum of {old_max} tokens, got {new_max}")
+
+    old_table: nn.Embedding = getattr(parent, name)
+    old_weight = old_table.weight.detach()  # (offset + old_max, C)
+    pretrained = old_weight[offset:]  # (old_max, C): the rows of real positions
+    if method == "repeat":
+        extended = pretrained[torch.arange(new_max, device=pretrained.device) % old_max]  # (new_max, C)
+    else:  # linear, endpoints aligned; computed in float32 at least
+        compute_dtype = torch.promote_types(pretrained.dtype, torch.float32)
+        extended = F.interpolate(pretrained.to(compute_dtype).t()[None], size=new_max, mode="linear",
+                                 align_corners=True)[0].t().to(pretrained.dtype)  # (new_max, C)
+    new_weight = torch.cat([old_weight[:offset], extended])  # (offset + new_max, C)
+    new_table = nn.Embedding(offset + new_max, new_weight.shape[1], padding_idx=old_table.padding_idx,
+                             device=new_weight.device, dtype=new_weight.dtype)
+    with torch.no_grad():
+        new_table.weight.copy_(new_weight)
+    new_table.weight.requires_grad_(old_table.weight.requires_grad)
+    setattr(parent, name, new_table)
+    if isinstance(model, GPT2):
+        model.config.n_positions = new_max
+    else:
+        encoder.config.max_position_embeddings = offset + new_max
