@@ -141,8 +141,8 @@ def test_large_magnitude_inputs_do_not_overflow(dtype):
     for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), kernel, reference):
         assert torch.isfinite(got).all(), name
     out, lse = kernel[0].float(), kernel[1]
-    rounding = (reference[0].to(dtype).float() - reference[0]).abs().max().item()
-    assert (out - reference[0]).abs().max().item() <= 4 * rounding  # softmax is one-hot: out is a row of v
+    # softmax is (nearly) one-hot: out is a row of v, up to rounding P to the dtype before P @ V
+    assert (out - reference[0]).abs().max().item() <= 2 * torch.finfo(dtype).eps * v.abs().max().item()
     torch.testing.assert_close(lse, reference[1], atol=0, rtol=1e-4)
 
 

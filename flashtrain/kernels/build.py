@@ -52,9 +52,9 @@ class BwdTiles:
     warps_m_dq: int  # warps along the query rows of dQ (the others split head_dim)
     stages: int  # buffers of Q and dO (2: the next block's copy overlaps this block's math)
 
-    def smem_bytes(self, head_dim: int) -> int:  # Q, dO (x stages), K, V, P, dS; 16-bit values
-        return 2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
-                    + 2 * self.block_m * self.block_n)
+    def smem_bytes(self, head_dim: int) -> int:  # Q, dO (x stages), K, V, P, dS 16-bit; lse, D (x stages) fp32
+        return (2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
+                     + 2 * self.block_m * self.block_n) + 2 * self.stages * 4 * self.block_m)
 
 
 # Tile shapes per head dim (FlashAttention-2's choices for sm80/sm90 where they fit this kernel's register budget).

@@ -64,6 +64,7 @@ def evaluate(model, loader, accelerator: Accelerator) -> float:
 
 
 def generate_sample(model, data: LMData, prompt: str, n_tokens: int, device, seed: int) -> str:
+    model.eval()  # no dropout while sampling
     ids = data.tokenizer.encode(prompt).ids or [data.eos_id]
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -151,11 +152,12 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
     train_iter = iter(train_loader)
     last_ckpt = checkpoint
     model.train()
-    start_time = t_log = time.perf_counter()
-    tokens_at_log = state.tokens_seen
+    start_time = time.perf_counter()
+    interval_seconds, tokens_at_log = 0.0, state.tokens_seen  # training time only: evals and saves excluded
     pbar = tqdm(total=end_step, initial=state.step, disable=not main, desc=cfg.name, unit="step", dynamic_ncols=True)
     stopped_early = False
     while state.step < end_step:
+        step_start = time.perf_counter()
         loss_sum = torch.zeros((), device=accelerator.device)
         for micro in range(tcfg.grad_accum_steps):
             x, y = next(train_iter)
@@ -175,15 +177,15 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
         state.tokens_seen += tokens_per_step
+        interval_seconds += time.perf_counter() - step_start
         pbar.update(1)
 
         out_of_time = tcfg.max_minutes is not None and (time.perf_counter() - start_time) / 60 >= tcfg.max_minutes
         last = state.step == end_step or out_of_time
         if state.step % tcfg.log_interval == 0 or last:
             train_loss = accelerator.reduce(loss_sum / tcfg.grad_accum_steps, reduction="mean").item()
-            now = time.perf_counter()
-            tok_s = (state.tokens_seen - tokens_at_log) / max(now - t_log, 1e-9)
-            t_log, tokens_at_log = now, state.tokens_seen
+            tok_s = (state.tokens_seen - tokens_at_log) / max(interval_seconds, 1e-9)
+            interval_seconds, tokens_at_log = 0.0, state.tokens_seen
             lr = scheduler.get_last_lr()[0]
             record(train_loss=train_loss, lr=lr, tokens_per_s=tok_s)
             pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")

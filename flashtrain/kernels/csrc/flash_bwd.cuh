@@ -13,7 +13,8 @@
 // then writes dK * scale and dV. flash_aux.cuh holds the kernels that run before (D, zeroing dq_accum) and after
 // (dq = scale * dq_accum in the input dtype).
 //
-// Shared memory: Q[kStages], dO[kStages] (kBlockM x kHeadDim), K, V (kBlockN x kHeadDim), P, dS (kBlockM x kBlockN).
+// Shared memory: Q[kStages], dO[kStages] (kBlockM x kHeadDim), K, V (kBlockN x kHeadDim), P, dS (kBlockM x kBlockN),
+// lse[kStages], D[kStages] (kBlockM floats, copied with Q and dO: no global load latency, no registers held).
 #pragma once
 #include "utils.cuh"
 
@@ -46,7 +47,9 @@ struct BwdTraits {
     using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO
     using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V, then dK and dV
     using TileP = SmemTile<kBlockM, kBlockN>;    // P and dS
-    static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileP::kBytes;
+    static constexpr int kRowStatsBytes = kBlockM * 4;  // lse or D of one query block, float32
+    static constexpr int kSmemBytes =
+        2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileP::kBytes + 2 * kStages * kRowStatsBytes;
 };
 
 template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p) {
@@ -70,13 +73,18 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
         seqlen_k = f.cu_seqlens_k[batch + 1] - k_start;
     }
     const int n_kblocks = ceil_div(seqlen_k, kBlockN);
-    float* dq_accum = p.dq_accum + (p.deterministic ? blockIdx.x * p.dqa_split_stride : 0) +
-                      batch * p.dqa_batch_stride + (i64)q_start * f.head_dim;
-
-    // Warp coordinates in the three tilings.
-    const int s_m0 = (warp / T::kWarpsN_SdP) * kMT_S * 16, s_n0 = (warp % T::kWarpsN_SdP) * kNT_S * 8;
-    const int kv_n0 = (warp / T::kWarpsD_dKV) * T::kMT_dKV * 16, kv_d0 = (warp % T::kWarpsD_dKV) * T::kNT_dKV * 8;
-    const int dq_m0 = (warp / T::kWarpsD_dQ) * T::kMT_dQ * 16, dq_d0 = (warp % T::kWarpsD_dQ) * T::kNT_dQ * 8;
+    // dq_accum of this (split, batch) and the warp's coordinates in the three tilings. Recomputed where used (from
+    // a laundered warp index): kept live across the main loop they would be spilled.
+    auto dq_accum_base = [&]() {
+        return p.dq_accum + (p.deterministic ? blockIdx.x * p.dqa_split_stride : 0) + batch * p.dqa_batch_stride +
+               (i64)q_start * f.head_dim;
+    };
+    auto s_m0 = [&](int w) { return (w / T::kWarpsN_SdP) * kMT_S * 16; };
+    auto s_n0 = [&](int w) { return (w % T::kWarpsN_SdP) * kNT_S * 8; };
+    auto kv_n0 = [&](int w) { return (w / T::kWarpsD_dKV) * T::kMT_dKV * 16; };
+    auto kv_d0 = [&](int w) { return (w % T::kWarpsD_dKV) * T::kNT_dKV * 8; };
+    auto dq_m0 = [&](int w) { return (w / T::kWarpsD_dQ) * T::kMT_dQ * 16; };
+    auto dq_d0 = [&](int w) { return (w % T::kWarpsD_dQ) * T::kNT_dQ * 8; };
 
     const u32 smem_base = smem_u32(smem);
     DropoutRng rng = T::kIsDropout ? DropoutRng(f.rng_state, f.keep_threshold) : DropoutRng{};
@@ -105,12 +113,19 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                               (i64)(q_start + m0) * p.do_row_stride + head * p.do_head_stride;
             load_tile_async<TileQ, T::kNThreads>(sQ, q, f.q_row_stride, seqlen_q - m0, f.head_dim, tid);
             load_tile_async<TileQ, T::kNThreads>(sdO, dout, p.do_row_stride, seqlen_q - m0, f.head_dim, tid);
+            // lse and D of the block's rows, 4 bytes per thread (rows past the end are zero-filled: their Q and dO
+            // rows are zero, so whatever P they get contributes nothing).
+            static_assert(2 * kBlockM <= T::kNThreads, "one thread per lse / D value");
+            if (tid < 2 * kBlockM) {
+                const int row = tid % kBlockM;
+                const float* src = (tid < kBlockM ? f.lse : p.softmax_d) + batch * f.lse_batch_stride +
+                                   head * f.lse_head_stride + q_start + m0;
+                const u32 dst = smem_base + T::kSmemBytes - 2 * T::kStages * T::kRowStatsBytes +
+                                ((tid < kBlockM ? 0 : T::kStages) + stage) * T::kRowStatsBytes + 4 * row;
+                cp_async_4(dst, src + (m0 + row < seqlen_q ? row : 0), m0 + row < seqlen_q);
+            }
         };
-        // Iterations run over query blocks [m_block_min, m_block_end) of each query head of the group in turn.
-        const int m_block_end = m_block_min + n_mblocks;
-        auto next = [&](int& head, int& m_block) {
-            if (++m_block == m_block_end) m_block = m_block_min, ++head;
-        };
+        // Iterations run over query blocks [m_block_min, m_block_min + n_mblocks) of each query head of the group.
         if (n_iters > 0) load_q_do(head_kv * group, m_block_min * kBlockM, 0);
         cp_async_commit();
 
@@ -131,46 +146,50 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
             }
 
             const u32 base = launder(smem_base);
+            const int w = (int)launder((u32)warp);
+            const int s_m0_ = s_m0(w), s_n0_ = s_n0(w), kv_n0_ = kv_n0(w), kv_d0_ = kv_d0(w);
+            const int dq_m0_ = dq_m0(w), dq_d0_ = dq_d0(w);
             const u32 sQ = base + stage * TileQ::kBytes, sdO = sQ + T::kStages * TileQ::kBytes;
             const u32 sK = base + 2 * T::kStages * TileQ::kBytes, sV = sK + TileKV::kBytes;
             const u32 sP = sV + TileKV::kBytes, sdS = sP + TileP::kBytes;
-
-            // lse and D of this thread's rows; rows past the end and rows that saw no key get P = 0.
-            const i64 row_offset = batch * f.lse_batch_stride + head * f.lse_head_stride + q_start;
-            float lse_log2[kMT_S][2], dsum[kMT_S][2];
-#pragma unroll
-            for (int mt = 0; mt < kMT_S; ++mt)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = m0 + s_m0 + mt * 16 + g + 8 * hf;
-                    const float lse = row < seqlen_q ? f.lse[row_offset + row] : infinity();
-                    lse_log2[mt][hf] = lse == -infinity() ? infinity() : lse * kLog2e;
-                    dsum[mt][hf] = row < seqlen_q ? p.softmax_d[row_offset + row] : 0.f;
-                }
 
             float s[kMT_S][kNT_S][4], dp[kMT_S][kNT_S][4];
             zero(s);
             zero(dp);
             warp_gemm_ss<T::kIsBF16, kMT_S, kNT_S, T::kHeadDim, false, false>(
-                s, a_frag_ptr<TileQ, false>(sQ, s_m0, 0, lane), b_frag_ptr<TileKV, false>(sK, s_n0, 0, lane));
+                s, a_frag_ptr<TileQ, false>(sQ, s_m0_, 0, lane), b_frag_ptr<TileKV, false>(sK, s_n0_, 0, lane));
             warp_gemm_ss<T::kIsBF16, kMT_S, kNT_S, T::kHeadDim, false, false>(
-                dp, a_frag_ptr<TileQ, false>(sdO, s_m0, 0, lane), b_frag_ptr<TileKV, false>(sV, s_n0, 0, lane));
+                dp, a_frag_ptr<TileQ, false>(sdO, s_m0_, 0, lane), b_frag_ptr<TileKV, false>(sV, s_n0_, 0, lane));
 
             if constexpr (kMask) {
 #pragma unroll
                 for (int mt = 0; mt < kMT_S; ++mt)
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
-                        const int row = m0 + s_m0 + mt * 16 + g + 8 * hf;
+                        const int row = m0 + s_m0_ + mt * 16 + g + 8 * hf;
                         const int col_end =
                             T::kIsCausal ? min_(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
 #pragma unroll
                         for (int nt = 0; nt < kNT_S; ++nt)
 #pragma unroll
                             for (int e = 0; e < 2; ++e)
-                                if (n0 + s_n0 + nt * 8 + 2 * t + e >= col_end) s[mt][nt][2 * hf + e] = -infinity();
+                                if (n0 + s_n0_ + nt * 8 + 2 * t + e >= col_end) s[mt][nt][2 * hf + e] = -infinity();
                     }
             }
+
+            // lse (log2 units; rows that saw no key: +inf, so that P = 0) and D of this thread's rows.
+            const u32 sLse = base + T::kSmemBytes - 2 * T::kStages * T::kRowStatsBytes + stage * T::kRowStatsBytes;
+            const u32 sD = sLse + T::kStages * T::kRowStatsBytes;
+            float lse_log2[kMT_S][2], dsum[kMT_S][2];
+#pragma unroll
+            for (int mt = 0; mt < kMT_S; ++mt)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int row = s_m0_ + mt * 16 + g + 8 * hf;
+                    const float lse = ld_shared_f32(sLse + 4 * row);
+                    lse_log2[mt][hf] = lse == -infinity() ? infinity() : lse * kLog2e;
+                    dsum[mt][hf] = ld_shared_f32(sD + 4 * row);
+                }
 
             // s <- P (with dropout: Pd = P * keep / (1 - p)), dp <- dS = P * (dPd - D), dPd = dP * keep / (1 - p).
             const int bh = batch * f.nheads + head;
@@ -180,7 +199,7 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                 for (int ks = 0; ks < kNT_S / 2; ++ks) {
                     u32 bits[4];
                     if constexpr (T::kIsDropout)
-                        rng.bits(bits, bh, m0 + s_m0 + mt * 16 + g, n0 + s_n0 + ks * 16 + 2 * t);
+                        rng.bits(bits, bh, m0 + s_m0_ + mt * 16 + g, n0 + s_n0_ + ks * 16 + 2 * t);
 #pragma unroll
                     for (int nt2 = 0; nt2 < 2; ++nt2)
 #pragma unroll
@@ -198,36 +217,36 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                             }
                         }
                 }
-            store_acc<T::kIsBF16, TileP>(sP, s, s_m0, s_n0, 1.f, lane);
-            store_acc<T::kIsBF16, TileP>(sdS, dp, s_m0, s_n0, 1.f, lane);
+            store_acc<T::kIsBF16, TileP>(sP, s, s_m0_, s_n0_, 1.f, lane);
+            store_acc<T::kIsBF16, TileP>(sdS, dp, s_m0_, s_n0_, 1.f, lane);
             __syncthreads();  // P and dS visible to all warps
 
             // dV += Pd^T dO and dK += dS^T Q: A = P^T read transposed from [m][n], B = dO / Q read transposed.
             warp_gemm_ss<T::kIsBF16, T::kMT_dKV, T::kNT_dKV, kBlockM, true, true>(
-                acc_dv, a_frag_ptr<TileP, true>(sP, 0, kv_n0, lane),
-                b_frag_ptr<TileQ, true, T::kXorSafe_dKV>(sdO, 0, kv_d0, lane));
+                acc_dv, a_frag_ptr<TileP, true>(sP, 0, kv_n0_, lane),
+                b_frag_ptr<TileQ, true, T::kXorSafe_dKV>(sdO, 0, kv_d0_, lane));
             warp_gemm_ss<T::kIsBF16, T::kMT_dKV, T::kNT_dKV, kBlockM, true, true>(
-                acc_dk, a_frag_ptr<TileP, true>(sdS, 0, kv_n0, lane),
-                b_frag_ptr<TileQ, true, T::kXorSafe_dKV>(sQ, 0, kv_d0, lane));
+                acc_dk, a_frag_ptr<TileP, true>(sdS, 0, kv_n0_, lane),
+                b_frag_ptr<TileQ, true, T::kXorSafe_dKV>(sQ, 0, kv_d0_, lane));
 
             // dQ(block) = dS K, added to dq_accum in fp32.
             float acc_dq[T::kMT_dQ][T::kNT_dQ][4];
             zero(acc_dq);
             warp_gemm_ss<T::kIsBF16, T::kMT_dQ, T::kNT_dQ, kBlockN, false, true>(
-                acc_dq, a_frag_ptr<TileP, false>(sdS, dq_m0, 0, lane),
-                b_frag_ptr<TileKV, true, T::kXorSafe_dQ>(sK, 0, dq_d0, lane));
-            float* dq_head = dq_accum + head * p.dqa_head_stride;
+                acc_dq, a_frag_ptr<TileP, false>(sdS, dq_m0_, 0, lane),
+                b_frag_ptr<TileKV, true, T::kXorSafe_dQ>(sK, 0, dq_d0_, lane));
+            float* dq_head = dq_accum_base() + head * p.dqa_head_stride;
             // kGuard: some row of the block is past the end, or head_dim < kHeadDim.
             auto add_dq = [&](auto deterministic_tag, auto guard_tag) {
 #pragma unroll
                 for (int mt = 0; mt < T::kMT_dQ; ++mt)
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
-                        const int row = m0 + dq_m0 + mt * 16 + g + 8 * hf;
+                        const int row = m0 + dq_m0_ + mt * 16 + g + 8 * hf;
                         float* dq_row = dq_head + (i64)row * f.head_dim;
 #pragma unroll
                         for (int nt = 0; nt < T::kNT_dQ; ++nt) {
-                            const int col = dq_d0 + nt * 8 + 2 * t;
+                            const int col = dq_d0_ + nt * 8 + 2 * t;
                             if (decltype(guard_tag)::value && (row >= seqlen_q || col >= f.head_dim)) continue;
                             const float a = acc_dq[mt][nt][2 * hf], b = acc_dq[mt][nt][2 * hf + 1];
                             if constexpr (decltype(deterministic_tag)::value) {
@@ -249,23 +268,22 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                 cp_async_commit();
             }
         };
-        int head = head_kv * group, m_block = m_block_min;
         for (int it = 0; it < n_iters; ++it) {
-            int head_next = head, m_block_next = m_block;
-            next(head_next, m_block_next);
-            const int m0 = m_block * kBlockM, m0_next = m_block_next * kBlockM;
+            // (query head, query block) of this iteration and of the next one (whose Q / dO are prefetched)
+            const int head = head_kv * group + it / n_mblocks, m0 = (m_block_min + it % n_mblocks) * kBlockM;
+            const int head_next = head_kv * group + (it + 1) / n_mblocks;
+            const int m0_next = (m_block_min + (it + 1) % n_mblocks) * kBlockM;
             if (n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q))
                 step(it, head, m0, head_next, m0_next, BoolConstant<true>{});
             else
                 step(it, head, m0, head_next, m0_next, BoolConstant<false>{});
-            head = head_next, m_block = m_block_next;
         }
 
         // Epilogue: dK * scale and dV through the K / V tiles, then 16-byte stores.
         cp_async_wait<0>();
         __syncthreads();
-        store_acc<T::kIsBF16, TileKV, T::kXorSafe_dKV>(sK, acc_dk, kv_n0, kv_d0, f.softmax_scale, lane);
-        store_acc<T::kIsBF16, TileKV, T::kXorSafe_dKV>(sV, acc_dv, kv_n0, kv_d0, 1.f, lane);
+        store_acc<T::kIsBF16, TileKV, T::kXorSafe_dKV>(sK, acc_dk, kv_n0(warp), kv_d0(warp), f.softmax_scale, lane);
+        store_acc<T::kIsBF16, TileKV, T::kXorSafe_dKV>(sV, acc_dv, kv_n0(warp), kv_d0(warp), 1.f, lane);
         __syncthreads();
         u16* dk = (u16*)p.dk + batch * p.dk_batch_stride + (i64)(k_start + n0) * p.dk_row_stride +
                   head_kv * p.dk_head_stride;

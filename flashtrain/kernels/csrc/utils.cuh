@@ -92,6 +92,16 @@ __device__ __forceinline__ void cp_async_16(u32 smem_addr, const void* gmem, boo
     const int src_bytes = pred ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr), "l"(gmem), "r"(src_bytes));
 }
+// 4-byte async copy (zero-filled when pred is false).
+__device__ __forceinline__ void cp_async_4(u32 smem_addr, const void* gmem, bool pred) {
+    const int src_bytes = pred ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ float ld_shared_f32(u32 smem_addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_addr));
+    return v;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int kPending> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(kPending));

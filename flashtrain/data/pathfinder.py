@@ -1,0 +1,369 @@
+"""Pathfinder (Long Range Arena), Path-X and Path-256: are the two circles joined by one dashed curve?
+
+Each grayscale image holds white dashed curves on black. A curve is a chain of `curve_length` straight dashes
+("paddles"); the direction turns by a uniform angle in [-MAX_TURN, MAX_TURN] (30 degrees) from one dash to the
+next, so curves are smooth and cannot double back. Two curves are targets; the others are distractors, made of
+the same dashes, `curve_length // 3` (at least 2) of them. Two filled circles ("markers") sit on curve ends:
+label 1: both on the two ends of the same target curve; label 0: one on an end of each target curve. Markers
+are positioned after the curves are laid out and every curve keeps room for a marker at both of its ends, so
+positives and negatives differ only in where the markers are. Even sample indices are negatives and odd ones
+positives, so every split is balanced.
+
+Layout: a curve starts at a uniform point with a uniform direction and grows dash by dash; a dash (and a marker
+disc) may come no closer than `clearance` to any dash or disc of another curve, or of its own curve three or
+more elements away, and stays `border` inside the image. A dash that does not fit is drawn again with a new
+turn (PADDLE_TRIES), a curve that cannot be finished is started again (CURVE_TRIES), and distractors that find
+no room are left out. Since `clearance` exceeds the gap between dashes of one curve, the curves can be told apart
+by eye, and by a program: link bright pixels closer than the gap and each curve is one connected piece.
+
+Difficulty is the curve length: 6, 9 or 14 dashes (LRA's easy / intermediate / hard; Path-X and Path-256 use 14).
+Sizes in pixels, per resolution (the layout scales linearly with the image; widths and markers grow more slowly
+so that they stay visible at 32 and thin at 256):
+
+    resolution  dash length  dash width  gap   clearance  marker radius  border  distractors
+        32          2.0         1.0      1.0      3.0         1.5          1.0        2
+        64          4.0         1.5      2.0      4.0         2.5          1.5        4
+       128          8.0         2.0      4.0      7.0         4.0          2.0        8
+       256         16.0         3.0      8.0     12.0         6.5          3.0       12
+
+Drawing is antialiased in numpy: each pixel takes the covered fraction of a 1-pixel box around its centre,
+approximated by clip(0.5 - signed distance, 0, 1) for rectangles (dashes) and discs (markers); overlapping shapes
+take the maximum. A pixel is >= 128 exactly when its centre lies inside a shape. The image is flattened row by
+row into resolution**2 tokens with values 0-255.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from flashtrain.data.lm import DEFAULT_CACHE_DIR
+from flashtrain.data.lra_cache import CachedSplits, build_cached, sample_seed
+
+MAX_TURN = math.radians(45)  # largest change of direction between consecutive dashes of a curve
+CURVE_LENGTHS = (6, 9, 14)  # dashes per curve: easy, intermediate, hard
+PADDLE_TRIES = 12  # turns drawn for one dash before its curve is started again
+CURVE_TRIES = 40  # starts of one curve before a target gives up the image, or a distractor is left out
+IMAGE_TRIES = 50
+
+
+@dataclass(frozen=True)
+class PathfinderGeometry:
+    """Sizes in pixels of one resolution (see the module docstring's table)."""
+
+    paddle_length: float  # one dash
+    paddle_width: float
+    paddle_gap: float  # along the curve, between consecutive dashes of a straight curve (less when it turns)
+    clearance: float  # smallest distance between shapes of different curves
+    marker_radius: float
+    border: float  # every shape stays this far inside the image
+    n_distractors: int  # distractor curves placed when there is room
+
+    @property
+    def step(self) -> float:
+        return self.paddle_length + self.paddle_gap
+
+    @property
+    def self_skip(self) -> int:
+        """Elements of one curve (start marker, dashes, end marker) this many places apart or more keep
+        `clearance` too: fewer places apart they are close along the curve, so their distance is no crossing."""
+        return 2 + math.ceil((self.clearance + self.marker_radius + self.paddle_width / 2) / self.step)
+
+
+GEOMETRY = {
+    32: PathfinderGeometry(1.4, 1.0, 0.6, 2.5, 1.5, 0.5, 4),
+    64: PathfinderGeometry(2.5, 1.2, 1.5, 3.5, 2.2, 1.0, 6),
+    128: PathfinderGeometry(5.0, 1.6, 3.0, 6.0, 3.5, 2.0, 10),
+    256: PathfinderGeometry(10.0, 2.5, 6.0, 10.0, 6.0, 3.0, 14),
+}
+
+
+@dataclass
+class PathfinderConfig:
+    resolution: int = 32  # 32 | 64 | 128 (Path-X) | 256 (Path-256); tokens per image: resolution**2
+    curve_length: int = 14  # dashes per curve: 6 | 9 | 14
+    n_train: int = 160_000  # LRA's 80/10/10 split of 200K images
+    n_val: int = 20_000
+    n_test: int = 20_000
+    seed: int = 0  # the data set is a pure function of the fields above
+    num_proc: int = 0  # generating processes (0: every CPU); does not change the data
+    cache_dir: str = DEFAULT_CACHE_DIR  # left at the default, $FLASHTRAIN_CACHE_DIR wins
+
+    def __post_init__(self) -> None:
+        if self.resolution not in GEOMETRY:
+            raise ValueError(f"pathfinder.resolution must be one of {tuple(GEOMETRY)}, got {self.resolution}")
+        if self.curve_length not in CURVE_LENGTHS:
+            raise ValueError(f"pathfinder.curve_length must be one of {CURVE_LENGTHS}, got {self.curve_length}")
+        for name in ("n_train", "n_val", "n_test", "num_proc", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"pathfinder.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass
+class Curve:
+    """One dashed curve, in pixel coordinates (x to the right, y down; pixel (row i, column j) has its centre at
+    x = j + 0.5, y = i + 0.5)."""
+
+    paddles: np.ndarray  # (n, 2, 2) float64: start and end point (x, y) of each dash, in drawing order
+    angles: np.ndarray  # (n,) float64: direction of each dash, radians
+    ends: np.ndarray  # (2, 2) float64: where a marker goes at the start and at the end of the curve
+
+
+@dataclass
+class PathfinderSample:
+    image: np.ndarray  # (resolution, resolution) uint8
+    label: int  # 1: both markers on one curve
+    curves: list[Curve]  # the two targets, then the distractors
+    markers: np.ndarray  # (2, 2) float64: marker centres (x, y)
+
+
+def generate_sample(resolution: int, curve_length: int, label: int, rng: random.Random) -> PathfinderSample:
+    """One image of the given label, laid out and drawn with the random stream `rng`."""
+    if resolution not in GEOMETRY:
+        raise ValueError(f"resolution must be one of {tuple(GEOMETRY)}, got {resolution}")
+    if curve_length < 2:
+        raise ValueError(f"curve_length must be >= 2, got {curve_length}")
+    if label not in (0, 1):
+        raise ValueError(f"label must be 0 or 1, got {label}")
+    geometry = GEOMETRY[resolution]
+    for _ in range(IMAGE_TRIES):
+        layout = _Layout(resolution, geometry)
+        targets = [layout.grow_curve(rng, curve_length) for _ in range(2)]
+        if None not in targets:
+            break
+    else:
+        raise RuntimeError(f"could not lay out two curves of {curve_length} dashes at {resolution} px in "
+                           f"{IMAGE_TRIES} tries: the GEOMETRY table leaves too little room")
+    distractors = [layout.grow_curve(rng, max(2, curve_length // 3)) for _ in range(geometry.n_distractors)]
+    curves = targets + [c for c in distractors if c is not None]
+    if label == 1:
+        markers = targets[0].ends.copy()
+    else:
+        markers = np.stack([targets[0].ends[rng.randrange(2)], targets[1].ends[rng.randrange(2)]])
+    image = render(resolution, curves, markers, geometry)
+    return PathfinderSample(image=image, label=label, curves=curves, markers=markers)
+
+
+def render(resolution: int, curves: list[Curve], markers: np.ndarray,
+           geometry: Optional[PathfinderGeometry] = None) -> np.ndarray:
+    """(resolution, resolution) uint8: the dashes of `curves` and discs at `markers`, antialiased, white on black."""
+    geometry = GEOMETRY[resolution] if geometry is None else geometry
+    canvas = np.zeros((resolution, resolution), dtype=np.float32)
+    for curve in curves:
+        for (start, end) in curve.paddles:
+            _draw_dash(canvas, start, end, geometry.paddle_width / 2)
+    for centre in markers:
+        _draw_disc(canvas, centre, geometry.marker_radius)
+    return np.rint(canvas * 255).astype(np.uint8)
+
+
+def pathfinder_sample(cfg: PathfinderConfig, split: str, index: int, attempt: int = 0) -> tuple[np.ndarray, int]:
+    """Sample `index` of `split`: (pixels uint8 (resolution**2,), label), label = index % 2."""
+    label = index % 2
+    rng = random.Random(sample_seed(cfg.seed, split, index, attempt))
+    return generate_sample(cfg.resolution, cfg.curve_length, label, rng).image.reshape(-1), label
+
+
+def prepare_pathfinder(cfg: PathfinderConfig) -> CachedSplits:
+    """Generate the train/val/test splits (or find them in the cache); `.dataset(split)` serves one as
+    (pixels (resolution**2,) int64, label) pairs."""
+    sizes = {"train": cfg.n_train, "val": cfg.n_val, "test": cfg.n_test}
+    return build_cached(f"pathfinder{cfg.resolution}", cfg, sizes, pathfinder_sample, cache_dir=cfg.cache_dir,
+                        num_proc=cfg.num_proc, unique=False, chunk_size=max(4, 2 ** 16 // cfg.resolution ** 2))
+
+
+# ---- layout ------------------------------------------------------------------------------------------------------
+
+class _Layout:
+    """The shapes placed so far, each a capsule: the points within `radius` of a segment (a disc: a segment of
+    length 0). A dash, a rectangle, lies inside its capsule, so capsule distances are safe bounds.
+
+    Shapes are filed in a grid of square cells by their centre; a cell is as wide as the farthest two shapes can
+    interact (half-extents of two markers plus clearance), so a new shape need only be compared with the shapes
+    of the 3 x 3 cells around its own. Plain Python floats: numpy costs more than it saves on a handful of shapes.
+    """
+
+    def __init__(self, resolution: int, geometry: PathfinderGeometry):
+        self.resolution = resolution
+        self.geometry = geometry
+        largest_extent = max(geometry.step / 2 + geometry.paddle_width / 2, geometry.marker_radius)
+        self.cell = 2 * largest_extent + geometry.clearance
+        # (ax, ay, bx, by, radius, curve, position, centre x, centre y, half-extent) of each shape
+        self.shapes: list[tuple] = []
+        self.cells: dict[tuple[int, int], list[int]] = {}
+        self.n_curves = 0
+
+    def fits(self, ax: float, ay: float, bx: float, by: float, radius: float, curve: int, position: int) -> bool:
+        lo = self.geometry.border + radius
+        hi = self.resolution - lo
+        if not (lo <= ax <= hi and lo <= ay <= hi and lo <= bx <= hi and lo <= by <= hi):
+            return False
+        clearance = self.geometry.clearance
+        self_skip = self.geometry.self_skip
+        cx, cy = (ax + bx) / 2, (ay + by) / 2
+        extent = math.hypot(bx - ax, by - ay) / 2 + radius
+        i, j = int(cx // self.cell), int(cy // self.cell)
+        for key in ((i - 1, j - 1), (i - 1, j), (i - 1, j + 1), (i, j - 1), (i, j), (i, j + 1),
+                    (i + 1, j - 1), (i + 1, j), (i + 1, j + 1)):
+            for index in self.cells.get(key, ()):
+                sax, say, sbx, sby, sradius, scurve, sposition, scx, scy, sextent = self.shapes[index]
+                if scurve == curve and abs(sposition - position) < self_skip:
+                    continue
+                if math.hypot(cx - scx, cy - scy) >= extent + sextent + clearance:
+                    continue  # the bounding circles are far enough apart
+                if _segment_distance(ax, ay, bx, by, sax, say, sbx, sby) < radius + sradius + clearance:
+                    return False
+        return True
+
+    def add(self, ax: float, ay: float, bx: float, by: float, radius: float, curve: int, position: int) -> None:
+        cx, cy = (ax + bx) / 2, (ay + by) / 2
+        extent = math.hypot(bx - ax, by - ay) / 2 + radius
+        self.cells.setdefault((int(cx // self.cell), int(cy // self.cell)), []).append(len(self.shapes))
+        self.shapes.append((ax, ay, bx, by, radius, curve, position, cx, cy, extent))
+
+    def truncate(self, count: int) -> None:
+        """Remove the shapes added after the first `count` (they are the last of their cells' lists)."""
+        while len(self.shapes) > count:
+            shape = self.shapes.pop()
+            self.cells[(int(shape[7] // self.cell), int(shape[8] // self.cell))].pop()
+
+    def grow_curve(self, rng: random.Random, n_paddles: int) -> Optional[Curve]:
+        """Lay out one curve of n_paddles dashes with room for a marker at each end, or None if it found no room."""
+        g = self.geometry
+        curve = self.n_curves
+        half_gap = g.paddle_gap / 2
+        dash_radius = g.paddle_width / 2
+        lo = g.border + g.marker_radius
+        hi = self.resolution - lo
+        for _ in range(CURVE_TRIES):
+            first = len(self.shapes)  # rolled back to here when the curve fails
+            x, y = rng.uniform(lo, hi), rng.uniform(lo, hi)  # the joint before the next dash
+            if not self.fits(x, y, x, y, g.marker_radius, curve, 0):
+                continue
+            self.add(x, y, x, y, g.marker_radius, curve, 0)
+            start = (x, y)
+            angle = rng.uniform(-math.pi, math.pi)
+            paddles, angles = [], []
+            for position in range(1, n_paddles + 1):
+                for _ in range(PADDLE_TRIES):
+                    turned = angle if position == 1 else angle + rng.uniform(-MAX_TURN, MAX_TURN)
+                    ux, uy = math.cos(turned), math.sin(turned)
+                    # the dash covers the middle paddle_length of one step of the curve, between two joints
+                    ax, ay = x + half_gap * ux, y + half_gap * uy
+                    bx, by = x + (g.step - half_gap) * ux, y + (g.step - half_gap) * uy
+                    if self.fits(ax, ay, bx, by, dash_radius, curve, position):
+                        break
+                else:
+                    break
+                self.add(ax, ay, bx, by, dash_radius, curve, position)
+                paddles.append(((ax, ay), (bx, by)))
+                angles.append(turned)
+                angle = turned
+                x, y = x + g.step * ux, y + g.step * uy
+            if len(paddles) == n_paddles and self.fits(x, y, x, y, g.marker_radius, curve, n_paddles + 1):
+                self.add(x, y, x, y, g.marker_radius, curve, n_paddles + 1)
+                self.n_curves += 1
+                return Curve(paddles=np.array(paddles), angles=np.array(angles), ends=np.array([start, (x, y)]))
+            self.truncate(first)
+        return None
+
+
+def _segment_distance(ax: float, ay: float, bx: float, by: float, cx: float, cy: float, dx: float, dy: float) -> float:
+    """Distance between segments a-b and c-d."""
+    # crossing segments have distance 0, though no end point is near the other segment
+    abx, aby, cdx, cdy = bx - ax, by - ay, dx - cx, dy - cy
+    c_side = abx * (cy - ay) - aby * (cx - ax)
+    d_side = abx * (dy - ay) - aby * (dx - ax)
+    a_side = cdx * (ay - cy) - cdy * (ax - cx)
+    b_side = cdx * (by - cy) - cdy * (bx - cx)
+    if c_side * d_side < 0 and a_side * b_side < 0:
+        return 0.0
+    return min(_point_segment_distance(ax, ay, cx, cy, dx, dy), _point_segment_distance(bx, by, cx, cy, dx, dy),
+               _point_segment_distance(cx, cy, ax, ay, bx, by), _point_segment_distance(dx, dy, ax, ay, bx, by))
+
+
+def _point_segment_distance(px: float, py: float, ax: float, ay: float, bx: float, by: float) -> float:
+    abx, aby = bx - ax, by - ay
+    length2 = abx * abx + aby * aby
+    t = 0.0 if length2 == 0.0 else min(max(((px - ax) * abx + (py - ay) * aby) / length2, 0.0), 1.0)
+    return math.hypot(px - ax - t * abx, py - ay - t * aby)
+
+
+# ---- drawing -----------------------------------------------------------------------------------------------------
+
+def _window(canvas: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+    """Rows, columns and pixel-centre coordinates (ys (h, 1), xs (1, w)) of the pixels whose centres may fall
+    within [lo, hi] (x, y), clipped to the canvas."""
+    size = canvas.shape[0]
+    x0, y0 = (max(int(math.floor(v - 1)), 0) for v in lo)
+    x1, y1 = (min(int(math.ceil(v + 1)), size) for v in hi)
+    ys = np.arange(y0, y1, dtype=np.float32)[:, None] + 0.5
+    xs = np.arange(x0, x1, dtype=np.float32)[None, :] + 0.5
+    return slice(y0, y1), slice(x0, x1), ys, xs
+
+
+def _draw_dash(canvas: np.ndarray, start: np.ndarray, end: np.ndarray, half_width: float) -> None:
+    """Max-blend a rectangle from `start` to `end` (flat ends), `2 * half_width` wide."""
+    centre = (start + end) / 2
+    along = end - start
+    half_length = math.hypot(*along) / 2
+    ux, uy = along / (2 * half_length)
+    reach = half_length + half_width
+    rows, cols, ys, xs = _window(canvas, centre - reach, centre + reach)
+    dx, dy = xs - centre[0], ys - centre[1]
+    outside_along = np.abs(dx * ux + dy * uy) - half_length  # (h, w) signed distance to each pair of sides
+    outside_across = np.abs(dx * uy - dy * ux) - half_width
+    signed_distance = (np.hypot(np.maximum(outside_along, 0), np.maximum(outside_across, 0))
+                       + np.minimum(np.maximum(outside_along, outside_across), 0))
+    np.maximum(canvas[rows, cols], np.clip(0.5 - signed_distance, 0, 1), out=canvas[rows, cols])
+
+
+def _draw_disc(canvas: np.ndarray, centre: np.ndarray, radius: float) -> None:
+    rows, cols, ys, xs = _window(canvas, centre - radius, centre + radius)
+    signed_distance = np.hypot(xs - centre[0], ys - centre[1]) - radius
+    np.maximum(canvas[rows, cols], np.clip(0.5 - signed_distance, 0, 1), out=canvas[rows, cols])
+
+
+# ---- sample grid for docs/ ----------------------------------------------------------------------------------------
+
+def save_grid(path: str, cols: int = 4, curve_length: int = 14, seed: int = 0) -> None:
+    """One row of `cols` test samples per resolution (32, 64, 128, 256), each titled with its label."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    resolutions = tuple(GEOMETRY)
+    fig, axes = plt.subplots(len(resolutions), cols, figsize=(3.2 * cols, 3.4 * len(resolutions)))
+    for row, resolution in enumerate(resolutions):
+        cfg = PathfinderConfig(resolution=resolution, curve_length=curve_length, seed=seed)
+        for col in range(cols):
+            pixels, label = pathfinder_sample(cfg, "test", col)
+            ax = axes[row, col]
+            ax.imshow(pixels.reshape(resolution, resolution), cmap="gray", vmin=0, vmax=255, interpolation="nearest")
+            ax.set_title(f"{resolution} px, #{col}: label {label} ({'connected' if label else 'not connected'})",
+                         fontsize=8)
+            ax.set_xticks([])
+            ax.set_yticks([])
+    fig.suptitle(f"Pathfinder samples, {curve_length} dashes per curve (seed {seed}): are the two circles on "
+                 f"one curve?", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description="Pathfinder: write a PNG grid of samples")
+    parser.add_argument("--grid", required=True, help="PNG path, e.g. docs/pathfinder_samples.png")
+    parser.add_argument("--curve-length", type=int, default=14, choices=CURVE_LENGTHS)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    save_grid(args.grid, curve_length=args.curve_length, seed=args.seed)
+
+
+if __name__ == "__main__":
+    main()
