@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import textwrap
 from dataclasses import dataclass
 from typing import Optional
 
@@ -150,25 +151,49 @@ def encode(text: str) -> np.ndarray:
 
 # ---- sample grid for docs/ ----------------------------------------------------------------------------------------
 
-def save_grid(path: str, rows: int = 4, cols: int = 4, seed: int = 0, chars_per_line: int = 60,
-              lines: int = 7) -> None:
-    """A rows x cols figure of generated test samples: the start of each sequence, its length and its label."""
+def root_arguments(ids) -> tuple[str, list[int]]:
+    """(root operator, the values of its arguments) of a token sequence, by a stack machine: enough to check a
+    label by eye."""
+    stack: list[tuple[int, list[int]]] = []  # (operator id, values of its arguments so far), innermost last
+    root = None
+    for i in np.asarray(ids).tolist():
+        if i in OPERATOR_IDS:
+            stack.append((i, []))
+        elif i == CLOSE_ID:
+            operator_id, args = stack.pop()
+            if not stack:
+                root = (VOCAB[operator_id], args)
+            else:
+                stack[-1][1].append(apply_operator(operator_id, args))
+        elif i != PAD_ID:
+            stack[-1][1].append(DIGIT_IDS.index(i))
+    if root is None or stack:
+        raise ValueError("ids is not one complete bracketed expression")
+    return root
+
+
+def save_grid(path: str, rows: int = 4, cols: int = 4, seed: int = 0, chars_per_line: int = 56,
+              lines: int = 9) -> None:
+    """A rows x cols figure of generated test samples: the start of each sequence, the root operator with the
+    values of its arguments, the length and the label."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cfg = ListOpsConfig(seed=seed)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 2.5 * rows))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 2.4 * rows))
     for index, ax in enumerate(np.ravel(axes)):
         ids, label = listops_sample(cfg, "test", index)
         text = decode(ids)
-        wrapped = [text[i:i + chars_per_line] for i in range(0, chars_per_line * lines, chars_per_line)]
-        ax.text(0.0, 1.0, "\n".join(wrapped) + " ...", family="monospace", fontsize=6.5, va="top",
+        wrapped = textwrap.wrap(text, chars_per_line)[:lines]
+        operator, args = root_arguments(ids)
+        root = f"root: {operator} {' '.join(map(str, args))} ] = {label}"
+        ax.text(0.0, 1.0, "\n".join(wrapped) + " ...\n\n" + root, family="monospace", fontsize=7, va="top",
                 transform=ax.transAxes)
         ax.set_title(f"test #{index}: {len(ids)} tokens, label {label}", fontsize=9)
         ax.axis("off")
-    fig.suptitle("ListOps samples (seed 0): MIN/MAX/MED (floor of median)/SM (sum mod 10) over digits; "
-                 "the label is the value", fontsize=11)
+    fig.suptitle("ListOps samples (seed 0). MIN, MAX, MED (floor of the median), SM (sum mod 10); label = value. "
+                 "'root' lists the values of the outermost operator's arguments", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -48,7 +48,8 @@ from flashtrain.data.lra_cache import CachedSplits, build_cached, sample_seed
 MAX_TURN = math.radians(45)  # largest change of direction between consecutive dashes of a curve
 CURVE_LENGTHS = (6, 9, 14)  # dashes per curve: easy, intermediate, hard
 PADDLE_TRIES = 12  # turns drawn for one dash before its curve is started again
-CURVE_TRIES = 40  # starts of one curve before a target gives up the image, or a distractor is left out
+CURVE_TRIES = 40  # starts of a target curve before the image is started again
+DISTRACTOR_TRIES = 6  # starts of a distractor curve before it is left out
 IMAGE_TRIES = 50
 
 
@@ -76,8 +77,8 @@ class PathfinderGeometry:
 
 
 GEOMETRY = {
-    32: PathfinderGeometry(1.4, 1.0, 0.6, 2.5, 1.5, 0.5, 4),
-    64: PathfinderGeometry(2.5, 1.2, 1.5, 3.5, 2.2, 1.0, 6),
+    32: PathfinderGeometry(1.4, 1.0, 0.6, 3.0, 1.5, 0.5, 4),
+    64: PathfinderGeometry(2.5, 1.2, 1.5, 4.0, 2.2, 1.0, 6),
     128: PathfinderGeometry(5.0, 1.6, 3.0, 6.0, 3.5, 2.0, 10),
     256: PathfinderGeometry(10.0, 2.5, 6.0, 10.0, 6.0, 3.0, 14),
 }
@@ -133,13 +134,14 @@ def generate_sample(resolution: int, curve_length: int, label: int, rng: random.
     geometry = GEOMETRY[resolution]
     for _ in range(IMAGE_TRIES):
         layout = _Layout(resolution, geometry)
-        targets = [layout.grow_curve(rng, curve_length) for _ in range(2)]
+        targets = [layout.grow_curve(rng, curve_length, CURVE_TRIES) for _ in range(2)]
         if None not in targets:
             break
     else:
         raise RuntimeError(f"could not lay out two curves of {curve_length} dashes at {resolution} px in "
                            f"{IMAGE_TRIES} tries: the GEOMETRY table leaves too little room")
-    distractors = [layout.grow_curve(rng, max(2, curve_length // 3)) for _ in range(geometry.n_distractors)]
+    distractors = [layout.grow_curve(rng, max(2, curve_length // 3), DISTRACTOR_TRIES)
+                   for _ in range(geometry.n_distractors)]
     curves = targets + [c for c in distractors if c is not None]
     if label == 1:
         markers = targets[0].ends.copy()
@@ -193,6 +195,7 @@ class _Layout:
         self.geometry = geometry
         largest_extent = max(geometry.step / 2 + geometry.paddle_width / 2, geometry.marker_radius)
         self.cell = 2 * largest_extent + geometry.clearance
+        self.self_skip = geometry.self_skip
         # (ax, ay, bx, by, radius, curve, position, centre x, centre y, half-extent) of each shape
         self.shapes: list[tuple] = []
         self.cells: dict[tuple[int, int], list[int]] = {}
@@ -204,7 +207,7 @@ class _Layout:
         if not (lo <= ax <= hi and lo <= ay <= hi and lo <= bx <= hi and lo <= by <= hi):
             return False
         clearance = self.geometry.clearance
-        self_skip = self.geometry.self_skip
+        self_skip = self.self_skip
         cx, cy = (ax + bx) / 2, (ay + by) / 2
         extent = math.hypot(bx - ax, by - ay) / 2 + radius
         i, j = int(cx // self.cell), int(cy // self.cell)
@@ -232,15 +235,16 @@ class _Layout:
             shape = self.shapes.pop()
             self.cells[(int(shape[7] // self.cell), int(shape[8] // self.cell))].pop()
 
-    def grow_curve(self, rng: random.Random, n_paddles: int) -> Optional[Curve]:
-        """Lay out one curve of n_paddles dashes with room for a marker at each end, or None if it found no room."""
+    def grow_curve(self, rng: random.Random, n_paddles: int, tries: int) -> Optional[Curve]:
+        """Lay out one curve of n_paddles dashes with room for a marker at each end, or None if `tries` starts
+        found no room."""
         g = self.geometry
         curve = self.n_curves
         half_gap = g.paddle_gap / 2
         dash_radius = g.paddle_width / 2
         lo = g.border + g.marker_radius
         hi = self.resolution - lo
-        for _ in range(CURVE_TRIES):
+        for _ in range(tries):
             first = len(self.shapes)  # rolled back to here when the curve fails
             x, y = rng.uniform(lo, hi), rng.uniform(lo, hi)  # the joint before the next dash
             if not self.fits(x, y, x, y, g.marker_radius, curve, 0):

@@ -6,7 +6,6 @@ One optimizer step = `grad_accum_steps` micro-batches of `micro_batch_size` sequ
 from __future__ import annotations
 
 import json
-import math
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -17,12 +16,12 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
-from flashtrain.data.lm import LMData, make_train_loader, make_val_loader, prepare_lm_data
 from flashtrain.models.gpt2 import GPT2, GPT2Config
 from flashtrain.train.checkpoint import TrainState, resolve_resume, save_checkpoint
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.metrics import MetricsLog
 from flashtrain.train.optim import build_optimizer, build_scheduler
+from flashtrain.train.task import Task, build_task
 
 
 @dataclass
@@ -49,27 +48,27 @@ def resolve_precision(precision: str, cpu: bool) -> str:
     return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
 
 
+def to_device(batch, device: torch.device):
+    """Move a batch (tensor, tuple/list or dict of tensors) to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return type(batch)(to_device(v, device) for v in batch)
+
+
 @torch.no_grad()
-def evaluate(model, loader, accelerator: Accelerator) -> float:
-    """Mean validation loss over this process's validation batches, averaged over processes."""
+def evaluate(model, loader, task: Task, accelerator: Accelerator) -> dict[str, float]:
+    """The task's metrics over every process's validation batches."""
     model.eval()
-    total = torch.zeros((), device=accelerator.device)
-    count = 0
-    for x, y in loader:
-        _, loss = model(x.to(accelerator.device), y.to(accelerator.device))
-        total += loss.float()
-        count += 1
+    sums: dict[str, torch.Tensor] = {}
+    for batch in loader:
+        for key, value in task.eval_sums(model, to_device(batch, accelerator.device)).items():
+            sums[key] = sums.get(key, 0) + value.detach().to(accelerator.device, torch.float64)
     model.train()
-    return accelerator.reduce(total / count, reduction="mean").item()
-
-
-def generate_sample(model, data: LMData, prompt: str, n_tokens: int, device, seed: int) -> str:
-    model.eval()  # no dropout while sampling
-    ids = data.tokenizer.encode(prompt).ids or [data.eos_id]
-    idx = torch.tensor([ids], dtype=torch.long, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens=n_tokens, temperature=0.8, top_k=50, generator=generator)
-    return data.tokenizer.decode(out[0].tolist())
+    keys = sorted(sums)
+    totals = accelerator.reduce(torch.stack([sums[k] for k in keys]), reduction="sum").tolist()
+    return task.eval_metrics(dict(zip(keys, totals)))
 
 
 def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None) -> TrainResult:
@@ -86,13 +85,9 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
     set_seed(cfg.seed)
     main = accelerator.is_main_process
 
-    with accelerator.main_process_first():
-        data = prepare_lm_data(cfg.data)
-    if cfg.model.vocab_size < data.vocab_size:
-        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                         f"({data.vocab_size})")
-    if cfg.data.seq_len > cfg.model.n_positions:
-        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.n_positions={cfg.model.n_positions}")
+    with accelerator.main_process_first():  # the main process prepares (and caches) the data first
+        task = build_task(cfg.data)
+    task.check_model(cfg.model)
 
     model = build_model(cfg.model).to(accelerator.device)
     optimizer = build_optimizer(model, cfg.optim)
@@ -112,11 +107,10 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
     elif cfg.resume is not None and main:
         print(f"resume={cfg.resume}: no checkpoint found under {runs_of_name}, starting fresh")
 
-    train_loader = make_train_loader(data, tcfg.micro_batch_size, rank=accelerator.process_index,
-                                     world_size=accelerator.num_processes, start_batch=state.batches_consumed,
-                                     num_workers=cfg.data.num_workers)
-    val_loader = make_val_loader(data, tcfg.micro_batch_size, max_batches=tcfg.eval_batches,
-                                 rank=accelerator.process_index, world_size=accelerator.num_processes)
+    train_loader = task.train_loader(tcfg.micro_batch_size, accelerator.process_index, accelerator.num_processes,
+                                     start_batch=state.batches_consumed)
+    val_loader = task.eval_loader(tcfg.micro_batch_size, accelerator.process_index, accelerator.num_processes,
+                                  max_batches=tcfg.eval_batches)
 
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -125,26 +119,24 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
         accelerator.init_trackers(cfg.logger.project, config=_flat_config(cfg), init_kwargs={
             "wandb": {"mode": cfg.logger.mode, "dir": str(run_dir), "name": f"{cfg.name}/{run_dir.name}"}})
 
-    tokens_per_step = tcfg.micro_batch_size * tcfg.grad_accum_steps * cfg.data.seq_len * accelerator.num_processes
     end_step = tcfg.stop_step if tcfg.stop_step is not None else tcfg.max_steps
     if main:
         n_params = accelerator.unwrap_model(model).num_parameters()
         print(f"model: {type(cfg.model).__name__} {n_params / 1e6:.2f}M parameters, attn_impl={cfg.model.attn_impl}; "
               f"device: {accelerator.device}, precision: {accelerator.mixed_precision}, "
-              f"processes: {accelerator.num_processes}; {tokens_per_step} tokens/step; run dir: {run_dir}")
+              f"processes: {accelerator.num_processes}; run dir: {run_dir}")
 
     def record(**values) -> None:
         values = {"step": state.step, "tokens": state.tokens_seen, **values}
         log.write(values)
         accelerator.log({k: v for k, v in values.items() if k != "step"}, step=state.step)
 
-    def run_eval() -> float:
-        val_loss = evaluate(model, val_loader, accelerator)
-        state.best_val_loss = min(state.best_val_loss, val_loss)
-        record(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+    def run_eval() -> None:
+        metrics = evaluate(model, val_loader, task, accelerator)
+        state.best_val_loss = min(state.best_val_loss, metrics["val_loss"])
+        record(**metrics)
         if main:
-            tqdm.write(f"step {state.step:>6}  val loss {val_loss:.4f}  val ppl {math.exp(min(val_loss, 50.0)):.2f}")
-        return val_loss
+            tqdm.write(f"step {state.step:>6}  " + "  ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in metrics.items()))
 
     if state.step == 0 and checkpoint is None:
         run_eval()  # the starting point of the validation curve
@@ -159,16 +151,16 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
     while state.step < end_step:
         step_start = time.perf_counter()
         loss_sum = torch.zeros((), device=accelerator.device)
+        step_tokens = 0
         for micro in range(tcfg.grad_accum_steps):
-            x, y = next(train_iter)
-            x = x.to(accelerator.device, non_blocking=True)
-            y = y.to(accelerator.device, non_blocking=True)
+            batch = to_device(next(train_iter), accelerator.device)
             # gradients are all-reduced only on the last micro-batch of the step
             sync = accelerator.no_sync(model) if micro < tcfg.grad_accum_steps - 1 else nullcontext()
             with sync:
-                _, loss = model(x, y)
+                loss = task.loss(model, batch)
                 accelerator.backward(loss / tcfg.grad_accum_steps)
             loss_sum += loss.detach().float()
+            step_tokens += task.tokens(batch)
             state.batches_consumed += 1
         if cfg.optim.grad_clip > 0:
             accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
@@ -176,7 +168,7 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
-        state.tokens_seen += tokens_per_step
+        state.tokens_seen += step_tokens * accelerator.num_processes
         interval_seconds += time.perf_counter() - step_start
         pbar.update(1)
 
@@ -200,8 +192,8 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
 
     sample = ""
     if main and tcfg.sample_tokens > 0:
-        sample = generate_sample(accelerator.unwrap_model(model), data, tcfg.sample_prompt, tcfg.sample_tokens,
-                                 accelerator.device, cfg.seed)
+        sample = task.sample(accelerator.unwrap_model(model), accelerator.device, cfg.seed, tcfg.sample_tokens,
+                             tcfg.sample_prompt)
     if main:
         log.plot(run_dir / "curves.png", title=f"{cfg.name} ({run_dir.name})")
         if stopped_early:
@@ -225,11 +217,6 @@ def _flat_config(cfg: FlashtrainConfig) -> dict:
         else:
             flat[group] = value
     return flat
-
-
-def save_resolved_config(cfg_yaml: str, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg_yaml)
 
 
 def read_metrics(path: Path) -> list[dict]:
