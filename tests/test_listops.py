@@ -152,3 +152,24 @@ def test_config_validation_names_the_field():
         ListOpsConfig(min_length=2000, max_length=2000)
     with pytest.raises(ValueError, match="digit_prob"):
         ListOpsConfig(digit_prob=1.0)
+
+
+def test_unfiltered_trees_follow_the_stated_distribution():
+    """Before the length filter: the root is a digit with probability digit_prob, operators take 2..max_args
+    arguments uniformly, and no tree nests deeper than max_depth - 1 operators."""
+    import random
+
+    cfg = ListOpsConfig(max_length=10**6)
+    rng = random.Random(0)
+    trees = [listops.draw_tree(rng, cfg) for _ in range(3000)]
+    single_digit = np.mean([len(ids) == 1 for ids, _ in trees])
+    assert abs(single_digit - 0.75) < 0.03  # 4.2 standard errors
+    arg_counts, depths = [], []
+    for ids, value in trees[:400]:
+        got, depth, counts = evaluate([VOCAB[i] for i in ids])
+        assert got == value
+        arg_counts += counts
+        depths.append(depth)
+    assert max(depths) <= cfg.max_depth - 1
+    assert set(arg_counts) == set(range(2, cfg.max_args + 1))
+    assert abs(np.mean(arg_counts) - 6.0) < 0.3

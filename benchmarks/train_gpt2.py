@@ -1,0 +1,312 @@
+"""GPT-2 training throughput on one GPU: flashtrain's GPT2 (attn_impl=flash, optionally torch.compile'd) against
+Hugging Face transformers' GPT2LMHeadModel with attn_implementation="eager" and "sdpa", in one process.
+
+Every implementation runs the same training step on the same random tokens: bf16 autocast (fp32 on the CPU),
+forward, float32 cross-entropy over the full vocabulary, backward, grad-norm clipping at 1.0, fused AdamW, with the
+same micro-batch (--batch-tokens / seq_len sequences). Dropout is off everywhere. The step time is the median of
+--steps timed steps (CUDA events) after --warmup untimed ones.
+
+MFU = tokens/s x model FLOPs per token / the bf16 matmul rate MEASURED in the same run (an 8192^3 torch.matmul),
+both reported. Model FLOPs per token = 6 N + 12 L T d: N = parameters without the position table (the tied lm_head
+is a real matmul), L layers, T context, d width; the attention term counts the full T x T scores (causality not
+subtracted, as in PaLM's MFU). A configuration that runs out of GPU memory is reported as OOM.
+
+    python benchmarks/train_gpt2.py                 # small and medium at 1K and 4K: benchmarks/results/train_gpt2-<gpu>.json/.png
+    python benchmarks/train_gpt2.py --compile       # also flashtrain with torch.compile
+    python benchmarks/train_gpt2.py --device cpu --tiny --out /tmp/t.json   # smoke test (2 layers x 64 wide)
+
+Needs torch, transformers and matplotlib only (no hydra, datasets or wandb).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from flashtrain.kernels import flash_attn_func
+from flashtrain.models.gpt2 import GPT2, GPT2Config
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VOCAB = 50257
+MODEL_SHAPES = {  # name -> (n_layer, n_embd, n_head)
+    "small": (12, 768, 12),
+    "medium": (24, 1024, 16),
+    "tiny": (2, 64, 2),  # CPU smoke test
+}
+HF_IMPLS = {"hf-eager": "eager", "hf-sdpa": "sdpa"}
+
+
+def flops_per_token(n_layer: int, n_embd: int, seq_len: int, n_params_without_positions: int) -> int:
+    """Training FLOPs per token: 6 N (forward 2 N + backward 4 N) + 12 L T d (QK^T and PV, forward and backward)."""
+    return 6 * n_params_without_positions + 12 * n_layer * seq_len * n_embd
+
+
+def measure_matmul_flops(device: torch.device, size: int, repeats: int = 20) -> float:
+    """FLOP/s of a (size x size) @ (size x size) matmul: bf16 on CUDA, float32 on the CPU; median of repeats."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    seconds = time_calls(lambda: torch.matmul(a, b), device, warmup=5, repeats=repeats)
+    return 2 * size**3 / statistics.median(seconds)
+
+
+def time_calls(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of fn after `warmup` calls (CUDA events on a GPU: no host sync in between)."""
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - start)
+        return seconds
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / 1000 for start, end in events]
+
+
+def build_loss_fn(impl: str, shape: tuple[int, int, int], seq_len: int, vocab_size: int, device: torch.device):
+    """(model, loss_fn(x, y) -> mean cross-entropy) for one implementation, parameters in float32 on `device`."""
+    n_layer, n_embd, n_head = shape
+    if impl.startswith("flashtrain"):
+        config = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer,
+                            n_head=n_head, attn_impl="flash")
+        with device:
+            model = GPT2(config)
+        step_model = torch.compile(model) if impl == "flashtrain-compile" else model
+        return model, lambda x, y: step_model(x, y)[1]
+
+    import transformers  # only the comparison needs it
+
+    config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer,
+                                     n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    with device:
+        model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation=HF_IMPLS[impl])
+    if model.config._attn_implementation != HF_IMPLS[impl]:
+        raise RuntimeError(f"transformers picked attn_implementation={model.config._attn_implementation!r}, "
+                           f"not {HF_IMPLS[impl]!r}")
+
+    def loss_fn(x, y):  # the same float32 cross-entropy as flashtrain's GPT2 computes
+        logits = model(input_ids=x).logits  # (B, T, vocab)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    return model, loss_fn
+
+
+def check_flash_kernel(shape: tuple[int, int, int], seq_len: int, device: torch.device) -> str:
+    """Which attention flashtrain's GPT2 runs here; on CUDA, insist on the CUDA kernel (never the slow reference)."""
+    if device.type != "cuda":
+        return "reference (CPU)"
+    _, n_embd, n_head = shape
+    q, k, v = (torch.randn(1, seq_len, n_head, n_embd // n_head, device=device, dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    flash_attn_func(q, k, v, causal=True, impl="cuda").sum().backward()  # raises with the reason if it cannot run
+    return "cuda kernel"
+
+
+def measure(impl: str, shape, seq_len: int, micro_batch: int, vocab_size: int, device: torch.device, warmup: int,
+            steps: int) -> dict:
+    """One (implementation, model, context): median step time, tokens/s, peak memory."""
+    torch.manual_seed(0)
+    model, loss_fn = build_loss_fn(impl, shape, seq_len, vocab_size, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                  fused=device.type == "cuda")
+    tokens = torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=device)
+    x, y = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def train_step():
+        with autocast:
+            loss = loss_fn(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # returns a tensor: no host sync
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seconds = time_calls(train_step, device, warmup=warmup + (2 if impl == "flashtrain-compile" else 0),
+                             repeats=steps)
+    step_s = statistics.median(seconds)
+    n_params = sum(p.numel() for p in model.parameters())  # each tensor once (tied weights too)
+    position_table = model.transformer.wpe.weight.numel()  # same name in both
+    return {
+        "status": "ok",
+        "step_ms": 1000 * step_s,
+        "tokens_per_s": micro_batch * seq_len / step_s,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "n_params": n_params,
+        "flops_per_token": flops_per_token(shape[0], shape[1], seq_len, n_params - position_table),
+        "warnings": sorted({str(w.message) for w in caught}),
+    }
+
+
+def run_one(impl, model_name, seq_len, micro_batch, vocab_size, device, warmup, steps) -> dict:
+    """measure(), with an out-of-memory (or any other failure) reported in the row instead of ending the run."""
+    row = {"model": model_name, "seq_len": seq_len, "micro_batch": micro_batch, "impl": impl}
+    shape = MODEL_SHAPES[model_name]
+    try:
+        if impl.startswith("flashtrain"):
+            row["attention"] = check_flash_kernel(shape, seq_len, device)
+        row.update(measure(impl, shape, seq_len, micro_batch, vocab_size, device, warmup, steps))
+    except torch.OutOfMemoryError:
+        row["status"] = "OOM"
+    except Exception as error:  # noqa: BLE001 -- reported in the table, the other configurations still run
+        row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    gc.collect()  # the failed step's tensors are freed only once the exception is gone
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'model':<7} {'T':>5} {'B':>3} {'impl':<19} {'tokens/s':>10} {'step ms':>8} {'MFU':>6} "
+             f"{'peak GiB':>8}  speedup of flashtrain"]
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"{row['model']:<7} {row['seq_len']:>5} {row['micro_batch']:>3} {row['impl']:<19} "
+                         f"{row['status']}")
+            continue
+        peak = f"{row['peak_mem_gib']:.1f}" if row["peak_mem_gib"] is not None else "-"
+        speedup = ", ".join(f"{k.removeprefix('speedup_vs_')} {v:.2f}x" for k, v in row.items()
+                            if k.startswith("speedup_vs_") and v is not None)
+        lines.append(f"{row['model']:<7} {row['seq_len']:>5} {row['micro_batch']:>3} {row['impl']:<19} "
+                     f"{row['tokens_per_s']:>10,.0f} {row['step_ms']:>8.1f} {100 * row['mfu']:>5.1f}% {peak:>8}  "
+                     f"{speedup}")
+    return "\n".join(lines)
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """flashtrain rows get tokens/s ratios against each HF implementation of the same (model, seq_len)."""
+    for row in rows:
+        if not row["impl"].startswith("flashtrain") or row["status"] != "ok":
+            continue
+        for other in rows:
+            same_config = (other["model"], other["seq_len"]) == (row["model"], row["seq_len"])
+            if same_config and other["impl"] in HF_IMPLS:
+                ok = other["status"] == "ok"
+                row[f"speedup_vs_{other['impl']}"] = row["tokens_per_s"] / other["tokens_per_s"] if ok else None
+
+
+def plot(rows: list[dict], env: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({(r["model"], r["seq_len"]) for r in rows}, key=lambda c: (list(MODEL_SHAPES).index(c[0]), c[1]))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    width = 0.8 / len(impls)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s"), (axes[1], "mfu", "MFU (of measured bf16 matmul)")):
+        for i, impl in enumerate(impls):
+            for c, config in enumerate(configs):
+                row = next((r for r in rows if (r["model"], r["seq_len"]) == config and r["impl"] == impl), None)
+                xpos = c + (i - (len(impls) - 1) / 2) * width
+                if row is None:
+                    continue
+                if row["status"] == "ok":
+                    ax.bar(xpos, row[key], width, color=f"C{i}", label=impl if c == 0 else None)
+                else:
+                    ax.text(xpos, 0, "OOM" if row["status"] == "OOM" else "err", rotation=90, ha="center",
+                            va="bottom", color=f"C{i}", fontsize=8)
+        ax.set_xticks(range(len(configs)), [f"{m} {t // 1024}K" if t >= 1024 else f"{m} {t}" for m, t in configs])
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"GPT-2 training step, {env['device_name']}, torch {env['torch']}, {env['precision']}, "
+                 f"{env['date'][:10]} (matmul {env['matmul_tflops']:.0f} TFLOP/s measured)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="cuda (default) | cpu (with --tiny: smoke test)")
+    parser.add_argument("--tiny", action="store_true", help="2 layers x 64 wide, context 64 and 128, vocab 512")
+    parser.add_argument("--models", nargs="+", default=None, help="small medium (default) | tiny")
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=None, help="default 1024 4096 (tiny: 64 128)")
+    parser.add_argument("--batch-tokens", type=int, default=None,
+                        help="tokens per micro-batch, the same for every implementation (default 16384; tiny 256)")
+    parser.add_argument("--compile", action="store_true", help="also time flashtrain under torch.compile")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile: 2 more)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU here; use --device cpu --tiny for the smoke test")
+    models = args.models or (["tiny"] if args.tiny else ["small", "medium"])
+    seq_lens = args.seq_lens or ([64, 128] if args.tiny else [1024, 4096])
+    batch_tokens = args.batch_tokens or (256 if args.tiny else 16384)
+    vocab_size = 512 if args.tiny else VOCAB
+    for name in models:
+        if name not in MODEL_SHAPES:
+            raise SystemExit(f"--models: unknown model {name!r}; choose from {list(MODEL_SHAPES)}")
+    for seq_len in seq_lens:
+        if batch_tokens % seq_len:
+            raise SystemExit(f"--batch-tokens={batch_tokens} must be a multiple of every --seq-lens value ({seq_len})")
+    impls = ["flashtrain"] + (["flashtrain-compile"] if args.compile else []) + list(HF_IMPLS)
+
+    import transformers
+
+    matmul_size = 256 if device.type == "cpu" else 8192
+    env = {
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "precision": "bf16 autocast" if device.type == "cuda" else "fp32",
+        "matmul_size": matmul_size,
+        "matmul_tflops": measure_matmul_flops(device, matmul_size) / 1e12,
+        "batch_tokens": batch_tokens,
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
+    }
+    print(json.dumps(env), flush=True)
+
+    rows = []
+    for model_name in models:
+        for seq_len in seq_lens:
+            for impl in impls:
+                row = run_one(impl, model_name, seq_len, batch_tokens // seq_len, vocab_size, device, args.warmup,
+                              args.steps)
+                if row["status"] == "ok":
+                    row["model_tflops"] = row["tokens_per_s"] * row["flops_per_token"] / 1e12
+                    row["mfu"] = row["model_tflops"] / env["matmul_tflops"]
+                rows.append(row)
+                print(format_table([row]).splitlines()[-1], flush=True)
+    add_speedups(rows)
+    print(format_table(rows))
+
+    slug = "cpu-tiny" if device.type == "cpu" else env["device_name"].replace(" ", "_")
+    out = args.out or RESULTS / f"train_gpt2-{slug}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"env": env, "rows": rows}
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(rows, env, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
