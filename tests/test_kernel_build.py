@@ -1,6 +1,7 @@
 """CPU tests of the kernel build (flashtrain/kernels/build.py): the dispatch table, the disk cache, and an nvcc
 compile check of the most demanding instantiations for sm_80 and sm_90a (skipped without nvcc). The compile check of
-every instantiation (~7 minutes on 2 cores) runs from .ci/run: python -m flashtrain.kernels.build --check-nvcc sm_80 sm_90a
+every instantiation (196 compilations, 9 CPU-minutes: ~5 minutes on 2 idle cores) runs from .ci/run:
+python -m flashtrain.kernels.build --check-nvcc sm_80 sm_90a -j 2
 """
 
 import ctypes
