@@ -11,9 +11,11 @@ both reported. Model FLOPs per token = 6 N + 12 L T d: N = parameters without th
 is a real matmul), L layers, T context, d width; the attention term counts the full T x T scores (causality not
 subtracted, as in PaLM's MFU). A configuration that runs out of GPU memory is reported as OOM.
 
-    python benchmarks/train_gpt2.py                 # small and medium at 1K and 4K: benchmarks/results/train_gpt2-<gpu>.json/.png
+    python benchmarks/train_gpt2.py                 # small, medium x 1K, 4K -> results/train_gpt2-<gpu>.json/.png
     python benchmarks/train_gpt2.py --compile       # also flashtrain with torch.compile
     python benchmarks/train_gpt2.py --device cpu --tiny --out /tmp/t.json   # smoke test (2 layers x 64 wide)
+    python benchmarks/train_gpt2.py --impls flashtrain --models small --batch-tokens 32768 --out /tmp/mem.json
+                                                    # peak memory at a recipe's micro-batch (gpt2-small-*: 32K tokens)
 
 Needs torch, transformers and matplotlib only (no hydra, datasets or wandb).
 """
@@ -94,7 +96,8 @@ def build_loss_fn(impl: str, shape: tuple[int, int, int], seq_len: int, vocab_si
     import transformers  # only the comparison needs it
 
     config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer,
-                                     n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                     n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1)  # GPT-2's: 50256
     with device:
         model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation=HF_IMPLS[impl])
     if model.config._attn_implementation != HF_IMPLS[impl]:
@@ -210,11 +213,13 @@ def plot(rows: list[dict], env: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    configs = sorted({(r["model"], r["seq_len"]) for r in rows}, key=lambda c: (list(MODEL_SHAPES).index(c[0]), c[1]))
+    model_order = list(MODEL_SHAPES)
+    configs = sorted({(r["model"], r["seq_len"]) for r in rows}, key=lambda c: (model_order.index(c[0]), c[1]))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     width = 0.8 / len(impls)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s"), (axes[1], "mfu", "MFU (of measured bf16 matmul)")):
+    panels = ((axes[0], "tokens_per_s", "tokens/s"), (axes[1], "mfu", "MFU (of the measured matmul rate)"))
+    for ax, key, label in panels:
         for i, impl in enumerate(impls):
             for c, config in enumerate(configs):
                 row = next((r for r in rows if (r["model"], r["seq_len"]) == config and r["impl"] == impl), None)
@@ -231,7 +236,7 @@ def plot(rows: list[dict], env: dict, path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"GPT-2 training step, {env['device_name']}, torch {env['torch']}, {env['precision']}, "
-                 f"{env['date'][:10]} (matmul {env['matmul_tflops']:.0f} TFLOP/s measured)", fontsize=10)
+                 f"{env['date'][:10]} (matmul {env['matmul_tflops']:.3g} TFLOP/s measured)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -246,6 +251,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-tokens", type=int, default=None,
                         help="tokens per micro-batch, the same for every implementation (default 16384; tiny 256)")
     parser.add_argument("--compile", action="store_true", help="also time flashtrain under torch.compile")
+    parser.add_argument("--impls", nargs="+", default=None,
+                        help="a subset of flashtrain flashtrain-compile hf-eager hf-sdpa (default: all but -compile, "
+                             "which --compile adds)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile: 2 more)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
@@ -264,7 +272,10 @@ def main(argv: list[str] | None = None) -> dict:
     for seq_len in seq_lens:
         if batch_tokens % seq_len:
             raise SystemExit(f"--batch-tokens={batch_tokens} must be a multiple of every --seq-lens value ({seq_len})")
-    impls = ["flashtrain"] + (["flashtrain-compile"] if args.compile else []) + list(HF_IMPLS)
+    impls = args.impls or ["flashtrain"] + (["flashtrain-compile"] if args.compile else []) + list(HF_IMPLS)
+    for impl in impls:
+        if impl not in ("flashtrain", "flashtrain-compile", *HF_IMPLS):
+            raise SystemExit(f"--impls: unknown implementation {impl!r}")
 
     import transformers
 

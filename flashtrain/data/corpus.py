@@ -4,7 +4,10 @@ A corpus is named by one string:
   "stdlib"               this Python's standard-library `.py` sources (no download; exists wherever Python does)
   PATH | DIR | GLOB      local `.txt` (one document per file), `.jsonl` (one document per line, field `text_field`)
                          or `.parquet` (one document per row, column `text_field`) files, one format per corpus
-  "hf:NAME[:CONFIG]"     a Hugging Face Hub dataset, split "train", column `text_field`
+  "hf:NAME[:CONFIG]"     a Hugging Face Hub dataset, split "train", column `text_field`: downloaded whole (datasets'
+                         progress bars; num_proc-free, cached by `datasets`), or with streaming=True read row by row
+                         up to max_bytes (a tqdm bar over bytes) into an Arrow copy under `hf_cache_dir`, so a
+                         subset of OpenWebText (~40 GB of text) costs only what it reads
 
 Every corpus is capped at `max_bytes` of UTF-8 text (0: no cap): documents are taken in order and the one that
 crosses the cap is cut there. `open_corpus` is cheap (no tokenization, no copy of large files) so that a cache
@@ -20,12 +23,13 @@ import json
 import os
 import sys
 import sysconfig
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import datasets
+from tqdm.auto import tqdm
 
 STDLIB = "stdlib"
 HUB_PREFIX = "hf:"
@@ -50,17 +54,22 @@ class Corpus:
 
 
 def open_corpus(corpus: str, text_field: str = "text", max_bytes: int = 0,
-                hf_cache_dir: str | os.PathLike | None = None) -> Corpus:
+                hf_cache_dir: str | os.PathLike | None = None, streaming: bool = False) -> Corpus:
     """Resolve `corpus` (see the module docstring) without tokenizing anything.
 
-    `hf_cache_dir` is where `datasets` keeps its Arrow copy of local files (None: the `datasets` default).
-    Hub datasets always use the `datasets` default cache, shared with every other tool.
+    `hf_cache_dir` is where `datasets` keeps its Arrow copy of local files and of streamed Hub rows (None: the
+    `datasets` default). Hub datasets loaded whole use the `datasets` default cache, shared with every other tool.
+    `streaming` (Hub corpora only) reads the rows in order up to max_bytes instead of downloading the dataset.
     """
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0 (0: no cap), got {max_bytes}")
+    if streaming and not corpus.startswith(HUB_PREFIX):
+        raise ValueError(f"streaming=True reads Hub corpora ('hf:NAME') only, got corpus={corpus!r}")
     if corpus == STDLIB:
         return _open_stdlib(max_bytes)
     if corpus.startswith(HUB_PREFIX):
+        if streaming:
+            return _open_hub_streaming(corpus, text_field, max_bytes, hf_cache_dir)
         return _open_hub(corpus, text_field, max_bytes)
     return _open_local(corpus, text_field, max_bytes, hf_cache_dir)
 
@@ -167,10 +176,16 @@ def _load_local(builder: str, files: list[str], text_field: str, max_bytes: int,
 
 # ---- Hugging Face Hub ------------------------------------------------------------------------------------------
 
-def _open_hub(corpus: str, text_field: str, max_bytes: int) -> Corpus:
+def _parse_hub(corpus: str) -> tuple[str, str]:
+    """"hf:NAME[:CONFIG]" -> (NAME, CONFIG or "")."""
     name, _, config = corpus[len(HUB_PREFIX):].partition(":")
     if not name:
         raise ValueError(f"corpus={corpus!r}: expected 'hf:NAME' or 'hf:NAME:CONFIG'")
+    return name, config
+
+
+def _open_hub(corpus: str, text_field: str, max_bytes: int) -> Corpus:
+    name, config = _parse_hub(corpus)
     ds = _load_hub(name, config or None)
     # the cache files' names carry the dataset revision's hash; their sizes pin the content
     stats = [(Path(f["filename"]).as_posix().split("/")[-4:], os.path.getsize(f["filename"])) for f in ds.cache_files]
@@ -189,6 +204,57 @@ def _load_hub(name: str, config: str | None) -> datasets.Dataset:
 
 def _load_hub_documents(name: str, config: str | None, text_field: str, max_bytes: int) -> datasets.Dataset:
     return _cap_dataset(_text_column(_load_hub(name, config), text_field), max_bytes)
+
+
+def _open_hub_streaming(corpus: str, text_field: str, max_bytes: int, hf_cache_dir) -> Corpus:
+    name, config = _parse_hub(corpus)
+    # nothing is read here: the identity is the request itself, so a Hub dataset that is revised in place (public
+    # pretraining corpora such as OpenWebText are frozen) needs a fresh cache_dir
+    cap = f"first {max_bytes:,} bytes" if max_bytes else "all rows"
+    return Corpus(
+        spec=corpus,
+        description=f"Hub dataset {name}{':' + config if config else ''} (train split, streamed, {cap})",
+        identity=fingerprint({"kind": "hub-stream", "name": name, "config": config, "text_field": text_field,
+                              "max_bytes": max_bytes}),
+        _load=functools.partial(_load_hub_stream_documents, name, config or None, text_field, max_bytes,
+                                None if hf_cache_dir is None else str(hf_cache_dir)),
+    )
+
+
+def _stream_hub(name: str, config: str | None) -> Iterable[dict]:
+    return datasets.load_dataset(name, config, split="train", streaming=True)
+
+
+def _stream_texts(name: str, config: str | None, text_field: str, max_bytes: int) -> Iterator[dict]:
+    """{"text": ...} rows of the streamed dataset, in order, the one that crosses max_bytes cut there."""
+    total = 0
+    with tqdm(total=max_bytes or None, unit="B", unit_scale=True, desc=f"streaming {name}") as progress:
+        for row in _stream_hub(name, config):
+            if text_field not in row:
+                raise ValueError(f"text_field={text_field!r} is not a column of the corpus; columns: {list(row)}")
+            text = row[text_field]
+            n_bytes = len(text.encode("utf-8"))
+            if max_bytes and total + n_bytes > max_bytes:
+                _, tail = _cap([text], max_bytes - total)
+                if tail:
+                    yield {"text": tail}
+                progress.update(max_bytes - total)
+                return
+            total += n_bytes
+            progress.update(n_bytes)
+            yield {"text": text}
+
+
+def _load_hub_stream_documents(name: str, config: str | None, text_field: str, max_bytes: int,
+                               cache_dir) -> datasets.Dataset:
+    try:
+        return datasets.Dataset.from_generator(
+            _stream_texts, features=datasets.Features({"text": datasets.Value("string")}), cache_dir=cache_dir,
+            gen_kwargs={"name": name, "config": config, "text_field": text_field, "max_bytes": max_bytes})
+    except datasets.exceptions.DatasetGenerationError as error:
+        if isinstance(error.__cause__, ValueError):  # ours (a missing text_field): show it, not datasets' wrapper
+            raise error.__cause__ from None
+        raise
 
 
 # ---- shared ----------------------------------------------------------------------------------------------------

