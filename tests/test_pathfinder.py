@@ -14,7 +14,8 @@ from flashtrain.data.pathfinder import (GEOMETRY, MAX_TURN, PathfinderConfig, ge
                                         prepare_pathfinder, render)
 
 # (resolution, dashes per curve, images): 256 px costs ~0.3 s an image to check
-CASES = [(32, 14, 24), (32, 6, 8), (64, 14, 12), (64, 9, 6), (128, 14, 6), (256, 14, 2)]
+CASES = [(32, 14, 60), (32, 6, 20), (64, 14, 30), (64, 9, 10), (128, 14, 12), (128, 6, 6), (256, 14, 4),
+         (256, 9, 2)]
 
 
 def linked_components(ink: np.ndarray, link: float) -> tuple[np.ndarray, int]:
@@ -44,7 +45,7 @@ def markers_joined(image: np.ndarray, markers: np.ndarray, link: float) -> tuple
     labels, count = linked_components(image > 0, link)
     (ya, xa), (yb, xb) = ((int(y), int(x)) for x, y in markers)
     assert image[ya, xa] == 255 and image[yb, xb] == 255  # a marker is a solid disc
-    return labels[ya, xa] == labels[yb, xb], count
+    return bool(labels[ya, xa] == labels[yb, xb]), count
 
 
 @pytest.mark.parametrize("resolution,curve_length,n_images", CASES)
@@ -76,6 +77,35 @@ def test_curves_are_made_of_separate_dashes(resolution):
     dashes_only = render(resolution, sample.curves[:2], np.zeros((0, 2)))
     _, n_pieces = linked_components(dashes_only >= 128, 1.5)
     assert n_pieces == 2 * 9
+
+
+def test_turns_measured_from_the_pixels_stay_within_the_bound():
+    """At 256 px each dash of the two targets is a bright bar of about 10 x 2.5 px: its axis (principal axis of
+    its pixels) and its neighbours along the curve (bars within paddle_gap + 1.5 px) come from the image alone.
+    Neighbouring axes differ by at most MAX_TURN, up to the error of measuring a bar's axis on pixels."""
+    geometry = GEOMETRY[256]
+    measured_turns = []
+    for seed in range(2):
+        sample = generate_sample(256, 14, seed % 2, random.Random(seed))
+        labels, n_dashes = linked_components(render(256, sample.curves[:2], np.zeros((0, 2))) >= 128, 1.5)
+        assert n_dashes == 28
+        pixels = [np.stack(np.nonzero(labels == k)[::-1], axis=1).astype(float) for k in range(1, n_dashes + 1)]
+        axes = []
+        for xy in pixels:  # (m, 2) pixel coordinates of one bar
+            eigenvalues, eigenvectors = np.linalg.eigh(np.cov(xy.T))
+            axes.append(math.atan2(eigenvectors[1, -1], eigenvectors[0, -1]))  # axis of the largest spread
+        n_neighbours = np.zeros(n_dashes, dtype=int)
+        for i in range(n_dashes):
+            for j in range(i + 1, n_dashes):
+                gap = np.sqrt(((pixels[i][:, None] - pixels[j][None]) ** 2).sum(-1)).min()
+                if gap <= geometry.paddle_gap + 1.5:
+                    n_neighbours[[i, j]] += 1
+                    turn = (axes[i] - axes[j] + math.pi / 2) % math.pi - math.pi / 2  # axes have no direction
+                    measured_turns.append(abs(turn))
+        # two chains of 14 bars: 4 ends with one neighbour, 24 bars with two
+        assert sorted(n_neighbours.tolist()) == [1] * 4 + [2] * 24
+    assert max(measured_turns) <= MAX_TURN + math.radians(6)
+    assert max(measured_turns) > math.radians(25)  # the curves do turn
 
 
 @pytest.mark.parametrize("resolution", list(GEOMETRY))
@@ -153,9 +183,29 @@ def test_geometry_table_keeps_curves_apart_by_more_than_the_link():
     """The guarantee the image check above rests on: ink pixels lie within 0.5 px of a shape, so ink of
     different curves is at least clearance - 1 apart, which must exceed the link paddle_gap + 1."""
     for resolution, geometry in GEOMETRY.items():
-        assert geometry.clearance - 1 > geometry.paddle_gap + 1 - 1e-9 or resolution == 32, resolution
+        assert geometry.clearance - 1 > geometry.paddle_gap + 1, resolution
         assert geometry.marker_radius > geometry.paddle_gap / 2  # a marker touches its curve's end dash
-    # at 32 px the margin is the pixel lattice: ink 2 = clearance - 1 apart cannot link at 1.6 (next distance
-    # after sqrt 2 is 2)
-    assert GEOMETRY[32].clearance - 1 >= 2 > GEOMETRY[32].paddle_gap + 1
+        assert geometry.paddle_gap >= 0.5 and geometry.paddle_width < 2 * geometry.marker_radius
     assert pathfinder.CURVE_LENGTHS == (6, 9, 14)
+
+
+@pytest.mark.parametrize("resolution", [32, 128])
+def test_labels_differ_only_in_the_markers(resolution):
+    """The same random stream lays out the same curves for both labels; only the markers move, and the distance
+    between them is the same, so neither the layout nor the marker distance gives the label away."""
+    radius = GEOMETRY[resolution].marker_radius
+    link = GEOMETRY[resolution].paddle_gap + 1
+    for seed in range(4):
+        negative = generate_sample(resolution, 9, 0, random.Random(seed))
+        positive = generate_sample(resolution, 9, 1, random.Random(seed))
+        for a, b in zip(negative.curves, positive.curves):
+            assert np.array_equal(a.paddles, b.paddles)
+        np.testing.assert_allclose(np.hypot(*(negative.markers[1] - negative.markers[0])),
+                                   np.hypot(*(positive.markers[1] - positive.markers[0])), rtol=1e-9)
+        # pixels that differ lie within a marker disc (+ 1 px of antialiasing) of one of the four markers
+        ys, xs = np.nonzero(negative.image != positive.image)
+        centres = np.concatenate([negative.markers, positive.markers])  # (4, 2)
+        near = np.hypot(xs[:, None] + 0.5 - centres[:, 0], ys[:, None] + 0.5 - centres[:, 1]).min(axis=1)
+        assert len(ys) > 0 and np.all(near <= radius + 1)
+        assert not markers_joined(negative.image, negative.markers, link)[0]
+        assert markers_joined(positive.image, positive.markers, link)[0]

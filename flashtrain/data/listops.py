@@ -88,6 +88,10 @@ def apply_operator(operator_id: int, args: list[int]) -> int:
     raise ValueError(f"operator_id must be one of {OPERATOR_IDS}, got {operator_id}")
 
 
+class _TooLong(Exception):
+    """A tree reached max_length tokens while being drawn."""
+
+
 def draw_tree(rng: random.Random, cfg: ListOpsConfig) -> Optional[tuple[list[int], int]]:
     """One tree drawn top-down: (token ids, value), or None once it reaches max_length tokens (the rest of that
     tree is not drawn: it would be rejected anyway)."""
@@ -112,10 +116,6 @@ def draw_tree(rng: random.Random, cfg: ListOpsConfig) -> Optional[tuple[list[int
     except _TooLong:
         return None
     return ids, value
-
-
-class _TooLong(Exception):
-    pass
 
 
 def listops_sample(cfg: ListOpsConfig, split: str, index: int, attempt: int = 0) -> tuple[np.ndarray, int]:
@@ -195,7 +195,7 @@ def save_grid(path: str, rows: int = 4, cols: int = 4, seed: int = 0, chars_per_
     fig.suptitle("ListOps samples (seed 0). MIN, MAX, MED (floor of the median), SM (sum mod 10); label = value. "
                  "'root' lists the values of the outermost operator's arguments", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

@@ -1,35 +1,43 @@
 """Pathfinder (Long Range Arena), Path-X and Path-256: are the two circles joined by one dashed curve?
 
 Each grayscale image holds white dashed curves on black. A curve is a chain of `curve_length` straight dashes
-("paddles"); the direction turns by a uniform angle in [-MAX_TURN, MAX_TURN] (30 degrees) from one dash to the
-next, so curves are smooth and cannot double back. Two curves are targets; the others are distractors, made of
-the same dashes, `curve_length // 3` (at least 2) of them. Two filled circles ("markers") sit on curve ends:
-label 1: both on the two ends of the same target curve; label 0: one on an end of each target curve. Markers
-are positioned after the curves are laid out and every curve keeps room for a marker at both of its ends, so
-positives and negatives differ only in where the markers are. Even sample indices are negatives and odd ones
+("paddles"); from one dash to the next the direction turns by a uniform angle in [-MAX_TURN, MAX_TURN] (45
+degrees), so curves are smooth. Two curves are targets; the others are distractors made of the same dashes,
+max(2, curve_length // 3) of them. Two filled circles ("markers") sit on curve ends. Label 1: on the two ends of
+the first target. Label 0: on one end of the first target and on the start of the second, which the layout put
+exactly as far from that end as the first target's two ends are apart, so the distance between the markers has
+the same distribution in both classes and tells nothing. The layout does not depend on the label (the same random
+stream gives the same curves for both labels, only the markers move); even sample indices are negatives, odd ones
 positives, so every split is balanced.
 
-Layout: a curve starts at a uniform point with a uniform direction and grows dash by dash; a dash (and a marker
-disc) may come no closer than `clearance` to any dash or disc of another curve, or of its own curve three or
-more elements away, and stays `border` inside the image. A dash that does not fit is drawn again with a new
-turn (PADDLE_TRIES), a curve that cannot be finished is started again (CURVE_TRIES), and distractors that find
-no room are left out. Since `clearance` exceeds the gap between dashes of one curve, the curves can be told apart
-by eye, and by a program: link bright pixels closer than the gap and each curve is one connected piece.
+Layout: a curve starts at a uniform point (the second target: a uniform point of that circle) with a uniform
+direction and grows dash by dash. Every curve keeps room for a marker disc at both ends. A dash or disc stays
+`border` inside the image and at least `clearance` away from every dash or disc of another curve, and of its own
+curve beyond the next few along it (`PathfinderGeometry.self_skip`), so curves neither touch nor cross themselves.
+A dash that does not fit is drawn again with a new turn (PADDLE_TRIES); a curve that cannot be finished is started
+again (CURVE_TRIES, DISTRACTOR_TRIES); distractors that find no room are left out. `clearance` exceeds the gap
+between the dashes of one curve by more than 2 px, so the curves can be told apart by eye, and by a program: link
+ink pixels no more than paddle_gap + 1 px apart and each curve is one connected piece (tests/test_pathfinder.py).
 
 Difficulty is the curve length: 6, 9 or 14 dashes (LRA's easy / intermediate / hard; Path-X and Path-256 use 14).
-Sizes in pixels, per resolution (the layout scales linearly with the image; widths and markers grow more slowly
-so that they stay visible at 32 and thin at 256):
+Sizes in pixels per resolution. The layout scales about linearly with the image (a 14-dash curve is about 0.9
+resolution long); widths, markers and clearance grow more slowly so that they stay visible at 32 and thin at 256,
+which leaves room for more distractors at higher resolutions:
 
-    resolution  dash length  dash width  gap   clearance  marker radius  border  distractors
-        32          2.0         1.0      1.0      3.0         1.5          1.0        2
-        64          4.0         1.5      2.0      4.0         2.5          1.5        4
-       128          8.0         2.0      4.0      7.0         4.0          2.0        8
-       256         16.0         3.0      8.0     12.0         6.5          3.0       12
+    resolution  dash length  dash width  gap   clearance  marker radius  border  distractors (at most)
+        32          1.4         1.0      0.6      3.0         1.5          0.5        4
+        64          2.5         1.2      1.5      4.0         2.2          1.0        6
+       128          5.0         1.6      3.0      6.0         3.5          2.0       10
+       256         10.0         2.5      6.0     10.0         6.0          3.0       14
 
-Drawing is antialiased in numpy: each pixel takes the covered fraction of a 1-pixel box around its centre,
-approximated by clip(0.5 - signed distance, 0, 1) for rectangles (dashes) and discs (markers); overlapping shapes
-take the maximum. A pixel is >= 128 exactly when its centre lies inside a shape. The image is flattened row by
-row into resolution**2 tokens with values 0-255.
+With 14-dash curves about 1 (32 px), 3 (64), 5 (128) and 8 (256) distractors find room on average; with 6-dash
+curves about 3, 5, 9 and 12.
+
+Drawing is antialiased in numpy: a pixel takes clip(0.5 - d, 0, 1) of full white, d the signed distance from its
+centre to a shape (rectangle or disc), which approximates the covered fraction of the pixel; overlapping shapes
+take the maximum. A pixel is >= 128 exactly when its centre lies inside a shape, and nonzero only within 0.5 px of
+one. The image is flattened row by row (pixel (row i, column j) is token i * resolution + j) into resolution**2
+tokens with values 0-255.
 """
 
 from __future__ import annotations
@@ -51,8 +59,6 @@ PADDLE_TRIES = 12  # turns drawn for one dash before its curve is started again
 CURVE_TRIES = 40  # starts of a target curve before the image is started again
 DISTRACTOR_TRIES = 6  # starts of a distractor curve before it is left out
 IMAGE_TRIES = 50
-# a negative marker pair is as far apart as a positive one, to within this fraction of a step (dash + gap)
-MARKER_DISTANCE_TOLERANCE = 0.0625
 
 
 @dataclass(frozen=True)
@@ -136,16 +142,16 @@ def generate_sample(resolution: int, curve_length: int, label: int, rng: random.
     geometry = GEOMETRY[resolution]
     for _ in range(IMAGE_TRIES):
         layout = _Layout(resolution, geometry)
-        targets = _lay_out_targets(layout, rng, curve_length, label)
-        if targets is not None:
+        laid_out = _lay_out_targets(layout, rng, curve_length, label)
+        if laid_out is not None:
             break
     else:
         raise RuntimeError(f"could not lay out two curves of {curve_length} dashes at {resolution} px in "
                            f"{IMAGE_TRIES} tries: the GEOMETRY table leaves too little room")
-    *targets, markers = targets
+    first, second, markers = laid_out
     distractors = [layout.grow_curve(rng, max(2, curve_length // 3), DISTRACTOR_TRIES)
                    for _ in range(geometry.n_distractors)]
-    curves = targets + [c for c in distractors if c is not None]
+    curves = [first, second] + [c for c in distractors if c is not None]
     image = render(resolution, curves, markers, geometry)
     return PathfinderSample(image=image, label=label, curves=curves, markers=markers)
 
@@ -180,45 +186,40 @@ def prepare_pathfinder(cfg: PathfinderConfig) -> CachedSplits:
 
 # ---- layout ------------------------------------------------------------------------------------------------------
 
-def _lay_out_targets(layout: "_Layout", rng: random.Random, curve_length: int,
-                     label: int) -> Optional[tuple["Curve", "Curve", np.ndarray]]:
+def _lay_out_targets(layout: _Layout, rng: random.Random, curve_length: int,
+                     label: int) -> Optional[tuple[Curve, Curve, np.ndarray]]:
     """(first target, second target, markers (2, 2)), or None if the layout found no room.
 
-    The two ends of one target are the positive pair. A negative pair, one end of each target, must be as far
-    apart as they are (within a quarter step), or marker distance alone would tell the classes apart: the second
-    target is laid out again until such a pair exists, whatever the label, so layouts do not depend on it.
+    Positive markers sit on the two ends of the first target. The second target starts as far from one end of the
+    first as the first's two ends are apart, and negative markers sit on that end and on that start: marker
+    distance alone cannot tell the classes apart. The layout does not depend on the label.
     """
     first = layout.grow_curve(rng, curve_length, CURVE_TRIES)
     if first is None:
         return None
-    placed = layout.count()
-    for _ in range(CURVE_TRIES):
-        second = layout.grow_curve(rng, curve_length, CURVE_TRIES)
-        if second is None:
-            return None
-        marked = (first, second)[rng.randrange(2)]
-        span = np.hypot(*(marked.ends[1] - marked.ends[0]))
-        pairs = [np.stack([a, b]) for a in first.ends for b in second.ends]  # 4 (2, 2)
-        negatives = [pair for pair in pairs if abs(np.hypot(*(pair[1] - pair[0])) - span) <= MARKER_DISTANCE_TOLERANCE * layout.geometry.step]
-        if negatives:
-            return first, second, marked.ends.copy() if label == 1 else negatives[rng.randrange(len(negatives))]
-        layout.truncate(placed)
-    return None
+    end = first.ends[rng.randrange(2)]
+    span = math.hypot(*(first.ends[1] - first.ends[0]))
+    second = layout.grow_curve(rng, curve_length, CURVE_TRIES, start_circle=(end, span))
+    if second is None:
+        return None
+    markers = first.ends.copy() if label == 1 else np.stack([end, second.ends[0]])
+    return first, second, markers
 
 
 class _Layout:
     """The shapes placed so far, each a capsule: the points within `radius` of a segment (a disc: a segment of
     length 0). A dash, a rectangle, lies inside its capsule, so capsule distances are safe bounds.
 
-    Shapes are filed in a grid of square cells by their centre; a cell is as wide as the farthest two shapes can
-    interact (half-extents of two markers plus clearance), so a new shape need only be compared with the shapes
-    of the 3 x 3 cells around its own. Plain Python floats: numpy costs more than it saves on a handful of shapes.
+    Shapes are filed in a grid of square cells by their centre; a cell is as wide as the centres of two shapes
+    can be while they are closer than `clearance` (twice the largest half-extent, plus clearance), so a new shape
+    need only be compared with the shapes of the 3 x 3 cells around its own. Plain Python floats: numpy costs
+    more than it saves on a handful of shapes.
     """
 
     def __init__(self, resolution: int, geometry: PathfinderGeometry):
         self.resolution = resolution
         self.geometry = geometry
-        largest_extent = max(geometry.step / 2 + geometry.paddle_width / 2, geometry.marker_radius)
+        largest_extent = max(geometry.paddle_length / 2 + geometry.paddle_width / 2, geometry.marker_radius)
         self.cell = 2 * largest_extent + geometry.clearance
         self.self_skip = geometry.self_skip
         # (ax, ay, bx, by, radius, curve, position, centre x, centre y, half-extent) of each shape
@@ -266,9 +267,11 @@ class _Layout:
             shape = self.shapes.pop()
             self.cells[(int(shape[7] // self.cell), int(shape[8] // self.cell))].pop()
 
-    def grow_curve(self, rng: random.Random, n_paddles: int, tries: int) -> Optional[Curve]:
+    def grow_curve(self, rng: random.Random, n_paddles: int, tries: int,
+                   start_circle: Optional[tuple[np.ndarray, float]] = None) -> Optional[Curve]:
         """Lay out one curve of n_paddles dashes with room for a marker at each end, or None if `tries` starts
-        found no room."""
+        found no room. It starts at a uniform point of the image, or of the circle start_circle = (centre (2,),
+        radius)."""
         g = self.geometry
         curve = self.n_curves
         half_gap = g.paddle_gap / 2
@@ -277,7 +280,12 @@ class _Layout:
         hi = self.resolution - lo
         for _ in range(tries):
             first = self.count()  # rolled back to here when the curve fails
-            x, y = rng.uniform(lo, hi), rng.uniform(lo, hi)  # the joint before the next dash
+            if start_circle is None:
+                x, y = rng.uniform(lo, hi), rng.uniform(lo, hi)  # the joint before the next dash
+            else:
+                (cx, cy), radius = start_circle
+                towards = rng.uniform(-math.pi, math.pi)
+                x, y = cx + radius * math.cos(towards), cy + radius * math.sin(towards)
             if not self.fits(x, y, x, y, g.marker_radius, curve, 0):
                 continue
             self.add(x, y, x, y, g.marker_radius, curve, 0)
