@@ -36,6 +36,7 @@ import torch
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from flashtrain.data.cache import publish_dir
 from flashtrain.data.corpus import Corpus, fingerprint, open_corpus
 from flashtrain.data.tokenizer import (eos_id, encode_ordinary, load_tokenizer, save_tokenizer, tokenizer_fingerprint,
                                        train_bpe)
@@ -206,7 +207,7 @@ def write_token_files(corpus: Corpus, documents, tokenizer: Tokenizer, tokenizer
         "seed": cfg.seed,
     }
     (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    _publish(tmp_dir, tokens_dir)
+    publish_dir(tmp_dir, tokens_dir)
 
 
 def _tokenize_batch(batch: dict, tokenizer: Tokenizer, eos_id: int) -> dict:
@@ -230,18 +231,6 @@ def _write_flat(tokenized, path: Path, dtype: np.dtype) -> int:
     tokens.flush()
     del tokens
     return n_tokens
-
-
-def _publish(tmp_dir: Path, final_dir: Path) -> None:
-    """Rename a finished directory into place; if another process got there first, keep theirs."""
-    if final_dir.exists() and not (final_dir / "meta.json").is_file():
-        shutil.rmtree(final_dir)  # not ours and incomplete: only an interrupted copy by hand could leave this
-    try:
-        os.rename(tmp_dir, final_dir)
-    except OSError:
-        if not (final_dir / "meta.json").is_file():
-            raise
-        shutil.rmtree(tmp_dir)
 
 
 # ---- serving ---------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from flashtrain.data.cache import publish_dir
 from flashtrain.data.corpus import fingerprint
 from flashtrain.data.lm import resolve_cache_dir
 
@@ -155,7 +156,7 @@ def _generate(task: str, cfg, config: dict, sizes: dict[str, int], sample_fn: Sa
         "seconds": round(seconds, 2),
     }
     (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    _publish(tmp_dir, directory)
+    publish_dir(tmp_dir, directory)
     logger.info("%s: %s samples in %.1f s with %d processes -> %s", task, sizes, seconds, num_proc, directory)
 
 
@@ -173,18 +174,6 @@ def _pool(num_proc: int):
     # (no torch, no threads), the case fork is safe for. Elsewhere, spawn.
     method = "fork" if sys.platform == "linux" else "spawn"
     return multiprocessing.get_context(method).Pool(num_proc)
-
-
-def _publish(tmp_dir: Path, final_dir: Path) -> None:
-    """Rename a finished directory into place; if another process got there first, keep theirs."""
-    if final_dir.exists() and not (final_dir / "meta.json").is_file():
-        shutil.rmtree(final_dir)  # incomplete and not ours: only an interrupted copy by hand could leave this
-    try:
-        os.rename(tmp_dir, final_dir)
-    except OSError:
-        if not (final_dir / "meta.json").is_file():
-            raise
-        shutil.rmtree(tmp_dir)
 
 
 # ---- serving ---------------------------------------------------------------------------------------------------
