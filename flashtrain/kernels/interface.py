@@ -34,14 +34,33 @@ def flash_attn_func(
     generator: torch.Generator | None = None,
     impl: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Attention over q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_kv, head_dim).
+    """Exact attention softmax(q k^T * softmax_scale) v, computed tile by tile (FlashAttention).
 
-    Returns out (batch, seqlen_q, nheads, head_dim), and with return_lse=True also lse (batch, nheads, seqlen_q),
-    float32 (float64 for float64 inputs on the reference). causal is bottom-right aligned. block_mask: bool
-    ([nheads,] ceil(seqlen_q / 128), ceil(seqlen_k / 128)), False skips a 128 x 128 block. dropout_mask: bool keep-mask
-    (batch, nheads, seqlen_q, seqlen_k); without it the mask is drawn from generator (default generator if None) and
-    regenerated in backward; each implementation draws its own masks, so the same generator state gives different
-    masks on impl="reference" and impl="cuda".
+    Args:
+        q: (batch, seqlen_q, nheads, head_dim), float16 / bfloat16 (float32 / float64 on the reference only);
+            the last dimension must be contiguous (stride 1). head_dim <= 256.
+        k, v: (batch, seqlen_k, nheads_kv, head_dim), same dtype and device as q. nheads must be a multiple of
+            nheads_kv (GQA; nheads_kv == 1 is MQA): query head h attends with kv head h // (nheads // nheads_kv).
+        dropout_p: probability of dropping each attention probability (training only; pass 0.0 in eval). Kept
+            probabilities are scaled by 1 / (1 - dropout_p).
+        softmax_scale: multiplies q k^T before the softmax; default 1 / sqrt(head_dim).
+        causal: causal mask aligned to the bottom-right corner of the (seqlen_q, seqlen_k) score matrix, as in
+            FlashAttention >= 2.1: query i sees key j iff j <= i + seqlen_k - seqlen_q. With seqlen_q == seqlen_k
+            this is the usual lower triangle; with seqlen_q > seqlen_k the first seqlen_q - seqlen_k queries see
+            no key, and their output is 0 (lse -inf, zero gradients).
+        block_mask: optional bool ([nheads,] ceil(seqlen_q / 128), ceil(seqlen_k / 128)); block (i, j) covers
+            queries [128 i, 128 i + 128) and keys [128 j, 128 j + 128); False skips the block (its scores are
+            never computed). Combined with causal by AND. A query that sees no key outputs 0.
+        return_lse: also return the log-sum-exp of each query's scaled scores, float32 (batch, nheads, seqlen_q).
+        dropout_mask: optional explicit bool keep-mask (batch, nheads, seqlen_q, seqlen_k), True = keep (tests;
+            runs on the reference). Without it the mask is drawn from `generator` and regenerated in backward.
+        generator: torch.Generator for the dropout mask (default: the device's default generator).
+        impl: "auto" (CPU tensors: the plain-PyTorch reference; CUDA tensors: the CUDA kernel, or the reference with
+            a one-time warning saying why when the kernel cannot run this call), "cuda" (the kernel or a
+            RuntimeError saying why not; never a fallback) or "reference".
+
+    Returns:
+        out (batch, seqlen_q, nheads, head_dim) in q's dtype, or (out, lse) with return_lse=True.
     """
     _check_qkv(q, k, v, rank=4, layout="(batch, seqlen, nheads, head_dim)")
     if k.shape[0] != q.shape[0]:
@@ -94,8 +113,13 @@ def flash_attn_varlen_func(
     generator: torch.Generator | None = None,
     impl: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Attention over packed sequences: q (total_q, nheads, head_dim), k/v (total_k, nheads_kv, head_dim); sequence b
-    is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q (int32 offsets, length batch + 1).
+    """Attention over packed variable-length sequences (how padding is handled without wasted work).
+
+    q (total_q, nheads, head_dim), k/v (total_k, nheads_kv, head_dim); sequence b is rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k/v (cu_seqlens: int32,
+    length batch + 1, starting at 0, non-decreasing, last == total). max_seqlen_q/k bound every sequence's length.
+    Sequences never attend to each other; causal is bottom-right aligned per sequence. Every other argument is as in
+    flash_attn_func.
 
     Returns out (total_q, nheads, head_dim), and with return_lse=True also lse (nheads, total_q). block_mask:
     ([nheads,] ceil(max_seqlen_q / 128), ceil(max_seqlen_k / 128)), blocks counted from the start of each sequence.

@@ -1,6 +1,7 @@
 from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from flashtrain.models.gpt2 import GPT2, GPT2Config
+from flashtrain.models.lra import LRAClassifier, LRAConfig
 from flashtrain.models.position import extend_position_embeddings
 
 __all__ = ["BertConfig", "BertForMaskedLM", "BertForSequenceClassification", "BertModel", "GPT2", "GPT2Config",
-           "extend_position_embeddings"]
+           "LRAClassifier", "LRAConfig", "extend_position_embeddings"]

@@ -14,17 +14,22 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from flashtrain.data.listops import ListOpsConfig
 from flashtrain.data.lm import LMDataConfig
+from flashtrain.data.pathfinder import PathfinderConfig
 from flashtrain.models.gpt2 import GPT2Config
+from flashtrain.models.lra import LRAConfig
 
 PRECISIONS = ("auto", "no", "bf16", "fp16")
+SCHEDULES = ("cosine", "rsqrt")
 LOGGERS = ("wandb", "none")
 
 
 @dataclass
 class OptimConfig:
     lr: float = 6e-4  # peak learning rate, reached after warmup
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps
+    schedule: str = "cosine"  # after warmup: cosine (to lr * min_lr_ratio) | rsqrt (lr * sqrt(warmup / step), LRA's)
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps (rsqrt: unused)
     warmup_steps: int = 100  # linear warmup from 0, in optimizer steps
     weight_decay: float = 0.1  # decoupled (AdamW); never applied to biases and norm weights
     decay_embeddings: bool = False  # also decay token/position embeddings (GPT-2 recipes: no)
@@ -37,6 +42,11 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "rsqrt" and self.warmup_steps < 1:
+            raise ValueError(f"optim.warmup_steps must be >= 1 with schedule rsqrt (it sets the decay), "
+                             f"got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0:
@@ -100,7 +110,7 @@ class FlashtrainConfig:
     init_from: Optional[str] = None  # fresh run from these weights: checkpoint/run dir or hf:NAME (train/model_init.py)
     init_position_extension: str = "repeat"  # repeat | interpolate: how init_from's position table is lengthened
     model: Any = MISSING  # a model schema (GPT2Config, ...): the type decides which model is built
-    data: LMDataConfig = field(default_factory=LMDataConfig)
+    data: Any = MISSING  # a data schema (LMDataConfig, ListOpsConfig, ...): the type decides the task
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -116,7 +126,10 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="flashtrain_schema", node=FlashtrainConfig)
     cs.store(group="model", name="gpt2_schema", node=GPT2Config)
+    cs.store(group="model", name="lra_schema", node=LRAConfig)
     cs.store(group="data", name="lm_schema", node=LMDataConfig)
+    cs.store(group="data", name="listops_schema", node=ListOpsConfig)
+    cs.store(group="data", name="pathfinder_schema", node=PathfinderConfig)
     cs.store(group="optim", name="adamw_schema", node=OptimConfig)
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
     cs.store(group="logger", name="logger_schema", node=LoggerConfig)

@@ -1,4 +1,4 @@
-"""AdamW with GPT-style parameter groups, and the warmup + cosine learning-rate schedule."""
+"""AdamW with GPT-style parameter groups, and the learning-rate schedules: linear warmup, then cosine or rsqrt."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from flashtrain.train.config import OptimConfig
+from flashtrain.train.config import SCHEDULES, OptimConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool) -> list[dict]:
@@ -44,15 +44,21 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     )
 
 
-def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak LR at optimizer step `step` (0-based): linear warmup, then cosine to min_lr_ratio."""
+def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
+    """Multiplier of the peak LR at optimizer step `step` (0-based): linear warmup, then cosine to min_lr_ratio at
+    max_steps, or rsqrt: sqrt(warmup_steps / (step + 1)), LRA's "linear_warmup * rsqrt_decay" divided by its value
+    at the end of warmup (LRA's constant 0.05 with 1000 warmup steps is a peak of 0.05 / sqrt(1000))."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if step < warmup_steps:
         return (step + 1) / warmup_steps
+    if schedule == "rsqrt":
+        return math.sqrt(warmup_steps / (step + 1))
     progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
+        optimizer, lambda step: lr_factor(step, cfg.warmup_steps, max_steps, cfg.min_lr_ratio, cfg.schedule)
     )

@@ -13,7 +13,12 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from flashtrain.data.lm import LMDataConfig, make_train_loader, make_val_loader, prepare_lm_data
+from torch.utils.data import DataLoader
+
+from flashtrain.data import listops
+from flashtrain.data.listops import ListOpsConfig, prepare_listops
+from flashtrain.data.lm import LMDataConfig, ResumableBatchSampler, make_train_loader, make_val_loader, prepare_lm_data
+from flashtrain.data.pathfinder import PathfinderConfig, prepare_pathfinder
 
 
 class Task:
@@ -97,8 +102,105 @@ class LMTask(Task):
         return self.data.tokenizer.decode(out[0].tolist())
 
 
+class ClassificationTask(Task):
+    """One label per sequence (Long Range Arena: ListOps, Pathfinder): batches (tokens (B, T) int64, labels (B,)).
+
+    The generated data set is cached on disk (flashtrain.data.lra_cache). Every sample is right-padded with pad_id to
+    the longest sample of all splits, so every batch has one shape; the model removes the padding. pad_id None: the
+    samples all have one length and no token is padding (Pathfinder's pixel 0 is black).
+    """
+
+    def __init__(self, data_cfg: ListOpsConfig | PathfinderConfig):
+        if isinstance(data_cfg, ListOpsConfig):
+            self.splits = prepare_listops(data_cfg)
+            self.vocab_size, self.num_classes, self.pad_id = listops.VOCAB_SIZE, listops.NUM_CLASSES, listops.PAD_ID
+        elif isinstance(data_cfg, PathfinderConfig):
+            self.splits = prepare_pathfinder(data_cfg)
+            self.vocab_size, self.num_classes, self.pad_id = 256, 2, None  # pixel values; connected or not
+        else:
+            raise TypeError(f"data: ClassificationTask takes ListOpsConfig or PathfinderConfig, "
+                            f"got {type(data_cfg).__name__}")
+        self.seed = data_cfg.seed
+        self.seq_len = self.splits.meta["max_length"]
+
+    def dataset(self, split: str):
+        """One split as (tokens (seq_len,) int64, label) samples."""
+        return self.splits.dataset(split, self.seq_len, pad_id=0 if self.pad_id is None else self.pad_id)
+
+    def check_model(self, model_cfg) -> None:
+        if model_cfg.vocab_size < self.vocab_size:
+            raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the data's vocabulary "
+                             f"({self.vocab_size})")
+        if model_cfg.num_classes != self.num_classes:
+            raise ValueError(f"model.num_classes={model_cfg.num_classes} differs from the data's {self.num_classes}")
+        if model_cfg.pad_id != self.pad_id:
+            raise ValueError(f"model.pad_id={model_cfg.pad_id} differs from the data's padding id {self.pad_id}")
+        if self.seq_len > model_cfg.max_tokens:
+            raise ValueError(f"the data's longest sample has {self.seq_len} tokens, more than the model takes "
+                             f"({model_cfg.max_tokens}: model.max_len={model_cfg.max_len}, "
+                             f"pooling={model_cfg.pooling!r}); raise model.max_len")
+
+    def train_loader(self, batch_size, rank, world_size, start_batch):
+        dataset = self.dataset("train")
+        sampler = ResumableBatchSampler(len(dataset), batch_size, self.seed, rank, world_size, start_batch)
+        return DataLoader(dataset, batch_sampler=sampler, pin_memory=torch.cuda.is_available())
+
+    def eval_loader(self, batch_size, rank, world_size, max_batches):
+        return self.split_loader("val", batch_size, rank, world_size, max_batches)
+
+    def split_loader(self, split: str, batch_size: int, rank: int = 0, world_size: int = 1,
+                     max_batches: int | None = None) -> DataLoader:
+        """`split` in order, the same every pass, as batches of consecutive samples (the last may be short); the
+        first `max_batches` (None: all) are dealt round-robin over ranks (rank r gets batches r, r + world_size...)."""
+        dataset = self.dataset(split)
+        n_batches = math.ceil(len(dataset) / batch_size)
+        if max_batches is not None:
+            n_batches = min(n_batches, max_batches)
+        if n_batches < world_size:
+            raise ValueError(f"the {split} split has {len(dataset)} samples: {n_batches} batches of "
+                             f"batch_size={batch_size}, fewer than the {world_size} processes")
+        batches = [list(range(b * batch_size, min((b + 1) * batch_size, len(dataset))))
+                   for b in range(rank, n_batches, world_size)]
+        return DataLoader(dataset, batch_sampler=batches, pin_memory=torch.cuda.is_available())
+
+    def loss(self, model, batch) -> Tensor:
+        tokens, labels = batch
+        return model(tokens, labels)[1]
+
+    def eval_sums(self, model, batch) -> dict[str, Tensor]:
+        tokens, labels = batch
+        logits, loss = model(tokens, labels)
+        return {"loss": loss.float() * labels.numel(), "correct": (logits.argmax(dim=-1) == labels).sum().float(),
+                "samples": torch.tensor(float(labels.numel()))}
+
+    def eval_metrics(self, sums):
+        return {"val_loss": sums["loss"] / sums["samples"], "val_accuracy": sums["correct"] / sums["samples"]}
+
+    def tokens(self, batch) -> int:
+        tokens = batch[0]
+        return tokens.numel() if self.pad_id is None else int(tokens.ne(self.pad_id).sum())
+
+
+@torch.no_grad()
+def evaluate_split(model: torch.nn.Module, task: ClassificationTask, split: str, batch_size: int,
+                   device: torch.device | str = "cpu") -> dict[str, float]:
+    """Loss and accuracy of `model` over every sample of `split` ("val", "test"), in one process:
+    {"loss", "accuracy", "samples"}."""
+    was_training = model.training
+    model.eval()
+    sums: dict[str, float] = {}
+    for tokens, labels in task.split_loader(split, batch_size):
+        for key, value in task.eval_sums(model, (tokens.to(device), labels.to(device))).items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    model.train(was_training)
+    return {"loss": sums["loss"] / sums["samples"], "accuracy": sums["correct"] / sums["samples"],
+            "samples": int(sums["samples"])}
+
+
 def build_task(data_cfg) -> Task:
     """The data config's type decides the task."""
     if isinstance(data_cfg, LMDataConfig):
         return LMTask(data_cfg)
+    if isinstance(data_cfg, (ListOpsConfig, PathfinderConfig)):
+        return ClassificationTask(data_cfg)
     raise TypeError(f"data: no task is registered for config type {type(data_cfg).__name__}")

@@ -17,6 +17,7 @@ from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from flashtrain.models.gpt2 import GPT2, GPT2Config
+from flashtrain.models.lra import LRAClassifier, LRAConfig
 from flashtrain.train.checkpoint import TrainState, resolve_resume, save_checkpoint
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.metrics import MetricsLog
@@ -38,6 +39,8 @@ def build_model(model_cfg) -> torch.nn.Module:
     """The config's type decides the model."""
     if isinstance(model_cfg, GPT2Config):
         return GPT2(model_cfg)
+    if isinstance(model_cfg, LRAConfig):
+        return LRAClassifier(model_cfg)
     raise TypeError(f"model: no model is registered for config type {type(model_cfg).__name__}")
 
 
