@@ -51,6 +51,10 @@ class BwdTiles:
     warps_n_dkv: int  # warps along the keys of dK / dV (the others split head_dim)
     warps_m_dq: int  # warps along the query rows of dQ (the others split head_dim)
     stages: int  # buffers of Q and dO (2: the next block's copy overlaps this block's math)
+    scramble_dq: bool = False  # atomics into whole blocks of dq_accum in the red.v4-friendly order (flash_bwd.cuh)
+
+    def dq_slice_width(self, head_dim: int) -> int:  # columns of dQ per warp (flash_bwd.cuh: kNT_dQ * 8)
+        return head_dim // (self.nwarps // self.warps_m_dq)
 
     def smem_bytes(self, head_dim: int) -> int:  # Q, dO (x stages), K, V, P, dS 16-bit; lse, D (x stages) fp32
         return (2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
@@ -68,7 +72,7 @@ FWD_TILES = {
 }
 BWD_TILES = {
     32: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=8, warps_m_dq=4, stages=2),
-    64: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2),
+    64: BwdTiles(128, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2, scramble_dq=True),
     96: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=8, warps_m_dq=4, stages=2),
     128: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=2, stages=2),
     192: BwdTiles(64, 64, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2),
@@ -115,8 +119,9 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool) -> Kernel
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_WARPS_M_SDP", tiles.warps_m_sdp),
                ("FT_WARPS_N_DKV", tiles.warps_n_dkv), ("FT_WARPS_M_DQ", tiles.warps_m_dq),
-               ("FT_STAGES", tiles.stages), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
-               ("FT_DROPOUT", int(dropout)), ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)), ("FT_KERNEL_NAME", name))
+               ("FT_STAGES", tiles.stages), ("FT_SCRAMBLE_DQ", int(tiles.scramble_dq)),
+               ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)),
+               ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)), ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_bwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim))
 
 

@@ -57,6 +57,7 @@ class AuxParams(ctypes.Structure):
         ("mask_batch_stride", _i64), ("mask_head_stride", _i64), ("mask_row_stride", _i64),
         ("batch", _i32), ("nheads", _i32), ("head_dim", _i32), ("seqlen_q", _i32), ("seqlen_k", _i32),
         ("nsplits", _i32), ("softmax_scale", _f32), ("keep_threshold", _u32),
+        ("dq_slice_width", _i32), ("dq_block_m", _i32),
     ]
 
 

@@ -172,7 +172,10 @@ def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         d_batch_stride=lse_strides[0], d_head_stride=lse_strides[1], dqa_split_stride=dqa_strides[0],
         dqa_batch_stride=dqa_strides[1], dqa_head_stride=dqa_strides[2], batch=batch, nheads=nheads,
         head_dim=q.shape[-1], seqlen_q=fwd.seqlen_q, seqlen_k=fwd.seqlen_k, nsplits=nsplits,
-        softmax_scale=softmax_scale)
+        softmax_scale=softmax_scale, dq_block_m=tiles.block_m,
+        # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded
+        dq_slice_width=(tiles.dq_slice_width(head_dim)
+                        if tiles.scramble_dq and not deterministic and q.shape[-1] == head_dim else 0))
     (aux.o_batch_stride, aux.o_row_stride, aux.o_head_stride) = _strides(out, varlen)
     (aux.do_batch_stride, aux.do_row_stride, aux.do_head_stride) = _strides(dout, varlen)
     (aux.dq_batch_stride, aux.dq_row_stride, aux.dq_head_stride) = _strides(dq, varlen)

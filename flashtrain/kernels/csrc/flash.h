@@ -74,6 +74,9 @@ struct AuxParams {
     int batch, nheads, head_dim, seqlen_q, seqlen_k, nsplits;
     float softmax_scale;
     u32 keep_threshold;
+    // dq_accum layout (flash_bwd.cuh, add_dq): 0 = row-major; else the width W of the backward's dQ warp slices, and
+    // query blocks of dq_block_m rows that lie wholly inside the sequence hold scrambled 16-row groups
+    int dq_slice_width, dq_block_m;
 };
 
 }  // namespace flashtrain

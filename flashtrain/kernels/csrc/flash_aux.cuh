@@ -73,14 +73,27 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq(const Aux
     for (int row = rows.row_begin + warp; row < row_end; row += kAuxThreads / 32) {
         const i64 q_row = rows.q_start + row;
         u16* dq = (u16*)p.dq + batch * p.dq_batch_stride + q_row * p.dq_row_stride + head * p.dq_head_stride;
+        // Row in a scrambled 16-row group (flash_bwd.cuh, add_dq): its block of dq_block_m rows is whole.
+        const bool scrambled = p.dq_slice_width > 0 && (row / p.dq_block_m + 1) * p.dq_block_m <= rows.seqlen_q;
+        const int r = row % 16, W = p.dq_slice_width;
         for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
             float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             for (int split = 0; split < p.nsplits; ++split) {  // fixed order: deterministic
-                const float* acc = p.dq_accum + split * p.dqa_split_stride + batch * p.dqa_batch_stride +
-                                   head * p.dqa_head_stride + q_row * p.head_dim + c;
+                const float* acc_row = p.dq_accum + split * p.dqa_split_stride + batch * p.dqa_batch_stride +
+                                       head * p.dqa_head_stride + q_row * p.head_dim;
+                if (scrambled) {  // columns c + 2i, c + 2i + 1 (i < 4): 2 floats each, 16 bytes apart
+                    const float* src = acc_row - r * p.head_dim + (c / W) * 16 * W + ((c % W) / 8) * 128 +
+                                       (r % 8) * 16 + (r / 8) * 2;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        sum[2 * i] += src[4 * i];
+                        sum[2 * i + 1] += src[4 * i + 1];
+                    }
+                    continue;
+                }
                 u32 lo[4], hi[4];
-                ld_global_v4(acc, lo);
-                ld_global_v4(acc + 4, hi);
+                ld_global_v4(acc_row + c, lo);
+                ld_global_v4(acc_row + c + 4, hi);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     sum[i] += __int_as_float(lo[i]);

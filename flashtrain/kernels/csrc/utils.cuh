@@ -138,6 +138,16 @@ __device__ __forceinline__ void atomic_add2(float* ptr, float a, float b) {
     asm volatile("red.global.add.f32 [%0], %1;" ::"l"(ptr + 1), "f"(b) : "memory");
 #endif
 }
+// dq_accum[ptr..ptr+3] += v in fp32, atomically; ptr 16-byte aligned (one vector atomic on sm_90+).
+__device__ __forceinline__ void atomic_add4(float* ptr, const float (&v)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+                 : "memory");
+#else
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("red.global.add.f32 [%0], %1;" ::"l"(ptr + i), "f"(v[i]) : "memory");
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------- shared tiles
 // A kRows x kCols tile of 16-bit values, stored as column blocks of 64 (32 when kCols % 64 != 0) values; inside a
