@@ -1,7 +1,7 @@
 """Probe: backward-only speed of several BWD_TILES variants (plus optional extra -D macros, for source variants
-guarded by #ifndef) against SDPA's FA2 backend (bf16), one process. Copy into the repo's benchmarks/ to run:
+guarded by #ifndef) against SDPA's FA2 backend (bf16), one process:
 
-    PYTHONPATH=$PWD FLASHTRAIN_KERNEL_CACHE=/tmp/ftk python3 benchmarks/bwd_tile_probe.py
+    PYTHONPATH=$PWD FLASHTRAIN_KERNEL_CACHE=/tmp/ftk python3 benchmarks/probes/bwd_tile_probe.py
 """
 import concurrent.futures
 import dataclasses
