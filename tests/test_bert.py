@@ -9,7 +9,7 @@ import transformers
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-import flashtrain.models.bert as bert_module
+import flashtrain.models.attention as attention_module
 from flashtrain.models import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from flashtrain.models.bert import pad_packed, unpad_indices
 
@@ -192,13 +192,13 @@ def test_gradients_agree_across_attn_impls_and_skip_pads(flavor, monkeypatch):
     """Training path (backward through the unpadded attention) equals the padded sdpa baseline, and the varlen
     attention only ever sees the real tokens."""
     seen_by_attention = []
-    varlen_attention = bert_module.flash_attn_varlen_func
+    varlen_attention = attention_module.flash_attn_varlen_func
 
     def recording_attention(q, k, v, cu_seqlens_q, *args, **kwargs):
         seen_by_attention.append((q.shape[0], cu_seqlens_q.tolist()))
         return varlen_attention(q, k, v, cu_seqlens_q, *args, **kwargs)
 
-    monkeypatch.setattr(bert_module, "flash_attn_varlen_func", recording_attention)
+    monkeypatch.setattr(attention_module, "flash_attn_varlen_func", recording_attention)
     input_ids, attention_mask, token_type_ids = padded_batch(flavor)
     labels = torch.randint(0, TINY["num_labels"], (4,), generator=torch.Generator().manual_seed(7))
     grads = {}

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashtrain.kernels import flash_attn_varlen_func
+from flashtrain.models.attention import BidirectionalSelfAttention
 
 FLAVORS = ("bert", "roberta")
 ATTN_IMPLS = ("flash", "sdpa", "reference")
@@ -164,40 +164,13 @@ class Embeddings(nn.Module):
         return self.dropout(self.norm(x + self.position_embeddings(position_ids)))
 
 
-class SelfAttention(nn.Module):
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.n_head = config.num_attention_heads
-        self.head_dim = config.hidden_size // config.num_attention_heads
-        self.attn_impl = config.attn_impl
-        self.dropout_p = config.attention_probs_dropout_prob
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)  # output columns [q | k | v]
-        self.out = nn.Linear(config.hidden_size, config.hidden_size)
-
-    def forward(self, x: Tensor, cu_seqlens: Tensor | None, max_seqlen: int, key_padding_mask: Tensor | None) -> Tensor:
-        """attn_impl "flash" | "reference": packed x (total, C) with cu_seqlens (B + 1,) int32.
-        attn_impl "sdpa": padded x (B, T, C) with key_padding_mask (B, 1, 1, T) bool, True at real tokens."""
-        dropout_p = self.dropout_p if self.training else 0.0
-        C = x.shape[-1]
-        if self.attn_impl == "sdpa":
-            B, T, _ = x.shape
-            q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_padding_mask, dropout_p=dropout_p)  # (B, H, T, D)
-            y = y.transpose(1, 2).reshape(B, T, C)
-        else:
-            q, k, v = self.qkv(x).view(-1, 3, self.n_head, self.head_dim).unbind(dim=1)  # each (total, H, D)
-            impl = "auto" if self.attn_impl == "flash" else "reference"
-            y = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-                                       impl=impl).view(-1, C)  # (total, C)
-        return self.out(y)
-
-
 class EncoderLayer(nn.Module):
     """Post-LN: x = LN(x + attn(x)); x = LN(x + mlp(x)), dropout at the end of each branch."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
-        self.attn = SelfAttention(config)
+        self.attn = BidirectionalSelfAttention(config.hidden_size, config.num_attention_heads, config.attn_impl,
+                                               config.attention_probs_dropout_prob)
         self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp_in = nn.Linear(config.hidden_size, config.intermediate_size)
         self.mlp_out = nn.Linear(config.intermediate_size, config.hidden_size)

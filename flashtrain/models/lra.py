@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashtrain.kernels import flash_attn_func, flash_attn_varlen_func
+from flashtrain.models.attention import BidirectionalSelfAttention
 from flashtrain.models.bert import unpad_indices
 
 ATTN_IMPLS = ("flash", "sdpa", "reference")
@@ -80,38 +80,11 @@ def sinusoidal_positions(n_positions: int, dim: int) -> Tensor:
     return table.float()
 
 
-class SelfAttention(nn.Module):
-    def __init__(self, config: LRAConfig):
-        super().__init__()
-        self.n_head = config.n_head
-        self.head_dim = config.d_model // config.n_head
-        self.attn_impl = config.attn_impl
-        self.attn_dropout = config.attn_dropout
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)  # output columns [q | k | v]
-        self.out = nn.Linear(config.d_model, config.d_model)
-
-    def forward(self, x: Tensor, cu_seqlens: Tensor | None, max_seqlen: int, key_padding_mask: Tensor | None) -> Tensor:
-        """Packed x (total, C) with cu_seqlens (B + 1,) int32, or padded x (B, T, C) with cu_seqlens None and
-        key_padding_mask (B, 1, 1, T) bool (True at real tokens; sdpa only) or None (no padding)."""
-        dropout_p = self.attn_dropout if self.training else 0.0
-        C = x.shape[-1]
-        impl = "auto" if self.attn_impl == "flash" else "reference"
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.n_head, self.head_dim)).unbind(dim=-3)  # each (..., H, D)
-        if cu_seqlens is not None:
-            y = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, impl=impl)
-        elif self.attn_impl == "sdpa":
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=key_padding_mask, dropout_p=dropout_p).transpose(1, 2)
-        else:
-            y = flash_attn_func(q, k, v, dropout_p, impl=impl)  # (B, T, H, D)
-        return self.out(y.flatten(-2, -1))  # (..., C)
-
-
 class Block(nn.Module):
     def __init__(self, config: LRAConfig):
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.attn = SelfAttention(config)
+        self.attn = BidirectionalSelfAttention(config.d_model, config.n_head, config.attn_impl, config.attn_dropout)
         self.mlp_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.mlp = nn.Sequential(nn.Linear(config.d_model, config.d_ff), nn.GELU(), nn.Dropout(config.dropout),
                                  nn.Linear(config.d_ff, config.d_model))
