@@ -48,7 +48,7 @@ class Task:
         raise NotImplementedError
 
     def tokens(self, batch) -> int:
-        """Tokens in one batch, for throughput."""
+        """Tokens in one batch, for throughput; called on the batch as the loader yields it (CPU tensors)."""
         raise NotImplementedError
 
     def sample(self, model: torch.nn.Module, device: torch.device, seed: int, n_tokens: int, prompt: str) -> str:

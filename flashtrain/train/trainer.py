@@ -162,14 +162,15 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
         loss_sum = torch.zeros((), device=accelerator.device)
         step_tokens = 0
         for micro in range(tcfg.grad_accum_steps):
-            batch = to_device(next(train_iter), accelerator.device)
+            host_batch = next(train_iter)
+            step_tokens += task.tokens(host_batch)  # counted on the loader's CPU tensors: no device sync
+            batch = to_device(host_batch, accelerator.device)
             # gradients are all-reduced only on the last micro-batch of the step
             sync = accelerator.no_sync(model) if micro < tcfg.grad_accum_steps - 1 else nullcontext()
             with sync:
                 loss = task.loss(model, batch)
                 accelerator.backward(loss / tcfg.grad_accum_steps)
             loss_sum += loss.detach().float()
-            step_tokens += task.tokens(batch)
             state.batches_consumed += 1
         if cfg.optim.grad_clip > 0:
             accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
