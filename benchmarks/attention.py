@@ -11,6 +11,13 @@ seqlen 1K ... 64K.
 
     python benchmarks/attention.py                      # full run: table, benchmarks/results/attention-<gpu>.json/.png
     python benchmarks/attention.py --quick              # 2 seqlens, few repeats
+    python benchmarks/attention.py --block-sparse --out DIR   # block-sparse scaling: DIR/block_sparse.json/.png
+
+Block-sparse mode (issue #4): forward+backward time of flashtrain's block-sparse kernels against the density s of the
+block mask, s in {1, 1/2, 1/4, 1/8, 1/16}, at 16K and 64K tokens (batch 1, 16 heads, head dim 64, bf16, not causal),
+against dense flashtrain and the FA2 backend (dense). The masks (block_sparse.random_blocks, a new draw per head) hold
+exactly s * n_kblocks blocks in every row, so s * (dense time) is the ideal; reported: time / (s * dense time) and
+the speedup over dense flashtrain. The timed call includes building the mask's index lists.
 """
 
 import argparse
@@ -24,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashtrain.kernels import flash_attn_func
+from flashtrain.kernels import block_sparse, flash_attn_func
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENS, HIDDEN = 16 * 1024, 2048
@@ -184,18 +191,88 @@ def plot(rows, path: Path) -> None:
     fig.savefig(path, dpi=80)
 
 
+SPARSE_SEQLENS, SPARSE_HEADS, SPARSE_HEAD_DIM = (16384, 65536), 16, 64
+DENSITIES = (1, 1 / 2, 1 / 4, 1 / 8, 1 / 16)
+
+
+def block_sparse_speed(repeats: int, rounds: int) -> list[dict]:
+    """One row per seqlen: fwd+bwd ms of dense flashtrain, FA2 (dense) and flashtrain at each density (best round)."""
+    rows = []
+    for seqlen in SPARSE_SEQLENS:
+        row = {"S": seqlen, "B": 1, "H": SPARSE_HEADS, "hd": SPARSE_HEAD_DIM, "causal": False}
+        masks = {s: block_sparse.random_blocks(seqlen, density=s, nheads=SPARSE_HEADS, seed=0).cuda()
+                 for s in DENSITIES}
+        ft_q, ft_k, ft_v, ft_dout = make_inputs("flashtrain", 1, seqlen, SPARSE_HEADS, SPARSE_HEAD_DIM, True)
+        fa_q, fa_k, fa_v, fa_dout = make_inputs("fa2", 1, seqlen, SPARSE_HEADS, SPARSE_HEAD_DIM, True)
+        cases = {"flashtrain_dense": (attention_fn("flashtrain", False), (ft_q, ft_k, ft_v, ft_dout)),
+                 "fa2_dense": (attention_fn("fa2", False), (fa_q, fa_k, fa_v, fa_dout))}
+        for s, mask in masks.items():
+            fn = (lambda mask: lambda q, k, v: flash_attn_func(q, k, v, block_mask=mask, impl="cuda"))(mask)
+            cases[f"flashtrain_s{s:g}"] = (fn, (ft_q, ft_k, ft_v, ft_dout))
+        for _ in range(rounds):
+            for name, (fn, (q, k, v, dout)) in cases.items():
+                ms = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), 2, repeats)
+                row[name] = round(min(row.get(name, math.inf), ms), 3)
+        dense = row["flashtrain_dense"]
+        row["density"] = {f"{s:g}": masks[s].float().mean().item() for s in DENSITIES}
+        row["time_over_ideal"] = {f"{s:g}": round(row[f"flashtrain_s{s:g}"] / (s * dense), 3) for s in DENSITIES}
+        row["speedup_vs_dense"] = {f"{s:g}": round(dense / row[f"flashtrain_s{s:g}"], 2) for s in DENSITIES}
+        rows.append(row)
+        print(f"S={seqlen}: fwd+bwd ms dense flashtrain {dense:.2f}, FA2 {row['fa2_dense']:.2f}; " + ", ".join(
+            f"s={s:g}: {row[f'flashtrain_s{s:g}']:.2f} ms (x{row['time_over_ideal'][f'{s:g}']:.2f} of s*dense, "
+            f"{row['speedup_vs_dense'][f'{s:g}']:.1f}x faster)" for s in DENSITIES), flush=True)
+        del cases, ft_q, ft_k, ft_v, ft_dout, fa_q, fa_k, fa_v, fa_dout
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot_block_sparse(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.5))
+    for ax, row in zip(axes if len(rows) > 1 else [axes], rows):
+        dense = row["flashtrain_dense"]
+        ax.plot(DENSITIES, [row[f"flashtrain_s{s:g}"] for s in DENSITIES], marker="o", label="flashtrain block-sparse")
+        ax.plot(DENSITIES, [s * dense for s in DENSITIES], linestyle="--", color="gray", label="s x dense (ideal)")
+        ax.axhline(dense, color="C1", label="flashtrain dense")
+        ax.axhline(row["fa2_dense"], color="C2", linestyle=":", label="FA2 dense")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("block-mask density s")
+        ax.set_ylabel("forward + backward (ms)")
+        ax.set_title(f"S={row['S']}, {row['H']} heads, hd{row['hd']}, bf16")
+        ax.grid(alpha=0.3, which="both")
+    axes_list = axes if len(rows) > 1 else [axes]
+    axes_list[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="seqlens 1K and 4K, 5 repeats, no memory sweep")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path (PNG beside it); with --block-sparse a directory (default benchmarks/results)")
+    parser.add_argument("--block-sparse", action="store_true", help="block-sparse scaling against density only")
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name()
     env = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
     print(json.dumps(env))
+    if args.block_sparse:
+        out_dir = args.out or RESULTS
+        out_dir.mkdir(parents=True, exist_ok=True)
+        rows = block_sparse_speed(5 if args.quick else 10, 1 if args.quick else 2)
+        (out_dir / "block_sparse.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+        plot_block_sparse(rows, out_dir / "block_sparse.png")
+        print(f"wrote {out_dir / 'block_sparse.json'} and .png")
+        return
     seqlens = [1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
     print("TFLOP/s            | fwd: flashtrain fa2 cudnn | ft/fa2 ft/cudnn | fwd+bwd: flashtrain fa2 cudnn | ratios")
     rows = speed(seqlens, 5 if args.quick else args.repeats, 1 if args.quick else args.rounds)

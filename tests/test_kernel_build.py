@@ -1,6 +1,6 @@
 """CPU tests of the kernel build (flashtrain/kernels/build.py): the dispatch table, the disk cache, and an nvcc
 compile check of the most demanding instantiations for sm_80 and sm_90a (skipped without nvcc). The compile check of
-every instantiation (196 compilations, 9 CPU-minutes: ~5 minutes on 2 idle cores) runs from .ci/run:
+every instantiation (260 compilations: 196 dense + 64 block-sparse) runs from .ci/run:
 python -m flashtrain.kernels.build --check-nvcc sm_80 sm_90a -j 2
 """
 
@@ -24,10 +24,28 @@ def test_rounded_head_dim():
 def test_dispatch_table_covers_every_instantiation_once():
     specs = build.all_kernels()
     names = [spec.name for spec in specs]
-    assert len(names) == len(set(names)) == 2 + 2 * len(build.HEAD_DIMS) * 2 * 2 * 2
+    dense, sparse = len(build.HEAD_DIMS), len(build.BLOCK_SPARSE_HEAD_DIMS)
+    assert len(names) == len(set(names)) == 2 + 2 * (dense + sparse) * 2 * 2 * 2
+    assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2
     for spec in specs:
         assert spec.smem_bytes <= SM80_MAX_SMEM, f"{spec.name} needs {spec.smem_bytes} bytes of shared memory"
         assert spec.threads in (128, 256)
+
+
+def test_block_sparse_size_agrees_everywhere_and_is_whole_tiles():
+    """reference.BLOCK_SPARSE_SIZE (the API's unit) = build.BLOCK_SPARSE_SIZE = csrc/flash.h kBlockSparseSize, and a
+    mask block is a whole number of every block-sparse kernel tile."""
+    from flashtrain.kernels import BLOCK_SPARSE_SIZE
+
+    header = (build.CSRC / "flash.h").read_text()
+    assert int(re.search(r"constexpr int kBlockSparseSize = (\d+);", header).group(1)) == BLOCK_SPARSE_SIZE
+    assert build.BLOCK_SPARSE_SIZE == BLOCK_SPARSE_SIZE
+    for head_dim in build.BLOCK_SPARSE_HEAD_DIMS:
+        for tiles in (build.FWD_TILES[head_dim], build.BWD_TILES[head_dim]):
+            assert BLOCK_SPARSE_SIZE % tiles.block_m == 0 and BLOCK_SPARSE_SIZE % tiles.block_n == 0
+    assert [build.rounded_head_dim(d, block_sparse=True) for d in (8, 32, 64, 72, 128)] == [64, 64, 64, 128, 128]
+    with pytest.raises(ValueError, match="block-sparse"):
+        build.rounded_head_dim(136, block_sparse=True)
 
 
 def test_tiles_split_evenly_across_warps():
@@ -63,9 +81,10 @@ def test_cache_key_changes_with_macros_and_arch(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
 def test_nvcc_compiles_the_hardest_instantiations():
-    """hdim 128 and 256 forward/backward with causal masking and dropout, plus the auxiliary kernels."""
-    specs = [build.aux_kernels("fp16"), build.fwd_kernel(128, "bf16", True, True), build.bwd_kernel(128, "bf16", True, True),
-             build.bwd_kernel(256, "fp16", True, True)]
+    """hdim 128 forward, hdim 256 backward and the block-sparse hdim 128 backward (the dense one differs only in its
+    loop over query blocks), with causal masking and dropout, plus the auxiliary kernels."""
+    specs = [build.aux_kernels("fp16"), build.fwd_kernel(128, "bf16", True, True),
+             build.bwd_kernel(128, "bf16", True, True, block_sparse=True), build.bwd_kernel(256, "fp16", True, True)]
     assert build.check_nvcc(["sm_80", "sm_90a"], jobs=2, specs=specs) == 0
 
 

@@ -29,7 +29,7 @@ def test_listops_recipe_has_lra_hyperparameters():
     cfg = compose_config(["name=x", "recipe=listops"])
     m, o, t = cfg.model, cfg.optim, cfg.trainer
     assert type(m).__name__ == "LRAConfig" and type(cfg.data).__name__ == "ListOpsConfig"
-    assert (m.n_layer, m.n_head, m.d_model, m.d_ff, m.max_len, m.pooling) == (4, 8, 512, 1024, 2048, "cls")
+    assert (m.n_layer, m.n_head, m.d_model, m.d_ff, m.max_len, m.pooling) == (4, 8, 512, 1024, 2048, "mean")
     assert (cfg.data.n_train, cfg.data.n_val, cfg.data.n_test, cfg.data.max_length) == (96_000, 2_000, 2_000, 2000)
     assert (t.micro_batch_size * t.grad_accum_steps, t.max_steps) == (32, 5000)
     assert (o.schedule, o.warmup_steps, o.weight_decay, o.beta2, o.grad_clip) == ("rsqrt", 1000, 0.1, 0.98, 0.0)
@@ -53,7 +53,7 @@ def test_bad_lra_values_name_the_field():
     with pytest.raises(ValueError, match="pooling"):
         compose_config(["name=x", "recipe=listops", "model.pooling=max"])
     with pytest.raises(ValueError, match="optim.schedule"):
-        compose_config(["name=x", "recipe=listops", "optim.schedule=linear"])
+        compose_config(["name=x", "recipe=listops", "optim.schedule=exponential"])
     with pytest.raises(Exception, match="n_layers"):
         compose_config(["name=x", "recipe=listops", "model.n_layers=2"])
 
@@ -158,7 +158,8 @@ def test_tiny_listops_run(tmp_path):
     train_losses = [r["train_loss"] for r in result.history if "train_loss" in r]
     evals = [r for r in result.history if "val_accuracy" in r]
     assert [r["step"] for r in evals] == [0, 50, 100]
-    assert evals[0]["val_loss"] == pytest.approx(math.log(10), abs=0.3)  # untrained: about uniform over 10 digits
+    # untrained: near uniform over 10 digits (LRA's init gives O(1) logits, so somewhat above log(10))
+    assert math.log(10) - 0.3 < evals[0]["val_loss"] < math.log(10) + 1.0
     # 40 sequences seen 50 times each: the model memorises them (validation loss rises meanwhile: it overfits)
     first, last = sum(train_losses[:2]) / 2, sum(train_losses[-2:]) / 2
     assert last < first - 0.6, train_losses
@@ -179,7 +180,7 @@ def test_tiny_listops_run(tmp_path):
 
 
 def test_check_model_rejects_mismatch(tmp_path):
-    cfg = compose_config(tiny_listops_overrides(tmp_path / "cache"))
+    cfg = compose_config(tiny_listops_overrides(tmp_path / "cache", "model.pooling=cls"))
     task = ClassificationTask(cfg.data)
     assert 10 < task.seq_len < 40 and task.tokens(next(iter(task.split_loader("val", 50)))) == sum(
         len(tokens[tokens.ne(0)]) for tokens, _ in task.dataset("val"))

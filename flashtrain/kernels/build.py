@@ -1,7 +1,7 @@
 """Compile the CUDA kernels of flashtrain/kernels/csrc to cubin, at first use, without binding to PyTorch's C++ ABI.
 
 The dispatch table below is the single place that lists the kernel instantiations (head dim x dtype x causal x
-dropout) and their tile shapes; each instantiation is one compilation of an entry file (flash_fwd.cu, flash_bwd.cu,
+dropout, plus the block-sparse set: BLOCK_SPARSE_HEAD_DIMS x dtype x causal x dropout) and their tile shapes; each instantiation is one compilation of an entry file (flash_fwd.cu, flash_bwd.cu,
 flash_aux.cu) with FT_* macros. Compilers, in order: NVRTC (libnvrtc from the `nvidia-cuda-nvrtc` wheel that
 PyTorch's CUDA builds install, loaded through cuda.bindings), then nvcc. Cubins are cached on disk under
 $FLASHTRAIN_KERNEL_CACHE (default ~/.cache/flashtrain/kernels), keyed by the sources' hash, the GPU arch, the
@@ -29,6 +29,10 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)  # instantiated head dims; others round up to the next one
+# Block-sparse kernels (block_mask) exist for these head dims only (head_dim <= 128 rounds up to one of them): half
+# the instantiations of the dense set would add ~4 minutes to CI's nvcc check for head dims nobody asked for.
+BLOCK_SPARSE_HEAD_DIMS = (64, 128)
+BLOCK_SPARSE_SIZE = 128  # = reference.BLOCK_SPARSE_SIZE = csrc/flash.h kBlockSparseSize (tests check all three)
 DTYPES = ("fp16", "bf16")
 
 
@@ -96,32 +100,49 @@ class KernelSpec:
         return self.symbols[0] if len(self.symbols) == 1 else os.path.commonprefix(self.symbols).rstrip("_")
 
 
-def rounded_head_dim(head_dim: int) -> int:
-    """The instantiated head dim a head_dim (multiple of 8, <= 256) runs on: the extra columns are zero-filled."""
-    for instantiated in HEAD_DIMS:
+def rounded_head_dim(head_dim: int, block_sparse: bool = False) -> int:
+    """The instantiated head dim a head_dim (multiple of 8) runs on: the extra columns are zero-filled."""
+    head_dims = BLOCK_SPARSE_HEAD_DIMS if block_sparse else HEAD_DIMS
+    for instantiated in head_dims:
         if head_dim <= instantiated:
             return instantiated
-    raise ValueError(f"head_dim must be <= {HEAD_DIMS[-1]}, got {head_dim}")
+    kind = "block-sparse " if block_sparse else ""
+    raise ValueError(f"head_dim must be <= {head_dims[-1]} for the {kind}CUDA kernels, got {head_dim}")
 
 
-def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool) -> KernelSpec:
+def _check_block_sparse_tiles() -> None:
+    """A block_mask block must be a whole number of kernel tiles (the kernels static_assert it too)."""
+    for head_dim in BLOCK_SPARSE_HEAD_DIMS:
+        for tiles in (FWD_TILES[head_dim], BWD_TILES[head_dim]):
+            if BLOCK_SPARSE_SIZE % tiles.block_m or BLOCK_SPARSE_SIZE % tiles.block_n:
+                raise AssertionError(f"BLOCK_SPARSE_SIZE {BLOCK_SPARSE_SIZE} is not a multiple of the hd{head_dim} "
+                                     f"tiles {tiles}")
+
+
+def _suffix(causal: bool, dropout: bool, block_sparse: bool) -> str:
+    return f"{'_causal' if causal else ''}{'_dropout' if dropout else ''}{'_sparse' if block_sparse else ''}"
+
+
+def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False) -> KernelSpec:
     tiles = FWD_TILES[head_dim]
-    name = f"flash_fwd_hdim{head_dim}_{dtype}{'_causal' if causal else ''}{'_dropout' if dropout else ''}"
+    name = f"flash_fwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
-               ("FT_DROPOUT", int(dropout)), ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)), ("FT_KERNEL_NAME", name))
+               ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
+               ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)), ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_fwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim))
 
 
-def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool) -> KernelSpec:
+def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False) -> KernelSpec:
     tiles = BWD_TILES[head_dim]
-    name = f"flash_bwd_hdim{head_dim}_{dtype}{'_causal' if causal else ''}{'_dropout' if dropout else ''}"
+    name = f"flash_bwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_WARPS_M_SDP", tiles.warps_m_sdp),
                ("FT_WARPS_N_DKV", tiles.warps_n_dkv), ("FT_WARPS_M_DQ", tiles.warps_m_dq),
                ("FT_STAGES", tiles.stages), ("FT_SCRAMBLE_DQ", int(tiles.scramble_dq)),
                ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)),
-               ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)), ("FT_KERNEL_NAME", name))
+               ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)),
+               ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_bwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim))
 
 
@@ -133,12 +154,15 @@ def aux_kernels(dtype: str) -> KernelSpec:
 
 
 def all_kernels() -> list[KernelSpec]:
+    _check_block_sparse_tiles()
     specs = [aux_kernels(dtype) for dtype in DTYPES]
-    for head_dim in HEAD_DIMS:
-        for dtype in DTYPES:
-            for causal in (False, True):
-                for dropout in (False, True):
-                    specs += [fwd_kernel(head_dim, dtype, causal, dropout), bwd_kernel(head_dim, dtype, causal, dropout)]
+    for block_sparse, head_dims in ((False, HEAD_DIMS), (True, BLOCK_SPARSE_HEAD_DIMS)):
+        for head_dim in head_dims:
+            for dtype in DTYPES:
+                for causal in (False, True):
+                    for dropout in (False, True):
+                        specs += [fwd_kernel(head_dim, dtype, causal, dropout, block_sparse),
+                                  bwd_kernel(head_dim, dtype, causal, dropout, block_sparse)]
     return specs
 
 

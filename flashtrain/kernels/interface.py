@@ -50,7 +50,9 @@ def flash_attn_func(
             no key, and their output is 0 (lse -inf, zero gradients).
         block_mask: optional bool ([nheads,] ceil(seqlen_q / 128), ceil(seqlen_k / 128)); block (i, j) covers
             queries [128 i, 128 i + 128) and keys [128 j, 128 j + 128); False skips the block (its scores are
-            never computed). Combined with causal by AND. A query that sees no key outputs 0.
+            never computed). Combined with causal by AND. A query that sees no key outputs 0. The CUDA kernels
+            walk only the non-zero blocks (work proportional to their number; head_dim <= 128);
+            flashtrain.kernels.block_sparse builds common layouts.
         return_lse: also return the log-sum-exp of each query's scaled scores, float32 (batch, nheads, seqlen_q).
         dropout_mask: optional explicit bool keep-mask (batch, nheads, seqlen_q, seqlen_k), True = keep (tests;
             runs on the reference). Without it the mask is drawn from `generator` and regenerated in backward.
@@ -76,7 +78,7 @@ def flash_attn_func(
         out, lse = ops.flash_attn_cuda(
             q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, generator=generator,
-            **_block_mask_kwarg(block_mask),
+            block_mask=block_mask,
         )
     else:  # batch form -> packed form with one sequence per batch entry
         cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
@@ -137,7 +139,7 @@ def flash_attn_varlen_func(
         out, lse = ops.flash_attn_cuda(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-            generator=generator, **_block_mask_kwarg(block_mask),
+            generator=generator, block_mask=block_mask,
         )
     else:
         out, lse = flash_attn_reference(
@@ -179,11 +181,6 @@ def _cuda_ops_to_use(impl: str, q: Tensor, block_mask: Tensor | None, dropout_ma
         _warned_fallback_reasons.add(reason)
         warnings.warn(f"flash attention on CUDA tensors runs the slow reference: {reason}", stacklevel=3)
     return None
-
-
-def _block_mask_kwarg(block_mask: Tensor | None) -> dict:
-    """The kernel takes block_mask only once it supports it (unavailable_reason refuses it before)."""
-    return {} if block_mask is None else {"block_mask": block_mask}
 
 
 # ---- validation: every error names the argument -----------------------------------------------------------------

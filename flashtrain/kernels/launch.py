@@ -1,8 +1,8 @@
 """Load the cubins built by flashtrain.kernels.build and launch them on the current torch stream through NVIDIA's
 cuda-python driver bindings (cuda.bindings.driver): no torch C++ extension, no ABI coupling.
 
-The ctypes structs below mirror csrc/flash.h field by field (8-byte fields first, then 4-byte ones); each kernel
-takes one such struct by value.
+The ctypes structs below mirror csrc/flash.h field by field (8-byte fields first, then 4-byte ones; FwdParams' block-
+sparse fields come last, after an even number of 4-byte ones); each kernel takes one such struct by value.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ class FwdParams(ctypes.Structure):
         ("batch", _i32), ("nheads", _i32), ("nheads_kv", _i32), ("head_dim", _i32),
         ("seqlen_q", _i32), ("seqlen_k", _i32),
         ("softmax_scale", _f32), ("softmax_scale_log2", _f32), ("keep_threshold", _u32), ("rp_dropout", _f32),
+        ("bs_n_qblocks", _i32), ("bs_n_kblocks", _i32),
+        ("bs_rows", _ptr), ("bs_cols", _ptr), ("bs_rows_head_stride", _i64), ("bs_cols_head_stride", _i64),
     ]
 
 

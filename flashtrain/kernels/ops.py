@@ -13,6 +13,14 @@ user's arguments happens there; this module checks only what it relies on to lau
 Dropout: flash_attn_cuda draws rng_state = (seed, offset), two int64 on the GPU, from the caller's generator; the
 kernels derive every keep decision from it (Philox, counter-based), the backward regenerates the same mask from the
 saved rng_state, and dropout_mask_for_testing (test only) materialises the mask of a draw.
+
+Block-sparse (block_mask, blocks of build.BLOCK_SPARSE_SIZE = 128 tokens counted from each sequence's start):
+flash_attn_cuda turns the mask, once per call and on the GPU (no host sync), into compressed index lists, which the
+forward saves for the backward: bs_rows (mask heads, n_qblocks, n_kblocks + 1) holds per query block the count of its
+non-zero key blocks, then those blocks ascending (the forward's CTA of a query block walks them); bs_cols
+(mask heads, n_kblocks, n_qblocks + 1) the same per key block (the backward's CTA of a key block walks them). Their
+size is that of the mask (O((seqlen / 128)^2) per head), nothing is seqlen x seqlen. The block-sparse kernels are a
+separate instantiation set (build.BLOCK_SPARSE_HEAD_DIMS); the dense kernels are unchanged.
 """
 
 from __future__ import annotations
@@ -33,12 +41,13 @@ def _unavailable_reason(device_type: str, device_index: int, head_dim: int, dtyp
         return f"the tensors are on {device_type}; the CUDA kernels need CUDA tensors"
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible to torch"
-    if block_mask:
-        return "block_mask is not supported by the CUDA kernels yet"
     if dtype not in ("torch.float16", "torch.bfloat16"):
         return f"the CUDA kernels support float16 and bfloat16, got {dtype}"
     if head_dim % 8 != 0 or not 8 <= head_dim <= build.HEAD_DIMS[-1]:
         return f"the CUDA kernels need head_dim a multiple of 8 in [8, {build.HEAD_DIMS[-1]}], got {head_dim}"
+    if block_mask and head_dim > build.BLOCK_SPARSE_HEAD_DIMS[-1]:
+        return (f"the block-sparse CUDA kernels (block_mask) support head_dim <= {build.BLOCK_SPARSE_HEAD_DIMS[-1]} "
+                f"(instantiated for {build.BLOCK_SPARSE_HEAD_DIMS}), got {head_dim}")
     major, minor = torch.cuda.get_device_capability(device_index)
     if major < 8:
         return f"the CUDA kernels need compute capability 8.0 or newer, cuda:{device_index} has {major}.{minor}"
@@ -57,11 +66,13 @@ def unavailable_reason(device: torch.device, *, head_dim: int, dtype: torch.dtyp
 
 def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
-                    generator: torch.Generator | None, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+                    generator: torch.Generator | None, deterministic: bool = False,
+                    block_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of the CUDA kernel, differentiable w.r.t. q, k, v. Arguments as in flash_attn_(varlen_)func after
     validation; cu_seqlens None selects the batch form. deterministic=True makes the backward's dq bitwise
-    reproducible (each CTA accumulates into its own dq buffer, summed in a fixed order) at some speed cost."""
-    reason = unavailable_reason(q.device, head_dim=q.shape[-1], dtype=q.dtype, block_mask=False)
+    reproducible (each CTA accumulates into its own dq buffer, summed in a fixed order) at some speed cost.
+    block_mask: bool ([nheads,] ceil(max_seqlen_q / 128), ceil(max_seqlen_k / 128)) on q's device, or None."""
+    reason = unavailable_reason(q.device, head_dim=q.shape[-1], dtype=q.dtype, block_mask=block_mask is not None)
     if reason is not None:
         raise RuntimeError(f"the CUDA attention kernel cannot run: {reason}")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -71,9 +82,30 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     if cu_seqlens_q is not None:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    bs_rows = bs_cols = None
+    if block_mask is not None:
+        blocks = (math.ceil(max_seqlen_q / build.BLOCK_SPARSE_SIZE), math.ceil(max_seqlen_k / build.BLOCK_SPARSE_SIZE))
+        if block_mask.dtype != torch.bool or tuple(block_mask.shape) not in (blocks, (q.shape[-2], *blocks)):
+            raise ValueError(f"block_mask must be bool ([{q.shape[-2]},] {blocks[0]}, {blocks[1]}), got "
+                             f"{block_mask.dtype} {tuple(block_mask.shape)}")
+        bs_rows, bs_cols = block_sparse_lists(block_mask)
     rng_state = _draw_rng_state(q.device, generator) if dropout_p > 0 else None
     return flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(dropout_p),
-                          float(softmax_scale), bool(causal), rng_state, bool(deterministic))
+                          float(softmax_scale), bool(causal), rng_state, bool(deterministic), bs_rows, bs_cols)
+
+
+def block_sparse_lists(block_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernels' index lists of a bool block_mask ([mask heads,] n_qblocks, n_kblocks), built on its device
+    without a host sync: bs_rows int32 (mask heads, n_qblocks, n_kblocks + 1) = per query block the number c of its
+    non-zero key blocks, then (in entries 1..c) those key blocks ascending; bs_cols int32 (mask heads, n_kblocks,
+    n_qblocks + 1) the same per key block. mask heads = 1 for a 2-D mask."""
+    mask = block_mask if block_mask.dim() == 3 else block_mask.unsqueeze(0)
+
+    def lists(rows: Tensor) -> Tensor:  # (H, R, C) bool -> (H, R, C + 1): count, then the True columns ascending
+        order = torch.argsort(rows.logical_not().to(torch.uint8), dim=-1, stable=True)  # True first, in order
+        return torch.cat([rows.sum(-1, keepdim=True), order], dim=-1).to(torch.int32).contiguous()
+
+    return lists(mask), lists(mask.transpose(1, 2))
 
 
 def _draw_rng_state(device: torch.device, generator: torch.Generator | None) -> Tensor:
@@ -120,15 +152,17 @@ def dropout_mask_for_testing(q: Tensor, k: Tensor, *, dropout_p: float, generato
 @torch.library.custom_op("flashtrain::flash_attn_fwd", mutates_args=(), device_types="cuda")
 def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
-                   rng_state: Tensor | None, deterministic: bool) -> tuple[Tensor, Tensor]:
+                   rng_state: Tensor | None, deterministic: bool, bs_rows: Tensor | None = None,
+                   bs_cols: Tensor | None = None) -> tuple[Tensor, Tensor]:
     from flashtrain.kernels import launch
 
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     out, lse = _empty_outputs(q, cu_seqlens_q)
-    head_dim = build.rounded_head_dim(q.shape[-1])
-    spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0)
+    block_sparse = bs_rows is not None
+    head_dim = build.rounded_head_dim(q.shape[-1], block_sparse)
+    spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse)
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                         softmax_scale, rng_state)
+                         softmax_scale, rng_state, bs_rows=bs_rows)
     grid = (math.ceil(params.seqlen_q / build.FWD_TILES[head_dim].block_m), params.batch, params.nheads)
     launch.get_kernel(spec, spec.symbols[0], q.device).launch(grid, params, q.device)
     return out, lse
@@ -136,7 +170,7 @@ def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None,
 
 @flash_attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, rng_state,
-      deterministic):
+      deterministic, bs_rows=None, bs_cols=None):
     return _empty_outputs(q, cu_seqlens_q)
 
 
@@ -144,16 +178,17 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p
 def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
                    dropout_p: float, softmax_scale: float, causal: bool, rng_state: Tensor | None,
-                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+                   deterministic: bool, bs_cols: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     from flashtrain.kernels import launch
 
     dout, q, k, v, out = (_aligned(x) for x in (dout, q, k, v, out))
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
     softmax_d = torch.empty_like(lse)
-    head_dim = build.rounded_head_dim(q.shape[-1])
+    block_sparse = bs_cols is not None
+    head_dim = build.rounded_head_dim(q.shape[-1], block_sparse)
     tiles = build.BWD_TILES[head_dim]
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                      softmax_scale, rng_state)
+                      softmax_scale, rng_state, bs_cols=bs_cols)
     batch, nheads, nheads_kv = fwd.batch, fwd.nheads, fwd.nheads_kv
     n_kblocks = math.ceil(fwd.seqlen_k / tiles.block_n)
     nsplits = 1
@@ -182,7 +217,7 @@ def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     aux_grid = (math.ceil(fwd.seqlen_q / build.AUX_ROWS_PER_CTA), batch, nheads)
     launch.get_kernel(aux_spec, aux_spec.symbols[0], q.device).launch(aux_grid, aux, q.device)  # D, dq_accum = 0
 
-    spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0)
+    spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse)
     params = launch.BwdParams(
         fwd=fwd, dout=dout.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(), dq_accum=dq_accum.data_ptr(),
         softmax_d=softmax_d.data_ptr(), dqa_split_stride=dqa_strides[0], dqa_batch_stride=dqa_strides[1],
@@ -199,26 +234,27 @@ def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
 @flash_attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-      causal, rng_state, deterministic):
+      causal, rng_state, deterministic, bs_cols=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale, causal, rng_state, det = inputs
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale, causal, rng_state, det,
+     _bs_rows, bs_cols) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols)
     ctx.options = (max_seqlen_q, max_seqlen_k, dropout_p, scale, causal)
     ctx.deterministic = det
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout: Tensor, _dlse: Tensor):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols = ctx.saved_tensors
     if dout is None:  # only lse was used, and lse carries no gradient
         dout = torch.zeros_like(out)
     dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, rng_state,
-                                ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                                ctx.deterministic, bs_cols)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -257,7 +293,8 @@ def _keep_threshold(dropout_p: float) -> int:
 
 
 def _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                rng_state):
+                rng_state, bs_rows=None, bs_cols=None):
+    """FwdParams of the call; bs_rows (forward) / bs_cols (backward): the block-sparse lists, or None."""
     from flashtrain.kernels import launch
 
     varlen = cu_seqlens_q is not None
@@ -274,4 +311,12 @@ def _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     (params.k_batch_stride, params.k_row_stride, params.k_head_stride) = _strides(k, varlen)
     (params.v_batch_stride, params.v_row_stride, params.v_head_stride) = _strides(v, varlen)
     (params.o_batch_stride, params.o_row_stride, params.o_head_stride) = _strides(out, varlen)
+    if bs_rows is not None:  # (mask heads, n_qblocks, n_kblocks + 1); head stride 0 for one shared mask
+        params.bs_rows = bs_rows.data_ptr()
+        params.bs_rows_head_stride = bs_rows.stride(0) if bs_rows.shape[0] > 1 else 0
+        params.bs_n_qblocks, params.bs_n_kblocks = bs_rows.shape[1], bs_rows.shape[2] - 1
+    if bs_cols is not None:  # (mask heads, n_kblocks, n_qblocks + 1)
+        params.bs_cols = bs_cols.data_ptr()
+        params.bs_cols_head_stride = bs_cols.stride(0) if bs_cols.shape[0] > 1 else 0
+        params.bs_n_kblocks, params.bs_n_qblocks = bs_cols.shape[1], bs_cols.shape[2] - 1
     return params

@@ -30,6 +30,7 @@ from flashtrain.models.attention import BidirectionalSelfAttention
 FLAVORS = ("bert", "roberta")
 ATTN_IMPLS = ("flash", "sdpa", "reference")
 PROBLEM_TYPES = ("single_label", "multi_label")
+HEADS = ("masked_lm", "classification")
 _HF_PROBLEM_TYPES = {None: "single_label", "single_label_classification": "single_label",
                      "multi_label_classification": "multi_label"}
 # Non-persistent buffers that old HF checkpoints still carry (e.g. MiniLM, saved by transformers 4.8).
@@ -54,10 +55,18 @@ class BertConfig:
     num_labels: int = 2  # classes (single_label) or independent labels (multi_label)
     problem_type: str = "single_label"  # "single_label" (softmax cross-entropy) | "multi_label" (BCE with logits)
     attn_impl: str = "flash"  # "flash" (flashtrain kernel, "auto" dispatch) | "sdpa" (PyTorch, padded) | "reference"
+    head: str = "classification"  # what the trainer builds: "masked_lm" (BertForMaskedLM) | "classification"
+    # Longest input in tokens, specials included; when set it decides the table: max_position_embeddings becomes
+    # max_length + position_offset (RoBERTa: + 2). None: max_position_embeddings as given.
+    max_length: Optional[int] = None
 
     def __post_init__(self):
+        if self.max_length is not None:
+            if self.max_length < 1:
+                raise ValueError(f"max_length must be >= 1 (or None), got {self.max_length}")
+            self.max_position_embeddings = self.max_length + self.position_offset
         for name, value, allowed in (("flavor", self.flavor, FLAVORS), ("attn_impl", self.attn_impl, ATTN_IMPLS),
-                                     ("problem_type", self.problem_type, PROBLEM_TYPES)):
+                                     ("problem_type", self.problem_type, PROBLEM_TYPES), ("head", self.head, HEADS)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         sizes = dict(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
@@ -307,6 +316,9 @@ class BertForMaskedLM(nn.Module):
         self.encoder = BertModel(config, add_pooler=False)
         self.lm_head = MaskedLMHead(config, self.encoder.embeddings.word_embeddings)
 
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # each tensor once: the tied decoder is not counted twice
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
                 labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """input_ids, attention_mask, token_type_ids (B, T) as in BertModel.encode; labels (B, T): the original token
@@ -375,6 +387,9 @@ class BertForSequenceClassification(nn.Module):
             self.classifier = RobertaClassificationHead(config, dropout)
         with torch.no_grad():
             self.classifier.apply(_init_weights)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
                 labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:

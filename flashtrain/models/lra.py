@@ -5,6 +5,16 @@ LRA's high learning rates than post-LN. Positions are learned or fixed sinusoids
 vector prepended at position 0, read out at the end) or "mean" (the mean over real tokens only). The head is
 LRA's: Linear(d_model, d_ff) -> ReLU -> Linear(d_ff, num_classes).
 
+dual=True is LRA's dual-tower head for Retrieval: each input row holds two documents side by side, (B, 2 L) = [doc 1
+right-padded to L | doc 2 right-padded to L]; one encoder (shared weights) encodes and pools each document alone into
+e1, e2, and the head reads [e1, e2, e1 * e2, e1 - e2] (LRA's classifier_head_dual with interaction "NLI"):
+Linear(4 d_model, d_ff) -> ReLU -> Linear(d_ff, d_ff // 2) -> ReLU -> Linear(d_ff // 2, num_classes).
+
+block_sparse (a BlockSparseConfig, or None: dense) gives attention a block mask built from the sequence length, one
+bit per 128 x 128 (query block, key block), passed to flashtrain's attention API (the reference and, once it supports
+block_mask, the CUDA kernel skip masked blocks). Layout "local_global": block i sees blocks j with |i - j| <=
+local_blocks, and the first global_blocks blocks see and are seen by every block (the CLS token sits in block 0).
+
 Padding is removed, not masked (as in bert.py): with a pad_id, the real tokens are packed into (total, d_model) and
 attend through flash_attn_varlen_func; pad tokens cost nothing and never reach the pooled vector. Inputs are
 right-padded, so positions of real tokens do not depend on the padding. pad_id None means every token is real
@@ -27,6 +37,35 @@ from flashtrain.models.bert import unpad_indices
 ATTN_IMPLS = ("flash", "sdpa", "reference")
 POSITIONS = ("learned", "sinusoidal")
 POOLINGS = ("cls", "mean")
+BLOCK_SPARSE_KINDS = ("local_global",)
+BLOCK_SIZE = 128  # rows and columns of one block_mask bit (flashtrain.kernels.reference.BLOCK_SPARSE_SIZE)
+
+
+@dataclass
+class BlockSparseConfig:
+    kind: str = "local_global"  # the layout (see the module docstring)
+    local_blocks: int = 1  # a query block sees this many key blocks on each side of its own
+    global_blocks: int = 1  # the first global_blocks blocks see every block and every block sees them
+
+    def __post_init__(self):
+        if self.kind not in BLOCK_SPARSE_KINDS:
+            raise ValueError(f"block_sparse.kind must be one of {BLOCK_SPARSE_KINDS}, got {self.kind!r}")
+        if self.local_blocks < 0 or self.global_blocks < 0:
+            raise ValueError(f"block_sparse.local_blocks and global_blocks must be >= 0, got {self.local_blocks}, "
+                             f"{self.global_blocks}")
+
+
+def local_global_block_mask(seqlen: int, local_blocks: int, global_blocks: int,
+                            device: torch.device | str = "cpu") -> Tensor:
+    """bool (n, n), n = ceil(seqlen / 128): True where query block i attends to key block j, i.e. |i - j| <=
+    local_blocks, or i < global_blocks, or j < global_blocks.
+    TODO(lead): call flashtrain/kernels/block_sparse.py's layout helpers (band, fixed, bigbird, butterfly) once
+    that module lands, and keep this function only as the "local_global" entry."""
+    n = -(-seqlen // BLOCK_SIZE)
+    index = torch.arange(n, device=device)
+    band = (index[:, None] - index[None, :]).abs() <= local_blocks  # (n, n)
+    is_global = index < global_blocks  # (n,)
+    return band | is_global[:, None] | is_global[None, :]
 
 
 @dataclass
@@ -45,6 +84,8 @@ class LRAConfig:
     pad_id: Optional[int] = 0  # padding token id, removed before attention; None: no padding, every token is real
     layer_norm_eps: float = 1e-6  # LayerNorm epsilon (Flax's default, as LRA)
     attn_impl: str = "flash"  # "flash" (flashtrain kernel, "auto" dispatch) | "sdpa" (PyTorch, padded) | "reference"
+    dual: bool = False  # Retrieval: rows hold two documents [doc 1 | doc 2]; dual-tower head on [e1, e2, e1*e2, e1-e2]
+    block_sparse: Optional[BlockSparseConfig] = None  # None: dense attention; else the block mask's layout
 
     def __post_init__(self):
         for name, value, allowed in (("attn_impl", self.attn_impl, ATTN_IMPLS), ("positions", self.positions, POSITIONS),
@@ -63,6 +104,10 @@ class LRAConfig:
         for name in ("dropout", "attn_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.block_sparse is not None and self.attn_impl == "sdpa":
+            raise ValueError("block_sparse needs attn_impl flash or reference (sdpa takes no block mask)")
+        if self.dual and self.d_ff < 2:
+            raise ValueError(f"dual needs d_ff >= 2 (its head has a d_ff // 2 layer), got {self.d_ff}")
 
     @property
     def max_tokens(self) -> int:
@@ -90,8 +135,9 @@ class Block(nn.Module):
                                  nn.Linear(config.d_ff, config.d_model))
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor | None, max_seqlen: int, key_padding_mask: Tensor | None) -> Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), cu_seqlens, max_seqlen, key_padding_mask))
+    def forward(self, x: Tensor, cu_seqlens: Tensor | None, max_seqlen: int, key_padding_mask: Tensor | None,
+                block_mask: Tensor | None = None) -> Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), cu_seqlens, max_seqlen, key_padding_mask, block_mask))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -109,29 +155,65 @@ class LRAClassifier(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.final_norm = nn.LayerNorm(C, eps=config.layer_norm_eps)
-        self.head = nn.Sequential(nn.Linear(C, config.d_ff), nn.ReLU(), nn.Dropout(config.dropout),
-                                  nn.Linear(config.d_ff, config.num_classes))
-        self.apply(self._init_weights)
-        if self.cls is not None:
-            nn.init.normal_(self.cls, std=0.02)
+        if config.dual:
+            self.head = nn.Sequential(nn.Linear(4 * C, config.d_ff), nn.ReLU(), nn.Dropout(config.dropout),
+                                      nn.Linear(config.d_ff, config.d_ff // 2), nn.ReLU(), nn.Dropout(config.dropout),
+                                      nn.Linear(config.d_ff // 2, config.num_classes))
+        else:
+            self.head = nn.Sequential(nn.Linear(C, config.d_ff), nn.ReLU(), nn.Dropout(config.dropout),
+                                      nn.Linear(config.d_ff, config.num_classes))
+        self._init_weights()
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def _init_weights(self) -> None:
+        """LRA's initialisation (its Flax TransformerEncoder): token embeddings N(0, 1), so that the tokens are not
+        drowned by the fixed sinusoids (amplitude 1) -- with GPT-style N(0, 0.02) token embeddings ListOps stays at
+        the class prior at LRA's learning rate; learned positions N(0, 0.02); the CLS vector zeros; every Linear
+        Xavier-uniform with zero bias."""
+        nn.init.normal_(self.tok_emb.weight, mean=0.0, std=1.0)
+        if self.pos_emb is not None:
+            nn.init.normal_(self.pos_emb.weight, mean=0.0, std=0.02)
+        if self.cls is not None:
+            nn.init.zeros_(self.cls)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens: Tensor, labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """tokens (B, T) int64, right-padded with pad_id -> (logits (B, num_classes), mean cross-entropy or None)."""
+        """tokens (B, T) int64, right-padded with pad_id -> (logits (B, num_classes), mean cross-entropy or None).
+        dual: tokens (B, 2 L), two documents each right-padded to L."""
+        cfg = self.config
+        if labels is not None and labels.shape != tokens.shape[:1]:
+            raise ValueError(f"labels must have shape {tuple(tokens.shape[:1])}, got {tuple(labels.shape)}")
+        if cfg.dual:
+            if tokens.dim() != 2 or tokens.shape[1] % 2 or tokens.shape[1] // 2 > cfg.max_tokens:
+                raise ValueError(f"tokens must be (batch, 2 * L) with L <= {cfg.max_tokens} (dual: two documents), "
+                                 f"got shape {tuple(tokens.shape)}")
+            B = tokens.shape[0]
+            both = self.encode(tokens.view(B, 2, -1).transpose(0, 1).reshape(2 * B, -1))  # (2 B, C): docs 1, docs 2
+            e1, e2 = both[:B], both[B:]
+            logits = self.head(torch.cat([e1, e2, e1 * e2, e1 - e2], dim=-1))  # (B, num_classes)
+        else:
+            logits = self.head(self.encode(tokens))  # (B, num_classes)
+        loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
+        return logits, loss
+
+    def block_mask(self, max_seqlen: int, device: torch.device) -> Tensor | None:
+        """The attention block mask (ceil(max_seqlen / 128),) * 2 of config.block_sparse, or None (dense)."""
+        layout = self.config.block_sparse
+        if layout is None:
+            return None
+        return local_global_block_mask(max_seqlen, layout.local_blocks, layout.global_blocks, device=device)
+
+    def encode(self, tokens: Tensor) -> Tensor:
+        """tokens (B, T) int64, right-padded with pad_id -> the pooled vectors (B, d_model)."""
         cfg = self.config
         if tokens.dim() != 2 or tokens.shape[1] > cfg.max_tokens:
             raise ValueError(f"tokens must be (batch, seqlen <= {cfg.max_tokens}), got shape {tuple(tokens.shape)}")
-        if labels is not None and labels.shape != tokens.shape[:1]:
-            raise ValueError(f"labels must have shape {tuple(tokens.shape[:1])}, got {tuple(labels.shape)}")
         is_real = tokens.ne(cfg.pad_id) if cfg.pad_id is not None else None  # (B, T) or None: no padding
         x = self.tok_emb(tokens)  # (B, T, C)
         if self.cls is not None:
@@ -145,8 +227,9 @@ class LRAClassifier(nn.Module):
 
         if is_real is None or cfg.attn_impl == "sdpa":  # padded (B, T, C)
             mask = is_real[:, None, None, :] if is_real is not None else None  # (B, 1, 1, T) keys
+            block_mask = self.block_mask(T, x.device)
             for block in self.blocks:
-                x = block(x, None, T, mask)
+                x = block(x, None, T, mask, block_mask)
             x = self.final_norm(x)
             if cfg.pooling == "cls":
                 pooled = x[:, 0]
@@ -158,15 +241,13 @@ class LRAClassifier(nn.Module):
         else:  # packed (total, C): pad tokens removed
             indices, cu_seqlens, max_seqlen = unpad_indices(is_real)
             x = x.flatten(0, 1)[indices]  # (total, C)
+            block_mask = self.block_mask(max_seqlen, x.device)  # blocks counted from each sequence's start
             for block in self.blocks:
-                x = block(x, cu_seqlens, max_seqlen, None)
+                x = block(x, cu_seqlens, max_seqlen, None, block_mask)
             x = self.final_norm(x)
             if cfg.pooling == "cls":
                 pooled = x[cu_seqlens[:-1].long()]  # first token of each sequence
             else:
                 seqlens = cu_seqlens.diff().to(x.dtype)[:, None]  # (B, 1)
                 pooled = x.new_zeros(B, C).index_add_(0, indices // T, x) / seqlens
-
-        logits = self.head(pooled)  # (B, num_classes)
-        loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
-        return logits, loss
+        return pooled

@@ -65,3 +65,25 @@ def extend_position_embeddings(model: nn.Module, new_max: int, method: str = "re
         model.config.n_positions = new_max
     else:
         encoder.config.max_position_embeddings = offset + new_max
+
+
+def upsample_positions_2d(table: torch.Tensor, height: int, width: int, factor: int,
+                          n_prefix: int = 0) -> torch.Tensor:
+    """Learned positions of an image grid, upsampled for an image `factor` times larger on each side.
+
+    table (n_prefix + height * width, d): n_prefix rows that are not pixels (an LRA CLS token: 1), then the grid row
+    by row. Returns (n_prefix + factor**2 * height * width, d): the prefix rows as they are, then the grid of
+    (factor * height) x (factor * width) in which pixel (r, c) takes the pretrained row of pixel (r // factor,
+    c // factor) -- every pretrained position becomes a factor x factor block (nearest neighbour), as the FlashAttention
+    paper did from Path-64 to Path-X (factor 2) and Path-256 (factor 4).
+    """
+    if factor < 1:
+        raise ValueError(f"factor must be >= 1, got {factor}")
+    if height < 1 or width < 1 or n_prefix < 0:
+        raise ValueError(f"height and width must be >= 1 and n_prefix >= 0, got {height}, {width}, {n_prefix}")
+    if table.dim() != 2 or table.shape[0] != n_prefix + height * width:
+        raise ValueError(f"table must be (n_prefix + height * width = {n_prefix + height * width}, dim), "
+                         f"got shape {tuple(table.shape)}")
+    grid = table[n_prefix:].view(height, width, -1)  # (H, W, d)
+    grid = grid.repeat_interleave(factor, dim=0).repeat_interleave(factor, dim=1)  # (k H, k W, d)
+    return torch.cat([table[:n_prefix], grid.flatten(0, 1)])

@@ -14,22 +14,30 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from flashtrain.data.documents import EcthrConfig, LongDocConfig, MimicConfig
 from flashtrain.data.listops import ListOpsConfig
 from flashtrain.data.lm import LMDataConfig
+from flashtrain.data.mlm import MaskedLMDataConfig
+from flashtrain.data.lra_hf import LRAImageConfig, LRARetrievalConfig, LRATextConfig
 from flashtrain.data.pathfinder import PathfinderConfig
+from flashtrain.models.bert import BertConfig
 from flashtrain.models.gpt2 import GPT2Config
 from flashtrain.models.lra import LRAConfig
 
 PRECISIONS = ("auto", "no", "bf16", "fp16")
-SCHEDULES = ("cosine", "rsqrt")
+SCHEDULES = ("cosine", "rsqrt", "linear")
+OPTIMIZERS = ("adamw", "lamb")
 LOGGERS = ("wandb", "none")
 
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw (torch.optim.AdamW) | lamb (flashtrain.train.lamb.LAMB, MLPerf BERT's optimizer)
     lr: float = 6e-4  # peak learning rate, reached after warmup
-    schedule: str = "cosine"  # after warmup: cosine (to lr * min_lr_ratio) | rsqrt (lr * sqrt(warmup / step), LRA's)
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps (rsqrt: unused)
+    # after warmup: cosine (to lr * min_lr_ratio) | rsqrt (lr * sqrt(warmup / step), LRA's) | linear (to
+    # lr * min_lr_ratio at max_steps: MLPerf BERT's polynomial decay of power 1)
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1  # cosine and linear decay to lr * min_lr_ratio at trainer.max_steps (rsqrt: unused)
     warmup_steps: int = 100  # linear warmup from 0, in optimizer steps
     weight_decay: float = 0.1  # decoupled (AdamW); never applied to biases and norm weights
     decay_embeddings: bool = False  # also decay token/position embeddings (GPT-2 recipes: no)
@@ -40,6 +48,8 @@ class OptimConfig:
     fused: bool = True  # fused AdamW kernel when the parameters are on a GPU
 
     def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optim.name must be one of {OPTIMIZERS}, got {self.name!r}")
         if self.lr <= 0:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
         if self.schedule not in SCHEDULES:
@@ -74,6 +84,9 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # most recent checkpoints kept on disk
     sample_tokens: int = 120  # length of the sample printed at the end (0: none)
     sample_prompt: str = "def "  # prompt of that sample
+    # stop (with a checkpoint) at the first validation pass where this metric (e.g. val_mlm_accuracy) is >= stop_value
+    stop_metric: Optional[str] = None
+    stop_value: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -84,6 +97,9 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"trainer.max_minutes must be > 0 (or null), got {self.max_minutes}")
+        if (self.stop_metric is None) != (self.stop_value is None):
+            raise ValueError(f"trainer.stop_metric and trainer.stop_value go together, got {self.stop_metric!r} and "
+                             f"{self.stop_value!r}")
         if self.stop_step is not None and not 0 < self.stop_step <= self.max_steps:
             raise ValueError(f"trainer.stop_step must be in [1, trainer.max_steps={self.max_steps}], "
                              f"got {self.stop_step}")
@@ -127,9 +143,17 @@ def register_configs() -> None:
     cs.store(name="flashtrain_schema", node=FlashtrainConfig)
     cs.store(group="model", name="gpt2_schema", node=GPT2Config)
     cs.store(group="model", name="lra_schema", node=LRAConfig)
+    cs.store(group="model", name="bert_schema", node=BertConfig)
     cs.store(group="data", name="lm_schema", node=LMDataConfig)
     cs.store(group="data", name="listops_schema", node=ListOpsConfig)
     cs.store(group="data", name="pathfinder_schema", node=PathfinderConfig)
+    cs.store(group="data", name="lra_text_schema", node=LRATextConfig)
+    cs.store(group="data", name="lra_retrieval_schema", node=LRARetrievalConfig)
+    cs.store(group="data", name="lra_image_schema", node=LRAImageConfig)
+    cs.store(group="data", name="mlm_schema", node=MaskedLMDataConfig)
+    cs.store(group="data", name="ecthr_schema", node=EcthrConfig)
+    cs.store(group="data", name="mimic_schema", node=MimicConfig)
+    cs.store(group="data", name="longdoc_schema", node=LongDocConfig)
     cs.store(group="optim", name="adamw_schema", node=OptimConfig)
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
     cs.store(group="logger", name="logger_schema", node=LoggerConfig)

@@ -28,20 +28,32 @@ class MetricsLog:
 
 
 def plot_curves(runs: dict[str, list[dict]], png: Path) -> None:
-    """One PNG with train loss (left) and validation perplexity (right, log scale) of one or more runs."""
+    """One PNG with train loss (left) and validation perplexity (right, log scale) of one or more runs; runs that log
+    accuracy instead (classification) plot validation accuracy on the right, and the test accuracy as a star."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4))
+    accuracy = not any("val_ppl" in r for records in runs.values() for r in records)
     for label, records in runs.items():
         train = [r for r in records if "train_loss" in r]
-        val = [r for r in records if "val_ppl" in r]
         ax_loss.plot([r["tokens"] for r in train], [r["train_loss"] for r in train], label=label)
-        ax_ppl.plot([r["tokens"] for r in val], [r["val_ppl"] for r in val], marker="o", label=label)
+        if accuracy:
+            val = [r for r in records if "val_accuracy" in r]
+            ax_ppl.plot([r["tokens"] for r in val], [r["val_accuracy"] for r in val], marker="o", label=label)
+            for r in (r for r in records if "test_accuracy" in r):
+                ax_ppl.plot([r["tokens"]], [r["test_accuracy"]], marker="*", markersize=14, linestyle="none",
+                            label=f"{label}: test accuracy {r['test_accuracy']:.4f}")
+        else:
+            val = [r for r in records if "val_ppl" in r]
+            ax_ppl.plot([r["tokens"] for r in val], [r["val_ppl"] for r in val], marker="o", label=label)
     ax_loss.set(xlabel="tokens", ylabel="train loss", title="training loss")
-    ax_ppl.set(xlabel="tokens", ylabel="validation perplexity", title="validation perplexity", yscale="log")
+    if accuracy:
+        ax_ppl.set(xlabel="tokens", ylabel="accuracy", title="validation accuracy (star: test)")
+    else:
+        ax_ppl.set(xlabel="tokens", ylabel="validation perplexity", title="validation perplexity", yscale="log")
     for ax in (ax_loss, ax_ppl):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

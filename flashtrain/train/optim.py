@@ -1,4 +1,5 @@
-"""AdamW with GPT-style parameter groups, and the learning-rate schedules: linear warmup, then cosine or rsqrt."""
+"""AdamW or LAMB with GPT-style parameter groups, and the learning-rate schedules: linear warmup, then cosine, rsqrt
+or linear decay."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from flashtrain.train.config import SCHEDULES, OptimConfig
+from flashtrain.train.lamb import LAMB
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool) -> list[dict]:
@@ -33,7 +35,13 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool) 
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """cfg.name "adamw" or "lamb", on param_groups. LAMB: the layer-wise trust ratio on the decayed group only, as
+    NVIDIA's MLPerf BERT (apex FusedLAMB, use_nvlamb=False: biases and norms get a plain Adam-style step)."""
+    if cfg.name == "lamb":
+        decay, no_decay = param_groups(model, cfg.weight_decay, cfg.decay_embeddings)
+        return LAMB([decay, {**no_decay, "trust_ratio": False}], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                    eps=cfg.eps)
     on_gpu = next(model.parameters()).is_cuda
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay, cfg.decay_embeddings),
@@ -45,8 +53,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
-    """Multiplier of the peak LR at optimizer step `step` (0-based): linear warmup, then cosine to min_lr_ratio at
-    max_steps, or rsqrt: sqrt(warmup_steps / (step + 1)), LRA's "linear_warmup * rsqrt_decay" divided by its value
+    """Multiplier of the peak LR at optimizer step `step` (0-based): linear warmup, then cosine or linear to
+    min_lr_ratio at max_steps, or rsqrt: sqrt(warmup_steps / (step + 1)), LRA's "linear_warmup * rsqrt_decay" divided by its value
     at the end of warmup (LRA's constant 0.05 with 1000 warmup steps is a peak of 0.05 / sqrt(1000))."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -55,6 +63,8 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float,
     if schedule == "rsqrt":
         return math.sqrt(warmup_steps / (step + 1))
     progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_lr_ratio) * progress
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

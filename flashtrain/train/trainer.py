@@ -16,6 +16,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
+from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification
 from flashtrain.models.gpt2 import GPT2, GPT2Config
 from flashtrain.models.lra import LRAClassifier, LRAConfig
 from flashtrain.train.checkpoint import TrainState, resolve_resume, save_checkpoint
@@ -41,6 +42,8 @@ def build_model(model_cfg) -> torch.nn.Module:
         return GPT2(model_cfg)
     if isinstance(model_cfg, LRAConfig):
         return LRAClassifier(model_cfg)
+    if isinstance(model_cfg, BertConfig):  # model.head picks the head
+        return BertForMaskedLM(model_cfg) if model_cfg.head == "masked_lm" else BertForSequenceClassification(model_cfg)
     raise TypeError(f"model: no model is registered for config type {type(model_cfg).__name__}")
 
 
@@ -140,12 +143,19 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
         log.write(values)
         accelerator.log({k: v for k, v in values.items() if k != "step"}, step=state.step)
 
-    def run_eval() -> None:
+    def run_eval() -> bool:
+        """Evaluate and log; True when trainer.stop_metric reached trainer.stop_value."""
         metrics = evaluate(model, val_loader, task, accelerator)
         state.best_val_loss = min(state.best_val_loss, metrics["val_loss"])
         record(**metrics)
         if main:
             tqdm.write(f"step {state.step:>6}  " + "  ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in metrics.items()))
+        if tcfg.stop_metric is None:
+            return False
+        if tcfg.stop_metric not in metrics:
+            raise ValueError(f"trainer.stop_metric={tcfg.stop_metric!r} is not a validation metric of this task: "
+                             f"{sorted(metrics)}")
+        return metrics[tcfg.stop_metric] >= tcfg.stop_value
 
     if state.step == 0 and checkpoint is None:
         run_eval()  # the starting point of the validation curve
@@ -191,15 +201,25 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
             lr = scheduler.get_last_lr()[0]
             record(train_loss=train_loss, lr=lr, tokens_per_s=tok_s)
             pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+        target_reached = False
         if state.step % tcfg.eval_interval == 0 or last:
-            run_eval()
-        if state.step % tcfg.save_interval == 0 or last:
+            target_reached = run_eval()
+        if state.step % tcfg.save_interval == 0 or last or target_reached:
             last_ckpt = save_checkpoint(accelerator, run_dir, state.step, tcfg.keep_checkpoints)
+        if target_reached and state.step < end_step:
+            if main:
+                tqdm.write(f"trainer.stop_metric {tcfg.stop_metric} reached {tcfg.stop_value} at step {state.step}")
+            break
         if out_of_time and state.step < end_step:
             stopped_early = True
             break
     pbar.close()
 
+    if main and not stopped_early:  # the task's end-of-run metrics (classification: the test split), logged once
+        final = task.final_metrics(accelerator.unwrap_model(model), accelerator.device, tcfg.micro_batch_size)
+        if final:
+            record(**final)
+            tqdm.write(f"step {state.step:>6}  " + "  ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in final.items()))
     sample = ""
     if main and tcfg.sample_tokens > 0:
         sample = task.sample(accelerator.unwrap_model(model), accelerator.device, cfg.seed, tcfg.sample_tokens,

@@ -6,12 +6,21 @@
 //   lse, softmax_d     float32 (batch, nheads, seqlen_q)        or varlen (nheads, total_q)
 //   dq_accum           float32 (nsplits, batch, nheads, seqlen_q, head_dim) or varlen (nsplits, nheads, total_q, head_dim)
 // Varlen: cu_seqlens_q/k (batch + 1, int32) give each sequence's first row; the batch strides are then 0.
+//   bs_rows            int32 (mask heads, n_qblocks, n_kblocks + 1): per query block of the block mask, the number c
+//                      of its non-zero key blocks, then those key blocks in ascending order (entries past c unused)
+//   bs_cols            int32 (mask heads, n_kblocks, n_qblocks + 1): per key block, the same list of query blocks
+// Block-sparse masks count blocks of kBlockSparseSize tokens from the start of each sequence (varlen included);
+// mask heads is nheads, or 1 with head stride 0 (one mask shared by all heads).
 //
 // The Python side (flashtrain/kernels/launch.py) mirrors these structs with ctypes: keep the field order, and keep
 // every 8-byte field before the 4-byte ones so that both sides lay them out without padding surprises.
 #pragma once
 
 namespace flashtrain {
+
+// Tokens per side of a block_mask block (= flashtrain.kernels.reference.BLOCK_SPARSE_SIZE; tests/test_kernel_build.py
+// checks both). Every block-sparse kernel tile divides it, so that a mask block is a whole number of tiles.
+constexpr int kBlockSparseSize = 128;
 
 using i64 = long long;
 using u64 = unsigned long long;
@@ -37,6 +46,12 @@ struct FwdParams {
     float softmax_scale_log2; // softmax_scale * log2(e): the kernels work with exp2
     u32 keep_threshold;       // dropout: keep iff a 16-bit random number < keep_threshold = round((1 - p) * 65536)
     float rp_dropout;         // 1 / (1 - p)
+    int bs_n_qblocks, bs_n_kblocks;  // block mask grid: ceil(seqlen_q / kBlockSparseSize) x ceil(seqlen_k / ...)
+    // Block-sparse kernels only (layouts above; nullptr otherwise). Last, so that the dense kernels' parameter
+    // offsets are those they were tuned with; 8-byte aligned since the 4-byte fields above come in an even number.
+    const int* bs_rows;
+    const int* bs_cols;
+    i64 bs_rows_head_stride, bs_cols_head_stride;  // 0: one mask for all heads
 };
 
 struct BwdParams {

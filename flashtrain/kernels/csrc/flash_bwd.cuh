@@ -15,18 +15,27 @@
 //
 // Shared memory: Q[kStages], dO[kStages] (kBlockM x kHeadDim), K, V (kBlockN x kHeadDim), P, dS (kBlockM x kBlockN),
 // lse[kStages], D[kStages] (kBlockM floats, copied with Q and dO: no global load latency, no registers held).
+//
+// Block-sparse (kIsBlockSparse; FlashAttention, backward of Algorithm 5): for each query head of the group the CTA
+// walks only the query tiles of the non-zero blocks of its key block's column of the block mask (params.bs_cols: a
+// count, then the query blocks ascending; a mask block of kBlockSparseSize rows is kBlockSparseSize / kBlockM tiles),
+// cut by causal and the sequence end as in the dense walk.
 #pragma once
 #include "utils.cuh"
 
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsM_SdP_, int kWarpsN_dKV_,
-          int kWarpsM_dQ_, int kStages_, bool kScrambleDq_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_>
+          int kWarpsM_dQ_, int kStages_, bool kScrambleDq_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
+          bool kIsBlockSparse_>
 struct BwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
     static constexpr int kStages = kStages_;
     static constexpr bool kScrambleDq = kScrambleDq_;  // dq_accum layout of whole blocks: see add_dq
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
+    static constexpr bool kIsBlockSparse = kIsBlockSparse_;
+    static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
+                  "a block-sparse mask block must be a whole number of tiles");
     static constexpr int kNThreads = kNWarps * 32;
     // S and dP (kBlockM x kBlockN)
     static constexpr int kWarpsM_SdP = kWarpsM_SdP_, kWarpsN_SdP = kNWarps / kWarpsM_SdP;
@@ -95,7 +104,16 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
         // Query blocks that see some key of this block: causal rows i >= n0 - (seqlen_k - seqlen_q).
         const int m_block_min = T::kIsCausal ? max_(0, n0 - (seqlen_k - seqlen_q)) / kBlockM : 0;
         const int n_mblocks = max_(0, ceil_div(seqlen_q, kBlockM) - m_block_min);
-        const int n_iters = group * n_mblocks;  // (query head, query block) pairs
+        const int n_iters = group * n_mblocks;  // (query head, query block) pairs; dense
+        // Block-sparse: the column list of query head head_kv * group + i for this key tile's mask block.
+        auto col_list = [&](int i) {
+            return f.bs_cols + (head_kv * group + i) * f.bs_cols_head_stride +
+                   (i64)(n0 / kBlockSparseSize) * (f.bs_n_qblocks + 1);
+        };
+        SparseWalkAsc<kBlockSparseSize / kBlockM> walk;
+        const int m_block_end = ceil_div(seqlen_q, kBlockM);
+        bool has_iter = n_iters > 0;
+        if constexpr (T::kIsBlockSparse) has_iter = walk.settle(col_list, group, m_block_min, m_block_end);
 
         const u32 sK = smem_base + 2 * T::kStages * TileQ::kBytes, sV = sK + TileKV::kBytes;
         const u16* k = (const u16*)f.k + batch * f.k_batch_stride + (i64)(k_start + n0) * f.k_row_stride +
@@ -127,7 +145,11 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
             }
         };
         // Iterations run over query blocks [m_block_min, m_block_min + n_mblocks) of each query head of the group.
-        if (n_iters > 0) load_q_do(head_kv * group, m_block_min * kBlockM, 0);
+        if constexpr (T::kIsBlockSparse) {
+            if (has_iter) load_q_do(head_kv * group + walk.head_i, walk.tile(col_list) * kBlockM, 0);
+        } else if (n_iters > 0) {
+            load_q_do(head_kv * group, m_block_min * kBlockM, 0);
+        }
         cp_async_commit();
 
         float acc_dk[T::kMT_dKV][T::kNT_dKV][4], acc_dv[T::kMT_dKV][T::kNT_dKV][4];
@@ -135,13 +157,14 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
         zero(acc_dv);
 
         // One (query head, query block) iteration; kMask: the block holds keys past the end or above the diagonal.
-        // head_next / m0_next: the following iteration's, whose Q and dO are copied during this one (2 stages).
-        auto step = [&](int it, int head, int m0, int head_next, int m0_next, auto mask_tag) {
+        // head_next / m0_next: the following iteration's, whose Q and dO are copied during this one (2 stages);
+        // has_next (block-sparse; dense: it + 1 < n_iters): there is one.
+        auto step = [&](int it, int head, int m0, int head_next, int m0_next, bool has_next, auto mask_tag) {
             constexpr bool kMask = decltype(mask_tag)::value;
             const int stage = T::kStages == 2 ? (it & 1) : 0;
             cp_async_wait<0>();
             __syncthreads();  // Q[it], dO[it] (and K, V) landed; every warp is done with iteration it - 1
-            if (T::kStages == 2 && it + 1 < n_iters) {
+            if (T::kStages == 2 && (T::kIsBlockSparse ? has_next : it + 1 < n_iters)) {
                 load_q_do(head_next, m0_next, stage ^ 1);
                 cp_async_commit();
             }
@@ -278,21 +301,36 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                     for (int nt = 0; nt < T::kNT_dQ; ++nt) atomic_add4(slice + nt * 128, acc_dq[mt][nt]);
                 }
             }
-            if (T::kStages == 1 && it + 1 < n_iters) {
+            if (T::kStages == 1 && (T::kIsBlockSparse ? has_next : it + 1 < n_iters)) {
                 __syncthreads();  // every warp is done with Q and dO
                 load_q_do(head_next, m0_next, 0);
                 cp_async_commit();
             }
         };
-        for (int it = 0; it < n_iters; ++it) {
-            // (query head, query block) of this iteration and of the next one (whose Q / dO are prefetched)
-            const int head = head_kv * group + it / n_mblocks, m0 = (m_block_min + it % n_mblocks) * kBlockM;
-            const int head_next = head_kv * group + (it + 1) / n_mblocks;
-            const int m0_next = (m_block_min + (it + 1) % n_mblocks) * kBlockM;
-            if (n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q))
-                step(it, head, m0, head_next, m0_next, BoolConstant<true>{});
-            else
-                step(it, head, m0, head_next, m0_next, BoolConstant<false>{});
+        auto needs_mask = [&](int m0) {
+            return n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
+        };
+        if constexpr (T::kIsBlockSparse) {
+            for (int it = 0; has_iter; ++it) {
+                const int head = head_kv * group + walk.head_i, m0 = walk.tile(col_list) * kBlockM;
+                walk.advance();
+                has_iter = walk.settle(col_list, group, m_block_min, m_block_end);
+                const int head_next = has_iter ? head_kv * group + walk.head_i : head;
+                const int m0_next = has_iter ? walk.tile(col_list) * kBlockM : m0;
+                if (needs_mask(m0)) step(it, head, m0, head_next, m0_next, has_iter, BoolConstant<true>{});
+                else step(it, head, m0, head_next, m0_next, has_iter, BoolConstant<false>{});
+            }
+        } else {
+            for (int it = 0; it < n_iters; ++it) {
+                // (query head, query block) of this iteration and of the next one (whose Q / dO are prefetched)
+                const int head = head_kv * group + it / n_mblocks, m0 = (m_block_min + it % n_mblocks) * kBlockM;
+                const int head_next = head_kv * group + (it + 1) / n_mblocks;
+                const int m0_next = (m_block_min + (it + 1) % n_mblocks) * kBlockM;
+                if (n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q))
+                    step(it, head, m0, head_next, m0_next, false, BoolConstant<true>{});
+                else
+                    step(it, head, m0, head_next, m0_next, false, BoolConstant<false>{});
+            }
         }
 
         // Epilogue: dK * scale and dV through the K / V tiles, then 16-byte stores.

@@ -402,4 +402,55 @@ struct DropoutRng {
     }
 };
 
+// ---------------------------------------------------------------------------------------------- block sparsity
+// A list of non-zero block-mask blocks (flash.h, bs_rows / bs_cols) is list[0] = count, then count mask blocks
+// ascending; mask block b covers kernel tiles b * kSub .. b * kSub + kSub - 1 (kSub = kBlockSparseSize / tile size).
+
+// Forward: the tiles of one list from the last to the first.
+template <int kSub> struct SparseWalkDesc {
+    const int* list;
+    int entry, sub;  // current tile = list[1 + entry] * kSub + sub; entry < 0: walk done
+    __device__ __forceinline__ void init(const int* list_) {
+        list = list_;
+        entry = list_[0] - 1;
+        sub = kSub - 1;
+    }
+    __device__ __forceinline__ int tile() const { return entry < 0 ? -1 : list[1 + entry] * kSub + sub; }
+    __device__ __forceinline__ int next() {  // the tile after the current one, -1 at the end
+        if (--sub < 0) sub = kSub - 1, --entry;
+        return tile();
+    }
+    __device__ __forceinline__ int skip_to_below(int end) {  // first tile < end (-1: none), the walk left there
+        int t = tile();
+        while (t >= end) t = next();
+        return t;
+    }
+};
+
+// Backward: (query head, query tile) pairs of one key tile, ascending: for each query head of the GQA group
+// (head_i = 0 .. group - 1), the tiles in [tile_begin, tile_end) of its list (list_of(head_i)).
+template <int kSub> struct SparseWalkAsc {
+    int head_i = 0, entry = 0, sub = 0;  // current tile = list_of(head_i)[1 + entry] * kSub + sub
+    // Move to the first valid pair at or after the current position; false when there is none.
+    template <class ListOf>
+    __device__ __forceinline__ bool settle(const ListOf& list_of, int group, int tile_begin, int tile_end) {
+        for (; head_i < group; ++head_i, entry = 0, sub = 0) {
+            const int* list = list_of(head_i);
+            for (const int count = list[0]; entry < count;) {
+                const int t = list[1 + entry] * kSub + sub;
+                if (t >= tile_end) break;  // ascending: the rest of this head's list is past the end too
+                if (t >= tile_begin) return true;
+                advance();
+            }
+        }
+        return false;
+    }
+    __device__ __forceinline__ void advance() {
+        if (++sub == kSub) sub = 0, ++entry;
+    }
+    template <class ListOf> __device__ __forceinline__ int tile(const ListOf& list_of) const {
+        return list_of(head_i)[1 + entry] * kSub + sub;
+    }
+};
+
 }  // namespace flashtrain

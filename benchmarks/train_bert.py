@@ -1,0 +1,261 @@
+"""BERT-large masked-LM training throughput on one GPU: flashtrain's BertForMaskedLM (padding removed, varlen
+FlashAttention kernel, the MLM head on the masked tokens only) against Hugging Face transformers' BertForMaskedLM
+with attn_implementation="sdpa" (padded batch, key-padding mask, the head on every token, as its API does), in one
+process, at the same micro-batch.
+
+Every implementation runs the same training step on the same batch: bf16 autocast (fp32 on the CPU), forward,
+masked-LM cross-entropy in float32, backward, grad-norm clipping at 1.0, flashtrain's LAMB (the recipe's optimizer,
+the same code for both), dropout 0.1 as in pretraining. The batch holds --batch sequences of at most 512 tokens with
+realistic padding: a share --full-fraction of the sequences is full length and the others have a length drawn
+uniformly in [64, 512) (default 0.7: ~13% of the batch is padding; BERT pretraining data cut at 512 tokens has more,
+so this is a conservative setting for the unpadded model); 15% of the real tokens are masked. The step time is the
+median of --steps timed steps (CUDA events) after --warmup untimed ones; sequences/s = batch / step time.
+"flashtrain-sdpa" is flashtrain's model with attn_impl=sdpa (padded, PyTorch's attention): it separates the kernel's
+share of the gain from the rest.
+
+    python benchmarks/train_bert.py --out $OUT/train_bert.json          # BERT-large, seq 512, batch 32 on a GPU
+    python benchmarks/train_bert.py --device cpu --tiny --out /tmp/b.json   # smoke test (2 layers x 64 wide)
+
+Needs torch, transformers and matplotlib only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_gpt2 import measure_matmul_flops, time_calls  # noqa: E402  (the sibling benchmark's timing helpers)
+
+from flashtrain.kernels import flash_attn_varlen_func  # noqa: E402
+from flashtrain.models.bert import BertConfig, BertForMaskedLM  # noqa: E402
+from flashtrain.train.lamb import LAMB  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VOCAB = 30522
+MODEL_SHAPES = {"large": (24, 1024, 16, 4096), "tiny": (2, 64, 2, 128)}  # layers, width, heads, MLP width
+IMPLS = ("flashtrain", "flashtrain-sdpa", "hf-sdpa")
+
+
+def make_batch(batch: int, seq_len: int, full_fraction: float, vocab_size: int, device: torch.device,
+               seed: int = 0) -> dict[str, torch.Tensor]:
+    """input_ids, attention_mask, labels (batch, seq_len): lengths as the module docstring says, right-padded with 0;
+    15% of the real tokens after [CLS] carry a label (their original id), the rest -100."""
+    generator = torch.Generator().manual_seed(seed)
+    is_full = torch.rand(batch, generator=generator) < full_fraction
+    lengths = torch.where(is_full, seq_len, torch.randint(64, seq_len, (batch,), generator=generator))
+    attention_mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+    input_ids = torch.randint(200, vocab_size, (batch, seq_len), generator=generator) * attention_mask
+    input_ids[:, 0] = 101  # [CLS]
+    is_predicted = (torch.rand(batch, seq_len, generator=generator) < 0.15) & attention_mask.bool()
+    is_predicted[:, 0] = False
+    labels = torch.where(is_predicted, input_ids, -100)
+    input_ids = torch.where(is_predicted, 103, input_ids)  # [MASK]
+    return {k: v.to(device) for k, v in
+            {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}.items()}
+
+
+def build_loss_fn(impl: str, shape, seq_len: int, vocab_size: int, device: torch.device):
+    """(model, loss_fn(batch) -> masked-LM loss) with float32 parameters on `device`."""
+    n_layer, width, n_head, mlp = shape
+    if impl.startswith("flashtrain"):
+        config = BertConfig(vocab_size=vocab_size, hidden_size=width, num_hidden_layers=n_layer,
+                            num_attention_heads=n_head, intermediate_size=mlp, max_length=seq_len,
+                            head="masked_lm", attn_impl="sdpa" if impl == "flashtrain-sdpa" else "flash")
+        with device:
+            model = BertForMaskedLM(config)
+        return model, lambda b: model(b["input_ids"], b["attention_mask"], labels=b["labels"])[1]
+
+    import transformers  # only the comparison needs it
+
+    config = transformers.BertConfig(vocab_size=vocab_size, hidden_size=width, num_hidden_layers=n_layer,
+                                     num_attention_heads=n_head, intermediate_size=mlp,
+                                     max_position_embeddings=seq_len)
+    with device:
+        model = transformers.BertForMaskedLM._from_config(config, attn_implementation="sdpa")
+    if model.config._attn_implementation != "sdpa":
+        raise RuntimeError(f"transformers picked attn_implementation={model.config._attn_implementation!r}")
+
+    def loss_fn(b):  # HF's own loss: logits on every token, cross-entropy where labels != -100, in float32
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # (B, T, vocab)
+        return F.cross_entropy(logits.flatten(0, 1).float(), b["labels"].flatten(), ignore_index=-100)
+    return model, loss_fn
+
+
+def check_flash_kernel(shape, seq_len: int, device: torch.device) -> str:
+    """On CUDA, insist that flashtrain runs its CUDA kernel (varlen, with dropout), never the slow reference."""
+    if device.type != "cuda":
+        return "reference (CPU)"
+    _, width, n_head, _ = shape
+    cu_seqlens = torch.tensor([0, seq_len, 2 * seq_len - 100], device=device, dtype=torch.int32)
+    q, k, v = (torch.randn(2 * seq_len - 100, n_head, width // n_head, device=device, dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, seq_len, seq_len, dropout_p=0.1,
+                           impl="cuda").sum().backward()
+    return "cuda kernel"
+
+
+def measure(impl: str, shape, seq_len: int, batch: dict, device: torch.device, warmup: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    model, loss_fn = build_loss_fn(impl, shape, seq_len, VOCAB if shape != MODEL_SHAPES["tiny"] else 512, device)
+    model.train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = LAMB([{"params": decay, "weight_decay": 0.01},
+                      {"params": no_decay, "weight_decay": 0.0, "trust_ratio": False}],
+                     lr=3.75e-3, betas=(0.9, 0.999), eps=1e-6)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def train_step():
+        with autocast:
+            loss = loss_fn(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seconds = time_calls(train_step, device, warmup=warmup, repeats=steps)
+    step_s = statistics.median(seconds)
+    n_sequences = batch["input_ids"].shape[0]
+    return {
+        "status": "ok",
+        "step_ms": 1000 * step_s,
+        "sequences_per_s": n_sequences / step_s,
+        "real_tokens_per_s": int(batch["attention_mask"].sum()) / step_s,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "warnings": sorted({str(w.message) for w in caught}),
+    }
+
+
+def run_one(impl, shape, seq_len, batch, device, warmup, steps) -> dict:
+    row = {"impl": impl, "seq_len": seq_len, "batch": batch["input_ids"].shape[0]}
+    try:
+        if impl == "flashtrain":
+            row["attention"] = check_flash_kernel(shape, seq_len, device)
+        row.update(measure(impl, shape, seq_len, batch, device, warmup, steps))
+    except torch.OutOfMemoryError:
+        row["status"] = "OOM"
+    except Exception as error:  # noqa: BLE001 -- reported in the table, the other implementations still run
+        row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'impl':<16} {'T':>4} {'B':>3} {'seq/s':>8} {'step ms':>8} {'peak GiB':>8}  flashtrain speedup"]
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"{row['impl']:<16} {row['seq_len']:>4} {row['batch']:>3} {row['status']}")
+            continue
+        peak = f"{row['peak_mem_gib']:.1f}" if row["peak_mem_gib"] is not None else "-"
+        speedup = f"{row['speedup_of_flashtrain']:.2f}x" if row.get("speedup_of_flashtrain") else ""
+        lines.append(f"{row['impl']:<16} {row['seq_len']:>4} {row['batch']:>3} {row['sequences_per_s']:>8.1f} "
+                     f"{row['step_ms']:>8.1f} {peak:>8}  {speedup}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], env: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar([r["impl"] for r in ok], [r["sequences_per_s"] for r in ok], color=[f"C{i}" for i in range(len(ok))])
+    for i, r in enumerate(ok):
+        ax.text(i, r["sequences_per_s"], f"{r['sequences_per_s']:.0f}", ha="center", va="bottom")
+    ax.set_ylabel("sequences/s (training)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(f"BERT-{env['model']} MLM, seq {env['seq_len']}, batch {env['batch']}, "
+                 f"{100 * env['padding_fraction']:.0f}% padding\n{env['device_name']}, {env['precision']}, "
+                 f"LAMB, {env['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="cuda (default) | cpu (with --tiny: smoke test)")
+    parser.add_argument("--tiny", action="store_true", help="2 layers x 64 wide, seq 128, vocab 512")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 32; tiny 4)")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 512 (tiny 128)")
+    parser.add_argument("--full-fraction", type=float, default=0.7, help="share of full-length sequences")
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), help=f"a subset of {IMPLS}")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU here; use --device cpu --tiny for the smoke test")
+    for impl in args.impls:
+        if impl not in IMPLS:
+            raise SystemExit(f"--impls: unknown implementation {impl!r}; choose from {IMPLS}")
+    if not 0.0 <= args.full_fraction <= 1.0:
+        raise SystemExit(f"--full-fraction must be in [0, 1], got {args.full_fraction}")
+    model_name = "tiny" if args.tiny else "large"
+    seq_len = args.seq_len or (128 if args.tiny else 512)
+    batch_size = args.batch or (4 if args.tiny else 32)
+    batch = make_batch(batch_size, seq_len, args.full_fraction, 512 if args.tiny else VOCAB, device)
+
+    import transformers
+
+    env = {
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "precision": "bf16 autocast" if device.type == "cuda" else "fp32",
+        "matmul_tflops": measure_matmul_flops(device, 256 if device.type == "cpu" else 8192) / 1e12,
+        "model": model_name,
+        "seq_len": seq_len,
+        "batch": batch_size,
+        "full_fraction": args.full_fraction,
+        "padding_fraction": 1.0 - batch["attention_mask"].float().mean().item(),
+        "masked_tokens": int(batch["labels"].ne(-100).sum()),
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
+    }
+    print(json.dumps(env), flush=True)
+    rows = []
+    for impl in args.impls:
+        rows.append(run_one(impl, MODEL_SHAPES[model_name], seq_len, batch, device, args.warmup, args.steps))
+        print(format_table([rows[-1]]).splitlines()[-1], flush=True)
+    ours = next((r for r in rows if r["impl"] == "flashtrain" and r["status"] == "ok"), None)
+    for row in rows:
+        if ours is not None and row["status"] == "ok" and row["impl"] != "flashtrain":
+            row["speedup_of_flashtrain"] = ours["sequences_per_s"] / row["sequences_per_s"]
+    print(format_table(rows))
+
+    slug = "cpu-tiny" if device.type == "cpu" else env["device_name"].replace(" ", "_")
+    out = args.out or RESULTS / f"train_bert-{slug}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"env": env, "rows": rows}
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(rows, env, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

