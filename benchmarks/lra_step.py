@@ -43,13 +43,12 @@ def recipe_config(recipe: str):
 def kernel_refusal(model_cfg, seqlen: int, device: torch.device) -> str | None:
     """Why flashtrain's CUDA kernel would not run this model's attention (None: it runs), asked with impl='cuda'."""
     from flashtrain.kernels import flash_attn_func
-    from flashtrain.models.lra import local_global_block_mask
+    from flashtrain.models.lra import layout_block_mask
 
     head_dim = model_cfg.d_model // model_cfg.n_head
     q = torch.randn(1, seqlen, model_cfg.n_head, head_dim, device=device, dtype=torch.bfloat16)
     layout = model_cfg.block_sparse
-    block_mask = None if layout is None else local_global_block_mask(seqlen, layout.local_blocks,
-                                                                     layout.global_blocks, device)
+    block_mask = None if layout is None else layout_block_mask(layout, seqlen, device)
     try:
         flash_attn_func(q, q, q, block_mask=block_mask, impl="cuda")
     except RuntimeError as error:

@@ -440,3 +440,16 @@ def test_reference_on_cuda_matches_oracle():
     generated = flash_attn_func(q, k, v, 0.2, generator=torch.Generator("cuda").manual_seed(0), impl="reference")
     again = flash_attn_func(q, k, v, 0.2, generator=torch.Generator("cuda").manual_seed(0), impl="reference")
     assert torch.equal(generated, again)
+
+
+@pytest.mark.cuda
+def test_reference_per_head_block_mask_on_cuda_matches_oracle():
+    # the reference builds its per-head skip masks from the CPU copy of block_mask: they must reach the GPU scores
+    q, k, v, dout = (x.detach().cuda() for x in make_inputs((2, 400, 4, 24), (2, 520, 2, 24)))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    options = dict(block_mask=random_block_mask((4, 4, 5), seed=3).cuda(), causal=True)
+    results = out_lse_grads(
+        lambda q, k, v: flash_attn_func(q, k, v, return_lse=True, impl="reference", **options), q, k, v, dout
+    )
+    oracle = out_lse_grads(lambda q, k, v: naive_attention(q, k, v, **options), q, k, v, dout)
+    assert_all_close(results, oracle, 1e-10)

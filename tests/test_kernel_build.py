@@ -1,6 +1,6 @@
 """CPU tests of the kernel build (flashtrain/kernels/build.py): the dispatch table, the disk cache, and an nvcc
 compile check of the most demanding instantiations for sm_80 and sm_90a (skipped without nvcc). The compile check of
-every instantiation (260 compilations: 196 dense + 64 block-sparse) runs from .ci/run:
+every instantiation (260 compilations: 196 dense + 64 block-sparse, ~6 minutes on 2 idle cores) runs from .ci/run:
 python -m flashtrain.kernels.build --check-nvcc sm_80 sm_90a -j 2
 """
 

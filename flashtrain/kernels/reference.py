@@ -78,9 +78,10 @@ def _seq_groups(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> list[_SeqGroup]:
 
 
 def _visible_tiles(
-    seqlen_q: int, seqlen_k: int, causal: bool, block_mask: Tensor | None, nheads_kv: int
+    seqlen_q: int, seqlen_k: int, causal: bool, block_mask: Tensor | None, nheads_kv: int, device: torch.device
 ) -> list[_Tile]:
-    """Tiles with at least one (query, key) pair to compute, query-tile major. block_mask is on the CPU."""
+    """Tiles with at least one (query, key) pair to compute, query-tile major. block_mask is on the CPU; the
+    per-head skip masks go to `device`, where the scores are."""
     causal_offset = seqlen_k - seqlen_q  # bottom-right: query i sees key j iff j <= i + causal_offset
     tiles = []
     for q_tile in range(math.ceil(seqlen_q / TILE)):
@@ -95,7 +96,7 @@ def _visible_tiles(
                 if not keep.any():
                     continue
                 if not keep.all():
-                    head_skip = (~keep).view(nheads_kv, 1, -1, 1)
+                    head_skip = (~keep).view(nheads_kv, 1, -1, 1).to(device)
             on_diagonal = causal and k1 - 1 > q0 + causal_offset
             tiles.append(_Tile(q_tile, k_tile, q0, q1, k0, k1, on_diagonal, head_skip))
     return tiles
@@ -118,7 +119,7 @@ class _GroupCompute:
         self.group_size = nheads // nheads_kv
         self.causal_offset = group.seqlen_k - group.seqlen_q
         self.device = device
-        self.tiles = _visible_tiles(group.seqlen_q, group.seqlen_k, causal, block_mask, nheads_kv)
+        self.tiles = _visible_tiles(group.seqlen_q, group.seqlen_k, causal, block_mask, nheads_kv, device)
         self._causal_masks: dict[tuple[int, int, int], Tensor] = {}
         self.dropout_p = dropout_p
         self.dropout_seed = dropout_seed

@@ -11,9 +11,11 @@ e1, e2, and the head reads [e1, e2, e1 * e2, e1 - e2] (LRA's classifier_head_dua
 Linear(4 d_model, d_ff) -> ReLU -> Linear(d_ff, d_ff // 2) -> ReLU -> Linear(d_ff // 2, num_classes).
 
 block_sparse (a BlockSparseConfig, or None: dense) gives attention a block mask built from the sequence length, one
-bit per 128 x 128 (query block, key block), passed to flashtrain's attention API (the reference and, once it supports
-block_mask, the CUDA kernel skip masked blocks). Layout "local_global": block i sees blocks j with |i - j| <=
-local_blocks, and the first global_blocks blocks see and are seen by every block (the CLS token sits in block 0).
+bit per 128 x 128 (query block, key block), passed to flashtrain's attention API (the CUDA kernel and the reference
+skip masked blocks). Layouts come from flashtrain.kernels.block_sparse: "local_global" (block i sees blocks j with
+|i - j| <= local_blocks, and the first global_blocks blocks see and are seen by every block; the CLS token sits in
+block 0), "bigbird" (the same plus random_blocks random key blocks per query block) and "butterfly" (the flat block
+butterfly of FlashAttention's block-sparse experiments, plus the global blocks).
 
 Padding is removed, not masked (as in bert.py): with a pad_id, the real tokens are packed into (total, d_model) and
 attend through flash_attn_varlen_func; pad tokens cost nothing and never reach the pooled vector. Inputs are
@@ -31,41 +33,50 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from flashtrain.kernels import block_sparse
 from flashtrain.models.attention import BidirectionalSelfAttention
 from flashtrain.models.bert import unpad_indices
 
 ATTN_IMPLS = ("flash", "sdpa", "reference")
 POSITIONS = ("learned", "sinusoidal")
 POOLINGS = ("cls", "mean")
-BLOCK_SPARSE_KINDS = ("local_global",)
+BLOCK_SPARSE_KINDS = ("local_global", "bigbird", "butterfly")
 BLOCK_SIZE = 128  # rows and columns of one block_mask bit (flashtrain.kernels.reference.BLOCK_SPARSE_SIZE)
 
 
 @dataclass
 class BlockSparseConfig:
-    kind: str = "local_global"  # the layout (see the module docstring)
-    local_blocks: int = 1  # a query block sees this many key blocks on each side of its own
+    kind: str = "local_global"  # the layout: local_global | bigbird | butterfly (see the module docstring)
+    local_blocks: int = 1  # local_global, bigbird: a query block sees this many key blocks on each side of its own
     global_blocks: int = 1  # the first global_blocks blocks see every block and every block sees them
+    random_blocks: int = 0  # bigbird: random key blocks per query block (drawn with `seed`)
+    seed: int = 0  # bigbird: the random blocks' seed (the same mask in every step and process)
 
     def __post_init__(self):
         if self.kind not in BLOCK_SPARSE_KINDS:
             raise ValueError(f"block_sparse.kind must be one of {BLOCK_SPARSE_KINDS}, got {self.kind!r}")
-        if self.local_blocks < 0 or self.global_blocks < 0:
-            raise ValueError(f"block_sparse.local_blocks and global_blocks must be >= 0, got {self.local_blocks}, "
-                             f"{self.global_blocks}")
+        for name in ("local_blocks", "global_blocks", "random_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"block_sparse.{name} must be >= 0, got {getattr(self, name)}")
+
+
+def layout_block_mask(layout: BlockSparseConfig, seqlen: int, device: torch.device | str = "cpu") -> Tensor:
+    """bool (n, n), n = ceil(seqlen / 128): True where query block i attends to key block j under `layout`."""
+    if layout.kind == "butterfly":
+        mask = block_sparse.butterfly(seqlen)
+        n_global = layout.global_blocks
+        mask[:n_global], mask[:, :n_global] = True, True
+    else:
+        random_blocks = layout.random_blocks if layout.kind == "bigbird" else 0
+        mask = block_sparse.bigbird(seqlen, window=layout.local_blocks, num_global=layout.global_blocks,
+                                    num_random=random_blocks, seed=layout.seed)
+    return mask.to(device)
 
 
 def local_global_block_mask(seqlen: int, local_blocks: int, global_blocks: int,
                             device: torch.device | str = "cpu") -> Tensor:
-    """bool (n, n), n = ceil(seqlen / 128): True where query block i attends to key block j, i.e. |i - j| <=
-    local_blocks, or i < global_blocks, or j < global_blocks.
-    TODO(lead): call flashtrain/kernels/block_sparse.py's layout helpers (band, fixed, bigbird, butterfly) once
-    that module lands, and keep this function only as the "local_global" entry."""
-    n = -(-seqlen // BLOCK_SIZE)
-    index = torch.arange(n, device=device)
-    band = (index[:, None] - index[None, :]).abs() <= local_blocks  # (n, n)
-    is_global = index < global_blocks  # (n,)
-    return band | is_global[:, None] | is_global[None, :]
+    """The "local_global" layout: |i - j| <= local_blocks, or i < global_blocks, or j < global_blocks."""
+    return layout_block_mask(BlockSparseConfig("local_global", local_blocks, global_blocks), seqlen, device)
 
 
 @dataclass
@@ -207,7 +218,7 @@ class LRAClassifier(nn.Module):
         layout = self.config.block_sparse
         if layout is None:
             return None
-        return local_global_block_mask(max_seqlen, layout.local_blocks, layout.global_blocks, device=device)
+        return layout_block_mask(layout, max_seqlen, device)
 
     def encode(self, tokens: Tensor) -> Tensor:
         """tokens (B, T) int64, right-padded with pad_id -> the pooled vectors (B, d_model)."""
