@@ -213,6 +213,18 @@ def block_sparse_speed(repeats: int, rounds: int) -> list[dict]:
             for name, (fn, (q, k, v, dout)) in cases.items():
                 ms = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), 2, repeats)
                 row[name] = round(min(row.get(name, math.inf), ms), 3)
+        # peak memory of one forward + backward beyond inputs and gradients (MiB): the mask, its index lists and the
+        # kernel's O(N) buffers (lse, D, the fp32 dQ accumulator) -- nothing grows as N x N
+        for name in ("flashtrain_dense", "flashtrain_s0.125"):
+            fn, (q, k, v, dout) = cases[name]
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            got = torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - base - sum(x.nbytes for x in got)
+            row[f"{name}_peak_mib"] = round(extra / 2**20, 1)
+            del got
         dense = row["flashtrain_dense"]
         row["density"] = {f"{s:g}": masks[s].float().mean().item() for s in DENSITIES}
         row["time_over_ideal"] = {f"{s:g}": round(row[f"flashtrain_s{s:g}"] / (s * dense), 3) for s in DENSITIES}
@@ -220,7 +232,9 @@ def block_sparse_speed(repeats: int, rounds: int) -> list[dict]:
         rows.append(row)
         print(f"S={seqlen}: fwd+bwd ms dense flashtrain {dense:.2f}, FA2 {row['fa2_dense']:.2f}; " + ", ".join(
             f"s={s:g}: {row[f'flashtrain_s{s:g}']:.2f} ms (x{row['time_over_ideal'][f'{s:g}']:.2f} of s*dense, "
-            f"{row['speedup_vs_dense'][f'{s:g}']:.1f}x faster)" for s in DENSITIES), flush=True)
+            f"{row['speedup_vs_dense'][f'{s:g}']:.1f}x faster)" for s in DENSITIES)
+              + f"; peak MiB beyond inputs/grads: dense {row['flashtrain_dense_peak_mib']}, "
+                f"s=1/8 {row['flashtrain_s0.125_peak_mib']}", flush=True)
         del cases, ft_q, ft_k, ft_v, ft_dout, fa_q, fa_k, fa_v, fa_dout
         torch.cuda.empty_cache()
     return rows
