@@ -34,13 +34,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt2 import measure_matmul_flops, time_calls  # noqa: E402  (the sibling benchmark's timing helpers)
+from train_gpt2 import measure_matmul_flops, save_results, time_calls  # noqa: E402  (the sibling benchmark's helpers)
 
 from flashtrain.kernels import flash_attn_varlen_func  # noqa: E402
 from flashtrain.models.bert import BertConfig, BertForMaskedLM  # noqa: E402
 from flashtrain.train.lamb import LAMB  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = 30522
 MODEL_SHAPES = {"large": (24, 1024, 16, 4096), "tiny": (2, 64, 2, 128)}  # layers, width, heads, MLP width
 IMPLS = ("flashtrain", "flashtrain-sdpa", "hf-sdpa")
@@ -247,14 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
             row["speedup_of_flashtrain"] = ours["sequences_per_s"] / row["sequences_per_s"]
     print(format_table(rows))
 
-    slug = "cpu-tiny" if device.type == "cpu" else env["device_name"].replace(" ", "_")
-    out = args.out or RESULTS / f"train_bert-{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"env": env, "rows": rows}
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, env, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
-    return result
+    return save_results("train_bert", args.out, env, rows, plot)
 
 
 if __name__ == "__main__":

@@ -309,12 +309,17 @@ def main(argv: list[str] | None = None) -> dict:
     add_speedups(rows)
     print(format_table(rows))
 
-    slug = "cpu-tiny" if device.type == "cpu" else env["device_name"].replace(" ", "_")
-    out = args.out or RESULTS / f"train_gpt2-{slug}.json"
+    return save_results("train_gpt2", args.out, env, rows, plot)
+
+
+def save_results(name: str, out: Path | None, env: dict, rows: list[dict], plot_fn) -> dict:
+    """{"env", "rows"} as JSON at `out` (default benchmarks/results/<name>-<device>.json) and plot_fn's PNG beside it."""
+    slug = "cpu-tiny" if env["device_name"] == "cpu" else env["device_name"].replace(" ", "_")
+    out = out or RESULTS / f"{name}-{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"env": env, "rows": rows}
     out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, env, out.with_suffix(".png"))
+    plot_fn(rows, env, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return result
 
