@@ -112,6 +112,19 @@ class LMTask(Task):
         return self.data.tokenizer.decode(out[0].tolist())
 
 
+def ordered_batches(n_samples: int, split: str, batch_size: int, rank: int, world_size: int,
+                    max_batches: int | None) -> list[list[int]]:
+    """This process's share of a split read in order: batches of consecutive sample indices (the last may be short),
+    the first `max_batches` (None: all) dealt round-robin over ranks (rank r gets batches r, r + world_size, ...)."""
+    n_batches = math.ceil(n_samples / batch_size)
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    if n_batches < world_size:
+        raise ValueError(f"the {split} split has {n_samples} samples: {n_batches} batches of batch_size={batch_size}, "
+                         f"fewer than the {world_size} processes")
+    return [list(range(b * batch_size, min((b + 1) * batch_size, n_samples))) for b in range(rank, n_batches, world_size)]
+
+
 class ClassificationTask(Task):
     """One label per sequence (Long Range Arena: ListOps, Pathfinder): batches (tokens (B, T) int64, labels (B,)).
 
@@ -176,14 +189,7 @@ class ClassificationTask(Task):
         """`split` in order, the same every pass, as batches of consecutive samples (the last may be short); the
         first `max_batches` (None: all) are dealt round-robin over ranks (rank r gets batches r, r + world_size...)."""
         dataset = self.dataset(split)
-        n_batches = math.ceil(len(dataset) / batch_size)
-        if max_batches is not None:
-            n_batches = min(n_batches, max_batches)
-        if n_batches < world_size:
-            raise ValueError(f"the {split} split has {len(dataset)} samples: {n_batches} batches of "
-                             f"batch_size={batch_size}, fewer than the {world_size} processes")
-        batches = [list(range(b * batch_size, min((b + 1) * batch_size, len(dataset))))
-                   for b in range(rank, n_batches, world_size)]
+        batches = ordered_batches(len(dataset), split, batch_size, rank, world_size, max_batches)
         return DataLoader(dataset, batch_sampler=batches, pin_memory=torch.cuda.is_available())
 
     def loss(self, model, batch) -> Tensor:
@@ -304,14 +310,7 @@ class DocumentClassificationTask(Task):
         """`split` in order, batches of consecutive documents (the last may be short); the first max_batches (None:
         all) dealt round-robin over ranks."""
         dataset = self.dataset(split)
-        n_batches = math.ceil(len(dataset) / batch_size)
-        if max_batches is not None:
-            n_batches = min(n_batches, max_batches)
-        if n_batches < world_size:
-            raise ValueError(f"the {split} split has {len(dataset)} documents: {n_batches} batches of "
-                             f"batch_size={batch_size}, fewer than the {world_size} processes")
-        batches = [list(range(b * batch_size, min((b + 1) * batch_size, len(dataset))))
-                   for b in range(rank, n_batches, world_size)]
+        batches = ordered_batches(len(dataset), split, batch_size, rank, world_size, max_batches)
         return DataLoader(dataset, batch_sampler=batches, collate_fn=pad_collate(self.pad_id),
                           pin_memory=torch.cuda.is_available())
 
