@@ -55,7 +55,9 @@ class BwdTiles:
     warps_n_dkv: int  # warps along the keys of dK / dV (the others split head_dim)
     warps_m_dq: int  # warps along the query rows of dQ (the others split head_dim)
     stages: int  # buffers of Q and dO (2: the next block's copy overlaps this block's math)
-    scramble_dq: bool = False  # atomics into whole blocks of dq_accum in the red.v4-friendly order (flash_bwd.cuh)
+    # atomics into whole blocks of dq_accum in the red.v4-friendly order (flash_bwd.cuh): 0 off (row-major), 1 on,
+    # 2 on with one laundered base offset for a block's atomics (same layout; the two differ only in ptxas's spills)
+    scramble_dq: int = 0
 
     def dq_slice_width(self, head_dim: int) -> int:  # columns of dQ per warp (flash_bwd.cuh: kNT_dQ * 8)
         return head_dim // (self.nwarps // self.warps_m_dq)
@@ -74,11 +76,16 @@ FWD_TILES = {
     192: FwdTiles(128, 64, 8),
     256: FwdTiles(128, 64, 8),
 }
+# Dense non-causal forward without dropout, where other tiles measured faster (block_m must equal FWD_TILES': the grid
+# is sized from FWD_TILES).
+# Empty: hd64 128x128 measured +4% at S=512 (H200, benchmarks/probes/ab_probe.py), but the block-sparse kernels must
+# use the dense kernels' tiles (tests: density 1 == dense bitwise). docs/kernels.md has the numbers.
+FWD_TILES_NONCAUSAL: dict[int, FwdTiles] = {}
 BWD_TILES = {
     32: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=8, warps_m_dq=4, stages=2),
-    64: BwdTiles(128, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2, scramble_dq=True),
+    64: BwdTiles(128, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2, scramble_dq=1),
     96: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=8, warps_m_dq=4, stages=2),
-    128: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=2, stages=2),
+    128: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=2, stages=2, scramble_dq=2),
     192: BwdTiles(64, 64, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2),
     256: BwdTiles(64, 64, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=1),
 }
@@ -123,8 +130,18 @@ def _suffix(causal: bool, dropout: bool, block_sparse: bool) -> str:
     return f"{'_causal' if causal else ''}{'_dropout' if dropout else ''}{'_sparse' if block_sparse else ''}"
 
 
-def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False) -> KernelSpec:
+def fwd_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool = False) -> FwdTiles:
+    """The forward's tiles: FWD_TILES, or FWD_TILES_NONCAUSAL for dense non-causal kernels without dropout."""
     tiles = FWD_TILES[head_dim]
+    if not (causal or dropout or block_sparse) and head_dim in FWD_TILES_NONCAUSAL:
+        if FWD_TILES_NONCAUSAL[head_dim].block_m != tiles.block_m:
+            raise AssertionError(f"FWD_TILES_NONCAUSAL[{head_dim}].block_m must be FWD_TILES' {tiles.block_m}")
+        return FWD_TILES_NONCAUSAL[head_dim]
+    return tiles
+
+
+def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False) -> KernelSpec:
+    tiles = fwd_tiles(head_dim, causal, dropout, block_sparse)
     name = f"flash_fwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
@@ -139,7 +156,7 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_WARPS_M_SDP", tiles.warps_m_sdp),
                ("FT_WARPS_N_DKV", tiles.warps_n_dkv), ("FT_WARPS_M_DQ", tiles.warps_m_dq),
-               ("FT_STAGES", tiles.stages), ("FT_SCRAMBLE_DQ", int(tiles.scramble_dq)),
+               ("FT_STAGES", tiles.stages), ("FT_SCRAMBLE_DQ", tiles.scramble_dq),
                ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)),
                ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)),
                ("FT_KERNEL_NAME", name))

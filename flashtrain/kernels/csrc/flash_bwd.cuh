@@ -26,12 +26,13 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsM_SdP_, int kWarpsN_dKV_,
-          int kWarpsM_dQ_, int kStages_, bool kScrambleDq_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
+          int kWarpsM_dQ_, int kStages_, int kScrambleDq_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
           bool kIsBlockSparse_>
 struct BwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
     static constexpr int kStages = kStages_;
-    static constexpr bool kScrambleDq = kScrambleDq_;  // dq_accum layout of whole blocks: see add_dq
+    // dq_accum layout of whole blocks (see add_dq): 0 row-major; 1 or 2 scrambled (2: one laundered base offset)
+    static constexpr int kScrambleDq = kScrambleDq_;
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_;
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
@@ -285,7 +286,7 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
             const bool guard = m0 + kBlockM > seqlen_q || f.head_dim != T::kHeadDim;
             if (p.deterministic) add_dq(BoolConstant<true>{}, BoolConstant<true>{});
             else if (guard) add_dq(BoolConstant<false>{}, BoolConstant<true>{});
-            else if constexpr (!T::kScrambleDq) add_dq(BoolConstant<false>{}, BoolConstant<false>{});
+            else if constexpr (T::kScrambleDq == 0) add_dq(BoolConstant<false>{}, BoolConstant<false>{});
             else {
                 // Whole block, atomics, kScrambleDq: dq_accum holds this block's 16-row groups scrambled so that a
                 // lane's 4 accumulators acc_dq[mt][nt][0..3] are 4 consecutive floats and a warp's red.v4 covers 512
@@ -293,12 +294,24 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                 // (16 rows x kHeadDim, contiguous) = kWarpsD_dQ slices of 16 x W; element (r, c) of a slice at
                 // (c / 8) * 128 + ((r % 8) * 4 + (c % 8) / 2) * 4 + (r / 8) * 2 + c % 2. flash_aux.cuh reads it back.
                 constexpr int W = T::kNT_dQ * 8;
+                if constexpr (T::kScrambleDq == 2) {
+                    // One base pointer for all the block's atomics, its lane offset laundered (hd128: ptxas spills
+                    // 8 B / 16 B instead of 32 B / 28 B with per-mt pointers; hd64 the other way round).
+                    float* slice = dq_head + (i64)m0 * T::kHeadDim +
+                                   launder((u32)(dq_m0_ * T::kHeadDim + (dq_d0_ / W) * 16 * W + lane * 4));
 #pragma unroll
-                for (int mt = 0; mt < T::kMT_dQ; ++mt) {
-                    float* slice = dq_head + (i64)(m0 + dq_m0_ + mt * 16) * T::kHeadDim + (dq_d0_ / W) * 16 * W +
-                                   launder((u32)lane) * 4;
+                    for (int mt = 0; mt < T::kMT_dQ; ++mt)
 #pragma unroll
-                    for (int nt = 0; nt < T::kNT_dQ; ++nt) atomic_add4(slice + nt * 128, acc_dq[mt][nt]);
+                        for (int nt = 0; nt < T::kNT_dQ; ++nt)
+                            atomic_add4(slice + mt * 16 * T::kHeadDim + nt * 128, acc_dq[mt][nt]);
+                } else {
+#pragma unroll
+                    for (int mt = 0; mt < T::kMT_dQ; ++mt) {
+                        float* slice = dq_head + (i64)(m0 + dq_m0_ + mt * 16) * T::kHeadDim +
+                                       (dq_d0_ / W) * 16 * W + launder((u32)lane) * 4;
+#pragma unroll
+                        for (int nt = 0; nt < T::kNT_dQ; ++nt) atomic_add4(slice + nt * 128, acc_dq[mt][nt]);
+                    }
                 }
             }
             if (T::kStages == 1 && (T::kIsBlockSparse ? has_next : it + 1 < n_iters)) {

@@ -1,0 +1,136 @@
+"""Probe: forward-only and backward-only speed of tile variants (build.FWD_TILES_NONCAUSAL / build.BWD_TILES entries)
+against SDPA's FA2 backend (bf16), in one process, best of --rounds x median of 20:
+
+    PYTHONPATH=$PWD FLASHTRAIN_KERNEL_CACHE=/tmp/ftk python3 benchmarks/probes/ab_probe.py
+"""
+import argparse
+import concurrent.futures
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashtrain.kernels import build, flash_attn_func, launch
+
+Fw, Bw = build.FwdTiles, build.BwdTiles
+# (kind, head dim): {variant name: tiles}; fwd tiles go to FWD_TILES_NONCAUSAL (None: FWD_TILES), bwd to BWD_TILES
+VARIANTS = {
+    ("fwd", 64): {"128x64x4": None, "128x128x4": Fw(128, 128, 4), "128x128x8": Fw(128, 128, 8)},
+    ("fwd", 128): {"128x64x4": None, "128x128x8": Fw(128, 128, 8), "128x64x8": Fw(128, 64, 8)},
+    ("bwd", 128): {"rowmajor": Bw(64, 128, 8, 2, 4, 2, 2, scramble_dq=0),
+                   "scr2": Bw(64, 128, 8, 2, 4, 2, 2, scramble_dq=2)},
+}
+CONFIGS = {  # (kind, head dim): [(seqlen, causal)]
+    ("fwd", 64): [(512, False), (1024, False), (4096, False), (16384, False)],
+    ("fwd", 128): [(512, False), (1024, False), (4096, False), (16384, False)],
+    ("bwd", 128): [(2048, False), (4096, False), (8192, False), (16384, False), (4096, True), (16384, True)],
+}
+
+
+def use(kind, head_dim, tiles):
+    if kind == "fwd":
+        if tiles is None:
+            build.FWD_TILES_NONCAUSAL.pop(head_dim, None)
+        else:
+            build.FWD_TILES_NONCAUSAL[head_dim] = tiles
+    else:
+        build.BWD_TILES[head_dim] = tiles
+    prefix = f"flash_{kind}_hdim{head_dim}_"
+    for cache in (launch._kernels, launch._modules):
+        for key in [k for k in cache if k[1].startswith(prefix)]:
+            del cache[key]
+
+
+def median_ms(fn, repeats=20):
+    for _ in range(3):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    arch = build.arch_of_capability(*torch.cuda.get_device_capability())
+    specs = [build.aux_kernels("bf16")]
+    for (kind, hd), variants in VARIANTS.items():
+        for tiles in variants.values():
+            use(kind, hd, tiles)
+            specs += [build.fwd_kernel(hd, "bf16", c, False) for c in (False, True)]
+            specs += [build.bwd_kernel(hd, "bf16", c, False) for c in (False, True)]
+        use(kind, hd, next(iter(variants.values())))
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda s: build.compile_kernel(s, arch), specs))
+    print("compiled", len(specs), flush=True)
+    for (kind, hd), variants in VARIANTS.items():  # correctness of every variant against fp32 SDPA
+        for causal in (False, True):
+            g = torch.Generator("cuda").manual_seed(0)
+            q, k, v, do = (torch.randn(2, 1000, 2048 // hd, hd, device="cuda", generator=g, dtype=torch.bfloat16)
+                           for _ in range(4))
+            qt, kt, vt, dot = (x.transpose(1, 2).float().requires_grad_() for x in (q, k, v, do))
+            ref_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            ref = [ref_out] + list(torch.autograd.grad(ref_out, (qt, kt, vt), dot))
+            for name, tiles in variants.items():
+                use(kind, hd, tiles)
+                qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+                out = flash_attn_func(qq, kk, vv, causal=causal, impl="cuda")
+                got = [out] + list(torch.autograd.grad(out, (qq, kk, vv), do))
+                errs = [((a.float().transpose(1, 2) - r).norm() / r.norm()).item() for a, r in zip(got, ref)]
+                print(f"check {kind} hd{hd} causal={causal} {name}: rel err out dq dk dv " +
+                      " ".join(f"{e:.2e}" for e in errs), flush=True)
+                assert max(errs) < 1e-2, (kind, hd, causal, name, errs)
+            use(kind, hd, next(iter(variants.values())))
+    best = {}
+    for rnd in range(args.rounds):
+        for (kind, hd), configs in CONFIGS.items():
+            for s, causal in configs:
+                batch, nh = 16384 // s, 2048 // hd
+                flops = (2.5 if kind == "bwd" else 1) * 4 * batch * nh * s * s * hd / (2 if causal else 1)
+                q, k, v, do = (torch.randn(batch, s, nh, hd, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                qq, kk, vv = (x.requires_grad_() for x in (q, k, v))
+                for name, tiles in VARIANTS[(kind, hd)].items():
+                    use(kind, hd, tiles)
+                    if kind == "fwd":
+                        with torch.no_grad():
+                            ms = median_ms(lambda: flash_attn_func(qq, kk, vv, causal=causal, impl="cuda"))
+                    else:
+                        out = flash_attn_func(qq, kk, vv, causal=causal, impl="cuda")
+                        ms = median_ms(lambda: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True))
+                        del out
+                    key = (kind, hd, s, causal, name)
+                    best[key] = max(best.get(key, 0), flops / ms / 1e9)
+                use(kind, hd, next(iter(VARIANTS[(kind, hd)].values())))
+                qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+                dot = do.transpose(1, 2)
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    if kind == "fwd":
+                        with torch.no_grad():
+                            ms = median_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                    else:
+                        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                        ms = median_ms(lambda: torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True))
+                        del out
+                key = (kind, hd, s, causal, "FA2")
+                best[key] = max(best.get(key, 0), flops / ms / 1e9)
+                del q, k, v, do, qq, kk, vv, qt, kt, vt, dot
+                torch.cuda.empty_cache()
+        print("round", rnd, "done", flush=True)
+    print(f"TFLOP/s (best of {args.rounds} rounds, median of 20), (ratio to FA2)")
+    for (kind, hd), configs in CONFIGS.items():
+        for s, causal in configs:
+            names = list(VARIANTS[(kind, hd)]) + ["FA2"]
+            fa2 = best[(kind, hd, s, causal, "FA2")]
+            print(f"{kind} hd{hd} S{s:<6}{'causal' if causal else 'full  '} " + " ".join(
+                f"{n}={best[(kind, hd, s, causal, n)]:.0f}({best[(kind, hd, s, causal, n)] / fa2:.3f})" for n in names))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
