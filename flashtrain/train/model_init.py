@@ -63,15 +63,21 @@ def load_initial_weights(model: torch.nn.Module, model_cfg, init_from: str, posi
     if not isinstance(model, GPT2):
         raise TypeError(f"init_from: supported for GPT2 models, not {type(model).__name__}")
     source = _source_model(init_from, model_cfg)
-    n_source = source.config.n_positions
-    if n_source > model_cfg.n_positions:
-        raise ValueError(f"init_from={init_from!r} has {n_source} positions, more than "
-                         f"model.n_positions={model_cfg.n_positions}")
-    note = f"initialised from {init_from}"
-    if n_source < model_cfg.n_positions:
-        extend_position_embeddings(source, model_cfg.n_positions, method=position_extension)
-        note += f", positions extended {n_source} -> {model_cfg.n_positions} ({position_extension})"
+    note = _fit_positions(source, init_from, source.config.n_positions, model_cfg.n_positions, "model.n_positions",
+                          position_extension)
     model.load_state_dict(source.state_dict())
+    return note
+
+
+def _fit_positions(source: torch.nn.Module, init_from: str, n_source: int, n_model: int, field: str,
+                   position_extension: str) -> str:
+    """Extend `source`'s position table to the model's n_model inputs (an error if it has more); returns the note."""
+    if n_source > n_model:
+        raise ValueError(f"init_from={init_from!r} takes {n_source} positions, more than {field}={n_model}")
+    note = f"initialised from {init_from}"
+    if n_source < n_model:
+        extend_position_embeddings(source, n_model, method=position_extension)
+        note += f", positions extended {n_source} -> {n_model} ({position_extension})"
     return note
 
 
@@ -135,14 +141,8 @@ def _load_bert_weights(model: BertForMaskedLM | BertForSequenceClassification, m
         source = BertForMaskedLM.from_pretrained_hf(hf_model, attn_impl=model_cfg.attn_impl)
     else:
         source = BertModel.from_pretrained_hf(hf_model, attn_impl=model_cfg.attn_impl)
-    n_source = source_cfg.max_seqlen
-    if n_source > model_cfg.max_seqlen:
-        raise ValueError(f"init_from={init_from!r} takes {n_source} tokens, more than the model's "
-                         f"{model_cfg.max_seqlen} (model.max_length)")
-    note = f"initialised from {init_from}"
-    if n_source < model_cfg.max_seqlen:
-        extend_position_embeddings(source, model_cfg.max_seqlen, method=position_extension)
-        note += f", positions extended {n_source} -> {model_cfg.max_seqlen} ({position_extension})"
+    note = _fit_positions(source, init_from, source_cfg.max_seqlen, model_cfg.max_seqlen, "model.max_length",
+                          position_extension)
     if is_mlm:
         model.load_state_dict(source.state_dict())
         return note
