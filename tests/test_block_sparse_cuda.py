@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from flashtrain.kernels import BLOCK_SPARSE_SIZE, block_sparse, flash_attn_func, flash_attn_varlen_func, naive_attention
+from test_cuda_kernels import _assert_fa2_rule, _run  # the dense kernel tests' comparison rule and runner
 
 pytestmark = pytest.mark.cuda
 DTYPES = (torch.float16, torch.bfloat16)
@@ -41,24 +42,6 @@ def _random_mask(shape, density=0.5, seed=0):
         mask[..., 1, :] = False
     mask[..., -1, 0] = False
     return mask.cuda()
-
-
-def _run(fn, q, k, v, dout):
-    """out, lse, dq, dk, dv of fn(q, k, v) -> (out, lse)."""
-    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out, lse = fn(q, k, v)
-    out.backward(dout)
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
-
-
-def _assert_fa2_rule(kernel, reference, lowp, dtype, what):
-    assert torch.isfinite(kernel).all(), f"{what}: non-finite values"
-    kernel_err = (kernel.float() - reference).abs().max().item()
-    lowp_err = (lowp.float() - reference).abs().max().item()
-    rounding = (reference.to(dtype).float() - reference).abs().max().item()
-    assert kernel_err <= 2 * lowp_err + 2 * rounding + 1e-5, (
-        f"{what}: kernel error {kernel_err:.3g} > 2 x PyTorch {dtype} error {lowp_err:.3g} (+ rounding {rounding:.3g})"
-    )
 
 
 def _check(q, k, v, dout, block_mask, *, causal, dropout_p=0.0, seed=None, **varlen):

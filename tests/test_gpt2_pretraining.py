@@ -14,18 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from flashtrain.data import corpus as corpus_module
 from flashtrain.data.corpus import open_corpus
 from flashtrain.data.lm import PackedLMDataset, prepare_lm_data, split_documents
 from flashtrain.data.tokenizer import decode, encode_ordinary, eos_id, load_tokenizer
 from flashtrain.models.gpt2 import GPT2
-from flashtrain.train import register_configs
+from hydra_config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
-register_configs()
 
 # recipe -> (lr, context, parameters of the model without its position table: HF's gpt2 / gpt2-medium minus wpe)
 RECIPES = {
@@ -44,11 +41,6 @@ PARITY_TEXTS = [
     "unicode: é ß 漢字 🙂 \u200b combining e\u0301",
     "x = 3.14159e-10  # code, with 123456789 digits",
 ]
-
-
-def compose_config(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return OmegaConf.to_object(compose("config", overrides=overrides))
 
 
 # ---- recipes ---------------------------------------------------------------------------------------------------

@@ -7,22 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from flashtrain.models.lra import LRAClassifier, LRAConfig, sinusoidal_positions
-from flashtrain.train import register_configs, train
+from flashtrain.train import train
 from flashtrain.train.optim import lr_factor
 from flashtrain.train.task import ClassificationTask, evaluate_split
 from flashtrain.train.trainer import build_model
+from hydra_config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
-register_configs()
-
-
-def compose_config(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return OmegaConf.to_object(compose("config", overrides=overrides))
 
 
 def test_listops_recipe_has_lra_hyperparameters():

@@ -8,16 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from flashtrain.train import register_configs, train
+from flashtrain.train import train
 from flashtrain.train.checkpoint import latest_checkpoint, resolve_resume
 from flashtrain.train.optim import lr_factor, param_groups
 from flashtrain.train.trainer import build_model, read_metrics
+from hydra_config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
-register_configs()
 
 
 @pytest.fixture(scope="session")
@@ -38,11 +36,6 @@ def tiny_overrides(cache_dir, *extra):
         "optim.lr=3e-3", "optim.warmup_steps=5",
         *extra,
     ]
-
-
-def compose_config(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return OmegaConf.to_object(compose("config", overrides=overrides))
 
 
 def test_default_recipe_composes_to_typed_config():
