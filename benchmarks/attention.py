@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtrain.kernels import block_sparse, flash_attn_func
+from train_gpt2 import time_calls  # the sibling benchmark's timer (this script's folder is on sys.path)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENS, HIDDEN = 16 * 1024, 2048
@@ -70,15 +71,8 @@ def make_inputs(impl, batch, seqlen, nheads, head_dim, requires_grad):
 
 
 def median_ms(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+    """Median milliseconds of one call of fn on the GPU (CUDA events, train_gpt2.time_calls)."""
+    return 1000 * statistics.median(time_calls(fn, torch.device("cuda"), warmup, repeats))
 
 
 def time_impl(impl, batch, seqlen, nheads, head_dim, causal, repeats):

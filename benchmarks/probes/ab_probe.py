@@ -5,7 +5,6 @@ against SDPA's FA2 backend (bf16), in one process, best of --rounds x median of 
 """
 import argparse
 import concurrent.futures
-import statistics
 import sys
 
 import torch
@@ -13,6 +12,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtrain.kernels import build, flash_attn_func, launch
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+import attention  # noqa: E402  (benchmarks/attention.py: the timer)
 
 Fw, Bw = build.FwdTiles, build.BwdTiles
 # (kind, head dim): {variant name: tiles}; fwd tiles go to FWD_TILES_NONCAUSAL (None: FWD_TILES), bwd to BWD_TILES
@@ -44,15 +46,7 @@ def use(kind, head_dim, tiles):
 
 
 def median_ms(fn, repeats=20):
-    for _ in range(3):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
+    return attention.median_ms(fn, 3, repeats)
 
 
 def main():
