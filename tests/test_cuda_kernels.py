@@ -117,6 +117,33 @@ def test_matches_reference_long(head_dim, causal):
     _check_against_reference(q, k, v, dout, causal=causal)
 
 
+def _is_hopper() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_mma_sync_forward_on_hopper_matches_reference(head_dim, causal, monkeypatch):
+    """On Hopper the dense forward runs on warpgroup MMAs (flash_fwd_sm90.cuh); the mma.sync forward, which every
+    other GPU runs, is tested there too (FLASHTRAIN_SM90=0)."""
+    if not _is_hopper():
+        pytest.skip("the mma.sync forward is the one the tests above ran")
+    monkeypatch.setenv("FLASHTRAIN_SM90", "0")
+    for index, (seqlen_q, seqlen_k) in enumerate(SEQLENS):
+        q, k, v, dout = _inputs((2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim), torch.bfloat16, seed=index)
+        _check_against_reference(q, k, v, dout, causal=causal)
+
+
+def test_hopper_runs_the_warpgroup_mma_forward():
+    from flashtrain.kernels import build, launch
+
+    arch = launch.device_arch(torch.device("cuda", torch.cuda.current_device()))
+    names = [build.fwd_kernel(head_dim, "bf16", False, False, arch=arch).name for head_dim in (64, 128)]
+    expected = ["flash_fwd_sm90_hdim64_bf16", "flash_fwd_sm90_hdim128_bf16"] if _is_hopper() else \
+        ["flash_fwd_hdim64_bf16", "flash_fwd_hdim128_bf16"]
+    assert names == expected
+
+
 def test_mqa_many_heads():
     q, k, v, dout = _inputs((2, 300, 8, 64), (2, 200, 1, 64), torch.float16)
     _check_against_reference(q, k, v, dout, causal=True)
@@ -260,10 +287,12 @@ def test_cuda_graph_capture_replays():
 
 
 def _sanitizer_grid() -> None:
-    """A small grid of forward + backward calls covering every kernel path, for compute-sanitizer."""
+    """A small grid of forward + backward calls covering every kernel path (on Hopper the warpgroup-MMA forward too:
+    head dims 40, 64, 72, 128 without dropout), for compute-sanitizer."""
     for head_dim, dtype, causal, dropout_p in [(64, torch.float16, False, 0.0), (128, torch.bfloat16, True, 0.1),
                                                 (96, torch.float16, True, 0.0), (256, torch.bfloat16, False, 0.0),
-                                                (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2)]:
+                                                (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2),
+                                                (128, torch.bfloat16, True, 0.0), (72, torch.float16, False, 0.0)]:
         q, k, v, dout = _inputs((2, 97, 4, head_dim), (2, 130, 2, head_dim), dtype)
         _run(lambda q, k, v: flash_attn_func(q, k, v, dropout_p, causal=causal, return_lse=True, impl="cuda"),
              q, k, v, dout)

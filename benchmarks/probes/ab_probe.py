@@ -1,10 +1,12 @@
-"""Probe: forward-only and backward-only speed of tile variants (build.FWD_TILES_NONCAUSAL / build.BWD_TILES entries)
-against SDPA's FA2 backend (bf16), in one process, best of --rounds x median of 20:
+"""Probe: forward-only and backward-only speed of tile variants (build.FWD_TILES_NONCAUSAL / build.BWD_TILES /
+build.FWD_SM90_TILES entries; sm90 variant None = the mma.sync forward) against SDPA's FA2 backend (bf16), in one
+process, best of --rounds x median of 20:
 
     PYTHONPATH=$PWD FLASHTRAIN_KERNEL_CACHE=/tmp/ftk python3 benchmarks/probes/ab_probe.py
 """
 import argparse
 import concurrent.futures
+import os
 import sys
 
 import torch
@@ -16,30 +18,36 @@ from flashtrain.kernels import build, flash_attn_func, launch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 import attention  # noqa: E402  (benchmarks/attention.py: the timer)
 
-Fw, Bw = build.FwdTiles, build.BwdTiles
+Fw, Bw, Hw = build.FwdTiles, build.BwdTiles, build.FwdSm90Tiles
 # (kind, head dim): {variant name: tiles}; fwd tiles go to FWD_TILES_NONCAUSAL (None: FWD_TILES), bwd to BWD_TILES
 VARIANTS = {
-    ("fwd", 64): {"128x64x4": None, "128x128x4": Fw(128, 128, 4), "128x128x8": Fw(128, 128, 8)},
-    ("fwd", 128): {"128x64x4": None, "128x128x8": Fw(128, 128, 8), "128x64x8": Fw(128, 64, 8)},
-    ("bwd", 128): {"rowmajor": Bw(64, 128, 8, 2, 4, 2, 2, scramble_dq=0),
-                   "scr2": Bw(64, 128, 8, 2, 4, 2, 2, scramble_dq=2)},
+    ("bwd", 64): {"scalar": Bw(128, 128, 8, 2, 4, 4, 2, scramble_dq=1, vec_row_stats=False),
+                  "vec": Bw(128, 128, 8, 2, 4, 4, 2, scramble_dq=1, vec_row_stats=True)},
+    ("bwd", 128): {"scalar": Bw(64, 128, 8, 2, 4, 2, 2, scramble_dq=2, vec_row_stats=False),
+                   "vec": Bw(64, 128, 8, 2, 4, 2, 2, scramble_dq=2, vec_row_stats=True)},
+    ("sm90", 64): {"mma.sync": None, "64x128m3": Hw(64, 128, 3)},
+    ("sm90", 128): {"mma.sync": None, "64x128m2": Hw(64, 128, 2)},
 }
-CONFIGS = {  # (kind, head dim): [(seqlen, causal)]
-    ("fwd", 64): [(512, False), (1024, False), (4096, False), (16384, False)],
-    ("fwd", 128): [(512, False), (1024, False), (4096, False), (16384, False)],
-    ("bwd", 128): [(2048, False), (4096, False), (8192, False), (16384, False), (4096, True), (16384, True)],
-}
+ALL = [(s, c) for s in (512, 1024, 2048, 4096, 8192, 16384) for c in (False, True)]
+# (kind, head dim): [(seqlen, causal)]
+CONFIGS = {("sm90", 64): ALL, ("sm90", 128): ALL,
+           ("bwd", 64): [(1024, False), (4096, False), (16384, False), (4096, True), (16384, True)],
+           ("bwd", 128): [(4096, False), (4096, True), (8192, True), (16384, True)]}
 
 
 def use(kind, head_dim, tiles):
-    if kind == "fwd":
+    if kind == "sm90":
+        os.environ["FLASHTRAIN_SM90"] = "0" if tiles is None else "1"
+        if tiles is not None:
+            build.FWD_SM90_TILES[head_dim] = tiles
+    elif kind == "fwd":
         if tiles is None:
             build.FWD_TILES_NONCAUSAL.pop(head_dim, None)
         else:
             build.FWD_TILES_NONCAUSAL[head_dim] = tiles
     else:
         build.BWD_TILES[head_dim] = tiles
-    prefix = f"flash_{kind}_hdim{head_dim}_"
+    prefix = f"flash_{'fwd_sm90' if kind == 'sm90' else kind}_hdim{head_dim}_"
     for cache in (launch._kernels, launch._modules):
         for key in [k for k in cache if k[1].startswith(prefix)]:
             del cache[key]
@@ -58,8 +66,9 @@ def main():
     for (kind, hd), variants in VARIANTS.items():
         for tiles in variants.values():
             use(kind, hd, tiles)
-            specs += [build.fwd_kernel(hd, "bf16", c, False) for c in (False, True)]
-            specs += [build.bwd_kernel(hd, "bf16", c, False) for c in (False, True)]
+            specs += [build.fwd_kernel(hd, "bf16", c, False, arch=arch) for c in (False, True)]
+            if kind != "sm90":
+                specs += [build.bwd_kernel(hd, "bf16", c, False) for c in (False, True)]
         use(kind, hd, next(iter(variants.values())))
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda s: build.compile_kernel(s, arch), specs))
@@ -92,7 +101,7 @@ def main():
                 qq, kk, vv = (x.requires_grad_() for x in (q, k, v))
                 for name, tiles in VARIANTS[(kind, hd)].items():
                     use(kind, hd, tiles)
-                    if kind == "fwd":
+                    if kind != "bwd":
                         with torch.no_grad():
                             ms = median_ms(lambda: flash_attn_func(qq, kk, vv, causal=causal, impl="cuda"))
                     else:
@@ -105,7 +114,7 @@ def main():
                 qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
                 dot = do.transpose(1, 2)
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    if kind == "fwd":
+                    if kind != "bwd":
                         with torch.no_grad():
                             ms = median_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
                     else:

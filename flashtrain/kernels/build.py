@@ -58,6 +58,9 @@ class BwdTiles:
     # atomics into whole blocks of dq_accum in the red.v4-friendly order (flash_bwd.cuh): 0 off (row-major), 1 on,
     # 2 on with one laundered base offset for a block's atomics (same layout; the two differ only in ptxas's spills)
     scramble_dq: int = 0
+    # lse / D of a thread's rows stored contiguously in shared memory and read with 16-byte loads (fewer shared-memory
+    # instructions per iteration; H100 backward, same process: hd128 +1..3%, hd64 -1..4% (its spills 0 -> 8-32 B))
+    vec_row_stats: bool = False
 
     def dq_slice_width(self, head_dim: int) -> int:  # columns of dQ per warp (flash_bwd.cuh: kNT_dQ * 8)
         return head_dim // (self.nwarps // self.warps_m_dq)
@@ -81,11 +84,35 @@ FWD_TILES = {
 # Empty: hd64 128x128 measured +4% at S=512 (H200, benchmarks/probes/ab_probe.py), but the block-sparse kernels must
 # use the dense kernels' tiles (tests: density 1 == dense bitwise). docs/kernels.md has the numbers.
 FWD_TILES_NONCAUSAL: dict[int, FwdTiles] = {}
+# Hopper (sm_90a) forward on warpgroup MMAs (csrc/flash_fwd_sm90.cuh): dense, no dropout, these head dims (a head_dim
+# that rounds up to one of them). nwarps = 4 per 64 query rows. FLASHTRAIN_SM90=0 in the environment turns it off
+# (the mma.sync forward then runs on Hopper too: A/B measurements, bitwise comparisons with the block-sparse kernels).
+@dataclasses.dataclass(frozen=True)
+class FwdSm90Tiles:
+    block_m: int  # query rows per CTA: one warpgroup (4 warps) per 64
+    block_n: int  # keys per K/V tile
+    min_blocks: int = 1  # CTAs per SM the registers are budgeted for (__launch_bounds__)
+
+    @property
+    def nwarps(self) -> int:
+        return self.block_m // 16
+
+    def smem_bytes(self, head_dim: int) -> int:  # Q, K, V tiles + 1024 to align them (the 128-byte swizzle)
+        return 2 * (self.block_m + 2 * self.block_n) * head_dim + 1024
+
+
+# One warpgroup per CTA, several CTAs per SM: a CTA's softmax overlaps another's GEMMs (H100, same process, forward
+# vs FA2: hd64 64x128 x3 CTAs 1.21-1.42x, 128x128 x1 0.80-1.16x; hd128 64x128 x2 1.12-1.69x, 128x128 x1 0.99-1.69x).
+FWD_SM90_TILES = {
+    64: FwdSm90Tiles(64, 128, min_blocks=3),
+    128: FwdSm90Tiles(64, 128, min_blocks=2),
+}
+SM90_ARCH = "sm_90a"
 BWD_TILES = {
     32: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=8, warps_m_dq=4, stages=2),
     64: BwdTiles(128, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2, scramble_dq=1),
     96: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=8, warps_m_dq=4, stages=2),
-    128: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=2, stages=2, scramble_dq=2),
+    128: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=2, stages=2, scramble_dq=2, vec_row_stats=True),
     192: BwdTiles(64, 64, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2),
     256: BwdTiles(64, 64, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=1),
 }
@@ -101,6 +128,11 @@ class KernelSpec:
     symbols: tuple[str, ...]
     threads: int
     smem_bytes: int
+    block_m: int = 0  # forward kernels: query rows per CTA (sizes the grid)
+    archs: tuple[str, ...] = ()  # the only targets it compiles for (empty: every sm_80+ target)
+
+    def supports(self, arch: str) -> bool:
+        return not self.archs or arch in self.archs
 
     @property
     def name(self) -> str:
@@ -140,14 +172,34 @@ def fwd_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool = F
     return tiles
 
 
-def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False) -> KernelSpec:
+def sm90_forward_enabled() -> bool:
+    return os.environ.get("FLASHTRAIN_SM90", "1") != "0"
+
+
+def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
+               arch: str | None = None) -> KernelSpec:
+    """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists."""
+    if arch == SM90_ARCH and not (dropout or block_sparse) and head_dim in FWD_SM90_TILES and sm90_forward_enabled():
+        return fwd_sm90_kernel(head_dim, dtype, causal)
     tiles = fwd_tiles(head_dim, causal, dropout, block_sparse)
     name = f"flash_fwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)), ("FT_KERNEL_NAME", name))
-    return KernelSpec("flash_fwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim))
+    return KernelSpec("flash_fwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),
+                      block_m=tiles.block_m)
+
+
+def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool) -> KernelSpec:
+    tiles = FWD_SM90_TILES[head_dim]
+    smem_bytes = tiles.smem_bytes(head_dim)
+    name = f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, False, False)}"
+    defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
+               ("FT_MIN_BLOCKS", tiles.min_blocks), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
+               ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
+    return KernelSpec("flash_fwd_sm90.cu", defines, (name,), 32 * tiles.nwarps, smem_bytes, block_m=tiles.block_m,
+                      archs=(SM90_ARCH,))
 
 
 def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False) -> KernelSpec:
@@ -157,6 +209,7 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
                ("FT_NWARPS", tiles.nwarps), ("FT_WARPS_M_SDP", tiles.warps_m_sdp),
                ("FT_WARPS_N_DKV", tiles.warps_n_dkv), ("FT_WARPS_M_DQ", tiles.warps_m_dq),
                ("FT_STAGES", tiles.stages), ("FT_SCRAMBLE_DQ", tiles.scramble_dq),
+               ("FT_VEC_ROW_STATS", int(tiles.vec_row_stats)),
                ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)),
                ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)),
                ("FT_KERNEL_NAME", name))
@@ -180,6 +233,8 @@ def all_kernels() -> list[KernelSpec]:
                     for dropout in (False, True):
                         specs += [fwd_kernel(head_dim, dtype, causal, dropout, block_sparse),
                                   bwd_kernel(head_dim, dtype, causal, dropout, block_sparse)]
+    specs += [fwd_sm90_kernel(head_dim, dtype, causal)
+              for head_dim in FWD_SM90_TILES for dtype in DTYPES for causal in (False, True)]
     return specs
 
 
@@ -300,6 +355,8 @@ def cubin_path(spec: KernelSpec, arch: str, compiler: str) -> Path:
 
 def compile_kernel(spec: KernelSpec, arch: str) -> bytes:
     """The cubin of `spec` for `arch` (e.g. 'sm_90a'), from the disk cache or freshly compiled into it."""
+    if not spec.supports(arch):
+        raise ValueError(f"{spec.name} is for {', '.join(spec.archs)} only, not {arch}")
     compiler = "nvrtc" if nvrtc_version() is not None else "nvcc" if nvcc_version() is not None else None
     if compiler is None:
         raise RuntimeError(compiler_unavailable_reason())
@@ -352,7 +409,7 @@ def check_nvcc(archs: list[str], jobs: int, specs: list[KernelSpec] | None = Non
             spec, arch = item
             _compile_nvcc(spec, arch, Path(tmp) / f"{spec.name}.{arch}.cubin")
 
-        items = [(spec, arch) for arch in archs for spec in specs]
+        items = [(spec, arch) for arch in archs for spec in specs if spec.supports(arch)]
         wrapped = [dataclasses.replace(spec, symbols=tuple(f"{s}@{arch}" for s in spec.symbols)) for spec, arch in items]
         lookup = dict(zip(wrapped, items))
         return _run_all(wrapped, jobs, lambda spec: compile_one(lookup[spec]))
@@ -374,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("no CUDA GPU visible: pass --arch")
         arch = arch_of_capability(*torch.cuda.get_device_capability())
     print(f"prebuilding for {arch} into {cache_dir()}")
-    return _run_all(all_kernels(), args.jobs, lambda spec: compile_kernel(spec, arch))
+    specs = [spec for spec in all_kernels() if spec.supports(arch)]
+    return _run_all(specs, args.jobs, lambda spec: compile_kernel(spec, arch))
 
 
 if __name__ == "__main__":

@@ -112,6 +112,17 @@ def _make_current(device_index: int) -> None:
         _check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 
+_archs: dict[int, str] = {}  # device index -> compile target
+
+
+def device_arch(device: torch.device) -> str:
+    """The compile target of a CUDA device ('sm_90a' on Hopper; build.arch_of_capability)."""
+    arch = _archs.get(device.index)
+    if arch is None:
+        arch = _archs.setdefault(device.index, build.arch_of_capability(*torch.cuda.get_device_capability(device)))
+    return arch
+
+
 def get_kernel(spec: build.KernelSpec, symbol: str, device: torch.device) -> Kernel:
     """The kernel `symbol` of `spec` loaded on `device`, compiling its cubin on first use (then cached on disk)."""
     key = (device.index, symbol)
@@ -122,8 +133,7 @@ def get_kernel(spec: build.KernelSpec, symbol: str, device: torch.device) -> Ker
         if key not in _kernels:
             module_key = (device.index, spec.name)
             if module_key not in _modules:
-                arch = build.arch_of_capability(*torch.cuda.get_device_capability(device))
-                cubin = build.compile_kernel(spec, arch)
+                cubin = build.compile_kernel(spec, device_arch(device))
                 _make_current(device.index)
                 _modules[module_key] = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({spec.name})")
             function = _check(driver.cuModuleGetFunction(_modules[module_key], symbol.encode()),

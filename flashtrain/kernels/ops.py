@@ -160,10 +160,11 @@ def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None,
     out, lse = _empty_outputs(q, cu_seqlens_q)
     block_sparse = bs_rows is not None
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse)
-    spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse)
+    spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse,
+                            arch=launch.device_arch(q.device))
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                          softmax_scale, rng_state, bs_rows=bs_rows)
-    grid = (math.ceil(params.seqlen_q / build.FWD_TILES[head_dim].block_m), params.batch, params.nheads)
+    grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
     launch.get_kernel(spec, spec.symbols[0], q.device).launch(grid, params, q.device)
     return out, lse
 

@@ -2,8 +2,8 @@
 #include "flash_bwd.cuh"
 
 using Traits = flashtrain::BwdTraits<FT_HEAD_DIM, FT_BLOCK_M, FT_BLOCK_N, FT_NWARPS, FT_WARPS_M_SDP, FT_WARPS_N_DKV,
-                                     FT_WARPS_M_DQ, FT_STAGES, FT_SCRAMBLE_DQ, FT_BF16, FT_CAUSAL, FT_DROPOUT,
-                                     FT_BLOCK_SPARSE>;
+                                     FT_WARPS_M_DQ, FT_STAGES, FT_SCRAMBLE_DQ, FT_VEC_ROW_STATS, FT_BF16, FT_CAUSAL,
+                                     FT_DROPOUT, FT_BLOCK_SPARSE>;
 static_assert(Traits::kSmemBytes == FT_SMEM_BYTES, "build.py and the kernel disagree on the shared memory size");
 
 extern "C" __global__ void __launch_bounds__(Traits::kNThreads, 1)

@@ -26,13 +26,17 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsM_SdP_, int kWarpsN_dKV_,
-          int kWarpsM_dQ_, int kStages_, int kScrambleDq_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
-          bool kIsBlockSparse_>
+          int kWarpsM_dQ_, int kStages_, int kScrambleDq_, bool kVecRowStats_, bool kIsBF16_, bool kIsCausal_,
+          bool kIsDropout_, bool kIsBlockSparse_>
 struct BwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
     static constexpr int kStages = kStages_;
     // dq_accum layout of whole blocks (see add_dq): 0 row-major; 1 or 2 scrambled (2: one laundered base offset)
     static constexpr int kScrambleDq = kScrambleDq_;
+    // lse / D in shared memory permuted so that each thread's 2 * kMT_SdP rows are contiguous (16-byte loads): row
+    // r = (warp row) * kMT_SdP * 16 + i * 8 + gg (i = 2 mt + hf, gg = lane / 4) sits at (warp row) * kMT_SdP * 16 +
+    // gg * 2 * kMT_SdP + i.
+    static constexpr bool kVecRowStats = kVecRowStats_;
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_;
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
@@ -52,6 +56,13 @@ struct BwdTraits {
     static_assert(kMT_dQ * 16 * kWarpsM_dQ == kBlockM && kNT_dQ * 8 * kWarpsD_dQ == kHeadDim, "dQ tiling");
     static_assert(kNT_SdP % 2 == 0 && kNT_dKV % 2 == 0 && kNT_dQ % 2 == 0, "warp tiles are pairs of n8 tiles");
     static_assert(kStages == 1 || kStages == 2, "kStages");
+    static_assert(!kVecRowStats || kMT_SdP % 2 == 0, "16-byte lse / D loads need an even number of m16 tiles");
+    __device__ __forceinline__ static int row_stats_slot(int row) {
+        if constexpr (!kVecRowStats) return row;
+        constexpr int kRows = kMT_SdP * 16;
+        const int local = row % kRows;
+        return row - local + (local % 8) * (2 * kMT_SdP) + local / 8;
+    }
     static_assert(xor_safe(kWarpsN_SdP, kNT_SdP * 8) && xor_safe(kWarpsN_dKV, kMT_dKV * 16), "power-of-two tiles");
     static constexpr bool kXorSafe_dKV = xor_safe(kWarpsD_dKV, kNT_dKV * 8);
     static constexpr bool kXorSafe_dQ = xor_safe(kWarpsD_dQ, kNT_dQ * 8);
@@ -141,7 +152,8 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                 const float* src = (tid < kBlockM ? f.lse : p.softmax_d) + batch * f.lse_batch_stride +
                                    head * f.lse_head_stride + q_start + m0;
                 const u32 dst = smem_base + T::kSmemBytes - 2 * T::kStages * T::kRowStatsBytes +
-                                ((tid < kBlockM ? 0 : T::kStages) + stage) * T::kRowStatsBytes + 4 * row;
+                                ((tid < kBlockM ? 0 : T::kStages) + stage) * T::kRowStatsBytes +
+                                4 * T::row_stats_slot(row);
                 cp_async_4(dst, src + (m0 + row < seqlen_q ? row : 0), m0 + row < seqlen_q);
             }
         };
@@ -206,15 +218,31 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
             const u32 sLse = base + T::kSmemBytes - 2 * T::kStages * T::kRowStatsBytes + stage * T::kRowStatsBytes;
             const u32 sD = sLse + T::kStages * T::kRowStatsBytes;
             float lse_log2[kMT_S][2], dsum[kMT_S][2];
+            if constexpr (T::kVecRowStats) {
 #pragma unroll
-            for (int mt = 0; mt < kMT_S; ++mt)
+                for (int j = 0; j < kMT_S / 2; ++j) {  // rows of m16 tiles 2j and 2j + 1
+                    const u32 slot = 4 * (s_m0_ + g * 2 * kMT_S + 4 * j);
+                    u32 l4[4], d4[4];
+                    ld_shared_v4(sLse + slot, l4);
+                    ld_shared_v4(sD + slot, d4);
 #pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = s_m0_ + mt * 16 + g + 8 * hf;
-                    const float lse = ld_shared_f32(sLse + 4 * row);
-                    lse_log2[mt][hf] = lse == -infinity() ? infinity() : lse * kLog2e;
-                    dsum[mt][hf] = ld_shared_f32(sD + 4 * row);
+                    for (int i = 0; i < 4; ++i) {
+                        const float lse = __uint_as_float(l4[i]);
+                        lse_log2[2 * j + i / 2][i % 2] = lse == -infinity() ? infinity() : lse * kLog2e;
+                        dsum[2 * j + i / 2][i % 2] = __uint_as_float(d4[i]);
+                    }
                 }
+            } else {
+#pragma unroll
+                for (int mt = 0; mt < kMT_S; ++mt)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int row = s_m0_ + mt * 16 + g + 8 * hf;
+                        const float lse = ld_shared_f32(sLse + 4 * row);
+                        lse_log2[mt][hf] = lse == -infinity() ? infinity() : lse * kLog2e;
+                        dsum[mt][hf] = ld_shared_f32(sD + 4 * row);
+                    }
+            }
 
             // s <- P (with dropout: Pd = P * keep / (1 - p)), dp <- dS = P * (dPd - D), dPd = dP * keep / (1 - p).
             const int bh = batch * f.nheads + head;

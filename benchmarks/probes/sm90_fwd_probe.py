@@ -1,0 +1,79 @@
+"""Probe: forward TFLOP/s of the Hopper warpgroup-MMA forward (flash_fwd_sm90.cuh) against the mma.sync forward
+(FLASHTRAIN_SM90=0) and SDPA's FA2 backend, bf16, the 24 configurations of benchmarks/attention.py, in one process;
+first a correctness check of both forwards against fp32 attention on one shape per head dim.
+
+    PYTHONPATH=$PWD FLASHTRAIN_KERNEL_CACHE=/tmp/ftk python3 benchmarks/probes/sm90_fwd_probe.py
+"""
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashtrain.kernels import flash_attn_func
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from train_gpt2 import time_calls  # noqa: E402
+
+
+def check(head_dim: int, causal: bool) -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 1000, 4, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ref = F.scaled_dot_product_attention(*(x.float().transpose(1, 2) for x in (q, k, v)), is_causal=causal)
+    ref = ref.transpose(1, 2)
+    for flag in ("1", "0"):
+        os.environ["FLASHTRAIN_SM90"] = flag
+        out = flash_attn_func(q, k, v, causal=causal, impl="cuda").float()
+        err = (out - ref).abs()
+        print(f"check hd{head_dim} causal={causal} sm90={flag}: max err {err.max().item():.3g}, per 64-col block "
+              f"{[round(err[..., c:c + 64].max().item(), 3) for c in range(0, head_dim, 64)]}, rows>=500 "
+              f"{err[:, 500:].max().item():.3g}", flush=True)
+    os.environ["FLASHTRAIN_SM90"] = "1"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            check(head_dim, causal)
+    for head_dim in (64, 128):
+        nheads = 2048 // head_dim
+        for seqlen in (512, 1024, 2048, 4096, 8192, 16384):
+            batch = 16384 // seqlen
+            for causal in (False, True):
+                flops = 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
+                q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16)
+                           for _ in range(3))
+                qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+                best = {}
+                for _ in range(args.rounds):
+                    for name in ("sm90", "mma.sync", "fa2"):
+                        if name == "fa2":
+                            def fn():
+                                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                                    F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                        else:
+                            os.environ["FLASHTRAIN_SM90"] = "1" if name == "sm90" else "0"
+
+                            def fn():
+                                flash_attn_func(q, k, v, causal=causal, impl="cuda")
+                        with torch.no_grad():
+                            ms = 1000 * statistics.median(time_calls(fn, torch.device("cuda"), 3, args.repeats))
+                        best[name] = max(best.get(name, 0), flops / ms / 1e9)
+                os.environ["FLASHTRAIN_SM90"] = "1"
+                print(f"hd{head_dim} S{seqlen:<6} {'causal' if causal else 'full  '} fwd TFLOP/s sm90 "
+                      f"{best['sm90']:6.1f}  mma.sync {best['mma.sync']:6.1f}  fa2 {best['fa2']:6.1f}  "
+                      f"sm90/fa2 {best['sm90'] / best['fa2']:.2f}  mma.sync/fa2 {best['mma.sync'] / best['fa2']:.2f}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
