@@ -181,7 +181,14 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists."""
     if arch == SM90_ARCH and not (dropout or block_sparse) and head_dim in FWD_SM90_TILES and sm90_forward_enabled():
         return fwd_sm90_kernel(head_dim, dtype, causal)
-    tiles = fwd_tiles(head_dim, causal, dropout, block_sparse)
+    return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse, fwd_tiles(head_dim, causal, dropout, block_sparse))
+
+
+# The specs are built once per (arguments, tiles): building one costs ~10 us of host time, and the forward and backward
+# of every attention call look theirs up.
+@functools.lru_cache(maxsize=None)
+def _fwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
+              tiles: FwdTiles) -> KernelSpec:
     name = f"flash_fwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
@@ -192,7 +199,11 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
 
 
 def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool) -> KernelSpec:
-    tiles = FWD_SM90_TILES[head_dim]
+    return _fwd_sm90_spec(head_dim, dtype, causal, FWD_SM90_TILES[head_dim])
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tiles: FwdSm90Tiles) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
     name = f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, False, False)}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
@@ -203,7 +214,12 @@ def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool) -> KernelSpec:
 
 
 def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False) -> KernelSpec:
-    tiles = BWD_TILES[head_dim]
+    return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, BWD_TILES[head_dim])
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
+              tiles: BwdTiles) -> KernelSpec:
     name = f"flash_bwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_WARPS_M_SDP", tiles.warps_m_sdp),
@@ -216,6 +232,7 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     return KernelSpec("flash_bwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim))
 
 
+@functools.lru_cache(maxsize=None)
 def aux_kernels(dtype: str) -> KernelSpec:
     prefix = f"flash_aux_{dtype}"
     symbols = tuple(f"{prefix}_{kind}" for kind in ("preprocess", "convert_dq", "dropout_mask"))

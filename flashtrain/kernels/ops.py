@@ -25,6 +25,7 @@ separate instantiation set (build.BLOCK_SPARSE_HEAD_DIMS); the dense kernels are
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -37,6 +38,12 @@ _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 @torch.compiler.assume_constant_result
 def _unavailable_reason(device_type: str, device_index: int, head_dim: int, dtype: str, block_mask: bool) -> str | None:
+    return _unavailable_reason_cached(device_type, device_index, head_dim, dtype, block_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _unavailable_reason_cached(device_type: str, device_index: int, head_dim: int, dtype: str,
+                               block_mask: bool) -> str | None:
     if device_type != "cuda":
         return f"the tensors are on {device_type}; the CUDA kernels need CUDA tensors"
     if not torch.cuda.is_available():
@@ -90,8 +97,9 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
                              f"{block_mask.dtype} {tuple(block_mask.shape)}")
         bs_rows, bs_cols = block_sparse_lists(block_mask)
     rng_state = _draw_rng_state(q.device, generator) if dropout_p > 0 else None
-    return flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(dropout_p),
-                          float(softmax_scale), bool(causal), rng_state, bool(deterministic), bs_rows, bs_cols)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(dropout_p),
+            float(softmax_scale), bool(causal), rng_state, bool(deterministic), bs_rows, bs_cols)
+    return flash_attn_fwd(*args) if torch.compiler.is_compiling() else _EagerFlashAttn.apply(*args)
 
 
 def block_sparse_lists(block_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -149,11 +157,9 @@ def dropout_mask_for_testing(q: Tensor, k: Tensor, *, dropout_p: float, generato
 
 
 # ---------------------------------------------------------------------------------------------------- the ops
-@torch.library.custom_op("flashtrain::flash_attn_fwd", mutates_args=(), device_types="cuda")
-def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
-                   max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
-                   rng_state: Tensor | None, deterministic: bool, bs_rows: Tensor | None = None,
-                   bs_cols: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+              max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+              rng_state: Tensor | None, bs_rows: Tensor | None) -> tuple[Tensor, Tensor]:
     from flashtrain.kernels import launch
 
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
@@ -169,17 +175,25 @@ def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None,
     return out, lse
 
 
+@torch.library.custom_op("flashtrain::flash_attn_fwd", mutates_args=(), device_types="cuda")
+def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+                   max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+                   rng_state: Tensor | None, deterministic: bool, bs_rows: Tensor | None = None,
+                   bs_cols: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                     rng_state, bs_rows)
+
+
 @flash_attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, rng_state,
       deterministic, bs_rows=None, bs_cols=None):
     return _empty_outputs(q, cu_seqlens_q)
 
 
-@torch.library.custom_op("flashtrain::flash_attn_bwd", mutates_args=(), device_types="cuda")
-def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                   cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
-                   dropout_p: float, softmax_scale: float, causal: bool, rng_state: Tensor | None,
-                   deterministic: bool, bs_cols: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+              cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+              dropout_p: float, softmax_scale: float, causal: bool, rng_state: Tensor | None,
+              deterministic: bool, bs_cols: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     from flashtrain.kernels import launch
 
     dout, q, k, v, out = (_aligned(x) for x in (dout, q, k, v, out))
@@ -233,6 +247,15 @@ def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     return dq, dk, dv
 
 
+@torch.library.custom_op("flashtrain::flash_attn_bwd", mutates_args=(), device_types="cuda")
+def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+                   dropout_p: float, softmax_scale: float, causal: bool, rng_state: Tensor | None,
+                   deterministic: bool, bs_cols: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    return _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                     softmax_scale, causal, rng_state, deterministic, bs_cols)
+
+
 @flash_attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
       causal, rng_state, deterministic, bs_cols=None):
@@ -249,16 +272,36 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout: Tensor, _dlse: Tensor):
+def _backward(ctx, dout: Tensor, _dlse: Tensor, bwd=flash_attn_bwd):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols = ctx.saved_tensors
     if dout is None:  # only lse was used, and lse carries no gradient
         dout = torch.zeros_like(out)
-    dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, rng_state,
-                                ctx.deterministic, bs_cols)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, rng_state, ctx.deterministic,
+                     bs_cols)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerFlashAttn(torch.autograd.Function):
+    """The same forward and backward as the custom ops, called directly: in eager mode the custom-op dispatch costs
+    ~200 us of host time per call (H100 host, torch 2.11), which is more than the GPU time of a small attention call.
+    torch.compile traces the custom ops instead (flash_attn_cuda picks)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                rng_state, deterministic, bs_rows, bs_cols):
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                  rng_state, deterministic, bs_rows, bs_cols)
+        output = _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                           causal, rng_state, bs_rows)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse, bwd=_bwd_impl)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
