@@ -85,8 +85,9 @@ FWD_TILES = {
 # use the dense kernels' tiles (tests: density 1 == dense bitwise). docs/kernels.md has the numbers.
 FWD_TILES_NONCAUSAL: dict[int, FwdTiles] = {}
 # Hopper (sm_90a) forward on warpgroup MMAs (csrc/flash_fwd_sm90.cuh): dense, no dropout, these head dims (a head_dim
-# that rounds up to one of them). nwarps = 4 per 64 query rows. FLASHTRAIN_SM90=0 in the environment turns it off
-# (the mma.sync forward then runs on Hopper too: A/B measurements, bitwise comparisons with the block-sparse kernels).
+# that rounds up to one of them). nwarps = 4 per 64 query rows. FLASHTRAIN_SM90=0 in the environment turns the Hopper
+# kernels (forward and backward) off: the mma.sync ones then run on Hopper too (A/B measurements, bitwise comparisons
+# with the block-sparse kernels).
 @dataclasses.dataclass(frozen=True)
 class FwdSm90Tiles:
     block_m: int  # query rows per CTA: one warpgroup (4 warps) per 64
@@ -106,6 +107,26 @@ class FwdSm90Tiles:
 FWD_SM90_TILES = {
     64: FwdSm90Tiles(64, 128, min_blocks=3),
     128: FwdSm90Tiles(64, 128, min_blocks=2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdSm90Tiles:
+    min_blocks: int  # CTAs per SM the registers are budgeted for; a CTA = one warpgroup, 64 keys x 64-query steps
+    block_m: int = 64
+    block_n: int = 64
+    nwarps: int = 4
+
+    def smem_bytes(self, head_dim: int) -> int:  # Q, dO x 2 stages, K, V, dS^T 16-bit; lse, D x 2 stages; align
+        return 2 * (4 * self.block_m * head_dim + 2 * self.block_n * head_dim + self.block_m * self.block_n) \
+            + 4 * 4 * self.block_m + 1024
+
+
+# Hopper backward on warpgroup MMAs (csrc/flash_bwd_sm90.cuh): dense, no dropout, not deterministic, these head dims.
+# H100, same process, backward vs FA2: hd64 3 CTAs/SM 0.96-1.26x (2 CTAs: 0.97-1.28x), hd128 2 CTAs/SM 0.96-1.33x.
+BWD_SM90_TILES = {
+    64: BwdSm90Tiles(min_blocks=3),
+    128: BwdSm90Tiles(min_blocks=2),
 }
 SM90_ARCH = "sm_90a"
 BWD_TILES = {
@@ -129,6 +150,7 @@ class KernelSpec:
     threads: int
     smem_bytes: int
     block_m: int = 0  # forward kernels: query rows per CTA (sizes the grid)
+    block_n: int = 0  # backward kernels: keys per CTA (sizes the grid)
     archs: tuple[str, ...] = ()  # the only targets it compiles for (empty: every sm_80+ target)
 
     def supports(self, arch: str) -> bool:
@@ -172,14 +194,14 @@ def fwd_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool = F
     return tiles
 
 
-def sm90_forward_enabled() -> bool:
+def sm90_enabled() -> bool:
     return os.environ.get("FLASHTRAIN_SM90", "1") != "0"
 
 
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None) -> KernelSpec:
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists."""
-    if arch == SM90_ARCH and not (dropout or block_sparse) and head_dim in FWD_SM90_TILES and sm90_forward_enabled():
+    if arch == SM90_ARCH and not (dropout or block_sparse) and head_dim in FWD_SM90_TILES and sm90_enabled():
         return fwd_sm90_kernel(head_dim, dtype, causal)
     return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse, fwd_tiles(head_dim, causal, dropout, block_sparse))
 
@@ -213,8 +235,27 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tiles: FwdSm90Tiles)
                       archs=(SM90_ARCH,))
 
 
-def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False) -> KernelSpec:
+def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
+               arch: str | None = None, deterministic: bool = False) -> KernelSpec:
+    """The backward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists."""
+    if (arch == SM90_ARCH and not (dropout or block_sparse or deterministic) and head_dim in BWD_SM90_TILES
+            and sm90_enabled()):
+        return bwd_sm90_kernel(head_dim, dtype, causal)
     return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, BWD_TILES[head_dim])
+
+
+def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool) -> KernelSpec:
+    return _bwd_sm90_spec(head_dim, dtype, causal, BWD_SM90_TILES[head_dim])
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tiles: BwdSm90Tiles) -> KernelSpec:
+    smem_bytes = tiles.smem_bytes(head_dim)
+    name = f"flash_bwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, False, False)}"
+    defines = (("FT_HEAD_DIM", head_dim), ("FT_MIN_BLOCKS", tiles.min_blocks), ("FT_BF16", int(dtype == "bf16")),
+               ("FT_CAUSAL", int(causal)), ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
+    return KernelSpec("flash_bwd_sm90.cu", defines, (name,), 32 * tiles.nwarps, smem_bytes, block_m=tiles.block_m,
+                      block_n=tiles.block_n, archs=(SM90_ARCH,))
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,7 +270,8 @@ def _bwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spar
                ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)),
                ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)),
                ("FT_KERNEL_NAME", name))
-    return KernelSpec("flash_bwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim))
+    return KernelSpec("flash_bwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),
+                      block_m=tiles.block_m, block_n=tiles.block_n)
 
 
 @functools.lru_cache(maxsize=None)
@@ -252,6 +294,8 @@ def all_kernels() -> list[KernelSpec]:
                                   bwd_kernel(head_dim, dtype, causal, dropout, block_sparse)]
     specs += [fwd_sm90_kernel(head_dim, dtype, causal)
               for head_dim in FWD_SM90_TILES for dtype in DTYPES for causal in (False, True)]
+    specs += [bwd_sm90_kernel(head_dim, dtype, causal)
+              for head_dim in BWD_SM90_TILES for dtype in DTYPES for causal in (False, True)]
     return specs
 
 

@@ -72,6 +72,14 @@ def _check(result, what: str):
     return values[0] if len(values) == 1 else values
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch
+
+
+def _current_stream(device: torch.device) -> int:
+    """torch.cuda.current_stream(device).cuda_stream, without building a Stream object (host time per launch)."""
+    return _raw_stream(device.index) if _raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
+
+
 class Kernel:
     """One loaded kernel: a CUfunction plus its block size and dynamic shared memory."""
 
@@ -87,7 +95,7 @@ class Kernel:
             return
         _make_current(device.index)
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = _current_stream(device)
         _check(driver.cuLaunchKernel(self.function, *grid, self.threads, 1, 1, self.smem_bytes, stream,
                                      ctypes.addressof(args), 0), "cuLaunchKernel")
 

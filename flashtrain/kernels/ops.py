@@ -201,7 +201,10 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     softmax_d = torch.empty_like(lse)
     block_sparse = bs_cols is not None
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse)
-    tiles = build.BWD_TILES[head_dim]
+    spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse,
+                            arch=launch.device_arch(q.device), deterministic=deterministic)
+    hopper = spec.source == "flash_bwd_sm90.cu"
+    tiles = build.BWD_SM90_TILES[head_dim] if hopper else build.BWD_TILES[head_dim]
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, rng_state, bs_cols=bs_cols)
     batch, nheads, nheads_kv = fwd.batch, fwd.nheads, fwd.nheads_kv
@@ -223,16 +226,16 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         dqa_batch_stride=dqa_strides[1], dqa_head_stride=dqa_strides[2], batch=batch, nheads=nheads,
         head_dim=q.shape[-1], seqlen_q=fwd.seqlen_q, seqlen_k=fwd.seqlen_k, nsplits=nsplits,
         softmax_scale=softmax_scale, dq_block_m=tiles.block_m,
-        # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded
-        dq_slice_width=(tiles.dq_slice_width(head_dim)
-                        if tiles.scramble_dq and not deterministic and q.shape[-1] == head_dim else 0))
+        # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded (the Hopper
+        # kernel in slices of 64 columns)
+        dq_slice_width=(0 if deterministic or q.shape[-1] != head_dim else 64 if hopper else
+                        tiles.dq_slice_width(head_dim) if tiles.scramble_dq else 0))
     (aux.o_batch_stride, aux.o_row_stride, aux.o_head_stride) = _strides(out, varlen)
     (aux.do_batch_stride, aux.do_row_stride, aux.do_head_stride) = _strides(dout, varlen)
     (aux.dq_batch_stride, aux.dq_row_stride, aux.dq_head_stride) = _strides(dq, varlen)
     aux_grid = (math.ceil(fwd.seqlen_q / build.AUX_ROWS_PER_CTA), batch, nheads)
     launch.get_kernel(aux_spec, aux_spec.symbols[0], q.device).launch(aux_grid, aux, q.device)  # D, dq_accum = 0
 
-    spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse)
     params = launch.BwdParams(
         fwd=fwd, dout=dout.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(), dq_accum=dq_accum.data_ptr(),
         softmax_d=softmax_d.data_ptr(), dqa_split_stride=dqa_strides[0], dqa_batch_stride=dqa_strides[1],
