@@ -26,7 +26,7 @@ def test_dispatch_table_covers_every_instantiation_once():
     specs = build.all_kernels()
     names = [spec.name for spec in specs]
     dense, sparse = len(build.HEAD_DIMS), len(build.BLOCK_SPARSE_HEAD_DIMS)
-    hopper = (len(build.FWD_SM90_TILES) + len(build.BWD_SM90_TILES)) * 2 * 2  # warpgroup MMA: head dims x dtype x causal
+    hopper = (len(build.FWD_SM90_TILES) + len(build.BWD_SM90_TILES)) * 2 * 2  # warpgroup MMA: hd x dtype x causal
     assert len(names) == len(set(names)) == 2 + 2 * (dense + sparse) * 2 * 2 * 2 + hopper
     assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2
     assert [spec.archs for spec in specs if "_sm90_" in spec.name] == [("sm_90a",)] * hopper

@@ -141,13 +141,15 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-            const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32, off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-            wgmma_ss<kBlockM, T::kIsBF16>(st, gmma_desc(sK + off_kv, 16, 1024), gmma_desc(sQ(stage) + off_q, 16, 1024),
-                                          kk > 0);
+            const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
+            const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
+            wgmma_ss<kBlockM, T::kIsBF16>(st, gmma_desc(sK + off_kv, 16, 1024),
+                                          gmma_desc(sQ(stage) + off_q, 16, 1024), kk > 0);
         }
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-            const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32, off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
+            const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
+            const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
             wgmma_ss<kBlockM, T::kIsBF16>(dpt, gmma_desc(sV + off_kv, 16, 1024),
                                           gmma_desc(sdO(stage) + off_q, 16, 1024), kk > 0);
         }
@@ -162,8 +164,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
             float lse[2], dsum[2];
-            asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lse[0]), "=f"(lse[1]) : "r"(sLse + 4 * (8 * j + 2 * t)));
-            asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(dsum[0]), "=f"(dsum[1]) : "r"(sD + 4 * (8 * j + 2 * t)));
+            const u32 col_bytes = 4 * (8 * j + 2 * t);  // this thread's two columns (queries) of n8 tile j
+            asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lse[0]), "=f"(lse[1]) : "r"(sLse + col_bytes));
+            asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(dsum[0]), "=f"(dsum[1]) : "r"(sD + col_bytes));
             float prob[4], ds[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -188,10 +191,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kBlockM / 16; ++ks)
-            wgmma_rs<kHeadDim, T::kIsBF16>(acc_dv, pa[ks], gmma_desc(sdO(stage) + ks * 16 * 128, kBlockM * 128, 1024), 1);
+            wgmma_rs<kHeadDim, T::kIsBF16>(acc_dv, pa[ks],
+                                           gmma_desc(sdO(stage) + ks * 16 * 128, kBlockM * 128, 1024), 1);
 #pragma unroll
         for (int ks = 0; ks < kBlockM / 16; ++ks)
-            wgmma_rs<kHeadDim, T::kIsBF16>(acc_dk, dsa[ks], gmma_desc(sQ(stage) + ks * 16 * 128, kBlockM * 128, 1024), 1);
+            wgmma_rs<kHeadDim, T::kIsBF16>(acc_dk, dsa[ks],
+                                           gmma_desc(sQ(stage) + ks * 16 * 128, kBlockM * 128, 1024), 1);
         wgmma_commit();
 
         // dS^T to shared memory (rows keys, columns queries) for dQ = dS K.
@@ -199,13 +204,15 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         for (int ks = 0; ks < kBlockM / 16; ++ks)
 #pragma unroll
             for (int r = 0; r < 4; ++r)  // (row g | g + 8, columns 16 ks + 2t | + 8)
-                st_shared_b32(TileS::addr(sdS, warp_n0 + g + 8 * (r & 1), 16 * ks + 8 * (r >> 1) + 2 * t), dsa[ks][r]);
+                st_shared_b32(TileS::addr(sdS, warp_n0 + g + 8 * (r & 1), 16 * ks + 8 * (r >> 1) + 2 * t),
+                              dsa[ks][r]);
         fence_proxy_async();
         __syncthreads();  // dS^T complete
         if (it + 1 < n_iters) store_stat(stat_next, stage ^ 1);  // read from iteration it + 1 on (after its barrier)
 
         // dQ(block) = dS K, 64 columns of head_dim per pass: A = dS (dS^T in shared memory: M-major), B = K (MN-major).
-        float* dq_head = p.dq_accum + batch * p.dqa_batch_stride + (i64)q_start * f.head_dim + head * p.dqa_head_stride;
+        float* dq_head =
+            p.dq_accum + batch * p.dqa_batch_stride + (i64)q_start * f.head_dim + head * p.dqa_head_stride;
         const bool whole = m0 + kBlockM <= seqlen_q && f.head_dim == kHeadDim;
 #pragma unroll
         for (int h = 0; h < kHeadDim / 64; ++h) {
@@ -222,7 +229,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
             if (whole) {
                 // Scrambled whole block (flash_bwd.cuh, add_dq; slice width W = 64): 16-row group = this warp's rows,
                 // slice h; a lane's 4 accumulators of n8 tile j are 4 consecutive floats.
-                float* slice = dq_head + (i64)m0 * kHeadDim + launder((u32)(warp * 16 * kHeadDim + h * 16 * 64 + lane * 4));
+                float* slice =
+                    dq_head + (i64)m0 * kHeadDim + launder((u32)(warp * 16 * kHeadDim + h * 16 * 64 + lane * 4));
 #pragma unroll
                 for (int j = 0; j < 8; ++j) atomic_add4(slice + j * 128, dq[j]);
             } else {
@@ -258,8 +266,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
     store_acc<T::kIsBF16, TileKV>(sK, dk1, warp_n0, 0, f.softmax_scale, lane);
     store_acc<T::kIsBF16, TileKV>(sV, dv1, warp_n0, 0, 1.f, lane);
     __syncthreads();
-    u16* dk = (u16*)p.dk + batch * p.dk_batch_stride + (i64)(k_start + n0) * p.dk_row_stride + head_kv * p.dk_head_stride;
-    u16* dv = (u16*)p.dv + batch * p.dv_batch_stride + (i64)(k_start + n0) * p.dv_row_stride + head_kv * p.dv_head_stride;
+    u16* dk = (u16*)p.dk + batch * p.dk_batch_stride + (i64)(k_start + n0) * p.dk_row_stride +
+              head_kv * p.dk_head_stride;
+    u16* dv = (u16*)p.dv + batch * p.dv_batch_stride + (i64)(k_start + n0) * p.dv_row_stride +
+              head_kv * p.dv_head_stride;
     store_tile<TileKV, T::kNThreads>(sK, dk, p.dk_row_stride, seqlen_k - n0, f.head_dim, tid);
     store_tile<TileKV, T::kNThreads>(sV, dv, p.dv_row_stride, seqlen_k - n0, f.head_dim, tid);
 }
