@@ -123,25 +123,25 @@ def _is_hopper() -> bool:
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_mma_sync_forward_on_hopper_matches_reference(head_dim, causal, monkeypatch):
-    """On Hopper the dense forward runs on warpgroup MMAs (flash_fwd_sm90.cuh); the mma.sync forward, which every
-    other GPU runs, is tested there too (FLASHTRAIN_SM90=0)."""
+def test_mma_sync_kernels_on_hopper_match_reference(head_dim, causal, monkeypatch):
+    """On Hopper dense attention without dropout runs on the warpgroup-MMA kernels (flash_fwd_sm90.cuh,
+    flash_bwd_sm90.cuh); the mma.sync kernels, which every other GPU runs, are tested there too (FLASHTRAIN_SM90=0)."""
     if not _is_hopper():
-        pytest.skip("the mma.sync forward is the one the tests above ran")
+        pytest.skip("the mma.sync kernels are the ones the tests above ran")
     monkeypatch.setenv("FLASHTRAIN_SM90", "0")
     for index, (seqlen_q, seqlen_k) in enumerate(SEQLENS):
         q, k, v, dout = _inputs((2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim), torch.bfloat16, seed=index)
         _check_against_reference(q, k, v, dout, causal=causal)
 
 
-def test_hopper_runs_the_warpgroup_mma_forward():
+def test_hopper_runs_the_warpgroup_mma_kernels():
     from flashtrain.kernels import build, launch
 
     arch = launch.device_arch(torch.device("cuda", torch.cuda.current_device()))
     names = [build.fwd_kernel(head_dim, "bf16", False, False, arch=arch).name for head_dim in (64, 128)]
-    expected = ["flash_fwd_sm90_hdim64_bf16", "flash_fwd_sm90_hdim128_bf16"] if _is_hopper() else \
-        ["flash_fwd_hdim64_bf16", "flash_fwd_hdim128_bf16"]
-    assert names == expected
+    names += [build.bwd_kernel(head_dim, "bf16", False, False, arch=arch).name for head_dim in (64, 128)]
+    kind = "_sm90" if _is_hopper() else ""
+    assert names == [f"flash_{pass_}{kind}_hdim{head_dim}_bf16" for pass_ in ("fwd", "bwd") for head_dim in (64, 128)]
 
 
 def test_mqa_many_heads():
