@@ -1,6 +1,6 @@
 """CPU tests of the kernel build (flashtrain/kernels/build.py): the dispatch table, the disk cache, and an nvcc
 compile check of the most demanding instantiations for sm_80 and sm_90a (skipped without nvcc). The compile check of
-every instantiation (276 compilations: 196 dense + 64 block-sparse + 16 Hopper-only, ~6 minutes on 2 idle
+every instantiation (284 compilations: 196 dense + 64 block-sparse + 24 Hopper-only, ~6 minutes on 2 idle
 cores) runs from .ci/run:
 python -m flashtrain.kernels.build --check-nvcc sm_80 sm_90a -j 2
 """
@@ -26,7 +26,8 @@ def test_dispatch_table_covers_every_instantiation_once():
     specs = build.all_kernels()
     names = [spec.name for spec in specs]
     dense, sparse = len(build.HEAD_DIMS), len(build.BLOCK_SPARSE_HEAD_DIMS)
-    hopper = (len(build.FWD_SM90_TILES) + len(build.BWD_SM90_TILES)) * 2 * 2  # warpgroup MMA: hd x dtype x causal
+    # warpgroup MMA: forward hd x dtype x causal x dropout, backward hd x dtype x causal
+    hopper = len(build.FWD_SM90_TILES) * 2 * 2 * 2 + len(build.BWD_SM90_TILES) * 2 * 2
     assert len(names) == len(set(names)) == 2 + 2 * (dense + sparse) * 2 * 2 * 2 + hopper
     assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2
     assert [spec.archs for spec in specs if "_sm90_" in spec.name] == [("sm_90a",)] * hopper
@@ -37,9 +38,9 @@ def test_dispatch_table_covers_every_instantiation_once():
 
 
 def test_hopper_dispatch(monkeypatch):
-    """sm_90a runs the warpgroup-MMA forward and backward for dense attention without dropout at head dims <= 128
-    (rounded to 64 or 128; the backward not when deterministic); dropout, block_mask, other head dims and other GPUs
-    run the mma.sync kernels; FLASHTRAIN_SM90=0 turns both off."""
+    """sm_90a runs the warpgroup-MMA forward (dropout too) and backward (without dropout, not deterministic) for dense
+    attention at head dims <= 128 (rounded to 64 or 128); block_mask, other head dims and other GPUs run the mma.sync
+    kernels; FLASHTRAIN_SM90=0 turns both off."""
     def name(head_dim, arch, causal=False, dropout=False, block_sparse=False):
         return build.fwd_kernel(head_dim, "fp16", causal, dropout, block_sparse, arch=arch).name
 
@@ -47,9 +48,10 @@ def test_hopper_dispatch(monkeypatch):
     assert name(128, "sm_90a", causal=True) == "flash_fwd_sm90_hdim128_fp16_causal"
     assert build.fwd_kernel(128, "bf16", True, False, arch="sm_90a").block_m == build.FWD_SM90_TILES[128].block_m
     assert name(64, "sm_80") == "flash_fwd_hdim64_fp16"
-    assert name(64, "sm_90a", dropout=True) == "flash_fwd_hdim64_fp16_dropout"
+    assert name(64, "sm_90a", dropout=True) == "flash_fwd_sm90_hdim64_fp16_dropout"
     assert name(64, "sm_90a", block_sparse=True) == "flash_fwd_hdim64_fp16_sparse"
     assert name(32, "sm_90a") == "flash_fwd_hdim32_fp16" and name(256, "sm_90a") == "flash_fwd_hdim256_fp16"
+    assert name(64, "sm_80", dropout=True) == "flash_fwd_hdim64_fp16_dropout"
     def bwd_name(head_dim, arch, dropout=False, block_sparse=False, deterministic=False):
         return build.bwd_kernel(head_dim, "fp16", False, dropout, block_sparse, arch=arch,
                                 deterministic=deterministic).name
@@ -119,7 +121,8 @@ def test_nvcc_compiles_the_hardest_instantiations():
     loop over query blocks), with causal masking and dropout, plus the auxiliary kernels."""
     specs = [build.aux_kernels("fp16"), build.fwd_kernel(128, "bf16", True, True),
              build.bwd_kernel(128, "bf16", True, True, block_sparse=True), build.bwd_kernel(256, "fp16", True, True),
-             build.fwd_sm90_kernel(128, "bf16", True), build.bwd_sm90_kernel(128, "bf16", True)]  # sm_90a only
+             build.fwd_sm90_kernel(128, "bf16", True, True),  # sm_90a only
+             build.bwd_sm90_kernel(128, "bf16", True)]
     assert build.check_nvcc(["sm_80", "sm_90a"], jobs=2, specs=specs) == 0
 
 

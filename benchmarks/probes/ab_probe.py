@@ -23,12 +23,12 @@ Fw, Bw, Hw = build.FwdTiles, build.BwdTiles, build.FwdSm90Tiles
 Bh = build.BwdSm90Tiles
 # kinds: fwd / bwd (mma.sync tiles), sm90 / sm90bwd (Hopper kernels; variant None = the mma.sync kernel)
 VARIANTS = {
-    ("sm90bwd", 64): {"mma.sync": None, "m2": Bh(2), "m3": Bh(3)},
-    ("sm90bwd", 128): {"mma.sync": None, "m2": Bh(2)},
+    ("sm90", 64): {"64x128m3": Hw(64, 128, 3), "64x64m4": Hw(64, 64, 4)},
+    ("sm90", 128): {"64x128m2": Hw(64, 128, 2), "64x64m3": Hw(64, 64, 3)},
 }
 ALL = [(s, c) for s in (512, 1024, 2048, 4096, 8192, 16384) for c in (False, True)]
 # (kind, head dim): [(seqlen, causal)]
-CONFIGS = {("sm90bwd", 64): ALL, ("sm90bwd", 128): ALL}
+CONFIGS = {("sm90", 64): ALL, ("sm90", 128): ALL}
 
 
 def use(kind, head_dim, tiles):

@@ -1,6 +1,7 @@
 """Probe: forward TFLOP/s of the Hopper warpgroup-MMA forward (flash_fwd_sm90.cuh) against the mma.sync forward
-(FLASHTRAIN_SM90=0) and SDPA's FA2 backend, bf16, the 24 configurations of benchmarks/attention.py, in one process;
-first a correctness check of both forwards against fp32 attention on one shape per head dim.
+(FLASHTRAIN_SM90=0) and SDPA's FA2 backend, bf16, the 24 configurations of benchmarks/attention.py (--dropout P: with
+attention dropout), in one process; first a correctness check of both forwards against fp32 attention on one shape
+per head dim (without dropout).
 
     PYTHONPATH=$PWD FLASHTRAIN_KERNEL_CACHE=/tmp/ftk python3 benchmarks/probes/sm90_fwd_probe.py
 """
@@ -39,6 +40,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for head_dim in (64, 128):
@@ -46,7 +49,7 @@ def main() -> None:
             check(head_dim, causal)
     for head_dim in (64, 128):
         nheads = 2048 // head_dim
-        for seqlen in (512, 1024, 2048, 4096, 8192, 16384):
+        for seqlen in args.seqlens:
             batch = 16384 // seqlen
             for causal in (False, True):
                 flops = 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
@@ -59,17 +62,18 @@ def main() -> None:
                         if name == "fa2":
                             def fn():
                                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                                    F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                                    F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                                   dropout_p=args.dropout)
                         else:
                             os.environ["FLASHTRAIN_SM90"] = "1" if name == "sm90" else "0"
 
                             def fn():
-                                flash_attn_func(q, k, v, causal=causal, impl="cuda")
+                                flash_attn_func(q, k, v, args.dropout, causal=causal, impl="cuda")
                         with torch.no_grad():
                             ms = 1000 * statistics.median(time_calls(fn, torch.device("cuda"), 3, args.repeats))
                         best[name] = max(best.get(name, 0), flops / ms / 1e9)
                 os.environ["FLASHTRAIN_SM90"] = "1"
-                print(f"hd{head_dim} S{seqlen:<6} {'causal' if causal else 'full  '} fwd TFLOP/s sm90 "
+                print(f"hd{head_dim} S{seqlen:<6} {'causal' if causal else 'full  '} p={args.dropout} fwd TFLOP/s sm90 "
                       f"{best['sm90']:6.1f}  mma.sync {best['mma.sync']:6.1f}  fa2 {best['fa2']:6.1f}  "
                       f"sm90/fa2 {best['sm90'] / best['fa2']:.2f}  mma.sync/fa2 {best['mma.sync'] / best['fa2']:.2f}",
                       flush=True)

@@ -10,16 +10,18 @@
 //     wait V[n]; issue K[n-1]  online softmax (as in flash_fwd.cuh)
 //                              O += P V[n] (wgmma, P from registers)
 // At the end out = O / l and lse = m * scale + ln(l); a row with no visible key gets out = 0, lse = -inf.
-// Dense attention without dropout, head dims 64 and 128 (build.py routes everything else to flash_fwd.cuh).
+// Dense attention, with or without dropout (the same Philox bits as flash_fwd.cuh: utils.cuh DropoutRng addresses
+// them by (batch * head, query, key) only), head dims 64 and 128 (build.py routes everything else to flash_fwd.cuh).
 // Causal masking is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
 #pragma once
 #include "wgmma.cuh"
 
 namespace flashtrain {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, bool kIsBF16_, bool kIsCausal_> struct FwdSm90Traits {
+template <int kHeadDim_, int kBlockM_, int kBlockN_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_>
+struct FwdSm90Traits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
-    static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_;
+    static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr int kNWarpGroups = kBlockM / 64, kNThreads = 128 * kNWarpGroups;
     static constexpr int kNT = kBlockN / 8;  // n8 column tiles of S per thread
     static constexpr int kDT = kHeadDim / 8;  // n8 column tiles of O per thread
@@ -85,6 +87,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdParam
 #pragma unroll
     for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float row_max[2] = {-infinity(), -infinity()}, row_sum[2] = {0.f, 0.f};  // rows g, g + 8 (partial sums)
+    DropoutRng rng = T::kIsDropout ? DropoutRng(p.rng_state, p.keep_threshold) : DropoutRng{};
+    const int bh = batch * p.nheads + head;
 
     // One key block; kMask: some key of it is past the end or right of the diagonal for some row of this block.
     auto step = [&](int n_block, auto mask_tag) {
@@ -162,6 +166,19 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdParam
             }
         }
 
+        if constexpr (T::kIsDropout) {  // zero the dropped P entries (l keeps the un-dropped sum)
+#pragma unroll
+            for (int ks = 0; ks < kNT / 2; ++ks) {
+                u32 bits[4];
+                rng.bits(bits, bh, m0 + warp_m0 + g, n0 + ks * 16 + 2 * t);
+#pragma unroll
+                for (int nt2 = 0; nt2 < 2; ++nt2)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!rng.keep_half(bits, (e >> 1) * 4 + nt2 * 2 + (e & 1))) s[2 * ks + nt2][e] = 0.f;
+            }
+        }
+
         // O += P V: P re-packed from the S accumulators (A fragments, 16 keys per step); V[16 ks .. +16][:] is the
         // MN-major B operand of step ks.
         u32 a[kNT / 2][4];
@@ -200,7 +217,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdParam
         sum += shfl_xor(sum, 1);
         sum += shfl_xor(sum, 2);
         const bool empty = !(sum > 0.f);  // no visible key (or the sum underflowed): out = 0, lse = -inf
-        const float inv = empty ? 0.f : 1.f / sum;
+        const float inv = empty ? 0.f : (T::kIsDropout ? p.rp_dropout : 1.f) / sum;
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt) {
             o[dt][2 * hf] *= inv;
