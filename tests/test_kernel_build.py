@@ -1,6 +1,6 @@
 """CPU tests of the kernel build (flashtrain/kernels/build.py): the dispatch table, the disk cache, and an nvcc
 compile check of the most demanding instantiations for sm_80 and sm_90a (skipped without nvcc). The compile check of
-every instantiation (284 compilations: 196 dense + 64 block-sparse + 24 Hopper-only, ~6 minutes on 2 idle
+every instantiation (292 compilations: 196 dense + 64 block-sparse + 32 Hopper-only, ~6 minutes on 2 idle
 cores) runs from .ci/run:
 python -m flashtrain.kernels.build --check-nvcc sm_80 sm_90a -j 2
 """
@@ -26,8 +26,7 @@ def test_dispatch_table_covers_every_instantiation_once():
     specs = build.all_kernels()
     names = [spec.name for spec in specs]
     dense, sparse = len(build.HEAD_DIMS), len(build.BLOCK_SPARSE_HEAD_DIMS)
-    # warpgroup MMA: forward hd x dtype x causal x dropout, backward hd x dtype x causal
-    hopper = len(build.FWD_SM90_TILES) * 2 * 2 * 2 + len(build.BWD_SM90_TILES) * 2 * 2
+    hopper = (len(build.FWD_SM90_TILES) + len(build.BWD_SM90_TILES)) * 2 * 2 * 2  # hd x dtype x causal x dropout
     assert len(names) == len(set(names)) == 2 + 2 * (dense + sparse) * 2 * 2 * 2 + hopper
     assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2
     assert [spec.archs for spec in specs if "_sm90_" in spec.name] == [("sm_90a",)] * hopper
@@ -38,7 +37,7 @@ def test_dispatch_table_covers_every_instantiation_once():
 
 
 def test_hopper_dispatch(monkeypatch):
-    """sm_90a runs the warpgroup-MMA forward (dropout too) and backward (without dropout, not deterministic) for dense
+    """sm_90a runs the warpgroup-MMA forward and backward (dropout too; the backward not when deterministic) for dense
     attention at head dims <= 128 (rounded to 64 or 128); block_mask, other head dims and other GPUs run the mma.sync
     kernels; FLASHTRAIN_SM90=0 turns both off."""
     def name(head_dim, arch, causal=False, dropout=False, block_sparse=False):
@@ -58,7 +57,7 @@ def test_hopper_dispatch(monkeypatch):
 
     assert bwd_name(64, "sm_90a") == "flash_bwd_sm90_hdim64_fp16" and bwd_name(128, "sm_80") == "flash_bwd_hdim128_fp16"
     assert build.bwd_kernel(128, "bf16", True, False, arch="sm_90a").block_n == build.BWD_SM90_TILES[128].block_n
-    assert bwd_name(64, "sm_90a", dropout=True) == "flash_bwd_hdim64_fp16_dropout"
+    assert bwd_name(64, "sm_90a", dropout=True) == "flash_bwd_sm90_hdim64_fp16_dropout"
     assert bwd_name(64, "sm_90a", block_sparse=True) == "flash_bwd_hdim64_fp16_sparse"
     assert bwd_name(64, "sm_90a", deterministic=True) == "flash_bwd_hdim64_fp16"
     assert bwd_name(96, "sm_90a") == "flash_bwd_hdim96_fp16"
@@ -122,7 +121,7 @@ def test_nvcc_compiles_the_hardest_instantiations():
     specs = [build.aux_kernels("fp16"), build.fwd_kernel(128, "bf16", True, True),
              build.bwd_kernel(128, "bf16", True, True, block_sparse=True), build.bwd_kernel(256, "fp16", True, True),
              build.fwd_sm90_kernel(128, "bf16", True, True),  # sm_90a only
-             build.bwd_sm90_kernel(128, "bf16", True)]
+             build.bwd_sm90_kernel(128, "bf16", True, True)]
     assert build.check_nvcc(["sm_80", "sm_90a"], jobs=2, specs=specs) == 0
 
 

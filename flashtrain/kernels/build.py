@@ -113,6 +113,7 @@ FWD_SM90_TILES = {
 @dataclasses.dataclass(frozen=True)
 class BwdSm90Tiles:
     min_blocks: int  # CTAs per SM the registers are budgeted for; a CTA = one warpgroup, 64 keys x 64-query steps
+    min_blocks_dropout: int  # the same with dropout (Philox needs registers)
     block_m: int = 64
     block_n: int = 64
     nwarps: int = 4
@@ -122,11 +123,11 @@ class BwdSm90Tiles:
             + 4 * 4 * self.block_m + 1024
 
 
-# Hopper backward on warpgroup MMAs (csrc/flash_bwd_sm90.cuh): dense, no dropout, not deterministic, these head dims.
+# Hopper backward on warpgroup MMAs (csrc/flash_bwd_sm90.cuh): dense (dropout too), not deterministic, these head dims.
 # H100, same process, backward vs FA2: hd64 3 CTAs/SM 0.96-1.26x (2 CTAs: 0.97-1.28x), hd128 2 CTAs/SM 0.96-1.33x.
 BWD_SM90_TILES = {
-    64: BwdSm90Tiles(min_blocks=3),
-    128: BwdSm90Tiles(min_blocks=2),
+    64: BwdSm90Tiles(min_blocks=3, min_blocks_dropout=2),  # dropout with 3: 168 registers + 268-296 B of spills
+    128: BwdSm90Tiles(min_blocks=2, min_blocks_dropout=2),
 }
 SM90_ARCH = "sm_90a"
 BWD_TILES = {
@@ -238,22 +239,24 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, tiles
 def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, deterministic: bool = False) -> KernelSpec:
     """The backward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists."""
-    if (arch == SM90_ARCH and not (dropout or block_sparse or deterministic) and head_dim in BWD_SM90_TILES
+    if (arch == SM90_ARCH and not (block_sparse or deterministic) and head_dim in BWD_SM90_TILES
             and sm90_enabled()):
-        return bwd_sm90_kernel(head_dim, dtype, causal)
+        return bwd_sm90_kernel(head_dim, dtype, causal, dropout)
     return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, BWD_TILES[head_dim])
 
 
-def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool) -> KernelSpec:
-    return _bwd_sm90_spec(head_dim, dtype, causal, BWD_SM90_TILES[head_dim])
+def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False) -> KernelSpec:
+    return _bwd_sm90_spec(head_dim, dtype, causal, dropout, BWD_SM90_TILES[head_dim])
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tiles: BwdSm90Tiles) -> KernelSpec:
+def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, tiles: BwdSm90Tiles) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
-    name = f"flash_bwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, False, False)}"
-    defines = (("FT_HEAD_DIM", head_dim), ("FT_MIN_BLOCKS", tiles.min_blocks), ("FT_BF16", int(dtype == "bf16")),
-               ("FT_CAUSAL", int(causal)), ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
+    name = f"flash_bwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, False)}"
+    min_blocks = tiles.min_blocks_dropout if dropout else tiles.min_blocks
+    defines = (("FT_HEAD_DIM", head_dim), ("FT_MIN_BLOCKS", min_blocks), ("FT_BF16", int(dtype == "bf16")),
+               ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_SMEM_BYTES", smem_bytes),
+               ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), 32 * tiles.nwarps, smem_bytes, block_m=tiles.block_m,
                       block_n=tiles.block_n, archs=(SM90_ARCH,))
 
@@ -294,8 +297,8 @@ def all_kernels() -> list[KernelSpec]:
                                   bwd_kernel(head_dim, dtype, causal, dropout, block_sparse)]
     specs += [fwd_sm90_kernel(head_dim, dtype, causal, dropout) for head_dim in FWD_SM90_TILES for dtype in DTYPES
               for causal in (False, True) for dropout in (False, True)]
-    specs += [bwd_sm90_kernel(head_dim, dtype, causal)
-              for head_dim in BWD_SM90_TILES for dtype in DTYPES for causal in (False, True)]
+    specs += [bwd_sm90_kernel(head_dim, dtype, causal, dropout) for head_dim in BWD_SM90_TILES for dtype in DTYPES
+              for causal in (False, True) for dropout in (False, True)]
     return specs
 
 

@@ -13,16 +13,18 @@
 // then writes dK * scale and dV. The row statistics are read from global memory one iteration ahead (lse already in
 // log2 units, +inf where a query sees no key or lies past the end, so that its P is 0) and stored to shared memory
 // late in the iteration, so their latency hides behind the GEMMs.
-// Dense attention without dropout, not deterministic, head dims 64 and 128 (build.py routes the rest to
+// Dropout: the keep bits are those of the forward (utils.cuh DropoutRng, addressed by (batch * head, query, key));
+// a thread's 8 elements of a 16 x 16 tile are the words of 2 lanes of the forward's layout (its rows are keys), so it
+// makes 2 Philox calls per tile. Dense attention, not deterministic, head dims 64 and 128 (build.py routes the rest to
 // flash_bwd.cuh). flash_aux.cuh runs before (D, zeroing dq_accum) and after (dq = scale * dq_accum).
 #pragma once
 #include "wgmma.cuh"
 
 namespace flashtrain {
 
-template <int kHeadDim_, bool kIsBF16_, bool kIsCausal_> struct BwdSm90Traits {
+template <int kHeadDim_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_> struct BwdSm90Traits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kBlockN = 64, kNThreads = 128, kStages = 2;
-    static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_;
+    static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr int kNT = kBlockM / 8;   // n8 column tiles of S^T per thread (columns = queries)
     static constexpr int kDT = kHeadDim / 8;  // n8 column tiles of dK, dV per thread
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (128-byte swizzled column blocks)");
@@ -118,6 +120,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc_dk[i][j] = acc_dv[i][j] = 0.f;
     const int warp_n0 = warp * 16;  // first key row of this warp inside the block (wgmma M rows)
+    DropoutRng rng = T::kIsDropout ? DropoutRng(f.rng_state, f.keep_threshold) : DropoutRng{};
 
     auto step = [&](int it, auto mask_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
@@ -161,8 +164,14 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         // P^T and dS^T, packed into A fragments (16 queries per k-step of the dV / dK GEMMs).
         const u32 sLse = sStats + stage * T::kStatsBytes, sD = sStats + (T::kStages + stage) * T::kStatsBytes;
         u32 pa[kNT / 2][4], dsa[kNT / 2][4];
+        u32 bits[2][4];  // dropout: Philox words of queries 2t and 2t + 1 (mod 8) of the current 16-query tile
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
+            if (T::kIsDropout && j % 2 == 0) {
+                const int bh = batch * f.nheads + head;
+                rng.bits(bits[0], bh, m0 + 8 * j + 2 * t, n0 + warp_n0 + g);
+                rng.bits(bits[1], bh, m0 + 8 * j + 2 * t + 1, n0 + warp_n0 + g);
+            }
             float lse[2], dsum[2];
             const u32 col_bytes = 4 * (8 * j + 2 * t);  // this thread's two columns (queries) of n8 tile j
             asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lse[0]), "=f"(lse[1]) : "r"(sLse + col_bytes));
@@ -176,7 +185,13 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
                     if (key >= seqlen_k || (T::kIsCausal && key > query + seqlen_k - seqlen_q)) x = -infinity();
                 }
                 prob[e] = fast_exp2(x * f.softmax_scale_log2 - lse[e & 1]);
-                ds[e] = prob[e] * (dpt[j][e] - dsum[e & 1]);
+                if constexpr (T::kIsDropout) {  // element (query 8j + 2t + e % 2, key g + 8 (e / 2)) of the tile
+                    const bool keep = rng.keep_half(bits[e & 1], (j & 1) * 4 + (e >> 1) * 2 + (g & 1));
+                    ds[e] = prob[e] * ((keep ? dpt[j][e] * f.rp_dropout : 0.f) - dsum[e & 1]);
+                    prob[e] = keep ? prob[e] * f.rp_dropout : 0.f;  // Pd^T for dV
+                } else {
+                    ds[e] = prob[e] * (dpt[j][e] - dsum[e & 1]);
+                }
             }
             // A fragment of k-step j / 2: regs 0, 1 from n8 tile 2 (j / 2), regs 2, 3 from tile 2 (j / 2) + 1
             pa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(prob[0], prob[1]);
