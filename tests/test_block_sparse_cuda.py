@@ -129,11 +129,12 @@ def test_random_masks_match_reference(head_dim, dtype, causal):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_density_one_equals_dense_bitwise(dtype, head_dim, monkeypatch):
+@pytest.mark.parametrize("sm90", ["0", "1"], ids=["mma_sync", "hopper"])
+def test_density_one_equals_dense_bitwise(dtype, head_dim, sm90, monkeypatch):
     """A mask of ones walks the dense kernels' tiles in the same order with the same arithmetic: out and lse are
-    bitwise those of the dense kernel, and so are the gradients with the deterministic backward. (On Hopper the dense
-    forward would run on the warpgroup-MMA kernel, whose sums round differently: the mma.sync one is compared.)"""
-    monkeypatch.setenv("FLASHTRAIN_SM90", "0")
+    bitwise those of the dense kernel, and so are the gradients with the deterministic backward (mma.sync). On Hopper
+    both kernel families are compared (FLASHTRAIN_SM90=0 / 1); elsewhere both runs are the mma.sync kernels."""
+    monkeypatch.setenv("FLASHTRAIN_SM90", sm90)
     ops = _ops()
     for causal, (seqlen_q, seqlen_k) in ((False, (1000, 1000)), (True, (1000, 1000)), (True, (300, 700))):
         q, k, v, dout = _inputs((2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim), dtype)

@@ -1,6 +1,6 @@
 """CPU tests of the kernel build (flashtrain/kernels/build.py): the dispatch table, the disk cache, and an nvcc
 compile check of the most demanding instantiations for sm_80 and sm_90a (skipped without nvcc). The compile check of
-every instantiation (292 compilations: 196 dense + 64 block-sparse + 32 Hopper-only, ~6 minutes on 2 idle
+every instantiation (324 compilations: 196 dense + 64 block-sparse + 64 Hopper-only, ~7 minutes on 2 idle
 cores) runs from .ci/run:
 python -m flashtrain.kernels.build --check-nvcc sm_80 sm_90a -j 2
 """
@@ -26,9 +26,10 @@ def test_dispatch_table_covers_every_instantiation_once():
     specs = build.all_kernels()
     names = [spec.name for spec in specs]
     dense, sparse = len(build.HEAD_DIMS), len(build.BLOCK_SPARSE_HEAD_DIMS)
-    hopper = (len(build.FWD_SM90_TILES) + len(build.BWD_SM90_TILES)) * 2 * 2 * 2  # hd x dtype x causal x dropout
+    # Hopper-only (warpgroup MMA): head dims x dtype x causal x dropout x block-sparse
+    hopper = (len(build.FWD_SM90_TILES) + len(build.BWD_SM90_TILES)) * 2 * 2 * 2 * 2
     assert len(names) == len(set(names)) == 2 + 2 * (dense + sparse) * 2 * 2 * 2 + hopper
-    assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2
+    assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2 + hopper // 2
     assert [spec.archs for spec in specs if "_sm90_" in spec.name] == [("sm_90a",)] * hopper
     for spec in specs:
         if spec.supports("sm_80"):
@@ -37,8 +38,8 @@ def test_dispatch_table_covers_every_instantiation_once():
 
 
 def test_hopper_dispatch(monkeypatch):
-    """sm_90a runs the warpgroup-MMA forward and backward (dropout too; the backward not when deterministic) for dense
-    attention at head dims <= 128 (rounded to 64 or 128); block_mask, other head dims and other GPUs run the mma.sync
+    """sm_90a runs the warpgroup-MMA forward and backward (dense or block-sparse, dropout too; the backward not when
+    deterministic) at head dims <= 128 (rounded to 64 or 128); other head dims and other GPUs run the mma.sync
     kernels; FLASHTRAIN_SM90=0 turns both off."""
     def name(head_dim, arch, causal=False, dropout=False, block_sparse=False):
         return build.fwd_kernel(head_dim, "fp16", causal, dropout, block_sparse, arch=arch).name
@@ -48,7 +49,8 @@ def test_hopper_dispatch(monkeypatch):
     assert build.fwd_kernel(128, "bf16", True, False, arch="sm_90a").block_m == build.FWD_SM90_TILES[128].block_m
     assert name(64, "sm_80") == "flash_fwd_hdim64_fp16"
     assert name(64, "sm_90a", dropout=True) == "flash_fwd_sm90_hdim64_fp16_dropout"
-    assert name(64, "sm_90a", block_sparse=True) == "flash_fwd_hdim64_fp16_sparse"
+    assert name(64, "sm_90a", block_sparse=True) == "flash_fwd_sm90_hdim64_fp16_sparse"
+    assert name(64, "sm_80", block_sparse=True) == "flash_fwd_hdim64_fp16_sparse"
     assert name(32, "sm_90a") == "flash_fwd_hdim32_fp16" and name(256, "sm_90a") == "flash_fwd_hdim256_fp16"
     assert name(64, "sm_80", dropout=True) == "flash_fwd_hdim64_fp16_dropout"
     def bwd_name(head_dim, arch, dropout=False, block_sparse=False, deterministic=False):
@@ -58,7 +60,7 @@ def test_hopper_dispatch(monkeypatch):
     assert bwd_name(64, "sm_90a") == "flash_bwd_sm90_hdim64_fp16" and bwd_name(128, "sm_80") == "flash_bwd_hdim128_fp16"
     assert build.bwd_kernel(128, "bf16", True, False, arch="sm_90a").block_n == build.BWD_SM90_TILES[128].block_n
     assert bwd_name(64, "sm_90a", dropout=True) == "flash_bwd_sm90_hdim64_fp16_dropout"
-    assert bwd_name(64, "sm_90a", block_sparse=True) == "flash_bwd_hdim64_fp16_sparse"
+    assert bwd_name(64, "sm_90a", block_sparse=True) == "flash_bwd_sm90_hdim64_fp16_sparse"
     assert bwd_name(64, "sm_90a", deterministic=True) == "flash_bwd_hdim64_fp16"
     assert bwd_name(96, "sm_90a") == "flash_bwd_hdim96_fp16"
     monkeypatch.setenv("FLASHTRAIN_SM90", "0")
@@ -120,8 +122,8 @@ def test_nvcc_compiles_the_hardest_instantiations():
     loop over query blocks), with causal masking and dropout, plus the auxiliary kernels."""
     specs = [build.aux_kernels("fp16"), build.fwd_kernel(128, "bf16", True, True),
              build.bwd_kernel(128, "bf16", True, True, block_sparse=True), build.bwd_kernel(256, "fp16", True, True),
-             build.fwd_sm90_kernel(128, "bf16", True, True),  # sm_90a only
-             build.bwd_sm90_kernel(128, "bf16", True, True)]
+             build.fwd_sm90_kernel(128, "bf16", True, True, True),  # sm_90a only
+             build.bwd_sm90_kernel(128, "bf16", True, True, True)]
     assert build.check_nvcc(["sm_80", "sm_90a"], jobs=2, specs=specs) == 0
 
 

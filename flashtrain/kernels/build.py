@@ -84,8 +84,8 @@ FWD_TILES = {
 # Empty: hd64 128x128 measured +4% at S=512 (H200, benchmarks/probes/ab_probe.py), but the block-sparse kernels must
 # use the dense kernels' tiles (tests: density 1 == dense bitwise). docs/kernels.md has the numbers.
 FWD_TILES_NONCAUSAL: dict[int, FwdTiles] = {}
-# Hopper (sm_90a) forward on warpgroup MMAs (csrc/flash_fwd_sm90.cuh): dense (dropout too), these head dims (a
-# head_dim that rounds up to one of them). nwarps = 4 per 64 query rows. FLASHTRAIN_SM90=0 in the environment turns the Hopper
+# Hopper (sm_90a) forward on warpgroup MMAs (csrc/flash_fwd_sm90.cuh): dense or block-sparse, dropout too, these
+# head dims (a head_dim that rounds up to one of them). nwarps = 4 per 64 query rows. FLASHTRAIN_SM90=0 in the environment turns the Hopper
 # kernels (forward and backward) off: the mma.sync ones then run on Hopper too (A/B measurements, bitwise comparisons
 # with the block-sparse kernels).
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +123,8 @@ class BwdSm90Tiles:
             + 4 * 4 * self.block_m + 1024
 
 
-# Hopper backward on warpgroup MMAs (csrc/flash_bwd_sm90.cuh): dense (dropout too), not deterministic, these head dims.
+# Hopper backward on warpgroup MMAs (csrc/flash_bwd_sm90.cuh): dense or block-sparse, dropout too, not deterministic,
+# these head dims.
 # H100, same process, backward vs FA2: hd64 3 CTAs/SM 0.96-1.26x (2 CTAs: 0.97-1.28x), hd128 2 CTAs/SM 0.96-1.33x.
 BWD_SM90_TILES = {
     64: BwdSm90Tiles(min_blocks=3, min_blocks_dropout=2),  # dropout with 3: 168 registers + 268-296 B of spills
@@ -202,8 +203,8 @@ def sm90_enabled() -> bool:
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None) -> KernelSpec:
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists."""
-    if arch == SM90_ARCH and not block_sparse and head_dim in FWD_SM90_TILES and sm90_enabled():
-        return fwd_sm90_kernel(head_dim, dtype, causal, dropout)
+    if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
+        return fwd_sm90_kernel(head_dim, dtype, causal, dropout, block_sparse)
     return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse, fwd_tiles(head_dim, causal, dropout, block_sparse))
 
 
@@ -221,17 +222,20 @@ def _fwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spar
                       block_m=tiles.block_m)
 
 
-def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False) -> KernelSpec:
-    return _fwd_sm90_spec(head_dim, dtype, causal, dropout, FWD_SM90_TILES[head_dim])
+def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
+                    block_sparse: bool = False) -> KernelSpec:
+    return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, FWD_SM90_TILES[head_dim])
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, tiles: FwdSm90Tiles) -> KernelSpec:
+def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
+                   tiles: FwdSm90Tiles) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
-    name = f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, False)}"
+    name = f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_MIN_BLOCKS", tiles.min_blocks), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
-               ("FT_DROPOUT", int(dropout)), ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
+               ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", smem_bytes),
+               ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_fwd_sm90.cu", defines, (name,), 32 * tiles.nwarps, smem_bytes, block_m=tiles.block_m,
                       archs=(SM90_ARCH,))
 
@@ -239,24 +243,25 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, tiles
 def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, deterministic: bool = False) -> KernelSpec:
     """The backward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists."""
-    if (arch == SM90_ARCH and not (block_sparse or deterministic) and head_dim in BWD_SM90_TILES
-            and sm90_enabled()):
-        return bwd_sm90_kernel(head_dim, dtype, causal, dropout)
+    if arch == SM90_ARCH and not deterministic and head_dim in BWD_SM90_TILES and sm90_enabled():
+        return bwd_sm90_kernel(head_dim, dtype, causal, dropout, block_sparse)
     return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, BWD_TILES[head_dim])
 
 
-def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False) -> KernelSpec:
-    return _bwd_sm90_spec(head_dim, dtype, causal, dropout, BWD_SM90_TILES[head_dim])
+def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
+                    block_sparse: bool = False) -> KernelSpec:
+    return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, BWD_SM90_TILES[head_dim])
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, tiles: BwdSm90Tiles) -> KernelSpec:
+def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
+                   tiles: BwdSm90Tiles) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
-    name = f"flash_bwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, False)}"
+    name = f"flash_bwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
     min_blocks = tiles.min_blocks_dropout if dropout else tiles.min_blocks
     defines = (("FT_HEAD_DIM", head_dim), ("FT_MIN_BLOCKS", min_blocks), ("FT_BF16", int(dtype == "bf16")),
-               ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_SMEM_BYTES", smem_bytes),
-               ("FT_KERNEL_NAME", name))
+               ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
+               ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), 32 * tiles.nwarps, smem_bytes, block_m=tiles.block_m,
                       block_n=tiles.block_n, archs=(SM90_ARCH,))
 
@@ -295,10 +300,10 @@ def all_kernels() -> list[KernelSpec]:
                     for dropout in (False, True):
                         specs += [fwd_kernel(head_dim, dtype, causal, dropout, block_sparse),
                                   bwd_kernel(head_dim, dtype, causal, dropout, block_sparse)]
-    specs += [fwd_sm90_kernel(head_dim, dtype, causal, dropout) for head_dim in FWD_SM90_TILES for dtype in DTYPES
-              for causal in (False, True) for dropout in (False, True)]
-    specs += [bwd_sm90_kernel(head_dim, dtype, causal, dropout) for head_dim in BWD_SM90_TILES for dtype in DTYPES
-              for causal in (False, True) for dropout in (False, True)]
+    for sm90_kernel, head_dims in ((fwd_sm90_kernel, FWD_SM90_TILES), (bwd_sm90_kernel, BWD_SM90_TILES)):
+        specs += [sm90_kernel(head_dim, dtype, causal, dropout, block_sparse) for head_dim in head_dims
+                  for dtype in DTYPES for causal in (False, True) for dropout in (False, True)
+                  for block_sparse in (False, True)]
     return specs
 
 

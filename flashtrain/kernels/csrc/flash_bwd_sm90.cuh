@@ -13,6 +13,8 @@
 // then writes dK * scale and dV. The row statistics are read from global memory one iteration ahead (lse already in
 // log2 units, +inf where a query sees no key or lies past the end, so that its P is 0) and stored to shared memory
 // late in the iteration, so their latency hides behind the GEMMs.
+// Block-sparse (kIsBlockSparse; as in flash_bwd.cuh): the CTA walks only the query tiles of the non-zero blocks of its
+// key block's column of the block mask, for every query head of the group, cut by causal and the end as the dense walk.
 // Dropout: the keep bits are those of the forward (utils.cuh DropoutRng, addressed by (batch * head, query, key));
 // a thread's 8 elements of a 16 x 16 tile are the words of 2 lanes of the forward's layout (its rows are keys), so it
 // makes 2 Philox calls per tile. Dense attention, not deterministic, head dims 64 and 128 (build.py routes the rest to
@@ -22,9 +24,11 @@
 
 namespace flashtrain {
 
-template <int kHeadDim_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_> struct BwdSm90Traits {
+template <int kHeadDim_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_, bool kIsBlockSparse_>
+struct BwdSm90Traits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kBlockN = 64, kNThreads = 128, kStages = 2;
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
+    static constexpr bool kIsBlockSparse = kIsBlockSparse_;
     static constexpr int kNT = kBlockM / 8;   // n8 column tiles of S^T per thread (columns = queries)
     static constexpr int kDT = kHeadDim / 8;  // n8 column tiles of dK, dV per thread
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (128-byte swizzled column blocks)");
@@ -106,7 +110,26 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
                      "f"(value));
     };
 
-    if (n_iters > 0) {
+    // Block-sparse: the (query head, query tile) pairs come from the column list of this key tile's mask block, for
+    // each query head of the group (SparseWalkAsc), cut to [m_block_min, m_block_end); sp_* hold the current and the
+    // next pair.
+    auto col_list = [&](int i) {
+        return f.bs_cols + (head_kv * group + i) * f.bs_cols_head_stride +
+               (i64)(n0 / kBlockSparseSize) * (f.bs_n_qblocks + 1);
+    };
+    SparseWalkAsc<kBlockSparseSize / kBlockM> walk;
+    const int m_block_end = ceil_div(seqlen_q, kBlockM);
+    bool sp_has = false, sp_has_next = false;
+    int sp_head = 0, sp_m0 = 0, sp_head_next = 0, sp_m0_next = 0;
+    if constexpr (T::kIsBlockSparse) {
+        sp_has = walk.settle(col_list, group, m_block_min, m_block_end);
+        if (sp_has) {
+            sp_head = head_kv * group + walk.head_i;
+            sp_m0 = walk.tile(col_list) * kBlockM;
+            load_q_do(sp_head, sp_m0, 0);
+            store_stat(load_stat(sp_head, sp_m0), 0);
+        }
+    } else if (n_iters > 0) {
         int head, m0;
         coords(0, head, m0);
         load_q_do(head, m0, 0);
@@ -126,14 +149,16 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         constexpr bool kMask = decltype(mask_tag)::value;
         const int stage = it & 1;
         int head, m0;
-        coords(it, head, m0);
+        if constexpr (T::kIsBlockSparse) head = sp_head, m0 = sp_m0;
+        else coords(it, head, m0);
         cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads();  // Q, dO, stats of `it` landed and stored; every thread is done with iteration it - 1
         float stat_next = 0.f;
-        if (it + 1 < n_iters) {
+        if (T::kIsBlockSparse ? sp_has_next : it + 1 < n_iters) {
             int head_next, m0_next;
-            coords(it + 1, head_next, m0_next);
+            if constexpr (T::kIsBlockSparse) head_next = sp_head_next, m0_next = sp_m0_next;
+            else coords(it + 1, head_next, m0_next);
             load_q_do(head_next, m0_next, stage ^ 1);
             stat_next = load_stat(head_next, m0_next);
         }
@@ -223,7 +248,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
                               dsa[ks][r]);
         fence_proxy_async();
         __syncthreads();  // dS^T complete
-        if (it + 1 < n_iters) store_stat(stat_next, stage ^ 1);  // read from iteration it + 1 on (after its barrier)
+        if (T::kIsBlockSparse ? sp_has_next : it + 1 < n_iters)
+            store_stat(stat_next, stage ^ 1);  // read from iteration it + 1 on (after its barrier)
 
         // dQ(block) = dS K, 64 columns of head_dim per pass: A = dS (dS^T in shared memory: M-major), B = K (MN-major).
         float* dq_head =
@@ -262,12 +288,28 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
             }
         }
     };
-    for (int it = 0; it < n_iters; ++it) {
-        const int m0 = (m_block_min + it % n_mblocks) * kBlockM;
-        if (n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q))
-            step(it, BoolConstant<true>{});
-        else
-            step(it, BoolConstant<false>{});
+    if constexpr (T::kIsBlockSparse) {
+        for (int it = 0; sp_has; ++it) {
+            walk.advance();
+            sp_has_next = walk.settle(col_list, group, m_block_min, m_block_end);
+            if (sp_has_next) {
+                sp_head_next = head_kv * group + walk.head_i;
+                sp_m0_next = walk.tile(col_list) * kBlockM;
+            }
+            if (n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > sp_m0 + seqlen_k - seqlen_q))
+                step(it, BoolConstant<true>{});
+            else
+                step(it, BoolConstant<false>{});
+            sp_has = sp_has_next, sp_head = sp_head_next, sp_m0 = sp_m0_next;
+        }
+    } else {
+        for (int it = 0; it < n_iters; ++it) {
+            const int m0 = (m_block_min + it % n_mblocks) * kBlockM;
+            if (n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q))
+                step(it, BoolConstant<true>{});
+            else
+                step(it, BoolConstant<false>{});
+        }
     }
 
     // Epilogue: dK * scale and dV through the K / V tiles, then 16-byte stores.

@@ -10,18 +10,24 @@
 //     wait V[n]; issue K[n-1]  online softmax (as in flash_fwd.cuh)
 //                              O += P V[n] (wgmma, P from registers)
 // At the end out = O / l and lse = m * scale + ln(l); a row with no visible key gets out = 0, lse = -inf.
-// Dense attention, with or without dropout (the same Philox bits as flash_fwd.cuh: utils.cuh DropoutRng addresses
-// them by (batch * head, query, key) only), head dims 64 and 128 (build.py routes everything else to flash_fwd.cuh).
+// Block-sparse (kIsBlockSparse; as in flash_fwd.cuh): the CTA walks only the key tiles of the non-zero blocks of its
+// query block's row of the block mask, from the last to the first, cut and masked by causal and the end as the dense
+// walk. Dropout: the same Philox bits as flash_fwd.cuh (utils.cuh DropoutRng addresses them by (batch * head, query,
+// key) only). Head dims 64 and 128 (build.py routes everything else to flash_fwd.cuh).
 // Causal masking is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
 #pragma once
 #include "wgmma.cuh"
 
 namespace flashtrain {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
+          bool kIsBlockSparse_>
 struct FwdSm90Traits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
+    static constexpr bool kIsBlockSparse = kIsBlockSparse_;
+    static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
+                  "a block-sparse mask block must be a whole number of tiles");
     static constexpr int kNWarpGroups = kBlockM / 64, kNThreads = 128 * kNWarpGroups;
     static constexpr int kNT = kBlockN / 8;  // n8 column tiles of S per thread
     static constexpr int kDT = kHeadDim / 8;  // n8 column tiles of O per thread
@@ -72,12 +78,21 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdParam
         n_block_max = min_(n_block_max, ceil_div(max_(last_visible, 0), kBlockN));
     }
 
+    // Key tiles in walk order: dense, n_block_max - 1 down to 0; block-sparse, those of the row's non-zero mask blocks
+    // below n_block_max, descending (walk.next() gives the one after the current tile, -1 at the end).
+    SparseWalkDesc<kBlockSparseSize / kBlockN> walk;
+    int first_block = n_block_max - 1;
+    if constexpr (T::kIsBlockSparse) {
+        walk.init(p.bs_rows + head * p.bs_rows_head_stride + (i64)(m0 / kBlockSparseSize) * (p.bs_n_kblocks + 1));
+        first_block = walk.skip_to_below(n_block_max);
+    }
+
     const u32 smem_base = (smem_u32(smem) + 1023) & ~1023u;
     const u32 sQ = smem_base, sK = sQ + TileQ::kBytes, sV = sK + TileKV::kBytes;
     load_tile_async<TileQ, T::kNThreads>(sQ, q, p.q_row_stride, seqlen_q - m0, p.head_dim, tid);
     cp_async_commit();
-    if (n_block_max > 0) {
-        const int n0 = (n_block_max - 1) * kBlockN;
+    if (T::kIsBlockSparse ? first_block >= 0 : n_block_max > 0) {
+        const int n0 = (T::kIsBlockSparse ? first_block : n_block_max - 1) * kBlockN;
         load_tile_async<TileKV, T::kNThreads>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0,
                                               p.head_dim, tid);
         cp_async_commit();
@@ -91,7 +106,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdParam
     const int bh = batch * p.nheads + head;
 
     // One key block; kMask: some key of it is past the end or right of the diagonal for some row of this block.
-    auto step = [&](int n_block, auto mask_tag) {
+    // Block-sparse: n_block_next is the block walked after this one (its K is copied during this step), -1 for none;
+    // dense: n_block - 1.
+    auto step = [&](int n_block, int n_block_next, auto mask_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
         const int n0 = n_block * kBlockN;
         cp_async_wait<0>();
@@ -130,8 +147,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdParam
         cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads();  // V[n] landed; every warpgroup is done with K[n]
-        if (n_block > 0) {
-            const int n0_next = n0 - kBlockN;
+        if (T::kIsBlockSparse ? n_block_next >= 0 : n_block > 0) {
+            const int n0_next = T::kIsBlockSparse ? n_block_next * kBlockN : n0 - kBlockN;
             load_tile_async<TileKV, T::kNThreads>(sK, k + n0_next * p.k_row_stride, p.k_row_stride,
                                                   seqlen_k - n0_next, p.head_dim, tid);
             cp_async_commit();
@@ -198,14 +215,27 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdParam
         wgmma_wait<0>();
         fence_operand(o);
     };
-    // The blocks that need masking come first in this descending order; the rest run the mask-free copy.
-    int n_block = n_block_max - 1;
-    for (; n_block >= 0; --n_block) {
+    auto needs_mask = [&](int n_block) {
         const int n0 = n_block * kBlockN;
-        if (!(n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q))) break;
-        step(n_block, BoolConstant<true>{});
+        return n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
+    };
+    if constexpr (T::kIsBlockSparse) {
+        for (int n_block = first_block; n_block >= 0;) {
+            const int n_block_next = walk.next();
+            if (needs_mask(n_block)) step(n_block, n_block_next, BoolConstant<true>{});
+            else step(n_block, n_block_next, BoolConstant<false>{});
+            n_block = n_block_next;
+        }
+    } else {
+        // The blocks that need masking come first in this descending order; the rest run the mask-free copy.
+        int n_block = n_block_max - 1;
+        for (; n_block >= 0; --n_block) {
+            const int n0 = n_block * kBlockN;
+            if (!(n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q))) break;
+            step(n_block, -1, BoolConstant<true>{});
+        }
+        for (; n_block >= 0; --n_block) step(n_block, -1, BoolConstant<false>{});
     }
-    for (; n_block >= 0; --n_block) step(n_block, BoolConstant<false>{});
 
     // Epilogue: out = O / l, lse = m * scale + ln(l); staged through Q's shared tile for 16-byte stores.
     cp_async_wait<0>();
