@@ -117,6 +117,10 @@ class BwdSm90Tiles:
     block_m: int = 64
     block_n: int = 64
     nwarps: int = 4
+    scramble_dq: int = 1  # whole blocks add into dq_accum in the scrambled order (as BwdTiles), 64-column slices
+
+    def dq_slice_width(self, head_dim: int) -> int:  # flash_bwd_sm90.cuh computes dQ 64 columns per pass
+        return 64
 
     def smem_bytes(self, head_dim: int) -> int:  # Q, dO x 2 stages, K, V, dS^T 16-bit; lse, D x 2 stages; align
         return 2 * (4 * self.block_m * head_dim + 2 * self.block_n * head_dim + self.block_m * self.block_n) \

@@ -203,8 +203,7 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse)
     spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse,
                             arch=launch.device_arch(q.device), deterministic=deterministic)
-    hopper = spec.source == "flash_bwd_sm90.cu"
-    tiles = build.BWD_SM90_TILES[head_dim] if hopper else build.BWD_TILES[head_dim]
+    tiles = build.BWD_SM90_TILES[head_dim] if spec.source == "flash_bwd_sm90.cu" else build.BWD_TILES[head_dim]
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, rng_state, bs_cols=bs_cols)
     batch, nheads, nheads_kv = fwd.batch, fwd.nheads, fwd.nheads_kv
@@ -226,10 +225,9 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         dqa_batch_stride=dqa_strides[1], dqa_head_stride=dqa_strides[2], batch=batch, nheads=nheads,
         head_dim=q.shape[-1], seqlen_q=fwd.seqlen_q, seqlen_k=fwd.seqlen_k, nsplits=nsplits,
         softmax_scale=softmax_scale, dq_block_m=tiles.block_m,
-        # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded (the Hopper
-        # kernel in slices of 64 columns)
-        dq_slice_width=(0 if deterministic or q.shape[-1] != head_dim else 64 if hopper else
-                        tiles.dq_slice_width(head_dim) if tiles.scramble_dq else 0))
+        # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded
+        dq_slice_width=(tiles.dq_slice_width(head_dim)
+                        if tiles.scramble_dq and not deterministic and q.shape[-1] == head_dim else 0))
     (aux.o_batch_stride, aux.o_row_stride, aux.o_head_stride) = _strides(out, varlen)
     (aux.do_batch_stride, aux.do_row_stride, aux.do_head_stride) = _strides(dout, varlen)
     (aux.dq_batch_stride, aux.dq_row_stride, aux.dq_head_stride) = _strides(dq, varlen)
