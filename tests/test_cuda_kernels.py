@@ -287,8 +287,8 @@ def test_cuda_graph_capture_replays():
 
 
 def _sanitizer_grid() -> None:
-    """A small grid of forward + backward calls covering every kernel path (on Hopper the warpgroup-MMA forward too:
-    head dims 40, 64, 72, 128 without dropout), for compute-sanitizer."""
+    """A small grid of forward + backward calls covering every kernel path (on Hopper the warpgroup-MMA kernels too:
+    head dims 40, 64, 128 with and without dropout), for compute-sanitizer."""
     for head_dim, dtype, causal, dropout_p in [(64, torch.float16, False, 0.0), (128, torch.bfloat16, True, 0.1),
                                                 (96, torch.float16, True, 0.0), (256, torch.bfloat16, False, 0.0),
                                                 (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2),
