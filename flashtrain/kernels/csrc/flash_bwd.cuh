@@ -87,13 +87,8 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
 
     const int batch = blockIdx.y, head_kv = blockIdx.z;
     const int group = f.nheads / f.nheads_kv;  // query heads per kv head
-    int q_start = 0, k_start = 0, seqlen_q = f.seqlen_q, seqlen_k = f.seqlen_k;
-    if (f.cu_seqlens_q != nullptr) {
-        q_start = f.cu_seqlens_q[batch];
-        seqlen_q = f.cu_seqlens_q[batch + 1] - q_start;
-        k_start = f.cu_seqlens_k[batch];
-        seqlen_k = f.cu_seqlens_k[batch + 1] - k_start;
-    }
+    int q_start, k_start, seqlen_q, seqlen_k;
+    seq_bounds(f, batch, q_start, k_start, seqlen_q, seqlen_k);
     const int n_kblocks = ceil_div(seqlen_k, kBlockN);
     // dq_accum of this (split, batch) and the warp's coordinates in the three tilings. Recomputed where used (from
     // a laundered warp index): kept live across the main loop they would be spilled.
@@ -349,7 +344,7 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
             }
         };
         auto needs_mask = [&](int m0) {
-            return n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
+            return tile_needs_mask<T::kIsCausal, kBlockN>(m0, n0, seqlen_q, seqlen_k);
         };
         if constexpr (T::kIsBlockSparse) {
             for (int it = 0; has_iter; ++it) {
@@ -367,7 +362,7 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                 const int head = head_kv * group + it / n_mblocks, m0 = (m_block_min + it % n_mblocks) * kBlockM;
                 const int head_next = head_kv * group + (it + 1) / n_mblocks;
                 const int m0_next = (m_block_min + (it + 1) % n_mblocks) * kBlockM;
-                if (n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q))
+                if (needs_mask(m0))
                     step(it, head, m0, head_next, m0_next, false, BoolConstant<true>{});
                 else
                     step(it, head, m0, head_next, m0_next, false, BoolConstant<false>{});

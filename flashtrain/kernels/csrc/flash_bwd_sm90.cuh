@@ -53,13 +53,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
 
     const int n_block = blockIdx.x, batch = blockIdx.y, head_kv = blockIdx.z;
     const int group = f.nheads / f.nheads_kv;  // query heads per kv head
-    int q_start = 0, k_start = 0, seqlen_q = f.seqlen_q, seqlen_k = f.seqlen_k;
-    if (f.cu_seqlens_q != nullptr) {
-        q_start = f.cu_seqlens_q[batch];
-        seqlen_q = f.cu_seqlens_q[batch + 1] - q_start;
-        k_start = f.cu_seqlens_k[batch];
-        seqlen_k = f.cu_seqlens_k[batch + 1] - k_start;
-    }
+    int q_start, k_start, seqlen_q, seqlen_k;
+    seq_bounds(f, batch, q_start, k_start, seqlen_q, seqlen_k);
     const int n0 = n_block * kBlockN;
     if (n0 >= seqlen_k) return;
     // Query blocks that see some key of this block: causal rows i >= n0 - (seqlen_k - seqlen_q).
@@ -166,6 +161,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
 
         // S^T = K Q^T and dP^T = V dO^T: kHeadDim / 16 k-steps each, step kk reads 16 columns of column block kk / 4.
         float st[kNT][4], dpt[kNT][4];
+        // (Two loops: S^T's steps, then dP^T's. One loop interleaving them costs the dropout kernels 4-24 B of spills.)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -296,7 +292,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
                 sp_head_next = head_kv * group + walk.head_i;
                 sp_m0_next = walk.tile(col_list) * kBlockM;
             }
-            if (n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > sp_m0 + seqlen_k - seqlen_q))
+            if (tile_needs_mask<T::kIsCausal, kBlockN>(sp_m0, n0, seqlen_q, seqlen_k))
                 step(it, BoolConstant<true>{});
             else
                 step(it, BoolConstant<false>{});
@@ -305,7 +301,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
     } else {
         for (int it = 0; it < n_iters; ++it) {
             const int m0 = (m_block_min + it % n_mblocks) * kBlockM;
-            if (n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q))
+            if (tile_needs_mask<T::kIsCausal, kBlockN>(m0, n0, seqlen_q, seqlen_k))
                 step(it, BoolConstant<true>{});
             else
                 step(it, BoolConstant<false>{});

@@ -52,13 +52,8 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
     const int m_block = T::kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int batch = blockIdx.y, head = blockIdx.z;
     const int head_kv = head / (p.nheads / p.nheads_kv);
-    int q_start = 0, k_start = 0, seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
-    if (p.cu_seqlens_q != nullptr) {
-        q_start = p.cu_seqlens_q[batch];
-        seqlen_q = p.cu_seqlens_q[batch + 1] - q_start;
-        k_start = p.cu_seqlens_k[batch];
-        seqlen_k = p.cu_seqlens_k[batch + 1] - k_start;
-    }
+    int q_start, k_start, seqlen_q, seqlen_k;
+    seq_bounds(p, batch, q_start, k_start, seqlen_q, seqlen_k);
     const int m0 = m_block * kBlockM;
     if (m0 >= seqlen_q) return;
 
@@ -155,46 +150,12 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                float mx = row_max[mt][hf];
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt) mx = fmax_(mx, fmax_(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
-                mx = fmax_(mx, shfl_xor(mx, 1));  // the 4 lanes of a quad share a row
-                mx = fmax_(mx, shfl_xor(mx, 2));
-                // A row that saw only masked keys so far keeps m = -inf; subtract 0 instead to avoid inf - inf.
-                const float m_scaled = mx == -infinity() ? 0.f : mx * p.softmax_scale_log2;
-                const float correction = fast_exp2(row_max[mt][hf] * p.softmax_scale_log2 - m_scaled);
-                row_max[mt][hf] = mx;
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& x = s[mt][nt][2 * hf + e];
-                        x = fast_exp2(x * p.softmax_scale_log2 - m_scaled);
-                        sum += x;
-                    }
-                row_sum[mt][hf] = row_sum[mt][hf] * correction + sum;  // the max moved: rescale the running sum
-#pragma unroll
-                for (int dt = 0; dt < kDT; ++dt) {
-                    o[mt][dt][2 * hf] *= correction;
-                    o[mt][dt][2 * hf + 1] *= correction;
-                }
-            }
+            for (int hf = 0; hf < 2; ++hf)
+                softmax_update_row(s[mt], o[mt], hf, row_max[mt][hf], row_sum[mt][hf], p.softmax_scale_log2);
 
-        if constexpr (T::kIsDropout) {
+        if constexpr (T::kIsDropout) {  // zero the dropped P entries (l keeps the un-dropped sum)
 #pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int ks = 0; ks < kNT / 2; ++ks) {
-                    u32 bits[4];
-                    rng.bits(bits, bh, m0 + warp_m0 + mt * 16 + g, n0 + ks * 16 + 2 * t);
-#pragma unroll
-                    for (int nt2 = 0; nt2 < 2; ++nt2)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            if (!rng.keep_half(bits, (e >> 1) * 4 + nt2 * 2 + (e & 1))) s[mt][2 * ks + nt2][e] = 0.f;
-                }
+            for (int mt = 0; mt < kMT; ++mt) rng.drop(s[mt], bh, m0 + warp_m0 + mt * 16 + g, n0 + 2 * t);
         }
 
         // O += P V: P is re-packed from the S accumulators (k = key) and V[k][d] is read transposed.
@@ -216,26 +177,10 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         }
     };
     auto needs_mask = [&](int n_block) {
-        const int n0 = n_block * kBlockN;
-        return n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
+        return tile_needs_mask<T::kIsCausal, kBlockN>(m0, n_block * kBlockN, seqlen_q, seqlen_k);
     };
-    if constexpr (T::kIsBlockSparse) {
-        for (int n_block = first_block; n_block >= 0;) {
-            const int n_block_next = walk.next();
-            if (needs_mask(n_block)) step(n_block, n_block_next, BoolConstant<true>{});
-            else step(n_block, n_block_next, BoolConstant<false>{});
-            n_block = n_block_next;
-        }
-    } else {
-        // The blocks that need masking come first in this descending order; the rest run the mask-free copy.
-        int n_block = n_block_max - 1;
-        for (; n_block >= 0; --n_block) {
-            const int n0 = n_block * kBlockN;
-            if (!(n0 + kBlockN > seqlen_k || (T::kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q))) break;
-            step(n_block, -1, BoolConstant<true>{});
-        }
-        for (; n_block >= 0; --n_block) step(n_block, -1, BoolConstant<false>{});
-    }
+    // (dense: n_block_max - 1 spelled out -- through first_block ptxas spilled 16 B in the Hopper forward)
+    walk_key_blocks<T::kIsBlockSparse>(T::kIsBlockSparse ? first_block : n_block_max - 1, walk, needs_mask, step);
 
     // Epilogue: out = O / l, lse = m * scale + ln(l); staged through Q's shared tile for 16-byte stores.
     cp_async_wait<0>();
@@ -245,19 +190,9 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            float sum = row_sum[mt][hf];
-            sum += shfl_xor(sum, 1);
-            sum += shfl_xor(sum, 2);
-            const bool empty = !(sum > 0.f);  // no visible key (or the sum underflowed): out = 0, lse = -inf
-            const float inv = empty ? 0.f : (T::kIsDropout ? p.rp_dropout : 1.f) / sum;
-#pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                o[mt][dt][2 * hf] *= inv;
-                o[mt][dt][2 * hf + 1] *= inv;
-            }
+            const float sum = finish_row<T::kIsDropout>(o[mt], hf, row_sum[mt][hf], p.rp_dropout);
             const int row = m0 + warp_m0 + mt * 16 + g + 8 * hf;
-            if (t == 0 && row < seqlen_q)
-                lse[row] = empty ? -infinity() : row_max[mt][hf] * p.softmax_scale + fast_log2(sum) / kLog2e;
+            if (t == 0 && row < seqlen_q) lse[row] = row_lse(sum, row_max[mt][hf], p.softmax_scale);
         }
     store_acc<T::kIsBF16, TileQ>(sQ, o, warp_m0, 0, 1.f, lane);
     __syncthreads();

@@ -400,7 +400,114 @@ struct DropoutRng {
     __device__ __forceinline__ bool keep_half(const u32 (&r)[4], int half) const {
         return ((r[half >> 1] >> ((half & 1) * 16)) & 0xffffu) < keep_threshold;
     }
+    // Forward: zero the dropped entries of a thread's P fragment p[kNT][4] (mma / wgmma accumulator layout) whose row g
+    // is query `row` and whose first column is key `col` (= n0 + 2t).
+    template <int kNT> __device__ __forceinline__ void drop(float (&p)[kNT][4], int bh, int row, int col) const {
+#pragma unroll
+        for (int ks = 0; ks < kNT / 2; ++ks) {
+            u32 r[4];
+            bits(r, bh, row, col + ks * 16);
+#pragma unroll
+            for (int nt2 = 0; nt2 < 2; ++nt2)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!keep_half(r, (e >> 1) * 4 + nt2 * 2 + (e & 1))) p[2 * ks + nt2][e] = 0.f;
+        }
+    }
 };
+
+// ---------------------------------------------------------------------------------------------- shared by the kernels
+// Where batch entry `batch` lives: varlen reads cu_seqlens, the batch form has start 0 and the fixed lengths.
+__device__ __forceinline__ void seq_bounds(const FwdParams& p, int batch, int& q_start, int& k_start, int& seqlen_q,
+                                           int& seqlen_k) {
+    q_start = 0, k_start = 0, seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+    if (p.cu_seqlens_q != nullptr) {
+        q_start = p.cu_seqlens_q[batch];
+        seqlen_q = p.cu_seqlens_q[batch + 1] - q_start;
+        k_start = p.cu_seqlens_k[batch];
+        seqlen_k = p.cu_seqlens_k[batch + 1] - k_start;
+    }
+}
+// The tile of queries from m0 and kBlockN keys from n0 needs masking: it holds keys past the end or, causal (bottom-
+// right aligned), keys right of the diagonal of its first query.
+template <bool kIsCausal, int kBlockN>
+__device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int seqlen_q, int seqlen_k) {
+    return n0 + kBlockN > seqlen_k || (kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
+}
+
+// Forward, one row (half hf: row g or g + 8) of a thread's S fragment s[kNT][4] in the mma / wgmma accumulator layout:
+// online softmax in base 2. Updates the running max m and the thread's partial sum l, turns s into
+// p = exp2(s * scale_log2 - m * scale_log2) and rescales the row's O accumulators o[kDT][4].
+template <int kNT, int kDT>
+__device__ __forceinline__ void softmax_update_row(float (&s)[kNT][4], float (&o)[kDT][4], int hf, float& row_max,
+                                                   float& row_sum, float scale_log2) {
+    float mx = row_max;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) mx = fmax_(mx, fmax_(s[nt][2 * hf], s[nt][2 * hf + 1]));
+    mx = fmax_(mx, shfl_xor(mx, 1));  // the 4 lanes of a quad share a row
+    mx = fmax_(mx, shfl_xor(mx, 2));
+    // A row that saw only masked keys so far keeps m = -inf; subtract 0 instead to avoid inf - inf.
+    const float m_scaled = mx == -infinity() ? 0.f : mx * scale_log2;
+    const float correction = fast_exp2(row_max * scale_log2 - m_scaled);
+    row_max = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float& x = s[nt][2 * hf + e];
+            x = fast_exp2(x * scale_log2 - m_scaled);
+            sum += x;
+        }
+    row_sum = row_sum * correction + sum;  // the max moved: rescale the running sum
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+        o[dt][2 * hf] *= correction;
+        o[dt][2 * hf + 1] *= correction;
+    }
+}
+
+// Forward epilogue of one row (half hf): sums the quad's partial sums l, scales the row's O accumulators by 1 / l
+// (times 1 / (1 - p) with dropout; 0 for a row with no visible key or an underflowed sum) and returns l.
+template <bool kIsDropout, int kDT>
+__device__ __forceinline__ float finish_row(float (&o)[kDT][4], int hf, float row_sum, float rp_dropout) {
+    float sum = row_sum;
+    sum += shfl_xor(sum, 1);
+    sum += shfl_xor(sum, 2);
+    const float inv = !(sum > 0.f) ? 0.f : (kIsDropout ? rp_dropout : 1.f) / sum;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+        o[dt][2 * hf] *= inv;
+        o[dt][2 * hf + 1] *= inv;
+    }
+    return sum;
+}
+// Forward key-block walk, from the last block to the first: block-sparse, the tiles of `walk` from first_block on
+// (step(n_block, next tile or -1, mask tag)); dense, first_block down to 0, the blocks that need a mask first (in this
+// order they come first) with the masked copy of the step, then the mask-free copy (step(n_block, -1, tag)).
+template <bool kIsBlockSparse, class Walk, class NeedsMask, class Step>
+__device__ __forceinline__ void walk_key_blocks(int first_block, Walk& walk, const NeedsMask& needs_mask,
+                                                const Step& step) {
+    if constexpr (kIsBlockSparse) {
+        for (int n_block = first_block; n_block >= 0;) {
+            const int n_block_next = walk.next();
+            if (needs_mask(n_block)) step(n_block, n_block_next, BoolConstant<true>{});
+            else step(n_block, n_block_next, BoolConstant<false>{});
+            n_block = n_block_next;
+        }
+    } else {
+        int n_block = first_block;
+        for (; n_block >= 0; --n_block) {
+            if (!needs_mask(n_block)) break;
+            step(n_block, -1, BoolConstant<true>{});
+        }
+        for (; n_block >= 0; --n_block) step(n_block, -1, BoolConstant<false>{});
+    }
+}
+// lse = m * scale + ln(l) of a row finish_row returned l for; -inf for a row with no visible key.
+__device__ __forceinline__ float row_lse(float sum, float row_max, float softmax_scale) {
+    return !(sum > 0.f) ? -infinity() : row_max * softmax_scale + fast_log2(sum) / kLog2e;
+}
 
 // ---------------------------------------------------------------------------------------------- block sparsity
 // A list of non-zero block-mask blocks (flash.h, bs_rows / bs_cols) is list[0] = count, then count mask blocks
