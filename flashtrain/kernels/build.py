@@ -84,29 +84,28 @@ FWD_TILES = {
 # Empty: hd64 128x128 measured +4% at S=512 (H200, benchmarks/probes/ab_probe.py), but the block-sparse kernels must
 # use the dense kernels' tiles (tests: density 1 == dense bitwise). docs/kernels.md has the numbers.
 FWD_TILES_NONCAUSAL: dict[int, FwdTiles] = {}
-# Hopper (sm_90a) forward on warpgroup MMAs (csrc/flash_fwd_sm90.cuh): dense or block-sparse, dropout too, these
-# head dims (a head_dim that rounds up to one of them). nwarps = 4 per 64 query rows. FLASHTRAIN_SM90=0 in the environment turns the Hopper
-# kernels (forward and backward) off: the mma.sync ones then run on Hopper too (A/B measurements, bitwise comparisons
-# with the block-sparse kernels).
+# Hopper (sm_90a) forward, warp-specialized (csrc/flash_fwd_sm90.cuh): a producer warpgroup issuing TMA copies into a
+# ring of `stages` K/V buffers, block_m / 64 consumer warpgroups (two: ping-pong scheduled). Dense or block-sparse,
+# dropout too, these head dims (a head_dim that rounds up to one of them). FLASHTRAIN_SM90=0 in the environment turns
+# the Hopper kernels (forward and backward) off: the mma.sync ones then run on Hopper too (A/B measurements, bitwise
+# comparisons with the block-sparse kernels).
 @dataclasses.dataclass(frozen=True)
 class FwdSm90Tiles:
-    block_m: int  # query rows per CTA: one warpgroup (4 warps) per 64
+    block_m: int  # query rows per CTA: one consumer warpgroup per 64
     block_n: int  # keys per K/V tile
-    min_blocks: int = 1  # CTAs per SM the registers are budgeted for (__launch_bounds__)
+    stages: int  # K/V buffers in the TMA ring
 
     @property
-    def nwarps(self) -> int:
-        return self.block_m // 16
+    def threads(self) -> int:  # consumer warpgroups + the producer warpgroup
+        return 128 * (self.block_m // 64 + 1)
 
-    def smem_bytes(self, head_dim: int) -> int:  # Q, K, V tiles + 1024 to align them (the 128-byte swizzle)
-        return 2 * (self.block_m + 2 * self.block_n) * head_dim + 1024
+    def smem_bytes(self, head_dim: int) -> int:  # Q, K and V stages; 1024 to align them (128-byte swizzle); barriers
+        return 2 * (self.block_m + 2 * self.stages * self.block_n) * head_dim + 1024 + 256
 
 
-# One warpgroup per CTA, several CTAs per SM: a CTA's softmax overlaps another's GEMMs (H100, same process, forward
-# vs FA2: hd64 64x128 x3 CTAs 1.21-1.42x, 128x128 x1 0.80-1.16x; hd128 64x128 x2 1.12-1.69x, 128x128 x1 0.99-1.69x).
 FWD_SM90_TILES = {
-    64: FwdSm90Tiles(64, 128, min_blocks=3),
-    128: FwdSm90Tiles(64, 128, min_blocks=2),
+    64: FwdSm90Tiles(128, 128, stages=2),
+    128: FwdSm90Tiles(128, 128, stages=2),
 }
 
 
@@ -237,10 +236,10 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     smem_bytes = tiles.smem_bytes(head_dim)
     name = f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
-               ("FT_MIN_BLOCKS", tiles.min_blocks), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
-               ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", smem_bytes),
-               ("FT_KERNEL_NAME", name))
-    return KernelSpec("flash_fwd_sm90.cu", defines, (name,), 32 * tiles.nwarps, smem_bytes, block_m=tiles.block_m,
+               ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")),
+               ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
+               ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
+    return KernelSpec("flash_fwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       archs=(SM90_ARCH,))
 
 

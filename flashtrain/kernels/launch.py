@@ -14,6 +14,7 @@ import torch
 from cuda.bindings import driver
 
 from flashtrain.kernels import build
+from flashtrain.kernels.tma import TmaDesc
 
 _i64, _i32, _u32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
 
@@ -33,6 +34,13 @@ class FwdParams(ctypes.Structure):
         ("bs_n_qblocks", _i32), ("bs_n_kblocks", _i32),
         ("bs_rows", _ptr), ("bs_cols", _ptr), ("bs_rows_head_stride", _i64), ("bs_cols_head_stride", _i64),
     ]
+
+
+class FwdSm90Params(ctypes.Structure):
+    """csrc/flash.h FwdSm90Params: three 128-byte tensor maps (offsets 0, 128, 256), then FwdParams (384, 256
+    bytes): 640 bytes, a multiple of the struct's 64-byte alignment, so the driver copies no padding from past it."""
+
+    _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("fwd", FwdParams)]
 
 
 class BwdParams(ctypes.Structure):

@@ -171,6 +171,13 @@ def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_s
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                          softmax_scale, rng_state, bs_rows=bs_rows)
     grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
+    if spec.source == "flash_fwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, then the same parameters
+        from flashtrain.kernels import tma
+
+        varlen, tiles = cu_seqlens_q is not None, build.FWD_SM90_TILES[head_dim]
+        params = launch.FwdSm90Params(tma_q=tma.tensor_map(q, varlen, tiles.block_m),
+                                      tma_k=tma.tensor_map(k, varlen, tiles.block_n),
+                                      tma_v=tma.tensor_map(v, varlen, tiles.block_n), fwd=params)
     launch.get_kernel(spec, spec.symbols[0], q.device).launch(grid, params, q.device)
     return out, lse
 
@@ -317,8 +324,10 @@ def _empty_outputs(q: Tensor, cu_seqlens_q: Tensor | None) -> tuple[Tensor, Tens
 
 
 def _aligned(x: Tensor) -> Tensor:
-    """x itself when the kernels' 16-byte loads of its rows are aligned (pointer and every stride), else a copy."""
-    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(stride % 8 == 0 for stride in x.stride()[:-1]):
+    """x itself when the kernels' 16-byte loads of its rows are aligned (pointer and every stride) and no dimension
+    is broadcast (stride 0, which TMA tensor maps cannot express), else a copy."""
+    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(
+            stride % 8 == 0 and (stride > 0 or size == 1) for stride, size in zip(x.stride()[:-1], x.shape[:-1])):
         return x
     return x.clone(memory_format=torch.contiguous_format)  # fresh allocations are aligned; head_dim % 8 == 0
 

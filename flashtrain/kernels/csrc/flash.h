@@ -54,6 +54,19 @@ struct FwdParams {
     i64 bs_rows_head_stride, bs_cols_head_stride;  // 0: one mask for all heads
 };
 
+// A TMA tensor map (CUtensorMap): 128 opaque bytes encoded on the host by cuTensorMapEncodeTiled
+// (flashtrain/kernels/tma.py), 64-byte aligned, read by the copy engine from the kernel's parameter space.
+struct alignas(64) TmaDesc {
+    u64 opaque[16];
+};
+
+// Parameters of the Hopper TMA forward (flash_fwd_sm90.cuh): tensor maps of q, k, v as rank-4 tensors
+// (head_dim, rows, heads, batch) -- varlen: (head_dim, total rows, heads, 1) -- then the plain parameters.
+struct FwdSm90Params {
+    TmaDesc tma_q, tma_k, tma_v;
+    FwdParams fwd;
+};
+
 struct BwdParams {
     FwdParams fwd;            // q, k, v, out, lse, seqlens, rng, scales as in the forward
     const void* dout;

@@ -437,10 +437,11 @@ __device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int seqlen_q, in
 
 // Forward, one row (half hf: row g or g + 8) of a thread's S fragment s[kNT][4] in the mma / wgmma accumulator layout:
 // online softmax in base 2. Updates the running max m and the thread's partial sum l, turns s into
-// p = exp2(s * scale_log2 - m * scale_log2) and rescales the row's O accumulators o[kDT][4].
-template <int kNT, int kDT>
-__device__ __forceinline__ void softmax_update_row(float (&s)[kNT][4], float (&o)[kDT][4], int hf, float& row_max,
-                                                   float& row_sum, float scale_log2) {
+// p = exp2(s * scale_log2 - m * scale_log2) and returns the factor the row's O accumulators must be rescaled by
+// (rescale_row; kept apart so that a kernel can rescale O only once an asynchronous P V product into it is done).
+template <int kNT>
+__device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, float& row_max, float& row_sum,
+                                                 float scale_log2) {
     float mx = row_max;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) mx = fmax_(mx, fmax_(s[nt][2 * hf], s[nt][2 * hf + 1]));
@@ -460,11 +461,19 @@ __device__ __forceinline__ void softmax_update_row(float (&s)[kNT][4], float (&o
             sum += x;
         }
     row_sum = row_sum * correction + sum;  // the max moved: rescale the running sum
+    return correction;
+}
+template <int kDT> __device__ __forceinline__ void rescale_row(float (&o)[kDT][4], int hf, float correction) {
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
         o[dt][2 * hf] *= correction;
         o[dt][2 * hf + 1] *= correction;
     }
+}
+template <int kNT, int kDT>
+__device__ __forceinline__ void softmax_update_row(float (&s)[kNT][4], float (&o)[kDT][4], int hf, float& row_max,
+                                                   float& row_sum, float scale_log2) {
+    rescale_row(o, hf, softmax_exp_row(s, hf, row_max, row_sum, scale_log2));
 }
 
 // Forward epilogue of one row (half hf): sums the quad's partial sums l, scales the row's O accumulators by 1 / l
