@@ -99,14 +99,32 @@ class FwdSm90Tiles:
     def threads(self) -> int:  # consumer warpgroups + the producer warpgroup
         return 128 * (self.block_m // 64 + 1)
 
-    def smem_bytes(self, head_dim: int) -> int:  # Q, K and V stages; 1024 to align them (128-byte swizzle); barriers
-        return 2 * (self.block_m + 2 * self.stages * self.block_n) * head_dim + 1024 + 256
+    def smem_bytes(self, head_dim: int) -> int:  # Q, O, K and V stages; 1024 to align them (128-byte swizzle); barriers
+        return 2 * (2 * self.block_m + 2 * self.stages * self.block_n) * head_dim + 1024 + 256
 
 
 FWD_SM90_TILES = {
     64: FwdSm90Tiles(128, 128, stages=2),
     128: FwdSm90Tiles(128, 128, stages=2),
 }
+# Dense non-causal forward without dropout: three consumer warpgroups at head dim 64 (H200, same process, GPU time:
+# 422 -> 480 TFLOP/s at 16K, 343 -> 363 at 512; with dropout they spill, and 192 rows do not divide a 128-token
+# block-sparse block). Rows are independent, so the result is bitwise that of FWD_SM90_TILES (same block_n).
+FWD_SM90_TILES_NONCAUSAL = {
+    64: FwdSm90Tiles(192, 128, stages=2),
+}
+
+
+def _tile_overrides() -> None:
+    """FLASHTRAIN_FWD_SM90_TILES="64=192x128x2,128=128x128x2" (head dim = block_m x block_n x stages) replaces
+    entries of FWD_SM90_TILES in this process: tile A/B measurements without editing the table."""
+    for item in filter(None, os.environ.get("FLASHTRAIN_FWD_SM90_TILES", "").split(",")):
+        head_dim, shape = item.split("=")
+        block_m, block_n, stages = (int(x) for x in shape.split("x"))
+        FWD_SM90_TILES[int(head_dim)] = FWD_SM90_TILES_NONCAUSAL[int(head_dim)] = FwdSm90Tiles(block_m, block_n, stages)
+
+
+_tile_overrides()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +175,10 @@ class KernelSpec:
     block_m: int = 0  # forward kernels: query rows per CTA (sizes the grid)
     block_n: int = 0  # backward kernels: keys per CTA (sizes the grid)
     archs: tuple[str, ...] = ()  # the only targets it compiles for (empty: every sm_80+ target)
+    # forward: at most one CTA per SM, each taking (query block, batch, head) tiles from a dynamic scheduler (an
+    # atomic counter: causal and varlen tiles vary in work; a static round-robin measured hd128 causal 16K at 422 vs
+    # 588 TFLOP/s for one CTA per tile, H200)
+    persistent: bool = False
 
     def supports(self, arch: str) -> bool:
         return not self.archs or arch in self.archs
@@ -225,9 +247,16 @@ def _fwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spar
                       block_m=tiles.block_m)
 
 
+def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool) -> FwdSm90Tiles:
+    if not (causal or dropout or block_sparse) and head_dim in FWD_SM90_TILES_NONCAUSAL:
+        return FWD_SM90_TILES_NONCAUSAL[head_dim]
+    return FWD_SM90_TILES[head_dim]
+
+
 def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
                     block_sparse: bool = False) -> KernelSpec:
-    return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, FWD_SM90_TILES[head_dim])
+    return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse,
+                          fwd_sm90_tiles(head_dim, causal, dropout, block_sparse))
 
 
 @functools.lru_cache(maxsize=None)
@@ -240,7 +269,7 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
                ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_fwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
-                      archs=(SM90_ARCH,))
+                      archs=(SM90_ARCH,), persistent=True)
 
 
 def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,

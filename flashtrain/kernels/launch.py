@@ -37,10 +37,11 @@ class FwdParams(ctypes.Structure):
 
 
 class FwdSm90Params(ctypes.Structure):
-    """csrc/flash.h FwdSm90Params: three 128-byte tensor maps (offsets 0, 128, 256), then FwdParams (384, 256
-    bytes): 640 bytes, a multiple of the struct's 64-byte alignment, so the driver copies no padding from past it."""
+    """csrc/flash.h FwdSm90Params: three 128-byte tensor maps (offsets 0, 128, 256), FwdParams (384, 256 bytes),
+    the tile counter and padding: 704 bytes, a multiple of the struct's 64-byte alignment."""
 
-    _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("fwd", FwdParams)]
+    _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("fwd", FwdParams),
+                ("tile_counter", _ptr), ("pad_", ctypes.c_uint64 * 7)]
 
 
 class BwdParams(ctypes.Structure):
@@ -137,6 +138,32 @@ def device_arch(device: torch.device) -> str:
     if arch is None:
         arch = _archs.setdefault(device.index, build.arch_of_capability(*torch.cuda.get_device_capability(device)))
     return arch
+
+
+_sm_counts: dict[int, int] = {}  # device index -> multiprocessors
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (persistent grids), read once."""
+    count = _sm_counts.get(device.index)
+    if count is None:
+        count = _sm_counts.setdefault(device.index, torch.cuda.get_device_properties(device).multi_processor_count)
+    return count
+
+
+_tile_counters: dict[tuple[int, int], torch.Tensor] = {}  # (device index, stream) -> int32 counter, kept at 0
+
+
+def tile_counter(device: torch.device) -> int:
+    """Address of the dynamic tile scheduler's counter for the current stream of `device` (csrc/flash.h
+    FwdSm90Params): zero-filled once, reset to 0 by every launch that uses it, one per stream so that concurrent
+    launches never share one. Counters made during CUDA-graph capture live in the graph's pool (their zero-fill is
+    a node of the graph) and stay referenced here."""
+    key = (device.index, _current_stream(device))
+    counter = _tile_counters.get(key)
+    if counter is None:
+        counter = _tile_counters.setdefault(key, torch.zeros(1, dtype=torch.int32, device=device))
+    return counter.data_ptr()
 
 
 def get_kernel(spec: build.KernelSpec, symbol: str, device: torch.device) -> Kernel:

@@ -171,13 +171,16 @@ def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_s
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                          softmax_scale, rng_state, bs_rows=bs_rows)
     grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
+    if spec.persistent:  # at most one CTA per SM, each taking tiles from the dynamic scheduler
+        grid = (min(grid[0] * grid[1] * grid[2], launch.sm_count(q.device)), 1, 1)
     if spec.source == "flash_fwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, then the same parameters
         from flashtrain.kernels import tma
 
-        varlen, tiles = cu_seqlens_q is not None, build.FWD_SM90_TILES[head_dim]
+        varlen, tiles = cu_seqlens_q is not None, build.fwd_sm90_tiles(head_dim, causal, dropout_p > 0, block_sparse)
         params = launch.FwdSm90Params(tma_q=tma.tensor_map(q, varlen, tiles.block_m),
                                       tma_k=tma.tensor_map(k, varlen, tiles.block_n),
-                                      tma_v=tma.tensor_map(v, varlen, tiles.block_n), fwd=params)
+                                      tma_v=tma.tensor_map(v, varlen, tiles.block_n), fwd=params,
+                                      tile_counter=launch.tile_counter(q.device) if spec.persistent else 0)
     launch.get_kernel(spec, spec.symbols[0], q.device).launch(grid, params, q.device)
     return out, lse
 
@@ -217,7 +220,7 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     n_kblocks = math.ceil(fwd.seqlen_k / tiles.block_n)
     nsplits = 1
     if deterministic:  # enough CTAs to fill the GPU twice over; each walks key blocks x, x + nsplits, ...
-        sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+        sm_count = launch.sm_count(q.device)
         nsplits = max(1, min(n_kblocks, math.ceil(2 * sm_count / max(1, batch * nheads_kv))))
     dq_accum = torch.empty((nsplits, *lse.shape, q.shape[-1]), dtype=torch.float32, device=q.device)
     varlen = cu_seqlens_q is not None

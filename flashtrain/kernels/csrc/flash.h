@@ -62,9 +62,14 @@ struct alignas(64) TmaDesc {
 
 // Parameters of the Hopper TMA forward (flash_fwd_sm90.cuh): tensor maps of q, k, v as rank-4 tensors
 // (head_dim, rows, heads, batch) -- varlen: (head_dim, total rows, heads, 1) -- then the plain parameters.
+// tile_counter: an int in global memory, 0 at launch, for the persistent grid's dynamic tile scheduler; the kernel
+// leaves it at 0 again (one counter per stream: launches on one stream never overlap). pad_ keeps the size a multiple
+// of the 64-byte alignment, so that the host struct (launch.py) has no trailing padding.
 struct FwdSm90Params {
     TmaDesc tma_q, tma_k, tma_v;
     FwdParams fwd;
+    int* tile_counter;
+    u64 pad_[7];
 };
 
 struct BwdParams {

@@ -42,6 +42,21 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     }
 }
 
+__device__ __forceinline__ int ld_shared_b32(u32 addr) {
+    int v;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ int atomic_fetch_add(int* ptr, int v) {
+    int old;
+    asm volatile("atom.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ void atomic_store(int* ptr, int v) {
+    asm volatile("atom.global.exch.b32 _, [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
 // ---------------------------------------------------------------------------------------------- TMA
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* desc) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(desc) : "memory");
