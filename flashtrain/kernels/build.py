@@ -94,18 +94,24 @@ class FwdSm90Tiles:
     block_m: int  # query rows per CTA: one consumer warpgroup per 64
     block_n: int  # keys per K/V tile
     stages: int  # K/V buffers in the TMA ring
+    # O staged in a tile of its own (the next tile's Q is copied during this tile's epilogue); False: through the Q
+    # tile, where Q + O + the K/V stages exceed the 227 KB of shared memory a block can have (head dims 192, 256)
+    separate_o: bool = True
 
     @property
     def threads(self) -> int:  # consumer warpgroups + the producer warpgroup
         return 128 * (self.block_m // 64 + 1)
 
     def smem_bytes(self, head_dim: int) -> int:  # Q, O, K and V stages; 1024 to align them (128-byte swizzle); barriers
-        return 2 * (2 * self.block_m + 2 * self.stages * self.block_n) * head_dim + 1024 + 256
+        q_and_o = (2 if self.separate_o else 1) * self.block_m
+        return 2 * (q_and_o + 2 * self.stages * self.block_n) * head_dim + 1024 + 256
 
 
 FWD_SM90_TILES = {
     64: FwdSm90Tiles(128, 128, stages=2),
-    128: FwdSm90Tiles(128, 128, stages=2),
+    128: FwdSm90Tiles(128, 128, stages=2),  # also head dims 65-96 on Hopper (rounded_head_dim)
+    192: FwdSm90Tiles(128, 112, stages=2, separate_o=False),  # FlashAttention-3's key tile
+    256: FwdSm90Tiles(128, 64, stages=2, separate_o=False),  # 80 keys (FA3's) spill 132 B here, 64 keys 68 B
 }
 # Dense non-causal forward without dropout: three consumer warpgroups at head dim 64 (H200, same process, GPU time:
 # 422 -> 480 TFLOP/s at 16K, 343 -> 363 at 512; with dropout they spill, and 192 rows do not divide a 128-token
@@ -116,12 +122,15 @@ FWD_SM90_TILES_NONCAUSAL = {
 
 
 def _tile_overrides() -> None:
-    """FLASHTRAIN_FWD_SM90_TILES="64=192x128x2,128=128x128x2" (head dim = block_m x block_n x stages) replaces
-    entries of FWD_SM90_TILES in this process: tile A/B measurements without editing the table."""
+    """FLASHTRAIN_FWD_SM90_TILES="64=192x128x2,128=128x128x2" (head dim = block_m x block_n x stages, then "o" or
+    "q" to stage O in a tile of its own or in Q's) replaces entries of FWD_SM90_TILES in this process: tile A/B
+    measurements without editing the table."""
     for item in filter(None, os.environ.get("FLASHTRAIN_FWD_SM90_TILES", "").split(",")):
         head_dim, shape = item.split("=")
-        block_m, block_n, stages = (int(x) for x in shape.split("x"))
-        FWD_SM90_TILES[int(head_dim)] = FWD_SM90_TILES_NONCAUSAL[int(head_dim)] = FwdSm90Tiles(block_m, block_n, stages)
+        separate_o = shape.endswith("o") or (not shape.endswith("q") and FWD_SM90_TILES[int(head_dim)].separate_o)
+        block_m, block_n, stages = (int(x) for x in shape.rstrip("oq").split("x"))
+        tiles = FwdSm90Tiles(block_m, block_n, stages, separate_o=separate_o)
+        FWD_SM90_TILES[int(head_dim)] = FWD_SM90_TILES_NONCAUSAL[int(head_dim)] = tiles
 
 
 _tile_overrides()
@@ -188,11 +197,15 @@ class KernelSpec:
         return self.symbols[0] if len(self.symbols) == 1 else os.path.commonprefix(self.symbols).rstrip("_")
 
 
-def rounded_head_dim(head_dim: int, block_sparse: bool = False) -> int:
-    """The instantiated head dim a head_dim (multiple of 8) runs on: the extra columns are zero-filled."""
+def rounded_head_dim(head_dim: int, block_sparse: bool = False, arch: str | None = None) -> int:
+    """The instantiated head dim a head_dim (multiple of 8) runs on: the extra columns are zero-filled. On Hopper,
+    head dims 65-96 run on the hd128 warpgroup-MMA kernels (a third more MMA work than hd96 needs, still faster
+    than the mma.sync hd96 kernels)."""
     head_dims = BLOCK_SPARSE_HEAD_DIMS if block_sparse else HEAD_DIMS
     for instantiated in head_dims:
         if head_dim <= instantiated:
+            if instantiated == 96 and arch == SM90_ARCH and sm90_enabled():
+                return 128
             return instantiated
     kind = "block-sparse " if block_sparse else ""
     raise ValueError(f"head_dim must be <= {head_dims[-1]} for the {kind}CUDA kernels, got {head_dim}")
@@ -265,7 +278,8 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     smem_bytes = tiles.smem_bytes(head_dim)
     name = f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
-               ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")),
+               ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
+               ("FT_BF16", int(dtype == "bf16")),
                ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_fwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
@@ -335,7 +349,7 @@ def all_kernels() -> list[KernelSpec]:
     for sm90_kernel, head_dims in ((fwd_sm90_kernel, FWD_SM90_TILES), (bwd_sm90_kernel, BWD_SM90_TILES)):
         specs += [sm90_kernel(head_dim, dtype, causal, dropout, block_sparse) for head_dim in head_dims
                   for dtype in DTYPES for causal in (False, True) for dropout in (False, True)
-                  for block_sparse in (False, True)]
+                  for block_sparse in (False, True) if head_dim in BLOCK_SPARSE_HEAD_DIMS or not block_sparse]
     return specs
 
 

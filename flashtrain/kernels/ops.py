@@ -165,9 +165,9 @@ def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_s
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     out, lse = _empty_outputs(q, cu_seqlens_q)
     block_sparse = bs_rows is not None
-    head_dim = build.rounded_head_dim(q.shape[-1], block_sparse)
-    spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse,
-                            arch=launch.device_arch(q.device))
+    arch = launch.device_arch(q.device)
+    head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
+    spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch)
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                          softmax_scale, rng_state, bs_rows=bs_rows)
     grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
@@ -210,9 +210,10 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
     softmax_d = torch.empty_like(lse)
     block_sparse = bs_cols is not None
-    head_dim = build.rounded_head_dim(q.shape[-1], block_sparse)
-    spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse,
-                            arch=launch.device_arch(q.device), deterministic=deterministic)
+    arch = launch.device_arch(q.device)
+    head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
+    spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
+                            deterministic=deterministic)
     tiles = build.BWD_SM90_TILES[head_dim] if spec.source == "flash_bwd_sm90.cu" else build.BWD_TILES[head_dim]
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, rng_state, bs_cols=bs_cols)

@@ -28,17 +28,20 @@
 // 64 columns x kBlockM (Q) or kBlockN (K, V) rows, 128-byte swizzle = SmemTile's layout. Varlen maps are
 // (head_dim, total rows, heads, 1) and the row coordinate is the sequence's start plus the block's offset: K/V rows
 // past the sequence end belong to the next sequence (masked, so they add exact zeros) or lie past the tensor (zeros).
-// Head dims 64 and 128 (others padded up by the host; build.py routes the rest to flash_fwd.cuh).
+// Head dims 64, 128, 192, 256 (others padded up by the host; build.py routes the rest to flash_fwd.cuh).
 #pragma once
 #include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace flashtrain {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
-          bool kIsBlockSparse_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kSeparateO_, bool kIsBF16_, bool kIsCausal_,
+          bool kIsDropout_, bool kIsBlockSparse_>
 struct FwdSm90Traits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
+    // O staged in a tile of its own (Q is released after the tile's last S GEMM) or through Q (released after the
+    // epilogue has read O back: head dims whose Q + O + K/V stages do not fit in shared memory)
+    static constexpr bool kSeparateO = kSeparateO_;
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_;
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
@@ -46,14 +49,18 @@ struct FwdSm90Traits {
     static constexpr int kNConsumers = kBlockM / 64;           // consumer warpgroups, 64 query rows each
     static constexpr int kNThreads = 128 * (kNConsumers + 1);  // + the producer warpgroup
     static constexpr bool kPingPong = kNConsumers == 2;
-    // Registers per thread after reallocation: 65536 / kNThreads at entry, the producer keeps the minimum.
+    // Registers per thread after reallocation. The CTA's pool is what it got at launch, 65536 / kNThreads rounded
+    // down to a multiple of 8 per thread (384 threads: 168); setmaxnreg.inc waits until the pool has the registers,
+    // so asking for more than the pool holds hangs the CTA.
+    static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
     static constexpr int kProducerRegs = kNConsumers == 2 ? 24 : 32;
     static constexpr int kConsumerRegs = kNConsumers == 2 ? 240 : 160;
-    static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kNConsumers <= 65536, "register budget");
+    static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kNConsumers <= kLaunchRegs * kNThreads,
+                  "register budget: the launch allocation");
     static constexpr int kNT = kBlockN / 8;   // n8 column tiles of S per thread
     static constexpr int kDT = kHeadDim / 8;  // n8 column tiles of O per thread
-    static_assert((kNConsumers == 2 || kNConsumers == 3) && (kBlockN == 64 || kBlockN == 128), "tile shape");
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (128-byte swizzled column blocks)");
+    static_assert((kNConsumers == 2 || kNConsumers == 3) && kBlockN % 16 == 0 && kBlockN <= 256, "tile shape");
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dims of 64-column blocks (128-byte swizzle)");
     using TileQ = SmemTile<kBlockM, kHeadDim>;
     using TileKV = SmemTile<kBlockN, kHeadDim>;
     static_assert(TileQ::kBlockCols == 64 && TileKV::kBlockCols == 64, "128-byte rows");
@@ -63,7 +70,8 @@ struct FwdSm90Traits {
     static_assert(8 * (3 + 4 * kStages) <= kBarrierBytes, "barrier area (the last 8 bytes: the tile slot)");
     // Q, O staging (its own buffer: the next tile's Q is copied while this tile's O is written), K and V stages;
     // + 1024: the tiles start at the first 1024-byte boundary (the 128-byte swizzle repeats every 1024 bytes)
-    static constexpr int kSmemBytes = 2 * TileQ::kBytes + 2 * kStages * TileKV::kBytes + 1024 + kBarrierBytes;
+    static constexpr int kSmemBytes =
+        (kSeparateO ? 2 : 1) * TileQ::kBytes + 2 * kStages * TileKV::kBytes + 1024 + kBarrierBytes;
     // Named barrier ids (0 is __syncthreads): 1 + c = consumer c's turn to issue GEMMs, 3 + c = its epilogue.
     static constexpr int kBarSchedule = 1, kBarEpilogue = 3;
 };
@@ -125,7 +133,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     const bool varlen = p.cu_seqlens_q != nullptr;  // varlen maps have one batch entry
 
     const u32 smem_base = (smem_u32(smem) + 1023) & ~1023u;
-    const u32 sQ = smem_base, sO = sQ + TileQ::kBytes, sK = sO + TileQ::kBytes, sV = sK + kStages * TileKV::kBytes;
+    const u32 sQ = smem_base, sO = T::kSeparateO ? sQ + TileQ::kBytes : sQ;
+    const u32 sK = sO + TileQ::kBytes, sV = sK + kStages * TileKV::kBytes;
     const u32 bars = sV + kStages * TileKV::kBytes;
     const u32 full_q = bars, empty_q = bars + 8;
     const u32 tile_slot = bars + T::kBarrierBytes - 8;  // the tile the consumers work on next, -1 at the end
@@ -283,7 +292,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 
         KeyBlockWalk<T> walk(p, x.head, m0, x.n_block_max);
         if (walk.n_block < 0) {
-            if (lead_lane) mbar_arrive(empty_q);  // nothing to read: Q is free at once
+            if (T::kSeparateO && lead_lane) mbar_arrive(empty_q);  // nothing to read: Q is free at once
         } else {
             if constexpr (T::kPingPong)
                 if (cw == 1) named_bar_arrive(T::kBarSchedule, 256);
@@ -301,7 +310,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 fence_operand(s);
                 if (lead_lane) {
                     mbar_arrive(empty_k(stage));
-                    if (last) mbar_arrive(empty_q);
+                    if (T::kSeparateO && last) mbar_arrive(empty_q);
                 }
                 if (needs_mask(n_block)) mask(s, n_block);
 #pragma unroll
@@ -328,7 +337,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 fence_operand(s);
                 if (lead_lane) {
                     mbar_arrive(empty_k(stage));
-                    if (last) mbar_arrive(empty_q);
+                    if (T::kSeparateO && last) mbar_arrive(empty_q);
                 }
                 if constexpr (kMask) mask(s, n_block);
                 float correction[2];
@@ -383,6 +392,10 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 ld_shared_v4(TileQ::addr(sO, cw * 64 + row, col), v);
                 st_global_v4(out + row * p.o_row_stride + col, v);
             }
+        }
+        if constexpr (!T::kSeparateO) {  // O was staged in Q: free it once the warp has read its O rows back
+            __syncwarp();
+            if (lead_lane) mbar_arrive(empty_q);
         }
     }
 }
