@@ -2,7 +2,8 @@
 cuda-python driver bindings (cuda.bindings.driver): no torch C++ extension, no ABI coupling.
 
 The ctypes structs below mirror csrc/flash.h field by field (8-byte fields first, then 4-byte ones; FwdParams' block-
-sparse fields come last, after an even number of 4-byte ones); each kernel takes one such struct by value.
+sparse fields come after an even number of 4-byte ones, then total_q / total_k); each kernel takes one such struct by
+value.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class FwdParams(ctypes.Structure):
         ("softmax_scale", _f32), ("softmax_scale_log2", _f32), ("keep_threshold", _u32), ("rp_dropout", _f32),
         ("bs_n_qblocks", _i32), ("bs_n_kblocks", _i32),
         ("bs_rows", _ptr), ("bs_cols", _ptr), ("bs_rows_head_stride", _i64), ("bs_cols_head_stride", _i64),
+        ("total_q", _i32), ("total_k", _i32),
     ]
 
 
@@ -59,7 +61,7 @@ class AuxParams(ctypes.Structure):
         ("mask_batch_stride", _i64), ("mask_head_stride", _i64), ("mask_row_stride", _i64),
         ("batch", _i32), ("nheads", _i32), ("head_dim", _i32), ("seqlen_q", _i32), ("seqlen_k", _i32),
         ("nsplits", _i32), ("softmax_scale", _f32), ("keep_threshold", _u32),
-        ("dq_slice_width", _i32), ("dq_block_m", _i32),
+        ("dq_slice_width", _i32), ("dq_block_m", _i32), ("total_q", _i32), ("total_k", _i32),
     ]
 
 

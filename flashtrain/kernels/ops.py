@@ -150,7 +150,8 @@ def dropout_mask_for_testing(q: Tensor, k: Tensor, *, dropout_p: float, generato
         dropout_mask=mask.data_ptr(), rng_state=rng_state.data_ptr(),
         cu_seqlens_q=_ptr(cu_seqlens_q), cu_seqlens_k=_ptr(cu_seqlens_k),
         mask_batch_stride=mask_strides[0], mask_head_stride=mask_strides[1], mask_row_stride=mask_strides[2],
-        batch=batch, nheads=nheads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, keep_threshold=_keep_threshold(dropout_p))
+        batch=batch, nheads=nheads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, keep_threshold=_keep_threshold(dropout_p),
+        total_q=q.shape[0], total_k=k.shape[0])
     grid = (math.ceil(seqlen_q / build.AUX_ROWS_PER_CTA), batch, nheads)
     launch.get_kernel(spec, spec.symbols[2], q.device).launch(grid, params, q.device)
     return mask.bool()
@@ -224,7 +225,7 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         d_batch_stride=lse_strides[0], d_head_stride=lse_strides[1], dqa_split_stride=dqa_strides[0],
         dqa_batch_stride=dqa_strides[1], dqa_head_stride=dqa_strides[2], batch=batch, nheads=nheads,
         head_dim=q.shape[-1], seqlen_q=fwd.seqlen_q, seqlen_k=fwd.seqlen_k, nsplits=nsplits,
-        softmax_scale=softmax_scale, dq_block_m=tiles.block_m,
+        softmax_scale=softmax_scale, dq_block_m=tiles.block_m, total_q=fwd.total_q, total_k=fwd.total_k,
         # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded
         dq_slice_width=(tiles.dq_slice_width(head_dim)
                         if tiles.scramble_dq and not deterministic and q.shape[-1] == head_dim else 0))
@@ -351,7 +352,7 @@ def _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         head_dim=q.shape[-1], seqlen_q=max_seqlen_q if varlen else q.shape[1],
         seqlen_k=max_seqlen_k if varlen else k.shape[1], softmax_scale=softmax_scale,
         softmax_scale_log2=softmax_scale * math.log2(math.e), keep_threshold=_keep_threshold(dropout_p),
-        rp_dropout=1.0 / (1.0 - dropout_p))
+        rp_dropout=1.0 / (1.0 - dropout_p), total_q=q.shape[0] if varlen else 0, total_k=k.shape[0] if varlen else 0)
     (params.q_batch_stride, params.q_row_stride, params.q_head_stride) = _strides(q, varlen)
     (params.k_batch_stride, params.k_row_stride, params.k_head_stride) = _strides(k, varlen)
     (params.v_batch_stride, params.v_row_stride, params.v_head_stride) = _strides(v, varlen)
