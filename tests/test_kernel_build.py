@@ -86,13 +86,63 @@ def test_block_sparse_size_agrees_everywhere_and_is_whole_tiles():
 
 
 def test_tiles_split_evenly_across_warps():
-    for head_dim, tiles in build.FWD_TILES.items():
+    for head_dim, tiles in [*build.FWD_TILES.items(), *build.FWD_TILES_SMALL_SMEM.items()]:
         assert tiles.block_m % (16 * tiles.nwarps) == 0 and tiles.block_n % 16 == 0
-    for head_dim, tiles in build.BWD_TILES.items():
+    for head_dim, tiles in [*build.BWD_TILES.items(), *build.BWD_TILES_SMALL_SMEM.items()]:
         assert tiles.block_m % (16 * tiles.warps_m_sdp) == 0
         assert tiles.block_n % (16 * tiles.warps_n_dkv) == 0 and tiles.block_m % (16 * tiles.warps_m_dq) == 0
         assert head_dim % (16 * (tiles.nwarps // tiles.warps_n_dkv)) == 0
         assert head_dim % (16 * (tiles.nwarps // tiles.warps_m_dq)) == 0
+
+
+@pytest.mark.parametrize("smem_limit", [build.SMEM_OPTIN_SM80, build.SMEM_OPTIN_SM86])
+def test_every_kernel_fits_the_shared_memory_of_its_gpu(smem_limit):
+    """A100-class GPUs (163 KB per block) and sm_86 / sm_89 / sm_120 (99 KB) run every head dim, dtype and feature
+    with tiles that fit; 163 KB keeps the first-choice tiles, 99 KB replaces exactly the ones that do not fit."""
+    specs = build.all_kernels(smem_limit)
+    assert all(spec.smem_bytes <= smem_limit for spec in specs)
+    assert len({spec.name for spec in specs}) == len(specs)
+    for head_dim in build.HEAD_DIMS:
+        assert build.smem_unavailable_reason(head_dim, False, smem_limit) is None
+        fwd = build.fwd_kernel(head_dim, "bf16", True, True, smem_limit=smem_limit)
+        bwd = build.bwd_kernel(head_dim, "bf16", True, True, smem_limit=smem_limit)
+        for spec, first_choice in ((fwd, build.FWD_TILES[head_dim]), (bwd, build.BWD_TILES[head_dim])):
+            fits = first_choice.smem_bytes(head_dim) <= smem_limit
+            assert (spec.tiles == first_choice) == fits and spec.name.endswith("_dropout") == fits
+    if smem_limit == build.SMEM_OPTIN_SM80:
+        assert set(specs) == set(build.all_kernels())
+    else:
+        small = build.small_smem_kernels()
+        assert len(small) == 64 and all(spec in specs for spec in small)  # 5 bwd + 1 fwd head dims (+ sparse)
+
+
+def test_gpus_with_less_shared_memory_are_refused_by_name():
+    reason = build.smem_unavailable_reason(256, False, 64 * 1024)
+    assert reason == "the forward kernel for head_dim 256 needs 98304 bytes of shared memory per block, the GPU allows 65536"
+    assert build.smem_unavailable_reason(40, True, 64 * 1024) == (  # block-sparse hd40 runs the hd64 kernels
+        "the backward kernel for head_dim 64 needs 99328 bytes of shared memory per block, the GPU allows 65536")
+    with pytest.raises(ValueError, match="needs 98304 bytes"):
+        build.fwd_kernel(256, "fp16", False, False, smem_limit=64 * 1024)
+    # the Hopper backward (hd128: 106 KB) gives way to the mma.sync 99 KB tiles under such a limit
+    assert build.bwd_kernel(128, "bf16", False, False, arch="sm_90a").source == "flash_bwd_sm90.cu"
+    assert build.bwd_kernel(128, "bf16", False, False, arch="sm_90a", smem_limit=build.SMEM_OPTIN_SM86).tiles == (
+        build.BWD_TILES_SMALL_SMEM[128])
+
+
+@pytest.mark.parametrize("value,expected", [(None, None), ("101376", 101376), ("99K", 101376), ("163k", 166912)])
+def test_max_smem_environment_variable(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv(build.SMEM_ENV, raising=False)
+    else:
+        monkeypatch.setenv(build.SMEM_ENV, value)
+    assert build.smem_cap() == expected
+
+
+@pytest.mark.parametrize("value", ["99KB", "-5", "lots", "12"])
+def test_bad_max_smem_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv(build.SMEM_ENV, value)
+    with pytest.raises(ValueError, match="FLASHTRAIN_MAX_SMEM"):
+        build.smem_cap()
 
 
 def test_ctypes_params_match_the_header():
@@ -125,6 +175,9 @@ def test_nvcc_compiles_the_hardest_instantiations():
              build.fwd_sm90_kernel(128, "bf16", True, True, True),  # sm_90a only
              build.bwd_sm90_kernel(128, "bf16", True, True, True)]
     assert build.check_nvcc(["sm_80", "sm_90a"], jobs=2, specs=specs) == 0
+    small = [build.fwd_kernel(256, "bf16", True, True, smem_limit=build.SMEM_OPTIN_SM86),  # the 99 KB tiles
+             build.bwd_kernel(256, "bf16", True, True, smem_limit=build.SMEM_OPTIN_SM86)]
+    assert build.check_nvcc(["sm_86"], jobs=2, specs=small) == 0
 
 
 @pytest.mark.skipif(build.nvcc_version() is None, reason="nvcc not installed")

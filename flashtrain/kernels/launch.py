@@ -133,6 +133,23 @@ def device_arch(device: torch.device) -> str:
     return arch
 
 
+_smem_limits: dict[int, int] = {}  # device index -> shared memory per block the kernels may use
+
+
+def device_smem_limit(device: torch.device) -> int:
+    """Bytes of shared memory a block may opt in to on `device` (cuDeviceGetAttribute
+    MAX_SHARED_MEMORY_PER_BLOCK_OPTIN), lowered to FLASHTRAIN_MAX_SMEM when that is set; read once per device."""
+    limit = _smem_limits.get(device.index)
+    if limit is None:
+        torch.cuda.init()
+        handle = _check(driver.cuDeviceGet(device.index), "cuDeviceGet")
+        attribute = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        limit = _check(driver.cuDeviceGetAttribute(attribute, handle), "cuDeviceGetAttribute(SMEM_PER_BLOCK_OPTIN)")
+        cap = build.smem_cap()
+        limit = _smem_limits.setdefault(device.index, min(limit, cap) if cap is not None else limit)
+    return limit
+
+
 def get_kernel(spec: build.KernelSpec, symbol: str, device: torch.device) -> Kernel:
     """The kernel `symbol` of `spec` loaded on `device`, compiling its cubin on first use (then cached on disk)."""
     key = (device.index, symbol)

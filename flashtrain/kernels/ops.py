@@ -59,9 +59,13 @@ def _unavailable_reason_cached(device_type: str, device_index: int, head_dim: in
     if major < 8:
         return f"the CUDA kernels need compute capability 8.0 or newer, cuda:{device_index} has {major}.{minor}"
     try:
-        import cuda.bindings.driver  # noqa: F401
+        from flashtrain.kernels import launch
     except ImportError as error:
         return f"cuda-python is not installed ({error}); pip install cuda-python"
+    smem_limit = launch.device_smem_limit(torch.device("cuda", device_index))
+    reason = build.smem_unavailable_reason(head_dim, block_mask, smem_limit)
+    if reason is not None:
+        return f"cuda:{device_index}: {reason}"
     return build.compiler_unavailable_reason()
 
 
@@ -168,7 +172,7 @@ def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_s
     block_sparse = bs_rows is not None
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse)
     spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse,
-                            arch=launch.device_arch(q.device))
+                            arch=launch.device_arch(q.device), smem_limit=launch.device_smem_limit(q.device))
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                          softmax_scale, rng_state, bs_rows=bs_rows)
     grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
@@ -203,8 +207,9 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     block_sparse = bs_cols is not None
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse)
     spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse,
-                            arch=launch.device_arch(q.device), deterministic=deterministic)
-    tiles = build.BWD_SM90_TILES[head_dim] if spec.source == "flash_bwd_sm90.cu" else build.BWD_TILES[head_dim]
+                            arch=launch.device_arch(q.device), deterministic=deterministic,
+                            smem_limit=launch.device_smem_limit(q.device))
+    tiles = spec.tiles
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, rng_state, bs_cols=bs_cols)
     batch, nheads, nheads_kv = fwd.batch, fwd.nheads, fwd.nheads_kv
