@@ -458,8 +458,42 @@ def nvcc_version() -> str | None:
     return out.strip().splitlines()[-1] if out.strip() else None
 
 
+def cuda_python_version() -> str | None:
+    """The installed cuda-python (its cuda-bindings package since 12.6), or None."""
+    import importlib.metadata
+
+    for distribution in ("cuda-bindings", "cuda-python"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def cuda_version_mismatch(torch_cuda: str | None = None, cuda_python: str | None = None) -> str | None:
+    """A sentence naming the mismatch and the fix when cuda-python (and the NVRTC it loads) is for another CUDA major
+    version than the one torch was built with (torch.version.cuda), else None. Defaults: the installed versions."""
+    if torch_cuda is None:
+        import torch
+
+        torch_cuda = torch.version.cuda
+    cuda_python = cuda_python if cuda_python is not None else cuda_python_version()
+    if torch_cuda is None or cuda_python is None:
+        return None
+    torch_major, bindings_major = int(torch_cuda.split(".")[0]), int(cuda_python.split(".")[0])
+    if torch_major == bindings_major:
+        return None
+    lowest = "12.4" if torch_major == 12 else f"{torch_major}.0"  # = pyproject.toml's cuda12 / cuda13 extras
+    return (f"cuda-python {cuda_python} is for CUDA {bindings_major} but torch was built with CUDA {torch_cuda}: its "
+            f"NVRTC (libnvrtc.so.{bindings_major}) is not the one torch's wheel installs. Fix: pip install "
+            f"'cuda-python>={lowest},<{torch_major + 1}' (or pip install -e '.[cuda{torch_major}]')")
+
+
 def compiler_unavailable_reason() -> str | None:
     if nvrtc_version() is None and nvcc_version() is None:
+        mismatch = cuda_version_mismatch()
+        if mismatch is not None:
+            return f"no CUDA compiler found: {mismatch}"
         return ("no CUDA compiler found: neither NVRTC (pip install nvidia-cuda-nvrtc cuda-python) nor nvcc "
                 "(CUDA toolkit on PATH or CUDA_HOME)")
     return None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -66,7 +67,11 @@ def _unavailable_reason_cached(device_type: str, device_index: int, head_dim: in
     reason = build.smem_unavailable_reason(head_dim, block_mask, smem_limit)
     if reason is not None:
         return f"cuda:{device_index}: {reason}"
-    return build.compiler_unavailable_reason()
+    compiler_reason = build.compiler_unavailable_reason()
+    mismatch = build.cuda_version_mismatch()
+    if compiler_reason is None and mismatch is not None:  # may still work (a new enough driver): say it, once
+        warnings.warn(f"flashtrain kernels: {mismatch}", stacklevel=2)
+    return compiler_reason
 
 
 def unavailable_reason(device: torch.device, *, head_dim: int, dtype: torch.dtype, block_mask: bool) -> str | None:
