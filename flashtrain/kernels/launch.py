@@ -2,7 +2,8 @@
 cuda-python driver bindings (cuda.bindings.driver): no torch C++ extension, no ABI coupling.
 
 The ctypes structs below mirror csrc/flash.h field by field (8-byte fields first, then 4-byte ones; FwdParams' block-
-sparse fields come last, after an even number of 4-byte ones); each kernel takes one such struct by value.
+sparse fields come after an even number of 4-byte ones, then total_q / total_k); each kernel takes one such struct by
+value.
 """
 
 from __future__ import annotations
@@ -33,15 +34,17 @@ class FwdParams(ctypes.Structure):
         ("softmax_scale", _f32), ("softmax_scale_log2", _f32), ("keep_threshold", _u32), ("rp_dropout", _f32),
         ("bs_n_qblocks", _i32), ("bs_n_kblocks", _i32),
         ("bs_rows", _ptr), ("bs_cols", _ptr), ("bs_rows_head_stride", _i64), ("bs_cols_head_stride", _i64),
+        ("total_q", _i32), ("total_k", _i32),
     ]
 
 
 class FwdSm90Params(ctypes.Structure):
-    """csrc/flash.h FwdSm90Params: three 128-byte tensor maps (offsets 0, 128, 256), FwdParams (384, 256 bytes),
-    the tile counter and padding: 704 bytes, a multiple of the struct's 64-byte alignment."""
+    """csrc/flash.h FwdSm90Params: three 128-byte tensor maps (offsets 0, 128, 256), FwdParams (from 384), the tile
+    counter, then padding to a multiple of the struct's 64-byte alignment (the driver copies that many bytes)."""
 
     _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("fwd", FwdParams),
-                ("tile_counter", _ptr), ("pad_", ctypes.c_uint64 * 7)]
+                ("tile_counter", _ptr),
+                ("pad_", ctypes.c_uint8 * (-(3 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(FwdParams) + 8) % 64))]
 
 
 class BwdParams(ctypes.Structure):
@@ -68,7 +71,7 @@ class AuxParams(ctypes.Structure):
         ("mask_batch_stride", _i64), ("mask_head_stride", _i64), ("mask_row_stride", _i64),
         ("batch", _i32), ("nheads", _i32), ("head_dim", _i32), ("seqlen_q", _i32), ("seqlen_k", _i32),
         ("nsplits", _i32), ("softmax_scale", _f32), ("keep_threshold", _u32),
-        ("dq_slice_width", _i32), ("dq_block_m", _i32),
+        ("dq_slice_width", _i32), ("dq_block_m", _i32), ("total_q", _i32), ("total_k", _i32),
     ]
 
 
@@ -164,6 +167,23 @@ def tile_counter(device: torch.device) -> int:
     if counter is None:
         counter = _tile_counters.setdefault(key, torch.zeros(1, dtype=torch.int32, device=device))
     return counter.data_ptr()
+
+
+_smem_limits: dict[int, int] = {}  # device index -> shared memory per block the kernels may use
+
+
+def device_smem_limit(device: torch.device) -> int:
+    """Bytes of shared memory a block may opt in to on `device` (cuDeviceGetAttribute
+    MAX_SHARED_MEMORY_PER_BLOCK_OPTIN), lowered to FLASHTRAIN_MAX_SMEM when that is set; read once per device."""
+    limit = _smem_limits.get(device.index)
+    if limit is None:
+        torch.cuda.init()
+        handle = _check(driver.cuDeviceGet(device.index), "cuDeviceGet")
+        attribute = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        limit = _check(driver.cuDeviceGetAttribute(attribute, handle), "cuDeviceGetAttribute(SMEM_PER_BLOCK_OPTIN)")
+        cap = build.smem_cap()
+        limit = _smem_limits.setdefault(device.index, min(limit, cap) if cap is not None else limit)
+    return limit
 
 
 def get_kernel(spec: build.KernelSpec, symbol: str, device: torch.device) -> Kernel:

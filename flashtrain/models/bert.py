@@ -9,6 +9,8 @@ Padding is removed, not masked. From attention_mask (B, T) the model takes the f
 cu_seqlens (B + 1,) int32, runs every layer on the packed (total_tokens, hidden) tensor and attends through
 flash_attn_varlen_func, so no work is spent on pad tokens; outputs are put back into (B, T, ...) only where they are
 needed (the masked-LM head runs on the masked tokens only, classification reads the first token of each row).
+Finding the real tokens of a CUDA mask costs one host sync (their number sizes the packed tensor); an `Unpadding`
+built from the host batch (Unpadding.of on CPU tensors, then .to(device)) and passed in costs none.
 attn_impl="sdpa" is the padded baseline: PyTorch's scaled_dot_product_attention on (B, T) with a key-padding mask.
 
 Parameter names are our own (a fused q|k|v projection: one GEMM instead of three); load_hf_state_dict and
@@ -18,7 +20,7 @@ RoBERTa's classification head on <s>, the MLM decoder tied to the word embedding
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -133,18 +135,48 @@ class BertConfig:
 # ---- unpadding ---------------------------------------------------------------------------------------------------
 
 
-def unpad_indices(attention_mask: Tensor) -> tuple[Tensor, Tensor, int]:
-    """attention_mask (B, T), nonzero at real tokens -> (indices, cu_seqlens, max_seqlen).
+class Unpadding(NamedTuple):
+    """Where the real tokens of a right-padded (B, T) batch are: what the model needs to run on them packed."""
 
-    indices (total,) int64: positions of the real tokens in the flattened (B * T) batch, row-major, so the packed
-    rows of sequence b are cu_seqlens[b]:cu_seqlens[b + 1]. cu_seqlens (B + 1,) int32. max_seqlen: a Python int
-    (one host sync).
-    """
-    is_real = attention_mask.bool()
-    seqlens = is_real.sum(dim=1, dtype=torch.int32)  # (B,)
-    indices = torch.nonzero(is_real.flatten()).flatten()  # (total,)
-    cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))  # (B + 1,)
-    return indices, cu_seqlens, int(seqlens.max())
+    indices: Tensor  # (total,) int64: positions of the real tokens in the flattened (B * T) batch, row-major
+    cu_seqlens: Tensor  # (B + 1,) int32: sequence b is packed rows cu_seqlens[b]:cu_seqlens[b + 1]
+    max_seqlen: int  # T, a bound on every length (it only sizes the kernels' grid; the true maximum needs a sync)
+    masked_rows: Tensor | None = None  # masked-LM: (n_masked,) int64 packed rows whose label is not -100
+
+    @classmethod
+    def of(cls, attention_mask: Tensor, labels: Tensor | None = None) -> "Unpadding":
+        """attention_mask (B, T), nonzero at real tokens; labels (B, T) (masked LM) or None. No host sync on CPU
+        tensors (the loader's batch); on CUDA tensors torch.nonzero syncs (the number of tokens is data)."""
+        is_real = attention_mask.bool()
+        seqlens = is_real.sum(dim=1, dtype=torch.int32)  # (B,)
+        indices = torch.nonzero(is_real.flatten()).flatten()  # (total,)
+        cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))  # (B + 1,)
+        masked_rows = None
+        if labels is not None:
+            masked_rows = torch.nonzero(labels.flatten()[indices] != -100).flatten()  # (n_masked,)
+        return cls(indices, cu_seqlens, attention_mask.shape[1], masked_rows)
+
+    def to(self, device: torch.device | str) -> "Unpadding":
+        """The same on `device`, copied without waiting (the host batch's tensors stay alive until the copy ran)."""
+        moved = [None if x is None else x.to(device, non_blocking=True)
+                 for x in (self.indices, self.cu_seqlens, self.masked_rows)]
+        return Unpadding(moved[0], moved[1], self.max_seqlen, moved[2])
+
+
+def unpad_indices(attention_mask: Tensor) -> tuple[Tensor, Tensor, int]:
+    """attention_mask (B, T), nonzero at real tokens -> (indices, cu_seqlens, max_seqlen) of Unpadding.of."""
+    return Unpadding.of(attention_mask)[:3]
+
+
+def check_values(valid: Tensor, message: str) -> None:
+    """Raise ValueError(message) unless the bool scalar `valid` is True: at once on the CPU; on a GPU as a device
+    assert (torch._assert_async) that stops the program at the next synchronisation, so a training step never waits
+    on the check."""
+    if valid.device.type == "cpu":
+        if not bool(valid):
+            raise ValueError(message)
+    else:
+        torch._assert_async(valid, message)
 
 
 def pad_packed(packed: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
@@ -220,12 +252,13 @@ class BertModel(nn.Module):
         is_token = input_ids.ne(self.config.pad_token_id).long()
         return torch.cumsum(is_token, dim=1) * is_token + self.config.pad_token_id
 
-    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-               token_type_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
+               unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """input_ids (B, T); attention_mask (B, T), 1 at real tokens, 0 at pads, None for no padding; token_type_ids
-        (B, T) or None (all 0). -> (hidden (total, C) at the real tokens in row-major order, indices (total,) of those
-        tokens in the flattened (B * T) batch, cu_seqlens (B + 1,) int32). Row cu_seqlens[b] is sequence b's first
-        token ([CLS] / <s>): the first token of every row must be real.
+        (B, T) or None (all 0); unpadding: Unpadding.of(attention_mask) when the caller has it (built on the host:
+        no host sync here), else computed here. -> (hidden (total, C) at the real tokens in row-major order, indices
+        (total,) of those tokens in the flattened (B * T) batch, cu_seqlens (B + 1,) int32). Row cu_seqlens[b] is
+        sequence b's first token ([CLS] / <s>): the first token of every row must be real.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seqlen), got shape {tuple(input_ids.shape)}")
@@ -240,11 +273,12 @@ class BertModel(nn.Module):
         for name, ids in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
             if ids.shape != input_ids.shape:
                 raise ValueError(f"{name} shape {tuple(ids.shape)} must equal input_ids shape {(B, T)}")
-        if not attention_mask[:, 0].bool().all():
-            raise ValueError("attention_mask[:, 0] must be 1 in every row: each sequence starts with its first real "
-                             "token ([CLS] / <s>); pad on the right")
+        check_values(attention_mask[:, 0].bool().all(), "attention_mask[:, 0] must be 1 in every row: each sequence "
+                     "starts with its first real token ([CLS] / <s>); pad on the right")
         position_ids = self.position_ids(input_ids)  # (B, T)
-        indices, cu_seqlens, max_seqlen = unpad_indices(attention_mask)
+        if unpadding is None:
+            unpadding = Unpadding.of(attention_mask)
+        indices, cu_seqlens, max_seqlen = unpadding[:3]
         if self.config.attn_impl == "sdpa":  # padded baseline: every layer runs on all B * T tokens
             key_padding_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
             x = self.embeddings(input_ids, position_ids, token_type_ids)  # (B, T, C)
@@ -257,10 +291,10 @@ class BertModel(nn.Module):
             x = layer(x, cu_seqlens, max_seqlen, None)
         return x, indices, cu_seqlens
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                token_type_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
+                unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor | None]:
         """-> (last hidden states (B, T, C), zeros at pads; pooled output (B, C) or None without a pooler)."""
-        hidden, indices, cu_seqlens = self.encode(input_ids, attention_mask, token_type_ids)
+        hidden, indices, cu_seqlens = self.encode(input_ids, attention_mask, token_type_ids, unpadding)
         pooled = None
         if self.pooler is not None:
             pooled = torch.tanh(self.pooler(hidden[cu_seqlens[:-1].long()]))  # (B, C)
@@ -320,25 +354,29 @@ class BertForMaskedLM(nn.Module):
         return sum(p.numel() for p in self.parameters())  # each tensor once: the tied decoder is not counted twice
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
-                labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """input_ids, attention_mask, token_type_ids (B, T) as in BertModel.encode; labels (B, T): the original token
-        at masked positions, -100 elsewhere (pads included).
+                labels: Tensor | None = None, unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor | None]:
+        """input_ids, attention_mask, token_type_ids, unpadding as in BertModel.encode; labels (B, T): the original
+        token at masked positions, -100 elsewhere (pads included). With labels, an unpadding from
+        Unpadding.of(attention_mask, labels) (masked_rows set) spares the host sync of finding the masked tokens.
 
         Without labels -> (logits (B, T, vocab_size), zeros at pads; None). With labels the head runs on the masked
         tokens only -> (logits (n_masked, vocab_size), equal to full_logits[labels != -100] in that row-major order;
         mean cross-entropy over the masked tokens, in float32).
         """
-        hidden, indices, _ = self.encoder.encode(input_ids, attention_mask, token_type_ids)  # (total, C)
+        hidden, indices, _ = self.encoder.encode(input_ids, attention_mask, token_type_ids, unpadding)  # (total, C)
         if labels is None:
             return pad_packed(self.lm_head(hidden), indices, *input_ids.shape), None
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-        if attention_mask is not None and labels[~attention_mask.bool()].ne(-100).any():
-            raise ValueError("labels must be -100 at pad positions (attention_mask 0)")
+        if attention_mask is not None:
+            check_values((labels.eq(-100) | attention_mask.bool()).all(),
+                         "labels must be -100 at pad positions (attention_mask 0)")
         packed_labels = labels.flatten()[indices]  # (total,)
-        is_masked = packed_labels != -100
-        logits = self.lm_head(hidden[is_masked])  # (n_masked, vocab_size)
-        return logits, F.cross_entropy(logits.float(), packed_labels[is_masked])
+        masked_rows = unpadding.masked_rows if unpadding is not None else None
+        if masked_rows is None:
+            masked_rows = torch.nonzero(packed_labels != -100).flatten()  # (n_masked,)
+        logits = self.lm_head(hidden[masked_rows])  # (n_masked, vocab_size)
+        return logits, F.cross_entropy(logits.float(), packed_labels[masked_rows])
 
     def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
         """Load an HF BertForMaskedLM / RobertaForMaskedLM state dict, strictly."""
@@ -392,13 +430,14 @@ class BertForSequenceClassification(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
-                labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """input_ids, attention_mask, token_type_ids (B, T) as in BertModel.encode -> (logits (B, num_labels), loss).
+                labels: Tensor | None = None, unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor | None]:
+        """input_ids, attention_mask, token_type_ids, unpadding as in BertModel.encode -> (logits (B, num_labels),
+        loss).
 
         labels: single_label (B,) class indices -> mean cross-entropy; multi_label (B, num_labels) of 0/1 -> mean
         binary cross-entropy with logits over all B * num_labels entries. Loss in float32; None without labels.
         """
-        hidden, _, cu_seqlens = self.encoder.encode(input_ids, attention_mask, token_type_ids)
+        hidden, _, cu_seqlens = self.encoder.encode(input_ids, attention_mask, token_type_ids, unpadding)
         first_token = hidden[cu_seqlens[:-1].long()]  # (B, C): [CLS] / <s>
         if self.config.flavor == "bert":
             logits = self.classifier(self.dropout(torch.tanh(self.encoder.pooler(first_token))))

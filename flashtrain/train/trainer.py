@@ -106,7 +106,7 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, tcfg.max_steps)
     if tcfg.compile:
-        model = torch.compile(model)
+        model = torch.compile(model, mode=tcfg.compile_mode)
     model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainState()
     # the scheduler is stepped here once per optimizer step (not through accelerate's per-process stepping)

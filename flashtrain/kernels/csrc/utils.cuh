@@ -417,15 +417,21 @@ struct DropoutRng {
 };
 
 // ---------------------------------------------------------------------------------------------- shared by the kernels
+// Sequence `batch` of a packed (varlen) tensor of `total` rows: rows [start, start + len). Clamped to [0, total) and
+// to max_len rows: cu_seqlens is checked by an asynchronous device assert (interface.py) that may fire only after the
+// kernels ran, and the grid, the dropout mask's columns and the block-sparse lists are sized by max_len.
+__device__ __forceinline__ void packed_seq(const int* cu_seqlens, int batch, int max_len, int total, int& start,
+                                           int& len) {
+    start = min_(max_(cu_seqlens[batch], 0), total);
+    len = min_(min_(max_(cu_seqlens[batch + 1], start), total) - start, max_len);
+}
 // Where batch entry `batch` lives: varlen reads cu_seqlens, the batch form has start 0 and the fixed lengths.
 __device__ __forceinline__ void seq_bounds(const FwdParams& p, int batch, int& q_start, int& k_start, int& seqlen_q,
                                            int& seqlen_k) {
     q_start = 0, k_start = 0, seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
     if (p.cu_seqlens_q != nullptr) {
-        q_start = p.cu_seqlens_q[batch];
-        seqlen_q = p.cu_seqlens_q[batch + 1] - q_start;
-        k_start = p.cu_seqlens_k[batch];
-        seqlen_k = p.cu_seqlens_k[batch + 1] - k_start;
+        packed_seq(p.cu_seqlens_q, batch, p.seqlen_q, p.total_q, q_start, seqlen_q);
+        packed_seq(p.cu_seqlens_k, batch, p.seqlen_k, p.total_k, k_start, seqlen_k);
     }
 }
 // The tile of queries from m0 and kBlockN keys from n0 needs masking: it holds keys past the end or, causal (bottom-
