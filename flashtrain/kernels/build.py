@@ -325,9 +325,10 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
     smem_limit (bytes of shared memory per block; None: no limit)."""
     if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
-        spec = fwd_sm90_kernel(head_dim, dtype, causal, dropout, block_sparse)
-        if _fits(spec, smem_limit):
-            return spec
+        for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse), FWD_SM90_TILES[head_dim]):
+            spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles)
+            if _fits(spec, smem_limit):  # (under a capped limit the non-causal tiles may not fit, the others may)
+                return spec
     return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
                      fwd_tiles(head_dim, causal, dropout, block_sparse, smem_limit))
 

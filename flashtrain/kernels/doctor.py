@@ -67,7 +67,7 @@ def _check_device(index: int) -> str | None:
     q, k, v, dout = (torch.randn(SHAPE, device=device, generator=generator) for _ in range(4))
 
     def run(fn, dtype):
-        inputs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        inputs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]  # fresh leaves for every run
         out = fn(*inputs)
         out.backward(dout.to(dtype))
         return [out.detach().float()] + [x.grad.float() for x in inputs]
