@@ -9,6 +9,7 @@ value.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 
 import torch
@@ -97,6 +98,7 @@ class Kernel:
 
     def __init__(self, function, threads: int, smem_bytes: int):
         self.function, self.threads, self.smem_bytes = function, threads, smem_bytes
+        self.handle = ctypes.c_void_p(int(function))  # the CUfunction for ctypes calls
         if smem_bytes > 48 * 1024:  # above 48 KB a kernel must opt in to its dynamic shared memory
             _check(driver.cuFuncSetAttribute(
                 function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
@@ -107,9 +109,24 @@ class Kernel:
             return
         _make_current(device.index)
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        stream = _current_stream(device)
-        _check(driver.cuLaunchKernel(self.function, *grid, self.threads, 1, 1, self.smem_bytes, stream,
-                                     ctypes.addressof(args), 0), "cuLaunchKernel")
+        # the driver's cuLaunchKernel through ctypes: the cuda-python wrapper of the same call costs several times
+        # more host time, which small attention calls feel (benchmarks/host_overhead.py)
+        result = libcuda().cuLaunchKernel(self.handle, *grid, self.threads, 1, 1, self.smem_bytes,
+                                          _current_stream(device), ctypes.addressof(args), None)
+        if result != 0:
+            _check((driver.CUresult(result),), "cuLaunchKernel")
+
+
+@functools.lru_cache(maxsize=None)
+def libcuda() -> ctypes.CDLL:
+    """The CUDA driver library torch has loaded, for the calls on the per-launch path (cuLaunchKernel,
+    cuCtxGetCurrent, cuTensorMapEncodeTiled), declared once."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    lib.cuCtxGetCurrent.restype = ctypes.c_int
+    lib.cuCtxGetCurrent.argtypes = [ctypes.c_void_p]
+    return lib
 
 
 _lock = threading.RLock()
@@ -127,8 +144,8 @@ def _make_current(device_index: int) -> None:
             device = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
             context = _contexts.setdefault(device_index, _check(driver.cuDevicePrimaryCtxRetain(device),
                                                                 "cuDevicePrimaryCtxRetain"))
-    current = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if int(current) != int(context):
+    current = ctypes.c_void_p()
+    if libcuda().cuCtxGetCurrent(ctypes.byref(current)) != 0 or current.value != int(context):
         _check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 

@@ -6,8 +6,8 @@ csrc/utils.cuh SmemTile uses) by `box_rows` rows. Columns past head_dim and rows
 by the copy engine.
 
 The encoder is the driver's cuTensorMapEncodeTiled, called through ctypes on the libcuda that torch has already
-loaded: the cuda-python wrapper of the same call costs several times more host time, and a forward encodes three
-maps. Encoded maps are cached by (address, shape, strides, dtype, box): a training step's activations come back at
+loaded (launch.libcuda): the cuda-python wrapper of the same call costs several times more host time, and a forward
+encodes three maps. Encoded maps are cached by (address, shape, strides, dtype, box): a training step's activations come back at
 the same addresses from PyTorch's caching allocator, so most calls encode nothing.
 """
 
@@ -37,8 +37,9 @@ BOX_COLS = 64  # 16-bit columns per box: one 128-byte swizzled column block
 
 @functools.lru_cache(maxsize=None)
 def _encoder():
-    libcuda = ctypes.CDLL("libcuda.so.1")
-    encode = libcuda.cuTensorMapEncodeTiled
+    from flashtrain.kernels.launch import libcuda
+
+    encode = libcuda().cuTensorMapEncodeTiled
     encode.restype = ctypes.c_int
     encode.argtypes = [ctypes.c_void_p, ctypes.c_int, _u32, ctypes.c_void_p, ctypes.POINTER(_u64),
                        ctypes.POINTER(_u64), ctypes.POINTER(_u32), ctypes.POINTER(_u32), ctypes.c_int, ctypes.c_int,
