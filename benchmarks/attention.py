@@ -172,7 +172,7 @@ def format_row(row) -> str:
     parts = [f"hd{row['hd']:<4}{'causal' if row['causal'] else 'full':<7}S{row['S']:<6}"]
     for kind, _ in PASSES:
         parts.append(" ".join(cell(row[f"{impl}_{kind}"]) for impl in ("flashtrain", "fa2", "cudnn")))
-        parts.append(cell(ratio(row, "flashtrain", "fa2", kind), 6, 2) + cell(ratio(row, "flashtrain", "cudnn", kind), 6, 2))
+        parts.append("".join(cell(ratio(row, "flashtrain", other, kind), 6, 2) for other in ("fa2", "cudnn")))
     return " | ".join(parts)
 
 
