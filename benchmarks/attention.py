@@ -12,6 +12,22 @@ seqlen 1K ... 64K.
     python benchmarks/attention.py                      # full run: table, benchmarks/results/attention-<gpu>.json/.png
     python benchmarks/attention.py --quick              # 2 seqlens, few repeats
     python benchmarks/attention.py --block-sparse --out DIR   # block-sparse scaling: DIR/block_sparse.json/.png
+    python benchmarks/attention.py --workloads          # workloads table: results/attention_workloads-<gpu>.json/.png
+    python benchmarks/attention.py --all                # the grid (+ memory), then the workloads table
+    python benchmarks/attention.py --selftest           # tables and plots on synthetic numbers (CPU, no GPU)
+
+Every run records GPU, torch, CUDA and cuDNN versions, the UTC date and the bf16 matmul rate (8192^3, the ceiling of
+issue 12's 75% bar) in its JSON. The grid prints flashtrain / FA2 and / cuDNN per pass, a summary (worst ratios, hd128
+full S>=4K forward as a share of the matmul rate) and a markdown table.
+
+Workloads mode (issue 12): rows outside the grid, bf16, each against every SDPA backend that runs it (a backend that
+refuses a pass shows "-"): head dims 64, 80, 96, 128, 192, 256 at 4K causal (batch 4, nheads = 2048 / head_dim
+rounded down to a power of two); GQA 32/8 heads at 8K and 16/2 at 4K, causal, hd128 (SDPA: enable_gqa=True);
+dropout 0.1 at batch 32 x 512, 16 heads, hd64 (BERT-large); varlen, 64 seeded lengths in [128, 512], 16 heads,
+hd64 (flashtrain: flash_attn_varlen_func on packed tensors; SDPA: padded to the longest with a key-padding bool
+attn_mask, which FA2 refuses); GPT-2 small (16 x 1K, 12 heads, hd64, causal). FLOPs as in the grid, varlen summed
+over sequences (useful work only, never padding). Each cell: best-round median ms and TFLOP/s; per pass the ratio
+flashtrain / fastest SDPA backend that ran it. Markdown table last; the PNG shows the fwd and fwd+bwd ratios.
 
 Block-sparse mode (issue #4): forward+backward time of flashtrain's block-sparse kernels against the density s of the
 block mask, s in {1, 1/2, 1/4, 1/8, 1/16}, at 16K and 64K tokens (batch 1, 16 heads, head dim 64, bf16, not causal),
@@ -24,14 +40,16 @@ import argparse
 import datetime
 import json
 import math
+import random
 import statistics
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashtrain.kernels import block_sparse, flash_attn_func
+from flashtrain.kernels import block_sparse, flash_attn_func, flash_attn_varlen_func
 from train_gpt2 import time_calls  # the sibling benchmark's timer (this script's folder is on sys.path)
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -51,23 +69,31 @@ def naive_attention(q, k, v, causal):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def attention_fn(impl: str, causal: bool):
-    """fn(q, k, v) -> out. flashtrain takes (batch, seqlen, nheads, head_dim); the others (batch, nheads, ...)."""
+def attention_fn(impl: str, causal: bool, dropout_p: float = 0.0, enable_gqa: bool = False, attn_mask=None):
+    """fn(q, k, v) -> out. flashtrain takes (batch, seqlen, nheads, head_dim); the others (batch, nheads, ...).
+
+    attn_mask: SDPA only, bool, True = attend (broadcast to (batch, nheads, seqlen_q, seqlen_k)). enable_gqa: SDPA's
+    flag for k/v with fewer heads than q (flashtrain reads GQA from the shapes)."""
     if impl == "flashtrain":
-        return lambda q, k, v: flash_attn_func(q, k, v, causal=causal, impl="cuda")
+        return lambda q, k, v: flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, impl="cuda")
     if impl == "naive":
         return lambda q, k, v: naive_attention(q, k, v, causal)
     backend = SDPA_BACKENDS[impl]
+    extra = {"enable_gqa": True} if enable_gqa else {}  # only when needed: not every backend takes the flag
 
     def sdpa(q, k, v):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=causal, **extra)
     return sdpa
 
 
-def make_inputs(impl, batch, seqlen, nheads, head_dim, requires_grad):
-    shape = (batch, seqlen, nheads, head_dim) if impl == "flashtrain" else (batch, nheads, seqlen, head_dim)
-    return [torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad) for _ in range(4)]
+def make_inputs(impl, batch, seqlen, nheads, head_dim, requires_grad, nheads_kv=None):
+    """q, k, v, dout in bf16; k and v carry nheads_kv heads (default nheads), q and dout nheads."""
+    def shape(heads):
+        return (batch, seqlen, heads, head_dim) if impl == "flashtrain" else (batch, heads, seqlen, head_dim)
+    heads = (nheads, nheads_kv or nheads, nheads_kv or nheads, nheads)
+    return [torch.randn(shape(h), device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad) for h in heads]
 
 
 def median_ms(fn, warmup: int, repeats: int) -> float:
@@ -75,26 +101,42 @@ def median_ms(fn, warmup: int, repeats: int) -> float:
     return 1000 * statistics.median(time_calls(fn, torch.device("cuda"), warmup, repeats))
 
 
-def time_impl(impl, batch, seqlen, nheads, head_dim, causal, repeats):
-    """Forward, backward and forward+backward times in ms (None where the implementation cannot run)."""
-    fn = attention_fn(impl, causal)
-    q, k, v, dout = make_inputs(impl, batch, seqlen, nheads, head_dim, requires_grad=True)
-    warmup = 3
-    if impl == "naive":  # seconds per call at 16K; a few repeats say enough
-        repeats = min(repeats, 5)
+def time_passes(fn, inputs, dout, repeats: int, label: str, warmup: int = 3) -> dict:
+    """Forward, backward and forward+backward ms of fn(*inputs) (keys fwd, bwd, fb; a pass that cannot run is
+    missing, its error printed with label: a backend that refuses the shape, or no memory)."""
     times = {}
     try:
         with torch.no_grad():
-            times["fwd"] = median_ms(lambda: fn(q, k, v), warmup, repeats)
-        out = fn(q, k, v)
-        times["bwd"] = median_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), warmup,
-                                 repeats)
+            times["fwd"] = median_ms(lambda: fn(*inputs), warmup, repeats)
+        out = fn(*inputs)
+        times["bwd"] = median_ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), warmup, repeats)
         del out
-        times["fb"] = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), warmup, repeats)
-    except (RuntimeError, torch.cuda.OutOfMemoryError) as error:  # backend refuses the shape, or no memory
-        print(f"  {impl} hd{head_dim} S{seqlen} causal={causal}: {type(error).__name__}: {str(error)[:120]}")
+        times["fb"] = median_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, dout), warmup, repeats)
+    except (RuntimeError, ValueError, NotImplementedError) as error:  # torch.cuda.OutOfMemoryError included
+        print(f"  {label}: {type(error).__name__}: {str(error)[:120]}")
     torch.cuda.empty_cache()
     return times
+
+
+def time_impl(impl, batch, seqlen, nheads, head_dim, causal, repeats):
+    """Forward, backward and forward+backward times in ms (None where the implementation cannot run)."""
+    q, k, v, dout = make_inputs(impl, batch, seqlen, nheads, head_dim, requires_grad=True)
+    if impl == "naive":  # seconds per call at 16K; a few repeats say enough
+        repeats = min(repeats, 5)
+    return time_passes(attention_fn(impl, causal), (q, k, v), dout, repeats, f"{impl} hd{head_dim} S{seqlen} "
+                       f"causal={causal}")
+
+
+PASSES = (("fwd", 1.0), ("bwd", 2.5), ("fb", 3.5))  # each pass's FLOPs in units of the forward's
+
+
+def keep_best(row: dict, impl: str, times: dict, fwd_flops: float) -> None:
+    """Fold one round's times into row: {impl}_{pass} = best TFLOP/s so far, {impl}_{pass}_ms = best ms (None: the
+    pass never ran)."""
+    for kind, factor in PASSES:
+        ms = min((x for x in (times.get(kind), row.get(f"{impl}_{kind}_ms")) if x is not None), default=None)
+        row[f"{impl}_{kind}_ms"] = None if ms is None else round(ms, 4)
+        row[f"{impl}_{kind}"] = None if ms is None else round(factor * fwd_flops / ms / 1e9, 1)
 
 
 def speed(seqlens, repeats, rounds):
@@ -108,11 +150,8 @@ def speed(seqlens, repeats, rounds):
                 row = {"hd": head_dim, "S": seqlen, "B": batch, "H": nheads, "causal": causal}
                 for round_index in range(rounds):
                     for impl in IMPLS if round_index == 0 else IMPLS[:-1]:  # naive: one round, it is slow
-                        times = time_impl(impl, batch, seqlen, nheads, head_dim, causal, repeats)
-                        for kind, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops), ("fb", 3.5 * fwd_flops)):
-                            ms, best = times.get(kind), row.get(f"{impl}_{kind}")
-                            tflops = None if ms is None else round(flops / ms / 1e9, 1)
-                            row[f"{impl}_{kind}"] = tflops if best is None else max(best, tflops or 0)
+                        keep_best(row, impl, time_impl(impl, batch, seqlen, nheads, head_dim, causal, repeats),
+                                  fwd_flops)
                 rows.append(row)
                 print(format_row(row), flush=True)
     return rows
@@ -123,13 +162,17 @@ def ratio(row, impl, other, kind):
     return None if not a or not b else a / b
 
 
+GRID_HEADER = ("TFLOP/s            | fwd: flashtrain fa2 cudnn | ft/fa2 ft/cudnn | bwd: flashtrain fa2 cudnn | "
+               "ft/fa2 ft/cudnn | fwd+bwd: flashtrain fa2 cudnn | ft/fa2 ft/cudnn")
+
+
 def format_row(row) -> str:
     def cell(x, width=6, digits=0):
         return f"{'-':>{width}}" if x is None else f"{x:>{width}.{digits}f}"
     parts = [f"hd{row['hd']:<4}{'causal' if row['causal'] else 'full':<7}S{row['S']:<6}"]
-    for kind in ("fwd", "fb"):
+    for kind, _ in PASSES:
         parts.append(" ".join(cell(row[f"{impl}_{kind}"]) for impl in ("flashtrain", "fa2", "cudnn")))
-        parts.append(cell(ratio(row, "flashtrain", "fa2", kind), 6, 2) + cell(ratio(row, "flashtrain", "cudnn", kind), 6, 2))
+        parts.append("".join(cell(ratio(row, "flashtrain", other, kind), 6, 2) for other in ("fa2", "cudnn")))
     return " | ".join(parts)
 
 
@@ -181,6 +224,210 @@ def plot(rows, path: Path) -> None:
     axes[0][0].legend()
     for ax in axes[-1]:
         ax.set_xlabel("seqlen (batch x seqlen = 16K)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def grid_markdown(rows) -> str:
+    """The grid as a markdown table: TFLOP/s of flashtrain, FA2 and cuDNN and flashtrain / cuDNN, per pass."""
+    def cell(x, digits=0):
+        return "-" if x is None else f"{x:.{digits}f}"
+    head = "| hd | mask | S | B x H |" + "".join(f" {k}: flashtrain | FA2 | cuDNN | ft/cuDNN |" for k, _ in PASSES)
+    lines = [head, "|" + "---|" * (4 + 4 * len(PASSES))]
+    for row in rows:
+        cells = [str(row["hd"]), "causal" if row["causal"] else "full", str(row["S"]), f"{row['B']} x {row['H']}"]
+        for kind, _ in PASSES:
+            cells += [cell(row[f"{impl}_{kind}"]) for impl in ("flashtrain", "fa2", "cudnn")]
+            cells.append(cell(ratio(row, "flashtrain", "cudnn", kind), 2))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def matmul_tflops(n: int = 8192, repeats: int = 30) -> float:
+    """bf16 (n, n) @ (n, n) rate in TFLOP/s: the ceiling issue 12's 75% bar is measured against, in the same run."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return round(2 * n**3 / median_ms(lambda: a @ b, 10, repeats) / 1e9, 1)
+
+
+def grid_summary(rows, matmul: float) -> str:
+    """The bar's numbers: worst flashtrain / cuDNN and / FA2 per pass; best hd128 full S>=4K forward / matmul rate."""
+    parts = []
+    for other in ("cudnn", "fa2"):
+        worst = {kind: min((ratio(row, "flashtrain", other, kind) or 0) for row in rows) for kind, _ in PASSES}
+        parts.append(f"worst flashtrain/{other}: " + ", ".join(f"{k} {v:.2f}" for k, v in worst.items()))
+    hd128 = [row["flashtrain_fwd"] or 0 for row in rows if row["hd"] == 128 and not row["causal"] and row["S"] >= 4096]
+    if hd128:
+        parts.append(f"hd128 full S>=4K forward {max(hd128):.0f} TFLOP/s = {max(hd128) / matmul:.0%} of bf16 matmul "
+                     f"({matmul:.0f})")
+    return "; ".join(parts)
+
+
+# ---- workloads outside the grid (issue 12): head dims, GQA, dropout, varlen, GPT-2 small -------------------------
+
+WORKLOAD_IMPLS = ("flashtrain", "fa2", "cudnn", "efficient")
+IMPL_NAMES = {"flashtrain": "flashtrain", "fa2": "FA2", "cudnn": "cuDNN", "efficient": "efficient"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    batch: int
+    seqlen: int  # varlen: the longest sequence (SDPA's padded length)
+    nheads: int  # query heads
+    nheads_kv: int  # k/v heads (GQA when fewer than nheads)
+    head_dim: int
+    causal: bool
+    dropout_p: float = 0.0
+    lengths: tuple[int, ...] | None = None  # varlen: one length per sequence (batch of them)
+
+    def fwd_flops(self) -> float:
+        """4 * nheads * L^2 * head_dim per sequence (halved when causal): useful work only, never padding."""
+        lengths = self.lengths or (self.seqlen,) * self.batch
+        return sum(4 * self.nheads * L * L * self.head_dim for L in lengths) / (2 if self.causal else 1)
+
+    def shape(self) -> str:
+        heads = f"H{self.nheads}" + (f"/{self.nheads_kv}kv" if self.nheads_kv != self.nheads else "")
+        if self.lengths:
+            tokens = f"{self.batch} seqs L {min(self.lengths)}-{max(self.lengths)} ({sum(self.lengths)} tokens)"
+        else:
+            tokens = f"B{self.batch} S{self.seqlen}"
+        mask = "causal" if self.causal else "full"
+        return f"{tokens} {heads} d{self.head_dim} {mask}" + (f" p={self.dropout_p}" if self.dropout_p else "")
+
+
+def hidden_heads(head_dim: int) -> int:
+    """HIDDEN / head_dim rounded down to a power of two: 64 -> 32, 80 and 96 -> 16, 128 -> 16, 192 and 256 -> 8."""
+    return 1 << ((HIDDEN // head_dim).bit_length() - 1)
+
+
+def varlen_lengths(count: int = 64, low: int = 128, high: int = 512, seed: int = 0) -> tuple[int, ...]:
+    """count lengths uniform in [low, high], the same on every machine (Python's seeded Mersenne Twister)."""
+    draw = random.Random(seed)
+    return tuple(draw.randint(low, high) for _ in range(count))
+
+
+def workloads() -> list[Workload]:
+    rows = [Workload(f"hd{d} 4K causal", TOKENS // 4096, 4096, hidden_heads(d), hidden_heads(d), d, True)
+            for d in (64, 80, 96, 128, 192, 256)]
+    lengths = varlen_lengths()
+    rows += [
+        Workload("GQA 32/8 8K causal", 2, 8192, 32, 8, 128, True),
+        Workload("GQA 16/2 4K causal", 4, 4096, 16, 2, 128, True),
+        Workload("dropout 0.1 BERT-large 512", 32, 512, 16, 16, 64, False, dropout_p=0.1),
+        Workload("varlen 64 x [128, 512]", len(lengths), max(lengths), 16, 16, 64, False, lengths=lengths),
+        Workload("GPT-2 small 1K causal", 16, 1024, 12, 12, 64, True),
+    ]
+    return rows
+
+
+def workload_case(impl: str, w: Workload):
+    """(fn, (q, k, v), dout) of one implementation on workload w."""
+    if w.lengths is not None:
+        return varlen_case(impl, w)
+    q, k, v, dout = make_inputs(impl, w.batch, w.seqlen, w.nheads, w.head_dim, True, nheads_kv=w.nheads_kv)
+    fn = attention_fn(impl, w.causal, dropout_p=w.dropout_p, enable_gqa=w.nheads_kv != w.nheads)
+    return fn, (q, k, v), dout
+
+
+def varlen_case(impl: str, w: Workload):
+    """flashtrain: packed (total, nheads, head_dim) with cu_seqlens. SDPA: padded (batch, nheads, max_len, head_dim)
+    and a key-padding mask (padded queries still attend to the real keys: the work SDPA would do in a model)."""
+    lengths = torch.tensor(w.lengths, device="cuda")
+    if impl == "flashtrain":
+        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # (batch + 1,), starts at 0
+        q, k, v, dout = (torch.randn(sum(w.lengths), w.nheads, w.head_dim, device="cuda", dtype=torch.bfloat16,
+                                     requires_grad=True) for _ in range(4))
+
+        def fn(q, k, v):
+            return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, w.seqlen, w.seqlen,
+                                          dropout_p=w.dropout_p, causal=w.causal, impl="cuda")
+        return fn, (q, k, v), dout
+    key_padding = torch.arange(w.seqlen, device="cuda") < lengths[:, None]  # (batch, max_len), True = a real key
+    fn = attention_fn(impl, w.causal, dropout_p=w.dropout_p, attn_mask=key_padding[:, None, None, :])
+    q, k, v, dout = make_inputs(impl, w.batch, w.seqlen, w.nheads, w.head_dim, True)
+    return fn, (q, k, v), dout
+
+
+def add_ratios(row: dict) -> None:
+    """Per pass: the fastest SDPA backend that ran it (sdpa_best_{pass}) and flashtrain / it (ratio_{pass})."""
+    for kind, _ in PASSES:
+        ran = [(row[f"{impl}_{kind}"], impl) for impl in SDPA_BACKENDS if row.get(f"{impl}_{kind}")]
+        best_tflops, best = max(ran) if ran else (None, None)
+        flashtrain = row.get(f"flashtrain_{kind}")
+        row[f"sdpa_best_{kind}"] = best
+        row[f"ratio_{kind}"] = round(flashtrain / best_tflops, 3) if flashtrain and best_tflops else None
+
+
+def workload_speed(repeats: int, rounds: int) -> list[dict]:
+    """One row per workload: best-round ms and TFLOP/s of each implementation per pass, and the ratios."""
+    rows = []
+    for w in workloads():
+        row = {"name": w.name, "shape": w.shape(), **asdict(w), "fwd_gflop": round(w.fwd_flops() / 1e9, 2)}
+        for round_index in range(rounds):
+            for impl in WORKLOAD_IMPLS:
+                if round_index and all(row[f"{impl}_{kind}"] is None for kind, _ in PASSES):
+                    continue  # refused every pass in round 0: it will again
+                fn, inputs, dout = workload_case(impl, w)
+                keep_best(row, impl, time_passes(fn, inputs, dout, repeats, f"{impl} {w.name}"), w.fwd_flops())
+                del fn, inputs, dout
+        add_ratios(row)
+        rows.append(row)
+        print(format_workload(row), flush=True)
+    return rows
+
+
+def format_workload(row) -> str:
+    """One progress line: fwd and fwd+bwd ms of each implementation, then the ratios."""
+    def ms(impl, kind):
+        x = row[f"{impl}_{kind}_ms"]
+        return f"{IMPL_NAMES[impl]} " + ("-" if x is None else f"{x:.3f}")
+    parts = [f"{row['name']:<28}"]
+    for kind in ("fwd", "fb"):
+        ratio_text = "-" if row[f"ratio_{kind}"] is None else f"{row[f'ratio_{kind}']:.2f}"
+        parts.append(f"{kind} ms " + ", ".join(ms(impl, kind) for impl in WORKLOAD_IMPLS)
+                     + f"; ft/best SDPA {ratio_text} ({row[f'sdpa_best_{kind}'] or '-'})")
+    return " | ".join(parts)
+
+
+def workloads_markdown(rows) -> str:
+    """Three lines per workload (fwd, bwd, fwd+bwd); each cell 'ms / TFLOP/s'."""
+    head = ("| workload | shape | pass | " + " | ".join(IMPL_NAMES[impl] for impl in WORKLOAD_IMPLS)
+            + " | flashtrain / fastest SDPA |")
+    lines = [head, "|" + "---|" * (4 + len(WORKLOAD_IMPLS))]
+    for row in rows:
+        for index, (kind, _) in enumerate(PASSES):
+            cells = [row["name"], row["shape"]] if index == 0 else ["", ""]
+            cells.append({"fwd": "fwd", "bwd": "bwd", "fb": "fwd+bwd"}[kind])
+            for impl in WORKLOAD_IMPLS:
+                ms, tflops = row[f"{impl}_{kind}_ms"], row[f"{impl}_{kind}"]
+                cells.append("-" if ms is None else f"{ms:.3f} / {tflops:.0f}")
+            best = row[f"ratio_{kind}"]
+            cells.append("-" if best is None else f"{best:.2f} ({IMPL_NAMES[row[f'sdpa_best_{kind}']]})")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_workloads(rows, path: Path, gpu: str) -> None:
+    """Bars: flashtrain / fastest SDPA backend per workload, forward and forward+backward; the line at 1 is parity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows)), 5))
+    x = range(len(rows))
+    for offset, kind, label in ((-0.2, "fwd", "forward"), (0.2, "fb", "forward + backward")):
+        heights = [row[f"ratio_{kind}"] or math.nan for row in rows]
+        bars = ax.bar([i + offset for i in x], heights, width=0.4, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    top = max([row[f"ratio_{kind}"] or 0 for row in rows for kind in ("fwd", "fb")] + [1.0])
+    ax.set_ylim(0, 1.3 * top)  # headroom for the legend and the labels
+    ax.set_xticks(list(x), [row["name"] for row in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("flashtrain / fastest SDPA backend")
+    ax.set_title(f"Attention workloads, bf16, {gpu}")
+    ax.legend(loc="upper left", ncol=2)
+    ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
 
@@ -259,19 +506,93 @@ def plot_block_sparse(rows, path: Path) -> None:
     fig.savefig(path, dpi=80)
 
 
+def selftest() -> None:
+    """The CPU-side parts on synthetic times (no GPU): FLOPs and shapes, best-round folding, ratios, tables, plots."""
+    import tempfile
+
+    fake = random.Random(1)
+    assert [hidden_heads(d) for d in (64, 80, 96, 128, 192, 256)] == [32, 16, 16, 16, 8, 8]
+    lengths = varlen_lengths()
+    assert lengths == varlen_lengths() and len(lengths) == 64 and 128 <= min(lengths) <= max(lengths) <= 512
+    rows = workloads()
+    assert rows[0].fwd_flops() == 4 * 4 * 32 * 4096**2 * 64 / 2
+    assert rows[9].fwd_flops() == sum(4 * 16 * L * L * 64 for L in lengths)
+    refused = {("fa2", "varlen"), ("efficient", "GQA"), ("cudnn", "dropout")}  # (impl, workload-name prefix)
+    workload_rows = []
+    for w in rows:
+        row = {"name": w.name, "shape": w.shape(), **asdict(w), "fwd_gflop": round(w.fwd_flops() / 1e9, 2)}
+        for _ in range(2):
+            for impl in WORKLOAD_IMPLS:
+                no = any(impl == i and w.name.startswith(p) for i, p in refused)
+                times = {} if no else {k: f * w.fwd_flops() / 4e11 * fake.uniform(0.8, 1.2) for k, f in PASSES}
+                keep_best(row, impl, times, w.fwd_flops())
+        add_ratios(row)
+        workload_rows.append(row)
+        print(format_workload(row))
+    assert workload_rows[9]["fa2_fwd"] is None and workload_rows[9]["sdpa_best_fwd"] in ("cudnn", "efficient")
+    grid_rows = []
+    for head_dim, seqlen, causal in ((64, 1024, False), (128, 4096, False), (128, 8192, True)):
+        batch, nheads = TOKENS // seqlen, HIDDEN // head_dim
+        fwd_flops = 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
+        row = {"hd": head_dim, "S": seqlen, "B": batch, "H": nheads, "causal": causal}
+        for impl in IMPLS:
+            keep_best(row, impl, {} if impl == "naive" and seqlen > 4096 else
+                      {k: f * fwd_flops / 5e11 * fake.uniform(0.8, 1.2) for k, f in PASSES}, fwd_flops)
+        grid_rows.append(row)
+        print(format_row(row))
+    with tempfile.TemporaryDirectory() as folder:
+        plot(grid_rows, Path(folder) / "grid.png")
+        plot_workloads(workload_rows, Path(folder) / "workloads.png", "CPU selftest")
+        json.dumps({"rows": grid_rows, "workloads": workload_rows})
+    print(grid_summary(grid_rows, 800.0))
+    print(grid_markdown(grid_rows) + "\n\n" + workloads_markdown(workload_rows))
+
+
+def run_grid(args, env: dict, out: Path) -> str:
+    """The 24-configuration grid (+ memory sweep): JSON and PNG at out; returns its markdown table."""
+    seqlens = [1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    print(GRID_HEADER)
+    rows = speed(seqlens, 5 if args.quick else args.repeats, 1 if args.quick else args.rounds)
+    mem = [] if args.quick else memory([1024, 2048, 4096, 8192, 16384, 32768, 65536])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"env": env, "rows": rows, "memory": mem}, indent=1))
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out}; {grid_summary(rows, env['bf16_matmul_tflops'])}")
+    return grid_markdown(rows)
+
+
+def run_workloads(args, env: dict, out: Path) -> str:
+    """The workloads table: JSON and PNG at out; returns its markdown table."""
+    rows = workload_speed(5 if args.quick else args.repeats, 1 if args.quick else args.rounds)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    plot_workloads(rows, out.with_suffix(".png"), env["gpu"])
+    below = [row["name"] for row in rows if (row["ratio_fwd"] or 0) < 1.0]
+    print(f"wrote {out}; forward below the fastest SDPA backend in {len(below)} of {len(rows)} rows: {below}")
+    return workloads_markdown(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="seqlens 1K and 4K, 5 repeats, no memory sweep")
+    parser.add_argument("--quick", action="store_true", help="seqlens 1K and 4K, 5 repeats, 1 round, no memory sweep")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON path (PNG beside it); with --block-sparse a directory (default benchmarks/results)")
-    parser.add_argument("--block-sparse", action="store_true", help="block-sparse scaling against density only")
+                        help="JSON path (PNG beside it): of the grid, or with --workloads of the workloads table "
+                             "(with --all the workloads file goes beside the grid's); with --block-sparse a directory")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--block-sparse", action="store_true", help="block-sparse scaling against density only")
+    mode.add_argument("--workloads", action="store_true", help="the workloads table only")
+    mode.add_argument("--all", action="store_true", help="the grid (+ memory), then the workloads table")
+    mode.add_argument("--selftest", action="store_true", help="tables and plots on synthetic numbers, CPU only")
     args = parser.parse_args()
+    if args.selftest:
+        selftest()
+        return
     gpu = torch.cuda.get_device_name()
     env = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count, "bf16_matmul_tflops": matmul_tflops()}
     print(json.dumps(env))
     if args.block_sparse:
         out_dir = args.out or RESULTS
@@ -281,16 +602,13 @@ def main() -> None:
         plot_block_sparse(rows, out_dir / "block_sparse.png")
         print(f"wrote {out_dir / 'block_sparse.json'} and .png")
         return
-    seqlens = [1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
-    print("TFLOP/s            | fwd: flashtrain fa2 cudnn | ft/fa2 ft/cudnn | fwd+bwd: flashtrain fa2 cudnn | ratios")
-    rows = speed(seqlens, 5 if args.quick else args.repeats, 1 if args.quick else args.rounds)
-    mem = [] if args.quick else memory([1024, 2048, 4096, 8192, 16384, 32768, 65536])
-    out = args.out or RESULTS / f"attention-{gpu.replace(' ', '_')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"env": env, "rows": rows, "memory": mem}, indent=1))
-    plot(rows, out.with_suffix(".png"))
-    worst = {kind: min((ratio(row, "flashtrain", "fa2", kind) or 0) for row in rows) for kind in ("fwd", "bwd", "fb")}
-    print(f"wrote {out}; worst flashtrain/fa2 ratio: " + ", ".join(f"{k} {v:.2f}" for k, v in worst.items()))
+    tag = gpu.replace(" ", "_")
+    grid_out = (None if args.workloads else args.out) or RESULTS / f"attention-{tag}.json"
+    workloads_out = (args.out if args.workloads else None) or grid_out.parent / f"attention_workloads-{tag}.json"
+    tables = [] if args.workloads else [run_grid(args, env, grid_out)]
+    if args.workloads or args.all:
+        tables.append(run_workloads(args, env, workloads_out))
+    print("\n\n" + "\n\n".join(tables))
 
 
 if __name__ == "__main__":
