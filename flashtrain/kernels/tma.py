@@ -47,6 +47,13 @@ def _encoder():
     return encode
 
 
+@functools.lru_cache(maxsize=None)
+def _error_string():
+    from flashtrain.kernels.launch import libcuda
+
+    return libcuda().cuGetErrorString
+
+
 _CACHE: OrderedDict[tuple, TmaDesc] = OrderedDict()
 _CACHE_SIZE = 512
 
@@ -75,9 +82,11 @@ def tensor_map(x: Tensor, varlen: bool, box_rows: int) -> TmaDesc:
     result = _encoder()(ctypes.byref(desc), _DTYPES[x.dtype], 4, ctypes.c_void_p(x.data_ptr()),
                         (_u64 * 4)(*dims), (_u64 * 3)(*strides), (_u32 * 4)(BOX_COLS, box_rows, 1, 1),
                         (_u32 * 4)(1, 1, 1, 1), _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO)
-    if result != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {result} for a tensor of shape "
-                           f"{tuple(x.shape)}, strides {x.stride()}, dtype {x.dtype}")
+    if result != 0:  # e.g. 710: an earlier kernel's device-side assert left the context unusable
+        message = ctypes.c_char_p()
+        _error_string()(result, ctypes.byref(message))
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed: {(message.value or b'').decode()} (CUresult {result}) "
+                           f"for a tensor of shape {tuple(x.shape)}, strides {x.stride()}, dtype {x.dtype}")
     _CACHE[key] = desc
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
