@@ -33,6 +33,7 @@ def flash_attn_func(
     *,
     dropout_mask: Tensor | None = None,
     generator: torch.Generator | None = None,
+    deterministic: bool = False,
     impl: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention softmax(q k^T * softmax_scale) v, computed tile by tile (FlashAttention).
@@ -58,6 +59,9 @@ def flash_attn_func(
         dropout_mask: optional explicit bool keep-mask (batch, nheads, seqlen_q, seqlen_k), True = keep (tests;
             runs on the reference). Without it the mask is drawn from `generator` and regenerated in backward.
         generator: torch.Generator for the dropout mask (default: the device's default generator).
+        deterministic: the CUDA backward gives bitwise-identical dq, dk, dv from run to run (each CTA sums dq into
+            its own buffer, the buffers are added in a fixed order; no atomics), at some speed cost. The forward is
+            deterministic either way, and so is the reference.
         impl: "auto" (CPU tensors: the plain-PyTorch reference; CUDA tensors: the CUDA kernel, or the reference with
             a one-time warning saying why when the kernel cannot run this call), "cuda" (the kernel or a
             RuntimeError saying why not; never a fallback) or "reference".
@@ -79,7 +83,7 @@ def flash_attn_func(
         out, lse = ops.flash_attn_cuda(
             q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, generator=generator,
-            block_mask=block_mask,
+            block_mask=block_mask, deterministic=deterministic,
         )
     else:  # batch form -> packed form with one sequence per batch entry
         cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
@@ -114,6 +118,7 @@ def flash_attn_varlen_func(
     *,
     dropout_mask: Tensor | None = None,
     generator: torch.Generator | None = None,
+    deterministic: bool = False,
     impl: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences (how padding is handled without wasted work).
@@ -140,7 +145,7 @@ def flash_attn_varlen_func(
         out, lse = ops.flash_attn_cuda(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-            generator=generator, block_mask=block_mask,
+            generator=generator, block_mask=block_mask, deterministic=deterministic,
         )
     else:
         out, lse = flash_attn_reference(
