@@ -79,11 +79,6 @@ FWD_TILES = {
     192: FwdTiles(128, 64, 8),
     256: FwdTiles(128, 64, 8),
 }
-# Dense non-causal forward without dropout, where other tiles measured faster (block_m must equal FWD_TILES': the grid
-# is sized from FWD_TILES).
-# Empty: hd64 128x128 measured +4% at S=512 (H200, benchmarks/probes/ab_probe.py), but the block-sparse kernels must
-# use the dense kernels' tiles (tests: density 1 == dense bitwise). docs/kernels.md has the numbers.
-FWD_TILES_NONCAUSAL: dict[int, FwdTiles] = {}
 # Hopper (sm_90a) forward on warpgroup MMAs (csrc/flash_fwd_sm90.cuh): dense or block-sparse, dropout too, these
 # head dims (a head_dim that rounds up to one of them). nwarps = 4 per 64 query rows. FLASHTRAIN_SM90=0 in the environment turns the Hopper
 # kernels (forward and backward) off: the mma.sync ones then run on Hopper too (A/B measurements, bitwise comparisons
@@ -191,13 +186,9 @@ def _suffix(causal: bool, dropout: bool, block_sparse: bool) -> str:
 
 
 def fwd_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool = False) -> FwdTiles:
-    """The forward's tiles: FWD_TILES, or FWD_TILES_NONCAUSAL for dense non-causal kernels without dropout."""
-    tiles = FWD_TILES[head_dim]
-    if not (causal or dropout or block_sparse) and head_dim in FWD_TILES_NONCAUSAL:
-        if FWD_TILES_NONCAUSAL[head_dim].block_m != tiles.block_m:
-            raise AssertionError(f"FWD_TILES_NONCAUSAL[{head_dim}].block_m must be FWD_TILES' {tiles.block_m}")
-        return FWD_TILES_NONCAUSAL[head_dim]
-    return tiles
+    """The forward's tiles: FWD_TILES[head_dim] for every kernel variant (the block-sparse kernels must use the dense
+    ones' tiles: density 1 equals dense bitwise)."""
+    return FWD_TILES[head_dim]
 
 
 def sm90_enabled() -> bool:
