@@ -323,9 +323,6 @@ class BertForSequenceClassification(nn.Module):
         with torch.no_grad():
             self.classifier.apply(_init_weights)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
                 labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """input_ids, attention_mask, token_type_ids (B, T) as in BertModel.encode -> (logits (B, num_labels), loss).

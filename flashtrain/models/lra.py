@@ -210,9 +210,6 @@ class LRAClassifier(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     def forward(self, tokens: Tensor, labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """tokens (B, T) int64, right-padded with pad_id -> (logits (B, num_classes), mean cross-entropy or None).
         dual: tokens (B, 2 L), two documents each right-padded to L."""
