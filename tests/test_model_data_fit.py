@@ -134,3 +134,17 @@ def test_auto_on_the_cpu_computes_what_sdpa_computes():
                 outputs[attn_impl] = model(tokens, mask)[0] if isinstance(config, BertConfig) else model(tokens)[0]
         assert torch.equal(outputs["auto"], outputs["sdpa"]), type(config).__name__
         torch.testing.assert_close(outputs["reference"], outputs["sdpa"], rtol=1e-4, atol=1e-5)
+
+
+def test_the_attention_check_comes_before_any_data(tmp_path, monkeypatch):
+    """The trainer asks the model config what runs its attention before it prepares data: a flash that cannot run
+    stops the start with nothing tokenized or cached."""
+    def cannot_run(self, device, dtype):
+        raise RuntimeError("attn_impl=flash cannot run flashtrain's CUDA kernel: cuda-python is not installed")
+
+    monkeypatch.setattr(GPT2Config, "attention_backend", cannot_run)
+    cfg = compose_config(["name=x", "logger=none", "data.max_bytes=300000", "data.num_proc=1",
+                          f"data.cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(RuntimeError, match="cuda-python is not installed"):
+        train(cfg, tmp_path / "run")
+    assert not (tmp_path / "cache").exists()
