@@ -13,6 +13,8 @@ subtracted, as in PaLM's MFU). A configuration that runs out of GPU memory is re
 
     python benchmarks/train_gpt2.py                 # small, medium x 1K, 4K -> results/train_gpt2-<gpu>.json/.png
     python benchmarks/train_gpt2.py --compile       # also flashtrain with torch.compile
+    python benchmarks/train_gpt2.py --impls flashtrain flashtrain-compile flashtrain-reduce-overhead \
+        flashtrain-max-autotune --models small --seq-lens 1024   # tokens/s of each trainer.compile_mode
     python benchmarks/train_gpt2.py --device cpu --tiny --out /tmp/t.json   # smoke test (2 layers x 64 wide)
     python benchmarks/train_gpt2.py --impls flashtrain --models small --batch-tokens 32768 --out /tmp/mem.json
                                                     # peak memory at a recipe's micro-batch (gpt2-small-*: 32K tokens)
@@ -45,6 +47,9 @@ MODEL_SHAPES = {  # name -> (n_layer, n_embd, n_head)
     "tiny": (2, 64, 2),  # CPU smoke test
 }
 HF_IMPLS = {"hf-eager": "eager", "hf-sdpa": "sdpa"}
+# flashtrain under torch.compile, by mode (trainer.compile_mode); reduce-overhead replays CUDA graphs (cudagraph trees)
+COMPILE_IMPLS = {"flashtrain-compile": "default", "flashtrain-reduce-overhead": "reduce-overhead",
+                 "flashtrain-max-autotune": "max-autotune"}
 
 
 def flops_per_token(n_layer: int, n_embd: int, seq_len: int, n_params_without_positions: int) -> int:
@@ -90,7 +95,7 @@ def build_loss_fn(impl: str, shape: tuple[int, int, int], seq_len: int, vocab_si
                             n_head=n_head, attn_impl="flash")
         with device:
             model = GPT2(config)
-        step_model = torch.compile(model) if impl == "flashtrain-compile" else model
+        step_model = torch.compile(model, mode=COMPILE_IMPLS[impl]) if impl in COMPILE_IMPLS else model
         return model, lambda x, y: step_model(x, y)[1]
 
     import transformers  # only the comparison needs it
@@ -144,7 +149,7 @@ def measure(impl: str, shape, seq_len: int, micro_batch: int, vocab_size: int, d
         torch.cuda.reset_peak_memory_stats(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        seconds = time_calls(train_step, device, warmup=warmup + (2 if impl == "flashtrain-compile" else 0),
+        seconds = time_calls(train_step, device, warmup=warmup + (3 if impl in COMPILE_IMPLS else 0),
                              repeats=steps)
     step_s = statistics.median(seconds)
     n_params = sum(p.numel() for p in model.parameters())  # each tensor once (tied weights too)
@@ -252,9 +257,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="tokens per micro-batch, the same for every implementation (default 16384; tiny 256)")
     parser.add_argument("--compile", action="store_true", help="also time flashtrain under torch.compile")
     parser.add_argument("--impls", nargs="+", default=None,
-                        help="a subset of flashtrain flashtrain-compile hf-eager hf-sdpa (default: all but -compile, "
-                             "which --compile adds)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile: 2 more)")
+                        help="a subset of flashtrain flashtrain-compile flashtrain-reduce-overhead "
+                             "flashtrain-max-autotune hf-eager hf-sdpa (default: flashtrain and hf-*; --compile adds "
+                             "flashtrain-compile)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile: 3 more)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
     args = parser.parse_args(argv)
@@ -274,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--batch-tokens={batch_tokens} must be a multiple of every --seq-lens value ({seq_len})")
     impls = args.impls or ["flashtrain"] + (["flashtrain-compile"] if args.compile else []) + list(HF_IMPLS)
     for impl in impls:
-        if impl not in ("flashtrain", "flashtrain-compile", *HF_IMPLS):
+        if impl not in ("flashtrain", *COMPILE_IMPLS, *HF_IMPLS):
             raise SystemExit(f"--impls: unknown implementation {impl!r}")
 
     import transformers

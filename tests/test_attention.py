@@ -421,6 +421,39 @@ def test_varlen_validation_names_the_argument(overrides, error, argument):
         flash_attn_varlen_func(**_varlen_inputs(**overrides))
 
 
+BAD_OFFSETS = [
+    ([1, 10, 30], 30, 20, "cu_seqlens_q must start at 0"),
+    ([0, 10, 29], 30, 20, "end at the number of packed rows 30"),
+    ([0, 15, 5, 30], 30, 20, "non-decreasing"),
+    ([0, 10, 30], 30, 19, "max_seqlen_q = 19"),
+]
+
+
+@pytest.mark.parametrize("offsets,total,max_seqlen,message", BAD_OFFSETS, ids=[case[3] for case in BAD_OFFSETS])
+def test_device_offset_assert_names_the_argument(offsets, total, max_seqlen, message):
+    """The check that CUDA cu_seqlens get instead of a host sync (torch._assert_async; on a CPU tensor it raises at
+    once, which lets the CPU run the same code)."""
+    from flashtrain.kernels import interface
+
+    cu_seqlens = torch.tensor(offsets, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=message):
+        interface._assert_offsets_on_device("cu_seqlens_q", cu_seqlens, total, "max_seqlen_q", max_seqlen)
+
+
+def test_device_offset_assert_runs_once_per_tensor_version():
+    """Layers sharing one cu_seqlens check it once; an in-place change (a new version) is checked again."""
+    from flashtrain.kernels import interface
+
+    cu_seqlens = torch.tensor([0, 10, 30], dtype=torch.int32)
+    interface._assert_offsets_on_device("cu_seqlens_k", cu_seqlens, 30, "max_seqlen_k", 20)
+    assert interface._asserted_offsets[cu_seqlens] == {(cu_seqlens._version, 30, 20)}
+    interface._assert_offsets_on_device("cu_seqlens_k", cu_seqlens, 30, "max_seqlen_k", 20)
+    assert len(interface._asserted_offsets[cu_seqlens]) == 1
+    cu_seqlens[1] = 25
+    with pytest.raises(RuntimeError, match="cu_seqlens_k"):
+        interface._assert_offsets_on_device("cu_seqlens_k", cu_seqlens, 30, "max_seqlen_k", 20)
+
+
 def test_cuda_impl_on_cpu_tensors_raises():
     with pytest.raises(RuntimeError, match="impl='cuda' cannot run: the tensors are on cpu"):
         flash_attn_func(**_batch_inputs(), impl="cuda")

@@ -11,8 +11,8 @@ from omegaconf.errors import ConfigKeyError
 
 import flashtrain.models.attention as attention_module
 from flashtrain.models import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
-from flashtrain.models.padding import pad_packed, unpad_indices
 from flashtrain.models.hf_convert import bert_config_from_hf, from_pretrained_hf, load_hf_state_dict, to_hf_state_dict
+from flashtrain.models.padding import Unpadding, pad_packed, unpad_indices
 
 ATTN_IMPLS = ["sdpa", "reference", "flash"]  # "flash" on CPU dispatches to the reference
 FLAVORS = ["bert", "roberta"]
@@ -240,6 +240,30 @@ def test_unpad_indices_and_pad_packed():
     packed = torch.arange(1.0, 7.0)[:, None].expand(6, 2)  # (total, 2)
     padded = pad_packed(packed, indices, 3, 3)
     assert padded[..., 0].tolist() == [[1, 2, 3], [4, 0, 0], [5, 6, 0]]
+
+
+def test_unpadding_built_on_the_host_gives_the_same_numbers():
+    """Unpadding.of(attention_mask, labels) passed in (what a loader builds on the host, so that a GPU step needs no
+    host sync) gives bitwise the same masked-LM logits and loss and classification logits as letting the model find
+    the real and masked tokens itself."""
+    input_ids, attention_mask, token_type_ids = padded_batch("bert")
+    is_masked = (torch.rand(input_ids.shape, generator=torch.Generator().manual_seed(3)) < 0.3) & attention_mask.bool()
+    labels = torch.where(is_masked, input_ids, -100)
+    unpadding = Unpadding.of(attention_mask, labels)
+    assert unpadding.max_seqlen == input_ids.shape[1] and unpadding.cu_seqlens.tolist() == [0, 13, 20, 21, 31]
+    assert unpadding.masked_rows.tolist() == torch.nonzero(labels.flatten()[unpadding.indices] != -100).flatten().tolist()
+    torch.manual_seed(0)
+    masked_lm = BertForMaskedLM(our_config("bert")).eval()
+    classifier = BertForSequenceClassification(our_config("bert")).eval()
+    with torch.no_grad():
+        logits, loss = masked_lm(input_ids, attention_mask, token_type_ids, labels=labels)
+        logits_given, loss_given = masked_lm(input_ids, attention_mask, token_type_ids, labels=labels,
+                                             unpadding=unpadding)
+        classes = classifier(input_ids, attention_mask, token_type_ids)[0]
+        classes_given = classifier(input_ids, attention_mask, token_type_ids, unpadding=unpadding[:3] + (None,))[0]
+    assert logits.shape == (int(is_masked.sum()), TINY["vocab_size"])
+    assert torch.equal(logits, logits_given) and torch.equal(loss, loss_given)
+    assert torch.equal(classes, classes_given)
 
 
 @pytest.mark.parametrize("attn_impl", ATTN_IMPLS)

@@ -19,12 +19,14 @@ from flashtrain.data.documents import (DocumentClassificationTask, EcthrConfig, 
 from flashtrain.data.mlm import MaskedLMDataConfig, make_mlm_train_loader, mask_tokens, prepare_mlm_data
 from flashtrain.data.tokenizer import load_hf_tokenizer
 from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification
+from flashtrain.models.padding import Unpadding
 from flashtrain.pretrained import resolve_pretrained_path
 from flashtrain.train import train
 from flashtrain.train.config import OptimConfig
 from flashtrain.train.lamb import LAMB
 from flashtrain.train.model_init import load_initial_weights
 from flashtrain.train.optim import build_optimizer, lr_factor
+from flashtrain.train.trainer import to_device
 from hydra_config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,6 +137,39 @@ def test_mlm_batches_resume_exactly(tmp_path, wordpiece_dir):
     n_maskable = (~np.isin(original.numpy(), data.special_ids)).sum(1)
     assert first["labels"].ne(-100).sum(1).tolist() == [round(0.15 * n) for n in n_maskable]
     assert not torch.equal(batches[1]["labels"] != -100, batches[2]["labels"] != -100)  # fresh masks per batch
+
+
+def _fields_equal(got: Unpadding, want: Unpadding) -> bool:
+    return got.max_seqlen == want.max_seqlen and all(
+        (a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want) if not isinstance(a, int))
+
+
+@pytest.mark.parametrize("kind", ["masked_lm", "documents"])
+def test_loaders_build_the_unpadding_and_the_loss_passes_it(tmp_path, wordpiece_dir, monkeypatch, kind):
+    """The masked-LM and document loaders build each batch's Unpadding on the host (so that a training step on the GPU
+    needs no host sync) and the task's loss hands it to the model, which then finds no tokens itself; the loss is
+    the one the model computes finding them."""
+    if kind == "masked_lm":
+        task = MaskedLMDataConfig(corpus="stdlib", max_bytes=60_000, tokenizer=wordpiece_dir, seq_len=32,
+                                  val_fraction=0.1, num_proc=1, cache_dir=str(tmp_path)).build()
+    else:
+        task = LongDocConfig(tokenizer=wordpiece_dir, corpus_bytes=100_000, n_train=8, n_val=4, n_test=4,
+                             min_tokens=40, max_tokens=80, evidence_start=2, evidence_end=39, max_length=100,
+                             cache_dir=str(tmp_path)).build()
+    head = "masked_lm" if kind == "masked_lm" else "classification"
+    model = BertConfig(vocab_size=400, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                       head=head, num_labels=task.spec.num_classes or 2, max_length=100).build().eval()
+    for batch in (next(iter(task.train_loader(4, 0, 1, 0))), next(iter(task.eval_loader("val", 4)))):
+        labels = batch["labels"] if kind == "masked_lm" else None
+        assert _fields_equal(batch["unpadding"], Unpadding.of(batch["attention_mask"], labels))
+    if kind == "documents":
+        assert not batch["attention_mask"].bool().all()  # documents of several lengths: the batch is padded
+    with torch.no_grad():
+        finding = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])[1]
+        monkeypatch.setattr(Unpadding, "of", lambda *args: pytest.fail("the model built its own Unpadding"))
+        monkeypatch.setattr(torch, "nonzero", lambda *args: pytest.fail("the model found the masked tokens"))
+        given = task.loss(model, to_device(batch, torch.device("cpu")))
+    assert torch.equal(given, finding)
 
 
 def test_bert_large_mlm_recipe_tiny(tmp_path, wordpiece_dir):

@@ -134,9 +134,35 @@ def test_mma_sync_kernels_on_hopper_match_reference(head_dim, causal, monkeypatc
         _check_against_reference(q, k, v, dout, causal=causal)
 
 
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_99kb_tiles_match_reference(head_dim, monkeypatch):
+    """The tiles of GPUs with 99 KB of shared memory per block (sm_86 / sm_89 / sm_120: A10G, L4, L40S, RTX), run
+    here by lowering this device's limit as FLASHTRAIN_MAX_SMEM=99K does for a whole run; batch and varlen, causal,
+    dropout, GQA."""
+    from flashtrain.kernels import build, launch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    launch.device_smem_limit(device)  # read the real limit first, then lower it
+    monkeypatch.setitem(launch._smem_limits, device.index, build.SMEM_OPTIN_SM86)
+    monkeypatch.setenv("FLASHTRAIN_SM90", "0")
+    spec = build.bwd_kernel(head_dim, "bf16", True, False, smem_limit=build.SMEM_OPTIN_SM86)
+    assert spec.smem_bytes <= build.SMEM_OPTIN_SM86 and spec.tiles == build.BWD_TILES_SMALL_SMEM[head_dim]
+    for index, (seqlen_q, seqlen_k) in enumerate([(97, 97), (1025, 1025), (17, 200)]):
+        q, k, v, dout = _inputs((2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim), torch.bfloat16, seed=index)
+        _check_against_reference(q, k, v, dout, causal=bool(index % 2))
+    lengths_q, lengths_k = [1, 300, 129], [64, 17, 300]
+    cu_q = torch.tensor([0, 1, 301, 430], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 64, 81, 381], dtype=torch.int32, device="cuda")
+    q, k, v, dout = _inputs((430, 4, head_dim), (381, 1, head_dim), torch.float16, seed=7)
+    _check_against_reference(q, k, v, dout, causal=True, dropout_p=0.17, generator_seed=3, cu_seqlens_q=cu_q,
+                             cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+
+
 def test_hopper_runs_the_warpgroup_mma_kernels():
     from flashtrain.kernels import build, launch
 
+    if build.smem_cap() is not None:
+        pytest.skip(f"{build.SMEM_ENV} is set: the tiles of that limit run")
     arch = launch.device_arch(torch.device("cuda", torch.cuda.current_device()))
     names = [build.fwd_kernel(head_dim, "bf16", False, False, arch=arch).name for head_dim in (64, 128)]
     names += [build.bwd_kernel(head_dim, "bf16", False, False, arch=arch).name for head_dim in (64, 128)]

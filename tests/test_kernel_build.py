@@ -12,6 +12,7 @@ import pytest
 
 from flashtrain.kernels import build
 
+SM90_MAX_SMEM = 227 * 1024  # opt-in shared memory per block on H100 / H200
 SM80_MAX_SMEM = 163 * 1024  # dynamic shared memory a CTA may opt in to on A100 (H100: 227 KB)
 
 
@@ -26,21 +27,25 @@ def test_dispatch_table_covers_every_instantiation_once():
     specs = build.all_kernels()
     names = [spec.name for spec in specs]
     dense, sparse = len(build.HEAD_DIMS), len(build.BLOCK_SPARSE_HEAD_DIMS)
-    # Hopper-only (warpgroup MMA): head dims x dtype x causal x dropout x block-sparse
-    hopper = (len(build.FWD_SM90_TILES) + len(build.BWD_SM90_TILES)) * 2 * 2 * 2 * 2
+    # Hopper-only (warpgroup MMA): head dims x dtype x causal x dropout (x block-sparse at BLOCK_SPARSE_HEAD_DIMS)
+    hopper_dims = [head_dim for table in (build.FWD_SM90_TILES, build.BWD_SM90_TILES) for head_dim in table]
+    hopper_sparse = sum(2 * 2 * 2 for head_dim in hopper_dims if head_dim in build.BLOCK_SPARSE_HEAD_DIMS)
+    hopper = len(hopper_dims) * 2 * 2 * 2 + hopper_sparse
     assert len(names) == len(set(names)) == 2 + 2 * (dense + sparse) * 2 * 2 * 2 + hopper
-    assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2 + hopper // 2
+    assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2 + hopper_sparse
     assert [spec.archs for spec in specs if "_sm90_" in spec.name] == [("sm_90a",)] * hopper
     for spec in specs:
         if spec.supports("sm_80"):
             assert spec.smem_bytes <= SM80_MAX_SMEM, f"{spec.name} needs {spec.smem_bytes} bytes of shared memory"
-        assert spec.threads in (128, 256)
+            assert spec.threads in (128, 256)
+        else:  # the warp-specialized Hopper forward: a producer warpgroup + 2 or 3 consumer warpgroups
+            assert spec.smem_bytes <= SM90_MAX_SMEM and spec.threads in (128, 384, 512)
 
 
 def test_hopper_dispatch(monkeypatch):
-    """sm_90a runs the warpgroup-MMA forward and backward (dense or block-sparse, dropout too; the backward not when
-    deterministic) at head dims <= 128 (rounded to 64 or 128); other head dims and other GPUs run the mma.sync
-    kernels; FLASHTRAIN_SM90=0 turns both off."""
+    """sm_90a runs the warpgroup-MMA forward at head dims 64, 128, 192, 256 and backward at 64, 128 (dense or
+    block-sparse, dropout too; the backward not when deterministic); head dims 65-96 round up to 128 there; head
+    dims <= 32 and other GPUs run the mma.sync kernels; FLASHTRAIN_SM90=0 turns the Hopper kernels off."""
     def name(head_dim, arch, causal=False, dropout=False, block_sparse=False):
         return build.fwd_kernel(head_dim, "fp16", causal, dropout, block_sparse, arch=arch).name
 
@@ -51,7 +56,10 @@ def test_hopper_dispatch(monkeypatch):
     assert name(64, "sm_90a", dropout=True) == "flash_fwd_sm90_hdim64_fp16_dropout"
     assert name(64, "sm_90a", block_sparse=True) == "flash_fwd_sm90_hdim64_fp16_sparse"
     assert name(64, "sm_80", block_sparse=True) == "flash_fwd_hdim64_fp16_sparse"
-    assert name(32, "sm_90a") == "flash_fwd_hdim32_fp16" and name(256, "sm_90a") == "flash_fwd_hdim256_fp16"
+    assert name(32, "sm_90a") == "flash_fwd_hdim32_fp16" and name(256, "sm_90a") == "flash_fwd_sm90_hdim256_fp16"
+    assert name(192, "sm_90a") == "flash_fwd_sm90_hdim192_fp16" and name(192, "sm_80") == "flash_fwd_hdim192_fp16"
+    assert [build.rounded_head_dim(d, arch=arch) for d, arch in ((72, "sm_90a"), (96, "sm_90a"), (96, "sm_80"))] == [
+        128, 128, 96]
     assert name(64, "sm_80", dropout=True) == "flash_fwd_hdim64_fp16_dropout"
     def bwd_name(head_dim, arch, dropout=False, block_sparse=False, deterministic=False):
         return build.bwd_kernel(head_dim, "fp16", False, dropout, block_sparse, arch=arch,
@@ -65,6 +73,7 @@ def test_hopper_dispatch(monkeypatch):
     assert bwd_name(96, "sm_90a") == "flash_bwd_hdim96_fp16"
     monkeypatch.setenv("FLASHTRAIN_SM90", "0")
     assert name(64, "sm_90a") == "flash_fwd_hdim64_fp16" and bwd_name(64, "sm_90a") == "flash_bwd_hdim64_fp16"
+    assert build.rounded_head_dim(96, arch="sm_90a") == 96
     with pytest.raises(ValueError, match="sm_90a"):
         build.compile_kernel(build.fwd_sm90_kernel(64, "fp16", False), "sm_80")
 
@@ -86,13 +95,63 @@ def test_block_sparse_size_agrees_everywhere_and_is_whole_tiles():
 
 
 def test_tiles_split_evenly_across_warps():
-    for head_dim, tiles in build.FWD_TILES.items():
+    for head_dim, tiles in [*build.FWD_TILES.items(), *build.FWD_TILES_SMALL_SMEM.items()]:
         assert tiles.block_m % (16 * tiles.nwarps) == 0 and tiles.block_n % 16 == 0
-    for head_dim, tiles in build.BWD_TILES.items():
+    for head_dim, tiles in [*build.BWD_TILES.items(), *build.BWD_TILES_SMALL_SMEM.items()]:
         assert tiles.block_m % (16 * tiles.warps_m_sdp) == 0
         assert tiles.block_n % (16 * tiles.warps_n_dkv) == 0 and tiles.block_m % (16 * tiles.warps_m_dq) == 0
         assert head_dim % (16 * (tiles.nwarps // tiles.warps_n_dkv)) == 0
         assert head_dim % (16 * (tiles.nwarps // tiles.warps_m_dq)) == 0
+
+
+@pytest.mark.parametrize("smem_limit", [build.SMEM_OPTIN_SM80, build.SMEM_OPTIN_SM86])
+def test_every_kernel_fits_the_shared_memory_of_its_gpu(smem_limit):
+    """A100-class GPUs (163 KB per block) and sm_86 / sm_89 / sm_120 (99 KB) run every head dim, dtype and feature
+    with tiles that fit; 163 KB keeps the first-choice tiles, 99 KB replaces exactly the ones that do not fit."""
+    specs = build.all_kernels(smem_limit)
+    assert all(spec.smem_bytes <= smem_limit for spec in specs)
+    assert len({spec.name for spec in specs}) == len(specs)
+    for head_dim in build.HEAD_DIMS:
+        assert build.smem_unavailable_reason(head_dim, False, smem_limit) is None
+        fwd = build.fwd_kernel(head_dim, "bf16", True, True, smem_limit=smem_limit)
+        bwd = build.bwd_kernel(head_dim, "bf16", True, True, smem_limit=smem_limit)
+        for spec, first_choice in ((fwd, build.FWD_TILES[head_dim]), (bwd, build.BWD_TILES[head_dim])):
+            fits = first_choice.smem_bytes(head_dim) <= smem_limit
+            assert (spec.tiles == first_choice) == fits and spec.name.endswith("_dropout") == fits
+    if smem_limit == build.SMEM_OPTIN_SM80:  # the same kernels as with no limit (the Hopper-only ones aside)
+        assert {spec for spec in specs if not spec.archs} == {spec for spec in build.all_kernels() if not spec.archs}
+    else:
+        small = build.small_smem_kernels()
+        assert len(small) == 64 and all(spec in specs for spec in small)  # 5 bwd + 1 fwd head dims (+ sparse)
+
+
+def test_gpus_with_less_shared_memory_are_refused_by_name():
+    reason = build.smem_unavailable_reason(256, False, 64 * 1024)
+    assert reason == "the forward kernel for head_dim 256 needs 98304 bytes of shared memory per block, the GPU allows 65536"
+    assert build.smem_unavailable_reason(40, True, 64 * 1024) == (  # block-sparse hd40 runs the hd64 kernels
+        "the backward kernel for head_dim 64 needs 99328 bytes of shared memory per block, the GPU allows 65536")
+    with pytest.raises(ValueError, match="needs 98304 bytes"):
+        build.fwd_kernel(256, "fp16", False, False, smem_limit=64 * 1024)
+    # the Hopper backward (hd128: 106 KB) gives way to the mma.sync 99 KB tiles under such a limit
+    assert build.bwd_kernel(128, "bf16", False, False, arch="sm_90a").source == "flash_bwd_sm90.cu"
+    assert build.bwd_kernel(128, "bf16", False, False, arch="sm_90a", smem_limit=build.SMEM_OPTIN_SM86).tiles == (
+        build.BWD_TILES_SMALL_SMEM[128])
+
+
+@pytest.mark.parametrize("value,expected", [(None, None), ("101376", 101376), ("99K", 101376), ("163k", 166912)])
+def test_max_smem_environment_variable(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv(build.SMEM_ENV, raising=False)
+    else:
+        monkeypatch.setenv(build.SMEM_ENV, value)
+    assert build.smem_cap() == expected
+
+
+@pytest.mark.parametrize("value", ["99KB", "-5", "lots", "12"])
+def test_bad_max_smem_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv(build.SMEM_ENV, value)
+    with pytest.raises(ValueError, match="FLASHTRAIN_MAX_SMEM"):
+        build.smem_cap()
 
 
 def test_ctypes_params_match_the_header():
@@ -125,6 +184,9 @@ def test_nvcc_compiles_the_hardest_instantiations():
              build.fwd_sm90_kernel(128, "bf16", True, True, True),  # sm_90a only
              build.bwd_sm90_kernel(128, "bf16", True, True, True)]
     assert build.check_nvcc(["sm_80", "sm_90a"], jobs=2, specs=specs) == 0
+    small = [build.fwd_kernel(256, "bf16", True, True, smem_limit=build.SMEM_OPTIN_SM86),  # the 99 KB tiles
+             build.bwd_kernel(256, "bf16", True, True, smem_limit=build.SMEM_OPTIN_SM86)]
+    assert build.check_nvcc(["sm_86"], jobs=2, specs=small) == 0
 
 
 @pytest.mark.skipif(build.nvcc_version() is None, reason="nvcc not installed")
@@ -138,3 +200,10 @@ def test_compile_kernel_caches_on_disk(tmp_path, monkeypatch):
         assert symbol.encode() in cubin
     monkeypatch.setattr(build, "_compile_nvcc", lambda *args: pytest.fail("cache miss"))
     assert build.compile_kernel(spec, "sm_80") == cubin
+
+
+def test_generated_wgmma_wrappers_are_current():
+    """csrc/wgmma_ops.cuh is what flashtrain/kernels/gen_wgmma.py writes (regenerate after changing the script)."""
+    from flashtrain.kernels import gen_wgmma
+
+    assert gen_wgmma.OUTPUT.read_text() == gen_wgmma.generate()

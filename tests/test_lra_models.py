@@ -43,6 +43,27 @@ def test_dual_head_reads_both_documents():
         model(tokens[:, :-1])  # an odd row cannot be two equal halves
 
 
+@pytest.mark.parametrize("change", [dict(), dict(pooling="mean"), dict(dual=True)])
+def test_unpadding_built_on_the_host_gives_the_same_logits(change):
+    """model.unpadding(tokens) (built from the host batch so that a GPU step needs no host sync) passed to forward
+    gives bitwise the logits the model computes finding the pads itself; with the CLS token counted and, dual, the
+    two documents of a row packed as two sequences."""
+    model = tiny(**change)
+    tokens = torch.randint(1, 256, (3, 40), generator=torch.Generator().manual_seed(2))
+    if change.get("dual"):  # each half of 20 right-padded; packed: the first documents, then the second ones
+        tokens[0, 13:20], tokens[1, 31:], tokens[2, 5:20] = 0, 0, 0
+        lengths = [13, 20, 5, 20, 11, 20]
+    else:
+        tokens[0, 13:], tokens[1, 31:], tokens[2, 5:] = 0, 0, 0
+        lengths = [13, 31, 5]
+    unpadding = model.unpadding(tokens)
+    lengths = [n + (model.cls is not None) for n in lengths]
+    assert unpadding.cu_seqlens.diff().tolist() == lengths
+    with torch.no_grad():
+        assert torch.equal(model(tokens, unpadding=unpadding)[0], model(tokens)[0])
+    assert tiny(pad_id=None).unpadding(tokens) is None
+
+
 def test_block_mask_layout():
     mask = local_global(5 * 128 + 1, local_blocks=1, global_blocks=1)  # 6 blocks
     expected = torch.tensor([[1, 1, 1, 1, 1, 1],

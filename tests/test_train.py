@@ -60,10 +60,28 @@ def test_misspelled_key_is_rejected(override, key):
     ("trainer.precision=fp8", "trainer.precision"),
     ("optim.lr=-1", "optim.lr"),
     ("model.attn_impl=flsh", "attn_impl"),
+    ("trainer.compile_mode=fast", "trainer.compile_mode"),
 ])
 def test_bad_value_names_the_field(override, field):
     with pytest.raises(ValueError, match=field):
         compose_config(["name=x", override])
+
+
+def test_compile_mode_reaches_torch_compile(cache_dir, tmp_path, monkeypatch):
+    """trainer.compile_mode (default | reduce-overhead | max-autotune) is the mode the trainer compiles with."""
+    modes = []
+
+    def fake_compile(model, mode=None):  # the compiled model would train the same; record the call only
+        modes.append(mode)
+        return model
+
+    monkeypatch.setattr("flashtrain.train.trainer.torch.compile", fake_compile)
+    cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_steps=1", "data.sample_tokens=0",
+                                        "trainer.compile=true", "trainer.compile_mode=reduce-overhead"))
+    assert cfg.trainer.compile_mode == "reduce-overhead"
+    assert train(cfg, tmp_path / "run").final_step == 1
+    assert modes == ["reduce-overhead"]
+    assert compose_config(["name=x"]).trainer.compile_mode == "default"
 
 
 def test_launch_rejects_typo_fast():

@@ -58,6 +58,7 @@ from flashtrain.data.corpus import HUB_PREFIX, fingerprint, open_corpus
 from flashtrain.data.samplers import ResumableBatchSampler, ordered_batches
 from flashtrain.data.task import DataSpec, Task
 from flashtrain.data.tokenizer import hf_tokenizer_fingerprint, load_hf_tokenizer
+from flashtrain.models.padding import Unpadding
 
 logger = logging.getLogger(__name__)
 
@@ -446,7 +447,8 @@ class DocumentDataset(Dataset):
 
 def pad_collate(pad_id: int):
     """collate_fn: a list of {"input_ids" (n_i,), "labels"} -> {"input_ids" (B, max n_i) right-padded with pad_id,
-    "attention_mask" (B, max n_i) 1 at real tokens, "labels" (B, ...)}."""
+    "attention_mask" (B, max n_i) 1 at real tokens, "labels" (B, ...), "unpadding": Unpadding.of(attention_mask),
+    built here on the host so that a training step on the GPU needs no host sync to find the real tokens}."""
 
     def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
         longest = max(len(s["input_ids"]) for s in samples)
@@ -456,7 +458,7 @@ def pad_collate(pad_id: int):
             input_ids[row, :len(sample["input_ids"])] = sample["input_ids"]
             attention_mask[row, :len(sample["input_ids"])] = 1
         return {"input_ids": input_ids, "attention_mask": attention_mask,
-                "labels": torch.stack([s["labels"] for s in samples])}
+                "labels": torch.stack([s["labels"] for s in samples]), "unpadding": Unpadding.of(attention_mask)}
 
     return collate
 
@@ -466,8 +468,8 @@ def pad_collate(pad_id: int):
 class DocumentClassificationTask(Task):
     """Long documents -> one label (single_label) or a set of labels (multi_label). Batches {"input_ids",
     "attention_mask"} (B, T), right-padded to the longest document of the batch (the model removes the padding),
-    "labels" (B,) class ids or (B, num_labels) 0/1. Every document is cut to data.max_length tokens, [CLS]/[SEP]
-    included.
+    "labels" (B,) class ids or (B, num_labels) 0/1, "unpadding" (the loader's, for the training step). Every
+    document is cut to data.max_length tokens, [CLS]/[SEP] included.
 
     Metrics: val_loss, and val_accuracy (single_label) or val_micro_f1 / val_macro_f1 (multi_label: a label is
     predicted when its logit is > 0, i.e. probability > 0.5; micro-F1 from the true/false positives and false
@@ -504,7 +506,8 @@ class DocumentClassificationTask(Task):
                           pin_memory=torch.cuda.is_available())
 
     def loss(self, model, batch) -> Tensor:
-        return model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])[1]
+        return model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
+                     unpadding=batch["unpadding"])[1]
 
     def eval_sums(self, model, batch) -> dict[str, Tensor]:
         logits, loss = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])

@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from flashtrain.data.cache import DEFAULT_CACHE_DIR, resolve_cache_dir, write_token_files
 from flashtrain.data.corpus import fingerprint, open_corpus
@@ -34,6 +34,7 @@ from flashtrain.data.lm import SPLITS, split_documents
 from flashtrain.data.samplers import NumberedBatches, ResumableBatchSampler, ordered_batches
 from flashtrain.data.task import DataSpec, Task
 from flashtrain.data.tokenizer import hf_tokenizer_fingerprint, load_hf_tokenizer
+from flashtrain.models.padding import Unpadding
 from flashtrain.pretrained import resolve_pretrained_path
 
 logger = logging.getLogger(__name__)
@@ -210,13 +211,22 @@ class MaskedLMDataset(Dataset):
         return {**self.__dict__, "_tokens": None}
 
 
+def collate_with_unpadding(samples: list[dict]) -> dict:
+    """collate_fn: the stacked batch plus "unpadding", Unpadding.of(attention_mask, labels), built here on the host
+    so that a training step on the GPU needs no host sync to find the real and the masked tokens."""
+    batch = default_collate(samples)
+    batch["unpadding"] = Unpadding.of(batch["attention_mask"], batch["labels"])
+    return batch
+
+
 def make_mlm_train_loader(data: MaskedLMData, batch_size: int, rank: int = 0, world_size: int = 1,
                           start_batch: int = 0, num_workers: int = 0) -> DataLoader:
     """Endless masked batches of the train split for this rank, from this rank's batch `start_batch` on."""
     dataset = MaskedLMDataset(data, "train")
     sampler = ResumableBatchSampler(len(dataset), batch_size, data.seed, rank, world_size, start_batch)
     return DataLoader(dataset, batch_sampler=NumberedBatches(sampler, first_number=start_batch),
-                      num_workers=num_workers, pin_memory=torch.cuda.is_available())
+                      collate_fn=collate_with_unpadding, num_workers=num_workers,
+                      pin_memory=torch.cuda.is_available())
 
 
 def make_mlm_val_loader(data: MaskedLMData, batch_size: int, max_batches: Optional[int] = None, rank: int = 0,
@@ -228,14 +238,15 @@ def make_mlm_val_loader(data: MaskedLMData, batch_size: int, max_batches: Option
                               what=f"the validation split (sequences of seq_len={data.seq_len})")
     # batch b is numbered b whichever rank reads it: its masks are the same for any number of processes
     numbered = [[(number, i) for i in batch] for number, batch in zip(range(rank, len(dataset), world_size), batches)]
-    return DataLoader(dataset, batch_sampler=numbered, pin_memory=torch.cuda.is_available())
+    return DataLoader(dataset, batch_sampler=numbered, collate_fn=collate_with_unpadding,
+                      pin_memory=torch.cuda.is_available())
 
 
 # ---- the task ----------------------------------------------------------------------------------------------------
 
 class MaskedLMTask(Task):
     """BERT masked-LM pretraining: batches {"input_ids", "attention_mask", "labels"} (B, T), dynamically masked,
-    labels -100 where nothing is predicted. Metrics: val_loss (mean cross-entropy over the predicted tokens) and
+    labels -100 where nothing is predicted, and their "unpadding" (built by the loader). Metrics: val_loss (mean cross-entropy over the predicted tokens) and
     val_mlm_accuracy (share of predicted tokens whose argmax is the original)."""
 
     def __init__(self, cfg: MaskedLMDataConfig):
@@ -252,7 +263,8 @@ class MaskedLMTask(Task):
         return make_mlm_val_loader(self.data, batch_size, max_batches, rank, world_size)
 
     def loss(self, model, batch) -> Tensor:
-        return model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])[1]
+        return model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
+                     unpadding=batch["unpadding"])[1]
 
     def eval_sums(self, model, batch) -> dict[str, Tensor]:
         logits, loss = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])

@@ -10,6 +10,12 @@ instantiation's macros and the compiler's version.
     python -m flashtrain.kernels.build                        # prebuild every instantiation for this machine's GPU
     python -m flashtrain.kernels.build --arch sm_90a          # ... for a given arch (no GPU needed)
     python -m flashtrain.kernels.build --check-nvcc sm_80 sm_90a   # compile everything with nvcc, no cache (CI)
+    python -m flashtrain.kernels.build --check-nvcc sm_86 --small-smem   # ... the 99 KB tiles that differ (CI)
+
+Tiles follow the GPU's shared memory: each kernel takes the first tile shape of its head dim, in the order FWD_TILES /
+BWD_TILES (163 KB: A100, H100), then FWD_TILES_SMALL_SMEM / BWD_TILES_SMALL_SMEM (99 KB: sm_86, sm_89, sm_120), that
+fits the device's opt-in limit per block (cuDeviceGetAttribute MAX_SHARED_MEMORY_PER_BLOCK_OPTIN), lowered by
+FLASHTRAIN_MAX_SMEM (bytes, or with a K suffix: 99K = 101376) when set, e.g. to run the small-memory tiles on an H100.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,7 +61,7 @@ class BwdTiles:
     warps_m_sdp: int  # warps along the query rows of S / dP (the others split the keys)
     warps_n_dkv: int  # warps along the keys of dK / dV (the others split head_dim)
     warps_m_dq: int  # warps along the query rows of dQ (the others split head_dim)
-    stages: int  # buffers of Q and dO (2: the next block's copy overlaps this block's math)
+    stages: int  # buffers of Q and dO (2: the next block's copy overlaps this block's math; 1: no overlap)
     # atomics into whole blocks of dq_accum in the red.v4-friendly order (flash_bwd.cuh): 0 off (row-major), 1 on,
     # 2 on with one laundered base offset for a block's atomics (same layout; the two differ only in ptxas's spills)
     scramble_dq: int = 0
@@ -79,30 +86,56 @@ FWD_TILES = {
     192: FwdTiles(128, 64, 8),
     256: FwdTiles(128, 64, 8),
 }
-# Hopper (sm_90a) forward on warpgroup MMAs (csrc/flash_fwd_sm90.cuh): dense or block-sparse, dropout too, these
-# head dims (a head_dim that rounds up to one of them). nwarps = 4 per 64 query rows. FLASHTRAIN_SM90=0 in the environment turns the Hopper
-# kernels (forward and backward) off: the mma.sync ones then run on Hopper too (A/B measurements, bitwise comparisons
-# with the block-sparse kernels).
+# Hopper (sm_90a) forward, warp-specialized (csrc/flash_fwd_sm90.cuh): a producer warpgroup issuing TMA copies into a
+# ring of `stages` K/V buffers, block_m / 64 consumer warpgroups (two: ping-pong scheduled). Dense or block-sparse,
+# dropout too, these head dims (a head_dim that rounds up to one of them). FLASHTRAIN_SM90=0 in the environment turns
+# the Hopper kernels (forward and backward) off: the mma.sync ones then run on Hopper too (A/B measurements, bitwise
+# comparisons with the block-sparse kernels).
 @dataclasses.dataclass(frozen=True)
 class FwdSm90Tiles:
-    block_m: int  # query rows per CTA: one warpgroup (4 warps) per 64
+    block_m: int  # query rows per CTA: one consumer warpgroup per 64
     block_n: int  # keys per K/V tile
-    min_blocks: int = 1  # CTAs per SM the registers are budgeted for (__launch_bounds__)
+    stages: int  # K/V buffers in the TMA ring
+    # O staged in a tile of its own (the next tile's Q is copied during this tile's epilogue); False: through the Q
+    # tile, where Q + O + the K/V stages exceed the 227 KB of shared memory a block can have (head dims 192, 256)
+    separate_o: bool = True
 
     @property
-    def nwarps(self) -> int:
-        return self.block_m // 16
+    def threads(self) -> int:  # consumer warpgroups + the producer warpgroup
+        return 128 * (self.block_m // 64 + 1)
 
-    def smem_bytes(self, head_dim: int) -> int:  # Q, K, V tiles + 1024 to align them (the 128-byte swizzle)
-        return 2 * (self.block_m + 2 * self.block_n) * head_dim + 1024
+    def smem_bytes(self, head_dim: int) -> int:  # Q, O, K and V stages; 1024 to align them (128-byte swizzle); barriers
+        q_and_o = (2 if self.separate_o else 1) * self.block_m
+        return 2 * (q_and_o + 2 * self.stages * self.block_n) * head_dim + 1024 + 256
 
 
-# One warpgroup per CTA, several CTAs per SM: a CTA's softmax overlaps another's GEMMs (H100, same process, forward
-# vs FA2: hd64 64x128 x3 CTAs 1.21-1.42x, 128x128 x1 0.80-1.16x; hd128 64x128 x2 1.12-1.69x, 128x128 x1 0.99-1.69x).
 FWD_SM90_TILES = {
-    64: FwdSm90Tiles(64, 128, min_blocks=3),
-    128: FwdSm90Tiles(64, 128, min_blocks=2),
+    64: FwdSm90Tiles(128, 128, stages=2),
+    128: FwdSm90Tiles(128, 128, stages=2),  # also head dims 65-96 on Hopper (rounded_head_dim)
+    192: FwdSm90Tiles(128, 112, stages=2, separate_o=False),  # FlashAttention-3's key tile
+    256: FwdSm90Tiles(128, 64, stages=2, separate_o=False),  # 80 keys (FA3's) spill 132 B here, 64 keys 68 B
 }
+# Dense non-causal forward without dropout: three consumer warpgroups at head dim 64 (H200, same process, GPU time:
+# 422 -> 480 TFLOP/s at 16K, 343 -> 363 at 512; with dropout they spill, and 192 rows do not divide a 128-token
+# block-sparse block). Rows are independent, so the result is bitwise that of FWD_SM90_TILES (same block_n).
+FWD_SM90_TILES_NONCAUSAL = {
+    64: FwdSm90Tiles(192, 128, stages=2),
+}
+
+
+def _tile_overrides() -> None:
+    """FLASHTRAIN_FWD_SM90_TILES="64=192x128x2,128=128x128x2" (head dim = block_m x block_n x stages, then "o" or
+    "q" to stage O in a tile of its own or in Q's) replaces entries of FWD_SM90_TILES in this process: tile A/B
+    measurements without editing the table."""
+    for item in filter(None, os.environ.get("FLASHTRAIN_FWD_SM90_TILES", "").split(",")):
+        head_dim, shape = item.split("=")
+        separate_o = shape.endswith("o") or (not shape.endswith("q") and FWD_SM90_TILES[int(head_dim)].separate_o)
+        block_m, block_n, stages = (int(x) for x in shape.rstrip("oq").split("x"))
+        tiles = FwdSm90Tiles(block_m, block_n, stages, separate_o=separate_o)
+        FWD_SM90_TILES[int(head_dim)] = FWD_SM90_TILES_NONCAUSAL[int(head_dim)] = tiles
+
+
+_tile_overrides()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +173,61 @@ BWD_TILES = {
 }
 AUX_THREADS, AUX_ROWS_PER_CTA = 128, 32  # flash_aux.cuh: kAuxThreads, kRowsPerCta
 
+# Opt-in shared memory per block (bytes) of the GPUs the tile sets are made for: FWD_TILES / BWD_TILES fit sm_80's
+# 163 KB (A100, A30; H100 allows 227 KB); the *_SMALL_SMEM tiles fit the 99 KB of sm_86, sm_89 and sm_120 (A10G, L4,
+# L40S, RTX 30xx / 40xx / 50xx). The hd64-hd256 backward and the hd256 forward need more than 99 KB in the first set.
+SMEM_OPTIN_SM80, SMEM_OPTIN_SM86 = 166912, 101376
+ARCH_SMEM_OPTIN = {"sm_80": SMEM_OPTIN_SM80, "sm_86": SMEM_OPTIN_SM86, "sm_87": SMEM_OPTIN_SM80,
+                   "sm_89": SMEM_OPTIN_SM86, "sm_90a": 232448, "sm_120": SMEM_OPTIN_SM86}
+# Within this kernel's tiling rules (flash_bwd.cuh static_asserts), the largest tiles that fit 99 KB: the backward
+# keeps K, V, P, dS and one or two stages of Q, dO; hd64: 64 query rows per step instead of 128; hd96: 64 keys per
+# CTA; hd128: 64 keys, one stage; hd192: 32 x 64, one stage; hd256: 32 x 32, 4 warps, one stage. ptxas (nvcc 13.0,
+# sm_86; registers, spill stores / loads in bytes, over causal x dropout): bwd hd64 240-255, 0 / 0; hd96 202-255, 0-12;
+# hd128 226-252, 0 / 0; hd192 249-255, 0-96; hd256 255, 80-112 / 240-320 (the 163 KB hd256 backward: 24 / 40). The
+# hd256 forward at 128 x 32 (8 warps) uses 242 registers and spills nothing; 64 x 64 with 4 warps would spill 1 KB.
+FWD_TILES_SMALL_SMEM = {
+    256: FwdTiles(128, 32, 8),  # 96 KB (128 x 64: 128 KB)
+}
+BWD_TILES_SMALL_SMEM = {
+    64: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2),  # 97 KB (162 KB)
+    96: BwdTiles(64, 64, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2),  # 89 KB (129 KB)
+    128: BwdTiles(64, 64, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=1),  # 80.5 KB (161 KB)
+    192: BwdTiles(32, 64, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=2, stages=1),  # 80.3 KB (161 KB)
+    256: BwdTiles(32, 32, 4, warps_m_sdp=2, warps_n_dkv=2, warps_m_dq=2, stages=1),  # 68.3 KB (144.5 KB)
+}
+SMEM_ENV = "FLASHTRAIN_MAX_SMEM"
+
+
+def smem_cap() -> int | None:
+    """FLASHTRAIN_MAX_SMEM in bytes (a K suffix multiplies by 1024), or None when unset."""
+    text = os.environ.get(SMEM_ENV, "").strip()
+    if not text:
+        return None
+    number, scale = (text[:-1], 1024) if text[-1] in "kK" else (text, 1)
+    if not number.isdigit() or int(number) * scale < 1024:
+        raise ValueError(f"{SMEM_ENV} must be a number of bytes (or KB with a K suffix, e.g. 99K), got {text!r}")
+    return int(number) * scale
+
+
+def _fitting(candidates, head_dim: int, smem_limit: int | None):
+    """The first tiles in `candidates` (None entries skipped) whose shared memory fits smem_limit (None: no limit)."""
+    for tiles in candidates:
+        if tiles is not None and (smem_limit is None or tiles.smem_bytes(head_dim) <= smem_limit):
+            return tiles
+    return None
+
+
+def smem_unavailable_reason(head_dim: int, block_sparse: bool, smem_limit: int | None) -> str | None:
+    """None when the mma.sync kernels (forward and backward) of this head_dim fit smem_limit bytes per block."""
+    head_dim = rounded_head_dim(head_dim, block_sparse)
+    for kind, candidates in (("forward", (FWD_TILES[head_dim], FWD_TILES_SMALL_SMEM.get(head_dim))),
+                             ("backward", (BWD_TILES[head_dim], BWD_TILES_SMALL_SMEM.get(head_dim)))):
+        if _fitting(candidates, head_dim, smem_limit) is None:
+            need = min(tiles.smem_bytes(head_dim) for tiles in candidates if tiles is not None)
+            return (f"the {kind} kernel for head_dim {head_dim} needs {need} bytes of shared memory per block, the GPU "
+                    f"allows {smem_limit}" + (f" ({SMEM_ENV}={os.environ[SMEM_ENV]})" if smem_cap() else ""))
+    return None
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
@@ -153,6 +241,11 @@ class KernelSpec:
     block_m: int = 0  # forward kernels: query rows per CTA (sizes the grid)
     block_n: int = 0  # backward kernels: keys per CTA (sizes the grid)
     archs: tuple[str, ...] = ()  # the only targets it compiles for (empty: every sm_80+ target)
+    tiles: object = None  # the tile shape it was built with (FwdTiles, BwdTiles, ...; None for the aux kernels)
+    # forward: at most one CTA per SM, each taking (query block, batch, head) tiles from a dynamic scheduler (an
+    # atomic counter: causal and varlen tiles vary in work; a static round-robin measured hd128 causal 16K at 422 vs
+    # 588 TFLOP/s for one CTA per tile, H200)
+    persistent: bool = False
 
     def supports(self, arch: str) -> bool:
         return not self.archs or arch in self.archs
@@ -162,11 +255,15 @@ class KernelSpec:
         return self.symbols[0] if len(self.symbols) == 1 else os.path.commonprefix(self.symbols).rstrip("_")
 
 
-def rounded_head_dim(head_dim: int, block_sparse: bool = False) -> int:
-    """The instantiated head dim a head_dim (multiple of 8) runs on: the extra columns are zero-filled."""
+def rounded_head_dim(head_dim: int, block_sparse: bool = False, arch: str | None = None) -> int:
+    """The instantiated head dim a head_dim (multiple of 8) runs on: the extra columns are zero-filled. On Hopper,
+    head dims 65-96 run on the hd128 warpgroup-MMA kernels (a third more MMA work than hd96 needs, still faster
+    than the mma.sync hd96 kernels)."""
     head_dims = BLOCK_SPARSE_HEAD_DIMS if block_sparse else HEAD_DIMS
     for instantiated in head_dims:
         if head_dim <= instantiated:
+            if instantiated == 96 and arch == SM90_ARCH and sm90_enabled():
+                return 128
             return instantiated
     kind = "block-sparse " if block_sparse else ""
     raise ValueError(f"head_dim must be <= {head_dims[-1]} for the {kind}CUDA kernels, got {head_dim}")
@@ -185,22 +282,52 @@ def _suffix(causal: bool, dropout: bool, block_sparse: bool) -> str:
     return f"{'_causal' if causal else ''}{'_dropout' if dropout else ''}{'_sparse' if block_sparse else ''}"
 
 
-def fwd_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool = False) -> FwdTiles:
+def fwd_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool = False,
+              smem_limit: int | None = None) -> FwdTiles:
     """The forward's tiles: FWD_TILES[head_dim] for every kernel variant (the block-sparse kernels must use the dense
-    ones' tiles: density 1 equals dense bitwise)."""
-    return FWD_TILES[head_dim]
+    ones' tiles: density 1 equals dense bitwise); below their shared memory, FWD_TILES_SMALL_SMEM (smem_limit: bytes
+    per block, None: no limit)."""
+    tiles = FWD_TILES[head_dim]
+    if smem_limit is not None and tiles.smem_bytes(head_dim) > smem_limit:
+        return _fitting((FWD_TILES_SMALL_SMEM.get(head_dim),), head_dim, smem_limit) or _no_tiles(
+            "forward", head_dim, smem_limit)
+    return tiles
+
+
+def bwd_tiles(head_dim: int, smem_limit: int | None = None) -> BwdTiles:
+    """The backward's tiles: BWD_TILES, or below their shared memory BWD_TILES_SMALL_SMEM."""
+    return _fitting((BWD_TILES[head_dim], BWD_TILES_SMALL_SMEM.get(head_dim)), head_dim, smem_limit) or _no_tiles(
+        "backward", head_dim, smem_limit)
+
+
+def _no_tiles(kind: str, head_dim: int, smem_limit: int):
+    raise ValueError(smem_unavailable_reason(head_dim, False, smem_limit) or f"no {kind} tiles for hd{head_dim}")
 
 
 def sm90_enabled() -> bool:
     return os.environ.get("FLASHTRAIN_SM90", "1") != "0"
 
 
+def _fits(spec: KernelSpec, smem_limit: int | None) -> bool:
+    return smem_limit is None or spec.smem_bytes <= smem_limit
+
+
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
-               arch: str | None = None) -> KernelSpec:
-    """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists."""
+               arch: str | None = None, smem_limit: int | None = None) -> KernelSpec:
+    """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
+    smem_limit (bytes of shared memory per block; None: no limit)."""
     if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
-        return fwd_sm90_kernel(head_dim, dtype, causal, dropout, block_sparse)
-    return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse, fwd_tiles(head_dim, causal, dropout, block_sparse))
+        for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse), FWD_SM90_TILES[head_dim]):
+            spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles)
+            if _fits(spec, smem_limit):  # (under a capped limit the non-causal tiles may not fit, the others may)
+                return spec
+    return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
+                     fwd_tiles(head_dim, causal, dropout, block_sparse, smem_limit))
+
+
+def _tile_suffix(tiles, default_tiles) -> str:
+    """'' for a head dim's first-choice tiles, else the shape (the small-memory kernels get their own names)."""
+    return "" if tiles == default_tiles else f"_{tiles.block_m}x{tiles.block_n}"
 
 
 # The specs are built once per (arguments, tiles): building one costs ~10 us of host time, and the forward and backward
@@ -208,18 +335,26 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
 @functools.lru_cache(maxsize=None)
 def _fwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
               tiles: FwdTiles) -> KernelSpec:
-    name = f"flash_fwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
+    name = (f"flash_fwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
+            f"{_tile_suffix(tiles, fwd_tiles(head_dim, causal, dropout, block_sparse))}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)), ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_fwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),
-                      block_m=tiles.block_m)
+                      block_m=tiles.block_m, tiles=tiles)
+
+
+def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool) -> FwdSm90Tiles:
+    if not (causal or dropout or block_sparse) and head_dim in FWD_SM90_TILES_NONCAUSAL:
+        return FWD_SM90_TILES_NONCAUSAL[head_dim]
+    return FWD_SM90_TILES[head_dim]
 
 
 def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
                     block_sparse: bool = False) -> KernelSpec:
-    return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, FWD_SM90_TILES[head_dim])
+    return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse,
+                          fwd_sm90_tiles(head_dim, causal, dropout, block_sparse))
 
 
 @functools.lru_cache(maxsize=None)
@@ -228,19 +363,23 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     smem_bytes = tiles.smem_bytes(head_dim)
     name = f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
-               ("FT_MIN_BLOCKS", tiles.min_blocks), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
-               ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", smem_bytes),
-               ("FT_KERNEL_NAME", name))
-    return KernelSpec("flash_fwd_sm90.cu", defines, (name,), 32 * tiles.nwarps, smem_bytes, block_m=tiles.block_m,
-                      archs=(SM90_ARCH,))
+               ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
+               ("FT_BF16", int(dtype == "bf16")),
+               ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
+               ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
+    return KernelSpec("flash_fwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
+                      archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
 
 def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
-               arch: str | None = None, deterministic: bool = False) -> KernelSpec:
-    """The backward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists."""
+               arch: str | None = None, deterministic: bool = False, smem_limit: int | None = None) -> KernelSpec:
+    """The backward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
+    smem_limit (bytes of shared memory per block; None: no limit)."""
     if arch == SM90_ARCH and not deterministic and head_dim in BWD_SM90_TILES and sm90_enabled():
-        return bwd_sm90_kernel(head_dim, dtype, causal, dropout, block_sparse)
-    return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, BWD_TILES[head_dim])
+        spec = bwd_sm90_kernel(head_dim, dtype, causal, dropout, block_sparse)
+        if _fits(spec, smem_limit):
+            return spec
+    return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit))
 
 
 def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
@@ -258,13 +397,13 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
                ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), 32 * tiles.nwarps, smem_bytes, block_m=tiles.block_m,
-                      block_n=tiles.block_n, archs=(SM90_ARCH,))
+                      block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles)
 
 
 @functools.lru_cache(maxsize=None)
 def _bwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
               tiles: BwdTiles) -> KernelSpec:
-    name = f"flash_bwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
+    name = f"flash_bwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{_tile_suffix(tiles, BWD_TILES[head_dim])}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_WARPS_M_SDP", tiles.warps_m_sdp),
                ("FT_WARPS_N_DKV", tiles.warps_n_dkv), ("FT_WARPS_M_DQ", tiles.warps_m_dq),
@@ -274,7 +413,7 @@ def _bwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spar
                ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)),
                ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_bwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),
-                      block_m=tiles.block_m, block_n=tiles.block_n)
+                      block_m=tiles.block_m, block_n=tiles.block_n, tiles=tiles)
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,21 +424,32 @@ def aux_kernels(dtype: str) -> KernelSpec:
     return KernelSpec("flash_aux.cu", defines, symbols, AUX_THREADS, 0)
 
 
-def all_kernels() -> list[KernelSpec]:
+def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
+    """Every instantiation a GPU with smem_limit bytes of opt-in shared memory per block dispatches to (None: the
+    first-choice tiles); the Hopper kernels are listed whenever they fit (they compile for sm_90a only)."""
     _check_block_sparse_tiles()
     specs = [aux_kernels(dtype) for dtype in DTYPES]
     for block_sparse, head_dims in ((False, HEAD_DIMS), (True, BLOCK_SPARSE_HEAD_DIMS)):
         for head_dim in head_dims:
+            if smem_unavailable_reason(head_dim, block_sparse, smem_limit) is not None:
+                continue
             for dtype in DTYPES:
                 for causal in (False, True):
                     for dropout in (False, True):
-                        specs += [fwd_kernel(head_dim, dtype, causal, dropout, block_sparse),
-                                  bwd_kernel(head_dim, dtype, causal, dropout, block_sparse)]
+                        specs += [fwd_kernel(head_dim, dtype, causal, dropout, block_sparse, smem_limit=smem_limit),
+                                  bwd_kernel(head_dim, dtype, causal, dropout, block_sparse, smem_limit=smem_limit)]
     for sm90_kernel, head_dims in ((fwd_sm90_kernel, FWD_SM90_TILES), (bwd_sm90_kernel, BWD_SM90_TILES)):
-        specs += [sm90_kernel(head_dim, dtype, causal, dropout, block_sparse) for head_dim in head_dims
-                  for dtype in DTYPES for causal in (False, True) for dropout in (False, True)
-                  for block_sparse in (False, True)]
-    return specs
+        specs += [spec for head_dim in head_dims for dtype in DTYPES for causal in (False, True)
+                  for dropout in (False, True) for block_sparse in (False, True)
+                  if head_dim in BLOCK_SPARSE_HEAD_DIMS or not block_sparse
+                  if _fits(spec := sm90_kernel(head_dim, dtype, causal, dropout, block_sparse), smem_limit)]
+    return list(dict.fromkeys(specs))
+
+
+def small_smem_kernels() -> list[KernelSpec]:
+    """The instantiations that GPUs with 99 KB of shared memory run and 163 KB ones do not (the *_SMALL_SMEM tiles)."""
+    default = set(all_kernels())
+    return [spec for spec in all_kernels(SMEM_OPTIN_SM86) if spec not in default and not spec.archs]
 
 
 # ------------------------------------------------------------------------------------------------------ compilers
@@ -344,8 +494,42 @@ def nvcc_version() -> str | None:
     return out.strip().splitlines()[-1] if out.strip() else None
 
 
+def cuda_python_version() -> str | None:
+    """The installed cuda-python (its cuda-bindings package since 12.6), or None."""
+    import importlib.metadata
+
+    for distribution in ("cuda-bindings", "cuda-python"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def cuda_version_mismatch(torch_cuda: str | None = None, cuda_python: str | None = None) -> str | None:
+    """A sentence naming the mismatch and the fix when cuda-python (and the NVRTC it loads) is for another CUDA major
+    version than the one torch was built with (torch.version.cuda), else None. Defaults: the installed versions."""
+    if torch_cuda is None:
+        import torch
+
+        torch_cuda = torch.version.cuda
+    cuda_python = cuda_python if cuda_python is not None else cuda_python_version()
+    if torch_cuda is None or cuda_python is None:
+        return None
+    torch_major, bindings_major = int(torch_cuda.split(".")[0]), int(cuda_python.split(".")[0])
+    if torch_major == bindings_major:
+        return None
+    lowest = "12.4" if torch_major == 12 else f"{torch_major}.0"  # = pyproject.toml's cuda12 / cuda13 extras
+    return (f"cuda-python {cuda_python} is for CUDA {bindings_major} but torch was built with CUDA {torch_cuda}: its "
+            f"NVRTC (libnvrtc.so.{bindings_major}) is not the one torch's wheel installs. Fix: pip install "
+            f"'cuda-python>={lowest},<{torch_major + 1}' (or pip install -e '.[cuda{torch_major}]')")
+
+
 def compiler_unavailable_reason() -> str | None:
     if nvrtc_version() is None and nvcc_version() is None:
+        mismatch = cuda_version_mismatch()
+        if mismatch is not None:
+            return f"no CUDA compiler found: {mismatch}"
         return ("no CUDA compiler found: neither NVRTC (pip install nvidia-cuda-nvrtc cuda-python) nor nvcc "
                 "(CUDA toolkit on PATH or CUDA_HOME)")
     return None
@@ -398,12 +582,20 @@ def _nvcc_target(arch: str) -> str:
     return f"-gencode=arch=compute_{number},code=sm_{number}"
 
 
-def _compile_nvcc(spec: KernelSpec, arch: str, output: Path) -> None:
+def _compile_nvcc(spec: KernelSpec, arch: str, output: Path, ptxas_verbose: bool = False) -> str:
+    """Compile to `output`; returns ptxas's resource line ("N registers, S bytes spill stores, L bytes spill loads")
+    when ptxas_verbose, else ""."""
     command = [nvcc_path(), "-cubin", "-O3", _nvcc_target(arch), *_COMMON_FLAGS, *_macro_flags(spec),
-               "-I", str(CSRC), "-o", str(output), str(CSRC / spec.source)]
+               *(["-Xptxas", "-v"] if ptxas_verbose else []), "-I", str(CSRC), "-o", str(output),
+               str(CSRC / spec.source)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"nvcc failed to compile {spec.name} for {arch}:\n{' '.join(command)}\n{result.stderr}")
+    if not ptxas_verbose:
+        return ""
+    registers = re.findall(r"Used (\d+) registers", result.stderr)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
+    return ", ".join(f"{r} registers, {s} / {l} bytes spilled (stores / loads)" for r, (s, l) in zip(registers, spills))
 
 
 def cache_dir() -> Path:
@@ -453,8 +645,9 @@ def _run_all(specs: list[KernelSpec], jobs: int, compile_one) -> int:
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             spec = futures[future]
             try:
-                future.result()
-                print(f"[{done}/{len(specs)}] {spec.name} ok ({time.perf_counter() - start:.0f} s)", flush=True)
+                note = future.result()
+                note = f": {note}" if isinstance(note, str) and note else ""
+                print(f"[{done}/{len(specs)}] {spec.name} ok ({time.perf_counter() - start:.0f} s){note}", flush=True)
             except Exception as error:  # report every failure, not only the first
                 failures += 1
                 print(f"[{done}/{len(specs)}] {spec.name} FAILED\n{error}", file=sys.stderr, flush=True)
@@ -462,8 +655,9 @@ def _run_all(specs: list[KernelSpec], jobs: int, compile_one) -> int:
     return 1 if failures else 0
 
 
-def check_nvcc(archs: list[str], jobs: int, specs: list[KernelSpec] | None = None) -> int:
-    """Compile every instantiation (or `specs`) for every arch with nvcc, compile only; 0 when all succeed."""
+def check_nvcc(archs: list[str], jobs: int, specs: list[KernelSpec] | None = None, ptxas_verbose: bool = False) -> int:
+    """Compile every instantiation (or `specs`) for every arch with nvcc, compile only; 0 when all succeed.
+    ptxas_verbose: print each kernel's registers and spills."""
     if nvcc_path() is None:
         print("nvcc not found", file=sys.stderr)
         return 1
@@ -471,7 +665,7 @@ def check_nvcc(archs: list[str], jobs: int, specs: list[KernelSpec] | None = Non
     with tempfile.TemporaryDirectory() as tmp:
         def compile_one(item):
             spec, arch = item
-            _compile_nvcc(spec, arch, Path(tmp) / f"{spec.name}.{arch}.cubin")
+            return _compile_nvcc(spec, arch, Path(tmp) / f"{spec.name}.{arch}.cubin", ptxas_verbose)
 
         items = [(spec, arch) for arch in archs for spec in specs if spec.supports(arch)]
         wrapped = [dataclasses.replace(spec, symbols=tuple(f"{s}@{arch}" for s in spec.symbols)) for spec, arch in items]
@@ -483,10 +677,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", help="target such as sm_80 or sm_90a (default: the current GPU's)")
     parser.add_argument("--check-nvcc", nargs="+", metavar="ARCH", help="compile everything with nvcc for ARCHs, no cache")
+    parser.add_argument("--small-smem", action="store_true",
+                        help="with --check-nvcc: only the 99 KB tiles that 163 KB GPUs do not use")
+    parser.add_argument("--ptxas", action="store_true", help="with --check-nvcc: print registers and spills")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compilations")
     args = parser.parse_args(argv)
     if args.check_nvcc:
-        return check_nvcc(args.check_nvcc, args.jobs)
+        return check_nvcc(args.check_nvcc, args.jobs, small_smem_kernels() if args.small_smem else None, args.ptxas)
     arch = args.arch
     if arch is None:
         import torch
@@ -494,8 +691,9 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             parser.error("no CUDA GPU visible: pass --arch")
         arch = arch_of_capability(*torch.cuda.get_device_capability())
-    print(f"prebuilding for {arch} into {cache_dir()}")
-    specs = [spec for spec in all_kernels() if spec.supports(arch)]
+    smem_limit = min(ARCH_SMEM_OPTIN.get(arch, SMEM_OPTIN_SM86), smem_cap() or 1 << 30)
+    print(f"prebuilding for {arch} ({smem_limit} bytes of shared memory per block) into {cache_dir()}")
+    specs = [spec for spec in all_kernels(smem_limit) if spec.supports(arch)]
     return _run_all(specs, args.jobs, lambda spec: compile_kernel(spec, arch))
 
 

@@ -11,6 +11,7 @@ import warnings
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from flashtrain.kernels.reference import BLOCK_SPARSE_SIZE, flash_attn_reference
 
@@ -234,8 +235,17 @@ def _check_options(dropout_p, softmax_scale, causal, return_lse, generator, impl
 
 
 def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q: Tensor, k: Tensor) -> None:
-    lengths = {}
-    for name, cu_seqlens, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+    """Everything the host knows (types, shapes, devices) is checked here; the offsets themselves eagerly on CPU
+    tensors, and on CUDA tensors by an asynchronous device assert (_assert_offsets_on_device): no host sync."""
+    for name, max_seqlen in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+            raise TypeError(f"{name} must be an int, got {type(max_seqlen).__name__}")
+        if max_seqlen < 0:
+            raise ValueError(f"{name} must be >= 0, got {max_seqlen}")
+    for name, cu_seqlens, total, max_name, max_seqlen in (
+        ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k),
+    ):
         if not isinstance(cu_seqlens, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
         if cu_seqlens.dtype != torch.int32:
@@ -244,26 +254,48 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q:
             raise ValueError(f"{name} must be 1-D of length batch + 1, got shape {tuple(cu_seqlens.shape)}")
         if cu_seqlens.device != q.device:
             raise ValueError(f"{name} is on {cu_seqlens.device} but q is on {q.device}")
-        offsets = cu_seqlens.tolist()
-        if offsets[0] != 0:
-            raise ValueError(f"{name} must start at 0, got {offsets[0]}")
-        lengths[name] = [end - start for start, end in zip(offsets, offsets[1:])]
-        if min(lengths[name], default=0) < 0:
-            raise ValueError(f"{name} must be non-decreasing, got {offsets}")
-        if offsets[-1] != total:
-            raise ValueError(f"{name}[-1] = {offsets[-1]} must equal the number of packed rows {total}")
-    if len(cu_seqlens_k) != len(cu_seqlens_q):
+        check = _check_offsets_on_host if cu_seqlens.device.type == "cpu" else _assert_offsets_on_device
+        check(name, cu_seqlens, total, max_name, max_seqlen)
+    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
         raise ValueError(
-            f"cu_seqlens_k has length {len(cu_seqlens_k)} but cu_seqlens_q has {len(cu_seqlens_q)}; both are batch + 1"
+            f"cu_seqlens_k has length {cu_seqlens_k.numel()} but cu_seqlens_q has {cu_seqlens_q.numel()}; both are "
+            "batch + 1"
         )
-    for name, max_seqlen, seq_lengths in (
-        ("max_seqlen_q", max_seqlen_q, lengths["cu_seqlens_q"]),
-        ("max_seqlen_k", max_seqlen_k, lengths["cu_seqlens_k"]),
-    ):
-        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-            raise TypeError(f"{name} must be an int, got {type(max_seqlen).__name__}")
-        if max_seqlen < max(seq_lengths, default=0):
-            raise ValueError(f"{name} = {max_seqlen} is below the longest sequence, {max(seq_lengths)}")
+
+
+def _check_offsets_on_host(name: str, cu_seqlens: Tensor, total: int, max_name: str, max_seqlen: int) -> None:
+    offsets = cu_seqlens.tolist()  # a CPU tensor: no device sync
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    lengths = [end - start for start, end in zip(offsets, offsets[1:])]
+    if min(lengths, default=0) < 0:
+        raise ValueError(f"{name} must be non-decreasing, got {offsets}")
+    if offsets[-1] != total:
+        raise ValueError(f"{name}[-1] = {offsets[-1]} must equal the number of packed rows {total}")
+    if max_seqlen < max(lengths, default=0):
+        raise ValueError(f"{max_name} = {max_seqlen} is below the longest sequence, {max(lengths)}")
+
+
+# CUDA cu_seqlens already asserted on the device: tensor -> {(its _version, total, max_seqlen)}. A model passes one
+# cu_seqlens to every layer; it is checked once (a new or modified tensor is checked again).
+_asserted_offsets = WeakIdKeyDictionary()
+
+
+def _assert_offsets_on_device(name: str, cu_seqlens: Tensor, total: int, max_name: str, max_seqlen: int) -> None:
+    """The offset checks of _check_offsets_on_host as a device assert (torch._assert_async): a bad tensor stops the
+    program with this message at the next synchronisation (CUDA error: device-side assert triggered), without a host
+    sync now. The kernels clamp every sequence to [0, total) and max_seqlen, so they never read out of bounds first."""
+    compiling = torch.compiler.is_compiling()  # traced into the graph (fused by inductor), not cached
+    if not compiling:
+        key = (cu_seqlens._version, total, max_seqlen)
+        if key in _asserted_offsets.get(cu_seqlens, ()):
+            return
+    lengths = cu_seqlens.diff()  # (batch,)
+    valid = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) & ((lengths >= 0) & (lengths <= max_seqlen)).all()
+    torch._assert_async(valid, f"{name} must start at 0, be non-decreasing and end at the number of packed rows "
+                               f"{total}, with no sequence longer than {max_name} = {max_seqlen}")
+    if not compiling:
+        _asserted_offsets.setdefault(cu_seqlens, set()).add(key)
 
 
 def _check_block_mask(block_mask, q: Tensor, nheads: int, seqlen_q: int, seqlen_k: int) -> None:

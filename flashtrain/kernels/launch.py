@@ -2,7 +2,8 @@
 cuda-python driver bindings (cuda.bindings.driver): no torch C++ extension, no ABI coupling.
 
 The ctypes structs below mirror csrc/flash.h field by field (8-byte fields first, then 4-byte ones; FwdParams' block-
-sparse fields come last, after an even number of 4-byte ones); each kernel takes one such struct by value.
+sparse fields come after an even number of 4-byte ones, then total_q / total_k); each kernel takes one such struct by
+value.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from cuda.bindings import driver
 
 from flashtrain.kernels import build
+from flashtrain.kernels.tma import TmaDesc
 
 _i64, _i32, _u32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
 
@@ -32,7 +34,17 @@ class FwdParams(ctypes.Structure):
         ("softmax_scale", _f32), ("softmax_scale_log2", _f32), ("keep_threshold", _u32), ("rp_dropout", _f32),
         ("bs_n_qblocks", _i32), ("bs_n_kblocks", _i32),
         ("bs_rows", _ptr), ("bs_cols", _ptr), ("bs_rows_head_stride", _i64), ("bs_cols_head_stride", _i64),
+        ("total_q", _i32), ("total_k", _i32),
     ]
+
+
+class FwdSm90Params(ctypes.Structure):
+    """csrc/flash.h FwdSm90Params: three 128-byte tensor maps (offsets 0, 128, 256), FwdParams (from 384), the tile
+    counter, then padding to a multiple of the struct's 64-byte alignment (the driver copies that many bytes)."""
+
+    _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("fwd", FwdParams),
+                ("tile_counter", _ptr),
+                ("pad_", ctypes.c_uint8 * (-(3 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(FwdParams) + 8) % 64))]
 
 
 class BwdParams(ctypes.Structure):
@@ -59,7 +71,7 @@ class AuxParams(ctypes.Structure):
         ("mask_batch_stride", _i64), ("mask_head_stride", _i64), ("mask_row_stride", _i64),
         ("batch", _i32), ("nheads", _i32), ("head_dim", _i32), ("seqlen_q", _i32), ("seqlen_k", _i32),
         ("nsplits", _i32), ("softmax_scale", _f32), ("keep_threshold", _u32),
-        ("dq_slice_width", _i32), ("dq_block_m", _i32),
+        ("dq_slice_width", _i32), ("dq_block_m", _i32), ("total_q", _i32), ("total_k", _i32),
     ]
 
 
@@ -129,6 +141,49 @@ def device_arch(device: torch.device) -> str:
     if arch is None:
         arch = _archs.setdefault(device.index, build.arch_of_capability(*torch.cuda.get_device_capability(device)))
     return arch
+
+
+_sm_counts: dict[int, int] = {}  # device index -> multiprocessors
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (persistent grids), read once."""
+    count = _sm_counts.get(device.index)
+    if count is None:
+        count = _sm_counts.setdefault(device.index, torch.cuda.get_device_properties(device).multi_processor_count)
+    return count
+
+
+_tile_counters: dict[tuple[int, int], torch.Tensor] = {}  # (device index, stream) -> int32 counter, kept at 0
+
+
+def tile_counter(device: torch.device) -> int:
+    """Address of the dynamic tile scheduler's counter for the current stream of `device` (csrc/flash.h
+    FwdSm90Params): zero-filled once, reset to 0 by every launch that uses it, one per stream so that concurrent
+    launches never share one. Counters made during CUDA-graph capture live in the graph's pool (their zero-fill is
+    a node of the graph) and stay referenced here."""
+    key = (device.index, _current_stream(device))
+    counter = _tile_counters.get(key)
+    if counter is None:
+        counter = _tile_counters.setdefault(key, torch.zeros(1, dtype=torch.int32, device=device))
+    return counter.data_ptr()
+
+
+_smem_limits: dict[int, int] = {}  # device index -> shared memory per block the kernels may use
+
+
+def device_smem_limit(device: torch.device) -> int:
+    """Bytes of shared memory a block may opt in to on `device` (cuDeviceGetAttribute
+    MAX_SHARED_MEMORY_PER_BLOCK_OPTIN), lowered to FLASHTRAIN_MAX_SMEM when that is set; read once per device."""
+    limit = _smem_limits.get(device.index)
+    if limit is None:
+        torch.cuda.init()
+        handle = _check(driver.cuDeviceGet(device.index), "cuDeviceGet")
+        attribute = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        limit = _check(driver.cuDeviceGetAttribute(attribute, handle), "cuDeviceGetAttribute(SMEM_PER_BLOCK_OPTIN)")
+        cap = build.smem_cap()
+        limit = _smem_limits.setdefault(device.index, min(limit, cap) if cap is not None else limit)
+    return limit
 
 
 def get_kernel(spec: build.KernelSpec, symbol: str, device: torch.device) -> Kernel:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -59,10 +60,18 @@ def _unavailable_reason_cached(device_type: str, device_index: int, head_dim: in
     if major < 8:
         return f"the CUDA kernels need compute capability 8.0 or newer, cuda:{device_index} has {major}.{minor}"
     try:
-        import cuda.bindings.driver  # noqa: F401
+        from flashtrain.kernels import launch
     except ImportError as error:
         return f"cuda-python is not installed ({error}); pip install cuda-python"
-    return build.compiler_unavailable_reason()
+    smem_limit = launch.device_smem_limit(torch.device("cuda", device_index))
+    reason = build.smem_unavailable_reason(head_dim, block_mask, smem_limit)
+    if reason is not None:
+        return f"cuda:{device_index}: {reason}"
+    compiler_reason = build.compiler_unavailable_reason()
+    mismatch = build.cuda_version_mismatch()
+    if compiler_reason is None and mismatch is not None:  # may still work (a new enough driver): say it, once
+        warnings.warn(f"flashtrain kernels: {mismatch}", stacklevel=2)
+    return compiler_reason
 
 
 def unavailable_reason(device: torch.device, *, head_dim: int, dtype: torch.dtype, block_mask: bool) -> str | None:
@@ -150,7 +159,8 @@ def dropout_mask_for_testing(q: Tensor, k: Tensor, *, dropout_p: float, generato
         dropout_mask=mask.data_ptr(), rng_state=rng_state.data_ptr(),
         cu_seqlens_q=_ptr(cu_seqlens_q), cu_seqlens_k=_ptr(cu_seqlens_k),
         mask_batch_stride=mask_strides[0], mask_head_stride=mask_strides[1], mask_row_stride=mask_strides[2],
-        batch=batch, nheads=nheads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, keep_threshold=_keep_threshold(dropout_p))
+        batch=batch, nheads=nheads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, keep_threshold=_keep_threshold(dropout_p),
+        total_q=q.shape[0], total_k=k.shape[0])
     grid = (math.ceil(seqlen_q / build.AUX_ROWS_PER_CTA), batch, nheads)
     launch.get_kernel(spec, spec.symbols[2], q.device).launch(grid, params, q.device)
     return mask.bool()
@@ -165,12 +175,23 @@ def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_s
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     out, lse = _empty_outputs(q, cu_seqlens_q)
     block_sparse = bs_rows is not None
-    head_dim = build.rounded_head_dim(q.shape[-1], block_sparse)
-    spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse,
-                            arch=launch.device_arch(q.device))
+    arch = launch.device_arch(q.device)
+    head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
+    spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
+                            smem_limit=launch.device_smem_limit(q.device))
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                          softmax_scale, rng_state, bs_rows=bs_rows)
     grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
+    if spec.persistent:  # at most one CTA per SM, each taking tiles from the dynamic scheduler
+        grid = (min(grid[0] * grid[1] * grid[2], launch.sm_count(q.device)), 1, 1)
+    if spec.source == "flash_fwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, then the same parameters
+        from flashtrain.kernels import tma
+
+        varlen, tiles = cu_seqlens_q is not None, build.fwd_sm90_tiles(head_dim, causal, dropout_p > 0, block_sparse)
+        params = launch.FwdSm90Params(tma_q=tma.tensor_map(q, varlen, tiles.block_m),
+                                      tma_k=tma.tensor_map(k, varlen, tiles.block_n),
+                                      tma_v=tma.tensor_map(v, varlen, tiles.block_n), fwd=params,
+                                      tile_counter=launch.tile_counter(q.device) if spec.persistent else 0)
     launch.get_kernel(spec, spec.symbols[0], q.device).launch(grid, params, q.device)
     return out, lse
 
@@ -200,17 +221,18 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
     softmax_d = torch.empty_like(lse)
     block_sparse = bs_cols is not None
-    head_dim = build.rounded_head_dim(q.shape[-1], block_sparse)
-    spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse,
-                            arch=launch.device_arch(q.device), deterministic=deterministic)
-    tiles = build.BWD_SM90_TILES[head_dim] if spec.source == "flash_bwd_sm90.cu" else build.BWD_TILES[head_dim]
+    arch = launch.device_arch(q.device)
+    head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
+    spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
+                            deterministic=deterministic, smem_limit=launch.device_smem_limit(q.device))
+    tiles = spec.tiles
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, rng_state, bs_cols=bs_cols)
     batch, nheads, nheads_kv = fwd.batch, fwd.nheads, fwd.nheads_kv
     n_kblocks = math.ceil(fwd.seqlen_k / tiles.block_n)
     nsplits = 1
     if deterministic:  # enough CTAs to fill the GPU twice over; each walks key blocks x, x + nsplits, ...
-        sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+        sm_count = launch.sm_count(q.device)
         nsplits = max(1, min(n_kblocks, math.ceil(2 * sm_count / max(1, batch * nheads_kv))))
     dq_accum = torch.empty((nsplits, *lse.shape, q.shape[-1]), dtype=torch.float32, device=q.device)
     varlen = cu_seqlens_q is not None
@@ -224,7 +246,7 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         d_batch_stride=lse_strides[0], d_head_stride=lse_strides[1], dqa_split_stride=dqa_strides[0],
         dqa_batch_stride=dqa_strides[1], dqa_head_stride=dqa_strides[2], batch=batch, nheads=nheads,
         head_dim=q.shape[-1], seqlen_q=fwd.seqlen_q, seqlen_k=fwd.seqlen_k, nsplits=nsplits,
-        softmax_scale=softmax_scale, dq_block_m=tiles.block_m,
+        softmax_scale=softmax_scale, dq_block_m=tiles.block_m, total_q=fwd.total_q, total_k=fwd.total_k,
         # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded
         dq_slice_width=(tiles.dq_slice_width(head_dim)
                         if tiles.scramble_dq and not deterministic and q.shape[-1] == head_dim else 0))
@@ -317,8 +339,10 @@ def _empty_outputs(q: Tensor, cu_seqlens_q: Tensor | None) -> tuple[Tensor, Tens
 
 
 def _aligned(x: Tensor) -> Tensor:
-    """x itself when the kernels' 16-byte loads of its rows are aligned (pointer and every stride), else a copy."""
-    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(stride % 8 == 0 for stride in x.stride()[:-1]):
+    """x itself when the kernels' 16-byte loads of its rows are aligned (pointer and every stride) and no dimension
+    is broadcast (stride 0, which TMA tensor maps cannot express), else a copy."""
+    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(
+            stride % 8 == 0 and (stride > 0 or size == 1) for stride, size in zip(x.stride()[:-1], x.shape[:-1])):
         return x
     return x.clone(memory_format=torch.contiguous_format)  # fresh allocations are aligned; head_dim % 8 == 0
 
@@ -351,7 +375,7 @@ def _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         head_dim=q.shape[-1], seqlen_q=max_seqlen_q if varlen else q.shape[1],
         seqlen_k=max_seqlen_k if varlen else k.shape[1], softmax_scale=softmax_scale,
         softmax_scale_log2=softmax_scale * math.log2(math.e), keep_threshold=_keep_threshold(dropout_p),
-        rp_dropout=1.0 / (1.0 - dropout_p))
+        rp_dropout=1.0 / (1.0 - dropout_p), total_q=q.shape[0] if varlen else 0, total_k=k.shape[0] if varlen else 0)
     (params.q_batch_stride, params.q_row_stride, params.q_head_stride) = _strides(q, varlen)
     (params.k_batch_stride, params.k_row_stride, params.k_head_stride) = _strides(k, varlen)
     (params.v_batch_stride, params.v_row_stride, params.v_head_stride) = _strides(v, varlen)

@@ -10,7 +10,8 @@ cu_seqlens (B + 1,) int32, runs every layer on the packed (total_tokens, hidden)
 flash_attn_varlen_func, so no work is spent on pad tokens; outputs are put back into (B, T, ...) only where they are
 needed (the masked-LM head runs on the masked tokens only, classification reads the first token of each row).
 Where attention runs PyTorch's SDPA (attn_impl sdpa, or auto without the kernel) the layers run padded, on (B, T) with
-a key-padding mask (flashtrain.models.attention.runs_packed decides).
+a key-padding mask (flashtrain.models.attention.runs_packed decides). Finding the real tokens of a CUDA mask costs one
+host sync; an `Unpadding` (flashtrain.models.padding) built from the host batch and passed in costs none.
 
 Parameter names are our own (a fused q|k|v projection: one GEMM instead of three); flashtrain.models.hf_convert
 converts from and to the HF names, and the heads keep HF's layout (BERT's pooler + classifier,
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashtrain.models.attention import BidirectionalSelfAttention, check_attn_impl, check_backend, runs_packed
-from flashtrain.models.padding import pad_packed, unpad_indices
+from flashtrain.models.padding import Unpadding, check_values, pad_packed
 
 FLAVORS = ("bert", "roberta")
 PROBLEM_TYPES = ("single_label", "multi_label")
@@ -194,12 +195,13 @@ class BertModel(nn.Module):
         is_token = input_ids.ne(self.config.pad_token_id).long()
         return torch.cumsum(is_token, dim=1) * is_token + self.config.pad_token_id
 
-    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-               token_type_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
+               unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """input_ids (B, T); attention_mask (B, T), 1 at real tokens, 0 at pads, None for no padding; token_type_ids
-        (B, T) or None (all 0). -> (hidden (total, C) at the real tokens in row-major order, indices (total,) of those
-        tokens in the flattened (B * T) batch, cu_seqlens (B + 1,) int32). Row cu_seqlens[b] is sequence b's first
-        token ([CLS] / <s>): the first token of every row must be real.
+        (B, T) or None (all 0); unpadding: Unpadding.of(attention_mask) when the caller has it (built on the host:
+        no host sync here), else computed here. -> (hidden (total, C) at the real tokens in row-major order, indices
+        (total,) of those tokens in the flattened (B * T) batch, cu_seqlens (B + 1,) int32). Row cu_seqlens[b] is
+        sequence b's first token ([CLS] / <s>): the first token of every row must be real.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seqlen), got shape {tuple(input_ids.shape)}")
@@ -214,11 +216,12 @@ class BertModel(nn.Module):
         for name, ids in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
             if ids.shape != input_ids.shape:
                 raise ValueError(f"{name} shape {tuple(ids.shape)} must equal input_ids shape {(B, T)}")
-        if not attention_mask[:, 0].bool().all():
-            raise ValueError("attention_mask[:, 0] must be 1 in every row: each sequence starts with its first real "
-                             "token ([CLS] / <s>); pad on the right")
+        check_values(attention_mask[:, 0].bool().all(), "attention_mask[:, 0] must be 1 in every row: each sequence "
+                     "starts with its first real token ([CLS] / <s>); pad on the right")
         position_ids = self.position_ids(input_ids)  # (B, T)
-        indices, cu_seqlens, max_seqlen = unpad_indices(attention_mask)
+        if unpadding is None:
+            unpadding = Unpadding.of(attention_mask)
+        indices, cu_seqlens, max_seqlen = unpadding[:3]
         head_dim = self.config.hidden_size // self.config.num_attention_heads
         if not runs_packed(self.config.attn_impl, self.embeddings.word_embeddings.weight, head_dim):
             key_padding_mask = attention_mask.bool()  # (B, T): every layer runs on all B * T tokens
@@ -232,10 +235,10 @@ class BertModel(nn.Module):
             x = layer(x, cu_seqlens, max_seqlen, None)
         return x, indices, cu_seqlens
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                token_type_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
+                unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor | None]:
         """-> (last hidden states (B, T, C), zeros at pads; pooled output (B, C) or None without a pooler)."""
-        hidden, indices, cu_seqlens = self.encode(input_ids, attention_mask, token_type_ids)
+        hidden, indices, cu_seqlens = self.encode(input_ids, attention_mask, token_type_ids, unpadding)
         pooled = None
         if self.pooler is not None:
             pooled = torch.tanh(self.pooler(hidden[cu_seqlens[:-1].long()]))  # (B, C)
@@ -272,25 +275,29 @@ class BertForMaskedLM(nn.Module):
         return sum(p.numel() for p in self.parameters())  # each tensor once: the tied decoder is not counted twice
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
-                labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """input_ids, attention_mask, token_type_ids (B, T) as in BertModel.encode; labels (B, T): the original token
-        at masked positions, -100 elsewhere (pads included).
+                labels: Tensor | None = None, unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor | None]:
+        """input_ids, attention_mask, token_type_ids, unpadding as in BertModel.encode; labels (B, T): the original
+        token at masked positions, -100 elsewhere (pads included). With labels, an unpadding from
+        Unpadding.of(attention_mask, labels) (masked_rows set) spares the host sync of finding the masked tokens.
 
         Without labels -> (logits (B, T, vocab_size), zeros at pads; None). With labels the head runs on the masked
         tokens only -> (logits (n_masked, vocab_size), equal to full_logits[labels != -100] in that row-major order;
         mean cross-entropy over the masked tokens, in float32).
         """
-        hidden, indices, _ = self.encoder.encode(input_ids, attention_mask, token_type_ids)  # (total, C)
+        hidden, indices, _ = self.encoder.encode(input_ids, attention_mask, token_type_ids, unpadding)  # (total, C)
         if labels is None:
             return pad_packed(self.lm_head(hidden), indices, *input_ids.shape), None
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-        if attention_mask is not None and labels[~attention_mask.bool()].ne(-100).any():
-            raise ValueError("labels must be -100 at pad positions (attention_mask 0)")
+        if attention_mask is not None:
+            check_values((labels.eq(-100) | attention_mask.bool()).all(),
+                         "labels must be -100 at pad positions (attention_mask 0)")
         packed_labels = labels.flatten()[indices]  # (total,)
-        is_masked = packed_labels != -100
-        logits = self.lm_head(hidden[is_masked])  # (n_masked, vocab_size)
-        return logits, F.cross_entropy(logits.float(), packed_labels[is_masked])
+        masked_rows = unpadding.masked_rows if unpadding is not None else None
+        if masked_rows is None:
+            masked_rows = torch.nonzero(packed_labels != -100).flatten()  # (n_masked,)
+        logits = self.lm_head(hidden[masked_rows])  # (n_masked, vocab_size)
+        return logits, F.cross_entropy(logits.float(), packed_labels[masked_rows])
 
 class RobertaClassificationHead(nn.Module):
     """On <s>: dropout, dense + tanh, dropout, out_proj (HF RobertaClassificationHead)."""
@@ -324,13 +331,14 @@ class BertForSequenceClassification(nn.Module):
             self.classifier.apply(_init_weights)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
-                labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """input_ids, attention_mask, token_type_ids (B, T) as in BertModel.encode -> (logits (B, num_labels), loss).
+                labels: Tensor | None = None, unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor | None]:
+        """input_ids, attention_mask, token_type_ids, unpadding as in BertModel.encode -> (logits (B, num_labels),
+        loss).
 
         labels: single_label (B,) class indices -> mean cross-entropy; multi_label (B, num_labels) of 0/1 -> mean
         binary cross-entropy with logits over all B * num_labels entries. Loss in float32; None without labels.
         """
-        hidden, _, cu_seqlens = self.encoder.encode(input_ids, attention_mask, token_type_ids)
+        hidden, _, cu_seqlens = self.encoder.encode(input_ids, attention_mask, token_type_ids, unpadding)
         first_token = hidden[cu_seqlens[:-1].long()]  # (B, C): [CLS] / <s>
         if self.config.flavor == "bert":
             logits = self.classifier(self.dropout(torch.tanh(self.encoder.pooler(first_token))))

@@ -20,7 +20,9 @@ butterfly of FlashAttention's block-sparse experiments, plus the global blocks).
 Padding is removed, not masked (as in bert.py): with a pad_id, the real tokens are packed into (total, d_model) and
 attend through flash_attn_varlen_func; pad tokens cost nothing and never reach the pooled vector. Inputs are
 right-padded, so positions of real tokens do not depend on the padding. pad_id None means every token is real
-(Pathfinder: pixel 0 is black, not padding) and attention runs on (B, T) through flash_attn_func.
+(Pathfinder: pixel 0 is black, not padding) and attention runs on (B, T) through flash_attn_func. Finding the real
+tokens of CUDA tokens costs one host sync; `model.unpadding(tokens)` on the host batch, moved with .to(device) and
+passed to forward, costs none.
 Where attention runs PyTorch's SDPA (attn_impl sdpa, or auto without the kernel) the blocks run padded, with a
 key-padding mask.
 """
@@ -36,7 +38,7 @@ from torch import Tensor
 
 from flashtrain.kernels import block_sparse
 from flashtrain.models.attention import BidirectionalSelfAttention, check_attn_impl, check_backend, runs_packed
-from flashtrain.models.padding import unpad_indices
+from flashtrain.models.padding import Unpadding, check_values
 
 POSITIONS = ("learned", "sinusoidal")
 POOLINGS = ("cls", "mean")
@@ -193,6 +195,7 @@ class LRAClassifier(nn.Module):
             self.head = nn.Sequential(nn.Linear(C, config.d_ff), nn.ReLU(), nn.Dropout(config.dropout),
                                       nn.Linear(config.d_ff, config.num_classes))
         self._init_weights()
+        self._block_masks: dict[tuple[int, str], Tensor] = {}  # (max_seqlen, device) -> block_mask
 
     def _init_weights(self) -> None:
         """LRA's initialisation (its Flax TransformerEncoder): token embeddings N(0, 1), so that the tokens are not
@@ -210,9 +213,11 @@ class LRAClassifier(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: Tensor, labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, tokens: Tensor, labels: Tensor | None = None,
+                unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor | None]:
         """tokens (B, T) int64, right-padded with pad_id -> (logits (B, num_classes), mean cross-entropy or None).
-        dual: tokens (B, 2 L), two documents each right-padded to L."""
+        dual: tokens (B, 2 L), two documents each right-padded to L. unpadding: self.unpadding(tokens) when the caller
+        built it (on the host batch: no host sync here), else computed here."""
         cfg = self.config
         if labels is not None and labels.shape != tokens.shape[:1]:
             raise ValueError(f"labels must have shape {tuple(tokens.shape[:1])}, got {tuple(labels.shape)}")
@@ -221,23 +226,43 @@ class LRAClassifier(nn.Module):
                 raise ValueError(f"tokens must be (batch, 2 * L) with L <= {cfg.max_tokens} (dual: two documents), "
                                  f"got shape {tuple(tokens.shape)}")
             B = tokens.shape[0]
-            both = self.encode(tokens.view(B, 2, -1).transpose(0, 1).reshape(2 * B, -1))  # (2 B, C): docs 1, docs 2
+            both = self.encode(self._documents(tokens), unpadding)  # (2 B, C): docs 1, docs 2
             e1, e2 = both[:B], both[B:]
             logits = self.head(torch.cat([e1, e2, e1 * e2, e1 - e2], dim=-1))  # (B, num_classes)
         else:
-            logits = self.head(self.encode(tokens))  # (B, num_classes)
+            logits = self.head(self.encode(tokens, unpadding))  # (B, num_classes)
         loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
         return logits, loss
 
+    @staticmethod
+    def _documents(tokens: Tensor) -> Tensor:
+        """dual: (B, 2 L) rows of two documents -> (2 B, L), the first documents of every row, then the second."""
+        return tokens.view(tokens.shape[0], 2, -1).transpose(0, 1).reshape(2 * tokens.shape[0], -1)
+
+    def unpadding(self, tokens: Tensor) -> Unpadding | None:
+        """The packed layout forward(tokens) runs on (the CLS vector counts as a real token): build it on the host
+        batch and pass it, moved with .to(device), to forward. None when nothing is padded (pad_id None)."""
+        if self.config.pad_id is None:
+            return None
+        is_real = (self._documents(tokens) if self.config.dual else tokens).ne(self.config.pad_id)
+        if self.cls is not None:
+            is_real = F.pad(is_real, (1, 0), value=True)
+        return Unpadding.of(is_real)
+
     def block_mask(self, max_seqlen: int, device: torch.device) -> Tensor | None:
-        """The attention block mask (ceil(max_seqlen / 128),) * 2 of config.block_sparse, or None (dense)."""
+        """The attention block mask (ceil(max_seqlen / 128),) * 2 of config.block_sparse, or None (dense); built
+        once per length and device (a fresh copy to the GPU in every step would wait for the host)."""
         layout = self.config.block_sparse
         if layout is None:
             return None
-        return layout_block_mask(layout, max_seqlen, device)
+        key = (max_seqlen, str(device))
+        if key not in self._block_masks:
+            self._block_masks[key] = layout_block_mask(layout, max_seqlen, device)
+        return self._block_masks[key]
 
-    def encode(self, tokens: Tensor) -> Tensor:
-        """tokens (B, T) int64, right-padded with pad_id -> the pooled vectors (B, d_model)."""
+    def encode(self, tokens: Tensor, unpadding: Unpadding | None = None) -> Tensor:
+        """tokens (B, T) int64, right-padded with pad_id -> the pooled vectors (B, d_model); unpadding as in
+        forward (for these tokens)."""
         cfg = self.config
         if tokens.dim() != 2 or tokens.shape[1] > cfg.max_tokens:
             raise ValueError(f"tokens must be (batch, seqlen <= {cfg.max_tokens}), got shape {tuple(tokens.shape)}")
@@ -249,8 +274,9 @@ class LRAClassifier(nn.Module):
         B, T, C = x.shape
         positions = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (max_len, C)
         x = self.drop(x + positions[:T].to(x.dtype))
-        if is_real is not None and not bool(is_real.any(dim=1).all()):
-            raise ValueError("tokens: a row holds only pad tokens (pooling mean has nothing to average)")
+        if is_real is not None:
+            check_values(is_real.any(dim=1).all(), "tokens: a row holds only pad tokens (pooling mean has nothing to "
+                                                   "average)")
 
         packed = runs_packed(cfg.attn_impl, x, C // cfg.n_head, cfg.block_sparse is not None)
         if is_real is None or not packed:  # padded (B, T, C), is_real the key-padding mask
@@ -266,7 +292,7 @@ class LRAClassifier(nn.Module):
                 weights = is_real.to(x.dtype)[:, :, None]  # (B, T, 1)
                 pooled = (x * weights).sum(dim=1) / weights.sum(dim=1)
         else:  # packed (total, C): pad tokens removed
-            indices, cu_seqlens, max_seqlen = unpad_indices(is_real)
+            indices, cu_seqlens, max_seqlen = (unpadding if unpadding is not None else Unpadding.of(is_real))[:3]
             x = x.flatten(0, 1)[indices]  # (total, C)
             block_mask = self.block_mask(max_seqlen, x.device)  # blocks counted from each sequence's start
             for block in self.blocks:

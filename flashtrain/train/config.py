@@ -28,6 +28,7 @@ PRECISIONS = ("auto", "no", "bf16", "fp16")
 SCHEDULES = ("cosine", "rsqrt", "linear")
 OPTIMIZERS = ("adamw", "lamb")
 LOGGERS = ("wandb", "none")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes
 
 
 @dataclass
@@ -77,6 +78,9 @@ class TrainerConfig:
     precision: str = "auto"  # auto (bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU) | no | bf16 | fp16
     cpu: bool = False  # force the CPU even when a GPU is present
     compile: bool = False  # torch.compile the model
+    # torch.compile mode (with compile=true): default | reduce-overhead (CUDA graphs: replays each step's kernels
+    # without their launch cost) | max-autotune (also searches matmul configurations)
+    compile_mode: str = "default"
     log_interval: int = 10  # steps between train-loss log lines
     eval_interval: int = 50  # steps between validation passes (and one at the end)
     eval_batches: int = 20  # validation micro-batches per pass
@@ -89,6 +93,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"trainer.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"trainer.compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_interval", "eval_interval",
                      "eval_batches", "save_interval", "keep_checkpoints"):
             if getattr(self, name) < 1:

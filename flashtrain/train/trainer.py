@@ -20,6 +20,7 @@ from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from flashtrain.data.task import Task, check_model_fits
+from flashtrain.models.padding import Unpadding
 from flashtrain.train.checkpoint import TrainState, resolve_resume, save_checkpoint
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.metrics import MetricsLog
@@ -47,9 +48,11 @@ def resolve_precision(precision: str, cpu: bool) -> str:
 
 
 def to_device(batch, device: torch.device):
-    """Move a batch (tensor, tuple/list or dict of tensors) to `device`."""
+    """Move a batch (tensor, Unpadding, tuple/list or dict of them) to `device`."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
+    if isinstance(batch, Unpadding):
+        return batch.to(device)
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return type(batch)(to_device(v, device) for v in batch)
@@ -141,7 +144,7 @@ class Trainer:
         optimizer = build_optimizer(model, cfg.optim)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.tcfg.max_steps)
         if self.tcfg.compile:
-            model = torch.compile(model)
+            model = torch.compile(model, mode=self.tcfg.compile_mode)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
 
     def _open_loaders_and_logs(self) -> None:

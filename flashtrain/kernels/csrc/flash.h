@@ -13,7 +13,8 @@
 // mask heads is nheads, or 1 with head stride 0 (one mask shared by all heads).
 //
 // The Python side (flashtrain/kernels/launch.py) mirrors these structs with ctypes: keep the field order, and keep
-// every 8-byte field before the 4-byte ones so that both sides lay them out without padding surprises.
+// every 8-byte field before the 4-byte ones (or after an even number of them) so that both sides lay them out without
+// padding surprises.
 #pragma once
 
 namespace flashtrain {
@@ -52,6 +53,24 @@ struct FwdParams {
     const int* bs_rows;
     const int* bs_cols;
     i64 bs_rows_head_stride, bs_cols_head_stride;  // 0: one mask for all heads
+    int total_q, total_k;     // varlen: rows of q / k (every sequence is clamped into them; utils.cuh packed_seq)
+};
+
+// A TMA tensor map (CUtensorMap): 128 opaque bytes encoded on the host by cuTensorMapEncodeTiled
+// (flashtrain/kernels/tma.py), 64-byte aligned, read by the copy engine from the kernel's parameter space.
+struct alignas(64) TmaDesc {
+    u64 opaque[16];
+};
+
+// Parameters of the Hopper TMA forward (flash_fwd_sm90.cuh): tensor maps of q, k, v as rank-4 tensors
+// (head_dim, rows, heads, batch) -- varlen: (head_dim, total rows, heads, 1) -- then the plain parameters.
+// tile_counter: an int in global memory, 0 at launch, for the persistent grid's dynamic tile scheduler; the kernel
+// leaves it at 0 again (one counter per stream: launches on one stream never overlap). The struct's size is padded to
+// its 64-byte alignment; launch.py pads its mirror the same way.
+struct FwdSm90Params {
+    TmaDesc tma_q, tma_k, tma_v;
+    FwdParams fwd;
+    int* tile_counter;
 };
 
 struct BwdParams {
@@ -92,6 +111,7 @@ struct AuxParams {
     // dq_accum layout (flash_bwd.cuh, add_dq): 0 = row-major; else the width W of the backward's dQ warp slices, and
     // query blocks of dq_block_m rows that lie wholly inside the sequence hold scrambled 16-row groups
     int dq_slice_width, dq_block_m;
+    int total_q, total_k;     // varlen: rows of q / k, as in FwdParams
 };
 
 }  // namespace flashtrain

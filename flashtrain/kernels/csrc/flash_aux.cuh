@@ -15,14 +15,8 @@ struct AuxRows {
     int q_start, seqlen_q, k_start, seqlen_k, row_begin;
     __device__ __forceinline__ bool init(const AuxParams& p) {
         q_start = 0, seqlen_q = p.seqlen_q, k_start = 0, seqlen_k = p.seqlen_k;
-        if (p.cu_seqlens_q != nullptr) {
-            q_start = p.cu_seqlens_q[blockIdx.y];
-            seqlen_q = p.cu_seqlens_q[blockIdx.y + 1] - q_start;
-        }
-        if (p.cu_seqlens_k != nullptr) {
-            k_start = p.cu_seqlens_k[blockIdx.y];
-            seqlen_k = p.cu_seqlens_k[blockIdx.y + 1] - k_start;
-        }
+        if (p.cu_seqlens_q != nullptr) packed_seq(p.cu_seqlens_q, blockIdx.y, p.seqlen_q, p.total_q, q_start, seqlen_q);
+        if (p.cu_seqlens_k != nullptr) packed_seq(p.cu_seqlens_k, blockIdx.y, p.seqlen_k, p.total_k, k_start, seqlen_k);
         row_begin = blockIdx.x * kRowsPerCta;
         return row_begin < seqlen_q;
     }

@@ -1,135 +1,274 @@
-// FlashAttention-2 forward (Algorithm 1) on Hopper tensor cores: the same algorithm, tiling and outputs as
-// flash_fwd.cuh, with the two GEMMs issued as warpgroup MMAs (wgmma.cuh) instead of mma.sync.
+// FlashAttention forward (Algorithm 1 of FlashAttention-2) on Hopper, warp-specialized as in FlashAttention-3:
 //
-// One CTA computes kBlockM query rows of one (batch, head) with kBlockM / 64 warpgroups; warpgroup w owns rows
-// [64 w, 64 w + 64). build.py picks one warpgroup per CTA and several CTAs per SM (FT_MIN_BLOCKS): their barriers
-// are independent, so one CTA's softmax runs while another's GEMMs occupy the tensor cores. K/V are streamed through
-// shared memory in blocks of kBlockN keys, from the last block to the first, by every thread with cp.async, each
-// copy overlapping the math of the other operand:
-//     wait K[n]; issue V[n]    S = Q K[n]^T (wgmma, Q and K from shared memory)    mask
-//     wait V[n]; issue K[n-1]  online softmax (as in flash_fwd.cuh)
-//                              O += P V[n] (wgmma, P from registers)
-// At the end out = O / l and lse = m * scale + ln(l); a row with no visible key gets out = 0, lse = -inf.
-// Block-sparse (kIsBlockSparse; as in flash_fwd.cuh): the CTA walks only the key tiles of the non-zero blocks of its
-// query block's row of the block mask, from the last to the first, cut and masked by causal and the end as the dense
-// walk. Dropout: the same Philox bits as flash_fwd.cuh (utils.cuh DropoutRng addresses them by (batch * head, query,
-// key) only). Head dims 64 and 128 (build.py routes everything else to flash_fwd.cuh).
-// Causal masking is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+//   warpgroup 0 (producer): after giving its registers away (setmaxnreg.dec), one thread issues TMA copies of the
+//     CTA's Q tile and of every key block's K and V tiles into a ring of kStages shared-memory stages, each guarded by
+//     a "full" mbarrier (the copy engine completes it) and an "empty" one (the consumers release the stage);
+//   warpgroups 1..kNConsumers (consumers, setmaxnreg.inc): warpgroup c owns query rows [64 c, 64 c + 64) of the CTA's
+//     kBlockM rows and runs, per key block j (intra-warpgroup pipelining: the S GEMM of block j is issued before the
+//     P V GEMM of block j - 1, so the softmax of block j overlaps that P V product on the tensor cores):
+//         wait K[j], V[j-1]; [scheduler barrier] issue S_j = Q K[j]^T, then O += P_{j-1} V[j-1]; [hand over]
+//         wait S_j; release K[j]; mask; online softmax of S_j (exp, running max and sum); dropout
+//         wait P V; release V[j-1]; rescale O by the max's correction; P_j = pack(S_j) (A operand in registers)
+//     With two consumers, named barriers order their GEMM issues (ping-pong): consumer 0 issues, then consumer 1,
+//     then consumer 0 again, so one warpgroup's softmax runs while the other's GEMMs hold the tensor cores.
+//   Epilogue: O / l and lse = m * scale + ln(l) per row; O staged through the warpgroup's rows of a shared O tile and
+//     written with 16-byte stores (rows past the sequence end are not written: varlen neighbours stay intact).
+//   The grid is persistent: each CTA loops over tiles (fwd_tile below). The producer picks the next tile, waits for
+//     the consumers' "empty_q" (their last S GEMM of the current tile), writes the tile's index to a shared slot and
+//     copies its Q, then its K/V, while the consumers still run the current tile's last P V product and epilogue;
+//     the consumers read the slot once "full_q" completes (index -1: no more tiles).
+//
+// Key blocks are walked from the last to the first (the blocks that need a mask come first); block-sparse walks the
+// non-zero blocks of the query block's row of the block mask (utils.cuh SparseWalkDesc). Dropout draws the same
+// Philox bits as flash_fwd.cuh (DropoutRng addresses them by (batch * head, query, key)), so either backward
+// regenerates the mask. Causal masking is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+// A row with no visible key gets out = 0, lse = -inf.
+//
+// Tensor maps (flash.h FwdSm90Params; flashtrain/kernels/tma.py): rank 4, (head_dim, rows, heads, batch), boxes of
+// 64 columns x kBlockM (Q) or kBlockN (K, V) rows, 128-byte swizzle = SmemTile's layout. Varlen maps are
+// (head_dim, total rows, heads, 1) and the row coordinate is the sequence's start plus the block's offset: K/V rows
+// past the sequence end belong to the next sequence (masked, so they add exact zeros) or lie past the tensor (zeros).
+// Head dims 64, 128, 192, 256 (others padded up by the host; build.py routes the rest to flash_fwd.cuh).
 #pragma once
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace flashtrain {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
-          bool kIsBlockSparse_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kSeparateO_, bool kIsBF16_, bool kIsCausal_,
+          bool kIsDropout_, bool kIsBlockSparse_>
 struct FwdSm90Traits {
-    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
+    // O staged in a tile of its own (Q is released after the tile's last S GEMM) or through Q (released after the
+    // epilogue has read O back: head dims whose Q + O + K/V stages do not fit in shared memory)
+    static constexpr bool kSeparateO = kSeparateO_;
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_;
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
                   "a block-sparse mask block must be a whole number of tiles");
-    static constexpr int kNWarpGroups = kBlockM / 64, kNThreads = 128 * kNWarpGroups;
-    static constexpr int kNT = kBlockN / 8;  // n8 column tiles of S per thread
+    static constexpr int kNConsumers = kBlockM / 64;           // consumer warpgroups, 64 query rows each
+    static constexpr int kNThreads = 128 * (kNConsumers + 1);  // + the producer warpgroup
+    static constexpr bool kPingPong = kNConsumers == 2;
+    // Registers per thread after reallocation. The CTA's pool is what it got at launch, 65536 / kNThreads rounded
+    // down to a multiple of 8 per thread (384 threads: 168); setmaxnreg.inc waits until the pool has the registers,
+    // so asking for more than the pool holds hangs the CTA.
+    static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
+    static constexpr int kProducerRegs = kNConsumers == 2 ? 24 : 32;
+    static constexpr int kConsumerRegs = kNConsumers == 2 ? 240 : 160;
+    static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kNConsumers <= kLaunchRegs * kNThreads,
+                  "register budget: the launch allocation");
+    static constexpr int kNT = kBlockN / 8;   // n8 column tiles of S per thread
     static constexpr int kDT = kHeadDim / 8;  // n8 column tiles of O per thread
-    static_assert(kBlockM % 64 == 0 && (kBlockN == 64 || kBlockN == 128), "tile shape");
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (128-byte swizzled column blocks)");
+    static_assert((kNConsumers == 2 || kNConsumers == 3) && kBlockN % 16 == 0 && kBlockN <= 256, "tile shape");
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dims of 64-column blocks (128-byte swizzle)");
     using TileQ = SmemTile<kBlockM, kHeadDim>;
     using TileKV = SmemTile<kBlockN, kHeadDim>;
     static_assert(TileQ::kBlockCols == 64 && TileKV::kBlockCols == 64, "128-byte rows");
+    static constexpr int kColBlocks = kHeadDim / 64;  // TMA boxes per tile
+    // Barriers after the tiles: full_q, empty_q, then full_k, empty_k, full_v, empty_v (kStages each), 8 bytes apiece.
+    static constexpr int kBarrierBytes = 256;
+    static_assert(8 * (3 + 4 * kStages) <= kBarrierBytes, "barrier area (the last 8 bytes: the tile slot)");
+    // Q, O staging (its own buffer: the next tile's Q is copied while this tile's O is written), K and V stages;
     // + 1024: the tiles start at the first 1024-byte boundary (the 128-byte swizzle repeats every 1024 bytes)
-    static constexpr int kSmemBytes = TileQ::kBytes + 2 * TileKV::kBytes + 1024;
+    static constexpr int kSmemBytes =
+        (kSeparateO ? 2 : 1) * TileQ::kBytes + 2 * kStages * TileKV::kBytes + 1024 + kBarrierBytes;
+    // Named barrier ids (0 is __syncthreads): 1 + c = consumer c's turn to issue GEMMs, 3 + c = its epilogue.
+    static constexpr int kBarSchedule = 1, kBarEpilogue = 3;
 };
 
-template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdParams& p) {
+// The key blocks a CTA visits, in walk order: dense, n_block_max - 1 down to 0; block-sparse, the tiles of the
+// non-zero mask blocks of the query block's row that lie below n_block_max, descending. block() is -1 at the end.
+template <class T> struct KeyBlockWalk {
+    SparseWalkDesc<kBlockSparseSize / T::kBlockN> sparse;
+    int n_block;
+    __device__ __forceinline__ KeyBlockWalk(const FwdParams& p, int head, int m0, int n_block_max) {
+        if constexpr (T::kIsBlockSparse) {
+            sparse.init(p.bs_rows + head * p.bs_rows_head_stride + (i64)(m0 / kBlockSparseSize) * (p.bs_n_kblocks + 1));
+            n_block = sparse.skip_to_below(n_block_max);
+        } else {
+            n_block = n_block_max - 1;
+        }
+    }
+    __device__ __forceinline__ int next() {
+        n_block = T::kIsBlockSparse ? sparse.next() : n_block - 1;
+        return n_block;
+    }
+};
+
+// One tile = kBlockM query rows of one (batch, head). The grid is persistent (at most one CTA per SM): CTA c starts
+// with tile c and takes its next tiles from a global atomic counter (dynamic: causal and varlen tiles differ in work),
+// so that the producer copies the next tile's Q, K and V while the consumers finish this one. Order: causal, the
+// longest query blocks of every (batch, head) first; otherwise query blocks fastest (a head's K/V stay in L2).
+struct FwdTile {
+    int m0, batch, head, head_kv, q_start, k_start, seqlen_q, seqlen_k, n_block_max;
+};
+template <class T> __device__ __forceinline__ bool fwd_tile(const FwdParams& p, int tile, int n_mblocks, FwdTile& x) {
+    const int n_bh = p.batch * p.nheads;
+    const int m_block = T::kIsCausal ? n_mblocks - 1 - tile / n_bh : tile % n_mblocks;
+    const int bh = T::kIsCausal ? tile % n_bh : tile / n_mblocks;
+    x.batch = bh / p.nheads;
+    x.head = bh % p.nheads;
+    x.head_kv = x.head / (p.nheads / p.nheads_kv);
+    seq_bounds(p, x.batch, x.q_start, x.k_start, x.seqlen_q, x.seqlen_k);
+    x.m0 = m_block * T::kBlockM;
+    // Key blocks [0, n_block_max) hold every key some row of this block may see.
+    x.n_block_max = ceil_div(x.seqlen_k, T::kBlockN);
+    if constexpr (T::kIsCausal) {
+        const int last_visible = min_(x.seqlen_q, x.m0 + T::kBlockM) + x.seqlen_k - x.seqlen_q;  // exclusive
+        x.n_block_max = min_(x.n_block_max, ceil_div(max_(last_visible, 0), T::kBlockN));
+    }
+    return x.m0 < x.seqlen_q;  // varlen: blocks past a short sequence's end do nothing
+}
+
+template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90Params& params) {
     extern __shared__ __align__(128) unsigned char smem[];
-    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kNT = T::kNT, kDT = T::kDT;
+    const FwdParams& p = params.fwd;
+    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kNT = T::kNT, kDT = T::kDT, kStages = T::kStages;
     using TileQ = typename T::TileQ;
     using TileKV = typename T::TileKV;
-    const int tid = threadIdx.x, lane = tid % 32;
-    const int g = lane >> 2, t = lane & 3;
-    const int wg = tid / 128;
-    const int warp_m0 = wg * 64 + (tid % 128) / 32 * 16;  // first row of this warp inside the block
-
-    // Causal: launch the longest rows first so that short blocks fill the tail of the grid.
-    const int m_block = T::kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int batch = blockIdx.y, head = blockIdx.z;
-    const int head_kv = head / (p.nheads / p.nheads_kv);
-    int q_start, k_start, seqlen_q, seqlen_k;
-    seq_bounds(p, batch, q_start, k_start, seqlen_q, seqlen_k);
-    const int m0 = m_block * kBlockM;
-    if (m0 >= seqlen_q) return;
-
-    const u16* q = (const u16*)p.q + batch * p.q_batch_stride + (i64)(q_start + m0) * p.q_row_stride +
-                   head * p.q_head_stride;
-    const u16* k = (const u16*)p.k + batch * p.k_batch_stride + (i64)k_start * p.k_row_stride +
-                   head_kv * p.k_head_stride;
-    const u16* v = (const u16*)p.v + batch * p.v_batch_stride + (i64)k_start * p.v_row_stride +
-                   head_kv * p.v_head_stride;
-
-    // Key blocks [0, n_block_max) hold every key some row of this block may see.
-    int n_block_max = ceil_div(seqlen_k, kBlockN);
-    if constexpr (T::kIsCausal) {
-        const int last_visible = min_(seqlen_q, m0 + kBlockM) + seqlen_k - seqlen_q;  // exclusive
-        n_block_max = min_(n_block_max, ceil_div(max_(last_visible, 0), kBlockN));
-    }
-
-    // Key tiles in walk order: dense, n_block_max - 1 down to 0; block-sparse, those of the row's non-zero mask blocks
-    // below n_block_max, descending (walk.next() gives the one after the current tile, -1 at the end).
-    SparseWalkDesc<kBlockSparseSize / kBlockN> walk;
-    int first_block = n_block_max - 1;
-    if constexpr (T::kIsBlockSparse) {
-        walk.init(p.bs_rows + head * p.bs_rows_head_stride + (i64)(m0 / kBlockSparseSize) * (p.bs_n_kblocks + 1));
-        first_block = walk.skip_to_below(n_block_max);
-    }
+    const int tid = threadIdx.x;
+    const int wg = warp_uniform(tid / 128);
+    const int n_mblocks = ceil_div(p.seqlen_q, kBlockM);
+    const int n_tiles = n_mblocks * p.batch * p.nheads;
+    const bool varlen = p.cu_seqlens_q != nullptr;  // varlen maps have one batch entry
 
     const u32 smem_base = (smem_u32(smem) + 1023) & ~1023u;
-    const u32 sQ = smem_base, sK = sQ + TileQ::kBytes, sV = sK + TileKV::kBytes;
-    load_tile_async<TileQ, T::kNThreads>(sQ, q, p.q_row_stride, seqlen_q - m0, p.head_dim, tid);
-    cp_async_commit();
-    if (T::kIsBlockSparse ? first_block >= 0 : n_block_max > 0) {
-        const int n0 = (T::kIsBlockSparse ? first_block : n_block_max - 1) * kBlockN;
-        load_tile_async<TileKV, T::kNThreads>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0,
-                                              p.head_dim, tid);
-        cp_async_commit();
+    const u32 sQ = smem_base, sO = T::kSeparateO ? sQ + TileQ::kBytes : sQ;
+    const u32 sK = sO + TileQ::kBytes, sV = sK + kStages * TileKV::kBytes;
+    const u32 bars = sV + kStages * TileKV::kBytes;
+    const u32 full_q = bars, empty_q = bars + 8;
+    const u32 tile_slot = bars + T::kBarrierBytes - 8;  // the tile the consumers work on next, -1 at the end
+    auto full_k = [&](int s) { return bars + 8 * (2 + s); };
+    auto empty_k = [&](int s) { return bars + 8 * (2 + kStages + s); };
+    auto full_v = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
+    auto empty_v = [&](int s) { return bars + 8 * (2 + 3 * kStages + s); };
+    if (tid == 0) {
+        mbar_init(full_q, 1);
+        mbar_init(empty_q, 4 * T::kNConsumers);  // one arrival per consumer warp
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(full_k(s), 1);
+            mbar_init(full_v(s), 1);
+            mbar_init(empty_k(s), 4 * T::kNConsumers);
+            mbar_init(empty_v(s), 4 * T::kNConsumers);
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ------------------------------------------------------------------------------------------ producer
+        setmaxnreg_dec<T::kProducerRegs>();
+        if (tid == 0) {
+            tma_prefetch_desc(&params.tma_q);
+            tma_prefetch_desc(&params.tma_k);
+            tma_prefetch_desc(&params.tma_v);
+            int it = 0, tile_iter = 0;  // key blocks and tiles so far: stage and phase of the rings
+            // Varlen: the tiles past a short sequence's end are skipped here; the consumers see only real ones.
+            auto next_tile = [&](int tile) {
+                // n_tiles fetches in all (gridDim.x <= n_tiles): tiles gridDim.x .. n_tiles - 1, then one past the
+                // end per CTA; the fetch of n_tiles - 1 is the launch's last, so it resets the counter.
+                const int fetched = atomic_fetch_add(params.tile_counter, 1);
+                if (fetched == n_tiles - 1) atomic_store(params.tile_counter, 0);
+                return fetched + (int)gridDim.x;
+            };
+            FwdTile x;
+            for (int tile = blockIdx.x;; tile = next_tile(tile)) {
+                if (tile < n_tiles && !fwd_tile<T>(p, tile, n_mblocks, x)) continue;
+                mbar_wait(empty_q, (tile_iter & 1) ^ 1);  // the consumers' last S GEMM of the previous tile is done
+                st_shared_b32(tile_slot, tile < n_tiles ? tile : -1);
+                if (tile >= n_tiles) {
+                    mbar_arrive(full_q);  // no copy: the consumers read the end mark and stop
+                    break;
+                }
+                const int batch_coord = varlen ? 0 : x.batch;
+                mbar_arrive_expect_tx(full_q, TileQ::kBytes);
+#pragma unroll
+                for (int cb = 0; cb < T::kColBlocks; ++cb)
+                    tma_load_4d(sQ + cb * kBlockM * 128, &params.tma_q, full_q, cb * 64, x.q_start + x.m0, x.head,
+                                batch_coord);
+                KeyBlockWalk<T> walk(p, x.head, x.m0, x.n_block_max);
+                for (; walk.n_block >= 0; walk.next(), ++it) {
+                    const int stage = it % kStages;
+                    const u32 parity = ((it / kStages) & 1) ^ 1;  // the first pass finds every stage empty
+                    const int row = x.k_start + walk.n_block * kBlockN;
+                    mbar_wait(empty_k(stage), parity);
+                    mbar_arrive_expect_tx(full_k(stage), TileKV::kBytes);
+#pragma unroll
+                    for (int cb = 0; cb < T::kColBlocks; ++cb)
+                        tma_load_4d(sK + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_k, full_k(stage),
+                                    cb * 64, row, x.head_kv, batch_coord);
+                    mbar_wait(empty_v(stage), parity);
+                    mbar_arrive_expect_tx(full_v(stage), TileKV::kBytes);
+#pragma unroll
+                    for (int cb = 0; cb < T::kColBlocks; ++cb)
+                        tma_load_4d(sV + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_v, full_v(stage),
+                                    cb * 64, row, x.head_kv, batch_coord);
+                }
+                ++tile_iter;
+            }
+        }
+        return;
     }
 
-    float o[kDT][4];
+    // ---------------------------------------------------------------------------------------------- consumers
+    setmaxnreg_inc<T::kConsumerRegs>();
+    const int cw = wg - 1;                     // consumer index: rows [64 cw, 64 cw + 64) of the block
+    const int ctid = tid - 128 * wg, lane = tid % 32;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = cw * 64 + ctid / 32 * 16;  // this warp's first row inside the block
+    const bool lead_lane = lane == 0;
+    const DropoutRng rng = T::kIsDropout ? DropoutRng(p.rng_state, p.keep_threshold) : DropoutRng{};
+
+    // Ping-pong: consumer c waits for its turn on barrier 1 + c and hands the turn over to the other after issuing.
+    // Per tile, consumer 1 lets consumer 0 go first and skips its own last hand-over, so every arrival is consumed
+    // and the two strictly alternate (also across tiles).
+    auto schedule_wait = [&]() {
+        if constexpr (T::kPingPong) named_bar_sync(T::kBarSchedule + cw, 256);
+    };
+    auto schedule_pass = [&](bool last) {
+        if constexpr (T::kPingPong)
+            if (!(last && cw == 1)) named_bar_arrive(T::kBarSchedule + 1 - cw, 256);
+    };
+
+    int it = 0;
+    for (int tile_iter = 0;; ++tile_iter) {
+        mbar_wait(full_q, tile_iter & 1);  // Q landed, or the end mark
+        const int tile = ld_shared_b32(tile_slot);
+        if (tile < 0) break;
+        FwdTile x;
+        fwd_tile<T>(p, tile, n_mblocks, x);
+        const int m0 = x.m0, seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
+        float o[kDT][4];
 #pragma unroll
-    for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float row_max[2] = {-infinity(), -infinity()}, row_sum[2] = {0.f, 0.f};  // rows g, g + 8 (partial sums)
-    DropoutRng rng = T::kIsDropout ? DropoutRng(p.rng_state, p.keep_threshold) : DropoutRng{};
-    const int bh = batch * p.nheads + head;
+        for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+        float row_max[2] = {-infinity(), -infinity()}, row_sum[2] = {0.f, 0.f};  // rows g, g + 8 (partial sums)
+        u32 pa[kNT / 2][4];  // P of the previous block as wgmma A fragments (16 keys per k-step)
+        const int bh = x.batch * p.nheads + x.head;
 
-    // One key block; kMask: some key of it is past the end or right of the diagonal for some row of this block.
-    // Block-sparse: n_block_next is the block walked after this one (its K is copied during this step), -1 for none;
-    // dense: n_block - 1.
-    auto step = [&](int n_block, int n_block_next, auto mask_tag) {
-        constexpr bool kMask = decltype(mask_tag)::value;
-        const int n0 = n_block * kBlockN;
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();  // K[n] landed; every warpgroup is done with V[n + 1]
-        load_tile_async<TileKV, T::kNThreads>(sV, v + n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0,
-                                              p.head_dim, tid);
-        cp_async_commit();
-
-        // S = Q K^T: kHeadDim / 16 k-steps; step kk reads 16 columns of Q's and K's column block kk / 4.
-        float s[kNT][4];
-        wgmma_fence();
+        auto issue_s = [&](float (&s)[kNT][4], int stage) {
+            const u32 k_tile = sK + stage * TileKV::kBytes;
 #pragma unroll
-        for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
-            const u64 desc_q = gmma_desc(sQ + (kk / 4) * kBlockM * 128 + wg * 64 * 128 + (kk % 4) * 32, 16, 1024);
-            const u64 desc_k = gmma_desc(sK + (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
-            wgmma_ss<kBlockN, T::kIsBF16>(s, desc_q, desc_k, kk > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operand(s);
-
-        if constexpr (kMask) {
+            for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+                const u64 desc_q = gmma_desc(sQ + (kk / 4) * kBlockM * 128 + cw * 64 * 128 + (kk % 4) * 32, 16, 1024);
+                const u64 desc_k = gmma_desc(k_tile + (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
+                wgmma_ss<kBlockN, T::kIsBF16>(s, desc_q, desc_k, kk > 0);
+            }
+            wgmma_commit();
+        };
+        auto issue_pv = [&](int stage) {
+            const u32 v_tile = sV + stage * TileKV::kBytes;
+#pragma unroll
+            for (int ks = 0; ks < kNT / 2; ++ks)
+                wgmma_rs<T::kHeadDim, T::kIsBF16>(o, pa[ks], gmma_desc(v_tile + ks * 16 * 128, kBlockN * 128, 1024),
+                                                  1);
+            wgmma_commit();
+        };
+        auto mask = [&](float (&s)[kNT][4], int n_block) {
+            const int n0 = n_block * kBlockN;
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                const int row = m0 + warp_m0 + g + 8 * hf;
+                const int row = m0 + row0 + g + 8 * hf;
                 const int col_end = T::kIsCausal ? min_(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
 #pragma unroll
                 for (int nt = 0; nt < kNT; ++nt)
@@ -137,63 +276,128 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdParam
                     for (int e = 0; e < 2; ++e)
                         if (n0 + nt * 8 + 2 * t + e >= col_end) s[nt][2 * hf + e] = -infinity();
             }
+        };
+        auto pack_p = [&](const float (&s)[kNT][4]) {
+#pragma unroll
+            for (int ks = 0; ks < kNT / 2; ++ks) {
+                pa[ks][0] = pack2<T::kIsBF16>(s[2 * ks][0], s[2 * ks][1]);
+                pa[ks][1] = pack2<T::kIsBF16>(s[2 * ks][2], s[2 * ks][3]);
+                pa[ks][2] = pack2<T::kIsBF16>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+                pa[ks][3] = pack2<T::kIsBF16>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+            }
+        };
+        auto needs_mask = [&](int n_block) {
+            return tile_needs_mask<T::kIsCausal, kBlockN>(m0, n_block * kBlockN, seqlen_q, seqlen_k);
+        };
+
+        KeyBlockWalk<T> walk(p, x.head, m0, x.n_block_max);
+        if (walk.n_block < 0) {
+            if (T::kSeparateO && lead_lane) mbar_arrive(empty_q);  // nothing to read: Q is free at once
+        } else {
+            if constexpr (T::kPingPong)
+                if (cw == 1) named_bar_arrive(T::kBarSchedule, 256);
+            // First block: S only (there is no P V product to overlap yet).
+            {
+                float s[kNT][4];
+                const int n_block = walk.n_block, stage = it % kStages;
+                mbar_wait(full_k(stage), (it / kStages) & 1);
+                schedule_wait();
+                wgmma_fence();
+                issue_s(s, stage);
+                const bool last = walk.next() < 0;
+                schedule_pass(last);
+                wgmma_wait<0>();
+                fence_operand(s);
+                if (lead_lane) {
+                    mbar_arrive(empty_k(stage));
+                    if (T::kSeparateO && last) mbar_arrive(empty_q);
+                }
+                if (needs_mask(n_block)) mask(s, n_block);
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) softmax_exp_row(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
+                if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
+                pack_p(s);
+                ++it;
+            }
+            // Later blocks: S of this block overlapped with P V of the previous one.
+            auto step = [&](auto mask_tag) {
+                constexpr bool kMask = decltype(mask_tag)::value;
+                const int n_block = walk.n_block;
+                const int stage = it % kStages, prev = (it - 1) % kStages;
+                float s[kNT][4];
+                mbar_wait(full_k(stage), (it / kStages) & 1);
+                mbar_wait(full_v(prev), ((it - 1) / kStages) & 1);  // copied before K[stage]: no wait in practice
+                schedule_wait();
+                wgmma_fence();
+                issue_s(s, stage);
+                issue_pv(prev);
+                const bool last = walk.next() < 0;
+                schedule_pass(last);
+                wgmma_wait<1>();  // S done; P V may still run
+                fence_operand(s);
+                if (lead_lane) {
+                    mbar_arrive(empty_k(stage));
+                    if (T::kSeparateO && last) mbar_arrive(empty_q);
+                }
+                if constexpr (kMask) mask(s, n_block);
+                float correction[2];
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf)
+                    correction[hf] = softmax_exp_row(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
+                if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
+                wgmma_wait<0>();  // P V done: O and the P registers are free
+                fence_operand(o);
+                if (lead_lane) mbar_arrive(empty_v(prev));
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) rescale_row(o, hf, correction[hf]);
+                pack_p(s);
+                ++it;
+            };
+            while (walk.n_block >= 0) {
+                if (needs_mask(walk.n_block)) step(BoolConstant<true>{});
+                else step(BoolConstant<false>{});
+            }
+            // The last block's P V.
+            const int last_stage = (it - 1) % kStages;
+            mbar_wait(full_v(last_stage), ((it - 1) / kStages) & 1);
+            fence_operand(o);
+            wgmma_fence();
+            issue_pv(last_stage);
+            wgmma_wait<0>();
+            fence_operand(o);
+            if (lead_lane) mbar_arrive(empty_v(last_stage));
         }
 
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();  // V[n] landed; every warpgroup is done with K[n]
-        if (T::kIsBlockSparse ? n_block_next >= 0 : n_block > 0) {
-            const int n0_next = T::kIsBlockSparse ? n_block_next * kBlockN : n0 - kBlockN;
-            load_tile_async<TileKV, T::kNThreads>(sK, k + n0_next * p.k_row_stride, p.k_row_stride,
-                                                  seqlen_k - n0_next, p.head_dim, tid);
-            cp_async_commit();
+        // Epilogue: out = O / l, lse = m * scale + ln(l); O staged through this warpgroup's rows of the O buffer.
+        float* lse = p.lse + x.batch * p.lse_batch_stride + x.head * p.lse_head_stride + x.q_start;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const float sum = finish_row<T::kIsDropout>(o, hf, row_sum[hf], p.rp_dropout);
+            const int row = m0 + row0 + g + 8 * hf;
+            if (t == 0 && row < seqlen_q) lse[row] = row_lse(sum, row_max[hf], p.softmax_scale);
         }
-
-        // Online softmax in base 2: p = exp2(s * scale_log2 - m * scale_log2).
+        named_bar_sync(T::kBarEpilogue + cw, 128);  // the warpgroup's reads of the previous tile's O are done
+        float(&o1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&o);
+        store_acc<T::kIsBF16, TileQ>(sO, o1, row0, 0, 1.f, lane);
+        named_bar_sync(T::kBarEpilogue + cw, 128);
+        u16* out = (u16*)p.out + x.batch * p.o_batch_stride + (i64)(x.q_start + m0 + cw * 64) * p.o_row_stride +
+                   x.head * p.o_head_stride;
+        const int rows_valid = seqlen_q - m0 - cw * 64;
+        constexpr int kChunksPerRow = T::kHeadDim / 8;
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) softmax_update_row(s, o, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
-        if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + warp_m0 + g, n0 + 2 * t);  // l keeps the un-dropped sum
-
-        // O += P V: P re-packed from the S accumulators (A fragments, 16 keys per step); V[16 ks .. +16][:] is the
-        // MN-major B operand of step ks.
-        u32 a[kNT / 2][4];
-#pragma unroll
-        for (int ks = 0; ks < kNT / 2; ++ks) {
-            a[ks][0] = pack2<T::kIsBF16>(s[2 * ks][0], s[2 * ks][1]);
-            a[ks][1] = pack2<T::kIsBF16>(s[2 * ks][2], s[2 * ks][3]);
-            a[ks][2] = pack2<T::kIsBF16>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-            a[ks][3] = pack2<T::kIsBF16>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+        for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
+            const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+            if (row < rows_valid && col < p.head_dim) {
+                u32 v[4];
+                ld_shared_v4(TileQ::addr(sO, cw * 64 + row, col), v);
+                st_global_v4(out + row * p.o_row_stride + col, v);
+            }
         }
-        fence_operand(o);
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kNT / 2; ++ks)
-            wgmma_rs<T::kHeadDim, T::kIsBF16>(o, a[ks], gmma_desc(sV + ks * 16 * 128, kBlockN * 128, 1024), 1);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operand(o);
-    };
-    auto needs_mask = [&](int n_block) {
-        return tile_needs_mask<T::kIsCausal, kBlockN>(m0, n_block * kBlockN, seqlen_q, seqlen_k);
-    };
-    // (dense: n_block_max - 1 spelled out -- through first_block ptxas spilled 16 B in the Hopper forward)
-    walk_key_blocks<T::kIsBlockSparse>(T::kIsBlockSparse ? first_block : n_block_max - 1, walk, needs_mask, step);
-
-    // Epilogue: out = O / l, lse = m * scale + ln(l); staged through Q's shared tile for 16-byte stores.
-    cp_async_wait<0>();
-    __syncthreads();  // every warpgroup is done reading Q
-    float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        const float sum = finish_row<T::kIsDropout>(o, hf, row_sum[hf], p.rp_dropout);
-        const int row = m0 + warp_m0 + g + 8 * hf;
-        if (t == 0 && row < seqlen_q) lse[row] = row_lse(sum, row_max[hf], p.softmax_scale);
+        if constexpr (!T::kSeparateO) {  // O was staged in Q: free it once the warp has read its O rows back
+            __syncwarp();
+            if (lead_lane) mbar_arrive(empty_q);
+        }
     }
-    float(&o1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&o);
-    store_acc<T::kIsBF16, TileQ>(sQ, o1, warp_m0, 0, 1.f, lane);
-    __syncthreads();
-    u16* out = (u16*)p.out + batch * p.o_batch_stride + (i64)(q_start + m0) * p.o_row_stride + head * p.o_head_stride;
-    store_tile<TileQ, T::kNThreads>(sQ, out, p.o_row_stride, seqlen_q - m0, p.head_dim, tid);
 }
 
 }  // namespace flashtrain

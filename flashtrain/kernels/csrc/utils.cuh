@@ -417,15 +417,21 @@ struct DropoutRng {
 };
 
 // ---------------------------------------------------------------------------------------------- shared by the kernels
+// Sequence `batch` of a packed (varlen) tensor of `total` rows: rows [start, start + len). Clamped to [0, total) and
+// to max_len rows: cu_seqlens is checked by an asynchronous device assert (interface.py) that may fire only after the
+// kernels ran, and the grid, the dropout mask's columns and the block-sparse lists are sized by max_len.
+__device__ __forceinline__ void packed_seq(const int* cu_seqlens, int batch, int max_len, int total, int& start,
+                                           int& len) {
+    start = min_(max_(cu_seqlens[batch], 0), total);
+    len = min_(min_(max_(cu_seqlens[batch + 1], start), total) - start, max_len);
+}
 // Where batch entry `batch` lives: varlen reads cu_seqlens, the batch form has start 0 and the fixed lengths.
 __device__ __forceinline__ void seq_bounds(const FwdParams& p, int batch, int& q_start, int& k_start, int& seqlen_q,
                                            int& seqlen_k) {
     q_start = 0, k_start = 0, seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
     if (p.cu_seqlens_q != nullptr) {
-        q_start = p.cu_seqlens_q[batch];
-        seqlen_q = p.cu_seqlens_q[batch + 1] - q_start;
-        k_start = p.cu_seqlens_k[batch];
-        seqlen_k = p.cu_seqlens_k[batch + 1] - k_start;
+        packed_seq(p.cu_seqlens_q, batch, p.seqlen_q, p.total_q, q_start, seqlen_q);
+        packed_seq(p.cu_seqlens_k, batch, p.seqlen_k, p.total_k, k_start, seqlen_k);
     }
 }
 // The tile of queries from m0 and kBlockN keys from n0 needs masking: it holds keys past the end or, causal (bottom-
@@ -437,10 +443,11 @@ __device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int seqlen_q, in
 
 // Forward, one row (half hf: row g or g + 8) of a thread's S fragment s[kNT][4] in the mma / wgmma accumulator layout:
 // online softmax in base 2. Updates the running max m and the thread's partial sum l, turns s into
-// p = exp2(s * scale_log2 - m * scale_log2) and rescales the row's O accumulators o[kDT][4].
-template <int kNT, int kDT>
-__device__ __forceinline__ void softmax_update_row(float (&s)[kNT][4], float (&o)[kDT][4], int hf, float& row_max,
-                                                   float& row_sum, float scale_log2) {
+// p = exp2(s * scale_log2 - m * scale_log2) and returns the factor the row's O accumulators must be rescaled by
+// (rescale_row; kept apart so that a kernel can rescale O only once an asynchronous P V product into it is done).
+template <int kNT>
+__device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, float& row_max, float& row_sum,
+                                                 float scale_log2) {
     float mx = row_max;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) mx = fmax_(mx, fmax_(s[nt][2 * hf], s[nt][2 * hf + 1]));
@@ -460,11 +467,19 @@ __device__ __forceinline__ void softmax_update_row(float (&s)[kNT][4], float (&o
             sum += x;
         }
     row_sum = row_sum * correction + sum;  // the max moved: rescale the running sum
+    return correction;
+}
+template <int kDT> __device__ __forceinline__ void rescale_row(float (&o)[kDT][4], int hf, float correction) {
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
         o[dt][2 * hf] *= correction;
         o[dt][2 * hf + 1] *= correction;
     }
+}
+template <int kNT, int kDT>
+__device__ __forceinline__ void softmax_update_row(float (&s)[kNT][4], float (&o)[kDT][4], int hf, float& row_max,
+                                                   float& row_sum, float scale_log2) {
+    rescale_row(o, hf, softmax_exp_row(s, hf, row_max, row_sum, scale_log2));
 }
 
 // Forward epilogue of one row (half hf): sums the quad's partial sums l, scales the row's O accumulators by 1 / l

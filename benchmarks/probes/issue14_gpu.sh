@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 14's GPU checks in one go (one GPU; about 10-15 minutes on an H200 with a cold kernel cache). Logs and
+# results land in $OUT (default /tmp/issue14); each step runs even when an earlier one fails, and the exit status
+# says whether any failed.
+#   bash benchmarks/probes/issue14_gpu.sh [OUT]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:-${OUT:-/tmp/issue14}}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export FLASHTRAIN_KERNEL_CACHE=${FLASHTRAIN_KERNEL_CACHE:-$OUT/kernel-cache}
+XDIST=$(python -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
+status=0
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember a failure
+  local name=$1; shift
+  echo "== $name: $*"
+  "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  tail -n 4 "$OUT/$name.log"; echo "== $name rc=$rc"
+  [ $rc -eq 0 ] || status=1
+}
+step doctor python -m flashtrain.kernels.doctor
+step sync_free python -m pytest -q -m cuda tests/test_sync_free_cuda.py
+step compile_modes python -m pytest -q -m cuda tests/test_compile_modes_cuda.py
+step cuda_tests python -m pytest -q -m cuda $XDIST tests/
+step cuda_tests_99kb env FLASHTRAIN_MAX_SMEM=99K FLASHTRAIN_SM90=0 python -m pytest -q -m cuda $XDIST tests/
+step host_overhead python benchmarks/host_overhead.py --out "$OUT/host_overhead.json"
+step compile_modes_tokens python benchmarks/train_gpt2.py --impls flashtrain flashtrain-compile \
+    flashtrain-reduce-overhead flashtrain-max-autotune --models small --seq-lens 1024 --out "$OUT/train_gpt2_modes.json"
+exit $status

@@ -1,0 +1,96 @@
+// Hopper (sm_90) asynchronous building blocks for warp-specialized kernels: mbarriers, TMA tensor copies, named
+// barriers and register reallocation. Inline PTX only (no CUDA headers), like utils.cuh.
+//
+// Roles (flash_fwd_sm90.cuh): one producer warp issues TMA copies global -> shared into a ring of stages; each copy
+// completes on the stage's "full" mbarrier (arrive.expect_tx announces the bytes, the copy engine counts them down).
+// Consumers wait on "full" with the stage's phase parity, use the stage, then arrive on its "empty" mbarrier; the
+// producer waits on "empty" before it reuses the stage. Phase parity of use u of a stage in a ring of S stages:
+// (u / S) & 1; the producer's first wait on an empty barrier passes at once (it waits for parity 1 of a fresh barrier).
+//
+// Tensor maps (TmaDesc, flash.h) are encoded on the host (flashtrain/kernels/tma.py) and passed inside the kernel's
+// __grid_constant__ parameter struct; a copy names the map by its generic address and the box by its coordinates,
+// innermost first. With 128-byte swizzle, a box of 64 16-bit columns x R rows lands in shared memory exactly as
+// SmemTile (utils.cuh) lays out one 64-column block (the XOR of 16-byte chunks with row % 8), given 1024-byte
+// alignment; rows or columns outside the tensor are zero-filled.
+#pragma once
+#include "utils.cuh"
+
+namespace flashtrain {
+
+// ---------------------------------------------------------------------------------------------- mbarriers
+__device__ __forceinline__ void mbar_init(u32 bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
+}
+// Make the initialised barriers visible to the async proxy (the copy engine) before anyone uses them.
+__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// One arrival that also announces `bytes` of transactions (the TMA copies that complete on this barrier).
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done != 0;
+}
+// Wait until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+}
+
+__device__ __forceinline__ int ld_shared_b32(u32 addr) {
+    int v;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ int atomic_fetch_add(int* ptr, int v) {
+    int old;
+    asm volatile("atom.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ void atomic_store(int* ptr, int v) {
+    asm volatile("atom.global.exch.b32 _, [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------- TMA
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* desc) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(desc) : "memory");
+}
+// Copy the box at (c0, c1, c2, c3) of a rank-4 tensor map into shared memory at dst; completes on mbarrier bar.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* desc, u32 bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}],"
+        " [%2];" ::"r"(dst), "l"(desc), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------- warpgroups
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32): sync waits, arrive
+// counts this warp in without waiting.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// Register reallocation between warpgroups (sm_90a): the producer gives registers back, the consumers take them.
+// Needs a register cap at kernel entry (__launch_bounds__(threads, 1)).
+template <int kRegs> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <int kRegs> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+// The warp's index as a value the compiler knows is uniform across the warp.
+__device__ __forceinline__ int warp_uniform(int x) {
+    int y;
+    asm volatile("shfl.sync.idx.b32 %0, %1, 0, 0x1f, 0xffffffff;" : "=r"(y) : "r"(x));
+    return y;
+}
+
+}  // namespace flashtrain

@@ -1,0 +1,83 @@
+"""TMA tensor maps (CUtensorMap) for the Hopper kernels, encoded on the host by the CUDA driver.
+
+A kernel's tile of q, k or v is a box of a rank-4 tensor map over (head_dim, rows, heads, batch) -- the packed
+(varlen) layout is (head_dim, total rows, heads, 1) -- with 64 16-bit columns (128 bytes, the 128-byte swizzle that
+csrc/utils.cuh SmemTile uses) by `box_rows` rows. Columns past head_dim and rows past the tensor are zero-filled
+by the copy engine.
+
+The encoder is the driver's cuTensorMapEncodeTiled, called through ctypes on the libcuda that torch has already
+loaded: the cuda-python wrapper of the same call costs several times more host time, and a forward encodes three
+maps. Encoded maps are cached by (address, shape, strides, dtype, box): a training step's activations come back at
+the same addresses from PyTorch's caching allocator, so most calls encode nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+_u32, _u64 = ctypes.c_uint32, ctypes.c_uint64
+
+
+class TmaDesc(ctypes.Structure):
+    """csrc/flash.h TmaDesc: 128 opaque bytes (64-byte aligned in the kernel's parameter struct)."""
+
+    _fields_ = [("opaque", _u64 * 16)]
+
+
+# cuda.h enums
+_DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+_INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO = 0, 3, 3, 0
+BOX_COLS = 64  # 16-bit columns per box: one 128-byte swizzled column block
+
+
+@functools.lru_cache(maxsize=None)
+def _encoder():
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    encode = libcuda.cuTensorMapEncodeTiled
+    encode.restype = ctypes.c_int
+    encode.argtypes = [ctypes.c_void_p, ctypes.c_int, _u32, ctypes.c_void_p, ctypes.POINTER(_u64),
+                       ctypes.POINTER(_u64), ctypes.POINTER(_u32), ctypes.POINTER(_u32), ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int]
+    return encode
+
+
+_CACHE: OrderedDict[tuple, TmaDesc] = OrderedDict()
+_CACHE_SIZE = 512
+
+
+def tensor_map(x: Tensor, varlen: bool, box_rows: int) -> TmaDesc:
+    """The tensor map of q/k/v-like x: (batch, rows, heads, head_dim), or varlen (total rows, heads, head_dim);
+    last dim contiguous, 16-byte aligned address and strides (ops._aligned guarantees both)."""
+    key = (x.data_ptr(), x.shape, x.stride(), x.dtype, varlen, box_rows)
+    desc = _CACHE.get(key)
+    if desc is not None:
+        _CACHE.move_to_end(key)
+        return desc
+    size = x.element_size()
+    if varlen:
+        total, heads, head_dim = x.shape
+        dims = (head_dim, total, heads, 1)
+        # the batch dimension has one entry; its stride only has to be valid (16-byte multiple, < 2^40)
+        strides = (x.stride(0) * size, x.stride(1) * size, max(16, x.stride(0) * size * max(total, 1)))
+    else:
+        batch, rows, heads, head_dim = x.shape
+        dims = (head_dim, rows, heads, batch)
+        strides = (x.stride(1) * size, x.stride(2) * size, x.stride(0) * size)
+    # A dimension of size 1 may carry any stride: give it a valid one. Other strides must be valid as they are.
+    strides = tuple(s if (s % 16 == 0 and 0 < s < 2**40) or dim > 1 else 16 for s, dim in zip(strides, dims[1:]))
+    desc = TmaDesc()
+    result = _encoder()(ctypes.byref(desc), _DTYPES[x.dtype], 4, ctypes.c_void_p(x.data_ptr()),
+                        (_u64 * 4)(*dims), (_u64 * 3)(*strides), (_u32 * 4)(BOX_COLS, box_rows, 1, 1),
+                        (_u32 * 4)(1, 1, 1, 1), _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO)
+    if result != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {result} for a tensor of shape "
+                           f"{tuple(x.shape)}, strides {x.stride()}, dtype {x.dtype}")
+    _CACHE[key] = desc
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return desc
