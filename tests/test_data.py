@@ -14,8 +14,10 @@ from omegaconf import OmegaConf
 from flashtrain.data import corpus as corpus_module
 from flashtrain.data import lm
 from flashtrain.data.corpus import open_corpus
-from flashtrain.data.lm import (LMDataConfig, PackedLMDataset, ResumableBatchSampler, make_train_loader,
-                                make_val_loader, prepare_lm_data, resolve_cache_dir, split_documents)
+from flashtrain.data.cache import resolve_cache_dir
+from flashtrain.data.lm import (LMDataConfig, PackedLMDataset, make_train_loader, make_val_loader, prepare_lm_data,
+                                split_documents)
+from flashtrain.data.samplers import ResumableBatchSampler
 from flashtrain.data.tokenizer import (EOS_TOKEN, decode, encode_ordinary, eos_id, load_tokenizer, save_tokenizer,
                                        train_bpe)
 

@@ -10,6 +10,7 @@ from transformers import GPT2Config as HFGPT2Config
 from transformers import GPT2LMHeadModel
 
 from flashtrain.models import GPT2, GPT2Config
+from flashtrain.models.hf_convert import from_pretrained_hf, gpt2_config_from_hf, load_hf_state_dict, to_hf_state_dict
 
 ATTN_IMPLS = ["sdpa", "reference", "flash"]  # "flash" on CPU dispatches to the reference
 TINY = dict(vocab_size=97, n_positions=64, n_embd=64, n_layer=2, n_head=4)
@@ -48,7 +49,7 @@ def random_ids(batch: int, seqlen: int, seed: int = 2) -> torch.Tensor:
 @pytest.mark.parametrize("attn_impl", ATTN_IMPLS)
 def test_logits_and_loss_match_hf(attn_impl, dtype):
     hf_model = tiny_hf_model(dtype)
-    model = GPT2.from_pretrained_hf(hf_model, attn_impl=attn_impl).eval()
+    model = from_pretrained_hf(GPT2, hf_model, attn_impl=attn_impl).eval()
     assert model.transformer.wte.weight.dtype == dtype
     input_ids = random_ids(3, 17)
     # Ours takes shifted targets: targets[:, t] = input_ids[:, t + 1]; the last position has none (-100).
@@ -70,7 +71,7 @@ def test_load_old_style_hf_checkpoint():
     for i in range(TINY["n_layer"]):
         old_style[f"h.{i}.attn.bias"] = torch.tril(torch.ones(64, 64)).view(1, 1, 64, 64)
         old_style[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
-    model = GPT2.from_hf_state_dict(old_style, GPT2Config.from_hf(hf_model.config, attn_impl="sdpa")).eval()
+    model = load_hf_state_dict(GPT2(gpt2_config_from_hf(hf_model.config, attn_impl="sdpa")), old_style).eval()
     input_ids = random_ids(2, 9)
     with torch.no_grad():
         diff = (model(input_ids)[0] - hf_model(input_ids).logits).abs().max().item()
@@ -80,7 +81,7 @@ def test_load_old_style_hf_checkpoint():
 def test_export_round_trip_loads_strictly_into_hf():
     model = tiny_model(torch.float64, attn_impl="sdpa").eval()
     hf_model = GPT2LMHeadModel(HFGPT2Config(**TINY, bos_token_id=0, eos_token_id=0)).double().eval()
-    hf_model.load_state_dict(model.to_hf_state_dict(), strict=True)
+    hf_model.load_state_dict(to_hf_state_dict(model), strict=True)
     input_ids = random_ids(2, 23)
     with torch.no_grad():
         diff = (model(input_ids)[0] - hf_model(input_ids).logits).abs().max().item()
@@ -196,4 +197,4 @@ def test_parameter_names_tying_count_and_init():
 def test_unsupported_hf_config_raises_naming_the_option(field, value):
     hf_config = HFGPT2Config(**TINY, bos_token_id=0, eos_token_id=0, **{field: value})
     with pytest.raises(ValueError, match=field):
-        GPT2Config.from_hf(hf_config)
+        gpt2_config_from_hf(hf_config)

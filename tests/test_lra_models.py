@@ -6,9 +6,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from flashtrain.models.lra import BlockSparseConfig, LRAClassifier, LRAConfig, local_global_block_mask
+from flashtrain.models.lra import BlockSparseConfig, LRAClassifier, LRAConfig, layout_block_mask
 from flashtrain.models.position import upsample_positions_2d
 from flashtrain.train.model_init import load_initial_weights
+
+
+def local_global(seqlen: int, local_blocks: int, global_blocks: int) -> torch.Tensor:
+    """The "local_global" layout: |i - j| <= local_blocks, or i < global_blocks, or j < global_blocks."""
+    return layout_block_mask(BlockSparseConfig("local_global", local_blocks, global_blocks), seqlen)
 
 
 def tiny(**change) -> LRAClassifier:
@@ -60,7 +65,7 @@ def test_unpadding_built_on_the_host_gives_the_same_logits(change):
 
 
 def test_block_mask_layout():
-    mask = local_global_block_mask(5 * 128 + 1, local_blocks=1, global_blocks=1)  # 6 blocks
+    mask = local_global(5 * 128 + 1, local_blocks=1, global_blocks=1)  # 6 blocks
     expected = torch.tensor([[1, 1, 1, 1, 1, 1],
                              [1, 1, 1, 0, 0, 0],
                              [1, 1, 1, 1, 0, 0],
@@ -68,7 +73,7 @@ def test_block_mask_layout():
                              [1, 0, 0, 1, 1, 1],
                              [1, 0, 0, 0, 1, 1]], dtype=torch.bool)
     assert torch.equal(mask, expected)
-    assert torch.equal(local_global_block_mask(128, 0, 0), torch.ones(1, 1, dtype=torch.bool))
+    assert torch.equal(local_global(128, 0, 0), torch.ones(1, 1, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("pad_id", [0, None])
@@ -81,14 +86,14 @@ def test_block_sparse_attention_is_masked_dense_attention(pad_id):
     tokens = torch.randint(1, 256, (2, 383), generator=torch.Generator().manual_seed(1))  # + CLS: 384 = 3 blocks
     if pad_id is not None:
         tokens[1, 300:] = 0
-    blocks = local_global_block_mask(384, 0, 1)  # (3, 3): block 0 global, blocks 1 and 2 see themselves
+    blocks = local_global(384, 0, 1)  # (3, 3): block 0 global, blocks 1 and 2 see themselves
     allowed = blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)  # (384, 384) tokens
 
     sdpa = F.scaled_dot_product_attention
 
-    def masked_sdpa(q, k, v, attn_mask=None, dropout_p=0.0):
+    def masked_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False):
         keys = allowed if attn_mask is None else allowed & attn_mask  # (L, L) & (B, 1, 1, L) padding
-        return sdpa(q, k, v, attn_mask=keys, dropout_p=dropout_p)
+        return sdpa(q, k, v, attn_mask=keys, dropout_p=dropout_p, is_causal=is_causal)
 
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
         patch.setattr("flashtrain.models.attention.F.scaled_dot_product_attention", masked_sdpa)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from flashtrain.data.task import check_model_fits
 from flashtrain.train import train
 from flashtrain.train.model_init import load_initial_weights
 from flashtrain.train.optim import lr_factor
-from flashtrain.train.task import ClassificationTask, evaluate_split
-from flashtrain.train.trainer import build_model
+from evaluation import evaluate_split
 from hydra_config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,9 +70,9 @@ def check_test_record(cfg, result, n_test):
     on_disk = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert on_disk[-1] == final
     assert (result.run_dir / "curves.png").stat().st_size > 10_000
-    model = build_model(cfg.model)
+    model = cfg.model.build()
     model.load_state_dict(load_file(result.checkpoint / "model.safetensors"))
-    test = evaluate_split(model, ClassificationTask(cfg.data), "test", batch_size=3)
+    test = evaluate_split(model, cfg.data.build(), "test", batch_size=3)
     assert test["samples"] == n_test
     assert test["accuracy"] == pytest.approx(final["test_accuracy"])
     assert test["loss"] == pytest.approx(final["test_loss"], rel=1e-5)
@@ -104,7 +104,7 @@ def test_tiny_lra_retrieval_run(tmp_path):
     single = compose_config(tiny("lra-retrieval", tmp_path, f"data.source={FIXTURES / 'retrieval'}",
                                  "data.max_length=64", "model.max_len=65", "model.dual=false"))
     with pytest.raises(ValueError, match="model.dual"):  # a single-tower model cannot read the pairs
-        ClassificationTask(single.data).check_model(single.model)
+        check_model_fits(single.model, single.data, single.data.build().spec)
 
 
 def test_tiny_lra_image_run(tmp_path):
@@ -139,9 +139,9 @@ def test_tiny_path64_then_pathx_and_path256(tmp_path):
                                   "trainer.eval_interval=1", "trainer.eval_batches=1", "trainer.save_interval=1",
                                   "data.n_val=1", "data.n_test=1", *extra))
         result = train(cfg, tmp_path / recipe)
-        start = build_model(cfg.model)
+        start = cfg.model.build()
         assert "32x32 -> 64x64 (2x2 blocks)" in load_initial_weights(start, cfg.model, str(runs), "repeat")
-        val = evaluate_split(start, ClassificationTask(cfg.data), "val", batch_size=1)
+        val = evaluate_split(start, cfg.data.build(), "val", batch_size=1)
         first = next(r for r in result.history if "val_loss" in r)
         assert first["step"] == 0 and first["val_loss"] == pytest.approx(val["loss"], rel=1e-5)
         check_test_record(cfg, result, n_test=1)

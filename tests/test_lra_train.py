@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashtrain.data.task import check_model_fits
 from flashtrain.models.lra import LRAClassifier, LRAConfig, sinusoidal_positions
 from flashtrain.train import train
 from flashtrain.train.optim import lr_factor
-from flashtrain.train.task import ClassificationTask, evaluate_split
-from flashtrain.train.trainer import build_model
+from evaluation import evaluate_split
 from hydra_config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,8 +161,8 @@ def test_tiny_listops_run(tmp_path):
 
     # the final checkpoint's weights, evaluated again in one process: the trainer's numbers, and the test split
     from safetensors.torch import load_file
-    task = ClassificationTask(cfg.data)
-    model = build_model(cfg.model)
+    task = cfg.data.build()
+    model = cfg.model.build()
     model.load_state_dict(load_file(result.checkpoint / "model.safetensors"))
     val = evaluate_split(model, task, "val", batch_size=7)
     assert val["samples"] == 50
@@ -174,15 +174,15 @@ def test_tiny_listops_run(tmp_path):
 
 def test_check_model_rejects_mismatch(tmp_path):
     cfg = compose_config(tiny_listops_overrides(tmp_path / "cache", "model.pooling=cls"))
-    task = ClassificationTask(cfg.data)
-    assert 10 < task.seq_len < 40 and task.tokens(next(iter(task.split_loader("val", 50)))) == sum(
+    task = cfg.data.build()
+    assert 10 < task.seq_len < 40 and task.tokens(next(iter(task.eval_loader("val", 50)))) == sum(
         len(tokens[tokens.ne(0)]) for tokens, _ in task.dataset("val"))
-    task.check_model(cfg.model)
+    check_model_fits(cfg.model, cfg.data, task.spec)
     for change, field in ((dict(max_len=task.seq_len), "max_len"),  # the CLS token needs one more position
                           (dict(num_classes=2), "num_classes"), (dict(vocab_size=12), "vocab_size"),
                           (dict(pad_id=None), "pad_id")):
         with pytest.raises(ValueError, match=field):
-            task.check_model(dataclasses.replace(cfg.model, **change))
+            check_model_fits(dataclasses.replace(cfg.model, **change), cfg.data, task.spec)
 
 
 def test_tiny_pathfinder32_run(tmp_path):
@@ -197,6 +197,6 @@ def test_tiny_pathfinder32_run(tmp_path):
     assert [r["step"] for r in evals] == [0, 4]
     assert evals[0]["val_loss"] == pytest.approx(math.log(2), abs=0.1)  # two classes, untrained
     assert [r["tokens"] for r in result.history if "train_loss" in r] == [8 * 1024 * s for s in (1, 2, 3, 4)]
-    task = ClassificationTask(cfg.data)
+    task = cfg.data.build()
     assert task.seq_len == 1024 and task.pad_id is None
     assert [int(label) for _, label in task.dataset("val")] == [0, 1] * 5  # balanced: even indices negative

@@ -6,6 +6,7 @@ import transformers
 
 from flashtrain.models import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel, GPT2,
                                GPT2Config, extend_position_embeddings)
+from flashtrain.models.hf_convert import to_hf_state_dict
 
 OLD_MAX, NEW_MAX = 24, 60  # tokens; 60 is not a multiple of 24, so the last tile is partial
 BERT_TINY = dict(vocab_size=50, hidden_size=24, num_hidden_layers=2, num_attention_heads=2, intermediate_size=40)
@@ -98,7 +99,7 @@ def test_roberta_extended_model_still_matches_hf_beyond_the_old_maximum():
     extend_position_embeddings(model, NEW_MAX, method="repeat")
     hf_model = transformers.RobertaModel(transformers.RobertaConfig(
         **BERT_TINY, max_position_embeddings=NEW_MAX + 2, pad_token_id=1, attn_implementation="eager")).eval()
-    hf_model.load_state_dict(model.to_hf_state_dict(), strict=True)
+    hf_model.load_state_dict(to_hf_state_dict(model), strict=True)
     input_ids = random_ids(NEW_MAX).clone()
     attention_mask = torch.ones_like(input_ids)
     input_ids[1, 40:], attention_mask[1, 40:] = 1, 0  # padded row

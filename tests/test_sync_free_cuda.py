@@ -5,8 +5,10 @@ caught by the device assert while the kernels stay inside q / k.
 
 Each step runs once outside torch.cuda.set_sync_debug_mode("error") (first use compiles kernels, initialises the
 optimizer state and allocator pools), then once inside it: any synchronising CUDA call (.item(), .tolist(), a blocking
-copy, torch.nonzero, boolean indexing) raises there. The loader-side work (the Unpadding of a padded batch) is built
-from the host batch, as a loader does, and moved with the batch.
+copy, torch.nonzero, boolean indexing) raises there. The loader-side work (the Unpadding of a padded batch) is done
+on the host batch by the data modules' collate functions (BERT: flashtrain.data.mlm.collate_with_unpadding,
+flashtrain.data.documents.pad_collate) and moved with the batch by the trainer's to_device; the model is called as
+the task's loss calls it.
 """
 
 import math
@@ -17,9 +19,13 @@ import textwrap
 import pytest
 import torch
 
-from flashtrain.models.bert import BertConfig, BertForMaskedLM, Unpadding
-from flashtrain.models.gpt2 import GPT2, GPT2Config
-from flashtrain.models.lra import BlockSparseConfig, LRAClassifier, LRAConfig
+from flashtrain.data.documents import pad_collate
+from flashtrain.data.mlm import collate_with_unpadding
+from flashtrain.models.bert import BertConfig
+from flashtrain.models.gpt2 import GPT2Config
+from flashtrain.models.lra import BlockSparseConfig, LRAConfig
+from flashtrain.models.padding import Unpadding
+from flashtrain.train.trainer import to_device
 
 pytestmark = pytest.mark.cuda
 
@@ -37,11 +43,29 @@ def _bert_step_inputs(model):
     is_masked = (torch.rand(4, 200, generator=generator) < 0.15) & attention_mask.bool()
     is_masked[:, 1] = True  # every row predicts something
     labels = torch.where(is_masked, input_ids, -100)
+    samples = [{"input_ids": i, "attention_mask": m, "labels": t} for i, m, t in zip(input_ids, attention_mask, labels)]
+    host_batch = collate_with_unpadding(samples)  # the masked-LM loader's batch: its Unpadding built on the host
+    assert isinstance(host_batch["unpadding"], Unpadding) and host_batch["unpadding"].masked_rows is not None
 
     def loss():
-        unpadding = Unpadding.of(attention_mask, labels).to("cuda")  # the loader's work, on the host
-        ids, mask, targets = (x.to("cuda", non_blocking=True) for x in (input_ids, attention_mask, labels))
-        return model(ids, mask, labels=targets, unpadding=unpadding)[1]
+        batch = to_device(host_batch, "cuda")  # as the trainer moves it
+        return model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
+                     unpadding=batch["unpadding"])[1]  # as MaskedLMTask.loss calls the model
+
+    return loss
+
+
+def _bert_classification_step_inputs(model):
+    generator = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(5, 1000, (n,), generator=generator), "labels": torch.tensor(n % 2)}
+               for n in (200, 131, 77, 5)]
+    host_batch = pad_collate(0)(samples)  # the document loader's batch, right-padded, its Unpadding built on the host
+    assert isinstance(host_batch["unpadding"], Unpadding)
+
+    def loss():
+        batch = to_device(host_batch, "cuda")
+        return model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
+                     unpadding=batch["unpadding"])[1]  # as DocumentClassificationTask.loss calls the model
 
     return loss
 
@@ -58,15 +82,14 @@ def _lra_step_inputs(model):
     return loss
 
 
-MODELS = {
-    "gpt2": (lambda: GPT2(GPT2Config(vocab_size=1000, n_positions=256, n_embd=128, n_layer=2, n_head=2,
-                                     attn_dropout=0.1)), _gpt2_step_inputs),
-    "bert": (lambda: BertForMaskedLM(BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2,
-                                                num_attention_heads=2, intermediate_size=256, head="masked_lm")),
-             _bert_step_inputs),
-    "lra": (lambda: LRAClassifier(LRAConfig(vocab_size=16, max_len=512, n_layer=2, n_head=2, d_model=128, d_ff=256,
-                                            block_sparse=BlockSparseConfig("local_global", 1, 1))),
-            _lra_step_inputs),
+BERT_SIZES = dict(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)
+MODELS = {  # each config builds its model, as the trainer builds it (cfg.model.build())
+    "gpt2": (GPT2Config(vocab_size=1000, n_positions=256, n_embd=128, n_layer=2, n_head=2, attn_dropout=0.1),
+             _gpt2_step_inputs),
+    "bert": (BertConfig(**BERT_SIZES, head="masked_lm"), _bert_step_inputs),
+    "bert_classification": (BertConfig(**BERT_SIZES, head="classification"), _bert_classification_step_inputs),
+    "lra": (LRAConfig(vocab_size=16, max_len=512, n_layer=2, n_head=2, d_model=128, d_ff=256,
+                      block_sparse=BlockSparseConfig("local_global", 1, 1)), _lra_step_inputs),
 }
 
 
@@ -77,8 +100,9 @@ def test_training_step_never_syncs(name):
     reason = ops.unavailable_reason(torch.device("cuda"), head_dim=64, dtype=torch.bfloat16, block_mask=name == "lra")
     assert reason is None, reason  # the step below runs our kernel, not the reference
     torch.manual_seed(0)
-    build, step_inputs = MODELS[name]
-    model = build().cuda().train()
+    config, step_inputs = MODELS[name]
+    assert config.attention_backend(torch.device("cuda"), torch.bfloat16) == "flash -> kernel"
+    model = config.build().cuda().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     loss_of_batch = step_inputs(model)
 

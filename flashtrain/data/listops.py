@@ -28,8 +28,9 @@ from typing import Optional
 
 import numpy as np
 
-from flashtrain.data.lm import DEFAULT_CACHE_DIR
+from flashtrain.data.cache import DEFAULT_CACHE_DIR
 from flashtrain.data.lra_cache import CachedSplits, build_cached, sample_seed
+from flashtrain.data.task import ClassificationTask
 
 PAD_TOKEN = "<pad>"
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
@@ -57,6 +58,10 @@ class ListOpsConfig:
     seed: int = 0  # the data set is a pure function of the fields above
     num_proc: int = 0  # generating processes (0: every CPU); does not change the data
     cache_dir: str = DEFAULT_CACHE_DIR  # left at the default, $FLASHTRAIN_CACHE_DIR wins
+
+    def build(self) -> ClassificationTask:
+        """Generate the splits (or find them in the cache); their classification task."""
+        return ClassificationTask(prepare_listops(self), VOCAB_SIZE, NUM_CLASSES, PAD_ID, self.seed)
 
     def __post_init__(self) -> None:
         for name in ("n_train", "n_val", "n_test", "num_proc", "seed"):

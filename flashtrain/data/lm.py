@@ -20,13 +20,11 @@ sees exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import math
 import os
-import shutil
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -34,17 +32,18 @@ from typing import Optional
 import numpy as np
 import torch
 from tokenizers import Tokenizer
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
 
-from flashtrain.data.cache import publish_dir
+from flashtrain.data.cache import DEFAULT_CACHE_DIR, resolve_cache_dir, write_token_files
 from flashtrain.data.corpus import Corpus, fingerprint, open_corpus
+from flashtrain.data.samplers import ResumableBatchSampler, ordered_batches
+from flashtrain.data.task import DataSpec, Task
 from flashtrain.data.tokenizer import (eos_id, encode_ordinary, load_tokenizer, save_tokenizer, tokenizer_fingerprint,
                                        train_bpe)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CACHE_DIR = "~/.cache/flashtrain"
-CACHE_ENV_VAR = "FLASHTRAIN_CACHE_DIR"
 # bump when the layout or content of the cached files changes: old caches are then ignored, never misread
 CACHE_FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -66,8 +65,16 @@ class LMDataConfig:
     num_proc: int = 2  # processes that tokenize the corpus
     cache_dir: str = DEFAULT_CACHE_DIR  # tokenizers and token files; left at the default, $FLASHTRAIN_CACHE_DIR wins
     num_workers: int = 0  # DataLoader worker processes (blocks are memmap slices: 0 is usually fast enough)
+    sample_tokens: int = 120  # length of the text generated at the end of a run (0: none)
+    sample_prompt: str = "def "  # prompt of that text
+
+    def build(self) -> "LMTask":
+        """Prepare the data (or find it in the cache) and return its task."""
+        return LMTask(self)
 
     def __post_init__(self) -> None:
+        if self.sample_tokens < 0:
+            raise ValueError(f"data.sample_tokens must be >= 0, got {self.sample_tokens}")
         if not self.corpus:
             raise ValueError("data.corpus must name a corpus, got an empty string")
         if self.max_bytes < 0:
@@ -98,13 +105,6 @@ class LMData:
     seed: int  # seeds the batch order (cfg.seed)
     n_train_tokens: int
     n_val_tokens: int
-
-
-def resolve_cache_dir(cache_dir: str) -> Path:
-    """`cache_dir`, except that the default gives way to $FLASHTRAIN_CACHE_DIR when that is set."""
-    if cache_dir == DEFAULT_CACHE_DIR and os.environ.get(CACHE_ENV_VAR):
-        cache_dir = os.environ[CACHE_ENV_VAR]
-    return Path(cache_dir).expanduser()
 
 
 def split_documents(n_documents: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -155,7 +155,7 @@ def prepare_lm_data(cfg: LMDataConfig) -> LMData:
     else:
         if documents is None:
             documents = corpus.documents()
-        write_token_files(corpus, documents, tokenizer, tokenizer_path, cfg, tokens_dir)
+        _tokenize_documents(corpus, documents, tokenizer, tokenizer_path, cfg, tokens_dir)
     meta = json.loads((tokens_dir / "meta.json").read_text())
     logger.info("%s: %d train / %d val tokens, vocab %d (%.1f s)", corpus.description, meta["n_tokens"]["train"],
                 meta["n_tokens"]["val"], meta["vocab_size"], time.perf_counter() - start)
@@ -173,11 +173,9 @@ def prepare_lm_data(cfg: LMDataConfig) -> LMData:
     )
 
 
-def write_token_files(corpus: Corpus, documents, tokenizer: Tokenizer, tokenizer_path: Path, cfg: LMDataConfig,
-                      tokens_dir: Path) -> None:
+def _tokenize_documents(corpus: Corpus, documents, tokenizer: Tokenizer, tokenizer_path: Path, cfg: LMDataConfig,
+                        tokens_dir: Path) -> None:
     """Tokenize `documents` (a Dataset with column "text") and publish train.bin, val.bin, meta.json in tokens_dir."""
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
     tokenized = documents.map(
         _tokenize_batch,
         batched=True,
@@ -187,50 +185,15 @@ def write_token_files(corpus: Corpus, documents, tokenizer: Tokenizer, tokenizer
         fn_kwargs={"tokenizer": tokenizer, "eos_id": eos_id(tokenizer)},
         desc="tokenizing",
     )
-    split_idx = dict(zip(SPLITS, split_documents(len(tokenized), cfg.val_fraction, cfg.seed)))
-
-    tmp_dir = tokens_dir.with_name(f".{tokens_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a crashed run of this same pid
-    tmp_dir.mkdir(parents=True)
-    n_tokens = {split: _write_flat(tokenized.select(idx), tmp_dir / f"{split}.bin", dtype)
-                for split, idx in split_idx.items()}
-    meta = {
-        "vocab_size": vocab_size,
-        "eos_id": eos_id(tokenizer),
-        "dtype": dtype.name,
-        "n_tokens": n_tokens,
-        "n_documents": {split: len(idx) for split, idx in split_idx.items()},
-        "tokenizer_path": str(tokenizer_path),
-        "corpus": corpus.spec,
-        "corpus_description": corpus.description,
-        "val_fraction": cfg.val_fraction,
-        "seed": cfg.seed,
-    }
-    (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    publish_dir(tmp_dir, tokens_dir)
+    split_indices = dict(zip(SPLITS, split_documents(len(tokenized), cfg.val_fraction, cfg.seed)))
+    write_token_files(tokenized, split_indices, tokenizer.get_vocab_size(with_added_tokens=True), tokens_dir, {
+        "eos_id": eos_id(tokenizer), "tokenizer_path": str(tokenizer_path), "corpus": corpus.spec,
+        "corpus_description": corpus.description, "val_fraction": cfg.val_fraction, "seed": cfg.seed})
 
 
 def _tokenize_batch(batch: dict, tokenizer: Tokenizer, eos_id: int) -> dict:
     ids = [np.array(doc + [eos_id], dtype=np.int32) for doc in encode_ordinary(tokenizer, batch["text"])]
     return {"ids": ids, "n_tokens": [len(doc) for doc in ids]}
-
-
-def _write_flat(tokenized, path: Path, dtype: np.dtype) -> int:
-    """Concatenate the "ids" lists of `tokenized`, in order, into a flat file of `dtype`; return the token count."""
-    n_tokens = int(np.sum(tokenized.with_format("numpy")["n_tokens"], dtype=np.int64))
-    if n_tokens == 0:  # np.memmap cannot map an empty file
-        path.write_bytes(b"")
-        return 0
-    tokens = np.memmap(path, dtype=dtype, mode="w+", shape=(n_tokens,))
-    pos = 0
-    for batch in tokenized.with_format("arrow").iter(batch_size=1024):
-        flat = batch["ids"].combine_chunks().flatten().to_numpy()  # (tokens in this batch,) int32
-        tokens[pos:pos + len(flat)] = flat
-        pos += len(flat)
-    assert pos == n_tokens, (pos, n_tokens)
-    tokens.flush()
-    del tokens
-    return n_tokens
 
 
 # ---- serving ---------------------------------------------------------------------------------------------------
@@ -274,52 +237,6 @@ class PackedLMDataset(Dataset):
         return {**self.__dict__, "_tokens": None}
 
 
-class ResumableBatchSampler(Sampler[list[int]]):
-    """Endless batches of sample indices for one rank, resumable at any batch without replaying the ones before.
-
-    Epoch e shuffles all samples with a torch.Generator seeded from (seed, e). Each step of an epoch takes the next
-    batch_size * world_size indices of that permutation, and rank r gets the r-th batch_size of them, so ranks are
-    disjoint; the remainder that does not fill a step is dropped (every rank sees full batches, the same number).
-    `start_batch` counts this rank's batches already consumed: the sampler jumps straight to epoch
-    start_batch // batches_per_epoch at that offset. Resuming with a different world_size gives a different order.
-    """
-
-    def __init__(self, num_samples: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                 start_batch: int = 0):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        if num_samples < batch_size * world_size:
-            raise ValueError(f"num_samples={num_samples} is fewer than batch_size * world_size = "
-                             f"{batch_size * world_size}: not one full step of data")
-        if start_batch < 0:
-            raise ValueError(f"start_batch must be >= 0, got {start_batch}")
-        self.num_samples = num_samples
-        self.batch_size = batch_size
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.start_batch = start_batch
-        self.batches_per_epoch = num_samples // (batch_size * world_size)
-
-    def epoch_permutation(self, epoch: int) -> torch.Tensor:
-        """(num_samples,) int64: the shuffled sample order of `epoch`, the same on every rank."""
-        # one 63-bit seed per (seed, epoch) pair: no two pairs share a stream, unlike seed + epoch
-        digest = hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()
-        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-        return torch.randperm(self.num_samples, generator=generator)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        epoch, first_step = divmod(self.start_batch, self.batches_per_epoch)
-        while True:
-            order = self.epoch_permutation(epoch)
-            for step in range(first_step, self.batches_per_epoch):
-                start = (step * self.world_size + self.rank) * self.batch_size
-                yield order[start:start + self.batch_size].tolist()
-            epoch, first_step = epoch + 1, 0
-
-
 def make_train_loader(data: LMData, batch_size: int, rank: int = 0, world_size: int = 1, start_batch: int = 0,
                       num_workers: int = 0) -> DataLoader:
     """Endless (x, y) batches of (batch_size, seq_len) int64 from the train split, for this rank, starting after
@@ -336,14 +253,8 @@ def make_val_loader(data: LMData, batch_size: int, max_batches: Optional[int] = 
     holds blocks [b * batch_size, (b + 1) * batch_size). The first `max_batches` batches (None: all) are dealt
     round-robin over ranks (rank r gets batches r, r + world_size, ...)."""
     dataset = PackedLMDataset(data.val_path, data.seq_len)
-    n_batches = len(dataset) // batch_size
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
-    if n_batches < world_size:
-        raise ValueError(f"the validation split has {len(dataset)} blocks of seq_len={data.seq_len} tokens: "
-                         f"{n_batches} full batches of batch_size={batch_size}, fewer than the {world_size} "
-                         f"processes; lower batch_size or seq_len, or raise val_fraction")
-    batches = [list(range(b * batch_size, (b + 1) * batch_size)) for b in range(rank, n_batches, world_size)]
+    batches = ordered_batches(len(dataset), batch_size, rank, world_size, max_batches, full_only=True,
+                              what=f"the validation split (blocks of seq_len={data.seq_len} tokens)")
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
                       pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
                       generator=_loader_generator(data.seed))
@@ -353,3 +264,52 @@ def _loader_generator(seed: int) -> torch.Generator:
     """A DataLoader draws its workers' base seed each time it is iterated, from the global torch RNG unless given
     a generator: that draw would shift dropout masks between a resumed run and an uninterrupted one."""
     return torch.Generator().manual_seed(seed)
+
+
+# ---- the task ----------------------------------------------------------------------------------------------------
+
+class LMTask(Task):
+    """Next-token prediction on packed blocks of a token file (GPT-style): batches (x, y) (B, seq_len) int64.
+    Metrics: val_loss (mean cross-entropy per token) and val_ppl."""
+
+    def __init__(self, cfg: LMDataConfig):
+        self.cfg = cfg
+        self.data = prepare_lm_data(cfg)
+        self.spec = DataSpec("causal_lm", self.data.vocab_size, self.data.seq_len, "data.seq_len")
+
+    def train_loader(self, batch_size, rank, world_size, start_batch):
+        return make_train_loader(self.data, batch_size, rank=rank, world_size=world_size, start_batch=start_batch,
+                                 num_workers=self.cfg.num_workers)
+
+    def eval_loader(self, split, batch_size, rank=0, world_size=1, max_batches=None):
+        if split != "val":
+            raise ValueError(f"split: language-model data has a val split only, got {split!r}")
+        return make_val_loader(self.data, batch_size, max_batches=max_batches, rank=rank, world_size=world_size)
+
+    def loss(self, model, batch) -> Tensor:
+        x, y = batch
+        return model(x, y)[1]
+
+    def eval_sums(self, model, batch) -> dict[str, Tensor]:
+        x, y = batch
+        return {"loss": model(x, y)[1].float() * y.numel(), "tokens": torch.tensor(float(y.numel()))}
+
+    def eval_metrics(self, sums):
+        val_loss = sums["loss"] / sums["tokens"]
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+    def tokens(self, batch) -> int:
+        return batch[0].numel()
+
+    @torch.no_grad()
+    def sample(self, model, device, seed) -> str:
+        """data.sample_tokens tokens generated after data.sample_prompt ("" when sample_tokens is 0)."""
+        if self.cfg.sample_tokens == 0:
+            return ""
+        model.eval()  # no dropout while sampling
+        ids = self.data.tokenizer.encode(self.cfg.sample_prompt).ids or [self.data.eos_id]
+        idx = torch.tensor([ids], dtype=torch.long, device=device)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        out = model.generate(idx, max_new_tokens=self.cfg.sample_tokens, temperature=0.8, top_k=50,
+                             generator=generator)
+        return self.data.tokenizer.decode(out[0].tolist())

@@ -42,9 +42,8 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from flashtrain.data.cache import publish_dir
+from flashtrain.data.cache import publish_dir, resolve_cache_dir
 from flashtrain.data.corpus import fingerprint
-from flashtrain.data.lm import resolve_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -39,8 +39,9 @@ import datasets
 import numpy as np
 
 from flashtrain.data.cache import publish_dir
+from flashtrain.data.task import ClassificationTask
 from flashtrain.data.corpus import fingerprint
-from flashtrain.data.lm import DEFAULT_CACHE_DIR, resolve_cache_dir
+from flashtrain.data.cache import DEFAULT_CACHE_DIR, resolve_cache_dir
 from flashtrain.data.lra_cache import SPLITS, CachedSplits, default_num_proc
 
 HUB_PREFIX = "hf:"
@@ -65,6 +66,10 @@ class LRATextConfig:
     cache_dir: str = DEFAULT_CACHE_DIR  # left at the default, $FLASHTRAIN_CACHE_DIR wins
     seed: int = 0  # the order of the training batches
 
+    def build(self) -> ClassificationTask:
+        """Byte tokens (byte + 1; 0 pads) of each review, cached; its classification task."""
+        return ClassificationTask(prepare_lra_text(self), BYTE_VOCAB_SIZE, self.num_classes, PAD_ID, self.seed)
+
     def __post_init__(self) -> None:
         _check_common("lra_text", self, self.max_length)
 
@@ -77,6 +82,11 @@ class LRARetrievalConfig:
     num_proc: int = 0
     cache_dir: str = DEFAULT_CACHE_DIR
     seed: int = 0
+
+    def build(self) -> ClassificationTask:
+        """Rows of two byte-token documents, each right-padded to half the row (model.dual splits it), cached."""
+        return ClassificationTask(prepare_lra_retrieval(self), BYTE_VOCAB_SIZE, self.num_classes, PAD_ID, self.seed,
+                                  paired=True)
 
     def __post_init__(self) -> None:
         _check_common("lra_retrieval", self, self.max_length)
@@ -92,6 +102,11 @@ class LRAImageConfig:
     num_proc: int = 0
     cache_dir: str = DEFAULT_CACHE_DIR
     seed: int = 0
+
+    def build(self) -> ClassificationTask:
+        """Grayscale pixel values (0..255, no padding) of each image, cached; its classification task."""
+        return ClassificationTask(prepare_lra_image(self), PIXEL_VOCAB_SIZE, self.num_classes, None, self.seed,
+                                  length_field="the image size")
 
     def __post_init__(self) -> None:
         _check_common("lra_image", self)

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,13 +25,17 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, default_collate
 
+from flashtrain.data.cache import DEFAULT_CACHE_DIR, resolve_cache_dir, write_token_files
 from flashtrain.data.corpus import fingerprint, open_corpus
-from flashtrain.data.documents import load_tokenizer, resolve_pretrained_path, tokenizer_fingerprint
-from flashtrain.data.cache import publish_dir
-from flashtrain.data.lm import (DEFAULT_CACHE_DIR, SPLITS, ResumableBatchSampler, _write_flat, resolve_cache_dir,
-                                split_documents)
+from flashtrain.data.lm import SPLITS, split_documents
+from flashtrain.data.samplers import NumberedBatches, ResumableBatchSampler, ordered_batches
+from flashtrain.data.task import DataSpec, Task
+from flashtrain.data.tokenizer import hf_tokenizer_fingerprint, load_hf_tokenizer
+from flashtrain.models.padding import Unpadding
+from flashtrain.pretrained import resolve_pretrained_path
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,10 @@ class MaskedLMDataConfig:
     num_proc: int = 2  # processes that tokenize the corpus
     cache_dir: str = DEFAULT_CACHE_DIR  # left at the default, $FLASHTRAIN_CACHE_DIR wins
     num_workers: int = 0  # DataLoader worker processes (masking is numpy on one sequence: 0 is usually enough)
+
+    def build(self) -> "MaskedLMTask":
+        """Prepare the data (or find it in the cache) and return its task."""
+        return MaskedLMTask(self)
 
     def __post_init__(self) -> None:
         if not self.corpus:
@@ -98,16 +104,16 @@ def prepare_mlm_data(cfg: MaskedLMDataConfig) -> MaskedLMData:
     """Tokenize cfg.corpus into train/val token files, or find them in the cache."""
     start = time.perf_counter()
     cache_dir = resolve_cache_dir(cfg.cache_dir)
-    tokenizer = load_tokenizer(cfg.tokenizer)
+    tokenizer = load_hf_tokenizer(cfg.tokenizer)
     if tokenizer.mask_token_id is None:
         raise ValueError(f"data.tokenizer={cfg.tokenizer!r} has no mask token")
     corpus = open_corpus(cfg.corpus, cfg.text_field, cfg.max_bytes, hf_cache_dir=cache_dir / "hf_datasets",
                          streaming=cfg.streaming)
     key = fingerprint({"version": CACHE_FORMAT_VERSION, "corpus": corpus.identity, "val_fraction": cfg.val_fraction,
-                       "seed": cfg.seed, "tokenizer": tokenizer_fingerprint(tokenizer)})
+                       "seed": cfg.seed, "tokenizer": hf_tokenizer_fingerprint(tokenizer)})
     tokens_dir = cache_dir / "mlm" / key[:16]
     if not (tokens_dir / "meta.json").is_file():
-        _write_token_files(corpus, tokenizer, cfg, tokens_dir)
+        _tokenize_documents(corpus, tokenizer, cfg, tokens_dir)
     meta = json.loads((tokens_dir / "meta.json").read_text())
     logger.info("%s: %d train / %d val tokens (%.1f s)", corpus.description, meta["n_tokens"]["train"],
                 meta["n_tokens"]["val"], time.perf_counter() - start)
@@ -132,29 +138,20 @@ _TOKENIZERS: dict = {}
 def _worker_tokenizer(spec: str):
     """One tokenizer per process (datasets' workers load their own instead of unpickling a large one per batch)."""
     if spec not in _TOKENIZERS:
-        _TOKENIZERS[spec] = load_tokenizer(spec)
+        _TOKENIZERS[spec] = load_hf_tokenizer(spec)
     return _TOKENIZERS[spec]
 
 
-def _write_token_files(corpus, tokenizer, cfg: MaskedLMDataConfig, tokens_dir: Path) -> None:
+def _tokenize_documents(corpus, tokenizer, cfg: MaskedLMDataConfig, tokens_dir: Path) -> None:
     documents = corpus.documents()
-    dtype = np.dtype(np.uint16 if len(tokenizer) <= 2**16 else np.uint32)
     tokenized = documents.map(
         _tokenize_batch, batched=True, batch_size=256, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
         remove_columns=documents.column_names, desc="tokenizing",
         fn_kwargs={"tokenizer_spec": resolve_pretrained_path(cfg.tokenizer), "sep_id": tokenizer.sep_token_id})
-    split_idx = dict(zip(SPLITS, split_documents(len(tokenized), cfg.val_fraction, cfg.seed)))
-    tmp_dir = tokens_dir.with_name(f".{tokens_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a crashed run of this same pid
-    tmp_dir.mkdir(parents=True)
-    n_tokens = {split: _write_flat(tokenized.select(idx), tmp_dir / f"{split}.bin", dtype)
-                for split, idx in split_idx.items()}
-    meta = {"vocab_size": len(tokenizer), "dtype": dtype.name, "n_tokens": n_tokens,
-            "n_documents": {split: len(idx) for split, idx in split_idx.items()}, "tokenizer": cfg.tokenizer,
-            "corpus": corpus.spec, "corpus_description": corpus.description, "val_fraction": cfg.val_fraction,
-            "seed": cfg.seed}
-    (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    publish_dir(tmp_dir, tokens_dir)
+    split_indices = dict(zip(SPLITS, split_documents(len(tokenized), cfg.val_fraction, cfg.seed)))
+    write_token_files(tokenized, split_indices, len(tokenizer), tokens_dir, {
+        "tokenizer": cfg.tokenizer, "corpus": corpus.spec, "corpus_description": corpus.description,
+        "val_fraction": cfg.val_fraction, "seed": cfg.seed})
 
 
 # ---- masking and serving -----------------------------------------------------------------------------------------
@@ -214,18 +211,12 @@ class MaskedLMDataset(Dataset):
         return {**self.__dict__, "_tokens": None}
 
 
-class NumberedBatches(Sampler[list[tuple[int, int]]]):
-    """Each batch of `batches` as [(batch_number, index), ...], numbered from `first_number` on."""
-
-    def __init__(self, batches, first_number: int = 0):
-        self.batches, self.first_number = batches, first_number
-
-    def __iter__(self):
-        for number, batch in enumerate(self.batches, start=self.first_number):
-            yield [(number, index) for index in batch]
-
-    def __len__(self) -> int:
-        return len(self.batches)
+def collate_with_unpadding(samples: list[dict]) -> dict:
+    """collate_fn: the stacked batch plus "unpadding", Unpadding.of(attention_mask, labels), built here on the host
+    so that a training step on the GPU needs no host sync to find the real and the masked tokens."""
+    batch = default_collate(samples)
+    batch["unpadding"] = Unpadding.of(batch["attention_mask"], batch["labels"])
+    return batch
 
 
 def make_mlm_train_loader(data: MaskedLMData, batch_size: int, rank: int = 0, world_size: int = 1,
@@ -234,7 +225,8 @@ def make_mlm_train_loader(data: MaskedLMData, batch_size: int, rank: int = 0, wo
     dataset = MaskedLMDataset(data, "train")
     sampler = ResumableBatchSampler(len(dataset), batch_size, data.seed, rank, world_size, start_batch)
     return DataLoader(dataset, batch_sampler=NumberedBatches(sampler, first_number=start_batch),
-                      num_workers=num_workers, pin_memory=torch.cuda.is_available())
+                      collate_fn=collate_with_unpadding, num_workers=num_workers,
+                      pin_memory=torch.cuda.is_available())
 
 
 def make_mlm_val_loader(data: MaskedLMData, batch_size: int, max_batches: Optional[int] = None, rank: int = 0,
@@ -242,11 +234,46 @@ def make_mlm_val_loader(data: MaskedLMData, batch_size: int, max_batches: Option
     """Validation batches of consecutive sequences, masked the same way every pass; the first max_batches full
     batches (None: all) dealt round-robin over ranks."""
     dataset = MaskedLMDataset(data, "val")
-    n_batches = len(dataset) // batch_size
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
-    if n_batches < world_size:
-        raise ValueError(f"the validation split has {len(dataset)} sequences of seq_len={data.seq_len}: "
-                         f"{n_batches} full batches of batch_size={batch_size}, fewer than the {world_size} processes")
-    batches = [[(b, i) for i in range(b * batch_size, (b + 1) * batch_size)] for b in range(rank, n_batches, world_size)]
-    return DataLoader(dataset, batch_sampler=batches, pin_memory=torch.cuda.is_available())
+    batches = ordered_batches(len(dataset), batch_size, rank, world_size, max_batches, full_only=True,
+                              what=f"the validation split (sequences of seq_len={data.seq_len})")
+    # batch b is numbered b whichever rank reads it: its masks are the same for any number of processes
+    numbered = [[(number, i) for i in batch] for number, batch in zip(range(rank, len(dataset), world_size), batches)]
+    return DataLoader(dataset, batch_sampler=numbered, collate_fn=collate_with_unpadding,
+                      pin_memory=torch.cuda.is_available())
+
+
+# ---- the task ----------------------------------------------------------------------------------------------------
+
+class MaskedLMTask(Task):
+    """BERT masked-LM pretraining: batches {"input_ids", "attention_mask", "labels"} (B, T), dynamically masked,
+    labels -100 where nothing is predicted, and their "unpadding" (built by the loader). Metrics: val_loss (mean cross-entropy over the predicted tokens) and
+    val_mlm_accuracy (share of predicted tokens whose argmax is the original)."""
+
+    def __init__(self, cfg: MaskedLMDataConfig):
+        self.data = prepare_mlm_data(cfg)
+        self.num_workers = cfg.num_workers
+        self.spec = DataSpec("masked_lm", self.data.vocab_size, self.data.seq_len, "data.seq_len", self.data.pad_id)
+
+    def train_loader(self, batch_size, rank, world_size, start_batch):
+        return make_mlm_train_loader(self.data, batch_size, rank, world_size, start_batch, self.num_workers)
+
+    def eval_loader(self, split, batch_size, rank=0, world_size=1, max_batches=None):
+        if split != "val":
+            raise ValueError(f"split: masked-LM data has a val split only, got {split!r}")
+        return make_mlm_val_loader(self.data, batch_size, max_batches, rank, world_size)
+
+    def loss(self, model, batch) -> Tensor:
+        return model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
+                     unpadding=batch["unpadding"])[1]
+
+    def eval_sums(self, model, batch) -> dict[str, Tensor]:
+        logits, loss = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
+        targets = batch["labels"][batch["labels"] != -100]  # (n_masked,): the order of the logits' rows
+        return {"loss": loss.float() * targets.numel(), "correct": (logits.argmax(-1) == targets).sum().float(),
+                "masked": torch.tensor(float(targets.numel()))}
+
+    def eval_metrics(self, sums):
+        return {"val_loss": sums["loss"] / sums["masked"], "val_mlm_accuracy": sums["correct"] / sums["masked"]}
+
+    def tokens(self, batch) -> int:
+        return int(batch["attention_mask"].sum())

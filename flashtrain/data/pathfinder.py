@@ -50,8 +50,9 @@ from typing import Optional
 
 import numpy as np
 
-from flashtrain.data.lm import DEFAULT_CACHE_DIR
+from flashtrain.data.cache import DEFAULT_CACHE_DIR
 from flashtrain.data.lra_cache import CachedSplits, build_cached, sample_seed
+from flashtrain.data.task import ClassificationTask
 
 MAX_TURN = math.radians(45)  # largest change of direction between consecutive dashes of a curve
 CURVE_LENGTHS = (6, 9, 14)  # dashes per curve: easy, intermediate, hard
@@ -102,6 +103,10 @@ class PathfinderConfig:
     seed: int = 0  # the data set is a pure function of the fields above
     num_proc: int = 0  # generating processes (0: every CPU); does not change the data
     cache_dir: str = DEFAULT_CACHE_DIR  # left at the default, $FLASHTRAIN_CACHE_DIR wins
+
+    def build(self) -> ClassificationTask:
+        """Generate the splits (or find them in the cache): pixel values 0..255, no padding, connected or not."""
+        return ClassificationTask(prepare_pathfinder(self), 256, 2, None, self.seed, length_field="data.resolution")
 
     def __post_init__(self) -> None:
         if self.resolution not in GEOMETRY:

@@ -1,4 +1,9 @@
-"""Byte-level BPE tokenizers (GPT-2's scheme): trained here with `tokenizers`, or loaded from files.
+"""Tokenizers. Two kinds, each loaded here:
+
+- `load_tokenizer`: a byte-level BPE (GPT-2's scheme, a `tokenizers.Tokenizer`), trained here or loaded from files;
+  the language-model data uses it.
+- `load_hf_tokenizer`: a Hugging Face fast tokenizer of a pretrained checkpoint (BERT's WordPiece, RoBERTa's BPE),
+  with [CLS]/[SEP]/[PAD]; masked-LM and document data use it.
 
 Byte-level means every string maps to tokens and back exactly: text is first mapped byte-by-byte onto 256
 printable characters, so there is no unknown token and no normalisation. Documents are separated by the special
@@ -14,10 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from flashtrain.pretrained import resolve_pretrained_path
 
 EOS_TOKEN = "<|endoftext|>"
 N_BYTES = 256  # the byte alphabet every byte-level BPE starts from
@@ -128,3 +136,26 @@ def decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     """sha256 hex of the tokenizer's full serialisation (vocab, merges, pre-tokenizer, special tokens)."""
     return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
+# ---- Hugging Face fast tokenizers of pretrained checkpoints --------------------------------------------------------
+
+def load_hf_tokenizer(spec: str):
+    """A transformers fast tokenizer from a checkpoint directory, a Hub name or pkg:MODULE/SUBDIR, with cls, sep and
+    pad tokens."""
+    from transformers import AutoTokenizer  # imported here: only the BERT/RoBERTa data need transformers
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained_path(spec), use_fast=True)
+    if not tokenizer.is_fast:
+        raise ValueError(f"tokenizer {spec!r} has no fast (Rust) version")
+    for name, token_id in (("cls", tokenizer.cls_token_id), ("sep", tokenizer.sep_token_id),
+                           ("pad", tokenizer.pad_token_id)):
+        if token_id is None:
+            raise ValueError(f"tokenizer {spec!r} has no {name}")
+    tokenizer.model_max_length = sys.maxsize  # we cut documents ourselves; silences the "longer than" warning
+    return tokenizer
+
+
+def hf_tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 hex of a transformers fast tokenizer's full serialisation."""
+    return tokenizer_fingerprint(tokenizer.backend_tokenizer)

@@ -86,11 +86,6 @@ FWD_TILES = {
     192: FwdTiles(128, 64, 8),
     256: FwdTiles(128, 64, 8),
 }
-# Dense non-causal forward without dropout, where other tiles measured faster (block_m must equal FWD_TILES': the grid
-# is sized from FWD_TILES).
-# Empty: hd64 128x128 measured +4% at S=512 (H200, benchmarks/probes/ab_probe.py), but the block-sparse kernels must
-# use the dense kernels' tiles (tests: density 1 == dense bitwise). docs/kernels.md has the numbers.
-FWD_TILES_NONCAUSAL: dict[int, FwdTiles] = {}
 # Hopper (sm_90a) forward, warp-specialized (csrc/flash_fwd_sm90.cuh): a producer warpgroup issuing TMA copies into a
 # ring of `stages` K/V buffers, block_m / 64 consumer warpgroups (two: ping-pong scheduled). Dense or block-sparse,
 # dropout too, these head dims (a head_dim that rounds up to one of them). FLASHTRAIN_SM90=0 in the environment turns
@@ -289,16 +284,13 @@ def _suffix(causal: bool, dropout: bool, block_sparse: bool) -> str:
 
 def fwd_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool = False,
               smem_limit: int | None = None) -> FwdTiles:
-    """The forward's tiles: FWD_TILES, or FWD_TILES_NONCAUSAL for dense non-causal kernels without dropout; below
-    their shared memory, FWD_TILES_SMALL_SMEM (smem_limit: bytes per block, None: no limit)."""
+    """The forward's tiles: FWD_TILES[head_dim] for every kernel variant (the block-sparse kernels must use the dense
+    ones' tiles: density 1 equals dense bitwise); below their shared memory, FWD_TILES_SMALL_SMEM (smem_limit: bytes
+    per block, None: no limit)."""
     tiles = FWD_TILES[head_dim]
     if smem_limit is not None and tiles.smem_bytes(head_dim) > smem_limit:
         return _fitting((FWD_TILES_SMALL_SMEM.get(head_dim),), head_dim, smem_limit) or _no_tiles(
             "forward", head_dim, smem_limit)
-    if not (causal or dropout or block_sparse) and head_dim in FWD_TILES_NONCAUSAL:
-        if FWD_TILES_NONCAUSAL[head_dim].block_m != tiles.block_m:
-            raise AssertionError(f"FWD_TILES_NONCAUSAL[{head_dim}].block_m must be FWD_TILES' {tiles.block_m}")
-        return FWD_TILES_NONCAUSAL[head_dim]
     return tiles
 
 

@@ -164,12 +164,7 @@ def _cuda_ops_or_reason(q: Tensor, block_mask: Tensor | None, dropout_mask: Tens
         return None, f"the tensors are on {q.device}; the CUDA kernel needs CUDA tensors"
     if dropout_mask is not None:
         return None, "an explicit dropout_mask is supported by impl='reference' only"
-    try:
-        from flashtrain.kernels import ops
-    except ModuleNotFoundError as error:
-        if error.name != "flashtrain.kernels.ops":
-            raise
-        return None, "the CUDA kernels are not part of this build yet"
+    from flashtrain.kernels import ops  # imported here: CPU-only calls never load the kernel side
     reason = ops.unavailable_reason(q.device, head_dim=q.shape[-1], dtype=q.dtype, block_mask=block_mask is not None)
     return (None, reason) if reason is not None else (ops, None)
 

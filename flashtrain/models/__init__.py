@@ -1,3 +1,6 @@
+"""Models, single-device: GPT-2, BERT/RoBERTa, the LRA classifier. Each config builds its model (`config.build()`),
+says which attention backend runs it (`attention_backend`) and checks the data it is given (`check_data`)."""
+
 from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from flashtrain.models.gpt2 import GPT2, GPT2Config
 from flashtrain.models.lra import LRAClassifier, LRAConfig

@@ -1,18 +1,117 @@
-"""Bidirectional multi-head self-attention shared by the encoders (BERT/RoBERTa, LRA), on flashtrain's attention API."""
+"""The one attention entry of every model. A model config's `attn_impl` names the backend; the names live here only.
 
+    flash      flashtrain's FlashAttention: the CUDA kernel on CUDA tensors, the plain-PyTorch reference of the same
+               algorithm on CPU tensors. On CUDA a call the kernel cannot run raises with the reason (never a silent
+               fallback); `check_backend` finds that at start-up, before any data is prepared.
+    sdpa       PyTorch's scaled_dot_product_attention, on padded inputs with a key-padding mask
+    reference  flashtrain's plain-PyTorch reference (flashtrain.kernels.reference), on any device
+    auto       the CUDA kernel where it runs the model's calls, else sdpa; never the reference
+
+Inputs are packed (padding removed: (total, H, D) with cu_seqlens, flash_attn_varlen_func) or padded ((B, T, H, D),
+with an optional key-padding mask); `runs_packed` decides which, once per forward, for every model.
+"""
+
+from __future__ import annotations
+
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
 from flashtrain.kernels import flash_attn_func, flash_attn_varlen_func
+from flashtrain.kernels.reference import BLOCK_SPARSE_SIZE
+
+ATTN_IMPLS = ("flash", "sdpa", "reference", "auto")
+# what runs a call: our CUDA kernel, our reference, or PyTorch's SDPA
+KERNEL, REFERENCE, SDPA = "kernel", "reference", "sdpa"
+
+
+def check_attn_impl(attn_impl: str) -> None:
+    """For model configs' __post_init__: a ValueError naming the field unless attn_impl is one of ATTN_IMPLS."""
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+
+
+def kernel_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, block_mask: bool) -> str | None:
+    """None when flashtrain's CUDA kernel runs attention on `device` in `dtype`, else a sentence saying why not."""
+    if device.type != "cuda":
+        return f"the tensors are on {device.type}; the CUDA kernel needs CUDA tensors"
+    from flashtrain.kernels import ops  # the kernel's Python side; only CUDA tensors need it
+
+    return ops.unavailable_reason(device, head_dim=head_dim, dtype=dtype, block_mask=block_mask)
+
+
+def backend(attn_impl: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+            block_mask: bool = False) -> tuple[str, str | None]:
+    """(KERNEL | REFERENCE | SDPA, why the kernel does not run or None) for calls on `device` in `dtype`.
+    attn_impl flash on a CUDA device where the kernel cannot run raises RuntimeError with the reason."""
+    if attn_impl == "sdpa":
+        return SDPA, None
+    if attn_impl == "reference":
+        return REFERENCE, None
+    reason = kernel_unavailable_reason(device, dtype, head_dim, block_mask)
+    if reason is None:
+        return KERNEL, None
+    if attn_impl == "flash":
+        if device.type == "cuda":
+            raise RuntimeError(f"attn_impl=flash cannot run flashtrain's CUDA kernel: {reason}. Use attn_impl=auto "
+                               f"(PyTorch SDPA where the kernel cannot run) or sdpa")
+        return REFERENCE, None  # CPU tensors: the reference is flash's CPU path
+    return SDPA, reason
+
+
+def check_backend(attn_impl: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                  block_mask: bool = False) -> str:
+    """Start-up check of a model's attention calls: raises when attn_impl=flash cannot run them on `device`; returns
+    the run header's words for what runs them, e.g. "auto -> sdpa (the tensors are on cpu; ...)"."""
+    chosen, reason = backend(attn_impl, torch.device(device), dtype, head_dim, block_mask)
+    return f"{attn_impl} -> {chosen}" + (f" ({reason})" if attn_impl == "auto" and reason else "")
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype that attention inputs computed from `x` will have: the autocast dtype where autocast is on."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def runs_packed(attn_impl: str, x: Tensor, head_dim: int, block_mask: bool = False) -> bool:
+    """Whether a model with padded inputs packs them (removes the padding) before attention: every backend but sdpa.
+    x: the model's activations (their device and, under autocast, the compute dtype decide "auto")."""
+    return backend(attn_impl, x.device, compute_dtype(x), head_dim, block_mask)[0] != SDPA
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, attn_impl: str, *, causal: bool = False, dropout_p: float = 0.0,
+              cu_seqlens: Tensor | None = None, max_seqlen: int | None = None, key_padding_mask: Tensor | None = None,
+              block_mask: Tensor | None = None) -> Tensor:
+    """Self-attention of packed q, k, v (total, H, D) with cu_seqlens (B + 1,) int32 and max_seqlen, or of padded
+    ones (B, T, H, D) with key_padding_mask (B, T) bool (True at real tokens; sdpa only) or None. block_mask: None or
+    bool (ceil(T / 128),) * 2 (flashtrain.kernels.block_sparse layouts). -> the output in q's layout."""
+    chosen, _ = backend(attn_impl, q.device, q.dtype, q.shape[-1], block_mask is not None)
+    if chosen != SDPA:
+        impl = "cuda" if chosen == KERNEL else "reference"
+        if key_padding_mask is not None:
+            raise ValueError(f"key_padding_mask: attn_impl {attn_impl} runs packed inputs; pass cu_seqlens instead")
+        if cu_seqlens is not None:
+            return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                          causal=causal, block_mask=block_mask, impl=impl)
+        return flash_attn_func(q, k, v, dropout_p, causal=causal, block_mask=block_mask, impl=impl)
+    if cu_seqlens is not None:
+        raise ValueError(f"cu_seqlens: attn_impl {attn_impl} runs PyTorch SDPA here, on padded inputs; "
+                         f"check runs_packed before packing")
+    mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]  # (B, 1, 1, T): keys
+    if block_mask is not None:  # one bit per 128 x 128 block -> one per (query, key)
+        T = q.shape[1]
+        dense = block_mask.repeat_interleave(BLOCK_SPARSE_SIZE, -2).repeat_interleave(BLOCK_SPARSE_SIZE, -1)
+        mask = dense[..., :T, :T] if mask is None else mask & dense[..., :T, :T]
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                       dropout_p=dropout_p, is_causal=causal)  # (B, H, T, D)
+    return y.transpose(1, 2)  # (B, T, H, D)
 
 
 class BidirectionalSelfAttention(nn.Module):
-    """Non-causal attention with a fused q|k|v projection (`qkv`) and an output projection (`out`).
-
-    attn_impl "flash" (flashtrain's kernel / reference, impl="auto") | "reference" | "sdpa" (PyTorch's
-    scaled_dot_product_attention, the padded baseline).
-    """
+    """Non-causal attention of the encoders (BERT/RoBERTa, LRA): a fused q|k|v projection (`qkv`) and an output
+    projection (`out`)."""
 
     def __init__(self, d_model: int, n_head: int, attn_impl: str, attn_dropout: float):
         super().__init__()
@@ -25,20 +124,10 @@ class BidirectionalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, cu_seqlens: Tensor | None, max_seqlen: int, key_padding_mask: Tensor | None,
                 block_mask: Tensor | None = None) -> Tensor:
-        """Packed x (total, C) with cu_seqlens (B + 1,) int32 (padding removed), or padded x (B, T, C) with
-        cu_seqlens None and key_padding_mask (B, 1, 1, T) bool (True at real tokens; sdpa only) or None (no padding).
-        block_mask: None (dense) or the attention API's bool (ceil(max_seqlen / 128),) * 2 (not with sdpa)."""
-        dropout_p = self.attn_dropout if self.training else 0.0
-        impl = "auto" if self.attn_impl == "flash" else "reference"
+        """Packed x (total, C) with cu_seqlens (B + 1,), or padded x (B, T, C) with cu_seqlens None and
+        key_padding_mask (B, T) or None, as `attention` takes them."""
         q, k, v = self.qkv(x).unflatten(-1, (3, self.n_head, self.head_dim)).unbind(dim=-3)  # each (..., H, D)
-        if cu_seqlens is not None:
-            y = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-                                       block_mask=block_mask, impl=impl)
-        elif self.attn_impl == "sdpa":
-            if block_mask is not None:
-                raise ValueError("block_mask: attn_impl sdpa takes no block mask; use flash or reference")
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=key_padding_mask, dropout_p=dropout_p).transpose(1, 2)
-        else:
-            y = flash_attn_func(q, k, v, dropout_p, block_mask=block_mask, impl=impl)  # (B, T, H, D)
+        y = attention(q, k, v, self.attn_impl, dropout_p=self.attn_dropout if self.training else 0.0,
+                      cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, key_padding_mask=key_padding_mask,
+                      block_mask=block_mask)
         return self.out(y.flatten(-2, -1))  # (..., C)

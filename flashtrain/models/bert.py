@@ -9,34 +9,31 @@ Padding is removed, not masked. From attention_mask (B, T) the model takes the f
 cu_seqlens (B + 1,) int32, runs every layer on the packed (total_tokens, hidden) tensor and attends through
 flash_attn_varlen_func, so no work is spent on pad tokens; outputs are put back into (B, T, ...) only where they are
 needed (the masked-LM head runs on the masked tokens only, classification reads the first token of each row).
-Finding the real tokens of a CUDA mask costs one host sync (their number sizes the packed tensor); an `Unpadding`
-built from the host batch (Unpadding.of on CPU tensors, then .to(device)) and passed in costs none.
-attn_impl="sdpa" is the padded baseline: PyTorch's scaled_dot_product_attention on (B, T) with a key-padding mask.
+Where attention runs PyTorch's SDPA (attn_impl sdpa, or auto without the kernel) the layers run padded, on (B, T) with
+a key-padding mask (flashtrain.models.attention.runs_packed decides). Finding the real tokens of a CUDA mask costs one
+host sync; an `Unpadding` (flashtrain.models.padding) built from the host batch and passed in costs none.
 
-Parameter names are our own (a fused q|k|v projection: one GEMM instead of three); load_hf_state_dict and
-to_hf_state_dict convert from and to the HF names, and the heads keep HF's layout (BERT's pooler + classifier,
+Parameter names are our own (a fused q|k|v projection: one GEMM instead of three); flashtrain.models.hf_convert
+converts from and to the HF names, and the heads keep HF's layout (BERT's pooler + classifier,
 RoBERTa's classification head on <s>, the MLM decoder tied to the word embeddings).
 """
 
-import re
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashtrain.models.attention import BidirectionalSelfAttention
+from flashtrain.models.attention import BidirectionalSelfAttention, check_attn_impl, check_backend, runs_packed
+from flashtrain.models.padding import Unpadding, check_values, pad_packed
 
 FLAVORS = ("bert", "roberta")
-ATTN_IMPLS = ("flash", "sdpa", "reference")
 PROBLEM_TYPES = ("single_label", "multi_label")
 HEADS = ("masked_lm", "classification")
-_HF_PROBLEM_TYPES = {None: "single_label", "single_label_classification": "single_label",
-                     "multi_label_classification": "multi_label"}
-# Non-persistent buffers that old HF checkpoints still carry (e.g. MiniLM, saved by transformers 4.8).
-_HF_LEGACY_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
+# the data each head trains on (flashtrain.data.spec.DataSpec.task)
+HEAD_TASKS = {"masked_lm": "masked_lm", "classification": "document_classification"}
 
 
 @dataclass
@@ -56,7 +53,7 @@ class BertConfig:
     classifier_dropout: Optional[float] = None  # dropout in the classification head; None: hidden_dropout_prob
     num_labels: int = 2  # classes (single_label) or independent labels (multi_label)
     problem_type: str = "single_label"  # "single_label" (softmax cross-entropy) | "multi_label" (BCE with logits)
-    attn_impl: str = "flash"  # "flash" (flashtrain kernel, "auto" dispatch) | "sdpa" (PyTorch, padded) | "reference"
+    attn_impl: str = "flash"  # flash | sdpa | reference | auto (flashtrain.models.attention); sdpa runs padded
     head: str = "classification"  # what the trainer builds: "masked_lm" (BertForMaskedLM) | "classification"
     # Longest input in tokens, specials included; when set it decides the table: max_position_embeddings becomes
     # max_length + position_offset (RoBERTa: + 2). None: max_position_embeddings as given.
@@ -67,8 +64,8 @@ class BertConfig:
             if self.max_length < 1:
                 raise ValueError(f"max_length must be >= 1 (or None), got {self.max_length}")
             self.max_position_embeddings = self.max_length + self.position_offset
-        for name, value, allowed in (("flavor", self.flavor, FLAVORS), ("attn_impl", self.attn_impl, ATTN_IMPLS),
-                                     ("problem_type", self.problem_type, PROBLEM_TYPES), ("head", self.head, HEADS)):
+        check_attn_impl(self.attn_impl)
+        for name, value, allowed in (("flavor", self.flavor, FLAVORS), ("problem_type", self.problem_type, PROBLEM_TYPES), ("head", self.head, HEADS)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         sizes = dict(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
@@ -106,83 +103,29 @@ class BertConfig:
         """Longest input in tokens, padding included."""
         return self.max_position_embeddings - self.position_offset
 
-    @classmethod
-    def from_hf(cls, hf_config, attn_impl: str = "flash") -> "BertConfig":
-        """Build from a transformers BertConfig or RobertaConfig; raises ValueError for options this model lacks."""
-        if hf_config.model_type not in FLAVORS:
-            raise ValueError(f"hf_config.model_type must be one of {FLAVORS}, got {hf_config.model_type!r}")
-        if hf_config.hidden_act != "gelu":
-            raise ValueError(f"hf_config.hidden_act must be 'gelu', got {hf_config.hidden_act!r}")
-        if hf_config.is_decoder or hf_config.add_cross_attention:
-            raise ValueError("hf_config.is_decoder and add_cross_attention must be False: this is an encoder")
-        if not hf_config.tie_word_embeddings:
-            raise ValueError("hf_config.tie_word_embeddings must be True: the masked-LM decoder is the word embeddings")
-        if hf_config.problem_type not in _HF_PROBLEM_TYPES or (hf_config.problem_type is None
-                                                               and hf_config.num_labels == 1):
-            raise ValueError(f"hf_config.problem_type {hf_config.problem_type!r} (num_labels={hf_config.num_labels}) "
-                             "is not supported: single- or multi-label classification only, no regression")
-        return cls(flavor=hf_config.model_type, vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
-                   num_hidden_layers=hf_config.num_hidden_layers, num_attention_heads=hf_config.num_attention_heads,
-                   intermediate_size=hf_config.intermediate_size,
-                   max_position_embeddings=hf_config.max_position_embeddings,
-                   type_vocab_size=hf_config.type_vocab_size, pad_token_id=hf_config.pad_token_id,
-                   layer_norm_eps=hf_config.layer_norm_eps, hidden_dropout_prob=hf_config.hidden_dropout_prob,
-                   attention_probs_dropout_prob=hf_config.attention_probs_dropout_prob,
-                   classifier_dropout=hf_config.classifier_dropout, num_labels=hf_config.num_labels,
-                   problem_type=_HF_PROBLEM_TYPES[hf_config.problem_type], attn_impl=attn_impl)
+    def build(self) -> nn.Module:
+        """The model this config describes: BertForMaskedLM or BertForSequenceClassification, by `head`."""
+        return BertForMaskedLM(self) if self.head == "masked_lm" else BertForSequenceClassification(self)
 
+    def attention_backend(self, device: torch.device, dtype: torch.dtype) -> str:
+        return check_backend(self.attn_impl, device, dtype, self.hidden_size // self.num_attention_heads)
 
-# ---- unpadding ---------------------------------------------------------------------------------------------------
-
-
-class Unpadding(NamedTuple):
-    """Where the real tokens of a right-padded (B, T) batch are: what the model needs to run on them packed."""
-
-    indices: Tensor  # (total,) int64: positions of the real tokens in the flattened (B * T) batch, row-major
-    cu_seqlens: Tensor  # (B + 1,) int32: sequence b is packed rows cu_seqlens[b]:cu_seqlens[b + 1]
-    max_seqlen: int  # T, a bound on every length (it only sizes the kernels' grid; the true maximum needs a sync)
-    masked_rows: Tensor | None = None  # masked-LM: (n_masked,) int64 packed rows whose label is not -100
-
-    @classmethod
-    def of(cls, attention_mask: Tensor, labels: Tensor | None = None) -> "Unpadding":
-        """attention_mask (B, T), nonzero at real tokens; labels (B, T) (masked LM) or None. No host sync on CPU
-        tensors (the loader's batch); on CUDA tensors torch.nonzero syncs (the number of tokens is data)."""
-        is_real = attention_mask.bool()
-        seqlens = is_real.sum(dim=1, dtype=torch.int32)  # (B,)
-        indices = torch.nonzero(is_real.flatten()).flatten()  # (total,)
-        cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))  # (B + 1,)
-        masked_rows = None
-        if labels is not None:
-            masked_rows = torch.nonzero(labels.flatten()[indices] != -100).flatten()  # (n_masked,)
-        return cls(indices, cu_seqlens, attention_mask.shape[1], masked_rows)
-
-    def to(self, device: torch.device | str) -> "Unpadding":
-        """The same on `device`, copied without waiting (the host batch's tensors stay alive until the copy ran)."""
-        moved = [None if x is None else x.to(device, non_blocking=True)
-                 for x in (self.indices, self.cu_seqlens, self.masked_rows)]
-        return Unpadding(moved[0], moved[1], self.max_seqlen, moved[2])
-
-
-def unpad_indices(attention_mask: Tensor) -> tuple[Tensor, Tensor, int]:
-    """attention_mask (B, T), nonzero at real tokens -> (indices, cu_seqlens, max_seqlen) of Unpadding.of."""
-    return Unpadding.of(attention_mask)[:3]
-
-
-def check_values(valid: Tensor, message: str) -> None:
-    """Raise ValueError(message) unless the bool scalar `valid` is True: at once on the CPU; on a GPU as a device
-    assert (torch._assert_async) that stops the program at the next synchronisation, so a training step never waits
-    on the check."""
-    if valid.device.type == "cpu":
-        if not bool(valid):
-            raise ValueError(message)
-    else:
-        torch._assert_async(valid, message)
-
-
-def pad_packed(packed: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
-    """packed (total, ...) -> (batch, seqlen, ...) with zeros at pad positions; inverse of x.flatten(0, 1)[indices]."""
-    padded = packed.new_zeros(batch * seqlen, *packed.shape[1:]).index_copy(0, indices, packed)
-    return padded.view(batch, seqlen, *packed.shape[1:])
+    def check_data(self, data) -> None:
+        """Raise ValueError when the data (a flashtrain.data.spec.DataSpec) is not what this model reads."""
+        if data.task != HEAD_TASKS[self.head]:
+            raise ValueError(f"model.head={self.head} trains on {HEAD_TASKS[self.head]} data; the data is {data.task}")
+        if self.head == "classification" and (self.num_labels, self.problem_type) != (data.num_classes,
+                                                                                     data.problem_type):
+            raise ValueError(f"model.num_labels={self.num_labels}, model.problem_type={self.problem_type!r} differ "
+                             f"from the data's {data.num_classes}, {data.problem_type!r}")
+        if self.vocab_size < data.vocab_size:
+            raise ValueError(f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's vocabulary "
+                             f"({data.vocab_size})")
+        if self.pad_token_id != data.pad_id:
+            raise ValueError(f"model.pad_token_id={self.pad_token_id} differs from the tokenizer's pad id {data.pad_id}")
+        if data.max_length > self.max_seqlen:
+            raise ValueError(f"{data.length_field}={data.max_length} exceeds the model's longest input, "
+                             f"{self.max_seqlen} tokens (model.max_length / max_position_embeddings)")
 
 
 # ---- encoder -----------------------------------------------------------------------------------------------------
@@ -279,8 +222,9 @@ class BertModel(nn.Module):
         if unpadding is None:
             unpadding = Unpadding.of(attention_mask)
         indices, cu_seqlens, max_seqlen = unpadding[:3]
-        if self.config.attn_impl == "sdpa":  # padded baseline: every layer runs on all B * T tokens
-            key_padding_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        if not runs_packed(self.config.attn_impl, self.embeddings.word_embeddings.weight, head_dim):
+            key_padding_mask = attention_mask.bool()  # (B, T): every layer runs on all B * T tokens
             x = self.embeddings(input_ids, position_ids, token_type_ids)  # (B, T, C)
             for layer in self.layers:
                 x = layer(x, None, T, key_padding_mask)
@@ -299,29 +243,6 @@ class BertModel(nn.Module):
         if self.pooler is not None:
             pooled = torch.tanh(self.pooler(hidden[cu_seqlens[:-1].long()]))  # (B, C)
         return pad_packed(hidden, indices, *input_ids.shape), pooled
-
-    # ---- Hugging Face conversion -------------------------------------------------------------------------------
-
-    def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
-        """Load an HF BertModel / RobertaModel state dict (keys with or without the "bert." / "roberta." prefix),
-        strictly; the pooler weights must be there exactly when this model has a pooler."""
-        prefix = self.config.flavor + "."
-        state_dict = {key.removeprefix(prefix): value for key, value in state_dict.items()}
-        self.load_state_dict(_encoder_from_hf(state_dict, prefix=""), strict=True)
-
-    def to_hf_state_dict(self) -> dict[str, Tensor]:
-        """State dict that transformers' BertModel / RobertaModel (add_pooling_layer = this model has a pooler)
-        loads with strict=True."""
-        return _encoder_to_hf(self.state_dict(), prefix="")
-
-    @classmethod
-    def from_pretrained_hf(cls, hf_model, attn_impl: str = "flash") -> "BertModel":
-        """Copy of a transformers BertModel / RobertaModel: its config, weights, dtype and device."""
-        model = cls(BertConfig.from_hf(hf_model.config, attn_impl=attn_impl), add_pooler=hf_model.pooler is not None)
-        model.to(device=hf_model.device, dtype=hf_model.dtype)
-        model.load_hf_state_dict(hf_model.state_dict())
-        return model
-
 
 # ---- heads -------------------------------------------------------------------------------------------------------
 
@@ -378,23 +299,6 @@ class BertForMaskedLM(nn.Module):
         logits = self.lm_head(hidden[masked_rows])  # (n_masked, vocab_size)
         return logits, F.cross_entropy(logits.float(), packed_labels[masked_rows])
 
-    def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
-        """Load an HF BertForMaskedLM / RobertaForMaskedLM state dict, strictly."""
-        self.load_state_dict(_masked_lm_from_hf(state_dict, self.config.flavor), strict=True)
-
-    def to_hf_state_dict(self) -> dict[str, Tensor]:
-        """State dict that transformers' BertForMaskedLM / RobertaForMaskedLM loads with strict=True."""
-        return _masked_lm_to_hf(self.state_dict(), self.config.flavor)
-
-    @classmethod
-    def from_pretrained_hf(cls, hf_model, attn_impl: str = "flash") -> "BertForMaskedLM":
-        """Copy of a transformers BertForMaskedLM / RobertaForMaskedLM: its config, weights, dtype and device."""
-        model = cls(BertConfig.from_hf(hf_model.config, attn_impl=attn_impl))
-        model.to(device=hf_model.device, dtype=hf_model.dtype)
-        model.load_hf_state_dict(hf_model.state_dict())
-        return model
-
-
 class RobertaClassificationHead(nn.Module):
     """On <s>: dropout, dense + tanh, dropout, out_proj (HF RobertaClassificationHead)."""
 
@@ -426,9 +330,6 @@ class BertForSequenceClassification(nn.Module):
         with torch.no_grad():
             self.classifier.apply(_init_weights)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
                 labels: Tensor | None = None, unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor | None]:
         """input_ids, attention_mask, token_type_ids, unpadding as in BertModel.encode -> (logits (B, num_labels),
@@ -453,146 +354,3 @@ class BertForSequenceClassification(nn.Module):
         if labels.shape != logits.shape:
             raise ValueError(f"labels must be {tuple(logits.shape)} for multi_label, got {tuple(labels.shape)}")
         return logits, F.binary_cross_entropy_with_logits(logits.float(), labels.float())
-
-    def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
-        """Load an HF BertForSequenceClassification / RobertaForSequenceClassification state dict, strictly."""
-        self.load_state_dict(_encoder_from_hf(state_dict, prefix=self.config.flavor + "."), strict=True)
-
-    def to_hf_state_dict(self) -> dict[str, Tensor]:
-        """State dict that transformers' BertForSequenceClassification / RobertaForSequenceClassification loads with
-        strict=True. The head keeps HF's names (classifier.*)."""
-        return _encoder_to_hf(self.state_dict(), prefix=self.config.flavor + ".")
-
-    @classmethod
-    def from_pretrained_hf(cls, hf_model, attn_impl: str = "flash") -> "BertForSequenceClassification":
-        """Copy of a transformers Bert/RobertaForSequenceClassification: its config, weights, dtype and device.
-        To start from an encoder-only checkpoint, load it with the HF class (from_pretrained initialises the head)."""
-        model = cls(BertConfig.from_hf(hf_model.config, attn_impl=attn_impl))
-        model.to(device=hf_model.device, dtype=hf_model.dtype)
-        model.load_hf_state_dict(hf_model.state_dict())
-        return model
-
-
-# ---- HF key conversion -------------------------------------------------------------------------------------------
-# (HF name, our name) prefixes inside the encoder; {i} is a layer index. HF's separate query, key and value
-# projections are concatenated into our layers.{i}.attn.qkv.
-
-_ENCODER_RENAMES = [
-    ("embeddings.LayerNorm.", "embeddings.norm."),
-    ("encoder.layer.{i}.attention.output.dense.", "layers.{i}.attn.out."),
-    ("encoder.layer.{i}.attention.output.LayerNorm.", "layers.{i}.attn_norm."),
-    ("encoder.layer.{i}.intermediate.dense.", "layers.{i}.mlp_in."),
-    ("encoder.layer.{i}.output.dense.", "layers.{i}.mlp_out."),
-    ("encoder.layer.{i}.output.LayerNorm.", "layers.{i}.mlp_norm."),
-    ("pooler.dense.", "pooler."),
-]
-_HF_QKV = re.compile(r"encoder\.layer\.(\d+)\.attention\.self\.(query|key|value)\.(weight|bias)")
-_OUR_QKV = re.compile(r"layers\.(\d+)\.attn\.qkv\.(weight|bias)")
-
-
-def _rename(key: str, source_index: int) -> str:
-    """Rename by _ENCODER_RENAMES, from HF (source_index 0) or from ours (1); keys not listed keep their name."""
-    for names in _ENCODER_RENAMES:
-        pattern = re.escape(names[source_index]).replace(re.escape("{i}"), r"(?P<i>\d+)")
-        match = re.match(pattern, key)
-        if match:
-            target = names[1 - source_index].replace("{i}", match.groupdict().get("i") or "")
-            return target + key[match.end():]
-    return key
-
-
-def _encoder_from_hf(state_dict: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    """HF encoder keys under `prefix` ("bert." / "roberta.") -> ours under "encoder."; with prefix "" every key is an
-    encoder key and ours have no prefix. Keys outside the prefix (heads) pass through unchanged."""
-    our_prefix = "encoder." if prefix else ""
-    converted, qkv_parts = {}, {}
-    for key, value in state_dict.items():
-        if not key.startswith(prefix):
-            converted[key] = value
-            continue
-        key = key.removeprefix(prefix)
-        if key in _HF_LEGACY_BUFFERS:
-            continue
-        match = _HF_QKV.fullmatch(key)
-        if match:
-            layer, projection, kind = match.groups()
-            qkv_parts.setdefault((layer, kind), {})[projection] = value
-        else:
-            converted[our_prefix + _rename(key, source_index=0)] = value
-    for (layer, kind), parts in qkv_parts.items():
-        if parts.keys() != {"query", "key", "value"}:
-            raise ValueError(f"state_dict has {sorted(parts)} but not all of query, key, value "
-                             f"for layer {layer} {kind}")
-        converted[f"{our_prefix}layers.{layer}.attn.qkv.{kind}"] = torch.cat(
-            [parts["query"], parts["key"], parts["value"]])
-    return converted
-
-
-def _encoder_to_hf(state_dict: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    """Inverse of _encoder_from_hf: our keys under "encoder." (all keys when prefix is "") -> HF's under prefix."""
-    our_prefix = "encoder." if prefix else ""
-    converted = {}
-    for key, value in state_dict.items():
-        if not key.startswith(our_prefix):
-            converted[key] = value
-            continue
-        key = key.removeprefix(our_prefix)
-        match = _OUR_QKV.fullmatch(key)
-        if match:
-            layer, kind = match.groups()
-            for projection, part in zip(("query", "key", "value"), value.chunk(3)):
-                converted[f"{prefix}encoder.layer.{layer}.attention.self.{projection}.{kind}"] = part
-        else:
-            converted[prefix + _rename(key, source_index=1)] = value
-    return converted
-
-
-# Masked-LM head: (BERT name, RoBERTa name, ours). HF ties decoder.weight to the word embeddings and
-# decoder.bias to the head's bias; both appear in its state dict.
-_MLM_HEAD_RENAMES = [
-    ("cls.predictions.transform.dense.", "lm_head.dense.", "lm_head.dense."),
-    ("cls.predictions.transform.LayerNorm.", "lm_head.layer_norm.", "lm_head.norm."),
-    ("cls.predictions.bias", "lm_head.bias", "lm_head.decoder.bias"),
-]
-_MLM_TIED = {"bert": ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias"),
-             "roberta": ("lm_head.decoder.weight", "lm_head.decoder.bias")}
-
-
-def _masked_lm_from_hf(state_dict: dict[str, Tensor], flavor: str) -> dict[str, Tensor]:
-    column = FLAVORS.index(flavor)
-    decoder_weight_key, decoder_bias_key = _MLM_TIED[flavor]
-    state_dict = dict(state_dict)
-    decoder_weight, decoder_bias = state_dict.pop(decoder_weight_key, None), state_dict.pop(decoder_bias_key, None)
-    converted = {}
-    for key, value in _encoder_from_hf(state_dict, prefix=flavor + ".").items():
-        for names in _MLM_HEAD_RENAMES:
-            if key.startswith(names[column]):
-                key = names[2] + key[len(names[column]):]
-                break
-        converted[key] = value
-    word_embeddings = converted["lm_head.decoder.weight"] = converted["encoder.embeddings.word_embeddings.weight"]
-    if decoder_weight is not None and not torch.equal(decoder_weight, word_embeddings):
-        raise ValueError(f"state_dict has {decoder_weight_key} different from the word embeddings; "
-                         "this model ties them")
-    if decoder_bias is not None and not torch.equal(decoder_bias, converted.setdefault("lm_head.decoder.bias",
-                                                                                      decoder_bias)):
-        raise ValueError(f"state_dict has {decoder_bias_key} different from {_MLM_HEAD_RENAMES[2][column]}; "
-                         "HF ties them")
-    return converted
-
-
-def _masked_lm_to_hf(state_dict: dict[str, Tensor], flavor: str) -> dict[str, Tensor]:
-    column = FLAVORS.index(flavor)
-    decoder_weight_key, decoder_bias_key = _MLM_TIED[flavor]
-    state_dict = dict(state_dict)
-    decoder_weight = state_dict.pop("lm_head.decoder.weight")  # the word embeddings
-    converted = {}
-    for key, value in _encoder_to_hf(state_dict, prefix=flavor + ".").items():
-        for names in _MLM_HEAD_RENAMES:
-            if key.startswith(names[2]):
-                key = names[column] + key[len(names[2]):]
-                break
-        converted[key] = value
-    converted[decoder_weight_key] = decoder_weight
-    converted[decoder_bias_key] = state_dict["lm_head.decoder.bias"]
-    return converted

@@ -1,9 +1,8 @@
 """GPT-2 (Radford et al. 2019) on flashtrain's attention, single device.
 
 Same architecture and parameter names as Hugging Face's GPT2LMHeadModel: learned absolute positions (wpe),
-pre-LN blocks, GELU with the tanh approximation ("gelu_new"), input and output embeddings tied. HF stores
-its projections as Conv1D with weight (in, out); ours are nn.Linear with weight (out, in), so converting a
-state dict in either direction is four transposes per block.
+pre-LN blocks, GELU with the tanh approximation ("gelu_new"), input and output embeddings tied
+(flashtrain.models.hf_convert converts state dicts in both directions).
 """
 
 import math
@@ -14,13 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashtrain.kernels import flash_attn_func
-
-ATTN_IMPLS = ("flash", "sdpa", "reference")
-# HF Conv1D weights, (in, out) in HF and (out, in) here.
-_CONV1D_WEIGHT_SUFFIXES = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
-# Causal-mask buffers that transformers < 4.31 kept in the state dict; the mask is implicit here.
-_HF_MASK_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+from flashtrain.models.attention import attention, check_attn_impl, check_backend
 
 
 @dataclass
@@ -34,11 +27,10 @@ class GPT2Config:
     attn_dropout: float = 0.0  # dropout on attention probabilities (dropout_p of the attention call), training only
     layer_norm_eps: float = 1e-5  # LayerNorm epsilon
     bias: bool = True  # biases in Linear and LayerNorm layers (GPT-2 has them; HF conversion needs them)
-    attn_impl: str = "flash"  # "flash" (flashtrain kernel, "auto" dispatch) | "sdpa" (PyTorch) | "reference"
+    attn_impl: str = "flash"  # flash | sdpa | reference | auto (flashtrain.models.attention)
 
     def __post_init__(self):
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
+        check_attn_impl(self.attn_impl)
         sizes = dict(vocab_size=self.vocab_size, n_positions=self.n_positions, n_embd=self.n_embd,
                      n_layer=self.n_layer, n_head=self.n_head)
         for name, size in sizes.items():
@@ -52,25 +44,21 @@ class GPT2Config:
         if self.layer_norm_eps <= 0:
             raise ValueError(f"layer_norm_eps must be positive, got {self.layer_norm_eps}")
 
-    @classmethod
-    def from_hf(cls, hf_config, attn_impl: str = "flash") -> "GPT2Config":
-        """Build from a transformers.GPT2Config; raises ValueError for HF options this model does not have."""
-        if hf_config.n_inner is not None and hf_config.n_inner != 4 * hf_config.n_embd:
-            raise ValueError(f"hf_config.n_inner must be None or 4 * n_embd, got {hf_config.n_inner}")
-        if hf_config.activation_function != "gelu_new":
-            raise ValueError(f"hf_config.activation_function must be 'gelu_new', got {hf_config.activation_function!r}")
-        if not hf_config.scale_attn_weights or hf_config.scale_attn_by_inverse_layer_idx:
-            raise ValueError("hf_config must scale attention by 1/sqrt(head_dim) only (scale_attn_weights=True, "
-                             "scale_attn_by_inverse_layer_idx=False)")
-        if hf_config.add_cross_attention or not hf_config.tie_word_embeddings:
-            raise ValueError("hf_config.add_cross_attention must be False and tie_word_embeddings True")
-        if hf_config.embd_pdrop != hf_config.resid_pdrop:
-            raise ValueError(f"hf_config.embd_pdrop ({hf_config.embd_pdrop}) and resid_pdrop ({hf_config.resid_pdrop}) "
-                             "must be equal: this model has one dropout field")
-        return cls(vocab_size=hf_config.vocab_size, n_positions=hf_config.n_positions, n_embd=hf_config.n_embd,
-                   n_layer=hf_config.n_layer, n_head=hf_config.n_head, dropout=hf_config.resid_pdrop,
-                   attn_dropout=hf_config.attn_pdrop, layer_norm_eps=hf_config.layer_norm_epsilon, bias=True,
-                   attn_impl=attn_impl)
+    def build(self) -> "GPT2":
+        return GPT2(self)
+
+    def attention_backend(self, device: torch.device, dtype: torch.dtype) -> str:
+        return check_backend(self.attn_impl, device, dtype, self.n_embd // self.n_head)
+
+    def check_data(self, data) -> None:
+        """Raise ValueError when the data (a flashtrain.data.spec.DataSpec) is not what this model reads."""
+        if data.task != "causal_lm":
+            raise ValueError(f"GPT-2 trains on causal_lm data (next-token prediction); the data is {data.task}")
+        if self.vocab_size < data.vocab_size:
+            raise ValueError(f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's vocabulary "
+                             f"({data.vocab_size})")
+        if data.max_length > self.n_positions:
+            raise ValueError(f"{data.length_field}={data.max_length} exceeds model.n_positions={self.n_positions}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -88,14 +76,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         # c_attn's output columns are [q | k | v], each split into heads as (H, D).
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).unbind(dim=2)  # each (B, T, H, D)
-        dropout_p = self.attn_dropout if self.training else 0.0
-        if self.attn_impl == "sdpa":
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               dropout_p=dropout_p, is_causal=True)  # (B, H, T, D)
-            y = y.transpose(1, 2)  # (B, T, H, D)
-        else:
-            impl = "auto" if self.attn_impl == "flash" else "reference"
-            y = flash_attn_func(q, k, v, dropout_p, causal=True, impl=impl)  # (B, T, H, D)
+        y = attention(q, k, v, self.attn_impl, causal=True,
+                      dropout_p=self.attn_dropout if self.training else 0.0)  # (B, T, H, D)
         return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
 
 
@@ -208,48 +190,3 @@ class GPT2(nn.Module):
         if exclude_embeddings:
             n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
         return n
-
-    # ---- Hugging Face conversion -------------------------------------------------------------------------------
-
-    def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
-        """Load a GPT2LMHeadModel (or GPT2Model, or original hub checkpoint) state dict, strictly.
-
-        Accepts keys with or without the "transformer." prefix, drops the old causal-mask buffers
-        (attn.bias / attn.masked_bias) and fills lm_head.weight from wte when absent.
-        """
-        converted = {}
-        for key, value in state_dict.items():
-            if key.endswith(_HF_MASK_BUFFER_SUFFIXES):
-                continue
-            if key != "lm_head.weight" and not key.startswith("transformer."):
-                key = "transformer." + key
-            converted[key] = value.t() if key.endswith(_CONV1D_WEIGHT_SUFFIXES) else value
-        wte = converted["transformer.wte.weight"]
-        lm_head = converted.setdefault("lm_head.weight", wte)
-        if not torch.equal(lm_head, wte):
-            raise ValueError("state_dict has lm_head.weight different from transformer.wte.weight; "
-                             "this model ties them")
-        self.load_state_dict(converted, strict=True)
-
-    @classmethod
-    def from_hf_state_dict(cls, state_dict: dict[str, Tensor], config: GPT2Config) -> "GPT2":
-        """New model (default dtype, CPU) holding the weights of an HF GPT-2 state dict."""
-        model = cls(config)
-        model.load_hf_state_dict(state_dict)
-        return model
-
-    @classmethod
-    def from_pretrained_hf(cls, hf_model, attn_impl: str = "flash") -> "GPT2":
-        """Copy of a transformers.GPT2LMHeadModel: its config, weights, dtype and device."""
-        model = cls(GPT2Config.from_hf(hf_model.config, attn_impl=attn_impl))
-        model.to(device=hf_model.device, dtype=hf_model.dtype)
-        model.load_hf_state_dict(hf_model.state_dict())
-        return model
-
-    def to_hf_state_dict(self) -> dict[str, Tensor]:
-        """State dict that transformers.GPT2LMHeadModel.load_state_dict(strict=True) accepts (transformers >= 4.31,
-        whose causal-mask buffers are not persistent). Tensors that need no transpose share storage with the model."""
-        if not self.config.bias:
-            raise ValueError("config.bias must be True to export to HF GPT-2, which always has biases")
-        return {key: value.t().contiguous() if key.endswith(_CONV1D_WEIGHT_SUFFIXES) else value
-                for key, value in self.state_dict().items()}

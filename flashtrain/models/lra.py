@@ -23,7 +23,8 @@ right-padded, so positions of real tokens do not depend on the padding. pad_id N
 (Pathfinder: pixel 0 is black, not padding) and attention runs on (B, T) through flash_attn_func. Finding the real
 tokens of CUDA tokens costs one host sync; `model.unpadding(tokens)` on the host batch, moved with .to(device) and
 passed to forward, costs none.
-attn_impl="sdpa" is the padded baseline: PyTorch's scaled_dot_product_attention with a key-padding mask.
+Where attention runs PyTorch's SDPA (attn_impl sdpa, or auto without the kernel) the blocks run padded, with a
+key-padding mask.
 """
 
 import math
@@ -36,14 +37,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashtrain.kernels import block_sparse
-from flashtrain.models.attention import BidirectionalSelfAttention
-from flashtrain.models.bert import Unpadding, check_values
+from flashtrain.models.attention import BidirectionalSelfAttention, check_attn_impl, check_backend, runs_packed
+from flashtrain.models.padding import Unpadding, check_values
 
-ATTN_IMPLS = ("flash", "sdpa", "reference")
 POSITIONS = ("learned", "sinusoidal")
 POOLINGS = ("cls", "mean")
 BLOCK_SPARSE_KINDS = ("local_global", "bigbird", "butterfly")
-BLOCK_SIZE = 128  # rows and columns of one block_mask bit (flashtrain.kernels.reference.BLOCK_SPARSE_SIZE)
 
 
 @dataclass
@@ -75,12 +74,6 @@ def layout_block_mask(layout: BlockSparseConfig, seqlen: int, device: torch.devi
     return mask.to(device)
 
 
-def local_global_block_mask(seqlen: int, local_blocks: int, global_blocks: int,
-                            device: torch.device | str = "cpu") -> Tensor:
-    """The "local_global" layout: |i - j| <= local_blocks, or i < global_blocks, or j < global_blocks."""
-    return layout_block_mask(BlockSparseConfig("local_global", local_blocks, global_blocks), seqlen, device)
-
-
 @dataclass
 class LRAConfig:
     vocab_size: int = 16  # token ids (ListOps: 16; pixel tasks: 256)
@@ -96,13 +89,13 @@ class LRAConfig:
     num_classes: int = 10  # outputs of the head
     pad_id: Optional[int] = 0  # padding token id, removed before attention; None: no padding, every token is real
     layer_norm_eps: float = 1e-6  # LayerNorm epsilon (Flax's default, as LRA)
-    attn_impl: str = "flash"  # "flash" (flashtrain kernel, "auto" dispatch) | "sdpa" (PyTorch, padded) | "reference"
+    attn_impl: str = "flash"  # flash | sdpa | reference | auto (flashtrain.models.attention); sdpa runs padded
     dual: bool = False  # Retrieval: rows hold two documents [doc 1 | doc 2]; dual-tower head on [e1, e2, e1*e2, e1-e2]
     block_sparse: Optional[BlockSparseConfig] = None  # None: dense attention; else the block mask's layout
 
     def __post_init__(self):
-        for name, value, allowed in (("attn_impl", self.attn_impl, ATTN_IMPLS), ("positions", self.positions, POSITIONS),
-                                     ("pooling", self.pooling, POOLINGS)):
+        check_attn_impl(self.attn_impl)
+        for name, value, allowed in (("positions", self.positions, POSITIONS), ("pooling", self.pooling, POOLINGS)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         for name in ("vocab_size", "max_len", "n_layer", "n_head", "d_model", "d_ff"):
@@ -126,6 +119,32 @@ class LRAConfig:
     def max_tokens(self) -> int:
         """Longest input, padding included."""
         return self.max_len - (self.pooling == "cls")
+
+    def build(self) -> "LRAClassifier":
+        return LRAClassifier(self)
+
+    def attention_backend(self, device: torch.device, dtype: torch.dtype) -> str:
+        return check_backend(self.attn_impl, device, dtype, self.d_model // self.n_head, self.block_sparse is not None)
+
+    def check_data(self, data) -> None:
+        """Raise ValueError when the data (a flashtrain.data.spec.DataSpec) is not what this model reads."""
+        if data.task != "classification":
+            raise ValueError(f"the LRA classifier trains on classification data (token rows, one label each); the "
+                             f"data is {data.task}")
+        if self.vocab_size < data.vocab_size:
+            raise ValueError(f"model.vocab_size={self.vocab_size} is smaller than the data's vocabulary "
+                             f"({data.vocab_size})")
+        if self.num_classes != data.num_classes:
+            raise ValueError(f"model.num_classes={self.num_classes} differs from the data's {data.num_classes}")
+        if self.pad_id != data.pad_id:
+            raise ValueError(f"model.pad_id={self.pad_id} differs from the data's padding id {data.pad_id}")
+        if self.dual != data.paired:
+            raise ValueError(f"model.dual={self.dual}, but the data's rows are "
+                             f"{'document pairs' if data.paired else 'single sequences'}")
+        if data.max_length > self.max_tokens:
+            raise ValueError(f"the data's longest sample has {data.max_length} tokens, more than the model takes "
+                             f"({self.max_tokens}: model.max_len={self.max_len}, pooling={self.pooling!r}); "
+                             f"raise model.max_len")
 
 
 def sinusoidal_positions(n_positions: int, dim: int) -> Tensor:
@@ -194,9 +213,6 @@ class LRAClassifier(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     def forward(self, tokens: Tensor, labels: Tensor | None = None,
                 unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor | None]:
         """tokens (B, T) int64, right-padded with pad_id -> (logits (B, num_classes), mean cross-entropy or None).
@@ -262,11 +278,11 @@ class LRAClassifier(nn.Module):
             check_values(is_real.any(dim=1).all(), "tokens: a row holds only pad tokens (pooling mean has nothing to "
                                                    "average)")
 
-        if is_real is None or cfg.attn_impl == "sdpa":  # padded (B, T, C)
-            mask = is_real[:, None, None, :] if is_real is not None else None  # (B, 1, 1, T) keys
+        packed = runs_packed(cfg.attn_impl, x, C // cfg.n_head, cfg.block_sparse is not None)
+        if is_real is None or not packed:  # padded (B, T, C), is_real the key-padding mask
             block_mask = self.block_mask(T, x.device)
             for block in self.blocks:
-                x = block(x, None, T, mask, block_mask)
+                x = block(x, None, T, is_real, block_mask)
             x = self.final_norm(x)
             if cfg.pooling == "cls":
                 pooled = x[:, 0]

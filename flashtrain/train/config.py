@@ -86,8 +86,6 @@ class TrainerConfig:
     eval_batches: int = 20  # validation micro-batches per pass
     save_interval: int = 100  # steps between checkpoints (and one at the end)
     keep_checkpoints: int = 2  # most recent checkpoints kept on disk
-    sample_tokens: int = 120  # length of the sample printed at the end (0: none)
-    sample_prompt: str = "def "  # prompt of that sample
     # stop (with a checkpoint) at the first validation pass where this metric (e.g. val_mlm_accuracy) is >= stop_value
     stop_metric: Optional[str] = None
     stop_value: Optional[float] = None
@@ -131,8 +129,8 @@ class FlashtrainConfig:
     resume: Optional[str] = None  # null: fresh run | auto: newest checkpoint of runs/<name>/ | PATH: a checkpoint or run dir
     init_from: Optional[str] = None  # fresh run from these weights: checkpoint/run dir or hf:NAME (train/model_init.py)
     init_position_extension: str = "repeat"  # repeat | interpolate: how init_from's position table is lengthened
-    model: Any = MISSING  # a model schema (GPT2Config, ...): the type decides which model is built
-    data: Any = MISSING  # a data schema (LMDataConfig, ListOpsConfig, ...): the type decides the task
+    model: Any = MISSING  # a model schema (GPT2Config, ...): `model.build()` builds the model
+    data: Any = MISSING  # a data schema (LMDataConfig, ListOpsConfig, ...): `data.build()` prepares it, its task
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from flashtrain.data.documents import resolve_pretrained_path
 from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from flashtrain.models.gpt2 import GPT2, GPT2Config
+from flashtrain.models.hf_convert import bert_config_from_hf, from_pretrained_hf, load_hf_state_dict
 from flashtrain.models.lra import LRAClassifier
 from flashtrain.models.position import extend_position_embeddings, upsample_positions_2d
+from flashtrain.pretrained import resolve_pretrained_path
 from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint, resolve_resume
 
 _POSITIONS_KEY = "transformer.wpe.weight"
@@ -39,8 +40,7 @@ def _source_model(init_from: str, model_cfg: GPT2Config) -> GPT2:
 
         hf_model = GPT2LMHeadModel.from_pretrained(init_from[len("hf:"):])
         source = GPT2(replace(model_cfg, n_positions=hf_model.config.n_positions))
-        source.load_hf_state_dict(hf_model.state_dict())
-        return source
+        return load_hf_state_dict(source, hf_model.state_dict())
     path = Path(init_from).expanduser()
     ckpt = path if path.name.startswith(CHECKPOINT_PREFIX) else latest_checkpoint(path)
     if ckpt is None or not (ckpt / "model.safetensors").is_file():
@@ -55,13 +55,13 @@ def _source_model(init_from: str, model_cfg: GPT2Config) -> GPT2:
 
 
 def load_initial_weights(model: torch.nn.Module, model_cfg, init_from: str, position_extension: str) -> str:
-    """Copy the weights named by `init_from` into `model`; returns a one-line description of what was done."""
-    if isinstance(model, LRAClassifier):
-        return _load_lra_weights(model, init_from)
-    if isinstance(model, (BertForMaskedLM, BertForSequenceClassification)):
-        return _load_bert_weights(model, model_cfg, init_from, position_extension)
-    if not isinstance(model, GPT2):
-        raise TypeError(f"init_from: supported for GPT2 models, not {type(model).__name__}")
+    """Copy the weights named by `init_from` into `model`; returns a one-line description of what was done. Models
+    without a loader of their own (`_LOADERS`) take a flashtrain checkpoint of the same shape."""
+    load = _LOADERS.get(type(model), _load_checkpoint_weights)
+    return load(model, model_cfg, init_from, position_extension)
+
+
+def _load_gpt2_weights(model: GPT2, model_cfg: GPT2Config, init_from: str, position_extension: str) -> str:
     source = _source_model(init_from, model_cfg)
     note = _fit_positions(source, init_from, source.config.n_positions, model_cfg.n_positions, "model.n_positions",
                           position_extension)
@@ -81,17 +81,29 @@ def _fit_positions(source: torch.nn.Module, init_from: str, n_source: int, n_mod
     return note
 
 
-def _load_lra_weights(model: LRAClassifier, init_from: str) -> str:
-    """A flashtrain LRA checkpoint into `model`: a checkpoint, a run directory (its newest checkpoint) or a directory
-    of runs such as runs/path64 (the newest checkpoint of them all). Learned positions of a square image grid smaller
-    than the model's (Path-64 -> Path-X / Path-256) are upsampled in 2D, each pretrained position a k x k block."""
+def _checkpoint_state(init_from: str) -> tuple[Path, dict]:
+    """(checkpoint directory, model state dict) of a checkpoint, a run directory (its newest checkpoint) or a
+    directory of runs such as runs/path64 (the newest checkpoint of them all)."""
     path = Path(init_from).expanduser()
     ckpt = path if path.name.startswith(CHECKPOINT_PREFIX) else latest_checkpoint(path)
     if ckpt is None and path.is_dir():
         ckpt = resolve_resume("auto", path)
     if ckpt is None or not (ckpt / "model.safetensors").is_file():
         raise FileNotFoundError(f"init_from={init_from!r}: no checkpoint with model.safetensors found")
-    state = load_file(str(ckpt / "model.safetensors"))
+    return ckpt, load_file(str(ckpt / "model.safetensors"))
+
+
+def _load_checkpoint_weights(model: torch.nn.Module, model_cfg, init_from: str, position_extension: str) -> str:
+    ckpt, state = _checkpoint_state(init_from)
+    model.load_state_dict(state, strict=True)
+    return f"initialised from {ckpt}"
+
+
+def _load_lra_weights(model: LRAClassifier, model_cfg, init_from: str, position_extension: str) -> str:
+    """A flashtrain LRA checkpoint into `model`: a checkpoint, a run directory (its newest checkpoint) or a directory
+    of runs such as runs/path64 (the newest checkpoint of them all). Learned positions of a square image grid smaller
+    than the model's (Path-64 -> Path-X / Path-256) are upsampled in 2D, each pretrained position a k x k block."""
+    ckpt, state = _checkpoint_state(init_from)
     note = f"initialised from {ckpt}"
     source_positions = state.get("pos_emb.weight")
     if model.pos_emb is not None and source_positions is not None and \
@@ -129,18 +141,15 @@ def _load_bert_weights(model: BertForMaskedLM | BertForSequenceClassification, m
     import transformers
 
     path = resolve_pretrained_path(init_from[len("hf:"):])
-    is_mlm = isinstance(model, BertForMaskedLM)
+    is_mlm = model_cfg.head == "masked_lm"
     hf_class = transformers.AutoModelForMaskedLM if is_mlm else transformers.AutoModel
     hf_model = hf_class.from_pretrained(path, dtype=torch.float32)
-    source_cfg = BertConfig.from_hf(hf_model.config)
+    source_cfg = bert_config_from_hf(hf_model.config)
     for name in _BERT_SHAPE_FIELDS:
         if getattr(source_cfg, name) != getattr(model_cfg, name):
             raise ValueError(f"init_from={init_from!r} has {name}={getattr(source_cfg, name)!r}, the run's "
                              f"model.{name}={getattr(model_cfg, name)!r}")
-    if is_mlm:
-        source = BertForMaskedLM.from_pretrained_hf(hf_model, attn_impl=model_cfg.attn_impl)
-    else:
-        source = BertModel.from_pretrained_hf(hf_model, attn_impl=model_cfg.attn_impl)
+    source = from_pretrained_hf(BertForMaskedLM if is_mlm else BertModel, hf_model, attn_impl=model_cfg.attn_impl)
     note = _fit_positions(source, init_from, source_cfg.max_seqlen, model_cfg.max_seqlen, "model.max_length",
                           position_extension)
     if is_mlm:
@@ -154,3 +163,8 @@ def _load_bert_weights(model: BertForMaskedLM | BertForSequenceClassification, m
     if unexpected or set(missing) - {"pooler.weight", "pooler.bias"}:
         raise ValueError(f"init_from={init_from!r} does not fit the model: missing {missing}, unexpected {unexpected}")
     return note + ", fresh classification head" + (" and pooler" if missing else "")
+
+
+# the loader of each model class that starts from more than its own checkpoints
+_LOADERS = {GPT2: _load_gpt2_weights, LRAClassifier: _load_lra_weights, BertForMaskedLM: _load_bert_weights,
+            BertForSequenceClassification: _load_bert_weights}

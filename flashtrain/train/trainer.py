@@ -1,6 +1,9 @@
 """The training loop: Accelerate for devices, mixed precision and processes; atomic checkpoints; eval and logging.
 
-One optimizer step = `grad_accum_steps` micro-batches of `micro_batch_size` sequences on every process.
+`train(cfg, run_dir)` reads top to bottom: `Trainer.setup` (devices, the attention check, data, model, optimizer,
+resume), then `train_step` until the last step with `evaluate` and checkpoints on their intervals, then `finish`
+(the task's other splits, the sample, the plots). One optimizer step = `grad_accum_steps` micro-batches of
+`micro_batch_size` samples on every process.
 """
 
 from __future__ import annotations
@@ -16,15 +19,15 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
-from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification
-from flashtrain.models.gpt2 import GPT2, GPT2Config
-from flashtrain.models.lra import LRAClassifier, LRAConfig
+from flashtrain.data.task import Task, check_model_fits
+from flashtrain.models.padding import Unpadding
 from flashtrain.train.checkpoint import TrainState, resolve_resume, save_checkpoint
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.metrics import MetricsLog
 from flashtrain.train.model_init import load_initial_weights
 from flashtrain.train.optim import build_optimizer, build_scheduler
-from flashtrain.train.task import Task, build_task
+
+COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -36,17 +39,6 @@ class TrainResult:
     sample: str = ""  # text generated at the end
 
 
-def build_model(model_cfg) -> torch.nn.Module:
-    """The config's type decides the model."""
-    if isinstance(model_cfg, GPT2Config):
-        return GPT2(model_cfg)
-    if isinstance(model_cfg, LRAConfig):
-        return LRAClassifier(model_cfg)
-    if isinstance(model_cfg, BertConfig):  # model.head picks the head
-        return BertForMaskedLM(model_cfg) if model_cfg.head == "masked_lm" else BertForSequenceClassification(model_cfg)
-    raise TypeError(f"model: no model is registered for config type {type(model_cfg).__name__}")
-
-
 def resolve_precision(precision: str, cpu: bool) -> str:
     if precision != "auto":
         return precision
@@ -56,187 +48,236 @@ def resolve_precision(precision: str, cpu: bool) -> str:
 
 
 def to_device(batch, device: torch.device):
-    """Move a batch (tensor, tuple/list or dict of tensors) to `device`."""
+    """Move a batch (tensor, Unpadding, tuple/list or dict of them) to `device`."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
+    if isinstance(batch, Unpadding):
+        return batch.to(device)
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return type(batch)(to_device(v, device) for v in batch)
 
 
 @torch.no_grad()
-def evaluate(model, loader, task: Task, accelerator: Accelerator) -> dict[str, float]:
-    """The task's metrics over every process's validation batches."""
+def evaluate(model: torch.nn.Module, loader, task: Task, accelerator: Accelerator | None = None) -> dict[str, float]:
+    """The task's metrics over `loader`, under the accelerator's autocast, summed over every process's batches.
+    Without an accelerator: on the model's device, in full precision, in this process only."""
+    device = accelerator.device if accelerator is not None else next(model.parameters()).device
+    was_training = model.training
     model.eval()
     sums: dict[str, torch.Tensor] = {}
-    for batch in loader:
-        for key, value in task.eval_sums(model, to_device(batch, accelerator.device)).items():
-            sums[key] = sums.get(key, 0) + value.detach().to(accelerator.device, torch.float64)
-    model.train()
+    with accelerator.autocast() if accelerator is not None else nullcontext():
+        for batch in loader:
+            for key, value in task.eval_sums(model, to_device(batch, device)).items():
+                sums[key] = sums.get(key, 0) + value.detach().to(device, torch.float64)
+    model.train(was_training)
     keys = sorted(sums)
-    totals = accelerator.reduce(torch.stack([sums[k] for k in keys]), reduction="sum").tolist()
-    return task.eval_metrics(dict(zip(keys, totals)))
+    totals = torch.stack([sums[k] for k in keys])
+    if accelerator is not None:
+        totals = accelerator.reduce(totals, reduction="sum")
+    return task.eval_metrics(dict(zip(keys, totals.tolist())))
 
 
 def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None) -> TrainResult:
     """Train `cfg` writing into `run_dir`; `runs_of_name` (default: run_dir's parent) is where resume=auto looks."""
-    tcfg = cfg.trainer
-    accelerator = Accelerator(
-        cpu=tcfg.cpu,
-        mixed_precision=resolve_precision(tcfg.precision, tcfg.cpu),
-        log_with="wandb" if cfg.logger.kind == "wandb" else None,
-    )
-    # every process writes into the main process's run directory
-    run_dir = Path(broadcast_object_list([str(run_dir)])[0])
-    runs_of_name = Path(runs_of_name) if runs_of_name is not None else run_dir.parent
-    set_seed(cfg.seed)
-    main = accelerator.is_main_process
+    trainer = Trainer(cfg)
+    trainer.setup(run_dir, runs_of_name)
+    while trainer.state.step < trainer.end_step:
+        trainer.train_step()
+        if trainer.after_step():
+            break
+    return trainer.finish()
 
-    with accelerator.main_process_first():  # the main process prepares (and caches) the data first
-        task = build_task(cfg.data)
-    task.check_model(cfg.model)
 
-    checkpoint = resolve_resume(cfg.resume, runs_of_name)
-    model = build_model(cfg.model)
-    if cfg.init_from is not None and checkpoint is None:
-        note = load_initial_weights(model, cfg.model, cfg.init_from, cfg.init_position_extension)
-        if main:
-            print(note)
-    model = model.to(accelerator.device)
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, tcfg.max_steps)
-    if tcfg.compile:
-        model = torch.compile(model, mode=tcfg.compile_mode)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    state = TrainState()
-    # the scheduler is stepped here once per optimizer step (not through accelerate's per-process stepping)
-    accelerator.register_for_checkpointing(scheduler, state)
+class Trainer:
+    def __init__(self, cfg: FlashtrainConfig):
+        self.cfg, self.tcfg = cfg, cfg.trainer
+        self.stopped_early = False  # by trainer.max_minutes: the run is not over
+        self.out_of_time = False  # trainer.max_minutes of training time are spent
 
-    if checkpoint is not None:
-        accelerator.load_state(str(checkpoint))
-        if main:
-            print(f"resumed from {checkpoint} at step {state.step}")
-    elif cfg.resume is not None and main:
-        print(f"resume={cfg.resume}: no checkpoint found under {runs_of_name}, starting fresh")
+    # ---- setup ---------------------------------------------------------------------------------------------------
 
-    train_loader = task.train_loader(tcfg.micro_batch_size, accelerator.process_index, accelerator.num_processes,
-                                     start_batch=state.batches_consumed)
-    val_loader = task.eval_loader(tcfg.micro_batch_size, accelerator.process_index, accelerator.num_processes,
-                                  max_batches=tcfg.eval_batches)
+    def setup(self, run_dir: Path, runs_of_name: Path | None) -> None:
+        cfg, tcfg = self.cfg, self.tcfg
+        self.accelerator = accelerator = Accelerator(
+            cpu=tcfg.cpu, mixed_precision=resolve_precision(tcfg.precision, tcfg.cpu),
+            log_with="wandb" if cfg.logger.kind == "wandb" else None)
+        # every process writes into the main process's run directory
+        self.run_dir = Path(broadcast_object_list([str(run_dir)])[0])
+        runs_of_name = Path(runs_of_name) if runs_of_name is not None else self.run_dir.parent
+        set_seed(cfg.seed)
+        self.main = accelerator.is_main_process
+        # before any data is prepared: attn_impl=flash that cannot run stops here, with the reason
+        self.attention = cfg.model.attention_backend(accelerator.device, COMPUTE_DTYPES[accelerator.mixed_precision])
+        with accelerator.main_process_first():  # the main process prepares (and caches) the data first
+            self.task = cfg.data.build()
+        check_model_fits(cfg.model, cfg.data, self.task.spec)
 
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    log = MetricsLog(run_dir / "metrics.jsonl", enabled=main)
-    if cfg.logger.kind == "wandb":
-        accelerator.init_trackers(cfg.logger.project, config=_flat_config(cfg), init_kwargs={
-            "wandb": {"mode": cfg.logger.mode, "dir": str(run_dir), "name": f"{cfg.name}/{run_dir.name}"}})
+        self.checkpoint = resolve_resume(cfg.resume, runs_of_name)
+        self._build_model()
+        self.state = TrainState()
+        # the scheduler is stepped here once per optimizer step (not through accelerate's per-process stepping)
+        accelerator.register_for_checkpointing(self.scheduler, self.state)
+        if self.checkpoint is not None:
+            accelerator.load_state(str(self.checkpoint))
+            self._print(f"resumed from {self.checkpoint} at step {self.state.step}")
+        elif cfg.resume is not None:
+            self._print(f"resume={cfg.resume}: no checkpoint found under {runs_of_name}, starting fresh")
+        self._open_loaders_and_logs()
+        self.last_checkpoint = self.checkpoint
+        self.end_step = tcfg.stop_step if tcfg.stop_step is not None else tcfg.max_steps
+        if self.state.step == 0 and self.checkpoint is None:
+            self.evaluate()  # the starting point of the validation curve
+        self.model.train()
+        self.start_time = time.perf_counter()
+        self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen  # training time only
+        self.pbar = tqdm(total=self.end_step, initial=self.state.step, disable=not self.main, desc=cfg.name,
+                         unit="step", dynamic_ncols=True)
 
-    end_step = tcfg.stop_step if tcfg.stop_step is not None else tcfg.max_steps
-    if main:
-        n_params = accelerator.unwrap_model(model).num_parameters()
-        print(f"model: {type(cfg.model).__name__} {n_params / 1e6:.2f}M parameters, attn_impl={cfg.model.attn_impl}; "
-              f"device: {accelerator.device}, precision: {accelerator.mixed_precision}, "
-              f"processes: {accelerator.num_processes}; run dir: {run_dir}")
+    def _build_model(self) -> None:
+        cfg = self.cfg
+        model = cfg.model.build()
+        if cfg.init_from is not None and self.checkpoint is None:
+            self._print(load_initial_weights(model, cfg.model, cfg.init_from, cfg.init_position_extension))
+        model = model.to(self.accelerator.device)
+        self.n_params = sum(p.numel() for p in model.parameters())  # each tensor once: tied weights count once
+        optimizer = build_optimizer(model, cfg.optim)
+        self.scheduler = build_scheduler(optimizer, cfg.optim, self.tcfg.max_steps)
+        if self.tcfg.compile:
+            model = torch.compile(model, mode=self.tcfg.compile_mode)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
 
-    def record(**values) -> None:
-        values = {"step": state.step, "tokens": state.tokens_seen, **values}
-        log.write(values)
-        accelerator.log({k: v for k, v in values.items() if k != "step"}, step=state.step)
+    def _open_loaders_and_logs(self) -> None:
+        cfg, tcfg, accelerator = self.cfg, self.tcfg, self.accelerator
+        rank, world = accelerator.process_index, accelerator.num_processes
+        self.train_iter = iter(self.task.train_loader(tcfg.micro_batch_size, rank, world,
+                                                      start_batch=self.state.batches_consumed))
+        self.val_loader = self.task.eval_loader("val", tcfg.micro_batch_size, rank, world, tcfg.eval_batches)
+        if self.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.main)
+        if cfg.logger.kind == "wandb":
+            accelerator.init_trackers(cfg.logger.project, config=_flat_config(cfg), init_kwargs={"wandb": {
+                "mode": cfg.logger.mode, "dir": str(self.run_dir), "name": f"{cfg.name}/{self.run_dir.name}"}})
+        self._print(f"model: {type(cfg.model).__name__} {self.n_params / 1e6:.2f}M parameters, attention: "
+                    f"{self.attention}; device: {accelerator.device}, precision: {accelerator.mixed_precision}, "
+                    f"processes: {world}; run dir: {self.run_dir}")
 
-    def run_eval() -> bool:
-        """Evaluate and log; True when trainer.stop_metric reached trainer.stop_value."""
-        metrics = evaluate(model, val_loader, task, accelerator)
-        state.best_val_loss = min(state.best_val_loss, metrics["val_loss"])
-        record(**metrics)
-        if main:
-            tqdm.write(f"step {state.step:>6}  " + "  ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in metrics.items()))
-        if tcfg.stop_metric is None:
-            return False
-        if tcfg.stop_metric not in metrics:
-            raise ValueError(f"trainer.stop_metric={tcfg.stop_metric!r} is not a validation metric of this task: "
-                             f"{sorted(metrics)}")
-        return metrics[tcfg.stop_metric] >= tcfg.stop_value
+    # ---- the loop ------------------------------------------------------------------------------------------------
 
-    if state.step == 0 and checkpoint is None:
-        run_eval()  # the starting point of the validation curve
-
-    train_iter = iter(train_loader)
-    last_ckpt = checkpoint
-    model.train()
-    start_time = time.perf_counter()
-    interval_seconds, tokens_at_log = 0.0, state.tokens_seen  # training time only: evals and saves excluded
-    pbar = tqdm(total=end_step, initial=state.step, disable=not main, desc=cfg.name, unit="step", dynamic_ncols=True)
-    stopped_early = False
-    while state.step < end_step:
+    def train_step(self) -> None:
+        """One optimizer step over grad_accum_steps micro-batches; logs the training loss on log_interval."""
+        tcfg, accelerator, state = self.tcfg, self.accelerator, self.state
         step_start = time.perf_counter()
         loss_sum = torch.zeros((), device=accelerator.device)
         step_tokens = 0
         for micro in range(tcfg.grad_accum_steps):
-            host_batch = next(train_iter)
-            step_tokens += task.tokens(host_batch)  # counted on the loader's CPU tensors: no device sync
+            host_batch = next(self.train_iter)
+            step_tokens += self.task.tokens(host_batch)  # counted on the loader's CPU tensors: no device sync
             batch = to_device(host_batch, accelerator.device)
             # gradients are all-reduced only on the last micro-batch of the step
-            sync = accelerator.no_sync(model) if micro < tcfg.grad_accum_steps - 1 else nullcontext()
+            sync = accelerator.no_sync(self.model) if micro < tcfg.grad_accum_steps - 1 else nullcontext()
             with sync:
-                loss = task.loss(model, batch)
+                loss = self.task.loss(self.model, batch)
                 accelerator.backward(loss / tcfg.grad_accum_steps)
             loss_sum += loss.detach().float()
             state.batches_consumed += 1
-        if cfg.optim.grad_clip > 0:
-            accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        if self.cfg.optim.grad_clip > 0:
+            accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
         state.tokens_seen += step_tokens * accelerator.num_processes
-        interval_seconds += time.perf_counter() - step_start
-        pbar.update(1)
+        self.interval_seconds += time.perf_counter() - step_start
+        self.pbar.update(1)
+        self.out_of_time = tcfg.max_minutes is not None and \
+            (time.perf_counter() - self.start_time) / 60 >= tcfg.max_minutes
+        if state.step % tcfg.log_interval == 0 or self._last_step():
+            self._log_training(loss_sum)
 
-        out_of_time = tcfg.max_minutes is not None and (time.perf_counter() - start_time) / 60 >= tcfg.max_minutes
-        last = state.step == end_step or out_of_time
-        if state.step % tcfg.log_interval == 0 or last:
-            train_loss = accelerator.reduce(loss_sum / tcfg.grad_accum_steps, reduction="mean").item()
-            tok_s = (state.tokens_seen - tokens_at_log) / max(interval_seconds, 1e-9)
-            interval_seconds, tokens_at_log = 0.0, state.tokens_seen
-            lr = scheduler.get_last_lr()[0]
-            record(train_loss=train_loss, lr=lr, tokens_per_s=tok_s)
-            pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+    def _log_training(self, loss_sum: torch.Tensor) -> None:
+        train_loss = self.accelerator.reduce(loss_sum / self.tcfg.grad_accum_steps, reduction="mean").item()
+        tok_s = (self.state.tokens_seen - self.tokens_at_log) / max(self.interval_seconds, 1e-9)
+        self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen
+        lr = self.scheduler.get_last_lr()[0]
+        self._record(train_loss=train_loss, lr=lr, tokens_per_s=tok_s)
+        self.pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+
+    def _last_step(self) -> bool:
+        return self.state.step == self.end_step or self.out_of_time
+
+    def after_step(self) -> bool:
+        """Evaluate and save on their intervals; True when the run stops before end_step (stop_metric reached,
+        or out of time)."""
+        tcfg, step = self.tcfg, self.state.step
+        out_of_time, last = self.out_of_time, self._last_step()
         target_reached = False
-        if state.step % tcfg.eval_interval == 0 or last:
-            target_reached = run_eval()
-        if state.step % tcfg.save_interval == 0 or last or target_reached:
-            last_ckpt = save_checkpoint(accelerator, run_dir, state.step, tcfg.keep_checkpoints)
-        if target_reached and state.step < end_step:
-            if main:
-                tqdm.write(f"trainer.stop_metric {tcfg.stop_metric} reached {tcfg.stop_value} at step {state.step}")
-            break
-        if out_of_time and state.step < end_step:
-            stopped_early = True
-            break
-    pbar.close()
+        if step % tcfg.eval_interval == 0 or last:
+            metrics = self.evaluate()
+            target_reached = tcfg.stop_metric is not None and metrics[tcfg.stop_metric] >= tcfg.stop_value
+        if step % tcfg.save_interval == 0 or last or target_reached:
+            self.last_checkpoint = save_checkpoint(self.accelerator, self.run_dir, step, tcfg.keep_checkpoints)
+        if step == self.end_step:
+            return False
+        if target_reached:
+            self._print(f"trainer.stop_metric {tcfg.stop_metric} reached {tcfg.stop_value} at step {step}")
+        self.stopped_early = out_of_time and not target_reached
+        return target_reached or out_of_time
 
-    if main and not stopped_early:  # the task's end-of-run metrics (classification: the test split), logged once
-        final = task.final_metrics(accelerator.unwrap_model(model), accelerator.device, tcfg.micro_batch_size)
-        if final:
-            record(**final)
-            tqdm.write(f"step {state.step:>6}  " + "  ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in final.items()))
-    sample = ""
-    if main and tcfg.sample_tokens > 0:
-        sample = task.sample(accelerator.unwrap_model(model), accelerator.device, cfg.seed, tcfg.sample_tokens,
-                             tcfg.sample_prompt)
-    if main:
-        log.plot(run_dir / "curves.png", title=f"{cfg.name} ({run_dir.name})")
-        if stopped_early:
-            print(f"stopped after trainer.max_minutes={tcfg.max_minutes} at step {state.step}; "
-                  f"continue with resume=auto")
+    def evaluate(self, split: str = "val") -> dict[str, float]:
+        """Score `split` ("val": trainer.eval_batches batches; other splits whole) and log it, its metrics named
+        "<split>_*"; tracks the best validation loss."""
+        tcfg, accelerator = self.tcfg, self.accelerator
+        loader = self.val_loader if split == "val" else self.task.eval_loader(
+            split, tcfg.micro_batch_size, accelerator.process_index, accelerator.num_processes)
+        metrics = {split + "_" + key.removeprefix("val_"): value
+                   for key, value in evaluate(self.model, loader, self.task, accelerator).items()}
+        if split == "val":
+            self.state.best_val_loss = min(self.state.best_val_loss, metrics["val_loss"])
+            if tcfg.stop_metric is not None and tcfg.stop_metric not in metrics:
+                raise ValueError(f"trainer.stop_metric={tcfg.stop_metric!r} is not a validation metric of this "
+                                 f"task: {sorted(metrics)}")
+        self._record(**metrics)
+        self._print(f"step {self.state.step:>6}  " + "  ".join(f"{k.replace('_', ' ')} {v:.4g}"
+                                                              for k, v in metrics.items()), progress=True)
+        return metrics
+
+    # ---- the end -------------------------------------------------------------------------------------------------
+
+    def finish(self) -> TrainResult:
+        """Score the task's other splits (once, at the end of a finished run), sample, plot, say where things are."""
+        cfg, accelerator = self.cfg, self.accelerator
+        self.pbar.close()
+        if not self.stopped_early:
+            for split in self.task.eval_splits[1:]:
+                self.evaluate(split)
+        sample = self.task.sample(accelerator.unwrap_model(self.model), accelerator.device, cfg.seed) \
+            if self.main else ""
+        if self.main:
+            self.log.plot(self.run_dir / "curves.png", title=f"{cfg.name} ({self.run_dir.name})")
+        if self.stopped_early:
+            self._print(f"stopped after trainer.max_minutes={self.tcfg.max_minutes} at step {self.state.step}; "
+                        f"continue with resume=auto")
         if sample:
-            print("---- sample ----\n" + sample + "\n----------------")
-        print(f"checkpoint: {last_ckpt}")
-        print(f"logs: {run_dir / 'metrics.jsonl'}, curves: {run_dir / 'curves.png'}"
-              + (f", wandb: {run_dir / 'wandb'} (offline; `wandb sync` uploads)" if cfg.logger.kind == "wandb" else ""))
-    accelerator.end_training()
-    return TrainResult(run_dir=run_dir, checkpoint=last_ckpt, final_step=state.step, history=log.records,
-                       sample=sample)
+            self._print("---- sample ----\n" + sample + "\n----------------")
+        self._print(f"checkpoint: {self.last_checkpoint}")
+        self._print(f"logs: {self.run_dir / 'metrics.jsonl'}, curves: {self.run_dir / 'curves.png'}"
+                    + (f", wandb: {self.run_dir / 'wandb'} (offline; `wandb sync` uploads)"
+                       if cfg.logger.kind == "wandb" else ""))
+        accelerator.end_training()
+        return TrainResult(run_dir=self.run_dir, checkpoint=self.last_checkpoint, final_step=self.state.step,
+                           history=self.log.records, sample=sample)
+
+    def _record(self, **values) -> None:
+        values = {"step": self.state.step, "tokens": self.state.tokens_seen, **values}
+        self.log.write(values)
+        self.accelerator.log({k: v for k, v in values.items() if k != "step"}, step=self.state.step)
+
+    def _print(self, text: str, progress: bool = False) -> None:
+        """Print on the main process; progress=True: above the progress bar."""
+        if self.main:
+            tqdm.write(text) if progress else print(text)
 
 
 def _flat_config(cfg: FlashtrainConfig) -> dict:

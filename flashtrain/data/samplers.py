@@ -1,0 +1,85 @@
+"""Which samples each process reads, in which order: endless resumable training batches, fixed evaluation batches."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+class ResumableBatchSampler(Sampler[list[int]]):
+    """Endless batches of sample indices for one rank, resumable at any batch without replaying the ones before.
+
+    Epoch e shuffles all samples with a torch.Generator seeded from (seed, e). Each step of an epoch takes the next
+    batch_size * world_size indices of that permutation, and rank r gets the r-th batch_size of them, so ranks are
+    disjoint; the remainder that does not fill a step is dropped (every rank sees full batches, the same number).
+    `start_batch` counts this rank's batches already consumed: the sampler jumps straight to epoch
+    start_batch // batches_per_epoch at that offset. Resuming with a different world_size gives a different order.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+                 start_batch: int = 0):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        if num_samples < batch_size * world_size:
+            raise ValueError(f"num_samples={num_samples} is fewer than batch_size * world_size = "
+                             f"{batch_size * world_size}: not one full step of data")
+        if start_batch < 0:
+            raise ValueError(f"start_batch must be >= 0, got {start_batch}")
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.start_batch = start_batch
+        self.batches_per_epoch = num_samples // (batch_size * world_size)
+
+    def epoch_permutation(self, epoch: int) -> torch.Tensor:
+        """(num_samples,) int64: the shuffled sample order of `epoch`, the same on every rank."""
+        # one 63-bit seed per (seed, epoch) pair: no two pairs share a stream, unlike seed + epoch
+        digest = hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, first_step = divmod(self.start_batch, self.batches_per_epoch)
+        while True:
+            order = self.epoch_permutation(epoch)
+            for step in range(first_step, self.batches_per_epoch):
+                start = (step * self.world_size + self.rank) * self.batch_size
+                yield order[start:start + self.batch_size].tolist()
+            epoch, first_step = epoch + 1, 0
+
+
+def ordered_batches(n_samples: int, batch_size: int, rank: int, world_size: int, max_batches: int | None,
+                    full_only: bool, what: str) -> list[list[int]]:
+    """This process's share of a split read in order, the same every pass: batches of consecutive sample indices
+    (full_only: only full batches; else the last may be short), the first `max_batches` (None: all) dealt
+    round-robin over ranks (rank r gets batches r, r + world_size, ...). `what` names the split in errors."""
+    n_batches = n_samples // batch_size if full_only else math.ceil(n_samples / batch_size)
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    if n_batches < world_size:
+        raise ValueError(f"{what} has {n_samples} samples: {n_batches} {'full ' if full_only else ''}batches of "
+                         f"batch_size={batch_size}, fewer than the {world_size} processes")
+    return [list(range(b * batch_size, min((b + 1) * batch_size, n_samples))) for b in range(rank, n_batches, world_size)]
+
+
+class NumberedBatches(Sampler[list[tuple[int, int]]]):
+    """Each batch of `batches` as [(batch_number, index), ...], numbered from `first_number` on (for datasets whose
+    samples depend on the batch they are served in, such as dynamically masked ones)."""
+
+    def __init__(self, batches, first_number: int = 0):
+        self.batches, self.first_number = batches, first_number
+
+    def __iter__(self):
+        for number, batch in enumerate(self.batches, start=self.first_number):
+            yield [(number, index) for index in batch]
+
+    def __len__(self) -> int:
+        return len(self.batches)

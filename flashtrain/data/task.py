@@ -1,0 +1,132 @@
+"""Tasks: what the trainer trains on and how it scores it. The trainer knows nothing else about data.
+
+Each data config builds its task (`cfg.data.build()`): it prepares the data (or finds it in the cache) and says what
+it provides in a `DataSpec`, which the model config checks itself against (`check_model_fits`) before a model is
+built. A task turns into loaders of opaque batches (tuples or dicts of tensors), says how a model computes the
+training loss of a batch, and reduces evaluation batches to metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from flashtrain.data.samplers import ResumableBatchSampler, ordered_batches
+
+TASKS = ("causal_lm", "masked_lm", "classification", "document_classification")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What prepared data gives a model; a model config's `check_data(spec)` raises ValueError on a mismatch."""
+
+    task: str  # one of TASKS: the batches' form and what is predicted
+    vocab_size: int  # token ids are < vocab_size
+    max_length: int  # longest sample in tokens (paired rows: each document)
+    length_field: str  # the data config key that sets max_length, for messages ("data.seq_len")
+    pad_id: Optional[int] = None  # the padding token; None: every token is real
+    num_classes: Optional[int] = None  # classes or labels of classification tasks
+    problem_type: str = "single_label"  # single_label | multi_label (document classification)
+    paired: bool = False  # each row holds two documents side by side (LRA Retrieval)
+
+
+def check_model_fits(model_cfg, data_cfg, spec: DataSpec) -> None:
+    """Raise ValueError naming both configs when `model_cfg` cannot train on the data that `data_cfg` prepared."""
+    try:
+        model_cfg.check_data(spec)
+    except ValueError as error:
+        raise ValueError(f"model config {type(model_cfg).__name__} does not fit data config "
+                         f"{type(data_cfg).__name__}: {error}") from None
+
+
+class Task:
+    """Interface. Batches are whatever the task's loaders yield; the trainer only moves them to the device."""
+
+    spec: DataSpec
+    eval_splits: tuple[str, ...] = ("val",)  # splits eval_loader reads; the trainer scores those after "val" at the end
+
+    def train_loader(self, batch_size: int, rank: int, world_size: int, start_batch: int) -> Iterable:
+        """Endless batches for this process, skipping the first `start_batch` (resume)."""
+        raise NotImplementedError
+
+    def eval_loader(self, split: str, batch_size: int, rank: int = 0, world_size: int = 1,
+                    max_batches: int | None = None) -> Iterable:
+        """A fixed, finite set of `split` batches for this process (max_batches None: the whole split)."""
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, batch) -> Tensor:
+        """Mean training loss of one batch (a scalar the trainer back-propagates)."""
+        raise NotImplementedError
+
+    def eval_sums(self, model: torch.nn.Module, batch) -> dict[str, Tensor]:
+        """Additive statistics of one evaluation batch (summed over batches and processes)."""
+        raise NotImplementedError
+
+    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metrics from the summed statistics, named "val_*"; "val_loss" is the one the trainer tracks."""
+        raise NotImplementedError
+
+    def tokens(self, batch) -> int:
+        """Tokens in one batch, for throughput; called on the batch as the loader yields it (CPU tensors)."""
+        raise NotImplementedError
+
+    def sample(self, model: torch.nn.Module, device: torch.device, seed: int) -> str:
+        """Something to show a person at the end of a run ("" if the task has nothing to show)."""
+        return ""
+
+
+class ClassificationTask(Task):
+    """One label per token row (Long Range Arena: ListOps, Pathfinder, Text, Retrieval, Image): batches
+    (tokens (B, T) int64, labels (B,)).
+
+    `splits` is a generated or converted data set cached on disk (flashtrain.data.lra_cache.CachedSplits). Every sample
+    is right-padded with pad_id to the longest sample of all splits, so every batch has one shape; the model removes
+    the padding. pad_id None: the samples all have one length and no token is padding (Pathfinder's pixel 0 is black).
+    Retrieval (paired): each row is two documents, each right-padded to half the row.
+    """
+
+    eval_splits = ("val", "test")
+
+    def __init__(self, splits, vocab_size: int, num_classes: int, pad_id: int | None, seed: int, paired: bool = False,
+                 length_field: str = "data.max_length"):
+        self.splits, self.seed, self.pad_id = splits, seed, pad_id
+        self.seq_len = splits.meta["max_length"]
+        self.spec = DataSpec("classification", vocab_size, self.seq_len // 2 if paired else self.seq_len,
+                             length_field, pad_id, num_classes, paired=paired)
+
+    def dataset(self, split: str):
+        """One split as (tokens (seq_len,) int64, label) samples."""
+        return self.splits.dataset(split, self.seq_len, pad_id=0 if self.pad_id is None else self.pad_id)
+
+    def train_loader(self, batch_size, rank, world_size, start_batch):
+        dataset = self.dataset("train")
+        sampler = ResumableBatchSampler(len(dataset), batch_size, self.seed, rank, world_size, start_batch)
+        return DataLoader(dataset, batch_sampler=sampler, pin_memory=torch.cuda.is_available())
+
+    def eval_loader(self, split, batch_size, rank=0, world_size=1, max_batches=None):
+        """`split` in order, batches of consecutive samples (the last may be short)."""
+        dataset = self.dataset(split)
+        batches = ordered_batches(len(dataset), batch_size, rank, world_size, max_batches, full_only=False,
+                                  what=f"the {split} split")
+        return DataLoader(dataset, batch_sampler=batches, pin_memory=torch.cuda.is_available())
+
+    def loss(self, model, batch) -> Tensor:
+        tokens, labels = batch
+        return model(tokens, labels)[1]
+
+    def eval_sums(self, model, batch) -> dict[str, Tensor]:
+        tokens, labels = batch
+        logits, loss = model(tokens, labels)
+        return {"loss": loss.float() * labels.numel(), "correct": (logits.argmax(dim=-1) == labels).sum().float(),
+                "samples": torch.tensor(float(labels.numel()))}
+
+    def eval_metrics(self, sums):
+        return {"val_loss": sums["loss"] / sums["samples"], "val_accuracy": sums["correct"] / sums["samples"]}
+
+    def tokens(self, batch) -> int:
+        tokens = batch[0]
+        return tokens.numel() if self.pad_id is None else int(tokens.ne(self.pad_id).sum())

@@ -1,0 +1,300 @@
+"""Hugging Face conversion for GPT-2, BERT and RoBERTa: configs, and state-dict adapters in both directions.
+
+One adapter per model class (`ADAPTERS`): its config from an HF config, its state dict from HF names and back. Three
+functions use them for every model: `load_hf_state_dict(model, state_dict)`, `to_hf_state_dict(model)` and
+`from_pretrained_hf(model_class, hf_model)` (a copy of a transformers model: config, weights, dtype, device).
+
+GPT-2: HF stores its projections as Conv1D with weight (in, out); ours are nn.Linear with weight (out, in), so a
+conversion is four transposes per block. BERT/RoBERTa: HF's separate query, key and value projections are our fused
+qkv; the heads keep HF's layout (BERT's pooler + classifier, RoBERTa's classification head on <s>, the MLM decoder
+tied to the word embeddings).
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from flashtrain.models.bert import (FLAVORS, BertConfig, BertForMaskedLM, BertForSequenceClassification,
+                                    BertModel)
+from flashtrain.models.gpt2 import GPT2, GPT2Config
+
+# ---- GPT-2 -------------------------------------------------------------------------------------------------------
+
+# HF Conv1D weights, (in, out) in HF and (out, in) here.
+_CONV1D_WEIGHT_SUFFIXES = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+# Causal-mask buffers that transformers < 4.31 kept in the state dict; the mask is implicit here.
+_HF_MASK_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+def gpt2_config_from_hf(hf_config, attn_impl: str = "flash") -> GPT2Config:
+    """A GPT2Config from a transformers.GPT2Config; raises ValueError for HF options this model does not have."""
+    if hf_config.n_inner is not None and hf_config.n_inner != 4 * hf_config.n_embd:
+        raise ValueError(f"hf_config.n_inner must be None or 4 * n_embd, got {hf_config.n_inner}")
+    if hf_config.activation_function != "gelu_new":
+        raise ValueError(f"hf_config.activation_function must be 'gelu_new', got {hf_config.activation_function!r}")
+    if not hf_config.scale_attn_weights or hf_config.scale_attn_by_inverse_layer_idx:
+        raise ValueError("hf_config must scale attention by 1/sqrt(head_dim) only (scale_attn_weights=True, "
+                         "scale_attn_by_inverse_layer_idx=False)")
+    if hf_config.add_cross_attention or not hf_config.tie_word_embeddings:
+        raise ValueError("hf_config.add_cross_attention must be False and tie_word_embeddings True")
+    if hf_config.embd_pdrop != hf_config.resid_pdrop:
+        raise ValueError(f"hf_config.embd_pdrop ({hf_config.embd_pdrop}) and resid_pdrop ({hf_config.resid_pdrop}) "
+                         "must be equal: this model has one dropout field")
+    return GPT2Config(vocab_size=hf_config.vocab_size, n_positions=hf_config.n_positions, n_embd=hf_config.n_embd,
+                      n_layer=hf_config.n_layer, n_head=hf_config.n_head, dropout=hf_config.resid_pdrop,
+                      attn_dropout=hf_config.attn_pdrop, layer_norm_eps=hf_config.layer_norm_epsilon, bias=True,
+                      attn_impl=attn_impl)
+
+
+def _gpt2_from_hf(state_dict: dict[str, Tensor], config: GPT2Config) -> dict[str, Tensor]:
+    """A GPT2LMHeadModel (or GPT2Model, or original hub checkpoint) state dict: keys with or without the
+    "transformer." prefix, the old causal-mask buffers dropped, lm_head.weight filled from wte when absent."""
+    converted = {}
+    for key, value in state_dict.items():
+        if key.endswith(_HF_MASK_BUFFER_SUFFIXES):
+            continue
+        if key != "lm_head.weight" and not key.startswith("transformer."):
+            key = "transformer." + key
+        converted[key] = value.t() if key.endswith(_CONV1D_WEIGHT_SUFFIXES) else value
+    wte = converted["transformer.wte.weight"]
+    lm_head = converted.setdefault("lm_head.weight", wte)
+    if not torch.equal(lm_head, wte):
+        raise ValueError("state_dict has lm_head.weight different from transformer.wte.weight; this model ties them")
+    return converted
+
+
+def _gpt2_to_hf(state_dict: dict[str, Tensor], config: GPT2Config) -> dict[str, Tensor]:
+    """For transformers >= 4.31, whose causal-mask buffers are not persistent. Tensors that need no transpose share
+    storage with the model."""
+    if not config.bias:
+        raise ValueError("config.bias must be True to export to HF GPT-2, which always has biases")
+    return {key: value.t().contiguous() if key.endswith(_CONV1D_WEIGHT_SUFFIXES) else value
+            for key, value in state_dict.items()}
+
+
+# ---- BERT / RoBERTa ----------------------------------------------------------------------------------------------
+
+_HF_PROBLEM_TYPES = {None: "single_label", "single_label_classification": "single_label",
+                     "multi_label_classification": "multi_label"}
+# Non-persistent buffers that old HF checkpoints still carry (e.g. MiniLM, saved by transformers 4.8).
+_HF_LEGACY_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
+
+
+def bert_config_from_hf(hf_config, attn_impl: str = "flash") -> BertConfig:
+    """A BertConfig from a transformers BertConfig or RobertaConfig; raises ValueError for options this model lacks."""
+    if hf_config.model_type not in FLAVORS:
+        raise ValueError(f"hf_config.model_type must be one of {FLAVORS}, got {hf_config.model_type!r}")
+    if hf_config.hidden_act != "gelu":
+        raise ValueError(f"hf_config.hidden_act must be 'gelu', got {hf_config.hidden_act!r}")
+    if hf_config.is_decoder or hf_config.add_cross_attention:
+        raise ValueError("hf_config.is_decoder and add_cross_attention must be False: this is an encoder")
+    if not hf_config.tie_word_embeddings:
+        raise ValueError("hf_config.tie_word_embeddings must be True: the masked-LM decoder is the word embeddings")
+    if hf_config.problem_type not in _HF_PROBLEM_TYPES or (hf_config.problem_type is None
+                                                           and hf_config.num_labels == 1):
+        raise ValueError(f"hf_config.problem_type {hf_config.problem_type!r} (num_labels={hf_config.num_labels}) "
+                         "is not supported: single- or multi-label classification only, no regression")
+    return BertConfig(flavor=hf_config.model_type, vocab_size=hf_config.vocab_size,
+                      hidden_size=hf_config.hidden_size, num_hidden_layers=hf_config.num_hidden_layers,
+                      num_attention_heads=hf_config.num_attention_heads,
+                      intermediate_size=hf_config.intermediate_size,
+                      max_position_embeddings=hf_config.max_position_embeddings,
+                      type_vocab_size=hf_config.type_vocab_size, pad_token_id=hf_config.pad_token_id,
+                      layer_norm_eps=hf_config.layer_norm_eps, hidden_dropout_prob=hf_config.hidden_dropout_prob,
+                      attention_probs_dropout_prob=hf_config.attention_probs_dropout_prob,
+                      classifier_dropout=hf_config.classifier_dropout, num_labels=hf_config.num_labels,
+                      problem_type=_HF_PROBLEM_TYPES[hf_config.problem_type], attn_impl=attn_impl)
+
+
+# (HF name, our name) prefixes inside the encoder; {i} is a layer index. HF's separate query, key and value
+# projections are concatenated into our layers.{i}.attn.qkv.
+
+_ENCODER_RENAMES = [
+    ("embeddings.LayerNorm.", "embeddings.norm."),
+    ("encoder.layer.{i}.attention.output.dense.", "layers.{i}.attn.out."),
+    ("encoder.layer.{i}.attention.output.LayerNorm.", "layers.{i}.attn_norm."),
+    ("encoder.layer.{i}.intermediate.dense.", "layers.{i}.mlp_in."),
+    ("encoder.layer.{i}.output.dense.", "layers.{i}.mlp_out."),
+    ("encoder.layer.{i}.output.LayerNorm.", "layers.{i}.mlp_norm."),
+    ("pooler.dense.", "pooler."),
+]
+_HF_QKV = re.compile(r"encoder\.layer\.(\d+)\.attention\.self\.(query|key|value)\.(weight|bias)")
+_OUR_QKV = re.compile(r"layers\.(\d+)\.attn\.qkv\.(weight|bias)")
+
+
+def _rename(key: str, source_index: int) -> str:
+    """Rename by _ENCODER_RENAMES, from HF (source_index 0) or from ours (1); keys not listed keep their name."""
+    for names in _ENCODER_RENAMES:
+        pattern = re.escape(names[source_index]).replace(re.escape("{i}"), r"(?P<i>\d+)")
+        match = re.match(pattern, key)
+        if match:
+            target = names[1 - source_index].replace("{i}", match.groupdict().get("i") or "")
+            return target + key[match.end():]
+    return key
+
+
+def _encoder_from_hf(state_dict: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """HF encoder keys under `prefix` ("bert." / "roberta.") -> ours under "encoder."; with prefix "" every key is an
+    encoder key and ours have no prefix. Keys outside the prefix (heads) pass through unchanged."""
+    our_prefix = "encoder." if prefix else ""
+    converted, qkv_parts = {}, {}
+    for key, value in state_dict.items():
+        if not key.startswith(prefix):
+            converted[key] = value
+            continue
+        key = key.removeprefix(prefix)
+        if key in _HF_LEGACY_BUFFERS:
+            continue
+        match = _HF_QKV.fullmatch(key)
+        if match:
+            layer, projection, kind = match.groups()
+            qkv_parts.setdefault((layer, kind), {})[projection] = value
+        else:
+            converted[our_prefix + _rename(key, source_index=0)] = value
+    for (layer, kind), parts in qkv_parts.items():
+        if parts.keys() != {"query", "key", "value"}:
+            raise ValueError(f"state_dict has {sorted(parts)} but not all of query, key, value "
+                             f"for layer {layer} {kind}")
+        converted[f"{our_prefix}layers.{layer}.attn.qkv.{kind}"] = torch.cat(
+            [parts["query"], parts["key"], parts["value"]])
+    return converted
+
+
+def _encoder_to_hf(state_dict: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """Inverse of _encoder_from_hf: our keys under "encoder." (all keys when prefix is "") -> HF's under prefix."""
+    our_prefix = "encoder." if prefix else ""
+    converted = {}
+    for key, value in state_dict.items():
+        if not key.startswith(our_prefix):
+            converted[key] = value
+            continue
+        key = key.removeprefix(our_prefix)
+        match = _OUR_QKV.fullmatch(key)
+        if match:
+            layer, kind = match.groups()
+            for projection, part in zip(("query", "key", "value"), value.chunk(3)):
+                converted[f"{prefix}encoder.layer.{layer}.attention.self.{projection}.{kind}"] = part
+        else:
+            converted[prefix + _rename(key, source_index=1)] = value
+    return converted
+
+
+# Masked-LM head: (BERT name, RoBERTa name, ours). HF ties decoder.weight to the word embeddings and
+# decoder.bias to the head's bias; both appear in its state dict.
+_MLM_HEAD_RENAMES = [
+    ("cls.predictions.transform.dense.", "lm_head.dense.", "lm_head.dense."),
+    ("cls.predictions.transform.LayerNorm.", "lm_head.layer_norm.", "lm_head.norm."),
+    ("cls.predictions.bias", "lm_head.bias", "lm_head.decoder.bias"),
+]
+_MLM_TIED = {"bert": ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias"),
+             "roberta": ("lm_head.decoder.weight", "lm_head.decoder.bias")}
+
+
+def _masked_lm_from_hf(state_dict: dict[str, Tensor], flavor: str) -> dict[str, Tensor]:
+    column = FLAVORS.index(flavor)
+    decoder_weight_key, decoder_bias_key = _MLM_TIED[flavor]
+    state_dict = dict(state_dict)
+    decoder_weight, decoder_bias = state_dict.pop(decoder_weight_key, None), state_dict.pop(decoder_bias_key, None)
+    converted = {}
+    for key, value in _encoder_from_hf(state_dict, prefix=flavor + ".").items():
+        for names in _MLM_HEAD_RENAMES:
+            if key.startswith(names[column]):
+                key = names[2] + key[len(names[column]):]
+                break
+        converted[key] = value
+    word_embeddings = converted["lm_head.decoder.weight"] = converted["encoder.embeddings.word_embeddings.weight"]
+    if decoder_weight is not None and not torch.equal(decoder_weight, word_embeddings):
+        raise ValueError(f"state_dict has {decoder_weight_key} different from the word embeddings; "
+                         "this model ties them")
+    if decoder_bias is not None and not torch.equal(decoder_bias, converted.setdefault("lm_head.decoder.bias",
+                                                                                      decoder_bias)):
+        raise ValueError(f"state_dict has {decoder_bias_key} different from {_MLM_HEAD_RENAMES[2][column]}; "
+                         "HF ties them")
+    return converted
+
+
+def _masked_lm_to_hf(state_dict: dict[str, Tensor], flavor: str) -> dict[str, Tensor]:
+    column = FLAVORS.index(flavor)
+    decoder_weight_key, decoder_bias_key = _MLM_TIED[flavor]
+    state_dict = dict(state_dict)
+    decoder_weight = state_dict.pop("lm_head.decoder.weight")  # the word embeddings
+    converted = {}
+    for key, value in _encoder_to_hf(state_dict, prefix=flavor + ".").items():
+        for names in _MLM_HEAD_RENAMES:
+            if key.startswith(names[2]):
+                key = names[column] + key[len(names[2]):]
+                break
+        converted[key] = value
+    converted[decoder_weight_key] = decoder_weight
+    converted[decoder_bias_key] = state_dict["lm_head.decoder.bias"]
+    return converted
+
+
+def _bert_model_from_hf(state_dict: dict[str, Tensor], config: BertConfig) -> dict[str, Tensor]:
+    """HF BertModel / RobertaModel keys, with or without the "bert." / "roberta." prefix."""
+    prefix = config.flavor + "."
+    return _encoder_from_hf({key.removeprefix(prefix): value for key, value in state_dict.items()}, prefix="")
+
+
+def _bert_classifier_from_hf(state_dict: dict[str, Tensor], config: BertConfig) -> dict[str, Tensor]:
+    return _encoder_from_hf(state_dict, prefix=config.flavor + ".")
+
+
+def _bert_classifier_to_hf(state_dict: dict[str, Tensor], config: BertConfig) -> dict[str, Tensor]:
+    return _encoder_to_hf(state_dict, prefix=config.flavor + ".")  # the head keeps HF's names (classifier.*)
+
+
+# ---- the adapters ------------------------------------------------------------------------------------------------
+
+StateDictMap = Callable[[dict[str, Tensor], object], dict[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class StateDictAdapter:
+    config_from_hf: Callable  # (transformers config, attn_impl) -> our config
+    from_hf: StateDictMap  # (HF state dict, our config) -> our state dict
+    to_hf: StateDictMap  # (our state dict, our config) -> the state dict the HF class loads with strict=True
+    model_kwargs: Callable[[nn.Module], dict] = lambda hf_model: {}  # extra constructor arguments from the HF model
+
+
+ADAPTERS: dict[type, StateDictAdapter] = {
+    GPT2: StateDictAdapter(gpt2_config_from_hf, _gpt2_from_hf, _gpt2_to_hf),
+    BertModel: StateDictAdapter(bert_config_from_hf, _bert_model_from_hf,
+                                lambda state_dict, config: _encoder_to_hf(state_dict, prefix=""),
+                                lambda hf_model: {"add_pooler": hf_model.pooler is not None}),
+    BertForMaskedLM: StateDictAdapter(bert_config_from_hf, lambda sd, config: _masked_lm_from_hf(sd, config.flavor),
+                                      lambda sd, config: _masked_lm_to_hf(sd, config.flavor)),
+    BertForSequenceClassification: StateDictAdapter(bert_config_from_hf, _bert_classifier_from_hf,
+                                                    _bert_classifier_to_hf),
+}
+
+
+def _adapter(model_class: type) -> StateDictAdapter:
+    if model_class not in ADAPTERS:
+        raise TypeError(f"no Hugging Face adapter for {model_class.__name__}; adapters: "
+                        f"{[cls.__name__ for cls in ADAPTERS]}")
+    return ADAPTERS[model_class]
+
+
+def load_hf_state_dict(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module:
+    """Load a Hugging Face state dict of the matching transformers class into `model`, strictly; returns `model`."""
+    model.load_state_dict(_adapter(type(model)).from_hf(state_dict, model.config), strict=True)
+    return model
+
+
+def to_hf_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """`model`'s state dict under the matching transformers class's names (its load_state_dict(strict=True) takes it)."""
+    return _adapter(type(model)).to_hf(model.state_dict(), model.config)
+
+
+def from_pretrained_hf(model_class: type, hf_model, attn_impl: str = "flash") -> nn.Module:
+    """A `model_class` copy of a transformers model (GPT2LMHeadModel, BertModel / RobertaModel, *ForMaskedLM,
+    *ForSequenceClassification): its config, weights, dtype and device. To start a classifier from an encoder-only
+    checkpoint, load it with the HF class first (from_pretrained initialises the head)."""
+    adapter = _adapter(model_class)
+    model = model_class(adapter.config_from_hf(hf_model.config, attn_impl), **adapter.model_kwargs(hf_model))
+    model.to(device=hf_model.device, dtype=hf_model.dtype)
+    return load_hf_state_dict(model, hf_model.state_dict())

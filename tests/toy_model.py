@@ -1,0 +1,73 @@
+"""A model that exists only for the tests: a one-block causal Transformer LM, registered from outside the package.
+
+It shows what a new model needs: this file (the model, its config with build / attention_backend / check_data, the
+schema registered with Hydra) and one YAML file (tests/conf/model/toy.yaml). `test_toy_model.py` trains it through
+launch.py: FLASHTRAIN_PLUGINS=toy_model (on PYTHONPATH) hydra.searchpath=[file://tests/conf] model=toy.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hydra.core.config_store import ConfigStore
+from torch import Tensor
+
+from flashtrain.models.attention import attention, check_attn_impl, check_backend
+
+
+@dataclass
+class ToyConfig:
+    vocab_size: int = 512  # tokens in the vocabulary
+    n_positions: int = 128  # longest sequence; rows of the learned position table
+    d_model: int = 64  # width
+    n_head: int = 2  # attention heads; head_dim = d_model // n_head
+    attn_impl: str = "flash"  # flash | sdpa | reference | auto (flashtrain.models.attention)
+
+    def __post_init__(self):
+        check_attn_impl(self.attn_impl)
+
+    def build(self) -> "ToyLM":
+        return ToyLM(self)
+
+    def attention_backend(self, device: torch.device, dtype: torch.dtype) -> str:
+        return check_backend(self.attn_impl, device, dtype, self.d_model // self.n_head)
+
+    def check_data(self, data) -> None:
+        if data.task != "causal_lm":
+            raise ValueError(f"the toy model trains on causal_lm data; the data is {data.task}")
+        if self.vocab_size < data.vocab_size:
+            raise ValueError(f"model.vocab_size={self.vocab_size} is smaller than the data's {data.vocab_size}")
+        if data.max_length > self.n_positions:
+            raise ValueError(f"{data.length_field}={data.max_length} exceeds model.n_positions={self.n_positions}")
+
+
+class ToyLM(nn.Module):
+    """Embeddings, one pre-LN causal attention block with an MLP, a tied LM head."""
+
+    def __init__(self, config: ToyConfig):
+        super().__init__()
+        self.config = config
+        C = config.d_model
+        self.tok_emb = nn.Embedding(config.vocab_size, C)
+        self.pos_emb = nn.Embedding(config.n_positions, C)
+        self.attn_norm, self.mlp_norm, self.final_norm = nn.LayerNorm(C), nn.LayerNorm(C), nn.LayerNorm(C)
+        self.qkv, self.out = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.mlp = nn.Sequential(nn.Linear(C, 4 * C), nn.GELU(), nn.Linear(4 * C, C))
+        self.head = nn.Linear(C, config.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        nn.init.normal_(self.tok_emb.weight, std=0.02)
+
+    def forward(self, input_ids: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """input_ids (B, T) -> (logits (B, T, vocab_size), mean cross-entropy against targets (B, T) or None)."""
+        B, T = input_ids.shape
+        x = self.tok_emb(input_ids) + self.pos_emb(torch.arange(T, device=input_ids.device))  # (B, T, C)
+        q, k, v = self.qkv(self.attn_norm(x)).view(B, T, 3, self.config.n_head, -1).unbind(dim=2)  # (B, T, H, D)
+        x = x + self.out(attention(q, k, v, self.config.attn_impl, causal=True).reshape(B, T, -1))
+        x = x + self.mlp(self.mlp_norm(x))
+        logits = self.head(self.final_norm(x))  # (B, T, vocab_size)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return logits, loss
+
+
+ConfigStore.instance().store(group="model", name="toy_schema", node=ToyConfig)
