@@ -50,6 +50,9 @@ HF_IMPLS = {"hf-eager": "eager", "hf-sdpa": "sdpa"}
 # flashtrain under torch.compile, by mode (trainer.compile_mode); reduce-overhead replays CUDA graphs (cudagraph trees)
 COMPILE_IMPLS = {"flashtrain-compile": "default", "flashtrain-reduce-overhead": "reduce-overhead",
                  "flashtrain-max-autotune": "max-autotune"}
+# the same flashtrain GPT-2 with attn_impl=sdpa (PyTorch's default backend choice: cuDNN on Hopper): what a user gets
+# without our kernel
+SDPA_IMPL = "flashtrain-sdpa"
 
 
 def flops_per_token(n_layer: int, n_embd: int, seq_len: int, n_params_without_positions: int) -> int:
@@ -92,7 +95,7 @@ def build_loss_fn(impl: str, shape: tuple[int, int, int], seq_len: int, vocab_si
     n_layer, n_embd, n_head = shape
     if impl.startswith("flashtrain"):
         config = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer,
-                            n_head=n_head, attn_impl="flash")
+                            n_head=n_head, attn_impl="sdpa" if impl == SDPA_IMPL else "flash")
         with device:
             model = GPT2(config)
         step_model = torch.compile(model, mode=COMPILE_IMPLS[impl]) if impl in COMPILE_IMPLS else model
@@ -201,13 +204,14 @@ def format_table(rows: list[dict]) -> str:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """flashtrain rows get tokens/s ratios against each HF implementation of the same (model, seq_len)."""
+    """flashtrain rows (our kernel) get tokens/s ratios against each HF implementation and against flashtrain's model
+    on SDPA, for the same (model, seq_len)."""
     for row in rows:
-        if not row["impl"].startswith("flashtrain") or row["status"] != "ok":
+        if not row["impl"].startswith("flashtrain") or row["impl"] == SDPA_IMPL or row["status"] != "ok":
             continue
         for other in rows:
             same_config = (other["model"], other["seq_len"]) == (row["model"], row["seq_len"])
-            if same_config and other["impl"] in HF_IMPLS:
+            if same_config and (other["impl"] in HF_IMPLS or other["impl"] == SDPA_IMPL):
                 ok = other["status"] == "ok"
                 row[f"speedup_vs_{other['impl']}"] = row["tokens_per_s"] / other["tokens_per_s"] if ok else None
 
@@ -257,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="tokens per micro-batch, the same for every implementation (default 16384; tiny 256)")
     parser.add_argument("--compile", action="store_true", help="also time flashtrain under torch.compile")
     parser.add_argument("--impls", nargs="+", default=None,
-                        help="a subset of flashtrain flashtrain-compile flashtrain-reduce-overhead "
+                        help="a subset of flashtrain flashtrain-sdpa flashtrain-compile flashtrain-reduce-overhead "
                              "flashtrain-max-autotune hf-eager hf-sdpa (default: flashtrain and hf-*; --compile adds "
                              "flashtrain-compile)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile: 3 more)")
@@ -280,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--batch-tokens={batch_tokens} must be a multiple of every --seq-lens value ({seq_len})")
     impls = args.impls or ["flashtrain"] + (["flashtrain-compile"] if args.compile else []) + list(HF_IMPLS)
     for impl in impls:
-        if impl not in ("flashtrain", *COMPILE_IMPLS, *HF_IMPLS):
+        if impl not in ("flashtrain", SDPA_IMPL, *COMPILE_IMPLS, *HF_IMPLS):
             raise SystemExit(f"--impls: unknown implementation {impl!r}")
 
     import transformers

@@ -92,10 +92,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_impl: str, *, causal: bool =
         impl = "cuda" if chosen == KERNEL else "reference"
         if key_padding_mask is not None:
             raise ValueError(f"key_padding_mask: attn_impl {attn_impl} runs packed inputs; pass cu_seqlens instead")
+        # torch.use_deterministic_algorithms(True) (trainer.deterministic) selects the bitwise-reproducible backward
+        deterministic = torch.are_deterministic_algorithms_enabled()
         if cu_seqlens is not None:
             return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-                                          causal=causal, block_mask=block_mask, impl=impl)
-        return flash_attn_func(q, k, v, dropout_p, causal=causal, block_mask=block_mask, impl=impl)
+                                          causal=causal, block_mask=block_mask, deterministic=deterministic, impl=impl)
+        return flash_attn_func(q, k, v, dropout_p, causal=causal, block_mask=block_mask, deterministic=deterministic,
+                               impl=impl)
     if cu_seqlens is not None:
         raise ValueError(f"cu_seqlens: attn_impl {attn_impl} runs PyTorch SDPA here, on padded inputs; "
                          f"check runs_packed before packing")

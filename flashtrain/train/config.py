@@ -81,6 +81,9 @@ class TrainerConfig:
     # torch.compile mode (with compile=true): default | reduce-overhead (CUDA graphs: replays each step's kernels
     # without their launch cost) | max-autotune (also searches matmul configurations)
     compile_mode: str = "default"
+    # bitwise-reproducible steps on the GPU (a resumed run repeats the uninterrupted one exactly): PyTorch's
+    # deterministic algorithms, cuBLAS's fixed workspace, and the attention kernel's deterministic backward (slower)
+    deterministic: bool = False
     log_interval: int = 10  # steps between train-loss log lines
     eval_interval: int = 50  # steps between validation passes (and one at the end)
     eval_batches: int = 20  # validation micro-batches per pass

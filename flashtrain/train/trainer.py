@@ -9,6 +9,7 @@ resume), then `train_step` until the last step with `evaluate` and checkpoints o
 from __future__ import annotations
 
 import json
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -80,13 +81,27 @@ def evaluate(model: torch.nn.Module, loader, task: Task, accelerator: Accelerato
 
 def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None) -> TrainResult:
     """Train `cfg` writing into `run_dir`; `runs_of_name` (default: run_dir's parent) is where resume=auto looks."""
-    trainer = Trainer(cfg)
-    trainer.setup(run_dir, runs_of_name)
-    while trainer.state.step < trainer.end_step:
-        trainer.train_step()
-        if trainer.after_step():
-            break
-    return trainer.finish()
+    # trainer.deterministic switches a process-wide setting: put it back when the run ends
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        trainer = Trainer(cfg)
+        trainer.setup(run_dir, runs_of_name)
+        while trainer.state.step < trainer.end_step:
+            trainer.train_step()
+            if trainer.after_step():
+                break
+        return trainer.finish()
+    finally:
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+
+
+def use_deterministic_algorithms() -> None:
+    """trainer.deterministic: PyTorch's deterministic kernels (a warning names any op without one), cuBLAS with a fixed
+    workspace (read when its first handle is made, after this), cuDNN without autotuning; the attention kernel reads
+    torch.are_deterministic_algorithms_enabled() (models/attention.py) and runs its deterministic backward."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
 
 
 class Trainer:
@@ -106,6 +121,8 @@ class Trainer:
         self.run_dir = Path(broadcast_object_list([str(run_dir)])[0])
         runs_of_name = Path(runs_of_name) if runs_of_name is not None else self.run_dir.parent
         set_seed(cfg.seed)
+        if tcfg.deterministic:
+            use_deterministic_algorithms()
         self.main = accelerator.is_main_process
         # before any data is prepared: attn_impl=flash that cannot run stops here, with the reason
         self.attention = cfg.model.attention_backend(accelerator.device, COMPUTE_DTYPES[accelerator.mixed_precision])
