@@ -163,6 +163,7 @@ BWD_SM90_TILES = {
     128: BwdSm90Tiles(min_blocks=2, min_blocks_dropout=2),
 }
 SM90_ARCH = "sm_90a"
+MAX_STREAMS = 64  # streams one process may run the persistent Hopper forward on (one tile counter each)
 BWD_TILES = {
     32: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=8, warps_m_dq=4, stages=2),
     64: BwdTiles(128, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2, scramble_dq=1),
@@ -366,7 +367,7 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
                ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
                ("FT_BF16", int(dtype == "bf16")),
                ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
-               ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
+               ("FT_SMEM_BYTES", smem_bytes), ("FT_MAX_STREAMS", MAX_STREAMS), ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_fwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 

@@ -99,6 +99,7 @@ class Kernel:
     def __init__(self, function, threads: int, smem_bytes: int):
         self.function, self.threads, self.smem_bytes = function, threads, smem_bytes
         self.handle = ctypes.c_void_p(int(function))  # the CUfunction for ctypes calls
+        self.tile_counters = 0  # persistent kernels: device address of their module's tile counters
         if smem_bytes > 48 * 1024:  # above 48 KB a kernel must opt in to its dynamic shared memory
             _check(driver.cuFuncSetAttribute(
                 function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
@@ -171,19 +172,22 @@ def sm_count(device: torch.device) -> int:
     return count
 
 
-_tile_counters: dict[tuple[int, int], torch.Tensor] = {}  # (device index, stream) -> int32 counter, kept at 0
+_stream_slots: dict[tuple[int, int], int] = {}  # (device index, stream handle) -> tile counter slot
 
 
-def tile_counter(device: torch.device) -> int:
-    """Address of the dynamic tile scheduler's counter for the current stream of `device` (csrc/flash.h
-    FwdSm90Params): zero-filled once, reset to 0 by every launch that uses it, one per stream so that concurrent
-    launches never share one. Counters made during CUDA-graph capture live in the graph's pool (their zero-fill is
-    a node of the graph) and stay referenced here."""
+def tile_counter(kernel: "Kernel", device: torch.device) -> int:
+    """Address of the dynamic tile scheduler's counter of `kernel` for the current stream of `device`
+    (csrc/flash_fwd_sm90.cu flashtrain_tile_counters): zero when the module loads, reset to 0 by every launch, one
+    slot per stream so that concurrent launches never share one."""
     key = (device.index, _current_stream(device))
-    counter = _tile_counters.get(key)
-    if counter is None:
-        counter = _tile_counters.setdefault(key, torch.zeros(1, dtype=torch.int32, device=device))
-    return counter.data_ptr()
+    slot = _stream_slots.get(key)
+    if slot is None:
+        with _lock:
+            slot = _stream_slots.setdefault(key, sum(k[0] == device.index for k in _stream_slots))
+    if slot >= build.MAX_STREAMS:
+        raise RuntimeError(f"the Hopper forward kernel ran on more than build.MAX_STREAMS = {build.MAX_STREAMS} "
+                           f"CUDA streams of cuda:{device.index} in this process (one tile counter each)")
+    return kernel.tile_counters + 4 * slot
 
 
 _smem_limits: dict[int, int] = {}  # device index -> shared memory per block the kernels may use
@@ -218,5 +222,10 @@ def get_kernel(spec: build.KernelSpec, symbol: str, device: torch.device) -> Ker
                 _modules[module_key] = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({spec.name})")
             function = _check(driver.cuModuleGetFunction(_modules[module_key], symbol.encode()),
                               f"cuModuleGetFunction({symbol})")
-            _kernels[key] = Kernel(function, spec.threads, spec.smem_bytes)
+            kernel = Kernel(function, spec.threads, spec.smem_bytes)
+            if spec.persistent:
+                counters, _ = _check(driver.cuModuleGetGlobal(_modules[module_key], b"flashtrain_tile_counters"),
+                                     "cuModuleGetGlobal(flashtrain_tile_counters)")
+                kernel.tile_counters = int(counters)
+            _kernels[key] = kernel
     return _kernels[key]

@@ -184,15 +184,16 @@ def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_s
     grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
     if spec.persistent:  # at most one CTA per SM, each taking tiles from the dynamic scheduler
         grid = (min(grid[0] * grid[1] * grid[2], launch.sm_count(q.device)), 1, 1)
+    kernel = launch.get_kernel(spec, spec.symbols[0], q.device)
     if spec.source == "flash_fwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, then the same parameters
         from flashtrain.kernels import tma
 
-        varlen, tiles = cu_seqlens_q is not None, build.fwd_sm90_tiles(head_dim, causal, dropout_p > 0, block_sparse)
+        varlen, tiles = cu_seqlens_q is not None, spec.tiles
         params = launch.FwdSm90Params(tma_q=tma.tensor_map(q, varlen, tiles.block_m),
                                       tma_k=tma.tensor_map(k, varlen, tiles.block_n),
                                       tma_v=tma.tensor_map(v, varlen, tiles.block_n), fwd=params,
-                                      tile_counter=launch.tile_counter(q.device) if spec.persistent else 0)
-    launch.get_kernel(spec, spec.symbols[0], q.device).launch(grid, params, q.device)
+                                      tile_counter=launch.tile_counter(kernel, q.device))
+    kernel.launch(grid, params, q.device)
     return out, lse
 
 

@@ -7,6 +7,11 @@ using Traits = flashtrain::FwdSm90Traits<FT_HEAD_DIM, FT_BLOCK_M, FT_BLOCK_N, FT
 static_assert(Traits::kSmemBytes == FT_SMEM_BYTES, "build.py and the kernel disagree on the shared memory size");
 static_assert(Traits::kNThreads == FT_THREADS, "build.py and the kernel disagree on the block size");
 
+// The dynamic tile scheduler's counters (FwdSm90Params::tile_counter points at one): zero when the module loads, left
+// at zero by every launch; one per stream (launch.py hands them out), so concurrent launches never share one. They
+// live in the module rather than in a torch allocation so that CUDA-graph capture sees no allocation of ours.
+extern "C" __device__ int flashtrain_tile_counters[FT_MAX_STREAMS];
+
 // One CTA per SM (__launch_bounds__(threads, 1)): the register cap at entry that setmaxnreg needs.
 extern "C" __global__ void __launch_bounds__(Traits::kNThreads, 1)
     FT_KERNEL_NAME(const __grid_constant__ flashtrain::FwdSm90Params params) {

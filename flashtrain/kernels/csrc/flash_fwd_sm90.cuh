@@ -176,7 +176,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             for (int tile = blockIdx.x;; tile = next_tile(tile)) {
                 if (tile < n_tiles && !fwd_tile<T>(p, tile, n_mblocks, x)) continue;
                 mbar_wait(empty_q, (tile_iter & 1) ^ 1);  // the consumers' last S GEMM of the previous tile is done
-                st_shared_b32(tile_slot, tile < n_tiles ? tile : -1);
+                atomic_store_shared(tile_slot, tile < n_tiles ? tile : -1);  // (ordered by empty_q / full_q)
                 if (tile >= n_tiles) {
                     mbar_arrive(full_q);  // no copy: the consumers read the end mark and stop
                     break;
@@ -234,7 +234,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     int it = 0;
     for (int tile_iter = 0;; ++tile_iter) {
         mbar_wait(full_q, tile_iter & 1);  // Q landed, or the end mark
-        const int tile = ld_shared_b32(tile_slot);
+        const int tile = atomic_load_shared(tile_slot);
         if (tile < 0) break;
         FwdTile x;
         fwd_tile<T>(p, tile, n_mblocks, x);

@@ -42,9 +42,14 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     }
 }
 
-__device__ __forceinline__ int ld_shared_b32(u32 addr) {
+// A shared word handed from one thread to others with mbarriers ordering the accesses; atomic, so that racecheck
+// (which does not follow mbarrier arrive / wait) sees no plain store racing plain loads.
+__device__ __forceinline__ void atomic_store_shared(u32 addr, int v) {
+    asm volatile("atom.shared.exch.b32 _, [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ int atomic_load_shared(u32 addr) {
     int v;
-    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    asm volatile("atom.shared.or.b32 %0, [%1], 0;" : "=r"(v) : "r"(addr) : "memory");
     return v;
 }
 
