@@ -79,9 +79,10 @@ class AuxParams(ctypes.Structure):
 def _check(result, what: str):
     """cuda.bindings calls return (error, *values): raise on error, return the values."""
     err, *values = result
-    if err != driver.CUresult.CUDA_SUCCESS:
+    if err != driver.CUresult.CUDA_SUCCESS:  # e.g. "CUDA_ERROR_ASSERT (device-side assert triggered)"
         _, name = driver.cuGetErrorName(err)
-        raise RuntimeError(f"{what} failed: {name.decode() if name else err}")
+        _, text = driver.cuGetErrorString(err)
+        raise RuntimeError(f"{what} failed: {name.decode() if name else err} ({text.decode() if text else '?'})")
     return values[0] if len(values) == 1 else values
 
 
