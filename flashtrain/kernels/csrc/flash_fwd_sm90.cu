@@ -10,7 +10,9 @@ static_assert(Traits::kNThreads == FT_THREADS, "build.py and the kernel disagree
 // The dynamic tile scheduler's counters (FwdSm90Params::tile_counter points at one): zero when the module loads, left
 // at zero by every launch; one per stream (launch.py hands them out), so concurrent launches never share one. They
 // live in the module rather than in a torch allocation so that CUDA-graph capture sees no allocation of ours.
-extern "C" __device__ int flashtrain_tile_counters[FT_MAX_STREAMS];
+extern "C" {
+__device__ int flashtrain_tile_counters[FT_MAX_STREAMS];
+}
 
 // One CTA per SM (__launch_bounds__(threads, 1)): the register cap at entry that setmaxnreg needs.
 extern "C" __global__ void __launch_bounds__(Traits::kNThreads, 1)

@@ -187,23 +187,21 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 for (int cb = 0; cb < T::kColBlocks; ++cb)
                     tma_load_4d(sQ + cb * kBlockM * 128, &params.tma_q, full_q, cb * 64, x.q_start + x.m0, x.head,
                                 batch_coord);
+                // one K or V tile into its stage, once the consumers have released the stage
+                auto copy_kv = [&](u32 empty, u32 full, u32 tile, const TmaDesc* desc, u32 parity, int row) {
+                    mbar_wait(empty, parity);
+                    mbar_arrive_expect_tx(full, TileKV::kBytes);
+#pragma unroll
+                    for (int cb = 0; cb < T::kColBlocks; ++cb)
+                        tma_load_4d(tile + cb * kBlockN * 128, desc, full, cb * 64, row, x.head_kv, batch_coord);
+                };
                 KeyBlockWalk<T> walk(p, x.head, x.m0, x.n_block_max);
                 for (; walk.n_block >= 0; walk.next(), ++it) {
                     const int stage = it % kStages;
                     const u32 parity = ((it / kStages) & 1) ^ 1;  // the first pass finds every stage empty
                     const int row = x.k_start + walk.n_block * kBlockN;
-                    mbar_wait(empty_k(stage), parity);
-                    mbar_arrive_expect_tx(full_k(stage), TileKV::kBytes);
-#pragma unroll
-                    for (int cb = 0; cb < T::kColBlocks; ++cb)
-                        tma_load_4d(sK + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_k, full_k(stage),
-                                    cb * 64, row, x.head_kv, batch_coord);
-                    mbar_wait(empty_v(stage), parity);
-                    mbar_arrive_expect_tx(full_v(stage), TileKV::kBytes);
-#pragma unroll
-                    for (int cb = 0; cb < T::kColBlocks; ++cb)
-                        tma_load_4d(sV + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_v, full_v(stage),
-                                    cb * 64, row, x.head_kv, batch_coord);
+                    copy_kv(empty_k(stage), full_k(stage), sK + stage * TileKV::kBytes, &params.tma_k, parity, row);
+                    copy_kv(empty_v(stage), full_v(stage), sV + stage * TileKV::kBytes, &params.tma_v, parity, row);
                 }
                 ++tile_iter;
             }
