@@ -187,21 +187,23 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 for (int cb = 0; cb < T::kColBlocks; ++cb)
                     tma_load_4d(sQ + cb * kBlockM * 128, &params.tma_q, full_q, cb * 64, x.q_start + x.m0, x.head,
                                 batch_coord);
-                // one K or V tile into its stage, once the consumers have released the stage
-                auto copy_kv = [&](u32 empty, u32 full, u32 tile, const TmaDesc* desc, u32 parity, int row) {
-                    mbar_wait(empty, parity);
-                    mbar_arrive_expect_tx(full, TileKV::kBytes);
-#pragma unroll
-                    for (int cb = 0; cb < T::kColBlocks; ++cb)
-                        tma_load_4d(tile + cb * kBlockN * 128, desc, full, cb * 64, row, x.head_kv, batch_coord);
-                };
                 KeyBlockWalk<T> walk(p, x.head, x.m0, x.n_block_max);
                 for (; walk.n_block >= 0; walk.next(), ++it) {
                     const int stage = it % kStages;
                     const u32 parity = ((it / kStages) & 1) ^ 1;  // the first pass finds every stage empty
                     const int row = x.k_start + walk.n_block * kBlockN;
-                    copy_kv(empty_k(stage), full_k(stage), sK + stage * TileKV::kBytes, &params.tma_k, parity, row);
-                    copy_kv(empty_v(stage), full_v(stage), sV + stage * TileKV::kBytes, &params.tma_v, parity, row);
+                    mbar_wait(empty_k(stage), parity);
+                    mbar_arrive_expect_tx(full_k(stage), TileKV::kBytes);
+#pragma unroll
+                    for (int cb = 0; cb < T::kColBlocks; ++cb)
+                        tma_load_4d(sK + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_k, full_k(stage),
+                                    cb * 64, row, x.head_kv, batch_coord);
+                    mbar_wait(empty_v(stage), parity);
+                    mbar_arrive_expect_tx(full_v(stage), TileKV::kBytes);
+#pragma unroll
+                    for (int cb = 0; cb < T::kColBlocks; ++cb)
+                        tma_load_4d(sV + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_v, full_v(stage),
+                                    cb * 64, row, x.head_kv, batch_coord);
                 }
                 ++tile_iter;
             }
@@ -232,7 +234,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     int it = 0;
     for (int tile_iter = 0;; ++tile_iter) {
         mbar_wait(full_q, tile_iter & 1);  // Q landed, or the end mark
-        const int tile = atomic_load_shared(tile_slot);
+        const int tile = ld_shared_b32(tile_slot);
         if (tile < 0) break;
         FwdTile x;
         fwd_tile<T>(p, tile, n_mblocks, x);

@@ -42,14 +42,15 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     }
 }
 
-// A shared word handed from one thread to others with mbarriers ordering the accesses; atomic, so that racecheck
-// (which does not follow mbarrier arrive / wait) sees no plain store racing plain loads.
+// A shared word handed from one thread to others, the accesses ordered by mbarriers: the store is atomic, so that
+// racecheck (which does not follow mbarrier arrive / wait) sees no plain store racing the plain loads. (Atomic loads
+// made ptxas spill 40-68 B in the consumer warpgroups.)
 __device__ __forceinline__ void atomic_store_shared(u32 addr, int v) {
     asm volatile("atom.shared.exch.b32 _, [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
-__device__ __forceinline__ int atomic_load_shared(u32 addr) {
+__device__ __forceinline__ int ld_shared_b32(u32 addr) {
     int v;
-    asm volatile("atom.shared.or.b32 %0, [%1], 0;" : "=r"(v) : "r"(addr) : "memory");
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
     return v;
 }
 
