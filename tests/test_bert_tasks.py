@@ -4,6 +4,7 @@ BERT/RoBERTa with position extension, and the four recipes run on tiny overrides
 import importlib.util
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -46,10 +47,22 @@ def wordpiece_dir(tmp_path_factory):
     """An uncased WordPiece of 400 tokens saved as a transformers fast tokenizer: [PAD] 0, [UNK], [CLS], [SEP],
     [MASK] (BERT's special tokens)."""
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.train_from_iterator(TRAINING_TEXT, trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials))
+    normalizer, pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    # The vocabulary is built here, deterministically: tokenizers' WordPieceTrainer breaks frequency ties in a
+    # different order in every process, which made the MLM test's accuracy (and its pass / fail) vary from run to run.
+    # Every character alone and as a continuation, the long-document task's marker words (whole tokens, as a trained
+    # vocabulary has them), then the most frequent words (ties: alphabetical).
+    def split(text):
+        return [word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text))]
+
+    words = Counter(word for text in TRAINING_TEXT for word in split(text))
+    chars = sorted({char for word in words for char in word})
+    vocab = specials + chars + [f"##{char}" for char in chars]
+    vocab += sorted({word for marker in LongDocConfig().markers for word in split(marker)} - set(vocab))
+    frequent = [word for word, _ in sorted(words.items(), key=lambda item: (-item[1], item[0])) if word not in vocab]
+    vocab += frequent[:400 - len(vocab)]
+    tokenizer = Tokenizer(models.WordPiece({token: i for i, token in enumerate(vocab)}, unk_token="[UNK]"))
+    tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]",
                                                 cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
     path = tmp_path_factory.mktemp("wordpiece")
