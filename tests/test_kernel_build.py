@@ -6,7 +6,12 @@ python -m flashtrain.kernels.build --check-nvcc sm_80 sm_90a -j 2
 """
 
 import ctypes
+import importlib
 import re
+import shutil
+import subprocess
+import sys
+import types
 
 import pytest
 
@@ -154,9 +159,9 @@ def test_bad_max_smem_names_the_variable(monkeypatch, value):
         build.smem_cap()
 
 
-def test_ctypes_params_match_the_header():
+def test_ctypes_params_match_the_header(launch_module):
     """launch.py's structs mirror csrc/flash.h field for field, in order."""
-    launch = pytest.importorskip("flashtrain.kernels.launch", exc_type=ImportError)
+    launch = launch_module
     header = (build.CSRC / "flash.h").read_text()
     for struct in (launch.FwdParams, launch.BwdParams, launch.AuxParams):
         body = re.search(rf"struct {struct.__name__} {{(.*?)\n}};", header, re.S).group(1)
@@ -164,6 +169,56 @@ def test_ctypes_params_match_the_header():
         fields = [name for decl in body.split(";") for name in re.findall(r"(\w+)\s*(?:,|$)", decl.strip())]
         assert fields == [name for name, _ in struct._fields_], struct.__name__
     assert ctypes.sizeof(launch.FwdParams) % 8 == 0 and ctypes.sizeof(launch.BwdParams) % 8 == 0
+
+
+@pytest.fixture
+def launch_module(monkeypatch):
+    """flashtrain.kernels.launch, importable without cuda-python (its structs need no driver): with a stand-in
+    cuda.bindings.driver module, removed again after the test together with the launch module built on it."""
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        driver = types.ModuleType("cuda.bindings.driver")
+        bindings = types.ModuleType("cuda.bindings")
+        bindings.driver = driver
+        cuda = types.ModuleType("cuda")
+        cuda.bindings = bindings
+        for name, module in (("cuda", cuda), ("cuda.bindings", bindings), ("cuda.bindings.driver", driver)):
+            monkeypatch.setitem(sys.modules, name, module)
+        import flashtrain.kernels as kernels
+
+        sys.modules.pop("flashtrain.kernels.launch", None)
+        yield importlib.import_module("flashtrain.kernels.launch")
+        sys.modules.pop("flashtrain.kernels.launch", None)
+        if hasattr(kernels, "launch"):
+            delattr(kernels, "launch")
+    else:
+        yield importlib.import_module("flashtrain.kernels.launch")
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (flash.h is plain C++)")
+def test_ctypes_params_have_the_headers_layout(tmp_path, launch_module):
+    """Every field of launch.py's parameter structs sits at the offset the compiled csrc/flash.h gives it, and the
+    structs have the header's size (a kernel reads its parameters by offset: a mismatch is silent garbage)."""
+    launch = launch_module
+    structs = (launch.FwdParams, launch.BwdParams, launch.AuxParams, launch.FwdSm90Params)
+    lines = ['#include <cstddef>', '#include <cstdio>', '#include "flash.h"', "using namespace flashtrain;",
+             "int main() {"]
+    for struct in structs:
+        name = struct.__name__
+        lines.append(f'std::printf("{name} size %zu\\n", sizeof({name}));')
+        lines += [f'std::printf("{name} {field} %zu\\n", offsetof({name}, {field}));'
+                  for field, _ in struct._fields_ if field != "pad_" or name != "FwdSm90Params"]
+    source = tmp_path / "layout.cpp"
+    source.write_text("\n".join(lines + ["}"]))
+    subprocess.run(["g++", "-std=c++17", "-I", str(build.CSRC), str(source), "-o", str(tmp_path / "layout")],
+                   check=True)
+    compiled = subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, check=True).stdout.split("\n")
+    for struct in structs:
+        expected = {f"{struct.__name__} size {ctypes.sizeof(struct)}"}
+        expected |= {f"{struct.__name__} {field} {getattr(struct, field).offset}" for field, _ in struct._fields_
+                     if field != "pad_" or struct is not launch.FwdSm90Params}
+        assert expected <= set(compiled), sorted(expected - set(compiled))
 
 
 def test_cache_key_changes_with_macros_and_arch(tmp_path, monkeypatch):
