@@ -16,6 +16,7 @@ only the tied lm_head, saved once as the token embedding, may be absent) and the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def _schema_for(group: str, values: dict) -> type:
 
     register_configs()
     schemas = [OmegaConf.get_type(node.node) for node in ConfigStore.instance().repo[group].values()]
-    matches = [schema for schema in schemas if set(schema.__dataclass_fields__) == set(values)]
+    matches = [schema for schema in schemas if {f.name for f in dataclasses.fields(schema)} == set(values)]
     if len(matches) != 1:
         raise ValueError(f"the run's {group} config (keys {sorted(values)}) matches {len(matches)} of the registered "
                          f"{group} schemas {[s.__name__ for s in schemas]}, not one")

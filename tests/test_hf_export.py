@@ -60,3 +60,53 @@ def test_gpt2_export_reloads_with_transformers(gpt2_run, tmp_path):
 
     generation = GenerationConfig.from_pretrained(out_dir)
     assert generation.eos_token_id == hf_tokenizer.eos_token_id == hf_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+
+# ---- BERT / RoBERTa: the masked-LM and the classification head -----------------------------------------------------
+
+from test_bert_tasks import FIXTURES, roberta_bpe_dir, tiny_model_overrides, wordpiece_dir  # noqa: E402,F401
+
+
+def launch(run_dir: Path, overrides: list[str]) -> Path:
+    proc = subprocess.run([sys.executable, "launch.py", "name=test", "logger=none", *overrides,
+                           "trainer.max_steps=2", "trainer.eval_interval=2", "trainer.eval_batches=1",
+                           "trainer.save_interval=2", "trainer.micro_batch_size=4", "trainer.grad_accum_steps=1",
+                           "optim.warmup_steps=1", f"data.cache_dir={run_dir.parent / 'cache'}",
+                           f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.parametrize("kind", ["bert-mlm", "roberta-classification"])
+def test_bert_export_reloads_with_transformers(kind, tmp_path, wordpiece_dir, roberta_bpe_dir):
+    import transformers
+
+    if kind == "bert-mlm":
+        overrides = ["recipe=bert-large-mlm", "data.corpus=stdlib", "data.max_bytes=60000",
+                     f"data.tokenizer={wordpiece_dir}", "data.num_proc=1", "data.streaming=false",
+                     "data.val_fraction=0.1", *tiny_model_overrides(400, 64)]
+        auto, hf_class = transformers.AutoModelForMaskedLM, "BertForMaskedLM"
+    else:
+        overrides = ["recipe=roberta-longdoc-ecthr", "init_from=null", f"data.path={FIXTURES / 'ecthr'}",
+                     f"data.tokenizer={roberta_bpe_dir}", *tiny_model_overrides(400, 48), "model.num_labels=10"]
+        auto, hf_class = transformers.AutoModelForSequenceClassification, "RobertaForSequenceClassification"
+    run_dir = launch(tmp_path / "run", overrides)
+    out_dir = export(run_dir, tmp_path / "hf")
+
+    run = load_run(run_dir, attn_impl="reference")
+    hf_model = auto.from_pretrained(out_dir).eval()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir)
+    assert type(hf_model).__name__ == hf_class and hf_tokenizer.is_fast
+    if kind == "roberta-classification":
+        assert hf_model.config.problem_type == "multi_label_classification" and hf_model.config.num_labels == 10
+    batch = hf_tokenizer(["the court held that article 6 was violated", "def f(x): return x"], padding=True,
+                         return_tensors="pt")
+    assert batch["attention_mask"].eq(0).any()  # padding included
+    with torch.no_grad():
+        ours = run.model(batch["input_ids"], batch["attention_mask"])[0]
+        theirs = hf_model(**batch).logits
+    if kind == "bert-mlm":  # ours are zeros at pads
+        mask = batch["attention_mask"].bool()
+        ours, theirs = ours[mask], theirs[mask]
+    assert (ours - theirs).abs().max().item() < 1e-4 * max(1.0, ours.abs().max().item())
