@@ -62,6 +62,19 @@ def test_gpt2_export_reloads_with_transformers(gpt2_run, tmp_path):
     assert generation.eos_token_id == hf_tokenizer.eos_token_id == hf_tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
 
+def test_generate_command_streams_the_greedy_continuation(gpt2_run):
+    """python -m flashtrain.generate on the run (KV cache) prints what uncached greedy decoding gives, and tokens/s."""
+    proc = subprocess.run([sys.executable, "-m", "flashtrain.generate", str(gpt2_run), "--prompt", "import os\n",
+                           "--max-new-tokens", "30", "--temperature", "0"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = load_run(gpt2_run)
+    prompt = torch.tensor([run.tokenizer("import os\n")["input_ids"]])
+    expected = run.tokenizer.decode(run.model.generate(prompt, 30, temperature=0.0, use_cache=False)[0].tolist())
+    assert proc.stdout == expected + "\n"
+    assert "30 tokens in" in proc.stderr and "tokens/s" in proc.stderr and "KV cache" in proc.stderr
+
+
 # ---- BERT / RoBERTa: the masked-LM and the classification head -----------------------------------------------------
 
 from test_bert_tasks import FIXTURES, roberta_bpe_dir, tiny_model_overrides, wordpiece_dir  # noqa: E402,F401
