@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from flashtrain.models.hf_convert import bert_config_to_hf, gpt2_config_to_hf, t
 from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
 
 EOS_TOKEN = "<|endoftext|>"
+HF_FILES = "hf"  # RUN_DIR/hf/: the run's tokenizer and transformers config (save_model_files)
 # sampling defaults written into generation_config.json (and used by flashtrain.generate)
 TEMPERATURE, TOP_K = 0.8, 50
 
@@ -68,6 +70,21 @@ def _schema_for(group: str, values: dict) -> type:
     return matches[0]
 
 
+def _fill_hydra_values(node, hydra_yaml: Path):
+    """`node` with each "${hydra:KEY}" (e.g. the run name, ${hydra:runtime.choices.recipe}) replaced by KEY's value
+    in the run's hydra.yaml: Hydra saves config.yaml unresolved, and its resolver only works inside a Hydra app."""
+    if isinstance(node, dict):
+        return {key: _fill_hydra_values(value, hydra_yaml) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_fill_hydra_values(value, hydra_yaml) for value in node]
+    match = re.fullmatch(r"\$\{hydra:([\w.]+)\}", node) if isinstance(node, str) else None
+    if match is None:
+        return node
+    if not hydra_yaml.is_file():
+        raise FileNotFoundError(f"{hydra_yaml}: needed for {node!r} in the run's config")
+    return OmegaConf.select(OmegaConf.load(hydra_yaml).hydra, match.group(1), throw_on_missing=True)
+
+
 def load_run_config(run_dir: Path):
     """The typed FlashtrainConfig of a run, from RUN_DIR/.hydra/config.yaml."""
     from flashtrain.train.config import FlashtrainConfig
@@ -75,7 +92,8 @@ def load_run_config(run_dir: Path):
     path = run_dir / ".hydra" / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no composed config; runs started by launch.py write it")
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    raw = _fill_hydra_values(OmegaConf.to_container(OmegaConf.load(path)), run_dir / ".hydra" / "hydra.yaml")
+    raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)  # ${data.vocab_size} and the like
     schema = OmegaConf.structured(FlashtrainConfig)
     for group in ("model", "data"):  # typed `Any` in the root schema: pick their dataclass by their keys
         schema[group] = OmegaConf.structured(_schema_for(group, raw[group]))
@@ -101,6 +119,25 @@ def load_tokenizer_of(cfg):
     raise TypeError(f"no export for {type(cfg.model).__name__} runs (GPT-2, BERT and RoBERTa only)")
 
 
+def save_model_files(cfg, run_dir: Path) -> None:
+    """RUN_DIR/hf/: the run's tokenizer (a transformers fast tokenizer) and its transformers config.json, so that the
+    model can be used without flashtrain's config (GPT-2, BERT and RoBERTa runs; other models: nothing). The trainer
+    calls it once at the start of a run, on the main process."""
+    if not isinstance(cfg.model, (GPT2Config, BertConfig)):
+        return
+    out_dir = Path(run_dir) / HF_FILES
+    tokenizer = load_tokenizer_of(cfg)
+    tokenizer.save_pretrained(out_dir)
+    hf_config_of(cfg.model, tokenizer).save_pretrained(out_dir)
+
+
+def hf_config_of(model_cfg, tokenizer):
+    """The transformers config of a GPT-2 or BERT/RoBERTa model config (GPT-2's EOS from its tokenizer)."""
+    if isinstance(model_cfg, GPT2Config):
+        return gpt2_config_to_hf(model_cfg, eos_token_id=tokenizer.eos_token_id)
+    return bert_config_to_hf(model_cfg)
+
+
 def load_run(path: str | Path, attn_impl: str | None = None) -> Run:
     """The run at `path` (run or checkpoint directory): config, model with the checkpoint's weights, tokenizer.
     attn_impl overrides the model config's (e.g. "reference" or "sdpa" on a CPU)."""
@@ -116,7 +153,14 @@ def load_run(path: str | Path, attn_impl: str | None = None) -> Run:
     if unexpected or set(missing) - tied:
         raise ValueError(f"{checkpoint} does not fit the run's model config: missing {sorted(set(missing) - tied)}, "
                          f"unexpected {sorted(unexpected)}")
-    return Run(cfg, checkpoint, model.eval(), load_tokenizer_of(cfg))
+    saved_tokenizer = run_dir / HF_FILES / "tokenizer.json"  # runs since the run directory kept it
+    if saved_tokenizer.is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(saved_tokenizer.parent)
+    else:
+        tokenizer = load_tokenizer_of(cfg)
+    return Run(cfg, checkpoint, model.eval(), tokenizer)
 
 
 def hf_model_of(run: Run):
@@ -124,11 +168,10 @@ def hf_model_of(run: Run):
     import transformers
 
     model_cfg = run.cfg.model
+    hf_config = hf_config_of(model_cfg, run.tokenizer)
     if isinstance(model_cfg, GPT2Config):
-        hf_config = gpt2_config_to_hf(model_cfg, eos_token_id=run.tokenizer.eos_token_id)
         hf_model = transformers.GPT2LMHeadModel(hf_config)
     elif isinstance(run.model, (BertForMaskedLM, BertForSequenceClassification)):
-        hf_config = bert_config_to_hf(model_cfg)
         head = "ForMaskedLM" if isinstance(run.model, BertForMaskedLM) else "ForSequenceClassification"
         hf_model = getattr(transformers, ("Bert" if model_cfg.flavor == "bert" else "Roberta") + head)(hf_config)
     else:

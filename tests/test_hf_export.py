@@ -21,7 +21,8 @@ def gpt2_run(tmp_path_factory):
     """A 20-step tiny GPT-2 run started as a user starts one (launch.py writes .hydra/config.yaml)."""
     cache_dir = tmp_path_factory.mktemp("export-cache")
     run_dir = tmp_path_factory.mktemp("export") / "run"
-    proc = subprocess.run([sys.executable, "launch.py", *tiny_overrides(cache_dir), "trainer.max_steps=20",
+    overrides = [o for o in tiny_overrides(cache_dir) if o != "name=test"]  # name: ${hydra:runtime.choices.recipe}
+    proc = subprocess.run([sys.executable, "launch.py", *overrides, "trainer.max_steps=20",
                            f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -60,6 +61,25 @@ def test_gpt2_export_reloads_with_transformers(gpt2_run, tmp_path):
 
     generation = GenerationConfig.from_pretrained(out_dir)
     assert generation.eos_token_id == hf_tokenizer.eos_token_id == hf_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+
+def test_run_directory_holds_tokenizer_and_hf_config(gpt2_run):
+    """RUN_DIR/hf/ (written by the trainer at the start): a fast tokenizer and a config.json transformers reads."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from flashtrain.data.lm import prepare_lm_data
+    from flashtrain.export import load_run_config
+
+    tokenizer = AutoTokenizer.from_pretrained(gpt2_run / "hf")
+    hf_config = AutoConfig.from_pretrained(gpt2_run / "hf")
+    cfg = load_run_config(gpt2_run)
+    assert cfg.name == "gpt2-tiny-stdlib"  # Hydra's ${hydra:...} in the saved config, filled from hydra.yaml
+    assert (hf_config.model_type, hf_config.n_layer, hf_config.n_embd, hf_config.n_head, hf_config.n_positions,
+            hf_config.vocab_size) == ("gpt2", 2, 64, 2, 128, cfg.model.vocab_size)
+    text = "for i in range(10):\n    print(i)  # <|endoftext|> inside\n"
+    bpe = prepare_lm_data(cfg.data).tokenizer  # what the run trained on
+    assert tokenizer(text)["input_ids"][:12] == bpe.encode(text).ids[:12]
+    assert tokenizer.eos_token_id == hf_config.eos_token_id == bpe.token_to_id("<|endoftext|>")
 
 
 def test_generate_command_streams_the_greedy_continuation(gpt2_run):
