@@ -26,12 +26,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from flashtrain.data.tokenizer import EOS_TOKEN
 from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification
 from flashtrain.models.gpt2 import GPT2Config
 from flashtrain.models.hf_convert import bert_config_to_hf, gpt2_config_to_hf, to_hf_state_dict
 from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
 
-EOS_TOKEN = "<|endoftext|>"
 HF_FILES = "hf"  # RUN_DIR/hf/: the run's tokenizer and transformers config (save_model_files)
 # sampling defaults written into generation_config.json (and used by flashtrain.generate)
 TEMPERATURE, TOP_K = 0.8, 50
@@ -194,9 +194,12 @@ def export(path: str | Path, out_dir: str | Path, push_to_hub: str | None = None
         GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, do_sample=True,
                          temperature=TEMPERATURE, top_k=TOP_K, max_new_tokens=run.cfg.data.sample_tokens or 100,
                          ).save_pretrained(out_dir)
-    if push_to_hub:
-        hf_model.push_to_hub(push_to_hub)
-        run.tokenizer.push_to_hub(push_to_hub)
+    if push_to_hub:  # the whole directory, as written
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(push_to_hub, exist_ok=True)
+        api.upload_folder(repo_id=push_to_hub, folder_path=str(out_dir))
     return out_dir
 
 
