@@ -129,3 +129,11 @@ def test_closure_loss_is_returned_and_params_without_grad_are_skipped():
 def test_bad_hyperparameters_raise_naming_them(kwargs, name):
     with pytest.raises(ValueError, match=name):
         LAMB([torch.zeros(1, requires_grad=True)], **kwargs)
+
+
+def test_optim_lamb_group_selects_lamb():
+    """`optim=lamb` (a config group choice) works as well as `optim.name=lamb`, with MLPerf BERT's values."""
+    from hydra_config import compose_config
+
+    cfg = compose_config(["name=x", "optim=lamb"])  # the default recipe keeps its own lr and warmup
+    assert (cfg.optim.name, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay) == ("lamb", 0.999, 1e-6, 0.01)

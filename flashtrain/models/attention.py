@@ -85,7 +85,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_impl: str, *, causal: bool =
               cu_seqlens: Tensor | None = None, max_seqlen: int | None = None, key_padding_mask: Tensor | None = None,
               block_mask: Tensor | None = None) -> Tensor:
     """Self-attention of packed q, k, v (total, H, D) with cu_seqlens (B + 1,) int32 and max_seqlen, or of padded
-    ones (B, T, H, D) with key_padding_mask (B, T) bool (True at real tokens; sdpa only) or None. block_mask: None or
+    ones (B, T, H, D) with key_padding_mask (B, T) bool (True at real tokens; sdpa only) or None. Padded k, v may be
+    longer than q (a KV cache: the queries are the last tokens; causal aligns to the bottom-right corner). block_mask: None or
     bool (ceil(T / 128),) * 2 (flashtrain.kernels.block_sparse layouts). -> the output in q's layout."""
     chosen, _ = backend(attn_impl, q.device, q.dtype, q.shape[-1], block_mask is not None)
     if chosen != SDPA:
@@ -103,6 +104,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_impl: str, *, causal: bool =
         raise ValueError(f"cu_seqlens: attn_impl {attn_impl} runs PyTorch SDPA here, on padded inputs; "
                          f"check runs_packed before packing")
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]  # (B, 1, 1, T): keys
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    if causal and seqlen_q != seqlen_k:  # new queries after cached keys: SDPA's is_causal aligns top-left, ours not
+        bottom_right = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(seqlen_k - seqlen_q)
+        mask = bottom_right if mask is None else mask & bottom_right
+        causal = False
     if block_mask is not None:  # one bit per 128 x 128 block -> one per (query, key)
         T = q.shape[1]
         dense = block_mask.repeat_interleave(BLOCK_SPARSE_SIZE, -2).repeat_interleave(BLOCK_SPARSE_SIZE, -1)

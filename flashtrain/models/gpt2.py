@@ -7,13 +7,14 @@ pre-LN blocks, GELU with the tanh approximation ("gelu_new"), input and output e
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashtrain.models.attention import attention, check_attn_impl, check_backend
+from flashtrain.models.attention import attention, check_attn_impl, check_backend, compute_dtype
 
 
 @dataclass
@@ -61,6 +62,25 @@ class GPT2Config:
             raise ValueError(f"{data.length_field}={data.max_length} exceeds model.n_positions={self.n_positions}")
 
 
+class KVCache:
+    """Keys and values of the tokens a GPT-2 has read so far, for generation: one (B, n_positions, H, D) buffer per
+    layer and per k / v, filled from the left; `length` tokens are in it (their positions are 0 .. length - 1)."""
+
+    def __init__(self, config: GPT2Config, batch_size: int, device: torch.device, dtype: torch.dtype):
+        shape = (config.n_layer, batch_size, config.n_positions, config.n_head, config.n_embd // config.n_head)
+        self.keys = torch.empty(shape, device=device, dtype=dtype)  # (L, B, n_positions, H, D)
+        self.values = torch.empty(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new tokens' k, v (B, T, H, D) of `layer` after the cached ones -> every key and value of the
+        layer, (B, length + T, H, D). The model advances `length` once all layers have stored theirs."""
+        end = self.length + k.shape[1]
+        self.keys[layer, :, self.length:end] = k
+        self.values[layer, :, self.length:end] = v
+        return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
@@ -72,10 +92,13 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
         B, T, C = x.shape
         # c_attn's output columns are [q | k | v], each split into heads as (H, D).
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).unbind(dim=2)  # each (B, T, H, D)
+        if cache is not None:  # attend to every cached token too: k, v (B, cache.length + T, H, D)
+            k, v = cache.update(layer, k, v)
+        # causal is aligned to the bottom-right corner: query t of T sees all cached keys and the new ones up to t
         y = attention(q, k, v, self.attn_impl, causal=True,
                       dropout_p=self.attn_dropout if self.training else 0.0)  # (B, T, H, D)
         return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
@@ -100,8 +123,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -132,36 +155,51 @@ class GPT2(nn.Module):
             nn.init.zeros_(module.bias)
         # nn.LayerNorm already starts at weight 1, bias 0.
 
-    def forward(self, input_ids: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, input_ids: Tensor, targets: Tensor | None = None,
+                cache: KVCache | None = None) -> tuple[Tensor, Tensor | None]:
         """input_ids (B, T) -> (logits (B, T, vocab_size), mean cross-entropy or None).
 
         targets (B, T) are already shifted: targets[:, t] is the token that follows input_ids[:, t].
         Targets equal to -100 are ignored (as in HF and F.cross_entropy).
+        cache (generation): input_ids continue the cache.length tokens in it (positions from cache.length on); their
+        keys and values are added to it.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seqlen), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
-        if T > self.config.n_positions:
-            raise ValueError(f"input_ids has {T} tokens, more than n_positions={self.config.n_positions}")
+        past = 0 if cache is None else cache.length
+        if past + T > self.config.n_positions:
+            raise ValueError(f"input_ids has {T} tokens" + (f" after {past} cached ones" if past else "") +
+                             f", more than n_positions={self.config.n_positions}")
         if targets is not None and targets.shape != input_ids.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal input_ids shape {(B, T)}")
-        positions = torch.arange(T, device=input_ids.device)  # (T,)
+        positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(positions))  # (B, T, C)
-        for block in self.transformer.h:
-            x = block(x)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, cache, layer)
+        if cache is not None:
+            cache.length = past + T
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab_size)
         loss = None
         if targets is not None:  # in float32 even when the logits are bf16/fp16
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         return logits, loss
 
+    def new_cache(self, batch_size: int) -> KVCache:
+        """An empty KV cache for `batch_size` sequences, on this model's device, in its (autocast) compute dtype."""
+        weight = self.transformer.wte.weight
+        return KVCache(self.config, batch_size, weight.device, compute_dtype(weight))
+
     @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> Tensor:
+                 generator: torch.Generator | None = None, use_cache: bool = True,
+                 on_token: Callable[[Tensor], None] | None = None) -> Tensor:
         """Append max_new_tokens sampled tokens to input_ids (B, T) -> (B, T + max_new_tokens).
 
-        temperature == 0 picks the argmax. The context is cropped to the last n_positions tokens.
-        Call .eval() first unless dropout is wanted while sampling.
+        temperature == 0 picks the argmax. The context is cropped to the last n_positions tokens. use_cache: the
+        prompt is read once and each new token attends to the cached keys and values (query length 1); once the
+        context outgrows n_positions each step re-reads the cropped context, as without the cache. on_token(next_token
+        (B, 1)) is called after each step (streaming). Call .eval() first unless dropout is wanted while sampling.
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -169,9 +207,17 @@ class GPT2(nn.Module):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be None or >= 1, got {top_k}")
+        n_positions = self.config.n_positions
+        cache = None
         for _ in range(max_new_tokens):
-            context = input_ids[:, -self.config.n_positions:]  # (B, <= n_positions)
-            logits = self(context)[0][:, -1, :]  # (B, vocab_size)
+            if not use_cache:
+                logits = self(input_ids[:, -n_positions:])[0]
+            elif cache is None or cache.length == n_positions:  # the prompt, or a context longer than the table
+                cache = self.new_cache(input_ids.shape[0])
+                logits = self(input_ids[:, -n_positions:], cache=cache)[0]
+            else:
+                logits = self(input_ids[:, -1:], cache=cache)[0]  # the newest token against the cache
+            logits = logits[:, -1, :]  # (B, vocab_size)
             if temperature == 0:
                 next_token = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
             else:
@@ -182,6 +228,8 @@ class GPT2(nn.Module):
                 probs = F.softmax(logits.float(), dim=-1)
                 next_token = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
             input_ids = torch.cat([input_ids, next_token], dim=1)
+            if on_token is not None:
+                on_token(next_token)
         return input_ids
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

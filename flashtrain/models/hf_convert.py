@@ -49,6 +49,20 @@ def gpt2_config_from_hf(hf_config, attn_impl: str = "flash") -> GPT2Config:
                       attn_impl=attn_impl)
 
 
+def gpt2_config_to_hf(config: GPT2Config, eos_token_id: int | None = None):
+    """The transformers.GPT2Config of the same model (tanh GELU, tied embeddings, one dropout for embeddings and
+    residuals); eos_token_id also serves as bos_token_id, as in GPT-2."""
+    import transformers
+
+    if not config.bias:
+        raise ValueError("config.bias must be True to export to HF GPT-2, which always has biases")
+    return transformers.GPT2Config(
+        vocab_size=config.vocab_size, n_positions=config.n_positions, n_embd=config.n_embd, n_layer=config.n_layer,
+        n_head=config.n_head, n_inner=None, activation_function="gelu_new", resid_pdrop=config.dropout,
+        embd_pdrop=config.dropout, attn_pdrop=config.attn_dropout, layer_norm_epsilon=config.layer_norm_eps,
+        scale_attn_weights=True, tie_word_embeddings=True, bos_token_id=eos_token_id, eos_token_id=eos_token_id)
+
+
 def _gpt2_from_hf(state_dict: dict[str, Tensor], config: GPT2Config) -> dict[str, Tensor]:
     """A GPT2LMHeadModel (or GPT2Model, or original hub checkpoint) state dict: keys with or without the
     "transformer." prefix, the old causal-mask buffers dropped, lm_head.weight filled from wte when absent."""
@@ -107,6 +121,22 @@ def bert_config_from_hf(hf_config, attn_impl: str = "flash") -> BertConfig:
                       attention_probs_dropout_prob=hf_config.attention_probs_dropout_prob,
                       classifier_dropout=hf_config.classifier_dropout, num_labels=hf_config.num_labels,
                       problem_type=_HF_PROBLEM_TYPES[hf_config.problem_type], attn_impl=attn_impl)
+
+
+def bert_config_to_hf(config: BertConfig):
+    """The transformers BertConfig or RobertaConfig (by config.flavor) of the same encoder and heads."""
+    import transformers
+
+    hf_class = transformers.BertConfig if config.flavor == "bert" else transformers.RobertaConfig
+    return hf_class(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, intermediate_size=config.intermediate_size,
+        hidden_act="gelu", max_position_embeddings=config.max_position_embeddings,
+        type_vocab_size=config.type_vocab_size, pad_token_id=config.pad_token_id, layer_norm_eps=config.layer_norm_eps,
+        hidden_dropout_prob=config.hidden_dropout_prob,
+        attention_probs_dropout_prob=config.attention_probs_dropout_prob,
+        classifier_dropout=config.classifier_dropout, num_labels=config.num_labels, tie_word_embeddings=True,
+        problem_type=f"{config.problem_type}_classification")
 
 
 # (HF name, our name) prefixes inside the encoder; {i} is a layer index. HF's separate query, key and value

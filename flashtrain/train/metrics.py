@@ -27,34 +27,42 @@ class MetricsLog:
         plot_curves({title: self.records}, png)
 
 
+# the right panel's metric: the first of these that the runs log (language models, classifiers, masked LMs,
+# multi-label documents), with its title and whether it is plotted on a log scale
+RIGHT_PANEL_METRICS = (("ppl", "validation perplexity", True), ("accuracy", "validation accuracy", False),
+                       ("mlm_accuracy", "validation masked-LM accuracy", False),
+                       ("micro_f1", "validation micro-F1", False))
+
+
+def right_panel_metric(runs: dict[str, list[dict]]) -> tuple[str, str, bool]:
+    """(metric name without "val_", panel title, log scale) of the runs' validation curve."""
+    logged = {key for records in runs.values() for r in records for key in r}
+    return next((m for m in RIGHT_PANEL_METRICS if "val_" + m[0] in logged), ("loss", "validation loss", False))
+
+
 def plot_curves(runs: dict[str, list[dict]], png: Path) -> None:
-    """One PNG with train loss (left) and validation perplexity (right, log scale) of one or more runs; runs that log
-    accuracy instead (classification) plot validation accuracy on the right, and the test accuracy as a star."""
+    """One PNG with train loss (left) and a validation metric (right: perplexity, log scale, for language models;
+    else accuracy, masked-LM accuracy or micro-F1, whichever the runs log; the test split's value as a star) of one or
+    more runs against tokens seen."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4))
-    accuracy = not any("val_ppl" in r for records in runs.values() for r in records)
+    fig, (ax_loss, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
+    metric, title, log_scale = right_panel_metric(runs)
     for label, records in runs.items():
         train = [r for r in records if "train_loss" in r]
         ax_loss.plot([r["tokens"] for r in train], [r["train_loss"] for r in train], label=label)
-        if accuracy:
-            val = [r for r in records if "val_accuracy" in r]
-            ax_ppl.plot([r["tokens"] for r in val], [r["val_accuracy"] for r in val], marker="o", label=label)
-            for r in (r for r in records if "test_accuracy" in r):
-                ax_ppl.plot([r["tokens"]], [r["test_accuracy"]], marker="*", markersize=14, linestyle="none",
-                            label=f"{label}: test accuracy {r['test_accuracy']:.4f}")
-        else:
-            val = [r for r in records if "val_ppl" in r]
-            ax_ppl.plot([r["tokens"] for r in val], [r["val_ppl"] for r in val], marker="o", label=label)
+        val = [r for r in records if "val_" + metric in r]
+        ax_val.plot([r["tokens"] for r in val], [r["val_" + metric] for r in val], marker="o", label=label)
+        for r in (r for r in records if "test_" + metric in r):
+            ax_val.plot([r["tokens"]], [r["test_" + metric]], marker="*", markersize=14, linestyle="none",
+                        label=f"{label}: test {metric.replace('_', ' ')} {r['test_' + metric]:.4f}")
     ax_loss.set(xlabel="tokens", ylabel="train loss", title="training loss")
-    if accuracy:
-        ax_ppl.set(xlabel="tokens", ylabel="accuracy", title="validation accuracy (star: test)")
-    else:
-        ax_ppl.set(xlabel="tokens", ylabel="validation perplexity", title="validation perplexity", yscale="log")
-    for ax in (ax_loss, ax_ppl):
+    ax_val.set(xlabel="tokens", ylabel=title.removeprefix("validation "), title=title + (
+        "" if metric == "ppl" else " (star: test)"), yscale="log" if log_scale else "linear")
+    for ax in (ax_loss, ax_val):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

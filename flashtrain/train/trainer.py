@@ -172,6 +172,8 @@ class Trainer:
         self.val_loader = self.task.eval_loader("val", tcfg.micro_batch_size, rank, world, tcfg.eval_batches)
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            from flashtrain.export import save_model_files  # issue 23: RUN_DIR/hf/, the tokenizer and HF config
+            save_model_files(cfg, self.run_dir)
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.main)
         if cfg.logger.kind == "wandb":
             accelerator.init_trackers(cfg.logger.project, config=_flat_config(cfg), init_kwargs={"wandb": {

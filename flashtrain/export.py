@@ -1,0 +1,217 @@
+"""Export a flashtrain run as a transformers model directory: `python -m flashtrain.export RUN_OR_CHECKPOINT OUT_DIR`.
+
+RUN_OR_CHECKPOINT is a run directory (its newest checkpoint) or one checkpoint (runs/NAME/TIME/checkpoints/step_N).
+The run's composed config (`RUN_DIR/.hydra/config.yaml`, written by launch.py) says which model it is and where its
+tokenizer is. OUT_DIR then holds what `AutoModelForCausalLM` / `AutoModelForMaskedLM` /
+`AutoModelForSequenceClassification` and `AutoTokenizer.from_pretrained(OUT_DIR)` load, offline:
+
+    config.json, model.safetensors      the transformers config and weights (flashtrain.models.hf_convert)
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json   a transformers fast tokenizer
+    generation_config.json              GPT-2: EOS and the sampling defaults of `flashtrain.generate`
+
+`load_run` is shared with `flashtrain.generate`: the typed config, the model with the checkpoint's weights (strictly:
+only the tied lm_head, saved once as the token embedding, may be absent) and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from flashtrain.data.tokenizer import EOS_TOKEN
+from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification
+from flashtrain.models.gpt2 import GPT2Config
+from flashtrain.models.hf_convert import bert_config_to_hf, gpt2_config_to_hf, to_hf_state_dict
+from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
+
+HF_FILES = "hf"  # RUN_DIR/hf/: the run's tokenizer and transformers config (save_model_files)
+# sampling defaults written into generation_config.json (and used by flashtrain.generate)
+TEMPERATURE, TOP_K = 0.8, 50
+
+
+@dataclass
+class Run:
+    cfg: object  # the run's typed FlashtrainConfig
+    checkpoint: Path
+    model: torch.nn.Module  # in eval mode, on the CPU
+    tokenizer: object  # a transformers PreTrainedTokenizerFast
+
+
+def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) of a run directory (its newest checkpoint) or of a checkpoint."""
+    path = Path(path).expanduser()
+    if path.name.startswith(CHECKPOINT_PREFIX) and path.is_dir():
+        return path.parent.parent, path
+    checkpoint = latest_checkpoint(path)
+    if checkpoint is None:
+        raise FileNotFoundError(f"{path}: neither a checkpoint directory ({CHECKPOINT_PREFIX}N) nor a run directory "
+                                "with checkpoints/")
+    return path, checkpoint
+
+
+def _schema_for(group: str, values: dict) -> type:
+    """The dataclass registered for config `group` whose fields are exactly the keys of `values`."""
+    from flashtrain.train import register_configs
+
+    register_configs()
+    schemas = [OmegaConf.get_type(node.node) for node in ConfigStore.instance().repo[group].values()]
+    matches = [schema for schema in schemas if {f.name for f in dataclasses.fields(schema)} == set(values)]
+    if len(matches) != 1:
+        raise ValueError(f"the run's {group} config (keys {sorted(values)}) matches {len(matches)} of the registered "
+                         f"{group} schemas {[s.__name__ for s in schemas]}, not one")
+    return matches[0]
+
+
+def _fill_hydra_values(node, hydra_yaml: Path):
+    """`node` with each "${hydra:KEY}" (e.g. the run name, ${hydra:runtime.choices.recipe}) replaced by KEY's value
+    in the run's hydra.yaml: Hydra saves config.yaml unresolved, and its resolver only works inside a Hydra app."""
+    if isinstance(node, dict):
+        return {key: _fill_hydra_values(value, hydra_yaml) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_fill_hydra_values(value, hydra_yaml) for value in node]
+    match = re.fullmatch(r"\$\{hydra:([\w.]+)\}", node) if isinstance(node, str) else None
+    if match is None:
+        return node
+    if not hydra_yaml.is_file():
+        raise FileNotFoundError(f"{hydra_yaml}: needed for {node!r} in the run's config")
+    return OmegaConf.select(OmegaConf.load(hydra_yaml).hydra, match.group(1), throw_on_missing=True)
+
+
+def load_run_config(run_dir: Path):
+    """The typed FlashtrainConfig of a run, from RUN_DIR/.hydra/config.yaml."""
+    from flashtrain.train.config import FlashtrainConfig
+
+    path = run_dir / ".hydra" / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no composed config; runs started by launch.py write it")
+    raw = _fill_hydra_values(OmegaConf.to_container(OmegaConf.load(path)), run_dir / ".hydra" / "hydra.yaml")
+    raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)  # ${data.vocab_size} and the like
+    schema = OmegaConf.structured(FlashtrainConfig)
+    for group in ("model", "data"):  # typed `Any` in the root schema: pick their dataclass by their keys
+        schema[group] = OmegaConf.structured(_schema_for(group, raw[group]))
+    return OmegaConf.to_object(OmegaConf.merge(schema, raw))
+
+
+def load_tokenizer_of(cfg):
+    """The run's tokenizer as a transformers fast tokenizer (GPT-2: the byte-level BPE of its data, with EOS)."""
+    from transformers import PreTrainedTokenizerFast
+
+    if isinstance(cfg.model, GPT2Config):
+        from flashtrain.data.lm import prepare_lm_data  # finds the tokenizer (and token files) in the data cache
+
+        bpe = prepare_lm_data(cfg.data).tokenizer
+        return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
+                                       unk_token=EOS_TOKEN, model_max_length=cfg.model.n_positions)
+    if isinstance(cfg.model, BertConfig):
+        from flashtrain.data.tokenizer import load_hf_tokenizer
+
+        tokenizer = load_hf_tokenizer(cfg.data.tokenizer)
+        tokenizer.model_max_length = cfg.model.max_seqlen
+        return tokenizer
+    raise TypeError(f"no export for {type(cfg.model).__name__} runs (GPT-2, BERT and RoBERTa only)")
+
+
+def save_model_files(cfg, run_dir: Path) -> None:
+    """RUN_DIR/hf/: the run's tokenizer (a transformers fast tokenizer) and its transformers config.json, so that the
+    model can be used without flashtrain's config (GPT-2, BERT and RoBERTa runs; other models: nothing). The trainer
+    calls it once at the start of a run, on the main process."""
+    if not isinstance(cfg.model, (GPT2Config, BertConfig)):
+        return
+    out_dir = Path(run_dir) / HF_FILES
+    tokenizer = load_tokenizer_of(cfg)
+    tokenizer.save_pretrained(out_dir)
+    hf_config_of(cfg.model, tokenizer).save_pretrained(out_dir)
+
+
+def hf_config_of(model_cfg, tokenizer):
+    """The transformers config of a GPT-2 or BERT/RoBERTa model config (GPT-2's EOS from its tokenizer)."""
+    if isinstance(model_cfg, GPT2Config):
+        return gpt2_config_to_hf(model_cfg, eos_token_id=tokenizer.eos_token_id)
+    return bert_config_to_hf(model_cfg)
+
+
+def load_run(path: str | Path, attn_impl: str | None = None) -> Run:
+    """The run at `path` (run or checkpoint directory): config, model with the checkpoint's weights, tokenizer.
+    attn_impl overrides the model config's (e.g. "reference" or "sdpa" on a CPU)."""
+    run_dir, checkpoint = find_checkpoint(path)
+    cfg = load_run_config(run_dir)
+    if attn_impl is not None:
+        cfg.model.attn_impl = attn_impl
+    model = cfg.model.build()
+    state = load_file(str(checkpoint / "model.safetensors"))
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - \
+        {name for name, _ in model.named_parameters()}  # second names of tied tensors, saved once
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"{checkpoint} does not fit the run's model config: missing {sorted(set(missing) - tied)}, "
+                         f"unexpected {sorted(unexpected)}")
+    saved_tokenizer = run_dir / HF_FILES / "tokenizer.json"  # runs since the run directory kept it
+    if saved_tokenizer.is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(saved_tokenizer.parent)
+    else:
+        tokenizer = load_tokenizer_of(cfg)
+    return Run(cfg, checkpoint, model.eval(), tokenizer)
+
+
+def hf_model_of(run: Run):
+    """A transformers model with the run's weights, loaded strictly."""
+    import transformers
+
+    model_cfg = run.cfg.model
+    hf_config = hf_config_of(model_cfg, run.tokenizer)
+    if isinstance(model_cfg, GPT2Config):
+        hf_model = transformers.GPT2LMHeadModel(hf_config)
+    elif isinstance(run.model, (BertForMaskedLM, BertForSequenceClassification)):
+        head = "ForMaskedLM" if isinstance(run.model, BertForMaskedLM) else "ForSequenceClassification"
+        hf_model = getattr(transformers, ("Bert" if model_cfg.flavor == "bert" else "Roberta") + head)(hf_config)
+    else:
+        raise TypeError(f"no export for {type(run.model).__name__}")
+    hf_model.load_state_dict(to_hf_state_dict(run.model), strict=True)
+    return hf_model.eval()
+
+
+def export(path: str | Path, out_dir: str | Path, push_to_hub: str | None = None) -> Path:
+    """Write the transformers model directory of the run at `path` into `out_dir`; returns out_dir."""
+    from transformers import GenerationConfig
+
+    run = load_run(path)
+    out_dir = Path(out_dir)
+    hf_model = hf_model_of(run)
+    hf_model.save_pretrained(out_dir, safe_serialization=True)
+    run.tokenizer.save_pretrained(out_dir)
+    if isinstance(run.cfg.model, GPT2Config):
+        eos = run.tokenizer.eos_token_id
+        GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, do_sample=True,
+                         temperature=TEMPERATURE, top_k=TOP_K, max_new_tokens=run.cfg.data.sample_tokens or 100,
+                         ).save_pretrained(out_dir)
+    if push_to_hub:  # the whole directory, as written
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(push_to_hub, exist_ok=True)
+        api.upload_folder(repo_id=push_to_hub, folder_path=str(out_dir))
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m flashtrain.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", help="a run directory (its newest checkpoint) or a checkpoint directory")
+    parser.add_argument("out_dir", help="the transformers model directory to write")
+    parser.add_argument("--push-to-hub", metavar="REPO", help="also upload to this Hub repository (online)")
+    args = parser.parse_args(argv)
+    out_dir = export(args.run, args.out_dir, args.push_to_hub)
+    print(f"wrote {out_dir} (load with transformers' Auto*.from_pretrained({str(out_dir)!r}))")
+
+
+if __name__ == "__main__":
+    main()

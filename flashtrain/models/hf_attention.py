@@ -1,0 +1,67 @@
+"""flashtrain's attention for transformers models: `register()` adds attn_implementation="ft_attention".
+
+    from flashtrain.models.hf_attention import register; register()
+    model = AutoModelForCausalLM.from_pretrained(NAME, attn_implementation="ft_attention")
+
+The name has no "flash" in it: transformers takes every attn_implementation containing "flash" for a FlashAttention
+package or Hub kernel (`transformers.utils.generic.is_flash_attention_requested`) and tries to import one.
+
+transformers (4.5x / 5.x) looks attention functions up by name in its `AttentionInterface` and the matching mask
+builder in its `AttentionMaskInterface`. The mask builder registered here is transformers' own FlashAttention one: no
+mask at all when no token is padding, else the 2D (B, kv_len) padding mask. The attention function then runs
+`flash_attn_func` (no padding) or unpads the batch and runs `flash_attn_varlen_func` (padding, left or right), causal
+aligned to the bottom-right corner, so a decoding step (query length 1 against the KV cache) is exact. GQA / MQA key
+and value heads are passed as they are. On CUDA tensors the kernel runs (it raises with the reason where it cannot:
+fp32, an unsupported head dim); on CPU tensors the plain-PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flashtrain.kernels import flash_attn_func, flash_attn_varlen_func
+from flashtrain.models.attention import KERNEL, backend
+from flashtrain.models.padding import Unpadding, pad_packed
+
+NAME = "ft_attention"  # what attn_implementation= names
+
+
+def flashtrain_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                                 attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                                 is_causal: bool | None = None, **kwargs) -> tuple[Tensor, None]:
+    """transformers' attention-function signature: query (B, H, Tq, D), key / value (B, H_kv, Tk, D), attention_mask
+    None or (B, Tk) bool, True at real tokens -> (output (B, Tq, H, D), no attention weights)."""
+    if kwargs.get("output_attentions"):
+        raise ValueError("attn_implementation='ft_attention' never forms the attention matrix: output_attentions is "
+                         "not available (use attn_implementation='eager')")
+    for option in ("softcap", "sliding_window", "s_aux"):
+        if kwargs.get(option) is not None:
+            raise ValueError(f"attn_implementation='ft_attention' does not support {option} (this model sets it)")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    chosen, _ = backend("flash", query.device, query.dtype, query.shape[-1])  # raises where the kernel cannot run
+    impl = "cuda" if chosen == KERNEL else "reference"
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, T, heads, D)
+    if attention_mask is None:
+        out = flash_attn_func(q, k, v, dropout, softmax_scale=scaling, causal=causal, impl=impl)
+        return out, None
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask: expected None or (batch, kv_len) from the 'ft_attention' mask builder, got "
+                         f"shape {tuple(attention_mask.shape)}")
+    B, Tq, Tk = q.shape[0], q.shape[1], k.shape[1]
+    # the queries are the last Tq of the Tk tokens (prefill: all of them; decoding: the newest)
+    unpad_q, unpad_k = Unpadding.of(attention_mask[:, -Tq:]), Unpadding.of(attention_mask)
+    out = flash_attn_varlen_func(q.flatten(0, 1)[unpad_q.indices], k.flatten(0, 1)[unpad_k.indices],
+                                 v.flatten(0, 1)[unpad_k.indices], unpad_q.cu_seqlens, unpad_k.cu_seqlens, Tq, Tk,
+                                 dropout, softmax_scale=scaling, causal=causal, impl=impl)  # (total_q, H, D)
+    return pad_packed(out, unpad_q.indices, B, Tq), None  # zeros at padded queries
+
+
+def register() -> None:
+    """Make attn_implementation="ft_attention" available to every transformers model (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(NAME, flashtrain_attention_forward)
+    # the mask transformers builds for FlashAttention-2: None without padding, else the 2D padding mask
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
