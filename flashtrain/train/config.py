@@ -130,6 +130,8 @@ class FlashtrainConfig:
     name: str = MISSING  # run name; defaults to the recipe's name. Runs land in runs/<name>/<time>/
     seed: int = 1234  # seeds model init, dropout and the data order
     resume: Optional[str] = None  # null: fresh run | auto: newest checkpoint of runs/<name>/ | PATH: a checkpoint or run dir
+    # resume a checkpoint trained with another model/data configuration (otherwise that stops, listing the keys)
+    resume_allow_config_change: bool = False
     init_from: Optional[str] = None  # fresh run from these weights: checkpoint/run dir or hf:NAME (train/model_init.py)
     init_position_extension: str = "repeat"  # repeat | interpolate: how init_from's position table is lengthened
     model: Any = MISSING  # a model schema (GPT2Config, ...): `model.build()` builds the model

@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 
 from flashtrain.data.task import Task, check_model_fits
 from flashtrain.models.padding import Unpadding
-from flashtrain.train.checkpoint import TrainState, resolve_resume, save_checkpoint
+from flashtrain.train.checkpoint import (TrainState, config_differences, config_fingerprint, resolve_resume,
+                                        save_checkpoint)
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.metrics import MetricsLog
 from flashtrain.train.model_init import load_initial_weights
@@ -131,6 +132,9 @@ class Trainer:
         check_model_fits(cfg.model, cfg.data, self.task.spec)
 
         self.checkpoint = resolve_resume(cfg.resume, runs_of_name)
+        self.config_fingerprint = config_fingerprint(cfg)
+        if self.checkpoint is not None:
+            self._check_resumed_config()
         self._build_model()
         self.state = TrainState()
         # the scheduler is stepped here once per optimizer step (not through accelerate's per-process stepping)
@@ -150,6 +154,18 @@ class Trainer:
         self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen  # training time only
         self.pbar = tqdm(total=self.end_step, initial=self.state.step, disable=not self.main, desc=cfg.name,
                          unit="step", dynamic_ncols=True)
+
+    def _check_resumed_config(self) -> None:
+        """A checkpoint of another model/data configuration stops the start, unless resume_allow_config_change."""
+        differences = config_differences(self.checkpoint, self.config_fingerprint)
+        if not differences:
+            return
+        listed = "\n  ".join(differences)
+        if not self.cfg.resume_allow_config_change:
+            raise ValueError(f"resume: {self.checkpoint} was trained with another model/data configuration:\n  "
+                             f"{listed}\nresume with the same configuration, or add resume_allow_config_change=true "
+                             f"to continue it with the new one")
+        self._print(f"resume_allow_config_change=true: continuing {self.checkpoint} with\n  {listed}")
 
     def _build_model(self) -> None:
         cfg = self.cfg
@@ -234,7 +250,8 @@ class Trainer:
             metrics = self.evaluate()
             target_reached = tcfg.stop_metric is not None and metrics[tcfg.stop_metric] >= tcfg.stop_value
         if step % tcfg.save_interval == 0 or last or target_reached:
-            self.last_checkpoint = save_checkpoint(self.accelerator, self.run_dir, step, tcfg.keep_checkpoints)
+            self.last_checkpoint = save_checkpoint(self.accelerator, self.run_dir, step, tcfg.keep_checkpoints,
+                                                  self.config_fingerprint)
         if step == self.end_step:
             return False
         if target_reached:

@@ -1,0 +1,134 @@
+"""Runs that survive damage: verified checkpoints (manifest, fallback to the last good one, config check),
+non-finite steps skipped and stopped, SIGINT/SIGTERM ending with a checkpoint (issue 22)."""
+
+import json
+import shutil
+
+import pytest
+
+from flashtrain.train import train
+from flashtrain.train.checkpoint import (DamagedCheckpointError, DamagedCheckpointWarning, checkpoint_problem,
+                                         read_manifest, resolve_resume, run_checkpoints)
+from hydra_config import compose_config
+from test_train import tiny_overrides
+
+# 9 steps, dropout on (a resume must restore the RNG states), checkpoints at 3, 6 and 9 (all kept)
+EXACT = ["model.dropout=0.1", "model.attn_dropout=0.1", "trainer.max_steps=9", "trainer.log_interval=1",
+         "trainer.eval_interval=3", "trainer.save_interval=3", "trainer.keep_checkpoints=3", "data.sample_tokens=0",
+         "trainer.eval_batches=2"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("flashtrain-cache-resilience")
+
+
+@pytest.fixture(scope="module")
+def full_run(cache_dir, tmp_path_factory):
+    """The uninterrupted run, its checkpoints at steps 3, 6 and 9."""
+    runs = tmp_path_factory.mktemp("runs")
+    return train(compose_config(tiny_overrides(cache_dir, *EXACT)), runs / "test" / "2026-01-01_00-00-00")
+
+
+def losses(history, key="train_loss"):
+    return {r["step"]: r[key] for r in history if key in r}
+
+
+def test_manifest_describes_every_file(full_run):
+    ckpt = full_run.checkpoint
+    manifest = read_manifest(ckpt)
+    files = sorted(p.name for p in ckpt.iterdir() if p.name != "manifest.json")
+    assert sorted(manifest["files"]) == files and "model.safetensors" in files and "random_states_0.pkl" in files
+    assert all(manifest["files"][f]["bytes"] == (ckpt / f).stat().st_size for f in files)
+    assert manifest["step"] == 9 and manifest["config"]["model.n_embd"] == 64
+    assert manifest["config"]["model"] == "GPT2Config" and "data.cache_dir" not in manifest["config"]
+    assert len(manifest["config_hash"]) == 64 and manifest["versions"]["torch"]
+    assert [c.name for c in run_checkpoints(full_run.run_dir)] == ["step_00000003", "step_00000006", "step_00000009"]
+    assert all(checkpoint_problem(c) is None for c in run_checkpoints(full_run.run_dir))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _corrupt_same_size(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = b"\xff" * 64
+    path.write_bytes(bytes(data))
+
+
+DAMAGES = {  # name: (file, damage, words the warning uses)
+    "weights truncated": ("model.safetensors", _truncate, "bytes, its manifest says"),
+    "weights deleted": ("model.safetensors", lambda p: p.unlink(), "is missing"),
+    "weights same-size corrupted": ("model.safetensors", _corrupt_same_size, "does not match its sha256"),
+    "optimizer truncated": ("optimizer.bin", _truncate, "bytes, its manifest says"),
+    "optimizer deleted": ("optimizer.bin", lambda p: p.unlink(), "is missing"),
+    "rng states truncated": ("random_states_0.pkl", _truncate, "bytes, its manifest says"),
+    "rng states deleted": ("random_states_0.pkl", lambda p: p.unlink(), "is missing"),
+    "rng states same-size corrupted": ("random_states_0.pkl", _corrupt_same_size, "does not match its sha256"),
+    "manifest missing": ("manifest.json", lambda p: p.unlink(), "is missing \\(a save cut short"),
+    "manifest half-written": ("manifest.json", _truncate, "is unreadable \\(JSONDecodeError"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_damaged_newest_checkpoint_falls_back_to_the_last_good_one(full_run, tmp_path, damage):
+    filename, apply, words = DAMAGES[damage]
+    runs = tmp_path / "test"
+    run = runs / "2026-01-01_00-00-00"
+    shutil.copytree(full_run.run_dir / "checkpoints", run / "checkpoints")
+    (run / "checkpoints" / "step_00000003").rename(run / "checkpoints" / "old-step_3")  # the good one is step 6
+    newest = run / "checkpoints" / "step_00000009"
+    apply(newest / filename)
+    with pytest.warns(DamagedCheckpointWarning, match=f"skipping checkpoint {newest}: .*{filename}.*{words}"):
+        assert resolve_resume("auto", runs) == run / "checkpoints" / "step_00000006"
+    with pytest.warns(DamagedCheckpointWarning, match=filename):
+        assert resolve_resume(str(run), runs) == run / "checkpoints" / "step_00000006"
+    # named explicitly, a damaged checkpoint stops the start, naming the file
+    with pytest.raises(DamagedCheckpointError, match=f"the checkpoint is damaged: .*{filename}"):
+        resolve_resume(str(newest), runs)
+
+
+def test_resume_falls_back_and_continues_exactly(full_run, cache_dir, tmp_path, capsys):
+    """The newest checkpoint's weights corrupted at the same size: resume=auto warns, takes step 6, and the resumed
+    losses equal the uninterrupted run's bit for bit."""
+    runs = tmp_path / "test"
+    run = runs / "2026-01-01_00-00-00"
+    shutil.copytree(full_run.run_dir / "checkpoints", run / "checkpoints")
+    _corrupt_same_size(run / "checkpoints" / "step_00000009" / "model.safetensors")
+    with pytest.warns(DamagedCheckpointWarning, match="step_00000009/model.safetensors does not match"):
+        resumed = train(compose_config(tiny_overrides(cache_dir, *EXACT, "resume=auto")), runs / "later", runs)
+    assert f"resumed from {run / 'checkpoints' / 'step_00000006'} at step 6" in capsys.readouterr().out
+    assert resumed.final_step == 9 and sorted(losses(resumed.history)) == [7, 8, 9]
+    for step in (7, 8, 9):
+        assert losses(resumed.history)[step] == losses(full_run.history)[step], step
+    assert losses(resumed.history, "val_loss")[9] == losses(full_run.history, "val_loss")[9]
+
+
+def test_every_checkpoint_damaged_stops(full_run, tmp_path):
+    run = tmp_path / "test" / "run"
+    shutil.copytree(full_run.run_dir / "checkpoints", run / "checkpoints")
+    for ckpt in run_checkpoints(run):
+        (ckpt / "manifest.json").unlink()
+    with pytest.warns(DamagedCheckpointWarning), pytest.raises(DamagedCheckpointError, match="none of the 3"):
+        resolve_resume("auto", tmp_path / "test")
+
+
+def test_resume_with_another_configuration_lists_the_keys(full_run, cache_dir, tmp_path):
+    other = tiny_overrides(cache_dir, *EXACT, "model.n_embd=32", "data.seq_len=64", f"resume={full_run.run_dir}")
+    with pytest.raises(ValueError, match=r"another model/data configuration:\n  data.seq_len: checkpoint 128, now 64"
+                                         r"\n  model.n_embd: checkpoint 64, now 32\nresume with the same"):
+        train(compose_config(other), tmp_path / "run")
+    # a key that changes only how the run is computed (attention implementation, cache) is free to differ
+    same = tiny_overrides(cache_dir, *EXACT, "model.attn_impl=sdpa", "trainer.max_steps=10",
+                          f"resume={full_run.run_dir}")
+    assert train(compose_config(same), tmp_path / "run2").final_step == 10
+
+
+def test_resume_allow_config_change_continues_with_the_new_configuration(full_run, cache_dir, tmp_path, capsys):
+    changed = tiny_overrides(cache_dir, *EXACT, "data.seq_len=64", "trainer.max_steps=10",
+                             f"resume={full_run.run_dir}", "resume_allow_config_change=true")
+    result = train(compose_config(changed), tmp_path / "run")
+    assert result.final_step == 10
+    assert "resume_allow_config_change=true: continuing" in capsys.readouterr().out
+    assert read_manifest(result.checkpoint)["config"]["data.seq_len"] == 64
