@@ -1,10 +1,15 @@
 """Runs that survive damage: verified checkpoints (manifest, fallback to the last good one, config check),
 non-finite steps skipped and stopped, SIGINT/SIGTERM ending with a checkpoint (issue 22)."""
 
-import json
+import itertools
+import math
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file
+
+from flashtrain.data.lm import LMTask
 
 from flashtrain.train import train
 from flashtrain.train.checkpoint import (DamagedCheckpointError, DamagedCheckpointWarning, checkpoint_problem,
@@ -132,3 +137,67 @@ def test_resume_allow_config_change_continues_with_the_new_configuration(full_ru
     assert result.final_step == 10
     assert "resume_allow_config_change=true: continuing" in capsys.readouterr().out
     assert read_manifest(result.checkpoint)["config"]["data.seq_len"] == 64
+
+
+# ---- non-finite steps --------------------------------------------------------------------------------------------
+
+
+def _poison(monkeypatch, bad_calls, weights=False):
+    """LMTask.loss returns NaN for the training micro-batches whose call number (from 0) is in `bad_calls`; with
+    weights=True those calls also set a weight to NaN first (so every later loss is NaN too)."""
+    calls, original = itertools.count(), LMTask.loss
+
+    def loss(self, model, batch):
+        bad = next(calls) in bad_calls
+        if bad and weights:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("nan")
+        value = original(self, model, batch)
+        return value * float("nan") if bad else value
+
+    monkeypatch.setattr(LMTask, "loss", loss)
+
+
+def test_nonfinite_steps_are_skipped_and_counted(full_run, cache_dir, tmp_path, monkeypatch, capsys):
+    _poison(monkeypatch, bad_calls={3, 4})  # the micro-batches of steps 4 and 5 (1 micro-batch per step)
+    result = train(compose_config(tiny_overrides(cache_dir, *EXACT)), tmp_path / "run")
+    out = capsys.readouterr().out
+    assert "step 4: non-finite loss (nan) or gradient norm (nan): step skipped, 1 in a row " \
+           "(trainer.max_nonfinite_steps=10), 1 in this run" in out
+    assert "step 4: non-finite loss (nan) or gradient norm (nan): step skipped, 2 in a row " \
+           "(trainer.max_nonfinite_steps=10), 2 in this run" in out
+    assert result.final_step == 9 and result.exit_code == 0
+    clean = losses(full_run.history)
+    assert [losses(result.history)[s] for s in (1, 2, 3)] == [clean[s] for s in (1, 2, 3)]
+    assert all(math.isfinite(v) for v in losses(result.history).values()) and sorted(losses(result.history)) == \
+        list(range(1, 10))
+    # no update and no scheduler step for a skipped step: 9 AdamW steps, the lr of step s is the clean run's
+    assert losses(result.history, "lr") == losses(full_run.history, "lr")
+    optimizer = torch.load(result.checkpoint / "optimizer.bin", weights_only=False)
+    assert {float(s["step"]) for s in optimizer["state"].values()} == {9.0}
+    weights = load_file(str(result.checkpoint / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_nonfinite_steps_in_a_row_stop_with_the_last_finite_state(full_run, cache_dir, tmp_path, monkeypatch, capsys):
+    _poison(monkeypatch, bad_calls=set(range(3, 100)))  # every micro-batch after step 3
+    result = train(compose_config(tiny_overrides(cache_dir, *EXACT, "trainer.max_nonfinite_steps=3")),
+                   tmp_path / "run")
+    assert result.final_step == 3 and result.exit_code == 1
+    assert result.checkpoint == tmp_path / "run" / "checkpoints" / "step_00000003"
+    assert ("stopped: 3 steps in a row had a non-finite loss or gradient norm (trainer.max_nonfinite_steps=3); the "
+            "weights are those after step 3, the last finite one") in capsys.readouterr().out
+    # exactly the uninterrupted run's weights after step 3
+    saved = load_file(str(result.checkpoint / "model.safetensors"))
+    clean = load_file(str(full_run.run_dir / "checkpoints" / "step_00000003" / "model.safetensors"))
+    assert saved.keys() == clean.keys() and all(torch.equal(saved[k], clean[k]) for k in saved)
+
+
+def test_no_checkpoint_from_nonfinite_weights(cache_dir, tmp_path, monkeypatch):
+    # step 5 makes a weight NaN: every later loss is NaN; 2 in a row stop the run, whose save is refused
+    _poison(monkeypatch, bad_calls={4}, weights=True)
+    overrides = tiny_overrides(cache_dir, *EXACT, "trainer.max_nonfinite_steps=2", "trainer.save_interval=2")
+    with pytest.raises(FloatingPointError, match=r"step 4: the weights are not finite; no checkpoint written \(the "
+                                                 r"last one: .*step_00000004\)"):
+        train(compose_config(overrides), tmp_path / "run")
+    assert [c.name for c in run_checkpoints(tmp_path / "run")] == ["step_00000002", "step_00000004"]

@@ -37,6 +37,7 @@ class TrainState:
     batches_consumed: int = 0  # micro-batches taken from the training sampler (per process)
     tokens_seen: int = 0  # tokens trained on, all processes
     best_val_loss: float = float("inf")
+    skipped_nonfinite: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -109,7 +110,7 @@ def read_manifest(ckpt: Path) -> dict:
 
 
 def checkpoint_problem(ckpt: Path) -> str | None:
-    """Why `ckpt` cannot be trusted (its manifest missing or unreadable, a file missing, resized or changed), or None."""
+    """Why `ckpt` cannot be trusted (manifest missing or unreadable; a file missing, resized or changed), or None."""
     manifest_path = Path(ckpt) / MANIFEST
     if not manifest_path.is_file():
         return f"{manifest_path} is missing (a save cut short, or a checkpoint from before manifests)"

@@ -89,6 +89,9 @@ class TrainerConfig:
     eval_batches: int = 20  # validation micro-batches per pass
     save_interval: int = 100  # steps between checkpoints (and one at the end)
     keep_checkpoints: int = 2  # most recent checkpoints kept on disk
+    # a step whose loss or gradient norm is not finite is skipped (no update); after this many in a row the run stops,
+    # with a checkpoint of the last finite weights
+    max_nonfinite_steps: int = 10
     # stop (with a checkpoint) at the first validation pass where this metric (e.g. val_mlm_accuracy) is >= stop_value
     stop_metric: Optional[str] = None
     stop_value: Optional[float] = None
@@ -99,7 +102,7 @@ class TrainerConfig:
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"trainer.compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_interval", "eval_interval",
-                     "eval_batches", "save_interval", "keep_checkpoints"):
+                     "eval_batches", "save_interval", "keep_checkpoints", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_minutes is not None and self.max_minutes <= 0:
