@@ -3,7 +3,13 @@ non-finite steps skipped and stopped, SIGINT/SIGTERM ending with a checkpoint (i
 
 import itertools
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +20,9 @@ from flashtrain.data.lm import LMTask
 from flashtrain.train import train
 from flashtrain.train.checkpoint import (DamagedCheckpointError, DamagedCheckpointWarning, checkpoint_problem,
                                          read_manifest, resolve_resume, run_checkpoints)
+from flashtrain.train.trainer import read_metrics
 from hydra_config import compose_config
-from test_train import tiny_overrides
+from test_train import ROOT, tiny_overrides
 
 # 9 steps, dropout on (a resume must restore the RNG states), checkpoints at 3, 6 and 9 (all kept)
 EXACT = ["model.dropout=0.1", "model.attn_dropout=0.1", "trainer.max_steps=9", "trainer.log_interval=1",
@@ -201,3 +208,75 @@ def test_no_checkpoint_from_nonfinite_weights(cache_dir, tmp_path, monkeypatch):
                                                  r"last one: .*step_00000004\)"):
         train(compose_config(overrides), tmp_path / "run")
     assert [c.name for c in run_checkpoints(tmp_path / "run")] == ["step_00000002", "step_00000004"]
+
+
+# ---- signals: a real `python launch.py` process -------------------------------------------------------------------
+
+# ~13 ms a step on 2 idle CPU cores: signalled at step 10, 90 steps leave time to stop mid-run
+LAUNCH = ["trainer.max_steps=100", "trainer.log_interval=1", "trainer.eval_interval=1000", "trainer.eval_batches=2",
+          "trainer.save_interval=1000", "data.sample_tokens=0", "model.dropout=0.1"]
+
+
+def _launch(cache_dir, run_dir: Path, *extra):
+    """`python launch.py` into run_dir, its stdout and stderr in files beside it (no pipe to fill)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{run_dir}.out", "w") as out, open(f"{run_dir}.err", "w") as err:
+        return subprocess.Popen([sys.executable, "launch.py", *tiny_overrides(cache_dir, *LAUNCH, *extra),
+                                 f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=out, stderr=err)
+
+
+def _finish(proc, run_dir: Path) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a _launch process."""
+    code = proc.wait(timeout=500)
+    return code, Path(f"{run_dir}.out").read_text(), Path(f"{run_dir}.err").read_text()
+
+
+def _signal_at_step(proc, run_dir: Path, step: int, *signums):
+    """Send `signums` once metrics.jsonl shows training step `step`."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and any(r.get("step", 0) >= step and "train_loss" in r
+                                     for r in read_metrics(metrics)[-3:] if r):
+            for signum in signums:
+                proc.send_signal(signum)
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"the run ended before step {step}: {_finish(proc, run_dir)}")
+
+
+def test_sigint_saves_and_resume_repeats_the_uninterrupted_run(cache_dir, tmp_path):
+    code, _, err = _finish(_launch(cache_dir, tmp_path / "full"), tmp_path / "full")
+    assert code == 0, err[-3000:]
+    interrupted = _launch(cache_dir, tmp_path / "interrupted")
+    _signal_at_step(interrupted, tmp_path / "interrupted", 10, signal.SIGINT)
+    code, out, err = _finish(interrupted, tmp_path / "interrupted")
+    assert code == 130, err[-3000:]
+    assert "SIGINT received: finishing step" in err
+    stopped = [r["step"] for r in read_metrics(tmp_path / "interrupted" / "metrics.jsonl") if "train_loss" in r][-1]
+    assert 10 <= stopped < 100
+    ckpt = tmp_path / "interrupted" / "checkpoints" / f"step_{stopped:08d}"
+    assert (f"stopped by SIGINT after step {stopped}; checkpoint: {ckpt}. Continue with the same command and "
+            f"resume={tmp_path / 'interrupted'} (or resume=auto)") in out
+    assert checkpoint_problem(ckpt) is None
+
+    code, out, err = _finish(_launch(cache_dir, tmp_path / "resumed", f"resume={tmp_path / 'interrupted'}"),
+                             tmp_path / "resumed")
+    assert code == 0, err[-3000:]
+    assert f"resumed from {ckpt} at step {stopped}" in out
+    full_records, resumed_records = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("full", "resumed"))
+    assert sorted(losses(resumed_records)) == list(range(stopped + 1, 101))
+    for step in range(stopped + 1, 101):  # bit for bit
+        assert losses(resumed_records)[step] == losses(full_records)[step], step
+    assert losses(resumed_records, "val_loss")[100] == losses(full_records, "val_loss")[100]
+
+
+def test_second_signal_exits_at_once_without_a_checkpoint(cache_dir, tmp_path):
+    proc = _launch(cache_dir, tmp_path / "run")
+    _signal_at_step(proc, tmp_path / "run", 10, signal.SIGINT, signal.SIGTERM)
+    code, out, err = _finish(proc, tmp_path / "run")
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert "SIGINT received: finishing step" in err
+    assert "SIGTERM again: exiting now, without a checkpoint (the last one: None)" in err
+    assert run_checkpoints(tmp_path / "run") == [] and "stopped by" not in out
