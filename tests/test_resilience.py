@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from flashtrain.data.lm import LMTask
@@ -115,6 +116,40 @@ def test_resume_falls_back_and_continues_exactly(full_run, cache_dir, tmp_path, 
     for step in (7, 8, 9):
         assert losses(resumed.history)[step] == losses(full_run.history)[step], step
     assert losses(resumed.history, "val_loss")[9] == losses(full_run.history, "val_loss")[9]
+
+
+def test_resume_auto_continues_the_newest_run_in_its_own_directory(full_run, cache_dir, tmp_path):
+    """resume=auto takes the newest run (an older run's higher step is not its lineage), writes into that run's
+    directory, drops the records after its checkpoint (work lost, redone) and appends: one history, one curves.png."""
+    runs = tmp_path / "test"
+    run = runs / "2026-01-02_00-00-00"
+    shutil.copytree(full_run.run_dir, run)
+    shutil.rmtree(run / "checkpoints" / "step_00000009")  # interrupted after step 9's records, before its save
+    older = runs / "2026-01-01_00-00-00"  # an older sibling with a higher step
+    shutil.copytree(full_run.run_dir / "checkpoints" / "step_00000009", older / "checkpoints" / "step_00000012")
+    os.utime(older / "checkpoints" / "step_00000012", (1e9, 1e9))
+    (run / "curves.png").unlink()
+    assert resolve_resume("auto", runs) == run / "checkpoints" / "step_00000006"
+
+    resumed = train(compose_config(tiny_overrides(cache_dir, *EXACT, "resume=auto")), runs / "this-launch", runs)
+    assert resumed.run_dir == run and not (runs / "this-launch").exists()
+    assert read_metrics(run / "metrics.jsonl") == resumed.history
+    assert [r["step"] for r in resumed.history if "train_loss" in r] == list(range(1, 10))  # each step once
+    assert losses(resumed.history) == losses(full_run.history)  # bit for bit, over the whole history
+    assert losses(resumed.history, "val_loss") == losses(full_run.history, "val_loss")
+    assert (run / "curves.png").stat().st_size > 10_000
+    assert [c.name for c in run_checkpoints(run)] == ["step_00000003", "step_00000006", "step_00000009"]
+
+
+def test_resume_auto_logs_into_the_same_wandb_run(cache_dir, tmp_path):
+    runs = tmp_path / "test"
+    wandb = ["logger=wandb", "logger.mode=offline"]
+    first = train(compose_config(tiny_overrides(cache_dir, *EXACT, *wandb, "trainer.stop_step=3")), runs / "a", runs)
+    run_id = (first.run_dir / "wandb_run_id").read_text().strip()
+    second = train(compose_config(tiny_overrides(cache_dir, *EXACT, *wandb, "resume=auto")), runs / "b", runs)
+    assert second.run_dir == first.run_dir and second.final_step == 9
+    offline_runs = sorted((first.run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 2 and all(p.name.endswith(f"-{run_id}") for p in offline_runs)
 
 
 def test_every_checkpoint_damaged_stops(full_run, tmp_path):
@@ -280,3 +315,32 @@ def test_second_signal_exits_at_once_without_a_checkpoint(cache_dir, tmp_path):
     assert "SIGINT received: finishing step" in err
     assert "SIGTERM again: exiting now, without a checkpoint (the last one: None)" in err
     assert run_checkpoints(tmp_path / "run") == [] and "stopped by" not in out
+
+
+def test_sweep_jobs_resume_only_their_own_checkpoints(cache_dir, tmp_path):
+    """`launch.py -m optim.lr=1e-3,3e-3 resume=auto`: each job continues its own run (its directory is keyed by its
+    overrides), never the sibling job's."""
+    base = [o for o in tiny_overrides(cache_dir, *EXACT) if not o.startswith("optim.lr=")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+    def sweep(*extra):
+        proc = subprocess.run([sys.executable, "launch.py", "-m", *base, "optim.lr=1e-3,3e-3", *extra,
+                               f"hydra.sweep.dir={tmp_path / 'test'}"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=500)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    sweep("trainer.stop_step=3")
+    time.sleep(1.1)  # the second launch's run directories would be named for another second anyway
+    out = sweep("resume=auto")
+    jobs = {}  # lr -> the job's run; each job's runs share one directory, named for its overrides
+    for job_dir in (p for p in (tmp_path / "test").iterdir() if p.is_dir()):
+        (run,) = [run for run in job_dir.iterdir() if (run / "metrics.jsonl").is_file()]  # the 2nd launch continued
+        (lr,) = [o for o in yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) if o.startswith("optim.lr=")]
+        jobs[lr] = run
+        assert f"resumed from {run / 'checkpoints' / 'step_00000003'} at step 3" in out
+        assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "train_loss" in r] == list(range(1, 10))
+    assert sorted(jobs) == ["optim.lr=0.001", "optim.lr=0.003"]
+    lrs = {lr: losses(read_metrics(run / "metrics.jsonl"), "lr") for lr, run in jobs.items()}
+    assert all(lrs["optim.lr=0.003"][step] == pytest.approx(3 * lrs["optim.lr=0.001"][step], rel=1e-9)
+               for step in range(1, 10))

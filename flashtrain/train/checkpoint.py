@@ -182,10 +182,6 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def _step(ckpt: Path) -> int:
-    return int(ckpt.name[len(CHECKPOINT_PREFIX):])
-
-
 def first_intact(candidates: list[Path]) -> Path | None:
     """The first checkpoint of `candidates` (newest first) that matches its manifest; each one skipped is named in a
     DamagedCheckpointWarning."""
@@ -200,7 +196,8 @@ def first_intact(candidates: list[Path]) -> Path | None:
 def resolve_resume(resume: str | None, runs_of_name: Path) -> Path | None:
     """Turn the `resume` setting into a verified checkpoint directory.
 
-    None -> fresh run. "auto" -> the newest intact checkpoint among all runs in runs/<name>/ (None if there is none).
+    None -> fresh run. "auto" -> the newest intact checkpoint of the newest run in runs/<name>/ (the run whose last
+    checkpoint was written last; never an older sibling's), None if no run there has a checkpoint.
     A run directory -> its newest intact checkpoint. A checkpoint directory -> that checkpoint, which must be intact.
     Damaged checkpoints are skipped with a warning; when some exist but none is intact, DamagedCheckpointError.
     """
@@ -214,8 +211,9 @@ def resolve_resume(resume: str | None, runs_of_name: Path) -> Path | None:
                 f"directory (resume={path.parent.parent}) to take its newest intact one.")
         return path
     if resume == "auto":
-        candidates = [c for run in Path(runs_of_name).glob("*") for c in run_checkpoints(run)]
-        candidates.sort(key=lambda c: (_step(c), c.stat().st_mtime), reverse=True)
+        runs = [run for run in Path(runs_of_name).glob("*") if run_checkpoints(run)]
+        newest = max(runs, key=lambda run: max(c.stat().st_mtime for c in run_checkpoints(run)), default=None)
+        candidates = run_checkpoints(newest)[::-1] if newest is not None else []
     elif path.is_dir() and (candidates := run_checkpoints(path)[::-1]):
         pass
     else:

@@ -8,11 +8,12 @@ dataclasses, which also runs each one's `__post_init__` checks.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from flashtrain.data.documents import EcthrConfig, LongDocConfig, MimicConfig
 from flashtrain.data.listops import ListOpsConfig
@@ -149,8 +150,19 @@ class FlashtrainConfig:
                              f"got {self.init_position_extension!r}")
 
 
+def job_dirname(override_dirname: str) -> str:
+    """A sweep job's directory name from its overrides ("optim.lr=0.001,trainer.max_steps=9"): one path component
+    ("/" in values replaced), and hashed past 120 characters (file names stop at 255)."""
+    name = override_dirname.replace("/", "_") or "no-overrides"
+    if len(name) <= 120:
+        return name
+    return f"{name[:100]}-{hashlib.sha256(override_dirname.encode()).hexdigest()[:12]}"
+
+
 def register_configs() -> None:
-    """Register the schemas with Hydra's ConfigStore (idempotent)."""
+    """Register the schemas with Hydra's ConfigStore and the `job_dirname` resolver of conf/config.yaml (idempotent)."""
+    if not OmegaConf.has_resolver("job_dirname"):
+        OmegaConf.register_new_resolver("job_dirname", job_dirname)
     cs = ConfigStore.instance()
     cs.store(name="flashtrain_schema", node=FlashtrainConfig)
     cs.store(group="model", name="gpt2_schema", node=GPT2Config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -142,6 +143,8 @@ class Trainer:
         check_model_fits(cfg.model, cfg.data, self.task.spec)
 
         self.checkpoint = resolve_resume(cfg.resume, runs_of_name)
+        if cfg.resume == "auto" and self.checkpoint is not None:
+            self.run_dir = self.checkpoint.parent.parent  # the same run continues: its logs, checkpoints, wandb run
         self.config_fingerprint = config_fingerprint(cfg)
         if self.checkpoint is not None:
             self._check_resumed_config()
@@ -232,13 +235,23 @@ class Trainer:
         self.val_loader = self.task.eval_loader("val", tcfg.micro_batch_size, rank, world, tcfg.eval_batches)
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.main)
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.main,
+                              resumed_step=self.state.step if self.checkpoint is not None else None)
         if cfg.logger.kind == "wandb":
             accelerator.init_trackers(cfg.logger.project, config=_flat_config(cfg), init_kwargs={"wandb": {
-                "mode": cfg.logger.mode, "dir": str(self.run_dir), "name": f"{cfg.name}/{self.run_dir.name}"}})
+                "mode": cfg.logger.mode, "dir": str(self.run_dir), "name": f"{cfg.name}/{self.run_dir.name}",
+                "id": self._wandb_run_id(), "resume": "allow"}})
         self._print(f"model: {type(cfg.model).__name__} {self.n_params / 1e6:.2f}M parameters, attention: "
                     f"{self.attention}; device: {accelerator.device}, precision: {accelerator.mixed_precision}, "
                     f"processes: {world}; run dir: {self.run_dir}")
+
+    def _wandb_run_id(self) -> str:
+        """The wandb run of this run directory: made once and stored there, so a resumed run logs into the same one."""
+        id_file = self.run_dir / "wandb_run_id"
+        if self.main and not id_file.is_file():
+            id_file.write_text(secrets.token_hex(4) + "\n")
+        self.accelerator.wait_for_everyone()
+        return id_file.read_text().strip()
 
     # ---- the loop ------------------------------------------------------------------------------------------------
 
