@@ -2,6 +2,7 @@
 non-finite steps skipped and stopped, SIGINT/SIGTERM ending with a checkpoint (issue 22)."""
 
 import itertools
+import json
 import math
 import os
 import shutil
@@ -267,13 +268,22 @@ def _finish(proc, run_dir: Path) -> tuple[int, str, str]:
     return code, Path(f"{run_dir}.out").read_text(), Path(f"{run_dir}.err").read_text()
 
 
+def _whole_record(line: str) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
 def _signal_at_step(proc, run_dir: Path, step: int, *signums):
     """Send `signums` once metrics.jsonl shows training step `step`."""
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.is_file() and any(r.get("step", 0) >= step and "train_loss" in r
-                                     for r in read_metrics(metrics)[-3:] if r):
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        # the last line may be half-written: only whole records count
+        if any(r["step"] >= step and "train_loss" in r for r in map(json.loads, filter(_whole_record, lines))):
             for signum in signums:
                 proc.send_signal(signum)
             return
