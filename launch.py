@@ -10,6 +10,7 @@ by `hydra.searchpath=[file://DIR]`. tests/toy_model.py is one.
 
 import importlib
 import os
+import sys
 from pathlib import Path
 
 import hydra
@@ -26,7 +27,9 @@ for plugin in filter(None, os.environ.get("FLASHTRAIN_PLUGINS", "").split(",")):
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    train(OmegaConf.to_object(cfg), run_dir)
+    result = train(OmegaConf.to_object(cfg), run_dir)
+    if result.exit_code:  # stopped by a signal (128 + its number) or by non-finite steps (1), with a checkpoint
+        sys.exit(result.exit_code)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashtrain.train import train
-from flashtrain.train.checkpoint import latest_checkpoint, resolve_resume
+from flashtrain.train.checkpoint import latest_checkpoint, resolve_resume, write_manifest
 from flashtrain.train.optim import lr_factor, param_groups
 from flashtrain.train.trainer import read_metrics
 from hydra_config import compose_config
@@ -143,7 +143,10 @@ def test_resume_auto_picks_newest_complete_checkpoint(tmp_path):
     runs = tmp_path / "runs" / "demo"
     for run, steps in (("2026-01-01_00-00-00", [10, 20]), ("2026-01-02_00-00-00", [30])):
         for step in steps:
-            (runs / run / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+            ckpt = runs / run / "checkpoints" / f"step_{step:08d}"
+            ckpt.mkdir(parents=True)
+            (ckpt / "model.safetensors").write_bytes(bytes(range(step)))
+            write_manifest(ckpt, step, config={})
     # a save that was interrupted leaves only a .tmp- directory: never picked
     (runs / "2026-01-02_00-00-00" / "checkpoints" / ".tmp-step_00000040").mkdir()
     assert resolve_resume("auto", runs).name == "step_00000030"

@@ -8,11 +8,12 @@ dataclasses, which also runs each one's `__post_init__` checks.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from flashtrain.data.documents import EcthrConfig, LongDocConfig, MimicConfig
 from flashtrain.data.listops import ListOpsConfig
@@ -89,6 +90,9 @@ class TrainerConfig:
     eval_batches: int = 20  # validation micro-batches per pass
     save_interval: int = 100  # steps between checkpoints (and one at the end)
     keep_checkpoints: int = 2  # most recent checkpoints kept on disk
+    # a step whose loss or gradient norm is not finite is skipped (no update); after this many in a row the run stops,
+    # with a checkpoint of the last finite weights
+    max_nonfinite_steps: int = 10
     # stop (with a checkpoint) at the first validation pass where this metric (e.g. val_mlm_accuracy) is >= stop_value
     stop_metric: Optional[str] = None
     stop_value: Optional[float] = None
@@ -99,7 +103,7 @@ class TrainerConfig:
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"trainer.compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_interval", "eval_interval",
-                     "eval_batches", "save_interval", "keep_checkpoints"):
+                     "eval_batches", "save_interval", "keep_checkpoints", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_minutes is not None and self.max_minutes <= 0:
@@ -130,6 +134,8 @@ class FlashtrainConfig:
     name: str = MISSING  # run name; defaults to the recipe's name. Runs land in runs/<name>/<time>/
     seed: int = 1234  # seeds model init, dropout and the data order
     resume: Optional[str] = None  # null: fresh run | auto: newest checkpoint of runs/<name>/ | PATH: a checkpoint or run dir
+    # resume a checkpoint trained with another model/data configuration (otherwise that stops, listing the keys)
+    resume_allow_config_change: bool = False
     init_from: Optional[str] = None  # fresh run from these weights: checkpoint/run dir or hf:NAME (train/model_init.py)
     init_position_extension: str = "repeat"  # repeat | interpolate: how init_from's position table is lengthened
     model: Any = MISSING  # a model schema (GPT2Config, ...): `model.build()` builds the model
@@ -144,8 +150,19 @@ class FlashtrainConfig:
                              f"got {self.init_position_extension!r}")
 
 
+def job_dirname(override_dirname: str) -> str:
+    """A sweep job's directory name from its overrides ("optim.lr=0.001,trainer.max_steps=9"): one path component
+    ("/" in values replaced), and hashed past 120 characters (file names stop at 255)."""
+    name = override_dirname.replace("/", "_") or "no-overrides"
+    if len(name) <= 120:
+        return name
+    return f"{name[:100]}-{hashlib.sha256(override_dirname.encode()).hexdigest()[:12]}"
+
+
 def register_configs() -> None:
-    """Register the schemas with Hydra's ConfigStore (idempotent)."""
+    """Register the schemas with Hydra's ConfigStore and the `job_dirname` resolver of conf/config.yaml (idempotent)."""
+    if not OmegaConf.has_resolver("job_dirname"):
+        OmegaConf.register_new_resolver("job_dirname", job_dirname)
     cs = ConfigStore.instance()
     cs.store(name="flashtrain_schema", node=FlashtrainConfig)
     cs.store(group="model", name="gpt2_schema", node=GPT2Config)

@@ -7,12 +7,19 @@ from pathlib import Path
 
 
 class MetricsLog:
-    def __init__(self, path: Path, enabled: bool = True):
+    def __init__(self, path: Path, enabled: bool = True, resumed_step: int | None = None):
+        """A run resumed in its own directory (resumed_step: its checkpoint's step) appends to the same file; records
+        after that step (work lost with the interruption, about to be redone) are dropped first."""
         self.path = Path(path)
         self.enabled = enabled
         self.records: list[dict] = []
-        if enabled and self.path.is_file():  # a resumed run appends to the same file
+        if enabled and self.path.is_file():
             self.records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            if resumed_step is not None and any(r["step"] > resumed_step for r in self.records):
+                self.records = [r for r in self.records if r["step"] <= resumed_step]
+                tmp = self.path.with_name(f".tmp-{self.path.name}")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+                tmp.replace(self.path)
 
     def write(self, record: dict) -> None:
         self.records.append(record)

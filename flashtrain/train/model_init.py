@@ -27,7 +27,7 @@ from flashtrain.models.hf_convert import bert_config_from_hf, from_pretrained_hf
 from flashtrain.models.lra import LRAClassifier
 from flashtrain.models.position import extend_position_embeddings, upsample_positions_2d
 from flashtrain.pretrained import resolve_pretrained_path
-from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint, resolve_resume
+from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
 
 _POSITIONS_KEY = "transformer.wpe.weight"
 _TIED_KEY = "lm_head.weight"  # saved once, as the token embedding
@@ -86,8 +86,8 @@ def _checkpoint_state(init_from: str) -> tuple[Path, dict]:
     directory of runs such as runs/path64 (the newest checkpoint of them all)."""
     path = Path(init_from).expanduser()
     ckpt = path if path.name.startswith(CHECKPOINT_PREFIX) else latest_checkpoint(path)
-    if ckpt is None and path.is_dir():
-        ckpt = resolve_resume("auto", path)
+    if ckpt is None and path.is_dir():  # a directory of runs: the checkpoint written last (weights only: not verified)
+        ckpt = max(filter(None, map(latest_checkpoint, path.glob("*"))), key=lambda c: c.stat().st_mtime, default=None)
     if ckpt is None or not (ckpt / "model.safetensors").is_file():
         raise FileNotFoundError(f"init_from={init_from!r}: no checkpoint with model.safetensors found")
     return ckpt, load_file(str(ckpt / "model.safetensors"))

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import signal
+import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -22,7 +26,8 @@ from tqdm.auto import tqdm
 
 from flashtrain.data.task import Task, check_model_fits
 from flashtrain.models.padding import Unpadding
-from flashtrain.train.checkpoint import TrainState, resolve_resume, save_checkpoint
+from flashtrain.train.checkpoint import (TrainState, config_differences, config_fingerprint, resolve_resume,
+                                        save_checkpoint)
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.metrics import MetricsLog
 from flashtrain.train.model_init import load_initial_weights
@@ -38,6 +43,7 @@ class TrainResult:
     final_step: int
     history: list[dict] = field(default_factory=list)  # every logged record, as in metrics.jsonl
     sample: str = ""  # text generated at the end
+    exit_code: int = 0  # launch.py's: 1 after too many non-finite steps, 128 + N after signal N (SIGINT: 130)
 
 
 def resolve_precision(precision: str, cpu: bool) -> str:
@@ -83,8 +89,8 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
     """Train `cfg` writing into `run_dir`; `runs_of_name` (default: run_dir's parent) is where resume=auto looks."""
     # trainer.deterministic switches a process-wide setting: put it back when the run ends
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    trainer = Trainer(cfg)
     try:
-        trainer = Trainer(cfg)
         trainer.setup(run_dir, runs_of_name)
         while trainer.state.step < trainer.end_step:
             trainer.train_step()
@@ -92,6 +98,7 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
                 break
         return trainer.finish()
     finally:
+        trainer.restore_signal_handlers()
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
 
 
@@ -109,6 +116,11 @@ class Trainer:
         self.cfg, self.tcfg = cfg, cfg.trainer
         self.stopped_early = False  # by trainer.max_minutes: the run is not over
         self.out_of_time = False  # trainer.max_minutes of training time are spent
+        self.nonfinite_in_a_row = 0  # optimizer steps skipped in a row for a non-finite loss or gradient norm
+        self.received_signal: int | None = None  # SIGINT/SIGTERM: stop after this step, with a checkpoint
+        self.previous_handlers: dict[int, object] = {}
+        self.stop_message: str | None = None  # why the run stopped before its end, and how to continue
+        self.exit_code = 0
 
     # ---- setup ---------------------------------------------------------------------------------------------------
 
@@ -131,6 +143,11 @@ class Trainer:
         check_model_fits(cfg.model, cfg.data, self.task.spec)
 
         self.checkpoint = resolve_resume(cfg.resume, runs_of_name)
+        if cfg.resume == "auto" and self.checkpoint is not None:
+            self.run_dir = self.checkpoint.parent.parent  # the same run continues: its logs, checkpoints, wandb run
+        self.config_fingerprint = config_fingerprint(cfg)
+        if self.checkpoint is not None:
+            self._check_resumed_config()
         self._build_model()
         self.state = TrainState()
         # the scheduler is stepped here once per optimizer step (not through accelerate's per-process stepping)
@@ -150,6 +167,52 @@ class Trainer:
         self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen  # training time only
         self.pbar = tqdm(total=self.end_step, initial=self.state.step, disable=not self.main, desc=cfg.name,
                          unit="step", dynamic_ncols=True)
+        self._install_signal_handlers()
+
+    # ---- signals -------------------------------------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> None:
+        """SIGINT/SIGTERM (Ctrl-C, a cluster's preemption notice): finish the step, save, stop; a second one: exit."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received_signal is not None:
+            print(f"\n{name} again: exiting now, without a checkpoint (the last one: {self.last_checkpoint})",
+                  file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.received_signal = signum
+        print(f"\n{name} received: finishing step {self.state.step + 1}, then saving a checkpoint "
+              f"(another {name} exits at once, without one)", file=sys.stderr, flush=True)
+
+    def restore_signal_handlers(self) -> None:
+        for signum, handler in self.previous_handlers.items():
+            signal.signal(signum, handler)
+        self.previous_handlers = {}
+
+    def _signalled(self) -> bool:
+        """True on every process once any process got SIGINT/SIGTERM: under several processes the flags are summed,
+        so every rank stops after the same step."""
+        got = self.received_signal is not None
+        if self.accelerator.num_processes > 1:
+            flag = torch.tensor(float(got), device=self.accelerator.device)
+            got = self.accelerator.reduce(flag, reduction="sum").item() > 0
+        return got
+
+    def _check_resumed_config(self) -> None:
+        """A checkpoint of another model/data configuration stops the start, unless resume_allow_config_change."""
+        differences = config_differences(self.checkpoint, self.config_fingerprint)
+        if not differences:
+            return
+        listed = "\n  ".join(differences)
+        if not self.cfg.resume_allow_config_change:
+            raise ValueError(f"resume: {self.checkpoint} was trained with another model/data configuration:\n  "
+                             f"{listed}\nresume with the same configuration, or add resume_allow_config_change=true "
+                             f"to continue it with the new one")
+        self._print(f"resume_allow_config_change=true: continuing {self.checkpoint} with\n  {listed}")
 
     def _build_model(self) -> None:
         cfg = self.cfg
@@ -174,13 +237,23 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             from flashtrain.export import save_model_files  # issue 23: RUN_DIR/hf/, the tokenizer and HF config
             save_model_files(cfg, self.run_dir)
-        self.log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.main)
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.main,
+                              resumed_step=self.state.step if self.checkpoint is not None else None)
         if cfg.logger.kind == "wandb":
             accelerator.init_trackers(cfg.logger.project, config=_flat_config(cfg), init_kwargs={"wandb": {
-                "mode": cfg.logger.mode, "dir": str(self.run_dir), "name": f"{cfg.name}/{self.run_dir.name}"}})
+                "mode": cfg.logger.mode, "dir": str(self.run_dir), "name": f"{cfg.name}/{self.run_dir.name}",
+                "id": self._wandb_run_id(), "resume": "allow"}})
         self._print(f"model: {type(cfg.model).__name__} {self.n_params / 1e6:.2f}M parameters, attention: "
                     f"{self.attention}; device: {accelerator.device}, precision: {accelerator.mixed_precision}, "
                     f"processes: {world}; run dir: {self.run_dir}")
+
+    def _wandb_run_id(self) -> str:
+        """The wandb run of this run directory: made once and stored there, so a resumed run logs into the same one."""
+        id_file = self.run_dir / "wandb_run_id"
+        if self.main and not id_file.is_file():
+            id_file.write_text(secrets.token_hex(4) + "\n")
+        self.accelerator.wait_for_everyone()
+        return id_file.read_text().strip()
 
     # ---- the loop ------------------------------------------------------------------------------------------------
 
@@ -201,8 +274,12 @@ class Trainer:
                 accelerator.backward(loss / tcfg.grad_accum_steps)
             loss_sum += loss.detach().float()
             state.batches_consumed += 1
-        if self.cfg.optim.grad_clip > 0:
-            accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        # grad_clip 0: measured (an infinite bound multiplies the gradients by exactly 1), not clipped
+        grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
+        if not self._finite_step(loss_sum, grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        self.nonfinite_in_a_row = 0
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -214,6 +291,24 @@ class Trainer:
             (time.perf_counter() - self.start_time) / 60 >= tcfg.max_minutes
         if state.step % tcfg.log_interval == 0 or self._last_step():
             self._log_training(loss_sum)
+
+    def _finite_step(self, loss_sum: torch.Tensor, grad_norm) -> bool:
+        """False, counting the step as skipped, when the loss or the gradient norm is not finite on any process (with
+        fp16's loss scaler the loss only: the scaler skips steps whose gradients overflow, and lowers its scale).
+        Reading the answer waits for the backward pass: one synchronisation per step."""
+        checks = [loss_sum.float().reshape(1)]
+        if self.accelerator.scaler is None:
+            checks.append(torch.as_tensor(grad_norm, device=loss_sum.device).float().reshape(1))
+        nonfinite = (~torch.isfinite(torch.cat(checks))).sum().float()
+        if self.accelerator.reduce(nonfinite, reduction="sum").item() == 0:
+            return True
+        self.nonfinite_in_a_row += 1
+        self.state.skipped_nonfinite += 1
+        self._print(f"step {self.state.step + 1}: non-finite loss ({loss_sum.item() / self.tcfg.grad_accum_steps:.4g}) "
+                    f"or gradient norm ({float(grad_norm):.4g}): step skipped, {self.nonfinite_in_a_row} in a row "
+                    f"(trainer.max_nonfinite_steps={self.tcfg.max_nonfinite_steps}), "
+                    f"{self.state.skipped_nonfinite} in this run", progress=True)
+        return False
 
     def _log_training(self, loss_sum: torch.Tensor) -> None:
         train_loss = self.accelerator.reduce(loss_sum / self.tcfg.grad_accum_steps, reduction="mean").item()
@@ -227,22 +322,50 @@ class Trainer:
         return self.state.step == self.end_step or self.out_of_time
 
     def after_step(self) -> bool:
-        """Evaluate and save on their intervals; True when the run stops before end_step (stop_metric reached,
-        or out of time)."""
+        """Evaluate and save on their intervals; True when the run stops before end_step (stop_metric reached, out
+        of time, a signal, trainer.max_nonfinite_steps skipped in a row), always with a checkpoint."""
         tcfg, step = self.tcfg, self.state.step
+        if self._signalled():
+            name = signal.Signals(self.received_signal or signal.SIGTERM).name
+            return self._stop(f"stopped by {name} after step {step}", 128 + (self.received_signal or signal.SIGTERM))
+        if self.nonfinite_in_a_row:  # no step was taken: nothing new to evaluate or save
+            return self.nonfinite_in_a_row >= tcfg.max_nonfinite_steps and self._stop(
+                f"stopped: {self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient norm "
+                f"(trainer.max_nonfinite_steps={tcfg.max_nonfinite_steps}); the weights are those after step {step}, "
+                f"the last finite one. Check the data and the learning rate", exit_code=1)
         out_of_time, last = self.out_of_time, self._last_step()
         target_reached = False
         if step % tcfg.eval_interval == 0 or last:
             metrics = self.evaluate()
             target_reached = tcfg.stop_metric is not None and metrics[tcfg.stop_metric] >= tcfg.stop_value
         if step % tcfg.save_interval == 0 or last or target_reached:
-            self.last_checkpoint = save_checkpoint(self.accelerator, self.run_dir, step, tcfg.keep_checkpoints)
+            self._save()
         if step == self.end_step:
             return False
         if target_reached:
             self._print(f"trainer.stop_metric {tcfg.stop_metric} reached {tcfg.stop_value} at step {step}")
         self.stopped_early = out_of_time and not target_reached
+        if self.stopped_early:
+            self.stop_message = (f"stopped after trainer.max_minutes={tcfg.max_minutes} at step {step}; "
+                                 f"continue with resume=auto")
         return target_reached or out_of_time
+
+    def _stop(self, reason: str, exit_code: int) -> bool:
+        """Stop before end_step: save, and say how to continue; True."""
+        self._save()
+        self.stopped_early, self.exit_code = True, exit_code
+        self.stop_message = (f"{reason}; checkpoint: {self.last_checkpoint}. Continue with the same command and "
+                             f"resume={self.run_dir} (or resume=auto)")
+        return True
+
+    def _save(self) -> None:
+        """Checkpoint the current step; never from non-finite weights."""
+        params = [p.detach() for p in self.model.parameters()]
+        if not torch.stack([torch.isfinite(p).all() for p in params]).all().item():
+            raise FloatingPointError(f"step {self.state.step}: the weights are not finite; no checkpoint written "
+                                     f"(the last one: {self.last_checkpoint})")
+        self.last_checkpoint = save_checkpoint(self.accelerator, self.run_dir, self.state.step,
+                                               self.tcfg.keep_checkpoints, self.config_fingerprint)
 
     def evaluate(self, split: str = "val") -> dict[str, float]:
         """Score `split` ("val": trainer.eval_batches batches; other splits whole) and log it, its metrics named
@@ -272,12 +395,11 @@ class Trainer:
             for split in self.task.eval_splits[1:]:
                 self.evaluate(split)
         sample = self.task.sample(accelerator.unwrap_model(self.model), accelerator.device, cfg.seed) \
-            if self.main else ""
+            if self.main and not self.exit_code else ""
         if self.main:
             self.log.plot(self.run_dir / "curves.png", title=f"{cfg.name} ({self.run_dir.name})")
-        if self.stopped_early:
-            self._print(f"stopped after trainer.max_minutes={self.tcfg.max_minutes} at step {self.state.step}; "
-                        f"continue with resume=auto")
+        if self.stop_message:
+            self._print(self.stop_message)
         if sample:
             self._print("---- sample ----\n" + sample + "\n----------------")
         self._print(f"checkpoint: {self.last_checkpoint}")
@@ -286,7 +408,7 @@ class Trainer:
                        if cfg.logger.kind == "wandb" else ""))
         accelerator.end_training()
         return TrainResult(run_dir=self.run_dir, checkpoint=self.last_checkpoint, final_step=self.state.step,
-                           history=self.log.records, sample=sample)
+                           history=self.log.records, sample=sample, exit_code=self.exit_code)
 
     def _record(self, **values) -> None:
         values = {"step": self.state.step, "tokens": self.state.tokens_seen, **values}
