@@ -32,7 +32,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from flashtrain.kernels import build
+from flashtrain.kernels import build, tma
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -186,8 +186,6 @@ def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_s
         grid = (min(grid[0] * grid[1] * grid[2], launch.sm_count(q.device)), 1, 1)
     kernel = launch.get_kernel(spec, spec.symbols[0], q.device)
     if spec.source == "flash_fwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, then the same parameters
-        from flashtrain.kernels import tma
-
         varlen, tiles = cu_seqlens_q is not None, spec.tiles
         params = launch.FwdSm90Params(tma_q=tma.tensor_map(q, varlen, tiles.block_m),
                                       tma_k=tma.tensor_map(k, varlen, tiles.block_n),
