@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -150,7 +151,9 @@ def test_resume_auto_logs_into_the_same_wandb_run(cache_dir, tmp_path):
     second = train(compose_config(tiny_overrides(cache_dir, *EXACT, *wandb, "resume=auto")), runs / "b", runs)
     assert second.run_dir == first.run_dir and second.final_step == 9
     offline_runs = sorted((first.run_dir / "wandb").glob("offline-run-*"))
-    assert len(offline_runs) == 2 and all(p.name.endswith(f"-{run_id}") for p in offline_runs)
+    # offline-run-<time>-<id>, where wandb adds -1, -2, ... when two runs of one id start in the same second
+    same_run = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    assert len(offline_runs) == 2 and all(same_run.fullmatch(p.name) for p in offline_runs)
 
 
 def test_every_checkpoint_damaged_stops(full_run, tmp_path):
