@@ -140,28 +140,45 @@ _tile_overrides()
 
 @dataclasses.dataclass(frozen=True)
 class BwdSm90Tiles:
-    min_blocks: int  # CTAs per SM the registers are budgeted for; a CTA = one warpgroup, 64 keys x 64-query steps
-    min_blocks_dropout: int  # the same with dropout (Philox needs registers)
-    block_m: int = 64
-    block_n: int = 64
-    nwarps: int = 4
-    scramble_dq: int = 1  # whole blocks add into dq_accum in the scrambled order (as BwdTiles), 64-column slices
+    """Hopper backward (csrc/flash_bwd_sm90.cuh): a producer warpgroup (TMA copies of Q / dO, row statistics) and two
+    MMA warpgroups of 64 keys each (block_n = 128 keys per CTA), walking query blocks of block_m rows through a ring
+    of `stages` Q / dO buffers; one CTA per SM."""
 
-    def dq_slice_width(self, head_dim: int) -> int:  # flash_bwd_sm90.cuh computes dQ 64 columns per pass
+    block_m: int  # query rows per step
+    stages: int = 2
+    block_n: int = 128
+    threads: int = 384
+    scramble_dq: int = 1  # whole query blocks add into dq_accum in the scrambled order of 64-column slices
+
+    def dq_slice_width(self, head_dim: int) -> int:  # dQ is computed in 64 x 64 pieces
         return 64
 
-    def smem_bytes(self, head_dim: int) -> int:  # Q, dO x 2 stages, K, V, dS^T 16-bit; lse, D x 2 stages; align
-        return 2 * (4 * self.block_m * head_dim + 2 * self.block_n * head_dim + self.block_m * self.block_n) \
-            + 4 * 4 * self.block_m + 1024
+    def smem_bytes(self, head_dim: int) -> int:
+        """Q, dO stages; K, V; two dS^T buffers (16-bit); per MMA warp 4 KB fp32 dQ staging per piece; lse, D stages;
+        barriers; 1024 to align the tiles (128-byte swizzle)."""
+        pieces = (self.block_m // 64) * (head_dim // 64)
+        dq_staging = 2 * 4 * ((pieces + 1) // 2) * 4096
+        return (2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
+                     + 2 * self.block_n * self.block_m) + dq_staging + 2 * self.stages * 4 * self.block_m + 64 + 1024)
 
 
-# Hopper backward on warpgroup MMAs (csrc/flash_bwd_sm90.cuh): dense or block-sparse, dropout too, not deterministic,
-# these head dims.
-# H100, same process, backward vs FA2: hd64 3 CTAs/SM 0.96-1.26x (2 CTAs: 0.97-1.28x), hd128 2 CTAs/SM 0.96-1.33x.
+# Hopper backward: dense or block-sparse, dropout too, not deterministic, these head dims (65-96 padded to 128).
 BWD_SM90_TILES = {
-    64: BwdSm90Tiles(min_blocks=3, min_blocks_dropout=2),  # dropout with 3: 168 registers + 268-296 B of spills
-    128: BwdSm90Tiles(min_blocks=2, min_blocks_dropout=2),
+    64: BwdSm90Tiles(block_m=64),  # 128 query rows spill 120 B (S^T, dP^T, P^T of 64 x 128 per warpgroup)
+    128: BwdSm90Tiles(block_m=64),
 }
+
+
+def _bwd_tile_overrides() -> None:
+    """FLASHTRAIN_BWD_SM90_TILES="64=128x2" (head dim = block_m x stages) replaces entries of BWD_SM90_TILES in this
+    process (tile A/B measurements)."""
+    for item in filter(None, os.environ.get("FLASHTRAIN_BWD_SM90_TILES", "").split(",")):
+        head_dim, shape = item.split("=")
+        block_m, stages = (int(x) for x in shape.split("x"))
+        BWD_SM90_TILES[int(head_dim)] = BwdSm90Tiles(block_m, stages)
+
+
+_bwd_tile_overrides()
 SM90_ARCH = "sm_90a"
 MAX_STREAMS = 64  # streams one process may run the persistent Hopper forward on (one tile counter each)
 BWD_TILES = {
@@ -393,11 +410,11 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
                    tiles: BwdSm90Tiles) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
     name = f"flash_bwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
-    min_blocks = tiles.min_blocks_dropout if dropout else tiles.min_blocks
-    defines = (("FT_HEAD_DIM", head_dim), ("FT_MIN_BLOCKS", min_blocks), ("FT_BF16", int(dtype == "bf16")),
-               ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
-               ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
-    return KernelSpec("flash_bwd_sm90.cu", defines, (name,), 32 * tiles.nwarps, smem_bytes, block_m=tiles.block_m,
+    defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_STAGES", tiles.stages),
+               ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
+               ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", smem_bytes),
+               ("FT_KERNEL_NAME", name))
+    return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles)
 
 

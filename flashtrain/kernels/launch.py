@@ -60,6 +60,14 @@ class BwdParams(ctypes.Structure):
     ]
 
 
+class BwdSm90Params(ctypes.Structure):
+    """csrc/flash.h BwdSm90Params: four 128-byte tensor maps (q, k, v, dout), BwdParams (from 512), then padding to a
+    multiple of the struct's 64-byte alignment."""
+
+    _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("tma_do", TmaDesc), ("bwd", BwdParams),
+                ("pad_", ctypes.c_uint8 * (-(4 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(BwdParams)) % 64))]
+
+
 class AuxParams(ctypes.Structure):
     _fields_ = [
         ("out", _ptr), ("dout", _ptr), ("dq", _ptr), ("softmax_d", _ptr), ("dq_accum", _ptr), ("dropout_mask", _ptr),

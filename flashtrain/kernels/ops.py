@@ -263,6 +263,11 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     (params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride) = _strides(dk, varlen)
     (params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride) = _strides(dv, varlen)
     grid = (nsplits if deterministic else n_kblocks, batch, nheads_kv)
+    if spec.source == "flash_bwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, dout, then the same parameters
+        params = launch.BwdSm90Params(tma_q=tma.tensor_map(q, varlen, tiles.block_m),
+                                      tma_k=tma.tensor_map(k, varlen, tiles.block_n),
+                                      tma_v=tma.tensor_map(v, varlen, tiles.block_n),
+                                      tma_do=tma.tensor_map(dout, varlen, tiles.block_m), bwd=params)
     launch.get_kernel(spec, spec.symbols[0], q.device).launch(grid, params, q.device)
 
     launch.get_kernel(aux_spec, aux_spec.symbols[1], q.device).launch(aux_grid, aux, q.device)  # dq = scale * sum

@@ -75,6 +75,23 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* desc, u32 ba
         : "memory");
 }
 
+// Bulk (non-tensor) asynchronous reduce-add of `bytes` (a multiple of 16; both addresses 16-byte aligned) fp32 values
+// from shared to global memory, tracked per thread in bulk groups: commit closes a group; wait_read<N> returns once
+// at most N groups still read their shared source, wait<N> once at most N are incomplete. The shared source must be
+// written before the issue and fenced (fence_proxy_async, wgmma.cuh): the copy engine reads it through the async proxy.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // ---------------------------------------------------------------------------------------------- warpgroups
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32): sync waits, arrive
 // counts this warp in without waiting.

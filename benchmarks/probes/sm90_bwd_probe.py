@@ -1,0 +1,83 @@
+"""Probe: backward TFLOP/s of the Hopper backward (flash_bwd_sm90.cuh) against SDPA's cuDNN and FA2 backends, bf16,
+in one process (backward = torch.autograd.grad of one call's output, as benchmarks/attention.py times it); first a
+check of the gradients against fp32 attention (dense, causal, GQA, head dim 96 padded to 128).
+
+    PYTHONPATH=$PWD python3 benchmarks/probes/sm90_bwd_probe.py [--seqlens 1024 4096 16384] [--head-dims 64 128]
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashtrain.kernels import flash_attn_func
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from train_gpt2 import time_calls  # noqa: E402
+
+
+def check(head_dim: int, causal: bool, nheads_kv: int = 4, seqlen: int = 1000) -> None:
+    torch.manual_seed(0)
+    q = torch.randn(2, seqlen, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, seqlen, nheads_kv, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    dout = torch.randn_like(q)
+    out = flash_attn_func(q, k, v, causal=causal, impl="cuda")
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qf, kf, vf = (x.detach().float().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal, enable_gqa=nheads_kv != 4)
+    refs = torch.autograd.grad(ref, (qf, kf, vf), dout.float().transpose(1, 2))
+    errs = [((g.float() - r.transpose(1, 2)).abs().max() / r.abs().max()).item() for g, r in zip(grads, refs)]
+    print(f"check hd{head_dim} causal={causal} kv_heads={nheads_kv} S={seqlen}: rel max err dq {errs[0]:.2e} "
+          f"dk {errs[1]:.2e} dv {errs[2]:.2e}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--impls", nargs="+", default=["flashtrain", "cudnn", "fa2"])
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if not args.no_check:
+        for head_dim in (64, 128, 96):
+            for causal in (False, True):
+                check(head_dim, causal)
+        check(128, True, nheads_kv=1, seqlen=777)
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
+    for head_dim in args.head_dims:
+        nheads = 2048 // head_dim
+        for seqlen in args.seqlens:
+            batch = 16384 // seqlen
+            for causal in (False, True):
+                flops = 2.5 * 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
+                best = {}
+                for _ in range(args.rounds):
+                    for name in args.impls:
+                        shape = (batch, seqlen, nheads, head_dim)
+                        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                                   for _ in range(3))
+                        if name == "flashtrain":
+                            out = flash_attn_func(q, k, v, causal=causal, impl="cuda")
+                        else:
+                            q, k, v = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+                            with sdpa_kernel(backends[name]):
+                                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                        dout = torch.randn_like(out)
+                        fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+                        ms = 1000 * statistics.median(time_calls(fn, torch.device("cuda"), 3, args.repeats))
+                        best[name] = max(best.get(name, 0), flops / ms / 1e9)
+                line = "  ".join(f"{n} {best[n]:6.1f}" for n in args.impls)
+                ratio = f"  ft/cudnn {best['flashtrain'] / best['cudnn']:.2f}" if "cudnn" in best else ""
+                print(f"hd{head_dim} S{seqlen:<6} {'causal' if causal else 'full  '} bwd TFLOP/s {line}{ratio}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
