@@ -556,8 +556,14 @@ def compiler_unavailable_reason() -> str | None:
 _COMMON_FLAGS = ("-std=c++17",)
 
 
+def _extra_defines() -> tuple[str, ...]:
+    """FLASHTRAIN_EXTRA_DEFINES="FT_BWD_DEFER_DQ=0,..." adds macros to every compilation (kernel A/B probes: the
+    cubin cache key includes them)."""
+    return tuple(filter(None, os.environ.get("FLASHTRAIN_EXTRA_DEFINES", "").split(",")))
+
+
 def _macro_flags(spec: KernelSpec) -> list[str]:
-    return [f"-D{key}={value}" for key, value in spec.defines]
+    return [f"-D{key}={value}" for key, value in spec.defines] + [f"-D{item}" for item in _extra_defines()]
 
 
 def _compile_nvrtc(spec: KernelSpec, arch: str) -> bytes:
@@ -623,7 +629,8 @@ def cache_dir() -> Path:
 def cubin_path(spec: KernelSpec, arch: str, compiler: str) -> Path:
     version = nvrtc_version() if compiler == "nvrtc" else nvcc_version()
     key = hashlib.sha256(repr((sources_hash(), spec.source, spec.defines, arch, compiler, version,
-                               _COMMON_FLAGS)).encode()).hexdigest()[:24]
+                               _COMMON_FLAGS) + ((_extra_defines(),) if _extra_defines() else ())
+                              ).encode()).hexdigest()[:24]
     return cache_dir() / f"{spec.name}.{arch}.{key}.cubin"
 
 

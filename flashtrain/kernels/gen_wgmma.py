@@ -11,9 +11,12 @@ from pathlib import Path
 
 OUTPUT = Path(__file__).resolve().parent / "csrc" / "wgmma_ops.cuh"
 # N of the m64nNk16 instructions the kernels issue: S / dP tiles (block_n) and O / dK / dV widths (head dims).
-WIDTHS = {"ss": (64, 80, 96, 112, 128, 176, 192, 256), "rs": (64, 96, 128, 192, 256), "ss_tt": (64, 128)}
-# (A operand, transpose flags of A and B): ss = both K-major; rs = A in registers, B MN-major; ss_tt = both MN-major.
-KINDS = {"ss": ("smem", "0, 0"), "rs": ("regs", "1"), "ss_tt": ("smem", "1, 1")}
+WIDTHS = {"ss": (64, 80, 96, 112, 128, 176, 192, 256), "rs": (64, 96, 128, 192, 256), "ss_tt": (64, 128),
+          "ss_tt_init": (64,)}
+# (A operand, transpose flags of A and B): ss = both K-major; rs = A in registers, B MN-major; ss_tt = both MN-major;
+# *_init: D = A B (scale_d must be 0), the accumulators write-only operands, so that the compiler knows their old
+# values dead (an accumulator array kept across loop iterations would otherwise stay live until this instruction).
+KINDS = {"ss": ("smem", "0, 0"), "rs": ("regs", "1"), "ss_tt": ("smem", "1, 1"), "ss_tt_init": ("smem", "1, 1")}
 TYPES = {False: "f16", True: "bf16"}
 
 
@@ -21,7 +24,8 @@ def _wrapper(kind: str, n: int, bf16: bool) -> str:
     a_source, transposes = KINDS[kind]
     n_acc = n // 2  # fp32 accumulators per thread: 64 x n / 128
     acc = ", ".join(f"%{i}" for i in range(n_acc))
-    outputs = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(n_acc))
+    constraint = "=f" if kind.endswith("_init") else "+f"
+    outputs = ", ".join(f'"{constraint}"(d[{i // 4}][{i % 4}])' for i in range(n_acc))
     if a_source == "regs":
         a_operand = "{" + ", ".join(f"%{n_acc + i}" for i in range(4)) + "}"
         desc_b, scale = n_acc + 4, n_acc + 5

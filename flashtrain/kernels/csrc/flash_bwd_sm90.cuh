@@ -58,6 +58,14 @@ struct BwdSm90Traits {
     // (one piece, head dim 64 x 64 queries: warpgroup 0 alone; the other's GEMMs meanwhile keep the tensor cores busy)
     static constexpr int kPieces = (kBlockM / 64) * (kHeadDim / 64);
     static constexpr int kPiecesPerWg = (kPieces + kNMma - 1) / kNMma;
+    static_assert(kPiecesPerWg == 1, "at most one dQ piece per warpgroup");
+    // The dQ piece of a query block is waited for and written once the next block's S^T GEMM (kDeferDq = 2) or its
+    // S^T and dP^T GEMMs (1: more registers live) are issued, so that the tensor cores have work meanwhile; 0: at once.
+#ifdef FT_BWD_DEFER_DQ
+    static constexpr int kDeferDq = FT_BWD_DEFER_DQ;
+#else
+    static constexpr int kDeferDq = kHeadDim == 64 && kBlockM == 64 ? 1 : 2;
+#endif
     // 128-query blocks: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished wgmma alive,
     // and 64 more live registers would spill)
     static constexpr bool kWaitDv = kBlockM == 128;
@@ -225,7 +233,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const bool lead_lane = lane == 0;
     const u32 sK_w = sK + 64 * w * 128, sV_w = sV + 64 * w * 128;  // the warpgroup's 64 rows of each column block
     DropoutRng rng = T::kIsDropout ? DropoutRng(f.rng_state, f.keep_threshold) : DropoutRng{};
-    const u32 sdQ_warp = sdQ + (w * 4 + wwarp) * T::kPiecesPerWg * T::kDqSliceBytes;
+    const u32 sdQ_warp = sdQ + (w * 4 + wwarp) * T::kDqSliceBytes;
 
     float acc_dk[kDT][4], acc_dv[kDT][4];
 #pragma unroll
@@ -233,6 +241,46 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc_dk[i][j] = acc_dv[i][j] = 0.f;
     mbar_wait(full_kv, 0);
+
+    // dQ: this warpgroup's 64 x 64 piece (mi, hj) of each query block (none for warpgroup 1 when there is one piece).
+    const bool has_piece = T::kPieces >= T::kNMma || w < T::kPieces;
+    const int mi = w / (kHeadDim / 64), hj = w % (kHeadDim / 64);
+    const int row_group = mi * 4 + wwarp;  // this warp's 16 query rows inside a query block
+    float dq[8][4];
+    int dq_m0 = -1, dq_head = 0;  // deferred: the query block whose dQ piece is still in flight (-1: none)
+    auto write_dq = [&](int m0, int head) {
+        fence_operand(dq);
+        float* dq_acc = p.dq_accum + batch * p.dqa_batch_stride + (i64)q_start * f.head_dim + head * p.dqa_head_stride;
+        if (m0 + kBlockM <= seqlen_q && f.head_dim == kHeadDim) {
+            // Scrambled 16 x 64 slice (flash_aux.cuh convert_dq): n8 tile j, lane l -> floats 128 j + 4 l, staged in
+            // shared memory once the copy engine has read the previous slice, then added by one bulk reduce-add.
+            if (lead_lane) bulk_wait_read<0>();
+            __syncwarp();
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sdQ_warp + 512 * j + 16 * lane),
+                             "f"(dq[j][0]), "f"(dq[j][1]), "f"(dq[j][2]), "f"(dq[j][3])
+                             : "memory");
+            fence_proxy_async();
+            __syncwarp();
+            if (lead_lane) {
+                bulk_reduce_add_f32(dq_acc + (i64)(m0 + 16 * row_group) * kHeadDim + hj * 1024, sdQ_warp,
+                                    T::kDqSliceBytes);
+                bulk_commit();
+            }
+        } else {  // a sequence's last block, or a padded head dim: row-major, vector atomics
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = m0 + 16 * row_group + g + 8 * hf;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int col = 64 * hj + 8 * j + 2 * t;
+                    if (row < seqlen_q && col < f.head_dim)
+                        atomic_add2(dq_acc + (i64)row * f.head_dim + col, dq[j][2 * hf], dq[j][2 * hf + 1]);
+                }
+            }
+        }
+    };
 
     auto step = [&](const QueryBlockWalk<T>& walk, auto mask_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
@@ -252,6 +300,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                                           kk > 0);
         }
         wgmma_commit();
+        if (T::kDeferDq == 2 && dq_m0 >= 0) {  // the previous block's dQ piece (issued before S^T)
+            wgmma_wait<1>();
+            write_dq(dq_m0, dq_head);
+            dq_m0 = -1;
+            wgmma_fence();
+        }
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
             const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
@@ -260,6 +314,11 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                                           gmma_desc(sdO(s) + off_q, 16, 1024), kk > 0);
         }
         wgmma_commit();
+        if (T::kDeferDq == 1 && dq_m0 >= 0) {  // the previous block's dQ piece (issued before these two GEMMs)
+            wgmma_wait<2>();
+            write_dq(dq_m0, dq_head);
+            dq_m0 = -1;
+        }
         wgmma_wait<1>();  // S^T done (dP^T may still run)
         fence_operand(st);
 
@@ -347,60 +406,31 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 st_shared_b32(TileS::addr(sdS, key_row0 + g + 8 * (r & 1), 16 * ks + 8 * (r >> 1) + 2 * t),
                               dsa[ks][r]);
         fence_proxy_async();
-        // Before this warp's dQ staging slices are rewritten below: the copy engine has read the previous ones.
-        if (lead_lane) bulk_wait_read<0>();
         named_bar_sync(T::kBarDs, 128 * T::kNMma);  // both warpgroups' dS^T rows stored
 
-        // dQ(block) = dS K, pieces (mi, hj) of 64 x 64: A = dS (dS^T in shared memory: M-major), B = K (MN-major).
-        float* dq_head = p.dq_accum + batch * p.dqa_batch_stride + (i64)q_start * f.head_dim + head * p.dqa_head_stride;
-        const bool whole = m0 + kBlockM <= seqlen_q && f.head_dim == kHeadDim;
-#pragma unroll
-        for (int pi = 0; pi < T::kPiecesPerWg; ++pi) {
-            const int piece = w + T::kNMma * pi, mi = piece / (kHeadDim / 64), hj = piece % (kHeadDim / 64);
-            if (T::kPieces % T::kNMma != 0 && piece >= T::kPieces) break;
-            float dq[8][4];
+        // dQ(block) piece of this warpgroup = dS K: A = dS (dS^T in shared memory: M-major), B = K (MN-major).
+        if (has_piece) {
             wgmma_fence();
 #pragma unroll
-            for (int ks = 0; ks < kBlockN / 16; ++ks)
-                wgmma_ss_tt<64, T::kIsBF16>(dq, gmma_desc(sdS + mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024),
-                                            gmma_desc(sK + hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024),
-                                            ks > 0);
-            wgmma_commit();
-            wgmma_wait<0>();  // also dV and dK: Q, dO and the statistics of stage s are no longer read
-            fence_operand(dq);
-            if (pi == 0 && lead_lane) mbar_arrive(empty(s));
-            const int row_group = mi * 4 + wwarp;  // this warp's 16 query rows inside the block
-            if (whole) {
-                // Scrambled 16 x 64 slice (flash_aux.cuh convert_dq): n8 tile j, lane l -> floats 128 j + 4 l.
-                const u32 slice = sdQ_warp + pi * T::kDqSliceBytes;
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(slice + 512 * j + 16 * lane),
-                                 "f"(dq[j][0]), "f"(dq[j][1]), "f"(dq[j][2]), "f"(dq[j][3])
-                                 : "memory");
-                fence_proxy_async();
-                __syncwarp();
-                if (lead_lane) {
-                    bulk_reduce_add_f32(dq_head + (i64)(m0 + 16 * row_group) * kHeadDim + hj * 1024, slice,
-                                        T::kDqSliceBytes);
-                    bulk_commit();
-                }
-            } else {
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = m0 + 16 * row_group + g + 8 * hf;
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const int col = 64 * hj + 8 * j + 2 * t;
-                        if (row < seqlen_q && col < f.head_dim)
-                            atomic_add2(dq_head + (i64)row * f.head_dim + col, dq[j][2 * hf], dq[j][2 * hf + 1]);
-                    }
-                }
+            for (int ks = 0; ks < kBlockN / 16; ++ks) {
+                const u64 desc_a = gmma_desc(sdS + mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+                const u64 desc_b = gmma_desc(sK + hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+                if (ks == 0) wgmma_ss_tt_init<64, T::kIsBF16>(dq, desc_a, desc_b, 0);  // dq's old values are dead
+                else wgmma_ss_tt<64, T::kIsBF16>(dq, desc_a, desc_b, 1);
             }
-        }
-        if (T::kPieces % T::kNMma != 0 && w >= T::kPieces % T::kNMma) {  // no dQ piece of this warpgroup
+            wgmma_commit();
+            wgmma_wait<1>();  // dV and dK done (dQ may still run): Q, dO, the statistics of stage s are free
+        } else {
             wgmma_wait<0>();
-            if (lead_lane) mbar_arrive(empty(s));
+        }
+        if (lead_lane) mbar_arrive(empty(s));
+        if (has_piece) {
+            if constexpr (T::kDeferDq) {  // finished after the next block's S^T / dP^T GEMMs are issued
+                dq_m0 = m0, dq_head = head;
+            } else {
+                wgmma_wait<0>();
+                write_dq(m0, head);
+            }
         }
     };
     for (QueryBlockWalk<T> walk(p, head_kv, n0, seqlen_q, seqlen_k); walk.has; walk.next()) {
@@ -408,6 +438,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             step(walk, BoolConstant<true>{});
         else
             step(walk, BoolConstant<false>{});
+    }
+    if (T::kDeferDq && dq_m0 >= 0) {
+        wgmma_wait<0>();
+        write_dq(dq_m0, dq_head);
     }
 
     // Epilogue: dK * scale and dV through this warpgroup's rows of the K / V tiles, then 16-byte stores.

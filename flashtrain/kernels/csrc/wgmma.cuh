@@ -51,6 +51,9 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const u32 (&a)[4]
 // D (64 x N) = A B + (scale_d ? D : 0), A and B in shared memory, both MN-major (A's M and B's N are contiguous).
 template <int N, bool kIsBF16>
 __device__ __forceinline__ void wgmma_ss_tt(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int scale_d);
+// The same with D = A B (scale_d 0): the accumulators are write-only operands (their old values are dead).
+template <int N, bool kIsBF16>
+__device__ __forceinline__ void wgmma_ss_tt_init(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int scale_d);
 
 }  // namespace flashtrain
 
