@@ -59,12 +59,14 @@ struct BwdSm90Traits {
     static constexpr int kPieces = (kBlockM / 64) * (kHeadDim / 64);
     static constexpr int kPiecesPerWg = (kPieces + kNMma - 1) / kNMma;
     static_assert(kPiecesPerWg == 1, "at most one dQ piece per warpgroup");
-    // The dQ piece of a query block is waited for and written once the next block's S^T GEMM (kDeferDq = 2) or its
-    // S^T and dP^T GEMMs (1: more registers live) are issued, so that the tensor cores have work meanwhile; 0: at once.
+    // The dQ piece of a query block is waited for and written at once (0), or once the next block's S^T GEMM (2) or
+    // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s: hd128 x 64 queries 0 beats 2 by
+    // 6-10% (e.g. 16K 516 vs 469); hd64 x 128 queries with 2 (24 B of spills; 120 B with 0) beats hd64 x 64 with 0
+    // by 0-4% (16K 411 vs 395) and with 1 by 10-20%.
 #ifdef FT_BWD_DEFER_DQ
     static constexpr int kDeferDq = FT_BWD_DEFER_DQ;
 #else
-    static constexpr int kDeferDq = kHeadDim == 64 && kBlockM == 64 ? 1 : 2;
+    static constexpr int kDeferDq = kBlockM == 128 || kIsDropout ? 2 : 0;  // (dropout: 220 -> 64 B of spills)
 #endif
     // 128-query blocks: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished wgmma alive,
     // and 64 more live registers would spill)
@@ -425,7 +427,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         }
         if (lead_lane) mbar_arrive(empty(s));
         if (has_piece) {
-            if constexpr (T::kDeferDq) {  // finished after the next block's S^T / dP^T GEMMs are issued
+            if constexpr (T::kDeferDq != 0) {  // finished after the next block's GEMMs are issued
                 dq_m0 = m0, dq_head = head;
             } else {
                 wgmma_wait<0>();
