@@ -57,7 +57,7 @@ def test_recipes_have_lra_hyperparameters():
 def tiny(recipe, tmp_path, *extra):
     return [f"recipe={recipe}", "name=test", "logger=none", f"data.cache_dir={tmp_path / 'cache'}",
             "data.num_proc=1", "model.n_layer=1", "model.n_head=2", "model.d_model=16", "model.d_ff=32",
-            "model.dropout=0.0", "model.attn_dropout=0.0", "trainer.log_interval=1", "trainer.eval_batches=2",
+            "model.dropout=0.0", "model.attn_dropout=0.0", "trainer.log_interval=1", "data.val_samples=null",
             "optim.warmup_steps=2", *extra]
 
 
@@ -136,7 +136,7 @@ def test_tiny_path64_then_pathx_and_path256(tmp_path):
                           ("path256", ["model.block_sparse=null", "model.attn_impl=sdpa"])):
         cfg = compose_config(tiny(recipe, tmp_path, *pathfinder, "data.resolution=64", "model.max_len=4097",
                                   f"init_from={runs}", "trainer.micro_batch_size=1", "trainer.max_steps=1",
-                                  "trainer.eval_interval=1", "trainer.eval_batches=1", "trainer.save_interval=1",
+                                  "trainer.eval_interval=1", "data.val_samples=1", "trainer.save_interval=1",
                                   "data.n_val=1", "data.n_test=1", *extra))
         result = train(cfg, tmp_path / recipe)
         start = cfg.model.build()

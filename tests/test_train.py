@@ -31,7 +31,7 @@ def tiny_overrides(cache_dir, *extra):
         "model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.n_positions=128",
         "data.max_bytes=300000", "data.val_fraction=0.1", "data.vocab_size=512", "data.num_proc=1", f"data.cache_dir={cache_dir}",
         "trainer.micro_batch_size=8", "trainer.max_steps=40", "trainer.log_interval=5",
-        "trainer.eval_interval=20", "trainer.eval_batches=4", "trainer.save_interval=20",
+        "trainer.eval_interval=20", "data.val_samples=32", "trainer.save_interval=20",
         "data.sample_tokens=16",
         "optim.lr=3e-3", "optim.warmup_steps=5",
         *extra,

@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 
 from flashtrain.data.task import Task, check_model_fits
 from flashtrain.models.padding import Unpadding
-from flashtrain.train.checkpoint import (TrainState, config_differences, config_fingerprint, resolve_resume,
-                                        save_checkpoint)
+from flashtrain.train.checkpoint import (TrainState, check_writable, config_differences, config_fingerprint,
+                                        resolve_resume, save_checkpoint)
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.metrics import MetricsLog
 from flashtrain.train.model_init import load_initial_weights
@@ -136,18 +136,21 @@ class Trainer:
         if tcfg.deterministic:
             use_deterministic_algorithms()
         self.main = accelerator.is_main_process
-        # before any data is prepared: attn_impl=flash that cannot run stops here, with the reason
+        # Everything that can stop the start does so before any data is prepared: attn_impl=flash that cannot run,
+        # the checkpoint to resume (verified) and its configuration, a run directory that cannot be written, a
+        # model that cannot take what the data will provide (the vocabulary before a tokenizer is trained)
         self.attention = cfg.model.attention_backend(accelerator.device, COMPUTE_DTYPES[accelerator.mixed_precision])
-        with accelerator.main_process_first():  # the main process prepares (and caches) the data first
-            self.task = cfg.data.build()
-        check_model_fits(cfg.model, cfg.data, self.task.spec)
-
         self.checkpoint = resolve_resume(cfg.resume, runs_of_name)
         if cfg.resume == "auto" and self.checkpoint is not None:
             self.run_dir = self.checkpoint.parent.parent  # the same run continues: its logs, checkpoints, wandb run
         self.config_fingerprint = config_fingerprint(cfg)
         if self.checkpoint is not None:
             self._check_resumed_config()
+        check_writable(self.run_dir, self.run_dir / "checkpoints")
+        check_model_fits(cfg.model, cfg.data, cfg.data.preview())
+        with accelerator.main_process_first():  # the main process prepares (and caches) the data first
+            self.task = cfg.data.build()
+        check_model_fits(cfg.model, cfg.data, self.task.spec)
         self._build_model()
         self.state = TrainState()
         # the scheduler is stepped here once per optimizer step (not through accelerate's per-process stepping)
@@ -232,7 +235,8 @@ class Trainer:
         rank, world = accelerator.process_index, accelerator.num_processes
         self.train_iter = iter(self.task.train_loader(tcfg.micro_batch_size, rank, world,
                                                       start_batch=self.state.batches_consumed))
-        self.val_loader = self.task.eval_loader("val", tcfg.micro_batch_size, rank, world, tcfg.eval_batches)
+        # the same validation samples for any micro-batch size and number of processes (the data's val_samples)
+        self.val_loader = self.task.eval_loader("val", tcfg.micro_batch_size, rank, world, self.task.val_samples)
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             from flashtrain.export import save_model_files  # issue 23: RUN_DIR/hf/, the tokenizer and HF config
@@ -368,8 +372,8 @@ class Trainer:
                                                self.tcfg.keep_checkpoints, self.config_fingerprint)
 
     def evaluate(self, split: str = "val") -> dict[str, float]:
-        """Score `split` ("val": trainer.eval_batches batches; other splits whole) and log it, its metrics named
-        "<split>_*"; tracks the best validation loss."""
+        """Score `split` ("val": the data's first val_samples samples; other splits whole) and log it, its metrics
+        named "<split>_*"; tracks the best validation loss."""
         tcfg, accelerator = self.tcfg, self.accelerator
         loader = self.val_loader if split == "val" else self.task.eval_loader(
             split, tcfg.micro_batch_size, accelerator.process_index, accelerator.num_processes)
