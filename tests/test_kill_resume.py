@@ -34,6 +34,7 @@ from test_train import ROOT, tiny_overrides
 
 KILL_POINTS = int(os.environ.get("FLASHTRAIN_KILL_POINTS", "4"))
 KILL_SEED = int(os.environ.get("FLASHTRAIN_KILL_SEED", "22"))
+KILLS_PER_LINEAGE = 5  # then the lineage runs to its end and is compared; the next kills start a new one
 MAX_STEPS, SAVE_INTERVAL = 24, 3
 # dropout everywhere (a resume must restore every RNG), checkpoints every 3 steps with 2 kept (pruning runs),
 # validation every 6 steps on 8 sequences
@@ -87,11 +88,11 @@ def kill_at(proc, out: Path, kind: str, rng: random.Random, resumed_step: int) -
     """kill -9 `proc` at a point of `kind` ("save": a checkpoint write starting; "step": a step's record) after
     resumed_step; None when the process ended first."""
     deadline = time.monotonic() + 300
-    target = min(resumed_step + rng.randint(1, 7), MAX_STEPS - 1)
-    if kind == "save":
-        target = -(-target // SAVE_INTERVAL) * SAVE_INTERVAL  # the next checkpoint step at or after it
-        if target >= MAX_STEPS:
-            kind, target = "step", MAX_STEPS - 1
+    saves = range(resumed_step + SAVE_INTERVAL - resumed_step % SAVE_INTERVAL, MAX_STEPS + 1, SAVE_INTERVAL)
+    if resumed_step >= MAX_STEPS:  # killed after the last checkpoint: the resume only finishes
+        return None
+    # a step or a checkpoint write still ahead of this launch, the last ones included
+    target = rng.choice(saves) if kind == "save" else rng.randint(resumed_step + 1, MAX_STEPS)
     delay = rng.uniform(0, 0.012 if kind == "save" else 0.03)
     run_dir = None
     while proc.poll() is None and time.monotonic() < deadline:
@@ -151,15 +152,16 @@ def test_kill_9_at_random_points_then_resume_auto_repeats_the_uninterrupted_run(
                     assert resumed is not None and resumed.group(1) == str(expected), (said, kills[-1])
                     resumed_step, resumes = int(resumed.group(2)), resumes + 1
             kind = "save" if len(kills) % 2 == 0 else "step"
-            kill = kill_at(proc, Path(f"{out}.out"), kind, rng, resumed_step) if len(kills) < KILL_POINTS else None
+            kill = kill_at(proc, Path(f"{out}.out"), kind, rng, resumed_step) \
+                if len(kills) < KILL_POINTS and number < KILLS_PER_LINEAGE else None
             if kill is None:  # no kill left to make, or the launch ended first: it must have finished the run
                 assert proc.wait(timeout=300) == 0, Path(f"{out}.err").read_text()[-3000:]
                 break
             expected = newest_intact(lineage)
             damaged = [c for c in checkpoints(lineage) if checkpoint_problem(c) is not None]
             damaged_on_disk += bool(damaged)
-            kills.append({**kill, "resumed_step": resumed_step, "next_resumes": expected and expected.name,
-                          "damaged_on_disk": [c.name for c in damaged]})
+            kills.append({**kill, "lineage": lineages - 1, "resumed_step": resumed_step,
+                          "next_resumes": expected and expected.name, "damaged_on_disk": [c.name for c in damaged]})
             number += 1
         finished = run_dir_of(Path(f"{out}.out"))
         records = read_metrics(finished / "metrics.jsonl")

@@ -284,6 +284,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             return
         self.nonfinite_in_a_row = 0
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the learning rate of this step (logged with its loss)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -318,9 +319,8 @@ class Trainer:
         train_loss = self.accelerator.reduce(loss_sum / self.tcfg.grad_accum_steps, reduction="mean").item()
         tok_s = (self.state.tokens_seen - self.tokens_at_log) / max(self.interval_seconds, 1e-9)
         self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen
-        lr = self.scheduler.get_last_lr()[0]
-        self._record(train_loss=train_loss, lr=lr, tokens_per_s=tok_s)
-        self.pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+        self._record(train_loss=train_loss, lr=self.step_lr, tokens_per_s=tok_s)
+        self.pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{self.step_lr:.2e}", tok_s=f"{tok_s:,.0f}")
 
     def _last_step(self) -> bool:
         return self.state.step == self.end_step or self.out_of_time
