@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.errors import ConfigCompositionException
 
 from flashtrain.train import train
 from flashtrain.train.checkpoint import latest_checkpoint, resolve_resume, write_manifest
@@ -52,7 +53,7 @@ def test_default_recipe_composes_to_typed_config():
     ("model.n_layers=3", "n_layers"),
 ])
 def test_misspelled_key_is_rejected(override, key):
-    with pytest.raises(Exception, match=key):
+    with pytest.raises(ConfigCompositionException, match=f"Could not override '{override.split('=')[0]}'"):
         compose_config(["name=x", override])
 
 
