@@ -157,6 +157,26 @@ def _fields_equal(got: Unpadding, want: Unpadding) -> bool:
         (a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want) if not isinstance(a, int))
 
 
+def test_mlm_validation_masks_are_the_same_for_any_batch_size_and_process_count(tmp_path, wordpiece_dir):
+    """Validation sequence i is masked the same way whatever batch and rank it is served in: the curves of runs with
+    other micro-batch sizes or process counts score the same masked tokens."""
+    task = MaskedLMDataConfig(corpus="stdlib", max_bytes=60_000, tokenizer=wordpiece_dir, seq_len=32,
+                              val_fraction=0.1, num_proc=1, cache_dir=str(tmp_path)).build()
+    n = 10
+
+    def served(batch_size, world_size):
+        per_rank = [list(task.eval_loader("val", batch_size, rank, world_size, max_samples=n))
+                    for rank in range(world_size)]
+        in_order = [per_rank[b % world_size][b // world_size] for b in range(math.ceil(n / batch_size))]
+        return {key: torch.cat([batch[key] for batch in in_order]) for key in ("input_ids", "labels")}
+
+    reference = served(10, 1)
+    assert reference["input_ids"].shape == (n, 32) and (reference["labels"] != -100).sum() >= n  # >= 1 per sequence
+    for batch_size, world_size in ((1, 1), (3, 1), (4, 2), (3, 3), (2, 4)):
+        other = served(batch_size, world_size)
+        assert all(torch.equal(other[key], reference[key]) for key in reference), (batch_size, world_size)
+
+
 @pytest.mark.parametrize("kind", ["masked_lm", "documents"])
 def test_loaders_build_the_unpadding_and_the_loss_passes_it(tmp_path, wordpiece_dir, monkeypatch, kind):
     """The masked-LM and document loaders build each batch's Unpadding on the host (so that a training step on the GPU

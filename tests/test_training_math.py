@@ -83,6 +83,8 @@ def test_accumulated_step_equals_the_large_batch_step(cache_dir, tmp_path):
     assert_close_dicts(accum_after, large_after, rtol=0, atol=1e-5)
     # the logged loss: the mean over the step's micro-batches, the large batch's mean
     assert accum.log.records[-1]["train_loss"] == pytest.approx(large.log.records[-1]["train_loss"], rel=1e-6)
+    # the step-0 validation scored the same 8 sequences in 1 batch of 8 and in 2 of 4 (data.val_samples)
+    assert accum.log.records[0]["val_loss"] == pytest.approx(large.log.records[0]["val_loss"], rel=1e-6)
 
 
 def test_clipping_equals_a_manual_clip_grad_norm(cache_dir, tmp_path):
