@@ -146,24 +146,20 @@ class BwdSm90Tiles:
 
     block_m: int  # query rows per step
     stages: int = 2
-    # dQ: False = 64 x 64 pieces of dS K over all 128 keys, split between the warpgroups; True = each warpgroup adds
-    # its own partial dQ over its 64 keys (no barrier between them, twice the reductions)
-    dq_own_keys: bool = False
     block_n: int = 128
     threads: int = 384
     scramble_dq: int = 1  # whole query blocks add into dq_accum in the scrambled order of 64-column slices
 
-    def dq_slice_width(self, head_dim: int) -> int:  # dQ is staged and added in 16 x 64 slices
+    def dq_slice_width(self, head_dim: int) -> int:  # dQ is computed in 64 x 64 pieces
         return 64
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Q, dO stages; K, V; dS^T buffers (16-bit); per MMA warp 4 KB fp32 dQ staging per slice; lse, D stages;
+        """Q, dO stages; K, V; two dS^T buffers (16-bit); per MMA warp 4 KB fp32 dQ staging per piece; lse, D stages;
         barriers; 1024 to align the tiles (128-byte swizzle)."""
         pieces = (self.block_m // 64) * (head_dim // 64)
-        slices, ds_buffers = (pieces, 1) if self.dq_own_keys else (1, 2)
+        dq_staging = 2 * 4 * ((pieces + 1) // 2) * 4096
         return (2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
-                     + ds_buffers * self.block_n * self.block_m) + 2 * 4 * slices * 4096
-                + 2 * self.stages * 4 * self.block_m + 64 + 1024)
+                     + 2 * self.block_n * self.block_m) + dq_staging + 2 * self.stages * 4 * self.block_m + 64 + 1024)
 
 
 # Hopper backward: dense or block-sparse, dropout too, not deterministic, these head dims (65-96 padded to 128).
@@ -174,12 +170,12 @@ BWD_SM90_TILES = {
 
 
 def _bwd_tile_overrides() -> None:
-    """FLASHTRAIN_BWD_SM90_TILES="64=128x2,128=64x2k" (head dim = block_m x stages, "k": dq_own_keys) replaces
-    entries of BWD_SM90_TILES in this process (tile A/B measurements)."""
+    """FLASHTRAIN_BWD_SM90_TILES="64=128x2" (head dim = block_m x stages) replaces entries of BWD_SM90_TILES in this
+    process (tile A/B measurements)."""
     for item in filter(None, os.environ.get("FLASHTRAIN_BWD_SM90_TILES", "").split(",")):
         head_dim, shape = item.split("=")
-        block_m, stages = (int(x) for x in shape.rstrip("k").split("x"))
-        BWD_SM90_TILES[int(head_dim)] = BwdSm90Tiles(block_m, stages, dq_own_keys=shape.endswith("k"))
+        block_m, stages = (int(x) for x in shape.split("x"))
+        BWD_SM90_TILES[int(head_dim)] = BwdSm90Tiles(block_m, stages)
 
 
 _bwd_tile_overrides()
@@ -415,7 +411,7 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     smem_bytes = tiles.smem_bytes(head_dim)
     name = f"flash_bwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_STAGES", tiles.stages),
-               ("FT_BWD_DQ_OWN_KEYS", int(tiles.dq_own_keys)), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
+               ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", smem_bytes),
                ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,

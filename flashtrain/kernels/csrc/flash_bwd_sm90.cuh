@@ -59,13 +59,6 @@ struct BwdSm90Traits {
     static constexpr int kPieces = (kBlockM / 64) * (kHeadDim / 64);
     static constexpr int kPiecesPerWg = (kPieces + kNMma - 1) / kNMma;
     static_assert(kPiecesPerWg == 1, "at most one dQ piece per warpgroup");
-    // dQ over the warpgroup's own 64 keys (each warpgroup adds its own partial dQ of the whole block: twice the
-    // reductions, no barrier between the warpgroups) instead of pieces of dS K over all 128 keys
-#ifdef FT_BWD_DQ_OWN_KEYS
-    static constexpr bool kDqOwnKeys = FT_BWD_DQ_OWN_KEYS;
-#else
-    static constexpr bool kDqOwnKeys = false;
-#endif
     // The dQ piece of a query block is waited for and written at once (0), or once the next block's S^T GEMM (2) or
     // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s: hd128 x 64 queries 0 beats 2 by
     // 6-10% (e.g. 16K 516 vs 469); hd64 x 128 queries with 2 (24 B of spills; 120 B with 0) beats hd64 x 64 with 0
@@ -73,7 +66,7 @@ struct BwdSm90Traits {
 #ifdef FT_BWD_DEFER_DQ
     static constexpr int kDeferDq = FT_BWD_DEFER_DQ;
 #else
-    static constexpr int kDeferDq = kDqOwnKeys ? 0 : kBlockM == 128 || kIsDropout ? 2 : 0;  // (dropout: 220 -> 64 B of spills)
+    static constexpr int kDeferDq = kBlockM == 128 || kIsDropout ? 2 : 0;  // (dropout: 220 -> 64 B of spills)
 #endif
     // 128-query blocks: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished wgmma alive,
     // and 64 more live registers would spill)
@@ -83,15 +76,13 @@ struct BwdSm90Traits {
     using TileS = SmemTile<kBlockN, kBlockM>;    // dS^T (rows keys, columns queries), two buffers
     static constexpr int kStatsBytes = kBlockM * 4;
     static constexpr int kDqSliceBytes = 16 * 64 * 4;  // one warp's 16 x 64 fp32 slice of a dQ piece
-    static constexpr int kDqSlices = kDqOwnKeys ? kPieces : 1;  // staging slices per warp
-    static constexpr int kDsBuffers = kDqOwnKeys ? 1 : 2;
     static constexpr int kBarrierBytes = 64;
     static_assert(8 * (1 + 2 * kStages) <= kBarrierBytes, "barrier area");
-    static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + kDsBuffers * TileS::kBytes +
-                                      kNMma * 4 * kDqSlices * kDqSliceBytes + 2 * kStages * kStatsBytes +
+    static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileS::kBytes +
+                                      kNMma * 4 * kPiecesPerWg * kDqSliceBytes + 2 * kStages * kStatsBytes +
                                       kBarrierBytes + 1024;
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue).
-    static constexpr int kBarDs = 1, kBarEpilogue = 3;
+    static constexpr int kBarDs = 1, kBarEpilogue = 2;
 };
 
 // The (query head, query block) pairs a CTA visits, in order: dense, every query block from the first that sees the
@@ -163,8 +154,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;
     const u32 sK = base + 2 * kStages * TileQ::kBytes, sV = sK + TileKV::kBytes;
     const u32 sdS0 = sV + TileKV::kBytes;
-    const u32 sdQ = sdS0 + T::kDsBuffers * TileS::kBytes;
-    const u32 sStats = sdQ + T::kNMma * 4 * T::kDqSlices * T::kDqSliceBytes;  // lse[kStages][M], D[kStages][M]
+    const u32 sdQ = sdS0 + 2 * TileS::kBytes;
+    const u32 sStats = sdQ + T::kNMma * 4 * T::kPiecesPerWg * T::kDqSliceBytes;  // lse[kStages][M], D[kStages][M]
     const u32 bars = sStats + 2 * kStages * T::kStatsBytes;
     auto sQ = [&](int s) { return base + s * TileQ::kBytes; };
     auto sdO = [&](int s) { return base + (kStages + s) * TileQ::kBytes; };
@@ -244,7 +235,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const bool lead_lane = lane == 0;
     const u32 sK_w = sK + 64 * w * 128, sV_w = sV + 64 * w * 128;  // the warpgroup's 64 rows of each column block
     DropoutRng rng = T::kIsDropout ? DropoutRng(f.rng_state, f.keep_threshold) : DropoutRng{};
-    const u32 sdQ_warp = sdQ + (w * 4 + wwarp) * T::kDqSlices * T::kDqSliceBytes;
+    const u32 sdQ_warp = sdQ + (w * 4 + wwarp) * T::kDqSliceBytes;
 
     float acc_dk[kDT][4], acc_dv[kDT][4];
 #pragma unroll
@@ -293,54 +284,11 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         }
     };
 
-    // kDqOwnKeys: this warp's 16-row groups of the block's dQ partial, every 64-column slice, staged and reduced.
-    auto write_dq_own = [&](int m0, int head, float(&dqk)[kBlockM / 64][kDT][4]) {
-        float* dq_acc = p.dq_accum + batch * p.dqa_batch_stride + (i64)q_start * f.head_dim + head * p.dqa_head_stride;
-        if (m0 + kBlockM <= seqlen_q && f.head_dim == kHeadDim) {
-            if (lead_lane) bulk_wait_read<0>();
-            __syncwarp();
-#pragma unroll
-            for (int mi2 = 0; mi2 < kBlockM / 64; ++mi2)
-#pragma unroll
-                for (int j = 0; j < kDT; ++j)
-                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(
-                                     sdQ_warp + (mi2 * (kHeadDim / 64) + j / 8) * T::kDqSliceBytes + 512 * (j % 8) +
-                                     16 * lane),
-                                 "f"(dqk[mi2][j][0]), "f"(dqk[mi2][j][1]), "f"(dqk[mi2][j][2]), "f"(dqk[mi2][j][3])
-                                 : "memory");
-            fence_proxy_async();
-            __syncwarp();
-            if (lead_lane) {
-#pragma unroll
-                for (int mi2 = 0; mi2 < kBlockM / 64; ++mi2)
-#pragma unroll
-                    for (int hj2 = 0; hj2 < kHeadDim / 64; ++hj2)
-                        bulk_reduce_add_f32(dq_acc + (i64)(m0 + 16 * (mi2 * 4 + wwarp)) * kHeadDim + hj2 * 1024,
-                                            sdQ_warp + (mi2 * (kHeadDim / 64) + hj2) * T::kDqSliceBytes,
-                                            T::kDqSliceBytes);
-                bulk_commit();
-            }
-        } else {
-#pragma unroll
-            for (int mi2 = 0; mi2 < kBlockM / 64; ++mi2)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = m0 + 16 * (mi2 * 4 + wwarp) + g + 8 * hf;
-#pragma unroll
-                    for (int j = 0; j < kDT; ++j) {
-                        const int col = 8 * j + 2 * t;
-                        if (row < seqlen_q && col < f.head_dim)
-                            atomic_add2(dq_acc + (i64)row * f.head_dim + col, dqk[mi2][j][2 * hf],
-                                        dqk[mi2][j][2 * hf + 1]);
-                    }
-                }
-        }
-    };
     auto step = [&](const QueryBlockWalk<T>& walk, auto mask_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
         const int it = walk.it, head = walk.head, m0 = walk.m0;
         const int s = it % kStages;
-        const u32 sdS = sdS0 + (it % T::kDsBuffers) * TileS::kBytes;
+        const u32 sdS = sdS0 + (it & 1) * TileS::kBytes;
         mbar_wait(full(s), (it / kStages) & 1);
 
         // S^T = K_w Q^T, then dP^T = V_w dO^T: kHeadDim / 16 k-steps each, step kk reads 16 columns of block kk / 4.
@@ -460,27 +408,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 st_shared_b32(TileS::addr(sdS, key_row0 + g + 8 * (r & 1), 16 * ks + 8 * (r >> 1) + 2 * t),
                               dsa[ks][r]);
         fence_proxy_async();
-        if constexpr (T::kDqOwnKeys) {
-            named_bar_sync(T::kBarDs + w, 128);  // this warpgroup's dS^T rows stored
-            // dQ(block) partial over this warpgroup's keys: A = dS (its rows of dS^T: M-major), B = K_w (MN-major).
-            float dqk[kBlockM / 64][kDT][4];
-            wgmma_fence();
-#pragma unroll
-            for (int mi2 = 0; mi2 < kBlockM / 64; ++mi2)
-#pragma unroll
-                for (int ks = 0; ks < 4; ++ks)
-                    wgmma_ss_tt<kHeadDim, T::kIsBF16>(
-                        dqk[mi2], gmma_desc(sdS + mi2 * kBlockN * 128 + (64 * w + 16 * ks) * 128, kBlockN * 128, 1024),
-                        gmma_desc(sK + (64 * w + 16 * ks) * 128, kBlockN * 128, 1024), ks > 0);
-            wgmma_commit();
-            wgmma_wait<1>();  // dV and dK done: Q, dO, the statistics of stage s are free
-            if (lead_lane) mbar_arrive(empty(s));
-            wgmma_wait<0>();
-#pragma unroll
-            for (int mi2 = 0; mi2 < kBlockM / 64; ++mi2) fence_operand(dqk[mi2]);
-            write_dq_own(m0, head, dqk);
-            return;
-        }
         named_bar_sync(T::kBarDs, 128 * T::kNMma);  // both warpgroups' dS^T rows stored
 
         // dQ(block) piece of this warpgroup = dS K: A = dS (dS^T in shared memory: M-major), B = K (MN-major).
