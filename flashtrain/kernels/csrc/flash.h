@@ -4,7 +4,8 @@
 //   q, out, dout, dq   (batch, seqlen_q, nheads,    head_dim)   or varlen (total_q, nheads,    head_dim)
 //   k, v, dk, dv       (batch, seqlen_k, nheads_kv, head_dim)   or varlen (total_k, nheads_kv, head_dim)
 //   lse, softmax_d     float32 (batch, nheads, seqlen_q)        or varlen (nheads, total_q)
-//   dq_accum           float32 (nsplits, batch, nheads, seqlen_q, head_dim) or varlen (nsplits, nheads, total_q, head_dim)
+//   dq_accum           float32 (nsplits, batch, nheads, seqlen_q, C) or varlen (nsplits, nheads, total_q, C): C = head_dim,
+//                      or the Hopper backward's instantiated head dim (AuxParams::dqa_cols)
 // Varlen: cu_seqlens_q/k (batch + 1, int32) give each sequence's first row; the batch strides are then 0.
 //   bs_rows            int32 (mask heads, n_qblocks, n_kblocks + 1): per query block of the block mask, the number c
 //                      of its non-zero key blocks, then those key blocks in ascending order (entries past c unused)
@@ -119,6 +120,8 @@ struct AuxParams {
     // query blocks of dq_block_m rows that lie wholly inside the sequence hold scrambled 16-row groups
     int dq_slice_width, dq_block_m;
     int total_q, total_k;     // varlen: rows of q / k, as in FwdParams
+    int dqa_cols;             // dq_accum row length: head_dim, or the Hopper backward's padded head dim (zeros past
+    int pad_;                 // head_dim)
 };
 
 }  // namespace flashtrain

@@ -252,8 +252,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     int dq_m0 = -1, dq_head = 0;  // deferred: the query block whose dQ piece is still in flight (-1: none)
     auto write_dq = [&](int m0, int head) {
         fence_operand(dq);
-        float* dq_acc = p.dq_accum + batch * p.dqa_batch_stride + (i64)q_start * f.head_dim + head * p.dqa_head_stride;
-        if (m0 + kBlockM <= seqlen_q && f.head_dim == kHeadDim) {
+        // dq_accum rows hold kHeadDim floats (padded head dims too: their columns past head_dim get zeros)
+        float* dq_acc = p.dq_accum + batch * p.dqa_batch_stride + (i64)q_start * kHeadDim + head * p.dqa_head_stride;
+        if (m0 + kBlockM <= seqlen_q) {
             // Scrambled 16 x 64 slice (flash_aux.cuh convert_dq): n8 tile j, lane l -> floats 128 j + 4 l, staged in
             // shared memory once the copy engine has read the previous slice, then added by one bulk reduce-add.
             if (lead_lane) bulk_wait_read<0>();
@@ -270,7 +271,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                                     T::kDqSliceBytes);
                 bulk_commit();
             }
-        } else {  // a sequence's last block, or a padded head dim: row-major, vector atomics
+        } else {  // a sequence's last block: row-major, vector atomics
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int row = m0 + 16 * row_group + g + 8 * hf;
@@ -278,7 +279,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 for (int j = 0; j < 8; ++j) {
                     const int col = 64 * hj + 8 * j + 2 * t;
                     if (row < seqlen_q && col < f.head_dim)
-                        atomic_add2(dq_acc + (i64)row * f.head_dim + col, dq[j][2 * hf], dq[j][2 * hf + 1]);
+                        atomic_add2(dq_acc + (i64)row * kHeadDim + col, dq[j][2 * hf], dq[j][2 * hf + 1]);
                 }
             }
         }
