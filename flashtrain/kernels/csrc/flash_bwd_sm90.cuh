@@ -29,7 +29,8 @@
 // 16 x 16 tile are the words of 2 lanes of the forward's layout (its rows are keys), 2 Philox calls per tile; the keep
 // decisions of P^T are kept as bits for dS^T. Block-sparse walks the query tiles of the non-zero mask blocks of the key
 // block's column (utils.cuh SparseWalkAsc), for each query head of the group. Not deterministic (dQ is summed by
-// reductions in arrival order); build.py routes deterministic=True to flash_bwd.cuh. Head dims 64 and 128 (65-96 are
+// reductions in arrival order) unless kIsDeterministic (below: key blocks take turns per query block); block-sparse
+// with deterministic=True runs flash_bwd.cuh. Head dims 64 and 128 (65-96 are
 // padded up by the host; columns past head_dim are zero-filled by the copies and not written). flash_aux.cuh runs
 // before (D, zeroing dq_accum) and after (dq = scale * dq_accum).
 #pragma once
@@ -39,11 +40,12 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
-          bool kIsBlockSparse_>
+          bool kIsBlockSparse_, bool kIsDeterministic_>
 struct BwdSm90Traits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = 128, kStages = kStages_;
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
-    static constexpr bool kIsBlockSparse = kIsBlockSparse_;
+    static constexpr bool kIsBlockSparse = kIsBlockSparse_, kIsDeterministic = kIsDeterministic_;
+    static_assert(!(kIsBlockSparse && kIsDeterministic), "deterministic block-sparse runs flash_bwd.cuh");
     static constexpr int kNMma = 2;                     // MMA warpgroups, 64 keys each
     static constexpr int kNThreads = 128 * (kNMma + 1);  // + the producer warpgroup
     static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
@@ -250,8 +252,28 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const int row_group = mi * 4 + wwarp;  // this warp's 16 query rows inside a query block
     float dq[8][4];
     int dq_m0 = -1, dq_head = 0;  // deferred: the query block whose dQ piece is still in flight (-1: none)
+    // Deterministic (kIsDeterministic): every MMA warp of key block n adds its part of a query block's dQ only after
+    // all 8 MMA warps of key blocks 0 .. n - 1 have added theirs (each key block that sees a query block is preceded by
+    // every lower one that does: causal visibility is monotone in the key block), so each dq_accum value receives its
+    // additions in one fixed order. Lower key blocks have lower block indices, so they are scheduled no later.
+    // (The counter's address is recomputed from the parameters where used: no registers live across the loop.)
+    auto det_counter = [&](int m0, int head) {
+        return p.dq_semaphore + ((i64)batch * f.nheads + head) * p.dq_sem_mblocks + m0 / kBlockM;
+    };
+    auto det_wait = [&](int m0, int head) {
+        if (lead_lane)
+            while (ld_acquire_gpu(det_counter(m0, head)) < 4 * T::kNMma * n_block) {
+            }
+        __syncwarp();
+    };
+    auto det_signal = [&](int m0, int head) {  // after this warp's additions are complete
+        __threadfence();
+        __syncwarp();
+        if (lead_lane) red_release_gpu_add(det_counter(m0, head), 1);
+    };
     auto write_dq = [&](int m0, int head) {
         fence_operand(dq);
+        if (T::kIsDeterministic) det_wait(m0, head);
         // dq_accum rows hold kHeadDim floats (padded head dims too: their columns past head_dim get zeros)
         float* dq_acc = p.dq_accum + batch * p.dqa_batch_stride + (i64)q_start * kHeadDim + head * p.dqa_head_stride;
         if (m0 + kBlockM <= seqlen_q) {
@@ -270,6 +292,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 bulk_reduce_add_f32(dq_acc + (i64)(m0 + 16 * row_group) * kHeadDim + hj * 1024, sdQ_warp,
                                     T::kDqSliceBytes);
                 bulk_commit();
+                if (T::kIsDeterministic) {  // the reduction is complete (not only read) before the next key block's
+                    bulk_wait<0>();
+                    fence_proxy_async_global();
+                }
             }
         } else {  // a sequence's last block: row-major, vector atomics
 #pragma unroll
@@ -283,6 +309,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 }
             }
         }
+        if (T::kIsDeterministic) det_signal(m0, head);
     };
 
     auto step = [&](const QueryBlockWalk<T>& walk, auto mask_tag) {
@@ -425,6 +452,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             wgmma_wait<1>();  // dV and dK done (dQ may still run): Q, dO, the statistics of stage s are free
         } else {
             wgmma_wait<0>();
+            if (T::kIsDeterministic) {  // no dQ piece: take the turn all the same (the count is of all 8 MMA warps)
+                det_wait(m0, head);
+                det_signal(m0, head);
+            }
         }
         if (lead_lane) mbar_arrive(empty(s));
         if (has_piece) {
