@@ -179,7 +179,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         mbar_init(full_kv, 1);
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(full(s), 1 + 32);     // the TMA thread's expect_tx arrival + warp 1's lanes (statistics)
+            mbar_init(full(s), 2);  // the expect_tx arrivals of the TMA thread and of the statistics warp
             mbar_init(empty(s), 4 * T::kNMma);  // one arrival per MMA warp
         }
         mbar_fence_init();
@@ -214,12 +214,13 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 }
             }
         } else if (warp == 1) {
-            // Row statistics: lse in log2 units (+inf for rows past the end and rows that saw no key, so P = 0), D.
-            // (st.async, which would complete on the barrier like the copies, needs a cluster launch: it raised an
-            // illegal instruction in this one.)
+            // Row statistics: lse in log2 units (+inf for rows past the end and rows that saw no key, so P = 0), D;
+            // stored through the async proxy (st.async), completing on the stage's full barrier like the copies.
             for (QueryBlockWalk<T> walk(p, head_kv, n0, seqlen_q, seqlen_k); walk.has; walk.next()) {
                 const int s = walk.it % kStages;
                 mbar_wait(empty(s), ((walk.it / kStages) & 1) ^ 1);
+                if (lane == 0) mbar_arrive_expect_tx(full(s), 2 * T::kStatsBytes);
+                __syncwarp();
                 const i64 offset = batch * f.lse_batch_stride + walk.head * f.lse_head_stride + q_start;
 #pragma unroll
                 for (int i = 0; i < kBlockM / 32; ++i) {
@@ -230,10 +231,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         lse = raw == -infinity() ? infinity() : raw * kLog2e;
                         dsum = p.softmax_d[offset + row];
                     }
-                    asm volatile("st.shared.f32 [%0], %1;" ::"r"(sLse(s) + 4 * (lane + 32 * i)), "f"(lse) : "memory");
-                    asm volatile("st.shared.f32 [%0], %1;" ::"r"(sD(s) + 4 * (lane + 32 * i)), "f"(dsum) : "memory");
+                    st_async_f32(sLse(s) + 4 * (lane + 32 * i), lse, full(s));
+                    st_async_f32(sD(s) + 4 * (lane + 32 * i), dsum, full(s));
                 }
-                mbar_arrive(full(s));
             }
         } else if (warp == 2) {
             // dQ writer: per query block, once the MMA warps have staged their 16 x 64 slices (scrambled order of
