@@ -27,13 +27,6 @@ __device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier
 __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
-// A 4-byte store to shared memory through the async proxy that completes 4 bytes of transactions on mbarrier bar
-// (announced by an expect_tx arrival), like a TMA copy: the consumers see it after waiting on the barrier.
-__device__ __forceinline__ void st_async_f32(u32 addr, float v, u32 bar) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(addr),
-                 "r"(__float_as_uint(v)), "r"(bar)
-                 : "memory");
-}
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
