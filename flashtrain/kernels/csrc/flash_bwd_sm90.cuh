@@ -61,14 +61,14 @@ struct BwdSm90Traits {
     static constexpr int kPieces = (kBlockM / 64) * (kHeadDim / 64);
     static_assert(kPieces == kNMma, "one dQ piece per warpgroup (every MMA warp stages one slice per block)");
     static constexpr int kPiecesPerWg = 1;
-    // The dQ piece of a query block is waited for and written at once (0), or once the next block's S^T GEMM (2) or
-    // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s: hd128 x 64 queries 0 beats 2 by
-    // 6-10% (e.g. 16K 516 vs 469); hd64 x 128 queries with 2 (24 B of spills; 120 B with 0) beats hd64 x 64 with 0
-    // by 0-4% (16K 411 vs 395) and with 1 by 10-20%.
+    // The dQ piece of a query block is waited for and staged at once (0), or once the next block's S^T GEMM (2) or
+    // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s with the dQ writer warp: hd128 0
+    // beats 2 by 10-15% (16K 524 vs 473); hd64 x 128 queries 0 beats 2 by 3-6% (16K 434 vs 418) despite 120 B of
+    // spills. Dropout keeps 2 (with 0 the hd128 dropout kernel spills 220 B instead of 64; not measured).
 #ifdef FT_BWD_DEFER_DQ
     static constexpr int kDeferDq = FT_BWD_DEFER_DQ;
 #else
-    static constexpr int kDeferDq = kBlockM == 128 || kIsDropout ? 2 : 0;  // (dropout: 220 -> 64 B of spills)
+    static constexpr int kDeferDq = kIsDropout ? 2 : 0;
 #endif
     // 128-query blocks: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished wgmma alive,
     // and 64 more live registers would spill)
