@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from flashtrain.export import TEMPERATURE, TOP_K, load_run
+from flashtrain.export import MAX_NEW_TOKENS, TEMPERATURE, TOP_K, load_run
 from flashtrain.models.gpt2 import GPT2
 
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m flashtrain.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="a run directory (its newest checkpoint) or a checkpoint directory")
     parser.add_argument("--prompt", default="def ", help="the text to continue (default: %(default)r)")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     parser.add_argument("--temperature", type=float, default=TEMPERATURE, help="0: greedy (default: %(default)s)")
     parser.add_argument("--top-k", type=int, default=TOP_K, help="sample among the k likeliest (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)

@@ -480,7 +480,7 @@ class DocumentClassificationTask(Task):
     eval_splits = ("val", "test")
 
     def __init__(self, cfg: DocumentDataConfig):
-        self.tokenizer = load_hf_tokenizer(cfg.tokenizer)
+        self.tokenizer, self.tokenizer_name = load_hf_tokenizer(cfg.tokenizer), cfg.tokenizer
         self.splits = prepare_documents(cfg, self.tokenizer)
         self.max_length, self.seed, self.num_workers = cfg.max_length, cfg.seed, cfg.num_workers
         self.problem_type, self.num_labels = self.splits.problem_type, self.splits.num_labels
@@ -535,3 +535,6 @@ class DocumentClassificationTask(Task):
 
     def tokens(self, batch) -> int:
         return int(batch["attention_mask"].sum())
+
+    def hf_tokenizer(self):
+        return load_hf_tokenizer(self.tokenizer_name)

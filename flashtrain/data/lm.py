@@ -39,8 +39,8 @@ from flashtrain.data.cache import DEFAULT_CACHE_DIR, resolve_cache_dir, write_to
 from flashtrain.data.corpus import Corpus, fingerprint, open_corpus
 from flashtrain.data.samplers import ResumableBatchSampler, ordered_batches
 from flashtrain.data.task import DataSpec, Task
-from flashtrain.data.tokenizer import (eos_id, encode_ordinary, load_tokenizer, save_tokenizer, tokenizer_fingerprint,
-                                       train_bpe)
+from flashtrain.data.tokenizer import (bpe_as_hf_tokenizer, eos_id, encode_ordinary, load_tokenizer, save_tokenizer,
+                                       tokenizer_fingerprint, train_bpe)
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +300,9 @@ class LMTask(Task):
 
     def tokens(self, batch) -> int:
         return batch[0].numel()
+
+    def hf_tokenizer(self):
+        return bpe_as_hf_tokenizer(self.data.tokenizer)
 
     @torch.no_grad()
     def sample(self, model, device, seed) -> str:

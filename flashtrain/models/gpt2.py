@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashtrain.models.attention import attention, check_attn_impl, check_backend, compute_dtype
+from flashtrain.models.tying import tie_weights
 
 
 @dataclass
@@ -140,7 +141,7 @@ class GPT2(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, two names in the state dict
+        tie_weights(self, "lm_head.weight", "transformer.wte.weight")  # one tensor, saved as wte
         self.apply(self._init_weights)
         # GPT-2 paper: residual projections scaled by 1/sqrt(N), N = 2 residual branches per block.
         for name, param in self.named_parameters():
