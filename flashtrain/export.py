@@ -93,6 +93,8 @@ def load_run_config(run_dir: Path):
         raise FileNotFoundError(f"{path}: no composed config; runs started by launch.py write it")
     raw = _fill_hydra_values(OmegaConf.to_container(OmegaConf.load(path)), run_dir / ".hydra" / "hydra.yaml")
     raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)  # ${data.vocab_size} and the like
+    if isinstance(raw["logger"]["kind"], str):  # runs from before logger.kind listed trackers: "wandb" or "none"
+        raw["logger"]["kind"] = [] if raw["logger"]["kind"] == "none" else [raw["logger"]["kind"]]
     schema = OmegaConf.structured(FlashtrainConfig)
     for group in ("model", "data"):  # typed `Any` in the root schema: pick their dataclass by their keys
         schema[group] = OmegaConf.structured(_schema_for(group, raw[group]))

@@ -53,6 +53,29 @@ def test_logits_and_gradients_equal_sdpa(api_calls):
         torch.testing.assert_close(param.grad, grads_theirs[name].grad, atol=2e-5, rtol=1e-4, msg=name)
 
 
+def test_autocast_runs_attention_in_its_dtype(monkeypatch):
+    """Under bf16 autocast with fp32 weights (mixed-precision training) the rotary embedding hands fp32 queries and
+    keys over; they reach flashtrain's API in bf16, as SDPA's reach it, with SDPA's bf16 error against fp32."""
+    import flashtrain.models.hf_attention as hf_attention
+
+    dtypes = []
+    original = hf_attention.flash_attn_func
+    monkeypatch.setattr(hf_attention, "flash_attn_func",
+                        lambda q, *args, **kwargs: dtypes.append(q.dtype) or original(q, *args, **kwargs))
+    ours, theirs = llama_pair()
+    input_ids = torch.randint(0, 101, (2, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = theirs(input_ids).logits  # fp32 throughout
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits_ours, logits_theirs = ours(input_ids).logits, theirs(input_ids).logits
+    assert dtypes == [torch.bfloat16] * 2 and logits_ours.dtype == torch.bfloat16
+
+    def error(x):
+        return (x.float() - reference).abs().max().item()
+
+    assert 0 < error(logits_ours) <= 2 * error(logits_theirs) + 1e-3
+
+
 @pytest.mark.parametrize("padding_side", ["left", "right"])
 def test_padded_batch_equals_sdpa_at_real_tokens(padding_side, api_calls):
     ours, theirs = llama_pair()
