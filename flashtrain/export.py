@@ -29,11 +29,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from flashtrain.models.gpt2 import SAMPLING
 from flashtrain.models.hf_convert import has_hf_adapter, hf_adapter, to_hf_state_dict
 from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
 from flashtrain.train.hf_files import HF_FILES, hf_tokenizer_of
-# sampling defaults written into generation_config.json (and used by flashtrain.generate and the end-of-run sample)
-TEMPERATURE, TOP_K, MAX_NEW_TOKENS = 0.8, 50, 200
+MAX_NEW_TOKENS = 200  # generation_config.json's and flashtrain.generate's default length
 
 
 @dataclass
@@ -144,10 +144,10 @@ def export(path: str | Path, out_dir: str | Path, push_to_hub: str | None = None
     hf_model = hf_model_of(run)
     hf_model.save_pretrained(out_dir, safe_serialization=True)
     run.tokenizer.save_pretrained(out_dir)
-    if hf_model.can_generate():  # a causal LM: flashtrain.generate's sampling defaults
+    if hf_model.can_generate():  # a causal LM: the sampling defaults of flashtrain.generate and the end-of-run sample
         GenerationConfig(bos_token_id=hf_model.config.bos_token_id, eos_token_id=run.tokenizer.eos_token_id,
-                         pad_token_id=run.tokenizer.eos_token_id, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
-                         max_new_tokens=MAX_NEW_TOKENS).save_pretrained(out_dir)
+                         pad_token_id=run.tokenizer.eos_token_id, do_sample=True, max_new_tokens=MAX_NEW_TOKENS,
+                         **SAMPLING).save_pretrained(out_dir)
     if push_to_hub:  # the whole directory, as written
         from huggingface_hub import HfApi
 
