@@ -7,7 +7,7 @@ tokenizer is. OUT_DIR then holds what `AutoModelForCausalLM` / `AutoModelForMask
 
     config.json, model.safetensors      the transformers config and weights (flashtrain.models.hf_convert)
     tokenizer.json, tokenizer_config.json, special_tokens_map.json   a transformers fast tokenizer
-    generation_config.json              GPT-2: EOS and the sampling defaults of `flashtrain.generate`
+    generation_config.json              causal LMs (GPT-2): EOS and the sampling defaults of `flashtrain.generate`
 
 Which transformers class a model becomes, and how its config and weights convert, is the model class's Hugging Face
 adapter (`flashtrain.models.hf_convert.register_hf_adapter`); the tokenizer is the data's (`Task.hf_tokenizer`). Runs
@@ -33,6 +33,7 @@ from flashtrain.models.gpt2 import SAMPLING
 from flashtrain.models.hf_convert import has_hf_adapter, hf_adapter, to_hf_state_dict
 from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
 from flashtrain.train.hf_files import HF_FILES, hf_tokenizer_of
+
 MAX_NEW_TOKENS = 200  # generation_config.json's and flashtrain.generate's default length
 
 

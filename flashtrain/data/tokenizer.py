@@ -134,7 +134,8 @@ def decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
 
 
 def bpe_as_hf_tokenizer(tokenizer: Tokenizer):
-    """A byte-level BPE as a transformers fast tokenizer, "<|endoftext|>" its EOS, BOS and unknown token (as GPT-2's)."""
+    """A byte-level BPE as a transformers fast tokenizer; "<|endoftext|>" is its EOS, BOS and unknown token, as in
+    GPT-2's."""
     from transformers import PreTrainedTokenizerFast  # imported here: training does not need transformers
 
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
