@@ -129,3 +129,27 @@ def test_cuda_kernel_matches_sdpa_in_bf16():
     for name, param in ours.named_parameters():
         assert error(param.grad, grads_ref[name].grad) <= 2 * error(grads_theirs[name].grad, grads_ref[name].grad) \
             + 1e-3, name
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_under_autocast_matches_sdpa():
+    """fp32 weights under bf16 autocast (mixed-precision training): the kernel gets bf16 queries, keys and values (a
+    Llama's rotary embedding hands fp32 ones over) and its logits and gradients stay within 2x SDPA's autocast error."""
+    ours, theirs = llama_pair()
+    reference = copy.deepcopy(theirs).cuda()
+    ours, theirs = ours.cuda(), theirs.cuda()
+    input_ids = torch.randint(0, 101, (2, 200), generator=torch.Generator().manual_seed(5)).cuda()
+    out_ref = reference(input_ids, labels=input_ids)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out_ours, out_theirs = ours(input_ids, labels=input_ids), theirs(input_ids, labels=input_ids)
+    for out in (out_ref, out_ours, out_theirs):
+        out.loss.backward()
+
+    def error(x, y):
+        return (x.float() - y.float()).abs().max().item()
+
+    assert error(out_ours.logits, out_ref.logits) <= 2 * error(out_theirs.logits, out_ref.logits) + 1e-3
+    grads_ref, grads_theirs = dict(reference.named_parameters()), dict(theirs.named_parameters())
+    for name, param in ours.named_parameters():
+        assert error(param.grad, grads_ref[name].grad) <= 2 * error(grads_theirs[name].grad, grads_ref[name].grad) \
+            + 1e-3, name
