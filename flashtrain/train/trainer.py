@@ -108,10 +108,8 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
 def make_accelerator(cfg: FlashtrainConfig, run_dir: Path) -> Accelerator:
     """The Accelerator of a run: devices, mixed precision, and the trackers of logger.kind, each of which must be
     installed (Accelerate leaves out a tracker whose package is missing, with a debug message only)."""
-    trackers = list(cfg.logger.kind)
-    accelerator = Accelerator(cpu=cfg.trainer.cpu, mixed_precision=resolve_precision(cfg.trainer.precision,
-                                                                                     cfg.trainer.cpu),
-                              log_with=trackers or None,
+    trackers, precision = list(cfg.logger.kind), resolve_precision(cfg.trainer.precision, cfg.trainer.cpu)
+    accelerator = Accelerator(cpu=cfg.trainer.cpu, mixed_precision=precision, log_with=trackers or None,
                               project_config=ProjectConfiguration(logging_dir=str(Path(run_dir) / TENSORBOARD_DIR)))
     missing = [tracker for tracker in trackers if tracker not in {str(t) for t in accelerator.log_with}]
     if missing:
