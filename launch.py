@@ -3,13 +3,11 @@
 Composes conf/config.yaml with the chosen recipe (recipes/NAME.yaml) and overrides, checks it against the typed
 schemas in flashtrain/train/config.py (`+key=value` included), and hands it to the trainer. Multi-GPU: `accelerate launch launch.py ...`.
 
-Models and data outside the package: FLASHTRAIN_PLUGINS=module[,module...] imports those modules first; each
-registers its config schemas (hydra's ConfigStore, group "model" or "data") and ships its YAML in a directory named
-by `hydra.searchpath=[file://DIR]`. tests/toy_model.py is one.
+Models and data outside the package: FLASHTRAIN_PLUGINS=module[,module...] imports those modules first
+(`register_configs`); each registers its config schemas (hydra's ConfigStore, group "model" or "data") and ships its
+YAML in a directory named by `hydra.searchpath=[file://DIR]`. tests/toy_model.py is one.
 """
 
-import importlib
-import os
 import sys
 from pathlib import Path
 
@@ -20,8 +18,6 @@ from omegaconf import DictConfig
 from flashtrain.train import register_configs, train, typed_config
 
 register_configs()
-for plugin in filter(None, os.environ.get("FLASHTRAIN_PLUGINS", "").split(",")):
-    importlib.import_module(plugin)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

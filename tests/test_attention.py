@@ -429,6 +429,9 @@ BAD_BATCH_CALLS = [
     (dict(dropout_p=0.1, dropout_mask=[[True]]), TypeError, "dropout_mask must be a torch.Tensor or None, got list"),
     (dict(dropout_p=0.1, dropout_mask=torch.ones(2, 4, 130, 140, dtype=torch.bool, device="meta")), ValueError,
      "dropout_mask is on meta but q is on cpu"),
+    (dict(return_lse=1), TypeError, "return_lse"),
+    (dict(deterministic="yes"), TypeError, "deterministic"),
+    (dict(window_size=(-1, -1)), TypeError, "unexpected keyword argument 'window_size'"),  # a flash-attn option
 ]
 
 
@@ -455,6 +458,8 @@ BAD_VARLEN_CALLS = [
      "cu_seqlens_q is on meta but q is on cpu"),
     (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0, got -1"),
     (dict(max_seqlen_k=True), TypeError, "max_seqlen_k must be an int, got bool"),
+    (dict(impl="triton"), ValueError, "impl"),
+    (dict(softcap=30.0), TypeError, r"flash_attn_varlen_func\(\) got an unexpected keyword argument 'softcap'"),
 ]
 
 
@@ -495,6 +500,22 @@ def test_device_offset_assert_runs_once_per_tensor_version():
     cu_seqlens[1] = 25
     with pytest.raises(RuntimeError, match="cu_seqlens_k"):
         interface._assert_offsets_on_device("cu_seqlens_k", cu_seqlens, 30, "max_seqlen_k", 20)
+
+
+def test_flash_attn_positional_arguments():
+    """flash-attn's positional order (q, k, v, [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,] dropout_p,
+    softmax_scale, causal); every other option is keyword-only."""
+    inputs = _batch_inputs()
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    positional = flash_attn_func(q, k, v, 0.0, 0.3, True)
+    assert torch.equal(positional, flash_attn_func(q, k, v, softmax_scale=0.3, causal=True))
+    assert not torch.equal(positional, flash_attn_func(q, k, v, 0.0, 0.3, False))
+    varlen = _varlen_inputs()
+    args = [varlen[name] for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
+    assert torch.equal(flash_attn_varlen_func(*args, 0.0, 0.3, True),
+                       flash_attn_varlen_func(*args, softmax_scale=0.3, causal=True))
+    with pytest.raises(TypeError, match="positional"):
+        flash_attn_func(q, k, v, 0.0, 0.3, True, None)  # block_mask is keyword-only
 
 
 def test_cuda_impl_on_cpu_tensors_raises():

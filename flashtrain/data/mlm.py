@@ -269,7 +269,7 @@ class MaskedLMTask(Task):
 
     def __init__(self, cfg: MaskedLMDataConfig):
         self.data, self.val_samples = prepare_mlm_data(cfg), cfg.val_samples
-        self.num_workers = cfg.num_workers
+        self.num_workers, self.tokenizer_name = cfg.num_workers, cfg.tokenizer
         self.spec = DataSpec("masked_lm", self.data.vocab_size, self.data.seq_len, "data.seq_len", self.data.pad_id)
 
     def train_loader(self, batch_size, rank, world_size, start_batch):
@@ -295,3 +295,6 @@ class MaskedLMTask(Task):
 
     def tokens(self, batch) -> int:
         return int(batch["attention_mask"].sum())
+
+    def hf_tokenizer(self):
+        return load_hf_tokenizer(self.tokenizer_name)
