@@ -84,11 +84,11 @@ class MaskedLMDataConfig:
             raise ValueError(f"data.mask_prob must be in (0, 1), got {self.mask_prob}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        check_val_samples(self.val_samples)
         if self.num_proc < 1:
             raise ValueError(f"data.num_proc must be >= 1, got {self.num_proc}")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
-        check_val_samples(self.val_samples)
 
 
 @dataclass
