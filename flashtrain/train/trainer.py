@@ -312,7 +312,7 @@ class Trainer:
         self.out_of_time = tcfg.max_minutes is not None and \
             (time.perf_counter() - self.start_time) / 60 >= tcfg.max_minutes
         if state.step % tcfg.log_interval == 0 or self._last_step():
-            self._log_training(loss_sum, lr)
+            self._log_training(loss_sum)
 
     def _finite_step(self, loss_sum: torch.Tensor, grad_norm) -> bool:
         """False, counting the step as skipped, when the loss or the gradient norm is not finite on any process (with
@@ -332,7 +332,7 @@ class Trainer:
                     f"{self.state.skipped_nonfinite} in this run", progress=True)
         return False
 
-    def _log_training(self, loss_sum: torch.Tensor, lr: float) -> None:
+    def _log_training(self, loss_sum: torch.Tensor) -> None:
         train_loss = self.accelerator.reduce(loss_sum / self.tcfg.grad_accum_steps, reduction="mean").item()
         tok_s = (self.state.tokens_seen - self.tokens_at_log) / max(self.interval_seconds, 1e-9)
         self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen
