@@ -72,5 +72,5 @@ def test_toy_run_exports_through_its_own_adapter(toy_run, tmp_path):
         for _ in range(12):  # the toy has no generate(): argmax over the whole context
             greedy = torch.cat([greedy, run.model(greedy)[0][:, -1:].argmax(-1)], dim=1)
     theirs = hf_model.generate(input_ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                               attention_mask=torch.ones_like(input_ids))
+                               repetition_penalty=1.0, attention_mask=torch.ones_like(input_ids))  # (1.3 exported)
     assert theirs.tolist() == greedy.tolist()
