@@ -37,6 +37,15 @@ from torch import Tensor
 from flashtrain.kernels import build, tma
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_launch = None  # flashtrain.kernels.launch once loaded (it needs cuda-python; importing this module does not)
+
+
+def _load_launch():
+    global _launch
+    from flashtrain.kernels import launch
+
+    _launch = launch
+    return launch
 
 
 @torch.compiler.assume_constant_result
@@ -112,7 +121,11 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
     rng_state = _draw_rng_state(q.device, generator) if dropout_p > 0 else None
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(dropout_p),
             float(softmax_scale), bool(causal), rng_state, bool(deterministic), bs_rows, bs_cols)
-    return flash_attn_fwd(*args) if torch.compiler.is_compiling() else _EagerFlashAttn.apply(*args)
+    if torch.compiler.is_compiling():
+        return flash_attn_fwd(*args)
+    if torch._C._are_functorch_transforms_active():  # vmap / grad transforms: the full autograd.Function.apply
+        return _EagerFlashAttn.apply(*args)
+    return _apply_eager(*args)
 
 
 def block_sparse_lists(block_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -198,7 +211,7 @@ _bwd_plans: dict[tuple, _BwdPlan] = {}
 def _signature(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, *options) -> tuple:
     """Everything a plan depends on besides addresses: layouts, dtype, device, the kernel selection's inputs
     (FLASHTRAIN_SM90, the shared-memory limit) and the call's options."""
-    from flashtrain.kernels import launch
+    launch = _launch or _load_launch()
 
     return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device.index,
             -1 if cu_seqlens_q is None else cu_seqlens_q.shape[0], build.sm90_enabled(),
@@ -261,7 +274,7 @@ def _fwd_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
               max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
               rng_state: Tensor | None, bs_rows: Tensor | None) -> tuple[Tensor, Tensor]:
-    from flashtrain.kernels import launch
+    launch = _launch or _load_launch()
 
     options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                None if bs_rows is None else (bs_rows.shape, bs_rows.stride()))
@@ -378,7 +391,7 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
               dropout_p: float, softmax_scale: float, causal: bool, rng_state: Tensor | None,
               deterministic: bool, bs_cols: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    from flashtrain.kernels import launch
+    launch = _launch or _load_launch()
 
     options = (lse.shape, lse.stride(), max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, deterministic,
                None if bs_cols is None else (bs_cols.shape, bs_cols.stride()))
@@ -474,6 +487,11 @@ class _EagerFlashAttn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         return _backward(ctx, dout, dlse, bwd=_bwd_impl)
+
+
+# autograd.Function.apply's C++ part: Function.apply adds argument binding and functorch unwrapping (a few us per
+# call), needed only under functorch transforms (flash_attn_cuda checks)
+_apply_eager = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerFlashAttn)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
