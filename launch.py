@@ -1,15 +1,15 @@
 """Start a training run: `python launch.py [recipe=NAME] [group.key=value ...]`.
 
 Composes conf/config.yaml with the chosen recipe (recipes/NAME.yaml) and overrides, checks it against the typed
-schemas in flashtrain/train/config.py, and hands it to the trainer. Multi-GPU: `accelerate launch launch.py ...`.
+schemas in flashtrain/train/config.py, and hands it to the trainer. Several processes: `accelerate launch [--cpu]
+--num_processes N launch.py ...`, `accelerate launch --config_file conf/accelerate/NAME.yaml launch.py ...` or
+`torchrun --nproc_per_node N launch.py ...` (flashtrain/train/processes.py; README, "Several processes").
 
 Models and data outside the package: FLASHTRAIN_PLUGINS=module[,module...] imports those modules first; each
 registers its config schemas (hydra's ConfigStore, group "model" or "data") and ships its YAML in a directory named
 by `hydra.searchpath=[file://DIR]`. tests/toy_model.py is one.
 """
 
-import importlib
-import os
 import sys
 from pathlib import Path
 
@@ -18,10 +18,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from flashtrain.train import register_configs, train
+from flashtrain.train.config import load_plugins
+from flashtrain.train.processes import hydra_overrides_for_other_ranks, relaunch_cpu_processes
 
 register_configs()
-for plugin in filter(None, os.environ.get("FLASHTRAIN_PLUGINS", "").split(",")):
-    importlib.import_module(plugin)
+load_plugins()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -33,4 +34,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # accelerate launch --cpu --num_processes N started only this process: it starts the N and waits for them
+    exit_code = relaunch_cpu_processes()
+    if exit_code is not None:
+        sys.exit(exit_code)
+    sys.argv += hydra_overrides_for_other_ranks()  # rank 0 alone writes the run directory
     main()

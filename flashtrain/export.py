@@ -24,13 +24,12 @@ from pathlib import Path
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
 
 from flashtrain.data.tokenizer import EOS_TOKEN
 from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification
 from flashtrain.models.gpt2 import GPT2Config
 from flashtrain.models.hf_convert import bert_config_to_hf, gpt2_config_to_hf, to_hf_state_dict
-from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
+from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint, model_state
 
 HF_FILES = "hf"  # RUN_DIR/hf/: the run's tokenizer and transformers config (save_model_files)
 # sampling defaults written into generation_config.json (and used by flashtrain.generate)
@@ -146,7 +145,7 @@ def load_run(path: str | Path, attn_impl: str | None = None) -> Run:
     if attn_impl is not None:
         cfg.model.attn_impl = attn_impl
     model = cfg.model.build()
-    state = load_file(str(checkpoint / "model.safetensors"))
+    state = model_state(checkpoint)
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - \
         {name for name, _ in model.named_parameters()}  # second names of tied tensors, saved once
     missing, unexpected = model.load_state_dict(state, strict=False)

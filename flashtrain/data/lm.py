@@ -238,11 +238,12 @@ class PackedLMDataset(Dataset):
 
 
 def make_train_loader(data: LMData, batch_size: int, rank: int = 0, world_size: int = 1, start_batch: int = 0,
-                      num_workers: int = 0) -> DataLoader:
+                      num_workers: int = 0, accum_steps: int = 1) -> DataLoader:
     """Endless (x, y) batches of (batch_size, seq_len) int64 from the train split, for this rank, starting after
-    `start_batch` of this rank's batches (count micro-batches, not optimizer steps)."""
+    `start_batch` of this rank's batches (count micro-batches, not optimizer steps); accum_steps micro-batches per
+    process make one optimizer step."""
     dataset = PackedLMDataset(data.train_path, data.seq_len)
-    sampler = ResumableBatchSampler(len(dataset), batch_size, data.seed, rank, world_size, start_batch)
+    sampler = ResumableBatchSampler(len(dataset), batch_size, data.seed, rank, world_size, start_batch, accum_steps)
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                       pin_memory=torch.cuda.is_available(), generator=_loader_generator(data.seed))
 
@@ -277,9 +278,9 @@ class LMTask(Task):
         self.data = prepare_lm_data(cfg)
         self.spec = DataSpec("causal_lm", self.data.vocab_size, self.data.seq_len, "data.seq_len")
 
-    def train_loader(self, batch_size, rank, world_size, start_batch):
+    def train_loader(self, batch_size, rank, world_size, start_batch, accum_steps=1):
         return make_train_loader(self.data, batch_size, rank=rank, world_size=world_size, start_batch=start_batch,
-                                 num_workers=self.cfg.num_workers)
+                                 num_workers=self.cfg.num_workers, accum_steps=accum_steps)
 
     def eval_loader(self, split, batch_size, rank=0, world_size=1, max_batches=None):
         if split != "val":
@@ -289,6 +290,9 @@ class LMTask(Task):
     def loss(self, model, batch) -> Tensor:
         x, y = batch
         return model(x, y)[1]
+
+    def loss_count(self, batch) -> int:
+        return batch[1].numel()  # packed blocks: every target token is predicted
 
     def eval_sums(self, model, batch) -> dict[str, Tensor]:
         x, y = batch

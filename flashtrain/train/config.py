@@ -9,6 +9,8 @@ dataclasses, which also runs each one's `__post_init__` checks.
 from __future__ import annotations
 
 import hashlib
+import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -30,6 +32,7 @@ SCHEDULES = ("cosine", "rsqrt", "linear")
 OPTIMIZERS = ("adamw", "lamb")
 LOGGERS = ("wandb", "none")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")  # flashtrain/train/activation_checkpoint.py
 
 
 @dataclass
@@ -74,8 +77,11 @@ class TrainerConfig:
     max_steps: int = 200  # optimizer steps; also the length of the LR schedule
     stop_step: Optional[int] = None  # stop (with a checkpoint) at this step without changing the schedule
     max_minutes: Optional[float] = None  # stop (with a checkpoint) after this much wall-clock training time
-    micro_batch_size: int = 8  # sequences per device per forward/backward
-    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    micro_batch_size: int = 8  # sequences per process per forward/backward
+    # sequences per optimizer step, all processes together (null: micro_batch_size x processes). Gradient accumulation
+    # is derived: global_batch_size / (micro_batch_size x processes) micro-batches per process and step, which must be
+    # a whole number (the run stops at start-up otherwise, saying which micro-batch sizes fit)
+    global_batch_size: Optional[int] = None
     precision: str = "auto"  # auto (bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU) | no | bf16 | fp16
     cpu: bool = False  # force the CPU even when a GPU is present
     compile: bool = False  # torch.compile the model
@@ -85,6 +91,12 @@ class TrainerConfig:
     # bitwise-reproducible steps on the GPU (a resumed run repeats the uninterrupted one exactly): PyTorch's
     # deterministic algorithms, cuBLAS's fixed workspace, and the attention kernel's deterministic backward (slower)
     deterministic: bool = False
+    # recompute activations in the backward pass, per block (the model's _no_split_modules): none | full (keep only
+    # each block's input) | selective (keep the matmul and attention outputs, recompute norms, GELU, dropout, adds)
+    activation_checkpointing: str = "none"
+    # several processes: when the data is not prepared yet (python -m flashtrain.data.prepare), rank 0 prepares it
+    # while the others wait this long, saying so every minute, before they stop
+    prepare_timeout_minutes: float = 360.0
     log_interval: int = 10  # steps between train-loss log lines
     eval_interval: int = 50  # steps between validation passes (and one at the end)
     eval_batches: int = 20  # validation micro-batches per pass
@@ -102,10 +114,17 @@ class TrainerConfig:
             raise ValueError(f"trainer.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"trainer.compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
-        for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_interval", "eval_interval",
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"trainer.activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, got "
+                             f"{self.activation_checkpointing!r}")
+        if self.prepare_timeout_minutes <= 0:
+            raise ValueError(f"trainer.prepare_timeout_minutes must be > 0, got {self.prepare_timeout_minutes}")
+        for name in ("max_steps", "micro_batch_size", "log_interval", "eval_interval",
                      "eval_batches", "save_interval", "keep_checkpoints", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError(f"trainer.global_batch_size must be >= 1 (or null), got {self.global_batch_size}")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"trainer.max_minutes must be > 0 (or null), got {self.max_minutes}")
         if (self.stop_metric is None) != (self.stop_value is None):
@@ -157,6 +176,13 @@ def job_dirname(override_dirname: str) -> str:
     if len(name) <= 120:
         return name
     return f"{name[:100]}-{hashlib.sha256(override_dirname.encode()).hexdigest()[:12]}"
+
+
+def load_plugins() -> None:
+    """Import the modules named by FLASHTRAIN_PLUGINS=module[,module...] (models and data outside the package: each
+    registers its schemas with hydra's ConfigStore)."""
+    for plugin in filter(None, os.environ.get("FLASHTRAIN_PLUGINS", "").split(",")):
+        importlib.import_module(plugin)
 
 
 def register_configs() -> None:
