@@ -189,7 +189,7 @@ def test_bert_large_mlm_recipe_tiny(tmp_path, wordpiece_dir):
     cfg = compose_config(["name=test", "recipe=bert-large-mlm", "logger=none", "data.corpus=stdlib",
                           "data.max_bytes=120000", f"data.tokenizer={wordpiece_dir}", "data.num_proc=1",
                           "data.streaming=false", "data.val_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}",
-                          *tiny_model_overrides(400, 64), "trainer.micro_batch_size=8",
+                          *tiny_model_overrides(400, 64), "trainer.micro_batch_size=8", "trainer.global_batch_size=null",
                           "trainer.max_steps=30", "trainer.eval_interval=15", "trainer.eval_batches=4",
                           "trainer.log_interval=5", "trainer.save_interval=30", "optim.lr=5e-2",
                           "optim.warmup_steps=2"])
@@ -225,7 +225,7 @@ def cfg_overrides_of(cfg, tmp_path):
     return ["name=test", "recipe=bert-large-mlm", "logger=none", "data.corpus=stdlib", "data.max_bytes=120000",
             f"data.tokenizer={cfg.data.tokenizer}", "data.num_proc=1", "data.streaming=false",
             "data.val_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}", *tiny_model_overrides(400, 64),
-            "trainer.micro_batch_size=8", "trainer.eval_batches=1"]
+            "trainer.micro_batch_size=8", "trainer.global_batch_size=null", "trainer.eval_batches=1"]
 
 
 # ---- documents ---------------------------------------------------------------------------------------------------
@@ -386,7 +386,7 @@ def test_roberta_longdoc_recipes_tiny(tmp_path, roberta_bpe_dir, recipe):
     cfg = compose_config(["name=test", f"recipe={recipe}", "logger=none", "init_from=null", f"data.path={data}",
                           f"data.tokenizer={roberta_bpe_dir}", f"data.cache_dir={tmp_path / 'cache'}",
                           *tiny_model_overrides(400, 48), f"model.num_labels={num_labels}",
-                          "trainer.micro_batch_size=4", "trainer.max_steps=8",
+                          "trainer.micro_batch_size=4", "trainer.global_batch_size=null", "trainer.max_steps=8",
                           "trainer.eval_interval=8", "trainer.eval_batches=1", "trainer.log_interval=1",
                           "trainer.save_interval=8", "optim.lr=1e-2", "optim.warmup_steps=1"])
     result = train(cfg, tmp_path / "run")
@@ -414,6 +414,7 @@ def test_longdoc_demo_recipe_tiny(tmp_path, wordpiece_dir):
                           "data.corpus_bytes=200000", "data.n_train=32", "data.n_val=12", "data.n_test=4",
                           "data.min_tokens=100", "data.max_tokens=200", "data.evidence_start=40",
                           "data.evidence_end=98", *tiny_model_overrides(400, 100), "trainer.micro_batch_size=8",
+                          "trainer.global_batch_size=null",
                           "trainer.max_steps=6", "trainer.eval_interval=6", "trainer.eval_batches=2",
                           "trainer.log_interval=1", "trainer.save_interval=6", "optim.warmup_steps=1"])
     result = train(cfg, tmp_path / "run")

@@ -138,7 +138,7 @@ def tiny_listops_overrides(cache_dir, *extra):
         "data.max_depth=4", "data.num_proc=1", f"data.cache_dir={cache_dir}",
         "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.d_ff=64", "model.max_len=64",
         "model.dropout=0.0", "model.attn_dropout=0.0",
-        "trainer.micro_batch_size=20", "trainer.max_steps=100", "trainer.log_interval=10",
+        "trainer.micro_batch_size=20", "trainer.global_batch_size=null", "trainer.max_steps=100", "trainer.log_interval=10",
         "trainer.eval_interval=50", "trainer.eval_batches=10", "trainer.save_interval=100",
         "optim.lr=1e-2", "optim.warmup_steps=10",
         *extra,
@@ -190,6 +190,7 @@ def test_tiny_pathfinder32_run(tmp_path):
     cfg = compose_config(["name=test", "recipe=pathfinder32", "logger=none", "data.n_train=40", "data.n_val=10",
                           "data.n_test=10", "data.num_proc=1", f"data.cache_dir={tmp_path / 'cache'}",
                           "model.n_layer=1", "model.d_model=16", "model.d_ff=32", "trainer.micro_batch_size=8",
+                          "trainer.global_batch_size=null",
                           "trainer.max_steps=4", "trainer.eval_interval=4", "trainer.eval_batches=2",
                           "trainer.save_interval=4", "trainer.log_interval=1", "optim.warmup_steps=2"])
     result = train(cfg, tmp_path / "run")

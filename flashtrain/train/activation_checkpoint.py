@@ -33,7 +33,11 @@ SAVED_CUSTOM_OPS = {"flashtrain::flash_attn_fwd"}  # flashtrain/kernels/ops.py: 
 
 
 def _keep_matmuls_and_attention(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    if func.overloadpacket in SAVED_OPS or func.name().split(".")[0] in SAVED_CUSTOM_OPS:
+    if func.name().split(".")[0] in SAVED_CUSTOM_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    # only ops that autograd records: inside an autograd.Function's forward (grad mode off; flashtrain's reference
+    # attention on the CPU) outputs are scratch that the function may overwrite in place, and are recomputed
+    if torch.is_grad_enabled() and func.overloadpacket in SAVED_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -261,18 +261,18 @@ def _wait(barrier, accelerator: Accelerator, timeout_minutes: float, what: str) 
     # one waiting process per machine speaks: rank 1 beside rank 0, the first process of every other machine
     speaks = accelerator.process_index == 1 or (accelerator.is_local_main_process and not accelerator.is_main_process)
     start = time.monotonic()
-    next_message = 60.0
+    deadline, next_message = start + timeout_minutes * 60, start + 60
     while not barrier.is_completed():
-        waited = time.monotonic() - start
-        if waited > timeout_minutes * 60:
+        now = time.monotonic()
+        if now >= deadline:
             raise TimeoutError(f"rank {accelerator.process_index}: rank 0 has not finished preparing {what} after "
                                f"trainer.prepare_timeout_minutes={timeout_minutes:g}; prepare it first with "
                                f"`python -m flashtrain.data.prepare` and the same overrides, or raise the timeout")
-        if speaks and waited >= next_message:
-            print(f"rank {accelerator.process_index}: waiting for rank 0 to prepare {what}: {waited / 60:.0f} min "
-                  f"(trainer.prepare_timeout_minutes={timeout_minutes:g})", flush=True)
-            next_message += 60.0
-        time.sleep(0.5)
+        if speaks and now >= next_message:
+            print(f"rank {accelerator.process_index}: waiting for rank 0 to prepare {what}: {(now - start) / 60:.0f} "
+                  f"min (trainer.prepare_timeout_minutes={timeout_minutes:g})", flush=True)
+            next_message += 60
+        time.sleep(min(0.5, deadline - now))
     barrier.wait()
 
 
