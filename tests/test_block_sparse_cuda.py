@@ -133,9 +133,13 @@ def test_random_masks_match_reference(head_dim, dtype, causal):
 def test_density_one_equals_dense_bitwise(dtype, head_dim, sm90, monkeypatch):
     """A mask of ones walks the dense kernels' tiles in the same order with the same arithmetic: out and lse are
     bitwise those of the dense kernel, and so are the gradients with the deterministic backward (mma.sync). On Hopper
-    both kernel families are compared (FLASHTRAIN_SM90=0 / 1); elsewhere both runs are the mma.sync kernels."""
+    both kernel families are compared (FLASHTRAIN_SM90=0 / 1); elsewhere both runs are the mma.sync kernels. The
+    Hopper backward is compared without deterministic=True: its deterministic dense causal walk visits the query
+    blocks from the last (the block-sparse one, deterministic, runs the mma.sync kernel), so there dk and dv are
+    bitwise and dq (summed by reductions in arrival order) equal to float32 rounding of the additions."""
     monkeypatch.setenv("FLASHTRAIN_SM90", sm90)
     ops = _ops()
+    hopper = sm90 == "1" and torch.cuda.get_device_capability()[0] == 9
     for causal, (seqlen_q, seqlen_k) in ((False, (1000, 1000)), (True, (1000, 1000)), (True, (300, 700))):
         q, k, v, dout = _inputs((2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim), dtype)
         ones = torch.ones(_blocks(seqlen_q, seqlen_k), dtype=torch.bool, device="cuda")
@@ -143,12 +147,15 @@ def test_density_one_equals_dense_bitwise(dtype, head_dim, sm90, monkeypatch):
         def attn(block_mask):
             return lambda q, k, v: ops.flash_attn_cuda(
                 q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
-                dropout_p=0.0, softmax_scale=0.1, causal=causal, generator=None, deterministic=True,
+                dropout_p=0.0, softmax_scale=0.1, causal=causal, generator=None, deterministic=not hopper,
                 block_mask=block_mask)
 
         dense, sparse = _run(attn(None), q, k, v, dout), _run(attn(ones), q, k, v, dout)
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), dense, sparse):
-            assert torch.equal(a, b), f"{name} differs (causal={causal}, {seqlen_q}x{seqlen_k})"
+            if name == "dq" and hopper:  # fp32 sums of the same terms in another order, then rounded to 16 bits
+                torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2 * b.abs().max().item())
+            else:
+                assert torch.equal(a, b), f"{name} differs (causal={causal}, {seqlen_q}x{seqlen_k})"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])

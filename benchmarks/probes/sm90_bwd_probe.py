@@ -63,8 +63,9 @@ def main() -> None:
                         shape = (batch, seqlen, nheads, head_dim)
                         q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                                    for _ in range(3))
-                        if name == "flashtrain":
-                            out = flash_attn_func(q, k, v, causal=causal, impl="cuda")
+                        if name.startswith("flashtrain"):  # flashtrain-det: deterministic=True
+                            out = flash_attn_func(q, k, v, causal=causal, impl="cuda",
+                                                  deterministic=name.endswith("-det"))
                         else:
                             q, k, v = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
                             with sdpa_kernel(backends[name]):
@@ -75,6 +76,8 @@ def main() -> None:
                         best[name] = max(best.get(name, 0), flops / ms / 1e9)
                 line = "  ".join(f"{n} {best[n]:6.1f}" for n in args.impls)
                 ratio = f"  ft/cudnn {best['flashtrain'] / best['cudnn']:.2f}" if "cudnn" in best else ""
+                if "flashtrain-det" in best:
+                    ratio += f"  det/default {best['flashtrain-det'] / best['flashtrain']:.2f}"
                 print(f"hd{head_dim} S{seqlen:<6} {'causal' if causal else 'full  '} bwd TFLOP/s {line}{ratio}",
                       flush=True)
 

@@ -162,7 +162,8 @@ class BwdSm90Tiles:
                      + 2 * self.block_n * self.block_m) + dq_staging + 2 * self.stages * 4 * self.block_m + 64 + 1024)
 
 
-# Hopper backward: dense or block-sparse, dropout too, not deterministic, these head dims (65-96 padded to 128).
+# Hopper backward: dense or block-sparse, dropout too, deterministic too (not with block-sparse), these head dims
+# (65-96 padded to 128).
 BWD_SM90_TILES = {
     64: BwdSm90Tiles(block_m=128),  # H200 backward, same process: 128 queries 0-4% faster than 64 (see the kernel)
     128: BwdSm90Tiles(block_m=64),  # (128 queries: S^T, dP^T, dK, dV accumulators alone exceed the registers)
@@ -179,6 +180,9 @@ def _bwd_tile_overrides() -> None:
 
 
 _bwd_tile_overrides()
+# Causal Hopper backward: the grid lists key blocks slowest, so that the CTAs of the first key blocks (the most query
+# blocks to walk) start first on every (batch, kv head); FLASHTRAIN_BWD_CAUSAL_LONGEST_FIRST=0 lists them fastest (A/B).
+BWD_CAUSAL_LONGEST_FIRST = os.environ.get("FLASHTRAIN_BWD_CAUSAL_LONGEST_FIRST", "1") != "0"
 SM90_ARCH = "sm_90a"
 MAX_STREAMS = 64  # streams one process may run the persistent Hopper forward on (one tile counter each)
 BWD_TILES = {
@@ -393,27 +397,27 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
                arch: str | None = None, deterministic: bool = False, smem_limit: int | None = None) -> KernelSpec:
     """The backward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
     smem_limit (bytes of shared memory per block; None: no limit)."""
-    if arch == SM90_ARCH and not deterministic and head_dim in BWD_SM90_TILES and sm90_enabled():
-        spec = bwd_sm90_kernel(head_dim, dtype, causal, dropout, block_sparse)
+    if arch == SM90_ARCH and not (deterministic and block_sparse) and head_dim in BWD_SM90_TILES and sm90_enabled():
+        spec = bwd_sm90_kernel(head_dim, dtype, causal, dropout, block_sparse, deterministic)
         if _fits(spec, smem_limit):
             return spec
     return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit))
 
 
 def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
-                    block_sparse: bool = False) -> KernelSpec:
-    return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, BWD_SM90_TILES[head_dim])
+                    block_sparse: bool = False, deterministic: bool = False) -> KernelSpec:
+    return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, BWD_SM90_TILES[head_dim])
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
+def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool, deterministic: bool,
                    tiles: BwdSm90Tiles) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
-    name = f"flash_bwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
+    name = f"flash_bwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{'_det' if deterministic else ''}"
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_STAGES", tiles.stages),
                ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
-               ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", smem_bytes),
-               ("FT_KERNEL_NAME", name))
+               ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
+               ("FT_DETERMINISTIC", int(deterministic)), ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles)
 
@@ -461,6 +465,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
                   for dropout in (False, True) for block_sparse in (False, True)
                   if head_dim in BLOCK_SPARSE_HEAD_DIMS or not block_sparse
                   if _fits(spec := sm90_kernel(head_dim, dtype, causal, dropout, block_sparse), smem_limit)]
+    specs += [spec for head_dim in BWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # deterministic
+              for dropout in (False, True)
+              if _fits(spec := bwd_sm90_kernel(head_dim, dtype, causal, dropout, deterministic=True), smem_limit)]
     return list(dict.fromkeys(specs))
 
 

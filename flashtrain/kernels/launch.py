@@ -56,7 +56,8 @@ class BwdParams(ctypes.Structure):
         ("dk_batch_stride", _i64), ("dk_row_stride", _i64), ("dk_head_stride", _i64),
         ("dv_batch_stride", _i64), ("dv_row_stride", _i64), ("dv_head_stride", _i64),
         ("dqa_split_stride", _i64), ("dqa_batch_stride", _i64), ("dqa_head_stride", _i64),
-        ("deterministic", _i32), ("pad_", _i32),
+        ("deterministic", _i32), ("n_block_slowest", _i32),
+        ("dq_semaphore", _ptr), ("dq_sem_mblocks", _i32), ("pad2_", _i32),
     ]
 
 
@@ -81,6 +82,7 @@ class AuxParams(ctypes.Structure):
         ("batch", _i32), ("nheads", _i32), ("head_dim", _i32), ("seqlen_q", _i32), ("seqlen_k", _i32),
         ("nsplits", _i32), ("softmax_scale", _f32), ("keep_threshold", _u32),
         ("dq_slice_width", _i32), ("dq_block_m", _i32), ("total_q", _i32), ("total_k", _i32),
+        ("dqa_cols", _i32), ("pad_", _i32),
     ]
 
 

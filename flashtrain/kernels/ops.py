@@ -230,10 +230,13 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     batch, nheads, nheads_kv = fwd.batch, fwd.nheads, fwd.nheads_kv
     n_kblocks = math.ceil(fwd.seqlen_k / tiles.block_n)
     nsplits = 1
-    if deterministic:  # enough CTAs to fill the GPU twice over; each walks key blocks x, x + nsplits, ...
+    hopper = spec.source == "flash_bwd_sm90.cu"
+    if deterministic and not hopper:  # enough CTAs to fill the GPU twice over; each walks key blocks x, x + nsplits..
         sm_count = launch.sm_count(q.device)
         nsplits = max(1, min(n_kblocks, math.ceil(2 * sm_count / max(1, batch * nheads_kv))))
-    dq_accum = torch.empty((nsplits, *lse.shape, q.shape[-1]), dtype=torch.float32, device=q.device)
+    # the Hopper backward's dq_accum rows are its instantiated head dim (a padded head dim adds whole 16-row slices too)
+    dqa_cols = head_dim if hopper else q.shape[-1]
+    dq_accum = torch.empty((nsplits, *lse.shape, dqa_cols), dtype=torch.float32, device=q.device)
     varlen = cu_seqlens_q is not None
     dqa_strides = (dq_accum.stride(0), 0, dq_accum.stride(1)) if varlen else dq_accum.stride()[:3]
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
@@ -246,9 +249,10 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         dqa_batch_stride=dqa_strides[1], dqa_head_stride=dqa_strides[2], batch=batch, nheads=nheads,
         head_dim=q.shape[-1], seqlen_q=fwd.seqlen_q, seqlen_k=fwd.seqlen_k, nsplits=nsplits,
         softmax_scale=softmax_scale, dq_block_m=tiles.block_m, total_q=fwd.total_q, total_k=fwd.total_k,
-        # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded
+        dqa_cols=dqa_cols,
+        # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded (mma.sync)
         dq_slice_width=(tiles.dq_slice_width(head_dim)
-                        if tiles.scramble_dq and not deterministic and q.shape[-1] == head_dim else 0))
+                        if tiles.scramble_dq and (hopper or not deterministic) and dqa_cols == head_dim else 0))
     (aux.o_batch_stride, aux.o_row_stride, aux.o_head_stride) = _strides(out, varlen)
     (aux.do_batch_stride, aux.do_row_stride, aux.do_head_stride) = _strides(dout, varlen)
     (aux.dq_batch_stride, aux.dq_row_stride, aux.dq_head_stride) = _strides(dq, varlen)
@@ -262,8 +266,14 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     (params.do_batch_stride, params.do_row_stride, params.do_head_stride) = _strides(dout, varlen)
     (params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride) = _strides(dk, varlen)
     (params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride) = _strides(dv, varlen)
-    grid = (nsplits if deterministic else n_kblocks, batch, nheads_kv)
-    if spec.source == "flash_bwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, dout, then the same parameters
+    grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)
+    if hopper and causal and build.BWD_CAUSAL_LONGEST_FIRST:  # key blocks slowest: the longest CTAs start first
+        grid, params.n_block_slowest = (batch, nheads_kv, n_kblocks), 1
+    if deterministic and hopper:  # per (batch, head, query block): MMA warps of lower key blocks done adding dQ
+        params.dq_sem_mblocks = math.ceil(fwd.seqlen_q / tiles.block_m)
+        semaphore = torch.zeros((batch, nheads, params.dq_sem_mblocks), dtype=torch.int32, device=q.device)
+        params.dq_semaphore = semaphore.data_ptr()
+    if hopper:  # the TMA kernel: tensor maps of q, k, v, dout, then the same parameters
         params = launch.BwdSm90Params(tma_q=tma.tensor_map(q, varlen, tiles.block_m),
                                       tma_k=tma.tensor_map(k, varlen, tiles.block_n),
                                       tma_v=tma.tensor_map(v, varlen, tiles.block_n),

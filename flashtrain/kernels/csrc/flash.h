@@ -4,7 +4,8 @@
 //   q, out, dout, dq   (batch, seqlen_q, nheads,    head_dim)   or varlen (total_q, nheads,    head_dim)
 //   k, v, dk, dv       (batch, seqlen_k, nheads_kv, head_dim)   or varlen (total_k, nheads_kv, head_dim)
 //   lse, softmax_d     float32 (batch, nheads, seqlen_q)        or varlen (nheads, total_q)
-//   dq_accum           float32 (nsplits, batch, nheads, seqlen_q, head_dim) or varlen (nsplits, nheads, total_q, head_dim)
+//   dq_accum           float32 (nsplits, batch, nheads, seqlen_q, C) or varlen (nsplits, nheads, total_q, C): C = head_dim,
+//                      or the Hopper backward's instantiated head dim (AuxParams::dqa_cols)
 // Varlen: cu_seqlens_q/k (batch + 1, int32) give each sequence's first row; the batch strides are then 0.
 //   bs_rows            int32 (mask heads, n_qblocks, n_kblocks + 1): per query block of the block mask, the number c
 //                      of its non-zero key blocks, then those key blocks in ascending order (entries past c unused)
@@ -84,8 +85,14 @@ struct BwdParams {
     i64 dk_batch_stride, dk_row_stride, dk_head_stride;
     i64 dv_batch_stride, dv_row_stride, dv_head_stride;
     i64 dqa_split_stride, dqa_batch_stride, dqa_head_stride;  // dq_accum row stride is head_dim
-    int deterministic;        // 1: CTA x owns dq_accum split x and adds with plain loads/stores (no atomics)
-    int pad_;
+    int deterministic;        // 1: CTA x owns dq_accum split x and adds with plain loads/stores (no atomics); Hopper:
+                              // the key blocks add to each query block in ascending order (dq_semaphore)
+    int n_block_slowest;      // Hopper: grid (batch, nheads_kv, key blocks) instead of (key blocks, batch, nheads_kv)
+    // Hopper deterministic backward: per (batch, query head, query block of the kernel) the number of MMA warps of
+    // lower key blocks that have added their dQ; (batch, nheads, dq_sem_mblocks) int32, zeroed before the launch
+    int* dq_semaphore;
+    int dq_sem_mblocks;
+    int pad2_;
 };
 
 // Parameters of the Hopper TMA backward (flash_bwd_sm90.cuh): tensor maps of q, k, v, dout (as FwdSm90Params'), then
@@ -119,6 +126,8 @@ struct AuxParams {
     // query blocks of dq_block_m rows that lie wholly inside the sequence hold scrambled 16-row groups
     int dq_slice_width, dq_block_m;
     int total_q, total_k;     // varlen: rows of q / k, as in FwdParams
+    int dqa_cols;             // dq_accum row length: head_dim, or the Hopper backward's padded head dim (zeros past
+    int pad_;                 // head_dim)
 };
 
 }  // namespace flashtrain

@@ -50,8 +50,8 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
         if (lane == 0) p.softmax_d[batch * p.d_batch_stride + head * p.d_head_stride + q_row] = dot;
         for (int split = 0; split < p.nsplits; ++split) {
             float* acc = (float*)p.dq_accum + split * p.dqa_split_stride + batch * p.dqa_batch_stride +
-                         head * p.dqa_head_stride + q_row * p.head_dim;
-            for (int c = lane * 4; c < p.head_dim; c += 32 * 4) {
+                         head * p.dqa_head_stride + q_row * p.dqa_cols;
+            for (int c = lane * 4; c < p.dqa_cols; c += 32 * 4) {
                 const u32 zeros[4] = {0u, 0u, 0u, 0u};
                 st_global_v4(acc + c, zeros);
             }
@@ -74,9 +74,9 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq(const Aux
             float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             for (int split = 0; split < p.nsplits; ++split) {  // fixed order: deterministic
                 const float* acc_row = p.dq_accum + split * p.dqa_split_stride + batch * p.dqa_batch_stride +
-                                       head * p.dqa_head_stride + q_row * p.head_dim;
+                                       head * p.dqa_head_stride + q_row * p.dqa_cols;
                 if (scrambled) {  // columns c + 2i, c + 2i + 1 (i < 4): 2 floats each, 16 bytes apart
-                    const float* src = acc_row - r * p.head_dim + (c / W) * 16 * W + ((c % W) / 8) * 128 +
+                    const float* src = acc_row - r * p.dqa_cols + (c / W) * 16 * W + ((c % W) / 8) * 128 +
                                        (r % 8) * 16 + (r / 8) * 2;
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {

@@ -29,7 +29,8 @@
 // 16 x 16 tile are the words of 2 lanes of the forward's layout (its rows are keys), 2 Philox calls per tile; the keep
 // decisions of P^T are kept as bits for dS^T. Block-sparse walks the query tiles of the non-zero mask blocks of the key
 // block's column (utils.cuh SparseWalkAsc), for each query head of the group. Not deterministic (dQ is summed by
-// reductions in arrival order); build.py routes deterministic=True to flash_bwd.cuh. Head dims 64 and 128 (65-96 are
+// reductions in arrival order) unless kIsDeterministic (below: key blocks take turns per query block); block-sparse
+// with deterministic=True runs flash_bwd.cuh. Head dims 64 and 128 (65-96 are
 // padded up by the host; columns past head_dim are zero-filled by the copies and not written). flash_aux.cuh runs
 // before (D, zeroing dq_accum) and after (dq = scale * dq_accum).
 #pragma once
@@ -39,11 +40,12 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
-          bool kIsBlockSparse_>
+          bool kIsBlockSparse_, bool kIsDeterministic_>
 struct BwdSm90Traits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = 128, kStages = kStages_;
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
-    static constexpr bool kIsBlockSparse = kIsBlockSparse_;
+    static constexpr bool kIsBlockSparse = kIsBlockSparse_, kIsDeterministic = kIsDeterministic_;
+    static_assert(!(kIsBlockSparse && kIsDeterministic), "deterministic block-sparse runs flash_bwd.cuh");
     static constexpr int kNMma = 2;                     // MMA warpgroups, 64 keys each
     static constexpr int kNThreads = 128 * (kNMma + 1);  // + the producer warpgroup
     static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
@@ -57,8 +59,8 @@ struct BwdSm90Traits {
     // dQ(block) in 64 x 64 pieces (mi = query rows / 64, hj = columns / 64); warpgroup w computes pieces w, w + 2, ..
     // (one piece, head dim 64 x 64 queries: warpgroup 0 alone; the other's GEMMs meanwhile keep the tensor cores busy)
     static constexpr int kPieces = (kBlockM / 64) * (kHeadDim / 64);
-    static constexpr int kPiecesPerWg = (kPieces + kNMma - 1) / kNMma;
-    static_assert(kPiecesPerWg == 1, "at most one dQ piece per warpgroup");
+    static_assert(kPieces == kNMma, "one dQ piece per warpgroup (every MMA warp stages one slice per block)");
+    static constexpr int kPiecesPerWg = 1;
     // The dQ piece of a query block is waited for and written at once (0), or once the next block's S^T GEMM (2) or
     // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s: hd128 x 64 queries 0 beats 2 by
     // 6-10% (e.g. 16K 516 vs 469); hd64 x 128 queries with 2 (24 B of spills; 120 B with 0) beats hd64 x 64 with 0
@@ -77,7 +79,7 @@ struct BwdSm90Traits {
     static constexpr int kStatsBytes = kBlockM * 4;
     static constexpr int kDqSliceBytes = 16 * 64 * 4;  // one warp's 16 x 64 fp32 slice of a dQ piece
     static constexpr int kBarrierBytes = 64;
-    static_assert(8 * (1 + 2 * kStages) <= kBarrierBytes, "barrier area");
+    static_assert(8 * (3 + 2 * kStages) <= kBarrierBytes, "barrier area");
     static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileS::kBytes +
                                       kNMma * 4 * kPiecesPerWg * kDqSliceBytes + 2 * kStages * kStatsBytes +
                                       kBarrierBytes + 1024;
@@ -109,7 +111,10 @@ template <class T> struct QueryBlockWalk {
             has = it < n_iters;
             if (has) {
                 head = head_kv * group + it / n_mblocks;
-                m0 = (m_block_min + it % n_mblocks) * T::kBlockM;
+                // deterministic causal: the last query block first, so that every key block reaches a query block
+                // at about the same time (they add to it in ascending order, waiting for each other)
+                m0 = (T::kIsDeterministic && T::kIsCausal ? m_block_end - 1 - it % n_mblocks
+                                                          : m_block_min + it % n_mblocks) * T::kBlockM;
             }
         }
     }
@@ -143,7 +148,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const int tid = threadIdx.x, lane = tid % 32;
     const int wg = warp_uniform(tid / 128);
 
-    const int n_block = blockIdx.x, batch = blockIdx.y, head_kv = blockIdx.z;
+    // Causal grids list the key blocks slowest (launch.py): the longest CTAs (first key blocks) start first.
+    const bool n_slowest = p.n_block_slowest != 0;
+    const int n_block = n_slowest ? blockIdx.z : blockIdx.x, batch = n_slowest ? blockIdx.x : blockIdx.y;
+    const int head_kv = n_slowest ? blockIdx.y : blockIdx.z;
     int q_start, k_start, seqlen_q, seqlen_k;
     seq_bounds(f, batch, q_start, k_start, seqlen_q, seqlen_k);
     const int n0 = n_block * kBlockN;
@@ -164,7 +172,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const u32 full_kv = bars;
     auto full = [&](int s) { return bars + 8 * (1 + s); };
     auto empty = [&](int s) { return bars + 8 * (1 + kStages + s); };
+    const u32 dq_full = bars + 8 * (1 + 2 * kStages), dq_empty = dq_full + 8;  // the dQ staging slices
     if (tid == 0) {
+        mbar_init(dq_full, 4 * T::kNMma);  // one arrival per MMA warp (its slice is staged)
+        mbar_init(dq_empty, 1);            // the dQ writer (the copy engine has read the slices)
         mbar_init(full_kv, 1);
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
@@ -204,6 +215,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             }
         } else if (warp == 1) {
             // Row statistics: lse in log2 units (+inf for rows past the end and rows that saw no key, so P = 0), D.
+            // (st.async, which would complete on the barrier like the copies, needs a cluster launch: it raised an
+            // illegal instruction in this one.)
             for (QueryBlockWalk<T> walk(p, head_kv, n0, seqlen_q, seqlen_k); walk.has; walk.next()) {
                 const int s = walk.it % kStages;
                 mbar_wait(empty(s), ((walk.it / kStages) & 1) ^ 1);
@@ -222,6 +235,57 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 }
                 mbar_arrive(full(s));
             }
+        } else if (warp == 2) {
+            // dQ writer: per query block, once the MMA warps have staged their 16 x 64 slices (scrambled order of
+            // flash_aux.cuh convert_dq), add them to dq_accum -- whole blocks with 8 bulk reduce-adds, a sequence's
+            // last block with vector atomics -- and release the staging area. Deterministic: after the key blocks
+            // below this one have added this query block (their turn counter), and count this one in when done.
+            int n = 0;
+            for (QueryBlockWalk<T> walk(p, head_kv, n0, seqlen_q, seqlen_k); walk.has; walk.next(), ++n) {
+                mbar_wait(dq_full, n & 1);
+                const int m0 = walk.m0;
+                float* dq_acc = p.dq_accum + batch * p.dqa_batch_stride + (i64)q_start * kHeadDim +
+                                walk.head * p.dqa_head_stride;
+                int* counter = p.dq_semaphore + ((i64)batch * f.nheads + walk.head) * p.dq_sem_mblocks + m0 / kBlockM;
+                if (T::kIsDeterministic) {
+                    if (lane == 0)
+                        while (ld_acquire_gpu(counter) < n_block) {
+                        }
+                    __syncwarp();
+                }
+                const bool whole = m0 + kBlockM <= seqlen_q;
+                // (loops kept rolled: this warpgroup runs on 24 registers per thread)
+#pragma unroll 1
+                for (int slice = 0; slice < 4 * T::kNMma; ++slice) {
+                    const int piece = slice / 4, row0 = m0 + 16 * ((piece / (kHeadDim / 64)) * 4 + slice % 4);
+                    const int col0 = 64 * (piece % (kHeadDim / 64));
+                    const u32 src = sdQ + slice * T::kDqSliceBytes;
+                    if (lane == 0) {
+                        if (whole) {
+                            bulk_reduce_add_f32(dq_acc + (i64)row0 * kHeadDim + col0 * 16, src, T::kDqSliceBytes);
+                        } else {  // row-major slice: one 64-float reduce-add per row inside the sequence
+                            for (int r = 0; r < 16 && row0 + r < seqlen_q; ++r)
+                                bulk_reduce_add_f32(dq_acc + (i64)(row0 + r) * kHeadDim + col0, src + 256 * r, 256);
+                        }
+                    }
+                }
+                if (lane == 0) {
+                    bulk_commit();
+                    bulk_wait_read<0>();
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(dq_empty);
+                if (T::kIsDeterministic) {  // complete (not only read) before the next key block's turn
+                    if (lane == 0) {
+                        bulk_wait<0>();
+                        fence_proxy_async_global();
+                    }
+                    __threadfence();
+                    __syncwarp();
+                    if (lane == 0) red_release_gpu_add(counter, 1);
+                }
+            }
+            if (lane == 0) bulk_wait<0>();  // the reductions are complete before the CTA's shared memory goes away
         }
         return;
     }
@@ -245,45 +309,36 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     mbar_wait(full_kv, 0);
 
     // dQ: this warpgroup's 64 x 64 piece (mi, hj) of each query block (none for warpgroup 1 when there is one piece).
-    const bool has_piece = T::kPieces >= T::kNMma || w < T::kPieces;
     const int mi = w / (kHeadDim / 64), hj = w % (kHeadDim / 64);
-    const int row_group = mi * 4 + wwarp;  // this warp's 16 query rows inside a query block
     float dq[8][4];
     int dq_m0 = -1, dq_head = 0;  // deferred: the query block whose dQ piece is still in flight (-1: none)
-    auto write_dq = [&](int m0, int head) {
+    // This warp's 16 x 64 slice of the block's dQ piece to its staging area once the dQ writer has released it: in
+    // dq_accum's scrambled order (n8 tile j, lane l -> floats 128 j + 4 l) for a whole block, row-major (rows of 64
+    // floats) for a sequence's last, partial block; the writer adds it to global memory.
+    int dq_count = 0;
+    auto write_dq = [&](int m0, int) {
         fence_operand(dq);
-        float* dq_acc = p.dq_accum + batch * p.dqa_batch_stride + (i64)q_start * f.head_dim + head * p.dqa_head_stride;
-        if (m0 + kBlockM <= seqlen_q && f.head_dim == kHeadDim) {
-            // Scrambled 16 x 64 slice (flash_aux.cuh convert_dq): n8 tile j, lane l -> floats 128 j + 4 l, staged in
-            // shared memory once the copy engine has read the previous slice, then added by one bulk reduce-add.
-            if (lead_lane) bulk_wait_read<0>();
-            __syncwarp();
+        mbar_wait(dq_empty, (dq_count & 1) ^ 1);  // (the first wait passes at once)
+        if (m0 + kBlockM <= seqlen_q) {
 #pragma unroll
             for (int j = 0; j < 8; ++j)
                 asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sdQ_warp + 512 * j + 16 * lane),
                              "f"(dq[j][0]), "f"(dq[j][1]), "f"(dq[j][2]), "f"(dq[j][3])
                              : "memory");
-            fence_proxy_async();
-            __syncwarp();
-            if (lead_lane) {
-                bulk_reduce_add_f32(dq_acc + (i64)(m0 + 16 * row_group) * kHeadDim + hj * 1024, sdQ_warp,
-                                    T::kDqSliceBytes);
-                bulk_commit();
-            }
-        } else {  // a sequence's last block, or a padded head dim: row-major, vector atomics
+        } else {
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int row = m0 + 16 * row_group + g + 8 * hf;
+            for (int j = 0; j < 8; ++j)
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int col = 64 * hj + 8 * j + 2 * t;
-                    if (row < seqlen_q && col < f.head_dim)
-                        atomic_add2(dq_acc + (i64)row * f.head_dim + col, dq[j][2 * hf], dq[j][2 * hf + 1]);
-                }
-            }
+                for (int hf = 0; hf < 2; ++hf)
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(sdQ_warp + 256 * (g + 8 * hf) + 4 * (8 * j + 2 * t)),
+                                 "f"(dq[j][2 * hf]), "f"(dq[j][2 * hf + 1])
+                                 : "memory");
         }
+        fence_proxy_async();
+        __syncwarp();
+        if (lead_lane) mbar_arrive(dq_full);
+        ++dq_count;
     };
-
     auto step = [&](const QueryBlockWalk<T>& walk, auto mask_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
         const int it = walk.it, head = walk.head, m0 = walk.m0;
@@ -411,28 +466,22 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         named_bar_sync(T::kBarDs, 128 * T::kNMma);  // both warpgroups' dS^T rows stored
 
         // dQ(block) piece of this warpgroup = dS K: A = dS (dS^T in shared memory: M-major), B = K (MN-major).
-        if (has_piece) {
-            wgmma_fence();
+        wgmma_fence();
 #pragma unroll
-            for (int ks = 0; ks < kBlockN / 16; ++ks) {
-                const u64 desc_a = gmma_desc(sdS + mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
-                const u64 desc_b = gmma_desc(sK + hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
-                if (ks == 0) wgmma_ss_tt_init<64, T::kIsBF16>(dq, desc_a, desc_b, 0);  // dq's old values are dead
-                else wgmma_ss_tt<64, T::kIsBF16>(dq, desc_a, desc_b, 1);
-            }
-            wgmma_commit();
-            wgmma_wait<1>();  // dV and dK done (dQ may still run): Q, dO, the statistics of stage s are free
+        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+            const u64 desc_a = gmma_desc(sdS + mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+            const u64 desc_b = gmma_desc(sK + hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+            if (ks == 0) wgmma_ss_tt_init<64, T::kIsBF16>(dq, desc_a, desc_b, 0);  // dq's old values are dead
+            else wgmma_ss_tt<64, T::kIsBF16>(dq, desc_a, desc_b, 1);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // dV and dK done (dQ may still run): Q, dO, the statistics of stage s are free
+        if (lead_lane) mbar_arrive(empty(s));
+        if constexpr (T::kDeferDq != 0) {  // finished after the next block's GEMMs are issued
+            dq_m0 = m0, dq_head = head;
         } else {
             wgmma_wait<0>();
-        }
-        if (lead_lane) mbar_arrive(empty(s));
-        if (has_piece) {
-            if constexpr (T::kDeferDq != 0) {  // finished after the next block's GEMMs are issued
-                dq_m0 = m0, dq_head = head;
-            } else {
-                wgmma_wait<0>();
-                write_dq(m0, head);
-            }
+            write_dq(m0, head);
         }
     };
     for (QueryBlockWalk<T> walk(p, head_kv, n0, seqlen_q, seqlen_k); walk.has; walk.next()) {
@@ -447,7 +496,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     }
 
     // Epilogue: dK * scale and dV through this warpgroup's rows of the K / V tiles, then 16-byte stores.
-    if (lead_lane) bulk_wait<0>();  // the dQ reductions are complete before the CTA's shared memory goes away
     fence_operand(acc_dk);
     fence_operand(acc_dv);
     named_bar_sync(T::kBarEpilogue, 128 * T::kNMma);  // both warpgroups are done reading K (their dQ GEMMs)

@@ -59,6 +59,17 @@ __device__ __forceinline__ int atomic_fetch_add(int* ptr, int v) {
     asm volatile("atom.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
     return old;
 }
+// Inter-CTA ordering (the deterministic backward's per-block turn counters): acquire load, release add.
+__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int* ptr, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+// Order this thread's completed bulk (async proxy) writes to global memory before its later generic accesses.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 __device__ __forceinline__ void atomic_store(int* ptr, int v) {
     asm volatile("atom.global.exch.b32 _, [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
