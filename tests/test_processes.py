@@ -183,3 +183,27 @@ def test_prepare_command_fills_the_cache_and_training_only_opens_it(tmp_path, ca
     with caplog.at_level(logging.INFO, logger="flashtrain.data.lm"):
         compose_config(overrides).data.build()
     assert f"token cache hit: {meta.parent}" in caplog.text
+
+
+def test_the_two_machine_commands_run_as_written(reference, cache_dir, tmp_path):
+    """conf/accelerate/multi-node.yaml's two commands, one per machine rank (here both machines are this one, one CPU
+    process each): they join into one run of 2 processes with the single-process losses."""
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+        with open(tmp_path / f"node{rank}.out", "w") as out, open(tmp_path / f"node{rank}.err", "w") as err:
+            procs.append(subprocess.Popen(
+                [command("accelerate"), "launch", "--config_file", str(ROOT / "conf/accelerate/multi-node.yaml"),
+                 "--cpu", "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+                 "--main_process_port", port, str(ROOT / "launch.py"), *tiny_overrides(cache_dir, *STEPS),
+                 "trainer.stop_step=2", f"hydra.run.dir={tmp_path / 'run'}"],
+                cwd=tmp_path / f"node{rank}", env=ENV, stdout=out, stderr=err))
+    codes = [proc.wait(timeout=600) for proc in procs]
+    outs = [(tmp_path / f"node{rank}.out").read_text() for rank in (0, 1)]
+    assert codes == [0, 0], [(tmp_path / f"node{rank}.err").read_text()[-3000:] for rank in (0, 1)]
+    for out in outs:
+        assert "starting this machine's 1 of the 2 through accelerate's multi-process launcher" in out
+    assert "processes: 2 (DDP over gloo, cpu)" in outs[0] and "processes:" not in outs[1]  # rank 0 speaks
+    assert_continues(reference, tmp_path / "run", [1, 2], [0])
+    assert list((tmp_path / "node1").iterdir()) == []  # machine 1's process wrote nothing of its own

@@ -106,9 +106,11 @@ def relaunch_cpu_processes() -> int | None:
     from accelerate.commands.launch import multi_gpu_launcher
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    here = options.num_processes // options.num_machines
+    share = f"the {here}" if options.num_machines == 1 else f"this machine's {here} of the {options.num_processes}"
     print(f"accelerate launch --cpu started one process for --num_processes {options.num_processes} (it starts several "
-          f"CPU processes only with an MPI hostfile); starting the {options.num_processes} through accelerate's "
-          f"multi-process launcher (torch.distributed.run)", flush=True)
+          f"CPU processes only with an MPI hostfile); starting {share} through accelerate's multi-process launcher "
+          f"(torch.distributed.run)", flush=True)
     os.environ["ACCELERATE_USE_CPU"] = "true"  # the processes join over gloo, on the CPU
     try:
         multi_gpu_launcher(options)
@@ -138,8 +140,10 @@ def describe_processes(accelerator: Accelerator) -> str:
     backend = dist.get_backend() if dist.is_initialized() else accelerator.state.backend
     if accelerator.distributed_type == DistributedType.FSDP:
         plugin = accelerator.state.fsdp_plugin
-        kind = (f"FSDP{plugin.fsdp_version} {'full shard' if plugin.reshard_after_forward else 'shard grad op'}, "
-                f"{plugin.state_dict_type.name.lower()} checkpoints")
+        sharding = plugin.reshard_after_forward  # FSDP2: a bool; FSDP1: a ShardingStrategy
+        sharding = ("full shard" if sharding else "shard grad op") if isinstance(sharding, bool) else \
+            sharding.name.lower().replace("_", " ")
+        kind = f"FSDP{plugin.fsdp_version} {sharding}, {plugin.state_dict_type.name.lower()} checkpoints"
     else:
         kind = "DDP"
     return f"{n} ({kind} over {backend}, {accelerator.device.type})"
@@ -166,12 +170,13 @@ def process_header(accelerator: Accelerator) -> tuple[str, str | None]:
 def hydra_overrides_for_other_ranks() -> list[str]:
     """Hydra overrides that keep processes other than rank 0 from writing: no run directory of their own (rank 0's is
     everyone's), no .hydra/ copy of the config, no launch.log. Empty on rank 0 and in a single process."""
-    if launched_rank() == 0:
+    rank = launched_rank()
+    if rank == 0:
         return []
-    # a sweep's jobs still get directories: outside the runs/ tree, in this process's own temporary directory
-    scratch = tempfile.mkdtemp(prefix=f"flashtrain-rank{launched_rank()}-")
-    return ["hydra.run.dir=.", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null",
-            "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    overrides = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    if "-m" in sys.argv or "--multirun" in sys.argv:  # a sweep's jobs still get directories: outside the runs/ tree
+        overrides.append(f"hydra.sweep.dir={tempfile.gettempdir()}/flashtrain-rank{rank}-{os.getpid()}")
+    return overrides
 
 
 # ---- building the accelerator ------------------------------------------------------------------------------------
