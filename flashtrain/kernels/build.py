@@ -180,9 +180,6 @@ def _bwd_tile_overrides() -> None:
 
 
 _bwd_tile_overrides()
-# Causal Hopper backward: the grid lists key blocks slowest, so that the CTAs of the first key blocks (the most query
-# blocks to walk) start first on every (batch, kv head); FLASHTRAIN_BWD_CAUSAL_LONGEST_FIRST=0 lists them fastest (A/B).
-BWD_CAUSAL_LONGEST_FIRST = os.environ.get("FLASHTRAIN_BWD_CAUSAL_LONGEST_FIRST", "1") != "0"
 SM90_ARCH = "sm_90a"
 MAX_STREAMS = 64  # streams one process may run the persistent Hopper forward on (one tile counter each)
 BWD_TILES = {

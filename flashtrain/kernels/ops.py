@@ -267,8 +267,6 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     (params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride) = _strides(dk, varlen)
     (params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride) = _strides(dv, varlen)
     grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)
-    if hopper and causal and build.BWD_CAUSAL_LONGEST_FIRST:  # key blocks slowest: the longest CTAs start first
-        grid, params.n_block_slowest = (batch, nheads_kv, n_kblocks), 1
     if deterministic and hopper:  # per (batch, head, query block): MMA warps of lower key blocks done adding dQ
         params.dq_sem_mblocks = math.ceil(fwd.seqlen_q / tiles.block_m)
         semaphore = torch.zeros((batch, nheads, params.dq_sem_mblocks), dtype=torch.int32, device=q.device)

@@ -86,8 +86,7 @@ struct BwdParams {
     i64 dv_batch_stride, dv_row_stride, dv_head_stride;
     i64 dqa_split_stride, dqa_batch_stride, dqa_head_stride;  // dq_accum row stride is head_dim
     int deterministic;        // 1: CTA x owns dq_accum split x and adds with plain loads/stores (no atomics); Hopper:
-                              // the key blocks add to each query block in ascending order (dq_semaphore)
-    int n_block_slowest;      // Hopper: grid (batch, nheads_kv, key blocks) instead of (key blocks, batch, nheads_kv)
+    int pad_;                 // the key blocks add to each query block in ascending order (dq_semaphore)
     // Hopper deterministic backward: per (batch, query head, query block of the kernel) the number of MMA warps of
     // lower key blocks that have added their dQ; (batch, nheads, dq_sem_mblocks) int32, zeroed before the launch
     int* dq_semaphore;

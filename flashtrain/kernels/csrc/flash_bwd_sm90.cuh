@@ -61,14 +61,15 @@ struct BwdSm90Traits {
     static constexpr int kPieces = (kBlockM / 64) * (kHeadDim / 64);
     static_assert(kPieces == kNMma, "one dQ piece per warpgroup (every MMA warp stages one slice per block)");
     static constexpr int kPiecesPerWg = 1;
-    // The dQ piece of a query block is waited for and written at once (0), or once the next block's S^T GEMM (2) or
-    // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s: hd128 x 64 queries 0 beats 2 by
-    // 6-10% (e.g. 16K 516 vs 469); hd64 x 128 queries with 2 (24 B of spills; 120 B with 0) beats hd64 x 64 with 0
-    // by 0-4% (16K 411 vs 395) and with 1 by 10-20%.
+    // The dQ piece of a query block is waited for and staged at once (0), or once the next block's S^T GEMM (2) or
+    // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s with the dQ writer warp: hd128 0
+    // beats 2 by 10-15% (16K 524 vs 473); hd64 x 128 queries 0 beats 2 by 3-6% (16K 434 vs 418) despite 120 B of
+    // spills. Dropout keeps 2 (with 0 the hd128 dropout kernel spills 220 B instead of 64; not measured); so does the
+    // deterministic hd64 kernel (2 vs 0, separate runs: 271 / 357 / 416 vs 255 / 325 / 383 TFLOP/s at 2K / 8K / 16K).
 #ifdef FT_BWD_DEFER_DQ
     static constexpr int kDeferDq = FT_BWD_DEFER_DQ;
 #else
-    static constexpr int kDeferDq = kBlockM == 128 || kIsDropout ? 2 : 0;  // (dropout: 220 -> 64 B of spills)
+    static constexpr int kDeferDq = kIsDropout || (kIsDeterministic && kHeadDim == 64) ? 2 : 0;
 #endif
     // 128-query blocks: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished wgmma alive,
     // and 64 more live registers would spill)
@@ -148,10 +149,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const int tid = threadIdx.x, lane = tid % 32;
     const int wg = warp_uniform(tid / 128);
 
-    // Causal grids list the key blocks slowest (launch.py): the longest CTAs (first key blocks) start first.
-    const bool n_slowest = p.n_block_slowest != 0;
-    const int n_block = n_slowest ? blockIdx.z : blockIdx.x, batch = n_slowest ? blockIdx.x : blockIdx.y;
-    const int head_kv = n_slowest ? blockIdx.y : blockIdx.z;
+    const int n_block = blockIdx.x, batch = blockIdx.y, head_kv = blockIdx.z;
     int q_start, k_start, seqlen_q, seqlen_k;
     seq_bounds(f, batch, q_start, k_start, seqlen_q, seqlen_k);
     const int n0 = n_block * kBlockN;
@@ -215,8 +213,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             }
         } else if (warp == 1) {
             // Row statistics: lse in log2 units (+inf for rows past the end and rows that saw no key, so P = 0), D.
-            // (st.async, which would complete on the barrier like the copies, needs a cluster launch: it raised an
-            // illegal instruction in this one.)
             for (QueryBlockWalk<T> walk(p, head_kv, n0, seqlen_q, seqlen_k); walk.has; walk.next()) {
                 const int s = walk.it % kStages;
                 mbar_wait(empty(s), ((walk.it / kStages) & 1) ^ 1);
@@ -260,23 +256,31 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     const int piece = slice / 4, row0 = m0 + 16 * ((piece / (kHeadDim / 64)) * 4 + slice % 4);
                     const int col0 = 64 * (piece % (kHeadDim / 64));
                     const u32 src = sdQ + slice * T::kDqSliceBytes;
-                    if (lane == 0) {
-                        if (whole) {
-                            bulk_reduce_add_f32(dq_acc + (i64)row0 * kHeadDim + col0 * 16, src, T::kDqSliceBytes);
-                        } else {  // row-major slice: one 64-float reduce-add per row inside the sequence
-                            for (int r = 0; r < 16 && row0 + r < seqlen_q; ++r)
-                                bulk_reduce_add_f32(dq_acc + (i64)(row0 + r) * kHeadDim + col0, src + 256 * r, 256);
+                    if (whole) {
+                        if (lane == 0) bulk_reduce_add_f32(dq_acc + (i64)row0 * kHeadDim + col0 * 16, src, T::kDqSliceBytes);
+                    } else {  // lane l holds accumulator fragment d[j][e] of MMA lane l: floats 128 j + 4 l + e
+#pragma unroll 1
+                        for (int j = 0; j < 8; ++j) {
+                            u32 v[4];
+                            ld_shared_v4(src + 512 * j + 16 * lane, v);
+#pragma unroll
+                            for (int hf = 0; hf < 2; ++hf) {
+                                const int row = row0 + lane / 4 + 8 * hf, col = col0 + 8 * j + 2 * (lane % 4);
+                                if (row < seqlen_q && col < f.head_dim)
+                                    atomic_add2(dq_acc + (i64)row * kHeadDim + col, __int_as_float(v[2 * hf]),
+                                                __int_as_float(v[2 * hf + 1]));
+                            }
                         }
                     }
                 }
-                if (lane == 0) {
+                if (lane == 0 && whole) {
                     bulk_commit();
                     bulk_wait_read<0>();
                 }
                 __syncwarp();
                 if (lane == 0) mbar_arrive(dq_empty);
                 if (T::kIsDeterministic) {  // complete (not only read) before the next key block's turn
-                    if (lane == 0) {
+                    if (lane == 0 && whole) {
                         bulk_wait<0>();
                         fence_proxy_async_global();
                     }
@@ -312,28 +316,17 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const int mi = w / (kHeadDim / 64), hj = w % (kHeadDim / 64);
     float dq[8][4];
     int dq_m0 = -1, dq_head = 0;  // deferred: the query block whose dQ piece is still in flight (-1: none)
-    // This warp's 16 x 64 slice of the block's dQ piece to its staging area once the dQ writer has released it: in
-    // dq_accum's scrambled order (n8 tile j, lane l -> floats 128 j + 4 l) for a whole block, row-major (rows of 64
-    // floats) for a sequence's last, partial block; the writer adds it to global memory.
+    // This warp's slice of the block's dQ piece, in dq_accum's scrambled order (n8 tile j, lane l -> floats 128 j +
+    // 4 l), to its staging area once the dQ writer has released it; the writer adds it to global memory.
     int dq_count = 0;
-    auto write_dq = [&](int m0, int) {
+    auto write_dq = [&](int, int) {
         fence_operand(dq);
         mbar_wait(dq_empty, (dq_count & 1) ^ 1);  // (the first wait passes at once)
-        if (m0 + kBlockM <= seqlen_q) {
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
-                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sdQ_warp + 512 * j + 16 * lane),
-                             "f"(dq[j][0]), "f"(dq[j][1]), "f"(dq[j][2]), "f"(dq[j][3])
-                             : "memory");
-        } else {
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf)
-                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(sdQ_warp + 256 * (g + 8 * hf) + 4 * (8 * j + 2 * t)),
-                                 "f"(dq[j][2 * hf]), "f"(dq[j][2 * hf + 1])
-                                 : "memory");
-        }
+        for (int j = 0; j < 8; ++j)
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sdQ_warp + 512 * j + 16 * lane),
+                         "f"(dq[j][0]), "f"(dq[j][1]), "f"(dq[j][2]), "f"(dq[j][3])
+                         : "memory");
         fence_proxy_async();
         __syncwarp();
         if (lead_lane) mbar_arrive(dq_full);
