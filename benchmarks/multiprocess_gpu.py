@@ -64,7 +64,7 @@ def run(label: str, args, run_dir: Path) -> tuple[list[dict], float]:
         "data.sample_tokens=32", "logger=none", f"name=multiprocess-{label}", f"hydra.run.dir={run_dir}",
         f"trainer.max_steps={args.steps}", f"optim.warmup_steps={max(args.steps // 10, 1)}",
         f"trainer.micro_batch_size={args.micro_batch}", f"trainer.global_batch_size={args.global_batch}",
-        "trainer.log_interval=1", f"trainer.eval_interval={args.steps // 2}", "trainer.eval_batches=4",
+        "trainer.log_interval=1", f"trainer.eval_interval={args.steps // 2}", "data.val_samples=32",
         f"trainer.save_interval={args.steps}", *extra, *args.extra,
     ]
     shutil.rmtree(run_dir, ignore_errors=True)

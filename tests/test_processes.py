@@ -25,7 +25,7 @@ from test_train import ROOT, tiny_overrides
 # 6 optimizer steps of 16 sequences (1 process: 2 micro-batches of 8; 2 processes: one each), a loss every step, a
 # validation pass at 0, 3 and 6, a checkpoint every 2 steps
 STEPS = ["trainer.global_batch_size=16", "trainer.max_steps=6", "trainer.log_interval=1", "trainer.eval_interval=3",
-         "trainer.eval_batches=2", "trainer.save_interval=2", "trainer.keep_checkpoints=3", "data.sample_tokens=0"]
+         "data.val_samples=16", "trainer.save_interval=2", "trainer.keep_checkpoints=3", "data.sample_tokens=0"]
 # the processes' own reductions and thread counts change float summation order only: ~1e-6 on losses of ~6
 TOLERANCE = dict(rel=0, abs=1e-5)
 BIN = Path(sys.executable).parent

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from flashtrain.train.config import load_plugins, register_configs
+from flashtrain.train.config import load_plugins, register_configs, typed_config
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -27,7 +27,7 @@ load_plugins()
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    data_cfg = OmegaConf.to_object(cfg).data
+    data_cfg = typed_config(cfg).data  # every key checked against its schema, as launch.py does
     start = time.perf_counter()
     task = data_cfg.build()
     print(f"data ready ({time.perf_counter() - start:.1f} s): {type(data_cfg).__name__}, {task.spec}")

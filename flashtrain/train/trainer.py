@@ -30,9 +30,9 @@ from tqdm.auto import tqdm
 
 from flashtrain.data.task import Task, check_model_fits
 from flashtrain.models.padding import Unpadding
-from flashtrain.train.checkpoint import (MODEL_FILES, TrainState, checkpoint_format, config_differences,
-                                        config_fingerprint, resolve_resume, save_checkpoint)
 from flashtrain.train import activation_checkpoint
+from flashtrain.train.checkpoint import (MODEL_FILES, TrainState, check_writable, checkpoint_format,
+                                        config_differences, config_fingerprint, resolve_resume, save_checkpoint)
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.metrics import MetricsLog
 from flashtrain.train.model_init import load_initial_weights
@@ -158,12 +158,10 @@ class Trainer:
         set_seed(cfg.seed)
         if tcfg.deterministic:
             use_deterministic_algorithms()
-        # before any data is prepared: attn_impl=flash that cannot run stops here, with the reason
+        # Everything that can stop the start does so before any data is prepared: attn_impl=flash that cannot run,
+        # the checkpoint to resume (verified) and its configuration, a run directory that cannot be written, a
+        # model that cannot take what the data will provide (the vocabulary before a tokenizer is trained)
         self.attention = cfg.model.attention_backend(accelerator.device, COMPUTE_DTYPES[accelerator.mixed_precision])
-        # data missing from the cache is prepared by the main process while the others wait (then find it there)
-        self.task = main_process_first(cfg.data.build, accelerator, tcfg.prepare_timeout_minutes)
-        check_model_fits(cfg.model, cfg.data, self.task.spec)
-
         # the main process alone verifies checkpoints (hashing every file) and says which it skips
         self.checkpoint = on_main_process(lambda: resolve_resume(cfg.resume, runs_of_name), accelerator)
         if cfg.resume == "auto" and self.checkpoint is not None:
@@ -171,6 +169,11 @@ class Trainer:
         self.config_fingerprint = config_fingerprint(cfg)
         if self.checkpoint is not None:
             self._check_resumed_config()
+        check_writable(self.run_dir, self.run_dir / "checkpoints")
+        check_model_fits(cfg.model, cfg.data, cfg.data.preview())
+        # data missing from the cache is prepared by the main process while the others wait (then find it there)
+        self.task = main_process_first(cfg.data.build, accelerator, tcfg.prepare_timeout_minutes)
+        check_model_fits(cfg.model, cfg.data, self.task.spec)
         self._build_model()
         self.state = TrainState()
         # the scheduler is stepped here once per optimizer step (not through accelerate's per-process stepping)
@@ -298,7 +301,8 @@ class Trainer:
         start_batch = self.state.samples_consumed // (tcfg.micro_batch_size * world)
         self.train_iter = iter(self.task.train_loader(tcfg.micro_batch_size, rank, world, start_batch=start_batch,
                                                       accum_steps=self.grad_accum_steps))
-        self.val_loader = self.task.eval_loader("val", tcfg.micro_batch_size, rank, world, tcfg.eval_batches)
+        # the same validation samples for any micro-batch size and number of processes (the data's val_samples)
+        self.val_loader = self.task.eval_loader("val", tcfg.micro_batch_size, rank, world, self.task.val_samples)
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             from flashtrain.export import save_model_files  # issue 23: RUN_DIR/hf/, the tokenizer and HF config
@@ -359,6 +363,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             return
         self.nonfinite_in_a_row = 0
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the learning rate of this step (logged with its loss)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -403,12 +408,11 @@ class Trainer:
         train_loss = self.accelerator.reduce(loss_sum, reduction="sum").item()
         tok_s = (self.state.tokens_seen - self.tokens_at_log) / max(self.interval_seconds, 1e-9)
         self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen
-        lr = self.scheduler.get_last_lr()[0]
         memory = {}
         if self.accelerator.device.type == "cuda":
             memory["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
-        self._record(train_loss=train_loss, lr=lr, tokens_per_s=tok_s, **memory)
-        self.pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+        self._record(train_loss=train_loss, lr=self.step_lr, tokens_per_s=tok_s, **memory)
+        self.pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{self.step_lr:.2e}", tok_s=f"{tok_s:,.0f}")
 
     def _last_step(self) -> bool:
         return self.state.step == self.end_step or self.out_of_time
@@ -460,8 +464,8 @@ class Trainer:
                                                self.tcfg.keep_checkpoints, self.config_fingerprint)
 
     def evaluate(self, split: str = "val") -> dict[str, float]:
-        """Score `split` ("val": trainer.eval_batches batches; other splits whole) and log it, its metrics named
-        "<split>_*"; tracks the best validation loss."""
+        """Score `split` ("val": the data's first val_samples samples; other splits whole) and log it, its metrics
+        named "<split>_*"; tracks the best validation loss."""
         tcfg, accelerator = self.tcfg, self.accelerator
         loader = self.val_loader if split == "val" else self.task.eval_loader(
             split, tcfg.micro_batch_size, accelerator.process_index, accelerator.num_processes)
