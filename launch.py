@@ -6,9 +6,9 @@ schemas in flashtrain/train/config.py (`+key=value` included), and hands it to t
 launch.py ...` or `torchrun --nproc_per_node N launch.py ...` (flashtrain/train/processes.py; README, "Several
 processes").
 
-Models and data outside the package: FLASHTRAIN_PLUGINS=module[,module...] imports those modules first; each
-registers its config schemas (hydra's ConfigStore, group "model" or "data") and ships its YAML in a directory named
-by `hydra.searchpath=[file://DIR]`. tests/toy_model.py is one.
+Models and data outside the package: FLASHTRAIN_PLUGINS=module[,module...] imports those modules first
+(`register_configs`); each registers its config schemas (hydra's ConfigStore, group "model" or "data") and ships its
+YAML in a directory named by `hydra.searchpath=[file://DIR]`. tests/toy_model.py is one.
 """
 
 import sys
@@ -19,11 +19,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from flashtrain.train import register_configs, train, typed_config
-from flashtrain.train.config import load_plugins
 from flashtrain.train.processes import hydra_overrides_for_other_ranks, relaunch_cpu_processes
 
 register_configs()
-load_plugins()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

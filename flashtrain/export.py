@@ -7,10 +7,13 @@ tokenizer is. OUT_DIR then holds what `AutoModelForCausalLM` / `AutoModelForMask
 
     config.json, model.safetensors      the transformers config and weights (flashtrain.models.hf_convert)
     tokenizer.json, tokenizer_config.json, special_tokens_map.json   a transformers fast tokenizer
-    generation_config.json              GPT-2: EOS and the sampling defaults of `flashtrain.generate`
+    generation_config.json              causal LMs (GPT-2): EOS and the sampling defaults of `flashtrain.generate`
 
-`load_run` is shared with `flashtrain.generate`: the typed config, the model with the checkpoint's weights (strictly:
-only the tied lm_head, saved once as the token embedding, may be absent) and the tokenizer.
+Which transformers class a model becomes, and how its config and weights convert, is the model class's Hugging Face
+adapter (`flashtrain.models.hf_convert.register_hf_adapter`); the tokenizer is the data's (`Task.hf_tokenizer`). Runs
+of models without an adapter (the LRA classifier) have no transformers counterpart. `load_run` is shared with
+`flashtrain.generate`: the typed config, the model with the checkpoint's weights (a strict load_state_dict) and the
+tokenizer.
 """
 
 from __future__ import annotations
@@ -25,15 +28,12 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from flashtrain.data.tokenizer import EOS_TOKEN
-from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification
-from flashtrain.models.gpt2 import GPT2Config
-from flashtrain.models.hf_convert import bert_config_to_hf, gpt2_config_to_hf, to_hf_state_dict
+from flashtrain.models.gpt2 import SAMPLING
+from flashtrain.models.hf_convert import has_hf_adapter, hf_adapter, to_hf_state_dict
 from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint, model_state
+from flashtrain.train.hf_files import HF_FILES, hf_tokenizer_of
 
-HF_FILES = "hf"  # RUN_DIR/hf/: the run's tokenizer and transformers config (save_model_files)
-# sampling defaults written into generation_config.json (and used by flashtrain.generate)
-TEMPERATURE, TOP_K = 0.8, 50
+MAX_NEW_TOKENS = 200  # generation_config.json's and flashtrain.generate's default length
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Run:
     cfg: object  # the run's typed FlashtrainConfig
     checkpoint: Path
     model: torch.nn.Module  # in eval mode, on the CPU
-    tokenizer: object  # a transformers PreTrainedTokenizerFast
+    tokenizer: object  # a transformers PreTrainedTokenizerFast; None for models without a transformers counterpart
 
 
 def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
@@ -93,48 +93,12 @@ def load_run_config(run_dir: Path):
         raise FileNotFoundError(f"{path}: no composed config; runs started by launch.py write it")
     raw = _fill_hydra_values(OmegaConf.to_container(OmegaConf.load(path)), run_dir / ".hydra" / "hydra.yaml")
     raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)  # ${data.vocab_size} and the like
+    if isinstance(raw["logger"]["kind"], str):  # runs from before logger.kind listed trackers: "wandb" or "none"
+        raw["logger"]["kind"] = [] if raw["logger"]["kind"] == "none" else [raw["logger"]["kind"]]
     schema = OmegaConf.structured(FlashtrainConfig)
     for group in ("model", "data"):  # typed `Any` in the root schema: pick their dataclass by their keys
         schema[group] = OmegaConf.structured(_schema_for(group, raw[group]))
     return OmegaConf.to_object(OmegaConf.merge(schema, raw))
-
-
-def load_tokenizer_of(cfg):
-    """The run's tokenizer as a transformers fast tokenizer (GPT-2: the byte-level BPE of its data, with EOS)."""
-    from transformers import PreTrainedTokenizerFast
-
-    if isinstance(cfg.model, GPT2Config):
-        from flashtrain.data.lm import prepare_lm_data  # finds the tokenizer (and token files) in the data cache
-
-        bpe = prepare_lm_data(cfg.data).tokenizer
-        return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
-                                       unk_token=EOS_TOKEN, model_max_length=cfg.model.n_positions)
-    if isinstance(cfg.model, BertConfig):
-        from flashtrain.data.tokenizer import load_hf_tokenizer
-
-        tokenizer = load_hf_tokenizer(cfg.data.tokenizer)
-        tokenizer.model_max_length = cfg.model.max_seqlen
-        return tokenizer
-    raise TypeError(f"no export for {type(cfg.model).__name__} runs (GPT-2, BERT and RoBERTa only)")
-
-
-def save_model_files(cfg, run_dir: Path) -> None:
-    """RUN_DIR/hf/: the run's tokenizer (a transformers fast tokenizer) and its transformers config.json, so that the
-    model can be used without flashtrain's config (GPT-2, BERT and RoBERTa runs; other models: nothing). The trainer
-    calls it once at the start of a run, on the main process."""
-    if not isinstance(cfg.model, (GPT2Config, BertConfig)):
-        return
-    out_dir = Path(run_dir) / HF_FILES
-    tokenizer = load_tokenizer_of(cfg)
-    tokenizer.save_pretrained(out_dir)
-    hf_config_of(cfg.model, tokenizer).save_pretrained(out_dir)
-
-
-def hf_config_of(model_cfg, tokenizer):
-    """The transformers config of a GPT-2 or BERT/RoBERTa model config (GPT-2's EOS from its tokenizer)."""
-    if isinstance(model_cfg, GPT2Config):
-        return gpt2_config_to_hf(model_cfg, eos_token_id=tokenizer.eos_token_id)
-    return bert_config_to_hf(model_cfg)
 
 
 def load_run(path: str | Path, attn_impl: str | None = None) -> Run:
@@ -145,20 +109,18 @@ def load_run(path: str | Path, attn_impl: str | None = None) -> Run:
     if attn_impl is not None:
         cfg.model.attn_impl = attn_impl
     model = cfg.model.build()
-    state = model_state(checkpoint)
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - \
-        {name for name, _ in model.named_parameters()}  # second names of tied tensors, saved once
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - tied:
-        raise ValueError(f"{checkpoint} does not fit the run's model config: missing {sorted(set(missing) - tied)}, "
-                         f"unexpected {sorted(unexpected)}")
-    saved_tokenizer = run_dir / HF_FILES / "tokenizer.json"  # runs since the run directory kept it
+    try:  # strict: tied weights (flashtrain.models.tying) fill their second name themselves
+        model.load_state_dict(model_state(checkpoint))  # any engine's checkpoint
+    except RuntimeError as error:
+        raise ValueError(f"{checkpoint} does not fit the run's model config: {error}") from None
+    saved_tokenizer = run_dir / HF_FILES / "tokenizer.json"
+    tokenizer = None
     if saved_tokenizer.is_file():
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(saved_tokenizer.parent)
-    else:
-        tokenizer = load_tokenizer_of(cfg)
+    elif has_hf_adapter(type(model)):  # a run from before the run directory kept hf/: the data's tokenizer
+        tokenizer = hf_tokenizer_of(model, cfg.data.build())
     return Run(cfg, checkpoint, model.eval(), tokenizer)
 
 
@@ -166,15 +128,9 @@ def hf_model_of(run: Run):
     """A transformers model with the run's weights, loaded strictly."""
     import transformers
 
-    model_cfg = run.cfg.model
-    hf_config = hf_config_of(model_cfg, run.tokenizer)
-    if isinstance(model_cfg, GPT2Config):
-        hf_model = transformers.GPT2LMHeadModel(hf_config)
-    elif isinstance(run.model, (BertForMaskedLM, BertForSequenceClassification)):
-        head = "ForMaskedLM" if isinstance(run.model, BertForMaskedLM) else "ForSequenceClassification"
-        hf_model = getattr(transformers, ("Bert" if model_cfg.flavor == "bert" else "Roberta") + head)(hf_config)
-    else:
-        raise TypeError(f"no export for {type(run.model).__name__}")
+    adapter = hf_adapter(type(run.model))
+    hf_config = adapter.config_to_hf(run.model.config, run.tokenizer)
+    hf_model = getattr(transformers, adapter.auto_class).from_config(hf_config)
     hf_model.load_state_dict(to_hf_state_dict(run.model), strict=True)
     return hf_model.eval()
 
@@ -188,11 +144,10 @@ def export(path: str | Path, out_dir: str | Path, push_to_hub: str | None = None
     hf_model = hf_model_of(run)
     hf_model.save_pretrained(out_dir, safe_serialization=True)
     run.tokenizer.save_pretrained(out_dir)
-    if isinstance(run.cfg.model, GPT2Config):
-        eos = run.tokenizer.eos_token_id
-        GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, do_sample=True,
-                         temperature=TEMPERATURE, top_k=TOP_K, max_new_tokens=run.cfg.data.sample_tokens or 100,
-                         ).save_pretrained(out_dir)
+    if hf_model.can_generate():  # a causal LM: the sampling defaults of flashtrain.generate and the end-of-run sample
+        GenerationConfig(bos_token_id=hf_model.config.bos_token_id, eos_token_id=run.tokenizer.eos_token_id,
+                         pad_token_id=run.tokenizer.eos_token_id, do_sample=True, max_new_tokens=MAX_NEW_TOKENS,
+                         **SAMPLING).save_pretrained(out_dir)
     if push_to_hub:  # the whole directory, as written
         from huggingface_hub import HfApi
 

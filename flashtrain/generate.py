@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from flashtrain.export import TEMPERATURE, TOP_K, load_run
-from flashtrain.models.gpt2 import GPT2
+from flashtrain.export import MAX_NEW_TOKENS, load_run
+from flashtrain.models.gpt2 import GPT2, SAMPLING
 
 
 class TextStream:
@@ -39,9 +39,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m flashtrain.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="a run directory (its newest checkpoint) or a checkpoint directory")
     parser.add_argument("--prompt", default="def ", help="the text to continue (default: %(default)r)")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=TEMPERATURE, help="0: greedy (default: %(default)s)")
-    parser.add_argument("--top-k", type=int, default=TOP_K, help="sample among the k likeliest (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    parser.add_argument("--temperature", type=float, default=SAMPLING["temperature"],
+                        help="0: greedy (default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=SAMPLING["top_k"],
+                        help="sample among the k likeliest (default: %(default)s)")
+    parser.add_argument("--repetition-penalty", type=float, default=SAMPLING["repetition_penalty"],
+                        help="> 1: tokens already in the text are less likely; 1: none (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--attn-impl", choices=("flash", "sdpa", "reference", "auto"),
@@ -62,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.write(args.prompt)
     start = time.perf_counter()
     model.generate(input_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   generator=generator, use_cache=not args.no_cache, on_token=stream)
+                   repetition_penalty=args.repetition_penalty, generator=generator, use_cache=not args.no_cache,
+                   on_token=stream)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

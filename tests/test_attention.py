@@ -429,6 +429,9 @@ BAD_BATCH_CALLS = [
     (dict(dropout_p=0.1, dropout_mask=[[True]]), TypeError, "dropout_mask must be a torch.Tensor or None, got list"),
     (dict(dropout_p=0.1, dropout_mask=torch.ones(2, 4, 130, 140, dtype=torch.bool, device="meta")), ValueError,
      "dropout_mask is on meta but q is on cpu"),
+    (dict(return_lse=1), TypeError, "return_lse"),
+    (dict(deterministic="yes"), TypeError, "deterministic"),
+    (dict(window_size=(-1, -1)), TypeError, "unexpected keyword argument 'window_size'"),  # a flash-attn option
 ]
 
 
@@ -455,6 +458,8 @@ BAD_VARLEN_CALLS = [
      "cu_seqlens_q is on meta but q is on cpu"),
     (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0, got -1"),
     (dict(max_seqlen_k=True), TypeError, "max_seqlen_k must be an int, got bool"),
+    (dict(impl="triton"), ValueError, "impl"),
+    (dict(softcap=30.0), TypeError, r"flash_attn_varlen_func\(\) got an unexpected keyword argument 'softcap'"),
 ]
 
 
@@ -497,6 +502,22 @@ def test_device_offset_assert_runs_once_per_tensor_version():
         interface._assert_offsets_on_device("cu_seqlens_k", cu_seqlens, 30, "max_seqlen_k", 20)
 
 
+def test_flash_attn_positional_arguments():
+    """flash-attn's positional order (q, k, v, [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,] dropout_p,
+    softmax_scale, causal); every other option is keyword-only."""
+    inputs = _batch_inputs()
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    positional = flash_attn_func(q, k, v, 0.0, 0.3, True)
+    assert torch.equal(positional, flash_attn_func(q, k, v, softmax_scale=0.3, causal=True))
+    assert not torch.equal(positional, flash_attn_func(q, k, v, 0.0, 0.3, False))
+    varlen = _varlen_inputs()
+    args = [varlen[name] for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
+    assert torch.equal(flash_attn_varlen_func(*args, 0.0, 0.3, True),
+                       flash_attn_varlen_func(*args, softmax_scale=0.3, causal=True))
+    with pytest.raises(TypeError, match="positional"):
+        flash_attn_func(q, k, v, 0.0, 0.3, True, None)  # block_mask is keyword-only
+
+
 def test_cuda_impl_on_cpu_tensors_raises():
     with pytest.raises(RuntimeError, match="impl='cuda' cannot run: the tensors are on cpu"):
         flash_attn_func(**_batch_inputs(), impl="cuda")
@@ -529,3 +550,25 @@ def test_reference_per_head_block_mask_on_cuda_matches_oracle():
     )
     oracle = out_lse_grads(lambda q, k, v: naive_attention(q, k, v, **options), q, k, v, dout)
     assert_all_close(results, oracle, 1e-10)
+
+
+def test_numbers_of_any_numeric_type_are_accepted():
+    """dropout_p, softmax_scale and max_seqlen_q/k given as numpy scalars or 0-d tensors act as the Python numbers
+    (issue 22: numbers of any numeric type are accepted where a number is meant)."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 20, 2, 16) for _ in range(3))
+    expected = flash_attn_func(q, k, v, 0.0, 0.25, causal=True)
+    for dropout_p, scale in ((np.float32(0.0), np.float64(0.25)), (torch.tensor(0.0), torch.tensor(0.25)),
+                             (0, np.float16(0.25))):
+        torch.testing.assert_close(flash_attn_func(q, k, v, dropout_p, scale, causal=True), expected, rtol=0, atol=0)
+    cu = torch.tensor([0, 12, 20], dtype=torch.int32)
+    packed = [x.reshape(40, 2, 16)[:20] for x in (q, k, v)]
+    expected = flash_attn_varlen_func(*packed, cu, cu, 12, 12)
+    for max_len in (np.int64(12), torch.tensor(12)):
+        torch.testing.assert_close(flash_attn_varlen_func(*packed, cu, cu, max_len, max_len), expected, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="dropout_p must be a float, got ndarray"):
+        flash_attn_func(q, k, v, np.array([0.0, 0.1]))
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int, got float"):
+        flash_attn_varlen_func(*packed, cu, cu, np.float64(12.0), 12)

@@ -202,8 +202,16 @@ def test_parameter_names_tying_count_and_init():
     assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.h.1.ln_1.weight",
             "transformer.h.1.attn.c_attn.weight", "transformer.h.1.attn.c_proj.weight",
             "transformer.h.1.mlp.c_fc.weight", "transformer.h.1.mlp.c_proj.weight", "transformer.ln_f.weight"} <= names
-    assert "lm_head.weight" in model.state_dict()
     assert model.lm_head.weight is model.transformer.wte.weight
+    # the state dict keeps the tied tensor once, as safetensors files do: a checkpoint loads strictly
+    assert "lm_head.weight" not in model.state_dict() and "transformer.wte.weight" in model.state_dict()
+    reloaded = GPT2(GPT2Config(**TINY))
+    reloaded.load_state_dict(model.state_dict(), strict=True)
+    assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
+    assert torch.equal(reloaded.lm_head.weight, model.transformer.wte.weight)
+    untied = {**model.state_dict(), "lm_head.weight": model.transformer.wte.weight + 1.0}
+    with pytest.raises(RuntimeError, match="lm_head.weight differs from transformer.wte.weight"):
+        reloaded.load_state_dict(untied)
     hf_model = GPT2LMHeadModel(HFGPT2Config(**TINY, bos_token_id=0, eos_token_id=0))
     assert model.num_parameters() == hf_model.num_parameters() == 110_400
     assert model.num_parameters(exclude_embeddings=True) == hf_model.num_parameters(exclude_embeddings=True)

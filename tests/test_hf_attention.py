@@ -53,6 +53,29 @@ def test_logits_and_gradients_equal_sdpa(api_calls):
         torch.testing.assert_close(param.grad, grads_theirs[name].grad, atol=2e-5, rtol=1e-4, msg=name)
 
 
+def test_autocast_runs_attention_in_its_dtype(monkeypatch):
+    """Under bf16 autocast with fp32 weights (mixed-precision training) the rotary embedding hands fp32 queries and
+    keys over; they reach flashtrain's API in bf16, as SDPA's reach it, with SDPA's bf16 error against fp32."""
+    import flashtrain.models.hf_attention as hf_attention
+
+    dtypes = []
+    original = hf_attention.flash_attn_func
+    monkeypatch.setattr(hf_attention, "flash_attn_func",
+                        lambda q, *args, **kwargs: dtypes.append(q.dtype) or original(q, *args, **kwargs))
+    ours, theirs = llama_pair()
+    input_ids = torch.randint(0, 101, (2, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = theirs(input_ids).logits  # fp32 throughout
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits_ours, logits_theirs = ours(input_ids).logits, theirs(input_ids).logits
+    assert dtypes == [torch.bfloat16] * 2 and logits_ours.dtype == torch.bfloat16
+
+    def error(x):
+        return (x.float() - reference).abs().max().item()
+
+    assert 0 < error(logits_ours) <= 2 * error(logits_theirs) + 1e-3
+
+
 @pytest.mark.parametrize("padding_side", ["left", "right"])
 def test_padded_batch_equals_sdpa_at_real_tokens(padding_side, api_calls):
     ours, theirs = llama_pair()
@@ -95,6 +118,30 @@ def test_cuda_kernel_matches_sdpa_in_bf16():
     ours, theirs = ours.cuda().bfloat16(), theirs.cuda().bfloat16()
     input_ids = torch.randint(0, 101, (2, 200), generator=torch.Generator().manual_seed(4)).cuda()
     out_ref, out_ours, out_theirs = (m(input_ids, labels=input_ids) for m in (reference, ours, theirs))
+    for out in (out_ref, out_ours, out_theirs):
+        out.loss.backward()
+
+    def error(x, y):
+        return (x.float() - y.float()).abs().max().item()
+
+    assert error(out_ours.logits, out_ref.logits) <= 2 * error(out_theirs.logits, out_ref.logits) + 1e-3
+    grads_ref, grads_theirs = dict(reference.named_parameters()), dict(theirs.named_parameters())
+    for name, param in ours.named_parameters():
+        assert error(param.grad, grads_ref[name].grad) <= 2 * error(grads_theirs[name].grad, grads_ref[name].grad) \
+            + 1e-3, name
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_under_autocast_matches_sdpa():
+    """fp32 weights under bf16 autocast (mixed-precision training): the kernel gets bf16 queries, keys and values (a
+    Llama's rotary embedding hands fp32 ones over) and its logits and gradients stay within 2x SDPA's autocast error."""
+    ours, theirs = llama_pair()
+    reference = copy.deepcopy(theirs).cuda()
+    ours, theirs = ours.cuda(), theirs.cuda()
+    input_ids = torch.randint(0, 101, (2, 200), generator=torch.Generator().manual_seed(5)).cuda()
+    out_ref = reference(input_ids, labels=input_ids)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out_ours, out_theirs = ours(input_ids, labels=input_ids), theirs(input_ids, labels=input_ids)
     for out in (out_ref, out_ours, out_theirs):
         out.loss.backward()
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flashtrain.export import export, load_run
+from flashtrain.models.gpt2 import SAMPLING
 from test_train import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,11 +57,18 @@ def test_gpt2_export_reloads_with_transformers(gpt2_run, tmp_path):
     n_new = 24
     greedy_ours = run.model.generate(input_ids, max_new_tokens=n_new, temperature=0.0)
     greedy_theirs = hf_model.generate(input_ids, max_new_tokens=n_new, do_sample=False, min_new_tokens=n_new,
-                                      attention_mask=torch.ones_like(input_ids))
-    assert greedy_ours.tolist() == greedy_theirs.tolist()
+                                      repetition_penalty=1.0, attention_mask=torch.ones_like(input_ids))
+    assert greedy_ours.tolist() == greedy_theirs.tolist()  # (repetition_penalty: generation_config.json's is 1.3)
+    # the repetition penalty is transformers' (the same tokens, greedy), and it changes the continuation
+    penalised_ours = run.model.generate(input_ids, max_new_tokens=n_new, temperature=0.0, repetition_penalty=1.3)
+    penalised_theirs = hf_model.generate(input_ids, max_new_tokens=n_new, do_sample=False, min_new_tokens=n_new,
+                                         repetition_penalty=1.3, attention_mask=torch.ones_like(input_ids))
+    assert penalised_ours.tolist() == penalised_theirs.tolist() != greedy_ours.tolist()
 
     generation = GenerationConfig.from_pretrained(out_dir)
     assert generation.eos_token_id == hf_tokenizer.eos_token_id == hf_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert (generation.do_sample, generation.temperature, generation.top_k, generation.repetition_penalty) == \
+        (True, SAMPLING["temperature"], SAMPLING["top_k"], SAMPLING["repetition_penalty"])
 
 
 def test_run_directory_holds_tokenizer_and_hf_config(gpt2_run):
@@ -82,15 +90,36 @@ def test_run_directory_holds_tokenizer_and_hf_config(gpt2_run):
     assert tokenizer.eos_token_id == hf_config.eos_token_id == bpe.token_to_id("<|endoftext|>")
 
 
+def test_older_run_directories_still_load(gpt2_run, tmp_path):
+    """A run from before RUN_DIR/hf/ existed (the tokenizer then comes from the data, as training had it) and before
+    logger.kind listed trackers (logger.kind: none) loads, strictly, with the same tokenizer and weights."""
+    import shutil
+
+    old = tmp_path / "old-run"
+    shutil.copytree(gpt2_run, old, ignore=shutil.ignore_patterns("hf"))
+    config = old / ".hydra" / "config.yaml"
+    assert "kind: []" in config.read_text()
+    config.write_text(config.read_text().replace("kind: []", "kind: none"))
+    run, old_run = load_run(gpt2_run), load_run(old)
+    assert old_run.cfg.logger.kind == [] and old_run.tokenizer.model_max_length == run.cfg.model.n_positions == 128
+    text = "class Point:\n    x: int = 0  # <|endoftext|>\n"
+    assert old_run.tokenizer(text)["input_ids"] == run.tokenizer(text)["input_ids"]
+    assert old_run.tokenizer.eos_token_id == run.tokenizer.eos_token_id
+    for name, tensor in run.model.state_dict().items():
+        assert torch.equal(old_run.model.state_dict()[name], tensor), name
+
+
 def test_generate_command_streams_the_greedy_continuation(gpt2_run):
-    """python -m flashtrain.generate on the run (KV cache) prints what uncached greedy decoding gives, and tokens/s."""
+    """python -m flashtrain.generate on the run (KV cache) prints what uncached greedy decoding gives (with the default
+    repetition penalty), and tokens/s."""
     proc = subprocess.run([sys.executable, "-m", "flashtrain.generate", str(gpt2_run), "--prompt", "import os\n",
                            "--max-new-tokens", "30", "--temperature", "0"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = load_run(gpt2_run)
     prompt = torch.tensor([run.tokenizer("import os\n")["input_ids"]])
-    expected = run.tokenizer.decode(run.model.generate(prompt, 30, temperature=0.0, use_cache=False)[0].tolist())
+    expected = run.tokenizer.decode(run.model.generate(prompt, 30, temperature=0.0, use_cache=False,
+                                                       repetition_penalty=SAMPLING["repetition_penalty"])[0].tolist())
     assert proc.stdout == expected + "\n"
     assert "30 tokens in" in proc.stderr and "tokens/s" in proc.stderr and "KV cache" in proc.stderr
 

@@ -1,20 +1,26 @@
 """Adding a model is one file and one config file: a model defined under tests/ trains through launch.py, with no
-edit to the trainer, the tasks or the weight loader."""
+edit to the trainer, the tasks or the weight loader, and its run exports as a transformers model through the Hugging
+Face adapter that file registers, with no edit to flashtrain.export."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from flashtrain.train.trainer import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "FLASHTRAIN_PLUGINS": "toy_model", "PYTHONPATH": str(ROOT / "tests"), "HF_HUB_OFFLINE": "1",
+       "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def test_toy_model_trains_through_launch(tmp_path):
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("toy")
     run_dir = tmp_path / "run"
-    env = {**os.environ, "FLASHTRAIN_PLUGINS": "toy_model", "PYTHONPATH": str(ROOT / "tests"),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     overrides = ["hydra.searchpath=[file://tests/conf]", "model=toy", "logger=none", "name=toy",
                  "data.max_bytes=300000", "data.val_fraction=0.1", "data.vocab_size=512", "data.num_proc=1",
                  f"data.cache_dir={tmp_path / 'cache'}", "data.sample_tokens=0", "trainer.micro_batch_size=8",
@@ -22,11 +28,49 @@ def test_toy_model_trains_through_launch(tmp_path):
                  "data.val_samples=32", "trainer.save_interval=30", "optim.lr=3e-3", "optim.warmup_steps=5",
                  f"hydra.run.dir={run_dir}"]
     proc = subprocess.run([sys.executable, "launch.py", *overrides], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=env)
+                          timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "model: ToyConfig" in proc.stdout and "attention: flash -> reference" in proc.stdout
+    return run_dir, proc.stdout
+
+
+def test_toy_model_trains_through_launch(toy_run):
+    run_dir, stdout = toy_run
+    assert "model: ToyConfig" in stdout and "attention: flash -> reference" in stdout
     records = read_metrics(run_dir / "metrics.jsonl")
     ppl = [r["val_ppl"] for r in records if "val_ppl" in r]
     assert [r["step"] for r in records if "val_ppl" in r] == [0, 15, 30]
     assert ppl[0] > 400 and ppl[-1] < 0.5 * ppl[0], ppl  # from about the vocabulary size (512) to well below
     assert (run_dir / "checkpoints" / "step_00000030" / "model.safetensors").is_file()
+
+
+def test_toy_run_exports_through_its_own_adapter(toy_run, tmp_path):
+    """The adapter registered in tests/toy_model.py makes the run a transformers GPT-2 of one layer: RUN_DIR/hf/ at
+    the start of the run, `python -m flashtrain.export` after it; the same logits and greedy continuation."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    import toy_model  # noqa: F401  (registers the schema and the adapter in this process, as FLASHTRAIN_PLUGINS does)
+    from flashtrain.export import load_run
+
+    run_dir, _ = toy_run
+    hf_config = AutoConfig.from_pretrained(run_dir / "hf")
+    assert (hf_config.model_type, hf_config.n_layer, hf_config.n_embd, hf_config.activation_function) == \
+        ("gpt2", 1, 64, "gelu")
+    out_dir = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "flashtrain.export", str(run_dir), str(out_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run = load_run(run_dir, attn_impl="reference")  # a strict load of the checkpoint (the tied head saved once)
+    assert type(run.model).__name__ == "ToyLM" and run.model.head.weight is run.model.tok_emb.weight
+    hf_model = AutoModelForCausalLM.from_pretrained(out_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    input_ids = torch.tensor([tokenizer("def parse(text):\n    return")["input_ids"]])
+    with torch.no_grad():
+        ours, theirs = run.model(input_ids)[0], hf_model(input_ids).logits
+        assert (ours - theirs).abs().max().item() < 1e-4 * max(1.0, ours.abs().max().item())
+        greedy = input_ids
+        for _ in range(12):  # the toy has no generate(): argmax over the whole context
+            greedy = torch.cat([greedy, run.model(greedy)[0][:, -1:].argmax(-1)], dim=1)
+    theirs = hf_model.generate(input_ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                               repetition_penalty=1.0, attention_mask=torch.ones_like(input_ids))  # (1.3 exported)
+    assert theirs.tolist() == greedy.tolist()

@@ -1,5 +1,6 @@
 """Training through launch.py's code path: Hydra composition + typed schemas + the Accelerate trainer."""
 
+import logging
 import math
 import os
 import subprocess
@@ -45,7 +46,7 @@ def test_default_recipe_composes_to_typed_config():
     assert type(cfg.model).__name__ == "GPT2Config"
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_positions) == (4, 256, 1024)
     assert cfg.data.seq_len == 1024 and cfg.model.vocab_size == cfg.data.vocab_size
-    assert cfg.logger.kind == "wandb" and cfg.logger.mode == "offline"
+    assert cfg.logger.kind == ["wandb"] and cfg.logger.mode == "offline"
 
 
 @pytest.mark.parametrize("override, key", [
@@ -63,6 +64,8 @@ def test_misspelled_key_is_rejected(override, key):
     ("optim.lr=-1", "optim.lr"),
     ("model.attn_impl=flsh", "attn_impl"),
     ("trainer.compile_mode=fast", "trainer.compile_mode"),
+    ("logger.kind=[wandb,mlflow]", "logger.kind lists trackers among .* got 'mlflow'"),
+    ("logger.kind=[tensorboard,tensorboard]", "logger.kind names a tracker twice"),
 ])
 def test_bad_value_names_the_field(override, field):
     with pytest.raises(ValueError, match=field):
@@ -94,8 +97,22 @@ def test_launch_rejects_typo_fast():
     assert "model:" not in proc.stdout  # it stopped before building anything
 
 
-def test_training_loss_falls(cache_dir, tmp_path):
+def test_launch_help_lists_choices_not_schemas():
+    proc = subprocess.run([sys.executable, "launch.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    lines = {line.split(": ")[0]: line.split(": ")[1].split(", ") for line in groups.splitlines() if ": " in line}
+    assert sorted(lines) == ["data", "logger", "model", "optim", "recipe", "recipe/base", "trainer"]
+    assert lines["optim"] == ["adamw", "lamb"] and lines["logger"] == ["none", "tensorboard", "wandb"]
+    assert "gpt2-tiny" in lines["model"] and "gpt2-tiny-stdlib" in lines["recipe"]
+    assert "_schema" not in proc.stdout
+    assert "name: ${hydra:runtime.choices.recipe}" in proc.stdout  # the composed config follows, as in Hydra's
+
+
+def test_training_loss_falls(cache_dir, tmp_path, caplog):
     cfg = compose_config(tiny_overrides(cache_dir))
+    caplog.set_level(logging.INFO)
     result = train(cfg, tmp_path / "run")
     val = [r["val_loss"] for r in result.history if "val_loss" in r]
     train_losses = [r["train_loss"] for r in result.history if "train_loss" in r]
@@ -107,6 +124,14 @@ def test_training_loss_falls(cache_dir, tmp_path):
     assert read_metrics(tmp_path / "run" / "metrics.jsonl") == result.history
     assert (tmp_path / "run" / "curves.png").stat().st_size > 10_000
     assert len(result.sample) > len("def ")
+    # the logged lr is the rate of the step's own update: step t ran with lr_factor(t - 1)
+    logged_lr = {r["step"]: r["lr"] for r in result.history if "lr" in r}
+    assert list(logged_lr) == [5, 10, 15, 20, 25, 30, 35, 40]
+    for step, lr in logged_lr.items():
+        assert lr == pytest.approx(3e-3 * lr_factor(step - 1, 5, 40, 0.1, "cosine"), rel=1e-12), step
+    # checkpoints (steps 20 and 40) are saved without Accelerate's INFO lines or a shared-tensor warning
+    accelerate_records = [r for r in caplog.records if r.name.startswith("accelerate")]
+    assert accelerate_records == [], [r.getMessage() for r in accelerate_records]
 
 
 def test_resume_is_exact(cache_dir, tmp_path):
@@ -179,20 +204,46 @@ def test_param_groups_and_schedule():
     assert all(a >= b for a, b in zip(factors[9:], factors[10:]))
 
 
-def test_launch_end_to_end_with_wandb_offline(cache_dir, tmp_path):
+def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} of the scalar summaries in the TensorBoard event files under `directory` (TFRecords:
+    length, its crc, an Event protobuf, its crc)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars = {}
+    for path in sorted(directory.rglob("events.out.tfevents.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            length = int.from_bytes(data[offset:offset + 8], "little")
+            event = Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                if value.WhichOneof("value") == "simple_value":
+                    scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def test_launch_end_to_end_with_wandb_offline_and_tensorboard(cache_dir, tmp_path):
+    """logger.kind takes several Accelerate trackers: the same metrics go to metrics.jsonl, an offline wandb run and
+    TensorBoard event files."""
+    pytest.importorskip("tensorboardX")
     run_dir = tmp_path / "run"
     overrides = [o for o in tiny_overrides(cache_dir) if o not in ("name=test", "logger=none")]
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "launch.py", *overrides, "trainer.max_steps=20",
-                           f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=env)
+                           "logger.kind=[wandb,tensorboard]", f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"checkpoint: {run_dir / 'checkpoints' / 'step_00000020'}" in proc.stdout
     assert "---- sample ----" in proc.stdout
+    assert f"wandb: {run_dir / 'wandb'} (offline" in proc.stdout and f"tensorboard: {run_dir / 'tensorboard'}" in \
+        proc.stdout
     records = read_metrics(run_dir / "metrics.jsonl")
     ppl = [r["val_ppl"] for r in records if "val_ppl" in r]
     assert ppl[-1] < 0.5 * ppl[0], ppl
     assert list((run_dir / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
+    scalars = tensorboard_scalars(run_dir / "tensorboard" / "flashtrain")
+    for key in ("val_loss", "train_loss", "lr"):
+        assert scalars[key] == pytest.approx({r["step"]: r[key] for r in records if key in r}, rel=1e-6), key
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     assert torch.load(run_dir / "checkpoints" / "step_00000020" / "optimizer.bin", weights_only=False)["state"]
 

@@ -1,8 +1,10 @@
 """A model that exists only for the tests: a one-block causal Transformer LM, registered from outside the package.
 
 It shows what a new model needs: this file (the model, its config with build / attention_backend / check_data, the
-schema registered with Hydra) and one YAML file (tests/conf/model/toy.yaml). `test_toy_model.py` trains it through
-launch.py: FLASHTRAIN_PLUGINS=toy_model (on PYTHONPATH) hydra.searchpath=[file://tests/conf] model=toy.
+schema registered with Hydra, and, for a model with a transformers counterpart, its Hugging Face adapter) and one YAML
+file (tests/conf/model/toy.yaml). `test_toy_model.py` trains it through launch.py (FLASHTRAIN_PLUGINS=toy_model, on
+PYTHONPATH; hydra.searchpath=[file://tests/conf] model=toy) and exports the run with python -m flashtrain.export as a
+transformers GPT-2 of one layer with exact GELU.
 """
 
 from dataclasses import dataclass
@@ -14,6 +16,8 @@ from hydra.core.config_store import ConfigStore
 from torch import Tensor
 
 from flashtrain.models.attention import attention, check_attn_impl, check_backend
+from flashtrain.models.hf_convert import HFAdapter, register_hf_adapter
+from flashtrain.models.tying import tie_weights
 
 
 @dataclass
@@ -55,7 +59,7 @@ class ToyLM(nn.Module):
         self.qkv, self.out = nn.Linear(C, 3 * C), nn.Linear(C, C)
         self.mlp = nn.Sequential(nn.Linear(C, 4 * C), nn.GELU(), nn.Linear(4 * C, C))
         self.head = nn.Linear(C, config.vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight
+        tie_weights(self, "head.weight", "tok_emb.weight")  # one tensor, saved as tok_emb
         nn.init.normal_(self.tok_emb.weight, std=0.02)
 
     def forward(self, input_ids: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -71,3 +75,50 @@ class ToyLM(nn.Module):
 
 
 ConfigStore.instance().store(group="model", name="toy_schema", node=ToyConfig)
+
+
+# ---- Hugging Face: a transformers GPT-2 of one layer, exact GELU ---------------------------------------------------
+
+# our module -> HF GPT-2's; HF's projections are Conv1D, weight (in, out), ours nn.Linear, weight (out, in)
+_HF_NAMES = {"tok_emb": "transformer.wte", "pos_emb": "transformer.wpe", "attn_norm": "transformer.h.0.ln_1",
+             "qkv": "transformer.h.0.attn.c_attn", "out": "transformer.h.0.attn.c_proj",
+             "mlp_norm": "transformer.h.0.ln_2", "mlp.0": "transformer.h.0.mlp.c_fc",
+             "mlp.2": "transformer.h.0.mlp.c_proj", "final_norm": "transformer.ln_f", "head": "lm_head"}
+_CONV1D = {"qkv", "out", "mlp.0", "mlp.2"}
+
+
+def _rename(state_dict: dict, names: dict, conv1d: set) -> dict:
+    """Keys renamed by module; a key of another module keeps its name (a strict load then rejects it)."""
+    converted = {}
+    for key, value in state_dict.items():
+        module, _, kind = key.rpartition(".")
+        name = f"{names[module]}.{kind}" if module in names else key
+        converted[name] = value.t() if module in conv1d and kind == "weight" else value
+    return converted
+
+
+def toy_to_hf(state_dict: dict, config: ToyConfig) -> dict:
+    # our state dict keeps the tied head once, as tok_emb; HF's lm_head.weight is the same tensor
+    return {**_rename(state_dict, _HF_NAMES, _CONV1D), "lm_head.weight": state_dict["tok_emb.weight"]}
+
+
+def toy_from_hf(state_dict: dict, config: ToyConfig) -> dict:
+    return _rename(state_dict, {hf: ours for ours, hf in _HF_NAMES.items()}, {_HF_NAMES[name] for name in _CONV1D})
+
+
+def toy_config_to_hf(config: ToyConfig, tokenizer):
+    import transformers
+
+    return transformers.GPT2Config(vocab_size=config.vocab_size, n_positions=config.n_positions, n_embd=config.d_model,
+                                   n_layer=1, n_head=config.n_head, activation_function="gelu", resid_pdrop=0.0,
+                                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
+                                   eos_token_id=tokenizer.eos_token_id)
+
+
+def toy_config_from_hf(hf_config, attn_impl: str = "flash") -> ToyConfig:
+    return ToyConfig(vocab_size=hf_config.vocab_size, n_positions=hf_config.n_positions, d_model=hf_config.n_embd,
+                     n_head=hf_config.n_head, attn_impl=attn_impl)
+
+
+register_hf_adapter(ToyLM, HFAdapter("AutoModelForCausalLM", toy_config_from_hf, toy_config_to_hf, toy_from_hf,
+                                     toy_to_hf, max_length=lambda config: config.n_positions))

@@ -507,7 +507,7 @@ class DocumentClassificationTask(Task):
     eval_splits = ("val", "test")
 
     def __init__(self, cfg: DocumentDataConfig):
-        self.tokenizer = load_hf_tokenizer(cfg.tokenizer)
+        self.tokenizer, self.tokenizer_name = load_hf_tokenizer(cfg.tokenizer), cfg.tokenizer
         self.splits = prepare_documents(cfg, self.tokenizer)
         self.max_length, self.seed, self.num_workers = cfg.max_length, cfg.seed, cfg.num_workers
         self.val_samples = cfg.val_samples
@@ -569,3 +569,6 @@ class DocumentClassificationTask(Task):
 
     def tokens(self, batch) -> int:
         return int(batch["attention_mask"].sum())
+
+    def hf_tokenizer(self):
+        return load_hf_tokenizer(self.tokenizer_name)

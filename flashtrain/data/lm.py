@@ -39,8 +39,9 @@ from flashtrain.data.cache import DEFAULT_CACHE_DIR, resolve_cache_dir, write_to
 from flashtrain.data.corpus import Corpus, fingerprint, open_corpus, warn_skipped
 from flashtrain.data.samplers import ResumableBatchSampler, ordered_batches
 from flashtrain.data.task import DataSpec, Task, check_val_samples
-from flashtrain.data.tokenizer import (eos_id, encode_ordinary, load_tokenizer, save_tokenizer, tokenizer_fingerprint,
-                                       train_bpe)
+from flashtrain.data.tokenizer import (bpe_as_hf_tokenizer, eos_id, encode_ordinary, load_tokenizer, save_tokenizer,
+                                       tokenizer_fingerprint, train_bpe)
+from flashtrain.models.gpt2 import SAMPLING
 
 logger = logging.getLogger(__name__)
 
@@ -329,15 +330,18 @@ class LMTask(Task):
     def tokens(self, batch) -> int:
         return batch[0].numel()
 
+    def hf_tokenizer(self):
+        return bpe_as_hf_tokenizer(self.data.tokenizer)
+
     @torch.no_grad()
     def sample(self, model, device, seed) -> str:
-        """data.sample_tokens tokens generated after data.sample_prompt ("" when sample_tokens is 0)."""
+        """data.sample_tokens tokens generated after data.sample_prompt ("" when sample_tokens is 0), sampled as
+        `python -m flashtrain.generate` samples (flashtrain.models.gpt2.SAMPLING)."""
         if self.cfg.sample_tokens == 0:
             return ""
         model.eval()  # no dropout while sampling
         ids = self.data.tokenizer.encode(self.cfg.sample_prompt).ids or [self.data.eos_id]
         idx = torch.tensor([ids], dtype=torch.long, device=device)
         generator = torch.Generator(device=device).manual_seed(seed)
-        out = model.generate(idx, max_new_tokens=self.cfg.sample_tokens, temperature=0.8, top_k=50,
-                             generator=generator)
+        out = model.generate(idx, max_new_tokens=self.cfg.sample_tokens, generator=generator, **SAMPLING)
         return self.data.tokenizer.decode(out[0].tolist())

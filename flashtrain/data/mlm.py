@@ -84,11 +84,11 @@ class MaskedLMDataConfig:
             raise ValueError(f"data.mask_prob must be in (0, 1), got {self.mask_prob}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        check_val_samples(self.val_samples)
         if self.num_proc < 1:
             raise ValueError(f"data.num_proc must be >= 1, got {self.num_proc}")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
-        check_val_samples(self.val_samples)
 
 
 @dataclass
@@ -271,7 +271,7 @@ class MaskedLMTask(Task):
 
     def __init__(self, cfg: MaskedLMDataConfig):
         self.data, self.val_samples = prepare_mlm_data(cfg), cfg.val_samples
-        self.num_workers = cfg.num_workers
+        self.num_workers, self.tokenizer_name = cfg.num_workers, cfg.tokenizer
         self.spec = DataSpec("masked_lm", self.data.vocab_size, self.data.seq_len, "data.seq_len", self.data.pad_id)
 
     def train_loader(self, batch_size, rank, world_size, start_batch, accum_steps=1):
@@ -301,3 +301,6 @@ class MaskedLMTask(Task):
 
     def tokens(self, batch) -> int:
         return int(batch["attention_mask"].sum())
+
+    def hf_tokenizer(self):
+        return load_hf_tokenizer(self.tokenizer_name)

@@ -16,12 +16,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from flashtrain.train.config import load_plugins, register_configs, typed_config
+from flashtrain.train.config import register_configs, typed_config
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
-register_configs()
-load_plugins()
+register_configs()  # and the FLASHTRAIN_PLUGINS modules' schemas
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

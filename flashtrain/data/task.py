@@ -115,6 +115,11 @@ class Task:
         """Something to show a person at the end of a run ("" if the task has nothing to show)."""
         return ""
 
+    def hf_tokenizer(self):
+        """The data's tokenizer as a new transformers fast tokenizer (saved beside the model: RUN_DIR/hf/, export), or
+        None when the data is not text read through one (LRA's bytes, pixels and symbols)."""
+        return None
+
 
 class ClassificationTask(Task):
     """One label per token row (Long Range Arena: ListOps, Pathfinder, Text, Retrieval, Image): batches

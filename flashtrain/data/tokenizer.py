@@ -133,6 +133,15 @@ def decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
+def bpe_as_hf_tokenizer(tokenizer: Tokenizer):
+    """A byte-level BPE as a transformers fast tokenizer; "<|endoftext|>" is its EOS, BOS and unknown token, as in
+    GPT-2's."""
+    from transformers import PreTrainedTokenizerFast  # imported here: training does not need transformers
+
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
+                                   unk_token=EOS_TOKEN)
+
+
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     """sha256 hex of the tokenizer's full serialisation (vocab, merges, pre-tokenizer, special tokens)."""
     return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()

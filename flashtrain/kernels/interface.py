@@ -6,8 +6,12 @@ it can run, else the reference with a one-time warning naming the reason. The re
 layout only; the batch form is adapted to it here.
 """
 
+from __future__ import annotations
+
 import math
+import numbers
 import warnings
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import Tensor
@@ -15,10 +19,30 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from flashtrain.kernels.reference import BLOCK_SPARSE_SIZE, flash_attn_reference
 
+if TYPE_CHECKING:  # PEP 692's typed **kwargs; only type checkers read the annotation
+    from typing_extensions import Unpack
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
 IMPLS = ("auto", "cuda", "reference")
 _warned_fallback_reasons: set[str] = set()
+
+
+class AttentionOptions(TypedDict, total=False):
+    """The keyword-only options of flash_attn_func and flash_attn_varlen_func (their `**options`), documented in
+    flash_attn_func; each may be left out (OPTION_DEFAULTS). Beyond them both functions take flash-attn's positional
+    dropout_p, softmax_scale and causal."""
+
+    block_mask: Tensor | None
+    return_lse: bool
+    dropout_mask: Tensor | None
+    generator: torch.Generator | None
+    deterministic: bool
+    impl: str
+
+
+OPTION_DEFAULTS: AttentionOptions = {"block_mask": None, "return_lse": False, "dropout_mask": None, "generator": None,
+                                     "deterministic": False, "impl": "auto"}
 
 
 def flash_attn_func(
@@ -28,13 +52,7 @@ def flash_attn_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    block_mask: Tensor | None = None,
-    return_lse: bool = False,
-    *,
-    dropout_mask: Tensor | None = None,
-    generator: torch.Generator | None = None,
-    deterministic: bool = False,
-    impl: str = "auto",
+    **options: Unpack[AttentionOptions],
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention softmax(q k^T * softmax_scale) v, computed tile by tile (FlashAttention).
 
@@ -50,6 +68,8 @@ def flash_attn_func(
             FlashAttention >= 2.1: query i sees key j iff j <= i + seqlen_k - seqlen_q. With seqlen_q == seqlen_k
             this is the usual lower triangle; with seqlen_q > seqlen_k the first seqlen_q - seqlen_k queries see
             no key, and their output is 0 (lse -inf, zero gradients).
+
+    Keyword-only options (**options, AttentionOptions; flash_attn_varlen_func takes the same):
         block_mask: optional bool ([nheads,] ceil(seqlen_q / 128), ceil(seqlen_k / 128)); block (i, j) covers
             queries [128 i, 128 i + 128) and keys [128 j, 128 j + 128); False skips the block (its scores are
             never computed). Combined with causal by AND. A query that sees no key outputs 0. The CUDA kernels
@@ -69,21 +89,23 @@ def flash_attn_func(
     Returns:
         out (batch, seqlen_q, nheads, head_dim) in q's dtype, or (out, lse) with return_lse=True.
     """
+    options = _check_options("flash_attn_func", options)
+    block_mask, dropout_mask, generator = options["block_mask"], options["dropout_mask"], options["generator"]
     _check_qkv(q, k, v, rank=4, layout="(batch, seqlen, nheads, head_dim)")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: batch size {k.shape[0]} differs from q's {q.shape[0]}")
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    softmax_scale = _check_options(dropout_p, softmax_scale, causal, return_lse, generator, impl, head_dim)
+    dropout_p, softmax_scale = _check_scalars(dropout_p, softmax_scale, causal, head_dim)
     _check_block_mask(block_mask, q, nheads, seqlen_q, seqlen_k)
     _check_dropout_mask(dropout_mask, q, dropout_p, (batch, nheads, seqlen_q, seqlen_k))
 
-    ops = _cuda_ops_to_use(impl, q, block_mask, dropout_mask)
+    ops = _cuda_ops_to_use(options["impl"], q, block_mask, dropout_mask)
     if ops is not None:
         out, lse = ops.flash_attn_cuda(
             q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, generator=generator,
-            block_mask=block_mask, deterministic=deterministic,
+            block_mask=block_mask, deterministic=options["deterministic"],
         )
     else:  # batch form -> packed form with one sequence per batch entry
         cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
@@ -99,7 +121,7 @@ def flash_attn_func(
         )
         out = out.view(batch, seqlen_q, nheads, head_dim)
         lse = lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()  # (batch, nheads, seqlen_q)
-    return (out, lse) if return_lse else out
+    return (out, lse) if options["return_lse"] else out
 
 
 def flash_attn_varlen_func(
@@ -113,13 +135,7 @@ def flash_attn_varlen_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    block_mask: Tensor | None = None,
-    return_lse: bool = False,
-    *,
-    dropout_mask: Tensor | None = None,
-    generator: torch.Generator | None = None,
-    deterministic: bool = False,
-    impl: str = "auto",
+    **options: Unpack[AttentionOptions],
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences (how padding is handled without wasted work).
 
@@ -133,26 +149,29 @@ def flash_attn_varlen_func(
     ([nheads,] ceil(max_seqlen_q / 128), ceil(max_seqlen_k / 128)), blocks counted from the start of each sequence.
     dropout_mask: (nheads, total_q, max_seqlen_k), column j of a row is key j of that row's sequence.
     """
+    options = _check_options("flash_attn_varlen_func", options)
+    block_mask, dropout_mask, generator = options["block_mask"], options["dropout_mask"], options["generator"]
     _check_qkv(q, k, v, rank=3, layout="(total, nheads, head_dim)")
     nheads, head_dim = q.shape[1], q.shape[2]
+    max_seqlen_q, max_seqlen_k = _number(max_seqlen_q, integral=True), _number(max_seqlen_k, integral=True)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
-    softmax_scale = _check_options(dropout_p, softmax_scale, causal, return_lse, generator, impl, head_dim)
+    dropout_p, softmax_scale = _check_scalars(dropout_p, softmax_scale, causal, head_dim)
     _check_block_mask(block_mask, q, nheads, max_seqlen_q, max_seqlen_k)
     _check_dropout_mask(dropout_mask, q, dropout_p, (nheads, q.shape[0], max_seqlen_k))
 
-    ops = _cuda_ops_to_use(impl, q, block_mask, dropout_mask)
+    ops = _cuda_ops_to_use(options["impl"], q, block_mask, dropout_mask)
     if ops is not None:
         out, lse = ops.flash_attn_cuda(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-            generator=generator, block_mask=block_mask, deterministic=deterministic,
+            generator=generator, block_mask=block_mask, deterministic=options["deterministic"],
         )
     else:
         out, lse = flash_attn_reference(
             q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale, causal=causal, block_mask=block_mask,
             dropout_p=dropout_p, dropout_mask=dropout_mask, generator=generator,
         )
-    return (out, lse) if return_lse else out
+    return (out, lse) if options["return_lse"] else out
 
 
 # ---- dispatch ----------------------------------------------------------------------------------------------------
@@ -217,8 +236,38 @@ def _check_qkv(q, k, v, *, rank: int, layout: str) -> None:
         )
 
 
-def _check_options(dropout_p, softmax_scale, causal, return_lse, generator, impl, head_dim: int) -> float:
-    """Validates the scalar options; returns the softmax scale to use."""
+def _check_options(function: str, options: dict) -> AttentionOptions:
+    """`options` (the **options of `function`) checked, with OPTION_DEFAULTS for those left out."""
+    for name in options:
+        if name not in OPTION_DEFAULTS:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}; its options are dropout_p, "
+                            f"softmax_scale, causal, {', '.join(OPTION_DEFAULTS)}")
+    options = {**OPTION_DEFAULTS, **options}
+    for name in ("return_lse", "deterministic"):
+        if not isinstance(options[name], bool):
+            raise TypeError(f"{name} must be a bool, got {type(options[name]).__name__}")
+    generator = options["generator"]
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if options["impl"] not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {options['impl']!r}")
+    return options
+
+
+def _number(value, integral: bool = False):
+    """A number given as any numeric type -- Python, numpy scalar, 0-d tensor (read with .item()) -- as a Python int
+    or float; anything else (bools included) unchanged, for the callers' type checks to name."""
+    if isinstance(value, Tensor) and value.dim() == 0 and value.dtype != torch.bool:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integral else numbers.Real):
+        return value
+    return int(value) if integral else float(value)
+
+
+def _check_scalars(dropout_p, softmax_scale, causal, head_dim: int) -> tuple[float, float]:
+    """Validates flash-attn's positional options; returns (dropout_p, the softmax scale to use) as Python floats."""
+    dropout_p = _number(dropout_p)
+    softmax_scale = _number(softmax_scale)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
@@ -229,14 +278,9 @@ def _check_options(dropout_p, softmax_scale, causal, return_lse, generator, impl
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     elif not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    for name, flag in (("causal", causal), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return float(softmax_scale)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    return float(dropout_p), float(softmax_scale)
 
 
 def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q: Tensor, k: Tensor) -> None:

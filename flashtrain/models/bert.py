@@ -28,6 +28,7 @@ from torch import Tensor
 
 from flashtrain.models.attention import BidirectionalSelfAttention, check_attn_impl, check_backend, runs_packed
 from flashtrain.models.padding import Unpadding, check_values, pad_packed
+from flashtrain.models.tying import tie_weights
 
 FLAVORS = ("bert", "roberta")
 PROBLEM_TYPES = ("single_label", "multi_label")
@@ -249,9 +250,10 @@ class BertModel(nn.Module):
 
 
 class MaskedLMHead(nn.Module):
-    """dense + GELU + LayerNorm, then the decoder, whose weight is the word embeddings, plus a bias."""
+    """dense + GELU + LayerNorm, then the decoder (its weight: the word embeddings, tied by BertForMaskedLM), plus a
+    bias."""
 
-    def __init__(self, config: BertConfig, word_embeddings: nn.Embedding):
+    def __init__(self, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -259,7 +261,6 @@ class MaskedLMHead(nn.Module):
         with torch.no_grad():
             _init_weights(self.dense)
             nn.init.zeros_(self.decoder.bias)
-        self.decoder.weight = word_embeddings.weight  # tied: one tensor, two names in the state dict
 
     def forward(self, x: Tensor) -> Tensor:
         return self.decoder(self.norm(F.gelu(self.dense(x))))  # (..., C) -> (..., vocab_size)
@@ -273,7 +274,9 @@ class BertForMaskedLM(nn.Module):
         super().__init__()
         self.config = config
         self.encoder = BertModel(config, add_pooler=False)
-        self.lm_head = MaskedLMHead(config, self.encoder.embeddings.word_embeddings)
+        self.lm_head = MaskedLMHead(config)
+        # one tensor, saved as the word embeddings
+        tie_weights(self, "lm_head.decoder.weight", "encoder.embeddings.word_embeddings.weight")
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # each tensor once: the tied decoder is not counted twice

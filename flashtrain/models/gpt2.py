@@ -15,6 +15,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashtrain.models.attention import attention, check_attn_impl, check_backend, compute_dtype
+from flashtrain.models.tying import tie_weights
+
+# how the end-of-run sample, `python -m flashtrain.generate` and an export's generation_config.json sample by default:
+# a repetition penalty keeps a young model from repeating its likeliest token ("0x 0x 0x ...")
+SAMPLING = {"temperature": 0.8, "top_k": 50, "repetition_penalty": 1.3}
 
 
 @dataclass
@@ -144,7 +149,7 @@ class GPT2(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, two names in the state dict
+        tie_weights(self, "lm_head.weight", "transformer.wte.weight")  # one tensor, saved as wte
         self.apply(self._init_weights)
         # GPT-2 paper: residual projections scaled by 1/sqrt(N), N = 2 residual branches per block.
         for name, param in self.named_parameters():
@@ -196,11 +201,15 @@ class GPT2(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None, use_cache: bool = True,
+                 repetition_penalty: float = 1.0, generator: torch.Generator | None = None, use_cache: bool = True,
                  on_token: Callable[[Tensor], None] | None = None) -> Tensor:
         """Append max_new_tokens sampled tokens to input_ids (B, T) -> (B, T + max_new_tokens).
 
-        temperature == 0 picks the argmax. The context is cropped to the last n_positions tokens. use_cache: the
+        Each step's logits, as transformers' generate processes them: repetition_penalty > 1 makes every token already
+        in the sequence less likely (its logit divided by the penalty where positive, multiplied where negative: CTRL's
+        penalty, transformers' repetition_penalty), then temperature == 0 picks the argmax, else the logits are divided
+        by the temperature and sampled among the top_k likeliest (None: all); SAMPLING holds the defaults of the
+        end-of-run sample. The context is cropped to the last n_positions tokens. use_cache: the
         prompt is read once and each new token attends to the cached keys and values (query length 1); once the
         context outgrows n_positions each step re-reads the cropped context, as without the cache. on_token(next_token
         (B, 1)) is called after each step (streaming). Call .eval() first unless dropout is wanted while sampling.
@@ -211,6 +220,8 @@ class GPT2(nn.Module):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be None or >= 1, got {top_k}")
+        if repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1: none), got {repetition_penalty}")
         n_positions = self.config.n_positions
         cache = None
         for _ in range(max_new_tokens):
@@ -221,7 +232,11 @@ class GPT2(nn.Module):
                 logits = self(input_ids[:, -n_positions:], cache=cache)[0]
             else:
                 logits = self(input_ids[:, -1:], cache=cache)[0]  # the newest token against the cache
-            logits = logits[:, -1, :]  # (B, vocab_size)
+            logits = logits[:, -1, :].float()  # (B, vocab_size)
+            if repetition_penalty != 1.0:
+                seen = logits.gather(1, input_ids)  # (B, T): the logits of the tokens so far
+                logits = logits.scatter(1, input_ids, torch.where(seen < 0, seen * repetition_penalty,
+                                                                  seen / repetition_penalty))
             if temperature == 0:
                 next_token = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
             else:
@@ -229,7 +244,7 @@ class GPT2(nn.Module):
                 if top_k is not None:
                     kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
                     logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-                probs = F.softmax(logits.float(), dim=-1)
+                probs = F.softmax(logits, dim=-1)
                 next_token = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
             input_ids = torch.cat([input_ids, next_token], dim=1)
             if on_token is not None:

@@ -11,8 +11,10 @@ builder in its `AttentionMaskInterface`. The mask builder registered here is tra
 mask at all when no token is padding, else the 2D (B, kv_len) padding mask. The attention function then runs
 `flash_attn_func` (no padding) or unpads the batch and runs `flash_attn_varlen_func` (padding, left or right), causal
 aligned to the bottom-right corner, so a decoding step (query length 1 against the KV cache) is exact. GQA / MQA key
-and value heads are passed as they are. On CUDA tensors the kernel runs (it raises with the reason where it cannot:
-fp32, an unsupported head dim); on CPU tensors the plain-PyTorch reference.
+and value heads are passed as they are. Under autocast, query, key and value are cast to its dtype first, as SDPA's
+are (a Llama's rotary embedding hands fp32 queries and keys to attention under bf16 autocast). On CUDA tensors the
+kernel runs (it raises with the reason where it cannot: fp32 without autocast, an unsupported head dim); on CPU
+tensors the plain-PyTorch reference.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from torch import Tensor
 
 from flashtrain.kernels import flash_attn_func, flash_attn_varlen_func
-from flashtrain.models.attention import KERNEL, backend
+from flashtrain.models.attention import KERNEL, backend, compute_dtype
 from flashtrain.models.padding import Unpadding, pad_packed
 
 NAME = "ft_attention"  # what attn_implementation= names
@@ -39,9 +41,11 @@ def flashtrain_attention_forward(module: torch.nn.Module, query: Tensor, key: Te
         if kwargs.get(option) is not None:
             raise ValueError(f"attn_implementation='ft_attention' does not support {option} (this model sets it)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    chosen, _ = backend("flash", query.device, query.dtype, query.shape[-1])  # raises where the kernel cannot run
+    # under autocast, in its dtype, as SDPA: rotary embeddings hand over fp32 queries and keys from bf16 projections
+    dtype = compute_dtype(query)
+    chosen, _ = backend("flash", query.device, dtype, query.shape[-1])  # raises where the kernel cannot run
     impl = "cuda" if chosen == KERNEL else "reference"
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, T, heads, D)
+    q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))  # (B, T, heads, D)
     if attention_mask is None:
         out = flash_attn_func(q, k, v, dropout, softmax_scale=scaling, causal=causal, impl=impl)
         return out, None

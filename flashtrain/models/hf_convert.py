@@ -1,8 +1,10 @@
 """Hugging Face conversion for GPT-2, BERT and RoBERTa: configs, and state-dict adapters in both directions.
 
-One adapter per model class (`ADAPTERS`): its config from an HF config, its state dict from HF names and back. Three
-functions use them for every model: `load_hf_state_dict(model, state_dict)`, `to_hf_state_dict(model)` and
-`from_pretrained_hf(model_class, hf_model)` (a copy of a transformers model: config, weights, dtype, device).
+One adapter per model class (`HFAdapter`, registered with `register_hf_adapter`): its config from and to an HF config,
+its state dict from HF names and back, the transformers Auto class of its counterpart. Three functions use them for
+every model: `load_hf_state_dict(model, state_dict)`, `to_hf_state_dict(model)` and
+`from_pretrained_hf(model_class, hf_model)` (a copy of a transformers model: config, weights, dtype, device);
+flashtrain.export uses them to write a run as a transformers model directory.
 
 GPT-2: HF stores its projections as Conv1D with weight (in, out); ours are nn.Linear with weight (out, in), so a
 conversion is four transposes per block. BERT/RoBERTa: HF's separate query, key and value projections are our fused
@@ -81,12 +83,14 @@ def _gpt2_from_hf(state_dict: dict[str, Tensor], config: GPT2Config) -> dict[str
 
 
 def _gpt2_to_hf(state_dict: dict[str, Tensor], config: GPT2Config) -> dict[str, Tensor]:
-    """For transformers >= 4.31, whose causal-mask buffers are not persistent. Tensors that need no transpose share
-    storage with the model."""
+    """For transformers >= 4.31, whose causal-mask buffers are not persistent; lm_head.weight is wte (our state dict
+    keeps the tied tensor once). Tensors that need no transpose share storage with the model."""
     if not config.bias:
         raise ValueError("config.bias must be True to export to HF GPT-2, which always has biases")
-    return {key: value.t().contiguous() if key.endswith(_CONV1D_WEIGHT_SUFFIXES) else value
-            for key, value in state_dict.items()}
+    converted = {key: value.t().contiguous() if key.endswith(_CONV1D_WEIGHT_SUFFIXES) else value
+                 for key, value in state_dict.items()}
+    converted["lm_head.weight"] = state_dict["transformer.wte.weight"]
+    return converted
 
 
 # ---- BERT / RoBERTa ----------------------------------------------------------------------------------------------
@@ -250,7 +254,7 @@ def _masked_lm_to_hf(state_dict: dict[str, Tensor], flavor: str) -> dict[str, Te
     column = FLAVORS.index(flavor)
     decoder_weight_key, decoder_bias_key = _MLM_TIED[flavor]
     state_dict = dict(state_dict)
-    decoder_weight = state_dict.pop("lm_head.decoder.weight")  # the word embeddings
+    decoder_weight = state_dict["encoder.embeddings.word_embeddings.weight"]  # tied: kept once, as the embeddings
     converted = {}
     for key, value in _encoder_to_hf(state_dict, prefix=flavor + ".").items():
         for names in _MLM_HEAD_RENAMES:
@@ -283,48 +287,79 @@ StateDictMap = Callable[[dict[str, Tensor], object], dict[str, Tensor]]
 
 
 @dataclass(frozen=True)
-class StateDictAdapter:
+class HFAdapter:
+    """How one model class of ours maps to a transformers class, both ways. Registered per model class
+    (`register_hf_adapter`); a new model's own file registers its adapter, as it registers its config schema."""
+
+    auto_class: str  # the transformers Auto class that builds and loads the counterpart: "AutoModelForCausalLM", ...
     config_from_hf: Callable  # (transformers config, attn_impl) -> our config
+    config_to_hf: Callable  # (our config, its tokenizer) -> the transformers config (special-token ids from it)
     from_hf: StateDictMap  # (HF state dict, our config) -> our state dict
     to_hf: StateDictMap  # (our state dict, our config) -> the state dict the HF class loads with strict=True
+    max_length: Callable[[object], int]  # (our config) -> longest input in tokens (the tokenizer's model_max_length)
     model_kwargs: Callable[[nn.Module], dict] = lambda hf_model: {}  # extra constructor arguments from the HF model
 
 
-ADAPTERS: dict[type, StateDictAdapter] = {
-    GPT2: StateDictAdapter(gpt2_config_from_hf, _gpt2_from_hf, _gpt2_to_hf),
-    BertModel: StateDictAdapter(bert_config_from_hf, _bert_model_from_hf,
-                                lambda state_dict, config: _encoder_to_hf(state_dict, prefix=""),
-                                lambda hf_model: {"add_pooler": hf_model.pooler is not None}),
-    BertForMaskedLM: StateDictAdapter(bert_config_from_hf, lambda sd, config: _masked_lm_from_hf(sd, config.flavor),
-                                      lambda sd, config: _masked_lm_to_hf(sd, config.flavor)),
-    BertForSequenceClassification: StateDictAdapter(bert_config_from_hf, _bert_classifier_from_hf,
-                                                    _bert_classifier_to_hf),
-}
+_ADAPTERS: dict[type, HFAdapter] = {}
 
 
-def _adapter(model_class: type) -> StateDictAdapter:
-    if model_class not in ADAPTERS:
+def register_hf_adapter(model_class: type, adapter: HFAdapter) -> None:
+    """Make `model_class` convertible to and from transformers: export, init_from=hf:, from_pretrained_hf."""
+    _ADAPTERS[model_class] = adapter
+
+
+def _adapted_class(model_class: type) -> type | None:
+    """The nearest class of `model_class`'s MRO with an adapter: FSDP's fully_shard turns a GPT2 into a subclass of
+    it (FSDPGPT2), which converts as a GPT2."""
+    return next((cls for cls in model_class.__mro__ if cls in _ADAPTERS), None)
+
+
+def has_hf_adapter(model_class: type) -> bool:
+    return _adapted_class(model_class) is not None
+
+
+def hf_adapter(model_class: type) -> HFAdapter:
+    adapted = _adapted_class(model_class)
+    if adapted is None:
         raise TypeError(f"no Hugging Face adapter for {model_class.__name__}; adapters: "
-                        f"{[cls.__name__ for cls in ADAPTERS]}")
-    return ADAPTERS[model_class]
+                        f"{[cls.__name__ for cls in _ADAPTERS]}")
+    return _ADAPTERS[adapted]
+
+
+register_hf_adapter(GPT2, HFAdapter(
+    "AutoModelForCausalLM", gpt2_config_from_hf,
+    lambda config, tokenizer: gpt2_config_to_hf(config, eos_token_id=tokenizer.eos_token_id),
+    _gpt2_from_hf, _gpt2_to_hf, max_length=lambda config: config.n_positions))
+
+_BERT_CONFIGS = dict(config_from_hf=bert_config_from_hf, max_length=lambda config: config.max_seqlen,
+                     config_to_hf=lambda config, tokenizer: bert_config_to_hf(config))
+register_hf_adapter(BertModel, HFAdapter(
+    "AutoModel", from_hf=_bert_model_from_hf, to_hf=lambda state_dict, config: _encoder_to_hf(state_dict, prefix=""),
+    model_kwargs=lambda hf_model: {"add_pooler": hf_model.pooler is not None}, **_BERT_CONFIGS))
+register_hf_adapter(BertForMaskedLM, HFAdapter(
+    "AutoModelForMaskedLM", from_hf=lambda sd, config: _masked_lm_from_hf(sd, config.flavor),
+    to_hf=lambda sd, config: _masked_lm_to_hf(sd, config.flavor), **_BERT_CONFIGS))
+register_hf_adapter(BertForSequenceClassification, HFAdapter(
+    "AutoModelForSequenceClassification", from_hf=_bert_classifier_from_hf, to_hf=_bert_classifier_to_hf,
+    **_BERT_CONFIGS))
 
 
 def load_hf_state_dict(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module:
     """Load a Hugging Face state dict of the matching transformers class into `model`, strictly; returns `model`."""
-    model.load_state_dict(_adapter(type(model)).from_hf(state_dict, model.config), strict=True)
+    model.load_state_dict(hf_adapter(type(model)).from_hf(state_dict, model.config), strict=True)
     return model
 
 
 def to_hf_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """`model`'s state dict under the matching transformers class's names (its load_state_dict(strict=True) takes it)."""
-    return _adapter(type(model)).to_hf(model.state_dict(), model.config)
+    return hf_adapter(type(model)).to_hf(model.state_dict(), model.config)
 
 
 def from_pretrained_hf(model_class: type, hf_model, attn_impl: str = "flash") -> nn.Module:
     """A `model_class` copy of a transformers model (GPT2LMHeadModel, BertModel / RobertaModel, *ForMaskedLM,
     *ForSequenceClassification): its config, weights, dtype and device. To start a classifier from an encoder-only
     checkpoint, load it with the HF class first (from_pretrained initialises the head)."""
-    adapter = _adapter(model_class)
+    adapter = hf_adapter(model_class)
     model = model_class(adapter.config_from_hf(hf_model.config, attn_impl), **adapter.model_kwargs(hf_model))
     model.to(device=hf_model.device, dtype=hf_model.dtype)
     return load_hf_state_dict(model, hf_model.state_dict())

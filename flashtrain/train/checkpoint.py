@@ -18,10 +18,12 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import platform
 import shutil
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -74,6 +76,19 @@ def check_writable(*directories: Path) -> None:
             raise PermissionError(f"{directory} cannot be written ({type(error).__name__}: {error.strerror or error}); "
                                   f"the run saves its logs and checkpoints there. Make it writable or choose another "
                                   f"run directory (hydra.run.dir=...)") from error
+
+
+@contextmanager
+def accelerate_warnings_only():
+    """Accelerate's INFO lines (six per save_state, naming where each file went) stay out of the progress bar;
+    its warnings still show."""
+    logger = logging.getLogger("accelerate")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def checkpoint_name(step: int) -> str:
@@ -176,7 +191,8 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, keep: in
         for stale in ckpt_root.glob(".tmp-step_*"):  # saves cut short by a kill
             shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
+    with accelerate_warnings_only():
+        accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_manifest(tmp, step, config)

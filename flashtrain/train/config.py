@@ -15,7 +15,7 @@ import importlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -33,7 +33,7 @@ from flashtrain.models.lra import LRAConfig
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 SCHEDULES = ("cosine", "rsqrt", "linear")
 OPTIMIZERS = ("adamw", "lamb")
-LOGGERS = ("wandb", "none")
+TRACKERS = ("wandb", "tensorboard")  # Accelerate's trackers that the trainer sets up
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")  # flashtrain/train/activation_checkpoint.py
 
@@ -139,13 +139,18 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
-    kind: str = "wandb"  # wandb | none (metrics.jsonl and the PNG curves are always written)
-    project: str = "flashtrain"  # wandb project
+    # the Accelerate trackers that also get the metrics, several at once: [wandb], [tensorboard] (into
+    # RUN_DIR/tensorboard/), [wandb, tensorboard], or [] for none; metrics.jsonl and curves.png are always written
+    kind: List[str] = field(default_factory=lambda: ["wandb"])
+    project: str = "flashtrain"  # wandb project; the tensorboard run's directory name
     mode: str = "offline"  # wandb mode: offline needs no account; `wandb sync` uploads later
 
     def __post_init__(self) -> None:
-        if self.kind not in LOGGERS:
-            raise ValueError(f"logger.kind must be one of {LOGGERS}, got {self.kind!r}")
+        for tracker in self.kind:
+            if tracker not in TRACKERS:
+                raise ValueError(f"logger.kind lists trackers among {TRACKERS} ([] for none), got {tracker!r}")
+        if len(set(self.kind)) != len(self.kind):
+            raise ValueError(f"logger.kind names a tracker twice: {self.kind}")
         if self.mode not in ("offline", "online", "disabled"):
             raise ValueError(f"logger.mode must be offline, online or disabled, got {self.mode!r}")
 
@@ -186,7 +191,7 @@ def unknown_keys(cfg: DictConfig, prefix: str = "") -> Iterator[tuple[str, str, 
             yield path, schema.__name__, names
             continue
         child = cfg._get_node(key)
-        if isinstance(child, DictConfig) and not child._is_none():
+        if OmegaConf.is_dict(child) and not child._is_none():  # a nested node (not a value)
             yield from unknown_keys(child, path + ".")
 
 
@@ -211,17 +216,40 @@ def job_dirname(override_dirname: str) -> str:
     return f"{name[:100]}-{hashlib.sha256(override_dirname.encode()).hexdigest()[:12]}"
 
 
-def load_plugins() -> None:
-    """Import the modules named by FLASHTRAIN_PLUGINS=module[,module...] (models and data outside the package: each
-    registers its schemas with hydra's ConfigStore)."""
-    for plugin in filter(None, os.environ.get("FLASHTRAIN_PLUGINS", "").split(",")):
-        importlib.import_module(plugin)
+def config_group_choices() -> str:
+    """The "group: option, ..." lines of `python launch.py --help` (conf/config.yaml's help template): Hydra's own
+    list without the *_schema entries, the typed bases that every YAML file of a group starts from, not choices."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+
+    loader = GlobalHydra.instance().config_loader()
+    choices, parents = {}, [""]
+    while parents:
+        parent = parents.pop()
+        for group in loader.list_groups(parent):
+            name = f"{parent}/{group}" if parent else group
+            if name in ("hydra", "accelerate"):  # Hydra's own; conf/accelerate/: accelerate launch's config files
+                continue
+            options = [option for option in loader.get_group_options(name, ObjectType.CONFIG)
+                       if not option.endswith("_schema")]
+            if options:
+                choices[name] = ", ".join(sorted(options))
+            parents.append(name)
+    return "\n".join(f"{name}: {choices[name]}" for name in sorted(choices))
+
+
+PLUGINS_ENV = "FLASHTRAIN_PLUGINS"  # module[,module...]: models and data outside the package
 
 
 def register_configs() -> None:
-    """Register the schemas with Hydra's ConfigStore and the `job_dirname` resolver of conf/config.yaml (idempotent)."""
+    """Register the schemas with Hydra's ConfigStore and conf/config.yaml's resolvers (`job_dirname`,
+    `config_group_choices`), then import
+    the modules named by $FLASHTRAIN_PLUGINS, which register theirs (and their Hugging Face adapters) on import
+    (idempotent)."""
     if not OmegaConf.has_resolver("job_dirname"):
         OmegaConf.register_new_resolver("job_dirname", job_dirname)
+    if not OmegaConf.has_resolver("config_group_choices"):
+        OmegaConf.register_new_resolver("config_group_choices", config_group_choices)
     cs = ConfigStore.instance()
     cs.store(name="flashtrain_schema", node=FlashtrainConfig)
     cs.store(group="model", name="gpt2_schema", node=GPT2Config)
@@ -240,3 +268,5 @@ def register_configs() -> None:
     cs.store(group="optim", name="adamw_schema", node=OptimConfig)
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
     cs.store(group="logger", name="logger_schema", node=LoggerConfig)
+    for plugin in filter(None, os.environ.get(PLUGINS_ENV, "").split(",")):
+        importlib.import_module(plugin)

@@ -29,7 +29,6 @@ from flashtrain.pretrained import resolve_pretrained_path
 from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint, model_state
 
 _POSITIONS_KEY = "transformer.wpe.weight"
-_TIED_KEY = "lm_head.weight"  # saved once, as the token embedding
 
 
 def _source_model(init_from: str, model_cfg: GPT2Config) -> GPT2:
@@ -46,8 +45,8 @@ def _source_model(init_from: str, model_cfg: GPT2Config) -> GPT2:
         raise FileNotFoundError(f"init_from={init_from!r}: no checkpoint found")
     state = model_state(ckpt)
     source = GPT2(replace(model_cfg, n_positions=state[_POSITIONS_KEY].shape[0]))
-    missing, unexpected = source.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {_TIED_KEY}:
+    missing, unexpected = source.load_state_dict(state, strict=False)  # the tied lm_head comes with wte
+    if missing or unexpected:
         raise ValueError(f"init_from={init_from!r} does not fit model config {model_cfg}: missing {missing}, "
                          f"unexpected {unexpected}")
     return source

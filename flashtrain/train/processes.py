@@ -188,13 +188,14 @@ def launcher_precision() -> str | None:
     return precision if precision in ("bf16", "fp16") else None
 
 
-def build_accelerator(cpu: bool, mixed_precision: str, log_with: str | None) -> Accelerator:
-    """An Accelerator for this process. Without a GPU every process runs on the CPU (several of them join over gloo;
-    Accelerate would otherwise treat each as a run of its own). A launch that asks for FSDP (accelerate launch with
-    conf/accelerate/fsdp.yaml, or --use_fsdp) gets Accelerate's FSDP on CPU processes too: Accelerate enables its FSDP
-    plugin for GPU process groups only, so it is enabled here the way Accelerate does it for GPUs."""
+def build_accelerator(cpu: bool, mixed_precision: str, **accelerator_options) -> Accelerator:
+    """An Accelerator for this process (`accelerator_options`: Accelerator's other arguments). Without a GPU every
+    process runs on the CPU (several of them join over gloo; Accelerate would otherwise treat each as a run of its
+    own). A launch that asks for FSDP (accelerate launch with conf/accelerate/fsdp.yaml, or --use_fsdp) gets
+    Accelerate's FSDP on CPU processes too: Accelerate enables its FSDP plugin for GPU process groups only, so it is
+    enabled here the way Accelerate does it for GPUs."""
     cpu = cpu or not torch.cuda.is_available()
-    accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, log_with=log_with)
+    accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, **accelerator_options)
     fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if fsdp_asked and accelerator.distributed_type == DistributedType.MULTI_CPU:
         _enable_fsdp(accelerator)

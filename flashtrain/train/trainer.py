@@ -24,16 +24,18 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list, set_seed
+from accelerate.utils import DistributedType, ProjectConfiguration, broadcast_object_list, set_seed
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from flashtrain.data.task import Task, check_model_fits
 from flashtrain.models.padding import Unpadding
 from flashtrain.train import activation_checkpoint
-from flashtrain.train.checkpoint import (MODEL_FILES, TrainState, check_writable, checkpoint_format,
-                                        config_differences, config_fingerprint, resolve_resume, save_checkpoint)
+from flashtrain.train.checkpoint import (MODEL_FILES, TrainState, accelerate_warnings_only, check_writable,
+                                        checkpoint_format, config_differences, config_fingerprint, resolve_resume,
+                                        save_checkpoint)
 from flashtrain.train.config import FlashtrainConfig
+from flashtrain.train.hf_files import save_model_files
 from flashtrain.train.metrics import MetricsLog
 from flashtrain.train.model_init import load_initial_weights
 from flashtrain.train.optim import build_optimizer, build_scheduler
@@ -41,6 +43,8 @@ from flashtrain.train.processes import (accumulation_steps, build_accelerator, l
                                         on_main_process, process_header)
 
 COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TENSORBOARD_DIR = "tensorboard"  # RUN_DIR/tensorboard/<logger.project>/: the tensorboard tracker's event files
+TRACKER_PACKAGES = {"wandb": "pip install wandb", "tensorboard": "pip install tensorboard (or tensorboardX)"}
 
 
 @dataclass
@@ -117,6 +121,19 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
 
 
+def make_accelerator(cfg: FlashtrainConfig, run_dir: Path) -> Accelerator:
+    """The Accelerator of a run: devices, mixed precision, and the trackers of logger.kind, each of which must be
+    installed (Accelerate leaves out a tracker whose package is missing, with a debug message only)."""
+    trackers, precision = list(cfg.logger.kind), resolve_precision(cfg.trainer.precision, cfg.trainer.cpu)
+    accelerator = build_accelerator(cfg.trainer.cpu, precision, log_with=trackers or None,
+                                    project_config=ProjectConfiguration(logging_dir=str(Path(run_dir) / TENSORBOARD_DIR)))
+    missing = [tracker for tracker in trackers if tracker not in {str(t) for t in accelerator.log_with}]
+    if missing:
+        raise RuntimeError(f"logger.kind={trackers}: {', '.join(missing)} cannot log here, its package is not "
+                           f"installed ({'; '.join(TRACKER_PACKAGES[tracker] for tracker in missing)})")
+    return accelerator
+
+
 def use_deterministic_algorithms() -> None:
     """trainer.deterministic: PyTorch's deterministic kernels (a warning names any op without one), cuBLAS with a fixed
     workspace (read when its first handle is made, after this), cuDNN without autotuning; the attention kernel reads
@@ -141,8 +158,7 @@ class Trainer:
 
     def setup(self, run_dir: Path, runs_of_name: Path | None) -> None:
         cfg, tcfg = self.cfg, self.tcfg
-        self.accelerator = accelerator = build_accelerator(
-            tcfg.cpu, resolve_precision(tcfg.precision, tcfg.cpu), log_with="wandb" if cfg.logger.kind == "wandb" else None)
+        self.accelerator = accelerator = make_accelerator(cfg, run_dir)
         self.main = accelerator.is_main_process
         # first line: how many processes run, and how; fewer than the launch asked for stops here
         header, problem = process_header(accelerator)
@@ -180,7 +196,8 @@ class Trainer:
         accelerator.register_for_checkpointing(self.scheduler, self.state)
         if self.checkpoint is not None:
             self._check_checkpoint_engine()
-            accelerator.load_state(str(self.checkpoint))
+            with accelerate_warnings_only():
+                accelerator.load_state(str(self.checkpoint))
             self._print(f"resumed from {self.checkpoint} at step {self.state.step}")
             self._continue_data_position()
         elif cfg.resume is not None:
@@ -286,7 +303,7 @@ class Trainer:
         if cfg.init_from is not None and self.checkpoint is None:
             self._print(load_initial_weights(model, cfg.model, cfg.init_from, cfg.init_position_extension))
         self.checkpointed_blocks = activation_checkpoint.apply(model, tcfg.activation_checkpointing)
-        model = model.to(self.accelerator.device)
+        self.base_model = model = model.to(self.accelerator.device)  # neither compiled nor wrapped
         self.n_params = sum(p.numel() for p in model.parameters())  # each tensor once: tied weights count once
         optimizer = build_optimizer(model, cfg.optim)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.tcfg.max_steps)
@@ -305,14 +322,16 @@ class Trainer:
         self.val_loader = self.task.eval_loader("val", tcfg.micro_batch_size, rank, world, self.task.val_samples)
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            from flashtrain.export import save_model_files  # issue 23: RUN_DIR/hf/, the tokenizer and HF config
-            save_model_files(cfg, self.run_dir)
+            save_model_files(self.base_model, self.task, self.run_dir)  # RUN_DIR/hf/: the tokenizer, the HF config
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.main,
                               resumed_step=self.state.step if self.checkpoint is not None else None)
-        if cfg.logger.kind == "wandb":
-            accelerator.init_trackers(cfg.logger.project, config=_flat_config(cfg), init_kwargs={"wandb": {
-                "mode": cfg.logger.mode, "dir": str(self.run_dir), "name": f"{cfg.name}/{self.run_dir.name}",
-                "id": self._wandb_run_id(), "resume": "allow"}})
+        if cfg.logger.kind:
+            # the run directory is final now (resume=auto continues the resumed run's)
+            accelerator.project_configuration.logging_dir = str(self.run_dir / TENSORBOARD_DIR)
+            init_kwargs = {"wandb": {"mode": cfg.logger.mode, "dir": str(self.run_dir), "id": self._wandb_run_id(),
+                                     "name": f"{cfg.name}/{self.run_dir.name}", "resume": "allow"}} \
+                if "wandb" in cfg.logger.kind else {}
+            accelerator.init_trackers(cfg.logger.project, config=_flat_config(cfg), init_kwargs=init_kwargs)
         self._print(f"model: {type(cfg.model).__name__} {self.n_params / 1e6:.2f}M parameters, attention: "
                     f"{self.attention}; device: {accelerator.device}, precision: {accelerator.mixed_precision}, "
                     f"processes: {world}; run dir: {self.run_dir}")
@@ -504,9 +523,11 @@ class Trainer:
         if sample:
             self._print("---- sample ----\n" + sample + "\n----------------")
         self._print(f"checkpoint: {self.last_checkpoint}")
-        self._print(f"logs: {self.run_dir / 'metrics.jsonl'}, curves: {self.run_dir / 'curves.png'}"
-                    + (f", wandb: {self.run_dir / 'wandb'} (offline; `wandb sync` uploads)"
-                       if cfg.logger.kind == "wandb" else ""))
+        trackers = {"wandb": f"wandb: {self.run_dir / 'wandb'}" + (" (offline; `wandb sync` uploads)"
+                                                                   if cfg.logger.mode == "offline" else ""),
+                    "tensorboard": f"tensorboard: {self.run_dir / TENSORBOARD_DIR}"}
+        self._print(", ".join([f"logs: {self.run_dir / 'metrics.jsonl'}", f"curves: {self.run_dir / 'curves.png'}",
+                               *(trackers[tracker] for tracker in cfg.logger.kind)]))
         accelerator.end_training()
         return TrainResult(run_dir=self.run_dir, checkpoint=self.last_checkpoint, final_step=self.state.step,
                            history=self.log.records, sample=sample, exit_code=self.exit_code)
@@ -523,13 +544,16 @@ class Trainer:
 
 
 def _flat_config(cfg: FlashtrainConfig) -> dict:
-    flat = {}
-    for group, value in asdict(cfg).items():
+    """{"model.n_layer": 4, "logger.kind": "['wandb', 'tensorboard']", ...}: nested configs flattened, values that are
+    not None, bool, int, float or str as text (what every tracker takes as a hyperparameter)."""
+    def flatten(prefix: str, value) -> dict:
         if isinstance(value, dict):
-            flat.update({f"{group}.{k}": v for k, v in value.items()})
-        else:
-            flat[group] = value
-    return flat
+            return {key: item for k, v in value.items() for key, item in flatten(f"{prefix}{k}.", v).items()}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return {prefix[:-1]: value}
+        return {prefix[:-1]: str(value)}
+
+    return flatten("", asdict(cfg))
 
 
 def read_metrics(path: Path) -> list[dict]:
