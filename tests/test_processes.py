@@ -129,6 +129,7 @@ def test_fsdp_two_processes_equal_one_and_resume_2_to_1_to_2(reference, cache_di
                                                                                   "__1_0.distcp"]
     assert sorted(p.name for p in (ckpt / "optimizer_0").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert not (ckpt / "model.safetensors").exists()
+    assert (tmp_path / "a" / "hf" / "config.json").is_file()  # the FSDP-wrapped GPT-2 still exports its config
 
     out = fsdp(1, "b", f"resume={tmp_path / 'a'}", "trainer.stop_step=4")
     assert "processes: 1 (FSDP2 full shard" in out and "checkpoint of 2 process(es) continues on 1" in out
