@@ -213,6 +213,28 @@ def test_generated_dropout_mask_is_reproducible_and_backward_uses_it():
     assert not torch.allclose(other_seed, results[0])
 
 
+def test_generated_dropout_masks_of_tiles_heads_and_batches_agree_at_chance_rate():
+    """Each (batch row, head, query tile, key tile) draws its own keep-mask: with p = 0.5 two independent masks agree
+    on half their entries (+- 5 sigma = 0.02 over a 128 x 128 tile); a mask repeated across tiles, heads or batch rows
+    would agree everywhere."""
+    batch, seqlen, nheads, nheads_kv, dropout_p, tile = 2, 2 * BLOCK_SPARSE_SIZE, 4, 2, 0.5, BLOCK_SPARSE_SIZE
+    q, k, _, _ = make_inputs((batch, seqlen, nheads, seqlen), (batch, seqlen, nheads_kv, seqlen), requires_grad=False)
+    out = flash_attn_func(q, k, identity_values(batch, seqlen, nheads_kv), dropout_p,
+                          generator=torch.Generator().manual_seed(11))
+    keep = (out != 0).permute(0, 2, 1, 3)  # (batch, nheads, seqlen_q, seqlen_k): non-causal, every probability > 0
+    assert abs(keep.double().mean().item() - (1 - dropout_p)) < 0.01
+
+    def block(b, h, q_tile, k_tile):
+        return keep[b, h, q_tile * tile:(q_tile + 1) * tile, k_tile * tile:(k_tile + 1) * tile]
+
+    pairs = {"query tiles": ((0, 0, 0, 0), (0, 0, 1, 0)), "key tiles": ((0, 0, 1, 0), (0, 0, 1, 1)),
+             "heads sharing k/v (GQA)": ((1, 0, 0, 1), (1, 1, 0, 1)), "heads": ((1, 1, 1, 1), (1, 2, 1, 1)),
+             "batch rows": ((0, 3, 1, 0), (1, 3, 1, 0))}
+    for what, (a, b) in pairs.items():
+        agreement = (block(*a) == block(*b)).double().mean().item()
+        assert abs(agreement - 0.5) < 5 * math.sqrt(0.25 / tile ** 2), (what, agreement)
+
+
 def test_generated_dropout_same_mask_in_float32_and_float64():
     q, k, v, _ = make_inputs((1, 200, 2, 32), (1, 200, 2, 32), requires_grad=False)
     out64 = flash_attn_func(q, k, v, 0.5, generator=torch.Generator().manual_seed(3))
@@ -394,6 +416,22 @@ BAD_BATCH_CALLS = [
     (dict(return_lse=1), TypeError, "return_lse"),
     (dict(deterministic="yes"), TypeError, "deterministic"),
     (dict(window_size=(-1, -1)), TypeError, "unexpected keyword argument 'window_size'"),  # a flash-attn option
+    # every other branch of the validation, each by its own message
+    (dict(q=[[1.0]]), TypeError, "q must be a torch.Tensor, got list"),
+    (dict(k=torch.randn(2, 140, 2, 16), v=torch.randn(2, 140, 2, 16)), ValueError, "k: head_dim 16 differs from q's 32"),
+    (dict(k=torch.randn(2, 140, 0, 32), v=torch.randn(2, 140, 0, 32)), ValueError, r"nheads_kv \(k.shape\[-2\] = 0\)"),
+    (dict(dropout_p="0.1"), TypeError, "dropout_p must be a float, got str"),
+    (dict(dropout_p=True), TypeError, "dropout_p must be a float, got bool"),
+    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite, got nan"),
+    (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite, got inf"),
+    (dict(softmax_scale=True), TypeError, "softmax_scale must be a float or None, got bool"),
+    (dict(return_lse=None), TypeError, "return_lse must be a bool, got NoneType"),
+    (dict(block_mask=[[True]]), TypeError, "block_mask must be a torch.Tensor or None, got list"),
+    (dict(block_mask=torch.ones(2, 2, dtype=torch.bool, device="meta")), ValueError,
+     "block_mask is on meta but q is on cpu"),  # a mask on another device than q (a CPU mask with CUDA tensors)
+    (dict(dropout_p=0.1, dropout_mask=[[True]]), TypeError, "dropout_mask must be a torch.Tensor or None, got list"),
+    (dict(dropout_p=0.1, dropout_mask=torch.ones(2, 4, 130, 140, dtype=torch.bool, device="meta")), ValueError,
+     "dropout_mask is on meta but q is on cpu"),
 ]
 
 
@@ -417,6 +455,11 @@ BAD_VARLEN_CALLS = [
     (dict(dropout_p=0.1, dropout_mask=torch.ones(4, 30, 20, dtype=torch.bool)), ValueError, "dropout_mask"),
     (dict(impl="triton"), ValueError, "impl"),
     (dict(softcap=30.0), TypeError, r"flash_attn_varlen_func\(\) got an unexpected keyword argument 'softcap'"),
+    (dict(cu_seqlens_k=[0, 5, 20]), TypeError, "cu_seqlens_k must be a torch.Tensor, got list"),
+    (dict(cu_seqlens_q=torch.tensor([0, 10, 30], dtype=torch.int32, device="meta")), ValueError,
+     "cu_seqlens_q is on meta but q is on cpu"),
+    (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0, got -1"),
+    (dict(max_seqlen_k=True), TypeError, "max_seqlen_k must be an int, got bool"),
 ]
 
 

@@ -11,7 +11,8 @@ from omegaconf.errors import ConfigKeyError
 
 import flashtrain.models.attention as attention_module
 from flashtrain.models import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
-from flashtrain.models.hf_convert import bert_config_from_hf, from_pretrained_hf, load_hf_state_dict, to_hf_state_dict
+from flashtrain.models.hf_convert import (bert_config_from_hf, bert_config_to_hf, from_pretrained_hf, load_hf_state_dict,
+                                          to_hf_state_dict)
 from flashtrain.models.padding import Unpadding, pad_packed, unpad_indices
 
 ATTN_IMPLS = ["sdpa", "reference", "flash"]  # "flash" on CPU dispatches to the reference
@@ -131,6 +132,33 @@ def test_sequence_classification_matches_hf(flavor, problem_type, attn_impl):
     assert logits.shape == (4, TINY["num_labels"])
     assert (logits - hf_out.logits).abs().max().item() <= ATOL[torch.float32]
     assert abs(loss.item() - hf_out.loss.item()) <= ATOL[torch.float32]
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_non_default_hf_config_is_carried_over(flavor):
+    """Every HF field the conversion reads, away from its default (a LayerNorm epsilon of 1e-2 moves the outputs by
+    ~1e-3, far above float64's 1e-10): the config keeps each one, the logits match HF's, and the export restores it."""
+    fields = dict(layer_norm_eps=1e-2, hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.15,
+                  classifier_dropout=0.3, type_vocab_size=3, num_labels=4, problem_type="multi_label_classification")
+    torch.manual_seed(0)
+    hf = HF_CLASSES[flavor][0](**(TINY | fields), max_position_embeddings=MAX_POSITIONS[flavor],
+                               pad_token_id=PAD_TOKEN_ID[flavor], attn_implementation="eager")
+    hf_model = HF_CLASSES[flavor][3](hf).double().eval()
+    perturb_(hf_model, seed=1)
+    config = bert_config_from_hf(hf_model.config, attn_impl="sdpa")
+    assert (config.layer_norm_eps, config.hidden_dropout_prob, config.attention_probs_dropout_prob,
+            config.classifier_dropout, config.type_vocab_size, config.num_labels, config.problem_type) == \
+        (1e-2, 0.2, 0.15, 0.3, 3, 4, "multi_label")
+    model = from_pretrained_hf(BertForSequenceClassification, hf_model, attn_impl="sdpa").eval()
+    input_ids, attention_mask, token_type_ids = padded_batch(flavor)
+    if token_type_ids is not None:
+        token_type_ids = token_type_ids * 2  # type 2 exists only with type_vocab_size 3
+    with torch.no_grad():
+        hf_logits = hf_model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
+        logits = model(input_ids, attention_mask, token_type_ids)[0]
+    assert (logits - hf_logits).abs().max().item() <= ATOL[torch.float64]
+    back = bert_config_to_hf(config)
+    assert {k: getattr(back, k) for k in fields} == fields
 
 
 @pytest.mark.parametrize("kind, model_class", MODEL_CLASSES)

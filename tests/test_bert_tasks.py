@@ -157,6 +157,26 @@ def _fields_equal(got: Unpadding, want: Unpadding) -> bool:
         (a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want) if not isinstance(a, int))
 
 
+def test_mlm_validation_masks_are_the_same_for_any_batch_size_and_process_count(tmp_path, wordpiece_dir):
+    """Validation sequence i is masked the same way whatever batch and rank it is served in: the curves of runs with
+    other micro-batch sizes or process counts score the same masked tokens."""
+    task = MaskedLMDataConfig(corpus="stdlib", max_bytes=60_000, tokenizer=wordpiece_dir, seq_len=32,
+                              val_fraction=0.1, num_proc=1, cache_dir=str(tmp_path)).build()
+    n = 10
+
+    def served(batch_size, world_size):
+        per_rank = [list(task.eval_loader("val", batch_size, rank, world_size, max_samples=n))
+                    for rank in range(world_size)]
+        in_order = [per_rank[b % world_size][b // world_size] for b in range(math.ceil(n / batch_size))]
+        return {key: torch.cat([batch[key] for batch in in_order]) for key in ("input_ids", "labels")}
+
+    reference = served(10, 1)
+    assert reference["input_ids"].shape == (n, 32) and (reference["labels"] != -100).sum() >= n  # >= 1 per sequence
+    for batch_size, world_size in ((1, 1), (3, 1), (4, 2), (3, 3), (2, 4)):
+        other = served(batch_size, world_size)
+        assert all(torch.equal(other[key], reference[key]) for key in reference), (batch_size, world_size)
+
+
 @pytest.mark.parametrize("kind", ["masked_lm", "documents"])
 def test_loaders_build_the_unpadding_and_the_loss_passes_it(tmp_path, wordpiece_dir, monkeypatch, kind):
     """The masked-LM and document loaders build each batch's Unpadding on the host (so that a training step on the GPU
@@ -190,7 +210,7 @@ def test_bert_large_mlm_recipe_tiny(tmp_path, wordpiece_dir):
                           "data.max_bytes=120000", f"data.tokenizer={wordpiece_dir}", "data.num_proc=1",
                           "data.streaming=false", "data.val_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}",
                           *tiny_model_overrides(400, 64), "trainer.micro_batch_size=8", "trainer.grad_accum_steps=1",
-                          "trainer.max_steps=30", "trainer.eval_interval=15", "trainer.eval_batches=4",
+                          "trainer.max_steps=30", "trainer.eval_interval=15", "data.val_samples=32",
                           "trainer.log_interval=5", "trainer.save_interval=30", "optim.lr=5e-2",
                           "optim.warmup_steps=2"])
     assert (cfg.optim.name, cfg.trainer.stop_metric, cfg.data.seq_len) == ("lamb", "val_mlm_accuracy", 64)
@@ -202,10 +222,13 @@ def test_bert_large_mlm_recipe_tiny(tmp_path, wordpiece_dir):
     # the logged accuracy, recomputed by hand from the checkpoint over the same validation batches
     task = cfg.data.build()
     model = cfg.model.build().eval()
-    model.load_state_dict(load_file(result.checkpoint / "model.safetensors"), strict=False)
+    # every weight is in the checkpoint, but the tied decoder (the word embeddings), which Accelerate saves once
+    missing, unexpected = model.load_state_dict(load_file(result.checkpoint / "model.safetensors"), strict=False)
+    assert unexpected == [] and missing == ["lm_head.decoder.weight"]
+    assert model.lm_head.decoder.weight is model.encoder.embeddings.word_embeddings.weight
     correct = total = 0
     with torch.no_grad():
-        for batch in task.eval_loader("val", 8, 0, 1, max_batches=4):
+        for batch in task.eval_loader("val", 8, 0, 1, max_samples=32):
             logits, _ = model(batch["input_ids"])  # (B, T, vocab): every position
             is_masked = batch["labels"] != -100
             correct += int((logits.argmax(-1)[is_masked] == batch["labels"][is_masked]).sum())
@@ -225,7 +248,7 @@ def cfg_overrides_of(cfg, tmp_path):
     return ["name=test", "recipe=bert-large-mlm", "logger=none", "data.corpus=stdlib", "data.max_bytes=120000",
             f"data.tokenizer={cfg.data.tokenizer}", "data.num_proc=1", "data.streaming=false",
             "data.val_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}", *tiny_model_overrides(400, 64),
-            "trainer.micro_batch_size=8", "trainer.grad_accum_steps=1", "trainer.eval_batches=1"]
+            "trainer.micro_batch_size=8", "trainer.grad_accum_steps=1", "data.val_samples=8"]
 
 
 # ---- documents ---------------------------------------------------------------------------------------------------
@@ -387,7 +410,7 @@ def test_roberta_longdoc_recipes_tiny(tmp_path, roberta_bpe_dir, recipe):
                           f"data.tokenizer={roberta_bpe_dir}", f"data.cache_dir={tmp_path / 'cache'}",
                           *tiny_model_overrides(400, 48), f"model.num_labels={num_labels}",
                           "trainer.micro_batch_size=4", "trainer.grad_accum_steps=1", "trainer.max_steps=8",
-                          "trainer.eval_interval=8", "trainer.eval_batches=1", "trainer.log_interval=1",
+                          "trainer.eval_interval=8", "data.val_samples=4", "trainer.log_interval=1",
                           "trainer.save_interval=8", "optim.lr=1e-2", "optim.warmup_steps=1"])
     result = train(cfg, tmp_path / "run")
     evals = [r for r in result.history if "val_micro_f1" in r]
@@ -399,7 +422,7 @@ def test_roberta_longdoc_recipes_tiny(tmp_path, roberta_bpe_dir, recipe):
     task = cfg.data.build()
     model = cfg.model.build().eval()
     model.load_state_dict(load_file(result.checkpoint / "model.safetensors"))
-    batch = next(iter(task.eval_loader("val", 4)))  # eval_batches=1: the 4 validation documents
+    batch = next(iter(task.eval_loader("val", 4)))  # data.val_samples=4: the 4 validation documents
     with torch.no_grad():
         predicted = model(batch["input_ids"], batch["attention_mask"])[0] > 0
     actual = batch["labels"].bool()
@@ -414,7 +437,7 @@ def test_longdoc_demo_recipe_tiny(tmp_path, wordpiece_dir):
                           "data.corpus_bytes=200000", "data.n_train=32", "data.n_val=12", "data.n_test=4",
                           "data.min_tokens=100", "data.max_tokens=200", "data.evidence_start=40",
                           "data.evidence_end=98", *tiny_model_overrides(400, 100), "trainer.micro_batch_size=8",
-                          "trainer.max_steps=6", "trainer.eval_interval=6", "trainer.eval_batches=2",
+                          "trainer.max_steps=6", "trainer.eval_interval=6", "data.val_samples=16",
                           "trainer.log_interval=1", "trainer.save_interval=6", "optim.warmup_steps=1"])
     result = train(cfg, tmp_path / "run")
     evals = [r for r in result.history if "val_accuracy" in r]

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import math
 
 import datasets
 import numpy as np
@@ -10,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError
 
 from flashtrain.data import corpus as corpus_module
 from flashtrain.data import lm
@@ -304,19 +306,36 @@ def test_val_loader_is_fixed_ordered_and_finite(stdlib_small):
     _, data = stdlib_small
     dataset = PackedLMDataset(data.val_path, data.seq_len)
     batch_size = 2
-    n_batches = len(dataset) // batch_size
-    assert n_batches >= 4
     passes = [list(make_val_loader(data, batch_size)) for _ in range(2)]
-    assert len(passes[0]) == n_batches
+    assert len(passes[0]) == math.ceil(len(dataset) / batch_size) >= 4  # max_samples None: every block
     for (x0, y0), (x1, y1) in zip(*passes):
         assert torch.equal(x0, x1) and torch.equal(y0, y1)
     for b, (x, _) in enumerate(passes[0]):
-        assert torch.equal(x, torch.stack([dataset[i][0] for i in range(b * batch_size, (b + 1) * batch_size)]))
-    assert len(make_val_loader(data, batch_size, max_batches=3)) == 3
-    rank1 = list(make_val_loader(data, batch_size, max_batches=4, rank=1, world_size=2))
-    assert len(rank1) == 2 and torch.equal(rank1[0][0], passes[0][1][0]) and torch.equal(rank1[1][0], passes[0][3][0])
-    with pytest.raises(ValueError, match="batch_size"):
-        make_val_loader(data, batch_size=len(dataset) + 1)
+        assert torch.equal(x, torch.stack([dataset[i][0] for i in range(b * batch_size,
+                                                                        min((b + 1) * batch_size, len(dataset)))]))
+    with pytest.raises(ValueError, match="the validation split .* fewer than the 2 processes"):
+        make_val_loader(data, batch_size=len(dataset), world_size=2)
+
+
+@pytest.mark.parametrize("max_samples", [5, 7])
+def test_val_loader_scores_the_same_blocks_for_any_batch_size_and_process_count(stdlib_small, max_samples):
+    """Validation scores the first max_samples blocks, whatever the micro-batch size and the number of processes:
+    rank r's batches are r, r + world_size, ... of one sequence of batches of consecutive blocks."""
+    _, data = stdlib_small
+    dataset = PackedLMDataset(data.val_path, data.seq_len)
+    assert len(dataset) > max_samples + 2
+    expected = torch.stack([dataset[i][0] for i in range(max_samples)])  # (max_samples, seq_len)
+    for batch_size in (1, 2, 3, 4, 8):
+        for world_size in (1, 2, 3):
+            n_batches = math.ceil(max_samples / batch_size)
+            if n_batches < world_size:
+                with pytest.raises(ValueError, match=f"fewer than the {world_size} processes"):
+                    make_val_loader(data, batch_size, max_samples, rank=0, world_size=world_size)
+                continue
+            per_rank = [[x for x, _ in make_val_loader(data, batch_size, max_samples, rank=r, world_size=world_size)]
+                        for r in range(world_size)]
+            in_order = [per_rank[b % world_size][b // world_size] for b in range(n_batches)]
+            assert torch.equal(torch.cat(in_order), expected), (batch_size, world_size)
 
 
 def test_loaders_leave_the_global_rng_alone(stdlib_small):
@@ -336,7 +355,7 @@ def test_loaders_leave_the_global_rng_alone(stdlib_small):
 def test_config_is_a_structured_schema_and_validates(monkeypatch, tmp_path):
     schema = OmegaConf.structured(LMDataConfig)
     assert OmegaConf.to_object(OmegaConf.merge(schema, {"seq_len": 256})).seq_len == 256
-    with pytest.raises(Exception, match="vocab_sise"):
+    with pytest.raises(ConfigKeyError, match="vocab_sise"):
         OmegaConf.merge(schema, {"vocab_sise": 1})
     for bad in ({"val_fraction": 1.0}, {"vocab_size": 100}, {"seq_len": 0}, {"num_proc": 0}, {"max_bytes": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -10,7 +10,8 @@ from transformers import GPT2Config as HFGPT2Config
 from transformers import GPT2LMHeadModel
 
 from flashtrain.models import GPT2, GPT2Config
-from flashtrain.models.hf_convert import from_pretrained_hf, gpt2_config_from_hf, load_hf_state_dict, to_hf_state_dict
+from flashtrain.models.hf_convert import (from_pretrained_hf, gpt2_config_from_hf, gpt2_config_to_hf, load_hf_state_dict,
+                                          to_hf_state_dict)
 
 ATTN_IMPLS = ["sdpa", "reference", "flash"]  # "flash" on CPU dispatches to the reference
 TINY = dict(vocab_size=97, n_positions=64, n_embd=64, n_layer=2, n_head=4)
@@ -61,6 +62,27 @@ def test_logits_and_loss_match_hf(attn_impl, dtype):
     assert logits.shape == (3, 17, TINY["vocab_size"])
     assert (logits - hf_out.logits).abs().max().item() <= atol
     assert abs(loss.item() - hf_out.loss.item()) <= atol
+
+
+def test_non_default_hf_config_is_carried_over():
+    """Every HF field the conversion reads, away from its default (a LayerNorm epsilon of 1e-2 moves the logits by
+    ~1e-3, far above float64's 1e-10): the config keeps each one, the logits match HF's, and the export restores it."""
+    fields = dict(vocab_size=61, n_positions=48, n_embd=48, n_layer=3, n_head=6, layer_norm_epsilon=1e-2,
+                  resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.3)
+    torch.manual_seed(0)
+    hf_model = GPT2LMHeadModel(HFGPT2Config(**fields, bos_token_id=0, eos_token_id=0, attn_implementation="eager"))
+    hf_model = hf_model.double().eval()
+    perturb_(hf_model, seed=1)
+    config = gpt2_config_from_hf(hf_model.config, attn_impl="sdpa")
+    assert (config.vocab_size, config.n_positions, config.n_embd, config.n_layer, config.n_head) == (61, 48, 48, 3, 6)
+    assert (config.layer_norm_eps, config.dropout, config.attn_dropout) == (1e-2, 0.2, 0.3)
+    model = from_pretrained_hf(GPT2, hf_model, attn_impl="sdpa").eval()
+    input_ids = torch.randint(0, 61, (2, 48), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = (model(input_ids)[0] - hf_model(input_ids).logits).abs().max().item()
+    assert diff <= LOGITS_ATOL[torch.float64]
+    back = gpt2_config_to_hf(config, eos_token_id=0)
+    assert {k: getattr(back, k) for k in fields} == fields
 
 
 def test_load_old_style_hf_checkpoint():

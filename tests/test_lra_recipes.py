@@ -57,7 +57,7 @@ def test_recipes_have_lra_hyperparameters():
 def tiny(recipe, tmp_path, *extra):
     return [f"recipe={recipe}", "name=test", "logger=none", f"data.cache_dir={tmp_path / 'cache'}",
             "data.num_proc=1", "model.n_layer=1", "model.n_head=2", "model.d_model=16", "model.d_ff=32",
-            "model.dropout=0.0", "model.attn_dropout=0.0", "trainer.log_interval=1", "trainer.eval_batches=2",
+            "model.dropout=0.0", "model.attn_dropout=0.0", "trainer.log_interval=1", "data.val_samples=null",
             "optim.warmup_steps=2", *extra]
 
 
@@ -79,6 +79,18 @@ def check_test_record(cfg, result, n_test):
     return final
 
 
+def check_val_record(cfg, result, n_val):
+    """The run's last validation record equals evaluate_split of the final checkpoint over the whole val split."""
+    last = [r for r in result.history if "val_accuracy" in r][-1]
+    model = cfg.model.build()
+    model.load_state_dict(load_file(result.checkpoint / "model.safetensors"))
+    val = evaluate_split(model, cfg.data.build(), "val", batch_size=2)
+    assert val["samples"] == n_val and last["step"] == result.final_step
+    assert val["accuracy"] == pytest.approx(last["val_accuracy"], abs=1e-12)
+    assert val["loss"] == pytest.approx(last["val_loss"], rel=1e-5)
+    assert last["val_accuracy"] * n_val == pytest.approx(round(last["val_accuracy"] * n_val), abs=1e-9)
+
+
 def test_tiny_lra_text_run(tmp_path):
     cfg = compose_config(tiny("lra-text", tmp_path, f"data.source={FIXTURES / 'text'}", "data.max_length=32",
                               "model.max_len=33", "model.attn_impl=sdpa", "trainer.micro_batch_size=3",
@@ -91,6 +103,7 @@ def test_tiny_lra_text_run(tmp_path):
     # tokens are real bytes only: reviews of 28 bytes or more cut at 32, 3 reviews per step
     seen = [0] + [r["tokens"] for r in result.history if "train_loss" in r]
     assert len(seen) == 4 and all(3 * 28 <= b - a <= 3 * 32 for a, b in zip(seen, seen[1:])), seen
+    check_val_record(cfg, result, n_val=4)  # LRA validates Text on the test reviews
     check_test_record(cfg, result, n_test=4)
 
 
@@ -100,6 +113,7 @@ def test_tiny_lra_retrieval_run(tmp_path):
                               "trainer.max_steps=2", "trainer.eval_interval=2", "trainer.save_interval=2"))
     result = train(cfg, tmp_path / "run")
     assert [r["step"] for r in result.history if "val_accuracy" in r] == [0, 2]
+    check_val_record(cfg, result, n_val=2)
     check_test_record(cfg, result, n_test=2)
     single = compose_config(tiny("lra-retrieval", tmp_path, f"data.source={FIXTURES / 'retrieval'}",
                                  "data.max_length=64", "model.max_len=65", "model.dual=false"))
@@ -108,13 +122,14 @@ def test_tiny_lra_retrieval_run(tmp_path):
 
 
 def test_tiny_lra_image_run(tmp_path):
+    # the last 5 of the 10 training images validate
     cfg = compose_config(tiny("lra-image", tmp_path, f"data.source={FIXTURES / 'image'}", "model.attn_impl=sdpa",
-                              "trainer.micro_batch_size=3", "trainer.max_steps=2", "trainer.eval_interval=2",
-                              "trainer.save_interval=2"))
+                              "data.val_fraction=0.5", "trainer.micro_batch_size=3", "trainer.max_steps=2",
+                              "trainer.eval_interval=2", "trainer.save_interval=2"))
     result = train(cfg, tmp_path / "run")
     assert [r["tokens"] for r in result.history if "train_loss" in r] == [3 * 1024, 6 * 1024]  # no padding
-    evals = [r for r in result.history if "val_accuracy" in r]
-    assert [r["step"] for r in evals] == [0, 2] and all(r["val_accuracy"] in (0.0, 1.0) for r in evals)  # 1 image
+    assert [r["step"] for r in result.history if "val_accuracy" in r] == [0, 2]
+    check_val_record(cfg, result, n_val=5)
     check_test_record(cfg, result, n_test=4)
 
 
@@ -136,7 +151,7 @@ def test_tiny_path64_then_pathx_and_path256(tmp_path):
                           ("path256", ["model.block_sparse=null", "model.attn_impl=sdpa"])):
         cfg = compose_config(tiny(recipe, tmp_path, *pathfinder, "data.resolution=64", "model.max_len=4097",
                                   f"init_from={runs}", "trainer.micro_batch_size=1", "trainer.max_steps=1",
-                                  "trainer.eval_interval=1", "trainer.eval_batches=1", "trainer.save_interval=1",
+                                  "trainer.eval_interval=1", "data.val_samples=1", "trainer.save_interval=1",
                                   "data.n_val=1", "data.n_test=1", *extra))
         result = train(cfg, tmp_path / recipe)
         start = cfg.model.build()

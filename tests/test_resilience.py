@@ -30,7 +30,7 @@ from test_train import ROOT, tiny_overrides
 # 9 steps, dropout on (a resume must restore the RNG states), checkpoints at 3, 6 and 9 (all kept)
 EXACT = ["model.dropout=0.1", "model.attn_dropout=0.1", "trainer.max_steps=9", "trainer.log_interval=1",
          "trainer.eval_interval=3", "trainer.save_interval=3", "trainer.keep_checkpoints=3", "data.sample_tokens=0",
-         "trainer.eval_batches=2"]
+         "data.val_samples=16"]
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +252,7 @@ def test_no_checkpoint_from_nonfinite_weights(cache_dir, tmp_path, monkeypatch):
 # ---- signals: a real `python launch.py` process -------------------------------------------------------------------
 
 # ~13 ms a step on 2 idle CPU cores: signalled at step 10, 90 steps leave time to stop mid-run
-LAUNCH = ["trainer.max_steps=100", "trainer.log_interval=1", "trainer.eval_interval=1000", "trainer.eval_batches=2",
+LAUNCH = ["trainer.max_steps=100", "trainer.log_interval=1", "trainer.eval_interval=1000", "data.val_samples=16",
           "trainer.save_interval=1000", "data.sample_tokens=0", "model.dropout=0.1"]
 
 

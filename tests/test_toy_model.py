@@ -25,7 +25,7 @@ def toy_run(tmp_path_factory):
                  "data.max_bytes=300000", "data.val_fraction=0.1", "data.vocab_size=512", "data.num_proc=1",
                  f"data.cache_dir={tmp_path / 'cache'}", "data.sample_tokens=0", "trainer.micro_batch_size=8",
                  "trainer.max_steps=30", "trainer.log_interval=5", "trainer.eval_interval=15",
-                 "trainer.eval_batches=4", "trainer.save_interval=30", "optim.lr=3e-3", "optim.warmup_steps=5",
+                 "data.val_samples=32", "trainer.save_interval=30", "optim.lr=3e-3", "optim.warmup_steps=5",
                  f"hydra.run.dir={run_dir}"]
     proc = subprocess.run([sys.executable, "launch.py", *overrides], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=ENV)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.errors import ConfigCompositionException
 
 from flashtrain.train import train
 from flashtrain.train.checkpoint import latest_checkpoint, resolve_resume, write_manifest
@@ -32,7 +33,7 @@ def tiny_overrides(cache_dir, *extra):
         "model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.n_positions=128",
         "data.max_bytes=300000", "data.val_fraction=0.1", "data.vocab_size=512", "data.num_proc=1", f"data.cache_dir={cache_dir}",
         "trainer.micro_batch_size=8", "trainer.max_steps=40", "trainer.log_interval=5",
-        "trainer.eval_interval=20", "trainer.eval_batches=4", "trainer.save_interval=20",
+        "trainer.eval_interval=20", "data.val_samples=32", "trainer.save_interval=20",
         "data.sample_tokens=16",
         "optim.lr=3e-3", "optim.warmup_steps=5",
         *extra,
@@ -53,7 +54,7 @@ def test_default_recipe_composes_to_typed_config():
     ("model.n_layers=3", "n_layers"),
 ])
 def test_misspelled_key_is_rejected(override, key):
-    with pytest.raises(Exception, match=key):
+    with pytest.raises(ConfigCompositionException, match=f"Could not override '{override.split('=')[0]}'"):
         compose_config(["name=x", override])
 
 

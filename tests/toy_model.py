@@ -42,7 +42,7 @@ class ToyConfig:
             raise ValueError(f"the toy model trains on causal_lm data; the data is {data.task}")
         if self.vocab_size < data.vocab_size:
             raise ValueError(f"model.vocab_size={self.vocab_size} is smaller than the data's {data.vocab_size}")
-        if data.max_length > self.n_positions:
+        if data.max_length is not None and data.max_length > self.n_positions:
             raise ValueError(f"{data.length_field}={data.max_length} exceeds model.n_positions={self.n_positions}")
 
 

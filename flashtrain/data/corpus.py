@@ -12,10 +12,18 @@ A corpus is named by one string:
 Every corpus is capped at `max_bytes` of UTF-8 text (0: no cap): documents are taken in order and the one that
 crosses the cap is cut there. `open_corpus` is cheap (no tokenization, no copy of large files) so that a cache
 hit costs next to nothing; `Corpus.documents()` does the reading.
+
+Bad files. A local file that cannot be read, that is not UTF-8 (.txt, .jsonl), that has a line which is not a JSON
+object with a string `text_field` (.jsonl), or that is not a parquet file with a `text_field` column (.parquet) is
+skipped: a `CorpusFileSkippedWarning` names each one and why, with the count ("2 of 40 files skipped"), and the
+token caches record them (meta.json's "skipped_files"), so a cache hit warns again. When every file is skipped, or
+the corpus holds no text at all, `documents()` stops with a ValueError naming the corpus. The standard library's
+few files in legacy encodings are skipped too; the corpus description counts them.
 """
 
 from __future__ import annotations
 
+import codecs
 import functools
 import glob
 import hashlib
@@ -23,6 +31,7 @@ import json
 import os
 import sys
 import sysconfig
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +48,10 @@ LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
 STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
+class CorpusFileSkippedWarning(UserWarning):
+    """Local corpus files that cannot be read as text were left out (the module docstring's rule)."""
+
+
 @dataclass(frozen=True)
 class Corpus:
     """A fixed, ordered list of text documents."""
@@ -47,10 +60,30 @@ class Corpus:
     description: str  # one line for logs and meta.json
     identity: str  # sha256 hex of everything that decides the documents (content, or file paths+sizes+mtimes)
     _load: Callable[[], datasets.Dataset] = field(repr=False, compare=False)
+    # (file, why) of each local file that documents() left out; filled when documents() runs
+    skipped: list[tuple[str, str]] = field(default_factory=list, compare=False)
 
     def documents(self) -> datasets.Dataset:
-        """The documents as a Dataset with one column "text", in corpus order, capped at max_bytes."""
-        return self._load()
+        """The documents as a Dataset with one column "text", in corpus order, capped at max_bytes. ValueError when
+        there is no text at all."""
+        documents = self._load()
+        # stops at the first non-empty document: one batch read in any real corpus
+        if not any(text.strip() for batch in documents.iter(batch_size=1000) for text in batch["text"]):
+            raise ValueError(f"corpus={self.spec!r} ({self.description}) holds no text: "
+                             f"{len(documents)} documents, all empty or blank")
+        return documents
+
+
+def warn_skipped(corpus: str, skipped: list, n_files: int | None = None, cached: bool = False) -> None:
+    """One CorpusFileSkippedWarning naming the skipped (file, why) pairs (the first 10) and their count."""
+    if not skipped:
+        return
+    listed = "\n  ".join(f"{path}: {why}" for path, why in skipped[:10])
+    more = f"\n  ... and {len(skipped) - 10} more" if len(skipped) > 10 else ""
+    of = f" of {n_files}" if n_files is not None else ""
+    when = " when its token cache was built" if cached else ""
+    warnings.warn(f"corpus={corpus!r}: {len(skipped)}{of} files skipped{when} (unreadable or not text; see "
+                  f"flashtrain/data/corpus.py):\n  {listed}{more}", CorpusFileSkippedWarning, stacklevel=2)
 
 
 def open_corpus(corpus: str, text_field: str = "text", max_bytes: int = 0,
@@ -91,14 +124,16 @@ def stdlib_files(root: str | os.PathLike | None = None) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _read_stdlib(max_bytes: int) -> tuple[list[str], list[str]]:
-    """(relative paths, texts) of the stdlib files that fill max_bytes; the last text is cut at the cap."""
+def _read_stdlib(max_bytes: int) -> tuple[list[str], list[str], int]:
+    """(relative paths, texts, files skipped as not UTF-8) of the stdlib files that fill max_bytes; the last text is
+    cut at the cap."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    names, texts, total = [], [], 0
+    names, texts, total, n_skipped = [], [], 0, 0
     for path in stdlib_files(root):
         try:
             text = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError:  # test data in legacy encodings (test/encoded_modules/...)
+            n_skipped += 1
             continue
         names.append(path.relative_to(root).as_posix())
         texts.append(text)
@@ -107,18 +142,19 @@ def _read_stdlib(max_bytes: int) -> tuple[list[str], list[str]]:
             break
     n_whole, tail = _cap(texts, max_bytes)
     texts = texts[:n_whole] + ([tail] if tail else [])
-    return names[:len(texts)], texts
+    return names[:len(texts)], texts, n_skipped
 
 
 def _open_stdlib(max_bytes: int) -> Corpus:
-    names, texts = _read_stdlib(max_bytes)  # ~10 ms per MB: cheap enough to hash the content itself
+    names, texts, n_skipped = _read_stdlib(max_bytes)  # ~10 ms per MB: cheap enough to hash the content itself
     content = hashlib.sha256()
     for name, text in zip(names, texts):
         content.update(name.encode() + b"\0" + text.encode("utf-8") + b"\0")
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
     return Corpus(
         spec=STDLIB,
-        description=f"Python {sys.version.split()[0]} stdlib: {len(texts)} files, {n_bytes:,} bytes",
+        description=f"Python {sys.version.split()[0]} stdlib: {len(texts)} files, {n_bytes:,} bytes"
+                    + (f" ({n_skipped} files in legacy encodings skipped)" if n_skipped else ""),
         identity=fingerprint({"kind": STDLIB, "content": content.hexdigest(), "max_bytes": max_bytes}),
         _load=functools.partial(_load_texts, texts),
     )
@@ -157,16 +193,66 @@ def _open_local(corpus: str, text_field: str, max_bytes: int, hf_cache_dir) -> C
     # file stats, not content: hashing gigabytes on every start would cost more than the cache saves
     stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     builder = LOCAL_BUILDERS[files[0].suffix]
+    skipped: list[tuple[str, str]] = []
     return Corpus(
         spec=corpus,
         description=f"{len(files)} local {files[0].suffix} files, {sum(s[1] for s in stats):,} bytes on disk",
         identity=fingerprint({"kind": "files", "files": stats, "text_field": text_field, "max_bytes": max_bytes}),
-        _load=functools.partial(_load_local, builder, [str(p) for p in files], text_field, max_bytes,
-                                None if hf_cache_dir is None else str(hf_cache_dir)),
+        _load=functools.partial(_load_local, corpus, builder, [str(p) for p in files], text_field, max_bytes,
+                                None if hf_cache_dir is None else str(hf_cache_dir), skipped),
+        skipped=skipped,
     )
 
 
-def _load_local(builder: str, files: list[str], text_field: str, max_bytes: int, cache_dir) -> datasets.Dataset:
+def file_problem(path: Path, builder: str, text_field: str) -> str | None:
+    """Why a local corpus file cannot be read as documents (the module docstring's rule), or None."""
+    try:
+        if builder == "parquet":
+            import pyarrow.parquet as pq  # datasets' own dependency
+
+            try:
+                names = pq.ParquetFile(path).schema_arrow.names
+            except Exception as error:  # pyarrow raises ArrowInvalid and others for a file that is not parquet
+                return f"is not a parquet file ({type(error).__name__}: {error})"
+            return None if text_field in names else f"has no column text_field={text_field!r} (columns: {names})"
+        with open(path, "rb") as f:
+            if builder == "text":
+                decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+                while chunk := f.read(1 << 22):
+                    try:
+                        decoder.decode(chunk)
+                    except UnicodeDecodeError as error:
+                        return f"is not UTF-8 text (byte {offset + error.start}: {error.reason})"
+                    offset += len(chunk)
+                try:
+                    decoder.decode(b"", final=True)
+                except UnicodeDecodeError as error:
+                    return f"is not UTF-8 text (it ends inside a character: {error.reason})"
+                return None
+            for number, line in enumerate(f, start=1):  # builder "json": JSON lines
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line.decode("utf-8"))
+                except UnicodeDecodeError as error:
+                    return f"line {number} is not UTF-8 ({error.reason})"
+                except ValueError as error:
+                    return f"line {number} is not JSON ({error})"
+                if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
+                    return f"line {number} is not a JSON object with a string text_field={text_field!r}"
+            return None
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+
+
+def _load_local(corpus: str, builder: str, files: list[str], text_field: str, max_bytes: int, cache_dir,
+                skipped: list) -> datasets.Dataset:
+    skipped[:] = [(path, why) for path in files if (why := file_problem(Path(path), builder, text_field))]
+    if len(skipped) == len(files):
+        raise ValueError(f"corpus={corpus!r}: none of its {len(files)} files can be read as text:\n  "
+                         + "\n  ".join(f"{path}: {why}" for path, why in skipped[:10]))
+    warn_skipped(corpus, skipped, len(files))
+    files = [path for path in files if path not in {p for p, _ in skipped}]
     if builder == "text":  # a whole file is one document: EOS marks where a text ends, not where a line does
         ds = datasets.load_dataset("text", data_files=files, split="train", sample_by="document", cache_dir=cache_dir)
         return _cap_dataset(ds, max_bytes)

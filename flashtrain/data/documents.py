@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader, Dataset
 from flashtrain.data.cache import DEFAULT_CACHE_DIR, publish_dir, resolve_cache_dir, temporary_dir, token_dtype
 from flashtrain.data.corpus import HUB_PREFIX, fingerprint, open_corpus
 from flashtrain.data.samplers import ResumableBatchSampler, ordered_batches
-from flashtrain.data.task import DataSpec, Task
+from flashtrain.data.task import DataSpec, Task, check_splits, check_val_samples
 from flashtrain.data.tokenizer import hf_tokenizer_fingerprint, load_hf_tokenizer
 from flashtrain.models.padding import Unpadding
 
@@ -87,11 +87,25 @@ class DocumentDataConfig:
     seed: int = 1234  # order of training batches (LongDocConfig: also the samples)
     cache_dir: str = DEFAULT_CACHE_DIR  # left at the default, $FLASHTRAIN_CACHE_DIR wins
     num_workers: int = 0  # DataLoader worker processes
+    # validation passes score the first val_samples documents of the val split, for any micro-batch size and process
+    # count (null: the whole split)
+    val_samples: Optional[int] = None
     kind: ClassVar[str]  # names the cache directory: <kind>-<key>
 
     def build(self) -> "DocumentClassificationTask":
         """Prepare the data (or find it in the cache) and return its task."""
         return DocumentClassificationTask(self)
+
+    def labels_before_preparing(self) -> tuple[Optional[int], str]:
+        """(number of labels, or None when only the prepared data knows; problem_type)."""
+        raise NotImplementedError
+
+    def preview(self) -> DataSpec:
+        """What build() provides, known without reading the documents (the tokenizer is loaded)."""
+        tokenizer = load_hf_tokenizer(self.tokenizer)
+        num_labels, problem_type = self.labels_before_preparing()
+        return DataSpec("document_classification", len(tokenizer), self.max_length, "data.max_length",
+                        tokenizer.pad_token_id, num_labels, problem_type)
 
     def source_identity(self) -> dict:
         """What identifies the source's content (part of the cache key)."""
@@ -115,6 +129,7 @@ class DocumentDataConfig:
             raise ValueError(f"data.seed must be >= 0, got {self.seed}")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        check_val_samples(self.val_samples)
 
 
 @dataclass
@@ -131,6 +146,9 @@ class EcthrConfig(DocumentDataConfig):
 
     def key_fields(self) -> dict:
         return {"num_labels": self.num_labels, "max_stored_tokens": self.max_stored_tokens}
+
+    def labels_before_preparing(self) -> tuple[Optional[int], str]:
+        return self.num_labels, "multi_label"
 
     def write_splits(self, tokenizer, directory: Path) -> dict:
         return _write_texts(directory, tokenizer, *_read_ecthr(self), self.max_stored_tokens)
@@ -154,6 +172,9 @@ class MimicConfig(DocumentDataConfig):
 
     def key_fields(self) -> dict:
         return {"max_stored_tokens": self.max_stored_tokens}
+
+    def labels_before_preparing(self) -> tuple[Optional[int], str]:
+        return None, "multi_label"  # the label set is the codes found in the files
 
     def write_splits(self, tokenizer, directory: Path) -> dict:
         return _write_texts(directory, tokenizer, *_read_mimic(self), self.max_stored_tokens)
@@ -182,7 +203,10 @@ class LongDocConfig(DocumentDataConfig):
 
     def key_fields(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if k not in ("tokenizer", "max_length", "cache_dir", "num_workers")}
+                if k not in ("tokenizer", "max_length", "cache_dir", "num_workers", "val_samples")}
+
+    def labels_before_preparing(self) -> tuple[Optional[int], str]:
+        return len(self.markers), "single_label"
 
     def write_splits(self, tokenizer, directory: Path) -> dict:
         return _generate_longdoc(self, tokenizer, directory)
@@ -313,6 +337,9 @@ def _load_ecthr(path: str) -> datasets.DatasetDict:
     if path.startswith(HUB_PREFIX):
         name, _, config = path[len(HUB_PREFIX):].partition(":")
         data = datasets.load_dataset(name, config or None)
+        missing = [theirs for theirs in LOCAL_SPLIT_NAMES.values() if theirs not in data]
+        if missing:
+            raise ValueError(f"data.path={path!r} has no {' and no '.join(missing)} split (its splits: {list(data)})")
         return datasets.DatasetDict({ours: data[theirs] for ours, theirs in LOCAL_SPLIT_NAMES.items()})
     files = _local_split_files(path)
     builder = "json" if files["train"].suffix == ".jsonl" else "parquet"
@@ -483,7 +510,11 @@ class DocumentClassificationTask(Task):
         self.tokenizer, self.tokenizer_name = load_hf_tokenizer(cfg.tokenizer), cfg.tokenizer
         self.splits = prepare_documents(cfg, self.tokenizer)
         self.max_length, self.seed, self.num_workers = cfg.max_length, cfg.seed, cfg.num_workers
+        self.val_samples = cfg.val_samples
         self.problem_type, self.num_labels = self.splits.problem_type, self.splits.num_labels
+        check_splits(f"data {cfg.kind} ({self.splits.directory})",
+                     {split: np.load(self.splits.directory / f"{split}.labels.npy") for split in SPLITS},
+                     self.num_labels)
         self.pad_id = self.tokenizer.pad_token_id
         self.spec = DataSpec("document_classification", len(self.tokenizer), self.max_length, "data.max_length",
                              self.pad_id, self.num_labels, self.problem_type)
@@ -497,11 +528,9 @@ class DocumentClassificationTask(Task):
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=pad_collate(self.pad_id),
                           num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 
-    def eval_loader(self, split, batch_size, rank=0, world_size=1, max_batches=None):
-        """`split` in order, batches of consecutive documents (the last may be short)."""
+    def eval_loader(self, split, batch_size, rank=0, world_size=1, max_samples=None):
         dataset = self.dataset(split)
-        batches = ordered_batches(len(dataset), batch_size, rank, world_size, max_batches, full_only=False,
-                                  what=f"the {split} split")
+        batches = ordered_batches(len(dataset), batch_size, rank, world_size, max_samples, what=f"the {split} split")
         return DataLoader(dataset, batch_sampler=batches, collate_fn=pad_collate(self.pad_id),
                           pin_memory=torch.cuda.is_available())
 

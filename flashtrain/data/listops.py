@@ -30,7 +30,7 @@ import numpy as np
 
 from flashtrain.data.cache import DEFAULT_CACHE_DIR
 from flashtrain.data.lra_cache import CachedSplits, build_cached, sample_seed
-from flashtrain.data.task import ClassificationTask
+from flashtrain.data.task import ClassificationTask, DataSpec, check_val_samples
 
 PAD_TOKEN = "<pad>"
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
@@ -58,15 +58,24 @@ class ListOpsConfig:
     seed: int = 0  # the data set is a pure function of the fields above
     num_proc: int = 0  # generating processes (0: every CPU); does not change the data
     cache_dir: str = DEFAULT_CACHE_DIR  # left at the default, $FLASHTRAIN_CACHE_DIR wins
+    # validation passes score the first val_samples samples of the val split, for any batch size and process count
+    # (null: the whole split)
+    val_samples: Optional[int] = None
 
     def build(self) -> ClassificationTask:
         """Generate the splits (or find them in the cache); their classification task."""
-        return ClassificationTask(prepare_listops(self), VOCAB_SIZE, NUM_CLASSES, PAD_ID, self.seed)
+        return ClassificationTask(prepare_listops(self), VOCAB_SIZE, NUM_CLASSES, PAD_ID, self.seed,
+                                  val_samples=self.val_samples)
+
+    def preview(self) -> DataSpec:
+        """What build() provides, known before generating: the longest sample is known only after."""
+        return DataSpec("classification", VOCAB_SIZE, None, "data.max_length", PAD_ID, NUM_CLASSES)
 
     def __post_init__(self) -> None:
         for name in ("n_train", "n_val", "n_test", "num_proc", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"listops.{name} must be >= 0, got {getattr(self, name)}")
+        check_val_samples(self.val_samples)
         if not 0 <= self.min_length < self.max_length - 1:
             raise ValueError(f"listops needs 0 <= min_length < max_length - 1, got min_length={self.min_length}, "
                              f"max_length={self.max_length}")

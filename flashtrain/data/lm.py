@@ -36,9 +36,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from flashtrain.data.cache import DEFAULT_CACHE_DIR, resolve_cache_dir, write_token_files
-from flashtrain.data.corpus import Corpus, fingerprint, open_corpus
+from flashtrain.data.corpus import Corpus, fingerprint, open_corpus, warn_skipped
 from flashtrain.data.samplers import ResumableBatchSampler, ordered_batches
-from flashtrain.data.task import DataSpec, Task
+from flashtrain.data.task import DataSpec, Task, check_processes, check_val_samples
 from flashtrain.data.tokenizer import (bpe_as_hf_tokenizer, eos_id, encode_ordinary, load_tokenizer, save_tokenizer,
                                        tokenizer_fingerprint, train_bpe)
 from flashtrain.models.gpt2 import SAMPLING
@@ -68,10 +68,20 @@ class LMDataConfig:
     num_workers: int = 0  # DataLoader worker processes (blocks are memmap slices: 0 is usually fast enough)
     sample_tokens: int = 120  # length of the text generated at the end of a run (0: none)
     sample_prompt: str = "def "  # prompt of that text
+    # validation passes score the first val_samples sequences of the val split, for any micro-batch size and process
+    # count (null: the whole split)
+    val_samples: Optional[int] = 160
 
     def build(self) -> "LMTask":
         """Prepare the data (or find it in the cache) and return its task."""
         return LMTask(self)
+
+    def preview(self) -> DataSpec:
+        """What build() provides, known without preparing the data: tokenizer_path's vocabulary (loaded, not trained),
+        or data.vocab_size, the most a BPE trained here can have."""
+        vocab_size = self.vocab_size if self.tokenizer_path is None else \
+            load_tokenizer(Path(self.tokenizer_path).expanduser()).get_vocab_size(with_added_tokens=True)
+        return DataSpec("causal_lm", vocab_size, self.seq_len, "data.seq_len")
 
     def __post_init__(self) -> None:
         if self.sample_tokens < 0:
@@ -86,10 +96,8 @@ class LMDataConfig:
             raise ValueError(f"data.seq_len must be >= 1, got {self.seq_len}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.num_proc < 1:
-            raise ValueError(f"data.num_proc must be >= 1, got {self.num_proc}")
-        if self.num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        check_processes(self.num_proc, self.num_workers)
+        check_val_samples(self.val_samples)
 
 
 @dataclass
@@ -106,6 +114,7 @@ class LMData:
     seed: int  # seeds the batch order (cfg.seed)
     n_train_tokens: int
     n_val_tokens: int
+    description: str  # the corpus, for messages
 
 
 def split_documents(n_documents: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -153,6 +162,8 @@ def prepare_lm_data(cfg: LMDataConfig) -> LMData:
     tokens_dir = cache_dir / "tokens" / tokens_key[:16]
     if (tokens_dir / "meta.json").is_file():
         logger.info("token cache hit: %s", tokens_dir)
+        warn_skipped(cfg.corpus, json.loads((tokens_dir / "meta.json").read_text()).get("skipped_files", []),
+                     cached=True)
     else:
         if documents is None:
             documents = corpus.documents()
@@ -171,6 +182,7 @@ def prepare_lm_data(cfg: LMDataConfig) -> LMData:
         seed=cfg.seed,
         n_train_tokens=meta["n_tokens"]["train"],
         n_val_tokens=meta["n_tokens"]["val"],
+        description=f"corpus={cfg.corpus!r} ({meta['corpus_description']})",
     )
 
 
@@ -189,7 +201,8 @@ def _tokenize_documents(corpus: Corpus, documents, tokenizer: Tokenizer, tokeniz
     split_indices = dict(zip(SPLITS, split_documents(len(tokenized), cfg.val_fraction, cfg.seed)))
     write_token_files(tokenized, split_indices, tokenizer.get_vocab_size(with_added_tokens=True), tokens_dir, {
         "eos_id": eos_id(tokenizer), "tokenizer_path": str(tokenizer_path), "corpus": corpus.spec,
-        "corpus_description": corpus.description, "val_fraction": cfg.val_fraction, "seed": cfg.seed})
+        "corpus_description": corpus.description, "val_fraction": cfg.val_fraction, "seed": cfg.seed,
+        "skipped_files": corpus.skipped})
 
 
 def _tokenize_batch(batch: dict, tokenizer: Tokenizer, eos_id: int) -> dict:
@@ -248,13 +261,13 @@ def make_train_loader(data: LMData, batch_size: int, rank: int = 0, world_size: 
                       pin_memory=torch.cuda.is_available(), generator=_loader_generator(data.seed))
 
 
-def make_val_loader(data: LMData, batch_size: int, max_batches: Optional[int] = None, rank: int = 0,
+def make_val_loader(data: LMData, batch_size: int, max_samples: Optional[int] = None, rank: int = 0,
                     world_size: int = 1, num_workers: int = 0) -> DataLoader:
-    """The validation split as full batches of consecutive blocks, in file order, the same every pass: batch b
-    holds blocks [b * batch_size, (b + 1) * batch_size). The first `max_batches` batches (None: all) are dealt
-    round-robin over ranks (rank r gets batches r, r + world_size, ...)."""
+    """The first `max_samples` blocks of the validation split (None: all), in file order, the same every pass: batch
+    b holds blocks [b * batch_size, (b + 1) * batch_size) (the last may be short), dealt round-robin over ranks
+    (rank r gets batches r, r + world_size, ...): the same blocks for any batch size and number of ranks."""
     dataset = PackedLMDataset(data.val_path, data.seq_len)
-    batches = ordered_batches(len(dataset), batch_size, rank, world_size, max_batches, full_only=True,
+    batches = ordered_batches(len(dataset), batch_size, rank, world_size, max_samples,
                               what=f"the validation split (blocks of seq_len={data.seq_len} tokens)")
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
                       pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
@@ -274,18 +287,26 @@ class LMTask(Task):
     Metrics: val_loss (mean cross-entropy per token) and val_ppl."""
 
     def __init__(self, cfg: LMDataConfig):
-        self.cfg = cfg
+        self.cfg, self.val_samples = cfg, cfg.val_samples
         self.data = prepare_lm_data(cfg)
+        block = cfg.seq_len + 1
+        for split, n_tokens, knob in (("training", self.data.n_train_tokens, "1 - data.val_fraction"),
+                                      ("validation", self.data.n_val_tokens, "data.val_fraction")):
+            if n_tokens < block:
+                raise ValueError(f"{self.data.description}: the {split} split holds {n_tokens} tokens, fewer than one "
+                                 f"sequence of data.seq_len + 1 = {block}; every run needs a training and a validation "
+                                 f"sequence: use a larger corpus (data.max_bytes, data.corpus), a smaller "
+                                 f"data.seq_len, or change {knob}")
         self.spec = DataSpec("causal_lm", self.data.vocab_size, self.data.seq_len, "data.seq_len")
 
     def train_loader(self, batch_size, rank, world_size, start_batch):
         return make_train_loader(self.data, batch_size, rank=rank, world_size=world_size, start_batch=start_batch,
                                  num_workers=self.cfg.num_workers)
 
-    def eval_loader(self, split, batch_size, rank=0, world_size=1, max_batches=None):
+    def eval_loader(self, split, batch_size, rank=0, world_size=1, max_samples=None):
         if split != "val":
             raise ValueError(f"split: language-model data has a val split only, got {split!r}")
-        return make_val_loader(self.data, batch_size, max_batches=max_batches, rank=rank, world_size=world_size)
+        return make_val_loader(self.data, batch_size, max_samples=max_samples, rank=rank, world_size=world_size)
 
     def loss(self, model, batch) -> Tensor:
         x, y = batch

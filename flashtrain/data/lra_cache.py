@@ -80,11 +80,12 @@ class CachedSplits:
 
 
 def build_cached(task: str, cfg, sizes: dict[str, int], sample_fn: SampleFn, *, cache_dir: str, num_proc: int,
-                 unique: bool, chunk_size: int, key_exclude: tuple[str, ...] = ("num_proc", "cache_dir")
+                 unique: bool, chunk_size: int, key_exclude: tuple[str, ...] = ("num_proc", "cache_dir", "val_samples")
                  ) -> CachedSplits:
     """Generate `sizes[split]` samples of each split with `sample_fn(cfg, split, index, attempt)`, or find them in
     the cache. `cfg` is a dataclass; its fields except `key_exclude` form the cache key. `num_proc` worker
-    processes (0: every CPU) each make `chunk_size` consecutive samples at a time; neither changes the result."""
+    processes (0: every CPU) each make `chunk_size` consecutive samples at a time; neither changes the result (nor
+    does val_samples, how much of the val split a validation pass scores)."""
     if set(sizes) != set(SPLITS) or any(n < 0 for n in sizes.values()):
         raise ValueError(f"sizes must give a count >= 0 for each of {SPLITS}, got {sizes}")
     if num_proc < 0:

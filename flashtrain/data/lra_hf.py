@@ -33,13 +33,13 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import datasets
 import numpy as np
 
 from flashtrain.data.cache import publish_dir
-from flashtrain.data.task import ClassificationTask
+from flashtrain.data.task import ClassificationTask, DataSpec, check_val_samples
 from flashtrain.data.corpus import fingerprint
 from flashtrain.data.cache import DEFAULT_CACHE_DIR, resolve_cache_dir
 from flashtrain.data.lra_cache import SPLITS, CachedSplits, default_num_proc
@@ -65,10 +65,18 @@ class LRATextConfig:
     num_proc: int = 0  # tokenizing processes (0: every CPU)
     cache_dir: str = DEFAULT_CACHE_DIR  # left at the default, $FLASHTRAIN_CACHE_DIR wins
     seed: int = 0  # the order of the training batches
+    # validation passes score the first val_samples samples of the val split, for any batch size and process count
+    # (null: the whole split)
+    val_samples: Optional[int] = 1600
 
     def build(self) -> ClassificationTask:
         """Byte tokens (byte + 1; 0 pads) of each review, cached; its classification task."""
-        return ClassificationTask(prepare_lra_text(self), BYTE_VOCAB_SIZE, self.num_classes, PAD_ID, self.seed)
+        return ClassificationTask(prepare_lra_text(self), BYTE_VOCAB_SIZE, self.num_classes, PAD_ID, self.seed,
+                                  val_samples=self.val_samples)
+
+    def preview(self) -> DataSpec:
+        """What build() provides, known before reading the source (the longest review is known only after)."""
+        return DataSpec("classification", BYTE_VOCAB_SIZE, None, "data.max_length", PAD_ID, self.num_classes)
 
     def __post_init__(self) -> None:
         _check_common("lra_text", self, self.max_length)
@@ -82,11 +90,19 @@ class LRARetrievalConfig:
     num_proc: int = 0
     cache_dir: str = DEFAULT_CACHE_DIR
     seed: int = 0
+    # validation passes score the first val_samples samples of the val split, for any batch size and process count
+    # (null: the whole split)
+    val_samples: Optional[int] = 1600
 
     def build(self) -> ClassificationTask:
         """Rows of two byte-token documents, each right-padded to half the row (model.dual splits it), cached."""
         return ClassificationTask(prepare_lra_retrieval(self), BYTE_VOCAB_SIZE, self.num_classes, PAD_ID, self.seed,
-                                  paired=True)
+                                  paired=True, val_samples=self.val_samples)
+
+    def preview(self) -> DataSpec:
+        """What build() provides, known before reading the source (the longest document is known only after)."""
+        return DataSpec("classification", BYTE_VOCAB_SIZE, None, "data.max_length", PAD_ID, self.num_classes,
+                        paired=True)
 
     def __post_init__(self) -> None:
         _check_common("lra_retrieval", self, self.max_length)
@@ -102,11 +118,18 @@ class LRAImageConfig:
     num_proc: int = 0
     cache_dir: str = DEFAULT_CACHE_DIR
     seed: int = 0
+    # validation passes score the first val_samples samples of the val split, for any batch size and process count
+    # (null: the whole split)
+    val_samples: Optional[int] = None
 
     def build(self) -> ClassificationTask:
         """Grayscale pixel values (0..255, no padding) of each image, cached; its classification task."""
         return ClassificationTask(prepare_lra_image(self), PIXEL_VOCAB_SIZE, self.num_classes, None, self.seed,
-                                  length_field="the image size")
+                                  length_field="the image size", val_samples=self.val_samples)
+
+    def preview(self) -> DataSpec:
+        """What build() provides, known before reading the source (the image size is known only after)."""
+        return DataSpec("classification", PIXEL_VOCAB_SIZE, None, "the image size", None, self.num_classes)
 
     def __post_init__(self) -> None:
         _check_common("lra_image", self)
@@ -123,6 +146,7 @@ def _check_common(name: str, cfg, max_length: int = 1) -> None:
         raise ValueError(f"{name}.num_proc must be >= 0 (0: every CPU), got {cfg.num_proc}")
     if cfg.num_classes < 2:
         raise ValueError(f"{name}.num_classes must be >= 2, got {cfg.num_classes}")
+    check_val_samples(cfg.val_samples)
 
 
 # ---- tokens ------------------------------------------------------------------------------------------------------
@@ -187,12 +211,20 @@ def _source_dir(name: str, source: str) -> Path:
 
 def _text_or_image_files(name: str, source: str, suffixes: tuple[str, ...]) -> dict[str, Path]:
     directory = _source_dir(name, source)
-    return {split: _local_split_file(directory, split, suffixes) for split in ("train", "test")}
+    files = {split: _local_split_file(directory, split, suffixes) for split in ("train", "test")}
+    for split, path in files.items():
+        if path.stat().st_size == 0:
+            raise ValueError(f"{name}.source={source!r}: {path} is empty; the {split} split needs samples")
+    return files
 
 
 def _load_train_test(source: str, files: dict[str, Path] | None) -> datasets.DatasetDict:
     if files is None:
-        return datasets.load_dataset(source[len(HUB_PREFIX):])
+        data = datasets.load_dataset(source[len(HUB_PREFIX):])
+        missing = [split for split in ("train", "test") if split not in data]
+        if missing:
+            raise ValueError(f"source={source!r} has no {' and no '.join(missing)} split (its splits: {list(data)})")
+        return data
     builders = {_builder(p) for p in files.values()}
     if len(builders) != 1:
         raise ValueError(f"source: train and test files must have one format, got {sorted(map(str, files.values()))}")
@@ -309,9 +341,9 @@ def _num_proc(num_proc: int, n_rows: int) -> int | None:
 # ---- cache -------------------------------------------------------------------------------------------------------
 
 def _cached(task: str, cfg, identity: dict, build) -> CachedSplits:
-    """The cache of `task` for `cfg` (fields except num_proc, cache_dir and seed) and `identity`, built by
-    `build() -> {split: (token arrays, labels)}` on a miss."""
-    config = {k: v for k, v in asdict(cfg).items() if k not in ("num_proc", "cache_dir", "seed")}
+    """The cache of `task` for `cfg` (fields except num_proc, cache_dir, seed and val_samples) and `identity`, built
+    by `build() -> {split: (token arrays, labels)}` on a miss."""
+    config = {k: v for k, v in asdict(cfg).items() if k not in ("num_proc", "cache_dir", "seed", "val_samples")}
     key = fingerprint({"version": CACHE_FORMAT_VERSION, "task": task, "config": config, "identity": identity})
     directory = resolve_cache_dir(cfg.cache_dir) / "lra" / f"{task}-{key[:16]}"
     if not (directory / "meta.json").is_file():

@@ -10,8 +10,9 @@ Masking is BERT's, drawn afresh every time a sequence is served (dynamic, as RoB
 n maskable tokens (at least 1; not [CLS], [SEP], [PAD]) are chosen; of those 80% become [MASK], 10% a random token,
 10% stay as they are; labels hold the original token at the chosen positions and -100 elsewhere. The random
 generator of sequence `index` served as part of batch `batch_number` is seeded with (seed, split, batch_number,
-index), so the masks are a pure function of the batch sequence: a resumed run masks exactly as an uninterrupted one,
-and the validation set is masked the same way on every pass.
+index), so the masks are a pure function of the batch sequence: a resumed run masks exactly as an uninterrupted one.
+Validation sequences are all seeded with batch number 0: sequence i is masked the same way on every pass, for any
+micro-batch size and number of processes.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from flashtrain.data.cache import DEFAULT_CACHE_DIR, resolve_cache_dir, write_token_files
-from flashtrain.data.corpus import fingerprint, open_corpus
+from flashtrain.data.corpus import fingerprint, open_corpus, warn_skipped
 from flashtrain.data.lm import SPLITS, split_documents
 from flashtrain.data.samplers import NumberedBatches, ResumableBatchSampler, ordered_batches
-from flashtrain.data.task import DataSpec, Task
+from flashtrain.data.task import DataSpec, Task, check_processes, check_val_samples
 from flashtrain.data.tokenizer import hf_tokenizer_fingerprint, load_hf_tokenizer
 from flashtrain.models.padding import Unpadding
 from flashtrain.pretrained import resolve_pretrained_path
@@ -59,10 +60,18 @@ class MaskedLMDataConfig:
     num_proc: int = 2  # processes that tokenize the corpus
     cache_dir: str = DEFAULT_CACHE_DIR  # left at the default, $FLASHTRAIN_CACHE_DIR wins
     num_workers: int = 0  # DataLoader worker processes (masking is numpy on one sequence: 0 is usually enough)
+    # validation passes score the first val_samples sequences of the val split, for any micro-batch size and process
+    # count (null: the whole split)
+    val_samples: Optional[int] = 160
 
     def build(self) -> "MaskedLMTask":
         """Prepare the data (or find it in the cache) and return its task."""
         return MaskedLMTask(self)
+
+    def preview(self) -> DataSpec:
+        """What build() provides, known without tokenizing the corpus (the tokenizer is loaded)."""
+        tokenizer = load_hf_tokenizer(self.tokenizer)
+        return DataSpec("masked_lm", len(tokenizer), self.seq_len, "data.seq_len", tokenizer.pad_token_id)
 
     def __post_init__(self) -> None:
         if not self.corpus:
@@ -75,10 +84,8 @@ class MaskedLMDataConfig:
             raise ValueError(f"data.mask_prob must be in (0, 1), got {self.mask_prob}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
-        if self.num_proc < 1:
-            raise ValueError(f"data.num_proc must be >= 1, got {self.num_proc}")
-        if self.num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        check_processes(self.num_proc, self.num_workers)
+        check_val_samples(self.val_samples)
 
 
 @dataclass
@@ -114,7 +121,16 @@ def prepare_mlm_data(cfg: MaskedLMDataConfig) -> MaskedLMData:
     tokens_dir = cache_dir / "mlm" / key[:16]
     if not (tokens_dir / "meta.json").is_file():
         _tokenize_documents(corpus, tokenizer, cfg, tokens_dir)
+    else:
+        warn_skipped(cfg.corpus, json.loads((tokens_dir / "meta.json").read_text()).get("skipped_files", []),
+                     cached=True)
     meta = json.loads((tokens_dir / "meta.json").read_text())
+    block = cfg.seq_len - 2
+    for split in SPLITS:
+        if meta["n_tokens"][split] < block:
+            raise ValueError(f"corpus={cfg.corpus!r} ({corpus.description}): the {split} split holds "
+                             f"{meta['n_tokens'][split]} tokens, fewer than one sequence of data.seq_len - 2 = "
+                             f"{block}; use a larger corpus, a smaller data.seq_len, or change data.val_fraction")
     logger.info("%s: %d train / %d val tokens (%.1f s)", corpus.description, meta["n_tokens"]["train"],
                 meta["n_tokens"]["val"], time.perf_counter() - start)
     return MaskedLMData(
@@ -151,7 +167,7 @@ def _tokenize_documents(corpus, tokenizer, cfg: MaskedLMDataConfig, tokens_dir: 
     split_indices = dict(zip(SPLITS, split_documents(len(tokenized), cfg.val_fraction, cfg.seed)))
     write_token_files(tokenized, split_indices, len(tokenizer), tokens_dir, {
         "tokenizer": cfg.tokenizer, "corpus": corpus.spec, "corpus_description": corpus.description,
-        "val_fraction": cfg.val_fraction, "seed": cfg.seed})
+        "val_fraction": cfg.val_fraction, "seed": cfg.seed, "skipped_files": corpus.skipped})
 
 
 # ---- masking and serving -----------------------------------------------------------------------------------------
@@ -229,15 +245,14 @@ def make_mlm_train_loader(data: MaskedLMData, batch_size: int, rank: int = 0, wo
                       pin_memory=torch.cuda.is_available())
 
 
-def make_mlm_val_loader(data: MaskedLMData, batch_size: int, max_batches: Optional[int] = None, rank: int = 0,
+def make_mlm_val_loader(data: MaskedLMData, batch_size: int, max_samples: Optional[int] = None, rank: int = 0,
                         world_size: int = 1) -> DataLoader:
-    """Validation batches of consecutive sequences, masked the same way every pass; the first max_batches full
-    batches (None: all) dealt round-robin over ranks."""
+    """Validation batches of consecutive sequences of the first max_samples (None: all), dealt round-robin over ranks
+    (samplers.ordered_batches); sequence i is masked the same way on every pass, whatever batch and rank it is in."""
     dataset = MaskedLMDataset(data, "val")
-    batches = ordered_batches(len(dataset), batch_size, rank, world_size, max_batches, full_only=True,
+    batches = ordered_batches(len(dataset), batch_size, rank, world_size, max_samples,
                               what=f"the validation split (sequences of seq_len={data.seq_len})")
-    # batch b is numbered b whichever rank reads it: its masks are the same for any number of processes
-    numbered = [[(number, i) for i in batch] for number, batch in zip(range(rank, len(dataset), world_size), batches)]
+    numbered = [[(0, i) for i in batch] for batch in batches]  # batch number 0 for all: masks depend on i only
     return DataLoader(dataset, batch_sampler=numbered, collate_fn=collate_with_unpadding,
                       pin_memory=torch.cuda.is_available())
 
@@ -250,17 +265,17 @@ class MaskedLMTask(Task):
     val_mlm_accuracy (share of predicted tokens whose argmax is the original)."""
 
     def __init__(self, cfg: MaskedLMDataConfig):
-        self.data = prepare_mlm_data(cfg)
+        self.data, self.val_samples = prepare_mlm_data(cfg), cfg.val_samples
         self.num_workers, self.tokenizer_name = cfg.num_workers, cfg.tokenizer
         self.spec = DataSpec("masked_lm", self.data.vocab_size, self.data.seq_len, "data.seq_len", self.data.pad_id)
 
     def train_loader(self, batch_size, rank, world_size, start_batch):
         return make_mlm_train_loader(self.data, batch_size, rank, world_size, start_batch, self.num_workers)
 
-    def eval_loader(self, split, batch_size, rank=0, world_size=1, max_batches=None):
+    def eval_loader(self, split, batch_size, rank=0, world_size=1, max_samples=None):
         if split != "val":
             raise ValueError(f"split: masked-LM data has a val split only, got {split!r}")
-        return make_mlm_val_loader(self.data, batch_size, max_batches, rank, world_size)
+        return make_mlm_val_loader(self.data, batch_size, max_samples, rank, world_size)
 
     def loss(self, model, batch) -> Tensor:
         return model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],

@@ -52,7 +52,7 @@ import numpy as np
 
 from flashtrain.data.cache import DEFAULT_CACHE_DIR
 from flashtrain.data.lra_cache import CachedSplits, build_cached, sample_seed
-from flashtrain.data.task import ClassificationTask
+from flashtrain.data.task import ClassificationTask, DataSpec, check_val_samples
 
 MAX_TURN = math.radians(45)  # largest change of direction between consecutive dashes of a curve
 CURVE_LENGTHS = (6, 9, 14)  # dashes per curve: easy, intermediate, hard
@@ -103,10 +103,18 @@ class PathfinderConfig:
     seed: int = 0  # the data set is a pure function of the fields above
     num_proc: int = 0  # generating processes (0: every CPU); does not change the data
     cache_dir: str = DEFAULT_CACHE_DIR  # left at the default, $FLASHTRAIN_CACHE_DIR wins
+    # validation passes score the first val_samples samples of the val split, for any batch size and process count
+    # (null: the whole split)
+    val_samples: Optional[int] = None
 
     def build(self) -> ClassificationTask:
         """Generate the splits (or find them in the cache): pixel values 0..255, no padding, connected or not."""
-        return ClassificationTask(prepare_pathfinder(self), 256, 2, None, self.seed, length_field="data.resolution")
+        return ClassificationTask(prepare_pathfinder(self), 256, 2, None, self.seed, length_field="data.resolution",
+                                  val_samples=self.val_samples)
+
+    def preview(self) -> DataSpec:
+        """What build() provides, known before generating: resolution**2 pixel tokens 0..255, 2 classes."""
+        return DataSpec("classification", 256, self.resolution ** 2, "data.resolution", None, 2)
 
     def __post_init__(self) -> None:
         if self.resolution not in GEOMETRY:
@@ -116,6 +124,7 @@ class PathfinderConfig:
         for name in ("n_train", "n_val", "n_test", "num_proc", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"pathfinder.{name} must be >= 0, got {getattr(self, name)}")
+        check_val_samples(self.val_samples)
 
 
 @dataclass

@@ -56,18 +56,22 @@ class ResumableBatchSampler(Sampler[list[int]]):
             epoch, first_step = epoch + 1, 0
 
 
-def ordered_batches(n_samples: int, batch_size: int, rank: int, world_size: int, max_batches: int | None,
-                    full_only: bool, what: str) -> list[list[int]]:
-    """This process's share of a split read in order, the same every pass: batches of consecutive sample indices
-    (full_only: only full batches; else the last may be short), the first `max_batches` (None: all) dealt
-    round-robin over ranks (rank r gets batches r, r + world_size, ...). `what` names the split in errors."""
-    n_batches = n_samples // batch_size if full_only else math.ceil(n_samples / batch_size)
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
+def ordered_batches(n_samples: int, batch_size: int, rank: int, world_size: int, max_samples: int | None,
+                    what: str) -> list[list[int]]:
+    """This process's share of the first `max_samples` samples of a split (None: all), read in order, the same every
+    pass: batches of batch_size consecutive sample indices (the last may be short) dealt round-robin over ranks (rank
+    r gets batches r, r + world_size, ...). Every process count and batch size scores the same samples. `what` names
+    the split in errors."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"{what}: max_samples must be >= 1 (or None: all), got {max_samples}")
+    n_scored = n_samples if max_samples is None else min(n_samples, max_samples)
+    n_batches = math.ceil(n_scored / batch_size)
     if n_batches < world_size:
-        raise ValueError(f"{what} has {n_samples} samples: {n_batches} {'full ' if full_only else ''}batches of "
+        raise ValueError(f"{what} has {n_samples} samples: {n_scored} scored make {n_batches} batches of "
                          f"batch_size={batch_size}, fewer than the {world_size} processes")
-    return [list(range(b * batch_size, min((b + 1) * batch_size, n_samples))) for b in range(rank, n_batches, world_size)]
+    return [list(range(b * batch_size, min((b + 1) * batch_size, n_scored))) for b in range(rank, n_batches, world_size)]
 
 
 class NumberedBatches(Sampler[list[tuple[int, int]]]):

@@ -2,7 +2,8 @@
 
 Each data config builds its task (`cfg.data.build()`): it prepares the data (or finds it in the cache) and says what
 it provides in a `DataSpec`, which the model config checks itself against (`check_model_fits`) before a model is
-built. A task turns into loaders of opaque batches (tuples or dicts of tensors), says how a model computes the
+built. `cfg.data.preview()` says beforehand, without preparing anything (no tokenizer training, no tokenizing, no
+generating), what it can already know, so that a model that cannot fit stops the start before that work. A task turns into loaders of opaque batches (tuples or dicts of tensors), says how a model computes the
 training loss of a batch, and reduces evaluation batches to metrics.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -22,16 +24,48 @@ TASKS = ("causal_lm", "masked_lm", "classification", "document_classification")
 
 @dataclass(frozen=True)
 class DataSpec:
-    """What prepared data gives a model; a model config's `check_data(spec)` raises ValueError on a mismatch."""
+    """What prepared data gives a model; a model config's `check_data(spec)` raises ValueError on a mismatch.
+    A preview (`cfg.data.preview()`, before the data is prepared) holds None where only the prepared data knows
+    (max_length, num_classes); check_data skips those."""
 
     task: str  # one of TASKS: the batches' form and what is predicted
-    vocab_size: int  # token ids are < vocab_size
-    max_length: int  # longest sample in tokens (paired rows: each document)
+    vocab_size: int  # token ids are < vocab_size (a preview: at most vocab_size)
+    max_length: Optional[int]  # longest sample in tokens (paired rows: each document)
     length_field: str  # the data config key that sets max_length, for messages ("data.seq_len")
     pad_id: Optional[int] = None  # the padding token; None: every token is real
     num_classes: Optional[int] = None  # classes or labels of classification tasks
     problem_type: str = "single_label"  # single_label | multi_label (document classification)
     paired: bool = False  # each row holds two documents side by side (LRA Retrieval)
+
+
+def check_processes(num_proc: int, num_workers: int) -> None:
+    """For data configs' __post_init__: data.num_proc (processes that tokenize) >= 1, data.num_workers (DataLoader
+    worker processes) >= 0."""
+    if num_proc < 1:
+        raise ValueError(f"data.num_proc must be >= 1, got {num_proc}")
+    if num_workers < 0:
+        raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+
+
+def check_val_samples(val_samples: int | None) -> None:
+    """For data configs' __post_init__: val_samples is None (the whole split) or >= 1."""
+    if val_samples is not None and val_samples < 1:
+        raise ValueError(f"data.val_samples must be >= 1 (or null: the whole validation split), got {val_samples}")
+
+
+def check_splits(source, labels: dict[str, np.ndarray], num_classes: int) -> None:
+    """Raise ValueError naming `source` and the split when a split is empty or holds a label outside
+    [0, num_classes): labels {split: (n,) class ids, or (n, num_classes) 0/1 rows of multi-label data}."""
+    for split, values in labels.items():
+        if len(values) == 0:
+            raise ValueError(f"{source}: the {split} split is empty; every split ({', '.join(labels)}) needs samples")
+        if values.ndim == 1:
+            bad = values[(values < 0) | (values >= num_classes)]
+            if len(bad):
+                raise ValueError(f"{source}: the {split} split has {len(bad)} labels outside [0, {num_classes}) "
+                                 f"(the number of classes), e.g. {int(bad[0])}")
+        elif values.shape[1] != num_classes:
+            raise ValueError(f"{source}: the {split} split has {values.shape[1]} label columns, not {num_classes}")
 
 
 def check_model_fits(model_cfg, data_cfg, spec: DataSpec) -> None:
@@ -48,14 +82,18 @@ class Task:
 
     spec: DataSpec
     eval_splits: tuple[str, ...] = ("val",)  # splits eval_loader reads; the trainer scores those after "val" at the end
+    # validation passes score the first val_samples samples of "val" (None: all), whatever the batch size and the
+    # number of processes (the data config's val_samples): curves of runs on one data configuration compare
+    val_samples: int | None = None
 
     def train_loader(self, batch_size: int, rank: int, world_size: int, start_batch: int) -> Iterable:
         """Endless batches for this process, skipping the first `start_batch` (resume)."""
         raise NotImplementedError
 
     def eval_loader(self, split: str, batch_size: int, rank: int = 0, world_size: int = 1,
-                    max_batches: int | None = None) -> Iterable:
-        """A fixed, finite set of `split` batches for this process (max_batches None: the whole split)."""
+                    max_samples: int | None = None) -> Iterable:
+        """This process's batches of the first `max_samples` samples of `split` (None: the whole split), in order
+        (samplers.ordered_batches)."""
         raise NotImplementedError
 
     def loss(self, model: torch.nn.Module, batch) -> Tensor:
@@ -97,8 +135,10 @@ class ClassificationTask(Task):
     eval_splits = ("val", "test")
 
     def __init__(self, splits, vocab_size: int, num_classes: int, pad_id: int | None, seed: int, paired: bool = False,
-                 length_field: str = "data.max_length"):
-        self.splits, self.seed, self.pad_id = splits, seed, pad_id
+                 length_field: str = "data.max_length", val_samples: int | None = None):
+        self.splits, self.seed, self.pad_id, self.val_samples = splits, seed, pad_id, val_samples
+        check_splits(splits.directory, {split: np.load(splits.directory / f"{split}.labels.npy")
+                                        for split in ("train", *self.eval_splits)}, num_classes)
         self.seq_len = splits.meta["max_length"]
         self.spec = DataSpec("classification", vocab_size, self.seq_len // 2 if paired else self.seq_len,
                              length_field, pad_id, num_classes, paired=paired)
@@ -112,11 +152,9 @@ class ClassificationTask(Task):
         sampler = ResumableBatchSampler(len(dataset), batch_size, self.seed, rank, world_size, start_batch)
         return DataLoader(dataset, batch_sampler=sampler, pin_memory=torch.cuda.is_available())
 
-    def eval_loader(self, split, batch_size, rank=0, world_size=1, max_batches=None):
-        """`split` in order, batches of consecutive samples (the last may be short)."""
+    def eval_loader(self, split, batch_size, rank=0, world_size=1, max_samples=None):
         dataset = self.dataset(split)
-        batches = ordered_batches(len(dataset), batch_size, rank, world_size, max_batches, full_only=False,
-                                  what=f"the {split} split")
+        batches = ordered_batches(len(dataset), batch_size, rank, world_size, max_samples, what=f"the {split} split")
         return DataLoader(dataset, batch_sampler=batches, pin_memory=torch.cuda.is_available())
 
     def loss(self, model, batch) -> Tensor:

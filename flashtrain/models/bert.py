@@ -112,10 +112,11 @@ class BertConfig:
         return check_backend(self.attn_impl, device, dtype, self.hidden_size // self.num_attention_heads)
 
     def check_data(self, data) -> None:
-        """Raise ValueError when the data (a flashtrain.data.spec.DataSpec) is not what this model reads."""
+        """Raise ValueError when the data (a flashtrain.data.task.DataSpec) is not what this model reads; a field
+        that is None (a preview, before the data is prepared) is not checked."""
         if data.task != HEAD_TASKS[self.head]:
             raise ValueError(f"model.head={self.head} trains on {HEAD_TASKS[self.head]} data; the data is {data.task}")
-        if self.head == "classification" and (self.num_labels, self.problem_type) != (data.num_classes,
+        if self.head == "classification" and data.num_classes is not None and (self.num_labels, self.problem_type) != (data.num_classes,
                                                                                      data.problem_type):
             raise ValueError(f"model.num_labels={self.num_labels}, model.problem_type={self.problem_type!r} differ "
                              f"from the data's {data.num_classes}, {data.problem_type!r}")
@@ -124,7 +125,7 @@ class BertConfig:
                              f"({data.vocab_size})")
         if self.pad_token_id != data.pad_id:
             raise ValueError(f"model.pad_token_id={self.pad_token_id} differs from the tokenizer's pad id {data.pad_id}")
-        if data.max_length > self.max_seqlen:
+        if data.max_length is not None and data.max_length > self.max_seqlen:
             raise ValueError(f"{data.length_field}={data.max_length} exceeds the model's longest input, "
                              f"{self.max_seqlen} tokens (model.max_length / max_position_embeddings)")
 

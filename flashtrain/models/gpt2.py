@@ -57,13 +57,14 @@ class GPT2Config:
         return check_backend(self.attn_impl, device, dtype, self.n_embd // self.n_head)
 
     def check_data(self, data) -> None:
-        """Raise ValueError when the data (a flashtrain.data.spec.DataSpec) is not what this model reads."""
+        """Raise ValueError when the data (a flashtrain.data.task.DataSpec) is not what this model reads; a field
+        that is None (a preview, before the data is prepared) is not checked."""
         if data.task != "causal_lm":
             raise ValueError(f"GPT-2 trains on causal_lm data (next-token prediction); the data is {data.task}")
         if self.vocab_size < data.vocab_size:
             raise ValueError(f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's vocabulary "
                              f"({data.vocab_size})")
-        if data.max_length > self.n_positions:
+        if data.max_length is not None and data.max_length > self.n_positions:
             raise ValueError(f"{data.length_field}={data.max_length} exceeds model.n_positions={self.n_positions}")
 
 

@@ -127,21 +127,22 @@ class LRAConfig:
         return check_backend(self.attn_impl, device, dtype, self.d_model // self.n_head, self.block_sparse is not None)
 
     def check_data(self, data) -> None:
-        """Raise ValueError when the data (a flashtrain.data.spec.DataSpec) is not what this model reads."""
+        """Raise ValueError when the data (a flashtrain.data.task.DataSpec) is not what this model reads; a field
+        that is None (a preview, before the data is prepared) is not checked."""
         if data.task != "classification":
             raise ValueError(f"the LRA classifier trains on classification data (token rows, one label each); the "
                              f"data is {data.task}")
         if self.vocab_size < data.vocab_size:
             raise ValueError(f"model.vocab_size={self.vocab_size} is smaller than the data's vocabulary "
                              f"({data.vocab_size})")
-        if self.num_classes != data.num_classes:
+        if data.num_classes is not None and self.num_classes != data.num_classes:
             raise ValueError(f"model.num_classes={self.num_classes} differs from the data's {data.num_classes}")
         if self.pad_id != data.pad_id:
             raise ValueError(f"model.pad_id={self.pad_id} differs from the data's padding id {data.pad_id}")
         if self.dual != data.paired:
             raise ValueError(f"model.dual={self.dual}, but the data's rows are "
                              f"{'document pairs' if data.paired else 'single sequences'}")
-        if data.max_length > self.max_tokens:
+        if data.max_length is not None and data.max_length > self.max_tokens:
             raise ValueError(f"the data's longest sample has {data.max_length} tokens, more than the model takes "
                              f"({self.max_tokens}: model.max_len={self.max_len}, pooling={self.pooling!r}); "
                              f"raise model.max_len")

@@ -62,6 +62,21 @@ def accelerate_warnings_only():
         logger.setLevel(level)
 
 
+def check_writable(*directories: Path) -> None:
+    """Create each directory and write and remove a file in it: a run or checkpoint folder that cannot be written
+    stops the start, not the first save (with every step before it lost). Each process probes with its own file."""
+    for directory in directories:
+        probe = Path(directory) / f".write-probe-{platform.node()}-{os.getpid()}"
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"probe")
+            probe.unlink()
+        except OSError as error:
+            raise PermissionError(f"{directory} cannot be written ({type(error).__name__}: {error.strerror or error}); "
+                                  f"the run saves its logs and checkpoints there. Make it writable or choose another "
+                                  f"run directory (hydra.run.dir=...)") from error
+
+
 def checkpoint_name(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}{step:08d}"
 

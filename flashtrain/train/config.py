@@ -2,20 +2,23 @@
 
 Every YAML file under conf/ starts from one of these schemas (its `defaults:` names `<thing>_schema`), so a
 misspelled key, in a file or on the command line, stops the start with "Key 'lr_typo' not in 'OptimConfig'".
-The root `FlashtrainConfig` ties the groups together; `launch.py` composes it and `to_object` turns it into these
-dataclasses, which also runs each one's `__post_init__` checks.
+Hydra lets `+key=value` add a key that no schema has (the fix its own error message suggests); `typed_config` stops
+those too, then turns the composed config into these dataclasses, which also runs each one's `__post_init__` checks.
+The root `FlashtrainConfig` ties the groups together; `launch.py` composes it and calls `typed_config`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from flashtrain.data.documents import EcthrConfig, LongDocConfig, MimicConfig
 from flashtrain.data.listops import ListOpsConfig
@@ -88,8 +91,7 @@ class TrainerConfig:
     # deterministic algorithms, cuBLAS's fixed workspace, and the attention kernel's deterministic backward (slower)
     deterministic: bool = False
     log_interval: int = 10  # steps between train-loss log lines
-    eval_interval: int = 50  # steps between validation passes (and one at the end)
-    eval_batches: int = 20  # validation micro-batches per pass
+    eval_interval: int = 50  # steps between validation passes (and one at the end); data.val_samples says how much
     save_interval: int = 100  # steps between checkpoints (and one at the end)
     keep_checkpoints: int = 2  # most recent checkpoints kept on disk
     # a step whose loss or gradient norm is not finite is skipped (no update); after this many in a row the run stops,
@@ -105,7 +107,7 @@ class TrainerConfig:
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"trainer.compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_interval", "eval_interval",
-                     "eval_batches", "save_interval", "keep_checkpoints", "max_nonfinite_steps"):
+                     "save_interval", "keep_checkpoints", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_minutes is not None and self.max_minutes <= 0:
@@ -155,6 +157,37 @@ class FlashtrainConfig:
         if self.init_position_extension not in ("repeat", "interpolate"):
             raise ValueError(f"init_position_extension must be repeat or interpolate, "
                              f"got {self.init_position_extension!r}")
+
+
+class UnknownConfigKeyError(ValueError):
+    """A key of the composed config that its schema does not have (typically added with `+group.key=value`)."""
+
+
+def unknown_keys(cfg: DictConfig, prefix: str = "") -> Iterator[tuple[str, str, list[str]]]:
+    """(dotted key, schema name, the schema's keys) of every key of `cfg` that is not a field of its node's dataclass
+    schema, depth first; nodes without a schema (plain dicts) are not checked."""
+    schema = OmegaConf.get_type(cfg)
+    names = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else None
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        if names is not None and key not in names:
+            yield path, schema.__name__, names
+            continue
+        child = cfg._get_node(key)
+        if OmegaConf.is_dict(child) and not child._is_none():  # a nested config (not a value)
+            yield from unknown_keys(child, path + ".")
+
+
+def typed_config(cfg: DictConfig) -> FlashtrainConfig:
+    """The composed config as its dataclasses (running their checks), after checking that every key, `+key=value`
+    included, belongs to its schema: OmegaConf's to_object would drop an unknown key silently."""
+    unknown = list(unknown_keys(cfg))
+    if unknown:
+        lines = [f"Key '{path.rsplit('.', 1)[-1]}' not in '{schema}' ({path}; {schema}'s keys: {', '.join(names)})"
+                 for path, schema, names in unknown]
+        raise UnknownConfigKeyError("\n".join(lines) + "\nEvery key, `+key=value` included, must be a field of its "
+                                    "schema (flashtrain/train/config.py and the model/data config classes)")
+    return OmegaConf.to_object(cfg)
 
 
 def job_dirname(override_dirname: str) -> str:

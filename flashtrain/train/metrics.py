@@ -6,22 +6,39 @@ import json
 from pathlib import Path
 
 
+def read_records(path: Path) -> tuple[list[dict], bool]:
+    """(the records of a metrics.jsonl, whether its last line was cut short and left out). Any other line that is not
+    a JSON record is an error naming the file and the line."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except ValueError as error:
+            if number == len(lines):
+                return records, True
+            raise ValueError(f"{path}, line {number}: not a JSON record ({error})") from None
+    return records, False
+
+
 class MetricsLog:
     def __init__(self, path: Path, enabled: bool = True, resumed_step: int | None = None):
         """A run resumed in its own directory (resumed_step: its checkpoint's step) appends to the same file; records
-        after that step (work lost with the interruption, about to be redone) are dropped first."""
+        after that step (work lost with the interruption, about to be redone) are dropped first, and so is a last
+        line cut short by a kill (it was written after the checkpoint)."""
         self.path = Path(path)
         self.enabled = enabled
         self.records: list[dict] = []
         if enabled and self.path.is_file():
-            self.records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            if resumed_step is not None and any(r["step"] > resumed_step for r in self.records):
-                self.records = [r for r in self.records if r["step"] <= resumed_step]
+            self.records, torn = read_records(self.path)
+            kept = [r for r in self.records if resumed_step is None or r["step"] <= resumed_step]
+            if torn or len(kept) < len(self.records):
+                self.records = kept
                 tmp = self.path.with_name(f".tmp-{self.path.name}")
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
                 tmp.replace(self.path)
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict) -> None:  # one line per record: a kill can cut only the last one
         self.records.append(record)
         if self.enabled:
             with open(self.path, "a") as f:

@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 
 from flashtrain.data.task import Task, check_model_fits
 from flashtrain.models.padding import Unpadding
-from flashtrain.train.checkpoint import (TrainState, accelerate_warnings_only, config_differences, config_fingerprint,
-                                        resolve_resume, save_checkpoint)
+from flashtrain.train.checkpoint import (TrainState, accelerate_warnings_only, check_writable, config_differences,
+                                        config_fingerprint, resolve_resume, save_checkpoint)
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.hf_files import save_model_files
 from flashtrain.train.metrics import MetricsLog
@@ -150,18 +150,21 @@ class Trainer:
         if tcfg.deterministic:
             use_deterministic_algorithms()
         self.main = accelerator.is_main_process
-        # before any data is prepared: attn_impl=flash that cannot run stops here, with the reason
+        # Everything that can stop the start does so before any data is prepared: attn_impl=flash that cannot run,
+        # the checkpoint to resume (verified) and its configuration, a run directory that cannot be written, a
+        # model that cannot take what the data will provide (the vocabulary before a tokenizer is trained)
         self.attention = cfg.model.attention_backend(accelerator.device, COMPUTE_DTYPES[accelerator.mixed_precision])
-        with accelerator.main_process_first():  # the main process prepares (and caches) the data first
-            self.task = cfg.data.build()
-        check_model_fits(cfg.model, cfg.data, self.task.spec)
-
         self.checkpoint = resolve_resume(cfg.resume, runs_of_name)
         if cfg.resume == "auto" and self.checkpoint is not None:
             self.run_dir = self.checkpoint.parent.parent  # the same run continues: its logs, checkpoints, wandb run
         self.config_fingerprint = config_fingerprint(cfg)
         if self.checkpoint is not None:
             self._check_resumed_config()
+        check_writable(self.run_dir, self.run_dir / "checkpoints")
+        check_model_fits(cfg.model, cfg.data, cfg.data.preview())
+        with accelerator.main_process_first():  # the main process prepares (and caches) the data first
+            self.task = cfg.data.build()
+        check_model_fits(cfg.model, cfg.data, self.task.spec)
         self._build_model()
         self.state = TrainState()
         # the scheduler is stepped here once per optimizer step (not through accelerate's per-process stepping)
@@ -247,7 +250,8 @@ class Trainer:
         rank, world = accelerator.process_index, accelerator.num_processes
         self.train_iter = iter(self.task.train_loader(tcfg.micro_batch_size, rank, world,
                                                       start_batch=self.state.batches_consumed))
-        self.val_loader = self.task.eval_loader("val", tcfg.micro_batch_size, rank, world, tcfg.eval_batches)
+        # the same validation samples for any micro-batch size and number of processes (the data's val_samples)
+        self.val_loader = self.task.eval_loader("val", tcfg.micro_batch_size, rank, world, self.task.val_samples)
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_model_files(self.base_model, self.task, self.run_dir)  # RUN_DIR/hf/: the tokenizer, the HF config
@@ -297,8 +301,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             return
         self.nonfinite_in_a_row = 0
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the learning rate of this step (logged with its loss)
         self.optimizer.step()
-        lr = self.scheduler.get_last_lr()[0]  # the rate of this update (the scheduler steps on to the next one)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
@@ -308,7 +312,7 @@ class Trainer:
         self.out_of_time = tcfg.max_minutes is not None and \
             (time.perf_counter() - self.start_time) / 60 >= tcfg.max_minutes
         if state.step % tcfg.log_interval == 0 or self._last_step():
-            self._log_training(loss_sum, lr)
+            self._log_training(loss_sum)
 
     def _finite_step(self, loss_sum: torch.Tensor, grad_norm) -> bool:
         """False, counting the step as skipped, when the loss or the gradient norm is not finite on any process (with
@@ -328,12 +332,12 @@ class Trainer:
                     f"{self.state.skipped_nonfinite} in this run", progress=True)
         return False
 
-    def _log_training(self, loss_sum: torch.Tensor, lr: float) -> None:
+    def _log_training(self, loss_sum: torch.Tensor) -> None:
         train_loss = self.accelerator.reduce(loss_sum / self.tcfg.grad_accum_steps, reduction="mean").item()
         tok_s = (self.state.tokens_seen - self.tokens_at_log) / max(self.interval_seconds, 1e-9)
         self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen
-        self._record(train_loss=train_loss, lr=lr, tokens_per_s=tok_s)
-        self.pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+        self._record(train_loss=train_loss, lr=self.step_lr, tokens_per_s=tok_s)
+        self.pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{self.step_lr:.2e}", tok_s=f"{tok_s:,.0f}")
 
     def _last_step(self) -> bool:
         return self.state.step == self.end_step or self.out_of_time
@@ -385,8 +389,8 @@ class Trainer:
                                                self.tcfg.keep_checkpoints, self.config_fingerprint)
 
     def evaluate(self, split: str = "val") -> dict[str, float]:
-        """Score `split` ("val": trainer.eval_batches batches; other splits whole) and log it, its metrics named
-        "<split>_*"; tracks the best validation loss."""
+        """Score `split` ("val": the data's first val_samples samples; other splits whole) and log it, its metrics
+        named "<split>_*"; tracks the best validation loss."""
         tcfg, accelerator = self.tcfg, self.accelerator
         loader = self.val_loader if split == "val" else self.task.eval_loader(
             split, tcfg.micro_batch_size, accelerator.process_index, accelerator.num_processes)
