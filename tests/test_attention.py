@@ -550,3 +550,25 @@ def test_reference_per_head_block_mask_on_cuda_matches_oracle():
     )
     oracle = out_lse_grads(lambda q, k, v: naive_attention(q, k, v, **options), q, k, v, dout)
     assert_all_close(results, oracle, 1e-10)
+
+
+def test_numbers_of_any_numeric_type_are_accepted():
+    """dropout_p, softmax_scale and max_seqlen_q/k given as numpy scalars or 0-d tensors act as the Python numbers
+    (issue 22: numbers of any numeric type are accepted where a number is meant)."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 20, 2, 16) for _ in range(3))
+    expected = flash_attn_func(q, k, v, 0.0, 0.25, causal=True)
+    for dropout_p, scale in ((np.float32(0.0), np.float64(0.25)), (torch.tensor(0.0), torch.tensor(0.25)),
+                             (0, np.float16(0.25))):
+        torch.testing.assert_close(flash_attn_func(q, k, v, dropout_p, scale, causal=True), expected, rtol=0, atol=0)
+    cu = torch.tensor([0, 12, 20], dtype=torch.int32)
+    packed = [x.reshape(40, 2, 16)[:20] for x in (q, k, v)]
+    expected = flash_attn_varlen_func(*packed, cu, cu, 12, 12)
+    for max_len in (np.int64(12), torch.tensor(12)):
+        torch.testing.assert_close(flash_attn_varlen_func(*packed, cu, cu, max_len, max_len), expected, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="dropout_p must be a float, got ndarray"):
+        flash_attn_func(q, k, v, np.array([0.0, 0.1]))
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int, got float"):
+        flash_attn_varlen_func(*packed, cu, cu, np.float64(12.0), 12)

@@ -155,8 +155,7 @@ def test_bad_files_are_skipped_named_and_counted(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CorpusFileSkippedWarning)
         first = train(compose_config(overrides), tmp_path / "run")
-    # preparing the data skips it, warned once (the run directory's hf/ files take the tokenizer from the task, they
-    # do not prepare the data again); the run from the token cache below warns again
+    # preparing the data skips it, warned once (the run directory's hf/ files take the task's tokenizer: no second read)
     messages = [str(w.message) for w in caught if w.category is CorpusFileSkippedWarning]
     assert len(messages) == 1 and re.search(rf"1 of 4 files skipped .*\n  {bad}: {re.escape(why)}", messages[0])
     assert first.final_step == 1

@@ -9,6 +9,7 @@ layout only; the batch form is adapted to it here.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from typing import TYPE_CHECKING, TypedDict
 
@@ -95,7 +96,7 @@ def flash_attn_func(
         raise ValueError(f"k: batch size {k.shape[0]} differs from q's {q.shape[0]}")
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    softmax_scale = _check_scalars(dropout_p, softmax_scale, causal, head_dim)
+    dropout_p, softmax_scale = _check_scalars(dropout_p, softmax_scale, causal, head_dim)
     _check_block_mask(block_mask, q, nheads, seqlen_q, seqlen_k)
     _check_dropout_mask(dropout_mask, q, dropout_p, (batch, nheads, seqlen_q, seqlen_k))
 
@@ -152,8 +153,9 @@ def flash_attn_varlen_func(
     block_mask, dropout_mask, generator = options["block_mask"], options["dropout_mask"], options["generator"]
     _check_qkv(q, k, v, rank=3, layout="(total, nheads, head_dim)")
     nheads, head_dim = q.shape[1], q.shape[2]
+    max_seqlen_q, max_seqlen_k = _number(max_seqlen_q, integral=True), _number(max_seqlen_k, integral=True)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
-    softmax_scale = _check_scalars(dropout_p, softmax_scale, causal, head_dim)
+    dropout_p, softmax_scale = _check_scalars(dropout_p, softmax_scale, causal, head_dim)
     _check_block_mask(block_mask, q, nheads, max_seqlen_q, max_seqlen_k)
     _check_dropout_mask(dropout_mask, q, dropout_p, (nheads, q.shape[0], max_seqlen_k))
 
@@ -252,8 +254,20 @@ def _check_options(function: str, options: dict) -> AttentionOptions:
     return options
 
 
-def _check_scalars(dropout_p, softmax_scale, causal, head_dim: int) -> float:
-    """Validates flash-attn's positional options; returns the softmax scale to use."""
+def _number(value, integral: bool = False):
+    """A number given as any numeric type -- Python, numpy scalar, 0-d tensor (read with .item()) -- as a Python int
+    or float; anything else (bools included) unchanged, for the callers' type checks to name."""
+    if isinstance(value, Tensor) and value.dim() == 0 and value.dtype != torch.bool:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integral else numbers.Real):
+        return value
+    return int(value) if integral else float(value)
+
+
+def _check_scalars(dropout_p, softmax_scale, causal, head_dim: int) -> tuple[float, float]:
+    """Validates flash-attn's positional options; returns (dropout_p, the softmax scale to use) as Python floats."""
+    dropout_p = _number(dropout_p)
+    softmax_scale = _number(softmax_scale)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
@@ -266,7 +280,7 @@ def _check_scalars(dropout_p, softmax_scale, causal, head_dim: int) -> float:
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    return float(softmax_scale)
+    return float(dropout_p), float(softmax_scale)
 
 
 def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q: Tensor, k: Tensor) -> None:

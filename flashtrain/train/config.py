@@ -174,7 +174,7 @@ def unknown_keys(cfg: DictConfig, prefix: str = "") -> Iterator[tuple[str, str, 
             yield path, schema.__name__, names
             continue
         child = cfg._get_node(key)
-        if OmegaConf.is_dict(child) and not child._is_none():  # a nested config (not a value)
+        if OmegaConf.is_dict(child) and not child._is_none():  # a nested node (not a value)
             yield from unknown_keys(child, path + ".")
 
 
