@@ -413,9 +413,6 @@ BAD_BATCH_CALLS = [
     (dict(causal=1), TypeError, "causal"),
     (dict(generator=0), TypeError, "generator"),
     (dict(impl="triton"), ValueError, "impl"),
-    (dict(return_lse=1), TypeError, "return_lse"),
-    (dict(deterministic="yes"), TypeError, "deterministic"),
-    (dict(window_size=(-1, -1)), TypeError, "unexpected keyword argument 'window_size'"),  # a flash-attn option
     # every other branch of the validation, each by its own message
     (dict(q=[[1.0]]), TypeError, "q must be a torch.Tensor, got list"),
     (dict(k=torch.randn(2, 140, 2, 16), v=torch.randn(2, 140, 2, 16)), ValueError, "k: head_dim 16 differs from q's 32"),
@@ -432,6 +429,9 @@ BAD_BATCH_CALLS = [
     (dict(dropout_p=0.1, dropout_mask=[[True]]), TypeError, "dropout_mask must be a torch.Tensor or None, got list"),
     (dict(dropout_p=0.1, dropout_mask=torch.ones(2, 4, 130, 140, dtype=torch.bool, device="meta")), ValueError,
      "dropout_mask is on meta but q is on cpu"),
+    (dict(return_lse=1), TypeError, "return_lse"),
+    (dict(deterministic="yes"), TypeError, "deterministic"),
+    (dict(window_size=(-1, -1)), TypeError, "unexpected keyword argument 'window_size'"),  # a flash-attn option
 ]
 
 
@@ -453,13 +453,13 @@ BAD_VARLEN_CALLS = [
     (dict(q=torch.randn(2, 15, 4, 32)), ValueError, "q must have 3 dims"),
     (dict(block_mask=torch.ones(2, 1, dtype=torch.bool)), ValueError, "block_mask"),
     (dict(dropout_p=0.1, dropout_mask=torch.ones(4, 30, 20, dtype=torch.bool)), ValueError, "dropout_mask"),
-    (dict(impl="triton"), ValueError, "impl"),
-    (dict(softcap=30.0), TypeError, r"flash_attn_varlen_func\(\) got an unexpected keyword argument 'softcap'"),
     (dict(cu_seqlens_k=[0, 5, 20]), TypeError, "cu_seqlens_k must be a torch.Tensor, got list"),
     (dict(cu_seqlens_q=torch.tensor([0, 10, 30], dtype=torch.int32, device="meta")), ValueError,
      "cu_seqlens_q is on meta but q is on cpu"),
     (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0, got -1"),
     (dict(max_seqlen_k=True), TypeError, "max_seqlen_k must be an int, got bool"),
+    (dict(impl="triton"), ValueError, "impl"),
+    (dict(softcap=30.0), TypeError, r"flash_attn_varlen_func\(\) got an unexpected keyword argument 'softcap'"),
 ]
 
 

@@ -49,19 +49,6 @@ class TrainState:
             setattr(self, key, value)
 
 
-@contextmanager
-def accelerate_warnings_only():
-    """Accelerate's INFO lines (six per save_state, naming where each file went) stay out of the progress bar;
-    its warnings still show."""
-    logger = logging.getLogger("accelerate")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def check_writable(*directories: Path) -> None:
     """Create each directory and write and remove a file in it: a run or checkpoint folder that cannot be written
     stops the start, not the first save (with every step before it lost). Each process probes with its own file."""
@@ -75,6 +62,19 @@ def check_writable(*directories: Path) -> None:
             raise PermissionError(f"{directory} cannot be written ({type(error).__name__}: {error.strerror or error}); "
                                   f"the run saves its logs and checkpoints there. Make it writable or choose another "
                                   f"run directory (hydra.run.dir=...)") from error
+
+
+@contextmanager
+def accelerate_warnings_only():
+    """Accelerate's INFO lines (six per save_state, naming where each file went) stay out of the progress bar;
+    its warnings still show."""
+    logger = logging.getLogger("accelerate")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def checkpoint_name(step: int) -> str:
