@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 from flashtrain.data.cache import DEFAULT_CACHE_DIR, resolve_cache_dir, write_token_files
 from flashtrain.data.corpus import Corpus, fingerprint, open_corpus, warn_skipped
 from flashtrain.data.samplers import ResumableBatchSampler, ordered_batches
-from flashtrain.data.task import DataSpec, Task, check_val_samples
+from flashtrain.data.task import DataSpec, Task, check_processes, check_val_samples
 from flashtrain.data.tokenizer import (bpe_as_hf_tokenizer, eos_id, encode_ordinary, load_tokenizer, save_tokenizer,
                                        tokenizer_fingerprint, train_bpe)
 from flashtrain.models.gpt2 import SAMPLING
@@ -96,10 +96,7 @@ class LMDataConfig:
             raise ValueError(f"data.seq_len must be >= 1, got {self.seq_len}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.num_proc < 1:
-            raise ValueError(f"data.num_proc must be >= 1, got {self.num_proc}")
-        if self.num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        check_processes(self.num_proc, self.num_workers)
         check_val_samples(self.val_samples)
 
 

@@ -33,7 +33,7 @@ from flashtrain.data.cache import DEFAULT_CACHE_DIR, resolve_cache_dir, write_to
 from flashtrain.data.corpus import fingerprint, open_corpus, warn_skipped
 from flashtrain.data.lm import SPLITS, split_documents
 from flashtrain.data.samplers import NumberedBatches, ResumableBatchSampler, ordered_batches
-from flashtrain.data.task import DataSpec, Task, check_val_samples
+from flashtrain.data.task import DataSpec, Task, check_processes, check_val_samples
 from flashtrain.data.tokenizer import hf_tokenizer_fingerprint, load_hf_tokenizer
 from flashtrain.models.padding import Unpadding
 from flashtrain.pretrained import resolve_pretrained_path
@@ -84,11 +84,8 @@ class MaskedLMDataConfig:
             raise ValueError(f"data.mask_prob must be in (0, 1), got {self.mask_prob}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        check_processes(self.num_proc, self.num_workers)
         check_val_samples(self.val_samples)
-        if self.num_proc < 1:
-            raise ValueError(f"data.num_proc must be >= 1, got {self.num_proc}")
-        if self.num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
 
 
 @dataclass

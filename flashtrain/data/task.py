@@ -38,6 +38,15 @@ class DataSpec:
     paired: bool = False  # each row holds two documents side by side (LRA Retrieval)
 
 
+def check_processes(num_proc: int, num_workers: int) -> None:
+    """For data configs' __post_init__: data.num_proc (processes that tokenize) >= 1, data.num_workers (DataLoader
+    worker processes) >= 0."""
+    if num_proc < 1:
+        raise ValueError(f"data.num_proc must be >= 1, got {num_proc}")
+    if num_workers < 0:
+        raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+
+
 def check_val_samples(val_samples: int | None) -> None:
     """For data configs' __post_init__: val_samples is None (the whole split) or >= 1."""
     if val_samples is not None and val_samples < 1:
