@@ -55,11 +55,12 @@ def command(name: str) -> str:
     return str(path) if path.is_file() else shutil.which(name)
 
 
-def launch(launcher: list[str], cwd: Path, *overrides: str, expect_ok: bool = True) -> tuple[int, str, str]:
-    """`<launcher> launch.py <overrides>` in `cwd`: (exit status, stdout, stderr)."""
+def launch(launcher: list[str], cwd: Path, *overrides: str, expect_ok: bool = True,
+           env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`<launcher> launch.py <overrides>` in `cwd`, with ENV and `env`: (exit status, stdout, stderr)."""
     cwd.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([*launcher, str(ROOT / "launch.py"), *overrides], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([*launcher, str(ROOT / "launch.py"), *overrides], cwd=cwd, env={**ENV, **(env or {})},
+                          capture_output=True, text=True, timeout=600)
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return proc.returncode, proc.stdout, proc.stderr
@@ -145,6 +146,33 @@ def test_fsdp_two_processes_equal_one_and_resume_2_to_1_to_2(reference, cache_di
     # an FSDP checkpoint resumes under FSDP only, and says so
     with pytest.raises(ValueError, match="was saved by FSDP, sharded state dict, this run is one process or DDP"):
         train(compose_config([*overrides, f"resume={tmp_path / 'c'}", "trainer.max_steps=7"]), tmp_path / "d")
+
+
+def test_fsdp_bf16_on_one_process_trains_as_one_plain_process(cache_dir, tmp_path):
+    """conf/accelerate/fsdp.yaml's bf16 (here CPU autocast) trains the model one process trains: fp32 parameters,
+    gradients and reductions under the trainer's autocast. Accelerate's own FSDP bf16 policy (bf16 parameters and
+    module outputs, no autocast) gave these 6 steps' losses rounded to bf16 and up to 0.012 off over 20 steps; bf16
+    parameters alone 5e-4 off. One thread per process in both runs (accelerate launch's processes have one): the
+    same float summation order, so the runs agree bit for bit."""
+    overrides = [*tiny_overrides(cache_dir, *STEPS), "trainer.precision=bf16"]
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    plain = launch([sys.executable], tmp_path, *overrides, f"hydra.run.dir={tmp_path / 'plain'}", env=one_thread)[1]
+    fsdp = launch([command("accelerate"), "launch", "--config_file", str(ROOT / "conf/accelerate/fsdp.yaml"),
+                   "--num_processes", "1", "--main_process_port", free_port()], tmp_path, *overrides,
+                  f"hydra.run.dir={tmp_path / 'fsdp'}", env=one_thread)[1]
+    assert "processes: 1 (FSDP2 full shard" in fsdp and "precision: bf16" in fsdp and "precision: bf16" in plain
+
+    plain_records, fsdp_records = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("plain", "fsdp"))
+    for key, steps in (("train_loss", [1, 2, 3, 4, 5, 6]), ("val_loss", [0, 3, 6])):
+        assert sorted(losses(fsdp_records, key)) == steps
+        assert losses(fsdp_records, key) == losses(plain_records, key), key
+    # not rounded to bf16 on the way out (FSDP's output_dtype): a float32 loss a bf16 could hold is a 1/65536 chance
+    assert all(torch.tensor(loss).bfloat16().item() != loss for loss in losses(fsdp_records).values())
+    # the same weights after 6 steps: the plain run's model.safetensors, FSDP's shard gathered without processes
+    step_6 = Path("checkpoints") / "step_00000006"
+    fsdp_state = model_state(tmp_path / "fsdp" / step_6)
+    for name, tensor in model_state(tmp_path / "plain" / step_6).items():
+        torch.testing.assert_close(fsdp_state[name], tensor, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 1, reason="accelerate launch starts one process per GPU here")

@@ -372,7 +372,9 @@ class Trainer:
             # gradients are reduced over processes only on the last micro-batch of the step
             sync = accelerator.no_sync(self.model) if micro < self.grad_accum_steps - 1 else nullcontext()
             with sync:
-                share = self.task.loss(self.model, batch).float() * (counts[micro] / total_count)
+                # autocast here, not only in the forward Accelerate wraps: its FSDP2 preparation wraps none
+                with accelerator.autocast():
+                    share = self.task.loss(self.model, batch).float() * (counts[micro] / total_count)
                 accelerator.backward(share * accelerator.num_processes)
             loss_sum += share.detach()
         state.samples_consumed += self.global_batch_size
