@@ -2,6 +2,10 @@
 
 A corpus is named by one string:
   "stdlib"               this Python's standard-library `.py` sources (no download; exists wherever Python does)
+  "python-site"          every `.py` file of this Python: the standard library plus every installed package
+                         (site-packages), one document per file, files with the same content kept once, in the order
+                         of their content's sha256 (so a cap takes an even sample of every package, not the first
+                         ones alphabetically); hundreds of MB where torch and transformers are installed
   PATH | DIR | GLOB      local `.txt` (one document per file), `.jsonl` (one document per line, field `text_field`)
                          or `.parquet` (one document per row, column `text_field`) files, one format per corpus
   "hf:NAME[:CONFIG]"     a Hugging Face Hub dataset, split "train", column `text_field`: downloaded whole (datasets'
@@ -18,7 +22,8 @@ object with a string `text_field` (.jsonl), or that is not a parquet file with a
 skipped: a `CorpusFileSkippedWarning` names each one and why, with the count ("2 of 40 files skipped"), and the
 token caches record them (meta.json's "skipped_files"), so a cache hit warns again. When every file is skipped, or
 the corpus holds no text at all, `documents()` stops with a ValueError naming the corpus. The standard library's
-few files in legacy encodings are skipped too; the corpus description counts them.
+few files in legacy encodings are skipped too; the corpus description counts them (python-site: a log line counts
+them, with the duplicates and blank files left out).
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import functools
 import glob
 import hashlib
 import json
+import logging
 import os
+import site
 import sys
 import sysconfig
 import warnings
@@ -40,7 +47,10 @@ from typing import Callable
 import datasets
 from tqdm.auto import tqdm
 
+logger = logging.getLogger(__name__)
+
 STDLIB = "stdlib"
+PYTHON_SITE = "python-site"
 HUB_PREFIX = "hf:"
 # file suffix -> the `datasets` packaged builder that reads it
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
@@ -100,6 +110,8 @@ def open_corpus(corpus: str, text_field: str = "text", max_bytes: int = 0,
         raise ValueError(f"streaming=True reads Hub corpora ('hf:NAME') only, got corpus={corpus!r}")
     if corpus == STDLIB:
         return _open_stdlib(max_bytes)
+    if corpus == PYTHON_SITE:
+        return _open_python_site(max_bytes)
     if corpus.startswith(HUB_PREFIX):
         if streaming:
             return _open_hub_streaming(corpus, text_field, max_bytes, hf_cache_dir)
@@ -164,6 +176,66 @@ def _load_texts(texts: list[str]) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": texts})
 
 
+# ---- python-site -----------------------------------------------------------------------------------------------
+
+def python_site_roots() -> list[Path]:
+    """The directories of this Python's `.py` files: the standard library and every site-packages directory (in a
+    virtual environment the base installation's standard library too), none inside another."""
+    paths = sysconfig.get_paths()
+    candidates = [paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")] + site.getsitepackages()
+    roots = sorted({Path(p).resolve() for p in candidates if Path(p).is_dir()})
+    return [root for root in roots if not any(other in root.parents for other in roots)]
+
+
+def python_site_files(roots: list[Path]) -> list[Path]:
+    """Every `.py` file under `roots`, sorted by path (symlinked directories not followed, __pycache__ skipped)."""
+    files = []
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+    return sorted(files)
+
+
+def _open_python_site(max_bytes: int, roots: list[Path] | None = None) -> Corpus:
+    roots = python_site_roots() if roots is None else roots
+    files = python_site_files(roots)
+    if not files:
+        raise FileNotFoundError(f"corpus={PYTHON_SITE!r}: no .py file under {[str(r) for r in roots]}")
+    # file stats, not content: the content (hundreds of MB) is read and hashed only when the caches miss
+    stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return Corpus(
+        spec=PYTHON_SITE,
+        description=f"Python {sys.version.split()[0]} stdlib + site-packages: {len(files)} .py files, "
+                    f"{sum(s[1] for s in stats):,} bytes on disk before deduplication"
+                    + (f", capped at {max_bytes:,} bytes" if max_bytes else ""),
+        identity=fingerprint({"kind": PYTHON_SITE, "files": stats, "max_bytes": max_bytes}),
+        _load=functools.partial(_load_python_site, files, max_bytes),
+    )
+
+
+def _load_python_site(files: list[Path], max_bytes: int) -> datasets.Dataset:
+    """One document per distinct non-blank UTF-8 file, ordered by the sha256 of its bytes, capped at max_bytes."""
+    by_hash, n_unreadable, n_blank = {}, 0, 0
+    for path in tqdm(files, desc="reading .py files", unit="file", mininterval=2.0):
+        try:
+            raw = path.read_bytes()
+            text = raw.decode("utf-8")
+        except (OSError, UnicodeDecodeError):  # a broken link, legacy-encoded test data
+            n_unreadable += 1
+            continue
+        if not text.strip():
+            n_blank += 1
+            continue
+        by_hash.setdefault(hashlib.sha256(raw).hexdigest(), text)  # a duplicate keeps the first path's copy
+    logger.info("corpus=%r: %d distinct documents of %d .py files (%d duplicates, %d blank, %d unreadable or not "
+                "UTF-8 left out)", PYTHON_SITE, len(by_hash), len(files),
+                len(files) - len(by_hash) - n_blank - n_unreadable, n_blank, n_unreadable)
+    texts = [by_hash[key] for key in sorted(by_hash)]
+    n_whole, tail = _cap(texts, max_bytes)
+    return _load_texts(texts[:n_whole] + ([tail] if tail else []))
+
+
 # ---- local files -----------------------------------------------------------------------------------------------
 
 def local_files(corpus: str) -> list[Path]:
@@ -177,7 +249,7 @@ def local_files(corpus: str) -> list[Path]:
         files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
     if not files:
         raise FileNotFoundError(
-            f"corpus={corpus!r} is not 'stdlib', a Hub dataset ('hf:NAME'), nor a file, directory or glob that "
+            f"corpus={corpus!r} is not 'stdlib', 'python-site', a Hub dataset ('hf:NAME'), nor a file, directory or glob that "
             f"matches any {'/'.join(LOCAL_BUILDERS)} file")
     suffixes = {p.suffix for p in files}
     if not suffixes <= LOCAL_BUILDERS.keys():

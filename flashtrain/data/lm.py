@@ -16,10 +16,19 @@ concurrent writer never leaves a half-written cache behind.
 Training reads the token file as non-overlapping blocks of seq_len + 1 tokens (`PackedLMDataset`), in an order that
 is a pure function of (seed, epoch, rank) and can start at any batch (`ResumableBatchSampler`), so a resumed run
 sees exactly the batches an uninterrupted one would.
+
+Document-aware packing (both off by default; batches are then (x, y)). A block holds the end of one document, whole
+documents and the start of another, each ended by EOS. `data.document_mask=true` keeps attention inside each of them:
+the loader's collate function finds the documents of the batch on the host (a new one starts at each block's first
+token and after each EOS: `document_offsets`) and hands the model their cu_seqlens, so attention runs through the
+varlen API on the packed B * T tokens (no padding, no host sync in the step). `data.reset_positions=true` restarts
+the position ids at each document start. Batches are then dicts {"input_ids", "targets"[, "cu_seqlens"]
+[, "position_ids"]}, the model's keyword arguments.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -31,6 +40,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
@@ -71,6 +81,10 @@ class LMDataConfig:
     # validation passes score the first val_samples sequences of the val split, for any micro-batch size and process
     # count (null: the whole split)
     val_samples: Optional[int] = 160
+    # attention stays inside each document of a packed block (varlen attention, cu_seqlens from the EOS tokens); the
+    # model's attn_impl must run packed inputs (flash, reference; auto where the CUDA kernel runs)
+    document_mask: bool = False
+    reset_positions: bool = False  # position ids restart at 0 at each document start (the token after an EOS)
 
     def build(self) -> "LMTask":
         """Prepare the data (or find it in the cache) and return its task."""
@@ -81,7 +95,7 @@ class LMDataConfig:
         or data.vocab_size, the most a BPE trained here can have."""
         vocab_size = self.vocab_size if self.tokenizer_path is None else \
             load_tokenizer(Path(self.tokenizer_path).expanduser()).get_vocab_size(with_added_tokens=True)
-        return DataSpec("causal_lm", vocab_size, self.seq_len, "data.seq_len")
+        return DataSpec("causal_lm", vocab_size, self.seq_len, "data.seq_len", document_mask=self.document_mask)
 
     def __post_init__(self) -> None:
         if self.sample_tokens < 0:
@@ -251,26 +265,54 @@ class PackedLMDataset(Dataset):
         return {**self.__dict__, "_tokens": None}
 
 
+def document_offsets(input_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
+    """input_ids (B, T) packed blocks -> (cu_seqlens (n + 1,) int32, position_ids (B, T) int64): the n documents of
+    the flattened B * T tokens and each token's position in its document. A document starts at each block's first
+    token and at each token after an EOS (the EOS ends the document before it); one cut by a block's end continues
+    in the next block as a new sequence. Call it on the loader's CPU batch: no device sync."""
+    B, T = input_ids.shape
+    starts = torch.ones(B, T, dtype=torch.bool)  # (B, T): True where a document starts
+    starts[:, 1:] = input_ids[:, :-1] == eos_id
+    cu_seqlens = F.pad(torch.nonzero(starts.flatten()).flatten().to(torch.int32), (0, 1), value=B * T)  # (n + 1,)
+    index = torch.arange(T).expand(B, T)  # (B, T)
+    last_start = torch.where(starts, index, 0).cummax(dim=1).values  # (B, T): where each token's document starts
+    return cu_seqlens, index - last_start
+
+
+def collate_documents(samples: list[tuple[Tensor, Tensor]], eos_id: int, document_mask: bool,
+                      reset_positions: bool) -> dict[str, Tensor]:
+    """collate_fn of document-aware packing: the stacked (x, y) as {"input_ids", "targets"} plus "cu_seqlens"
+    (document_mask) and "position_ids" (reset_positions) from document_offsets, built here on the host."""
+    input_ids = torch.stack([x for x, _ in samples])  # (B, T)
+    batch = {"input_ids": input_ids, "targets": torch.stack([y for _, y in samples])}
+    cu_seqlens, position_ids = document_offsets(input_ids, eos_id)
+    if document_mask:
+        batch["cu_seqlens"] = cu_seqlens
+    if reset_positions:
+        batch["position_ids"] = position_ids
+    return batch
+
+
 def make_train_loader(data: LMData, batch_size: int, rank: int = 0, world_size: int = 1, start_batch: int = 0,
-                      num_workers: int = 0, accum_steps: int = 1) -> DataLoader:
+                      num_workers: int = 0, accum_steps: int = 1, collate_fn=None) -> DataLoader:
     """Endless (x, y) batches of (batch_size, seq_len) int64 from the train split, for this rank, starting after
     `start_batch` of this rank's batches (count micro-batches, not optimizer steps); accum_steps micro-batches per
-    process make one optimizer step."""
+    process make one optimizer step. collate_fn: None, or collate_documents with its settings bound."""
     dataset = PackedLMDataset(data.train_path, data.seq_len)
     sampler = ResumableBatchSampler(len(dataset), batch_size, data.seed, rank, world_size, start_batch, accum_steps)
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_fn,
                       pin_memory=torch.cuda.is_available(), generator=_loader_generator(data.seed))
 
 
 def make_val_loader(data: LMData, batch_size: int, max_samples: Optional[int] = None, rank: int = 0,
-                    world_size: int = 1, num_workers: int = 0) -> DataLoader:
+                    world_size: int = 1, num_workers: int = 0, collate_fn=None) -> DataLoader:
     """The first `max_samples` blocks of the validation split (None: all), in file order, the same every pass: batch
     b holds blocks [b * batch_size, (b + 1) * batch_size) (the last may be short), dealt round-robin over ranks
     (rank r gets batches r, r + world_size, ...): the same blocks for any batch size and number of ranks."""
     dataset = PackedLMDataset(data.val_path, data.seq_len)
     batches = ordered_batches(len(dataset), batch_size, rank, world_size, max_samples,
                               what=f"the validation split (blocks of seq_len={data.seq_len} tokens)")
-    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
+    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, collate_fn=collate_fn,
                       pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
                       generator=_loader_generator(data.seed))
 
@@ -284,8 +326,9 @@ def _loader_generator(seed: int) -> torch.Generator:
 # ---- the task ----------------------------------------------------------------------------------------------------
 
 class LMTask(Task):
-    """Next-token prediction on packed blocks of a token file (GPT-style): batches (x, y) (B, seq_len) int64.
-    Metrics: val_loss (mean cross-entropy per token) and val_ppl."""
+    """Next-token prediction on packed blocks of a token file (GPT-style): batches (x, y) (B, seq_len) int64, or
+    with document-aware packing the dicts of collate_documents. Metrics: val_loss (mean cross-entropy per token) and
+    val_ppl."""
 
     def __init__(self, cfg: LMDataConfig):
         self.cfg, self.val_samples = cfg, cfg.val_samples
@@ -298,34 +341,48 @@ class LMTask(Task):
                                  f"sequence of data.seq_len + 1 = {block}; every run needs a training and a validation "
                                  f"sequence: use a larger corpus (data.max_bytes, data.corpus), a smaller "
                                  f"data.seq_len, or change {knob}")
-        self.spec = DataSpec("causal_lm", self.data.vocab_size, self.data.seq_len, "data.seq_len")
+        self.spec = DataSpec("causal_lm", self.data.vocab_size, self.data.seq_len, "data.seq_len",
+                             document_mask=cfg.document_mask)
+        self.collate_fn = None  # default collation: (x, y)
+        if cfg.document_mask or cfg.reset_positions:
+            self.collate_fn = functools.partial(collate_documents, eos_id=self.data.eos_id,
+                                                document_mask=cfg.document_mask, reset_positions=cfg.reset_positions)
 
     def train_loader(self, batch_size, rank, world_size, start_batch, accum_steps=1):
         return make_train_loader(self.data, batch_size, rank=rank, world_size=world_size, start_batch=start_batch,
-                                 num_workers=self.cfg.num_workers, accum_steps=accum_steps)
+                                 num_workers=self.cfg.num_workers, accum_steps=accum_steps, collate_fn=self.collate_fn)
 
     def eval_loader(self, split, batch_size, rank=0, world_size=1, max_samples=None):
         if split != "val":
             raise ValueError(f"split: language-model data has a val split only, got {split!r}")
-        return make_val_loader(self.data, batch_size, max_samples=max_samples, rank=rank, world_size=world_size)
+        return make_val_loader(self.data, batch_size, max_samples=max_samples, rank=rank, world_size=world_size,
+                               collate_fn=self.collate_fn)
+
+    @staticmethod
+    def _forward(model, batch) -> tuple[Tensor, Tensor]:
+        """(logits, mean loss) of a batch: (x, y), or collate_documents' dict of the model's keyword arguments."""
+        return model(**batch) if isinstance(batch, dict) else model(*batch)
+
+    @staticmethod
+    def _targets(batch) -> Tensor:
+        return batch["targets"] if isinstance(batch, dict) else batch[1]
 
     def loss(self, model, batch) -> Tensor:
-        x, y = batch
-        return model(x, y)[1]
+        return self._forward(model, batch)[1]
 
     def loss_count(self, batch) -> int:
-        return batch[1].numel()  # packed blocks: every target token is predicted
+        return self._targets(batch).numel()  # packed blocks: every target token is predicted
 
     def eval_sums(self, model, batch) -> dict[str, Tensor]:
-        x, y = batch
-        return {"loss": model(x, y)[1].float() * y.numel(), "tokens": torch.tensor(float(y.numel()))}
+        n_targets = self._targets(batch).numel()
+        return {"loss": self._forward(model, batch)[1].float() * n_targets, "tokens": torch.tensor(float(n_targets))}
 
     def eval_metrics(self, sums):
         val_loss = sums["loss"] / sums["tokens"]
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
     def tokens(self, batch) -> int:
-        return batch[0].numel()
+        return self._targets(batch).numel()
 
     def hf_tokenizer(self):
         return bpe_as_hf_tokenizer(self.data.tokenizer)

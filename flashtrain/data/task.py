@@ -36,6 +36,7 @@ class DataSpec:
     num_classes: Optional[int] = None  # classes or labels of classification tasks
     problem_type: str = "single_label"  # single_label | multi_label (document classification)
     paired: bool = False  # each row holds two documents side by side (LRA Retrieval)
+    document_mask: bool = False  # causal_lm: batches carry cu_seqlens; attention must stay inside each document
 
 
 def check_processes(num_proc: int, num_workers: int) -> None:

@@ -61,6 +61,9 @@ class GPT2Config:
         that is None (a preview, before the data is prepared) is not checked."""
         if data.task != "causal_lm":
             raise ValueError(f"GPT-2 trains on causal_lm data (next-token prediction); the data is {data.task}")
+        if data.document_mask and self.attn_impl == "sdpa":
+            raise ValueError("data.document_mask=true attends inside each document through the varlen API "
+                             "(cu_seqlens), which attn_impl=sdpa does not run: use flash, reference or auto")
         if self.vocab_size < data.vocab_size:
             raise ValueError(f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's vocabulary "
                              f"({data.vocab_size})")
@@ -98,15 +101,20 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0,
+                cu_seqlens: Tensor | None = None) -> Tensor:
         B, T, C = x.shape
         # c_attn's output columns are [q | k | v], each split into heads as (H, D).
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).unbind(dim=2)  # each (B, T, H, D)
+        dropout_p = self.attn_dropout if self.training else 0.0
+        if cu_seqlens is not None:  # documents packed in the B * T rows: each attends to itself only
+            y = attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), self.attn_impl, causal=True,
+                          dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=T)  # (B * T, H, D)
+            return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
         if cache is not None:  # attend to every cached token too: k, v (B, cache.length + T, H, D)
             k, v = cache.update(layer, k, v)
         # causal is aligned to the bottom-right corner: query t of T sees all cached keys and the new ones up to t
-        y = attention(q, k, v, self.attn_impl, causal=True,
-                      dropout_p=self.attn_dropout if self.training else 0.0)  # (B, T, H, D)
+        y = attention(q, k, v, self.attn_impl, causal=True, dropout_p=dropout_p)  # (B, T, H, D)
         return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
 
 
@@ -129,8 +137,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0,
+                cu_seqlens: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, cu_seqlens)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -164,14 +173,18 @@ class GPT2(nn.Module):
             nn.init.zeros_(module.bias)
         # nn.LayerNorm already starts at weight 1, bias 0.
 
-    def forward(self, input_ids: Tensor, targets: Tensor | None = None,
-                cache: KVCache | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, input_ids: Tensor, targets: Tensor | None = None, cache: KVCache | None = None,
+                cu_seqlens: Tensor | None = None, position_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """input_ids (B, T) -> (logits (B, T, vocab_size), mean cross-entropy or None).
 
         targets (B, T) are already shifted: targets[:, t] is the token that follows input_ids[:, t].
         Targets equal to -100 are ignored (as in HF and F.cross_entropy).
         cache (generation): input_ids continue the cache.length tokens in it (positions from cache.length on); their
         keys and values are added to it.
+        cu_seqlens (n + 1,) int32 (data.document_mask): the documents packed in the flattened B * T tokens, built on
+        the host (flashtrain.data.lm.document_offsets); attention stays inside each one (varlen attention, max_seqlen
+        T). Not with a cache.
+        position_ids (B, T) (data.reset_positions): each token's row of the position table, instead of its index.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seqlen), got shape {tuple(input_ids.shape)}")
@@ -182,10 +195,14 @@ class GPT2(nn.Module):
                              f", more than n_positions={self.config.n_positions}")
         if targets is not None and targets.shape != input_ids.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal input_ids shape {(B, T)}")
-        positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
+        if cu_seqlens is not None and cache is not None:
+            raise ValueError("cu_seqlens (documents packed in a batch) does not go with a KV cache")
+        if position_ids is not None and position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids shape {tuple(position_ids.shape)} must equal input_ids shape {(B, T)}")
+        positions = torch.arange(past, past + T, device=input_ids.device) if position_ids is None else position_ids
         x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(positions))  # (B, T, C)
         for layer, block in enumerate(self.transformer.h):
-            x = block(x, cache, layer)
+            x = block(x, cache, layer, cu_seqlens)
         if cache is not None:
             cache.length = past + T
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab_size)
