@@ -52,16 +52,18 @@ class MetricsLog:
 
 
 # the right panel's metric: the first of these that the runs log (language models, classifiers, masked LMs,
-# multi-label documents), with its title and whether it is plotted on a log scale
-RIGHT_PANEL_METRICS = (("ppl", "validation perplexity", True), ("accuracy", "validation accuracy", False),
-                       ("mlm_accuracy", "validation masked-LM accuracy", False),
-                       ("micro_f1", "validation micro-F1", False))
+# multi-label documents), with its name and whether it is plotted on a log scale
+RIGHT_PANEL_METRICS = (("ppl", "perplexity", True), ("accuracy", "accuracy", False),
+                       ("mlm_accuracy", "masked-LM accuracy", False), ("micro_f1", "micro-F1", False))
 
 
-def right_panel_metric(runs: dict[str, list[dict]]) -> tuple[str, str, bool]:
-    """(metric name without "val_", panel title, log scale) of the runs' validation curve."""
+def right_panel(runs: dict[str, list[dict]]) -> tuple[str, str, str, bool]:
+    """(metric name without "val_", axis label, panel title, log scale) of the runs' validation curve; the title
+    names the star only when a run logs the test split's value (classifiers, at the end of a run)."""
     logged = {key for records in runs.values() for r in records for key in r}
-    return next((m for m in RIGHT_PANEL_METRICS if "val_" + m[0] in logged), ("loss", "validation loss", False))
+    metric, name, log_scale = next((m for m in RIGHT_PANEL_METRICS if "val_" + m[0] in logged),
+                                   ("loss", "loss", False))
+    return metric, name, f"validation {name}" + (" (star: test)" if "test_" + metric in logged else ""), log_scale
 
 
 def plot_curves(runs: dict[str, list[dict]], png: Path) -> None:
@@ -74,7 +76,7 @@ def plot_curves(runs: dict[str, list[dict]], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
-    metric, title, log_scale = right_panel_metric(runs)
+    metric, name, title, log_scale = right_panel(runs)
     for label, records in runs.items():
         train = [r for r in records if "train_loss" in r]
         ax_loss.plot([r["tokens"] for r in train], [r["train_loss"] for r in train], label=label)
@@ -84,8 +86,7 @@ def plot_curves(runs: dict[str, list[dict]], png: Path) -> None:
             ax_val.plot([r["tokens"]], [r["test_" + metric]], marker="*", markersize=14, linestyle="none",
                         label=f"{label}: test {metric.replace('_', ' ')} {r['test_' + metric]:.4f}")
     ax_loss.set(xlabel="tokens", ylabel="train loss", title="training loss")
-    ax_val.set(xlabel="tokens", ylabel=title.removeprefix("validation "), title=title + (
-        "" if metric == "ppl" else " (star: test)"), yscale="log" if log_scale else "linear")
+    ax_val.set(xlabel="tokens", ylabel=name, title=title, yscale="log" if log_scale else "linear")
     for ax in (ax_loss, ax_val):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
