@@ -12,7 +12,7 @@ from hydra_config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.relative_to(ROOT / "recipes").with_suffix("").as_posix() for p in (ROOT / "recipes").rglob("*.yaml"))
-GROUP_FILES = sorted((ROOT / "conf").glob("*/*.yaml"))
+GROUP_FILES = sorted([*(ROOT / "conf").glob("*/*.yaml"), *(ROOT / "conf").glob("*/*/*.yaml")])  # model/attention/
 NOT_SETTINGS = {"defaults", "hydra"}  # Hydra's own keys
 
 
