@@ -359,3 +359,22 @@ def test_tiny_listops_run_with_each_preset(name, listops_cache, tmp_path):
     final = result.history[-1]
     assert final["step"] == 2 and math.isfinite(final["test_loss"]) and 0 <= final["test_accuracy"] <= 1
     assert all(math.isfinite(r["train_loss"]) for r in result.history if "train_loss" in r)
+
+
+@pytest.mark.parametrize("overrides", [[], ["model/attention=linformer", "model.attention.k=64"],
+                                       ["model/attention=bigbird"]])
+def test_a_runs_saved_config_loads_back_with_its_attention(overrides, tmp_path):
+    """RUN_DIR/.hydra/config.yaml (as Hydra writes it, untyped) -> the typed config, the variant's dataclass included
+    (flashtrain.export.load_run_config picks each nested group's schema by its keys)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from flashtrain.export import load_run_config
+    from hydra_config import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        saved = compose("config", overrides=["name=x", "recipe=listops", "logger=none", *overrides])
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(saved, tmp_path / ".hydra" / "config.yaml")
+    expected = compose_config(["name=x", "recipe=listops", "logger=none", *overrides]).model
+    assert load_run_config(tmp_path).model == expected
