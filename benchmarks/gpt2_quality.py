@@ -43,7 +43,7 @@ def run(label: str, recipe: str, micro_batch: int, extra: tuple[str, ...], args,
     overrides = [
         f"recipe={recipe}", "data=stdlib", f"data.max_bytes={args.max_bytes}", "logger=none", f"name={recipe}-quality",
         f"hydra.run.dir={run_dir}", f"trainer.max_steps={args.steps}", f"trainer.micro_batch_size={micro_batch}",
-        "trainer.grad_accum_steps=2", f"optim.warmup_steps={max(args.steps // 10, 1)}",
+        f"trainer.global_batch_size={2 * micro_batch}", f"optim.warmup_steps={max(args.steps // 10, 1)}",
         f"trainer.eval_interval={args.eval_interval}", f"data.val_samples={8 * micro_batch}",  # 128K tokens each
         f"trainer.save_interval={args.steps}", "trainer.log_interval=10", "data.sample_tokens=0", *extra, *args.extra,
     ]

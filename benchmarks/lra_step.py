@@ -102,7 +102,7 @@ def run_case(name: str, impl: str, steps: int, warmup: int, batch: int | None) -
     except torch.cuda.OutOfMemoryError as error:
         return {**result, "status": f"out of memory: {str(error).splitlines()[0]}"}
     tokens_per_s = batch * model_cfg.max_len / seconds
-    run_tokens = cfg.trainer.max_steps * cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps * model_cfg.max_len
+    run_tokens = cfg.trainer.max_steps * (cfg.trainer.global_batch_size or batch) * model_cfg.max_len
     return {**result, "status": "ok", "step_s": seconds, "tokens_per_s": tokens_per_s,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
             "recipe_steps": cfg.trainer.max_steps,

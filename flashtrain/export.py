@@ -27,11 +27,10 @@ from pathlib import Path
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
 
 from flashtrain.models.gpt2 import SAMPLING
 from flashtrain.models.hf_convert import has_hf_adapter, hf_adapter, to_hf_state_dict
-from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
+from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint, model_state
 from flashtrain.train.hf_files import HF_FILES, hf_tokenizer_of
 
 MAX_NEW_TOKENS = 200  # generation_config.json's and flashtrain.generate's default length
@@ -119,7 +118,7 @@ def load_run(path: str | Path, attn_impl: str | None = None) -> Run:
         cfg.model.attn_impl = attn_impl
     model = cfg.model.build()
     try:  # strict: tied weights (flashtrain.models.tying) fill their second name themselves
-        model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+        model.load_state_dict(model_state(checkpoint))  # any engine's checkpoint
     except RuntimeError as error:
         raise ValueError(f"{checkpoint} does not fit the run's model config: {error}") from None
     saved_tokenizer = run_dir / HF_FILES / "tokenizer.json"

@@ -272,6 +272,29 @@ def test_sampler_is_seeded_sharded_and_resumes_at_any_batch():
             assert take(iter(resumed), 0, 20 - start) == uninterrupted[start:], (rank, start)
 
 
+def test_sampler_steps_are_the_same_samples_for_any_split_and_resume_across_splits():
+    """An optimizer step of 24 samples reads the same 24 whether 1 process takes 3 micro-batches of 8, 3 processes one
+    each, or 2 processes 2 micro-batches of 6; a run resumed after k steps with another split continues with step
+    k + 1's samples (start_batch = samples consumed / (batch_size x world_size))."""
+    num_samples, seed = 100, 5  # 4 steps of 24 per epoch, 4 samples dropped
+
+    def steps(batch_size, world_size, accum_steps, n_steps, start_step=0):
+        """[{sample indices of step s}, ...] for steps start_step .. start_step + n_steps - 1."""
+        start_batch = start_step * 24 // (batch_size * world_size)
+        ranks = [iter(ResumableBatchSampler(num_samples, batch_size, seed, rank, world_size, start_batch, accum_steps))
+                 for rank in range(world_size)]
+        return [sorted(i for rank in ranks for _ in range(accum_steps) for i in next(rank)) for _ in range(n_steps)]
+
+    one_process = steps(8, 1, 3, 10)  # 2.5 epochs
+    assert all(len(set(step)) == 24 for step in one_process)
+    assert sorted(i for step in one_process[:4] for i in step) == sorted(
+        ResumableBatchSampler(num_samples, 8, seed).epoch_permutation(0)[:96].tolist())  # epoch 0's first 96
+    assert steps(8, 3, 1, 10) == steps(6, 2, 2, 10) == steps(24, 1, 1, 10) == one_process
+    for start_step in (1, 3, 4, 7):  # inside epoch 0, its last step, the boundary, epoch 1
+        assert steps(6, 2, 2, 10 - start_step, start_step) == one_process[start_step:], start_step
+        assert steps(8, 3, 1, 10 - start_step, start_step) == one_process[start_step:], start_step
+
+
 def test_sampler_drops_the_remainder_and_validates():
     sampler = ResumableBatchSampler(10, 3, seed=0, rank=1, world_size=2)  # 6 indices per step: 1 step, 4 unused
     assert sampler.batches_per_epoch == 1
@@ -283,6 +306,8 @@ def test_sampler_drops_the_remainder_and_validates():
         ResumableBatchSampler(10, 1, seed=0, rank=2, world_size=2)
     with pytest.raises(ValueError, match="start_batch"):
         ResumableBatchSampler(10, 1, seed=0, start_batch=-1)
+    with pytest.raises(ValueError, match="batch_size \\* world_size \\* accum_steps = 3 \\* 2 \\* 2 = 12"):
+        ResumableBatchSampler(10, 3, seed=0, world_size=2, accum_steps=2)
 
 
 def test_train_loader_batches_and_resume(stdlib_small):

@@ -51,7 +51,7 @@ def test_recipe_composes_to_the_paper_hyperparameters(recipe):
     cfg = compose_config(["name=x", f"recipe={recipe}"])
     assert (cfg.optim.lr, cfg.optim.beta1, cfg.optim.beta2, cfg.optim.weight_decay) == (lr, 0.9, 0.95, 0.1)
     assert (cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.trainer.precision) == (2000, 400_000, "auto")
-    assert cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps == 512  # effective batch on one GPU
+    assert cfg.trainer.global_batch_size == 512  # the paper's, for any number of GPUs
     assert cfg.model.n_positions == cfg.data.seq_len == context
     assert (cfg.model.vocab_size, cfg.model.attn_impl) == (GPT2_VOCAB, "flash")
     assert (cfg.data.corpus, cfg.data.val_fraction) == ("hf:Skylion007/openwebtext", 0.005)
@@ -64,8 +64,8 @@ def test_recipe_composes_to_the_paper_hyperparameters(recipe):
 
 def test_recipe_overrides_for_other_gpus_and_offline_data():
     cfg = compose_config(["name=x", "recipe=gpt2-small-4k", "trainer.micro_batch_size=4",
-                          "trainer.grad_accum_steps=128", "data.tokenizer_path=/gpt2", "data.corpus=/owt/*.jsonl"])
-    assert cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps == 512
+                          "data.tokenizer_path=/gpt2", "data.corpus=/owt/*.jsonl"])
+    assert (cfg.trainer.micro_batch_size, cfg.trainer.global_batch_size) == (4, 512)
     assert (cfg.data.tokenizer_path, cfg.data.corpus, cfg.data.seq_len) == ("/gpt2", "/owt/*.jsonl", 4096)
 
 

@@ -132,7 +132,7 @@ from test_bert_tasks import FIXTURES, roberta_bpe_dir, tiny_model_overrides, wor
 def launch(run_dir: Path, overrides: list[str]) -> Path:
     proc = subprocess.run([sys.executable, "launch.py", "name=test", "logger=none", *overrides,
                            "trainer.max_steps=2", "trainer.eval_interval=2", "data.val_samples=4",
-                           "trainer.save_interval=2", "trainer.micro_batch_size=4", "trainer.grad_accum_steps=1",
+                           "trainer.save_interval=2", "trainer.micro_batch_size=4", "trainer.global_batch_size=null",
                            "optim.warmup_steps=1", f"data.cache_dir={run_dir.parent / 'cache'}",
                            f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=ENV)

@@ -59,7 +59,7 @@ def tiny(recipe, tmp_path, *extra):
     return [f"recipe={recipe}", "name=test", "logger=none", f"data.cache_dir={tmp_path / 'cache'}",
             "data.num_proc=1", "model.n_layer=1", "model.n_head=2", "model.d_model=16", "model.d_ff=32",
             "model.dropout=0.0", "model.attn_dropout=0.0", "trainer.log_interval=1", "data.val_samples=null",
-            "optim.warmup_steps=2", *extra]
+            "optim.warmup_steps=2", "trainer.global_batch_size=null", *extra]
 
 
 def check_test_record(cfg, result, n_test):

@@ -25,7 +25,7 @@ def test_listops_recipe_has_lra_hyperparameters():
     assert type(m).__name__ == "LRAConfig" and type(cfg.data).__name__ == "ListOpsConfig"
     assert (m.n_layer, m.n_head, m.d_model, m.d_ff, m.max_len, m.pooling) == (4, 8, 512, 1024, 2048, "mean")
     assert (cfg.data.n_train, cfg.data.n_val, cfg.data.n_test, cfg.data.max_length) == (96_000, 2_000, 2_000, 2000)
-    assert (t.micro_batch_size * t.grad_accum_steps, t.max_steps) == (32, 5000)
+    assert (t.micro_batch_size, t.global_batch_size, t.max_steps) == (32, 32, 5000)
     assert (o.schedule, o.warmup_steps, o.weight_decay, o.beta2, o.grad_clip) == ("rsqrt", 1000, 0.1, 0.98, 0.0)
     # LRA: 0.05 * min(1, s / 1000) / sqrt(max(s, 1000)); ours: lr * lr_factor(s - 1) (LambdaLR's 0-based step)
     for step in (1, 500, 1000, 2000, 5000):
@@ -139,7 +139,7 @@ def tiny_listops_overrides(cache_dir, *extra):
         "data.max_depth=4", "data.num_proc=1", f"data.cache_dir={cache_dir}",
         "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.d_ff=64", "model.max_len=64",
         "model.dropout=0.0", "model.attn_dropout=0.0",
-        "trainer.micro_batch_size=20", "trainer.max_steps=100", "trainer.log_interval=10",
+        "trainer.micro_batch_size=20", "trainer.global_batch_size=null", "trainer.max_steps=100", "trainer.log_interval=10",
         "trainer.eval_interval=50", "data.val_samples=50", "trainer.save_interval=100",
         "optim.lr=1e-2", "optim.warmup_steps=10",
         *extra,
@@ -194,6 +194,7 @@ def test_tiny_pathfinder32_run(tmp_path):
     cfg = compose_config(["name=test", "recipe=pathfinder32", "logger=none", "data.n_train=40", "data.n_val=10",
                           "data.n_test=10", "data.num_proc=1", f"data.cache_dir={tmp_path / 'cache'}",
                           "model.n_layer=1", "model.d_model=16", "model.d_ff=32", "trainer.micro_batch_size=8",
+                          "trainer.global_batch_size=null",
                           "trainer.max_steps=4", "trainer.eval_interval=4", "data.val_samples=10",
                           "trainer.save_interval=4", "trainer.log_interval=1", "optim.warmup_steps=2"])
     result = train(cfg, tmp_path / "run")

@@ -12,7 +12,11 @@ from hydra_config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.relative_to(ROOT / "recipes").with_suffix("").as_posix() for p in (ROOT / "recipes").rglob("*.yaml"))
-GROUP_FILES = sorted([*(ROOT / "conf").glob("*/*.yaml"), *(ROOT / "conf").glob("*/*/*.yaml")])  # model/attention/
+# conf/accelerate/ holds accelerate launch's config files (--config_file), not Hydra groups: checked against accelerate.
+# Nested groups (conf/model/attention/) are groups too.
+GROUP_FILES = sorted(p for p in [*(ROOT / "conf").glob("*/*.yaml"), *(ROOT / "conf").glob("*/*/*.yaml")]
+                     if p.parent.name != "accelerate")
+ACCELERATE_FILES = sorted((ROOT / "conf" / "accelerate").glob("*.yaml"))
 NOT_SETTINGS = {"defaults", "hydra"}  # Hydra's own keys
 
 
@@ -53,6 +57,20 @@ def test_every_recipe_key_is_read(recipe):
 def test_every_config_group_key_is_read(path):
     unread = [key for key in keys_set(yaml.safe_load(path.read_text())) if key.split(".")[-1] not in READ]
     assert not unread, f"{path.relative_to(ROOT)} sets keys that no code reads: {unread}"
+
+
+@pytest.mark.parametrize("path", ACCELERATE_FILES, ids=lambda p: p.name)
+def test_every_accelerate_config_key_is_accelerates(path):
+    """accelerate launch reads every key: its config class takes the top-level keys (an unknown one is a TypeError),
+    and every fsdp_config key is one of its launch options."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    config = load_config_from_file(str(path))
+    options = {action.dest for action in launch_command_parser()._actions}
+    unknown = [key for key in (config.fsdp_config or {}) if key not in options]
+    assert not unknown, f"{path.relative_to(ROOT)}: fsdp_config keys that accelerate launch does not know: {unknown}"
+    assert config.compute_environment.value == "LOCAL_MACHINE" and config.num_processes >= 1
 
 
 def test_the_check_sees_an_unread_key():

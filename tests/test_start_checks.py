@@ -162,7 +162,8 @@ def test_bad_files_are_skipped_named_and_counted(tmp_path):
     meta = json.loads(next((cache / "tokens").glob("*/meta.json")).read_text())
     assert meta["skipped_files"] == [[str(bad), why]]
     assert meta["n_documents"] == {"train": 2, "val": 1}  # 3 documents, not 4
-    with pytest.warns(CorpusFileSkippedWarning, match=r"1 files skipped when its token cache was built"):
+    with pytest.warns(CorpusFileSkippedWarning, match=rf"1 files skipped when its token cache was built .*\n  "
+                                                      rf"{re.escape(str(bad))}: {re.escape(why)}"):
         train(compose_config(overrides), tmp_path / "run2")
 
 

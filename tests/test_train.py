@@ -12,8 +12,9 @@ import torch
 from hydra.errors import ConfigCompositionException
 
 from flashtrain.train import train
-from flashtrain.train.checkpoint import latest_checkpoint, resolve_resume, write_manifest
+from flashtrain.train.checkpoint import TrainState, latest_checkpoint, resolve_resume, write_manifest
 from flashtrain.train.optim import lr_factor, param_groups
+from flashtrain.train.processes import accumulation_steps
 from flashtrain.train.trainer import read_metrics
 from hydra_config import compose_config
 
@@ -139,7 +140,7 @@ def test_resume_is_exact(cache_dir, tmp_path):
     # dropout on everywhere: a resumed run must also restore the RNG states exactly
     extra = ["model.dropout=0.1", "model.attn_dropout=0.1", "trainer.max_steps=12", "trainer.log_interval=1",
              "trainer.eval_interval=6", "trainer.save_interval=100", "data.sample_tokens=0",
-             "trainer.grad_accum_steps=2"]
+             "trainer.global_batch_size=16"]
     full = train(compose_config(tiny_overrides(cache_dir, *extra)), tmp_path / "full")
 
     first = train(compose_config(tiny_overrides(cache_dir, *extra, "trainer.stop_step=5")), tmp_path / "a")
@@ -247,3 +248,31 @@ def test_launch_end_to_end_with_wandb_offline_and_tensorboard(cache_dir, tmp_pat
         assert scalars[key] == pytest.approx({r["step"]: r[key] for r in records if key in r}, rel=1e-6), key
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     assert torch.load(run_dir / "checkpoints" / "step_00000020" / "optimizer.bin", weights_only=False)["state"]
+
+
+def test_global_batch_size_gives_the_accumulation_or_stops_at_start_up(cache_dir, tmp_path):
+    """trainer.global_batch_size = micro_batch_size x processes x accumulation steps; a size that no whole number of
+    micro-batches makes stops the run before any data is prepared, naming the micro-batch sizes that fit."""
+    assert [accumulation_steps(512, 8, n) for n in (1, 2, 4, 8, 64)] == [64, 32, 16, 8, 1]
+    assert accumulation_steps(None, 8, 4) == 1  # null: one micro-batch per process and step
+    with pytest.raises(ValueError, match=r"512 is not a multiple of 3 processes"):
+        accumulation_steps(512, 8, 3)
+    with pytest.raises(ValueError, match=r"trainer.micro_batch_size=8 x 4 process\(es\) = 32 .* fit 4 process\(es\): "
+                                         r"1, 2, 5, 10, 25, 50\)"):
+        accumulation_steps(200, 8, 4)  # 200 / 32 is not whole; 200 / (4 x m) is for m dividing 50
+    cfg = compose_config(tiny_overrides(tmp_path / "no-cache", "trainer.global_batch_size=12"))
+    with pytest.raises(ValueError, match=r"trainer.global_batch_size=12 is not a whole number of micro-batches: "
+                                         r"trainer.micro_batch_size=8 x 1 process\(es\) = 8 sequences per micro-step "
+                                         r"does not divide it \(micro-batch sizes that fit 1 process\(es\): 1, 2, 3, 4, "
+                                         r"6, 12\)"):
+        train(cfg, tmp_path / "run")
+    assert not (tmp_path / "no-cache").exists()
+    with pytest.raises(ValueError, match="trainer.global_batch_size must be >= 1"):
+        compose_config(["name=x", "trainer.global_batch_size=0"])
+
+
+def test_checkpoint_from_before_sample_counts_continues_at_its_batches():
+    state = TrainState()
+    state.load_state_dict({"step": 7, "batches_consumed": 14, "tokens_seen": 100})  # a checkpoint's older TrainState
+    assert (state.step, state.samples_consumed, state.legacy_batches_consumed) == (7, 0, 14)
+    assert "legacy_batches_consumed" not in state.state_dict() and state.state_dict()["samples_consumed"] == 0

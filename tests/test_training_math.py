@@ -72,9 +72,9 @@ def total_norm(grads: dict) -> float:
 def test_accumulated_step_equals_the_large_batch_step(cache_dir, tmp_path):
     """2 micro-batches of 4 accumulate to the gradient of 1 batch of the same 8 sequences (the sampler deals them in
     the same order), so the update is the same; a loss not divided by the accumulation steps doubles it."""
-    with set_up(cache_dir, tmp_path / "large", "trainer.micro_batch_size=8", "trainer.grad_accum_steps=1") as large:
+    with set_up(cache_dir, tmp_path / "large", "trainer.micro_batch_size=8", "trainer.global_batch_size=8") as large:
         large_before, large_grads, large_after = first_step(large)
-    with set_up(cache_dir, tmp_path / "accum", "trainer.micro_batch_size=4", "trainer.grad_accum_steps=2") as accum:
+    with set_up(cache_dir, tmp_path / "accum", "trainer.micro_batch_size=4", "trainer.global_batch_size=8") as accum:
         accum_before, accum_grads, accum_after = first_step(accum)
     assert_close_dicts(large_before, accum_before, rtol=0, atol=0)  # one seed: one initialisation
     assert_close_dicts(accum_grads, large_grads, rtol=1e-5, atol=1e-8)

@@ -522,9 +522,9 @@ class DocumentClassificationTask(Task):
     def dataset(self, split: str):
         return self.splits.dataset(split, self.max_length, self.tokenizer.cls_token_id, self.tokenizer.sep_token_id)
 
-    def train_loader(self, batch_size, rank, world_size, start_batch):
+    def train_loader(self, batch_size, rank, world_size, start_batch, accum_steps=1):
         dataset = self.dataset("train")
-        sampler = ResumableBatchSampler(len(dataset), batch_size, self.seed, rank, world_size, start_batch)
+        sampler = ResumableBatchSampler(len(dataset), batch_size, self.seed, rank, world_size, start_batch, accum_steps)
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=pad_collate(self.pad_id),
                           num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 
@@ -537,6 +537,11 @@ class DocumentClassificationTask(Task):
     def loss(self, model, batch) -> Tensor:
         return model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
                      unpadding=batch["unpadding"])[1]
+
+    def loss_count(self, batch) -> int:
+        # single_label: the mean cross-entropy over documents; multi_label: the mean BCE over documents x labels
+        labels = batch["labels"]
+        return labels.shape[0] if self.problem_type == "single_label" else labels.numel()
 
     def eval_sums(self, model, batch) -> dict[str, Tensor]:
         logits, loss = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])

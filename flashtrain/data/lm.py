@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 from flashtrain.data.cache import DEFAULT_CACHE_DIR, resolve_cache_dir, write_token_files
 from flashtrain.data.corpus import Corpus, fingerprint, open_corpus, warn_skipped
 from flashtrain.data.samplers import ResumableBatchSampler, ordered_batches
-from flashtrain.data.task import DataSpec, Task, check_val_samples
+from flashtrain.data.task import DataSpec, Task, check_processes, check_val_samples
 from flashtrain.data.tokenizer import (bpe_as_hf_tokenizer, eos_id, encode_ordinary, load_tokenizer, save_tokenizer,
                                        tokenizer_fingerprint, train_bpe)
 from flashtrain.models.gpt2 import SAMPLING
@@ -96,10 +96,7 @@ class LMDataConfig:
             raise ValueError(f"data.seq_len must be >= 1, got {self.seq_len}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.num_proc < 1:
-            raise ValueError(f"data.num_proc must be >= 1, got {self.num_proc}")
-        if self.num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        check_processes(self.num_proc, self.num_workers)
         check_val_samples(self.val_samples)
 
 
@@ -255,11 +252,12 @@ class PackedLMDataset(Dataset):
 
 
 def make_train_loader(data: LMData, batch_size: int, rank: int = 0, world_size: int = 1, start_batch: int = 0,
-                      num_workers: int = 0) -> DataLoader:
+                      num_workers: int = 0, accum_steps: int = 1) -> DataLoader:
     """Endless (x, y) batches of (batch_size, seq_len) int64 from the train split, for this rank, starting after
-    `start_batch` of this rank's batches (count micro-batches, not optimizer steps)."""
+    `start_batch` of this rank's batches (count micro-batches, not optimizer steps); accum_steps micro-batches per
+    process make one optimizer step."""
     dataset = PackedLMDataset(data.train_path, data.seq_len)
-    sampler = ResumableBatchSampler(len(dataset), batch_size, data.seed, rank, world_size, start_batch)
+    sampler = ResumableBatchSampler(len(dataset), batch_size, data.seed, rank, world_size, start_batch, accum_steps)
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                       pin_memory=torch.cuda.is_available(), generator=_loader_generator(data.seed))
 
@@ -302,9 +300,9 @@ class LMTask(Task):
                                  f"data.seq_len, or change {knob}")
         self.spec = DataSpec("causal_lm", self.data.vocab_size, self.data.seq_len, "data.seq_len")
 
-    def train_loader(self, batch_size, rank, world_size, start_batch):
+    def train_loader(self, batch_size, rank, world_size, start_batch, accum_steps=1):
         return make_train_loader(self.data, batch_size, rank=rank, world_size=world_size, start_batch=start_batch,
-                                 num_workers=self.cfg.num_workers)
+                                 num_workers=self.cfg.num_workers, accum_steps=accum_steps)
 
     def eval_loader(self, split, batch_size, rank=0, world_size=1, max_samples=None):
         if split != "val":
@@ -314,6 +312,9 @@ class LMTask(Task):
     def loss(self, model, batch) -> Tensor:
         x, y = batch
         return model(x, y)[1]
+
+    def loss_count(self, batch) -> int:
+        return batch[1].numel()  # packed blocks: every target token is predicted
 
     def eval_sums(self, model, batch) -> dict[str, Tensor]:
         x, y = batch

@@ -33,7 +33,7 @@ from flashtrain.data.cache import DEFAULT_CACHE_DIR, resolve_cache_dir, write_to
 from flashtrain.data.corpus import fingerprint, open_corpus, warn_skipped
 from flashtrain.data.lm import SPLITS, split_documents
 from flashtrain.data.samplers import NumberedBatches, ResumableBatchSampler, ordered_batches
-from flashtrain.data.task import DataSpec, Task, check_val_samples
+from flashtrain.data.task import DataSpec, Task, check_processes, check_val_samples
 from flashtrain.data.tokenizer import hf_tokenizer_fingerprint, load_hf_tokenizer
 from flashtrain.models.padding import Unpadding
 from flashtrain.pretrained import resolve_pretrained_path
@@ -84,11 +84,8 @@ class MaskedLMDataConfig:
             raise ValueError(f"data.mask_prob must be in (0, 1), got {self.mask_prob}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        check_processes(self.num_proc, self.num_workers)
         check_val_samples(self.val_samples)
-        if self.num_proc < 1:
-            raise ValueError(f"data.num_proc must be >= 1, got {self.num_proc}")
-        if self.num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
 
 
 @dataclass
@@ -239,11 +236,13 @@ def collate_with_unpadding(samples: list[dict]) -> dict:
 
 
 def make_mlm_train_loader(data: MaskedLMData, batch_size: int, rank: int = 0, world_size: int = 1,
-                          start_batch: int = 0, num_workers: int = 0) -> DataLoader:
-    """Endless masked batches of the train split for this rank, from this rank's batch `start_batch` on."""
+                          start_batch: int = 0, num_workers: int = 0, accum_steps: int = 1) -> DataLoader:
+    """Endless masked batches of the train split for this rank, from this rank's batch `start_batch` on. A sample's
+    mask is seeded by the optimizer step it is read in (accum_steps micro-batches per process make one), so it is the
+    same for any number of processes and micro-batches."""
     dataset = MaskedLMDataset(data, "train")
-    sampler = ResumableBatchSampler(len(dataset), batch_size, data.seed, rank, world_size, start_batch)
-    return DataLoader(dataset, batch_sampler=NumberedBatches(sampler, first_number=start_batch),
+    sampler = ResumableBatchSampler(len(dataset), batch_size, data.seed, rank, world_size, start_batch, accum_steps)
+    return DataLoader(dataset, batch_sampler=NumberedBatches(sampler, start_batch, accum_steps),
                       collate_fn=collate_with_unpadding, num_workers=num_workers,
                       pin_memory=torch.cuda.is_available())
 
@@ -272,8 +271,9 @@ class MaskedLMTask(Task):
         self.num_workers, self.tokenizer_name = cfg.num_workers, cfg.tokenizer
         self.spec = DataSpec("masked_lm", self.data.vocab_size, self.data.seq_len, "data.seq_len", self.data.pad_id)
 
-    def train_loader(self, batch_size, rank, world_size, start_batch):
-        return make_mlm_train_loader(self.data, batch_size, rank, world_size, start_batch, self.num_workers)
+    def train_loader(self, batch_size, rank, world_size, start_batch, accum_steps=1):
+        return make_mlm_train_loader(self.data, batch_size, rank, world_size, start_batch, self.num_workers,
+                                     accum_steps)
 
     def eval_loader(self, split, batch_size, rank=0, world_size=1, max_samples=None):
         if split != "val":
@@ -283,6 +283,9 @@ class MaskedLMTask(Task):
     def loss(self, model, batch) -> Tensor:
         return model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
                      unpadding=batch["unpadding"])[1]
+
+    def loss_count(self, batch) -> int:
+        return int((batch["labels"] != -100).sum())  # the mean cross-entropy over the masked tokens
 
     def eval_sums(self, model, batch) -> dict[str, Tensor]:
         logits, loss = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])

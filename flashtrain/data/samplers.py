@@ -11,24 +11,32 @@ from torch.utils.data import Sampler
 
 
 class ResumableBatchSampler(Sampler[list[int]]):
-    """Endless batches of sample indices for one rank, resumable at any batch without replaying the ones before.
+    """Endless batches of sample indices for one rank, resumable at any batch without replaying the ones before; each
+    optimizer step is the same set of samples however it is split into processes and micro-batches.
 
-    Epoch e shuffles all samples with a torch.Generator seeded from (seed, e). Each step of an epoch takes the next
-    batch_size * world_size indices of that permutation, and rank r gets the r-th batch_size of them, so ranks are
-    disjoint; the remainder that does not fill a step is dropped (every rank sees full batches, the same number).
-    `start_batch` counts this rank's batches already consumed: the sampler jumps straight to epoch
-    start_batch // batches_per_epoch at that offset. Resuming with a different world_size gives a different order.
+    Epoch e shuffles all samples with a torch.Generator seeded from (seed, e). Optimizer step s of the epoch takes the
+    next global batch of that permutation, batch_size * world_size * accum_steps indices, and micro-batch m of the
+    step on rank r gets its (m * world_size + r)-th batch_size of them: ranks are disjoint, and 2 processes x 8 samples
+    read the same 16 samples in a step as 1 process x 8 x 2 micro-batches (the loss of a step is then the same, up to
+    float summation order). The remainder that does not fill a step is dropped (every rank sees full batches, the same
+    number). `start_batch` counts this rank's micro-batches already consumed: the sampler jumps straight to epoch
+    start_batch // batches_per_epoch at that offset. A run resumed with another number of processes or another
+    micro-batch continues at the same sample when the global batch is unchanged (start_batch = samples consumed /
+    (batch_size * world_size)).
     """
 
     def __init__(self, num_samples: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                 start_batch: int = 0):
+                 start_batch: int = 0, accum_steps: int = 1):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        if num_samples < batch_size * world_size:
-            raise ValueError(f"num_samples={num_samples} is fewer than batch_size * world_size = "
-                             f"{batch_size * world_size}: not one full step of data")
+        if accum_steps < 1:
+            raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
+        global_batch = batch_size * world_size * accum_steps
+        if num_samples < global_batch:
+            raise ValueError(f"num_samples={num_samples} is fewer than batch_size * world_size * accum_steps = "
+                             f"{batch_size} * {world_size} * {accum_steps} = {global_batch}: not one full step of data")
         if start_batch < 0:
             raise ValueError(f"start_batch must be >= 0, got {start_batch}")
         self.num_samples = num_samples
@@ -36,8 +44,10 @@ class ResumableBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
+        self.accum_steps = accum_steps
         self.start_batch = start_batch
-        self.batches_per_epoch = num_samples // (batch_size * world_size)
+        self.steps_per_epoch = num_samples // global_batch
+        self.batches_per_epoch = self.steps_per_epoch * accum_steps  # this rank's micro-batches per epoch
 
     def epoch_permutation(self, epoch: int) -> torch.Tensor:
         """(num_samples,) int64: the shuffled sample order of `epoch`, the same on every rank."""
@@ -47,13 +57,15 @@ class ResumableBatchSampler(Sampler[list[int]]):
         return torch.randperm(self.num_samples, generator=generator)
 
     def __iter__(self) -> Iterator[list[int]]:
-        epoch, first_step = divmod(self.start_batch, self.batches_per_epoch)
+        epoch, first_batch = divmod(self.start_batch, self.batches_per_epoch)
         while True:
             order = self.epoch_permutation(epoch)
-            for step in range(first_step, self.batches_per_epoch):
-                start = (step * self.world_size + self.rank) * self.batch_size
-                yield order[start:start + self.batch_size].tolist()
-            epoch, first_step = epoch + 1, 0
+            for batch in range(first_batch, self.batches_per_epoch):
+                # micro-batch `batch` of this rank = micro-batch m of step s; slot m * world_size + rank of the step
+                step, micro = divmod(batch, self.accum_steps)
+                slot = step * self.accum_steps * self.world_size + micro * self.world_size + self.rank
+                yield order[slot * self.batch_size:(slot + 1) * self.batch_size].tolist()
+            epoch, first_batch = epoch + 1, 0
 
 
 def ordered_batches(n_samples: int, batch_size: int, rank: int, world_size: int, max_samples: int | None,
@@ -75,14 +87,17 @@ def ordered_batches(n_samples: int, batch_size: int, rank: int, world_size: int,
 
 
 class NumberedBatches(Sampler[list[tuple[int, int]]]):
-    """Each batch of `batches` as [(batch_number, index), ...], numbered from `first_number` on (for datasets whose
-    samples depend on the batch they are served in, such as dynamically masked ones)."""
+    """Each batch of `batches` as [(number, index), ...] for datasets whose samples depend on the batch they are served
+    in (dynamically masked ones): batch i is numbered (first_batch + i) // batches_per_number. With a
+    ResumableBatchSampler's micro-batches, first_batch = its start_batch and batches_per_number = its accum_steps, the
+    number is the optimizer step, the same for a sample whatever the number of processes and micro-batches."""
 
-    def __init__(self, batches, first_number: int = 0):
-        self.batches, self.first_number = batches, first_number
+    def __init__(self, batches, first_batch: int = 0, batches_per_number: int = 1):
+        self.batches, self.first_batch, self.batches_per_number = batches, first_batch, batches_per_number
 
     def __iter__(self):
-        for number, batch in enumerate(self.batches, start=self.first_number):
+        for i, batch in enumerate(self.batches, start=self.first_batch):
+            number = i // self.batches_per_number
             yield [(number, index) for index in batch]
 
     def __len__(self) -> int:

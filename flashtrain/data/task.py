@@ -38,6 +38,15 @@ class DataSpec:
     paired: bool = False  # each row holds two documents side by side (LRA Retrieval)
 
 
+def check_processes(num_proc: int, num_workers: int) -> None:
+    """For data configs' __post_init__: data.num_proc (processes that tokenize) >= 1, data.num_workers (DataLoader
+    worker processes) >= 0."""
+    if num_proc < 1:
+        raise ValueError(f"data.num_proc must be >= 1, got {num_proc}")
+    if num_workers < 0:
+        raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+
+
 def check_val_samples(val_samples: int | None) -> None:
     """For data configs' __post_init__: val_samples is None (the whole split) or >= 1."""
     if val_samples is not None and val_samples < 1:
@@ -77,8 +86,10 @@ class Task:
     # number of processes (the data config's val_samples): curves of runs on one data configuration compare
     val_samples: int | None = None
 
-    def train_loader(self, batch_size: int, rank: int, world_size: int, start_batch: int) -> Iterable:
-        """Endless batches for this process, skipping the first `start_batch` (resume)."""
+    def train_loader(self, batch_size: int, rank: int, world_size: int, start_batch: int,
+                     accum_steps: int = 1) -> Iterable:
+        """Endless batches for this process, skipping its first `start_batch` (resume); `accum_steps` micro-batches
+        per process make one optimizer step (a ResumableBatchSampler: each step the same samples for any split)."""
         raise NotImplementedError
 
     def eval_loader(self, split: str, batch_size: int, rank: int = 0, world_size: int = 1,
@@ -89,6 +100,12 @@ class Task:
 
     def loss(self, model: torch.nn.Module, batch) -> Tensor:
         """Mean training loss of one batch (a scalar the trainer back-propagates)."""
+        raise NotImplementedError
+
+    def loss_count(self, batch) -> int:
+        """How many terms `loss` averages over in this batch (predicted tokens, samples, labels), read on the host batch:
+        the trainer weights each micro-batch's mean by it, so that a step's loss is the mean over every term of the
+        global batch, whatever the number of processes and micro-batches."""
         raise NotImplementedError
 
     def eval_sums(self, model: torch.nn.Module, batch) -> dict[str, Tensor]:
@@ -138,9 +155,9 @@ class ClassificationTask(Task):
         """One split as (tokens (seq_len,) int64, label) samples."""
         return self.splits.dataset(split, self.seq_len, pad_id=0 if self.pad_id is None else self.pad_id)
 
-    def train_loader(self, batch_size, rank, world_size, start_batch):
+    def train_loader(self, batch_size, rank, world_size, start_batch, accum_steps=1):
         dataset = self.dataset("train")
-        sampler = ResumableBatchSampler(len(dataset), batch_size, self.seed, rank, world_size, start_batch)
+        sampler = ResumableBatchSampler(len(dataset), batch_size, self.seed, rank, world_size, start_batch, accum_steps)
         return DataLoader(dataset, batch_sampler=sampler, pin_memory=torch.cuda.is_available())
 
     def eval_loader(self, split, batch_size, rank=0, world_size=1, max_samples=None):
@@ -151,6 +168,9 @@ class ClassificationTask(Task):
     def loss(self, model, batch) -> Tensor:
         tokens, labels = batch
         return model(tokens, labels)[1]
+
+    def loss_count(self, batch) -> int:
+        return batch[1].numel()  # the mean cross-entropy over the batch's samples
 
     def eval_sums(self, model, batch) -> dict[str, Tensor]:
         tokens, labels = batch

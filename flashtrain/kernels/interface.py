@@ -105,7 +105,7 @@ def flash_attn_func(
         out, lse = ops.flash_attn_cuda(
             q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, generator=generator,
-            block_mask=block_mask, deterministic=options["deterministic"],
+            block_mask=block_mask, deterministic=options["deterministic"], validated=True,
         )
     else:  # batch form -> packed form with one sequence per batch entry
         cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
@@ -164,7 +164,7 @@ def flash_attn_varlen_func(
         out, lse = ops.flash_attn_cuda(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-            generator=generator, block_mask=block_mask, deterministic=options["deterministic"],
+            generator=generator, block_mask=block_mask, deterministic=options["deterministic"], validated=True,
         )
     else:
         out, lse = flash_attn_reference(

@@ -117,16 +117,27 @@ class Kernel:
                 "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
 
     def launch(self, grid: tuple[int, int, int], params: ctypes.Structure, device: torch.device) -> None:
+        self.launch_on(grid, params, stream_of(device))
+
+    def launch_on(self, grid: tuple[int, int, int], params: ctypes.Structure, stream: int) -> None:
+        """Launch on `stream` (stream_of's handle: the device's context already current on this thread); an empty
+        grid launches nothing."""
         if min(grid) <= 0:
             return
-        _make_current(device.index)
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         # the driver's cuLaunchKernel through ctypes: the cuda-python wrapper of the same call costs several times
         # more host time, which small attention calls feel (benchmarks/host_overhead.py)
-        result = libcuda().cuLaunchKernel(self.handle, *grid, self.threads, 1, 1, self.smem_bytes,
-                                          _current_stream(device), ctypes.addressof(args), None)
+        result = libcuda().cuLaunchKernel(self.handle, *grid, self.threads, 1, 1, self.smem_bytes, stream,
+                                          ctypes.addressof(args), None)
         if result != 0:
             _check((driver.CUresult(result),), "cuLaunchKernel")
+
+
+def stream_of(device: torch.device) -> int:
+    """The current torch stream of `device`, with the device's context made current on this thread: call once per
+    attention op, then launch its kernels with Kernel.launch_on."""
+    _make_current(device.index)
+    return _current_stream(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -186,11 +197,11 @@ def sm_count(device: torch.device) -> int:
 _stream_slots: dict[tuple[int, int], int] = {}  # (device index, stream handle) -> tile counter slot
 
 
-def tile_counter(kernel: "Kernel", device: torch.device) -> int:
-    """Address of the dynamic tile scheduler's counter of `kernel` for the current stream of `device`
-    (csrc/flash_fwd_sm90.cu flashtrain_tile_counters): zero when the module loads, reset to 0 by every launch, one
-    slot per stream so that concurrent launches never share one."""
-    key = (device.index, _current_stream(device))
+def tile_counter(kernel: "Kernel", device: torch.device, stream: int | None = None) -> int:
+    """Address of the dynamic tile scheduler's counter of `kernel` for `stream` (default: the current stream of
+    `device`; csrc/flash_fwd_sm90.cu flashtrain_tile_counters): zero when the module loads, reset to 0 by every
+    launch, one slot per stream so that concurrent launches never share one."""
+    key = (device.index, _current_stream(device) if stream is None else stream)
     slot = _stream_slots.get(key)
     if slot is None:
         with _lock:

@@ -7,7 +7,7 @@ by the copy engine.
 
 The encoder is the driver's cuTensorMapEncodeTiled, called through ctypes on the libcuda that torch has already
 loaded (launch.libcuda): the cuda-python wrapper of the same call costs several times more host time, and a forward
-encodes three maps. Encoded maps are cached by (address, shape, strides, dtype, box): a training step's activations come back at
+encodes three maps. Encoded maps are cached by (address, layout): a training step's activations come back at
 the same addresses from PyTorch's caching allocator, so most calls encode nothing.
 """
 
@@ -58,14 +58,11 @@ _CACHE: OrderedDict[tuple, TmaDesc] = OrderedDict()
 _CACHE_SIZE = 512
 
 
-def tensor_map(x: Tensor, varlen: bool, box_rows: int) -> TmaDesc:
-    """The tensor map of q/k/v-like x: (batch, rows, heads, head_dim), or varlen (total rows, heads, head_dim);
-    last dim contiguous, 16-byte aligned address and strides (ops._aligned guarantees both)."""
-    key = (x.data_ptr(), x.shape, x.stride(), x.dtype, varlen, box_rows)
-    desc = _CACHE.get(key)
-    if desc is not None:
-        _CACHE.move_to_end(key)
-        return desc
+def layout(x: Tensor, varlen: bool, box_rows: int) -> tuple:
+    """What a tensor map of q/k/v-like x encodes besides its address (dtype, dims, byte strides, box), as
+    tensor_map takes it: x (batch, rows, heads, head_dim), or varlen (total rows, heads, head_dim); last dim
+    contiguous, 16-byte aligned address and strides (ops._aligned guarantees both). Computed once per call signature
+    (a launch plan keeps it)."""
     size = x.element_size()
     if varlen:
         total, heads, head_dim = x.shape
@@ -78,15 +75,27 @@ def tensor_map(x: Tensor, varlen: bool, box_rows: int) -> TmaDesc:
         strides = (x.stride(1) * size, x.stride(2) * size, x.stride(0) * size)
     # A dimension of size 1 may carry any stride: give it a valid one. Other strides must be valid as they are.
     strides = tuple(s if (s % 16 == 0 and 0 < s < 2**40) or dim > 1 else 16 for s, dim in zip(strides, dims[1:]))
+    return _DTYPES[x.dtype], dims, strides, box_rows
+
+
+def tensor_map(address: int, map_layout: tuple) -> TmaDesc:
+    """The tensor map of the tensor at `address` with `map_layout` (layout()), encoded once per (address, layout):
+    a training step's activations come back at the same addresses from PyTorch's caching allocator."""
+    key = (address, map_layout)
+    desc = _CACHE.get(key)
+    if desc is not None:
+        _CACHE.move_to_end(key)
+        return desc
+    dtype, dims, strides, box_rows = map_layout
     desc = TmaDesc()
-    result = _encoder()(ctypes.byref(desc), _DTYPES[x.dtype], 4, ctypes.c_void_p(x.data_ptr()),
-                        (_u64 * 4)(*dims), (_u64 * 3)(*strides), (_u32 * 4)(BOX_COLS, box_rows, 1, 1),
-                        (_u32 * 4)(1, 1, 1, 1), _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO)
+    result = _encoder()(ctypes.byref(desc), dtype, 4, ctypes.c_void_p(address), (_u64 * 4)(*dims),
+                        (_u64 * 3)(*strides), (_u32 * 4)(BOX_COLS, box_rows, 1, 1), (_u32 * 4)(1, 1, 1, 1),
+                        _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO)
     if result != 0:  # e.g. 710: an earlier kernel's device-side assert left the context unusable
         message = ctypes.c_char_p()
         _error_string()(result, ctypes.byref(message))
         raise RuntimeError(f"cuTensorMapEncodeTiled failed: {(message.value or b'').decode()} (CUresult {result}) "
-                           f"for a tensor of shape {tuple(x.shape)}, strides {x.stride()}, dtype {x.dtype}")
+                           f"for a tensor map of dims {dims}, byte strides {strides}, box rows {box_rows}")
     _CACHE[key] = desc
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)

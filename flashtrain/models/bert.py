@@ -268,6 +268,9 @@ class MaskedLMHead(nn.Module):
 
 
 class BertForMaskedLM(nn.Module):
+    # the repeated unit: FSDP shards each EncoderLayer on its own; trainer.activation_checkpointing recomputes per layer
+    _no_split_modules = ["EncoderLayer"]
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
@@ -320,6 +323,8 @@ class RobertaClassificationHead(nn.Module):
 
 class BertForSequenceClassification(nn.Module):
     """BERT: pooler (dense + tanh on [CLS]), dropout, classifier. RoBERTa: RobertaClassificationHead on <s>."""
+
+    _no_split_modules = ["EncoderLayer"]  # as BertForMaskedLM's
 
     def __init__(self, config: BertConfig):
         super().__init__()

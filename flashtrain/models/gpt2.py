@@ -135,6 +135,9 @@ class Block(nn.Module):
 
 
 class GPT2(nn.Module):
+    # the repeated unit: FSDP shards each Block on its own; trainer.activation_checkpointing recomputes per Block
+    _no_split_modules = ["Block"]
+
     def __init__(self, config: GPT2Config):
         super().__init__()
         self.config = config

@@ -308,15 +308,22 @@ def register_hf_adapter(model_class: type, adapter: HFAdapter) -> None:
     _ADAPTERS[model_class] = adapter
 
 
+def _adapted_class(model_class: type) -> type | None:
+    """The nearest class of `model_class`'s MRO with an adapter: FSDP's fully_shard turns a GPT2 into a subclass of
+    it (FSDPGPT2), which converts as a GPT2."""
+    return next((cls for cls in model_class.__mro__ if cls in _ADAPTERS), None)
+
+
 def has_hf_adapter(model_class: type) -> bool:
-    return model_class in _ADAPTERS
+    return _adapted_class(model_class) is not None
 
 
 def hf_adapter(model_class: type) -> HFAdapter:
-    if model_class not in _ADAPTERS:
+    adapted = _adapted_class(model_class)
+    if adapted is None:
         raise TypeError(f"no Hugging Face adapter for {model_class.__name__}; adapters: "
                         f"{[cls.__name__ for cls in _ADAPTERS]}")
-    return _ADAPTERS[model_class]
+    return _ADAPTERS[adapted]
 
 
 register_hf_adapter(GPT2, HFAdapter(

@@ -152,6 +152,9 @@ class Block(nn.Module):
 
 
 class LRAClassifier(nn.Module):
+    # the repeated unit: FSDP shards each Block on its own; trainer.activation_checkpointing recomputes per Block
+    _no_split_modules = ["Block"]
+
     def __init__(self, config: LRAConfig):
         super().__init__()
         self.config = config

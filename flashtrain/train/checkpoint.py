@@ -3,6 +3,10 @@
 Layout of a run directory (runs/<name>/<time>/):
     checkpoints/step_00000100/   model, optimizer, scheduler, RNG states of every process, TrainState, manifest.json
     checkpoints/latest           name of the newest complete checkpoint
+The model and optimizer files are Accelerate's for the run's engine: model.safetensors + optimizer.bin (one process,
+DDP), or FSDP's pytorch_model_fsdp_0/ + optimizer_0/ (sharded: every process's shard, torch.distributed.checkpoint,
+loadable by any number of processes) or pytorch_model_fsdp.bin (consolidated by rank 0). `model_state` reads the
+weights of any of them.
 A checkpoint is written into `checkpoints/.tmp-step_...` and renamed into place only once complete, so a run killed
 mid-save never leaves a half checkpoint that `resume` would pick up. Its `manifest.json` (step, the model/data
 configuration and its hash, every file's size and sha256, library versions) is written last, atomically; resume
@@ -26,6 +30,10 @@ from pathlib import Path
 from accelerate import Accelerator
 
 MANIFEST = "manifest.json"
+# what Accelerate's save_state writes for the model, by engine (accelerate.utils.constants: SAFE_WEIGHTS_NAME,
+# FSDP_MODEL_NAME)
+MODEL_FILES = {"model.safetensors": "one process or DDP", "pytorch_model_fsdp_0": "FSDP, sharded state dict",
+               "pytorch_model_fsdp.bin": "FSDP, full state dict"}
 # model/data keys that change how a run is computed, stored or shown, not what it trains: free to differ on resume
 RUNTIME_KEYS = frozenset({"attn_impl", "num_proc", "num_workers", "cache_dir", "sample_tokens", "sample_prompt"})
 CHECKPOINT_PREFIX = "step_"
@@ -36,17 +44,23 @@ class TrainState:
     """Everything besides model/optimizer/scheduler/RNG that a resumed run needs to continue exactly."""
 
     step: int = 0  # optimizer steps done
-    batches_consumed: int = 0  # micro-batches taken from the training sampler (per process)
+    # training samples taken from the sampler, all processes together (skipped non-finite steps included): where the
+    # data continues, whatever the number of processes and the micro-batch of the resumed run
+    samples_consumed: int = 0
     tokens_seen: int = 0  # tokens trained on, all processes
     best_val_loss: float = float("inf")
     skipped_nonfinite: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
+    processes: int = 1  # processes of the run that saved it
+    global_batch_size: int = 0  # sequences per optimizer step of the run that saved it
+    # a checkpoint from before samples_consumed: the micro-batches each process had taken (None otherwise)
+    legacy_batches_consumed: int | None = None
 
     def state_dict(self) -> dict:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key != "legacy_batches_consumed"}
 
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
-            setattr(self, key, value)
+            setattr(self, "legacy_batches_consumed" if key == "batches_consumed" else key, value)
 
 
 def check_writable(*directories: Path) -> None:
@@ -222,6 +236,36 @@ def first_intact(candidates: list[Path]) -> Path | None:
             return ckpt
         warnings.warn(f"skipping checkpoint {ckpt}: {problem}", DamagedCheckpointWarning, stacklevel=2)
     return None
+
+
+def checkpoint_format(ckpt: Path) -> str:
+    """Which engine wrote `ckpt`'s model: a value of MODEL_FILES. Raises FileNotFoundError when none is there."""
+    for name, engine in MODEL_FILES.items():
+        if (Path(ckpt) / name).exists():
+            return engine
+    raise FileNotFoundError(f"{ckpt} holds no model weights ({', '.join(MODEL_FILES)})")
+
+
+def model_state(ckpt: Path) -> dict:
+    """The model's state dict (full tensors, on the CPU) from a checkpoint of any engine (MODEL_FILES); needs no
+    process group."""
+    ckpt = Path(ckpt)
+    engine = checkpoint_format(ckpt)
+    if engine == MODEL_FILES["model.safetensors"]:
+        from safetensors.torch import load_file
+
+        return load_file(str(ckpt / "model.safetensors"))
+    import torch
+
+    if engine == MODEL_FILES["pytorch_model_fsdp.bin"]:
+        return torch.load(ckpt / "pytorch_model_fsdp.bin", map_location="cpu", weights_only=True)
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:  # the shards gathered into one file, as Accelerate saves them: {"model": ...}
+        dcp_to_torch_save(ckpt / "pytorch_model_fsdp_0", Path(tmp) / "model.pt")
+        return torch.load(Path(tmp) / "model.pt", map_location="cpu", weights_only=True)["model"]
 
 
 def resolve_resume(resume: str | None, runs_of_name: Path) -> Path | None:

@@ -36,6 +36,7 @@ SCHEDULES = ("cosine", "rsqrt", "linear")
 OPTIMIZERS = ("adamw", "lamb")
 TRACKERS = ("wandb", "tensorboard")  # Accelerate's trackers that the trainer sets up
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")  # flashtrain/train/activation_checkpoint.py
 
 
 @dataclass
@@ -80,8 +81,11 @@ class TrainerConfig:
     max_steps: int = 200  # optimizer steps; also the length of the LR schedule
     stop_step: Optional[int] = None  # stop (with a checkpoint) at this step without changing the schedule
     max_minutes: Optional[float] = None  # stop (with a checkpoint) after this much wall-clock training time
-    micro_batch_size: int = 8  # sequences per device per forward/backward
-    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    micro_batch_size: int = 8  # sequences per process per forward/backward
+    # sequences per optimizer step, all processes together (null: micro_batch_size x processes). Gradient accumulation
+    # is derived: global_batch_size / (micro_batch_size x processes) micro-batches per process and step, which must be
+    # a whole number (the run stops at start-up otherwise, saying which micro-batch sizes fit)
+    global_batch_size: Optional[int] = None
     precision: str = "auto"  # auto (bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU) | no | bf16 | fp16
     cpu: bool = False  # force the CPU even when a GPU is present
     compile: bool = False  # torch.compile the model
@@ -91,6 +95,12 @@ class TrainerConfig:
     # bitwise-reproducible steps on the GPU (a resumed run repeats the uninterrupted one exactly): PyTorch's
     # deterministic algorithms, cuBLAS's fixed workspace, and the attention kernel's deterministic backward (slower)
     deterministic: bool = False
+    # recompute activations in the backward pass, per block (the model's _no_split_modules): none | full (keep only
+    # each block's input) | selective (keep the matmul and attention outputs, recompute norms, GELU, dropout, adds)
+    activation_checkpointing: str = "none"
+    # several processes: when the data is not prepared yet (python -m flashtrain.data.prepare), rank 0 prepares it
+    # while the others wait this long, saying so every minute, before they stop
+    prepare_timeout_minutes: float = 360.0
     log_interval: int = 10  # steps between train-loss log lines
     eval_interval: int = 50  # steps between validation passes (and one at the end); data.val_samples says how much
     save_interval: int = 100  # steps between checkpoints (and one at the end)
@@ -107,10 +117,17 @@ class TrainerConfig:
             raise ValueError(f"trainer.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"trainer.compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
-        for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_interval", "eval_interval",
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"trainer.activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, got "
+                             f"{self.activation_checkpointing!r}")
+        if self.prepare_timeout_minutes <= 0:
+            raise ValueError(f"trainer.prepare_timeout_minutes must be > 0, got {self.prepare_timeout_minutes}")
+        for name in ("max_steps", "micro_batch_size", "log_interval", "eval_interval",
                      "save_interval", "keep_checkpoints", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError(f"trainer.global_batch_size must be >= 1 (or null), got {self.global_batch_size}")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"trainer.max_minutes must be > 0 (or null), got {self.max_minutes}")
         if (self.stop_metric is None) != (self.stop_value is None):
@@ -212,7 +229,7 @@ def config_group_choices() -> str:
         parent = parents.pop()
         for group in loader.list_groups(parent):
             name = f"{parent}/{group}" if parent else group
-            if name == "hydra":
+            if name in ("hydra", "accelerate"):  # Hydra's own; conf/accelerate/: accelerate launch's config files
                 continue
             options = [option for option in loader.get_group_options(name, ObjectType.CONFIG)
                        if not option.endswith("_schema")]

@@ -19,7 +19,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from flashtrain.models.gpt2 import GPT2, GPT2Config
@@ -27,7 +26,7 @@ from flashtrain.models.hf_convert import bert_config_from_hf, from_pretrained_hf
 from flashtrain.models.lra import LRAClassifier
 from flashtrain.models.position import extend_position_embeddings, upsample_positions_2d
 from flashtrain.pretrained import resolve_pretrained_path
-from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
+from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint, model_state
 
 _POSITIONS_KEY = "transformer.wpe.weight"
 
@@ -42,9 +41,9 @@ def _source_model(init_from: str, model_cfg: GPT2Config) -> GPT2:
         return load_hf_state_dict(source, hf_model.state_dict())
     path = Path(init_from).expanduser()
     ckpt = path if path.name.startswith(CHECKPOINT_PREFIX) else latest_checkpoint(path)
-    if ckpt is None or not (ckpt / "model.safetensors").is_file():
-        raise FileNotFoundError(f"init_from={init_from!r}: no checkpoint with model.safetensors found")
-    state = load_file(str(ckpt / "model.safetensors"))
+    if ckpt is None:
+        raise FileNotFoundError(f"init_from={init_from!r}: no checkpoint found")
+    state = model_state(ckpt)
     source = GPT2(replace(model_cfg, n_positions=state[_POSITIONS_KEY].shape[0]))
     missing, unexpected = source.load_state_dict(state, strict=False)  # the tied lm_head comes with wte
     if missing or unexpected:
@@ -87,9 +86,9 @@ def _checkpoint_state(init_from: str) -> tuple[Path, dict]:
     ckpt = path if path.name.startswith(CHECKPOINT_PREFIX) else latest_checkpoint(path)
     if ckpt is None and path.is_dir():  # a directory of runs: the checkpoint written last (weights only: not verified)
         ckpt = max(filter(None, map(latest_checkpoint, path.glob("*"))), key=lambda c: c.stat().st_mtime, default=None)
-    if ckpt is None or not (ckpt / "model.safetensors").is_file():
-        raise FileNotFoundError(f"init_from={init_from!r}: no checkpoint with model.safetensors found")
-    return ckpt, load_file(str(ckpt / "model.safetensors"))
+    if ckpt is None:
+        raise FileNotFoundError(f"init_from={init_from!r}: no checkpoint found")
+    return ckpt, model_state(ckpt)
 
 
 def _load_checkpoint_weights(model: torch.nn.Module, model_cfg, init_from: str, position_extension: str) -> str:

@@ -1,9 +1,12 @@
 """The training loop: Accelerate for devices, mixed precision and processes; atomic checkpoints; eval and logging.
 
-`train(cfg, run_dir)` reads top to bottom: `Trainer.setup` (devices, the attention check, data, model, optimizer,
-resume), then `train_step` until the last step with `evaluate` and checkpoints on their intervals, then `finish`
-(the task's other splits, the sample, the plots). One optimizer step = `grad_accum_steps` micro-batches of
-`micro_batch_size` samples on every process.
+`train(cfg, run_dir)` reads top to bottom: `Trainer.setup` (processes and devices, the batch plan, the attention
+check, data, model, optimizer, resume), then `train_step` until the last step with `evaluate` and checkpoints on their
+intervals, then `finish` (the task's other splits, the sample, the plots). One optimizer step =
+trainer.global_batch_size samples: micro-batches of trainer.micro_batch_size on every process, as many per process as
+it takes (flashtrain/train/processes.py); its loss is the mean over every loss term (token, sample) of those samples.
+Under several processes (DDP or FSDP through Accelerate) only the main process writes logs, plots and checkpoint
+metadata; metrics are reduced over all processes.
 """
 
 from __future__ import annotations
@@ -21,18 +24,23 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
+from accelerate.utils import DistributedType, ProjectConfiguration, broadcast_object_list, set_seed
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from flashtrain.data.task import Task, check_model_fits
 from flashtrain.models.padding import Unpadding
-from flashtrain.train.checkpoint import (TrainState, accelerate_warnings_only, check_writable, config_differences,
-                                        config_fingerprint, resolve_resume, save_checkpoint)
+from flashtrain.train import activation_checkpoint
+from flashtrain.train.checkpoint import (MODEL_FILES, TrainState, accelerate_warnings_only, check_writable,
+                                        checkpoint_format, config_differences, config_fingerprint, resolve_resume,
+                                        save_checkpoint)
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.hf_files import save_model_files
 from flashtrain.train.metrics import MetricsLog
 from flashtrain.train.model_init import load_initial_weights
 from flashtrain.train.optim import build_optimizer, build_scheduler
+from flashtrain.train.processes import (accumulation_steps, build_accelerator, launcher_precision, main_process_first,
+                                        on_main_process, process_header)
 
 COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TENSORBOARD_DIR = "tensorboard"  # RUN_DIR/tensorboard/<logger.project>/: the tensorboard tracker's event files
@@ -50,11 +58,19 @@ class TrainResult:
 
 
 def resolve_precision(precision: str, cpu: bool) -> str:
+    """trainer.precision=auto: full precision on the CPU; on a GPU the launcher's mixed precision when it set bf16 or
+    fp16 (accelerate launch --mixed_precision, a config file's mixed_precision), else bf16 where the GPU has it, fp16
+    elsewhere. Any other value is taken as it is."""
     if precision != "auto":
         return precision
     if cpu or not torch.cuda.is_available():
         return "no"
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return launcher_precision() or ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of an FSDP (DTensor) parameter or gradient norm; any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def to_device(batch, device: torch.device):
@@ -109,8 +125,8 @@ def make_accelerator(cfg: FlashtrainConfig, run_dir: Path) -> Accelerator:
     """The Accelerator of a run: devices, mixed precision, and the trackers of logger.kind, each of which must be
     installed (Accelerate leaves out a tracker whose package is missing, with a debug message only)."""
     trackers, precision = list(cfg.logger.kind), resolve_precision(cfg.trainer.precision, cfg.trainer.cpu)
-    accelerator = Accelerator(cpu=cfg.trainer.cpu, mixed_precision=precision, log_with=trackers or None,
-                              project_config=ProjectConfiguration(logging_dir=str(Path(run_dir) / TENSORBOARD_DIR)))
+    accelerator = build_accelerator(cfg.trainer.cpu, precision, log_with=trackers or None,
+                                    project_config=ProjectConfiguration(logging_dir=str(Path(run_dir) / TENSORBOARD_DIR)))
     missing = [tracker for tracker in trackers if tracker not in {str(t) for t in accelerator.log_with}]
     if missing:
         raise RuntimeError(f"logger.kind={trackers}: {', '.join(missing)} cannot log here, its package is not "
@@ -143,18 +159,27 @@ class Trainer:
     def setup(self, run_dir: Path, runs_of_name: Path | None) -> None:
         cfg, tcfg = self.cfg, self.tcfg
         self.accelerator = accelerator = make_accelerator(cfg, run_dir)
+        self.main = accelerator.is_main_process
+        # first line: how many processes run, and how; fewer than the launch asked for stops here
+        header, problem = process_header(accelerator)
+        self._print(header if problem is None else f"{header}: {problem}")
+        if problem is not None:
+            raise RuntimeError(f"{header}: {problem}")
+        self.grad_accum_steps = accumulation_steps(tcfg.global_batch_size, tcfg.micro_batch_size,
+                                                   accelerator.num_processes)
+        self.global_batch_size = tcfg.micro_batch_size * accelerator.num_processes * self.grad_accum_steps
         # every process writes into the main process's run directory
         self.run_dir = Path(broadcast_object_list([str(run_dir)])[0])
         runs_of_name = Path(runs_of_name) if runs_of_name is not None else self.run_dir.parent
         set_seed(cfg.seed)
         if tcfg.deterministic:
             use_deterministic_algorithms()
-        self.main = accelerator.is_main_process
         # Everything that can stop the start does so before any data is prepared: attn_impl=flash that cannot run,
         # the checkpoint to resume (verified) and its configuration, a run directory that cannot be written, a
         # model that cannot take what the data will provide (the vocabulary before a tokenizer is trained)
         self.attention = cfg.model.attention_backend(accelerator.device, COMPUTE_DTYPES[accelerator.mixed_precision])
-        self.checkpoint = resolve_resume(cfg.resume, runs_of_name)
+        # the main process alone verifies checkpoints (hashing every file) and says which it skips
+        self.checkpoint = on_main_process(lambda: resolve_resume(cfg.resume, runs_of_name), accelerator)
         if cfg.resume == "auto" and self.checkpoint is not None:
             self.run_dir = self.checkpoint.parent.parent  # the same run continues: its logs, checkpoints, wandb run
         self.config_fingerprint = config_fingerprint(cfg)
@@ -162,19 +187,22 @@ class Trainer:
             self._check_resumed_config()
         check_writable(self.run_dir, self.run_dir / "checkpoints")
         check_model_fits(cfg.model, cfg.data, cfg.data.preview())
-        with accelerator.main_process_first():  # the main process prepares (and caches) the data first
-            self.task = cfg.data.build()
+        # data missing from the cache is prepared by the main process while the others wait (then find it there)
+        self.task = main_process_first(cfg.data.build, accelerator, tcfg.prepare_timeout_minutes)
         check_model_fits(cfg.model, cfg.data, self.task.spec)
         self._build_model()
         self.state = TrainState()
         # the scheduler is stepped here once per optimizer step (not through accelerate's per-process stepping)
         accelerator.register_for_checkpointing(self.scheduler, self.state)
         if self.checkpoint is not None:
+            self._check_checkpoint_engine()
             with accelerate_warnings_only():
                 accelerator.load_state(str(self.checkpoint))
             self._print(f"resumed from {self.checkpoint} at step {self.state.step}")
+            self._continue_data_position()
         elif cfg.resume is not None:
             self._print(f"resume={cfg.resume}: no checkpoint found under {runs_of_name}, starting fresh")
+        self.state.processes, self.state.global_batch_size = accelerator.num_processes, self.global_batch_size
         self._open_loaders_and_logs()
         self.last_checkpoint = self.checkpoint
         self.end_step = tcfg.stop_step if tcfg.stop_step is not None else tcfg.max_steps
@@ -232,11 +260,49 @@ class Trainer:
                              f"to continue it with the new one")
         self._print(f"resume_allow_config_change=true: continuing {self.checkpoint} with\n  {listed}")
 
+    def _check_checkpoint_engine(self) -> None:
+        """A checkpoint resumes under the engine that wrote it (any number of processes): a ValueError saying how."""
+        accelerator = self.accelerator
+        saved = checkpoint_format(self.checkpoint)
+        if accelerator.distributed_type == DistributedType.FSDP:
+            sharded = accelerator.state.fsdp_plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+            now = MODEL_FILES["pytorch_model_fsdp_0" if sharded else "pytorch_model_fsdp.bin"]
+        else:
+            now = MODEL_FILES["model.safetensors"]
+        if saved == now:
+            return
+        how = ("accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes M launch.py ..., with any M"
+               + ("" if "sharded" in saved else " and --fsdp_state_dict_type FULL_STATE_DICT")
+               if saved.startswith("FSDP") else "one process, or DDP (python launch.py, accelerate launch without FSDP)")
+        raise ValueError(f"resume: {self.checkpoint} was saved by {saved}, this run is {now}; resume it the same way: "
+                         f"{how}. (Its weights alone load anywhere: init_from={self.checkpoint})")
+
+    def _continue_data_position(self) -> None:
+        """After load_state: say how the data continues when the checkpoint was saved by another number of processes,
+        with another global batch, or before checkpoints counted samples."""
+        state, world = self.state, self.accelerator.num_processes
+        if state.legacy_batches_consumed is not None:  # each of `world` processes had taken that many micro-batches
+            state.samples_consumed = state.legacy_batches_consumed * self.tcfg.micro_batch_size * world
+            self._print(f"checkpoint from before samples were counted: the data continues after "
+                        f"{state.samples_consumed} samples, as if saved by {world} process(es) with micro-batches of "
+                        f"{self.tcfg.micro_batch_size}")
+            return
+        if state.processes != world:
+            self._print(f"checkpoint of {state.processes} process(es) continues on {world}: the data after sample "
+                        f"{state.samples_consumed}, as the uninterrupted run reads it" + (
+                            f"; processes {state.processes}-{world - 1} have no random state (dropout) in it and "
+                            f"start theirs from the seed" if world > state.processes else ""))
+        if state.global_batch_size != self.global_batch_size:
+            self._print(f"the global batch changed from {state.global_batch_size} to {self.global_batch_size} "
+                        f"sequences: the data continues after sample {state.samples_consumed}, in steps of the new "
+                        f"size (an exact continuation of the data order needs the same global batch)")
+
     def _build_model(self) -> None:
-        cfg = self.cfg
+        cfg, tcfg = self.cfg, self.tcfg
         model = cfg.model.build()
         if cfg.init_from is not None and self.checkpoint is None:
             self._print(load_initial_weights(model, cfg.model, cfg.init_from, cfg.init_position_extension))
+        self.checkpointed_blocks = activation_checkpoint.apply(model, tcfg.activation_checkpointing)
         self.base_model = model = model.to(self.accelerator.device)  # neither compiled nor wrapped
         self.n_params = sum(p.numel() for p in model.parameters())  # each tensor once: tied weights count once
         optimizer = build_optimizer(model, cfg.optim)
@@ -248,8 +314,10 @@ class Trainer:
     def _open_loaders_and_logs(self) -> None:
         cfg, tcfg, accelerator = self.cfg, self.tcfg, self.accelerator
         rank, world = accelerator.process_index, accelerator.num_processes
-        self.train_iter = iter(self.task.train_loader(tcfg.micro_batch_size, rank, world,
-                                                      start_batch=self.state.batches_consumed))
+        # this process's micro-batches already taken: the samples consumed, in micro-steps of all processes
+        start_batch = self.state.samples_consumed // (tcfg.micro_batch_size * world)
+        self.train_iter = iter(self.task.train_loader(tcfg.micro_batch_size, rank, world, start_batch=start_batch,
+                                                      accum_steps=self.grad_accum_steps))
         # the same validation samples for any micro-batch size and number of processes (the data's val_samples)
         self.val_loader = self.task.eval_loader("val", tcfg.micro_batch_size, rank, world, self.task.val_samples)
         if self.main:
@@ -267,34 +335,49 @@ class Trainer:
         self._print(f"model: {type(cfg.model).__name__} {self.n_params / 1e6:.2f}M parameters, attention: "
                     f"{self.attention}; device: {accelerator.device}, precision: {accelerator.mixed_precision}, "
                     f"processes: {world}; run dir: {self.run_dir}")
+        self._print(f"batch: {self.global_batch_size} sequences per optimizer step = micro-batch "
+                    f"{tcfg.micro_batch_size} x {world} process(es) x {self.grad_accum_steps} accumulation step(s)"
+                    + (f"; activation checkpointing: {tcfg.activation_checkpointing}, {self.checkpointed_blocks} "
+                       f"blocks" if self.checkpointed_blocks else ""))
 
-    def _wandb_run_id(self) -> str:
-        """The wandb run of this run directory: made once and stored there, so a resumed run logs into the same one."""
+    def _wandb_run_id(self) -> str | None:
+        """The wandb run of this run directory: made once and stored there, so a resumed run logs into the same one.
+        The main process alone logs to wandb: None on the others."""
+        if not self.main:
+            return None
         id_file = self.run_dir / "wandb_run_id"
-        if self.main and not id_file.is_file():
+        if not id_file.is_file():
             id_file.write_text(secrets.token_hex(4) + "\n")
-        self.accelerator.wait_for_everyone()
         return id_file.read_text().strip()
 
     # ---- the loop ------------------------------------------------------------------------------------------------
 
     def train_step(self) -> None:
-        """One optimizer step over grad_accum_steps micro-batches; logs the training loss on log_interval."""
+        """One optimizer step over this process's grad_accum_steps micro-batches; logs the training loss on
+        log_interval.
+
+        The step's loss is the mean over every loss term (predicted token, sample) of the global batch: each
+        micro-batch's mean loss weighted by its share of the terms, counted on the host batches and summed over the
+        processes before the backward passes (one small all-reduce). DDP and FSDP average gradients over processes, so
+        each process back-propagates its shares times the number of processes."""
         tcfg, accelerator, state = self.tcfg, self.accelerator, self.state
         step_start = time.perf_counter()
+        host_batches = [next(self.train_iter) for _ in range(self.grad_accum_steps)]  # CPU tensors: no device sync
+        counts = [self.task.loss_count(batch) for batch in host_batches]
+        total_count, total_tokens = self._sum_over_processes(sum(counts),
+                                                             sum(self.task.tokens(batch) for batch in host_batches))
         loss_sum = torch.zeros((), device=accelerator.device)
-        step_tokens = 0
-        for micro in range(tcfg.grad_accum_steps):
-            host_batch = next(self.train_iter)
-            step_tokens += self.task.tokens(host_batch)  # counted on the loader's CPU tensors: no device sync
+        for micro, host_batch in enumerate(host_batches):
             batch = to_device(host_batch, accelerator.device)
-            # gradients are all-reduced only on the last micro-batch of the step
-            sync = accelerator.no_sync(self.model) if micro < tcfg.grad_accum_steps - 1 else nullcontext()
+            # gradients are reduced over processes only on the last micro-batch of the step
+            sync = accelerator.no_sync(self.model) if micro < self.grad_accum_steps - 1 else nullcontext()
             with sync:
-                loss = self.task.loss(self.model, batch)
-                accelerator.backward(loss / tcfg.grad_accum_steps)
-            loss_sum += loss.detach().float()
-            state.batches_consumed += 1
+                # autocast here, not only in the forward Accelerate wraps: its FSDP2 preparation wraps none
+                with accelerator.autocast():
+                    share = self.task.loss(self.model, batch).float() * (counts[micro] / total_count)
+                accelerator.backward(share * accelerator.num_processes)
+            loss_sum += share.detach()
+        state.samples_consumed += self.global_batch_size
         # grad_clip 0: measured (an infinite bound multiplies the gradients by exactly 1), not clipped
         grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
         if not self._finite_step(loss_sum, grad_norm):
@@ -306,7 +389,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
-        state.tokens_seen += step_tokens * accelerator.num_processes
+        state.tokens_seen += int(total_tokens)
         self.interval_seconds += time.perf_counter() - step_start
         self.pbar.update(1)
         self.out_of_time = tcfg.max_minutes is not None and \
@@ -314,29 +397,42 @@ class Trainer:
         if state.step % tcfg.log_interval == 0 or self._last_step():
             self._log_training(loss_sum)
 
+    def _sum_over_processes(self, *values: int) -> tuple:
+        """Each value summed over every process: the host ints themselves in a single process, else float32 device
+        tensors (summed in float64), which weight the losses without waiting for the device."""
+        if self.accelerator.num_processes == 1:
+            return values
+        local = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
+        return tuple(self.accelerator.reduce(local, reduction="sum").float())
+
     def _finite_step(self, loss_sum: torch.Tensor, grad_norm) -> bool:
         """False, counting the step as skipped, when the loss or the gradient norm is not finite on any process (with
         fp16's loss scaler the loss only: the scaler skips steps whose gradients overflow, and lowers its scale).
         Reading the answer waits for the backward pass: one synchronisation per step."""
         checks = [loss_sum.float().reshape(1)]
-        if self.accelerator.scaler is None:
-            checks.append(torch.as_tensor(grad_norm, device=loss_sum.device).float().reshape(1))
+        if self.accelerator.scaler is None:  # FSDP's norm is a replicated DTensor: every process holds the total
+            checks.append(torch.as_tensor(local_tensor(grad_norm), device=loss_sum.device).float().reshape(1))
         nonfinite = (~torch.isfinite(torch.cat(checks))).sum().float()
         if self.accelerator.reduce(nonfinite, reduction="sum").item() == 0:
             return True
         self.nonfinite_in_a_row += 1
         self.state.skipped_nonfinite += 1
-        self._print(f"step {self.state.step + 1}: non-finite loss ({loss_sum.item() / self.tcfg.grad_accum_steps:.4g}) "
-                    f"or gradient norm ({float(grad_norm):.4g}): step skipped, {self.nonfinite_in_a_row} in a row "
+        self._print(f"step {self.state.step + 1}: non-finite loss ({loss_sum.item():.4g}) "
+                    f"or gradient norm ({float(local_tensor(grad_norm)):.4g}): step skipped, {self.nonfinite_in_a_row} in a row "
                     f"(trainer.max_nonfinite_steps={self.tcfg.max_nonfinite_steps}), "
                     f"{self.state.skipped_nonfinite} in this run", progress=True)
         return False
 
     def _log_training(self, loss_sum: torch.Tensor) -> None:
-        train_loss = self.accelerator.reduce(loss_sum / self.tcfg.grad_accum_steps, reduction="mean").item()
+        """Log the step's loss (the processes' shares summed: the mean over the global batch), the learning rate,
+        tokens/s of all processes and, on a GPU, this process's peak memory."""
+        train_loss = self.accelerator.reduce(loss_sum, reduction="sum").item()
         tok_s = (self.state.tokens_seen - self.tokens_at_log) / max(self.interval_seconds, 1e-9)
         self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen
-        self._record(train_loss=train_loss, lr=self.step_lr, tokens_per_s=tok_s)
+        memory = {}
+        if self.accelerator.device.type == "cuda":
+            memory["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
+        self._record(train_loss=train_loss, lr=self.step_lr, tokens_per_s=tok_s, **memory)
         self.pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{self.step_lr:.2e}", tok_s=f"{tok_s:,.0f}")
 
     def _last_step(self) -> bool:
@@ -380,9 +476,9 @@ class Trainer:
         return True
 
     def _save(self) -> None:
-        """Checkpoint the current step; never from non-finite weights."""
-        params = [p.detach() for p in self.model.parameters()]
-        if not torch.stack([torch.isfinite(p).all() for p in params]).all().item():
+        """Checkpoint the current step; never from non-finite weights (each process checks its own, FSDP's shards)."""
+        finite = torch.stack([torch.isfinite(local_tensor(p.detach())).all() for p in self.model.parameters()]).all()
+        if self.accelerator.reduce(finite.float(), reduction="sum").item() < self.accelerator.num_processes:
             raise FloatingPointError(f"step {self.state.step}: the weights are not finite; no checkpoint written "
                                      f"(the last one: {self.last_checkpoint})")
         self.last_checkpoint = save_checkpoint(self.accelerator, self.run_dir, self.state.step,
@@ -415,8 +511,13 @@ class Trainer:
         if not self.stopped_early:
             for split in self.task.eval_splits[1:]:
                 self.evaluate(split)
-        sample = self.task.sample(accelerator.unwrap_model(self.model), accelerator.device, cfg.seed) \
-            if self.main and not self.exit_code else ""
+        # FSDP: every process takes part in the sampling model's forward passes (its weights are sharded)
+        samples_here = self.main or accelerator.distributed_type == DistributedType.FSDP
+        sample = ""
+        if samples_here and not self.exit_code:
+            with accelerator.autocast():
+                sample = self.task.sample(accelerator.unwrap_model(self.model), accelerator.device, cfg.seed)
+            sample = sample if self.main else ""
         if self.main:
             self.log.plot(self.run_dir / "curves.png", title=f"{cfg.name} ({self.run_dir.name})")
         if self.stop_message:
