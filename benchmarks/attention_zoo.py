@@ -71,8 +71,8 @@ from train_gpt2 import time_calls  # noqa: E402  (CUDA events on a GPU, perf_cou
 
 from flashtrain.kernels import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 from flashtrain.kernels.reference import BLOCK_SPARSE_SIZE  # noqa: E402
-from flashtrain.models.attention_variants import (BlockSparseConfig, LinformerConfig, LocalAttentionConfig,  # noqa: E402
-                                                  LSHAttentionConfig, PerformerConfig)
+from flashtrain.models.attention_variants import (  # noqa: E402
+    BlockSparseConfig, LinformerConfig, LocalAttentionConfig, LSHAttentionConfig, PerformerConfig)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PASSES = ("fwd", "bwd", "fb")

@@ -348,13 +348,13 @@ def listops_cache(tmp_path_factory):
 def test_tiny_listops_run_with_each_preset(name, listops_cache, tmp_path):
     """Through the trainer (start-up checks, steps, evaluation, checkpoint, test split), as `python launch.py
     recipe=listops model/attention=NAME` runs it."""
-    cfg = compose_config(["name=test", "recipe=listops", "logger=none", f"model/attention={name}",
-                          "data.n_train=16", "data.n_val=8", "data.n_test=8", "data.min_length=10",
-                          "data.max_length=200", "data.max_depth=4", "data.num_proc=1", f"data.cache_dir={listops_cache}",
-                          "model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.d_ff=16", "model.max_len=300",
-                          "trainer.micro_batch_size=8", "trainer.max_steps=2", "trainer.log_interval=1",
-                          "trainer.eval_interval=2", "data.val_samples=8", "trainer.save_interval=2",
-                          "optim.warmup_steps=1"])
+    cfg = compose_config([
+        "name=test", "recipe=listops", "logger=none", f"model/attention={name}",
+        "data.n_train=16", "data.n_val=8", "data.n_test=8", "data.min_length=10", "data.max_length=200",
+        "data.max_depth=4", "data.num_proc=1", f"data.cache_dir={listops_cache}", "data.val_samples=8",
+        "model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.d_ff=16", "model.max_len=300",
+        "trainer.micro_batch_size=8", "trainer.global_batch_size=null", "trainer.max_steps=2",
+        "trainer.log_interval=1", "trainer.eval_interval=2", "trainer.save_interval=2", "optim.warmup_steps=1"])
     result = train(cfg, tmp_path / "run")
     final = result.history[-1]
     assert final["step"] == 2 and math.isfinite(final["test_loss"]) and 0 <= final["test_accuracy"] <= 1
