@@ -3,7 +3,7 @@
 Cases (model, batch and length from the recipes, composed through Hydra as a run would):
     path64   recipe path64:  4,097 tokens (CLS + 64 x 64),   batch 256, dense
     pathx    recipe pathx:  16,385 tokens (CLS + 128 x 128), batch 64,  dense
-    path256  recipe path256: 65,537 tokens (CLS + 256 x 256), batch 32,  block-sparse (model.block_sparse)
+    path256  recipe path256: 65,537 tokens (CLS + 256 x 256), batch 32,  block-sparse (model/attention=butterfly)
 A step is what the trainer does: forward and backward under bf16 autocast with fp32 weights, AdamW (fused), random
 pixel tokens. `--impl flash` asks for flashtrain's CUDA kernel and never falls back: a case the kernel refuses (e.g.
 a block_mask before the block-sparse kernel exists) is reported with the kernel's reason, not run on the slow
@@ -43,12 +43,11 @@ def recipe_config(recipe: str):
 def kernel_refusal(model_cfg, seqlen: int, device: torch.device) -> str | None:
     """Why flashtrain's CUDA kernel would not run this model's attention (None: it runs), asked with impl='cuda'."""
     from flashtrain.kernels import flash_attn_func
-    from flashtrain.models.lra import layout_block_mask
 
     head_dim = model_cfg.d_model // model_cfg.n_head
     q = torch.randn(1, seqlen, model_cfg.n_head, head_dim, device=device, dtype=torch.bfloat16)
-    layout = model_cfg.block_sparse
-    block_mask = None if layout is None else layout_block_mask(layout, seqlen, device)
+    block_mask = model_cfg.attention.block_mask(seqlen)
+    block_mask = None if block_mask is None else block_mask.to(device)
     try:
         flash_attn_func(q, q, q, block_mask=block_mask, impl="cuda")
     except RuntimeError as error:
@@ -60,15 +59,16 @@ def run_case(name: str, impl: str, steps: int, warmup: int, batch: int | None) -
     from flashtrain.models.lra import LRAClassifier
 
     cfg = recipe_config(name)
-    if impl == "sdpa" and cfg.model.block_sparse is not None:
+    try:
+        model_cfg = replace(cfg.model, attn_impl=impl)  # flash | sdpa | reference
+    except ValueError as error:  # the model's attention cannot run on impl (block-sparse on sdpa)
         return {"case": name, "impl": impl, "batch": batch or cfg.trainer.micro_batch_size,
-                "seqlen": cfg.model.max_len, "status": "skipped: sdpa takes no block mask"}
-    model_cfg = replace(cfg.model, attn_impl=impl)  # flash | sdpa | reference
+                "seqlen": cfg.model.max_len, "status": f"skipped: {error}"}
     batch = batch or cfg.trainer.micro_batch_size
     tokens = model_cfg.max_len - (model_cfg.pooling == "cls")  # pixels; the model adds the CLS token
     result = {"case": name, "impl": impl, "batch": batch, "seqlen": model_cfg.max_len, "n_layer": model_cfg.n_layer,
               "d_model": model_cfg.d_model, "n_head": model_cfg.n_head,
-              "block_sparse": None if model_cfg.block_sparse is None else vars(model_cfg.block_sparse)}
+              "attention": {"name": model_cfg.attention.name, **vars(model_cfg.attention)}}
     device = torch.device("cuda")
     if impl == "flash":
         reason = kernel_refusal(model_cfg, model_cfg.max_len, device)

@@ -56,17 +56,25 @@ def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
     return path, checkpoint
 
 
-def _schema_for(group: str, values: dict) -> type:
-    """The dataclass registered for config `group` whose fields are exactly the keys of `values`."""
+def _typed_schema(group: str, values: dict):
+    """A structured config of the dataclass registered for config `group` ("model", "data", or a nested group such as
+    "model/attention") whose fields are exactly the keys of `values`; its nested config groups typed the same way."""
     from flashtrain.train import register_configs
 
     register_configs()
-    schemas = [OmegaConf.get_type(node.node) for node in ConfigStore.instance().repo[group].values()]
+    entries = ConfigStore.instance().repo
+    for part in group.split("/"):
+        entries = entries[part]
+    schemas = [OmegaConf.get_type(entry.node) for entry in entries.values() if not isinstance(entry, dict)]
     matches = [schema for schema in schemas if {f.name for f in dataclasses.fields(schema)} == set(values)]
     if len(matches) != 1:
         raise ValueError(f"the run's {group} config (keys {sorted(values)}) matches {len(matches)} of the registered "
                          f"{group} schemas {[s.__name__ for s in schemas]}, not one")
-    return matches[0]
+    node = OmegaConf.structured(matches[0])
+    for key, value in values.items():
+        if isinstance(entries.get(key), dict) and isinstance(value, dict):  # a nested group: model/attention
+            node[key] = _typed_schema(f"{group}/{key}", value)
+    return node
 
 
 def _fill_hydra_values(node, hydra_yaml: Path):
@@ -97,7 +105,7 @@ def load_run_config(run_dir: Path):
         raw["logger"]["kind"] = [] if raw["logger"]["kind"] == "none" else [raw["logger"]["kind"]]
     schema = OmegaConf.structured(FlashtrainConfig)
     for group in ("model", "data"):  # typed `Any` in the root schema: pick their dataclass by their keys
-        schema[group] = OmegaConf.structured(_schema_for(group, raw[group]))
+        schema[group] = _typed_schema(group, raw[group])
     return OmegaConf.to_object(OmegaConf.merge(schema, raw))
 
 

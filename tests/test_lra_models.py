@@ -6,14 +6,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from flashtrain.models.lra import BlockSparseConfig, LRAClassifier, LRAConfig, layout_block_mask
+from flashtrain.models.attention_variants import BlockSparseConfig
+from flashtrain.models.lra import LRAClassifier, LRAConfig
 from flashtrain.models.position import upsample_positions_2d
 from flashtrain.train.model_init import load_initial_weights
 
 
 def local_global(seqlen: int, local_blocks: int, global_blocks: int) -> torch.Tensor:
     """The "local_global" layout: |i - j| <= local_blocks, or i < global_blocks, or j < global_blocks."""
-    return layout_block_mask(BlockSparseConfig("local_global", local_blocks, global_blocks), seqlen)
+    return BlockSparseConfig("local_global", local_blocks, global_blocks).block_mask(seqlen)
 
 
 def tiny(**change) -> LRAClassifier:
@@ -80,7 +81,7 @@ def test_block_mask_layout():
 def test_block_sparse_attention_is_masked_dense_attention(pad_id):
     """The block-sparse model equals the dense one whose attention gets the same mask expanded to tokens (sdpa)."""
     layout = BlockSparseConfig(kind="local_global", local_blocks=0, global_blocks=1)
-    sparse = tiny(block_sparse=layout, pad_id=pad_id)
+    sparse = tiny(attention=layout, pad_id=pad_id)
     dense = tiny(attn_impl="sdpa", pad_id=pad_id)
     dense.load_state_dict(sparse.state_dict())
     tokens = torch.randint(1, 256, (2, 383), generator=torch.Generator().manual_seed(1))  # + CLS: 384 = 3 blocks
@@ -102,7 +103,7 @@ def test_block_sparse_attention_is_masked_dense_attention(pad_id):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert (got - tiny(pad_id=pad_id)(tokens)[0]).abs().max() > 1e-4  # the mask changes the answer
     with pytest.raises(ValueError, match="block_sparse"):
-        LRAConfig(attn_impl="sdpa", block_sparse=layout)
+        LRAConfig(attn_impl="sdpa", attention=layout)
 
 
 def test_upsample_positions_2d_exact():

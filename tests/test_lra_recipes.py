@@ -51,7 +51,8 @@ def test_recipes_have_lra_hyperparameters():
         assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.positions) == (2, 4, 32, "learned")
     assert pathx.init_from == path256.init_from == "runs/path64" and path64.init_from is None
     assert (pathx.optim.grad_clip, path256.optim.grad_clip) == (1.0, 0.0)  # LRA's pathfinder128 / 256 configs
-    assert path256.model.block_sparse is not None and pathx.model.block_sparse is None
+    assert (type(path256.model.attention).__name__, path256.model.attention.kind) == ("BlockSparseConfig", "butterfly")
+    assert type(pathx.model.attention).__name__ == "DenseAttentionConfig"
 
 
 def tiny(recipe, tmp_path, *extra):
@@ -148,7 +149,7 @@ def test_tiny_path64_then_pathx_and_path256(tmp_path):
     for recipe, extra in (("pathx", ["model.attn_impl=sdpa"]),
                           # block-sparse attention on the CPU reference costs ~20 s at 4K tokens: dense here; the
                           # block-sparse model is tested against masked dense attention in test_lra_models.py
-                          ("path256", ["model.block_sparse=null", "model.attn_impl=sdpa"])):
+                          ("path256", ["model/attention=dense", "model.attn_impl=sdpa"])):
         cfg = compose_config(tiny(recipe, tmp_path, *pathfinder, "data.resolution=64", "model.max_len=4097",
                                   f"init_from={runs}", "trainer.micro_batch_size=1", "trainer.max_steps=1",
                                   "trainer.eval_interval=1", "data.val_samples=1", "trainer.save_interval=1",

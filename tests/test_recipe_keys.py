@@ -12,8 +12,10 @@ from hydra_config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.relative_to(ROOT / "recipes").with_suffix("").as_posix() for p in (ROOT / "recipes").rglob("*.yaml"))
-# conf/accelerate/ holds accelerate launch's config files (--config_file), not Hydra groups: checked against accelerate
-GROUP_FILES = sorted(p for p in (ROOT / "conf").glob("*/*.yaml") if p.parent.name != "accelerate")
+# conf/accelerate/ holds accelerate launch's config files (--config_file), not Hydra groups: checked against accelerate.
+# Nested groups (conf/model/attention/) are groups too.
+GROUP_FILES = sorted(p for p in [*(ROOT / "conf").glob("*/*.yaml"), *(ROOT / "conf").glob("*/*/*.yaml")]
+                     if p.parent.name != "accelerate")
 ACCELERATE_FILES = sorted((ROOT / "conf" / "accelerate").glob("*.yaml"))
 NOT_SETTINGS = {"defaults", "hydra"}  # Hydra's own keys
 

@@ -21,9 +21,10 @@ import torch
 
 from flashtrain.data.documents import pad_collate
 from flashtrain.data.mlm import collate_with_unpadding
+from flashtrain.models.attention_variants import BlockSparseConfig
 from flashtrain.models.bert import BertConfig
 from flashtrain.models.gpt2 import GPT2Config
-from flashtrain.models.lra import BlockSparseConfig, LRAConfig
+from flashtrain.models.lra import LRAConfig
 from flashtrain.models.padding import Unpadding
 from flashtrain.train.trainer import to_device
 
@@ -89,7 +90,7 @@ MODELS = {  # each config builds its model, as the trainer builds it (cfg.model.
     "bert": (BertConfig(**BERT_SIZES, head="masked_lm"), _bert_step_inputs),
     "bert_classification": (BertConfig(**BERT_SIZES, head="classification"), _bert_classification_step_inputs),
     "lra": (LRAConfig(vocab_size=16, max_len=512, n_layer=2, n_head=2, d_model=128, d_ff=256,
-                      block_sparse=BlockSparseConfig("local_global", 1, 1)), _lra_step_inputs),
+                      attention=BlockSparseConfig("local_global", 1, 1)), _lra_step_inputs),
 }
 
 

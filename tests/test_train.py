@@ -103,7 +103,9 @@ def test_launch_help_lists_choices_not_schemas():
     assert proc.returncode == 0, proc.stderr[-2000:]
     groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     lines = {line.split(": ")[0]: line.split(": ")[1].split(", ") for line in groups.splitlines() if ": " in line}
-    assert sorted(lines) == ["data", "logger", "model", "optim", "recipe", "recipe/base", "trainer"]
+    assert sorted(lines) == ["data", "logger", "model", "model/attention", "optim", "recipe", "recipe/base", "trainer"]
+    assert lines["model/attention"] == ["bigbird", "butterfly", "dense", "linformer", "local", "longformer", "lsh",
+                                        "performer"]  # the LRA encoder's attention variants
     assert lines["optim"] == ["adamw", "lamb"] and lines["logger"] == ["none", "tensorboard", "wandb"]
     assert "gpt2-tiny" in lines["model"] and "gpt2-tiny-stdlib" in lines["recipe"]
     assert "_schema" not in proc.stdout

@@ -9,9 +9,19 @@
 
 Inputs are packed (padding removed: (total, H, D) with cu_seqlens, flash_attn_varlen_func) or padded ((B, T, H, D),
 with an optional key-padding mask); `runs_packed` decides which, once per forward, for every model.
+
+Attention layers (`BidirectionalSelfAttention`) hold an inner attention module that maps q, k, v to the output:
+`ExactAttention` (softmax attention through `attention` above, optionally block-sparse) or one of the variants of
+flashtrain/models/attention_variants/ (Linformer, Performer, local window, LSH, ...). Every inner module takes the
+same call, `inner(q, k, v, dropout_p=..., cu_seqlens=..., max_seqlen=..., key_padding_mask=..., block_mask=...)`, and
+is built by the variant's config, an `AttentionConfig` (`config.build(...)`), which also says whether the model packs
+its inputs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -118,17 +128,86 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_impl: str, *, causal: bool =
     return y.transpose(1, 2)  # (B, T, H, D)
 
 
-class BidirectionalSelfAttention(nn.Module):
-    """Non-causal attention of the encoders (BERT/RoBERTa, LRA): a fused q|k|v projection (`qkv`) and an output
-    projection (`out`)."""
+def check_padded(variant: str, cu_seqlens: Tensor | None, block_mask: Tensor | None) -> None:
+    """For variants that take padded inputs only: a ValueError naming the argument they cannot take."""
+    if cu_seqlens is not None:
+        raise ValueError(f"cu_seqlens: {variant} attention takes padded inputs (B, T, H, D) with a key_padding_mask; "
+                         f"its config's runs_packed is False")
+    if block_mask is not None:
+        raise ValueError(f"block_mask: {variant} attention takes no block mask")
 
-    def __init__(self, d_model: int, n_head: int, attn_impl: str, attn_dropout: float):
+
+class ExactAttention(nn.Module):
+    """Softmax attention through `attention` with the model's attn_impl: dense, or block-sparse when a block_mask is
+    passed. The inner module of the dense and block-sparse variants (and of BERT)."""
+
+    def __init__(self, attn_impl: str):
+        super().__init__()
+        self.attn_impl = attn_impl
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float, cu_seqlens: Tensor | None,
+                max_seqlen: int | None, key_padding_mask: Tensor | None, block_mask: Tensor | None) -> Tensor:
+        return attention(q, k, v, self.attn_impl, dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                         key_padding_mask=key_padding_mask, block_mask=block_mask)
+
+
+@dataclass
+class AttentionConfig:
+    """Base of the attention variants' configs (flashtrain/models/attention_variants/: one file per variant, its
+    config a subclass of this). A variant builds the inner module of every attention layer and says how the model
+    feeds it. The defaults describe a variant computed in plain PyTorch on padded inputs."""
+
+    name: ClassVar[str]  # its Hydra schema is model/attention/<name>_schema
+
+    def build(self, *, d_model: int, n_head: int, max_len: int, attn_impl: str) -> nn.Module:
+        """The inner attention module of one layer (called once per layer: parameters are per layer). max_len: the
+        longest sequence it will see (a model's position table)."""
+        raise NotImplementedError
+
+    def check_attn_impl(self, attn_impl: str) -> None:
+        """For the model config's __post_init__: a ValueError when this variant cannot run with attn_impl."""
+
+    def runs_packed(self, attn_impl: str, x: Tensor, head_dim: int) -> bool:
+        """Whether the model packs padded inputs (removes the padding) before attention; else it passes them padded
+        with a key-padding mask."""
+        return False
+
+    def block_mask(self, seqlen: int) -> Tensor | None:
+        """The bool block mask (ceil(seqlen / 128),) * 2 that the inner modules take, on the CPU; None: none."""
+        return None
+
+    def backend(self, attn_impl: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+        """Start-up check and the run header's words for what computes attention (raises as `check_backend`)."""
+        return f"{self.name} (plain PyTorch)"
+
+
+@dataclass
+class DenseAttentionConfig(AttentionConfig):
+    """Exact softmax attention over every pair of real tokens (the default): `attention` with the model's attn_impl."""
+
+    name: ClassVar[str] = "dense"
+
+    def build(self, *, d_model: int, n_head: int, max_len: int, attn_impl: str) -> nn.Module:
+        return ExactAttention(attn_impl)
+
+    def runs_packed(self, attn_impl: str, x: Tensor, head_dim: int) -> bool:
+        return runs_packed(attn_impl, x, head_dim)
+
+    def backend(self, attn_impl: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+        return check_backend(attn_impl, device, dtype, head_dim)
+
+
+class BidirectionalSelfAttention(nn.Module):
+    """Non-causal attention of the encoders (BERT/RoBERTa, LRA): a fused q|k|v projection (`qkv`), the inner attention
+    module (`inner`: ExactAttention or a variant's) and an output projection (`out`)."""
+
+    def __init__(self, d_model: int, n_head: int, inner: nn.Module, attn_dropout: float):
         super().__init__()
         self.n_head = n_head
         self.head_dim = d_model // n_head
-        self.attn_impl = attn_impl
         self.attn_dropout = attn_dropout
         self.qkv = nn.Linear(d_model, 3 * d_model)  # output columns [q | k | v]
+        self.inner = inner
         self.out = nn.Linear(d_model, d_model)
 
     def forward(self, x: Tensor, cu_seqlens: Tensor | None, max_seqlen: int, key_padding_mask: Tensor | None,
@@ -136,7 +215,6 @@ class BidirectionalSelfAttention(nn.Module):
         """Packed x (total, C) with cu_seqlens (B + 1,), or padded x (B, T, C) with cu_seqlens None and
         key_padding_mask (B, T) or None, as `attention` takes them."""
         q, k, v = self.qkv(x).unflatten(-1, (3, self.n_head, self.head_dim)).unbind(dim=-3)  # each (..., H, D)
-        y = attention(q, k, v, self.attn_impl, dropout_p=self.attn_dropout if self.training else 0.0,
-                      cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, key_padding_mask=key_padding_mask,
-                      block_mask=block_mask)
+        y = self.inner(q, k, v, dropout_p=self.attn_dropout if self.training else 0.0, cu_seqlens=cu_seqlens,
+                       max_seqlen=max_seqlen, key_padding_mask=key_padding_mask, block_mask=block_mask)
         return self.out(y.flatten(-2, -1))  # (..., C)

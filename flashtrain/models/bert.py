@@ -26,7 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashtrain.models.attention import BidirectionalSelfAttention, check_attn_impl, check_backend, runs_packed
+from flashtrain.models.attention import (BidirectionalSelfAttention, ExactAttention, check_attn_impl, check_backend,
+                                         runs_packed)
 from flashtrain.models.padding import Unpadding, check_values, pad_packed
 from flashtrain.models.tying import tie_weights
 
@@ -155,8 +156,8 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, config: BertConfig):
         super().__init__()
-        self.attn = BidirectionalSelfAttention(config.hidden_size, config.num_attention_heads, config.attn_impl,
-                                               config.attention_probs_dropout_prob)
+        self.attn = BidirectionalSelfAttention(config.hidden_size, config.num_attention_heads,
+                                               ExactAttention(config.attn_impl), config.attention_probs_dropout_prob)
         self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp_in = nn.Linear(config.hidden_size, config.intermediate_size)
         self.mlp_out = nn.Linear(config.intermediate_size, config.hidden_size)

@@ -10,12 +10,11 @@ right-padded to L | doc 2 right-padded to L]; one encoder (shared weights) encod
 e1, e2, and the head reads [e1, e2, e1 * e2, e1 - e2] (LRA's classifier_head_dual with interaction "NLI"):
 Linear(4 d_model, d_ff) -> ReLU -> Linear(d_ff, d_ff // 2) -> ReLU -> Linear(d_ff // 2, num_classes).
 
-block_sparse (a BlockSparseConfig, or None: dense) gives attention a block mask built from the sequence length, one
-bit per 128 x 128 (query block, key block), passed to flashtrain's attention API (the CUDA kernel and the reference
-skip masked blocks). Layouts come from flashtrain.kernels.block_sparse: "local_global" (block i sees blocks j with
-|i - j| <= local_blocks, and the first global_blocks blocks see and are seen by every block; the CLS token sits in
-block 0), "bigbird" (the same plus random_blocks random key blocks per query block) and "butterfly" (the flat block
-butterfly of FlashAttention's block-sparse experiments, plus the global blocks).
+attention (an AttentionConfig of flashtrain.models.attention_variants; None: dense) picks the attention: dense
+exact attention; block-sparse patterns on flashtrain's kernel (Longformer, BigBird, butterfly: a block mask built from
+the sequence length, one bit per 128 x 128 (query block, key block), built once per length and device); or an
+approximate variant in plain PyTorch (Linformer, Performer, local window, LSH). Its config builds every layer's inner
+attention module and says whether the blocks run packed.
 
 Padding is removed, not masked (as in bert.py): with a pad_id, the real tokens are packed into (total, d_model) and
 attend through flash_attn_varlen_func; pad tokens cost nothing and never reach the pooled vector. Inputs are
@@ -23,55 +22,25 @@ right-padded, so positions of real tokens do not depend on the padding. pad_id N
 (Pathfinder: pixel 0 is black, not padding) and attention runs on (B, T) through flash_attn_func. Finding the real
 tokens of CUDA tokens costs one host sync; `model.unpadding(tokens)` on the host batch, moved with .to(device) and
 passed to forward, costs none.
-Where attention runs PyTorch's SDPA (attn_impl sdpa, or auto without the kernel) the blocks run padded, with a
-key-padding mask.
+Where attention runs PyTorch's SDPA (attn_impl sdpa, or auto without the kernel), or an approximate variant, the
+blocks run padded, with a key-padding mask.
 """
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashtrain.kernels import block_sparse
-from flashtrain.models.attention import BidirectionalSelfAttention, check_attn_impl, check_backend, runs_packed
+from flashtrain.models.attention import BidirectionalSelfAttention, DenseAttentionConfig, check_attn_impl
+from flashtrain.models.attention_variants import VARIANTS
 from flashtrain.models.padding import Unpadding, check_values
 
 POSITIONS = ("learned", "sinusoidal")
 POOLINGS = ("cls", "mean")
-BLOCK_SPARSE_KINDS = ("local_global", "bigbird", "butterfly")
-
-
-@dataclass
-class BlockSparseConfig:
-    kind: str = "local_global"  # the layout: local_global | bigbird | butterfly (see the module docstring)
-    local_blocks: int = 1  # local_global, bigbird: a query block sees this many key blocks on each side of its own
-    global_blocks: int = 1  # the first global_blocks blocks see every block and every block sees them
-    random_blocks: int = 0  # bigbird: random key blocks per query block (drawn with `seed`)
-    seed: int = 0  # bigbird: the random blocks' seed (the same mask in every step and process)
-
-    def __post_init__(self):
-        if self.kind not in BLOCK_SPARSE_KINDS:
-            raise ValueError(f"block_sparse.kind must be one of {BLOCK_SPARSE_KINDS}, got {self.kind!r}")
-        for name in ("local_blocks", "global_blocks", "random_blocks"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"block_sparse.{name} must be >= 0, got {getattr(self, name)}")
-
-
-def layout_block_mask(layout: BlockSparseConfig, seqlen: int, device: torch.device | str = "cpu") -> Tensor:
-    """bool (n, n), n = ceil(seqlen / 128): True where query block i attends to key block j under `layout`."""
-    if layout.kind == "butterfly":
-        mask = block_sparse.butterfly(seqlen)
-        n_global = layout.global_blocks
-        mask[:n_global], mask[:, :n_global] = True, True
-    else:
-        random_blocks = layout.random_blocks if layout.kind == "bigbird" else 0
-        mask = block_sparse.bigbird(seqlen, window=layout.local_blocks, num_global=layout.global_blocks,
-                                    num_random=random_blocks, seed=layout.seed)
-    return mask.to(device)
 
 
 @dataclass
@@ -91,7 +60,8 @@ class LRAConfig:
     layer_norm_eps: float = 1e-6  # LayerNorm epsilon (Flax's default, as LRA)
     attn_impl: str = "flash"  # flash | sdpa | reference | auto (flashtrain.models.attention); sdpa runs padded
     dual: bool = False  # Retrieval: rows hold two documents [doc 1 | doc 2]; dual-tower head on [e1, e2, e1*e2, e1-e2]
-    block_sparse: Optional[BlockSparseConfig] = None  # None: dense attention; else the block mask's layout
+    # the attention variant's config (model/attention=NAME: conf/model/attention/, flashtrain.models.attention_variants)
+    attention: Any = None  # None: dense (DenseAttentionConfig)
 
     def __post_init__(self):
         check_attn_impl(self.attn_impl)
@@ -110,8 +80,13 @@ class LRAConfig:
         for name in ("dropout", "attn_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.block_sparse is not None and self.attn_impl == "sdpa":
-            raise ValueError("block_sparse needs attn_impl flash or reference (sdpa takes no block mask)")
+        if self.attention is None:
+            self.attention = DenseAttentionConfig()
+        if isinstance(self.attention, str):  # model.attention=NAME on the command line sets the node to a string
+            raise ValueError(f"model.attention={self.attention!r}: the attention variant is a config group, chosen "
+                             f"with model/attention={self.attention} (a file of conf/model/attention/; its options "
+                             f"model.attention.KEY=VALUE); the variants' configs: {', '.join(VARIANTS)}")
+        self.attention.check_attn_impl(self.attn_impl)
         if self.dual and self.d_ff < 2:
             raise ValueError(f"dual needs d_ff >= 2 (its head has a d_ff // 2 layer), got {self.d_ff}")
 
@@ -124,7 +99,7 @@ class LRAConfig:
         return LRAClassifier(self)
 
     def attention_backend(self, device: torch.device, dtype: torch.dtype) -> str:
-        return check_backend(self.attn_impl, device, dtype, self.d_model // self.n_head, self.block_sparse is not None)
+        return self.attention.backend(self.attn_impl, device, dtype, self.d_model // self.n_head)
 
     def check_data(self, data) -> None:
         """Raise ValueError when the data (a flashtrain.data.task.DataSpec) is not what this model reads; a field
@@ -162,7 +137,9 @@ class Block(nn.Module):
     def __init__(self, config: LRAConfig):
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.attn = BidirectionalSelfAttention(config.d_model, config.n_head, config.attn_impl, config.attn_dropout)
+        inner = config.attention.build(d_model=config.d_model, n_head=config.n_head, max_len=config.max_len,
+                                       attn_impl=config.attn_impl)
+        self.attn = BidirectionalSelfAttention(config.d_model, config.n_head, inner, config.attn_dropout)
         self.mlp_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.mlp = nn.Sequential(nn.Linear(config.d_model, config.d_ff), nn.GELU(), nn.Dropout(config.dropout),
                                  nn.Linear(config.d_ff, config.d_model))
@@ -199,7 +176,7 @@ class LRAClassifier(nn.Module):
             self.head = nn.Sequential(nn.Linear(C, config.d_ff), nn.ReLU(), nn.Dropout(config.dropout),
                                       nn.Linear(config.d_ff, config.num_classes))
         self._init_weights()
-        self._block_masks: dict[tuple[int, str], Tensor] = {}  # (max_seqlen, device) -> block_mask
+        self._block_masks: dict[tuple[int, str], Tensor | None] = {}  # (max_seqlen, device) -> block_mask
 
     def _init_weights(self) -> None:
         """LRA's initialisation (its Flax TransformerEncoder): token embeddings N(0, 1), so that the tokens are not
@@ -254,14 +231,12 @@ class LRAClassifier(nn.Module):
         return Unpadding.of(is_real)
 
     def block_mask(self, max_seqlen: int, device: torch.device) -> Tensor | None:
-        """The attention block mask (ceil(max_seqlen / 128),) * 2 of config.block_sparse, or None (dense); built
+        """The attention block mask (ceil(max_seqlen / 128),) * 2 of config.attention, or None (no block mask); built
         once per length and device (a fresh copy to the GPU in every step would wait for the host)."""
-        layout = self.config.block_sparse
-        if layout is None:
-            return None
         key = (max_seqlen, str(device))
         if key not in self._block_masks:
-            self._block_masks[key] = layout_block_mask(layout, max_seqlen, device)
+            mask = self.config.attention.block_mask(max_seqlen)
+            self._block_masks[key] = None if mask is None else mask.to(device)
         return self._block_masks[key]
 
     def encode(self, tokens: Tensor, unpadding: Unpadding | None = None) -> Tensor:
@@ -282,7 +257,7 @@ class LRAClassifier(nn.Module):
             check_values(is_real.any(dim=1).all(), "tokens: a row holds only pad tokens (pooling mean has nothing to "
                                                    "average)")
 
-        packed = runs_packed(cfg.attn_impl, x, C // cfg.n_head, cfg.block_sparse is not None)
+        packed = cfg.attention.runs_packed(cfg.attn_impl, x, C // cfg.n_head)
         if is_real is None or not packed:  # padded (B, T, C), is_real the key-padding mask
             block_mask = self.block_mask(T, x.device)
             for block in self.blocks:

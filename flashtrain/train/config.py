@@ -26,6 +26,7 @@ from flashtrain.data.lm import LMDataConfig
 from flashtrain.data.mlm import MaskedLMDataConfig
 from flashtrain.data.lra_hf import LRAImageConfig, LRARetrievalConfig, LRATextConfig
 from flashtrain.data.pathfinder import PathfinderConfig
+from flashtrain.models.attention_variants import VARIANTS as ATTENTION_VARIANTS
 from flashtrain.models.bert import BertConfig
 from flashtrain.models.gpt2 import GPT2Config
 from flashtrain.models.lra import LRAConfig
@@ -255,6 +256,8 @@ def register_configs() -> None:
     cs.store(group="model", name="gpt2_schema", node=GPT2Config)
     cs.store(group="model", name="lra_schema", node=LRAConfig)
     cs.store(group="model", name="bert_schema", node=BertConfig)
+    for name, schema in ATTENTION_VARIANTS.items():  # LRAConfig.attention: model/attention=NAME
+        cs.store(group="model/attention", name=f"{name}_schema", node=schema)
     cs.store(group="data", name="lm_schema", node=LMDataConfig)
     cs.store(group="data", name="listops_schema", node=ListOpsConfig)
     cs.store(group="data", name="pathfinder_schema", node=PathfinderConfig)
