@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from flashtrain.data.lm import LMDataConfig, prepare_lm_data  # noqa: E402
 from flashtrain.models.gpt2 import GPT2Config  # noqa: E402
+from flashtrain.train.metrics import save_figure  # noqa: E402
 
 BUCKETS = (0, 1024, 2048, 4096)  # bucket edges: input positions [0, 1K), [1K, 2K), [2K, 4K)
 SMOKE_BUCKETS = (0, 64, 128, 256)
@@ -191,12 +192,7 @@ def plot(runs, scores: list[Scored], edges: tuple[int, ...], png: Path) -> None:
         ax_ppl.bar_label(bars, fmt="%.2f", fontsize=7)
     ax_ppl.set_xticks(np.arange(len(names)), [f"positions {n}" for n in names])
     ax_ppl.set(ylabel="perplexity", title="held-out long documents: perplexity by token position")
-    for ax in (ax_loss, ax_ppl):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, (ax_loss, ax_ppl), png)
 
 
 def main(argv: list[str] | None = None) -> dict:

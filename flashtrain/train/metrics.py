@@ -87,7 +87,14 @@ def plot_curves(runs: dict[str, list[dict]], png: Path) -> None:
                         label=f"{label}: test {metric.replace('_', ' ')} {r['test_' + metric]:.4f}")
     ax_loss.set(xlabel="tokens", ylabel="train loss", title="training loss")
     ax_val.set(xlabel="tokens", ylabel=name, title=title, yscale="log" if log_scale else "linear")
-    for ax in (ax_loss, ax_val):
+    save_figure(fig, (ax_loss, ax_val), png)
+
+
+def save_figure(fig, axes, png: Path) -> None:
+    """Grid and legend on every panel of `axes`, then `fig` written to `png` and closed (the curve plots' finish)."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
