@@ -5,6 +5,8 @@ check of the gradients against fp32 attention (dense, causal, GQA, head dim 96 p
     PYTHONPATH=$PWD python3 benchmarks/probes/sm90_bwd_probe.py [--seqlens 1024 4096 16384] [--head-dims 64 128]
 """
 import argparse
+import contextlib
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashtrain.kernels import flash_attn_func
+from flashtrain.kernels import build, flash_attn_func, ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from train_gpt2 import time_calls  # noqa: E402
@@ -33,6 +35,22 @@ def check(head_dim: int, causal: bool, nheads_kv: int = 4, seqlen: int = 1000) -
     errs = [((g.float() - r.transpose(1, 2)).abs().max() / r.abs().max()).item() for g, r in zip(grads, refs)]
     print(f"check hd{head_dim} causal={causal} kv_heads={nheads_kv} S={seqlen}: rel max err dq {errs[0]:.2e} "
           f"dk {errs[1]:.2e} dv {errs[2]:.2e}", flush=True)
+
+
+@contextlib.contextmanager
+def one_cta_per_tile(enabled: bool):
+    """flashtrain-grid: the backward with one CTA per (key block, batch, kv head) tile instead of the persistent grid
+    (build.BwdSm90Tiles.persistent), for A/B runs in one process."""
+    saved = dict(build.BWD_SM90_TILES)
+    if enabled:
+        for head_dim, tiles in saved.items():
+            build.BWD_SM90_TILES[head_dim] = dataclasses.replace(tiles, persistent=False)
+    ops._bwd_plans.clear()
+    try:
+        yield
+    finally:
+        build.BWD_SM90_TILES.update(saved)
+        ops._bwd_plans.clear()
 
 
 def main() -> None:
@@ -63,19 +81,23 @@ def main() -> None:
                         shape = (batch, seqlen, nheads, head_dim)
                         q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                                    for _ in range(3))
-                        if name.startswith("flashtrain"):  # flashtrain-det: deterministic=True
-                            out = flash_attn_func(q, k, v, causal=causal, impl="cuda",
-                                                  deterministic=name.endswith("-det"))
+                        if name.startswith("flashtrain"):  # -det: deterministic=True; -grid: one CTA per tile
+                            with one_cta_per_tile(name.endswith("-grid")):
+                                out = flash_attn_func(q, k, v, causal=causal, impl="cuda",
+                                                      deterministic=name.endswith("-det"))
                         else:
                             q, k, v = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
                             with sdpa_kernel(backends[name]):
                                 out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                         dout = torch.randn_like(out)
                         fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
-                        ms = 1000 * statistics.median(time_calls(fn, torch.device("cuda"), 3, args.repeats))
+                        with one_cta_per_tile(name.endswith("-grid")):
+                            ms = 1000 * statistics.median(time_calls(fn, torch.device("cuda"), 3, args.repeats))
                         best[name] = max(best.get(name, 0), flops / ms / 1e9)
                 line = "  ".join(f"{n} {best[n]:6.1f}" for n in args.impls)
                 ratio = f"  ft/cudnn {best['flashtrain'] / best['cudnn']:.2f}" if "cudnn" in best else ""
+                if "flashtrain-grid" in best:
+                    ratio += f"  persistent/grid {best['flashtrain'] / best['flashtrain-grid']:.2f}"
                 if "flashtrain-det" in best:
                     ratio += f"  det/default {best['flashtrain-det'] / best['flashtrain']:.2f}"
                 print(f"hd{head_dim} S{seqlen:<6} {'causal' if causal else 'full  '} bwd TFLOP/s {line}{ratio}",

@@ -149,6 +149,7 @@ class BwdSm90Tiles:
     block_n: int = 128
     threads: int = 384
     scramble_dq: int = 1  # whole query blocks add into dq_accum in the scrambled order of 64-column slices
+    persistent: bool = True  # one CTA per SM taking (key block, batch, kv head) tiles; False: one CTA per tile
 
     def dq_slice_width(self, head_dim: int) -> int:  # dQ is computed in 64 x 64 pieces
         return 64
@@ -159,7 +160,7 @@ class BwdSm90Tiles:
         pieces = (self.block_m // 64) * (head_dim // 64)
         dq_staging = 2 * 4 * ((pieces + 1) // 2) * 4096
         return (2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
-                     + 2 * self.block_n * self.block_m) + dq_staging + 2 * self.stages * 4 * self.block_m + 64 + 1024)
+                     + 2 * self.block_n * self.block_m) + dq_staging + 2 * self.stages * 4 * self.block_m + 128 + 1024)
 
 
 # Hopper backward: dense or block-sparse, dropout too, deterministic too (not with block-sparse), these head dims
@@ -171,17 +172,17 @@ BWD_SM90_TILES = {
 
 
 def _bwd_tile_overrides() -> None:
-    """FLASHTRAIN_BWD_SM90_TILES="64=128x2" (head dim = block_m x stages) replaces entries of BWD_SM90_TILES in this
-    process (tile A/B measurements)."""
+    """FLASHTRAIN_BWD_SM90_TILES="64=128x2,128=64x2x0" (head dim = block_m x stages [x persistent]) replaces entries
+    of BWD_SM90_TILES in this process (tile A/B measurements)."""
     for item in filter(None, os.environ.get("FLASHTRAIN_BWD_SM90_TILES", "").split(",")):
         head_dim, shape = item.split("=")
-        block_m, stages = (int(x) for x in shape.split("x"))
-        BWD_SM90_TILES[int(head_dim)] = BwdSm90Tiles(block_m, stages)
+        block_m, stages, *persistent = (int(x) for x in shape.split("x"))
+        BWD_SM90_TILES[int(head_dim)] = BwdSm90Tiles(block_m, stages, persistent=bool(persistent[0]) if persistent else True)
 
 
 _bwd_tile_overrides()
 SM90_ARCH = "sm_90a"
-MAX_STREAMS = 64  # streams one process may run the persistent Hopper forward on (one tile counter each)
+MAX_STREAMS = 64  # streams one process may run the persistent Hopper kernels on (one tile counter each)
 BWD_TILES = {
     32: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=8, warps_m_dq=4, stages=2),
     64: BwdTiles(128, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2, scramble_dq=1),
@@ -410,13 +411,15 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
 def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool, deterministic: bool,
                    tiles: BwdSm90Tiles) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
-    name = f"flash_bwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{'_det' if deterministic else ''}"
+    name = (f"flash_bwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
+            f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_STAGES", tiles.stages),
                ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
-               ("FT_DETERMINISTIC", int(deterministic)), ("FT_SMEM_BYTES", smem_bytes), ("FT_KERNEL_NAME", name))
+               ("FT_DETERMINISTIC", int(deterministic)), ("FT_PERSISTENT", int(tiles.persistent)),
+               ("FT_SMEM_BYTES", smem_bytes), ("FT_MAX_STREAMS", MAX_STREAMS), ("FT_KERNEL_NAME", name))
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
-                      block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles)
+                      block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
 
 @functools.lru_cache(maxsize=None)

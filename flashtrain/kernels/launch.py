@@ -62,11 +62,12 @@ class BwdParams(ctypes.Structure):
 
 
 class BwdSm90Params(ctypes.Structure):
-    """csrc/flash.h BwdSm90Params: four 128-byte tensor maps (q, k, v, dout), BwdParams (from 512), then padding to a
-    multiple of the struct's 64-byte alignment."""
+    """csrc/flash.h BwdSm90Params: four 128-byte tensor maps (q, k, v, dout), BwdParams (from 512), the tile counter,
+    then padding to a multiple of the struct's 64-byte alignment."""
 
     _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("tma_do", TmaDesc), ("bwd", BwdParams),
-                ("pad_", ctypes.c_uint8 * (-(4 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(BwdParams)) % 64))]
+                ("tile_counter", _ptr),
+                ("pad_", ctypes.c_uint8 * (-(4 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(BwdParams) + 8) % 64))]
 
 
 class AuxParams(ctypes.Structure):

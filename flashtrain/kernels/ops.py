@@ -371,6 +371,10 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     (params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride) = _strides(dk, varlen)
     (params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride) = _strides(dv, varlen)
     plan.grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)
+    if hopper:  # tiles (key block, batch, kv head) along x: at most one CTA per SM when persistent
+        plan.grid = (math.prod(plan.grid), 1, 1)
+        if tiles.persistent:
+            plan.grid = (min(plan.grid[0], launch.sm_count(q.device)), 1, 1)
     plan.semaphore_shape = None
     if deterministic and hopper:  # per (batch, head, query block): MMA warps of lower key blocks done adding dQ
         params.dq_sem_mblocks = math.ceil(fwd.seqlen_q / tiles.block_m)
@@ -425,6 +429,7 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         _ADDRESSES[1].pack_into(params, plan.semaphore_offset, semaphore.data_ptr())
     if plan.tma_layouts is not None:
         _write_tensor_maps(params, (q, k, v, dout), plan.tma_layouts)
+        params.tile_counter = launch.tile_counter(plan.kernel, q.device, stream)
     plan.kernel.launch_on(plan.grid, params, stream)
 
     plan.convert.launch_on(plan.aux_grid, aux, stream)

@@ -94,11 +94,13 @@ struct BwdParams {
     int pad2_;
 };
 
-// Parameters of the Hopper TMA backward (flash_bwd_sm90.cuh): tensor maps of q, k, v, dout (as FwdSm90Params'), then
-// the plain parameters; padded to the 64-byte alignment (launch.py pads its mirror the same way).
+// Parameters of the Hopper TMA backward (flash_bwd_sm90.cuh): tensor maps of q, k, v, dout (as FwdSm90Params'), the
+// plain parameters, the persistent grid's tile counter (as FwdSm90Params'); padded to the 64-byte alignment (launch.py
+// pads its mirror the same way).
 struct BwdSm90Params {
     TmaDesc tma_q, tma_k, tma_v, tma_do;
     BwdParams bwd;
+    int* tile_counter;
 };
 
 // Auxiliary kernels of the backward (and the test-only dropout-mask kernel).

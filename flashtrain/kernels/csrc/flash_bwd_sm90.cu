@@ -3,9 +3,15 @@
 #include "flash_bwd_sm90.cuh"
 
 using Traits = flashtrain::BwdSm90Traits<FT_HEAD_DIM, FT_BLOCK_M, FT_STAGES, FT_BF16, FT_CAUSAL, FT_DROPOUT,
-                                          FT_BLOCK_SPARSE, FT_DETERMINISTIC>;
+                                          FT_BLOCK_SPARSE, FT_DETERMINISTIC, FT_PERSISTENT>;
 static_assert(Traits::kSmemBytes == FT_SMEM_BYTES, "build.py and the kernel disagree on the shared memory size");
 static_assert(Traits::kNThreads == FT_THREADS, "build.py and the kernel disagree on the block size");
+
+// The dynamic tile scheduler's counters (BwdSm90Params::tile_counter points at one), as the forward's
+// (flash_fwd_sm90.cu): zero when the module loads, left at zero by every launch, one per stream.
+extern "C" {
+__device__ int flashtrain_tile_counters[FT_MAX_STREAMS];
+}
 
 // One CTA per SM (__launch_bounds__(threads, 1)): the register cap at entry that setmaxnreg needs.
 extern "C" __global__ void __launch_bounds__(Traits::kNThreads, 1)

@@ -40,9 +40,10 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
-          bool kIsBlockSparse_, bool kIsDeterministic_>
+          bool kIsBlockSparse_, bool kIsDeterministic_, bool kPersistent_ = true>
 struct BwdSm90Traits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = 128, kStages = kStages_;
+    static constexpr bool kPersistent = kPersistent_;  // one CTA per SM taking tiles from the dynamic scheduler
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_, kIsDeterministic = kIsDeterministic_;
     static_assert(!(kIsBlockSparse && kIsDeterministic), "deterministic block-sparse runs flash_bwd.cuh");
@@ -79,13 +80,15 @@ struct BwdSm90Traits {
     using TileS = SmemTile<kBlockN, kBlockM>;    // dS^T (rows keys, columns queries), two buffers
     static constexpr int kStatsBytes = kBlockM * 4;
     static constexpr int kDqSliceBytes = 16 * 64 * 4;  // one warp's 16 x 64 fp32 slice of a dQ piece
-    static constexpr int kBarrierBytes = 64;
-    static_assert(8 * (3 + 2 * kStages) <= kBarrierBytes, "barrier area");
+    // mbarriers: K / V full and empty, Q / dO stages full and empty, dQ staging full and empty, tile slots full and
+    // empty (2 each); then the 2 tile slots (ints)
+    static constexpr int kBarrierBytes = 128;
+    static_assert(8 * (4 + 2 * kStages + 4) + 8 <= kBarrierBytes, "barrier area");
     static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileS::kBytes +
                                       kNMma * 4 * kPiecesPerWg * kDqSliceBytes + 2 * kStages * kStatsBytes +
                                       kBarrierBytes + 1024;
-    // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue).
-    static constexpr int kBarDs = 1, kBarEpilogue = 2;
+    // Named barrier (0 is __syncthreads): both warpgroups' dS^T rows stored.
+    static constexpr int kBarDs = 1;
 };
 
 // The (query head, query block) pairs a CTA visits, in order: dense, every query block from the first that sees the
@@ -112,10 +115,7 @@ template <class T> struct QueryBlockWalk {
             has = it < n_iters;
             if (has) {
                 head = head_kv * group + it / n_mblocks;
-                // deterministic causal: the last query block first, so that every key block reaches a query block
-                // at about the same time (they add to it in ascending order, waiting for each other)
-                m0 = (T::kIsDeterministic && T::kIsCausal ? m_block_end - 1 - it % n_mblocks
-                                                          : m_block_min + it % n_mblocks) * T::kBlockM;
+                m0 = (m_block_min + it % n_mblocks) * T::kBlockM;
             }
         }
     }
@@ -137,6 +137,22 @@ template <class T> struct QueryBlockWalk {
     }
 };
 
+// A tile is one key block of one (batch, kv head): tile = (head_kv * batch + batch) * n_kblocks + n_block, key blocks
+// fastest (the tiles of one head share its Q / dO in L2; the deterministic turns need lower key blocks first).
+struct BwdTile {
+    int n_block, n0, batch, head_kv, q_start, k_start, seqlen_q, seqlen_k;
+};
+template <class T> __device__ __forceinline__ bool bwd_tile(const FwdParams& f, int tile, int n_kblocks, BwdTile& x) {
+    // deterministic causal: the highest key block first (it takes the first turn of its query blocks; see the dQ writer)
+    x.n_block = T::kIsDeterministic && T::kIsCausal ? n_kblocks - 1 - tile % n_kblocks : tile % n_kblocks;
+    const int bh = tile / n_kblocks;
+    x.batch = bh % f.batch;
+    x.head_kv = bh / f.batch;
+    seq_bounds(f, x.batch, x.q_start, x.k_start, x.seqlen_q, x.seqlen_k);
+    x.n0 = x.n_block * T::kBlockN;
+    return x.n0 < x.seqlen_k;  // varlen: key blocks past a short sequence's end do nothing
+}
+
 template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90Params& params) {
     extern __shared__ __align__(128) unsigned char smem[];
     const BwdParams& p = params.bwd;
@@ -149,13 +165,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const int tid = threadIdx.x, lane = tid % 32;
     const int wg = warp_uniform(tid / 128);
 
-    const int n_block = blockIdx.x, batch = blockIdx.y, head_kv = blockIdx.z;
-    int q_start, k_start, seqlen_q, seqlen_k;
-    seq_bounds(f, batch, q_start, k_start, seqlen_q, seqlen_k);
-    const int n0 = n_block * kBlockN;
-    if (n0 >= seqlen_k) return;
+    const int n_kblocks = ceil_div(f.seqlen_k, kBlockN);
+    const int n_tiles = n_kblocks * f.batch * f.nheads_kv;
     const bool varlen = f.cu_seqlens_q != nullptr;  // varlen maps have one batch entry
-    const int batch_coord = varlen ? 0 : batch;
 
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;
     const u32 sK = base + 2 * kStages * TileQ::kBytes, sV = sK + TileKV::kBytes;
@@ -167,14 +179,36 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     auto sdO = [&](int s) { return base + (kStages + s) * TileQ::kBytes; };
     auto sLse = [&](int s) { return sStats + s * T::kStatsBytes; };
     auto sD = [&](int s) { return sStats + (kStages + s) * T::kStatsBytes; };
-    const u32 full_kv = bars;
-    auto full = [&](int s) { return bars + 8 * (1 + s); };
-    auto empty = [&](int s) { return bars + 8 * (1 + kStages + s); };
-    const u32 dq_full = bars + 8 * (1 + 2 * kStages), dq_empty = dq_full + 8;  // the dQ staging slices
+    const u32 full_kv = bars, empty_kv = bars + 8;
+    auto full = [&](int s) { return bars + 8 * (2 + s); };
+    auto empty = [&](int s) { return bars + 8 * (2 + kStages + s); };
+    const u32 dq_full = bars + 8 * (2 + 2 * kStages), dq_empty = dq_full + 8;  // the dQ staging slices
+    // Tile slots: the producer publishes each tile it takes (-1: no more) to the statistics warp, the dQ writer and
+    // the MMA warps (10 readers), two tiles ahead at most.
+    auto tile_full = [&](int i) { return bars + 8 * (4 + 2 * kStages + i); };
+    auto tile_empty = [&](int i) { return bars + 8 * (6 + 2 * kStages + i); };
+    auto tile_slot = [&](int i) { return bars + 8 * (8 + 2 * kStages) + 4 * i; };
+    constexpr int kTileReaders = 2 + 4 * T::kNMma;
+    // The tile a role works on next (-1: none): waits for the producer to publish it, then releases the slot.
+    auto read_tile = [&](int tile_iter, BwdTile& x) {
+        const int slot = tile_iter & 1;
+        mbar_wait(tile_full(slot), (tile_iter >> 1) & 1);
+        const int tile = ld_shared_b32(tile_slot(slot));
+        __syncwarp();
+        if (lane == 0) mbar_arrive(tile_empty(slot));
+        if (tile >= 0) bwd_tile<T>(f, tile, n_kblocks, x);
+        return tile >= 0;
+    };
     if (tid == 0) {
         mbar_init(dq_full, 4 * T::kNMma);  // one arrival per MMA warp (its slice is staged)
         mbar_init(dq_empty, 1);            // the dQ writer (the copy engine has read the slices)
         mbar_init(full_kv, 1);
+        mbar_init(empty_kv, 4 * T::kNMma);  // one arrival per MMA warp (its last GEMM reading K / V is done)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mbar_init(tile_full(i), 1);
+            mbar_init(tile_empty(i), kTileReaders);
+        }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full(s), 1 + 32);     // the TMA thread's expect_tx arrival + warp 1's lanes (statistics)
@@ -191,45 +225,85 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         if (warp == 0 && lane == 0) {
             tma_prefetch_desc(&params.tma_q);
             tma_prefetch_desc(&params.tma_do);
-            mbar_arrive_expect_tx(full_kv, 2 * TileKV::kBytes);
-#pragma unroll
-            for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-                tma_load_4d(sK + cb * kBlockN * 128, &params.tma_k, full_kv, cb * 64, k_start + n0, head_kv,
-                            batch_coord);
-                tma_load_4d(sV + cb * kBlockN * 128, &params.tma_v, full_kv, cb * 64, k_start + n0, head_kv,
-                            batch_coord);
-            }
-            for (QueryBlockWalk<T> walk(p, head_kv, n0, seqlen_q, seqlen_k); walk.has; walk.next()) {
-                const int s = walk.it % kStages;
-                mbar_wait(empty(s), ((walk.it / kStages) & 1) ^ 1);  // the first pass finds every stage empty
-                mbar_arrive_expect_tx(full(s), 2 * TileQ::kBytes);
-#pragma unroll
-                for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-                    tma_load_4d(sQ(s) + cb * kBlockM * 128, &params.tma_q, full(s), cb * 64, q_start + walk.m0,
-                                walk.head, batch_coord);
-                    tma_load_4d(sdO(s) + cb * kBlockM * 128, &params.tma_do, full(s), cb * 64, q_start + walk.m0,
-                                walk.head, batch_coord);
+            // Persistent: tiles gridDim.x .. n_tiles - 1 from the counter, then one past the end per CTA (n_tiles
+            // fetches in all; the fetch of n_tiles - 1 is the launch's last, so it resets the counter to 0).
+            auto next_tile = [&](int tile) {
+                if constexpr (!T::kPersistent) {
+                    return n_tiles;
+                } else {
+                    const int fetched = atomic_fetch_add(params.tile_counter, 1);
+                    if (fetched == n_tiles - 1) atomic_store(params.tile_counter, 0);
+                    return fetched + (int)gridDim.x;
                 }
+            };
+            int gs = 0, tile_iter = 0;  // query blocks and tiles so far: stages and phases of the rings
+            BwdTile x;
+            for (int tile = blockIdx.x;; tile = next_tile(tile)) {
+                if (tile < n_tiles && !bwd_tile<T>(f, tile, n_kblocks, x)) continue;
+                const int slot = tile_iter & 1;
+                mbar_wait(tile_empty(slot), ((tile_iter >> 1) & 1) ^ 1);  // (the first two pass at once)
+                atomic_store_shared(tile_slot(slot), tile < n_tiles ? tile : -1);
+                mbar_arrive(tile_full(slot));
+                if (tile >= n_tiles) break;
+                const int batch_coord = varlen ? 0 : x.batch;
+                // K / V once the MMA warps are done with the previous tile's (after this tile's first Q / dO copy,
+                // which so overlaps the previous tile's last block)
+                bool kv_loaded = false;
+                auto load_kv = [&]() {
+                    mbar_wait(empty_kv, (tile_iter & 1) ^ 1);
+                    mbar_arrive_expect_tx(full_kv, 2 * TileKV::kBytes);
+#pragma unroll
+                    for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+                        tma_load_4d(sK + cb * kBlockN * 128, &params.tma_k, full_kv, cb * 64, x.k_start + x.n0,
+                                    x.head_kv, batch_coord);
+                        tma_load_4d(sV + cb * kBlockN * 128, &params.tma_v, full_kv, cb * 64, x.k_start + x.n0,
+                                    x.head_kv, batch_coord);
+                    }
+                    kv_loaded = true;
+                };
+                for (QueryBlockWalk<T> walk(p, x.head_kv, x.n0, x.seqlen_q, x.seqlen_k); walk.has;
+                     walk.next(), ++gs) {
+                    const int s = gs % kStages;
+                    mbar_wait(empty(s), ((gs / kStages) & 1) ^ 1);  // the first pass finds every stage empty
+                    mbar_arrive_expect_tx(full(s), 2 * TileQ::kBytes);
+#pragma unroll
+                    for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+                        tma_load_4d(sQ(s) + cb * kBlockM * 128, &params.tma_q, full(s), cb * 64, x.q_start + walk.m0,
+                                    walk.head, batch_coord);
+                        tma_load_4d(sdO(s) + cb * kBlockM * 128, &params.tma_do, full(s), cb * 64,
+                                    x.q_start + walk.m0, walk.head, batch_coord);
+                    }
+                    if (!kv_loaded) load_kv();
+                }
+                if (!kv_loaded) load_kv();  // no query block sees these keys: dK = dV = 0
+                ++tile_iter;
             }
         } else if (warp == 1) {
             // Row statistics: lse in log2 units (+inf for rows past the end and rows that saw no key, so P = 0), D.
-            for (QueryBlockWalk<T> walk(p, head_kv, n0, seqlen_q, seqlen_k); walk.has; walk.next()) {
-                const int s = walk.it % kStages;
-                mbar_wait(empty(s), ((walk.it / kStages) & 1) ^ 1);
-                const i64 offset = batch * f.lse_batch_stride + walk.head * f.lse_head_stride + q_start;
+            int gs = 0;
+            BwdTile x;
+            for (int tile_iter = 0; read_tile(tile_iter, x); ++tile_iter) {
+                for (QueryBlockWalk<T> walk(p, x.head_kv, x.n0, x.seqlen_q, x.seqlen_k); walk.has;
+                     walk.next(), ++gs) {
+                    const int s = gs % kStages;
+                    mbar_wait(empty(s), ((gs / kStages) & 1) ^ 1);
+                    const i64 offset = x.batch * f.lse_batch_stride + walk.head * f.lse_head_stride + x.q_start;
 #pragma unroll
-                for (int i = 0; i < kBlockM / 32; ++i) {
-                    const int row = walk.m0 + lane + 32 * i;
-                    float lse = infinity(), dsum = 0.f;
-                    if (row < seqlen_q) {
-                        const float raw = f.lse[offset + row];
-                        lse = raw == -infinity() ? infinity() : raw * kLog2e;
-                        dsum = p.softmax_d[offset + row];
+                    for (int i = 0; i < kBlockM / 32; ++i) {
+                        const int row = walk.m0 + lane + 32 * i;
+                        float lse = infinity(), dsum = 0.f;
+                        if (row < x.seqlen_q) {
+                            const float raw = f.lse[offset + row];
+                            lse = raw == -infinity() ? infinity() : raw * kLog2e;
+                            dsum = p.softmax_d[offset + row];
+                        }
+                        asm volatile("st.shared.f32 [%0], %1;" ::"r"(sLse(s) + 4 * (lane + 32 * i)), "f"(lse)
+                                     : "memory");
+                        asm volatile("st.shared.f32 [%0], %1;" ::"r"(sD(s) + 4 * (lane + 32 * i)), "f"(dsum)
+                                     : "memory");
                     }
-                    asm volatile("st.shared.f32 [%0], %1;" ::"r"(sLse(s) + 4 * (lane + 32 * i)), "f"(lse) : "memory");
-                    asm volatile("st.shared.f32 [%0], %1;" ::"r"(sD(s) + 4 * (lane + 32 * i)), "f"(dsum) : "memory");
+                    mbar_arrive(full(s));
                 }
-                mbar_arrive(full(s));
             }
         } else if (warp == 2) {
             // dQ writer: per query block, once the MMA warps have staged their 16 x 64 slices (scrambled order of
@@ -237,56 +311,72 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             // last block with vector atomics -- and release the staging area. Deterministic: after the key blocks
             // below this one have added this query block (their turn counter), and count this one in when done.
             int n = 0;
-            for (QueryBlockWalk<T> walk(p, head_kv, n0, seqlen_q, seqlen_k); walk.has; walk.next(), ++n) {
-                mbar_wait(dq_full, n & 1);
-                const int m0 = walk.m0;
-                float* dq_acc = p.dq_accum + batch * p.dqa_batch_stride + (i64)q_start * kHeadDim +
-                                walk.head * p.dqa_head_stride;
-                int* counter = p.dq_semaphore + ((i64)batch * f.nheads + walk.head) * p.dq_sem_mblocks + m0 / kBlockM;
-                if (T::kIsDeterministic) {
-                    if (lane == 0)
-                        while (ld_acquire_gpu(counter) < n_block) {
+            BwdTile x;
+            for (int tile_iter = 0; read_tile(tile_iter, x); ++tile_iter) {
+                const int seqlen_q = x.seqlen_q;
+                for (QueryBlockWalk<T> walk(p, x.head_kv, x.n0, x.seqlen_q, x.seqlen_k); walk.has; walk.next(), ++n) {
+                    mbar_wait(dq_full, n & 1);
+                    const int m0 = walk.m0;
+                    float* dq_acc = p.dq_accum + x.batch * p.dqa_batch_stride + (i64)x.q_start * kHeadDim +
+                                    walk.head * p.dqa_head_stride;
+                    int* counter = p.dq_semaphore + ((i64)x.batch * f.nheads + walk.head) * p.dq_sem_mblocks +
+                                   m0 / kBlockM;
+                    if (T::kIsDeterministic) {
+                        // This key block's turn at the query block: non-causal, ascending key blocks (key block n
+                        // after 0 .. n - 1); causal, descending from the highest key block that sees the query block
+                        // (n_last), which visits it first, so that every key block's predecessor added this query
+                        // block some blocks earlier and the turns do not wait in steady state. Either way the tiles
+                        // a turn waits for are taken from the scheduler earlier (bwd_tile's order): no deadlock.
+                        int turn = x.n_block;
+                        if constexpr (T::kIsCausal) {
+                            const int row_last = min_(m0 + kBlockM, seqlen_q) - 1;
+                            turn = (row_last + x.seqlen_k - seqlen_q) / kBlockN - x.n_block;
                         }
-                    __syncwarp();
-                }
-                const bool whole = m0 + kBlockM <= seqlen_q;
-                // (loops kept rolled: this warpgroup runs on 24 registers per thread)
+                        if (lane == 0)
+                            while (ld_acquire_gpu(counter) < turn) {
+                            }
+                        __syncwarp();
+                    }
+                    const bool whole = m0 + kBlockM <= seqlen_q;
+                    // (loops kept rolled: this warpgroup runs on 24 registers per thread)
 #pragma unroll 1
-                for (int slice = 0; slice < 4 * T::kNMma; ++slice) {
-                    const int piece = slice / 4, row0 = m0 + 16 * ((piece / (kHeadDim / 64)) * 4 + slice % 4);
-                    const int col0 = 64 * (piece % (kHeadDim / 64));
-                    const u32 src = sdQ + slice * T::kDqSliceBytes;
-                    if (whole) {
-                        if (lane == 0) bulk_reduce_add_f32(dq_acc + (i64)row0 * kHeadDim + col0 * 16, src, T::kDqSliceBytes);
-                    } else {  // lane l holds accumulator fragment d[j][e] of MMA lane l: floats 128 j + 4 l + e
+                    for (int slice = 0; slice < 4 * T::kNMma; ++slice) {
+                        const int piece = slice / 4, row0 = m0 + 16 * ((piece / (kHeadDim / 64)) * 4 + slice % 4);
+                        const int col0 = 64 * (piece % (kHeadDim / 64));
+                        const u32 src = sdQ + slice * T::kDqSliceBytes;
+                        if (whole) {
+                            if (lane == 0)
+                                bulk_reduce_add_f32(dq_acc + (i64)row0 * kHeadDim + col0 * 16, src, T::kDqSliceBytes);
+                        } else {  // lane l holds accumulator fragment d[j][e] of MMA lane l: floats 128 j + 4 l + e
 #pragma unroll 1
-                        for (int j = 0; j < 8; ++j) {
-                            u32 v[4];
-                            ld_shared_v4(src + 512 * j + 16 * lane, v);
+                            for (int j = 0; j < 8; ++j) {
+                                u32 v[4];
+                                ld_shared_v4(src + 512 * j + 16 * lane, v);
 #pragma unroll
-                            for (int hf = 0; hf < 2; ++hf) {
-                                const int row = row0 + lane / 4 + 8 * hf, col = col0 + 8 * j + 2 * (lane % 4);
-                                if (row < seqlen_q && col < f.head_dim)
-                                    atomic_add2(dq_acc + (i64)row * kHeadDim + col, __int_as_float(v[2 * hf]),
-                                                __int_as_float(v[2 * hf + 1]));
+                                for (int hf = 0; hf < 2; ++hf) {
+                                    const int row = row0 + lane / 4 + 8 * hf, col = col0 + 8 * j + 2 * (lane % 4);
+                                    if (row < seqlen_q && col < f.head_dim)
+                                        atomic_add2(dq_acc + (i64)row * kHeadDim + col, __int_as_float(v[2 * hf]),
+                                                    __int_as_float(v[2 * hf + 1]));
+                                }
                             }
                         }
                     }
-                }
-                if (lane == 0 && whole) {
-                    bulk_commit();
-                    bulk_wait_read<0>();
-                }
-                __syncwarp();
-                if (lane == 0) mbar_arrive(dq_empty);
-                if (T::kIsDeterministic) {  // complete (not only read) before the next key block's turn
                     if (lane == 0 && whole) {
-                        bulk_wait<0>();
-                        fence_proxy_async_global();
+                        bulk_commit();
+                        bulk_wait_read<0>();
                     }
-                    __threadfence();
                     __syncwarp();
-                    if (lane == 0) red_release_gpu_add(counter, 1);
+                    if (lane == 0) mbar_arrive(dq_empty);
+                    if (T::kIsDeterministic) {  // complete (not only read) before the next key block's turn
+                        if (lane == 0 && whole) {
+                            bulk_wait<0>();
+                            fence_proxy_async_global();
+                        }
+                        __threadfence();
+                        __syncwarp();
+                        if (lane == 0) red_release_gpu_add(counter, 1);
+                    }
                 }
             }
             if (lane == 0) bulk_wait<0>();  // the reductions are complete before the CTA's shared memory goes away
@@ -301,17 +391,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const int g = lane >> 2, t = lane & 3;
     const int key_row0 = 64 * w + 16 * wwarp;   // this warp's first key row inside the block (wgmma M rows)
     const bool lead_lane = lane == 0;
-    const u32 sK_w = sK + 64 * w * 128, sV_w = sV + 64 * w * 128;  // the warpgroup's 64 rows of each column block
+    const u32 sK_w0 = sK + 64 * w * 128, sV_w0 = sV + 64 * w * 128;  // the warpgroup's 64 rows of each column block
     DropoutRng rng = T::kIsDropout ? DropoutRng(f.rng_state, f.keep_threshold) : DropoutRng{};
     const u32 sdQ_warp = sdQ + (w * 4 + wwarp) * T::kDqSliceBytes;
 
     float acc_dk[kDT][4], acc_dv[kDT][4];
-#pragma unroll
-    for (int i = 0; i < kDT; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc_dk[i][j] = acc_dv[i][j] = 0.f;
-    mbar_wait(full_kv, 0);
-
+    BwdTile x{};  // the tile being worked on
     // dQ: this warpgroup's 64 x 64 piece (mi, hj) of each query block (none for warpgroup 1 when there is one piece).
     const int mi = w / (kHeadDim / 64), hj = w % (kHeadDim / 64);
     float dq[8][4];
@@ -332,12 +417,16 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         if (lead_lane) mbar_arrive(dq_full);
         ++dq_count;
     };
-    auto step = [&](const QueryBlockWalk<T>& walk, auto mask_tag) {
+    auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
-        const int it = walk.it, head = walk.head, m0 = walk.m0;
-        const int s = it % kStages;
-        const u32 sdS = sdS0 + (it & 1) * TileS::kBytes;
-        mbar_wait(full(s), (it / kStages) & 1);
+        const int head = walk.head, m0 = walk.m0, n0 = x.n0, seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
+        const int s = gs % kStages;  // gs: query blocks so far over every tile of the CTA
+        const u32 sdS = sdS0 + (gs & 1) * TileS::kBytes;
+        // K / V addresses re-derived per block (opaque to the compiler): hoisting their 24 loop-invariant
+        // descriptors out of the tile loop costs more registers than recomputing them (spills)
+        u32 sK_w = sK_w0, sV_w = sV_w0, sK_all = sK, sQ_s = sQ(s), sdO_s = sdO(s);
+        asm volatile("" : "+r"(sK_w), "+r"(sV_w), "+r"(sK_all), "+r"(sQ_s), "+r"(sdO_s));
+        mbar_wait(full(s), (gs / kStages) & 1);
 
         // S^T = K_w Q^T, then dP^T = V_w dO^T: kHeadDim / 16 k-steps each, step kk reads 16 columns of block kk / 4.
         float st[kNT][4], dpt[kNT][4];
@@ -346,7 +435,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
             const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
             const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-            wgmma_ss<kBlockM, T::kIsBF16>(st, gmma_desc(sK_w + off_kv, 16, 1024), gmma_desc(sQ(s) + off_q, 16, 1024),
+            wgmma_ss<kBlockM, T::kIsBF16>(st, gmma_desc(sK_w + off_kv, 16, 1024), gmma_desc(sQ_s + off_q, 16, 1024),
                                           kk > 0);
         }
         wgmma_commit();
@@ -361,7 +450,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
             const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
             wgmma_ss<kBlockM, T::kIsBF16>(dpt, gmma_desc(sV_w + off_kv, 16, 1024),
-                                          gmma_desc(sdO(s) + off_q, 16, 1024), kk > 0);
+                                          gmma_desc(sdO_s + off_q, 16, 1024), kk > 0);
         }
         wgmma_commit();
         if (T::kDeferDq == 1 && dq_m0 >= 0) {  // the previous block's dQ piece (issued before these two GEMMs)
@@ -381,7 +470,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
             if (T::kIsDropout && j % 2 == 0) {
-                const int bh = batch * f.nheads + head;
+                const int bh = x.batch * f.nheads + head;
                 rng.bits(bits[0], bh, m0 + 8 * j + 2 * t, n0 + key_row0 + g);
                 rng.bits(bits[1], bh, m0 + 8 * j + 2 * t + 1, n0 + key_row0 + g);
             }
@@ -391,12 +480,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             float dropped[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float x = st[j][e];
+                float score = st[j][e];
                 if constexpr (kMask) {
                     const int key = n0 + key_row0 + g + 8 * (e >> 1), query = m0 + 8 * j + 2 * t + (e & 1);
-                    if (key >= seqlen_k || (T::kIsCausal && key > query + seqlen_k - seqlen_q)) x = -infinity();
+                    if (key >= seqlen_k || (T::kIsCausal && key > query + seqlen_k - seqlen_q)) score = -infinity();
                 }
-                st[j][e] = fast_exp2(x * f.softmax_scale_log2 - lse[e & 1]);
+                st[j][e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
                 dropped[e] = st[j][e];
                 if constexpr (T::kIsDropout) {  // element (query 8j + 2t + e % 2, key g + 8 (e / 2)) of the tile
                     const bool keep = rng.keep_half(bits[e & 1], (j & 1) * 4 + (e >> 1) * 2 + (g & 1));
@@ -414,7 +503,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kBlockM / 16; ++ks)
-            wgmma_rs<kHeadDim, T::kIsBF16>(acc_dv, pa[ks], gmma_desc(sdO(s) + ks * 16 * 128, kBlockM * 128, 1024), 1);
+            wgmma_rs<kHeadDim, T::kIsBF16>(acc_dv, pa[ks], gmma_desc(sdO_s + ks * 16 * 128, kBlockM * 128, 1024), 1);
         wgmma_commit();
         // dP^T done; dV may still run unless its P^T registers are needed for dS^T (128-query blocks: ptxas keeps the
         // A fragments of an unfinished wgmma alive, and 64 more live registers would spill)
@@ -445,7 +534,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kBlockM / 16; ++ks)
-            wgmma_rs<kHeadDim, T::kIsBF16>(acc_dk, dsa[ks], gmma_desc(sQ(s) + ks * 16 * 128, kBlockM * 128, 1024), 1);
+            wgmma_rs<kHeadDim, T::kIsBF16>(acc_dk, dsa[ks], gmma_desc(sQ_s + ks * 16 * 128, kBlockM * 128, 1024), 1);
         wgmma_commit();
 
         // dS^T rows of this warp to the shared tile (rows keys, columns queries) for dQ = dS K.
@@ -463,7 +552,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
 #pragma unroll
         for (int ks = 0; ks < kBlockN / 16; ++ks) {
             const u64 desc_a = gmma_desc(sdS + mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
-            const u64 desc_b = gmma_desc(sK + hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+            const u64 desc_b = gmma_desc(sK_all + hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
             if (ks == 0) wgmma_ss_tt_init<64, T::kIsBF16>(dq, desc_a, desc_b, 0);  // dq's old values are dead
             else wgmma_ss_tt<64, T::kIsBF16>(dq, desc_a, desc_b, 1);
         }
@@ -477,41 +566,53 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             write_dq(m0, head);
         }
     };
-    for (QueryBlockWalk<T> walk(p, head_kv, n0, seqlen_q, seqlen_k); walk.has; walk.next()) {
-        if (tile_needs_mask<T::kIsCausal, kBlockN>(walk.m0, n0, seqlen_q, seqlen_k))
-            step(walk, BoolConstant<true>{});
-        else
-            step(walk, BoolConstant<false>{});
-    }
-    if (T::kDeferDq && dq_m0 >= 0) {
-        wgmma_wait<0>();
-        write_dq(dq_m0, dq_head);
-    }
-
-    // Epilogue: dK * scale and dV through this warpgroup's rows of the K / V tiles, then 16-byte stores.
-    fence_operand(acc_dk);
-    fence_operand(acc_dv);
-    named_bar_sync(T::kBarEpilogue, 128 * T::kNMma);  // both warpgroups are done reading K (their dQ GEMMs)
-    float(&dk1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&acc_dk);
-    float(&dv1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&acc_dv);
-    store_acc<T::kIsBF16, TileKV>(sK, dk1, key_row0, 0, f.softmax_scale, lane);
-    store_acc<T::kIsBF16, TileKV>(sV, dv1, key_row0, 0, 1.f, lane);
-    named_bar_sync(T::kBarEpilogue + 1 + w, 128);
-    u16* dk = (u16*)p.dk + batch * p.dk_batch_stride + (i64)(k_start + n0 + 64 * w) * p.dk_row_stride +
-              head_kv * p.dk_head_stride;
-    u16* dv = (u16*)p.dv + batch * p.dv_batch_stride + (i64)(k_start + n0 + 64 * w) * p.dv_row_stride +
-              head_kv * p.dv_head_stride;
-    const int rows_valid = seqlen_k - n0 - 64 * w;
-    constexpr int kChunksPerRow = kHeadDim / 8;
+    int gs = 0;
+    for (int tile_iter = 0; read_tile(tile_iter, x); ++tile_iter) {
 #pragma unroll
-    for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
-        const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-        if (row < rows_valid && col < f.head_dim) {
-            u32 v[4];
-            ld_shared_v4(TileKV::addr(sK, 64 * w + row, col), v);
-            st_global_v4(dk + row * p.dk_row_stride + col, v);
-            ld_shared_v4(TileKV::addr(sV, 64 * w + row, col), v);
-            st_global_v4(dv + row * p.dv_row_stride + col, v);
+        for (int i = 0; i < kDT; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc_dk[i][j] = acc_dv[i][j] = 0.f;
+        mbar_wait(full_kv, tile_iter & 1);
+        for (QueryBlockWalk<T> walk(p, x.head_kv, x.n0, x.seqlen_q, x.seqlen_k); walk.has; walk.next(), ++gs) {
+            if (tile_needs_mask<T::kIsCausal, kBlockN>(walk.m0, x.n0, x.seqlen_q, x.seqlen_k))
+                step(walk, gs, BoolConstant<true>{});
+            else
+                step(walk, gs, BoolConstant<false>{});
+        }
+        if (T::kDeferDq && dq_m0 >= 0) {
+            wgmma_wait<0>();
+            write_dq(dq_m0, dq_head);
+            dq_m0 = -1;
+        }
+        // Every GEMM of this warpgroup that reads K / V is done: the producer may copy the next tile's.
+        wgmma_wait<0>();
+        __syncwarp();
+        if (lead_lane) mbar_arrive(empty_kv);
+
+        // Epilogue: dK * scale and dV from the accumulators to global memory (a quad's 4-byte pairs are 16
+        // contiguous bytes of a row), while the next tile's K / V are copied.
+        fence_operand(acc_dk);
+        fence_operand(acc_dv);
+        const int rows_valid = x.seqlen_k - x.n0 - key_row0;
+        const i64 row0 = x.k_start + x.n0 + key_row0 + g;
+        u32* dk = (u32*)((u16*)p.dk + x.batch * p.dk_batch_stride + row0 * p.dk_row_stride +
+                         x.head_kv * p.dk_head_stride + 2 * t);
+        u32* dv = (u32*)((u16*)p.dv + x.batch * p.dv_batch_stride + row0 * p.dv_row_stride +
+                         x.head_kv * p.dv_head_stride + 2 * t);
+        const int dk_8rows = 4 * (int)p.dk_row_stride, dv_8rows = 4 * (int)p.dv_row_stride;  // in u32
+        const int cols = (f.head_dim - 2 * t + 7) / 8;  // n8 tiles with this thread's column pair inside head_dim
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            if (g + 8 * hf < rows_valid) {
+#pragma unroll
+                for (int j = 0; j < kDT; ++j) {
+                    if (j < cols) {
+                        dk[hf * dk_8rows + 4 * j] =
+                            pack2<T::kIsBF16>(acc_dk[j][2 * hf] * f.softmax_scale, acc_dk[j][2 * hf + 1] * f.softmax_scale);
+                        dv[hf * dv_8rows + 4 * j] = pack2<T::kIsBF16>(acc_dv[j][2 * hf], acc_dv[j][2 * hf + 1]);
+                    }
+                }
+            }
         }
     }
 }
