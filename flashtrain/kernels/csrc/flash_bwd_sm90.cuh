@@ -87,8 +87,9 @@ struct BwdSm90Traits {
     static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileS::kBytes +
                                       kNMma * 4 * kPiecesPerWg * kDqSliceBytes + 2 * kStages * kStatsBytes +
                                       kBarrierBytes + 1024;
-    // Named barrier (0 is __syncthreads): both warpgroups' dS^T rows stored.
-    static constexpr int kBarDs = 1;
+    // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then
+    // one per warpgroup (its rows of dK / dV staged).
+    static constexpr int kBarDs = 1, kBarEpilogue = 2;
 };
 
 // The (query head, query block) pairs a CTA visits, in order: dense, every query block from the first that sees the
@@ -137,15 +138,28 @@ template <class T> struct QueryBlockWalk {
     }
 };
 
-// A tile is one key block of one (batch, kv head): tile = (head_kv * batch + batch) * n_kblocks + n_block, key blocks
-// fastest (the tiles of one head share its Q / dO in L2; the deterministic turns need lower key blocks first).
+// A tile is one key block of one (batch, kv head), bh = head_kv * batch + batch. Order: key blocks fastest within a
+// (batch, kv head), so that concurrent tiles share its Q / dO in L2 (and the deterministic turns find the key blocks
+// they wait for taken earlier; deterministic causal, the highest key block first: see the dQ writer). Causal
+// (different lengths per key block): groups of `group` (batch, kv head) pairs with the pairs fastest, so that the
+// longest tiles of the group go first and the last tiles of the launch are short (simulated makespan at 1K-8K,
+// 132 SMs: 1.06-1.07x the ideal with key blocks fastest, 1.00-1.04x so); group ~ 2 SMs' worth of tiles.
 struct BwdTile {
     int n_block, n0, batch, head_kv, q_start, k_start, seqlen_q, seqlen_k;
 };
 template <class T> __device__ __forceinline__ bool bwd_tile(const FwdParams& f, int tile, int n_kblocks, BwdTile& x) {
-    // deterministic causal: the highest key block first (it takes the first turn of its query blocks; see the dQ writer)
-    x.n_block = T::kIsDeterministic && T::kIsCausal ? n_kblocks - 1 - tile % n_kblocks : tile % n_kblocks;
-    const int bh = tile / n_kblocks;
+    int bh;
+    const int n_bh = f.batch * f.nheads_kv;
+    if constexpr (T::kIsCausal && !T::kIsDeterministic) {
+        const int group = min_(n_bh, ceil_div(2 * (int)gridDim.x, n_kblocks));
+        const int first_bh = tile / (group * n_kblocks) * group, in_group = min_(group, n_bh - first_bh);
+        const int i = tile - first_bh * n_kblocks;  // index inside the group's tiles
+        x.n_block = i / in_group;
+        bh = first_bh + i % in_group;
+    } else {
+        x.n_block = T::kIsDeterministic && T::kIsCausal ? n_kblocks - 1 - tile % n_kblocks : tile % n_kblocks;
+        bh = tile / n_kblocks;
+    }
     x.batch = bh % f.batch;
     x.head_kv = bh / f.batch;
     seq_bounds(f, x.batch, x.q_start, x.k_start, x.seqlen_q, x.seqlen_k);
@@ -422,8 +436,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         const int head = walk.head, m0 = walk.m0, n0 = x.n0, seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
         const int s = gs % kStages;  // gs: query blocks so far over every tile of the CTA
         const u32 sdS = sdS0 + (gs & 1) * TileS::kBytes;
-        // K / V addresses re-derived per block (opaque to the compiler): hoisting their 24 loop-invariant
-        // descriptors out of the tile loop costs more registers than recomputing them (spills)
+        // Shared-memory addresses re-derived per block (opaque to the compiler): hoisting the loop-invariant
+        // descriptors out of the tile loop costs more registers than recomputing them (hd128 spills 452 -> 60 bytes,
+        // 5-10% faster; H200 A/B 2026-11-24)
         u32 sK_w = sK_w0, sV_w = sV_w0, sK_all = sK, sQ_s = sQ(s), sdO_s = sdO(s);
         asm volatile("" : "+r"(sK_w), "+r"(sV_w), "+r"(sK_all), "+r"(sQ_s), "+r"(sdO_s));
         mbar_wait(full(s), (gs / kStages) & 1);
@@ -584,36 +599,37 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             write_dq(dq_m0, dq_head);
             dq_m0 = -1;
         }
-        // Every GEMM of this warpgroup that reads K / V is done: the producer may copy the next tile's.
+        // Epilogue: dK * scale and dV through this warpgroup's rows of the K / V tiles, then 16-byte stores; then the
+        // producer may copy the next tile's K / V. (Stores straight from the accumulators, 4 bytes per row pair, with
+        // the next K / V copied meanwhile: 1-7% slower at S <= 4K, H200 A/B 2026-11-24.)
         wgmma_wait<0>();
-        __syncwarp();
-        if (lead_lane) mbar_arrive(empty_kv);
-
-        // Epilogue: dK * scale and dV from the accumulators to global memory (a quad's 4-byte pairs are 16
-        // contiguous bytes of a row), while the next tile's K / V are copied.
         fence_operand(acc_dk);
         fence_operand(acc_dv);
-        const int rows_valid = x.seqlen_k - x.n0 - key_row0;
-        const i64 row0 = x.k_start + x.n0 + key_row0 + g;
-        u32* dk = (u32*)((u16*)p.dk + x.batch * p.dk_batch_stride + row0 * p.dk_row_stride +
-                         x.head_kv * p.dk_head_stride + 2 * t);
-        u32* dv = (u32*)((u16*)p.dv + x.batch * p.dv_batch_stride + row0 * p.dv_row_stride +
-                         x.head_kv * p.dv_head_stride + 2 * t);
-        const int dk_8rows = 4 * (int)p.dk_row_stride, dv_8rows = 4 * (int)p.dv_row_stride;  // in u32
-        const int cols = (f.head_dim - 2 * t + 7) / 8;  // n8 tiles with this thread's column pair inside head_dim
+        named_bar_sync(T::kBarEpilogue, 128 * T::kNMma);  // both warpgroups are done reading K (their dQ GEMMs)
+        float(&dk1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&acc_dk);
+        float(&dv1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&acc_dv);
+        store_acc<T::kIsBF16, TileKV>(sK, dk1, key_row0, 0, f.softmax_scale, lane);
+        store_acc<T::kIsBF16, TileKV>(sV, dv1, key_row0, 0, 1.f, lane);
+        named_bar_sync(T::kBarEpilogue + 1 + w, 128);
+        u16* dk = (u16*)p.dk + x.batch * p.dk_batch_stride + (i64)(x.k_start + x.n0 + 64 * w) * p.dk_row_stride +
+                  x.head_kv * p.dk_head_stride;
+        u16* dv = (u16*)p.dv + x.batch * p.dv_batch_stride + (i64)(x.k_start + x.n0 + 64 * w) * p.dv_row_stride +
+                  x.head_kv * p.dv_head_stride;
+        const int rows_valid = x.seqlen_k - x.n0 - 64 * w;
+        constexpr int kChunksPerRow = kHeadDim / 8;
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            if (g + 8 * hf < rows_valid) {
-#pragma unroll
-                for (int j = 0; j < kDT; ++j) {
-                    if (j < cols) {
-                        dk[hf * dk_8rows + 4 * j] =
-                            pack2<T::kIsBF16>(acc_dk[j][2 * hf] * f.softmax_scale, acc_dk[j][2 * hf + 1] * f.softmax_scale);
-                        dv[hf * dv_8rows + 4 * j] = pack2<T::kIsBF16>(acc_dv[j][2 * hf], acc_dv[j][2 * hf + 1]);
-                    }
-                }
+        for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
+            const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+            if (row < rows_valid && col < f.head_dim) {
+                u32 v[4];
+                ld_shared_v4(TileKV::addr(sK, 64 * w + row, col), v);
+                st_global_v4(dk + row * p.dk_row_stride + col, v);
+                ld_shared_v4(TileKV::addr(sV, 64 * w + row, col), v);
+                st_global_v4(dv + row * p.dv_row_stride + col, v);
             }
         }
+        __syncwarp();
+        if (lead_lane) mbar_arrive(empty_kv);  // (this warp's reads of K / V are done)
     }
 }
 
