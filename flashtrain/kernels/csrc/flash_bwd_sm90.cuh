@@ -138,28 +138,17 @@ template <class T> struct QueryBlockWalk {
     }
 };
 
-// A tile is one key block of one (batch, kv head), bh = head_kv * batch + batch. Order: key blocks fastest within a
-// (batch, kv head), so that concurrent tiles share its Q / dO in L2 (and the deterministic turns find the key blocks
-// they wait for taken earlier; deterministic causal, the highest key block first: see the dQ writer). Causal
-// (different lengths per key block): groups of `group` (batch, kv head) pairs with the pairs fastest, so that the
-// longest tiles of the group go first and the last tiles of the launch are short (simulated makespan at 1K-8K,
-// 132 SMs: 1.06-1.07x the ideal with key blocks fastest, 1.00-1.04x so); group ~ 2 SMs' worth of tiles.
+// A tile is one key block of one (batch, kv head): tile = (head_kv * batch + batch) * n_kblocks + n_block, key blocks
+// fastest, so that concurrent tiles share the head's Q / dO in L2 and the deterministic turns find the key blocks
+// they wait for taken earlier (deterministic causal: the highest key block first; see the dQ writer). Tried: causal
+// tiles in groups of heads with the heads fastest (longest tiles first, a shorter tail in simulation): equal at 1K,
+// 3% slower at hd128 4K / 16K (H200, 2026-11-24).
 struct BwdTile {
     int n_block, n0, batch, head_kv, q_start, k_start, seqlen_q, seqlen_k;
 };
 template <class T> __device__ __forceinline__ bool bwd_tile(const FwdParams& f, int tile, int n_kblocks, BwdTile& x) {
-    int bh;
-    const int n_bh = f.batch * f.nheads_kv;
-    if constexpr (T::kIsCausal && !T::kIsDeterministic) {
-        const int group = min_(n_bh, ceil_div(2 * (int)gridDim.x, n_kblocks));
-        const int first_bh = tile / (group * n_kblocks) * group, in_group = min_(group, n_bh - first_bh);
-        const int i = tile - first_bh * n_kblocks;  // index inside the group's tiles
-        x.n_block = i / in_group;
-        bh = first_bh + i % in_group;
-    } else {
-        x.n_block = T::kIsDeterministic && T::kIsCausal ? n_kblocks - 1 - tile % n_kblocks : tile % n_kblocks;
-        bh = tile / n_kblocks;
-    }
+    x.n_block = T::kIsDeterministic && T::kIsCausal ? n_kblocks - 1 - tile % n_kblocks : tile % n_kblocks;
+    const int bh = tile / n_kblocks;
     x.batch = bh % f.batch;
     x.head_kv = bh / f.batch;
     seq_bounds(f, x.batch, x.q_start, x.k_start, x.seqlen_q, x.seqlen_k);
