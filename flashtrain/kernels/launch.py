@@ -212,7 +212,24 @@ def tile_counter(kernel: "Kernel", device: torch.device, stream: int | None = No
     return kernel.tile_counters + 4 * slot
 
 
-_smem_limits: dict[int, int] = {}  # device index -> shared memory per block the kernels may use
+class _SmemLimits(dict):
+    """device index -> shared memory per block the kernels may use. Launch plans depend on it: a change (tests lower
+    it) makes the C++ executor forget its plans (the Python executor's keys include the limit)."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        from flashtrain.kernels import ops
+
+        ops.clear_host_plans()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        from flashtrain.kernels import ops
+
+        ops.clear_host_plans()
+
+
+_smem_limits: dict[int, int] = _SmemLimits()
 
 
 def device_smem_limit(device: torch.device) -> int:
