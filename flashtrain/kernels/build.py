@@ -8,6 +8,7 @@ $FLASHTRAIN_KERNEL_CACHE (default ~/.cache/flashtrain/kernels), keyed by the sou
 instantiation's macros and the compiler's version.
 
     python -m flashtrain.kernels.build                        # prebuild every instantiation for this machine's GPU
+                                                              # and the C++ host layer (host_library)
     python -m flashtrain.kernels.build --arch sm_90a          # ... for a given arch (no GPU needed)
     python -m flashtrain.kernels.build --check-nvcc sm_80 sm_90a   # compile everything with nvcc, no cache (CI)
     python -m flashtrain.kernels.build --check-nvcc sm_86 --small-smem   # ... the 99 KB tiles that differ (CI)
@@ -792,7 +793,15 @@ def main(argv: list[str] | None = None) -> int:
     smem_limit = min(ARCH_SMEM_OPTIN.get(arch, SMEM_OPTIN_SM86), smem_cap() or 1 << 30)
     print(f"prebuilding for {arch} ({smem_limit} bytes of shared memory per block) into {cache_dir()}")
     specs = [spec for spec in all_kernels(smem_limit) if spec.supports(arch)]
-    return _run_all(specs, args.jobs, lambda spec: compile_kernel(spec, arch))
+    status = _run_all(specs, args.jobs, lambda spec: compile_kernel(spec, arch))
+    start = time.perf_counter()
+    try:
+        path = host_library()
+    except RuntimeError as error:
+        print(f"host layer FAILED\n{error}", file=sys.stderr)
+        return 1
+    print(f"host layer {path} ({time.perf_counter() - start:.0f} s)")
+    return status
 
 
 if __name__ == "__main__":

@@ -552,6 +552,7 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
         auto optional = [](const Tensor& x) { return x.defined() ? OptTensor(x) : OptTensor(); };
         Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);  // only lse was used
         auto& data = ctx->saved_data;
+        at::AutoDispatchBelowADInplaceOrView below_autograd;  // no double backward: straight to the kernel
         auto [dq, dk, dv] = bwd_op().call(
             dout, q, k, v, out, lse, optional(saved[5]), optional(saved[6]), data["max_seqlen_q"].toSymInt(),
             data["max_seqlen_k"].toSymInt(), data["dropout_p"].toDouble(), data["softmax_scale"].toDouble(),
@@ -565,6 +566,11 @@ std::tuple<Tensor, Tensor> fwd_autograd(const Tensor& q, const Tensor& k, const 
                                         c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, double dropout_p,
                                         double softmax_scale, bool causal, const OptTensor& rng_state,
                                         bool deterministic, const OptTensor& bs_rows, const OptTensor& bs_cols) {
+    if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+        at::AutoDispatchBelowADInplaceOrView below_autograd;  // nothing to record (e.g. under torch.no_grad)
+        return fwd_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k),
+                             dropout_p, softmax_scale, causal, rng_state, deterministic, bs_rows, bs_cols);
+    }
     Options options{cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, bs_cols, std::move(max_seqlen_q),
                     std::move(max_seqlen_k), dropout_p, softmax_scale, causal, deterministic};
     auto outputs = FlashAttnFunction::apply(q, k, v, options);
