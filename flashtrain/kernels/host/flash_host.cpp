@@ -249,6 +249,10 @@ void push_tensor(Key& key, const Tensor& x) {
     for (int64_t stride : x.strides()) key.push_back(stride);
 }
 
+OptTensor optional_of(const Tensor& x) {
+    return x.defined() ? OptTensor(x) : OptTensor();
+}
+
 int64_t bits(double value) {
     int64_t out;
     std::memcpy(&out, &value, sizeof out);
@@ -258,6 +262,16 @@ int64_t bits(double value) {
 bool sm90_disabled() {
     const char* value = std::getenv("FLASHTRAIN_SM90");  // = build.sm90_enabled(), read per call as there
     return value != nullptr && std::strcmp(value, "0") == 0;
+}
+
+Key call_key(const std::vector<Tensor>& inputs, int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
+             double softmax_scale, bool causal, bool deterministic) {
+    Key key;
+    key.reserve(96);
+    for (const Tensor& x : inputs) push_tensor(key, x);
+    key.insert(key.end(), {inputs[0].is_cuda() ? inputs[0].get_device() : -1, max_seqlen_q, max_seqlen_k,
+                           bits(dropout_p), bits(softmax_scale), causal, deterministic, sm90_disabled()});
+    return key;
 }
 
 // x itself when the kernels' 16-byte loads of its rows are aligned (address and every stride) and nothing is
@@ -451,20 +465,15 @@ std::tuple<Tensor, Tensor> fwd_kernel(const Tensor& q_in, const Tensor& k_in, co
                                         undefined_if_none(rng_state), undefined_if_none(bs_rows),
                                         undefined_if_none(bs_cols)};
     const int64_t max_q = max_seqlen_q.expect_int(), max_k = max_seqlen_k.expect_int();
-    Key key;
-    key.reserve(64);
-    for (const Tensor& x : inputs) push_tensor(key, x);
-    key.insert(key.end(), {inputs[0].is_cuda() ? inputs[0].get_device() : -1, max_q, max_k, bits(dropout_p),
-                           bits(softmax_scale), causal, deterministic, sm90_disabled()});
+    const Key key = call_key(inputs, max_q, max_k, dropout_p, softmax_scale, causal, deterministic);
     auto plan = find_plan(0, key);
     if (plan == nullptr) {
-        auto to_opt = [](const Tensor& x) { return x.defined() ? OptTensor(x) : OptTensor(); };
         plan = remember(0, key, parse_plan(call_builder<const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
                                                         const OptTensor&, int64_t, int64_t, double, double, bool,
                                                         const OptTensor&, bool, const OptTensor&, const OptTensor&>(
-            "flashtrain::_fwd_plan", inputs[0], inputs[1], inputs[2], to_opt(inputs[3]), to_opt(inputs[4]), max_q,
-            max_k, dropout_p, softmax_scale, causal, to_opt(inputs[5]), deterministic, to_opt(inputs[6]),
-            to_opt(inputs[7]))));
+            "flashtrain::_fwd_plan", inputs[0], inputs[1], inputs[2], optional_of(inputs[3]), optional_of(inputs[4]), max_q,
+            max_k, dropout_p, softmax_scale, causal, optional_of(inputs[5]), deterministic, optional_of(inputs[6]),
+            optional_of(inputs[7]))));
     }
     auto outputs = execute(*plan, inputs);
     return {outputs[0], outputs[1]};
@@ -481,21 +490,16 @@ std::tuple<Tensor, Tensor, Tensor> bwd_kernel(const Tensor& dout, const Tensor& 
                                         contiguous_or_undefined(cu_seqlens_q), contiguous_or_undefined(cu_seqlens_k),
                                         undefined_if_none(rng_state), undefined_if_none(bs_cols)};
     const int64_t max_q = max_seqlen_q.expect_int(), max_k = max_seqlen_k.expect_int();
-    Key key;
-    key.reserve(96);
-    for (const Tensor& x : inputs) push_tensor(key, x);
-    key.insert(key.end(), {inputs[1].is_cuda() ? inputs[1].get_device() : -1, max_q, max_k, bits(dropout_p),
-                           bits(softmax_scale), causal, deterministic, sm90_disabled()});
+    const Key key = call_key(inputs, max_q, max_k, dropout_p, softmax_scale, causal, deterministic);
     auto plan = find_plan(1, key);
     if (plan == nullptr) {
-        auto to_opt = [](const Tensor& x) { return x.defined() ? OptTensor(x) : OptTensor(); };
         plan = remember(1, key, parse_plan(call_builder<const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                         const Tensor&, const Tensor&, const OptTensor&,
                                                         const OptTensor&, int64_t, int64_t, double, double, bool,
                                                         const OptTensor&, bool, const OptTensor&>(
             "flashtrain::_bwd_plan", inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
-            to_opt(inputs[6]), to_opt(inputs[7]), max_q, max_k, dropout_p, softmax_scale, causal, to_opt(inputs[8]),
-            deterministic, to_opt(inputs[9]))));
+            optional_of(inputs[6]), optional_of(inputs[7]), max_q, max_k, dropout_p, softmax_scale, causal, optional_of(inputs[8]),
+            deterministic, optional_of(inputs[9]))));
     }
     auto outputs = execute(*plan, inputs);
     return {outputs[0], outputs[1], outputs[2]};
@@ -549,14 +553,13 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
                                                    torch::autograd::variable_list grads) {
         auto saved = ctx->get_saved_variables();
         const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-        auto optional = [](const Tensor& x) { return x.defined() ? OptTensor(x) : OptTensor(); };
         Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);  // only lse was used
         auto& data = ctx->saved_data;
         at::AutoDispatchBelowADInplaceOrView below_autograd;  // no double backward: straight to the kernel
         auto [dq, dk, dv] = bwd_op().call(
-            dout, q, k, v, out, lse, optional(saved[5]), optional(saved[6]), data["max_seqlen_q"].toSymInt(),
+            dout, q, k, v, out, lse, optional_of(saved[5]), optional_of(saved[6]), data["max_seqlen_q"].toSymInt(),
             data["max_seqlen_k"].toSymInt(), data["dropout_p"].toDouble(), data["softmax_scale"].toDouble(),
-            data["causal"].toBool(), optional(saved[7]), data["deterministic"].toBool(), optional(saved[8]));
+            data["causal"].toBool(), optional_of(saved[7]), data["deterministic"].toBool(), optional_of(saved[8]));
         return {dq, dk, dv, Tensor()};
     }
 };
