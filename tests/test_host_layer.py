@@ -102,9 +102,9 @@ def _canonical(record: bytes) -> list:
     params = record[56 + 16 * n:]
     words = list(struct.unpack_from("<6q", record))
     for (word,) in struct.iter_unpack("<Q", params[: len(params) // 8 * 8]):
-        words.append(next(((index, word - spans[2 * index]) for index in range(n)
-                           if spans[2 * index + 1] and spans[2 * index] <= word < spans[2 * index] + spans[2 * index + 1]),
-                          word))
+        inside = (index for index in range(n) if spans[2 * index] <= word < spans[2 * index] + spans[2 * index + 1])
+        index = next(inside, None)
+        words.append(word if index is None else (index, word - spans[2 * index]))
     return words
 
 
@@ -112,7 +112,8 @@ CASES = {
     "batch": dict(shape_q=(2, 97, 4, 64), shape_k=(2, 130, 2, 64), causal=True),
     "batch-hd128-full": dict(shape_q=(1, 300, 2, 128), shape_k=(1, 300, 2, 128), causal=False),
     "hd40-dropout": dict(shape_q=(2, 65, 2, 40), shape_k=(2, 65, 1, 40), causal=True, dropout_p=0.1),
-    "varlen": dict(shape_q=(300, 4, 64), shape_k=(260, 1, 64), causal=True, lengths=([0, 1, 170, 129], [0, 64, 96, 100])),
+    "varlen": dict(shape_q=(300, 4, 64), shape_k=(260, 1, 64), causal=True,
+                   lengths=([0, 1, 170, 129], [0, 64, 96, 100])),
     "deterministic": dict(shape_q=(2, 200, 4, 64), shape_k=(2, 200, 2, 64), causal=False, deterministic=True),
     "block-sparse": dict(shape_q=(1, 300, 4, 64), shape_k=(1, 260, 4, 64), causal=True, block_mask=(4, 3, 3)),
     "unaligned": dict(shape_q=(2, 50, 2, 64), shape_k=(2, 50, 2, 64), causal=False, strided=True),

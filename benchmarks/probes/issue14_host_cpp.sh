@@ -50,5 +50,6 @@ step smoke smoke || exit 1
 step host_tests python -m pytest -x -q tests/test_host_layer_cuda.py tests/test_host_layer.py || exit 1
 step host_overhead timeout 300 python benchmarks/host_overhead.py --out "$OUT/host_overhead.json"
 # the rest of 8 minutes for every CUDA test (killed at the deadline: its log shows how far it got)
-step cuda_tests timeout $((480 - SECONDS > 60 ? 480 - SECONDS : 60)) python -m pytest -q -m cuda --maxfail=10 $XDIST tests/
+LEFT=$((480 - SECONDS > 60 ? 480 - SECONDS : 60))
+step cuda_tests timeout $LEFT python -m pytest -q -m cuda --maxfail=10 $XDIST tests/
 exit $status

@@ -686,7 +686,8 @@ def host_command(output: Path, object_only: bool = False) -> list[str]:
     root = Path(torch.__file__).resolve().parent
     cxx = cxx_path()
     if cxx is None:
-        raise RuntimeError(f"no C++ compiler for the flashtrain host layer ({HOST_SOURCE.name}): install g++ or set CXX")
+        raise RuntimeError(f"no C++ compiler for the flashtrain host layer ({HOST_SOURCE.name}): install g++ or "
+                           "set CXX")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     command = [cxx, *_HOST_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", str(root / "include"), "-I",
                str(root / "include" / "torch" / "csrc" / "api" / "include"), str(HOST_SOURCE), "-o", str(output)]

@@ -1,5 +1,7 @@
-"""Load the cubins built by flashtrain.kernels.build and launch them on the current torch stream through NVIDIA's
-cuda-python driver bindings (cuda.bindings.driver): no torch C++ extension, no ABI coupling.
+"""Load the cubins built by flashtrain.kernels.build through NVIDIA's cuda-python driver bindings
+(cuda.bindings.driver), and launch them on the current torch stream from Python: the launch plans (ops.py) hold the
+loaded kernels; the C++ host layer launches them on every call, the Python executor here (tests' reference, and
+dropout_mask_for_testing).
 
 The ctypes structs below mirror csrc/flash.h field by field (8-byte fields first, then 4-byte ones; FwdParams' block-
 sparse fields come after an even number of 4-byte ones, then total_q / total_k); each kernel takes one such struct by

@@ -3,14 +3,19 @@
     flashtrain::flash_attn_fwd   (q, k, v, ...) -> (out, lse)
     flashtrain::flash_attn_bwd   (dout, q, k, v, out, lse, ...) -> (dq, dk, dv)
 
-both registered with torch.library.custom_op, with fake implementations (torch.compile traces them without running
-them) and autograd (fwd's backward calls bwd). One pair of ops serves both layouts: batch form q (batch, seqlen_q,
-nheads, head_dim) when cu_seqlens_q is None, packed (varlen) form q (total_q, nheads, head_dim) otherwise.
+both defined by the C++ host layer (host/flash_host.cpp, compiled at first use by build.host_library and loaded by
+load_host): their CUDA kernels and the forward's autograd node (whose backward calls bwd) are C++, so that a call's
+host work and the whole backward never enter Python; their fake implementations (torch.compile traces them without
+running them) are registered here. What they launch is decided here: the launch plans (_fwd_plan, _bwd_plan, below).
+One pair of ops serves both layouts: batch form q (batch, seqlen_q, nheads, head_dim) when cu_seqlens_q is None,
+packed (varlen) form q (total_q, nheads, head_dim) otherwise. Under functorch transforms (torch.func.grad, vmap) the
+ops raise (a C++ autograd node does not support them).
 
 flash_attn_cuda and unavailable_reason are the hook that flashtrain.kernels.interface calls (validation of the
 user's arguments happens there; this module checks only what it relies on to launch safely).
 
-Dropout: flash_attn_cuda draws rng_state = (seed, offset), two int64 on the GPU, from the caller's generator; the
+Dropout: flash_attn_cuda draws rng_state = (seed, offset), two int64 on the GPU, from the caller's generator (in
+Python, before the op: under torch.compile the draw is a node of the graph, each CUDA graph replay draws anew); the
 kernels derive every keep decision from it (Philox, counter-based), the backward regenerates the same mask from the
 saved rng_state, and dropout_mask_for_testing (test only) materialises the mask of a draw.
 
@@ -437,7 +442,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# ---------------------------------------------------------------------------------------------------- the Python executor
+# -------------------------------------------------------------------------------------------- the Python executor
 # The reference the C++ executor is tested against: the same plans, executed in Python.
 _fwd_plans: dict[tuple, _Plan] = {}
 _bwd_plans: dict[tuple, _Plan] = {}

@@ -408,7 +408,8 @@ std::vector<Tensor> execute(const Plan& plan, const std::vector<Tensor>& inputs)
             const uint64_t value = base != 0 ? base + static_cast<uint64_t>(address.add) : 0;
             std::memcpy(params + address.offset, &value, 8);
         }
-        for (const TensorMap& map : launch.tensor_maps) write_tensor_map(params + map.offset, map, inputs.at(map.input));
+        for (const TensorMap& map : launch.tensor_maps)
+            write_tensor_map(params + map.offset, map, inputs.at(map.input));
         if (launch.tile_counter_offset >= 0) {
             const int64_t counter = tile_counter(launch, device, stream);
             std::memcpy(params + launch.tile_counter_offset, &counter, 8);
@@ -471,8 +472,8 @@ std::tuple<Tensor, Tensor> fwd_kernel(const Tensor& q_in, const Tensor& k_in, co
         plan = remember(0, key, parse_plan(call_builder<const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
                                                         const OptTensor&, int64_t, int64_t, double, double, bool,
                                                         const OptTensor&, bool, const OptTensor&, const OptTensor&>(
-            "flashtrain::_fwd_plan", inputs[0], inputs[1], inputs[2], optional_of(inputs[3]), optional_of(inputs[4]), max_q,
-            max_k, dropout_p, softmax_scale, causal, optional_of(inputs[5]), deterministic, optional_of(inputs[6]),
+            "flashtrain::_fwd_plan", inputs[0], inputs[1], inputs[2], optional_of(inputs[3]),
+            optional_of(inputs[4]), max_q, max_k, dropout_p, softmax_scale, causal, optional_of(inputs[5]), deterministic, optional_of(inputs[6]),
             optional_of(inputs[7]))));
     }
     auto outputs = execute(*plan, inputs);
@@ -498,8 +499,8 @@ std::tuple<Tensor, Tensor, Tensor> bwd_kernel(const Tensor& dout, const Tensor& 
                                                         const OptTensor&, int64_t, int64_t, double, double, bool,
                                                         const OptTensor&, bool, const OptTensor&>(
             "flashtrain::_bwd_plan", inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
-            optional_of(inputs[6]), optional_of(inputs[7]), max_q, max_k, dropout_p, softmax_scale, causal, optional_of(inputs[8]),
-            deterministic, optional_of(inputs[9]))));
+            optional_of(inputs[6]), optional_of(inputs[7]), max_q, max_k, dropout_p, softmax_scale, causal,
+            optional_of(inputs[8]), deterministic, optional_of(inputs[9]))));
     }
     auto outputs = execute(*plan, inputs);
     return {outputs[0], outputs[1], outputs[2]};
