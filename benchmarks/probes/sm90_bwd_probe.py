@@ -46,11 +46,13 @@ def one_cta_per_tile(enabled: bool):
         for head_dim, tiles in saved.items():
             build.BWD_SM90_TILES[head_dim] = dataclasses.replace(tiles, persistent=False)
     ops._bwd_plans.clear()
+    ops.clear_host_plans()
     try:
         yield
     finally:
         build.BWD_SM90_TILES.update(saved)
         ops._bwd_plans.clear()
+        ops.clear_host_plans()
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ $FLASHTRAIN_KERNEL_CACHE (default ~/.cache/flashtrain/kernels), keyed by the sou
 instantiation's macros and the compiler's version.
 
     python -m flashtrain.kernels.build                        # prebuild every instantiation for this machine's GPU
+                                                              # and the C++ host layer (host_library)
     python -m flashtrain.kernels.build --arch sm_90a          # ... for a given arch (no GPU needed)
     python -m flashtrain.kernels.build --check-nvcc sm_80 sm_90a   # compile everything with nvcc, no cache (CI)
     python -m flashtrain.kernels.build --check-nvcc sm_86 --small-smem   # ... the 99 KB tiles that differ (CI)
@@ -663,6 +664,76 @@ def compile_kernel(spec: KernelSpec, arch: str) -> bytes:
     return path.read_bytes()
 
 
+# ------------------------------------------------------------------------------------------------------ host layer
+HOST_SOURCE = Path(__file__).resolve().parent / "host" / "flash_host.cpp"
+_HOST_FLAGS = ("-shared", "-fPIC", "-O2", "-std=c++20", "-Wall", "-Wno-unused-parameter")
+
+
+def cxx_path() -> str | None:
+    """The C++ compiler for the host layer: $CXX, else g++ on PATH."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+@functools.lru_cache(maxsize=None)
+def _cxx_version(path: str) -> str:
+    result = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
+    return result.stdout.splitlines()[0] if result.stdout else "?"
+
+
+def host_command(output: Path, object_only: bool = False) -> list[str]:
+    """The compiler command that builds HOST_SOURCE against the installed torch (its headers, libc10 and
+    libtorch_cpu: the driver is reached through dlopen, the stream through c10's device-generic interface, so no CUDA
+    toolkit or torch CUDA library is needed to build it); object_only: compile only (-c), no link."""
+    import torch
+
+    root = Path(torch.__file__).resolve().parent
+    cxx = cxx_path()
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler for the flashtrain host layer ({HOST_SOURCE.name}): install g++ or "
+                           "set CXX")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    command = [cxx, *_HOST_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", str(root / "include"), "-I",
+               str(root / "include" / "torch" / "csrc" / "api" / "include"), str(HOST_SOURCE), "-o", str(output)]
+    if object_only:
+        return [x for x in command if x != "-shared"] + ["-c"]
+    return command + ["-L", str(root / "lib"), f"-Wl,-rpath,{root / 'lib'}", "-lc10", "-ltorch_cpu", "-ldl"]
+
+
+def host_library_path() -> Path:
+    """Where the host layer of this source, torch and compiler is cached."""
+    import torch
+
+    cxx = cxx_path() or "?"
+    key = hashlib.sha256(repr((HOST_SOURCE.read_bytes(), torch.__version__, str(Path(torch.__file__).parent), cxx,
+                               _cxx_version(cxx) if cxx != "?" else "", _HOST_FLAGS)).encode()).hexdigest()[:24]
+    return cache_dir() / f"flash_host.{key}.so"
+
+
+def host_library() -> Path:
+    """The C++ host layer (host/flash_host.cpp: the torch ops and their launch executor) as a shared library, from
+    the disk cache or compiled into it (~30 s; one process compiles while the others wait on a lock file). Raises
+    RuntimeError naming what is missing or the compiler's error."""
+    import fcntl
+
+    path = host_library_path()
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / "flash_host.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():  # another process built it while this one waited
+            return path
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            tmp_path = Path(tmp) / path.name
+            command = host_command(tmp_path)
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                raise RuntimeError(f"the flashtrain host layer failed to compile:\n{' '.join(command)}\n"
+                                   f"{result.stderr[-6000:]}")
+            os.replace(tmp_path, path)
+    return path
+
+
 def arch_of_capability(major: int, minor: int) -> str:
     """The compile target of a compute capability: sm_90a on Hopper, sm_XY elsewhere (sm_80 and newer)."""
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
@@ -726,7 +797,15 @@ def main(argv: list[str] | None = None) -> int:
     smem_limit = min(ARCH_SMEM_OPTIN.get(arch, SMEM_OPTIN_SM86), smem_cap() or 1 << 30)
     print(f"prebuilding for {arch} ({smem_limit} bytes of shared memory per block) into {cache_dir()}")
     specs = [spec for spec in all_kernels(smem_limit) if spec.supports(arch)]
-    return _run_all(specs, args.jobs, lambda spec: compile_kernel(spec, arch))
+    status = _run_all(specs, args.jobs, lambda spec: compile_kernel(spec, arch))
+    start = time.perf_counter()
+    try:
+        path = host_library()
+    except RuntimeError as error:
+        print(f"host layer FAILED\n{error}", file=sys.stderr)
+        return 1
+    print(f"host layer {path} ({time.perf_counter() - start:.0f} s)")
+    return status
 
 
 if __name__ == "__main__":

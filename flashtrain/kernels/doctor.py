@@ -41,6 +41,9 @@ def _environment() -> None:
     cache = build.cache_dir()
     cubins = len(list(cache.glob("*.cubin"))) if cache.is_dir() else 0
     _line("kernel cache", f"{cache} ({cubins} cubins; FLASHTRAIN_KERNEL_CACHE moves it)")
+    host = build.host_library_path()
+    _line("C++ host layer", f"{host}" if host.is_file() else
+          f"not built yet (first use compiles it with {build.cxx_path() or 'g++: not found'}, ~30 s)")
     _line(build.SMEM_ENV, os.environ.get(build.SMEM_ENV, "not set"))
     _line("FLASHTRAIN_SM90", os.environ.get("FLASHTRAIN_SM90", "not set (Hopper kernels on)"))
 

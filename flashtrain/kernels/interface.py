@@ -206,7 +206,20 @@ def _cuda_ops_to_use(impl: str, q: Tensor, block_mask: Tensor | None, dropout_ma
 # ---- validation: every error names the argument -----------------------------------------------------------------
 
 
+def _qkv_valid(q, k, v, rank: int) -> bool:
+    """True when _check_qkv's checks all pass, tested in one expression (the per-call cost of a valid call)."""
+    return (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and q.dtype in SUPPORTED_DTYPES
+            and k.dtype == q.dtype and v.dtype == q.dtype and k.device == q.device and v.device == q.device
+            and q.dim() == rank and k.dim() == rank and v.dim() == rank
+            and (q.stride(-1) == 1 or q.shape[-1] <= 1) and (k.stride(-1) == 1 or k.shape[-1] <= 1)
+            and (v.stride(-1) == 1 or v.shape[-1] <= 1) and 1 <= q.shape[-1] <= MAX_HEAD_DIM
+            and k.shape[-1] == q.shape[-1] and v.shape == k.shape and k.shape[-2] != 0
+            and q.shape[-2] % k.shape[-2] == 0)
+
+
 def _check_qkv(q, k, v, *, rank: int, layout: str) -> None:
+    if _qkv_valid(q, k, v, rank):
+        return
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -237,7 +250,10 @@ def _check_qkv(q, k, v, *, rank: int, layout: str) -> None:
 
 
 def _check_options(function: str, options: dict) -> AttentionOptions:
-    """`options` (the **options of `function`) checked, with OPTION_DEFAULTS for those left out."""
+    """`options` (the **options of `function`) checked, with OPTION_DEFAULTS for those left out (returned as they
+    are, not to be modified, when none is given)."""
+    if not options:
+        return OPTION_DEFAULTS
     for name in options:
         if name not in OPTION_DEFAULTS:
             raise TypeError(f"{function}() got an unexpected keyword argument {name!r}; its options are dropout_p, "
@@ -266,6 +282,9 @@ def _number(value, integral: bool = False):
 
 def _check_scalars(dropout_p, softmax_scale, causal, head_dim: int) -> tuple[float, float]:
     """Validates flash-attn's positional options; returns (dropout_p, the softmax scale to use) as Python floats."""
+    if (type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and type(causal) is bool  # the common call, checked
+            and (softmax_scale is None or type(softmax_scale) is float and math.isfinite(softmax_scale))):
+        return dropout_p, 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     dropout_p = _number(dropout_p)
     softmax_scale = _number(softmax_scale)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):

@@ -1,5 +1,7 @@
-"""Load the cubins built by flashtrain.kernels.build and launch them on the current torch stream through NVIDIA's
-cuda-python driver bindings (cuda.bindings.driver): no torch C++ extension, no ABI coupling.
+"""Load the cubins built by flashtrain.kernels.build through NVIDIA's cuda-python driver bindings
+(cuda.bindings.driver), and launch them on the current torch stream from Python: the launch plans (ops.py) hold the
+loaded kernels; the C++ host layer launches them on every call, the Python executor here (tests' reference, and
+dropout_mask_for_testing).
 
 The ctypes structs below mirror csrc/flash.h field by field (8-byte fields first, then 4-byte ones; FwdParams' block-
 sparse fields come after an even number of 4-byte ones, then total_q / total_k); each kernel takes one such struct by
@@ -213,7 +215,24 @@ def tile_counter(kernel: "Kernel", device: torch.device, stream: int | None = No
     return kernel.tile_counters + 4 * slot
 
 
-_smem_limits: dict[int, int] = {}  # device index -> shared memory per block the kernels may use
+class _SmemLimits(dict):
+    """device index -> shared memory per block the kernels may use. Launch plans depend on it: a change (tests lower
+    it) makes the C++ executor forget its plans (the Python executor's keys include the limit)."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        from flashtrain.kernels import ops
+
+        ops.clear_host_plans()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        from flashtrain.kernels import ops
+
+        ops.clear_host_plans()
+
+
+_smem_limits: dict[int, int] = _SmemLimits()
 
 
 def device_smem_limit(device: torch.device) -> int:

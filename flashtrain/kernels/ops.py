@@ -3,14 +3,19 @@
     flashtrain::flash_attn_fwd   (q, k, v, ...) -> (out, lse)
     flashtrain::flash_attn_bwd   (dout, q, k, v, out, lse, ...) -> (dq, dk, dv)
 
-both registered with torch.library.custom_op, with fake implementations (torch.compile traces them without running
-them) and autograd (fwd's backward calls bwd). One pair of ops serves both layouts: batch form q (batch, seqlen_q,
-nheads, head_dim) when cu_seqlens_q is None, packed (varlen) form q (total_q, nheads, head_dim) otherwise.
+both defined by the C++ host layer (host/flash_host.cpp, compiled at first use by build.host_library and loaded by
+load_host): their CUDA kernels and the forward's autograd node (whose backward calls bwd) are C++, so that a call's
+host work and the whole backward never enter Python; their fake implementations (torch.compile traces them without
+running them) are registered here. What they launch is decided here: the launch plans (_fwd_plan, _bwd_plan, below).
+One pair of ops serves both layouts: batch form q (batch, seqlen_q, nheads, head_dim) when cu_seqlens_q is None,
+packed (varlen) form q (total_q, nheads, head_dim) otherwise. Under functorch transforms (torch.func.grad, vmap) the
+ops raise (a C++ autograd node does not support them).
 
 flash_attn_cuda and unavailable_reason are the hook that flashtrain.kernels.interface calls (validation of the
 user's arguments happens there; this module checks only what it relies on to launch safely).
 
-Dropout: flash_attn_cuda draws rng_state = (seed, offset), two int64 on the GPU, from the caller's generator; the
+Dropout: flash_attn_cuda draws rng_state = (seed, offset), two int64 on the GPU, from the caller's generator (in
+Python, before the op: under torch.compile the draw is a node of the graph, each CUDA graph replay draws anew); the
 kernels derive every keep decision from it (Philox, counter-based), the backward regenerates the same mask from the
 saved rng_state, and dropout_mask_for_testing (test only) materialises the mask of a draw.
 
@@ -26,9 +31,11 @@ separate instantiation set (build.BLOCK_SPARSE_HEAD_DIMS); the dense kernels are
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import struct
+import threading
 import warnings
 
 import torch
@@ -82,7 +89,13 @@ def _unavailable_reason_cached(device_type: str, device_index: int, head_dim: in
     mismatch = build.cuda_version_mismatch()
     if compiler_reason is None and mismatch is not None:  # may still work (a new enough driver): say it, once
         warnings.warn(f"flashtrain kernels: {mismatch}", stacklevel=2)
-    return compiler_reason
+    if compiler_reason is not None:
+        return compiler_reason
+    try:
+        load_host()
+    except (RuntimeError, OSError) as error:
+        return f"the C++ host layer (flashtrain/kernels/host) cannot be built or loaded: {error}"
+    return None
 
 
 def unavailable_reason(device: torch.device, *, head_dim: int, dtype: torch.dtype, block_mask: bool) -> str | None:
@@ -119,13 +132,12 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
                              f"{block_mask.dtype} {tuple(block_mask.shape)}")
         bs_rows, bs_cols = block_sparse_lists(block_mask)
     rng_state = _draw_rng_state(q.device, generator) if dropout_p > 0 else None
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(dropout_p),
-            float(softmax_scale), bool(causal), rng_state, bool(deterministic), bs_rows, bs_cols)
-    if torch.compiler.is_compiling():
-        return flash_attn_fwd(*args)
-    if torch._C._are_functorch_transforms_active():  # vmap / grad transforms: the full autograd.Function.apply
-        return _EagerFlashAttn.apply(*args)
-    return _apply_eager(*args)
+    if not _host_loaded:
+        load_host()
+    # the op (flash_host.cpp): its autograd node and launches are C++; torch.compile traces it as one graph node
+    return flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                          float(dropout_p), float(softmax_scale), bool(causal), rng_state, bool(deterministic),
+                          bs_rows, bs_cols)
 
 
 def block_sparse_lists(block_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -184,141 +196,111 @@ def dropout_mask_for_testing(q: Tensor, k: Tensor, *, dropout_p: float, generato
 
 
 # ---------------------------------------------------------------------------------------------------- the ops
-# A call's launch parameters depend on its tensors' addresses and on everything else about it (shapes, strides,
-# dtype, options, the kernel chosen). The second part is a "plan", built once per call signature and kept: a call
-# then costs a dictionary lookup, a copy of the plan's parameter struct and the addresses written into it
-# (benchmarks/host_overhead.py). The first fields of FwdParams are the eight addresses q, k, v, out, lse,
-# cu_seqlens_q, cu_seqlens_k, rng_state; those of AuxParams the nine out, dout, dq, softmax_d, dq_accum,
-# dropout_mask, cu_seqlens_q, cu_seqlens_k, rng_state; BwdParams continues after its FwdParams with dout, dk, dv,
-# dq_accum, softmax_d.
-_ADDRESSES = {n: struct.Struct(f"={n}Q") for n in (1, 5, 8, 9)}
+# flashtrain::flash_attn_fwd / flash_attn_bwd are defined and executed by the C++ host layer (host/flash_host.cpp,
+# built by build.host_library): their CUDA kernels and the forward's autograd node, so that a call's host work and
+# the whole backward stay in C++. Everything they launch is decided here, in Python, once per call signature: a
+# launch plan (_Plan) holds everything about a call except its tensors' addresses (the outputs to allocate, and per
+# kernel launch the kernel, grid, the full parameter struct with every address 0, where each address goes, the TMA
+# tensor maps and the tile counter). The C++ executor asks for a plan through the ops flashtrain::_fwd_plan /
+# _bwd_plan (implemented below) the first time it sees a signature and keeps it; _execute is the same executor in
+# Python, the reference the tests compare the C++ one with (byte for byte on CPU, bitwise on the GPU).
+#
+# Plans index the ops' tensor arguments ("input i") in this order, None giving address 0:
+#   forward   q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, bs_cols
+#   backward  dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols
+_INPUT, _OUTPUT = 0, 1  # where an address comes from: an input of the op, or an output / workspace of the plan
+_PLAN_FORMAT = 1  # = flash_host.cpp kPlanFormat
+_SCALAR_TYPES = {torch.int32: 3, torch.float16: 5, torch.float32: 6, torch.bfloat16: 15}  # c10::ScalarType codes
 _MAX_PLANS = 1024  # per direction; a process that sees more distinct call signatures rebuilds plans (correct, slower)
 
 
-class _FwdPlan:
-    __slots__ = ("kernel", "grid", "template", "fwd_offset", "bs_offset", "tma_layouts")
+@dataclasses.dataclass
+class _Launch:
+    kernel: object  # launch.Kernel
+    grid: tuple[int, int, int]
+    params: ctypes.Structure  # the kernel's parameter struct, every address 0
+    addresses: list[tuple[int, int, int, int]]  # (byte offset, _INPUT / _OUTPUT, index, bytes added)
+    tensor_maps: list[tuple[int, int, tuple]] = dataclasses.field(default_factory=list)  # (offset, input, layout)
+    tile_counter_offset: int = -1  # persistent kernels: where their stream's tile counter goes
+
+    def flat(self) -> list[int]:
+        data = bytes(self.params)
+        data += b"\0" * (-len(data) % 8)
+        words = list(struct.unpack(f"<{len(data) // 8}q", data))
+        flat = [int(self.kernel.handle.value or 0), *self.grid, self.kernel.threads, self.kernel.smem_bytes,
+                ctypes.sizeof(self.params), *words, len(self.addresses)]
+        for address in self.addresses:
+            flat += address
+        flat.append(len(self.tensor_maps))
+        for offset, index, (dtype, dims, strides, box_rows) in self.tensor_maps:
+            flat += [offset, index, dtype, *dims, *strides, tma.BOX_COLS, box_rows, tma.SWIZZLE_128B,
+                     tma.L2_PROMOTION_256B, tma.OOB_FILL_ZERO]
+        return flat + [self.tile_counter_offset, self.kernel.tile_counters, build.MAX_STREAMS]
 
 
-class _BwdPlan:
-    __slots__ = ("kernel", "grid", "template", "fwd_offset", "bs_offset", "tma_layouts", "aux", "aux_grid",
-                 "preprocess", "convert", "d_floats", "dqa_shape", "semaphore_shape", "semaphore_offset")
+@dataclasses.dataclass
+class _Plan:
+    outputs: list[tuple[tuple[int, ...], torch.dtype, bool]]  # (shape, dtype, zero-filled); the op returns the
+    launches: list[_Launch]  # first ones, the others are workspaces
+
+    def flat(self) -> list[int]:
+        """The plan as flash_host.cpp parse_plan reads it: a list of int64."""
+        flat = [_PLAN_FORMAT, len(self.outputs)]
+        for shape, dtype, zero in self.outputs:
+            flat += [_SCALAR_TYPES[dtype], int(zero), len(shape), *shape]
+        flat.append(len(self.launches))
+        for item in self.launches:
+            flat += item.flat()
+        return flat
 
 
-_fwd_plans: dict[tuple, _FwdPlan] = {}
-_bwd_plans: dict[tuple, _BwdPlan] = {}
+def _offset(params: type, path: str) -> int:
+    """Byte offset of a (nested, dotted) field of a ctypes struct: _offset(launch.BwdSm90Params, 'bwd.fwd.q')."""
+    offset = 0
+    for name in path.split("."):
+        offset += getattr(params, name).offset
+        params = dict(params._fields_)[name]
+    return offset
 
 
-def _signature(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, *options) -> tuple:
-    """Everything a plan depends on besides addresses: layouts, dtype, device, the kernel selection's inputs
-    (FLASHTRAIN_SM90, the shared-memory limit) and the call's options."""
+def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+              bs_rows) -> _Plan:
+    """The launch plan of a forward call (q, k, v aligned: _aligned)."""
     launch = _launch or _load_launch()
-
-    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device.index,
-            -1 if cu_seqlens_q is None else cu_seqlens_q.shape[0], build.sm90_enabled(),
-            launch.device_smem_limit(q.device), *options)
-
-
-def _remember(plans: dict, key: tuple, plan):
-    if len(plans) >= _MAX_PLANS:
-        plans.clear()
-    plans[key] = plan
-    return plan
-
-
-_TMA_BYTES = ctypes.sizeof(tma.TmaDesc)
-
-
-def _write_tensor_maps(params: ctypes.Structure, tensors, layouts) -> None:
-    """The TMA tensor maps of `tensors` (tma.layout()s `layouts`) into the first 128-byte slots of a Sm90 params
-    struct."""
-    base = ctypes.addressof(params)
-    for slot, (x, layout) in enumerate(zip(tensors, layouts)):
-        ctypes.memmove(base + slot * _TMA_BYTES, ctypes.addressof(tma.tensor_map(x.data_ptr(), layout)), _TMA_BYTES)
-
-
-def _aligned_addresses(*tensors: Tensor) -> bool:
-    """Every address 16-byte aligned (the strides' part of _aligned is in the plan's signature)."""
-    address = 0
-    for x in tensors:
-        address |= x.data_ptr()
-    return address % 16 == 0
-
-
-def _fwd_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-              causal, bs_rows) -> _FwdPlan:
-    from flashtrain.kernels import launch
-
     block_sparse = bs_rows is not None
     arch = launch.device_arch(q.device)
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
     spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
                             smem_limit=launch.device_smem_limit(q.device))
-    params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                         softmax_scale, None, bs_rows=bs_rows)
-    plan = _FwdPlan()
-    plan.grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
+    outputs = _output_shapes(q, cu_seqlens_q)
+    out, lse = (torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in outputs)
+    params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                         bs_rows=bs_rows)
+    grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
     if spec.persistent:  # at most one CTA per SM, each taking tiles from the dynamic scheduler
-        plan.grid = (min(math.prod(plan.grid), launch.sm_count(q.device)), 1, 1)
-    plan.kernel = launch.get_kernel(spec, spec.symbols[0], q.device)
-    varlen, plan.tma_layouts, plan.fwd_offset = cu_seqlens_q is not None, None, 0
+        grid = (min(math.prod(grid), launch.sm_count(q.device)), 1, 1)
+    kernel = launch.get_kernel(spec, spec.symbols[0], q.device)
+    varlen, maps, prefix = cu_seqlens_q is not None, [], ""
     if spec.source == "flash_fwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, then the same parameters
-        plan.tma_layouts = tuple(tma.layout(x, varlen, rows)
-                                 for x, rows in ((q, spec.tiles.block_m), (k, spec.tiles.block_n), (v, spec.tiles.block_n)))
-        params = launch.FwdSm90Params(fwd=params)
-        plan.fwd_offset = launch.FwdSm90Params.fwd.offset
-    plan.bs_offset = plan.fwd_offset + launch.FwdParams.bs_rows.offset
-    plan.template = params
-    return plan
-
-
-def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
-              max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
-              rng_state: Tensor | None, bs_rows: Tensor | None) -> tuple[Tensor, Tensor]:
-    launch = _launch or _load_launch()
-
-    options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-               None if bs_rows is None else (bs_rows.shape, bs_rows.stride()))
-    plan = _fwd_plans.get(_signature(q, k, v, cu_seqlens_q, *options))
-    if plan is None or not _aligned_addresses(q, k, v):  # plans exist for aligned layouts only
-        q, k, v = _aligned(q), _aligned(k), _aligned(v)
-        key = _signature(q, k, v, cu_seqlens_q, *options)
-        plan = _fwd_plans.get(key)
-    out, lse = _empty_outputs(q, cu_seqlens_q)
-    if plan is None:
-        plan = _remember(_fwd_plans, key, _fwd_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                     max_seqlen_k, dropout_p, softmax_scale, causal, bs_rows))
-    stream = launch.stream_of(q.device)
-    params = type(plan.template).from_buffer_copy(plan.template)
-    _ADDRESSES[8].pack_into(params, plan.fwd_offset, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                            lse.data_ptr(), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(rng_state))
-    if bs_rows is not None:
-        _ADDRESSES[1].pack_into(params, plan.bs_offset, bs_rows.data_ptr())
-    if plan.tma_layouts is not None:
-        _write_tensor_maps(params, (q, k, v), plan.tma_layouts)
-        params.tile_counter = launch.tile_counter(plan.kernel, q.device, stream)
-    plan.kernel.launch_on(plan.grid, params, stream)
-    return out, lse
-
-
-@torch.library.custom_op("flashtrain::flash_attn_fwd", mutates_args=(), device_types="cuda")
-def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
-                   max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
-                   rng_state: Tensor | None, deterministic: bool, bs_rows: Tensor | None = None,
-                   bs_cols: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                     rng_state, bs_rows)
-
-
-@flash_attn_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, rng_state,
-      deterministic, bs_rows=None, bs_cols=None):
-    return _empty_outputs(q, cu_seqlens_q)
+        params, prefix = launch.FwdSm90Params(fwd=params), "fwd."
+        maps = [(_offset(launch.FwdSm90Params, name), index, tma.layout(x, varlen, rows)) for name, index, x, rows in
+                (("tma_q", 0, q, spec.tiles.block_m), ("tma_k", 1, k, spec.tiles.block_n),
+                 ("tma_v", 2, v, spec.tiles.block_n))]
+    fields = (("q", _INPUT, 0), ("k", _INPUT, 1), ("v", _INPUT, 2), ("out", _OUTPUT, 0), ("lse", _OUTPUT, 1),
+              ("cu_seqlens_q", _INPUT, 3), ("cu_seqlens_k", _INPUT, 4), ("rng_state", _INPUT, 5),
+              ("bs_rows", _INPUT, 6))
+    item = _Launch(kernel, grid, params, [(_offset(type(params), prefix + name), source, index, 0)
+                                          for name, source, index in fields], maps)
+    if spec.persistent:
+        item.tile_counter_offset = _offset(launch.FwdSm90Params, "tile_counter")
+    return _Plan([(shape, dtype, False) for shape, dtype in outputs], [item])
 
 
 def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-              softmax_scale, causal, deterministic, bs_cols) -> _BwdPlan:
-    from flashtrain.kernels import launch
-
+              softmax_scale, causal, deterministic, bs_cols) -> _Plan:
+    """The launch plan of a backward call (dout, q, k, v, out aligned): the preprocess kernel (D = rowsum(dout * out),
+    dq_accum = 0), the backward kernel, the dq conversion (dq = scale * sum of dq_accum)."""
+    launch = _launch or _load_launch()
     dq = q.new_empty(q.shape, device="meta")
     dk, dv = k.new_empty(k.shape, device="meta"), v.new_empty(v.shape, device="meta")
     block_sparse = bs_cols is not None
@@ -327,8 +309,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
                             deterministic=deterministic, smem_limit=launch.device_smem_limit(q.device))
     tiles = spec.tiles
-    fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                      softmax_scale, None, bs_cols=bs_cols)
+    fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                      bs_cols=bs_cols)
     batch, nheads, nheads_kv = fwd.batch, fwd.nheads, fwd.nheads_kv
     n_kblocks = math.ceil(fwd.seqlen_k / tiles.block_n)
     nsplits = 1
@@ -338,14 +320,16 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         nsplits = max(1, min(n_kblocks, math.ceil(2 * sm_count / max(1, batch * nheads_kv))))
     # the Hopper backward's dq_accum rows are its instantiated head dim (a padded head dim adds whole 16-row slices too)
     dqa_cols = head_dim if hopper else q.shape[-1]
-    plan = _BwdPlan()
-    # softmax_d (lse's layout) and dq_accum share one float32 workspace; dq_accum starts 128-byte aligned
+    # softmax_d (lse's layout) and dq_accum share one float32 workspace (output 3); dq_accum starts 128-byte aligned
     d_extent = 1 + sum((size - 1) * stride for size, stride in zip(lse.shape, lse.stride()))
-    plan.d_floats, plan.dqa_shape = -(-d_extent // 32) * 32, (nsplits, *lse.shape, dqa_cols)
-    dq_accum = torch.empty(plan.dqa_shape, dtype=torch.float32, device="meta")
+    d_floats, dqa_shape = -(-d_extent // 32) * 32, (nsplits, *lse.shape, dqa_cols)
+    outputs = [(tuple(q.shape), q.dtype, False), (tuple(k.shape), q.dtype, False), (tuple(v.shape), q.dtype, False),
+               ((d_floats + math.prod(dqa_shape),), torch.float32, False)]
+    dq_accum = torch.empty(dqa_shape, dtype=torch.float32, device="meta")
     varlen = cu_seqlens_q is not None
     dqa_strides = (dq_accum.stride(0), 0, dq_accum.stride(1)) if varlen else dq_accum.stride()[:3]
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    softmax_d, dq_accum_address = (_OUTPUT, 3, 0), (_OUTPUT, 3, 4 * d_floats)
 
     aux_spec = build.aux_kernels(_DTYPE_NAMES[q.dtype])
     aux = launch.AuxParams(
@@ -360,9 +344,13 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     (aux.o_batch_stride, aux.o_row_stride, aux.o_head_stride) = _strides(out, varlen)
     (aux.do_batch_stride, aux.do_row_stride, aux.do_head_stride) = _strides(dout, varlen)
     (aux.dq_batch_stride, aux.dq_row_stride, aux.dq_head_stride) = _strides(dq, varlen)
-    plan.aux, plan.aux_grid = aux, (math.ceil(fwd.seqlen_q / build.AUX_ROWS_PER_CTA), batch, nheads)
-    plan.preprocess = launch.get_kernel(aux_spec, aux_spec.symbols[0], q.device)  # D, dq_accum = 0
-    plan.convert = launch.get_kernel(aux_spec, aux_spec.symbols[1], q.device)  # dq = scale * sum of dq_accum
+    aux_addresses = [(_offset(launch.AuxParams, name), *source) for name, source in (
+        ("out", (_INPUT, 4, 0)), ("dout", (_INPUT, 0, 0)), ("dq", (_OUTPUT, 0, 0)), ("softmax_d", softmax_d),
+        ("dq_accum", dq_accum_address), ("cu_seqlens_q", (_INPUT, 6, 0)), ("cu_seqlens_k", (_INPUT, 7, 0)),
+        ("rng_state", (_INPUT, 8, 0)))]
+    aux_grid = (math.ceil(fwd.seqlen_q / build.AUX_ROWS_PER_CTA), batch, nheads)
+    preprocess = _Launch(launch.get_kernel(aux_spec, aux_spec.symbols[0], q.device), aux_grid, aux, aux_addresses)
+    convert = _Launch(launch.get_kernel(aux_spec, aux_spec.symbols[1], q.device), aux_grid, aux, aux_addresses)
 
     params = launch.BwdParams(
         fwd=fwd, dqa_split_stride=dqa_strides[0], dqa_batch_stride=dqa_strides[1], dqa_head_stride=dqa_strides[2],
@@ -370,149 +358,199 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     (params.do_batch_stride, params.do_row_stride, params.do_head_stride) = _strides(dout, varlen)
     (params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride) = _strides(dk, varlen)
     (params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride) = _strides(dv, varlen)
-    plan.grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)
+    grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)
     if hopper:  # tiles (key block, batch, kv head) along x: at most one CTA per SM when persistent
-        plan.grid = (math.prod(plan.grid), 1, 1)
+        grid = (math.prod(grid), 1, 1)
         if tiles.persistent:
-            plan.grid = (min(plan.grid[0], launch.sm_count(q.device)), 1, 1)
-    plan.semaphore_shape = None
+            grid = (min(grid[0], launch.sm_count(q.device)), 1, 1)
+    fields = [("fwd.q", (_INPUT, 1, 0)), ("fwd.k", (_INPUT, 2, 0)), ("fwd.v", (_INPUT, 3, 0)),
+              ("fwd.out", (_INPUT, 4, 0)), ("fwd.lse", (_INPUT, 5, 0)), ("fwd.cu_seqlens_q", (_INPUT, 6, 0)),
+              ("fwd.cu_seqlens_k", (_INPUT, 7, 0)), ("fwd.rng_state", (_INPUT, 8, 0)),
+              ("fwd.bs_cols", (_INPUT, 9, 0)), ("dout", (_INPUT, 0, 0)), ("dk", (_OUTPUT, 1, 0)),
+              ("dv", (_OUTPUT, 2, 0)), ("dq_accum", dq_accum_address), ("softmax_d", softmax_d)]
     if deterministic and hopper:  # per (batch, head, query block): MMA warps of lower key blocks done adding dQ
         params.dq_sem_mblocks = math.ceil(fwd.seqlen_q / tiles.block_m)
-        plan.semaphore_shape = (batch, nheads, params.dq_sem_mblocks)
-    plan.tma_layouts, plan.fwd_offset = None, 0
+        outputs.append(((batch, nheads, params.dq_sem_mblocks), torch.int32, True))  # output 4, zero-filled
+        fields.append(("dq_semaphore", (_OUTPUT, 4, 0)))
+    maps, prefix = [], ""
     if hopper:  # the TMA kernel: tensor maps of q, k, v, dout, then the same parameters
-        plan.tma_layouts = tuple(tma.layout(x, varlen, rows) for x, rows in (
-            (q, tiles.block_m), (k, tiles.block_n), (v, tiles.block_n), (dout, tiles.block_m)))
-        params = launch.BwdSm90Params(bwd=params)
-        plan.fwd_offset = launch.BwdSm90Params.bwd.offset
-    plan.bs_offset = plan.fwd_offset + launch.FwdParams.bs_cols.offset
-    plan.semaphore_offset = plan.fwd_offset + launch.BwdParams.dq_semaphore.offset
-    plan.template, plan.kernel = params, launch.get_kernel(spec, spec.symbols[0], q.device)
+        params, prefix = launch.BwdSm90Params(bwd=params), "bwd."
+        maps = [(_offset(launch.BwdSm90Params, name), index, tma.layout(x, varlen, rows)) for name, index, x, rows in
+                (("tma_q", 1, q, tiles.block_m), ("tma_k", 2, k, tiles.block_n), ("tma_v", 3, v, tiles.block_n),
+                 ("tma_do", 0, dout, tiles.block_m))]
+    main = _Launch(launch.get_kernel(spec, spec.symbols[0], q.device), grid, params,
+                   [(_offset(type(params), prefix + name), *source) for name, source in fields], maps)
+    if hopper:  # the persistent grid's tile counter (the one-CTA-per-tile variant ignores it)
+        main.tile_counter_offset = _offset(launch.BwdSm90Params, "tile_counter")
+    return _Plan(outputs, [preprocess, main, convert])
+
+
+# The plan builders as the C++ executor calls them (their inputs already aligned; the flat plan back).
+def _fwd_plan_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                 rng_state, deterministic, bs_rows, bs_cols) -> list[int]:
+    return _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                     causal, bs_rows).flat()
+
+
+def _bwd_plan_op(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                 softmax_scale, causal, rng_state, deterministic, bs_cols) -> list[int]:
+    return _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                     softmax_scale, causal, deterministic, bs_cols).flat()
+
+
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+              rng_state, deterministic, bs_rows=None, bs_cols=None):
+    return tuple(q.new_empty(shape, dtype=dtype) for shape, dtype in _output_shapes(q, cu_seqlens_q))
+
+
+def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+              softmax_scale, causal, rng_state, deterministic, bs_cols=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_host_loaded = False
+_host_lock = threading.Lock()
+_host_registrations = None  # the torch.library.Library holding this module's registrations for the host's ops
+
+
+def load_host() -> None:
+    """Builds (first use; build.host_library caches it on disk) and loads the C++ host layer, which defines the ops,
+    then registers their fake implementations and the plan builders. Raises RuntimeError saying what is missing."""
+    global _host_loaded, _host_registrations, flash_attn_fwd, flash_attn_bwd
+    if _host_loaded:
+        return
+    with _host_lock:
+        if _host_loaded:
+            return
+        torch.ops.load_library(str(build.host_library()))
+        library = torch.library.Library("flashtrain", "IMPL")
+        torch.library.register_fake("flashtrain::flash_attn_fwd", _fwd_fake, lib=library)
+        torch.library.register_fake("flashtrain::flash_attn_bwd", _bwd_fake, lib=library)
+        library.impl("_fwd_plan", _fwd_plan_op, "CompositeExplicitAutograd")
+        library.impl("_bwd_plan", _bwd_plan_op, "CompositeExplicitAutograd")
+        _host_registrations = library
+        flash_attn_fwd = torch.ops.flashtrain.flash_attn_fwd.default
+        flash_attn_bwd = torch.ops.flashtrain.flash_attn_bwd.default
+        _host_loaded = True
+
+
+def clear_host_plans() -> None:
+    """Forget the C++ executor's plans (launch calls it when a device's shared-memory limit changes: tests lower it)."""
+    if _host_loaded:
+        torch.ops.flashtrain._clear_plans()
+
+
+def __getattr__(name: str):
+    """flash_attn_fwd / flash_attn_bwd: the ops (torch OpOverloads), loading the host layer on first access."""
+    if name in ("flash_attn_fwd", "flash_attn_bwd"):
+        load_host()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# -------------------------------------------------------------------------------------------- the Python executor
+# The reference the C++ executor is tested against: the same plans, executed in Python.
+_fwd_plans: dict[tuple, _Plan] = {}
+_bwd_plans: dict[tuple, _Plan] = {}
+_TMA_BYTES = ctypes.sizeof(tma.TmaDesc)
+
+
+def _signature(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, *options) -> tuple:
+    """Everything a plan depends on besides addresses: layouts, dtype, device, the kernel selection's inputs
+    (FLASHTRAIN_SM90, the shared-memory limit) and the call's options."""
+    launch = _launch or _load_launch()
+    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device.index,
+            -1 if cu_seqlens_q is None else cu_seqlens_q.shape[0], build.sm90_enabled(),
+            launch.device_smem_limit(q.device), *options)
+
+
+def _remember(plans: dict, key: tuple, plan):
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
     return plan
+
+
+def _execute(plan: _Plan, inputs: list[Tensor | None]) -> list[Tensor]:
+    """Allocates the plan's outputs and issues its launches on the current stream (what flash_host.cpp execute
+    does)."""
+    device = inputs[0].device
+    outputs = [(torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+               for shape, dtype, zero in plan.outputs]
+    _issue(plan, inputs, outputs)
+    return outputs
+
+
+def _issue(plan: _Plan, inputs: list[Tensor | None], outputs: list[Tensor]) -> None:
+    launch = _launch or _load_launch()
+    device = inputs[0].device
+    addresses = ([_ptr(x) for x in inputs], [x.data_ptr() for x in outputs])
+    stream = launch.stream_of(device)
+    for item in plan.launches:
+        if min(item.grid) <= 0:
+            continue
+        params = type(item.params).from_buffer_copy(item.params)
+        base = ctypes.addressof(params)
+        for offset, source, index, add in item.addresses:
+            address = addresses[source][index]
+            ctypes.c_uint64.from_address(base + offset).value = address + add if address else 0
+        for offset, index, layout in item.tensor_maps:
+            ctypes.memmove(base + offset, ctypes.addressof(tma.tensor_map(inputs[index].data_ptr(), layout)),
+                           _TMA_BYTES)
+        if item.tile_counter_offset >= 0:
+            ctypes.c_uint64.from_address(base + item.tile_counter_offset).value = launch.tile_counter(
+                item.kernel, device, stream)
+        item.kernel.launch_on(item.grid, params, stream)
+
+
+def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+              max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+              rng_state: Tensor | None, bs_rows: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the forward through the Python executor (tests)."""
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    if cu_seqlens_q is not None:
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+               None if bs_rows is None else (bs_rows.shape, bs_rows.stride()))
+    key = _signature(q, k, v, cu_seqlens_q, *options)
+    plan = _fwd_plans.get(key) or _remember(_fwd_plans, key, _fwd_plan(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, bs_rows))
+    out, lse = _execute(plan, [q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, None])
+    return out, lse
 
 
 def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
               dropout_p: float, softmax_scale: float, causal: bool, rng_state: Tensor | None,
               deterministic: bool, bs_cols: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    launch = _launch or _load_launch()
-
+    """(dq, dk, dv) of the backward through the Python executor (tests)."""
+    dout, q, k, v, out = (_aligned(x) for x in (dout, q, k, v, out))
+    if cu_seqlens_q is not None:
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     options = (lse.shape, lse.stride(), max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, deterministic,
                None if bs_cols is None else (bs_cols.shape, bs_cols.stride()))
-    plan = _bwd_plans.get(_signature(q, k, v, cu_seqlens_q, dout.stride(), out.stride(), *options))
-    if plan is None or not _aligned_addresses(dout, q, k, v, out):  # plans exist for aligned layouts only
-        dout, q, k, v, out = (_aligned(x) for x in (dout, q, k, v, out))
-        key = _signature(q, k, v, cu_seqlens_q, dout.stride(), out.stride(), *options)
-        plan = _bwd_plans.get(key) or _remember(_bwd_plans, key, _bwd_plan(
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-            softmax_scale, causal, deterministic, bs_cols))
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
-    workspace = torch.empty(plan.d_floats + math.prod(plan.dqa_shape), dtype=torch.float32, device=q.device)
-    softmax_d, dq_accum = workspace.data_ptr(), workspace.data_ptr() + 4 * plan.d_floats
-    stream = launch.stream_of(q.device)
-
-    aux = launch.AuxParams.from_buffer_copy(plan.aux)
-    _ADDRESSES[9].pack_into(aux, 0, out.data_ptr(), dout.data_ptr(), dq.data_ptr(), softmax_d, dq_accum, 0,
-                            _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(rng_state))
-    plan.preprocess.launch_on(plan.aux_grid, aux, stream)
-
-    params = type(plan.template).from_buffer_copy(plan.template)
-    offset = plan.fwd_offset
-    _ADDRESSES[8].pack_into(params, offset, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                            _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(rng_state))
-    _ADDRESSES[5].pack_into(params, offset + launch.BwdParams.dout.offset, dout.data_ptr(), dk.data_ptr(), dv.data_ptr(), dq_accum,
-                            softmax_d)
-    if bs_cols is not None:
-        _ADDRESSES[1].pack_into(params, plan.bs_offset, bs_cols.data_ptr())
-    if plan.semaphore_shape is not None:
-        semaphore = torch.zeros(plan.semaphore_shape, dtype=torch.int32, device=q.device)
-        _ADDRESSES[1].pack_into(params, plan.semaphore_offset, semaphore.data_ptr())
-    if plan.tma_layouts is not None:
-        _write_tensor_maps(params, (q, k, v, dout), plan.tma_layouts)
-        params.tile_counter = launch.tile_counter(plan.kernel, q.device, stream)
-    plan.kernel.launch_on(plan.grid, params, stream)
-
-    plan.convert.launch_on(plan.aux_grid, aux, stream)
+    key = _signature(q, k, v, cu_seqlens_q, dout.stride(), out.stride(), *options)
+    plan = _bwd_plans.get(key) or _remember(_bwd_plans, key, _bwd_plan(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+        causal, deterministic, bs_cols))
+    dq, dk, dv = _execute(plan, [dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols])[:3]
     return dq, dk, dv
 
 
-@torch.library.custom_op("flashtrain::flash_attn_bwd", mutates_args=(), device_types="cuda")
-def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                   cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
-                   dropout_p: float, softmax_scale: float, causal: bool, rng_state: Tensor | None,
-                   deterministic: bool, bs_cols: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    return _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                     softmax_scale, causal, rng_state, deterministic, bs_cols)
-
-
-@flash_attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-      causal, rng_state, deterministic, bs_cols=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale, causal, rng_state, det,
-     _bs_rows, bs_cols) = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols)
-    ctx.options = (max_seqlen_q, max_seqlen_k, dropout_p, scale, causal)
-    ctx.deterministic = det
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout: Tensor, _dlse: Tensor, bwd=flash_attn_bwd):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols = ctx.saved_tensors
-    if dout is None:  # only lse was used, and lse carries no gradient
-        dout = torch.zeros_like(out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, rng_state, ctx.deterministic,
-                     bs_cols)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
-
-
-flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _EagerFlashAttn(torch.autograd.Function):
-    """The same forward and backward as the custom ops, called directly: in eager mode the custom-op dispatch costs
-    ~200 us of host time per call (H100 host, torch 2.11), which is more than the GPU time of a small attention call.
-    torch.compile traces the custom ops instead (flash_attn_cuda picks)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                rng_state, deterministic, bs_rows, bs_cols):
-        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                  rng_state, deterministic, bs_rows, bs_cols)
-        output = _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                           causal, rng_state, bs_rows)
-        _setup_context(ctx, inputs, output)
-        ctx.set_materialize_grads(False)  # lse's gradient stays None (no zero tensor per call)
-        return output
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse, bwd=_bwd_impl)
-
-
-# autograd.Function.apply's C++ part: Function.apply adds argument binding and functorch unwrapping (a few us per
-# call), needed only under functorch transforms (flash_attn_cuda checks)
-_apply_eager = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerFlashAttn)
-
-
 # ---------------------------------------------------------------------------------------------------- helpers
-def _empty_outputs(q: Tensor, cu_seqlens_q: Tensor | None) -> tuple[Tensor, Tensor]:
-    """out like q (contiguous), lse float32 (batch, nheads, seqlen_q) or varlen (nheads, total_q)."""
-    out = q.new_empty(q.shape)
+def _output_shapes(q: Tensor, cu_seqlens_q: Tensor | None) -> list[tuple[tuple, torch.dtype]]:
+    """The forward's outputs: out like q (contiguous), lse float32 (batch, nheads, seqlen_q) or varlen
+    (nheads, total_q)."""
     if cu_seqlens_q is None:
-        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     else:
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    return out, lse
+        lse_shape = (q.shape[1], q.shape[0])
+    return [(tuple(q.shape), q.dtype), (lse_shape, torch.float32)]
 
 
 def _aligned(x: Tensor) -> Tensor:
     """x itself when the kernels' 16-byte loads of its rows are aligned (pointer and every stride) and no dimension
-    is broadcast (stride 0, which TMA tensor maps cannot express), else a copy."""
+    is broadcast (stride 0, which TMA tensor maps cannot express), else a copy. flash_host.cpp aligned: the same."""
     if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(
             stride % 8 == 0 and (stride > 0 or size == 1) for stride, size in zip(x.stride()[:-1], x.shape[:-1])):
         return x
@@ -533,15 +571,13 @@ def _keep_threshold(dropout_p: float) -> int:
     return min(65536, round((1.0 - dropout_p) * 65536))
 
 
-def _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                rng_state, bs_rows=None, bs_cols=None):
-    """FwdParams of the call; bs_rows (forward) / bs_cols (backward): the block-sparse lists, or None."""
-    from flashtrain.kernels import launch
-
+def _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, bs_rows=None,
+                bs_cols=None):
+    """FwdParams of the call, every address 0 (a plan's addresses are written per call); bs_rows (forward) /
+    bs_cols (backward): the block-sparse lists, or None."""
+    launch = _launch or _load_launch()
     varlen = cu_seqlens_q is not None
     params = launch.FwdParams(
-        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr(),
-        cu_seqlens_q=_ptr(cu_seqlens_q), cu_seqlens_k=_ptr(cu_seqlens_k), rng_state=_ptr(rng_state),
         lse_batch_stride=0 if varlen else lse.stride(0), lse_head_stride=lse.stride(0) if varlen else lse.stride(1),
         batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0], nheads=q.shape[-2], nheads_kv=k.shape[-2],
         head_dim=q.shape[-1], seqlen_q=max_seqlen_q if varlen else q.shape[1],
@@ -553,11 +589,9 @@ def _fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     (params.v_batch_stride, params.v_row_stride, params.v_head_stride) = _strides(v, varlen)
     (params.o_batch_stride, params.o_row_stride, params.o_head_stride) = _strides(out, varlen)
     if bs_rows is not None:  # (mask heads, n_qblocks, n_kblocks + 1); head stride 0 for one shared mask
-        params.bs_rows = bs_rows.data_ptr()
         params.bs_rows_head_stride = bs_rows.stride(0) if bs_rows.shape[0] > 1 else 0
         params.bs_n_qblocks, params.bs_n_kblocks = bs_rows.shape[1], bs_rows.shape[2] - 1
     if bs_cols is not None:  # (mask heads, n_kblocks, n_qblocks + 1)
-        params.bs_cols = bs_cols.data_ptr()
         params.bs_cols_head_stride = bs_cols.stride(0) if bs_cols.shape[0] > 1 else 0
         params.bs_n_kblocks, params.bs_n_qblocks = bs_cols.shape[1], bs_cols.shape[2] - 1
     return params

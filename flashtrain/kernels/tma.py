@@ -31,7 +31,7 @@ class TmaDesc(ctypes.Structure):
 
 # cuda.h enums
 _DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
-_INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO = 0, 3, 3, 0
+INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZERO = 0, 3, 3, 0
 BOX_COLS = 64  # 16-bit columns per box: one 128-byte swizzled column block
 
 
@@ -90,7 +90,7 @@ def tensor_map(address: int, map_layout: tuple) -> TmaDesc:
     desc = TmaDesc()
     result = _encoder()(ctypes.byref(desc), dtype, 4, ctypes.c_void_p(address), (_u64 * 4)(*dims),
                         (_u64 * 3)(*strides), (_u32 * 4)(BOX_COLS, box_rows, 1, 1), (_u32 * 4)(1, 1, 1, 1),
-                        _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO)
+                        INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZERO)
     if result != 0:  # e.g. 710: an earlier kernel's device-side assert left the context unusable
         message = ctypes.c_char_p()
         _error_string()(result, ctypes.byref(message))

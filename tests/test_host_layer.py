@@ -1,0 +1,167 @@
+"""CPU tests of the C++ host layer (flashtrain/kernels/host/flash_host.cpp): it compiles against this torch, and its
+executor issues exactly the launches of the Python executor (ops._execute), byte for byte, for the plans of both
+kernel families (mma.sync, sm_80; TMA / wgmma, sm_90a): batch, varlen, GQA, causal, dropout, block-sparse,
+deterministic, unaligned inputs, forward and backward through the C++ autograd node.
+
+Without a GPU the executor runs in record mode (flashtrain::_record_launches): CPU tensors, the driver replaced by a
+record of each launch (kernel, grid, block, shared memory, parameter bytes) and tensor maps by their encoder's
+arguments. The plan builders run for real, with the device queries (arch, shared memory, SMs) and the kernel loader
+stubbed.
+"""
+
+import ctypes
+import struct
+import subprocess
+import zlib
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from flashtrain.kernels import build
+
+pytest.importorskip("cuda.bindings.driver", reason="the plan builders' parameter structs live in launch.py")
+
+
+def test_host_source_compiles(tmp_path):
+    if build.cxx_path() is None:
+        pytest.skip("no C++ compiler (g++ or $CXX)")
+    command = build.host_command(tmp_path / "flash_host.o", object_only=True)
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "warning" not in result.stderr, result.stderr[-4000:]
+
+
+class _FakeKernel:
+    """launch.Kernel without the driver: launch_on records what flash_host.cpp's record mode does (function, grid,
+    block, shared memory, the addresses and sizes of the plan's inputs and outputs, the parameter bytes)."""
+
+    def __init__(self, symbol: str, threads: int, smem_bytes: int, persistent: bool, records: list, tensors: list):
+        self.handle = ctypes.c_void_p(zlib.crc32(symbol.encode()) << 4)
+        self.threads, self.smem_bytes, self.records, self.tensors = threads, smem_bytes, records, tensors
+        self.tile_counters = (zlib.crc32(symbol.encode()) << 8) if persistent else 0
+
+    def launch_on(self, grid, params, stream):
+        tensors = self.tensors[-1]
+        spans = [(0, 0) if x is None else (x.data_ptr(), x.numel() * x.element_size()) for x in tensors]
+        header = struct.pack(f"<{7 + 2 * len(spans)}q", self.handle.value, *grid, self.threads, self.smem_bytes,
+                             len(spans), *(value for span in spans for value in span))
+        self.records.append(header + bytes(params))
+
+
+def _fake_encoder(desc, dtype, rank, address, dims, strides, box, element_strides, interleave, swizzle, l2, oob):
+    """tma's encoder in record mode: the address and the encoder's arguments, as flash_host.cpp writes them."""
+    values = [address.value, dtype, *dims[:4], *strides[:3], box[0], box[1], swizzle, l2, oob]
+    ctypes.memmove(ctypes.addressof(desc._obj), struct.pack("<14q", *values), 112)
+    return 0
+
+
+@pytest.fixture(params=["sm_80", "sm_90a"])
+def recording(request, monkeypatch):
+    """(arch, python records): the device queries answer as a GPU of `arch`, kernels record their launches, and
+    the C++ executor is in record mode with fresh plans."""
+    from flashtrain.kernels import launch, ops, tma
+
+    arch = request.param
+    records, tensors, kernels = [], [], {}
+    issue = ops._issue
+
+    def get_kernel(spec, symbol, device):
+        if symbol not in kernels:
+            kernels[symbol] = _FakeKernel(symbol, spec.threads, spec.smem_bytes, spec.persistent, records, tensors)
+        return kernels[symbol]
+
+    def recording_issue(plan, inputs, outputs):  # the tensors of the plan whose kernels launch now
+        tensors.append([*inputs, *outputs])
+        issue(plan, inputs, outputs)
+
+    monkeypatch.setattr(launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(ops, "_issue", recording_issue)
+    monkeypatch.setattr(launch, "device_arch", lambda device: arch)
+    monkeypatch.setattr(launch, "device_smem_limit", lambda device: build.ARCH_SMEM_OPTIN[arch])
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch, "stream_of", lambda device: 0)
+    monkeypatch.setattr(launch, "tile_counter", lambda kernel, device, stream=None: kernel.tile_counters)
+    monkeypatch.setattr(tma, "_encoder", lambda: _fake_encoder)
+    monkeypatch.setattr(tma, "_CACHE", OrderedDict())
+    monkeypatch.setattr(ops, "_fwd_plans", {})
+    monkeypatch.setattr(ops, "_bwd_plans", {})
+    ops.load_host()
+    torch.ops.flashtrain._clear_plans()
+    torch.ops.flashtrain._record_launches(True)
+    yield arch, records
+    torch.ops.flashtrain._record_launches(False)
+    torch.ops.flashtrain._clear_plans()
+
+
+def _canonical(record: bytes) -> list:
+    """A record's launch (function, grid, block, shared memory) and parameter words, each address inside one of the
+    plan's tensors replaced by (tensor index, byte offset): the two executors allocate at different addresses."""
+    n = struct.unpack_from("<q", record, 48)[0]
+    spans = struct.unpack_from(f"<{2 * n}q", record, 56)
+    params = record[56 + 16 * n:]
+    words = list(struct.unpack_from("<6q", record))
+    for (word,) in struct.iter_unpack("<Q", params[: len(params) // 8 * 8]):
+        inside = (index for index in range(n) if spans[2 * index] <= word < spans[2 * index] + spans[2 * index + 1])
+        index = next(inside, None)
+        words.append(word if index is None else (index, word - spans[2 * index]))
+    return words
+
+
+CASES = {
+    "batch": dict(shape_q=(2, 97, 4, 64), shape_k=(2, 130, 2, 64), causal=True),
+    "batch-hd128-full": dict(shape_q=(1, 300, 2, 128), shape_k=(1, 300, 2, 128), causal=False),
+    "hd40-dropout": dict(shape_q=(2, 65, 2, 40), shape_k=(2, 65, 1, 40), causal=True, dropout_p=0.1),
+    "varlen": dict(shape_q=(300, 4, 64), shape_k=(260, 1, 64), causal=True,
+                   lengths=([0, 1, 170, 129], [0, 64, 96, 100])),
+    "deterministic": dict(shape_q=(2, 200, 4, 64), shape_k=(2, 200, 2, 64), causal=False, deterministic=True),
+    "block-sparse": dict(shape_q=(1, 300, 4, 64), shape_k=(1, 260, 4, 64), causal=True, block_mask=(4, 3, 3)),
+    "unaligned": dict(shape_q=(2, 50, 2, 64), shape_k=(2, 50, 2, 64), causal=False, strided=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cpp_executor_issues_the_python_executors_launches(recording, case):
+    from flashtrain.kernels import ops
+
+    arch, records = recording
+    spec = CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(spec["shape_q"], generator=gen).to(torch.bfloat16)
+    k = torch.randn(spec["shape_k"], generator=gen).to(torch.bfloat16)
+    v = torch.randn(spec["shape_k"], generator=gen).to(torch.bfloat16)
+    if spec.get("strided"):  # q, k, v views of one qkv tensor whose head dim is padded: strides not multiples of 8
+        qkv = torch.randn(*spec["shape_q"][:2], 3, spec["shape_q"][2], 68, generator=gen).to(torch.bfloat16)
+        q, k, v = (x[..., :64] for x in qkv.unbind(2))
+    cu_q = cu_k = None
+    max_q, max_k = spec["shape_q"][1], spec["shape_k"][1]
+    if "lengths" in spec:
+        lengths_q, lengths_k = spec["lengths"]
+        cu_q = torch.tensor(lengths_q, dtype=torch.int32).cumsum(0).to(torch.int32)
+        cu_k = torch.tensor(lengths_k, dtype=torch.int32).cumsum(0).to(torch.int32)
+        max_q, max_k = max(lengths_q), max(lengths_k)
+    dropout_p = spec.get("dropout_p", 0.0)
+    rng_state = torch.tensor([1234, 5678], dtype=torch.int64) if dropout_p else None
+    bs_rows = bs_cols = None
+    if "block_mask" in spec:
+        mask = torch.rand(spec["block_mask"], generator=gen) < 0.6
+        bs_rows, bs_cols = ops.block_sparse_lists(mask)
+    deterministic = spec.get("deterministic", False)
+    args = (cu_q, cu_k, max_q, max_k, dropout_p, 0.125, spec["causal"], rng_state, deterministic, bs_rows, bs_cols)
+
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out, lse = ops.flash_attn_fwd(q, k, v, *args)
+    dout = torch.randn(out.shape, generator=gen).to(out.dtype)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    cpp = torch.ops.flashtrain._recorded_launches()
+    assert len(cpp) == 4  # forward; preprocess, backward, dq conversion
+
+    q, k, v = (x.detach() for x in (q, k, v))
+    py_out, py_lse = ops._fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, 0.125, spec["causal"], rng_state,
+                                   bs_rows)
+    py_grads = ops._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, 0.125, spec["causal"],
+                             rng_state, deterministic, bs_cols)
+    assert len(records) == 4
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), (py_out, py_lse, *py_grads)):
+        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), name
+    assert [_canonical(bytes(record.numpy())) for record in cpp] == [_canonical(record) for record in records]
