@@ -113,6 +113,7 @@ def per_document_logits(model, input_ids: torch.Tensor, reset_positions: bool) -
         pieces = []
         for start, end in zip(starts, starts[1:]):
             positions = torch.arange(end - start) if reset_positions else torch.arange(start, end)
+            positions = positions.to(block.device)
             pieces.append(model(block[None, start:end], position_ids=positions[None])[0][0])
         rows.append(torch.cat(pieces))
     return torch.stack(rows)  # (B, T, vocab)
