@@ -154,14 +154,15 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
     dout = torch.randn(out.shape, generator=gen).to(out.dtype)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     cpp = torch.ops.flashtrain._recorded_launches()
-    assert len(cpp) == 4  # forward; preprocess, backward, dq conversion
+    # forward; preprocess, backward, dq conversion (+ dk, dv conversions when the Hopper backward splits a GQA group)
+    assert len(cpp) in (4, 6)
 
     q, k, v = (x.detach() for x in (q, k, v))
     py_out, py_lse = ops._fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, 0.125, spec["causal"], rng_state,
                                    bs_rows)
     py_grads = ops._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, 0.125, spec["causal"],
                              rng_state, deterministic, bs_cols)
-    assert len(records) == 4
+    assert len(records) == len(cpp)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), (py_out, py_lse, *py_grads)):
         assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), name
     assert [_canonical(bytes(record.numpy())) for record in cpp] == [_canonical(record) for record in records]

@@ -359,10 +359,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     (params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride) = _strides(dk, varlen)
     (params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride) = _strides(dv, varlen)
     grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)
-    if hopper:  # tiles (key block, batch, kv head) along x: at most one CTA per SM when persistent
+    if hopper:  # tiles (key block, batch, kv head[, GQA split]) along x: at most one CTA per SM when persistent
         grid = (math.prod(grid), 1, 1)
-        if tiles.persistent:
-            grid = (min(grid[0], launch.sm_count(q.device)), 1, 1)
     fields = [("fwd.q", (_INPUT, 1, 0)), ("fwd.k", (_INPUT, 2, 0)), ("fwd.v", (_INPUT, 3, 0)),
               ("fwd.out", (_INPUT, 4, 0)), ("fwd.lse", (_INPUT, 5, 0)), ("fwd.cu_seqlens_q", (_INPUT, 6, 0)),
               ("fwd.cu_seqlens_k", (_INPUT, 7, 0)), ("fwd.rng_state", (_INPUT, 8, 0)),
@@ -372,6 +370,35 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         params.dq_sem_mblocks = math.ceil(fwd.seqlen_q / tiles.block_m)
         outputs.append(((batch, nheads, params.dq_sem_mblocks), torch.int32, True))  # output 4, zero-filled
         fields.append(("dq_semaphore", (_OUTPUT, 4, 0)))
+    params.kv_splits, kv_converts = 1, []
+    if hopper and not deterministic and not block_sparse and nheads > nheads_kv:
+        params.kv_splits = _gqa_splits(nheads // nheads_kv, fwd.seqlen_q, fwd.seqlen_k, tiles, causal,
+                                       batch * nheads_kv, launch.sm_count(q.device))
+    if params.kv_splits > 1:  # fp32 partial dK / dV per split (an output of their own), summed by two converts
+        rows = (nheads_kv, fwd.total_k) if varlen else (batch, nheads_kv, fwd.seqlen_k)
+        params.dkv_cols, params.dkv_split_stride = head_dim, math.prod(rows) * head_dim
+        params.dkv_batch_stride = 0 if varlen else nheads_kv * fwd.seqlen_k * head_dim
+        params.dkv_head_stride = rows[-1] * head_dim
+        index = len(outputs)
+        outputs.append(((2 * params.kv_splits * params.dkv_split_stride,), torch.float32, False))
+        fields.append(("dkv_accum", (_OUTPUT, index, 0)))
+        for target, scale, offset in ((1, softmax_scale, 0), (2, 1.0, 4 * params.kv_splits * params.dkv_split_stride)):
+            aux_kv = launch.AuxParams(
+                dqa_split_stride=params.dkv_split_stride, dqa_batch_stride=params.dkv_batch_stride,
+                dqa_head_stride=params.dkv_head_stride, batch=batch, nheads=nheads_kv, head_dim=k.shape[-1],
+                seqlen_q=fwd.seqlen_k, seqlen_k=fwd.seqlen_k, nsplits=params.kv_splits, softmax_scale=scale,
+                dq_block_m=tiles.block_m, total_q=fwd.total_k, total_k=fwd.total_k, dqa_cols=head_dim, dq_slice_width=0)
+            (aux_kv.dq_batch_stride, aux_kv.dq_row_stride, aux_kv.dq_head_stride) = _strides(dk, varlen)
+            kv_converts.append(_Launch(
+                launch.get_kernel(aux_spec, aux_spec.symbols[1], q.device),
+                (math.ceil(fwd.seqlen_k / build.AUX_ROWS_PER_CTA), batch, nheads_kv), aux_kv,
+                [(_offset(launch.AuxParams, name), *source) for name, source in (
+                    ("dq", (_OUTPUT, target, 0)), ("dq_accum", (_OUTPUT, index, offset)),
+                    ("cu_seqlens_q", (_INPUT, 7, 0)), ("cu_seqlens_k", (_INPUT, 7, 0)))]))
+    if hopper:
+        grid = (grid[0] * params.kv_splits, 1, 1)
+        if tiles.persistent:
+            grid = (min(grid[0], launch.sm_count(q.device)), 1, 1)
     maps, prefix = [], ""
     if hopper:  # the TMA kernel: tensor maps of q, k, v, dout, then the same parameters
         params, prefix = launch.BwdSm90Params(bwd=params), "bwd."
@@ -382,7 +409,22 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    [(_offset(type(params), prefix + name), *source) for name, source in fields], maps)
     if hopper:  # the persistent grid's tile counter (the one-CTA-per-tile variant ignores it)
         main.tile_counter_offset = _offset(launch.BwdSm90Params, "tile_counter")
-    return _Plan(outputs, [preprocess, main, convert])
+    return _Plan(outputs, [preprocess, main, convert, *kv_converts])
+
+
+def _gqa_splits(group: int, seqlen_q: int, seqlen_k: int, tiles, causal: bool, n_bh: int, sm_count: int) -> int:
+    """How many tiles share the query heads of a GQA group per key block in the Hopper backward: the smallest divisor
+    of the group whose longest tile is at most a quarter of an SM's share of the work, so that the dynamic scheduler
+    can balance the SMs (GQA 16/2 at 4K causal, 132 SMs, simulated: the whole group per tile ends 1.59x after the
+    ideal, 4 splits 1.00x; 32/8 at 8K: 1.12x and, with 2 splits, 1.005x)."""
+    m_blocks, offset = math.ceil(seqlen_q / tiles.block_m), seqlen_k - seqlen_q
+    visible = [m_blocks - (max(0, j * tiles.block_n - offset) // tiles.block_m if causal else 0)
+               for j in range(math.ceil(seqlen_k / tiles.block_n))]
+    share = n_bh * group * sum(max(0, v) for v in visible) / sm_count
+    for splits in (d for d in range(1, group + 1) if group % d == 0):
+        if group // splits * max(visible) <= share / 4:
+            return splits
+    return group
 
 
 # The plan builders as the C++ executor calls them (their inputs already aligned; the flat plan back).

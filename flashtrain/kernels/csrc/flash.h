@@ -92,6 +92,13 @@ struct BwdParams {
     int* dq_semaphore;
     int dq_sem_mblocks;
     int pad2_;
+    // Hopper backward, GQA / MQA: the query heads of a group split over kv_splits tiles per key block (> 1 when the
+    // whole group per tile would leave too few tiles to balance the SMs); each writes its fp32 partial dK (unscaled)
+    // and dV to dkv_accum: dK at split * dkv_split_stride, dV at (kv_splits + split) * dkv_split_stride, rows of
+    // dkv_cols floats in k's (batch, head, row) order; flash_aux.cuh convert_dq sums them into dk, dv. 1: no split.
+    float* dkv_accum;
+    i64 dkv_split_stride, dkv_batch_stride, dkv_head_stride;
+    int kv_splits, dkv_cols;
 };
 
 // Parameters of the Hopper TMA backward (flash_bwd_sm90.cuh): tensor maps of q, k, v, dout (as FwdSm90Params'), the

@@ -92,11 +92,34 @@ struct BwdSm90Traits {
     static constexpr int kBarDs = 1, kBarEpilogue = 2;
 };
 
+// A tile is one key block of one (batch, kv head): tile = (head_kv * batch + batch) * n_kblocks + n_block, key blocks
+// fastest, so that concurrent tiles share the head's Q / dO in L2 and the deterministic turns find the key blocks
+// they wait for taken earlier (deterministic causal: the highest key block first; see the dQ writer). Tried: causal
+// tiles in groups of heads with the heads fastest (longest tiles first, a shorter tail in simulation): equal at 1K,
+// 3% slower at hd128 4K / 16K (H200, 2026-11-24).
+// With GQA splits (BwdParams::kv_splits > 1) the tile also names its part of the group's query heads:
+// tile = ((head_kv * batch + batch) * kv_splits + split) * n_kblocks + n_block.
+struct BwdTile {
+    int n_block, n0, batch, head_kv, q_start, k_start, seqlen_q, seqlen_k, split;
+};
+template <class T> __device__ __forceinline__ bool bwd_tile(const BwdParams& p, int tile, int n_kblocks, BwdTile& x) {
+    const FwdParams& f = p.fwd;
+    x.n_block = T::kIsDeterministic && T::kIsCausal ? n_kblocks - 1 - tile % n_kblocks : tile % n_kblocks;
+    x.split = tile / n_kblocks % p.kv_splits;
+    const int bh = tile / n_kblocks / p.kv_splits;
+    x.batch = bh % f.batch;
+    x.head_kv = bh / f.batch;
+    seq_bounds(f, x.batch, x.q_start, x.k_start, x.seqlen_q, x.seqlen_k);
+    x.n0 = x.n_block * T::kBlockN;
+    return x.n0 < x.seqlen_k;  // varlen: key blocks past a short sequence's end do nothing
+}
+
 // The (query head, query block) pairs a CTA visits, in order: dense, every query block from the first that sees the
 // key block, for each query head of the group; block-sparse, the column list of the key block's mask block.
 template <class T> struct QueryBlockWalk {
     SparseWalkAsc<kBlockSparseSize / T::kBlockM> sparse;
-    int it = 0, n_iters = 0, n_mblocks = 0, m_block_min = 0, m_block_end = 0, group = 0, head_kv = 0, n0 = 0;
+    int it = 0, n_iters = 0, n_mblocks = 0, m_block_min = 0, m_block_end = 0, group = 0, heads = 0, head0 = 0;
+    int head_kv = 0, n0 = 0;
     bool has = false;
     int head = 0, m0 = 0;
     const BwdParams* p;
@@ -115,20 +138,22 @@ template <class T> struct QueryBlockWalk {
         } else {
             has = it < n_iters;
             if (has) {
-                head = head_kv * group + it / n_mblocks;
+                head = head_kv * group + head0 + it / n_mblocks;
                 m0 = (m_block_min + it % n_mblocks) * T::kBlockM;
             }
         }
     }
-    __device__ __forceinline__ QueryBlockWalk(const BwdParams& params, int head_kv_, int n0_, int seqlen_q,
-                                              int seqlen_k)
-        : head_kv(head_kv_), n0(n0_), p(&params) {
+    __device__ __forceinline__ QueryBlockWalk(const BwdParams& params, const BwdTile& x)
+        : head_kv(x.head_kv), n0(x.n0), p(&params) {
+        const int seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
         group = params.fwd.nheads / params.fwd.nheads_kv;
+        heads = group / params.kv_splits;  // this tile's query heads: head0 .. head0 + heads - 1 of the group
+        head0 = x.split * heads;
         // Query blocks that see some key of this block: causal rows i >= n0 - (seqlen_k - seqlen_q).
         m_block_min = T::kIsCausal ? max_(0, n0 - (seqlen_k - seqlen_q)) / T::kBlockM : 0;
         m_block_end = ceil_div(seqlen_q, T::kBlockM);
         n_mblocks = max_(0, m_block_end - m_block_min);
-        n_iters = group * n_mblocks;
+        n_iters = heads * n_mblocks;
         settle();
     }
     __device__ __forceinline__ void next() {
@@ -137,24 +162,6 @@ template <class T> struct QueryBlockWalk {
         settle();
     }
 };
-
-// A tile is one key block of one (batch, kv head): tile = (head_kv * batch + batch) * n_kblocks + n_block, key blocks
-// fastest, so that concurrent tiles share the head's Q / dO in L2 and the deterministic turns find the key blocks
-// they wait for taken earlier (deterministic causal: the highest key block first; see the dQ writer). Tried: causal
-// tiles in groups of heads with the heads fastest (longest tiles first, a shorter tail in simulation): equal at 1K,
-// 3% slower at hd128 4K / 16K (H200, 2026-11-24).
-struct BwdTile {
-    int n_block, n0, batch, head_kv, q_start, k_start, seqlen_q, seqlen_k;
-};
-template <class T> __device__ __forceinline__ bool bwd_tile(const FwdParams& f, int tile, int n_kblocks, BwdTile& x) {
-    x.n_block = T::kIsDeterministic && T::kIsCausal ? n_kblocks - 1 - tile % n_kblocks : tile % n_kblocks;
-    const int bh = tile / n_kblocks;
-    x.batch = bh % f.batch;
-    x.head_kv = bh / f.batch;
-    seq_bounds(f, x.batch, x.q_start, x.k_start, x.seqlen_q, x.seqlen_k);
-    x.n0 = x.n_block * T::kBlockN;
-    return x.n0 < x.seqlen_k;  // varlen: key blocks past a short sequence's end do nothing
-}
 
 template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90Params& params) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -169,7 +176,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const int wg = warp_uniform(tid / 128);
 
     const int n_kblocks = ceil_div(f.seqlen_k, kBlockN);
-    const int n_tiles = n_kblocks * f.batch * f.nheads_kv;
+    const int n_tiles = n_kblocks * f.batch * f.nheads_kv * p.kv_splits;
     const bool varlen = f.cu_seqlens_q != nullptr;  // varlen maps have one batch entry
 
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;
@@ -199,7 +206,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         const int tile = ld_shared_b32(tile_slot(slot));
         __syncwarp();
         if (lane == 0) mbar_arrive(tile_empty(slot));
-        if (tile >= 0) bwd_tile<T>(f, tile, n_kblocks, x);
+        if (tile >= 0) bwd_tile<T>(p, tile, n_kblocks, x);
         return tile >= 0;
     };
     if (tid == 0) {
@@ -242,7 +249,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             int gs = 0, tile_iter = 0;  // query blocks and tiles so far: stages and phases of the rings
             BwdTile x;
             for (int tile = blockIdx.x;; tile = next_tile(tile)) {
-                if (tile < n_tiles && !bwd_tile<T>(f, tile, n_kblocks, x)) continue;
+                if (tile < n_tiles && !bwd_tile<T>(p, tile, n_kblocks, x)) continue;
                 const int slot = tile_iter & 1;
                 mbar_wait(tile_empty(slot), ((tile_iter >> 1) & 1) ^ 1);  // (the first two pass at once)
                 atomic_store_shared(tile_slot(slot), tile < n_tiles ? tile : -1);
@@ -264,7 +271,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     }
                     kv_loaded = true;
                 };
-                for (QueryBlockWalk<T> walk(p, x.head_kv, x.n0, x.seqlen_q, x.seqlen_k); walk.has;
+                for (QueryBlockWalk<T> walk(p, x); walk.has;
                      walk.next(), ++gs) {
                     const int s = gs % kStages;
                     mbar_wait(empty(s), ((gs / kStages) & 1) ^ 1);  // the first pass finds every stage empty
@@ -286,7 +293,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             int gs = 0;
             BwdTile x;
             for (int tile_iter = 0; read_tile(tile_iter, x); ++tile_iter) {
-                for (QueryBlockWalk<T> walk(p, x.head_kv, x.n0, x.seqlen_q, x.seqlen_k); walk.has;
+                for (QueryBlockWalk<T> walk(p, x); walk.has;
                      walk.next(), ++gs) {
                     const int s = gs % kStages;
                     mbar_wait(empty(s), ((gs / kStages) & 1) ^ 1);
@@ -317,7 +324,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             BwdTile x;
             for (int tile_iter = 0; read_tile(tile_iter, x); ++tile_iter) {
                 const int seqlen_q = x.seqlen_q;
-                for (QueryBlockWalk<T> walk(p, x.head_kv, x.n0, x.seqlen_q, x.seqlen_k); walk.has; walk.next(), ++n) {
+                for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++n) {
                     mbar_wait(dq_full, n & 1);
                     const int m0 = walk.m0;
                     float* dq_acc = p.dq_accum + x.batch * p.dqa_batch_stride + (i64)x.q_start * kHeadDim +
@@ -577,7 +584,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc_dk[i][j] = acc_dv[i][j] = 0.f;
         mbar_wait(full_kv, tile_iter & 1);
-        for (QueryBlockWalk<T> walk(p, x.head_kv, x.n0, x.seqlen_q, x.seqlen_k); walk.has; walk.next(), ++gs) {
+        for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++gs) {
             if (tile_needs_mask<T::kIsCausal, kBlockN>(walk.m0, x.n0, x.seqlen_q, x.seqlen_k))
                 step(walk, gs, BoolConstant<true>{});
             else
@@ -594,6 +601,29 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         wgmma_wait<0>();
         fence_operand(acc_dk);
         fence_operand(acc_dv);
+        if (p.kv_splits > 1) {
+            // GQA split: this tile's fp32 partial sums (dK unscaled) straight from the accumulators (8-byte pairs),
+            // summed over the splits by the convert kernel; K / V are released at once.
+            __syncwarp();
+            if (lead_lane) mbar_arrive(empty_kv);
+            const i64 base = x.split * p.dkv_split_stride + x.batch * p.dkv_batch_stride +
+                             x.head_kv * p.dkv_head_stride + (i64)(x.k_start + x.n0 + key_row0 + g) * p.dkv_cols + 2 * t;
+            float* dk_part = p.dkv_accum + base;
+            float* dv_part = p.dkv_accum + p.kv_splits * p.dkv_split_stride + base;
+            const int rows_valid = x.seqlen_k - x.n0 - key_row0;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                if (g + 8 * hf < rows_valid) {
+#pragma unroll
+                    for (int j = 0; j < kDT; ++j) {
+                        const int offset = 8 * hf * p.dkv_cols + 8 * j;
+                        *reinterpret_cast<float2*>(dk_part + offset) = make_float2(acc_dk[j][2 * hf], acc_dk[j][2 * hf + 1]);
+                        *reinterpret_cast<float2*>(dv_part + offset) = make_float2(acc_dv[j][2 * hf], acc_dv[j][2 * hf + 1]);
+                    }
+                }
+            }
+            continue;
+        }
         named_bar_sync(T::kBarEpilogue, 128 * T::kNMma);  // both warpgroups are done reading K (their dQ GEMMs)
         float(&dk1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&acc_dk);
         float(&dv1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&acc_dv);
