@@ -265,3 +265,28 @@ def test_generated_wgmma_wrappers_are_current():
     from flashtrain.kernels import gen_wgmma
 
     assert gen_wgmma.OUTPUT.read_text() == gen_wgmma.generate()
+
+
+@pytest.mark.parametrize("group, seqlen, n_bh, causal, expected", [
+    (8, 4096, 4 * 2, True, 4),     # GQA 16/2, batch 4, 4K causal (the workload row): the whole group per tile
+    (4, 8192, 2 * 8, True, 2),     # GQA 32/8, batch 2, 8K causal
+    (4, 4096, 2 * 8, False, 2),    # non-causal 4K, 16 (batch, kv head) pairs
+    (4, 16384, 64 * 8, False, 1),  # plenty of tiles: the group stays whole
+    (6, 100, 1, True, 6),          # tiny: one query head per tile
+])
+def test_gqa_splits_balance_the_hopper_backward(group, seqlen, n_bh, causal, expected):
+    """ops._gqa_splits: the fewest parts (a divisor of the group) whose longest tile is at most a quarter of an SM's
+    share of the backward's query-block steps (132 SMs), or one query head per tile."""
+    from flashtrain.kernels import ops
+
+    tiles = build.BWD_SM90_TILES[128]
+    splits = ops._gqa_splits(group, seqlen, seqlen, tiles, causal, n_bh, 132)
+    assert splits == expected and group % splits == 0
+    m_blocks, n_blocks = -(-seqlen // tiles.block_m), -(-seqlen // tiles.block_n)
+    visible = [m_blocks - (j * tiles.block_n // tiles.block_m if causal else 0) for j in range(n_blocks)]
+    share = n_bh * group * sum(visible) / 132
+    longest = group // splits * max(visible)
+    assert longest <= share / 4 or splits == group
+    if splits > 1:  # one part fewer would not do
+        fewer = max(d for d in range(1, splits) if group % d == 0)
+        assert group // fewer * max(visible) > share / 4
