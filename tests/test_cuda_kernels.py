@@ -327,6 +327,12 @@ def _sanitizer_grid() -> None:
         q, k, v, dout = _inputs((int(lengths.sum()), 4, head_dim), (int(lengths.sum()), 1, head_dim), dtype)
         _run(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, 97, 97, dropout_p, causal=causal,
                                                     return_lse=True, impl="cuda"), q, k, v, dout)
+    # the persistent Hopper backward with several tiles per CTA (256 tiles), GQA-split and deterministic
+    for nheads_kv, causal, deterministic in [(16, False, False), (4, True, False), (16, False, True),
+                                            (16, True, True)]:
+        q, k, v, dout = _inputs((1, 2048, 16, 64), (1, 2048, nheads_kv, 64), torch.bfloat16)
+        _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, impl="cuda"),
+             q, k, v, dout)
     torch.cuda.synchronize()
     print("sanitizer grid done")
 
