@@ -212,7 +212,7 @@ def tile_counter(kernel: "Kernel", device: torch.device, stream: int | None = No
         with _lock:
             slot = _stream_slots.setdefault(key, sum(k[0] == device.index for k in _stream_slots))
     if slot >= build.MAX_STREAMS:
-        raise RuntimeError(f"the Hopper forward kernel ran on more than build.MAX_STREAMS = {build.MAX_STREAMS} "
+        raise RuntimeError(f"the persistent Hopper kernels ran on more than build.MAX_STREAMS = {build.MAX_STREAMS} "
                            f"CUDA streams of cuda:{device.index} in this process (one tile counter each)")
     return kernel.tile_counters + 4 * slot
 

@@ -358,9 +358,6 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     (params.do_batch_stride, params.do_row_stride, params.do_head_stride) = _strides(dout, varlen)
     (params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride) = _strides(dk, varlen)
     (params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride) = _strides(dv, varlen)
-    grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)
-    if hopper:  # tiles (key block, batch, kv head[, GQA split]) along x: at most one CTA per SM when persistent
-        grid = (math.prod(grid), 1, 1)
     fields = [("fwd.q", (_INPUT, 1, 0)), ("fwd.k", (_INPUT, 2, 0)), ("fwd.v", (_INPUT, 3, 0)),
               ("fwd.out", (_INPUT, 4, 0)), ("fwd.lse", (_INPUT, 5, 0)), ("fwd.cu_seqlens_q", (_INPUT, 6, 0)),
               ("fwd.cu_seqlens_k", (_INPUT, 7, 0)), ("fwd.rng_state", (_INPUT, 8, 0)),
@@ -395,10 +392,10 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 [(_offset(launch.AuxParams, name), *source) for name, source in (
                     ("dq", (_OUTPUT, target, 0)), ("dq_accum", (_OUTPUT, index, offset)),
                     ("cu_seqlens_q", (_INPUT, 7, 0)), ("cu_seqlens_k", (_INPUT, 7, 0)))]))
-    if hopper:
-        grid = (grid[0] * params.kv_splits, 1, 1)
-        if tiles.persistent:
-            grid = (min(grid[0], launch.sm_count(q.device)), 1, 1)
+    grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)
+    if hopper:  # tiles (key block, batch, kv head, GQA split) along x: at most one CTA per SM when persistent
+        n_tiles = math.prod(grid) * params.kv_splits
+        grid = (min(n_tiles, launch.sm_count(q.device)) if tiles.persistent else n_tiles, 1, 1)
     maps, prefix = [], ""
     if hopper:  # the TMA kernel: tensor maps of q, k, v, dout, then the same parameters
         params, prefix = launch.BwdSm90Params(bwd=params), "bwd."

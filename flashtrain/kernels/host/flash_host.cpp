@@ -320,7 +320,7 @@ int64_t tile_counter(const Launch& launch, int64_t device, CUstream stream) {
         slot = found != stream_slots.end() ? found->second
                                            : stream_slots.emplace(key, slots_per_device[device]++).first->second;
     }
-    TORCH_CHECK(slot < launch.max_streams, "the Hopper forward kernel ran on more than build.MAX_STREAMS = ",
+    TORCH_CHECK(slot < launch.max_streams, "the persistent Hopper kernels ran on more than build.MAX_STREAMS = ",
                 launch.max_streams, " CUDA streams of cuda:", device, " in this process (one tile counter each)");
     return launch.tile_counters + 4 * slot;
 }
