@@ -318,6 +318,12 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if deterministic and not hopper:  # enough CTAs to fill the GPU twice over; each walks key blocks x, x + nsplits..
         sm_count = launch.sm_count(q.device)
         nsplits = max(1, min(n_kblocks, math.ceil(2 * sm_count / max(1, batch * nheads_kv))))
+    elif deterministic and not causal:
+        # Hopper: the key blocks take turns at each query block in nsplits chains (key block n in chain n % nsplits,
+        # each chain its own dq_accum split, summed in a fixed order by the convert kernel): a chain's startup skew
+        # (one completed reduction per key block ahead of it) is n_kblocks / nsplits turns long instead of
+        # n_kblocks. Extra memory: nsplits - 1 more float32 dq accumulators (at most 3).
+        nsplits = min(4, max(1, math.ceil(n_kblocks / 4)))
     # the Hopper backward's dq_accum rows are its instantiated head dim (a padded head dim adds whole 16-row slices too)
     dqa_cols = head_dim if hopper else q.shape[-1]
     # softmax_d (lse's layout) and dq_accum share one float32 workspace (output 3); dq_accum starts 128-byte aligned
@@ -354,7 +360,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
     params = launch.BwdParams(
         fwd=fwd, dqa_split_stride=dqa_strides[0], dqa_batch_stride=dqa_strides[1], dqa_head_stride=dqa_strides[2],
-        deterministic=int(deterministic))
+        deterministic=int(deterministic), dq_splits=nsplits if hopper else 1)
     (params.do_batch_stride, params.do_row_stride, params.do_head_stride) = _strides(dout, varlen)
     (params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride) = _strides(dk, varlen)
     (params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride) = _strides(dv, varlen)
@@ -365,7 +371,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               ("dv", (_OUTPUT, 2, 0)), ("dq_accum", dq_accum_address), ("softmax_d", softmax_d)]
     if deterministic and hopper:  # per (batch, head, query block): MMA warps of lower key blocks done adding dQ
         params.dq_sem_mblocks = math.ceil(fwd.seqlen_q / tiles.block_m)
-        outputs.append(((batch, nheads, params.dq_sem_mblocks), torch.int32, True))  # output 4, zero-filled
+        outputs.append(((nsplits, batch, nheads, params.dq_sem_mblocks), torch.int32, True))  # output 4, zero-filled
         fields.append(("dq_semaphore", (_OUTPUT, 4, 0)))
     params.kv_splits, kv_converts = 1, []
     if hopper and not deterministic and not block_sparse and nheads > nheads_kv:

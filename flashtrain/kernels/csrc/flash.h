@@ -86,7 +86,9 @@ struct BwdParams {
     i64 dv_batch_stride, dv_row_stride, dv_head_stride;
     i64 dqa_split_stride, dqa_batch_stride, dqa_head_stride;  // dq_accum row stride is head_dim
     int deterministic;        // 1: CTA x owns dq_accum split x and adds with plain loads/stores (no atomics); Hopper:
-    int pad_;                 // the key blocks add to each query block in ascending order (dq_semaphore)
+                              // the key blocks add to each query block in a fixed order (dq_semaphore)
+    int dq_splits;            // Hopper deterministic non-causal: key block n adds to dq_accum split n % dq_splits,
+                              // after key blocks n - dq_splits, n - 2 dq_splits, ... (shorter turn chains); else 1
     // Hopper deterministic backward: per (batch, query head, query block of the kernel) the number of MMA warps of
     // lower key blocks that have added their dQ; (batch, nheads, dq_sem_mblocks) int32, zeroed before the launch
     int* dq_semaphore;

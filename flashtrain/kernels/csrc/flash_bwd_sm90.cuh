@@ -331,17 +331,22 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++n) {
                     mbar_wait(dq_full, n & 1);
                     const int m0 = walk.m0;
-                    float* dq_acc = p.dq_accum + x.batch * p.dqa_batch_stride + (i64)x.q_start * kHeadDim +
-                                    walk.head * p.dqa_head_stride;
-                    int* counter = p.dq_semaphore + ((i64)x.batch * f.nheads + walk.head) * p.dq_sem_mblocks +
+                    // deterministic non-causal: key block n adds to split n % dq_splits (the convert kernel sums
+                    // the splits in a fixed order), taking turns with the key blocks of its split only
+                    const int dq_split = T::kIsDeterministic && !T::kIsCausal ? x.n_block % p.dq_splits : 0;
+                    float* dq_acc = p.dq_accum + dq_split * p.dqa_split_stride + x.batch * p.dqa_batch_stride +
+                                    (i64)x.q_start * kHeadDim + walk.head * p.dqa_head_stride;
+                    int* counter = p.dq_semaphore +
+                                   (((i64)dq_split * f.batch + x.batch) * f.nheads + walk.head) * p.dq_sem_mblocks +
                                    m0 / kBlockM;
                     if (T::kIsDeterministic) {
-                        // This key block's turn at the query block: non-causal, ascending key blocks (key block n
-                        // after 0 .. n - 1); causal, descending from the highest key block that sees the query block
-                        // (n_last), which visits it first, so that every key block's predecessor added this query
-                        // block some blocks earlier and the turns do not wait in steady state. Either way the tiles
-                        // a turn waits for are taken from the scheduler earlier (bwd_tile's order): no deadlock.
-                        int turn = x.n_block;
+                        // This key block's turn at the query block: non-causal, ascending key blocks of its split
+                        // (key block n after n - dq_splits, n - 2 dq_splits, ...: dq_splits chains, each as long as
+                        // the startup skew it costs); causal, descending from the highest key block that sees the
+                        // query block (n_last), which visits it first, so that every key block's predecessor added
+                        // this query block some blocks earlier and the turns do not wait in steady state. Either way
+                        // the tiles a turn waits for are taken from the scheduler earlier (bwd_tile's order).
+                        int turn = x.n_block / p.dq_splits;
                         if constexpr (T::kIsCausal) {
                             const int row_last = min_(m0 + kBlockM, seqlen_q) - 1;
                             turn = (row_last + x.seqlen_k - seqlen_q) / kBlockN - x.n_block;
