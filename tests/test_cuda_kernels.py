@@ -327,12 +327,14 @@ def _sanitizer_grid() -> None:
         q, k, v, dout = _inputs((int(lengths.sum()), 4, head_dim), (int(lengths.sum()), 1, head_dim), dtype)
         _run(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, 97, 97, dropout_p, causal=causal,
                                                     return_lse=True, impl="cuda"), q, k, v, dout)
-    # the persistent Hopper backward with several tiles per CTA (256 tiles), GQA-split and deterministic
-    for nheads_kv, causal, deterministic in [(16, False, False), (4, True, False), (16, False, True),
-                                            (16, True, True)]:
-        q, k, v, dout = _inputs((1, 2048, 16, 64), (1, 2048, nheads_kv, 64), torch.bfloat16)
-        _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, impl="cuda"),
-             q, k, v, dout)
+    # the persistent Hopper backward with several tiles per CTA (256 tiles: its epilogue staging), GQA-split and
+    # deterministic
+    for head_dim, nheads_kv, causal, deterministic in [(64, 16, False, False), (64, 4, True, False),
+                                                       (64, 16, False, True), (64, 16, True, True),
+                                                       (128, 16, True, False)]:
+        q, k, v, dout = _inputs((1, 2048, 16, head_dim), (1, 2048, nheads_kv, head_dim), torch.bfloat16)
+        _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, return_lse=True,
+                                             impl="cuda"), q, k, v, dout)
     torch.cuda.synchronize()
     print("sanitizer grid done")
 

@@ -3,7 +3,13 @@ in one process (backward = torch.autograd.grad of one call's output, as benchmar
 check of the gradients against fp32 attention (dense, causal, GQA, head dim 96 padded to 128).
 
     PYTHONPATH=$PWD python3 benchmarks/probes/sm90_bwd_probe.py [--seqlens 1024 4096 16384] [--head-dims 64 128]
+
+Implementations: flashtrain, flashtrain-det (deterministic=True), flashtrain-det1 (deterministic, non-causal turns
+in one chain), flashtrain-grid (one CTA per tile), cudnn, fa2, and
+compile-time variants of the kernels in the same process: "flashtrain+FT_MACRO=1[+FT_OTHER=2]" builds and runs the
+kernels with those macros (FLASHTRAIN_EXTRA_DEFINES; its own cubins and launch plans).
 """
+import os
 import argparse
 import contextlib
 import dataclasses
@@ -15,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashtrain.kernels import build, flash_attn_func, ops
+from flashtrain.kernels import build, flash_attn_func, launch, ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from train_gpt2 import time_calls  # noqa: E402
@@ -55,6 +61,53 @@ def one_cta_per_tile(enabled: bool):
         ops.clear_host_plans()
 
 
+@contextlib.contextmanager
+def det_chains(name: str):
+    """flashtrain-det1: the deterministic non-causal Hopper backward in one turn chain (ops._det_chains)."""
+    saved = ops._det_chains
+    if name.endswith("-det1"):
+        ops._det_chains = lambda n_kblocks: 1
+    ops._bwd_plans.clear()
+    ops.clear_host_plans()
+    try:
+        yield
+    finally:
+        ops._det_chains = saved
+        ops._bwd_plans.clear()
+        ops.clear_host_plans()
+
+
+@contextlib.contextmanager
+def kernel_variant(name: str):
+    """Kernels compiled with the macros after '+' in `name` (none: the default build)."""
+    defines = ",".join(name.split("+")[1:])
+    saved_env = os.environ.get("FLASHTRAIN_EXTRA_DEFINES")
+    saved_kernels = dict(launch._kernels)
+    saved_modules = dict(launch._modules)
+
+    def reset():
+        launch._kernels.clear()
+        launch._modules.clear()
+        ops._bwd_plans.clear()
+        ops._fwd_plans.clear()
+        ops.clear_host_plans()
+
+    if defines:
+        os.environ["FLASHTRAIN_EXTRA_DEFINES"] = defines
+        reset()
+    try:
+        yield
+    finally:
+        if defines:
+            if saved_env is None:
+                os.environ.pop("FLASHTRAIN_EXTRA_DEFINES", None)
+            else:
+                os.environ["FLASHTRAIN_EXTRA_DEFINES"] = saved_env
+            reset()
+            launch._kernels.update(saved_kernels)
+            launch._modules.update(saved_modules)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=15)
@@ -84,16 +137,16 @@ def main() -> None:
                         q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                                    for _ in range(3))
                         if name.startswith("flashtrain"):  # -det: deterministic=True; -grid: one CTA per tile
-                            with one_cta_per_tile(name.endswith("-grid")):
+                            with one_cta_per_tile(name.endswith("-grid")), kernel_variant(name), det_chains(name):
                                 out = flash_attn_func(q, k, v, causal=causal, impl="cuda",
-                                                      deterministic=name.endswith("-det"))
+                                                      deterministic="-det" in name)
                         else:
                             q, k, v = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
                             with sdpa_kernel(backends[name]):
                                 out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                         dout = torch.randn_like(out)
                         fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
-                        with one_cta_per_tile(name.endswith("-grid")):
+                        with one_cta_per_tile(name.endswith("-grid")), kernel_variant(name), det_chains(name):
                             ms = 1000 * statistics.median(time_calls(fn, torch.device("cuda"), 3, args.repeats))
                         best[name] = max(best.get(name, 0), flops / ms / 1e9)
                 line = "  ".join(f"{n} {best[n]:6.1f}" for n in args.impls)
@@ -102,6 +155,11 @@ def main() -> None:
                     ratio += f"  persistent/grid {best['flashtrain'] / best['flashtrain-grid']:.2f}"
                 if "flashtrain-det" in best:
                     ratio += f"  det/default {best['flashtrain-det'] / best['flashtrain']:.2f}"
+                if "flashtrain-det1" in best:
+                    ratio += f"  det1/default {best['flashtrain-det1'] / best['flashtrain']:.2f}"
+                for n in best:
+                    if "+" in n:
+                        ratio += f"  {n}/default {best[n] / best['flashtrain']:.3f}"
                 print(f"hd{head_dim} S{seqlen:<6} {'causal' if causal else 'full  '} bwd TFLOP/s {line}{ratio}",
                       flush=True)
 

@@ -296,6 +296,11 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     return _Plan([(shape, dtype, False) for shape, dtype in outputs], [item])
 
 
+def _det_chains(n_kblocks: int) -> int:
+    """The Hopper deterministic non-causal backward's turn chains (dq_accum splits) for n_kblocks key blocks."""
+    return min(4, max(1, math.ceil(n_kblocks / 4)))
+
+
 def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
               softmax_scale, causal, deterministic, bs_cols) -> _Plan:
     """The launch plan of a backward call (dout, q, k, v, out aligned): the preprocess kernel (D = rowsum(dout * out),
@@ -323,7 +328,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         # each chain its own dq_accum split, summed in a fixed order by the convert kernel): a chain's startup skew
         # (one completed reduction per key block ahead of it) is n_kblocks / nsplits turns long instead of
         # n_kblocks. Extra memory: nsplits - 1 more float32 dq accumulators (at most 3).
-        nsplits = min(4, max(1, math.ceil(n_kblocks / 4)))
+        nsplits = _det_chains(n_kblocks)
     # the Hopper backward's dq_accum rows are its instantiated head dim (a padded head dim adds whole 16-row slices too)
     dqa_cols = head_dim if hopper else q.shape[-1]
     # softmax_d (lse's layout) and dq_accum share one float32 workspace (output 3); dq_accum starts 128-byte aligned
