@@ -95,6 +95,22 @@ def _check_against_reference(q, k, v, dout, *, causal, dropout_p=0.0, generator_
     return kernel
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_long_causal_tiles_match_reference(dtype):
+    """Causal head dim 64 from build.LONG_CAUSAL_SEQLEN query rows on runs other tiles (three consumer warpgroups on
+    Hopper): batch form with a partial last tile and seqlen_k > seqlen_q, and varlen with one long sequence."""
+    from flashtrain.kernels import build
+
+    long = build.LONG_CAUSAL_SEQLEN
+    q, k, v, dout = _inputs((1, long + 67, 2, 64), (1, long + 200, 2, 64), dtype, seed=3)
+    _check_against_reference(q, k, v, dout, causal=True)
+    lengths = torch.tensor([33, long + 5, 700])
+    cu = torch.tensor([0, *lengths.cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v, dout = _inputs((int(lengths.sum()), 4, 64), (int(lengths.sum()), 2, 64), dtype, seed=4)
+    _check_against_reference(q, k, v, dout, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                             max_seqlen_q=long + 5, max_seqlen_k=long + 5)
+
+
 # ---------------------------------------------------------------------------------------------------- batch form
 SEQLENS = [(1, 1), (17, 17), (97, 97), (128, 128), (1025, 1025), (17, 97), (97, 17), (128, 1025)]
 

@@ -36,7 +36,8 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_dims = [head_dim for table in (build.FWD_SM90_TILES, build.BWD_SM90_TILES) for head_dim in table]
     hopper_sparse = sum(2 * 2 * 2 for head_dim in hopper_dims if head_dim in build.BLOCK_SPARSE_HEAD_DIMS)
     hopper_det = len(build.BWD_SM90_TILES) * 2 * 2 * 2  # the deterministic backward (dense only)
-    hopper = len(hopper_dims) * 2 * 2 * 2 + hopper_sparse + hopper_det
+    hopper_long = len(build.FWD_SM90_TILES_LONG_CAUSAL) * 2  # the causal forward's long-sequence tiles (x dtype)
+    hopper = len(hopper_dims) * 2 * 2 * 2 + hopper_sparse + hopper_det + hopper_long
     assert len(names) == len(set(names)) == 2 + 2 * (dense + sparse) * 2 * 2 * 2 + hopper
     assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2 + hopper_sparse
     assert [spec.archs for spec in specs if "_sm90_" in spec.name] == [("sm_90a",)] * hopper
@@ -46,6 +47,19 @@ def test_dispatch_table_covers_every_instantiation_once():
             assert spec.threads in (128, 256)
         else:  # the warp-specialized Hopper forward: a producer warpgroup + 2 or 3 consumer warpgroups
             assert spec.smem_bytes <= SM90_MAX_SMEM and spec.threads in (128, 384, 512)
+
+
+def test_long_causal_forward_tiles():
+    """Causal forward at head dim 64 from LONG_CAUSAL_SEQLEN query rows on: three consumer warpgroups (a kernel of
+    its own name); shorter, non-causal, dropout and block-sparse calls keep their tiles."""
+    long = build.LONG_CAUSAL_SEQLEN
+    spec = build.fwd_kernel(64, "bf16", True, False, arch="sm_90a", seqlen_q=long)
+    assert (spec.block_m, spec.threads, spec.name) == (192, 512, "flash_fwd_sm90_hdim64_bf16_causal_192x128")
+    assert build.fwd_kernel(64, "bf16", True, False, arch="sm_90a", seqlen_q=long - 1).block_m == 128
+    assert build.fwd_kernel(64, "bf16", True, True, arch="sm_90a", seqlen_q=long).block_m == 128  # dropout
+    assert build.fwd_kernel(64, "bf16", True, False, True, arch="sm_90a", seqlen_q=long).block_m == 128  # sparse
+    assert build.fwd_kernel(128, "bf16", True, False, arch="sm_90a", seqlen_q=long).block_m == 128
+    assert build.fwd_kernel(64, "bf16", True, False, arch="sm_80", seqlen_q=long).name == "flash_fwd_hdim64_bf16_causal"
 
 
 def test_hopper_dispatch(monkeypatch):

@@ -122,6 +122,14 @@ FWD_SM90_TILES = {
 FWD_SM90_TILES_NONCAUSAL = {
     64: FwdSm90Tiles(192, 128, stages=2),
 }
+# Causal without dropout / block-sparse at max_seqlen_q >= LONG_CAUSAL_SEQLEN: three consumer warpgroups at head dim 64
+# too (H200, same process, bf16 forward vs cuDNN, 2026-11-25: 4K 0.92 -> 1.04; at 512 / 1K the 128-row tiles are
+# better, 0.86 / 0.88 vs 0.80 / 0.82: fewer, longer tiles and more of the diagonal block masked). Bitwise the same
+# result (same block_n).
+FWD_SM90_TILES_LONG_CAUSAL = {
+    64: FwdSm90Tiles(192, 128, stages=2),
+}
+LONG_CAUSAL_SEQLEN = 4096
 
 
 def _tile_overrides() -> None:
@@ -134,6 +142,8 @@ def _tile_overrides() -> None:
         block_m, block_n, stages = (int(x) for x in shape.rstrip("oq").split("x"))
         tiles = FwdSm90Tiles(block_m, block_n, stages, separate_o=separate_o)
         FWD_SM90_TILES[int(head_dim)] = FWD_SM90_TILES_NONCAUSAL[int(head_dim)] = tiles
+        if int(head_dim) in FWD_SM90_TILES_LONG_CAUSAL:
+            FWD_SM90_TILES_LONG_CAUSAL[int(head_dim)] = tiles
 
 
 _tile_overrides()
@@ -334,11 +344,11 @@ def _fits(spec: KernelSpec, smem_limit: int | None) -> bool:
 
 
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
-               arch: str | None = None, smem_limit: int | None = None) -> KernelSpec:
+               arch: str | None = None, smem_limit: int | None = None, seqlen_q: int = 0) -> KernelSpec:
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
-    smem_limit (bytes of shared memory per block; None: no limit)."""
+    smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length."""
     if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
-        for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse), FWD_SM90_TILES[head_dim]):
+        for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q), FWD_SM90_TILES[head_dim]):
             spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles)
             if _fits(spec, smem_limit):  # (under a capped limit the non-causal tiles may not fit, the others may)
                 return spec
@@ -366,23 +376,30 @@ def _fwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spar
                       block_m=tiles.block_m, tiles=tiles)
 
 
-def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool) -> FwdSm90Tiles:
+def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, seqlen_q: int = 0) -> FwdSm90Tiles:
     if not (causal or dropout or block_sparse) and head_dim in FWD_SM90_TILES_NONCAUSAL:
         return FWD_SM90_TILES_NONCAUSAL[head_dim]
+    if (causal and not (dropout or block_sparse) and seqlen_q >= LONG_CAUSAL_SEQLEN
+            and head_dim in FWD_SM90_TILES_LONG_CAUSAL):
+        return FWD_SM90_TILES_LONG_CAUSAL[head_dim]
     return FWD_SM90_TILES[head_dim]
 
 
 def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
-                    block_sparse: bool = False) -> KernelSpec:
+                    block_sparse: bool = False, seqlen_q: int = 0) -> KernelSpec:
     return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse,
-                          fwd_sm90_tiles(head_dim, causal, dropout, block_sparse))
+                          fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q))
 
 
 @functools.lru_cache(maxsize=None)
 def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
                    tiles: FwdSm90Tiles) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
-    name = f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
+    # tiles other than the features' first choice (long causal sequences, a capped shared-memory limit) get names of
+    # their own: a process may load both, and kernels are looked up by name
+    first_choice = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse)
+    name = (f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
+            f"{'' if tiles == first_choice else f'_{tiles.block_m}x{tiles.block_n}'}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
                ("FT_BF16", int(dtype == "bf16")),
@@ -466,6 +483,8 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
                   for dropout in (False, True) for block_sparse in (False, True)
                   if head_dim in BLOCK_SPARSE_HEAD_DIMS or not block_sparse
                   if _fits(spec := sm90_kernel(head_dim, dtype, causal, dropout, block_sparse), smem_limit)]
+    specs += [spec for head_dim in FWD_SM90_TILES_LONG_CAUSAL for dtype in DTYPES  # causal, long sequences
+              if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=LONG_CAUSAL_SEQLEN), smem_limit)]
     specs += [spec for head_dim in BWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # deterministic
               for dropout in (False, True)
               if _fits(spec := bwd_sm90_kernel(head_dim, dtype, causal, dropout, deterministic=True), smem_limit)]

@@ -271,7 +271,8 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     arch = launch.device_arch(q.device)
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
     spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
-                            smem_limit=launch.device_smem_limit(q.device))
+                            smem_limit=launch.device_smem_limit(q.device),
+                            seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1])
     outputs = _output_shapes(q, cu_seqlens_q)
     out, lse = (torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in outputs)
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
