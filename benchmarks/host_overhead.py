@@ -7,7 +7,7 @@ synchronisation, divided by their number is the host time per call. The call is 
 head dim 64, bf16, causal), so the GPU finishes each kernel before the CPU has issued the next: what is measured is
 the CPU's work. Each cell is the best of --rounds rounds (the implementations take turns).
 
-Cells: {flashtrain, fa2, cudnn} x layout {batch (B, S, H, D), varlen (packed rows + cu_seqlens; SDPA gets a nested
+Cells: {flashtrain, fa2, cudnn, one-op (q.sin(): one pointwise kernel each way, the floor of the path)} x layout {batch (B, S, H, D), varlen (packed rows + cu_seqlens; SDPA gets a nested
 jagged tensor, which is how it runs variable lengths)} x {eager, torch.compile} x {forward (no_grad), forward +
 backward (torch.autograd.grad)}. A backend that cannot run a cell is reported as n/a with its error.
 Targets (issue 14): flashtrain forward <= 60 us, forward + backward <= 200 us in every layout and mode.
@@ -37,7 +37,9 @@ from flashtrain.kernels import flash_attn_func, flash_attn_varlen_func
 RESULTS = Path(__file__).resolve().parent / "results"
 TINY = (1, 128, 4, 64)  # batch, seqlen, heads, head dim
 GPT2_SMALL = (16, 1024, 12, 64)
-IMPLS = ("flashtrain", "fa2", "cudnn")
+# one-op: q.sin(), a single pointwise kernel forward and backward -- what any one-kernel op pays through the same path
+# (the floor under torch.compile, whose per-call wrappers alone exceed the targets)
+IMPLS = ("flashtrain", "fa2", "cudnn", "one-op")
 SDPA_BACKENDS = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 TARGET_US = {"fwd": 60.0, "fwd+bwd": 200.0}
 
@@ -66,7 +68,10 @@ def call_us(fn, calls: int) -> float:
 def attention(impl: str, layout: str, shape, compiled: bool):
     """(q, k, v) -> out for one implementation and layout; batch q (B, S, H, D); varlen q (B * S, H, D) packed."""
     batch, seqlen = shape[:2]
-    if impl == "flashtrain" and layout == "batch":
+    if impl == "one-op":
+        def fn(q, k, v):
+            return q.sin()
+    elif impl == "flashtrain" and layout == "batch":
         def fn(q, k, v):
             return flash_attn_func(q, k, v, causal=True, impl="cuda")
     elif impl == "flashtrain":
@@ -180,7 +185,9 @@ def plot(host_rows: list[dict], path: Path) -> None:
         for offset, impl in enumerate(IMPLS):
             values = [next(r["host_us"] for r in host_rows if (r["impl"], r["mode"], r["layout"], r["kind"])
                            == (impl, mode, layout, kind)) or 0.0 for mode, layout in groups]
-            ax.bar([g + 0.27 * (offset - 1) for g in range(len(groups))], values, width=0.27, label=impl)
+            width = 0.8 / len(IMPLS)
+            ax.bar([g + width * (offset - (len(IMPLS) - 1) / 2) for g in range(len(groups))], values, width=width,
+                   label=impl)
         ax.axhline(TARGET_US[kind], color="black", linestyle="--", linewidth=1, label="target")
         ax.set_xticks(range(len(groups)), [f"{mode}\n{layout}" for mode, layout in groups])
         ax.set_title(f"{kind}: host us per call, {TINY} bf16 causal (n/a: 0)")
