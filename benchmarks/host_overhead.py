@@ -102,7 +102,8 @@ def make_call(impl: str, layout: str, shape, compiled: bool, backward: bool):
     q, k, v = (x.requires_grad_(backward) for x in (q, k, v))
     fn = attention(impl, layout, shape, compiled)
     if backward:
-        return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+        inputs = (q,) if impl == "one-op" else (q, k, v)  # (one-op uses q only)
+        return lambda: torch.autograd.grad(fn(q, k, v), inputs, dout)
 
     def forward():
         with torch.no_grad():
