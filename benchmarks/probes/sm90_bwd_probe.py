@@ -7,7 +7,8 @@ check of the gradients against fp32 attention (dense, causal, GQA, head dim 96 p
 Implementations: flashtrain, flashtrain-det (deterministic=True), flashtrain-det1 (deterministic, non-causal turns
 in one chain), flashtrain-grid (one CTA per tile), cudnn, fa2, and
 compile-time variants of the kernels in the same process: "flashtrain+FT_MACRO=1[+FT_OTHER=2]" builds and runs the
-kernels with those macros (FLASHTRAIN_EXTRA_DEFINES; its own cubins and launch plans).
+kernels with those macros (FLASHTRAIN_EXTRA_DEFINES; its own cubins and launch plans), e.g.
+"flashtrain+FT_PHILOX_ROUNDS=7" with --dropout 0.1.
 """
 import os
 import argparse
@@ -116,6 +117,7 @@ def main() -> None:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--impls", nargs="+", default=["flashtrain", "cudnn", "fa2"])
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every call (e.g. 0.1)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     if not args.no_check:
@@ -138,12 +140,13 @@ def main() -> None:
                                    for _ in range(3))
                         if name.startswith("flashtrain"):  # -det: deterministic=True; -grid: one CTA per tile
                             with one_cta_per_tile(name.endswith("-grid")), kernel_variant(name), det_chains(name):
-                                out = flash_attn_func(q, k, v, causal=causal, impl="cuda",
+                                out = flash_attn_func(q, k, v, args.dropout, causal=causal, impl="cuda",
                                                       deterministic="-det" in name)
                         else:
                             q, k, v = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
                             with sdpa_kernel(backends[name]):
-                                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                                out = F.scaled_dot_product_attention(q, k, v, dropout_p=args.dropout,
+                                                                     is_causal=causal)
                         dout = torch.randn_like(out)
                         fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
                         with one_cta_per_tile(name.endswith("-grid")), kernel_variant(name), det_chains(name):

@@ -362,9 +362,14 @@ template <int kMT, int kNT> __device__ __forceinline__ void zero(float (&c)[kMT]
 
 // ---------------------------------------------------------------------------------------------- dropout
 // Philox4x32-10 (Salmon et al. 2011).
+// Rounds: 10 (Philox4x32-10, cuRAND's and PyTorch's). FT_PHILOX_ROUNDS=7 builds the 7-round variant (Salmon et al.:
+// passes BigCrush from 7 rounds on) for A/B measurements of the dropout kernels; it changes every mask.
+#ifndef FT_PHILOX_ROUNDS
+#define FT_PHILOX_ROUNDS 10
+#endif
 __device__ __forceinline__ void philox(u32 (&ctr)[4], u32 key0, u32 key1) {
 #pragma unroll
-    for (int round = 0; round < 10; ++round) {
+    for (int round = 0; round < FT_PHILOX_ROUNDS; ++round) {
         const u64 p0 = (u64)0xD2511F53u * ctr[0];
         const u64 p1 = (u64)0xCD9E8D57u * ctr[2];
         const u32 hi0 = (u32)(p0 >> 32), lo0 = (u32)p0, hi1 = (u32)(p1 >> 32), lo1 = (u32)p1;
