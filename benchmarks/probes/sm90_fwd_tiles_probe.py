@@ -4,6 +4,8 @@ timed in every process, so each line carries its own scale. The variants' cubins
 
     PYTHONPATH=$PWD python3 benchmarks/probes/sm90_fwd_tiles_probe.py [--variants 64=192x128x2 128=128x64x2 ...]
 
+A variant may add compile-time macros after '+' (FLASHTRAIN_EXTRA_DEFINES), e.g. 64=128x128x2+FT_FWD_HALF_BLOCKS=1.
+
 Shapes: the benchmark grid's causal rows at 512 / 1K / 4K (16384 tokens, 2048 / head_dim heads) and GPT-2 small's
 attention as the model calls it (16 x 1K x 12 heads x 64, q / k / v strided views of one packed qkv tensor).
 """
@@ -70,12 +72,15 @@ def main() -> None:
         return child(args.child)
     env = dict(os.environ)
 
+    def variant_env(variant):
+        tiles, *macros = variant.split("+")
+        return {**env, "FLASHTRAIN_FWD_SM90_TILES": tiles, "FLASHTRAIN_EXTRA_DEFINES": ",".join(macros)}
+
     def prebuild(variant):
         head_dim = variant.split("=")[0]
         code = ("from flashtrain.kernels import build; "
                 f"build.compile_kernel(build.fwd_kernel({head_dim}, 'bf16', True, False, arch='sm_90a'), 'sm_90a')")
-        return subprocess.run([sys.executable, "-c", code], env={**env, "FLASHTRAIN_FWD_SM90_TILES": variant},
-                              capture_output=True, text=True)
+        return subprocess.run([sys.executable, "-c", code], env=variant_env(variant), capture_output=True, text=True)
 
     with ThreadPoolExecutor(8) as pool:
         for variant, result in zip(args.variants, pool.map(prebuild, args.variants)):
@@ -84,12 +89,12 @@ def main() -> None:
     for variant in args.variants:
         head_dim = int(variant.split("=")[0])
         result = subprocess.run([sys.executable, __file__, "--child", str(head_dim)],
-                                env={**env, "FLASHTRAIN_FWD_SM90_TILES": variant}, capture_output=True, text=True)
+                                env=variant_env(variant), capture_output=True, text=True)
         if result.returncode:
             print(f"{variant}: failed\n{result.stderr[-2000:]}", flush=True)
             continue
         rows = json.loads(result.stdout.strip().splitlines()[-1])
-        print(f"{variant:<15}" + "  ".join(f"{r['shape']} {r['ft_tflops']:5.0f}/{r['cudnn_tflops']:3.0f} "
+        print(f"{variant:<36}" + "  ".join(f"{r['shape']} {r['ft_tflops']:5.0f}/{r['cudnn_tflops']:3.0f} "
                                              f"({r['ft_tflops'] / r['cudnn_tflops']:.2f})" for r in rows), flush=True)
 
 
