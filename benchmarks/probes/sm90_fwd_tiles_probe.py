@@ -4,7 +4,7 @@ timed in every process, so each line carries its own scale. The variants' cubins
 
     PYTHONPATH=$PWD python3 benchmarks/probes/sm90_fwd_tiles_probe.py [--variants 64=192x128x2 128=128x64x2 ...]
 
-A variant may add compile-time macros after '+' (FLASHTRAIN_EXTRA_DEFINES), e.g. 64=128x128x2+FT_FWD_HALF_BLOCKS=1.
+A variant may add compile-time macros after '+' (FLASHTRAIN_EXTRA_DEFINES), e.g. 64=128x128x2+FT_SOME_MACRO=1.
 
 Shapes: the benchmark grid's causal rows at 512 / 1K / 4K (16384 tokens, 2048 / head_dim heads) and GPT-2 small's
 attention as the model calls it (16 x 1K x 12 heads x 64, q / k / v strided views of one packed qkv tensor).

@@ -58,14 +58,6 @@ struct FwdSm90Traits {
     static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kNConsumers <= kLaunchRegs * kNThreads,
                   "register budget: the launch allocation");
     static constexpr int kNT = kBlockN / 8;   // n8 column tiles of S per thread
-    // Masked blocks whose second half of keys no row of a warpgroup sees (causal diagonal, a sequence's last keys):
-    // S and P V over the first half only. FT_FWD_HALF_BLOCKS=1 (A/B, not yet measured; default off; two consumers:
-    // the three-consumer tiles spill with it).
-#ifdef FT_FWD_HALF_BLOCKS
-    static constexpr bool kHalfBlocks = FT_FWD_HALF_BLOCKS && kBlockN == 128 && !kIsDropout && kNConsumers == 2;
-#else
-    static constexpr bool kHalfBlocks = false;
-#endif
     static constexpr int kDT = kHeadDim / 8;  // n8 column tiles of O per thread
     static_assert((kNConsumers == 2 || kNConsumers == 3) && kBlockN % 16 == 0 && kBlockN <= 256, "tile shape");
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dims of 64-column blocks (128-byte swizzle)");
@@ -254,24 +246,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         u32 pa[kNT / 2][4];  // P of the previous block as wgmma A fragments (16 keys per k-step)
         const int bh = x.batch * p.nheads + x.head;
 
-        // half: every key of the block's second half is masked for this warpgroup's rows (T::kHalfBlocks), so S is
-        // computed for the first half only (the rest set to -inf) and P V skips the second half's k-steps
-        auto issue_s = [&](float (&s)[kNT][4], int stage, bool half) {
+        auto issue_s = [&](float (&s)[kNT][4], int stage) {
             const u32 k_tile = sK + stage * TileKV::kBytes;
-            if constexpr (T::kHalfBlocks) {
-                if (half) {
-                    float(&s_lo)[kNT / 2][4] = *reinterpret_cast<float(*)[kNT / 2][4]>(&s);
-#pragma unroll
-                    for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
-                        const u64 desc_q =
-                            gmma_desc(sQ + (kk / 4) * kBlockM * 128 + cw * 64 * 128 + (kk % 4) * 32, 16, 1024);
-                        const u64 desc_k = gmma_desc(k_tile + (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
-                        wgmma_ss<kBlockN / 2, T::kIsBF16>(s_lo, desc_q, desc_k, kk > 0);
-                    }
-                    wgmma_commit();
-                    return;
-                }
-            }
 #pragma unroll
             for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
                 const u64 desc_q = gmma_desc(sQ + (kk / 4) * kBlockM * 128 + cw * 64 * 128 + (kk % 4) * 32, 16, 1024);
@@ -280,31 +256,13 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             }
             wgmma_commit();
         };
-        auto fill_half = [&](float (&s)[kNT][4], bool half) {  // the second half of a half block: masked
-            if constexpr (T::kHalfBlocks) {
-                if (half) {
-#pragma unroll
-                    for (int nt = kNT / 2; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = -infinity();
-                }
-            }
-        };
-        auto issue_pv = [&](int stage, bool half) {
+        auto issue_pv = [&](int stage) {
             const u32 v_tile = sV + stage * TileKV::kBytes;
 #pragma unroll
             for (int ks = 0; ks < kNT / 2; ++ks)
-                if (!(T::kHalfBlocks && half && ks >= kNT / 4))  // (P is 0 there)
-                    wgmma_rs<T::kHeadDim, T::kIsBF16>(o, pa[ks],
-                                                      gmma_desc(v_tile + ks * 16 * 128, kBlockN * 128, 1024), 1);
+                wgmma_rs<T::kHeadDim, T::kIsBF16>(o, pa[ks], gmma_desc(v_tile + ks * 16 * 128, kBlockN * 128, 1024),
+                                                  1);
             wgmma_commit();
-        };
-        auto half_block = [&](int n_block) {
-            if constexpr (!T::kHalfBlocks) {
-                return false;
-            } else {
-                const int rows_end = min_(m0 + cw * 64 + 64, seqlen_q);  // this warpgroup's rows (exclusive end)
-                const int col_end = T::kIsCausal ? min_(seqlen_k, rows_end + seqlen_k - seqlen_q) : seqlen_k;
-                return col_end <= n_block * kBlockN + kBlockN / 2;
-            }
         };
         auto mask = [&](float (&s)[kNT][4], int n_block) {
             const int n0 = n_block * kBlockN;
@@ -333,7 +291,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         };
 
         KeyBlockWalk<T> walk(p, x.head, m0, x.n_block_max);
-        bool prev_half = false;  // the block whose P V is issued next was a half block
         if (walk.n_block < 0) {
             if (T::kSeparateO && lead_lane) mbar_arrive(empty_q);  // nothing to read: Q is free at once
         } else {
@@ -343,12 +300,10 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             {
                 float s[kNT][4];
                 const int n_block = walk.n_block, stage = it % kStages;
-                const bool half = needs_mask(n_block) && half_block(n_block);
                 mbar_wait(full_k(stage), (it / kStages) & 1);
                 schedule_wait();
                 wgmma_fence();
-                issue_s(s, stage, half);
-                prev_half = half;
+                issue_s(s, stage);
                 const bool last = walk.next() < 0;
                 schedule_pass(last);
                 wgmma_wait<0>();
@@ -357,7 +312,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     mbar_arrive(empty_k(stage));
                     if (T::kSeparateO && last) mbar_arrive(empty_q);
                 }
-                fill_half(s, half);
                 if (needs_mask(n_block)) mask(s, n_block);
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) softmax_exp_row(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
@@ -371,14 +325,12 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 const int n_block = walk.n_block;
                 const int stage = it % kStages, prev = (it - 1) % kStages;
                 float s[kNT][4];
-                const bool half = kMask && half_block(n_block);
                 mbar_wait(full_k(stage), (it / kStages) & 1);
                 mbar_wait(full_v(prev), ((it - 1) / kStages) & 1);  // copied before K[stage]: no wait in practice
                 schedule_wait();
                 wgmma_fence();
-                issue_s(s, stage, half);
-                issue_pv(prev, prev_half);
-                prev_half = half;
+                issue_s(s, stage);
+                issue_pv(prev);
                 const bool last = walk.next() < 0;
                 schedule_pass(last);
                 wgmma_wait<1>();  // S done; P V may still run
@@ -387,7 +339,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     mbar_arrive(empty_k(stage));
                     if (T::kSeparateO && last) mbar_arrive(empty_q);
                 }
-                fill_half(s, half);
                 if constexpr (kMask) mask(s, n_block);
                 float correction[2];
 #pragma unroll
@@ -411,7 +362,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             mbar_wait(full_v(last_stage), ((it - 1) / kStages) & 1);
             fence_operand(o);
             wgmma_fence();
-            issue_pv(last_stage, prev_half);
+            issue_pv(last_stage);
             wgmma_wait<0>();
             fence_operand(o);
             if (lead_lane) mbar_arrive(empty_v(last_stage));
