@@ -44,6 +44,13 @@ def check(head_dim: int, causal: bool, nheads_kv: int = 4, seqlen: int = 1000) -
           f"dk {errs[1]:.2e} dv {errs[2]:.2e}", flush=True)
 
 
+def drop_plans() -> None:
+    """Forget the launch plans (Python and C++ executors): the next call rebuilds them with the current tables."""
+    ops._fwd_plans.clear()
+    ops._bwd_plans.clear()
+    ops.clear_host_plans()
+
+
 @contextlib.contextmanager
 def one_cta_per_tile(enabled: bool):
     """flashtrain-grid: the backward with one CTA per (key block, batch, kv head) tile instead of the persistent grid
@@ -52,14 +59,12 @@ def one_cta_per_tile(enabled: bool):
     if enabled:
         for head_dim, tiles in saved.items():
             build.BWD_SM90_TILES[head_dim] = dataclasses.replace(tiles, persistent=False)
-    ops._bwd_plans.clear()
-    ops.clear_host_plans()
+    drop_plans()
     try:
         yield
     finally:
         build.BWD_SM90_TILES.update(saved)
-        ops._bwd_plans.clear()
-        ops.clear_host_plans()
+        drop_plans()
 
 
 @contextlib.contextmanager
@@ -68,14 +73,12 @@ def det_chains(name: str):
     saved = ops._det_chains
     if name.endswith("-det1"):
         ops._det_chains = lambda n_kblocks: 1
-    ops._bwd_plans.clear()
-    ops.clear_host_plans()
+    drop_plans()
     try:
         yield
     finally:
         ops._det_chains = saved
-        ops._bwd_plans.clear()
-        ops.clear_host_plans()
+        drop_plans()
 
 
 @contextlib.contextmanager
@@ -89,9 +92,7 @@ def kernel_variant(name: str):
     def reset():
         launch._kernels.clear()
         launch._modules.clear()
-        ops._bwd_plans.clear()
-        ops._fwd_plans.clear()
-        ops.clear_host_plans()
+        drop_plans()
 
     if defines:
         os.environ["FLASHTRAIN_EXTRA_DEFINES"] = defines

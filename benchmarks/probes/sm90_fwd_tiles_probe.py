@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 
 def child(head_dim: int) -> None:
@@ -25,17 +26,11 @@ def child(head_dim: int) -> None:
 
     from flashtrain.kernels import flash_attn_func
 
-    def gpu_ms(fn, repeats=30):
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in events)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from train_gpt2 import time_calls
+
+    def gpu_ms(fn):
+        return 1000 * statistics.median(time_calls(fn, torch.device("cuda"), warmup=5, repeats=30))
 
     shapes = [(16384 // s, s, 2048 // head_dim, False) for s in (512, 1024, 4096)]
     if head_dim == 64:
