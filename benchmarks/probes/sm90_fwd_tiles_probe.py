@@ -6,7 +6,7 @@ timed in every process, so each line carries its own scale. The variants' cubins
 
 A variant may add compile-time macros after '+' (FLASHTRAIN_EXTRA_DEFINES), e.g. 64=128x128x2+FT_SOME_MACRO=1.
 
-Shapes: the benchmark grid's causal rows at 512 / 1K / 4K (16384 tokens, 2048 / head_dim heads) and GPT-2 small's
+--masks causal full: also (or only) the non-causal rows. Shapes: the benchmark grid's causal rows at 512 / 1K / 4K (16384 tokens, 2048 / head_dim heads) and GPT-2 small's
 attention as the model calls it (16 x 1K x 12 heads x 64, q / k / v strided views of one packed qkv tensor).
 """
 import argparse
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def child(head_dim: int) -> None:
+def child(head_dim: int, causal: bool) -> None:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -43,13 +43,13 @@ def child(head_dim: int) -> None:
         else:
             q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
                        for _ in range(3))
-        flops = 4 * batch * heads * seqlen**2 * head_dim / 2
+        flops = 4 * batch * heads * seqlen**2 * head_dim / (2 if causal else 1)
         best = {}
         for _ in range(2):
-            ft = gpu_ms(lambda: flash_attn_func(q, k, v, causal=True, impl="cuda"))
+            ft = gpu_ms(lambda: flash_attn_func(q, k, v, causal=causal, impl="cuda"))
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                cd = gpu_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
+                cd = gpu_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
             best["ft"], best["cudnn"] = min(best.get("ft", 1e9), ft), min(best.get("cudnn", 1e9), cd)
         rows.append({"shape": f"{batch}x{seqlen}x{heads}{' packed' if packed else ''}",
                      "ft_tflops": flops / best["ft"] / 1e9, "cudnn_tflops": flops / best["cudnn"] / 1e9})
@@ -61,10 +61,11 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=[
         "64=128x128x2", "64=192x128x2", "64=128x64x2", "64=128x96x2",
         "128=128x128x2", "128=128x112x2", "128=128x96x2", "128=128x64x2"])
+    parser.add_argument("--masks", nargs="+", default=["causal"], choices=["causal", "full"])
     parser.add_argument("--child", type=int)
     args = parser.parse_args()
     if args.child:
-        return child(args.child)
+        return child(args.child, args.masks == ["causal"])
     env = dict(os.environ)
 
     def variant_env(variant):
@@ -73,25 +74,26 @@ def main() -> None:
 
     def prebuild(variant):
         head_dim = variant.split("=")[0]
-        code = ("from flashtrain.kernels import build; "
-                f"build.compile_kernel(build.fwd_kernel({head_dim}, 'bf16', True, False, arch='sm_90a'), 'sm_90a')")
+        code = ("from flashtrain.kernels import build\nfor causal in (True, False):\n"
+                f"    build.compile_kernel(build.fwd_kernel({head_dim}, 'bf16', causal, False, arch='sm_90a'), 'sm_90a')")
         return subprocess.run([sys.executable, "-c", code], env=variant_env(variant), capture_output=True, text=True)
 
     with ThreadPoolExecutor(8) as pool:
         for variant, result in zip(args.variants, pool.map(prebuild, args.variants)):
             if result.returncode:
                 print(f"{variant}: build failed\n{result.stderr[-2000:]}", flush=True)
-    for variant in args.variants:
-        head_dim = int(variant.split("=")[0])
-        result = subprocess.run([sys.executable, __file__, "--child", str(head_dim)],
-                                env=variant_env(variant), capture_output=True, text=True)
-        if result.returncode:
-            print(f"{variant}: failed\n{result.stderr[-2000:]}", flush=True)
-            continue
-        rows = json.loads(result.stdout.strip().splitlines()[-1])
-        print(f"{variant:<36}" + "  ".join(f"{r['shape']} {r['ft_tflops']:5.0f}/{r['cudnn_tflops']:3.0f} "
-                                             f"({r['ft_tflops'] / r['cudnn_tflops']:.2f})" for r in rows), flush=True)
-
+    for mask in args.masks:
+        for variant in args.variants:
+            head_dim = int(variant.split("=")[0])
+            result = subprocess.run([sys.executable, __file__, "--child", str(head_dim), "--masks", mask],
+                                    env=variant_env(variant), capture_output=True, text=True)
+            if result.returncode:
+                print(f"{variant}: failed\n{result.stderr[-2000:]}", flush=True)
+                continue
+            rows = json.loads(result.stdout.strip().splitlines()[-1])
+            print(f"{mask:<7}{variant:<48}" + "  ".join(
+                f"{r['shape']} {r['ft_tflops']:5.0f}/{r['cudnn_tflops']:3.0f} "
+                f"({r['ft_tflops'] / r['cudnn_tflops']:.2f})" for r in rows), flush=True)
 
 if __name__ == "__main__":
     main()

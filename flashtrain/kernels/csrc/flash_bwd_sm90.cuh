@@ -79,13 +79,6 @@ struct BwdSm90Traits {
     // 128-query blocks: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished wgmma alive,
     // and 64 more live registers would spill)
     static constexpr bool kWaitDv = kBlockM == 128;
-    // FT_BWD_SKIP_MASKED=1 (A/B, not yet measured on a GPU; default off): 64-query blocks where warpgroup 1's 64 keys
-    // are all masked (causal: the first query block of a tile; a sequence's last keys) run step_masked_keys there.
-#ifdef FT_BWD_SKIP_MASKED
-    static constexpr bool kSkipMasked = FT_BWD_SKIP_MASKED && kBlockM == 64 && kDeferDq == 0;
-#else
-    static constexpr bool kSkipMasked = false;
-#endif
     using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO stages
     using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V, then dK and dV
     using TileS = SmemTile<kBlockN, kBlockM>;    // dS^T (rows keys, columns queries), two buffers
@@ -596,24 +589,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             write_dq(m0, head);
         }
     };
-    // A query block for which all 64 keys of this warpgroup are masked: P = dS = 0 here, so the warpgroup skips its
-    // S^T, dP^T, dV and dK GEMMs, writes zero dS^T rows (both dQ GEMMs read all 128 rows) and computes its dQ piece.
-    auto step_masked_keys = [&](const QueryBlockWalk<T>& walk, int gs) {
-        const int s = gs % kStages;
-        const u32 sdS = sdS0 + (gs & 1) * TileS::kBytes;
-        u32 sK_all = sK;
-        asm volatile("" : "+r"(sK_all));
-        mbar_wait(full(s), (gs / kStages) & 1);  // (nothing of the stage is read; the wait keeps the rings in step)
-        const u32 zeros[kNT / 2][4] = {};
-        share_ds_issue_dq(sdS, sK_all, zeros);
-        wgmma_wait<0>();
-        if (lead_lane) mbar_arrive(empty(s));
-        write_dq(walk.m0, walk.head);
-    };
-    auto keys_masked = [&](int m0) {  // warpgroup 1's keys [n0 + 64, n0 + 128) are all masked for query block m0
-        const int last_row = min_(m0 + kBlockM, x.seqlen_q) - 1;
-        return x.n0 + 64 >= x.seqlen_k || (T::kIsCausal && x.n0 + 64 > last_row + x.seqlen_k - x.seqlen_q);
-    };
     int gs = 0;
     for (int tile_iter = 0; read_tile(tile_iter, x); ++tile_iter) {
 #pragma unroll
@@ -622,14 +597,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             for (int j = 0; j < 4; ++j) acc_dk[i][j] = acc_dv[i][j] = 0.f;
         mbar_wait(full_kv, tile_iter & 1);
         for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++gs) {
-            if (tile_needs_mask<T::kIsCausal, kBlockN>(walk.m0, x.n0, x.seqlen_q, x.seqlen_k)) {
-                if (T::kSkipMasked && w == 1 && keys_masked(walk.m0))
-                    step_masked_keys(walk, gs);
-                else
-                    step(walk, gs, BoolConstant<true>{});
-            } else {
+            if (tile_needs_mask<T::kIsCausal, kBlockN>(walk.m0, x.n0, x.seqlen_q, x.seqlen_k))
+                step(walk, gs, BoolConstant<true>{});
+            else
                 step(walk, gs, BoolConstant<false>{});
-            }
         }
         if (T::kDeferDq && dq_m0 >= 0) {
             wgmma_wait<0>();

@@ -3,8 +3,8 @@
 //   - cp.async global->shared copies of 16 bytes with zero fill (rows past the sequence end, columns past head_dim);
 //   - swizzled shared-memory tiles read by ldmatrix without bank conflicts;
 //   - warp-level GEMMs on mma.sync.m16n8k16 (fp16/bf16 inputs, fp32 accumulators);
-//   - counter-based Philox4x32-10 for dropout, addressed by (batch*head, query row, key column) only, so the forward,
-//     the backward and the test-only mask kernel draw the same bits whatever their thread layout.
+//   - counter-based Philox4x32 (7 rounds) for dropout, addressed by (batch*head, query row, key column) only, so the
+//     forward, the backward and the test-only mask kernel draw the same bits whatever their thread layout.
 //
 // Fragment layout of mma.m16n8k16 (g = lane / 4, t = lane % 4), which every kernel relies on:
 //   A (16x16, row-major): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
@@ -361,11 +361,13 @@ template <int kMT, int kNT> __device__ __forceinline__ void zero(float (&c)[kMT]
 }
 
 // ---------------------------------------------------------------------------------------------- dropout
-// Philox4x32-10 (Salmon et al. 2011).
-// Rounds: 10 (Philox4x32-10, cuRAND's and PyTorch's). FT_PHILOX_ROUNDS=7 builds the 7-round variant (Salmon et al.:
-// passes BigCrush from 7 rounds on) for A/B measurements of the dropout kernels; it changes every mask.
+// Philox4x32 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3") with 7 rounds: the paper finds
+// Philox4x32 passing TestU01's BigCrush from 7 rounds on (cuRAND and PyTorch run 10 for extra margin). The bits are
+// only dropout keep decisions, 16 per call; the backward regenerates them, so the rounds are on the critical path
+// of both passes: H200, same process, dropout 0.1 backward with 7 vs 10 rounds: head dim 64 512 / 1K 1.08-1.13x,
+// head dim 128 1.03-1.06x. FT_PHILOX_ROUNDS=10 builds the cuRAND round count (it changes every mask).
 #ifndef FT_PHILOX_ROUNDS
-#define FT_PHILOX_ROUNDS 10
+#define FT_PHILOX_ROUNDS 7
 #endif
 __device__ __forceinline__ void philox(u32 (&ctr)[4], u32 key0, u32 key1) {
 #pragma unroll
