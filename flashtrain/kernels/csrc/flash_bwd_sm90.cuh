@@ -69,12 +69,13 @@ struct BwdSm90Traits {
     // The dQ piece of a query block is waited for and staged at once (0), or once the next block's S^T GEMM (2) or
     // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s with the dQ writer warp: hd128 0
     // beats 2 by 10-15% (16K 524 vs 473); hd64 x 128 queries 0 beats 2 by 3-6% (16K 434 vs 418) despite 120 B of
-    // spills. Dropout keeps 2 (with 0 the hd128 dropout kernel spills 220 B instead of 64; not measured); so does the
-    // deterministic hd64 kernel (2 vs 0, separate runs: 271 / 357 / 416 vs 255 / 325 / 383 TFLOP/s at 2K / 8K / 16K).
+    // spills. Dropout 0.1, same process (Philox 7 rounds), 0 / 2: hd128 1.03-1.12x (4K 367 vs 337), hd64 0.88-0.95x:
+    // hd64 dropout keeps 2; so does the deterministic hd64 kernel (2 vs 0, separate runs: 271 / 357 / 416 vs
+    // 255 / 325 / 383 TFLOP/s at 2K / 8K / 16K).
 #ifdef FT_BWD_DEFER_DQ
     static constexpr int kDeferDq = FT_BWD_DEFER_DQ;
 #else
-    static constexpr int kDeferDq = kIsDropout || (kIsDeterministic && kHeadDim == 64) ? 2 : 0;
+    static constexpr int kDeferDq = kHeadDim == 64 && (kIsDropout || kIsDeterministic) ? 2 : 0;
 #endif
     // 128-query blocks: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished wgmma alive,
     // and 64 more live registers would spill)
