@@ -114,8 +114,29 @@ def score(label: str, model: torch.nn.Module, window: int, documents: list[np.nd
 
 # ---- runs -------------------------------------------------------------------------------------------------------
 
+def tokens_before(init_from: str | None) -> int:
+    """Tokens the weights of `init_from` (a checkpoint or run directory of a local run) had been trained on: a run
+    that starts from them (context extension) continues that run's token count. 0 for none or hf:NAME."""
+    from flashtrain.export import find_checkpoint
+    from flashtrain.train.checkpoint import CHECKPOINT_PREFIX
+    from flashtrain.train.trainer import read_metrics
+
+    if not init_from or init_from.startswith("hf:"):
+        return 0
+    try:
+        run_dir, checkpoint = find_checkpoint(init_from)
+    except FileNotFoundError:
+        print(f"init_from={init_from!r} is not here: its run's tokens are not counted in the curves", flush=True)
+        return 0
+    step = int(checkpoint.name[len(CHECKPOINT_PREFIX):])
+    metrics = run_dir / "metrics.jsonl"
+    records = read_metrics(metrics) if metrics.is_file() else []
+    return max((r["tokens"] for r in records if "tokens" in r and r["step"] <= step), default=0)
+
+
 def load_runs(specs: list[str], attn_impl: str | None):
-    """[(label, model, data config, metrics records)] of LABEL=RUN_DIR_OR_CHECKPOINT specs."""
+    """[(label, model, data config, metrics records)] of LABEL=RUN_DIR_OR_CHECKPOINT specs; a run started from
+    another local run's weights (init_from) counts that run's tokens before its own."""
     from flashtrain.export import find_checkpoint, load_run
     from flashtrain.train.trainer import read_metrics
 
@@ -127,7 +148,10 @@ def load_runs(specs: list[str], attn_impl: str | None):
         run = load_run(path, attn_impl)
         run_dir, _ = find_checkpoint(path)
         metrics = run_dir / "metrics.jsonl"
-        runs.append((label, run.model, run.cfg.data, read_metrics(metrics) if metrics.is_file() else []))
+        offset = tokens_before(getattr(run.cfg, "init_from", None))
+        records = [{**r, "tokens": r["tokens"] + offset} if "tokens" in r else r
+                   for r in (read_metrics(metrics) if metrics.is_file() else [])]
+        runs.append((label, run.model, run.cfg.data, records))
     return runs
 
 
@@ -232,6 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
         "validation": f"{len(documents)} documents of >= {edges[-1] + 1} tokens from {data.description}",
         "stride": stride, "runs": {s.label: s.table(edges) for s in scores},
         "tokens_seen": {label: records[-1]["tokens"] if records else None for label, _, _, records in runs},
+        # training curves (tokens counted from the first run of a lineage), so the plot can be redrawn
+        "curves": {label: [[r["tokens"], r["train_loss"]] for r in records if "train_loss" in r]
+                   for label, _, _, records in runs},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1))

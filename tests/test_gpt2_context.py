@@ -2,6 +2,7 @@
 long-document selection and the buckets, on a tiny GPT-2."""
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -82,3 +83,15 @@ def test_buckets_sum_the_losses_of_their_positions():
     assert set(table) == {"0-8", "8-16", "16-32", "all"}
     assert table["8-16"]["ppl"] == pytest.approx(math.exp(expected[1] / 16))
     assert gpt2_context.bucket_name(1024, 4096) == "1K-4K"
+
+
+def test_an_extended_run_counts_the_tokens_of_the_run_it_started_from(tmp_path):
+    source = tmp_path / "runs" / "1k"
+    (source / "checkpoints" / "step_00000300").mkdir(parents=True)
+    records = [{"step": 0, "tokens": 0, "val_loss": 9.0}] + [
+        {"step": s, "tokens": s * 65536, "train_loss": 5.0} for s in (100, 200, 300, 400)]
+    (source / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert gpt2_context.tokens_before(str(source / "checkpoints" / "step_00000300")) == 300 * 65536
+    assert gpt2_context.tokens_before(None) == 0
+    assert gpt2_context.tokens_before("hf:openai-community/gpt2") == 0
+    assert gpt2_context.tokens_before(str(tmp_path / "gone")) == 0
