@@ -17,6 +17,19 @@ context; beyond it only the 4K model sees the whole document, so that is where t
         --out benchmarks/results/gpt2_context-h200          # -> .json (table) and .png (curves + bucket bars)
     python benchmarks/gpt2_context.py --smoke --out /tmp/gpt2_context_smoke   # CPU: tiny models trained here
 
+The runs of benchmarks/results/gpt2_context-h200 (one H200, ~2.5 minutes each; 400 steps x 64K tokens):
+
+    R="python launch.py recipe=gpt2-small-1k data=python-site logger=none optim.warmup_steps=40 \
+       trainer.eval_interval=100 trainer.save_interval=100 trainer.keep_checkpoints=8 data.val_samples=64"
+    B4="model.n_positions=4096 trainer.micro_batch_size=8 trainer.global_batch_size=16"
+    $R trainer.micro_batch_size=32 trainer.global_batch_size=64 trainer.max_steps=400 hydra.run.dir=runs/i21/1k
+    $R $B4 trainer.max_steps=400 hydra.run.dir=runs/i21/4k
+    $R $B4 trainer.max_steps=400 data.document_mask=true data.reset_positions=true hydra.run.dir=runs/i21/4k_docmask
+    $R $B4 trainer.max_steps=100 optim.warmup_steps=10 init_from=runs/i21/1k/checkpoints/step_00000300 \
+       hydra.run.dir=runs/i21/ext
+    python benchmarks/gpt2_context.py --run 1K=runs/i21/1k --run 4K=runs/i21/4k --run 4K-docmask=runs/i21/4k_docmask \
+       --run 1K-then-4K=runs/i21/ext --out benchmarks/results/gpt2_context-h200
+
 Every run must have been trained on the same data (corpus, tokenizer, split seed): the validation documents come
 from the first run's data config, and each other run's data config must name the same token files.
 """
