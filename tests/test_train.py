@@ -44,8 +44,8 @@ def tiny_overrides(cache_dir, *extra):
 def test_default_recipe_composes_to_typed_config():
     cfg = compose_config(["name=x"])
     assert type(cfg.model).__name__ == "GPT2Config"
-    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_positions) == (4, 256, 1024)
-    assert cfg.data.seq_len == 1024 and cfg.model.vocab_size == cfg.data.vocab_size
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.n_positions) == (4, 192, 3, 256)
+    assert cfg.data.seq_len == 256 and cfg.model.vocab_size == cfg.data.vocab_size == 1024
     assert cfg.logger.kind == ["wandb"] and cfg.logger.mode == "offline"
 
 
