@@ -437,28 +437,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         if (lead_lane) mbar_arrive(dq_full);
         ++dq_count;
     };
-    // This warp's dS^T rows (A fragments) to the shared tile (rows keys, columns queries); once both warpgroups'
-    // rows are there, this warpgroup's dQ(block) piece = dS K is issued: A = dS (dS^T in shared memory: M-major),
-    // B = K (MN-major).
-    auto share_ds_issue_dq = [&](u32 sdS, u32 sK_all, const u32 (&ds)[kNT / 2][4]) {
-#pragma unroll
-        for (int ks = 0; ks < kBlockM / 16; ++ks)
-#pragma unroll
-            for (int r = 0; r < 4; ++r)  // (row g | g + 8, columns 16 ks + 2t | + 8)
-                st_shared_b32(TileS::addr(sdS, key_row0 + g + 8 * (r & 1), 16 * ks + 8 * (r >> 1) + 2 * t),
-                              ds[ks][r]);
-        fence_proxy_async();
-        named_bar_sync(T::kBarDs, 128 * T::kNMma);  // both warpgroups' dS^T rows stored
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kBlockN / 16; ++ks) {
-            const u64 desc_a = gmma_desc(sdS + mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
-            const u64 desc_b = gmma_desc(sK_all + hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
-            if (ks == 0) wgmma_ss_tt_init<64, T::kIsBF16>(dq, desc_a, desc_b, 0);  // dq's old values are dead
-            else wgmma_ss_tt<64, T::kIsBF16>(dq, desc_a, desc_b, 1);
-        }
-        wgmma_commit();
-    };
     auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
         const int head = walk.head, m0 = walk.m0, n0 = x.n0, seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
@@ -580,7 +558,26 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             wgmma_rs<kHeadDim, T::kIsBF16>(acc_dk, dsa[ks], gmma_desc(sQ_s + ks * 16 * 128, kBlockM * 128, 1024), 1);
         wgmma_commit();
 
-        share_ds_issue_dq(sdS, sK_all, dsa);
+        // dS^T rows of this warp to the shared tile (rows keys, columns queries) for dQ = dS K.
+#pragma unroll
+        for (int ks = 0; ks < kBlockM / 16; ++ks)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)  // (row g | g + 8, columns 16 ks + 2t | + 8)
+                st_shared_b32(TileS::addr(sdS, key_row0 + g + 8 * (r & 1), 16 * ks + 8 * (r >> 1) + 2 * t),
+                              dsa[ks][r]);
+        fence_proxy_async();
+        named_bar_sync(T::kBarDs, 128 * T::kNMma);  // both warpgroups' dS^T rows stored
+
+        // dQ(block) piece of this warpgroup = dS K: A = dS (dS^T in shared memory: M-major), B = K (MN-major).
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+            const u64 desc_a = gmma_desc(sdS + mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+            const u64 desc_b = gmma_desc(sK_all + hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+            if (ks == 0) wgmma_ss_tt_init<64, T::kIsBF16>(dq, desc_a, desc_b, 0);  // dq's old values are dead
+            else wgmma_ss_tt<64, T::kIsBF16>(dq, desc_a, desc_b, 1);
+        }
+        wgmma_commit();
         wgmma_wait<1>();  // dV and dK done (dQ may still run): Q, dO, the statistics of stage s are free
         if (lead_lane) mbar_arrive(empty(s));
         if constexpr (T::kDeferDq != 0) {  // finished after the next block's GEMMs are issued
