@@ -16,7 +16,9 @@
 //         S^T = K_w Q^T, dP^T = V_w dO^T           (both operands in shared memory; two commit groups)
 //         P^T = exp2(S^T scale - lse)             (as soon as S^T is done; masked: 0) -> A fragments
 //         dV_w += P^T dO                          (P^T from registers: issued while dP^T may still run)
-//         dS^T = P^T (dP^T - D)                   -> A fragments and the shared dS^T tile (double-buffered)
+//         dS^T = P^T (dP^T - D)                   -> A fragments and the shared dS^T tile (double-buffered,
+//                                                     stmatrix); P^T from the 16-bit fragments while dV runs
+//                                                     (128-query blocks without dropout)
 //         dK_w += dS^T Q                          (dS^T from registers)
 //     Once both warpgroups' dS^T rows are in shared memory (named barrier), dQ(block) = dS K is computed in 64 x 64
 //     pieces (query rows x head_dim columns), half of them per warpgroup, with both operands MN-major in shared memory.
@@ -77,9 +79,15 @@ struct BwdSm90Traits {
 #else
     static constexpr int kDeferDq = kHeadDim == 64 && (kIsDropout || kIsDeterministic) ? 2 : 0;
 #endif
-    // 128-query blocks: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished wgmma alive,
-    // and 64 more live registers would spill)
-    static constexpr bool kWaitDv = kBlockM == 128;
+    // 128-query blocks without dropout take P^T for dS^T = P^T (dP^T - D) from its 16-bit A fragments (the values
+    // dV's GEMM reads): the fp32 P^T is dead once packed, which frees the 64 registers that let dS^T run while dV's
+    // GEMM does. H200, same process, hd64 backward 1.03-1.13x (4K causal 352 -> 390 TFLOP/s); at hd128 (64-query
+    // blocks, no wait to remove) 0.94-1.04x: not used there. The gradient checks pass unchanged (P^T carries one
+    // more 16-bit rounding into dS^T, which is rounded to 16 bits for its GEMMs anyway).
+    static constexpr bool kDsFromPa = kBlockM == 128 && !kIsDropout;
+    // 128-query blocks with dropout: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished
+    // wgmma alive, and 64 more live registers would spill)
+    static constexpr bool kWaitDv = kBlockM == 128 && !kDsFromPa;
     using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO stages
     using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V, then dK and dV
     using TileS = SmemTile<kBlockN, kBlockM>;    // dS^T (rows keys, columns queries), two buffers
@@ -539,13 +547,20 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             float dsum[2];
             asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(dsum[0]), "=f"(dsum[1])
                          : "r"(sD(s) + 4 * (8 * j + 2 * t)));
-            float ds[4];
+            float ds[4], pt[4];
+            if constexpr (T::kDsFromPa) {
+                unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2)], pt[0], pt[1]);
+                unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2) + 1], pt[2], pt[3]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) pt[e] = st[j][e];
+            }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float dp = dpt[j][e];
                 if constexpr (T::kIsDropout)
                     dp = (keep_bits[(4 * j + e) / 32] >> ((4 * j + e) % 32)) & 1 ? dp * f.rp_dropout : 0.f;
-                ds[e] = st[j][e] * (dp - dsum[e & 1]);
+                ds[e] = pt[e] * (dp - dsum[e & 1]);
             }
             dsa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(ds[0], ds[1]);
             dsa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(ds[2], ds[3]);
@@ -559,12 +574,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         wgmma_commit();
 
         // dS^T rows of this warp to the shared tile (rows keys, columns queries) for dQ = dS K.
+        // One stmatrix per 16 x 16 piece (lane l addresses row l % 8 (+ 8 for matrices 1, 3) at columns 16 ks (+ 8 for
+        // matrices 2, 3)) instead of four 4-byte stores: hd64 1.00-1.09x, hd128 0.97-1.06x (H200, same process).
 #pragma unroll
         for (int ks = 0; ks < kBlockM / 16; ++ks)
-#pragma unroll
-            for (int r = 0; r < 4; ++r)  // (row g | g + 8, columns 16 ks + 2t | + 8)
-                st_shared_b32(TileS::addr(sdS, key_row0 + g + 8 * (r & 1), 16 * ks + 8 * (r >> 1) + 2 * t),
-                              dsa[ks][r]);
+            stmatrix_x4(TileS::addr(sdS, key_row0 + lane % 8 + 8 * ((lane / 8) & 1), 16 * ks + 8 * (lane / 16)),
+                        dsa[ks]);
         fence_proxy_async();
         named_bar_sync(T::kBarDs, 128 * T::kNMma);  // both warpgroups' dS^T rows stored
 
