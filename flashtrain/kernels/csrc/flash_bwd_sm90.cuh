@@ -32,7 +32,9 @@
 // Masking (causal bottom-right aligned, keys past the end) as in the forward; rows past a sequence's end get lse =
 // +inf, so P = 0 and dS = 0 there (their Q / dO rows are zeros or the next sequence's). Dropout regenerates the
 // forward's keep bits (utils.cuh DropoutRng, addressed by (batch * head, query, key)): a thread's 8 elements of a
-// 16 x 16 tile are the words of 2 lanes of the forward's layout (its rows are keys), 2 Philox calls per tile; the keep
+// 16 x 16 tile are half the words of 2 lanes of the forward's layout (its rows are keys): one Philox call per tile and
+// two shuffles with lane ^ 4, which needs the other halves (DropoutRng::bits_transposed; 1.08-1.13x over two calls per
+// tile, H200 same process); the keep
 // decisions of P^T are kept as bits for dS^T. Block-sparse walks the query tiles of the non-zero mask blocks of the key
 // block's column (utils.cuh SparseWalkAsc), for each query head of the group. Not deterministic (dQ is summed by
 // reductions in arrival order) unless kIsDeterministic (below: key blocks take turns per query block); block-sparse
@@ -495,13 +497,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         u32 keep_bits[(kNT * 4 + 31) / 32];
 #pragma unroll
         for (int i = 0; i < (kNT * 4 + 31) / 32; ++i) keep_bits[i] = 0;
-        u32 bits[2][4];  // dropout: Philox words of queries 2t and 2t + 1 (mod 8) of the current 16-query tile
+        u32 qbits[2][2];  // dropout: the keep words of the current 16-query tile (DropoutRng::bits_transposed)
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
             if (T::kIsDropout && j % 2 == 0) {
                 const int bh = x.batch * f.nheads + head;
-                rng.bits(bits[0], bh, m0 + 8 * j + 2 * t, n0 + key_row0 + g);
-                rng.bits(bits[1], bh, m0 + 8 * j + 2 * t + 1, n0 + key_row0 + g);
+                rng.bits_transposed(qbits, bh, m0 + 8 * j + 2 * t, n0 + key_row0 + g, lane);
             }
             float lse[2];
             asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lse[0]), "=f"(lse[1])
@@ -517,7 +518,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 st[j][e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
                 dropped[e] = st[j][e];
                 if constexpr (T::kIsDropout) {  // element (query 8j + 2t + e % 2, key g + 8 (e / 2)) of the tile
-                    const bool keep = rng.keep_half(bits[e & 1], (j & 1) * 4 + (e >> 1) * 2 + (g & 1));
+                    const bool keep = rng.keep_t(qbits, e & 1, j & 1, e >> 1);
                     if (keep) keep_bits[(4 * j + e) / 32] |= 1u << ((4 * j + e) % 32);
                     dropped[e] = keep ? dropped[e] * f.rp_dropout : 0.f;
                 }

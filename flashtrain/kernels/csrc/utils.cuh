@@ -415,6 +415,28 @@ struct DropoutRng {
     __device__ __forceinline__ bool keep_half(const u32 (&r)[4], int half) const {
         return ((r[half >> 1] >> ((half & 1) * 16)) & 0xffffu) < keep_threshold;
     }
+    // Backward of the Hopper kernel, whose tiles are transposed (rows keys, columns queries): lane (g, t) holds, of a
+    // 16 x 16 tile, queries 2t + c + 8a (c, a in {0, 1}) of keys g + 8b. Those 8 elements come from two of the forward's
+    // calls, (query & 7 = 2t + c, key / 2 % 4 = g / 2) for c = 0, 1, the 4 halves of each with key parity g % 2; the
+    // lane with g ^ 1 (lane ^ 4) needs the other 4 halves of the same two calls. So each lane makes one call, c = g % 2,
+    // and swaps the 4 halves its partner needs for the 4 it needs of the partner's call (2 shuffles instead of a second
+    // Philox call). q[c][a]: halves (b = 0, b = 1) of query parity c, query half a; keep_t reads them.
+    __device__ __forceinline__ void bits_transposed(u32 (&q)[2][2], int bh, int query0, int key, int lane) const {
+        const int p = (lane >> 2) & 1;  // g % 2
+        u32 r[4];
+        bits(r, bh, query0 + p, key);
+        const u32 sel_mine = p ? 0x7632u : 0x5410u, sel_send = p ? 0x5410u : 0x7632u;
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+            const u32 mine = __byte_perm(r[2 * a], r[2 * a + 1], sel_mine);
+            const u32 recv = __shfl_xor_sync(0xffffffffu, __byte_perm(r[2 * a], r[2 * a + 1], sel_send), 4);
+            q[0][a] = p ? recv : mine;
+            q[1][a] = p ? mine : recv;
+        }
+    }
+    __device__ __forceinline__ bool keep_t(const u32 (&q)[2][2], int c, int a, int b) const {
+        return ((q[c][a] >> (16 * b)) & 0xffffu) < keep_threshold;
+    }
     // Forward: zero the dropped entries of a thread's P fragment p[kNT][4] (mma / wgmma accumulator layout) whose row g
     // is query `row` and whose first column is key `col` (= n0 + 2t).
     template <int kNT> __device__ __forceinline__ void drop(float (&p)[kNT][4], int bh, int row, int col) const {
