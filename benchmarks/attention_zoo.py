@@ -41,6 +41,9 @@ method's longer lengths are not tried ("skipped: ..."), as they are not once a f
                                                         #   attention_zoo-<gpu>-runtime.png, -memory.png
     python benchmarks/attention_zoo.py --quick          # N = 256, 1K, 4K, 16K, 64K, 3 repeats, one flex mask
     python benchmarks/attention_zoo.py --max-len 8192   # any run, shorter
+    python benchmarks/attention_zoo.py --settings plain --methods flex-bigbird,flex-butterfly --out /tmp/b
+    python benchmarks/attention_zoo.py --merge /tmp/a/attention_zoo-h200.json /tmp/b/attention_zoo-h200.json
+                                                        # a run split over several invocations, merged
     python benchmarks/attention_zoo.py --device cpu --max-len 512 --out /tmp/zoo   # smoke test: GPU-only methods
                                                         #   are recorded as skipped, with the reason
 Needs torch (and matplotlib for the plots); not hydra. <gpu> is the GPU's short name (h200, h100, a100, ...).
@@ -400,6 +403,8 @@ def run(args) -> dict:
                         stopped = f"forward+backward took {row['fb_ms'] / 1000:.1f} s at N={seqlen}"
                 rows.append(base | row)
                 print(format_row(rows[-1]), flush=True)
+            if args.partial is not None:  # the cells so far survive a run stopped from outside
+                args.partial.write_text(json.dumps({"env": environment(device), "rows": rows}) + "\n")
     config = {"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype,
               "seqlens": lengths, "settings": settings, "padding_spread": PADDING_SPREAD, "warmup": args.warmup,
               "repeats": args.repeats, "budget_seconds": args.budget_seconds,
@@ -539,15 +544,49 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--max-call-seconds", type=float, default=10.0,
                         help="a method whose forward+backward takes longer stops there")
     parser.add_argument("--out", type=Path, default=RESULTS, help="the folder of the JSON and PNG files")
+    parser.add_argument("--partial", type=Path, default=None,
+                        help="rewrite this JSON file with the cells so far after each method (a run stopped by a "
+                             "time limit keeps them)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="no measurement: merge these result files (runs split by --settings / --methods) into "
+                             "one JSON and its plots in --out")
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.repeats = args.repeats if args.repeats is not None else (3 if args.quick else 10)
     return args
 
 
+def merge(paths: list[Path]) -> dict:
+    """One result from the JSON files of runs that split the work (--settings / --methods per run, e.g. to keep each
+    under a machine's time limit): their rows, methods and settings in the order given, a cell measured twice taken
+    from the later file; the environment and configuration of the first (the others must match in shape and dtype)."""
+    results = [json.loads(Path(path).read_text()) for path in paths]
+    first = results[0]
+    keys = ("batch", "heads", "head_dim", "dtype")
+    for path, other in zip(paths[1:], results[1:]):
+        mismatch = [k for k in keys if other["config"][k] != first["config"][k]]
+        if mismatch or other["env"].get("gpu") != first["env"].get("gpu"):
+            raise SystemExit(f"--merge: {path} differs from {paths[0]} in {mismatch or ['gpu']}")
+    cells: dict[tuple, dict] = {}
+    methods: dict[str, str] = {}
+    settings: list[str] = []
+    for result in results:
+        methods |= result["methods"]
+        settings += [s for s in result["config"]["settings"] if s not in settings]
+        for row in result["rows"]:
+            cells[(row["setting"], row["method"], row["seqlen"])] = row
+    order = {name: i for i, name in enumerate(methods)}
+    rows = sorted(cells.values(), key=lambda r: (settings.index(r["setting"]), order[r["method"]], r["seqlen"]))
+    config = dict(first["config"], settings=settings,
+                  seqlens=sorted({n for result in results for n in result["config"]["seqlens"]}),
+                  merged_from=[{"file": Path(p).name, "date": r["env"]["date"], "settings": r["config"]["settings"],
+                                "methods": list(r["methods"])} for p, r in zip(paths, results)])
+    return {"env": first["env"], "config": config, "methods": methods, "rows": rows, "summary": summary(rows)}
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     args = parse_args(argv)
-    result = run(args)
+    result = merge(args.merge) if args.merge else run(args)
     print("\n".join(result["summary"]))
     paths = save(result, args.out)
     print("wrote " + ", ".join(map(str, paths)))

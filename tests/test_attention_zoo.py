@@ -56,6 +56,38 @@ def test_smallest_configuration_on_the_cpu(zoo, tmp_path):
     assert any("fastest sparse/approximate" in line for line in result["summary"])
 
 
+def test_split_runs_merge_into_one_result(zoo, tmp_path):
+    """Two runs split by --settings / --methods (as a machine's time limit needs) merge into the result one run of both
+    would give: every cell once, in setting / method / N order; --partial keeps the cells of a run as it goes."""
+    small = ["--device", "cpu", "--min-len", "64", "--max-len", "128", "--batch", "2", "--heads", "2",
+             "--warmup", "0", "--repeats", "1"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    partial = tmp_path / "partial.json"
+    zoo.main([*small, "--settings", "plain", "--methods", "flashtrain,linformer", "--out", str(a),
+              "--partial", str(partial)])
+    zoo.main([*small, "--settings", "plain,dropout", "--methods", "naive,flashtrain", "--out", str(b)])
+    assert [(r["method"], r["seqlen"]) for r in json.loads(partial.read_text())["rows"]] == [
+        ("flashtrain", 64), ("flashtrain", 128), ("linformer", 64), ("linformer", 128)]
+    paths = zoo.main(["--merge", str(a / "attention_zoo-cpu.json"), str(b / "attention_zoo-cpu.json"),
+                      "--out", str(tmp_path / "m")])
+    merged = json.loads(paths[0].read_text())
+    assert merged["config"]["settings"] == ["plain", "dropout"]
+    assert list(merged["methods"]) == ["flashtrain", "linformer", "naive"]
+    keys = [(r["setting"], r["method"], r["seqlen"]) for r in merged["rows"]]
+    assert keys == [("plain", m, n) for m in ("flashtrain", "linformer", "naive") for n in (64, 128)] + [
+        ("dropout", m, n) for m in ("flashtrain", "naive") for n in (64, 128)]
+    later = json.loads((b / "attention_zoo-cpu.json").read_text())["rows"]
+    assert merged["rows"][0] == next(r for r in later if r["method"] == "flashtrain" and r["seqlen"] == 64)
+    assert [m["methods"] for m in merged["config"]["merged_from"]] == [["flashtrain", "linformer"],
+                                                                      ["naive", "flashtrain"]]
+    assert all(p.exists() for p in paths[1:])
+    mismatched = json.loads((b / "attention_zoo-cpu.json").read_text())
+    mismatched["config"]["head_dim"] = 128
+    (tmp_path / "x.json").write_text(json.dumps(mismatched))
+    with pytest.raises(SystemExit, match="head_dim"):
+        zoo.main(["--merge", str(a / "attention_zoo-cpu.json"), str(tmp_path / "x.json"), "--out", str(tmp_path)])
+
+
 def test_out_of_memory_stops_the_method(zoo, tmp_path, monkeypatch):
     """An OOM at N = 256 is recorded and the method's longer lengths are skipped; the other methods go on."""
     def build(case):
