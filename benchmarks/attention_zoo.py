@@ -366,6 +366,8 @@ def run(args) -> dict:
     """Every (setting, method, N) cell in order; returns {"env", "config", "methods", "rows", "summary"}."""
     device = torch.device(args.device)
     if device.type == "cuda":
+        import torch._functorch.config  # (not loaded by `import torch`)
+
         torch._functorch.config.donated_buffer = False  # compiled backwards run again with retain_graph=True
         for name in ("recompile_limit", "cache_size_limit"):  # one compiled flex graph per shape
             if hasattr(torch._dynamo.config, name):
