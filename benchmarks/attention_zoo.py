@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch._functorch.config  # noqa: F401 -- (set in run(); `import torch` does not load it)
 import torch.nn.functional as F
 
 # this checkout's flashtrain, installed or not, and the sibling benchmark's timer
@@ -366,8 +367,6 @@ def run(args) -> dict:
     """Every (setting, method, N) cell in order; returns {"env", "config", "methods", "rows", "summary"}."""
     device = torch.device(args.device)
     if device.type == "cuda":
-        import torch._functorch.config  # (not loaded by `import torch`)
-
         torch._functorch.config.donated_buffer = False  # compiled backwards run again with retain_graph=True
         for name in ("recompile_limit", "cache_size_limit"):  # one compiled flex graph per shape
             if hasattr(torch._dynamo.config, name):
