@@ -113,3 +113,25 @@ def test_kernel_index_lists_of_a_mask():
     shared_rows, _ = ops.block_sparse_lists(mask[0])
     assert torch.equal(shared_rows, rows[:1])
     assert math.prod(rows.shape) == 3 * 5 * (7 + 1)  # the size of the mask, never seqlen x seqlen
+
+
+def test_kernel_index_lists_are_cached_per_mask_tensor():
+    """A model passes one mask tensor to every layer and step: its lists are built once, rebuilt when the mask is
+    written in place, and never served for another tensor."""
+    from flashtrain.kernels import ops
+
+    mask = torch.rand(2, 4, 4, generator=torch.Generator().manual_seed(1)) < 0.5
+    first = ops.block_sparse_lists(mask)
+    again = ops.block_sparse_lists(mask)
+    assert again[0] is first[0] and again[1] is first[1]
+    mask[:, 0] = ~mask[:, 0]  # in place: the version counter moves
+    rows, _ = ops.block_sparse_lists(mask)
+    assert rows is not first[0]
+    assert rows[0, 0, 1 : 1 + rows[0, 0, 0]].tolist() == mask[0, 0].nonzero().flatten().tolist()
+    other = mask.clone()
+    other[1, 2] = ~other[1, 2]
+    other_rows, _ = ops.block_sparse_lists(other)
+    assert other_rows[1, 2, 1 : 1 + other_rows[1, 2, 0]].tolist() == other[1, 2].nonzero().flatten().tolist()
+    for _ in range(3 * ops._LISTS_CACHE_SIZE):  # masks that die leave no growing cache behind
+        ops.block_sparse_lists(torch.ones(3, 3, dtype=torch.bool))
+    assert len(ops._lists_cache) <= ops._LISTS_CACHE_SIZE

@@ -37,6 +37,7 @@ import math
 import struct
 import threading
 import warnings
+import weakref
 
 import torch
 from torch import Tensor
@@ -140,11 +141,34 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
                           bs_rows, bs_cols)
 
 
+# block_sparse_lists' results by mask: id(mask) -> (weak reference to the mask, its version counter, the lists). A
+# model passes the same mask tensor to every layer and step; the lists are built once (two argsorts and a few more
+# launches: 0.3-0.4 ms of host time per call at N = 1K, where the dense forward takes 0.09 ms; H200 2026-11-25).
+# An entry holds only while that very tensor is alive and unmodified (in-place writes bump _version).
+_lists_cache: dict[int, tuple[weakref.ref, int, tuple[Tensor, Tensor]]] = {}
+_LISTS_CACHE_SIZE = 64
+
+
 def block_sparse_lists(block_mask: Tensor) -> tuple[Tensor, Tensor]:
     """The kernels' index lists of a bool block_mask ([mask heads,] n_qblocks, n_kblocks), built on its device
     without a host sync: bs_rows int32 (mask heads, n_qblocks, n_kblocks + 1) = per query block the number c of its
     non-zero key blocks, then (in entries 1..c) those key blocks ascending; bs_cols int32 (mask heads, n_kblocks,
-    n_qblocks + 1) the same per key block. mask heads = 1 for a 2-D mask."""
+    n_qblocks + 1) the same per key block. mask heads = 1 for a 2-D mask. Cached per mask tensor (eager only)."""
+    if torch.compiler.is_compiling() or block_mask.requires_grad:
+        return _block_sparse_lists(block_mask)
+    key = id(block_mask)
+    hit = _lists_cache.get(key)
+    if hit is not None and hit[0]() is block_mask and hit[1] == block_mask._version:
+        return hit[2]
+    lists = _block_sparse_lists(block_mask)
+    if len(_lists_cache) >= _LISTS_CACHE_SIZE:
+        for stale in [k for k, (ref, _, _) in _lists_cache.items() if ref() is None] or list(_lists_cache)[:1]:
+            del _lists_cache[stale]
+    _lists_cache[key] = (weakref.ref(block_mask), block_mask._version, lists)
+    return lists
+
+
+def _block_sparse_lists(block_mask: Tensor) -> tuple[Tensor, Tensor]:
     mask = block_mask if block_mask.dim() == 3 else block_mask.unsqueeze(0)
 
     def lists(rows: Tensor) -> Tensor:  # (H, R, C) bool -> (H, R, C + 1): count, then the True columns ascending
