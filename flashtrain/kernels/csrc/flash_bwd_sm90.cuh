@@ -34,10 +34,10 @@
 // forward's keep bits (utils.cuh DropoutRng, addressed by (batch * head, query, key)): a thread's 8 elements of a
 // 16 x 16 tile are half the words of 2 lanes of the forward's layout (its rows are keys), and lane ^ 4 needs the
 // other halves: one Philox call per tile and two shuffles (DropoutRng::bits_transposed; 1.08-1.13x over two calls
-// per tile, H200 same process). The keep decisions of P^T are kept as bits for dS^T. Block-sparse walks the query tiles of the non-zero mask blocks of the key
-// block's column (utils.cuh SparseWalkAsc), for each query head of the group. Not deterministic (dQ is summed by
-// reductions in arrival order) unless kIsDeterministic (below: key blocks take turns per query block); block-sparse
-// with deterministic=True runs flash_bwd.cuh. Head dims 64 and 128 (65-96 are
+// per tile, H200 same process). The keep decisions of P^T are kept as bits for dS^T. Block-sparse walks the query
+// tiles of the non-zero mask blocks of the key block's column (utils.cuh SparseWalkAsc), for each query head of the
+// group. Not deterministic (dQ is summed by reductions in arrival order) unless kIsDeterministic (below: key blocks
+// take turns per query block); block-sparse with deterministic=True runs flash_bwd.cuh. Head dims 64 and 128 (65-96 are
 // padded up by the host; columns past head_dim are zero-filled by the copies and not written). flash_aux.cuh runs
 // before (D, zeroing dq_accum) and after (dq = scale * dq_accum).
 #pragma once
