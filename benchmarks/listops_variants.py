@@ -23,7 +23,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_zoo import device_tag  # noqa: E402  ("h200" of "NVIDIA H200")
+
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "model" / "attention").glob("*.yaml"))
 
 
@@ -86,8 +91,6 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--override", nargs="*", default=[], help="more launch.py overrides for every run")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
-    import torch
-
     args.out.mkdir(parents=True, exist_ok=True)
     cache_dir = args.out / "listops-data"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
@@ -97,10 +100,9 @@ def main(argv: list[str] | None = None) -> Path:
     for name in args.variants:
         rows.append(run_variant(name, args, args.out / "runs" / name, cache_dir))
         print(json.dumps(rows[-1]), flush=True)
-    tag = "cpu" if gpu is None else gpu.split()[-1].lower()
     result = {"env": env, "config": {k: v for k, v in vars(args).items() if k != "out"} | {"out": str(args.out)},
               "rows": rows}
-    path = args.out / f"listops_variants-{tag}.json"
+    path = args.out / f"listops_variants-{device_tag(env)}.json"
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     plot(result, path.with_suffix(".png"))
     print(f"wrote {path}; failed: {[r['variant'] for r in rows if r['returncode'] != 0] or 'none'}")

@@ -6,8 +6,9 @@ timed in every process, so each line carries its own scale. The variants' cubins
 
 A variant may add compile-time macros after '+' (FLASHTRAIN_EXTRA_DEFINES), e.g. 64=128x128x2+FT_SOME_MACRO=1.
 
---masks causal full: also (or only) the non-causal rows. Shapes: the benchmark grid's causal rows at 512 / 1K / 4K (16384 tokens, 2048 / head_dim heads) and GPT-2 small's
-attention as the model calls it (16 x 1K x 12 heads x 64, q / k / v strided views of one packed qkv tensor).
+--masks causal full: also (or only) the non-causal rows. Shapes: the benchmark grid's rows at 512 / 1K / 4K (16384
+tokens, 2048 / head_dim heads) and GPT-2 small's attention as the model calls it (16 x 1K x 12 heads x 64, q / k / v
+strided views of one packed qkv tensor).
 """
 import argparse
 import json

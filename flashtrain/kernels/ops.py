@@ -154,7 +154,7 @@ def block_sparse_lists(block_mask: Tensor) -> tuple[Tensor, Tensor]:
     without a host sync: bs_rows int32 (mask heads, n_qblocks, n_kblocks + 1) = per query block the number c of its
     non-zero key blocks, then (in entries 1..c) those key blocks ascending; bs_cols int32 (mask heads, n_kblocks,
     n_qblocks + 1) the same per key block. mask heads = 1 for a 2-D mask. Cached per mask tensor (eager only)."""
-    if torch.compiler.is_compiling() or block_mask.requires_grad:
+    if torch.compiler.is_compiling():
         return _block_sparse_lists(block_mask)
     key = id(block_mask)
     hit = _lists_cache.get(key)

@@ -517,7 +517,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 st[j][e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
                 dropped[e] = st[j][e];
                 if constexpr (T::kIsDropout) {  // element (query 8j + 2t + e % 2, key g + 8 (e / 2)) of the tile
-                    const bool keep = rng.keep_t(qbits, e & 1, j & 1, e >> 1);
+                    const bool keep = rng.keep16(qbits[e & 1][j & 1], e >> 1);
                     if (keep) keep_bits[(4 * j + e) / 32] |= 1u << ((4 * j + e) % 32);
                     dropped[e] = keep ? dropped[e] * f.rp_dropout : 0.f;
                 }

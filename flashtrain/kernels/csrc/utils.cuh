@@ -413,14 +413,18 @@ struct DropoutRng {
     }
     // half = (i / 8 % 2) * 4 + (j / 8 % 2) * 2 + j % 2: a compile-time constant inside the kernels' unrolled loops.
     __device__ __forceinline__ bool keep_half(const u32 (&r)[4], int half) const {
-        return ((r[half >> 1] >> ((half & 1) * 16)) & 0xffffu) < keep_threshold;
+        return keep16(r[half >> 1], half & 1);
+    }
+    // The keep decision of one element: the low (hi = 0) or high 16 bits of a word against the threshold.
+    __device__ __forceinline__ bool keep16(u32 word, int hi) const {
+        return ((word >> (16 * hi)) & 0xffffu) < keep_threshold;
     }
     // Backward of the Hopper kernel, whose tiles are transposed (rows keys, columns queries): lane (g, t) holds, of a
     // 16 x 16 tile, queries 2t + c + 8a (c, a in {0, 1}) of keys g + 8b. Those 8 elements come from two of the forward's
     // calls, (query & 7 = 2t + c, key / 2 % 4 = g / 2) for c = 0, 1, the 4 halves of each with key parity g % 2; the
     // lane with g ^ 1 (lane ^ 4) needs the other 4 halves of the same two calls. So each lane makes one call, c = g % 2,
     // and swaps the 4 halves its partner needs for the 4 it needs of the partner's call (2 shuffles instead of a second
-    // Philox call). q[c][a]: halves (b = 0, b = 1) of query parity c, query half a; keep_t reads them.
+    // Philox call). q[c][a]: halves (b = 0, b = 1) of query parity c, query half a (keep16(q[c][a], b)).
     __device__ __forceinline__ void bits_transposed(u32 (&q)[2][2], int bh, int query0, int key, int lane) const {
         const int p = (lane >> 2) & 1;  // g % 2
         u32 r[4];
@@ -433,9 +437,6 @@ struct DropoutRng {
             q[0][a] = p ? recv : mine;
             q[1][a] = p ? mine : recv;
         }
-    }
-    __device__ __forceinline__ bool keep_t(const u32 (&q)[2][2], int c, int a, int b) const {
-        return ((q[c][a] >> (16 * b)) & 0xffffu) < keep_threshold;
     }
     // Forward: zero the dropped entries of a thread's P fragment p[kNT][4] (mma / wgmma accumulator layout) whose row g
     // is query `row` and whose first column is key `col` (= n0 + 2t).
