@@ -133,6 +133,16 @@ def test_matches_reference_long(head_dim, causal):
     _check_against_reference(q, k, v, dout, causal=causal)
 
 
+@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nheads_kv", [16, 2])
+def test_wide_head_dims_many_tiles(head_dim, causal, nheads_kv):
+    """Head dims 192 / 256 (on Hopper the backward that splits the head dim over its warpgroups): many key tiles per
+    CTA of the persistent grid, and GQA 16 / 2, whose dK / dV are partial sums over the group's query heads."""
+    q, k, v, dout = _inputs((1, 2048 + 33, 16, head_dim), (1, 2048 + 33, nheads_kv, head_dim), torch.bfloat16)
+    _check_against_reference(q, k, v, dout, causal=causal)
+
+
 def _is_hopper() -> bool:
     return torch.cuda.get_device_capability() == (9, 0)
 
@@ -226,7 +236,7 @@ def test_non_contiguous_inputs():
 # ---------------------------------------------------------------------------------------------------- varlen
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128, 72])
+@pytest.mark.parametrize("head_dim", [64, 128, 72, 160, 256])
 def test_varlen_matches_reference(dtype, causal, head_dim):
     lengths_q = [0, 1, 17, 97, 128, 300, 5]
     lengths_k = [3, 1, 0, 97, 200, 129, 40]
@@ -347,7 +357,8 @@ def _sanitizer_grid() -> None:
     # deterministic
     for head_dim, nheads_kv, causal, deterministic in [(64, 16, False, False), (64, 4, True, False),
                                                        (64, 16, False, True), (64, 16, True, True),
-                                                       (128, 16, True, False)]:
+                                                       (128, 16, True, False), (256, 2, True, False),
+                                                       (192, 16, False, False)]:
         q, k, v, dout = _inputs((1, 2048, 16, head_dim), (1, 2048, nheads_kv, head_dim), torch.bfloat16)
         _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, return_lse=True,
                                              impl="cuda"), q, k, v, dout)

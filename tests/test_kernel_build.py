@@ -35,9 +35,12 @@ def test_dispatch_table_covers_every_instantiation_once():
     # Hopper-only (warpgroup MMA): head dims x dtype x causal x dropout (x block-sparse at BLOCK_SPARSE_HEAD_DIMS)
     hopper_dims = [head_dim for table in (build.FWD_SM90_TILES, build.BWD_SM90_TILES) for head_dim in table]
     hopper_sparse = sum(2 * 2 * 2 for head_dim in hopper_dims if head_dim in build.BLOCK_SPARSE_HEAD_DIMS)
-    hopper_det = len(build.BWD_SM90_TILES) * 2 * 2 * 2  # the deterministic backward (dense only)
+    # the backward at split head dims (192, 256): dense, no dropout, not deterministic
+    split = [head_dim for head_dim, tiles in build.BWD_SM90_TILES.items() if tiles.split_head_dim]
+    assert split == [192, 256]
+    hopper_det = (len(build.BWD_SM90_TILES) - len(split)) * 2 * 2 * 2  # the deterministic backward (dense only)
     hopper_long = len(build.FWD_SM90_TILES_LONG_CAUSAL) * 2  # the causal forward's long-sequence tiles (x dtype)
-    hopper = len(hopper_dims) * 2 * 2 * 2 + hopper_sparse + hopper_det + hopper_long
+    hopper = len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long
     assert len(names) == len(set(names)) == 2 + 2 * (dense + sparse) * 2 * 2 * 2 + hopper
     assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2 + hopper_sparse
     assert [spec.archs for spec in specs if "_sm90_" in spec.name] == [("sm_90a",)] * hopper
@@ -64,8 +67,8 @@ def test_long_causal_forward_tiles():
 
 def test_hopper_dispatch(monkeypatch):
     """sm_90a runs the warpgroup-MMA forward at head dims 64, 128, 192, 256 and backward at 64, 128 (dense or
-    block-sparse, dropout too; the backward deterministic too, except block-sparse); head dims 65-96 round up to
-    128 there; head dims <= 32 and other GPUs run the mma.sync kernels; FLASHTRAIN_SM90=0 turns the Hopper kernels off."""
+    block-sparse, dropout too; the backward deterministic too, except block-sparse) and at 192, 256 (dense, no
+    dropout, not deterministic); head dims 65-96 round up to 128 there; head dims <= 32 and other GPUs run the mma.sync kernels; FLASHTRAIN_SM90=0 turns the Hopper kernels off."""
     def name(head_dim, arch, causal=False, dropout=False, block_sparse=False):
         return build.fwd_kernel(head_dim, "fp16", causal, dropout, block_sparse, arch=arch).name
 
@@ -92,6 +95,13 @@ def test_hopper_dispatch(monkeypatch):
     assert bwd_name(64, "sm_90a", deterministic=True) == "flash_bwd_sm90_hdim64_fp16_det"
     assert bwd_name(64, "sm_90a", block_sparse=True, deterministic=True) == "flash_bwd_hdim64_fp16_sparse"
     assert bwd_name(96, "sm_90a") == "flash_bwd_hdim96_fp16"
+    # head dims 192 / 256: the split-head-dim Hopper backward, dense without dropout, not deterministic
+    assert bwd_name(192, "sm_90a") == "flash_bwd_sm90_hdim192_fp16" and bwd_name(256, "sm_90a").startswith("flash_bwd_sm90")
+    assert build.bwd_kernel(256, "bf16", True, False, arch="sm_90a").block_n == 64
+    assert bwd_name(256, "sm_90a", dropout=True) == "flash_bwd_hdim256_fp16_dropout"
+    assert bwd_name(192, "sm_90a", deterministic=True) == "flash_bwd_hdim192_fp16"
+    with pytest.raises(ValueError, match="dropout=True"):
+        build.bwd_sm90_kernel(256, "fp16", False, dropout=True)
     monkeypatch.setenv("FLASHTRAIN_SM90", "0")
     assert name(64, "sm_90a") == "flash_fwd_hdim64_fp16" and bwd_name(64, "sm_90a") == "flash_bwd_hdim64_fp16"
     assert build.rounded_head_dim(96, arch="sm_90a") == 96

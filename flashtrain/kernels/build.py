@@ -153,7 +153,8 @@ _tile_overrides()
 class BwdSm90Tiles:
     """Hopper backward (csrc/flash_bwd_sm90.cuh): a producer warpgroup (TMA copies of Q / dO, row statistics) and two
     MMA warpgroups of 64 keys each (block_n = 128 keys per CTA), walking query blocks of block_m rows through a ring
-    of `stages` Q / dO buffers; one CTA per SM."""
+    of `stages` Q / dO buffers; one CTA per SM. Head dims 192 / 256: block_n = 64 keys shared by both warpgroups,
+    which split the head dim (flash_bwd_sm90_split_mma): dense only, no dropout, not deterministic."""
 
     block_m: int  # query rows per step
     stages: int = 2
@@ -165,20 +166,31 @@ class BwdSm90Tiles:
     def dq_slice_width(self, head_dim: int) -> int:  # dQ is computed in 64 x 64 pieces
         return 64
 
+    @property
+    def split_head_dim(self) -> bool:
+        return self.block_n == 64
+
+    def supports(self, dropout: bool, block_sparse: bool, deterministic: bool) -> bool:
+        return not (self.split_head_dim and (dropout or block_sparse or deterministic))
+
     def smem_bytes(self, head_dim: int) -> int:
-        """Q, dO stages; K, V; two dS^T buffers (16-bit); per MMA warp 4 KB fp32 dQ staging per piece; lse, D stages;
-        barriers; 1024 to align the tiles (128-byte swizzle)."""
+        """Q, dO stages; K, V; two 16-bit score tiles (dS^T double-buffered; split head dim: P^T, dS^T); per MMA warp
+        4 KB fp32 dQ staging per piece (split head dim: none); lse, D stages; barriers; 1024 to align the tiles
+        (128-byte swizzle)."""
         pieces = (self.block_m // 64) * (head_dim // 64)
-        dq_staging = 2 * 4 * ((pieces + 1) // 2) * 4096
+        dq_staging = 0 if self.split_head_dim else 2 * 4 * ((pieces + 1) // 2) * 4096
         return (2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
                      + 2 * self.block_n * self.block_m) + dq_staging + 2 * self.stages * 4 * self.block_m + 128 + 1024)
 
 
 # Hopper backward: dense or block-sparse, dropout too, deterministic too (not with block-sparse), these head dims
-# (65-96 padded to 128).
+# (65-96 padded to 128); head dims 192 and 256 (129-191, 193-255 padded up) dense without dropout, not deterministic
+# (BwdSm90Tiles.supports; the others run flash_bwd.cuh).
 BWD_SM90_TILES = {
     64: BwdSm90Tiles(block_m=128),  # H200 backward, same process: 128 queries 0-4% faster than 64 (see the kernel)
     128: BwdSm90Tiles(block_m=64),  # (128 queries: S^T, dP^T, dK, dV accumulators alone exceed the registers)
+    192: BwdSm90Tiles(block_m=64, block_n=64),
+    256: BwdSm90Tiles(block_m=64, block_n=64),
 }
 
 
@@ -188,7 +200,8 @@ def _bwd_tile_overrides() -> None:
     for item in filter(None, os.environ.get("FLASHTRAIN_BWD_SM90_TILES", "").split(",")):
         head_dim, shape = item.split("=")
         block_m, stages, *persistent = (int(x) for x in shape.split("x"))
-        BWD_SM90_TILES[int(head_dim)] = BwdSm90Tiles(block_m, stages, persistent=bool(persistent[0]) if persistent else True)
+        BWD_SM90_TILES[int(head_dim)] = BwdSm90Tiles(block_m, stages, block_n=64 if int(head_dim) > 128 else 128,
+                                                     persistent=bool(persistent[0]) if persistent else True)
 
 
 _bwd_tile_overrides()
@@ -413,7 +426,8 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
                arch: str | None = None, deterministic: bool = False, smem_limit: int | None = None) -> KernelSpec:
     """The backward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
     smem_limit (bytes of shared memory per block; None: no limit)."""
-    if arch == SM90_ARCH and not (deterministic and block_sparse) and head_dim in BWD_SM90_TILES and sm90_enabled():
+    if (arch == SM90_ARCH and not (deterministic and block_sparse) and head_dim in BWD_SM90_TILES and sm90_enabled()
+            and BWD_SM90_TILES[head_dim].supports(dropout, block_sparse, deterministic)):
         spec = bwd_sm90_kernel(head_dim, dtype, causal, dropout, block_sparse, deterministic)
         if _fits(spec, smem_limit):
             return spec
@@ -422,7 +436,11 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
 
 def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
                     block_sparse: bool = False, deterministic: bool = False) -> KernelSpec:
-    return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, BWD_SM90_TILES[head_dim])
+    tiles = BWD_SM90_TILES[head_dim]
+    if not tiles.supports(dropout, block_sparse, deterministic):
+        raise ValueError(f"the Hopper backward at head dim {head_dim} has no dropout, block-sparse or deterministic "
+                         f"variant (dropout={dropout}, block_sparse={block_sparse}, deterministic={deterministic})")
+    return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles)
 
 
 @functools.lru_cache(maxsize=None)
@@ -482,11 +500,12 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
         specs += [spec for head_dim in head_dims for dtype in DTYPES for causal in (False, True)
                   for dropout in (False, True) for block_sparse in (False, True)
                   if head_dim in BLOCK_SPARSE_HEAD_DIMS or not block_sparse
+                  if sm90_kernel is fwd_sm90_kernel or BWD_SM90_TILES[head_dim].supports(dropout, block_sparse, False)
                   if _fits(spec := sm90_kernel(head_dim, dtype, causal, dropout, block_sparse), smem_limit)]
     specs += [spec for head_dim in FWD_SM90_TILES_LONG_CAUSAL for dtype in DTYPES  # causal, long sequences
               if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=LONG_CAUSAL_SEQLEN), smem_limit)]
     specs += [spec for head_dim in BWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # deterministic
-              for dropout in (False, True)
+              for dropout in (False, True) if BWD_SM90_TILES[head_dim].supports(dropout, False, True)
               if _fits(spec := bwd_sm90_kernel(head_dim, dtype, causal, dropout, deterministic=True), smem_limit)]
     return list(dict.fromkeys(specs))
 

@@ -38,8 +38,10 @@
 // tiles of the non-zero mask blocks of the key block's column (utils.cuh SparseWalkAsc), for each query head of the
 // group. Not deterministic (dQ is summed by reductions in arrival order) unless kIsDeterministic (below: key blocks
 // take turns per query block); block-sparse with deterministic=True runs flash_bwd.cuh. Head dims 64 and 128 (65-96 are
-// padded up by the host; columns past head_dim are zero-filled by the copies and not written). flash_aux.cuh runs
-// before (D, zeroing dq_accum) and after (dq = scale * dq_accum).
+// padded up by the host; columns past head_dim are zero-filled by the copies and not written). Head dims 192 and 256
+// (129-255 padded up; dense, no dropout, not deterministic) keep the producer and the statistics warp but tile 64 keys
+// and split the head dim over the MMA warpgroups (flash_bwd_sm90_split_mma). flash_aux.cuh runs before (D, zeroing
+// dq_accum) and after (dq = scale * dq_accum).
 #pragma once
 #include "tma.cuh"
 #include "wgmma.cuh"
@@ -49,7 +51,9 @@ namespace flashtrain {
 template <int kHeadDim_, int kBlockM_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
           bool kIsBlockSparse_, bool kIsDeterministic_, bool kPersistent_ = true>
 struct BwdSm90Traits {
-    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = 128, kStages = kStages_;
+    // Head dims 192 and 256 split the head dim over the warpgroups (flash_bwd_sm90_split_mma): 64-key tiles.
+    static constexpr bool kSplitHd = kHeadDim_ > 128;
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kSplitHd ? 64 : 128, kStages = kStages_;
     static constexpr bool kPersistent = kPersistent_;  // one CTA per SM taking tiles from the dynamic scheduler
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_, kIsDeterministic = kIsDeterministic_;
@@ -59,7 +63,10 @@ struct BwdSm90Traits {
     static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
     static constexpr int kProducerRegs = 24, kMmaRegs = 240;
     static_assert(kProducerRegs * 128 + kMmaRegs * 128 * kNMma <= kLaunchRegs * kNThreads, "register budget");
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (128-byte swizzled column blocks)");
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
+                  "head dims 64, 128, 192, 256 (128-byte swizzled column blocks)");
+    static_assert(!kSplitHd || (kBlockM == 64 && !kIsDropout && !kIsBlockSparse && !kIsDeterministic),
+                  "head dims 192 / 256: 64-query blocks, dense, no dropout, not deterministic (flash_bwd.cuh runs those)");
     static_assert(kBlockM == 64 || kBlockM == 128, "query blocks of 64 or 128 rows");
     static_assert(!kIsBlockSparse || kBlockSparseSize % kBlockM == 0, "a mask block is whole query tiles");
     static constexpr int kNT = kBlockM / 8;   // n8 column tiles of S^T per thread (columns = queries)
@@ -67,7 +74,7 @@ struct BwdSm90Traits {
     // dQ(block) in 64 x 64 pieces (mi = query rows / 64, hj = columns / 64); warpgroup w computes pieces w, w + 2, ..
     // (one piece, head dim 64 x 64 queries: warpgroup 0 alone; the other's GEMMs meanwhile keep the tensor cores busy)
     static constexpr int kPieces = (kBlockM / 64) * (kHeadDim / 64);
-    static_assert(kPieces == kNMma, "one dQ piece per warpgroup (every MMA warp stages one slice per block)");
+    static_assert(kSplitHd || kPieces == kNMma, "one dQ piece per warpgroup (every MMA warp stages one slice per block)");
     static constexpr int kPiecesPerWg = 1;
     // The dQ piece of a query block is waited for and staged at once (0), or once the next block's S^T GEMM (2) or
     // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s with the dQ writer warp: hd128 0
@@ -98,12 +105,13 @@ struct BwdSm90Traits {
     // empty (2 each); then the 2 tile slots (ints)
     static constexpr int kBarrierBytes = 128;
     static_assert(8 * (4 + 2 * kStages + 4) + 8 <= kBarrierBytes, "barrier area");
+    // head dims 192 / 256 add their dQ pieces to global memory from the registers: no staging
+    static constexpr int kDqStagingBytes = kSplitHd ? 0 : kNMma * 4 * kPiecesPerWg * kDqSliceBytes;
     static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileS::kBytes +
-                                      kNMma * 4 * kPiecesPerWg * kDqSliceBytes + 2 * kStages * kStatsBytes +
-                                      kBarrierBytes + 1024;
+                                      kDqStagingBytes + 2 * kStages * kStatsBytes + kBarrierBytes + 1024;
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then
-    // one per warpgroup (its rows of dK / dV staged).
-    static constexpr int kBarDs = 1, kBarEpilogue = 2;
+    // one per warpgroup (its rows of dK / dV staged); head dims 192 / 256: P^T stored (warpgroup 0 to 1).
+    static constexpr int kBarDs = 1, kBarEpilogue = 2, kBarP = 5;
 };
 
 // A tile is one key block of one (batch, kv head): tile = (head_kv * batch + batch) * n_kblocks + n_block, key blocks
@@ -177,252 +185,67 @@ template <class T> struct QueryBlockWalk {
     }
 };
 
-template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90Params& params) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    const BwdParams& p = params.bwd;
-    const FwdParams& f = p.fwd;
-    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kNT = T::kNT, kDT = T::kDT, kStages = T::kStages;
-    constexpr int kHeadDim = T::kHeadDim;
-    using TileQ = typename T::TileQ;
-    using TileKV = typename T::TileKV;
-    using TileS = typename T::TileS;
-    const int tid = threadIdx.x, lane = tid % 32;
-    const int wg = warp_uniform(tid / 128);
-
-    const int n_kblocks = ceil_div(f.seqlen_k, kBlockN);
-    const int n_tiles = n_kblocks * f.batch * f.nheads_kv * p.kv_splits;
-    const bool varlen = f.cu_seqlens_q != nullptr;  // varlen maps have one batch entry
-
-    const u32 base = (smem_u32(smem) + 1023) & ~1023u;
-    const u32 sK = base + 2 * kStages * TileQ::kBytes, sV = sK + TileKV::kBytes;
-    const u32 sdS0 = sV + TileKV::kBytes;
-    const u32 sdQ = sdS0 + 2 * TileS::kBytes;
-    const u32 sStats = sdQ + T::kNMma * 4 * T::kPiecesPerWg * T::kDqSliceBytes;  // lse[kStages][M], D[kStages][M]
-    const u32 bars = sStats + 2 * kStages * T::kStatsBytes;
-    auto sQ = [&](int s) { return base + s * TileQ::kBytes; };
-    auto sdO = [&](int s) { return base + (kStages + s) * TileQ::kBytes; };
-    auto sLse = [&](int s) { return sStats + s * T::kStatsBytes; };
-    auto sD = [&](int s) { return sStats + (kStages + s) * T::kStatsBytes; };
-    const u32 full_kv = bars, empty_kv = bars + 8;
-    auto full = [&](int s) { return bars + 8 * (2 + s); };
-    auto empty = [&](int s) { return bars + 8 * (2 + kStages + s); };
-    const u32 dq_full = bars + 8 * (2 + 2 * kStages), dq_empty = dq_full + 8;  // the dQ staging slices
-    // Tile slots: the producer publishes each tile it takes (-1: no more) to the statistics warp, the dQ writer and
-    // the MMA warps (10 readers), two tiles ahead at most.
-    auto tile_full = [&](int i) { return bars + 8 * (4 + 2 * kStages + i); };
-    auto tile_empty = [&](int i) { return bars + 8 * (6 + 2 * kStages + i); };
-    auto tile_slot = [&](int i) { return bars + 8 * (8 + 2 * kStages) + 4 * i; };
-    constexpr int kTileReaders = 2 + 4 * T::kNMma;
-    // The tile a role works on next (-1: none): waits for the producer to publish it, then releases the slot.
-    auto read_tile = [&](int tile_iter, BwdTile& x) {
+// The kernel's shared memory (tiles 1024-byte aligned for the 128-byte swizzle): kStages Q and kStages dO stages, K,
+// V, two 16 x 16-bit score tiles (dS^T double-buffered; head dims 192 / 256: P^T and dS^T), the dQ staging slices
+// (head dims 64 / 128), lse and D per stage, mbarriers, tile slots; and the reader side of the tile slots.
+template <class T> struct BwdSm90Smem {
+    u32 base, sK, sV, sdS0, sdQ, sStats, bars, full_kv, empty_kv, dq_full, dq_empty;
+    const BwdParams* p;
+    int n_kblocks;
+    __device__ __forceinline__ BwdSm90Smem(const unsigned char* smem, const BwdParams& params) : p(&params) {
+        base = (smem_u32(smem) + 1023) & ~1023u;
+        sK = base + 2 * T::kStages * T::TileQ::kBytes, sV = sK + T::TileKV::kBytes;
+        sdS0 = sV + T::TileKV::kBytes;
+        sdQ = sdS0 + 2 * T::TileS::kBytes;
+        sStats = sdQ + T::kDqStagingBytes;  // lse[kStages][M], D[kStages][M]
+        bars = sStats + 2 * T::kStages * T::kStatsBytes;
+        full_kv = bars, empty_kv = bars + 8;
+        dq_full = bars + 8 * (2 + 2 * T::kStages), dq_empty = dq_full + 8;  // the dQ staging slices
+        n_kblocks = ceil_div(params.fwd.seqlen_k, T::kBlockN);
+    }
+    __device__ __forceinline__ u32 sQ(int s) const { return base + s * T::TileQ::kBytes; }
+    __device__ __forceinline__ u32 sdO(int s) const { return base + (T::kStages + s) * T::TileQ::kBytes; }
+    __device__ __forceinline__ u32 sLse(int s) const { return sStats + s * T::kStatsBytes; }
+    __device__ __forceinline__ u32 sD(int s) const { return sStats + (T::kStages + s) * T::kStatsBytes; }
+    __device__ __forceinline__ u32 full(int s) const { return bars + 8 * (2 + s); }
+    __device__ __forceinline__ u32 empty(int s) const { return bars + 8 * (2 + T::kStages + s); }
+    // Tile slots: the producer publishes each tile it takes (-1: no more) to the statistics warp, the dQ writer (head
+    // dims 64 / 128) and the MMA warps, two tiles ahead at most.
+    static constexpr int kTileReaders = (T::kSplitHd ? 1 : 2) + 4 * T::kNMma;
+    __device__ __forceinline__ u32 tile_full(int i) const { return bars + 8 * (4 + 2 * T::kStages + i); }
+    __device__ __forceinline__ u32 tile_empty(int i) const { return bars + 8 * (6 + 2 * T::kStages + i); }
+    __device__ __forceinline__ u32 tile_slot(int i) const { return bars + 8 * (8 + 2 * T::kStages) + 4 * i; }
+    // The tile a role works on next (false: none): waits for the producer to publish it, then releases the slot.
+    __device__ __forceinline__ bool read_tile(int tile_iter, BwdTile& x) const {
         const int slot = tile_iter & 1;
         mbar_wait(tile_full(slot), (tile_iter >> 1) & 1);
         const int tile = ld_shared_b32(tile_slot(slot));
         __syncwarp();
-        if (lane == 0) mbar_arrive(tile_empty(slot));
-        if (tile >= 0) bwd_tile<T>(p, tile, n_kblocks, x);
+        if (threadIdx.x % 32 == 0) mbar_arrive(tile_empty(slot));
+        if (tile >= 0) bwd_tile<T>(*p, tile, n_kblocks, x);
         return tile >= 0;
-    };
-    if (tid == 0) {
-        mbar_init(dq_full, 4 * T::kNMma);  // one arrival per MMA warp (its slice is staged)
-        mbar_init(dq_empty, 1);            // the dQ writer (the copy engine has read the slices)
-        mbar_init(full_kv, 1);
-        mbar_init(empty_kv, 4 * T::kNMma);  // one arrival per MMA warp (its last GEMM reading K / V is done)
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            mbar_init(tile_full(i), 1);
-            mbar_init(tile_empty(i), kTileReaders);
-        }
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) {
-            mbar_init(full(s), 1 + 32);     // the TMA thread's expect_tx arrival + warp 1's lanes (statistics)
-            mbar_init(empty(s), 4 * T::kNMma);  // one arrival per MMA warp
-        }
-        mbar_fence_init();
     }
-    __syncthreads();
+};
 
-    if (wg == 0) {
-        // ------------------------------------------------------------------------------------------ producer
-        setmaxnreg_dec<T::kProducerRegs>();
-        const int warp = tid / 32;
-        if (warp == 0 && lane == 0) {
-            tma_prefetch_desc(&params.tma_q);
-            tma_prefetch_desc(&params.tma_do);
-            // Persistent: tiles gridDim.x .. n_tiles - 1 from the counter, then one past the end per CTA (n_tiles
-            // fetches in all; the fetch of n_tiles - 1 is the launch's last, so it resets the counter to 0).
-            auto next_tile = [&](int tile) {
-                if constexpr (!T::kPersistent) {
-                    return n_tiles;
-                } else {
-                    const int fetched = atomic_fetch_add(params.tile_counter, 1);
-                    if (fetched == n_tiles - 1) atomic_store(params.tile_counter, 0);
-                    return fetched + (int)gridDim.x;
-                }
-            };
-            int gs = 0, tile_iter = 0;  // query blocks and tiles so far: stages and phases of the rings
-            BwdTile x;
-            for (int tile = blockIdx.x;; tile = next_tile(tile)) {
-                if (tile < n_tiles && !bwd_tile<T>(p, tile, n_kblocks, x)) continue;
-                const int slot = tile_iter & 1;
-                mbar_wait(tile_empty(slot), ((tile_iter >> 1) & 1) ^ 1);  // (the first two pass at once)
-                atomic_store_shared(tile_slot(slot), tile < n_tiles ? tile : -1);
-                mbar_arrive(tile_full(slot));
-                if (tile >= n_tiles) break;
-                const int batch_coord = varlen ? 0 : x.batch;
-                // K / V once the MMA warps are done with the previous tile's (after this tile's first Q / dO copy,
-                // which so overlaps the previous tile's last block)
-                bool kv_loaded = false;
-                auto load_kv = [&]() {
-                    mbar_wait(empty_kv, (tile_iter & 1) ^ 1);
-                    mbar_arrive_expect_tx(full_kv, 2 * TileKV::kBytes);
-#pragma unroll
-                    for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-                        tma_load_4d(sK + cb * kBlockN * 128, &params.tma_k, full_kv, cb * 64, x.k_start + x.n0,
-                                    x.head_kv, batch_coord);
-                        tma_load_4d(sV + cb * kBlockN * 128, &params.tma_v, full_kv, cb * 64, x.k_start + x.n0,
-                                    x.head_kv, batch_coord);
-                    }
-                    kv_loaded = true;
-                };
-                for (QueryBlockWalk<T> walk(p, x); walk.has;
-                     walk.next(), ++gs) {
-                    const int s = gs % kStages;
-                    mbar_wait(empty(s), ((gs / kStages) & 1) ^ 1);  // the first pass finds every stage empty
-                    mbar_arrive_expect_tx(full(s), 2 * TileQ::kBytes);
-#pragma unroll
-                    for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-                        tma_load_4d(sQ(s) + cb * kBlockM * 128, &params.tma_q, full(s), cb * 64, x.q_start + walk.m0,
-                                    walk.head, batch_coord);
-                        tma_load_4d(sdO(s) + cb * kBlockM * 128, &params.tma_do, full(s), cb * 64,
-                                    x.q_start + walk.m0, walk.head, batch_coord);
-                    }
-                    if (!kv_loaded) load_kv();
-                }
-                if (!kv_loaded) load_kv();  // no query block sees these keys: dK = dV = 0
-                ++tile_iter;
-            }
-        } else if (warp == 1) {
-            // Row statistics: lse in log2 units (+inf for rows past the end and rows that saw no key, so P = 0), D.
-            int gs = 0;
-            BwdTile x;
-            for (int tile_iter = 0; read_tile(tile_iter, x); ++tile_iter) {
-                for (QueryBlockWalk<T> walk(p, x); walk.has;
-                     walk.next(), ++gs) {
-                    const int s = gs % kStages;
-                    mbar_wait(empty(s), ((gs / kStages) & 1) ^ 1);
-                    const i64 offset = x.batch * f.lse_batch_stride + walk.head * f.lse_head_stride + x.q_start;
-#pragma unroll
-                    for (int i = 0; i < kBlockM / 32; ++i) {
-                        const int row = walk.m0 + lane + 32 * i;
-                        float lse = infinity(), dsum = 0.f;
-                        if (row < x.seqlen_q) {
-                            const float raw = f.lse[offset + row];
-                            lse = raw == -infinity() ? infinity() : raw * kLog2e;
-                            dsum = p.softmax_d[offset + row];
-                        }
-                        asm volatile("st.shared.f32 [%0], %1;" ::"r"(sLse(s) + 4 * (lane + 32 * i)), "f"(lse)
-                                     : "memory");
-                        asm volatile("st.shared.f32 [%0], %1;" ::"r"(sD(s) + 4 * (lane + 32 * i)), "f"(dsum)
-                                     : "memory");
-                    }
-                    mbar_arrive(full(s));
-                }
-            }
-        } else if (warp == 2) {
-            // dQ writer: per query block, once the MMA warps have staged their 16 x 64 slices (scrambled order of
-            // flash_aux.cuh convert_dq), add them to dq_accum -- whole blocks with 8 bulk reduce-adds, a sequence's
-            // last block with vector atomics -- and release the staging area. Deterministic: after the key blocks
-            // below this one have added this query block (their turn counter), and count this one in when done.
-            int n = 0;
-            BwdTile x;
-            for (int tile_iter = 0; read_tile(tile_iter, x); ++tile_iter) {
-                const int seqlen_q = x.seqlen_q;
-                for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++n) {
-                    mbar_wait(dq_full, n & 1);
-                    const int m0 = walk.m0;
-                    // deterministic non-causal: key block n adds to split n % dq_splits (the convert kernel sums
-                    // the splits in a fixed order), taking turns with the key blocks of its split only
-                    const int dq_split = T::kIsDeterministic && !T::kIsCausal ? x.n_block % p.dq_splits : 0;
-                    float* dq_acc = p.dq_accum + dq_split * p.dqa_split_stride + x.batch * p.dqa_batch_stride +
-                                    (i64)x.q_start * kHeadDim + walk.head * p.dqa_head_stride;
-                    int* counter = p.dq_semaphore +
-                                   (((i64)dq_split * f.batch + x.batch) * f.nheads + walk.head) * p.dq_sem_mblocks +
-                                   m0 / kBlockM;
-                    if (T::kIsDeterministic) {
-                        // This key block's turn at the query block: non-causal, ascending key blocks of its split
-                        // (key block n after n - dq_splits, n - 2 dq_splits, ...: dq_splits chains, each as long as
-                        // the startup skew it costs); causal, descending from the highest key block that sees the
-                        // query block (n_last), which visits it first, so that every key block's predecessor added
-                        // this query block some blocks earlier and the turns do not wait in steady state. Either way
-                        // the tiles a turn waits for are taken from the scheduler earlier (bwd_tile's order).
-                        int turn = x.n_block / p.dq_splits;
-                        if constexpr (T::kIsCausal) {
-                            const int row_last = min_(m0 + kBlockM, seqlen_q) - 1;
-                            turn = (row_last + x.seqlen_k - seqlen_q) / kBlockN - x.n_block;
-                        }
-                        if (lane == 0)
-                            while (ld_acquire_gpu(counter) < turn) {
-                            }
-                        __syncwarp();
-                    }
-                    const bool whole = m0 + kBlockM <= seqlen_q;
-                    // (loops kept rolled: this warpgroup runs on 24 registers per thread)
-#pragma unroll 1
-                    for (int slice = 0; slice < 4 * T::kNMma; ++slice) {
-                        const int piece = slice / 4, row0 = m0 + 16 * ((piece / (kHeadDim / 64)) * 4 + slice % 4);
-                        const int col0 = 64 * (piece % (kHeadDim / 64));
-                        const u32 src = sdQ + slice * T::kDqSliceBytes;
-                        if (whole) {
-                            if (lane == 0)
-                                bulk_reduce_add_f32(dq_acc + (i64)row0 * kHeadDim + col0 * 16, src, T::kDqSliceBytes);
-                        } else {  // lane l holds accumulator fragment d[j][e] of MMA lane l: floats 128 j + 4 l + e
-#pragma unroll 1
-                            for (int j = 0; j < 8; ++j) {
-                                u32 v[4];
-                                ld_shared_v4(src + 512 * j + 16 * lane, v);
-#pragma unroll
-                                for (int hf = 0; hf < 2; ++hf) {
-                                    const int row = row0 + lane / 4 + 8 * hf, col = col0 + 8 * j + 2 * (lane % 4);
-                                    if (row < seqlen_q && col < f.head_dim)
-                                        atomic_add2(dq_acc + (i64)row * kHeadDim + col, __int_as_float(v[2 * hf]),
-                                                    __int_as_float(v[2 * hf + 1]));
-                                }
-                            }
-                        }
-                    }
-                    if (lane == 0 && whole) {
-                        bulk_commit();
-                        bulk_wait_read<0>();
-                    }
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(dq_empty);
-                    if (T::kIsDeterministic) {  // complete (not only read) before the next key block's turn
-                        if (lane == 0 && whole) {
-                            bulk_wait<0>();
-                            fence_proxy_async_global();
-                        }
-                        __threadfence();
-                        __syncwarp();
-                        if (lane == 0) red_release_gpu_add(counter, 1);
-                    }
-                }
-            }
-            if (lane == 0) bulk_wait<0>();  // the reductions are complete before the CTA's shared memory goes away
-        }
-        return;
-    }
-
-    // -------------------------------------------------------------------------------------------------- MMA
-    setmaxnreg_inc<T::kMmaRegs>();
+// The MMA warpgroups (head dims 64 / 128): warpgroup w owns keys [64 w, 64 w + 64) of each 128-key tile.
+template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdSm90Params& params,
+                                                                    const BwdSm90Smem<T>& sm) {
+    const BwdParams& p = params.bwd;
+    const FwdParams& f = p.fwd;
+    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kNT = T::kNT, kDT = T::kDT, kStages = T::kStages;
+    constexpr int kHeadDim = T::kHeadDim;
+    using TileKV = typename T::TileKV;
+    using TileS = typename T::TileS;
+    const int tid = threadIdx.x, lane = tid % 32;
+    const int wg = warp_uniform(tid / 128);
     const int w = wg - 1;                        // keys [64 w, 64 w + 64) of the block
     const int ctid = tid - 128 * wg, wwarp = ctid / 32;
     const int g = lane >> 2, t = lane & 3;
     const int key_row0 = 64 * w + 16 * wwarp;   // this warp's first key row inside the block (wgmma M rows)
     const bool lead_lane = lane == 0;
-    const u32 sK_w0 = sK + 64 * w * 128, sV_w0 = sV + 64 * w * 128;  // the warpgroup's 64 rows of each column block
+    const u32 sK_w0 = sm.sK + 64 * w * 128, sV_w0 = sm.sV + 64 * w * 128;  // the warpgroup's 64 rows of each column block
     DropoutRng rng = T::kIsDropout ? DropoutRng(f.rng_state, f.keep_threshold) : DropoutRng{};
-    const u32 sdQ_warp = sdQ + (w * 4 + wwarp) * T::kDqSliceBytes;
+    const u32 sdQ_warp = sm.sdQ + (w * 4 + wwarp) * T::kDqSliceBytes;
 
     float acc_dk[kDT][4], acc_dv[kDT][4];
     BwdTile x{};  // the tile being worked on
@@ -435,7 +258,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     int dq_count = 0;
     auto write_dq = [&](int, int) {
         fence_operand(dq);
-        mbar_wait(dq_empty, (dq_count & 1) ^ 1);  // (the first wait passes at once)
+        mbar_wait(sm.dq_empty, (dq_count & 1) ^ 1);  // (the first wait passes at once)
 #pragma unroll
         for (int j = 0; j < 8; ++j)
             asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sdQ_warp + 512 * j + 16 * lane),
@@ -443,20 +266,20 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                          : "memory");
         fence_proxy_async();
         __syncwarp();
-        if (lead_lane) mbar_arrive(dq_full);
+        if (lead_lane) mbar_arrive(sm.dq_full);
         ++dq_count;
     };
     auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
         const int head = walk.head, m0 = walk.m0, n0 = x.n0, seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
         const int s = gs % kStages;  // gs: query blocks so far over every tile of the CTA
-        const u32 sdS = sdS0 + (gs & 1) * TileS::kBytes;
+        const u32 sdS = sm.sdS0 + (gs & 1) * TileS::kBytes;
         // Shared-memory addresses re-derived per block (opaque to the compiler): hoisting the loop-invariant
         // descriptors out of the tile loop costs more registers than recomputing them (hd128 spills 452 -> 60 bytes,
         // 5-10% faster; H200 A/B 2026-11-24)
-        u32 sK_w = sK_w0, sV_w = sV_w0, sK_all = sK, sQ_s = sQ(s), sdO_s = sdO(s);
+        u32 sK_w = sK_w0, sV_w = sV_w0, sK_all = sm.sK, sQ_s = sm.sQ(s), sdO_s = sm.sdO(s);
         asm volatile("" : "+r"(sK_w), "+r"(sV_w), "+r"(sK_all), "+r"(sQ_s), "+r"(sdO_s));
-        mbar_wait(full(s), (gs / kStages) & 1);
+        mbar_wait(sm.full(s), (gs / kStages) & 1);
 
         // S^T = K_w Q^T, then dP^T = V_w dO^T: kHeadDim / 16 k-steps each, step kk reads 16 columns of block kk / 4.
         float st[kNT][4], dpt[kNT][4];
@@ -505,7 +328,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             }
             float lse[2];
             asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lse[0]), "=f"(lse[1])
-                         : "r"(sLse(s) + 4 * (8 * j + 2 * t)));
+                         : "r"(sm.sLse(s) + 4 * (8 * j + 2 * t)));
             float dropped[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -546,7 +369,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         for (int j = 0; j < kNT; ++j) {
             float dsum[2];
             asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(dsum[0]), "=f"(dsum[1])
-                         : "r"(sD(s) + 4 * (8 * j + 2 * t)));
+                         : "r"(sm.sD(s) + 4 * (8 * j + 2 * t)));
             float ds[4], pt[4];
             if constexpr (T::kDsFromPa) {
                 unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2)], pt[0], pt[1]);
@@ -594,7 +417,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         }
         wgmma_commit();
         wgmma_wait<1>();  // dV and dK done (dQ may still run): Q, dO, the statistics of stage s are free
-        if (lead_lane) mbar_arrive(empty(s));
+        if (lead_lane) mbar_arrive(sm.empty(s));
         if constexpr (T::kDeferDq != 0) {  // finished after the next block's GEMMs are issued
             dq_m0 = m0, dq_head = head;
         } else {
@@ -603,12 +426,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         }
     };
     int gs = 0;
-    for (int tile_iter = 0; read_tile(tile_iter, x); ++tile_iter) {
+    for (int tile_iter = 0; sm.read_tile(tile_iter, x); ++tile_iter) {
 #pragma unroll
         for (int i = 0; i < kDT; ++i)
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc_dk[i][j] = acc_dv[i][j] = 0.f;
-        mbar_wait(full_kv, tile_iter & 1);
+        mbar_wait(sm.full_kv, tile_iter & 1);
         for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++gs) {
             if (tile_needs_mask<T::kIsCausal, kBlockN>(walk.m0, x.n0, x.seqlen_q, x.seqlen_k))
                 step(walk, gs, BoolConstant<true>{});
@@ -630,7 +453,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             // GQA split: this tile's fp32 partial sums (dK unscaled) straight from the accumulators (8-byte pairs),
             // summed over the splits by the convert kernel; K / V are released at once.
             __syncwarp();
-            if (lead_lane) mbar_arrive(empty_kv);
+            if (lead_lane) mbar_arrive(sm.empty_kv);
             const i64 base = x.split * p.dkv_split_stride + x.batch * p.dkv_batch_stride +
                              x.head_kv * p.dkv_head_stride + (i64)(x.k_start + x.n0 + key_row0 + g) * p.dkv_cols + 2 * t;
             float* dk_part = p.dkv_accum + base;
@@ -652,8 +475,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         named_bar_sync(T::kBarEpilogue, 128 * T::kNMma);  // both warpgroups are done reading K (their dQ GEMMs)
         float(&dk1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&acc_dk);
         float(&dv1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&acc_dv);
-        store_acc<T::kIsBF16, TileKV>(sK, dk1, key_row0, 0, f.softmax_scale, lane);
-        store_acc<T::kIsBF16, TileKV>(sV, dv1, key_row0, 0, 1.f, lane);
+        store_acc<T::kIsBF16, TileKV>(sm.sK, dk1, key_row0, 0, f.softmax_scale, lane);
+        store_acc<T::kIsBF16, TileKV>(sm.sV, dv1, key_row0, 0, 1.f, lane);
         named_bar_sync(T::kBarEpilogue + 1 + w, 128);
         u16* dk = (u16*)p.dk + x.batch * p.dk_batch_stride + (i64)(x.k_start + x.n0 + 64 * w) * p.dk_row_stride +
                   x.head_kv * p.dk_head_stride;
@@ -666,14 +489,496 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
             if (row < rows_valid && col < f.head_dim) {
                 u32 v[4];
-                ld_shared_v4(TileKV::addr(sK, 64 * w + row, col), v);
+                ld_shared_v4(TileKV::addr(sm.sK, 64 * w + row, col), v);
                 st_global_v4(dk + row * p.dk_row_stride + col, v);
-                ld_shared_v4(TileKV::addr(sV, 64 * w + row, col), v);
+                ld_shared_v4(TileKV::addr(sm.sV, 64 * w + row, col), v);
                 st_global_v4(dv + row * p.dv_row_stride + col, v);
             }
         }
         __syncwarp();
-        if (lead_lane) mbar_arrive(empty_kv);  // (this warp's reads of K / V are done)
+        if (lead_lane) mbar_arrive(sm.empty_kv);  // (this warp's reads of K / V are done)
+    }
+}
+
+
+// The MMA warpgroups at head dims 192 / 256 (T::kSplitHd). A warpgroup owning 64 keys would keep dK and dV for every
+// head-dim column, 2 x 64 x 256 fp32 = 256 registers per thread at hd256. Here a tile is 64 keys, and per 64-query
+// block (lo = columns [0, 128), hi = [128, head_dim))
+//   warpgroup 0: S^T = K Q^T -> P^T (A fragments; the shared P^T tile for warpgroup 1) -> dV[:, lo] += P^T dO[:, lo];
+//                dS^T from the shared tile -> dK[:, hi] += dS^T Q[:, hi]
+//   warpgroup 1: dP^T = V dO^T; P^T from the shared tile -> dV[:, hi] += P^T dO[:, hi]; dS^T = P^T (dP^T - D) ->
+//                A fragments and the shared dS^T tile -> dK[:, lo] += dS^T Q[:, lo]
+// so each warpgroup accumulates head_dim columns of dK and dV together (96 or 128 registers). S^T and dP^T are
+// m64n64 GEMMs with both operands in shared memory (4 KB per 32-cycle k-step, the SM's shared-memory bandwidth), run
+// by the two warpgroups at the same time. dQ = dS K in 64 x 64 pieces (64-column blocks of K), even pieces on one
+// warpgroup and odd on the other (hd192: swapped every other block), added to dq_accum from the registers with vector
+// reductions (whole query blocks in convert_dq's scrambled order, a sequence's last block row-major). The shared P^T
+// and dS^T tiles need one buffer each: warpgroup 0 stores the next P^T only after the dS^T barrier, which warpgroup 1
+// reaches after reading this P^T, and warpgroup 1 stores the next dS^T only after the next P^T barrier, which
+// warpgroup 0 reaches after its dQ GEMMs (the last readers of dS^T) are done.
+template <class T, int W>
+__device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& params, const BwdSm90Smem<T>& sm) {
+    const BwdParams& p = params.bwd;
+    const FwdParams& f = p.fwd;
+    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages, kHeadDim = T::kHeadDim;
+    constexpr int kNT = kBlockM / 8, kKS = kBlockM / 16, kCB = kHeadDim / 64;
+    constexpr int kLo = 128, kHi = kHeadDim - kLo;
+    constexpr int kDvCol = W == 0 ? 0 : kLo, kDvN = W == 0 ? kLo : kHi;  // this warpgroup's columns of dV, dK
+    constexpr int kDkCol = W == 0 ? kLo : 0, kDkN = W == 0 ? kHi : kLo;
+    using TileKV = typename T::TileKV;
+    using TileS = typename T::TileS;
+    const int tid = threadIdx.x, lane = tid % 32, ctid = tid % 128, wwarp = ctid / 32;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = 16 * wwarp;  // this warp's first M row: keys of S^T, dP^T, dK, dV; queries of dQ
+    const bool lead_lane = lane == 0;
+    const u32 sP = sm.sdS0, sdS = sm.sdS0 + TileS::kBytes;
+    // stmatrix / ldmatrix address of this lane for the 16 x 16 piece ks of the warp's rows of a score tile (lane l:
+    // row l % 8 (+ 8 for matrices 1, 3), columns 16 ks (+ 8 for matrices 2, 3)): the registers are A fragments
+    auto frag_addr = [&](u32 tile, int ks) {
+        return TileS::addr(tile, row0 + lane % 8 + 8 * ((lane / 8) & 1), 16 * ks + 8 * (lane / 16));
+    };
+    float acc_dk[kDkN / 8][4], acc_dv[kDvN / 8][4];
+    BwdTile x{};
+
+    // kOdd: hd192 swaps the warpgroups' dQ pieces on odd blocks (compile-time, so that ptxas sees every wgmma wait)
+    auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag, auto odd_tag) {
+        [[maybe_unused]] constexpr bool kMask = decltype(mask_tag)::value;
+        constexpr bool kOdd = decltype(odd_tag)::value;
+        const int head = walk.head, m0 = walk.m0, seqlen_q = x.seqlen_q;
+        const int s = gs % kStages;
+        u32 sK = sm.sK, sV = sm.sV, sQ_s = sm.sQ(s), sdO_s = sm.sdO(s);  // (opaque: see flash_bwd_sm90_mma)
+        asm volatile("" : "+r"(sK), "+r"(sV), "+r"(sQ_s), "+r"(sdO_s));
+        mbar_wait(sm.full(s), (gs / kStages) & 1);
+
+        // S^T = K Q^T (warpgroup 0) or dP^T = V dO^T (warpgroup 1): kHeadDim / 16 k-steps over 64-column blocks
+        float sdp[kNT][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
+            const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
+            wgmma_ss<kBlockM, T::kIsBF16>(sdp, gmma_desc((W == 0 ? sK : sV) + off_kv, 16, 1024),
+                                          gmma_desc((W == 0 ? sQ_s : sdO_s) + off_q, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operand(sdp);
+
+        u32 pa[kKS][4], dsa[kKS][4];  // P^T and dS^T as A fragments (k-step ks: queries 16 ks ..)
+        auto dv_gemm = [&]() {  // dV[:, cols] += P^T dO[:, cols]: B = dO, rows = queries (the reduction), MN-major
+            fence_operand(acc_dv);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < kKS; ++ks)
+                wgmma_rs<kDvN, T::kIsBF16>(acc_dv, pa[ks],
+                                           gmma_desc(sdO_s + (kDvCol / 64) * kBlockM * 128 + ks * 16 * 128,
+                                                     kBlockM * 128, 1024), 1);
+            wgmma_commit();
+        };
+        if constexpr (W == 0) {
+            // P^T = exp2(S^T scale - lse) (masked: 0)
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) {
+                float lse[2];
+                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lse[0]), "=f"(lse[1])
+                             : "r"(sm.sLse(s) + 4 * (8 * j + 2 * t)));
+                float pt[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float score = sdp[j][e];
+                    if constexpr (kMask) {
+                        const int key = x.n0 + row0 + g + 8 * (e >> 1), query = m0 + 8 * j + 2 * t + (e & 1);
+                        if (key >= x.seqlen_k || (T::kIsCausal && key > query + x.seqlen_k - seqlen_q))
+                            score = -infinity();
+                    }
+                    pt[e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
+                }
+                pa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(pt[0], pt[1]);
+                pa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(pt[2], pt[3]);
+            }
+#pragma unroll
+            for (int ks = 0; ks < kKS; ++ks) stmatrix_x4(frag_addr(sP, ks), pa[ks]);
+            named_bar_arrive(T::kBarP, 256);  // P^T stored
+            dv_gemm();
+            named_bar_sync(T::kBarDs, 256);  // dS^T stored
+#pragma unroll
+            for (int ks = 0; ks < kKS; ++ks) ldmatrix_x4(dsa[ks], frag_addr(sdS, ks));
+        } else {
+            named_bar_sync(T::kBarP, 256);
+#pragma unroll
+            for (int ks = 0; ks < kKS; ++ks) ldmatrix_x4(pa[ks], frag_addr(sP, ks));
+            dv_gemm();
+            // dS^T = P^T (dP^T - D)
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) {
+                float dsum[2];
+                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(dsum[0]), "=f"(dsum[1])
+                             : "r"(sm.sD(s) + 4 * (8 * j + 2 * t)));
+                float pt[4], ds[4];
+                unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2)], pt[0], pt[1]);
+                unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2) + 1], pt[2], pt[3]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) ds[e] = pt[e] * (sdp[j][e] - dsum[e & 1]);
+                dsa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(ds[0], ds[1]);
+                dsa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(ds[2], ds[3]);
+            }
+#pragma unroll
+            for (int ks = 0; ks < kKS; ++ks) stmatrix_x4(frag_addr(sdS, ks), dsa[ks]);
+            fence_proxy_async();  // (the dQ GEMMs read dS^T through the async proxy)
+            named_bar_sync(T::kBarDs, 256);
+        }
+        // dK[:, cols] += dS^T Q[:, cols]
+        fence_operand(acc_dk);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kKS; ++ks)
+            wgmma_rs<kDkN, T::kIsBF16>(acc_dk, dsa[ks],
+                                       gmma_desc(sQ_s + (kDkCol / 64) * kBlockM * 128 + ks * 16 * 128, kBlockM * 128,
+                                                 1024), 1);
+        wgmma_commit();
+        wgmma_wait<1>();  // dV done: its A fragments (P^T) are dead before the dQ accumulators are live
+
+        // dQ pieces cb0 (and cb0 + 2) = dS K[:, 64 cb ..]: A = dS (dS^T in shared memory: M-major), B = K (MN-major)
+        constexpr int cb0 = (W + kOdd) & 1;
+        constexpr bool two = cb0 + 2 < kCB;
+        float dq0[8][4], dq1[8][4];
+        auto dq_gemm = [&](float (&dq)[8][4], int cb) {
+#pragma unroll
+            for (int ks = 0; ks < kBlockN / 16; ++ks) {
+                const u64 desc_a = gmma_desc(sdS + ks * 16 * 128, kBlockN * 128, 1024);
+                const u64 desc_b = gmma_desc(sK + cb * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+                if (ks == 0) wgmma_ss_tt_init<64, T::kIsBF16>(dq, desc_a, desc_b, 0);
+                else wgmma_ss_tt<64, T::kIsBF16>(dq, desc_a, desc_b, 1);
+            }
+            wgmma_commit();
+        };
+        wgmma_fence();
+        dq_gemm(dq0, cb0);
+        if constexpr (two) dq_gemm(dq1, cb0 + 2);
+        if constexpr (two) wgmma_wait<2>();
+        else wgmma_wait<1>();
+        if (lead_lane) mbar_arrive(sm.empty(s));  // dK done: Q, dO, the statistics of stage s are free
+
+        const bool whole = m0 + kBlockM <= seqlen_q;
+        float* dq_acc = p.dq_accum + x.batch * p.dqa_batch_stride + (i64)x.q_start * kHeadDim +
+                        head * p.dqa_head_stride;
+        auto add_dq = [&](float (&dq)[8][4], int cb) {
+            fence_operand(dq);
+            if (whole) {  // the 16 x 64 slice of this warp: 4 KB contiguous, float4 32 j + lane = dq[j]
+                float* dst = dq_acc + (i64)(m0 + row0) * kHeadDim + cb * 64 * 16 + 4 * lane;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) atomic_add4(dst + 128 * j, dq[j]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int row = m0 + row0 + g + 8 * hf, col = 64 * cb + 8 * j + 2 * t;
+                        if (row < seqlen_q && col < f.head_dim)
+                            atomic_add2(dq_acc + (i64)row * kHeadDim + col, dq[j][2 * hf], dq[j][2 * hf + 1]);
+                    }
+            }
+        };
+        if constexpr (two) {
+            wgmma_wait<1>();
+            add_dq(dq0, cb0);
+            wgmma_wait<0>();
+            add_dq(dq1, cb0 + 2);
+        } else {
+            wgmma_wait<0>();
+            add_dq(dq0, cb0);
+        }
+    };
+
+    int gs = 0;
+    for (int tile_iter = 0; sm.read_tile(tile_iter, x); ++tile_iter) {
+#pragma unroll
+        for (int i = 0; i < kDkN / 8; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc_dk[i][j] = 0.f;
+#pragma unroll
+        for (int i = 0; i < kDvN / 8; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc_dv[i][j] = 0.f;
+        mbar_wait(sm.full_kv, tile_iter & 1);
+        for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++gs) {
+            auto masked = [&](auto odd_tag) {
+                if (tile_needs_mask<T::kIsCausal, kBlockN>(walk.m0, x.n0, x.seqlen_q, x.seqlen_k))
+                    step(walk, gs, BoolConstant<true>{}, odd_tag);
+                else
+                    step(walk, gs, BoolConstant<false>{}, odd_tag);
+            };
+            if (kCB % 2 == 1 && gs % 2 == 1) masked(BoolConstant<true>{});
+            else masked(BoolConstant<false>{});
+        }
+        wgmma_wait<0>();
+        fence_operand(acc_dk);
+        fence_operand(acc_dv);
+        if (p.kv_splits > 1) {  // GQA split: fp32 partial sums (dK unscaled), as flash_bwd_sm90_mma
+            __syncwarp();
+            if (lead_lane) mbar_arrive(sm.empty_kv);
+            const i64 base = x.split * p.dkv_split_stride + x.batch * p.dkv_batch_stride +
+                             x.head_kv * p.dkv_head_stride + (i64)(x.k_start + x.n0 + row0 + g) * p.dkv_cols + 2 * t;
+            float* dk_part = p.dkv_accum + base + kDkCol;
+            float* dv_part = p.dkv_accum + p.kv_splits * p.dkv_split_stride + base + kDvCol;
+            const int rows_valid = x.seqlen_k - x.n0 - row0;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                if (g + 8 * hf < rows_valid) {
+                    const int offset = 8 * hf * p.dkv_cols;
+#pragma unroll
+                    for (int j = 0; j < kDkN / 8; ++j)
+                        *reinterpret_cast<float2*>(dk_part + offset + 8 * j) =
+                            make_float2(acc_dk[j][2 * hf], acc_dk[j][2 * hf + 1]);
+#pragma unroll
+                    for (int j = 0; j < kDvN / 8; ++j)
+                        *reinterpret_cast<float2*>(dv_part + offset + 8 * j) =
+                            make_float2(acc_dv[j][2 * hf], acc_dv[j][2 * hf + 1]);
+                }
+            }
+            continue;
+        }
+        // Epilogue: each warpgroup's columns of dK * scale and dV into the K / V tiles (both warpgroups done reading
+        // them), then warpgroup W stores rows [32 W, 32 W + 32) of both with 16-byte stores.
+        named_bar_sync(T::kBarEpilogue, 256);
+        float(&dk1)[1][kDkN / 8][4] = *reinterpret_cast<float(*)[1][kDkN / 8][4]>(&acc_dk);
+        float(&dv1)[1][kDvN / 8][4] = *reinterpret_cast<float(*)[1][kDvN / 8][4]>(&acc_dv);
+        store_acc<T::kIsBF16, TileKV>(sm.sK, dk1, row0, kDkCol, f.softmax_scale, lane);
+        store_acc<T::kIsBF16, TileKV>(sm.sV, dv1, row0, kDvCol, 1.f, lane);
+        named_bar_sync(T::kBarEpilogue + 1, 256);
+        u16* dk = (u16*)p.dk + x.batch * p.dk_batch_stride + (i64)(x.k_start + x.n0 + 32 * W) * p.dk_row_stride +
+                  x.head_kv * p.dk_head_stride;
+        u16* dv = (u16*)p.dv + x.batch * p.dv_batch_stride + (i64)(x.k_start + x.n0 + 32 * W) * p.dv_row_stride +
+                  x.head_kv * p.dv_head_stride;
+        const int rows_valid = x.seqlen_k - x.n0 - 32 * W;
+        constexpr int kChunksPerRow = kHeadDim / 8;
+#pragma unroll
+        for (int i = 0; i < 32 * kChunksPerRow / 128; ++i) {
+            const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+            if (row < rows_valid && col < f.head_dim) {
+                u32 v[4];
+                ld_shared_v4(TileKV::addr(sm.sK, 32 * W + row, col), v);
+                st_global_v4(dk + row * p.dk_row_stride + col, v);
+                ld_shared_v4(TileKV::addr(sm.sV, 32 * W + row, col), v);
+                st_global_v4(dv + row * p.dv_row_stride + col, v);
+            }
+        }
+        __syncwarp();
+        if (lead_lane) mbar_arrive(sm.empty_kv);
+    }
+}
+
+template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90Params& params) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const BwdParams& p = params.bwd;
+    const FwdParams& f = p.fwd;
+    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages, kHeadDim = T::kHeadDim;
+    using TileQ = typename T::TileQ;
+    using TileKV = typename T::TileKV;
+    const int tid = threadIdx.x, lane = tid % 32;
+    const int wg = warp_uniform(tid / 128);
+
+    const BwdSm90Smem<T> sm(smem, p);
+    const int n_kblocks = sm.n_kblocks;
+    const int n_tiles = n_kblocks * f.batch * f.nheads_kv * p.kv_splits;
+    const bool varlen = f.cu_seqlens_q != nullptr;  // varlen maps have one batch entry
+    if (tid == 0) {
+        mbar_init(sm.dq_full, 4 * T::kNMma);  // one arrival per MMA warp (its slice is staged)
+        mbar_init(sm.dq_empty, 1);            // the dQ writer (the copy engine has read the slices)
+        mbar_init(sm.full_kv, 1);
+        mbar_init(sm.empty_kv, 4 * T::kNMma);  // one arrival per MMA warp (its last GEMM reading K / V is done)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mbar_init(sm.tile_full(i), 1);
+            mbar_init(sm.tile_empty(i), sm.kTileReaders);
+        }
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(sm.full(s), 1 + 32);     // the TMA thread's expect_tx arrival + warp 1's lanes (statistics)
+            mbar_init(sm.empty(s), 4 * T::kNMma);  // one arrival per MMA warp
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ------------------------------------------------------------------------------------------ producer
+        setmaxnreg_dec<T::kProducerRegs>();
+        const int warp = tid / 32;
+        if (warp == 0 && lane == 0) {
+            tma_prefetch_desc(&params.tma_q);
+            tma_prefetch_desc(&params.tma_do);
+            // Persistent: tiles gridDim.x .. n_tiles - 1 from the counter, then one past the end per CTA (n_tiles
+            // fetches in all; the fetch of n_tiles - 1 is the launch's last, so it resets the counter to 0).
+            auto next_tile = [&](int tile) {
+                if constexpr (!T::kPersistent) {
+                    return n_tiles;
+                } else {
+                    const int fetched = atomic_fetch_add(params.tile_counter, 1);
+                    if (fetched == n_tiles - 1) atomic_store(params.tile_counter, 0);
+                    return fetched + (int)gridDim.x;
+                }
+            };
+            int gs = 0, tile_iter = 0;  // query blocks and tiles so far: stages and phases of the rings
+            BwdTile x;
+            for (int tile = blockIdx.x;; tile = next_tile(tile)) {
+                if (tile < n_tiles && !bwd_tile<T>(p, tile, n_kblocks, x)) continue;
+                const int slot = tile_iter & 1;
+                mbar_wait(sm.tile_empty(slot), ((tile_iter >> 1) & 1) ^ 1);  // (the first two pass at once)
+                atomic_store_shared(sm.tile_slot(slot), tile < n_tiles ? tile : -1);
+                mbar_arrive(sm.tile_full(slot));
+                if (tile >= n_tiles) break;
+                const int batch_coord = varlen ? 0 : x.batch;
+                // K / V once the MMA warps are done with the previous tile's (after this tile's first Q / dO copy,
+                // which so overlaps the previous tile's last block)
+                bool kv_loaded = false;
+                auto load_kv = [&]() {
+                    mbar_wait(sm.empty_kv, (tile_iter & 1) ^ 1);
+                    mbar_arrive_expect_tx(sm.full_kv, 2 * TileKV::kBytes);
+#pragma unroll
+                    for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+                        tma_load_4d(sm.sK + cb * kBlockN * 128, &params.tma_k, sm.full_kv, cb * 64, x.k_start + x.n0,
+                                    x.head_kv, batch_coord);
+                        tma_load_4d(sm.sV + cb * kBlockN * 128, &params.tma_v, sm.full_kv, cb * 64, x.k_start + x.n0,
+                                    x.head_kv, batch_coord);
+                    }
+                    kv_loaded = true;
+                };
+                for (QueryBlockWalk<T> walk(p, x); walk.has;
+                     walk.next(), ++gs) {
+                    const int s = gs % kStages;
+                    mbar_wait(sm.empty(s), ((gs / kStages) & 1) ^ 1);  // the first pass finds every stage empty
+                    mbar_arrive_expect_tx(sm.full(s), 2 * TileQ::kBytes);
+#pragma unroll
+                    for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+                        tma_load_4d(sm.sQ(s) + cb * kBlockM * 128, &params.tma_q, sm.full(s), cb * 64, x.q_start + walk.m0,
+                                    walk.head, batch_coord);
+                        tma_load_4d(sm.sdO(s) + cb * kBlockM * 128, &params.tma_do, sm.full(s), cb * 64,
+                                    x.q_start + walk.m0, walk.head, batch_coord);
+                    }
+                    if (!kv_loaded) load_kv();
+                }
+                if (!kv_loaded) load_kv();  // no query block sees these keys: dK = dV = 0
+                ++tile_iter;
+            }
+        } else if (warp == 1) {
+            // Row statistics: lse in log2 units (+inf for rows past the end and rows that saw no key, so P = 0), D.
+            int gs = 0;
+            BwdTile x;
+            for (int tile_iter = 0; sm.read_tile(tile_iter, x); ++tile_iter) {
+                for (QueryBlockWalk<T> walk(p, x); walk.has;
+                     walk.next(), ++gs) {
+                    const int s = gs % kStages;
+                    mbar_wait(sm.empty(s), ((gs / kStages) & 1) ^ 1);
+                    const i64 offset = x.batch * f.lse_batch_stride + walk.head * f.lse_head_stride + x.q_start;
+#pragma unroll
+                    for (int i = 0; i < kBlockM / 32; ++i) {
+                        const int row = walk.m0 + lane + 32 * i;
+                        float lse = infinity(), dsum = 0.f;
+                        if (row < x.seqlen_q) {
+                            const float raw = f.lse[offset + row];
+                            lse = raw == -infinity() ? infinity() : raw * kLog2e;
+                            dsum = p.softmax_d[offset + row];
+                        }
+                        asm volatile("st.shared.f32 [%0], %1;" ::"r"(sm.sLse(s) + 4 * (lane + 32 * i)), "f"(lse)
+                                     : "memory");
+                        asm volatile("st.shared.f32 [%0], %1;" ::"r"(sm.sD(s) + 4 * (lane + 32 * i)), "f"(dsum)
+                                     : "memory");
+                    }
+                    mbar_arrive(sm.full(s));
+                }
+            }
+        } else if (!T::kSplitHd && warp == 2) {
+            // dQ writer: per query block, once the MMA warps have staged their 16 x 64 slices (scrambled order of
+            // flash_aux.cuh convert_dq), add them to dq_accum -- whole blocks with 8 bulk reduce-adds, a sequence's
+            // last block with vector atomics -- and release the staging area. Deterministic: after the key blocks
+            // below this one have added this query block (their turn counter), and count this one in when done.
+            int n = 0;
+            BwdTile x;
+            for (int tile_iter = 0; sm.read_tile(tile_iter, x); ++tile_iter) {
+                const int seqlen_q = x.seqlen_q;
+                for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++n) {
+                    mbar_wait(sm.dq_full, n & 1);
+                    const int m0 = walk.m0;
+                    // deterministic non-causal: key block n adds to split n % dq_splits (the convert kernel sums
+                    // the splits in a fixed order), taking turns with the key blocks of its split only
+                    const int dq_split = T::kIsDeterministic && !T::kIsCausal ? x.n_block % p.dq_splits : 0;
+                    float* dq_acc = p.dq_accum + dq_split * p.dqa_split_stride + x.batch * p.dqa_batch_stride +
+                                    (i64)x.q_start * kHeadDim + walk.head * p.dqa_head_stride;
+                    int* counter = p.dq_semaphore +
+                                   (((i64)dq_split * f.batch + x.batch) * f.nheads + walk.head) * p.dq_sem_mblocks +
+                                   m0 / kBlockM;
+                    if (T::kIsDeterministic) {
+                        // This key block's turn at the query block: non-causal, ascending key blocks of its split
+                        // (key block n after n - dq_splits, n - 2 dq_splits, ...: dq_splits chains, each as long as
+                        // the startup skew it costs); causal, descending from the highest key block that sees the
+                        // query block (n_last), which visits it first, so that every key block's predecessor added
+                        // this query block some blocks earlier and the turns do not wait in steady state. Either way
+                        // the tiles a turn waits for are taken from the scheduler earlier (bwd_tile's order).
+                        int turn = x.n_block / p.dq_splits;
+                        if constexpr (T::kIsCausal) {
+                            const int row_last = min_(m0 + kBlockM, seqlen_q) - 1;
+                            turn = (row_last + x.seqlen_k - seqlen_q) / kBlockN - x.n_block;
+                        }
+                        if (lane == 0)
+                            while (ld_acquire_gpu(counter) < turn) {
+                            }
+                        __syncwarp();
+                    }
+                    const bool whole = m0 + kBlockM <= seqlen_q;
+                    // (loops kept rolled: this warpgroup runs on 24 registers per thread)
+#pragma unroll 1
+                    for (int slice = 0; slice < 4 * T::kNMma; ++slice) {
+                        const int piece = slice / 4, row0 = m0 + 16 * ((piece / (kHeadDim / 64)) * 4 + slice % 4);
+                        const int col0 = 64 * (piece % (kHeadDim / 64));
+                        const u32 src = sm.sdQ + slice * T::kDqSliceBytes;
+                        if (whole) {
+                            if (lane == 0)
+                                bulk_reduce_add_f32(dq_acc + (i64)row0 * kHeadDim + col0 * 16, src, T::kDqSliceBytes);
+                        } else {  // lane l holds accumulator fragment d[j][e] of MMA lane l: floats 128 j + 4 l + e
+#pragma unroll 1
+                            for (int j = 0; j < 8; ++j) {
+                                u32 v[4];
+                                ld_shared_v4(src + 512 * j + 16 * lane, v);
+#pragma unroll
+                                for (int hf = 0; hf < 2; ++hf) {
+                                    const int row = row0 + lane / 4 + 8 * hf, col = col0 + 8 * j + 2 * (lane % 4);
+                                    if (row < seqlen_q && col < f.head_dim)
+                                        atomic_add2(dq_acc + (i64)row * kHeadDim + col, __int_as_float(v[2 * hf]),
+                                                    __int_as_float(v[2 * hf + 1]));
+                                }
+                            }
+                        }
+                    }
+                    if (lane == 0 && whole) {
+                        bulk_commit();
+                        bulk_wait_read<0>();
+                    }
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(sm.dq_empty);
+                    if (T::kIsDeterministic) {  // complete (not only read) before the next key block's turn
+                        if (lane == 0 && whole) {
+                            bulk_wait<0>();
+                            fence_proxy_async_global();
+                        }
+                        __threadfence();
+                        __syncwarp();
+                        if (lane == 0) red_release_gpu_add(counter, 1);
+                    }
+                }
+            }
+            if (lane == 0) bulk_wait<0>();  // the reductions are complete before the CTA's shared memory goes away
+        }
+        return;
+    }
+
+    // -------------------------------------------------------------------------------------------------- MMA
+    setmaxnreg_inc<T::kMmaRegs>();
+    if constexpr (T::kSplitHd) {
+        if (wg == 1) flash_bwd_sm90_split_mma<T, 0>(params, sm);
+        else flash_bwd_sm90_split_mma<T, 1>(params, sm);
+    } else {
+        flash_bwd_sm90_mma<T>(params, sm);
     }
 }
 
