@@ -105,7 +105,9 @@ struct BwdSm90Traits {
     // empty (2 each); then the 2 tile slots (ints)
     static constexpr int kBarrierBytes = 128;
     static_assert(8 * (4 + 2 * kStages + 4) + 8 <= kBarrierBytes, "barrier area");
-    // head dims 192 / 256 add their dQ pieces to global memory from the registers: no staging
+    // Split head dims add their dQ pieces to global memory from the registers (no staging, no dQ writer warp):
+    // staged through shared memory for the writer's bulk reduce-adds (two rounds of 8 slices, 64 KB, fit at hd192)
+    // they ran 0.72-0.81x as fast (H200, same process): the MMA warps waited for the writer at every block.
     static constexpr int kDqStagingBytes = kSplitHd ? 0 : kNMma * 4 * kPiecesPerWg * kDqSliceBytes;
     static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileS::kBytes +
                                       kDqStagingBytes + 2 * kStages * kStatsBytes + kBarrierBytes + 1024;
@@ -516,6 +518,13 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
 // and dS^T tiles need one buffer each: warpgroup 0 stores the next P^T only after the dS^T barrier, which warpgroup 1
 // reaches after reading this P^T, and warpgroup 1 stores the next dS^T only after the next P^T barrier, which
 // warpgroup 0 reaches after its dQ GEMMs (the last readers of dS^T) are done.
+// The 64-column piece of dQ that warpgroup w computes first (r = 0) or second (r = 1) in a query block, odd or not
+// (>= kHeadDim / 64: none): hd256 pieces w and w + 2; hd192 pieces 0 and 2 on one warpgroup, 1 on the other, the
+// warpgroups swapping every other block.
+template <class T> __host__ __device__ constexpr int split_dq_piece(int r, int w, bool odd) {
+    return 2 * r + ((w + (T::kHeadDim / 64 == 3 && odd)) & 1);
+}
+
 template <class T, int W>
 __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& params, const BwdSm90Smem<T>& sm) {
     const BwdParams& p = params.bwd;
@@ -539,12 +548,32 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
     };
     float acc_dk[kDkN / 8][4], acc_dv[kDvN / 8][4];
     BwdTile x{};
+    // A dQ piece (64-column block cb) of query block m0 of head `head` into dq_accum (this warp's 16 rows).
+    auto add_dq = [&](float (&dq)[8][4], int m0, int head, int cb) {
+        fence_operand(dq);
+        float* dq_acc = p.dq_accum + x.batch * p.dqa_batch_stride + (i64)x.q_start * kHeadDim +
+                        head * p.dqa_head_stride;
+        if (m0 + kBlockM <= x.seqlen_q) {  // the 16 x 64 slice of this warp: 4 KB contiguous, float4 32 j + lane
+            float* dst = dq_acc + (i64)(m0 + row0) * kHeadDim + cb * 64 * 16 + 4 * lane;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) atomic_add4(dst + 128 * j, dq[j]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int row = m0 + row0 + g + 8 * hf, col = 64 * cb + 8 * j + 2 * t;
+                    if (row < x.seqlen_q && col < f.head_dim)
+                        atomic_add2(dq_acc + (i64)row * kHeadDim + col, dq[j][2 * hf], dq[j][2 * hf + 1]);
+                }
+        }
+    };
 
     // kOdd: hd192 swaps the warpgroups' dQ pieces on odd blocks (compile-time, so that ptxas sees every wgmma wait)
     auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag, auto odd_tag) {
         [[maybe_unused]] constexpr bool kMask = decltype(mask_tag)::value;
         constexpr bool kOdd = decltype(odd_tag)::value;
-        const int head = walk.head, m0 = walk.m0, seqlen_q = x.seqlen_q;
+        const int head = walk.head, m0 = walk.m0;
         const int s = gs % kStages;
         u32 sK = sm.sK, sV = sm.sV, sQ_s = sm.sQ(s), sdO_s = sm.sdO(s);  // (opaque: see flash_bwd_sm90_mma)
         asm volatile("" : "+r"(sK), "+r"(sV), "+r"(sQ_s), "+r"(sdO_s));
@@ -588,7 +617,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
                     float score = sdp[j][e];
                     if constexpr (kMask) {
                         const int key = x.n0 + row0 + g + 8 * (e >> 1), query = m0 + 8 * j + 2 * t + (e & 1);
-                        if (key >= x.seqlen_k || (T::kIsCausal && key > query + x.seqlen_k - seqlen_q))
+                        if (key >= x.seqlen_k || (T::kIsCausal && key > query + x.seqlen_k - x.seqlen_q))
                             score = -infinity();
                     }
                     pt[e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
@@ -638,9 +667,13 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
         wgmma_commit();
         wgmma_wait<1>();  // dV done: its A fragments (P^T) are dead before the dQ accumulators are live
 
-        // dQ pieces cb0 (and cb0 + 2) = dS K[:, 64 cb ..]: A = dS (dS^T in shared memory: M-major), B = K (MN-major)
-        constexpr int cb0 = (W + kOdd) & 1;
-        constexpr bool two = cb0 + 2 < kCB;
+        // dQ pieces cb0 (and cb1) = dS K[:, 64 cb ..]: A = dS (dS^T in shared memory: M-major), B = K (MN-major).
+        // (Adding the last piece once the next block's S^T / dP^T GEMM is issued: 0.89-0.95x, ptxas serializes the
+        // wgmmas around the accumulators kept across blocks. Without the dQ adds at all the kernel would run 1.10-1.53x
+        // as fast, with plain stores instead of reductions 1.02-1.06x: the cost is the 64 KB of dQ per block leaving
+        // the SM, as much as the Q / dO it reads; more keys per tile would cut both.)
+        constexpr int cb0 = split_dq_piece<T>(0, W, kOdd), cb1 = split_dq_piece<T>(1, W, kOdd);
+        constexpr bool two = cb1 < kCB;
         float dq0[8][4], dq1[8][4];
         auto dq_gemm = [&](float (&dq)[8][4], int cb) {
 #pragma unroll
@@ -654,39 +687,18 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
         };
         wgmma_fence();
         dq_gemm(dq0, cb0);
-        if constexpr (two) dq_gemm(dq1, cb0 + 2);
+        if constexpr (two) dq_gemm(dq1, cb1);
         if constexpr (two) wgmma_wait<2>();
         else wgmma_wait<1>();
         if (lead_lane) mbar_arrive(sm.empty(s));  // dK done: Q, dO, the statistics of stage s are free
-
-        const bool whole = m0 + kBlockM <= seqlen_q;
-        float* dq_acc = p.dq_accum + x.batch * p.dqa_batch_stride + (i64)x.q_start * kHeadDim +
-                        head * p.dqa_head_stride;
-        auto add_dq = [&](float (&dq)[8][4], int cb) {
-            fence_operand(dq);
-            if (whole) {  // the 16 x 64 slice of this warp: 4 KB contiguous, float4 32 j + lane = dq[j]
-                float* dst = dq_acc + (i64)(m0 + row0) * kHeadDim + cb * 64 * 16 + 4 * lane;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) atomic_add4(dst + 128 * j, dq[j]);
-            } else {
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int row = m0 + row0 + g + 8 * hf, col = 64 * cb + 8 * j + 2 * t;
-                        if (row < seqlen_q && col < f.head_dim)
-                            atomic_add2(dq_acc + (i64)row * kHeadDim + col, dq[j][2 * hf], dq[j][2 * hf + 1]);
-                    }
-            }
-        };
         if constexpr (two) {
             wgmma_wait<1>();
-            add_dq(dq0, cb0);
+            add_dq(dq0, m0, head, cb0);
             wgmma_wait<0>();
-            add_dq(dq1, cb0 + 2);
+            add_dq(dq1, m0, head, cb1);
         } else {
             wgmma_wait<0>();
-            add_dq(dq0, cb0);
+            add_dq(dq0, m0, head, cb0);
         }
     };
 
