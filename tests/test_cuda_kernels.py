@@ -250,7 +250,7 @@ def test_varlen_matches_reference(dtype, causal, head_dim):
 # ---------------------------------------------------------------------------------------------------- dropout
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
 def test_dropout_matches_reference_with_the_kernels_mask(dtype, causal, head_dim):
     q, k, v, dout = _inputs((2, 300, 4, head_dim), (2, 257, 2, head_dim), dtype)
     _check_against_reference(q, k, v, dout, causal=causal, dropout_p=0.17, generator_seed=1234)

@@ -40,7 +40,8 @@ def test_dispatch_table_covers_every_instantiation_once():
     assert split == [192, 256]
     hopper_det = (len(build.BWD_SM90_TILES) - len(split)) * 2 * 2 * 2  # the deterministic backward (dense only)
     hopper_long = len(build.FWD_SM90_TILES_LONG_CAUSAL) * 2  # the causal forward's long-sequence tiles (x dtype)
-    hopper = len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long
+    hopper_narrow = 2 * 2 * 2  # the hd128 backward with 96 columns of MMA work (head dims 65-96), x dtype x causal x dropout
+    hopper = len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
     assert len(names) == len(set(names)) == 2 + 2 * (dense + sparse) * 2 * 2 * 2 + hopper
     assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2 + hopper_sparse
     assert [spec.archs for spec in specs if "_sm90_" in spec.name] == [("sm_90a",)] * hopper
@@ -95,6 +96,16 @@ def test_hopper_dispatch(monkeypatch):
     assert bwd_name(64, "sm_90a", deterministic=True) == "flash_bwd_sm90_hdim64_fp16_det"
     assert bwd_name(64, "sm_90a", block_sparse=True, deterministic=True) == "flash_bwd_hdim64_fp16_sparse"
     assert bwd_name(96, "sm_90a") == "flash_bwd_hdim96_fp16"
+    # head dims 65-96: the hd128 backward tiles with 96 columns of MMA work (dense, dropout too, not deterministic)
+    narrow = build.bwd_kernel(128, "bf16", True, True, arch="sm_90a", effective_head_dim=80)
+    assert narrow.name == "flash_bwd_sm90_hdim96_bf16_causal_dropout" and ("FT_HEAD_DIM_EFF", 96) in narrow.defines
+    assert narrow.smem_bytes == build.bwd_kernel(128, "bf16", True, True, arch="sm_90a").smem_bytes
+    assert build.bwd_kernel(128, "bf16", True, False, arch="sm_90a", effective_head_dim=128).name.startswith(
+        "flash_bwd_sm90_hdim128")
+    assert build.bwd_kernel(128, "bf16", True, False, arch="sm_90a", deterministic=True,
+                            effective_head_dim=96).name == "flash_bwd_sm90_hdim128_bf16_causal_det"
+    assert build.bwd_kernel(128, "bf16", True, False, True, arch="sm_90a",
+                            effective_head_dim=96).name == "flash_bwd_sm90_hdim128_bf16_causal_sparse"
     # head dims 192 / 256: the split-head-dim Hopper backward, dense without dropout, not deterministic
     assert bwd_name(192, "sm_90a") == "flash_bwd_sm90_hdim192_fp16" and bwd_name(256, "sm_90a").startswith("flash_bwd_sm90")
     assert build.bwd_kernel(256, "bf16", True, False, arch="sm_90a").block_n == 64

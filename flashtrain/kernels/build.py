@@ -206,6 +206,8 @@ def _bwd_tile_overrides() -> None:
 
 _bwd_tile_overrides()
 SM90_ARCH = "sm_90a"
+# Head dims 65-96 on Hopper: the hd128 tiles (zero-filled columns), the backward with the MMA work of 96 columns
+SM90_NARROW_HEAD_DIM = 96
 MAX_STREAMS = 64  # streams one process may run the persistent Hopper kernels on (one tile counter each)
 BWD_TILES = {
     32: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=8, warps_m_dq=4, stages=2),
@@ -301,8 +303,8 @@ class KernelSpec:
 
 def rounded_head_dim(head_dim: int, block_sparse: bool = False, arch: str | None = None) -> int:
     """The instantiated head dim a head_dim (multiple of 8) runs on: the extra columns are zero-filled. On Hopper,
-    head dims 65-96 run on the hd128 warpgroup-MMA kernels (a third more MMA work than hd96 needs, still faster
-    than the mma.sync hd96 kernels)."""
+    head dims 65-96 run on the hd128 warpgroup-MMA kernels (still faster than the mma.sync hd96 kernels); their
+    dense backward skips the MMA work of columns 96-127 (bwd_kernel's effective_head_dim)."""
     head_dims = BLOCK_SPARSE_HEAD_DIMS if block_sparse else HEAD_DIMS
     for instantiated in head_dims:
         if head_dim <= instantiated:
@@ -423,34 +425,46 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
 
 
 def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
-               arch: str | None = None, deterministic: bool = False, smem_limit: int | None = None) -> KernelSpec:
-    """The backward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
-    smem_limit (bytes of shared memory per block; None: no limit)."""
+               arch: str | None = None, deterministic: bool = False, smem_limit: int | None = None,
+               effective_head_dim: int | None = None) -> KernelSpec:
+    """The backward kernel for these features (head_dim: the instantiated one, rounded_head_dim; effective_head_dim:
+    the call's own, when smaller); on arch sm_90a the warpgroup-MMA kernel where it exists and fits smem_limit (bytes
+    of shared memory per block; None: no limit): head dims 65-96 there run the hd128 tiles with the MMA work of 96
+    columns (dense, not deterministic)."""
     if (arch == SM90_ARCH and not (deterministic and block_sparse) and head_dim in BWD_SM90_TILES and sm90_enabled()
             and BWD_SM90_TILES[head_dim].supports(dropout, block_sparse, deterministic)):
-        spec = bwd_sm90_kernel(head_dim, dtype, causal, dropout, block_sparse, deterministic)
+        narrow = (head_dim == 128 and effective_head_dim is not None and effective_head_dim <= SM90_NARROW_HEAD_DIM
+                  and not block_sparse and not deterministic)
+        spec = bwd_sm90_kernel(head_dim, dtype, causal, dropout, block_sparse, deterministic,
+                               head_dim_eff=SM90_NARROW_HEAD_DIM if narrow else None)
         if _fits(spec, smem_limit):
             return spec
     return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit))
 
 
-def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
-                    block_sparse: bool = False, deterministic: bool = False) -> KernelSpec:
+def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False, block_sparse: bool = False,
+                    deterministic: bool = False, head_dim_eff: int | None = None) -> KernelSpec:
+    """head_dim_eff: SM90_NARROW_HEAD_DIM on the hd128 tiles (dense, not deterministic), else None."""
     tiles = BWD_SM90_TILES[head_dim]
     if not tiles.supports(dropout, block_sparse, deterministic):
         raise ValueError(f"the Hopper backward at head dim {head_dim} has no dropout, block-sparse or deterministic "
                          f"variant (dropout={dropout}, block_sparse={block_sparse}, deterministic={deterministic})")
-    return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles)
+    if head_dim_eff is not None and (head_dim, head_dim_eff) != (128, SM90_NARROW_HEAD_DIM) or (
+            head_dim_eff is not None and (block_sparse or deterministic)):
+        raise ValueError(f"no Hopper backward of head dim {head_dim} narrowed to {head_dim_eff} "
+                         f"(block_sparse={block_sparse}, deterministic={deterministic})")
+    return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
+                          head_dim_eff or head_dim)
 
 
 @functools.lru_cache(maxsize=None)
 def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool, deterministic: bool,
-                   tiles: BwdSm90Tiles) -> KernelSpec:
+                   tiles: BwdSm90Tiles, head_dim_eff: int) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
-    name = (f"flash_bwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
+    name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}")
-    defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_STAGES", tiles.stages),
-               ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
+    defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
+               ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_DETERMINISTIC", int(deterministic)), ("FT_PERSISTENT", int(tiles.persistent)),
                ("FT_SMEM_BYTES", smem_bytes), ("FT_MAX_STREAMS", MAX_STREAMS), ("FT_KERNEL_NAME", name))
@@ -504,6 +518,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
                   if _fits(spec := sm90_kernel(head_dim, dtype, causal, dropout, block_sparse), smem_limit)]
     specs += [spec for head_dim in FWD_SM90_TILES_LONG_CAUSAL for dtype in DTYPES  # causal, long sequences
               if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=LONG_CAUSAL_SEQLEN), smem_limit)]
+    specs += [spec for dtype in DTYPES for causal in (False, True) for dropout in (False, True)  # head dims 65-96
+              if _fits(spec := bwd_sm90_kernel(128, dtype, causal, dropout, head_dim_eff=SM90_NARROW_HEAD_DIM),
+                       smem_limit)]
     specs += [spec for head_dim in BWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # deterministic
               for dropout in (False, True) if BWD_SM90_TILES[head_dim].supports(dropout, False, True)
               if _fits(spec := bwd_sm90_kernel(head_dim, dtype, causal, dropout, deterministic=True), smem_limit)]

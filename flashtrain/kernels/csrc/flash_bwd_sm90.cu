@@ -3,7 +3,7 @@
 #include "flash_bwd_sm90.cuh"
 
 using Traits = flashtrain::BwdSm90Traits<FT_HEAD_DIM, FT_BLOCK_M, FT_STAGES, FT_BF16, FT_CAUSAL, FT_DROPOUT,
-                                          FT_BLOCK_SPARSE, FT_DETERMINISTIC, FT_PERSISTENT>;
+                                          FT_BLOCK_SPARSE, FT_DETERMINISTIC, FT_PERSISTENT, FT_HEAD_DIM_EFF>;
 static_assert(Traits::kSmemBytes == FT_SMEM_BYTES, "build.py and the kernel disagree on the shared memory size");
 static_assert(Traits::kNThreads == FT_THREADS, "build.py and the kernel disagree on the block size");
 

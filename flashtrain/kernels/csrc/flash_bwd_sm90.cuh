@@ -49,7 +49,7 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
-          bool kIsBlockSparse_, bool kIsDeterministic_, bool kPersistent_ = true>
+          bool kIsBlockSparse_, bool kIsDeterministic_, bool kPersistent_ = true, int kHeadDimEff_ = kHeadDim_>
 struct BwdSm90Traits {
     // Head dims 192 and 256 split the head dim over the warpgroups (flash_bwd_sm90_split_mma): 64-key tiles.
     static constexpr bool kSplitHd = kHeadDim_ > 128;
@@ -70,7 +70,11 @@ struct BwdSm90Traits {
     static_assert(kBlockM == 64 || kBlockM == 128, "query blocks of 64 or 128 rows");
     static_assert(!kIsBlockSparse || kBlockSparseSize % kBlockM == 0, "a mask block is whole query tiles");
     static constexpr int kNT = kBlockM / 8;   // n8 column tiles of S^T per thread (columns = queries)
-    static constexpr int kDT = kHeadDim / 8;  // n8 column tiles of dK, dV per thread
+    // Columns that can be non-zero: head dims 65-96 run the hd128 tiles (zero-filled past head_dim) with kHeadDimEff
+    // 96, so that S^T / dP^T skip the zero k-steps and dK / dV are m64n96 (20% less MMA work than padding all the way)
+    static constexpr int kHeadDimEff = kHeadDimEff_;
+    static_assert(kHeadDimEff == kHeadDim || (kHeadDim == 128 && kHeadDimEff == 96), "effective head dim 96 of 128");
+    static constexpr int kDT = kHeadDimEff / 8;  // n8 column tiles of dK, dV per thread
     // dQ(block) in 64 x 64 pieces (mi = query rows / 64, hj = columns / 64); warpgroup w computes pieces w, w + 2, ..
     // (one piece, head dim 64 x 64 queries: warpgroup 0 alone; the other's GEMMs meanwhile keep the tensor cores busy)
     static constexpr int kPieces = (kBlockM / 64) * (kHeadDim / 64);
@@ -283,11 +287,11 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         asm volatile("" : "+r"(sK_w), "+r"(sV_w), "+r"(sK_all), "+r"(sQ_s), "+r"(sdO_s));
         mbar_wait(sm.full(s), (gs / kStages) & 1);
 
-        // S^T = K_w Q^T, then dP^T = V_w dO^T: kHeadDim / 16 k-steps each, step kk reads 16 columns of block kk / 4.
+        // S^T = K_w Q^T, then dP^T = V_w dO^T: kHeadDimEff / 16 k-steps each, step kk reads 16 columns of block kk / 4.
         float st[kNT][4], dpt[kNT][4];
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        for (int kk = 0; kk < T::kHeadDimEff / 16; ++kk) {
             const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
             const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
             wgmma_ss<kBlockM, T::kIsBF16>(st, gmma_desc(sK_w + off_kv, 16, 1024), gmma_desc(sQ_s + off_q, 16, 1024),
@@ -301,7 +305,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             wgmma_fence();
         }
 #pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        for (int kk = 0; kk < T::kHeadDimEff / 16; ++kk) {
             const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
             const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
             wgmma_ss<kBlockM, T::kIsBF16>(dpt, gmma_desc(sV_w + off_kv, 16, 1024),
@@ -357,7 +361,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kBlockM / 16; ++ks)
-            wgmma_rs<kHeadDim, T::kIsBF16>(acc_dv, pa[ks], gmma_desc(sdO_s + ks * 16 * 128, kBlockM * 128, 1024), 1);
+            wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dv, pa[ks], gmma_desc(sdO_s + ks * 16 * 128, kBlockM * 128, 1024),
+                                                 1);
         wgmma_commit();
         // dP^T done; dV may still run unless its P^T registers are needed for dS^T (128-query blocks: ptxas keeps the
         // A fragments of an unfinished wgmma alive, and 64 more live registers would spill)
@@ -395,7 +400,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kBlockM / 16; ++ks)
-            wgmma_rs<kHeadDim, T::kIsBF16>(acc_dk, dsa[ks], gmma_desc(sQ_s + ks * 16 * 128, kBlockM * 128, 1024), 1);
+            wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dk, dsa[ks], gmma_desc(sQ_s + ks * 16 * 128, kBlockM * 128, 1024),
+                                                 1);
         wgmma_commit();
 
         // dS^T rows of this warp to the shared tile (rows keys, columns queries) for dQ = dS K.
@@ -485,7 +491,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         u16* dv = (u16*)p.dv + x.batch * p.dv_batch_stride + (i64)(x.k_start + x.n0 + 64 * w) * p.dv_row_stride +
                   x.head_kv * p.dv_head_stride;
         const int rows_valid = x.seqlen_k - x.n0 - 64 * w;
-        constexpr int kChunksPerRow = kHeadDim / 8;
+        constexpr int kChunksPerRow = T::kHeadDimEff / 8;
 #pragma unroll
         for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
             const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
