@@ -200,6 +200,9 @@ def _bwd_tile_overrides() -> None:
     for item in filter(None, os.environ.get("FLASHTRAIN_BWD_SM90_TILES", "").split(",")):
         head_dim, shape = item.split("=")
         block_m, stages, *persistent = (int(x) for x in shape.split("x"))
+        if int(head_dim) > 128 and block_m != 64:
+            raise ValueError(f"FLASHTRAIN_BWD_SM90_TILES: head dim {head_dim} takes block_m 64 (the split-head-dim "
+                             f"backward), got {block_m}")
         BWD_SM90_TILES[int(head_dim)] = BwdSm90Tiles(block_m, stages, block_n=64 if int(head_dim) > 128 else 128,
                                                      persistent=bool(persistent[0]) if persistent else True)
 
@@ -444,8 +447,9 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
 
 def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False, block_sparse: bool = False,
                     deterministic: bool = False, head_dim_eff: int | None = None) -> KernelSpec:
-    """head_dim_eff: SM90_NARROW_HEAD_DIM on the hd128 tiles (dense, not deterministic), else None."""
+    """head_dim_eff: SM90_NARROW_HEAD_DIM on the hd128 tiles (dense, not deterministic); None or head_dim: all."""
     tiles = BWD_SM90_TILES[head_dim]
+    head_dim_eff = None if head_dim_eff == head_dim else head_dim_eff
     if not tiles.supports(dropout, block_sparse, deterministic):
         raise ValueError(f"the Hopper backward at head dim {head_dim} has no dropout, block-sparse or deterministic "
                          f"variant (dropout={dropout}, block_sparse={block_sparse}, deterministic={deterministic})")
