@@ -1,9 +1,10 @@
 // FlashAttention backward (Algorithm 2 of FlashAttention-2) on Hopper, warp-specialized in FlashAttention-3's way:
 //
 //   A tile is kBlockN = 128 keys of one (batch, kv head) (64 at head dims 192 / 256: flash_bwd_sm90_split_mma). K
-//   and V are copied into shared memory once per tile (TMA) and stay; dK and dV accumulate in registers. The tile walks every query block that can see these keys, for every
-//   query head of the GQA group (dK, dV summed over the group in registers, no extra memory) -- or for a part of the
-//   group when BwdParams::kv_splits > 1 (few, long tiles: fp32 partials summed by the convert kernel). The grid is
+//   and V are copied into shared memory once per tile (TMA) and stay; dK and dV accumulate in registers. The tile
+//   walks every query block that can see these keys, for every query head of the GQA group (dK, dV summed over the
+//   group in registers, no extra memory) -- or for a part of the group when BwdParams::kv_splits > 1 (few, long
+//   tiles: fp32 partials summed by the convert kernel). The grid is
 //   persistent: one CTA per SM takes tiles from a dynamic scheduler (an atomic counter, as the forward's); the
 //   producer publishes each tile in a shared-memory slot (2 slots, mbarriers) and copies the next tile's first Q / dO
 //   while the MMA warps finish the current one, and its K / V once they have stored dK / dV (through the K / V tiles).
