@@ -453,8 +453,8 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
     if not tiles.supports(dropout, block_sparse, deterministic):
         raise ValueError(f"the Hopper backward at head dim {head_dim} has no dropout, block-sparse or deterministic "
                          f"variant (dropout={dropout}, block_sparse={block_sparse}, deterministic={deterministic})")
-    if head_dim_eff is not None and (head_dim, head_dim_eff) != (128, SM90_NARROW_HEAD_DIM) or (
-            head_dim_eff is not None and (block_sparse or deterministic)):
+    if head_dim_eff is not None and ((head_dim, head_dim_eff) != (128, SM90_NARROW_HEAD_DIM) or block_sparse
+                                     or deterministic):
         raise ValueError(f"no Hopper backward of head dim {head_dim} narrowed to {head_dim_eff} "
                          f"(block_sparse={block_sparse}, deterministic={deterministic})")
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,

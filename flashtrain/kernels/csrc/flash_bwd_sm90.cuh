@@ -234,6 +234,31 @@ template <class T> struct BwdSm90Smem {
     }
 };
 
+// Epilogue of a tile: rows [row_begin, row_begin + kRows) of dK and dV, staged in the K / V tiles, to global memory
+// with 16-byte stores by the 128 threads of one warpgroup (ctid); kCols: the columns that can be non-zero.
+template <class T, int kRows, int kCols>
+__device__ __forceinline__ void store_dkv_rows(const BwdParams& p, const BwdSm90Smem<T>& sm, const BwdTile& x,
+                                               int row_begin, int ctid) {
+    using TileKV = typename T::TileKV;
+    u16* dk = (u16*)p.dk + x.batch * p.dk_batch_stride + (i64)(x.k_start + x.n0 + row_begin) * p.dk_row_stride +
+              x.head_kv * p.dk_head_stride;
+    u16* dv = (u16*)p.dv + x.batch * p.dv_batch_stride + (i64)(x.k_start + x.n0 + row_begin) * p.dv_row_stride +
+              x.head_kv * p.dv_head_stride;
+    const int rows_valid = x.seqlen_k - x.n0 - row_begin;
+    constexpr int kChunksPerRow = kCols / 8;
+#pragma unroll
+    for (int i = 0; i < kRows * kChunksPerRow / 128; ++i) {
+        const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+        if (row < rows_valid && col < p.fwd.head_dim) {
+            u32 v[4];
+            ld_shared_v4(TileKV::addr(sm.sK, row_begin + row, col), v);
+            st_global_v4(dk + row * p.dk_row_stride + col, v);
+            ld_shared_v4(TileKV::addr(sm.sV, row_begin + row, col), v);
+            st_global_v4(dv + row * p.dv_row_stride + col, v);
+        }
+    }
+}
+
 // The MMA warpgroups (head dims 64 / 128): warpgroup w owns keys [64 w, 64 w + 64) of each 128-key tile.
 template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdSm90Params& params,
                                                                     const BwdSm90Smem<T>& sm) {
@@ -487,23 +512,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         store_acc<T::kIsBF16, TileKV>(sm.sK, dk1, key_row0, 0, f.softmax_scale, lane);
         store_acc<T::kIsBF16, TileKV>(sm.sV, dv1, key_row0, 0, 1.f, lane);
         named_bar_sync(T::kBarEpilogue + 1 + w, 128);
-        u16* dk = (u16*)p.dk + x.batch * p.dk_batch_stride + (i64)(x.k_start + x.n0 + 64 * w) * p.dk_row_stride +
-                  x.head_kv * p.dk_head_stride;
-        u16* dv = (u16*)p.dv + x.batch * p.dv_batch_stride + (i64)(x.k_start + x.n0 + 64 * w) * p.dv_row_stride +
-                  x.head_kv * p.dv_head_stride;
-        const int rows_valid = x.seqlen_k - x.n0 - 64 * w;
-        constexpr int kChunksPerRow = T::kHeadDimEff / 8;
-#pragma unroll
-        for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
-            const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-            if (row < rows_valid && col < f.head_dim) {
-                u32 v[4];
-                ld_shared_v4(TileKV::addr(sm.sK, 64 * w + row, col), v);
-                st_global_v4(dk + row * p.dk_row_stride + col, v);
-                ld_shared_v4(TileKV::addr(sm.sV, 64 * w + row, col), v);
-                st_global_v4(dv + row * p.dv_row_stride + col, v);
-            }
-        }
+        store_dkv_rows<T, 64, T::kHeadDimEff>(p, sm, x, 64 * w, ctid);
         __syncwarp();
         if (lead_lane) mbar_arrive(sm.empty_kv);  // (this warp's reads of K / V are done)
     }
@@ -733,7 +742,9 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
         wgmma_wait<0>();
         fence_operand(acc_dk);
         fence_operand(acc_dv);
-        if (p.kv_splits > 1) {  // GQA split: fp32 partial sums (dK unscaled), as flash_bwd_sm90_mma
+        // GQA split: fp32 partial sums (dK unscaled), as flash_bwd_sm90_mma. (Not a helper shared with it: ptxas
+        // then allocated the hd64 / hd128 kernels differently, and one call per gradient spilled 96 -> 308 B at hd256.)
+        if (p.kv_splits > 1) {
             __syncwarp();
             if (lead_lane) mbar_arrive(sm.empty_kv);
             const i64 base = x.split * p.dkv_split_stride + x.batch * p.dkv_batch_stride +
@@ -765,23 +776,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
         store_acc<T::kIsBF16, TileKV>(sm.sK, dk1, row0, kDkCol, f.softmax_scale, lane);
         store_acc<T::kIsBF16, TileKV>(sm.sV, dv1, row0, kDvCol, 1.f, lane);
         named_bar_sync(T::kBarEpilogue + 1, 256);
-        u16* dk = (u16*)p.dk + x.batch * p.dk_batch_stride + (i64)(x.k_start + x.n0 + 32 * W) * p.dk_row_stride +
-                  x.head_kv * p.dk_head_stride;
-        u16* dv = (u16*)p.dv + x.batch * p.dv_batch_stride + (i64)(x.k_start + x.n0 + 32 * W) * p.dv_row_stride +
-                  x.head_kv * p.dv_head_stride;
-        const int rows_valid = x.seqlen_k - x.n0 - 32 * W;
-        constexpr int kChunksPerRow = kHeadDim / 8;
-#pragma unroll
-        for (int i = 0; i < 32 * kChunksPerRow / 128; ++i) {
-            const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-            if (row < rows_valid && col < f.head_dim) {
-                u32 v[4];
-                ld_shared_v4(TileKV::addr(sm.sK, 32 * W + row, col), v);
-                st_global_v4(dk + row * p.dk_row_stride + col, v);
-                ld_shared_v4(TileKV::addr(sm.sV, 32 * W + row, col), v);
-                st_global_v4(dv + row * p.dv_row_stride + col, v);
-            }
-        }
+        store_dkv_rows<T, 32, kHeadDim>(p, sm, x, 32 * W, ctid);
         __syncwarp();
         if (lead_lane) mbar_arrive(sm.empty_kv);
     }
