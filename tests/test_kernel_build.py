@@ -325,3 +325,22 @@ def test_gqa_splits_balance_the_hopper_backward(group, seqlen, n_bh, causal, exp
     if splits > 1:  # one part fewer would not do
         fewer = max(d for d in range(1, splits) if group % d == 0)
         assert group // fewer * max(visible) > share / 4
+
+
+@pytest.mark.parametrize("n_blocks, n_units, waves, expected", [
+    (32, 64, 2.0, 9),              # hd128 4K causal backward: 32 key blocks, 64 (batch, head) units -> 9 per group
+    (4, 512, 2.0, 66),             # hd128 512 causal forward: 4 query blocks, 512 units
+    (8, 16, 2.0, 16),              # fewer units than a group: one group
+    (32, 64, 0.0, 1),              # the backward's earlier order (key blocks fastest)
+    (32, 64, float("inf"), 64),    # the forward's earlier order (longest first over all units)
+])
+def test_causal_tile_groups(n_blocks, n_units, waves, expected, monkeypatch):
+    """ops._causal_tile_group: units per group of the Hopper causal kernels' tile order, sized so that a group's
+    tiles fill the 132 SMs `waves` times (the kernels' last group takes the remainder too)."""
+    from flashtrain.kernels import ops
+
+    monkeypatch.setattr(ops, "CAUSAL_GROUP_WAVES", waves)
+    group = ops._causal_tile_group(n_blocks, n_units, 132)
+    assert group == expected and 1 <= group <= n_units
+    if 1 < group < n_units:  # the smallest group whose tiles fill the SMs `waves` times over
+        assert group * n_blocks >= waves * 132 > (group - 1) * n_blocks

@@ -5,7 +5,8 @@ check of the gradients against fp32 attention (dense, causal, GQA, head dim 96 p
     PYTHONPATH=$PWD python3 benchmarks/probes/sm90_bwd_probe.py [--seqlens 1024 4096 16384] [--head-dims 64 128]
 
 Implementations: flashtrain, flashtrain-det (deterministic=True), flashtrain-det1 (deterministic, non-causal turns
-in one chain), flashtrain-grid (one CTA per tile), cudnn, fa2, and
+in one chain), flashtrain-grid (one CTA per tile), cudnn, fa2; "flashtrain@waves=W" runs the causal backward with
+ops.CAUSAL_GROUP_WAVES = W (W = 0: key blocks fastest); and
 compile-time variants of the kernels in the same process: "flashtrain+FT_MACRO=1[+FT_OTHER=2]" builds and runs the
 kernels with those macros (FLASHTRAIN_EXTRA_DEFINES; its own cubins and launch plans), e.g.
 "flashtrain+FT_PHILOX_ROUNDS=7" with --dropout 0.1.
@@ -110,6 +111,20 @@ def kernel_variant(name: str):
             launch._modules.update(saved_modules)
 
 
+@contextlib.contextmanager
+def group_waves(name: str):
+    """flashtrain@waves=W: the causal tile order with ops.CAUSAL_GROUP_WAVES = W."""
+    saved = ops.CAUSAL_GROUP_WAVES
+    if "@waves=" in name:
+        ops.CAUSAL_GROUP_WAVES = float(name.split("@waves=")[1])
+    drop_plans()
+    try:
+        yield
+    finally:
+        ops.CAUSAL_GROUP_WAVES = saved
+        drop_plans()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=15)
@@ -119,6 +134,7 @@ def main() -> None:
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--impls", nargs="+", default=["flashtrain", "cudnn", "fa2"])
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every call (e.g. 0.1)")
+    parser.add_argument("--masks", nargs="+", default=["full", "causal"], choices=["full", "causal"])
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     if not args.no_check:
@@ -131,7 +147,7 @@ def main() -> None:
         nheads = 2048 // head_dim
         for seqlen in args.seqlens:
             batch = 16384 // seqlen
-            for causal in (False, True):
+            for causal in [m == "causal" for m in args.masks]:
                 flops = 2.5 * 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
                 best = {}
                 for _ in range(args.rounds):
@@ -140,7 +156,8 @@ def main() -> None:
                         q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                                    for _ in range(3))
                         if name.startswith("flashtrain"):  # -det: deterministic=True; -grid: one CTA per tile
-                            with one_cta_per_tile(name.endswith("-grid")), kernel_variant(name), det_chains(name):
+                            with (one_cta_per_tile(name.endswith("-grid")), kernel_variant(name.split("@")[0]),
+                                  det_chains(name), group_waves(name)):
                                 out = flash_attn_func(q, k, v, args.dropout, causal=causal, impl="cuda",
                                                       deterministic="-det" in name)
                         else:
@@ -150,7 +167,8 @@ def main() -> None:
                                                                      is_causal=causal)
                         dout = torch.randn_like(out)
                         fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
-                        with one_cta_per_tile(name.endswith("-grid")), kernel_variant(name), det_chains(name):
+                        with (one_cta_per_tile(name.endswith("-grid")), kernel_variant(name.split("@")[0]),
+                              det_chains(name), group_waves(name)):
                             ms = 1000 * statistics.median(time_calls(fn, torch.device("cuda"), 3, args.repeats))
                         best[name] = max(best.get(name, 0), flops / ms / 1e9)
                 line = "  ".join(f"{n} {best[n]:6.1f}" for n in args.impls)
@@ -162,7 +180,7 @@ def main() -> None:
                 if "flashtrain-det1" in best:
                     ratio += f"  det1/default {best['flashtrain-det1'] / best['flashtrain']:.2f}"
                 for n in best:
-                    if "+" in n:
+                    if "+" in n or "@" in n:
                         ratio += f"  {n}/default {best[n] / best['flashtrain']:.3f}"
                 print(f"hd{head_dim} S{seqlen:<6} {'causal' if causal else 'full  '} bwd TFLOP/s {line}{ratio}",
                       flush=True)

@@ -4,7 +4,9 @@ timed in every process, so each line carries its own scale. The variants' cubins
 
     PYTHONPATH=$PWD python3 benchmarks/probes/sm90_fwd_tiles_probe.py [--variants 64=192x128x2 128=128x64x2 ...]
 
-A variant may add compile-time macros after '+' (FLASHTRAIN_EXTRA_DEFINES), e.g. 64=128x128x2+FT_SOME_MACRO=1.
+A variant may add compile-time macros after '+' (FLASHTRAIN_EXTRA_DEFINES), e.g. 64=128x128x2+FT_SOME_MACRO=1, and
+the causal tile order's group size after '@waves=' (ops.CAUSAL_GROUP_WAVES; inf: longest first over all (batch, head)
+units, the order before the groups), e.g. 128=128x128x2@waves=inf.
 
 --masks causal full: also (or only) the non-causal rows. Shapes: the benchmark grid's rows at 512 / 1K / 4K (16384
 tokens, 2048 / head_dim heads) and GPT-2 small's attention as the model calls it (16 x 1K x 12 heads x 64, q / k / v
@@ -25,7 +27,10 @@ def child(head_dim: int, causal: bool) -> None:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flashtrain.kernels import flash_attn_func
+    from flashtrain.kernels import flash_attn_func, ops
+
+    if "FLASHTRAIN_PROBE_CAUSAL_WAVES" in os.environ:
+        ops.CAUSAL_GROUP_WAVES = float(os.environ["FLASHTRAIN_PROBE_CAUSAL_WAVES"])
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from train_gpt2 import time_calls
@@ -70,8 +75,10 @@ def main() -> None:
     env = dict(os.environ)
 
     def variant_env(variant):
+        variant, *waves = variant.split("@waves=")
         tiles, *macros = variant.split("+")
-        return {**env, "FLASHTRAIN_FWD_SM90_TILES": tiles, "FLASHTRAIN_EXTRA_DEFINES": ",".join(macros)}
+        extra = {"FLASHTRAIN_PROBE_CAUSAL_WAVES": waves[0]} if waves else {}
+        return {**env, "FLASHTRAIN_FWD_SM90_TILES": tiles, "FLASHTRAIN_EXTRA_DEFINES": ",".join(macros), **extra}
 
     def prebuild(variant):
         head_dim = variant.split("=")[0]

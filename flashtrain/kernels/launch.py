@@ -37,17 +37,17 @@ class FwdParams(ctypes.Structure):
         ("softmax_scale", _f32), ("softmax_scale_log2", _f32), ("keep_threshold", _u32), ("rp_dropout", _f32),
         ("bs_n_qblocks", _i32), ("bs_n_kblocks", _i32),
         ("bs_rows", _ptr), ("bs_cols", _ptr), ("bs_rows_head_stride", _i64), ("bs_cols_head_stride", _i64),
-        ("total_q", _i32), ("total_k", _i32),
+        ("total_q", _i32), ("total_k", _i32), ("causal_tile_group", _i32), ("pad_", _i32),
     ]
 
 
 class FwdSm90Params(ctypes.Structure):
-    """csrc/flash.h FwdSm90Params: three 128-byte tensor maps (offsets 0, 128, 256), FwdParams (from 384), the tile
-    counter, then padding to a multiple of the struct's 64-byte alignment (the driver copies that many bytes)."""
+    """csrc/flash.h FwdSm90Params: four 128-byte tensor maps (q, k, v, out), FwdParams (from 512), the tile counter,
+    then padding to a multiple of the struct's 64-byte alignment (the driver copies that many bytes)."""
 
-    _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("fwd", FwdParams),
+    _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("tma_o", TmaDesc), ("fwd", FwdParams),
                 ("tile_counter", _ptr),
-                ("pad_", ctypes.c_uint8 * (-(3 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(FwdParams) + 8) % 64))]
+                ("pad_", ctypes.c_uint8 * (-(4 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(FwdParams) + 8) % 64))]
 
 
 class BwdParams(ctypes.Structure):
@@ -66,12 +66,12 @@ class BwdParams(ctypes.Structure):
 
 
 class BwdSm90Params(ctypes.Structure):
-    """csrc/flash.h BwdSm90Params: four 128-byte tensor maps (q, k, v, dout), BwdParams (from 512), the tile counter,
-    then padding to a multiple of the struct's 64-byte alignment."""
+    """csrc/flash.h BwdSm90Params: six 128-byte tensor maps (q, k, v, dout, dk, dv), BwdParams (from 768), the tile
+    counter, then padding to a multiple of the struct's 64-byte alignment."""
 
-    _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("tma_do", TmaDesc), ("bwd", BwdParams),
-                ("tile_counter", _ptr),
-                ("pad_", ctypes.c_uint8 * (-(4 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(BwdParams) + 8) % 64))]
+    _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("tma_do", TmaDesc), ("tma_dk", TmaDesc),
+                ("tma_dv", TmaDesc), ("bwd", BwdParams), ("tile_counter", _ptr),
+                ("pad_", ctypes.c_uint8 * (-(6 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(BwdParams) + 8) % 64))]
 
 
 class AuxParams(ctypes.Structure):

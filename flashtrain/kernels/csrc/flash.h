@@ -55,6 +55,12 @@ struct FwdParams {
     const int* bs_cols;
     i64 bs_rows_head_stride, bs_cols_head_stride;  // 0: one mask for all heads
     int total_q, total_k;     // varlen: rows of q / k (every sequence is clamped into them; utils.cuh packed_seq)
+    // Hopper causal kernels (the backward: not deterministic): the persistent grid's tiles in groups of this many
+    // (batch, head) units -- the backward's: (batch, kv head, GQA split) --, longest tiles first inside a group (a
+    // short tail) while a group's K / V (Q / dO) stay in L2; 1: longest first over all units (forward) or key blocks
+    // fastest (backward)
+    int causal_tile_group;
+    int pad_;
 };
 
 // A TMA tensor map (CUtensorMap): 128 opaque bytes encoded on the host by cuTensorMapEncodeTiled
@@ -70,6 +76,7 @@ struct alignas(64) TmaDesc {
 // its 64-byte alignment; launch.py pads its mirror the same way.
 struct FwdSm90Params {
     TmaDesc tma_q, tma_k, tma_v;
+    TmaDesc tma_o;  // out, boxes of 64 rows (a consumer warpgroup's): the epilogue's TMA stores
     FwdParams fwd;
     int* tile_counter;
 };
@@ -108,6 +115,7 @@ struct BwdParams {
 // pads its mirror the same way).
 struct BwdSm90Params {
     TmaDesc tma_q, tma_k, tma_v, tma_do;
+    TmaDesc tma_dk, tma_dv;  // dk, dv, boxes of 64 rows (an MMA warpgroup's): the epilogue's TMA stores
     BwdParams bwd;
     int* tile_counter;
 };

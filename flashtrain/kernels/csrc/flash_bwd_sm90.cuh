@@ -114,6 +114,24 @@ struct BwdSm90Traits {
     // staged through shared memory for the writer's bulk reduce-adds (two rounds of 8 slices, 64 KB, fit at hd192)
     // they ran 0.72-0.81x as fast (H200, same process): the MMA warps waited for the writer at every block.
     static constexpr int kDqStagingBytes = kSplitHd ? 0 : kNMma * 4 * kPiecesPerWg * kDqSliceBytes;
+    // Head dims 64 / 128: the epilogue stages dK and dV in the score tiles and the dQ staging slices (one area, free
+    // once both warpgroups' last GEMMs are done and the dQ writer has taken the last slices) instead of in K / V, so
+    // K / V are released before the epilogue and the next tile's copy overlaps it. Split head dims: no room;
+    // deterministic hd128: dV would wait for the dQ writer, which waits for its turn.
+#ifdef FT_BWD_KV_EARLY
+    static constexpr bool kEarlyKvDefault = FT_BWD_KV_EARLY;
+#else
+    static constexpr bool kEarlyKvDefault = true;
+#endif
+    static constexpr bool kEarlyKv =
+        kEarlyKvDefault && !kSplitHd && (!kIsDeterministic || TileKV::kBytes <= TileS::kBytes);
+    static_assert(!kEarlyKv || 2 * TileKV::kBytes <= 2 * TileS::kBytes + kDqStagingBytes, "dK / dV staging area");
+    // ... and written from there by TMA stores, so that the MMA warps go on to the next tile at once
+#ifdef FT_TMA_STORE
+    static constexpr bool kTmaStoreDkv = kEarlyKv && FT_TMA_STORE;
+#else
+    static constexpr bool kTmaStoreDkv = kEarlyKv;
+#endif
     static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileS::kBytes +
                                       kDqStagingBytes + 2 * kStages * kStatsBytes + kBarrierBytes + 1024;
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then
@@ -121,21 +139,30 @@ struct BwdSm90Traits {
     static constexpr int kBarDs = 1, kBarEpilogue = 2, kBarP = 5;
 };
 
-// A tile is one key block of one (batch, kv head): tile = (head_kv * batch + batch) * n_kblocks + n_block, key blocks
-// fastest, so that concurrent tiles share the head's Q / dO in L2 and the deterministic turns find the key blocks
-// they wait for taken earlier (deterministic causal: the highest key block first; see the dQ writer). Tried: causal
-// tiles in groups of heads with the heads fastest (longest tiles first, a shorter tail in simulation): equal at 1K,
-// 3% slower at hd128 4K / 16K (H200, 2026-11-24).
-// With GQA splits (BwdParams::kv_splits > 1) the tile also names its part of the group's query heads:
-// tile = ((head_kv * batch + batch) * kv_splits + split) * n_kblocks + n_block.
+// A tile is one key block of one unit = (batch, kv head, GQA split: BwdParams::kv_splits > 1 splits the group's query
+// heads over that many tiles per key block), unit = (head_kv * batch + batch) * kv_splits + split. Order: tile =
+// unit * n_kblocks + n_block, key blocks fastest, so that concurrent tiles share the head's Q / dO and dQ rows in L2
+// and the deterministic turns find the key blocks they wait for taken earlier (deterministic causal: the highest key
+// block first; see the dQ writer). Causal (not deterministic): the units in groups of FwdParams::causal_tile_group
+// (tile_group_unit), and inside a group the key blocks outer, units inner: the longest tiles (key block 0 sees every query block) start first and the
+// shortest end the launch (key blocks fastest leaves one unit's long first tile to run alone at the end). Groups
+// keep the L2 locality that all units inner loses (tried 2026-11-24: 3% slower at hd128 4K / 16K).
 struct BwdTile {
     int n_block, n0, batch, head_kv, q_start, k_start, seqlen_q, seqlen_k, split;
 };
 template <class T> __device__ __forceinline__ bool bwd_tile(const BwdParams& p, int tile, int n_kblocks, BwdTile& x) {
     const FwdParams& f = p.fwd;
-    x.n_block = T::kIsDeterministic && T::kIsCausal ? n_kblocks - 1 - tile % n_kblocks : tile % n_kblocks;
-    x.split = tile / n_kblocks % p.kv_splits;
-    const int bh = tile / n_kblocks / p.kv_splits;
+    int unit;
+    if (T::kIsCausal && !T::kIsDeterministic && f.causal_tile_group > 1) {
+        int r;
+        unit = tile_group_unit(tile, n_kblocks, f.batch * f.nheads_kv * p.kv_splits, f.causal_tile_group, r);
+        x.n_block = r;
+    } else {
+        x.n_block = T::kIsDeterministic && T::kIsCausal ? n_kblocks - 1 - tile % n_kblocks : tile % n_kblocks;
+        unit = tile / n_kblocks;
+    }
+    x.split = unit % p.kv_splits;
+    const int bh = unit / p.kv_splits;
     x.batch = bh % f.batch;
     x.head_kv = bh / f.batch;
     seq_bounds(f, x.batch, x.q_start, x.k_start, x.seqlen_q, x.seqlen_k);
@@ -234,11 +261,12 @@ template <class T> struct BwdSm90Smem {
     }
 };
 
-// Epilogue of a tile: rows [row_begin, row_begin + kRows) of dK and dV, staged in the K / V tiles, to global memory
-// with 16-byte stores by the 128 threads of one warpgroup (ctid); kCols: the columns that can be non-zero.
+// Epilogue of a tile: rows [row_begin, row_begin + kRows) of dK and dV, staged in TileKV layout at sdK / sdV, to
+// global memory with 16-byte stores by the 128 threads of one warpgroup (ctid); kCols: the columns that can be
+// non-zero.
 template <class T, int kRows, int kCols>
-__device__ __forceinline__ void store_dkv_rows(const BwdParams& p, const BwdSm90Smem<T>& sm, const BwdTile& x,
-                                               int row_begin, int ctid) {
+__device__ __forceinline__ void store_dkv_rows(const BwdParams& p, u32 sdK, u32 sdV, const BwdTile& x, int row_begin,
+                                               int ctid) {
     using TileKV = typename T::TileKV;
     u16* dk = (u16*)p.dk + x.batch * p.dk_batch_stride + (i64)(x.k_start + x.n0 + row_begin) * p.dk_row_stride +
               x.head_kv * p.dk_head_stride;
@@ -251,9 +279,9 @@ __device__ __forceinline__ void store_dkv_rows(const BwdParams& p, const BwdSm90
         const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
         if (row < rows_valid && col < p.fwd.head_dim) {
             u32 v[4];
-            ld_shared_v4(TileKV::addr(sm.sK, row_begin + row, col), v);
+            ld_shared_v4(TileKV::addr(sdK, row_begin + row, col), v);
             st_global_v4(dk + row * p.dk_row_stride + col, v);
-            ld_shared_v4(TileKV::addr(sm.sV, row_begin + row, col), v);
+            ld_shared_v4(TileKV::addr(sdV, row_begin + row, col), v);
             st_global_v4(dv + row * p.dv_row_stride + col, v);
         }
     }
@@ -288,6 +316,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     // This warp's slice of the block's dQ piece, in dq_accum's scrambled order (n8 tile j, lane l -> floats 128 j +
     // 4 l), to its staging area once the dQ writer has released it; the writer adds it to global memory.
     int dq_count = 0;
+    // The previous tile's dK / dV TMA stores may still read their staging (the score tiles, the dQ slices): this
+    // warpgroup's issuing thread waits for them before the warpgroup writes dS^T again.
+    bool staged_out = false;
     auto write_dq = [&](int, int) {
         fence_operand(dq);
         mbar_wait(sm.dq_empty, (dq_count & 1) ^ 1);  // (the first wait passes at once)
@@ -433,6 +464,11 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         // dS^T rows of this warp to the shared tile (rows keys, columns queries) for dQ = dS K.
         // One stmatrix per 16 x 16 piece (lane l addresses row l % 8 (+ 8 for matrices 1, 3) at columns 16 ks (+ 8 for
         // matrices 2, 3)) instead of four 4-byte stores: hd64 1.00-1.09x, hd128 0.97-1.06x (H200, same process).
+        if (T::kTmaStoreDkv && staged_out) {
+            if (ctid == 0) bulk_wait_read<0>();
+            named_bar_sync(T::kBarEpilogue + 1 + w, 128);
+            staged_out = false;
+        }
 #pragma unroll
         for (int ks = 0; ks < kBlockM / 16; ++ks)
             stmatrix_x4(TileS::addr(sdS, key_row0 + lane % 8 + 8 * ((lane / 8) & 1), 16 * ks + 8 * (lane / 16)),
@@ -461,11 +497,14 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     };
     int gs = 0;
     for (int tile_iter = 0; sm.read_tile(tile_iter, x); ++tile_iter) {
+        FT_TIMELINE_MARK(wg, tile_iter, 0);
+        FT_TIMELINE_PUT(wg, tile_iter, 6, (unsigned long long)gs);
 #pragma unroll
         for (int i = 0; i < kDT; ++i)
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc_dk[i][j] = acc_dv[i][j] = 0.f;
         mbar_wait(sm.full_kv, tile_iter & 1);
+        FT_TIMELINE_MARK(wg, tile_iter, 1);
         for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++gs) {
             if (tile_needs_mask<T::kIsCausal, kBlockN>(walk.m0, x.n0, x.seqlen_q, x.seqlen_k))
                 step(walk, gs, BoolConstant<true>{});
@@ -477,6 +516,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             write_dq(dq_m0, dq_head);
             dq_m0 = -1;
         }
+        FT_TIMELINE_MARK(wg, tile_iter, 2);
+        FT_TIMELINE_PUT(wg, tile_iter, 7, (unsigned long long)gs);
         // Epilogue: dK * scale and dV through this warpgroup's rows of the K / V tiles, then 16-byte stores; then the
         // producer may copy the next tile's K / V. (Stores straight from the accumulators, 4 bytes per row pair, with
         // the next K / V copied meanwhile: 1-7% slower at S <= 4K, H200 A/B 2026-11-24.)
@@ -506,16 +547,68 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             }
             continue;
         }
-        named_bar_sync(T::kBarEpilogue, 128 * T::kNMma);  // both warpgroups are done reading K (their dQ GEMMs)
+        u32 sdK = sm.sK, sdV = sm.sV;
+        if constexpr (T::kEarlyKv) {
+            // (each warp after its warpgroup's last GEMM: the K / V copy of the next tile overlaps this epilogue)
+            __syncwarp();
+            if (lead_lane) mbar_arrive(sm.empty_kv);
+            sdK = sm.sdS0, sdV = sm.sdS0 + TileKV::kBytes;
+            // (a tile without query blocks has written no dS^T, so nothing has waited for the last stores yet)
+            if (T::kTmaStoreDkv && staged_out && ctid == 0) bulk_wait_read<0>();
+        }
+        // both warpgroups are done reading K (their dQ GEMMs) and the score tiles
+        named_bar_sync(T::kBarEpilogue, 128 * T::kNMma);
+        FT_TIMELINE_MARK(wg, tile_iter, 5);
         float(&dk1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&acc_dk);
         float(&dv1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&acc_dv);
-        store_acc<T::kIsBF16, TileKV>(sm.sK, dk1, key_row0, 0, f.softmax_scale, lane);
-        store_acc<T::kIsBF16, TileKV>(sm.sV, dv1, key_row0, 0, 1.f, lane);
-        named_bar_sync(T::kBarEpilogue + 1 + w, 128);
-        store_dkv_rows<T, 64, T::kHeadDimEff>(p, sm, x, 64 * w, ctid);
-        __syncwarp();
-        if (lead_lane) mbar_arrive(sm.empty_kv);  // (this warp's reads of K / V are done)
+        // dV staged over the dQ slices (head dim 128) once the dQ writer has taken the last ones
+        constexpr bool kDvWaitsDq = T::kEarlyKv && 2 * TileKV::kBytes > 2 * TileS::kBytes;
+        // (rows of this warpgroup only: the other warpgroup's next dS^T / dQ stores land in other bytes, or, dQ
+        // slices over these dV rows, after the next block's dS^T barrier, which waits for this warpgroup)
+        if (T::kTmaStoreDkv && (f.cu_seqlens_q == nullptr || x.seqlen_k - x.n0 - 64 * w >= 64)) {
+            // TMA stores of the warpgroup's 64 rows of dK and dV (rows past a batch's sequence lie outside the maps;
+            // a varlen sequence's partial last tile takes store_dkv_rows: its rows past the end are the next one's).
+            // dK first, so that its staging and store overlap the dQ writer's last reduction.
+            auto store_rows = [&](const TmaDesc* desc, u32 tile) {
+                if (ctid == 0) {
+                    const int row = x.k_start + x.n0 + 64 * w, batch = f.cu_seqlens_q != nullptr ? 0 : x.batch;
+#pragma unroll
+                    for (int cb = 0; cb < kHeadDim / 64; ++cb)
+                        if (cb * 64 < T::kHeadDimEff)
+                            tma_store_4d(desc, tile + cb * kBlockN * 128 + 64 * w * 128, cb * 64, row, x.head_kv, batch);
+                }
+            };
+            store_acc<T::kIsBF16, TileKV>(sdK, dk1, key_row0, 0, f.softmax_scale, lane);
+            if constexpr (kDvWaitsDq) {
+                fence_proxy_async();
+                named_bar_sync(T::kBarEpilogue + 1 + w, 128);
+                store_rows(&params.tma_dk, sdK);
+                mbar_wait(sm.dq_empty, (dq_count & 1) ^ 1);
+            }
+            FT_TIMELINE_MARK(wg, tile_iter, 3);
+            store_acc<T::kIsBF16, TileKV>(sdV, dv1, key_row0, 0, 1.f, lane);
+            fence_proxy_async();
+            named_bar_sync(T::kBarEpilogue + 1 + w, 128);
+            if constexpr (!kDvWaitsDq) store_rows(&params.tma_dk, sdK);
+            store_rows(&params.tma_dv, sdV);
+            if (ctid == 0) bulk_commit();
+            staged_out = true;
+        } else {
+            if constexpr (kDvWaitsDq) mbar_wait(sm.dq_empty, (dq_count & 1) ^ 1);
+            FT_TIMELINE_MARK(wg, tile_iter, 3);
+            store_acc<T::kIsBF16, TileKV>(sdK, dk1, key_row0, 0, f.softmax_scale, lane);
+            store_acc<T::kIsBF16, TileKV>(sdV, dv1, key_row0, 0, 1.f, lane);
+            named_bar_sync(T::kBarEpilogue + 1 + w, 128);
+            store_dkv_rows<T, 64, T::kHeadDimEff>(p, sdK, sdV, x, 64 * w, ctid);
+        }
+        if constexpr (!T::kEarlyKv) {
+            __syncwarp();
+            if (lead_lane) mbar_arrive(sm.empty_kv);  // (this warp's reads of K / V are done)
+        }
+        FT_TIMELINE_MARK(wg, tile_iter, 4);
     }
+    if (T::kTmaStoreDkv && ctid == 0) bulk_wait<0>();  // the last dK / dV stores have read shared memory (and landed)
+    FT_TIMELINE_END(wg);
 }
 
 
@@ -776,7 +869,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
         store_acc<T::kIsBF16, TileKV>(sm.sK, dk1, row0, kDkCol, f.softmax_scale, lane);
         store_acc<T::kIsBF16, TileKV>(sm.sV, dv1, row0, kDvCol, 1.f, lane);
         named_bar_sync(T::kBarEpilogue + 1, 256);
-        store_dkv_rows<T, 32, kHeadDim>(p, sm, x, 32 * W, ctid);
+        store_dkv_rows<T, 32, kHeadDim>(p, sm.sK, sm.sV, x, 32 * W, ctid);
         __syncwarp();
         if (lead_lane) mbar_arrive(sm.empty_kv);
     }
@@ -814,6 +907,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         mbar_fence_init();
     }
     __syncthreads();
+    if (threadIdx.x == 0) FT_TIMELINE_START();
 
     if (wg == 0) {
         // ------------------------------------------------------------------------------------------ producer
@@ -841,6 +935,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 mbar_wait(sm.tile_empty(slot), ((tile_iter >> 1) & 1) ^ 1);  // (the first two pass at once)
                 atomic_store_shared(sm.tile_slot(slot), tile < n_tiles ? tile : -1);
                 mbar_arrive(sm.tile_full(slot));
+                FT_TIMELINE_MARK(0, tile_iter, 2);
                 if (tile >= n_tiles) break;
                 const int batch_coord = varlen ? 0 : x.batch;
                 // K / V once the MMA warps are done with the previous tile's (after this tile's first Q / dO copy,
@@ -857,6 +952,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                                     x.head_kv, batch_coord);
                     }
                     kv_loaded = true;
+                    FT_TIMELINE_MARK(0, tile_iter, 3);
                 };
                 for (QueryBlockWalk<T> walk(p, x); walk.has;
                      walk.next(), ++gs) {

@@ -12,7 +12,8 @@
 //     With two consumers, named barriers order their GEMM issues (ping-pong): consumer 0 issues, then consumer 1,
 //     then consumer 0 again, so one warpgroup's softmax runs while the other's GEMMs hold the tensor cores.
 //   Epilogue: O / l and lse = m * scale + ln(l) per row; O staged through the warpgroup's rows of a shared O tile and
-//     written with 16-byte stores (rows past the sequence end are not written: varlen neighbours stay intact).
+//     written by TMA stores (the warps go on to the next tile; head dims 192 / 256 stage O in Q and a varlen
+//     sequence's partial last tile is written with 16-byte stores: rows past its end belong to the next sequence).
 //   The grid is persistent: each CTA loops over tiles (fwd_tile below). The producer picks the next tile, waits for
 //     the consumers' "empty_q" (their last S GEMM of the current tile), writes the tile's index to a shared slot and
 //     copies its Q, then its K/V, while the consumers still run the current tile's last P V product and epilogue;
@@ -42,6 +43,12 @@ struct FwdSm90Traits {
     // O staged in a tile of its own (Q is released after the tile's last S GEMM) or through Q (released after the
     // epilogue has read O back: head dims whose Q + O + K/V stages do not fit in shared memory)
     static constexpr bool kSeparateO = kSeparateO_;
+    // The epilogue writes O with TMA stores from its own tile (not through Q: it is released once read back)
+#ifdef FT_TMA_STORE
+    static constexpr bool kTmaStoreO = kSeparateO && FT_TMA_STORE;
+#else
+    static constexpr bool kTmaStoreO = kSeparateO;
+#endif
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_;
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
@@ -98,14 +105,22 @@ template <class T> struct KeyBlockWalk {
 // One tile = kBlockM query rows of one (batch, head). The grid is persistent (at most one CTA per SM): CTA c starts
 // with tile c and takes its next tiles from a global atomic counter (dynamic: causal and varlen tiles differ in work),
 // so that the producer copies the next tile's Q, K and V while the consumers finish this one. Order: causal, the
-// longest query blocks of every (batch, head) first; otherwise query blocks fastest (a head's K/V stay in L2).
+// longest query blocks first, over groups of FwdParams::causal_tile_group (batch, head) units (all of them when 0),
+// so that a group's K / V stay in L2 between its query blocks; otherwise query blocks fastest (the same reason).
 struct FwdTile {
     int m0, batch, head, head_kv, q_start, k_start, seqlen_q, seqlen_k, n_block_max;
 };
 template <class T> __device__ __forceinline__ bool fwd_tile(const FwdParams& p, int tile, int n_mblocks, FwdTile& x) {
     const int n_bh = p.batch * p.nheads;
-    const int m_block = T::kIsCausal ? n_mblocks - 1 - tile / n_bh : tile % n_mblocks;
-    const int bh = T::kIsCausal ? tile % n_bh : tile / n_mblocks;
+    int m_block = tile % n_mblocks, bh = tile / n_mblocks;
+    if (T::kIsCausal) {
+        if (p.causal_tile_group > 0) {
+            bh = tile_group_unit(tile, n_mblocks, n_bh, p.causal_tile_group, m_block);
+            m_block = n_mblocks - 1 - m_block;
+        } else {
+            m_block = n_mblocks - 1 - tile / n_bh, bh = tile % n_bh;
+        }
+    }
     x.batch = bh / p.nheads;
     x.head = bh % p.nheads;
     x.head_kv = x.head / (p.nheads / p.nheads_kv);
@@ -155,6 +170,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         mbar_fence_init();
     }
     __syncthreads();
+    if (threadIdx.x == 0) FT_TIMELINE_START();
 
     if (wg == 0) {
         // ------------------------------------------------------------------------------------------ producer
@@ -238,7 +254,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 
     int it = 0;
     for (int tile_iter = 0;; ++tile_iter) {
+        FT_TIMELINE_MARK(wg, tile_iter, 0);
         mbar_wait(full_q, tile_iter & 1);  // Q landed, or the end mark
+        FT_TIMELINE_MARK(wg, tile_iter, 1);
         const int tile = ld_shared_b32(tile_slot);
         if (tile < 0) {
             if constexpr (T::kPingPong)
@@ -300,6 +318,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         };
 
         KeyBlockWalk<T> walk(p, x.head, m0, x.n_block_max);
+        FT_TIMELINE_PUT(wg, tile_iter, 6, (unsigned long long)it);
         // A consumer whose 64 rows all lie past the sequence end (the partial last tile of 192-row tiles at S = 512 /
         // 1K; varlen) computes nothing: it only keeps the stage rings and the turns in step. (H200, each its own
         // process, hd64 non-causal forward TFLOP/s with / without: 512 392 / 370, 1K 448 / 424, 4K 517 / 508.)
@@ -334,6 +353,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 schedule_pass();
                 wgmma_wait<0>();
                 fence_operand(s);
+                FT_TIMELINE_MARK(wg, tile_iter, 2);
                 if (lead_lane) {
                     mbar_arrive(empty_k(stage));
                     if (T::kSeparateO && last) mbar_arrive(empty_q);
@@ -384,6 +404,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 else step(BoolConstant<false>{});
             }
             // The last block's P V.
+            FT_TIMELINE_MARK(wg, tile_iter, 3);
             const int last_stage = (it - 1) % kStages;
             mbar_wait(full_v(last_stage), ((it - 1) / kStages) & 1);
             fence_operand(o);
@@ -391,6 +412,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             issue_pv(last_stage);
             wgmma_wait<0>();
             fence_operand(o);
+            FT_TIMELINE_MARK(wg, tile_iter, 4);
             if (lead_lane) mbar_arrive(empty_v(last_stage));
         }
 
@@ -402,28 +424,49 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             const int row = m0 + row0 + g + 8 * hf;
             if (t == 0 && row < seqlen_q) lse[row] = row_lse(sum, row_max[hf], p.softmax_scale);
         }
-        named_bar_sync(T::kBarEpilogue + cw, 128);  // the warpgroup's reads of the previous tile's O are done
+        // (the warpgroup's reads of the previous tile's O, or the copy engine's, are done)
+        if (T::kTmaStoreO && ctid == 0) bulk_wait_read<0>();
+        named_bar_sync(T::kBarEpilogue + cw, 128);
         float(&o1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&o);
         store_acc<T::kIsBF16, TileQ>(sO, o1, row0, 0, 1.f, lane);
-        named_bar_sync(T::kBarEpilogue + cw, 128);
-        u16* out = (u16*)p.out + x.batch * p.o_batch_stride + (i64)(x.q_start + m0 + cw * 64) * p.o_row_stride +
-                   x.head * p.o_head_stride;
         const int rows_valid = seqlen_q - m0 - cw * 64;
-        constexpr int kChunksPerRow = T::kHeadDim / 8;
+        if (T::kTmaStoreO && (!varlen || rows_valid >= 64)) {
+            // TMA stores of the warpgroup's 64 rows (rows past a batch's sequence lie outside the tensor map and are
+            // not written; a varlen sequence's partial last tile takes the loop below: its rows past the end belong
+            // to the next sequence)
+            fence_proxy_async();
+            named_bar_sync(T::kBarEpilogue + cw, 128);
+            if (ctid == 0) {
 #pragma unroll
-        for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
-            const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-            if (row < rows_valid && col < p.head_dim) {
-                u32 v[4];
-                ld_shared_v4(TileQ::addr(sO, cw * 64 + row, col), v);
-                st_global_v4(out + row * p.o_row_stride + col, v);
+                for (int cb = 0; cb < T::kColBlocks; ++cb)
+                    tma_store_4d(&params.tma_o, sO + cb * kBlockM * 128 + cw * 64 * 128, cb * 64, x.q_start + m0 + cw * 64,
+                                 x.head, varlen ? 0 : x.batch);
+                bulk_commit();
+            }
+        } else {
+            named_bar_sync(T::kBarEpilogue + cw, 128);
+            u16* out = (u16*)p.out + x.batch * p.o_batch_stride + (i64)(x.q_start + m0 + cw * 64) * p.o_row_stride +
+                       x.head * p.o_head_stride;
+            constexpr int kChunksPerRow = T::kHeadDim / 8;
+#pragma unroll
+            for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
+                const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+                if (row < rows_valid && col < p.head_dim) {
+                    u32 v[4];
+                    ld_shared_v4(TileQ::addr(sO, cw * 64 + row, col), v);
+                    st_global_v4(out + row * p.o_row_stride + col, v);
+                }
             }
         }
         if constexpr (!T::kSeparateO) {  // O was staged in Q: free it once the warp has read its O rows back
             __syncwarp();
             if (lead_lane) mbar_arrive(empty_q);
         }
+        FT_TIMELINE_MARK(wg, tile_iter, 5);
+        FT_TIMELINE_PUT(wg, tile_iter, 7, (unsigned long long)it);
     }
+    if (T::kTmaStoreO && ctid == 0) bulk_wait<0>();  // the last O stores have read shared memory (and landed)
+    FT_TIMELINE_END(wg);
 }
 
 }  // namespace flashtrain

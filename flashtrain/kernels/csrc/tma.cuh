@@ -59,6 +59,18 @@ __device__ __forceinline__ int atomic_fetch_add(int* ptr, int v) {
     asm volatile("atom.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
     return old;
 }
+// Persistent causal grids (FwdParams::causal_tile_group): the unit (a (batch, head)-like index) and the `inner` index
+// (a query or key block, 0 first) of a tile, when the tiles come in groups of `group` units (the last group also takes
+// the remainder of n_units) and, inside a group, inner outer and units inner.
+__device__ __forceinline__ int tile_group_unit(int tile, int n_inner, int n_units, int group, int& inner) {
+    const int last = max_(n_units / group, 1) - 1;
+    const int g = min_(tile / (group * n_inner), last);
+    const int r = tile - g * group * n_inner;
+    const int units = g == last ? n_units - last * group : group;
+    inner = r / units;
+    return g * group + r % units;
+}
+
 // Inter-CTA ordering (the deterministic backward's per-block turn counters): acquire load, release add.
 __device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
     int v;
@@ -84,6 +96,16 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* desc, u32 ba
         "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}],"
         " [%2];" ::"r"(dst), "l"(desc), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
+}
+
+// Copy shared memory at src (laid out as tma_load_4d leaves a box) into the box at (c0, c1, c2, c3) of a rank-4 tensor
+// map; elements outside the tensor are not written. Tracked in the issuing thread's bulk groups (bulk_commit;
+// bulk_wait_read before src is written again or the CTA exits). The source must be fenced (fence_proxy_async) by the
+// threads that wrote it, before the issue.
+__device__ __forceinline__ void tma_store_4d(const TmaDesc* desc, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(desc),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
 }
 
 // Bulk (non-tensor) asynchronous reduce-add of `bytes` (a multiple of 16; both addresses 16-byte aligned) fp32 values
@@ -127,4 +149,48 @@ __device__ __forceinline__ int warp_uniform(int x) {
     return y;
 }
 
+
+// Diagnostics (FT_TIMELINE=1 builds only; benchmarks/probes/timeline_probe.py reads them): per CTA (the first
+// kTimelineCtas), role (a warpgroup) and tile (the first kTimelineTiles it works on), kTimelineEvents 64-bit slots:
+// the SM's clock64 at the kernel's marks, or a count. Compiled out otherwise.
+#ifdef FT_TIMELINE
+constexpr int kTimelineCtas = 160, kTimelineRoles = 4, kTimelineTiles = 96, kTimelineEvents = 8;
+}  // namespace flashtrain
+extern "C" __device__ unsigned long long flashtrain_timeline[flashtrain::kTimelineCtas * flashtrain::kTimelineRoles *
+                                                            flashtrain::kTimelineTiles * flashtrain::kTimelineEvents];
+namespace flashtrain {
+__device__ __forceinline__ void timeline_put(int role, int tile, int event, unsigned long long value) {
+    if (threadIdx.x % 128 == 0 && blockIdx.x < kTimelineCtas && tile < kTimelineTiles)
+        flashtrain_timeline[((blockIdx.x * kTimelineRoles + role) * kTimelineTiles + tile) * kTimelineEvents + event] =
+            value;
+}
+__device__ __forceinline__ unsigned long long timeline_clock() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+    return t;
+}
+#define FT_TIMELINE_MARK(role, tile, event) ::flashtrain::timeline_put(role, tile, event, ::flashtrain::timeline_clock())
+// role 0, tile 0: the global timer (ns) and the SM clock at the CTA's start, to align the SMs' clocks
+__device__ __forceinline__ void timeline_start() {
+    unsigned long long g;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+    timeline_put(0, 0, 0, g);
+    timeline_put(0, 0, 1, timeline_clock());
+}
+#define FT_TIMELINE_START() ::flashtrain::timeline_start()
+// role 3, tile `role`: the same at a warpgroup's end
+__device__ __forceinline__ void timeline_end(int role) {
+    unsigned long long g;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+    timeline_put(3, role, 0, g);
+    timeline_put(3, role, 1, timeline_clock());
+}
+#define FT_TIMELINE_END(role) ::flashtrain::timeline_end(role)
+#define FT_TIMELINE_PUT(role, tile, event, value) ::flashtrain::timeline_put(role, tile, event, value)
+#else
+#define FT_TIMELINE_MARK(role, tile, event)
+#define FT_TIMELINE_PUT(role, tile, event, value)
+#define FT_TIMELINE_START()
+#define FT_TIMELINE_END(role)
+#endif
 }  // namespace flashtrain

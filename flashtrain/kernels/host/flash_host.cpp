@@ -12,8 +12,8 @@
 //                workspaces);
 //   launches     per kernel launch: the CUfunction, grid, block, dynamic shared memory, the parameter struct's bytes
 //                with every address 0, where each address goes (byte offset <- input i or output j, plus a byte
-//                offset), the TMA tensor maps to encode (byte offset <- input i, with cuTensorMapEncodeTiled's
-//                arguments), and where the persistent kernels' tile counter goes.
+//                offset), the TMA tensor maps to encode (byte offset <- input i, or output j written as -1 - j,
+//                with cuTensorMapEncodeTiled's arguments), and where the persistent kernels' tile counter goes.
 // On a key it has not seen, the executor calls the Python plan builder once through the ops flashtrain::_fwd_plan /
 // _bwd_plan (defined here, implemented in ops.py) and keeps the result.
 //
@@ -118,7 +118,8 @@ struct Address {
 };
 
 struct TensorMap {
-    int64_t offset, input;                // params[offset .. offset + 128) = the map of input `input`
+    int64_t offset, input;                // params[offset .. offset + 128) = the map of input `input` (>= 0) or of
+                                          // output -1 - input
     std::array<int64_t, 13> encode;       // dtype, dims[4], strides[3], box cols, box rows, swizzle, l2, oob fill
 };
 
@@ -409,7 +410,8 @@ std::vector<Tensor> execute(const Plan& plan, const std::vector<Tensor>& inputs)
             std::memcpy(params + address.offset, &value, 8);
         }
         for (const TensorMap& map : launch.tensor_maps)
-            write_tensor_map(params + map.offset, map, inputs.at(map.input));
+            write_tensor_map(params + map.offset, map,
+                             map.input >= 0 ? inputs.at(map.input) : outputs.at(-1 - map.input));
         if (launch.tile_counter_offset >= 0) {
             const int64_t counter = tile_counter(launch, device, stream);
             std::memcpy(params + launch.tile_counter_offset, &counter, 8);
