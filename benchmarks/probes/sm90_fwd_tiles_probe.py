@@ -29,8 +29,9 @@ def child(head_dim: int, causal: bool) -> None:
 
     from flashtrain.kernels import flash_attn_func, ops
 
-    if "FLASHTRAIN_PROBE_CAUSAL_WAVES" in os.environ:
+    if "FLASHTRAIN_PROBE_CAUSAL_WAVES" in os.environ:  # (at every head dim)
         ops.CAUSAL_GROUP_WAVES = float(os.environ["FLASHTRAIN_PROBE_CAUSAL_WAVES"])
+        ops.FWD_CAUSAL_GROUP_HEAD_DIM = 0
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from train_gpt2 import time_calls

@@ -80,7 +80,8 @@ def analyse(kind: str, data: np.ndarray, elapsed_ms: float) -> None:
     t0 = min(starts_ns.values())
     last = max(end_ns.values())
     idle = [(last - e) for e in end_ns.values()]
-    print(f"  {kind}: {len(ctas)} CTAs, span {(last - t0) / 1e3:.0f} us (launch window {elapsed_ms * 1e3:.0f} us), SM clock ~{ghz:.2f} GHz; CTA start skew "
+    print(f"  {kind}: {len(ctas)} CTAs, span {(last - t0) / 1e3:.0f} us (launch window {elapsed_ms * 1e3:.0f} us), "
+          f"SM clock ~{ghz:.2f} GHz; CTA start skew "
           f"{(max(starts_ns.values()) - t0) / 1e3:.1f} us; tail idle per SM mean {statistics.mean(idle) / 1e3:.1f} us "
           f"({100 * statistics.mean(idle) / (last - t0):.1f}% of the span), max {max(idle) / 1e3:.1f} us")
     by_blocks = defaultdict(list)

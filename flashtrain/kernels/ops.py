@@ -305,8 +305,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
     if spec.persistent:  # at most one CTA per SM, each taking tiles from the dynamic scheduler
         grid = (min(math.prod(grid), launch.sm_count(q.device)), 1, 1)
-    if spec.persistent and causal and head_dim >= 128:  # (flash_fwd_sm90.cuh fwd_tile; at head dim 64 the groups
-        # measured 1-3% slower, hd128 1.04-1.19x faster: H200, 2026-11-25)
+    if spec.persistent and causal and head_dim >= FWD_CAUSAL_GROUP_HEAD_DIM:  # (flash_fwd_sm90.cuh fwd_tile)
         params.causal_tile_group = _causal_tile_group(math.ceil(params.seqlen_q / spec.block_m),
                                                       params.batch * params.nheads, launch.sm_count(q.device))
     kernel = launch.get_kernel(spec, spec.symbols[0], q.device)
@@ -457,6 +456,9 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
 # Hopper causal kernels: tiles per group of units (FwdParams.causal_tile_group) about this many times the SM count
 CAUSAL_GROUP_WAVES = 2.0
+# ... in the forward from this (instantiated) head dim: H200, 2026-11-25, causal forward with / without the groups,
+# hd128 512 / 1K / 4K 1.11 / 1.17 / 1.06x; hd64 512 / 1K / 4K / GPT-2 small 0.99 / 0.99 / 1.02 / 0.98x
+FWD_CAUSAL_GROUP_HEAD_DIM = 128
 
 
 def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int) -> int:

@@ -69,7 +69,7 @@ struct alignas(64) TmaDesc {
     u64 opaque[16];
 };
 
-// Parameters of the Hopper TMA forward (flash_fwd_sm90.cuh): tensor maps of q, k, v as rank-4 tensors
+// Parameters of the Hopper TMA forward (flash_fwd_sm90.cuh): tensor maps of q, k, v (and out) as rank-4 tensors
 // (head_dim, rows, heads, batch) -- varlen: (head_dim, total rows, heads, 1) -- then the plain parameters.
 // tile_counter: an int in global memory, 0 at launch, for the persistent grid's dynamic tile scheduler; the kernel
 // leaves it at 0 again (one counter per stream: launches on one stream never overlap). The struct's size is padded to
@@ -110,9 +110,9 @@ struct BwdParams {
     int kv_splits, dkv_cols;
 };
 
-// Parameters of the Hopper TMA backward (flash_bwd_sm90.cuh): tensor maps of q, k, v, dout (as FwdSm90Params'), the
-// plain parameters, the persistent grid's tile counter (as FwdSm90Params'); padded to the 64-byte alignment (launch.py
-// pads its mirror the same way).
+// Parameters of the Hopper TMA backward (flash_bwd_sm90.cuh): tensor maps of q, k, v, dout, dk, dv (as
+// FwdSm90Params'), the plain parameters, the persistent grid's tile counter (as FwdSm90Params'); padded to the 64-byte
+// alignment (launch.py pads its mirror the same way).
 struct BwdSm90Params {
     TmaDesc tma_q, tma_k, tma_v, tma_do;
     TmaDesc tma_dk, tma_dv;  // dk, dv, boxes of 64 rows (an MMA warpgroup's): the epilogue's TMA stores

@@ -144,9 +144,9 @@ struct BwdSm90Traits {
 // unit * n_kblocks + n_block, key blocks fastest, so that concurrent tiles share the head's Q / dO and dQ rows in L2
 // and the deterministic turns find the key blocks they wait for taken earlier (deterministic causal: the highest key
 // block first; see the dQ writer). Causal (not deterministic): the units in groups of FwdParams::causal_tile_group
-// (tile_group_unit), and inside a group the key blocks outer, units inner: the longest tiles (key block 0 sees every query block) start first and the
-// shortest end the launch (key blocks fastest leaves one unit's long first tile to run alone at the end). Groups
-// keep the L2 locality that all units inner loses (tried 2026-11-24: 3% slower at hd128 4K / 16K).
+// (tile_group_unit), and inside a group the key blocks outer, units inner: the longest tiles (key block 0 sees every
+// query block) start first and the shortest end the launch (key blocks fastest leaves one unit's long first tile to
+// run alone at the end). Groups keep the L2 locality that all units inner loses (0.78-0.84x at 1K / 2K, 2026-11-25).
 struct BwdTile {
     int n_block, n0, batch, head_kv, q_start, k_start, seqlen_q, seqlen_k, split;
 };
@@ -575,7 +575,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
 #pragma unroll
                     for (int cb = 0; cb < kHeadDim / 64; ++cb)
                         if (cb * 64 < T::kHeadDimEff)
-                            tma_store_4d(desc, tile + cb * kBlockN * 128 + 64 * w * 128, cb * 64, row, x.head_kv, batch);
+                            tma_store_4d(desc, tile + cb * kBlockN * 128 + 64 * w * 128, cb * 64, row, x.head_kv,
+                                         batch);
                 }
             };
             store_acc<T::kIsBF16, TileKV>(sdK, dk1, key_row0, 0, f.softmax_scale, lane);

@@ -439,8 +439,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             if (ctid == 0) {
 #pragma unroll
                 for (int cb = 0; cb < T::kColBlocks; ++cb)
-                    tma_store_4d(&params.tma_o, sO + cb * kBlockM * 128 + cw * 64 * 128, cb * 64, x.q_start + m0 + cw * 64,
-                                 x.head, varlen ? 0 : x.batch);
+                    tma_store_4d(&params.tma_o, sO + cb * kBlockM * 128 + cw * 64 * 128, cb * 64,
+                                 x.q_start + m0 + cw * 64, x.head, varlen ? 0 : x.batch);
                 bulk_commit();
             }
         } else {

@@ -169,7 +169,8 @@ __device__ __forceinline__ unsigned long long timeline_clock() {
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
     return t;
 }
-#define FT_TIMELINE_MARK(role, tile, event) ::flashtrain::timeline_put(role, tile, event, ::flashtrain::timeline_clock())
+#define FT_TIMELINE_MARK(role, tile, event) \
+    ::flashtrain::timeline_put(role, tile, event, ::flashtrain::timeline_clock())
 // role 0, tile 0: the global timer (ns) and the SM clock at the CTA's start, to align the SMs' clocks
 __device__ __forceinline__ void timeline_start() {
     unsigned long long g;
