@@ -146,7 +146,7 @@ struct BwdSm90Traits {
 // block first; see the dQ writer). Causal (not deterministic): the units in groups of FwdParams::causal_tile_group
 // (tile_group_unit), and inside a group the key blocks outer, units inner: the longest tiles (key block 0 sees every
 // query block) start first and the shortest end the launch (key blocks fastest leaves one unit's long first tile to
-// run alone at the end). Groups keep the L2 locality that all units inner loses (0.78-0.84x at 1K / 2K, 2026-11-25).
+// run alone at the end). Groups keep the L2 locality that all units inner loses (0.76-0.84x at 1K / 2K, 2026-11-25).
 struct BwdTile {
     int n_block, n0, batch, head_kv, q_start, k_start, seqlen_q, seqlen_k, split;
 };
