@@ -433,8 +433,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 [(_offset(launch.AuxParams, name), *source) for name, source in (
                     ("dq", (_OUTPUT, target, 0)), ("dq_accum", (_OUTPUT, index, offset)),
                     ("cu_seqlens_q", (_INPUT, 7, 0)), ("cu_seqlens_k", (_INPUT, 7, 0)))]))
-    params.fwd.causal_tile_group = 1
-    if hopper and causal and not deterministic:
+    if hopper and causal and not deterministic:  # (else 0: key blocks fastest)
         params.fwd.causal_tile_group = _causal_tile_group(n_kblocks, batch * nheads_kv * params.kv_splits,
                                                           launch.sm_count(q.device))
     grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)

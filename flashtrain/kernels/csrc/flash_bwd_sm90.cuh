@@ -7,7 +7,8 @@
 //   tiles: fp32 partials summed by the convert kernel). The grid is
 //   persistent: one CTA per SM takes tiles from a dynamic scheduler (an atomic counter, as the forward's); the
 //   producer publishes each tile in a shared-memory slot (2 slots, mbarriers) and copies the next tile's first Q / dO
-//   while the MMA warps finish the current one, and its K / V once they have stored dK / dV (through the K / V tiles).
+//   while the MMA warps finish the current one, and its K / V once their last GEMMs are done (head dims 192 / 256:
+//   once they have stored dK / dV through the K / V tiles).
 //   warpgroup 0 (producer; setmaxnreg.dec): one thread issues the TMA copies of each query block's Q and dO into a
 //     ring of kStages stages; warp 1 reads the block's row statistics (lse in log2 units, +inf for rows past the end,
 //     so that their P is 0; D = rowsum(dO * O)) into the stage. Each stage has a "full" mbarrier (the copy engine's
@@ -28,7 +29,8 @@
 //     asynchronous bulk reduce-add (cp.reduce.async.bulk .add.f32): the warpgroups never wait for dQ to reach global
 //     memory (only, one iteration later, for the copy engine to have read the staging slice). Query blocks that are
 //     not whole (a sequence's end) or padded head dims add with vector atomics instead (row-major).
-//   Epilogue: dK * scale and dV through the K / V tiles, 16-byte stores of the warpgroup's rows.
+//   Epilogue: dK * scale and dV staged in the score tiles and dQ slices (K / V are released first), then TMA stores
+//   of the warpgroup's rows (head dims 192 / 256 and a varlen sequence's partial last tile: 16-byte stores).
 //
 // Masking (causal bottom-right aligned, keys past the end) as in the forward; rows past a sequence's end get lse =
 // +inf, so P = 0 and dS = 0 there (their Q / dO rows are zeros or the next sequence's). Dropout regenerates the
@@ -518,9 +520,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         }
         FT_TIMELINE_MARK(wg, tile_iter, 2);
         FT_TIMELINE_PUT(wg, tile_iter, 7, (unsigned long long)gs);
-        // Epilogue: dK * scale and dV through this warpgroup's rows of the K / V tiles, then 16-byte stores; then the
-        // producer may copy the next tile's K / V. (Stores straight from the accumulators, 4 bytes per row pair, with
-        // the next K / V copied meanwhile: 1-7% slower at S <= 4K, H200 A/B 2026-11-24.)
+        // Epilogue (kEarlyKv: dK, dV staged outside K / V, TMA stores; see the traits). (Stores straight from the
+        // accumulators, 4 bytes per row pair, with the next K / V copied meanwhile: 1-7% slower at S <= 4K, H200 A/B
+        // 2026-11-24.)
         wgmma_wait<0>();
         fence_operand(acc_dk);
         fence_operand(acc_dv);
