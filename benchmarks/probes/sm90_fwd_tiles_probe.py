@@ -9,8 +9,8 @@ the causal tile order's group size after '@waves=' (ops.CAUSAL_GROUP_WAVES; inf:
 units, the order before the groups), e.g. 128=128x128x2@waves=inf.
 
 --masks causal full: also (or only) the non-causal rows. Shapes: the benchmark grid's rows at 512 / 1K / 4K (16384
-tokens, 2048 / head_dim heads) and GPT-2 small's attention as the model calls it (16 x 1K x 12 heads x 64, q / k / v
-strided views of one packed qkv tensor).
+tokens, 2048 / head_dim heads; --seqlens picks others) and GPT-2 small's attention as the model calls it (16 x 1K x
+12 heads x 64, q / k / v strided views of one packed qkv tensor).
 """
 import argparse
 import json
@@ -39,8 +39,9 @@ def child(head_dim: int, causal: bool) -> None:
     def gpu_ms(fn):
         return 1000 * statistics.median(time_calls(fn, torch.device("cuda"), warmup=5, repeats=30))
 
-    shapes = [(16384 // s, s, 2048 // head_dim, False) for s in (512, 1024, 4096)]
-    if head_dim == 64:
+    seqlens = [int(s) for s in os.environ.get("FLASHTRAIN_PROBE_SEQLENS", "512,1024,4096").split(",")]
+    shapes = [(16384 // s, s, 2048 // head_dim, False) for s in seqlens]
+    if head_dim == 64 and "FLASHTRAIN_PROBE_SEQLENS" not in os.environ:
         shapes.append((16, 1024, 12, True))  # GPT-2 small, packed qkv
     rows = []
     for batch, seqlen, heads, packed in shapes:
@@ -69,11 +70,15 @@ def main() -> None:
         "64=128x128x2", "64=192x128x2", "64=128x64x2", "64=128x96x2",
         "128=128x128x2", "128=128x112x2", "128=128x96x2", "128=128x64x2"])
     parser.add_argument("--masks", nargs="+", default=["causal"], choices=["causal", "full"])
+    parser.add_argument("--seqlens", nargs="+", type=int, help="sequence lengths of the grid rows (default 512 1K "
+                        "4K and, at head dim 64, GPT-2 small's shape)")
     parser.add_argument("--child", type=int)
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.masks == ["causal"])
     env = dict(os.environ)
+    if args.seqlens:
+        env["FLASHTRAIN_PROBE_SEQLENS"] = ",".join(map(str, args.seqlens))
 
     def variant_env(variant):
         variant, *waves = variant.split("@waves=")

@@ -123,13 +123,14 @@ FWD_SM90_TILES_NONCAUSAL = {
     64: FwdSm90Tiles(192, 128, stages=2),
 }
 # Causal without dropout / block-sparse at max_seqlen_q >= LONG_CAUSAL_SEQLEN: three consumer warpgroups at head dim 64
-# too (H200, same process, bf16 forward vs cuDNN, 2026-11-25: 4K 0.92 -> 1.04; at 512 / 1K the 128-row tiles are
-# better, 0.86 / 0.88 vs 0.80 / 0.82: fewer, longer tiles and more of the diagonal block masked). Bitwise the same
-# result (same block_n).
+# too (H200, bf16 forward vs cuDNN, 2026-11-25, each variant its own process, two runs: 1.5K 0.89 -> 0.97-0.98,
+# 2K 0.91 -> 0.97-0.98, 3K 0.92-0.96 -> 1.01-1.02, 4K 0.92 -> 1.04; at 512 / 1K the 128-row tiles are better,
+# 0.84-0.88 vs 0.80-0.86: fewer, longer tiles, a partial last tile and more of the diagonal block masked). Bitwise
+# the same result (same block_n).
 FWD_SM90_TILES_LONG_CAUSAL = {
     64: FwdSm90Tiles(192, 128, stages=2),
 }
-LONG_CAUSAL_SEQLEN = 4096
+LONG_CAUSAL_SEQLEN = 1536
 
 
 def _tile_overrides() -> None:
