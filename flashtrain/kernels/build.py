@@ -123,14 +123,14 @@ FWD_SM90_TILES_NONCAUSAL = {
     64: FwdSm90Tiles(192, 128, stages=2),
 }
 # Causal without dropout / block-sparse at max_seqlen_q >= LONG_CAUSAL_SEQLEN: three consumer warpgroups at head dim 64
-# too (H200, bf16 forward vs cuDNN, 2026-11-25, each variant its own process, two runs: 1.5K 0.89 -> 0.97-0.98,
-# 2K 0.91 -> 0.97-0.98, 3K 0.92-0.96 -> 1.01-1.02, 4K 0.92 -> 1.04; at 512 / 1K the 128-row tiles are better,
-# 0.84-0.88 vs 0.80-0.86: fewer, longer tiles, a partial last tile and more of the diagonal block masked). Bitwise
-# the same result (same block_n).
+# too (H200, bf16 forward vs cuDNN, 2026-11-25, each variant its own process, two runs each: 1K 0.89 -> 0.93,
+# 1.5K 0.89 -> 0.97-0.98, 2K 0.91 -> 0.97-0.98, 3K 0.92-0.96 -> 1.01-1.02, 4K 0.93-0.94 -> 1.05-1.07; 512: 0.87 either
+# way). The 1K gain needs the causal tiles to end at the sequence's last row (flash_fwd_sm90.cuh kShiftRows): with
+# the partial tile last, 192-row tiles were 0.84-0.86 at 1K. Bitwise the same result (same block_n).
 FWD_SM90_TILES_LONG_CAUSAL = {
     64: FwdSm90Tiles(192, 128, stages=2),
 }
-LONG_CAUSAL_SEQLEN = 1536
+LONG_CAUSAL_SEQLEN = 1024
 
 
 def _tile_overrides() -> None:

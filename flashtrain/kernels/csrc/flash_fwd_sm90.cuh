@@ -52,6 +52,14 @@ struct FwdSm90Traits {
 #endif
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_;
+    // Causal: a sequence's query tiles end at its last row, so that a partial tile (seqlen_q not a multiple of
+    // kBlockM) holds its first rows, which see the fewest keys, instead of its last, which see the most. (Block-sparse
+    // keeps tiles aligned to its mask blocks; dropout keeps the plain layout, whose Philox rows are never negative.)
+#ifdef FT_CAUSAL_SHIFT
+    static constexpr bool kShiftRows = FT_CAUSAL_SHIFT && kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_;
+#else
+    static constexpr bool kShiftRows = kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_;
+#endif
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
                   "a block-sparse mask block must be a whole number of tiles");
     static constexpr int kNConsumers = kBlockM / 64;           // consumer warpgroups, 64 query rows each
@@ -127,6 +135,9 @@ template <class T> __device__ __forceinline__ bool fwd_tile(const FwdParams& p, 
     x.head_kv = x.head / (p.nheads / p.nheads_kv);
     seq_bounds(p, x.batch, x.q_start, x.k_start, x.seqlen_q, x.seqlen_k);
     x.m0 = m_block * T::kBlockM;
+    // (kShiftRows: the first tile starts up to kBlockM - 1 rows before the sequence; those rows compute nothing
+    // that is kept)
+    if constexpr (T::kShiftRows) x.m0 -= ceil_div(x.seqlen_q, T::kBlockM) * T::kBlockM - x.seqlen_q;
     // Key blocks [0, n_block_max) hold every key some row of this block may see.
     x.n_block_max = ceil_div(x.seqlen_k, T::kBlockN);
     if constexpr (T::kIsCausal) {
@@ -323,7 +334,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         // A consumer whose 64 rows all lie past the sequence end (the partial last tile of 192-row tiles at S = 512 /
         // 1K; varlen) computes nothing: it only keeps the stage rings and the turns in step. (H200, each its own
         // process, hd64 non-causal forward TFLOP/s with / without: 512 392 / 370, 1K 448 / 424, 4K 517 / 508.)
-        const bool idle = m0 + cw * 64 >= seqlen_q;
+        const bool idle = m0 + cw * 64 >= seqlen_q || (T::kShiftRows && m0 + cw * 64 + 64 <= 0);
         if (walk.n_block < 0) {
             if (T::kSeparateO && lead_lane) mbar_arrive(empty_q);  // nothing to read: Q is free at once
         } else if (idle) {
@@ -423,18 +434,19 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         for (int hf = 0; hf < 2; ++hf) {
             const float sum = finish_row<T::kIsDropout>(o, hf, row_sum[hf], p.rp_dropout);
             const int row = m0 + row0 + g + 8 * hf;
-            if (t == 0 && row < seqlen_q) lse[row] = row_lse(sum, row_max[hf], p.softmax_scale);
+            if (t == 0 && row < seqlen_q && row >= 0) lse[row] = row_lse(sum, row_max[hf], p.softmax_scale);
         }
         // (the warpgroup's reads of the previous tile's O, or the copy engine's, are done)
         if (T::kTmaStoreO && ctid == 0) bulk_wait_read<0>();
         named_bar_sync(T::kBarEpilogue + cw, 128);
         float(&o1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&o);
         store_acc<T::kIsBF16, TileQ>(sO, o1, row0, 0, 1.f, lane);
-        const int rows_valid = seqlen_q - m0 - cw * 64;
-        if (T::kTmaStoreO && (!varlen || rows_valid >= 64)) {
+        const int rows_valid = seqlen_q - m0 - cw * 64, rows_first = -(m0 + cw * 64);  // rows [rows_first, rows_valid)
+        if (T::kTmaStoreO && (!varlen || rows_valid >= 64) && rows_first <= 0) {
             // TMA stores of the warpgroup's 64 rows (rows past a batch's sequence lie outside the tensor map and are
             // not written; a varlen sequence's partial last tile takes the loop below: its rows past the end belong
-            // to the next sequence)
+            // to the next sequence; so does a shifted first tile's, whose rows before the start belong to the
+            // previous one)
             fence_proxy_async();
             named_bar_sync(T::kBarEpilogue + cw, 128);
             if (ctid == 0) {
@@ -452,7 +464,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 #pragma unroll
             for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
                 const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-                if (row < rows_valid && col < p.head_dim) {
+                if (row < rows_valid && row >= rows_first && col < p.head_dim) {
                     u32 v[4];
                     ld_shared_v4(TileQ::addr(sO, cw * 64 + row, col), v);
                     st_global_v4(out + row * p.o_row_stride + col, v);
