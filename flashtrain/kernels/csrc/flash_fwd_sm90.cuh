@@ -23,6 +23,8 @@
 // non-zero blocks of the query block's row of the block mask (utils.cuh SparseWalkDesc). Dropout draws the same
 // Philox bits as flash_fwd.cuh (DropoutRng addresses them by (batch * head, query, key)), so either backward
 // regenerates the mask. Causal masking is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+// Causal query tiles (no dropout, not block-sparse) end at the sequence's last row, so that a partial tile is the
+// first one, whose rows see the fewest keys (FwdSm90Traits::kShiftRows).
 // A row with no visible key gets out = 0, lse = -inf.
 //
 // Tensor maps (flash.h FwdSm90Params; flashtrain/kernels/tma.py): rank 4, (head_dim, rows, heads, batch), boxes of
