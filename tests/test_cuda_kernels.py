@@ -55,7 +55,8 @@ def _assert_fa2_rule(kernel, reference, lowp, dtype, what):
     )
 
 
-def _check_against_reference(q, k, v, dout, *, causal, dropout_p=0.0, generator_seed=None, **varlen):
+def _check_against_reference(q, k, v, dout, *, causal, dropout_p=0.0, generator_seed=None, softmax_scale=None,
+                             **varlen):
     """Kernel vs fp32 reference vs naive attention in q.dtype; varlen: cu_seqlens_q/k, max_seqlen_q/k."""
     dtype = q.dtype
     mask = None
@@ -68,16 +69,19 @@ def _check_against_reference(q, k, v, dout, *, causal, dropout_p=0.0, generator_
 
         def attn(q, k, v, impl, **kw):
             return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout_p, causal=causal,
-                                          return_lse=True, impl=impl, **kw)
+                                          softmax_scale=softmax_scale, return_lse=True, impl=impl, **kw)
 
         def naive(q, k, v):
-            return naive_attention(q, k, v, cu_q, cu_k, causal=causal, dropout_p=dropout_p, dropout_mask=mask)
+            return naive_attention(q, k, v, cu_q, cu_k, causal=causal, dropout_p=dropout_p, dropout_mask=mask,
+                                   softmax_scale=softmax_scale)
     else:
         def attn(q, k, v, impl, **kw):
-            return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, return_lse=True, impl=impl, **kw)
+            return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, softmax_scale=softmax_scale,
+                                   return_lse=True, impl=impl, **kw)
 
         def naive(q, k, v):
-            return naive_attention(q, k, v, causal=causal, dropout_p=dropout_p, dropout_mask=mask)
+            return naive_attention(q, k, v, causal=causal, dropout_p=dropout_p, dropout_mask=mask,
+                                   softmax_scale=softmax_scale)
 
     gen = {} if dropout_p == 0 else {"generator": torch.Generator("cuda").manual_seed(generator_seed)}
     kernel = _run(lambda q, k, v: attn(q, k, v, "cuda", **gen), q, k, v, dout)
@@ -109,6 +113,20 @@ def test_long_causal_tiles_match_reference(dtype):
     q, k, v, dout = _inputs((int(lengths.sum()), 4, 64), (int(lengths.sum()), 2, 64), dtype, seed=4)
     _check_against_reference(q, k, v, dout, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
                              max_seqlen_q=long + 5, max_seqlen_k=long + 5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_negative_softmax_scale_matches_reference(causal, head_dim):
+    """softmax_scale < 0 is softmax(q k^T * scale) like any other scale. The kernels take each row's running max over
+    the raw scores (the max of the scaled ones only for a positive scale), so the call runs them on -q with -scale;
+    large scores would overflow exp() otherwise. Batch and varlen forms, forward and gradients."""
+    q, k, v, dout = _inputs((2, 300, 4, head_dim), (2, 300, 2, head_dim), torch.bfloat16, scale=2.0, seed=11)
+    _check_against_reference(q, k, v, dout, causal=causal, softmax_scale=-0.4)
+    cu = torch.tensor([0, 77, 600], dtype=torch.int32, device="cuda")
+    q, k, v, dout = (x.reshape(600, *x.shape[2:]) for x in (q, k, v, dout))
+    _check_against_reference(q, k, v, dout, causal=causal, softmax_scale=-0.4, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                             max_seqlen_q=523, max_seqlen_k=523)
 
 
 # ---------------------------------------------------------------------------------------------------- batch form
