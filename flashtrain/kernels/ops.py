@@ -135,8 +135,8 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
     rng_state = _draw_rng_state(q.device, generator) if dropout_p > 0 else None
     if softmax_scale < 0:
         # The kernels take each row's running max over the raw scores q k^T, which is the max of the scaled scores only
-        # for a positive scale (a negative one would overflow exp()): q k^T * s = (-q) k^T * (-s), and autograd
-        # carries dq back through the negation.
+        # for a positive scale (with a negative one, exp() overflows once a row's scaled scores spread by more than
+        # ~88): q k^T * s = (-q) k^T * (-s), and autograd carries dq back through the negation.
         q, softmax_scale = q.neg(), -softmax_scale
     if not _host_loaded:
         load_host()
