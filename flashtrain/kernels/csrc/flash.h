@@ -57,8 +57,8 @@ struct FwdParams {
     int total_q, total_k;     // varlen: rows of q / k (every sequence is clamped into them; utils.cuh packed_seq)
     // Hopper causal kernels (the backward: not deterministic): the persistent grid's tiles in groups of this many
     // (batch, head) units -- the backward's: (batch, kv head, GQA split) --, longest tiles first inside a group (a
-    // short tail) while a group's K / V (Q / dO) stay in L2; 1: longest first over all units (forward) or key blocks
-    // fastest (backward)
+    // short tail) while a group's K / V (Q / dO) stay in L2; 0: longest first over all units (forward) or key blocks
+    // fastest (backward, also for 1)
     int causal_tile_group;
     int pad_;
 };

@@ -120,20 +120,15 @@ struct BwdSm90Traits {
     // once both warpgroups' last GEMMs are done and the dQ writer has taken the last slices) instead of in K / V, so
     // K / V are released before the epilogue and the next tile's copy overlaps it. Split head dims: no room;
     // deterministic hd128: dV would wait for the dQ writer, which waits for its turn.
-#ifdef FT_BWD_KV_EARLY
-    static constexpr bool kEarlyKvDefault = FT_BWD_KV_EARLY;
-#else
-    static constexpr bool kEarlyKvDefault = true;
+    // (FT_BWD_KV_EARLY=0 builds the epilogue through K / V: A/B)
+#ifndef FT_BWD_KV_EARLY
+#define FT_BWD_KV_EARLY 1
 #endif
     static constexpr bool kEarlyKv =
-        kEarlyKvDefault && !kSplitHd && (!kIsDeterministic || TileKV::kBytes <= TileS::kBytes);
+        FT_BWD_KV_EARLY && !kSplitHd && (!kIsDeterministic || TileKV::kBytes <= TileS::kBytes);
     static_assert(!kEarlyKv || 2 * TileKV::kBytes <= 2 * TileS::kBytes + kDqStagingBytes, "dK / dV staging area");
     // ... and written from there by TMA stores, so that the MMA warps go on to the next tile at once
-#ifdef FT_TMA_STORE
     static constexpr bool kTmaStoreDkv = kEarlyKv && FT_TMA_STORE;
-#else
-    static constexpr bool kTmaStoreDkv = kEarlyKv;
-#endif
     static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileS::kBytes +
                                       kDqStagingBytes + 2 * kStages * kStatsBytes + kBarrierBytes + 1024;
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then

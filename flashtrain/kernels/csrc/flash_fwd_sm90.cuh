@@ -47,21 +47,17 @@ struct FwdSm90Traits {
     static constexpr bool kSeparateO = kSeparateO_;
     // The epilogue writes O with TMA stores from its own tile (not through Q: it is released once read back), with
     // two consumer warpgroups (H200, same run: 128-row tiles 1.00-1.05x; 192-row tiles 0.96-0.99x at 1K-4K)
-#ifdef FT_TMA_STORE
     static constexpr bool kTmaStoreO = kSeparateO && FT_TMA_STORE && kBlockM == 128;
-#else
-    static constexpr bool kTmaStoreO = kSeparateO && kBlockM == 128;
-#endif
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_;
     // Causal: a sequence's query tiles end at its last row, so that a partial tile (seqlen_q not a multiple of
     // kBlockM) holds its first rows, which see the fewest keys, instead of its last, which see the most. (Block-sparse
     // keeps tiles aligned to its mask blocks; dropout keeps the plain layout, whose Philox rows are never negative.)
-#ifdef FT_CAUSAL_SHIFT
-    static constexpr bool kShiftRows = FT_CAUSAL_SHIFT && kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_;
-#else
-    static constexpr bool kShiftRows = kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_;
+    // FT_CAUSAL_SHIFT=0 builds the old layout (A/B).
+#ifndef FT_CAUSAL_SHIFT
+#define FT_CAUSAL_SHIFT 1
 #endif
+    static constexpr bool kShiftRows = FT_CAUSAL_SHIFT && kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_;
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
                   "a block-sparse mask block must be a whole number of tiles");
     static constexpr int kNConsumers = kBlockM / 64;           // consumer warpgroups, 64 query rows each

@@ -98,6 +98,10 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* desc, u32 ba
         : "memory");
 }
 
+// Epilogues through TMA stores (forward O, backward dK / dV); FT_TMA_STORE=0 builds the 16-byte-store epilogues (A/B).
+#ifndef FT_TMA_STORE
+#define FT_TMA_STORE 1
+#endif
 // Copy shared memory at src (laid out as tma_load_4d leaves a box) into the box at (c0, c1, c2, c3) of a rank-4 tensor
 // map; elements outside the tensor are not written. Tracked in the issuing thread's bulk groups (bulk_commit;
 // bulk_wait_read before src is written again or the CTA exits). The source must be fenced (fence_proxy_async) by the
