@@ -103,6 +103,27 @@ struct BwdSm90Traits {
     // 128-query blocks with dropout: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished
     // wgmma alive, and 64 more live registers would spill)
     static constexpr bool kWaitDv = kBlockM == 128 && !kDsFromPa;
+    // 128-query blocks with the dQ piece staged at once (head dim 64 without dropout, not deterministic): dS^T is
+    // stored before dK's GEMM is issued (its stores complete meanwhile, so the proxy fence before the dS^T barrier
+    // waits less), and a dQ slice's proxy fence and hand-over to the writer come after the next block's GEMMs are
+    // issued (ncu, hd128: the MMA warps stalled on these fences in ~10% of their samples). H200, same process,
+    // backward TFLOP/s both / neither: hd64 full 1K 424 / 397, 4K 491 / 465, 16K 505 / 478; causal 1K 289 / 272,
+    // 4K 426 / 412, 16K 458 / 450. At hd128 they cost 1-15% (the dQ writer is on that kernel's critical path: a later
+    // hand-over delays it), as did the lse / D rows loaded into registers before the GEMMs (0.87-0.95x).
+    // FT_BWD_LATE_DQ=0 / 1 forces both off / on (A/B); FT_BWD_DS_FIRST the dS^T order alone.
+#ifdef FT_BWD_LATE_DQ
+    static constexpr bool kLateDq = FT_BWD_LATE_DQ && kDeferDq == 0;
+#else
+    static constexpr bool kLateDq = kBlockM == 128 && kDeferDq == 0;
+#endif
+    // The dS^T order alone also helps 128-query blocks with dropout (H200, same process, dropout 0.1, backward
+    // TFLOP/s first / after dK: full 512 224 / 218, 2K 284 / 275; causal 512 142 / 131, 2K 235 / 211); deterministic
+    // hd64 0.98-1.03x (its turns bound it): unchanged.
+#ifdef FT_BWD_DS_FIRST
+    static constexpr bool kDsFirst = FT_BWD_DS_FIRST;
+#else
+    static constexpr bool kDsFirst = kBlockM == 128 && !kIsDeterministic;
+#endif
     using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO stages
     using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V, then dK and dV
     using TileS = SmemTile<kBlockN, kBlockM>;    // dS^T (rows keys, columns queries), two buffers
@@ -316,6 +337,14 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     // The previous tile's dK / dV TMA stores may still read their staging (the score tiles, the dQ slices): this
     // warpgroup's issuing thread waits for them before the warpgroup writes dS^T again.
     bool staged_out = false;
+    constexpr bool kLateDqFence = T::kLateDq;
+    bool dq_pending = false;  // kLateDqFence: this warp's slice is stored, not yet handed to the writer
+    auto commit_dq = [&]() {
+        fence_proxy_async();
+        __syncwarp();
+        if (lead_lane) mbar_arrive(sm.dq_full);
+        ++dq_count;
+    };
     auto write_dq = [&](int, int) {
         fence_operand(dq);
         mbar_wait(sm.dq_empty, (dq_count & 1) ^ 1);  // (the first wait passes at once)
@@ -324,10 +353,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sdQ_warp + 512 * j + 16 * lane),
                          "f"(dq[j][0]), "f"(dq[j][1]), "f"(dq[j][2]), "f"(dq[j][3])
                          : "memory");
-        fence_proxy_async();
-        __syncwarp();
-        if (lead_lane) mbar_arrive(sm.dq_full);
-        ++dq_count;
+        if constexpr (kLateDqFence) dq_pending = true;
+        else commit_dq();
     };
     auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
@@ -366,6 +393,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                                           gmma_desc(sdO_s + off_q, 16, 1024), kk > 0);
         }
         wgmma_commit();
+        if (kLateDqFence && dq_pending) {  // the previous block's dQ slice, stored before these GEMMs were issued
+            commit_dq();
+            dq_pending = false;
+        }
         if (T::kDeferDq == 1 && dq_m0 >= 0) {  // the previous block's dQ piece (issued before these two GEMMs)
             wgmma_wait<2>();
             write_dq(dq_m0, dq_head);
@@ -449,6 +480,21 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             dsa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(ds[0], ds[1]);
             dsa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(ds[2], ds[3]);
         }
+        // dS^T rows of this warp to the shared tile (rows keys, columns queries) for dQ = dS K.
+        // One stmatrix per 16 x 16 piece (lane l addresses row l % 8 (+ 8 for matrices 1, 3) at columns 16 ks (+ 8 for
+        // matrices 2, 3)) instead of four 4-byte stores: hd64 1.00-1.09x, hd128 0.97-1.06x (H200, same process).
+        auto store_ds = [&]() {
+            if (T::kTmaStoreDkv && staged_out) {
+                if (ctid == 0) bulk_wait_read<0>();
+                named_bar_sync(T::kBarEpilogue + 1 + w, 128);
+                staged_out = false;
+            }
+#pragma unroll
+            for (int ks = 0; ks < kBlockM / 16; ++ks)
+                stmatrix_x4(TileS::addr(sdS, key_row0 + lane % 8 + 8 * ((lane / 8) & 1), 16 * ks + 8 * (lane / 16)),
+                            dsa[ks]);
+        };
+        if constexpr (T::kDsFirst) store_ds();
         // dK_w += dS^T Q: B = Q, MN-major.
         fence_operand(acc_dk);
         wgmma_fence();
@@ -457,19 +503,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dk, dsa[ks], gmma_desc(sQ_s + ks * 16 * 128, kBlockM * 128, 1024),
                                                  1);
         wgmma_commit();
+        if constexpr (!T::kDsFirst) store_ds();
 
-        // dS^T rows of this warp to the shared tile (rows keys, columns queries) for dQ = dS K.
-        // One stmatrix per 16 x 16 piece (lane l addresses row l % 8 (+ 8 for matrices 1, 3) at columns 16 ks (+ 8 for
-        // matrices 2, 3)) instead of four 4-byte stores: hd64 1.00-1.09x, hd128 0.97-1.06x (H200, same process).
-        if (T::kTmaStoreDkv && staged_out) {
-            if (ctid == 0) bulk_wait_read<0>();
-            named_bar_sync(T::kBarEpilogue + 1 + w, 128);
-            staged_out = false;
-        }
-#pragma unroll
-        for (int ks = 0; ks < kBlockM / 16; ++ks)
-            stmatrix_x4(TileS::addr(sdS, key_row0 + lane % 8 + 8 * ((lane / 8) & 1), 16 * ks + 8 * (lane / 16)),
-                        dsa[ks]);
         fence_proxy_async();
         named_bar_sync(T::kBarDs, 128 * T::kNMma);  // both warpgroups' dS^T rows stored
 
@@ -512,6 +547,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             wgmma_wait<0>();
             write_dq(dq_m0, dq_head);
             dq_m0 = -1;
+        }
+        if (kLateDqFence && dq_pending) {
+            commit_dq();
+            dq_pending = false;
         }
         FT_TIMELINE_MARK(wg, tile_iter, 2);
         FT_TIMELINE_PUT(wg, tile_iter, 7, (unsigned long long)gs);
