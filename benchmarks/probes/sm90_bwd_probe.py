@@ -4,8 +4,8 @@ check of the gradients against fp32 attention (dense, causal, GQA, head dim 96 p
 
     PYTHONPATH=$PWD python3 benchmarks/probes/sm90_bwd_probe.py [--seqlens 1024 4096 16384] [--head-dims 64 128]
 
-Implementations: flashtrain, flashtrain-det (deterministic=True), flashtrain-det1 (deterministic, non-causal turns
-in one chain), flashtrain-grid (one CTA per tile), cudnn, fa2; "flashtrain@waves=W" runs the causal backward with
+Implementations: flashtrain, flashtrain-det (deterministic=True), flashtrain-detN (deterministic, non-causal turns
+in N chains, N = 1..8), flashtrain-grid (one CTA per tile), cudnn, fa2; "flashtrain@waves=W" runs the causal backward with
 ops.CAUSAL_GROUP_WAVES = W (W = 0: key blocks fastest); and
 compile-time variants of the kernels in the same process: "flashtrain+FT_MACRO=1[+FT_OTHER=2]" builds and runs the
 kernels with those macros (FLASHTRAIN_EXTRA_DEFINES; its own cubins and launch plans), e.g.
@@ -70,10 +70,11 @@ def one_cta_per_tile(enabled: bool):
 
 @contextlib.contextmanager
 def det_chains(name: str):
-    """flashtrain-det1: the deterministic non-causal Hopper backward in one turn chain (ops._det_chains)."""
+    """flashtrain-detN: the deterministic non-causal Hopper backward in N turn chains (ops._det_chains)."""
     saved = ops._det_chains
-    if name.endswith("-det1"):
-        ops._det_chains = lambda n_kblocks: 1
+    if name[-5:-1] == "-det" and name[-1].isdigit():
+        chains = int(name[-1])
+        ops._det_chains = lambda n_kblocks: chains
     drop_plans()
     try:
         yield
@@ -177,8 +178,9 @@ def main() -> None:
                     ratio += f"  persistent/grid {best['flashtrain'] / best['flashtrain-grid']:.2f}"
                 if "flashtrain-det" in best:
                     ratio += f"  det/default {best['flashtrain-det'] / best['flashtrain']:.2f}"
-                if "flashtrain-det1" in best:
-                    ratio += f"  det1/default {best['flashtrain-det1'] / best['flashtrain']:.2f}"
+                for n in best:
+                    if n[-5:-1] == "-det" and n[-1].isdigit():
+                        ratio += f"  {n[-4:]}/default {best[n] / best['flashtrain']:.2f}"
                 for n in best:
                     if "+" in n or "@" in n:
                         ratio += f"  {n}/default {best[n] / best['flashtrain']:.3f}"
