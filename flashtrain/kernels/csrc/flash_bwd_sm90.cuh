@@ -110,7 +110,7 @@ struct BwdSm90Traits {
     // backward TFLOP/s both / neither: hd64 full 1K 424 / 397, 4K 491 / 465, 16K 505 / 478; causal 1K 289 / 272,
     // 4K 426 / 412, 16K 458 / 450. At hd128 they cost 1-15% (the dQ writer is on that kernel's critical path: a later
     // hand-over delays it), as did the lse / D rows loaded into registers before the GEMMs (0.87-0.95x).
-    // FT_BWD_LATE_DQ=0 / 1 forces both off / on (A/B); FT_BWD_DS_FIRST the dS^T order alone.
+    // FT_BWD_LATE_DQ=0 / 1 and FT_BWD_DS_FIRST=0 / 1 force either off / on (A/B).
 #ifdef FT_BWD_LATE_DQ
     static constexpr bool kLateDq = FT_BWD_LATE_DQ && kDeferDq == 0;
 #else
@@ -337,8 +337,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     // The previous tile's dK / dV TMA stores may still read their staging (the score tiles, the dQ slices): this
     // warpgroup's issuing thread waits for them before the warpgroup writes dS^T again.
     bool staged_out = false;
-    constexpr bool kLateDqFence = T::kLateDq;
-    bool dq_pending = false;  // kLateDqFence: this warp's slice is stored, not yet handed to the writer
+    bool dq_pending = false;  // kLateDq: this warp's slice is stored, not yet handed to the writer
     auto commit_dq = [&]() {
         fence_proxy_async();
         __syncwarp();
@@ -353,7 +352,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sdQ_warp + 512 * j + 16 * lane),
                          "f"(dq[j][0]), "f"(dq[j][1]), "f"(dq[j][2]), "f"(dq[j][3])
                          : "memory");
-        if constexpr (kLateDqFence) dq_pending = true;
+        if constexpr (T::kLateDq) dq_pending = true;
         else commit_dq();
     };
     auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag) {
@@ -393,7 +392,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                                           gmma_desc(sdO_s + off_q, 16, 1024), kk > 0);
         }
         wgmma_commit();
-        if (kLateDqFence && dq_pending) {  // the previous block's dQ slice, stored before these GEMMs were issued
+        if (T::kLateDq && dq_pending) {  // the previous block's dQ slice, stored before these GEMMs were issued
             commit_dq();
             dq_pending = false;
         }
@@ -548,7 +547,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             write_dq(dq_m0, dq_head);
             dq_m0 = -1;
         }
-        if (kLateDqFence && dq_pending) {
+        if (T::kLateDq && dq_pending) {
             commit_dq();
             dq_pending = false;
         }
