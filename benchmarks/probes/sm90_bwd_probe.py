@@ -68,12 +68,17 @@ def one_cta_per_tile(enabled: bool):
         drop_plans()
 
 
+def chains_of(name: str) -> int | None:
+    """N of a flashtrain-detN implementation name, else None."""
+    return int(name[-1]) if name[-5:-1] == "-det" and name[-1].isdigit() else None
+
+
 @contextlib.contextmanager
 def det_chains(name: str):
     """flashtrain-detN: the deterministic non-causal Hopper backward in N turn chains (ops._det_chains)."""
     saved = ops._det_chains
-    if name[-5:-1] == "-det" and name[-1].isdigit():
-        chains = int(name[-1])
+    chains = chains_of(name)
+    if chains is not None:
         ops._det_chains = lambda n_kblocks: chains
     drop_plans()
     try:
@@ -179,7 +184,7 @@ def main() -> None:
                 if "flashtrain-det" in best:
                     ratio += f"  det/default {best['flashtrain-det'] / best['flashtrain']:.2f}"
                 for n in best:
-                    if n[-5:-1] == "-det" and n[-1].isdigit():
+                    if chains_of(n) is not None:
                         ratio += f"  {n[-4:]}/default {best[n] / best['flashtrain']:.2f}"
                 for n in best:
                     if "+" in n or "@" in n:
