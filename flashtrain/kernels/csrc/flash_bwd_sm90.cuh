@@ -64,8 +64,6 @@ struct BwdSm90Traits {
     static constexpr int kNMma = 2;                     // MMA warpgroups, 64 keys each
     static constexpr int kNThreads = 128 * (kNMma + 1);  // + the producer warpgroup
     static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
-    static constexpr int kProducerRegs = 24, kMmaRegs = 240;
-    static_assert(kProducerRegs * 128 + kMmaRegs * 128 * kNMma <= kLaunchRegs * kNThreads, "register budget");
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
                   "head dims 64, 128, 192, 256 (128-byte swizzled column blocks)");
     static_assert(!kSplitHd || (kBlockM == 64 && !kIsDropout && !kIsBlockSparse && !kIsDeterministic),
@@ -78,6 +76,25 @@ struct BwdSm90Traits {
     static constexpr int kHeadDimEff = kHeadDimEff_;
     static_assert(kHeadDimEff == kHeadDim || (kHeadDim == 128 && kHeadDimEff == 96), "effective head dim 96 of 128");
     static constexpr int kDT = kHeadDimEff / 8;  // n8 column tiles of dK, dV per thread
+    // Registers per thread after setmaxnreg: the producer warpgroup (TMA copies, statistics warp, dQ writer) and the
+    // MMA warpgroups share the launch pool (168 x 384). With 24 the producer warpgroup's loops spill (ptxas: 188-236
+    // bytes per kernel; ncu counted the dQ writer's slice loop reloading spilled values 8 times per query block), and
+    // ptxas's placement of those spills moves with any change to code they share with the MMA warps: the causal
+    // kernel's query-block steps ran 8-18% slower than the dense kernel's, and so did the dense kernel whenever its
+    // walk changed, even to the same order at run time. 40 registers remove most of it (hd64 causal 236 -> 60 bytes),
+    // and leave the MMA warpgroups 232, enough for 64-column work but not for head dim 128 (its query-block step then
+    // reloads spilled values between its GEMMs). H200, same process, backward TFLOP/s 24 -> 40: hd64 causal 1K / 4K / 16K
+    // 290 / 423 / 457 -> 300 / 453 / 483, dropout 0.1 causal 512 / 2K 142 / 236 -> 147 / 246; hd96 (head dim 96 of
+    // the hd128 tiles) causal 4K 366 -> 406; deterministic hd64 full 4K 358 -> 383, hd128 causal 351 -> 381; hd64
+    // dense 0.93-1.01x, hd96 dense 0.99x, hd128 0.86-0.96x, head dim 256 (split kernel) 0.82x: those keep 24.
+    // FT_BWD_PRODUCER_REGS=n forces n (A/B).
+#ifdef FT_BWD_PRODUCER_REGS
+    static constexpr int kProducerRegs = FT_BWD_PRODUCER_REGS;
+#else
+    static constexpr int kProducerRegs = kIsDeterministic || (kIsCausal && kHeadDimEff <= 96) ? 40 : 24;
+#endif
+    static constexpr int kMmaRegs = (kLaunchRegs * kNThreads - kProducerRegs * 128) / (128 * kNMma) / 8 * 8;
+    static_assert(kProducerRegs * 128 + kMmaRegs * 128 * kNMma <= kLaunchRegs * kNThreads, "register budget");
     // dQ(block) in 64 x 64 pieces (mi = query rows / 64, hj = columns / 64); warpgroup w computes pieces w, w + 2, ..
     // (one piece, head dim 64 x 64 queries: warpgroup 0 alone; the other's GEMMs meanwhile keep the tensor cores busy)
     static constexpr int kPieces = (kBlockM / 64) * (kHeadDim / 64);
@@ -1072,7 +1089,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         __syncwarp();
                     }
                     const bool whole = m0 + kBlockM <= seqlen_q;
-                    // (loops kept rolled: this warpgroup runs on 24 registers per thread)
+                    // (loops kept rolled: this warpgroup runs on 24 or 40 registers per thread: kProducerRegs)
 #pragma unroll 1
                     for (int slice = 0; slice < 4 * T::kNMma; ++slice) {
                         const int piece = slice / 4, row0 = m0 + 16 * ((piece / (kHeadDim / 64)) * 4 + slice % 4);
