@@ -1,0 +1,73 @@
+"""Probe without a GPU: what ptxas does with the Hopper kernels' registers. For each kernel: the registers and spill
+bytes ptxas reports, the SASS instruction count, and the spill instructions (LDL / STL) that lie between the
+kernel's first and last warpgroup MMA (HGMMA), i.e. inside the key-block / query-block loops, where they cost time;
+those outside are the producer warpgroup's roles (24-40 registers) and set-up / epilogue code.
+
+    PYTHONPATH=$PWD python benchmarks/probes/sm90_spills.py [--kernels bwd:128:causal bwd:64 fwd:64:causal ...]
+        [--defines FT_BWD_PRODUCER_REGS=40,...]
+
+A kernel is kind:head_dim[:causal][:dropout][:det] (kind fwd or bwd; det: the deterministic backward). --defines adds
+macros to every compilation (as FLASHTRAIN_EXTRA_DEFINES does). Needs nvcc and cuobjdump (CUOBJDUMP=path, or on
+PATH; pip's nvidia-cuda-cuobjdump wheel carries one). The Hopper backward's speed moved with its spills' placement by
+up to 10% either way in 2026-11-25's measurements (docs/kernels.md): compare a change's table with the default's
+before spending device time on it.
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from flashtrain.kernels import build
+
+DEFAULT_KERNELS = ["bwd:64", "bwd:64:causal", "bwd:128", "bwd:128:causal", "bwd:64:causal:dropout", "bwd:64:det",
+                   "bwd:128:causal:det", "fwd:64:causal", "fwd:128"]
+
+
+def kernel_spec(item: str) -> build.KernelSpec:
+    kind, head_dim, *flags = item.split(":")
+    unknown = set(flags) - {"causal", "dropout", "det"}
+    if kind not in ("fwd", "bwd") or unknown or (kind == "fwd" and "det" in flags):
+        raise SystemExit(f"--kernels: {item!r} is not kind:head_dim[:causal][:dropout][:det] (det: bwd only)")
+    causal, dropout = "causal" in flags, "dropout" in flags
+    if kind == "fwd":
+        return build.fwd_sm90_kernel(int(head_dim), "bf16", causal, dropout=dropout)
+    return build.bwd_sm90_kernel(int(head_dim), "bf16", causal, dropout=dropout, deterministic="det" in flags)
+
+
+def sass_instructions(cuobjdump: str, cubin: Path) -> list[str]:
+    text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", text)]
+
+
+def report(item: str, cuobjdump: str, workdir: Path) -> str:
+    spec = kernel_spec(item)
+    cubin = workdir / f"{spec.name}.cubin"
+    resources = build._compile_nvcc(spec, build.SM90_ARCH, cubin, ptxas_verbose=True)
+    code = sass_instructions(cuobjdump, cubin)
+    mma = [i for i, ins in enumerate(code) if "HGMMA" in ins]
+    spills = [i for i, ins in enumerate(code) if re.search(r"\b(LDL|STL)\b", ins)]
+    in_loop = [i for i in spills if mma and mma[0] <= i <= mma[-1]]
+    return f"{item:<24} {spec.name:<48} {len(code):>6} instr  {resources}  spill instr {len(spills)} ({len(in_loop)} " \
+           f"between the first and last HGMMA)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernels", nargs="+", default=DEFAULT_KERNELS)
+    parser.add_argument("--defines", default="", help="comma-separated macros, e.g. FT_BWD_PRODUCER_REGS=40")
+    args = parser.parse_args()
+    if args.defines:
+        os.environ["FLASHTRAIN_EXTRA_DEFINES"] = args.defines
+    cuobjdump = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+    if build.nvcc_path() is None or cuobjdump is None:
+        raise SystemExit("needs nvcc and cuobjdump (set CUOBJDUMP=/path/to/cuobjdump)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for item in args.kernels:
+            print(report(item, cuobjdump, Path(tmp)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
