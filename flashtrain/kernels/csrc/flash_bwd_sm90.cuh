@@ -116,7 +116,13 @@ struct BwdSm90Traits {
     // GEMM does. H200, same process, hd64 backward 1.03-1.13x (4K causal 352 -> 390 TFLOP/s); at hd128 (64-query
     // blocks, no wait to remove) 0.94-1.04x: not used there. The gradient checks pass unchanged (P^T carries one
     // more 16-bit rounding into dS^T, which is rounded to 16 bits for its GEMMs anyway).
+    // FT_BWD_DS_FROM_PA=1 forces it for 64-query blocks too (A/B: with FT_BWD_PRODUCER_REGS=40 the hd128 kernels'
+    // steps fit the MMA warps' 232 registers without spills, ptxas 2026-11-25; not yet measured on a GPU).
+#ifdef FT_BWD_DS_FROM_PA
+    static constexpr bool kDsFromPa = FT_BWD_DS_FROM_PA && !kIsDropout;
+#else
     static constexpr bool kDsFromPa = kBlockM == 128 && !kIsDropout;
+#endif
     // 128-query blocks with dropout: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished
     // wgmma alive, and 64 more live registers would spill)
     static constexpr bool kWaitDv = kBlockM == 128 && !kDsFromPa;
