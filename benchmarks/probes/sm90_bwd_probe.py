@@ -5,8 +5,8 @@ check of the gradients against fp32 attention (dense, causal, GQA, head dim 96 p
     PYTHONPATH=$PWD python3 benchmarks/probes/sm90_bwd_probe.py [--seqlens 1024 4096 16384] [--head-dims 64 128]
 
 Implementations: flashtrain, flashtrain-det (deterministic=True), flashtrain-detN (deterministic, non-causal turns
-in N chains, N = 1..8), flashtrain-grid (one CTA per tile), cudnn, fa2; "flashtrain@waves=W" runs the causal backward with
-ops.CAUSAL_GROUP_WAVES = W (W = 0: key blocks fastest); and
+in N chains, N = 1..8), flashtrain-grid (one CTA per tile), cudnn, fa2; "flashtrain@waves=W" runs the causal
+backward with ops.CAUSAL_GROUP_WAVES = W (W = 0: key blocks fastest); and
 compile-time variants of the kernels in the same process: "flashtrain+FT_MACRO=1[+FT_OTHER=2]" builds and runs the
 kernels with those macros (FLASHTRAIN_EXTRA_DEFINES; its own cubins and launch plans), e.g.
 "flashtrain+FT_PHILOX_ROUNDS=7" with --dropout 0.1.

@@ -77,22 +77,18 @@ struct BwdSm90Traits {
     static_assert(kHeadDimEff == kHeadDim || (kHeadDim == 128 && kHeadDimEff == 96), "effective head dim 96 of 128");
     static constexpr int kDT = kHeadDimEff / 8;  // n8 column tiles of dK, dV per thread
     // Registers per thread after setmaxnreg: the producer warpgroup (TMA copies, statistics warp, dQ writer) and the
-    // MMA warpgroups share the launch pool (168 x 384). With 24 the producer warpgroup's loops spill (ptxas: 188-236
-    // bytes per kernel; ncu counted the dQ writer's slice loop reloading spilled values 8 times per query block), and
-    // ptxas's placement of those spills moves with any change to code they share with the MMA warps: the causal
-    // kernel's query-block steps ran 8-18% slower than the dense kernel's, and so did the dense kernel whenever its
-    // walk changed, even to the same order at run time. 40 registers remove most of it (hd64 causal 236 -> 60 bytes),
-    // and leave the MMA warpgroups 232, enough for 64-column work but not for head dim 128 (its query-block step then
-    // reloads spilled values between its GEMMs). H200, same process, backward TFLOP/s 24 -> 40: hd64 causal 1K / 4K / 16K
-    // 290 / 423 / 457 -> 300 / 453 / 483, dropout 0.1 causal 512 / 2K 142 / 236 -> 147 / 246; hd96 (head dim 96 of
-    // the hd128 tiles) causal 4K 366 -> 406; deterministic hd64 full 4K 358 -> 383, hd128 causal 351 -> 381; hd64
-    // dense 0.93-1.01x, hd96 dense 0.99x, hd128 0.86-0.96x, head dim 256 (split kernel) 0.82x: those keep 24.
-    // FT_BWD_PRODUCER_REGS=n forces n (A/B).
+    // MMA warpgroups share the launch pool (168 x 384). On 24 the producer warpgroup's loops spill (ptxas 188-236 bytes
+    // per kernel), and where ptxas puts those spills moved the whole kernel's speed: the causal steps ran 8-18% slower
+    // than the dense ones. 40 leave the MMA warpgroups 232: enough for 64-column work (hd64 causal backward +3-7%,
+    // hd96 causal +11%, deterministic +1-9%), not for head dim 128 (its step then spills dK accumulator registers:
+    // 0.86-0.96x), hd64 dense (0.93-1.01x) or the split head dims (0.82x), which keep 24. docs/kernels.md has the
+    // tables (H200, 2026-11-25). FT_BWD_PRODUCER_REGS=n forces n (A/B).
 #ifdef FT_BWD_PRODUCER_REGS
     static constexpr int kProducerRegs = FT_BWD_PRODUCER_REGS;
 #else
     static constexpr int kProducerRegs = kIsDeterministic || (kIsCausal && kHeadDimEff <= 96) ? 40 : 24;
 #endif
+    // (the rest, in multiples of 8)
     static constexpr int kMmaRegs = (kLaunchRegs * kNThreads - kProducerRegs * 128) / (128 * kNMma) / 8 * 8;
     static_assert(kProducerRegs * 128 + kMmaRegs * 128 * kNMma <= kLaunchRegs * kNThreads, "register budget");
     // dQ(block) in 64 x 64 pieces (mi = query rows / 64, hj = columns / 64); warpgroup w computes pieces w, w + 2, ..
