@@ -141,6 +141,9 @@ def main() -> None:
     parser.add_argument("--impls", nargs="+", default=["flashtrain", "cudnn", "fa2"])
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every call (e.g. 0.1)")
     parser.add_argument("--masks", nargs="+", default=["full", "causal"], choices=["full", "causal"])
+    parser.add_argument("--heads", default=None, help="H/HKV query / key-value heads (GQA), e.g. 32/8; default "
+                        "2048 // head_dim heads, no GQA")
+    parser.add_argument("--batch", type=int, default=None, help="default 16384 // seqlen")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     if not args.no_check:
@@ -150,17 +153,16 @@ def main() -> None:
         check(128, True, nheads_kv=1, seqlen=777)
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
     for head_dim in args.head_dims:
-        nheads = 2048 // head_dim
+        nheads, nheads_kv = (map(int, args.heads.split("/")) if args.heads else (2048 // head_dim,) * 2)
         for seqlen in args.seqlens:
-            batch = 16384 // seqlen
+            batch = args.batch or 16384 // seqlen
             for causal in [m == "causal" for m in args.masks]:
                 flops = 2.5 * 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
                 best = {}
                 for _ in range(args.rounds):
                     for name in args.impls:
-                        shape = (batch, seqlen, nheads, head_dim)
-                        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                                   for _ in range(3))
+                        q, k, v = (torch.randn((batch, seqlen, h, head_dim), device="cuda", dtype=torch.bfloat16,
+                                               requires_grad=True) for h in (nheads, nheads_kv, nheads_kv))
                         if name.startswith("flashtrain"):  # -det: deterministic=True; -grid: one CTA per tile
                             with (one_cta_per_tile(name.endswith("-grid")), kernel_variant(name.split("@")[0]),
                                   det_chains(name), group_waves(name)):
@@ -169,8 +171,9 @@ def main() -> None:
                         else:
                             q, k, v = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
                             with sdpa_kernel(backends[name]):
-                                out = F.scaled_dot_product_attention(q, k, v, dropout_p=args.dropout,
-                                                                     is_causal=causal)
+                                out = F.scaled_dot_product_attention(q, k, v, dropout_p=args.dropout, is_causal=causal,
+                                                                     **({"enable_gqa": True} if nheads_kv != nheads
+                                                                        else {}))
                         dout = torch.randn_like(out)
                         fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
                         with (one_cta_per_tile(name.endswith("-grid")), kernel_variant(name.split("@")[0]),
@@ -189,7 +192,7 @@ def main() -> None:
                 for n in best:
                     if "+" in n or "@" in n:
                         ratio += f"  {n}/default {best[n] / best['flashtrain']:.3f}"
-                print(f"hd{head_dim} S{seqlen:<6} {'causal' if causal else 'full  '} bwd TFLOP/s {line}{ratio}",
+                print(f"hd{head_dim} {nheads}/{nheads_kv} B{batch} S{seqlen:<6} {'causal' if causal else 'full  '} bwd TFLOP/s {line}{ratio}",
                       flush=True)
 
 
