@@ -687,7 +687,9 @@ def _compile_nvcc(spec: KernelSpec, arch: str, output: Path, ptxas_verbose: bool
         return ""
     registers = re.findall(r"Used (\d+) registers", result.stderr)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
-    return ", ".join(f"{r} registers, {s} / {l} bytes spilled (stores / loads)" for r, (s, l) in zip(registers, spills))
+    serialized = sorted(set(re.findall(r"\((C75\d\d)\) Potential Performance Loss: wgmma", result.stderr)))
+    return ", ".join(f"{r} registers, {s} / {l} bytes spilled (stores / loads)" for r, (s, l) in zip(registers, spills)) + (
+        f", wgmma serialized ({', '.join(serialized)})" if serialized else "")
 
 
 def cache_dir() -> Path:
