@@ -79,19 +79,18 @@ struct BwdSm90Traits {
     // Registers per thread after setmaxnreg: the producer warpgroup (TMA copies, statistics warp, dQ writer) and the
     // MMA warpgroups share the launch pool (168 x 384). On 24 the producer warpgroup's loops spill (ptxas 188-236 bytes
     // per kernel), and where ptxas puts those spills moved the whole kernel's speed: the causal steps ran 8-18% slower
-    // than the dense ones. 40 leave the MMA warpgroups 232: enough for 64-column work (hd64 causal backward +3-7%,
-    // hd96 causal +11%, deterministic +1-9%) and for head dim 128 with dS^T taken from the packed P^T (kDsFromPa
-    // below; causal +1-5%, GQA +2%, deterministic dense +6%), not for hd128 dropout (dK accumulator spills:
-    // 0.86-0.96x), hd64 dense (0.93-1.01x) or the split head dims (0.82x), which keep 24. The hd128 dense kernel
-    // keeps 24 too (40 with kDsFromPa: 0.97-1.01x). docs/kernels.md has the tables (H200, 2026-11-25).
+    // than the dense ones. 32 or 40 leave the MMA warpgroups 232: enough for 64-column work (40: hd64 causal backward
+    // +3-7%, hd96 causal +11%, deterministic +1-9%) and for head dim 128 with dS^T taken from the packed P^T
+    // (kHd128DsFromPa, kDsFromPa below; 40: causal +1-5%, GQA +2%, deterministic dense +6%; 32: dense +1-4%, 40
+    // there 0.99-1.03x), not for hd128 dropout (dK accumulator spills: 0.86-0.96x), hd64 dense (0.93-1.01x) or the
+    // split head dims (0.82x), which keep 24. docs/kernels.md has the tables (H200, 2026-11-25).
     // FT_BWD_PRODUCER_REGS=n forces n (A/B).
-    static constexpr bool kHd128Regs40 =
-        kHeadDimEff == 128 && !kIsDropout && !kIsBlockSparse && (kIsCausal || kIsDeterministic);
+    static constexpr bool kHd128DsFromPa = kHeadDimEff == 128 && !kIsDropout && !kIsBlockSparse;
 #ifdef FT_BWD_PRODUCER_REGS
     static constexpr int kProducerRegs = FT_BWD_PRODUCER_REGS;
 #else
     static constexpr int kProducerRegs =
-        kIsDeterministic || (kIsCausal && kHeadDimEff <= 96) || kHd128Regs40 ? 40 : 24;
+        kIsDeterministic || (kIsCausal && (kHeadDimEff <= 96 || kHd128DsFromPa)) ? 40 : kHd128DsFromPa ? 32 : 24;
 #endif
     // (the rest, in multiples of 8)
     static constexpr int kMmaRegs = (kLaunchRegs * kNThreads - kProducerRegs * 128) / (128 * kNMma) / 8 * 8;
@@ -117,13 +116,13 @@ struct BwdSm90Traits {
     // GEMM does. H200, same process, hd64 backward 1.03-1.13x (4K causal 352 -> 390 TFLOP/s); at hd128 (64-query
     // blocks, no wait to remove) 0.94-1.04x: not used there. The gradient checks pass unchanged (P^T carries one
     // more 16-bit rounding into dS^T, which is rounded to 16 bits for its GEMMs anyway).
-    // With 40 producer registers (kHd128Regs40) the hd128 steps fit the MMA warps' 232 registers only this way
-    // (ptxas spills 232 / 244 -> 36 / 32 bytes causal, none in the loop), so those kernels take it too.
+    // With 32-40 producer registers the hd128 steps fit the MMA warps' 232 registers only this way (kHd128DsFromPa;
+    // ptxas spills 232 / 244 -> 36 / 32 bytes causal, none in the loop), so those kernels take it too.
     // FT_BWD_DS_FROM_PA=0/1 forces it off / on (A/B).
 #ifdef FT_BWD_DS_FROM_PA
     static constexpr bool kDsFromPa = FT_BWD_DS_FROM_PA && !kIsDropout;
 #else
-    static constexpr bool kDsFromPa = (kBlockM == 128 || kHd128Regs40) && !kIsDropout;
+    static constexpr bool kDsFromPa = (kBlockM == 128 || kHd128DsFromPa) && !kIsDropout;
 #endif
     // 128-query blocks with dropout: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished
     // wgmma alive, and 64 more live registers would spill)
