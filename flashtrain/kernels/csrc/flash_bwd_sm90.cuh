@@ -95,21 +95,6 @@ struct BwdSm90Traits {
     // (the rest, in multiples of 8)
     static constexpr int kMmaRegs = (kLaunchRegs * kNThreads - kProducerRegs * 128) / (128 * kNMma) / 8 * 8;
     static_assert(kProducerRegs * 128 + kMmaRegs * 128 * kNMma <= kLaunchRegs * kNThreads, "register budget");
-    // Arrivals per warp on a barrier that hands shared memory the warp's lanes have read back to a writer: the dQ
-    // writer's every lane arrives on dq_empty (each lane's arrival releases its own reads of the staged slices; one
-    // lane's arrival after __syncwarp is ordered too, but compute-sanitizer racecheck reports it as a race), and the
-    // MMA warps' lead lanes on a stage's empty barrier (FT_BWD_EMPTY_LANES=32: every lane, for the statistics' reads).
-#ifdef FT_BWD_DQ_EMPTY_LANES
-    static constexpr int kDqEmptyLanes = FT_BWD_DQ_EMPTY_LANES;
-#else
-    static constexpr int kDqEmptyLanes = 32;
-#endif
-#ifdef FT_BWD_EMPTY_LANES
-    static constexpr int kEmptyLanes = FT_BWD_EMPTY_LANES;
-#else
-    static constexpr int kEmptyLanes = 1;
-#endif
-    static_assert((kDqEmptyLanes == 1 || kDqEmptyLanes == 32) && (kEmptyLanes == 1 || kEmptyLanes == 32), "lanes");
     // dQ(block) in 64 x 64 pieces (mi = query rows / 64, hj = columns / 64); warpgroup w computes pieces w, w + 2, ..
     // (one piece, head dim 64 x 64 queries: warpgroup 0 alone; the other's GEMMs meanwhile keep the tensor cores busy)
     static constexpr int kPieces = (kBlockM / 64) * (kHeadDim / 64);
@@ -557,7 +542,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         }
         wgmma_commit();
         wgmma_wait<1>();  // dV and dK done (dQ may still run): Q, dO, the statistics of stage s are free
-        if (lead_lane || T::kEmptyLanes == 32) mbar_arrive(sm.empty(s));
+        if (lead_lane) mbar_arrive(sm.empty(s));
         if constexpr (T::kDeferDq != 0) {  // finished after the next block's GEMMs are issued
             dq_m0 = m0, dq_head = head;
         } else {
@@ -874,7 +859,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
         if constexpr (two) dq_gemm(dq1, cb1);
         if constexpr (two) wgmma_wait<2>();
         else wgmma_wait<1>();
-        if (lead_lane || T::kEmptyLanes == 32) mbar_arrive(sm.empty(s));  // dK done: Q, dO, stage s's statistics free
+        if (lead_lane) mbar_arrive(sm.empty(s));  // dK done: Q, dO, the statistics of stage s are free
         if constexpr (two) {
             wgmma_wait<1>();
             add_dq(dq0, m0, head, cb0);
@@ -966,7 +951,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const bool varlen = f.cu_seqlens_q != nullptr;  // varlen maps have one batch entry
     if (tid == 0) {
         mbar_init(sm.dq_full, 4 * T::kNMma);  // one arrival per MMA warp (its slice is staged)
-        mbar_init(sm.dq_empty, T::kDqEmptyLanes);  // the dQ writer (its lanes and the copy engine read the slices)
+        mbar_init(sm.dq_empty, 1);            // the dQ writer (the copy engine has read the slices)
         mbar_init(sm.full_kv, 1);
         mbar_init(sm.empty_kv, 4 * T::kNMma);  // one arrival per MMA warp (its last GEMM reading K / V is done)
 #pragma unroll
@@ -977,7 +962,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbar_init(sm.full(s), 1 + 32);     // the TMA thread's expect_tx arrival + warp 1's lanes (statistics)
-            mbar_init(sm.empty(s), 4 * T::kNMma * T::kEmptyLanes);  // one arrival per MMA warp (or lane)
+            mbar_init(sm.empty(s), 4 * T::kNMma);  // one arrival per MMA warp
         }
         mbar_fence_init();
     }
@@ -1140,7 +1125,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         bulk_wait_read<0>();
                     }
                     __syncwarp();
-                    if (lane == 0 || T::kDqEmptyLanes == 32) mbar_arrive(sm.dq_empty);
+                    if (lane == 0) mbar_arrive(sm.dq_empty);
                     if (T::kIsDeterministic) {  // complete (not only read) before the next key block's turn
                         if (lane == 0 && whole) {
                             bulk_wait<0>();
