@@ -6,7 +6,8 @@ check of the gradients against fp32 attention (dense, causal, GQA, head dim 96 p
 
 Implementations: flashtrain, flashtrain-det (deterministic=True), flashtrain-detN (deterministic, non-causal turns
 in N chains, N = 1..8), flashtrain-grid (one CTA per tile), cudnn, fa2; "flashtrain@waves=W" runs the causal
-backward with ops.CAUSAL_GROUP_WAVES = W (W = 0: key blocks fastest); and
+backward with ops.CAUSAL_GROUP_WAVES = W (W = 0: key blocks fastest), "flashtrain@splits=N" GQA with N tiles per
+group and key block (ops._gqa_splits); and
 compile-time variants of the kernels in the same process: "flashtrain+FT_MACRO=1[+FT_OTHER=2]" builds and runs the
 kernels with those macros (FLASHTRAIN_EXTRA_DEFINES; its own cubins and launch plans), e.g.
 "flashtrain+FT_PHILOX_ROUNDS=7" with --dropout 0.1.
@@ -119,15 +120,19 @@ def kernel_variant(name: str):
 
 @contextlib.contextmanager
 def group_waves(name: str):
-    """flashtrain@waves=W: the causal tile order with ops.CAUSAL_GROUP_WAVES = W."""
-    saved = ops.CAUSAL_GROUP_WAVES
-    if "@waves=" in name:
-        ops.CAUSAL_GROUP_WAVES = float(name.split("@waves=")[1])
+    """flashtrain@waves=W: the causal tile order with ops.CAUSAL_GROUP_WAVES = W; flashtrain@splits=N: GQA backward
+    tiles split the group's query heads N ways (ops._gqa_splits forced to N)."""
+    saved, saved_splits = ops.CAUSAL_GROUP_WAVES, ops._gqa_splits
+    options = dict(item.split("=") for item in name.split("@")[1:])
+    if "waves" in options:
+        ops.CAUSAL_GROUP_WAVES = float(options["waves"])
+    if "splits" in options:
+        ops._gqa_splits = lambda *args, **kwargs: int(options["splits"])
     drop_plans()
     try:
         yield
     finally:
-        ops.CAUSAL_GROUP_WAVES = saved
+        ops.CAUSAL_GROUP_WAVES, ops._gqa_splits = saved, saved_splits
         drop_plans()
 
 
