@@ -92,6 +92,9 @@ struct FwdSm90Traits {
 
 // The key blocks a CTA visits, in walk order: dense, n_block_max - 1 down to 0; block-sparse, the tiles of the
 // non-zero mask blocks of the query block's row that lie below n_block_max, descending. block() is -1 at the end.
+#ifndef FT_FWD_MASK_SHARED
+#define FT_FWD_MASK_SHARED 0
+#endif
 template <class T> struct KeyBlockWalk {
     SparseWalkDesc<kBlockSparseSize / T::kBlockN> sparse;
     int n_block;
@@ -303,11 +306,12 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         };
         auto mask = [&](float (&s)[kNT][4], int n_block) {
             const int n0 = n_block * kBlockN;
-            if constexpr (T::kIsCausal) {
-                // Row g + 8 sees 8 more keys than row g, so its test for n8 tile nt is row g's for tile nt - 1: one
-                // compare per score pair of the two rows instead of two (104 SASS instructions fewer per kernel; H200,
-                // same process, causal forward 1.004-1.013x at 512-4K, hd64 and hd128, 2026-11-25). Rows past
-                // seqlen_q, whose limit seqlen_k would clamp, are not stored.
+            if constexpr (T::kIsCausal && FT_FWD_MASK_SHARED) {
+                // (A/B, FT_FWD_MASK_SHARED=1) Row g + 8 sees 8 more keys than row g, so its test for n8 tile nt is row
+                // g's for tile nt - 1: one compare per score pair of the two rows instead of two (104 SASS
+                // instructions fewer per kernel; H200, same process, causal forward 1.004-1.013x at 512-4K, hd64 and
+                // hd128, 2026-11-25; not yet the default: the GPU test suite has not run it). Rows past seqlen_q,
+                // whose limit seqlen_k would clamp, are not stored.
                 // row g keeps score (nt, e) iff 8 nt + e < lim
                 const int lim = m0 + row0 + g + 1 + seqlen_k - seqlen_q - n0 - 2 * t;
 #pragma unroll
@@ -320,10 +324,15 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 return;
             }
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)  // non-causal: the keys past seqlen_k
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = m0 + row0 + g + 8 * hf;
+                const int col_end = T::kIsCausal ? min_(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (n0 + nt * 8 + 2 * t + (e & 1) >= seqlen_k) s[nt][e] = -infinity();
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        if (n0 + nt * 8 + 2 * t + e >= col_end) s[nt][2 * hf + e] = -infinity();
+            }
         };
         auto pack_p = [&](const float (&s)[kNT][4]) {
 #pragma unroll
