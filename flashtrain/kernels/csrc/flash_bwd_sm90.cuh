@@ -398,7 +398,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         for (int kk = 0; kk < T::kHeadDimEff / 16; ++kk) {
             const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
             const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-            wgmma_ss<kBlockM, T::kIsBF16>(st, gmma_desc(sK_w + off_kv, 16, 1024), gmma_desc(sQ_s + off_q, 16, 1024),
+            wgmma_ss<kBlockM, T::kIsBF16>(st, gmma_desc_at(sK_w, off_kv, 16, 1024), gmma_desc_at(sQ_s, off_q, 16, 1024),
                                           kk > 0);
         }
         wgmma_commit();
@@ -412,8 +412,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         for (int kk = 0; kk < T::kHeadDimEff / 16; ++kk) {
             const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
             const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-            wgmma_ss<kBlockM, T::kIsBF16>(dpt, gmma_desc(sV_w + off_kv, 16, 1024),
-                                          gmma_desc(sdO_s + off_q, 16, 1024), kk > 0);
+            wgmma_ss<kBlockM, T::kIsBF16>(dpt, gmma_desc_at(sV_w, off_kv, 16, 1024),
+                                          gmma_desc_at(sdO_s, off_q, 16, 1024), kk > 0);
         }
         wgmma_commit();
         if (T::kLateDq && dq_pending) {  // the previous block's dQ slice, stored before these GEMMs were issued
@@ -469,8 +469,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kBlockM / 16; ++ks)
-            wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dv, pa[ks], gmma_desc(sdO_s + ks * 16 * 128, kBlockM * 128, 1024),
-                                                 1);
+            wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dv, pa[ks],
+                                                 gmma_desc_at(sdO_s, ks * 16 * 128, kBlockM * 128, 1024), 1);
         wgmma_commit();
         // dP^T done; dV may still run unless its P^T registers are needed for dS^T (128-query blocks: ptxas keeps the
         // A fragments of an unfinished wgmma alive, and 64 more live registers would spill)
@@ -523,8 +523,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kBlockM / 16; ++ks)
-            wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dk, dsa[ks], gmma_desc(sQ_s + ks * 16 * 128, kBlockM * 128, 1024),
-                                                 1);
+            wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dk, dsa[ks],
+                                                 gmma_desc_at(sQ_s, ks * 16 * 128, kBlockM * 128, 1024), 1);
         wgmma_commit();
         if constexpr (!T::kDsFirst) store_ds();
 
@@ -535,8 +535,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kBlockN / 16; ++ks) {
-            const u64 desc_a = gmma_desc(sdS + mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
-            const u64 desc_b = gmma_desc(sK_all + hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+            const u64 desc_a = gmma_desc_at(sdS, mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+            const u64 desc_b = gmma_desc_at(sK_all, hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
             if (ks == 0) wgmma_ss_tt_init<64, T::kIsBF16>(dq, desc_a, desc_b, 0);  // dq's old values are dead
             else wgmma_ss_tt<64, T::kIsBF16>(dq, desc_a, desc_b, 1);
         }
@@ -755,8 +755,8 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
             const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
             const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-            wgmma_ss<kBlockM, T::kIsBF16>(sdp, gmma_desc((W == 0 ? sK : sV) + off_kv, 16, 1024),
-                                          gmma_desc((W == 0 ? sQ_s : sdO_s) + off_q, 16, 1024), kk > 0);
+            wgmma_ss<kBlockM, T::kIsBF16>(sdp, gmma_desc_at(W == 0 ? sK : sV, off_kv, 16, 1024),
+                                          gmma_desc_at(W == 0 ? sQ_s : sdO_s, off_q, 16, 1024), kk > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -769,8 +769,8 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
 #pragma unroll
             for (int ks = 0; ks < kKS; ++ks)
                 wgmma_rs<kDvN, T::kIsBF16>(acc_dv, pa[ks],
-                                           gmma_desc(sdO_s + (kDvCol / 64) * kBlockM * 128 + ks * 16 * 128,
-                                                     kBlockM * 128, 1024), 1);
+                                           gmma_desc_at(sdO_s, (kDvCol / 64) * kBlockM * 128 + ks * 16 * 128,
+                                                        kBlockM * 128, 1024), 1);
             wgmma_commit();
         };
         if constexpr (W == 0) {
@@ -831,8 +831,8 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
 #pragma unroll
         for (int ks = 0; ks < kKS; ++ks)
             wgmma_rs<kDkN, T::kIsBF16>(acc_dk, dsa[ks],
-                                       gmma_desc(sQ_s + (kDkCol / 64) * kBlockM * 128 + ks * 16 * 128, kBlockM * 128,
-                                                 1024), 1);
+                                       gmma_desc_at(sQ_s, (kDkCol / 64) * kBlockM * 128 + ks * 16 * 128,
+                                                    kBlockM * 128, 1024), 1);
         wgmma_commit();
         wgmma_wait<1>();  // dV done: its A fragments (P^T) are dead before the dQ accumulators are live
 
@@ -847,8 +847,8 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
         auto dq_gemm = [&](float (&dq)[8][4], int cb) {
 #pragma unroll
             for (int ks = 0; ks < kBlockN / 16; ++ks) {
-                const u64 desc_a = gmma_desc(sdS + ks * 16 * 128, kBlockN * 128, 1024);
-                const u64 desc_b = gmma_desc(sK + cb * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+                const u64 desc_a = gmma_desc_at(sdS, ks * 16 * 128, kBlockN * 128, 1024);
+                const u64 desc_b = gmma_desc_at(sK + cb * kBlockN * 128, ks * 16 * 128, kBlockN * 128, 1024);
                 if (ks == 0) wgmma_ss_tt_init<64, T::kIsBF16>(dq, desc_a, desc_b, 0);
                 else wgmma_ss_tt<64, T::kIsBF16>(dq, desc_a, desc_b, 1);
             }

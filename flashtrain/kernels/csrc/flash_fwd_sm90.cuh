@@ -290,8 +290,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             const u32 k_tile = sK + stage * TileKV::kBytes;
 #pragma unroll
             for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
-                const u64 desc_q = gmma_desc(sQ + (kk / 4) * kBlockM * 128 + cw * 64 * 128 + (kk % 4) * 32, 16, 1024);
-                const u64 desc_k = gmma_desc(k_tile + (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
+                const u64 desc_q = gmma_desc_at(sQ + cw * 64 * 128, (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
+                const u64 desc_k = gmma_desc_at(k_tile, (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
                 wgmma_ss<kBlockN, T::kIsBF16>(s, desc_q, desc_k, kk > 0);
             }
             wgmma_commit();
@@ -300,7 +300,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             const u32 v_tile = sV + stage * TileKV::kBytes;
 #pragma unroll
             for (int ks = 0; ks < kNT / 2; ++ks)
-                wgmma_rs<T::kHeadDim, T::kIsBF16>(o, pa[ks], gmma_desc(v_tile + ks * 16 * 128, kBlockN * 128, 1024),
+                wgmma_rs<T::kHeadDim, T::kIsBF16>(o, pa[ks], gmma_desc_at(v_tile, ks * 16 * 128, kBlockN * 128, 1024),
                                                   1);
             wgmma_commit();
         };
