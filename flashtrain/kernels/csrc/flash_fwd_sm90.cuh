@@ -81,7 +81,7 @@ struct FwdSm90Traits {
     static constexpr int kColBlocks = kHeadDim / 64;  // TMA boxes per tile
     // Barriers after the tiles: full_q, empty_q, then full_k, empty_k, full_v, empty_v (kStages each), 8 bytes apiece.
     static constexpr int kBarrierBytes = 256;
-    static_assert(8 * (3 + 4 * kStages) <= kBarrierBytes, "barrier area (the last 8 bytes: the tile slot)");
+    static_assert(8 * (3 + 4 * kStages) <= kBarrierBytes - 48, "barrier area (the last 48 bytes: tile record, slot)");
     // Q, O staging (its own buffer: the next tile's Q is copied while this tile's O is written), K and V stages;
     // + 1024: the tiles start at the first 1024-byte boundary (the 128-byte swizzle repeats every 1024 bytes)
     static constexpr int kSmemBytes =
@@ -92,6 +92,9 @@ struct FwdSm90Traits {
 
 // The key blocks a CTA visits, in walk order: dense, n_block_max - 1 down to 0; block-sparse, the tiles of the
 // non-zero mask blocks of the query block's row that lie below n_block_max, descending. block() is -1 at the end.
+#ifndef FT_FWD_TILE_RECORD
+#define FT_FWD_TILE_RECORD 0
+#endif
 #ifndef FT_FWD_MASK_SHARED
 #define FT_FWD_MASK_SHARED 0
 #endif
@@ -166,6 +169,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     const u32 bars = sV + kStages * TileKV::kBytes;
     const u32 full_q = bars, empty_q = bars + 8;
     const u32 tile_slot = bars + T::kBarrierBytes - 8;  // the tile the consumers work on next, -1 at the end
+    // FT_FWD_TILE_RECORD=1 (A/B): the producer also stores the tile's FwdTile fields (it computes them anyway) for the
+    // consumers, whose eight warps would otherwise each redo its divisions and sequence bounds
+    const u32 tile_record = bars + T::kBarrierBytes - 48;
     auto full_k = [&](int s) { return bars + 8 * (2 + s); };
     auto empty_k = [&](int s) { return bars + 8 * (2 + kStages + s); };
     auto full_v = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
@@ -206,6 +212,12 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 if (tile < n_tiles && !fwd_tile<T>(p, tile, n_mblocks, x)) continue;
                 mbar_wait(empty_q, (tile_iter & 1) ^ 1);  // the consumers' last S GEMM of the previous tile is done
                 atomic_store_shared(tile_slot, tile < n_tiles ? tile : -1);  // (ordered by empty_q / full_q)
+                if (FT_FWD_TILE_RECORD && tile < n_tiles) {
+                    const int fields[9] = {x.m0,      x.batch,    x.head,     x.head_kv,    x.q_start,
+                                           x.k_start, x.seqlen_q, x.seqlen_k, x.n_block_max};
+#pragma unroll
+                    for (int i = 0; i < 9; ++i) atomic_store_shared(tile_record + 4 * i, fields[i]);
+                }
                 if (tile >= n_tiles) {
                     mbar_arrive(full_q);  // no copy: the consumers read the end mark and stop
                     break;
@@ -277,7 +289,15 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             break;
         }
         FwdTile x;
-        fwd_tile<T>(p, tile, n_mblocks, x);
+        if constexpr (FT_FWD_TILE_RECORD) {
+            int fields[9];
+#pragma unroll
+            for (int i = 0; i < 9; ++i) fields[i] = ld_shared_b32(tile_record + 4 * i);
+            x = FwdTile{fields[0], fields[1], fields[2], fields[3], fields[4],
+                        fields[5], fields[6], fields[7], fields[8]};
+        } else {
+            fwd_tile<T>(p, tile, n_mblocks, x);
+        }
         const int m0 = x.m0, seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
         float o[kDT][4];
 #pragma unroll
