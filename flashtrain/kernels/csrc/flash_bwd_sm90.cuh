@@ -214,9 +214,15 @@ template <class T> __device__ __forceinline__ bool bwd_tile(const BwdParams& p, 
 
 // The (query head, query block) pairs a CTA visits, in order: dense, every query block from the first that sees the
 // key block, for each query head of the group; block-sparse, the column list of the key block's mask block.
+// FT_BWD_WALK_INC=1 (A/B): the dense walk advances (head, query block) by additions instead of a division and a
+// remainder per block; every role of the CTA runs the walk, the producer warpgroup's on 24-40 registers.
+#ifndef FT_BWD_WALK_INC
+#define FT_BWD_WALK_INC 0
+#endif
 template <class T> struct QueryBlockWalk {
     SparseWalkAsc<kBlockSparseSize / T::kBlockM> sparse;
     int it = 0, n_iters = 0, n_mblocks = 0, m_block_min = 0, m_block_end = 0, group = 0, heads = 0, head0 = 0;
+    int m_i = 0, head_i = 0;  // FT_BWD_WALK_INC: query block and head of step it
     int head_kv = 0, n0 = 0;
     bool has = false;
     int head = 0, m0 = 0;
@@ -232,6 +238,12 @@ template <class T> struct QueryBlockWalk {
             if (has) {
                 head = head_kv * group + sparse.head_i;
                 m0 = sparse.tile([&](int i) { return col_list(i); }) * T::kBlockM;
+            }
+        } else if constexpr (FT_BWD_WALK_INC) {
+            has = it < n_iters;
+            if (has) {
+                head = head_kv * group + head0 + head_i;
+                m0 = (m_block_min + m_i) * T::kBlockM;
             }
         } else {
             has = it < n_iters;
@@ -257,6 +269,9 @@ template <class T> struct QueryBlockWalk {
     __device__ __forceinline__ void next() {
         ++it;
         if constexpr (T::kIsBlockSparse) sparse.advance();
+        if constexpr (!T::kIsBlockSparse && FT_BWD_WALK_INC) {
+            if (++m_i == n_mblocks) m_i = 0, ++head_i;
+        }
         settle();
     }
 };
