@@ -49,6 +49,13 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
+#ifndef FT_BWD_WALK_INC
+#define FT_BWD_WALK_INC 0
+#endif
+#ifndef FT_BWD_NAMED_HANDOFF
+#define FT_BWD_NAMED_HANDOFF 0
+#endif
+
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
@@ -179,6 +186,17 @@ struct BwdSm90Traits {
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then
     // one per warpgroup (its rows of dK / dV staged); head dims 192 / 256: P^T stored (warpgroup 0 to 1).
     static constexpr int kBarDs = 1, kBarEpilogue = 2, kBarP = 5;
+    // FT_BWD_NAMED_HANDOFF=1 (A/B; head dims 64 / 128): the two hand-overs of shared memory that lanes read back to a
+    // writer also go through named barriers, which compute-sanitizer racecheck follows (it does not follow
+    // mbarriers, and reports both as races): the dQ writer's bar.arrive after reading a block's slices and the MMA
+    // warps' bar.sync before they write the staging area again (dQ slices, or dV over them); the MMA warps'
+    // bar.arrive once they have read a stage's lse / D and the statistics warp's bar.sync before rewriting it. One
+    // arrival is outstanding at most (the next needs the other side's write first); the trailing ones are synced
+    // before the roles end.
+    static constexpr bool kNamedHandoff = FT_BWD_NAMED_HANDOFF && !kSplitHd;
+    static constexpr int kBarDqFree = 6, kBarStatsFree = 7;  // kBarStatsFree + stage
+    static constexpr int kHandoffThreads = 32 + 128 * kNMma;
+    static_assert(!kNamedHandoff || kBarStatsFree + kStages <= 16, "named barriers 0..15");
 };
 
 // A tile is one key block of one unit = (batch, kv head, GQA split: BwdParams::kv_splits > 1 splits the group's query
@@ -216,9 +234,7 @@ template <class T> __device__ __forceinline__ bool bwd_tile(const BwdParams& p, 
 // key block, for each query head of the group; block-sparse, the column list of the key block's mask block.
 // FT_BWD_WALK_INC=1 (A/B): the dense walk advances (head, query block) by additions instead of a division and a
 // remainder per block; every role of the CTA runs the walk, the producer warpgroup's on 24-40 registers.
-#ifndef FT_BWD_WALK_INC
-#define FT_BWD_WALK_INC 0
-#endif
+
 template <class T> struct QueryBlockWalk {
     SparseWalkAsc<kBlockSparseSize / T::kBlockM> sparse;
     int it = 0, n_iters = 0, n_mblocks = 0, m_block_min = 0, m_block_end = 0, group = 0, heads = 0, head0 = 0;
@@ -377,6 +393,15 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     // warpgroup's issuing thread waits for them before the warpgroup writes dS^T again.
     bool staged_out = false;
     bool dq_pending = false;  // kLateDq: this warp's slice is stored, not yet handed to the writer
+    bool dq_free = true;      // kNamedHandoff: the writer has read everything handed to it (no arrival outstanding)
+    auto wait_dq_free = [&]() {  // before dV is staged over the dQ slices
+        if constexpr (T::kNamedHandoff) {
+            if (!dq_free) named_bar_sync(T::kBarDqFree, T::kHandoffThreads);
+            dq_free = true;
+        } else {
+            mbar_wait(sm.dq_empty, (dq_count & 1) ^ 1);
+        }
+    };
     auto commit_dq = [&]() {
         fence_proxy_async();
         __syncwarp();
@@ -385,7 +410,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     };
     auto write_dq = [&](int, int) {
         fence_operand(dq);
-        mbar_wait(sm.dq_empty, (dq_count & 1) ^ 1);  // (the first wait passes at once)
+        if constexpr (T::kNamedHandoff) {
+            if (!dq_free) named_bar_sync(T::kBarDqFree, T::kHandoffThreads);
+            dq_free = false;
+        } else {
+            mbar_wait(sm.dq_empty, (dq_count & 1) ^ 1);  // (the first wait passes at once)
+        }
 #pragma unroll
         for (int j = 0; j < 8; ++j)
             asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sdQ_warp + 512 * j + 16 * lane),
@@ -518,6 +548,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             dsa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(ds[0], ds[1]);
             dsa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(ds[2], ds[3]);
         }
+        if constexpr (T::kNamedHandoff) named_bar_arrive(T::kBarStatsFree + s, T::kHandoffThreads);  // lse, D read
         // dS^T rows of this warp to the shared tile (rows keys, columns queries) for dQ = dS K.
         // One stmatrix per 16 x 16 piece (lane l addresses row l % 8 (+ 8 for matrices 1, 3) at columns 16 ks (+ 8 for
         // matrices 2, 3)) instead of four 4-byte stores: hd64 1.00-1.09x, hd128 0.97-1.06x (H200, same process).
@@ -658,7 +689,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                 fence_proxy_async();
                 named_bar_sync(T::kBarEpilogue + 1 + w, 128);
                 store_rows(&params.tma_dk, sdK);
-                mbar_wait(sm.dq_empty, (dq_count & 1) ^ 1);
+                wait_dq_free();
             }
             FT_TIMELINE_MARK(wg, tile_iter, 3);
             store_acc<T::kIsBF16, TileKV>(sdV, dv1, key_row0, 0, 1.f, lane);
@@ -669,7 +700,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             if (ctid == 0) bulk_commit();
             staged_out = true;
         } else {
-            if constexpr (kDvWaitsDq) mbar_wait(sm.dq_empty, (dq_count & 1) ^ 1);
+            if constexpr (kDvWaitsDq) wait_dq_free();
             FT_TIMELINE_MARK(wg, tile_iter, 3);
             store_acc<T::kIsBF16, TileKV>(sdK, dk1, key_row0, 0, f.softmax_scale, lane);
             store_acc<T::kIsBF16, TileKV>(sdV, dv1, key_row0, 0, 1.f, lane);
@@ -683,6 +714,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         FT_TIMELINE_MARK(wg, tile_iter, 4);
     }
     if (T::kTmaStoreDkv && ctid == 0) bulk_wait<0>();  // the last dK / dV stores have read shared memory (and landed)
+    if (T::kNamedHandoff && !dq_free) named_bar_sync(T::kBarDqFree, T::kHandoffThreads);  // the writer's last arrival
     FT_TIMELINE_END(wg);
 }
 
@@ -1055,6 +1087,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                      walk.next(), ++gs) {
                     const int s = gs % kStages;
                     mbar_wait(sm.empty(s), ((gs / kStages) & 1) ^ 1);
+                    if (T::kNamedHandoff && gs >= kStages) named_bar_sync(T::kBarStatsFree + s, T::kHandoffThreads);
                     const i64 offset = x.batch * f.lse_batch_stride + walk.head * f.lse_head_stride + x.q_start;
 #pragma unroll
                     for (int i = 0; i < kBlockM / 32; ++i) {
@@ -1072,6 +1105,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     }
                     mbar_arrive(sm.full(s));
                 }
+            }
+            if constexpr (T::kNamedHandoff) {  // the MMA warps' arrivals after the last use of each stage
+#pragma unroll 1
+                for (int s = 0; s < kStages && s < gs; ++s) named_bar_sync(T::kBarStatsFree + s, T::kHandoffThreads);
             }
         } else if (!T::kSplitHd && warp == 2) {
             // dQ writer: per query block, once the MMA warps have staged their 16 x 64 slices (scrambled order of
@@ -1140,7 +1177,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         bulk_wait_read<0>();
                     }
                     __syncwarp();
-                    if (lane == 0) mbar_arrive(sm.dq_empty);
+                    if constexpr (T::kNamedHandoff) named_bar_arrive(T::kBarDqFree, T::kHandoffThreads);
+                    else if (lane == 0) mbar_arrive(sm.dq_empty);
                     if (T::kIsDeterministic) {  // complete (not only read) before the next key block's turn
                         if (lane == 0 && whole) {
                             bulk_wait<0>();
