@@ -29,7 +29,8 @@ def main() -> None:
     nheads, batch = 2048 // args.head_dim, max(1, 16384 // args.seqlen)
     shape = (batch, args.seqlen, nheads, args.head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward) for _ in range(3))
-    flops = 4 * batch * nheads * args.seqlen**2 * args.head_dim / (2 if args.causal else 1) * (3.5 if args.backward else 1)
+    flops = 4 * batch * nheads * args.seqlen**2 * args.head_dim / (2 if args.causal else 1)
+    flops *= 3.5 if args.backward else 1  # forward + backward: 3.5 forwards
     print(torch.cuda.get_device_name(), torch.__version__, f"hd{args.head_dim} S{args.seqlen} causal={args.causal} "
           f"{'fwd+bwd' if args.backward else 'fwd'}", flush=True)
     for name in args.impls:

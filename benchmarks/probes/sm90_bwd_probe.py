@@ -198,7 +198,8 @@ def main() -> None:
                 for n in best:
                     if "+" in n or "@" in n:
                         ratio += f"  {n}/default {best[n] / best['flashtrain']:.3f}"
-                print(f"hd{head_dim} {nheads}/{nheads_kv} B{batch} S{seqlen:<6} {'causal' if causal else 'full  '} bwd TFLOP/s {line}{ratio}",
+                mask = "causal" if causal else "full  "
+                print(f"hd{head_dim} {nheads}/{nheads_kv} B{batch} S{seqlen:<6} {mask} bwd TFLOP/s {line}{ratio}",
                       flush=True)
 
 

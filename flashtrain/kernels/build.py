@@ -688,8 +688,8 @@ def _compile_nvcc(spec: KernelSpec, arch: str, output: Path, ptxas_verbose: bool
     registers = re.findall(r"Used (\d+) registers", result.stderr)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
     serialized = sorted(set(re.findall(r"\((C75\d\d)\) Potential Performance Loss: wgmma", result.stderr)))
-    return ", ".join(f"{r} registers, {s} / {l} bytes spilled (stores / loads)" for r, (s, l) in zip(registers, spills)) + (
-        f", wgmma serialized ({', '.join(serialized)})" if serialized else "")
+    line = ", ".join(f"{r} registers, {s} / {l} bytes spilled (stores / loads)" for r, (s, l) in zip(registers, spills))
+    return line + (f", wgmma serialized ({', '.join(serialized)})" if serialized else "")
 
 
 def cache_dir() -> Path:

@@ -234,7 +234,6 @@ template <class T> __device__ __forceinline__ bool bwd_tile(const BwdParams& p, 
 // key block, for each query head of the group; block-sparse, the column list of the key block's mask block.
 // FT_BWD_WALK_INC=1 (A/B): the dense walk advances (head, query block) by additions instead of a division and a
 // remainder per block; every role of the CTA runs the walk, the producer warpgroup's on 24-40 registers.
-
 template <class T> struct QueryBlockWalk {
     SparseWalkAsc<kBlockSparseSize / T::kBlockM> sparse;
     int it = 0, n_iters = 0, n_mblocks = 0, m_block_min = 0, m_block_end = 0, group = 0, heads = 0, head0 = 0;
@@ -394,7 +393,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     bool staged_out = false;
     bool dq_pending = false;  // kLateDq: this warp's slice is stored, not yet handed to the writer
     bool dq_free = true;      // kNamedHandoff: the writer has read everything handed to it (no arrival outstanding)
-    auto wait_dq_free = [&]() {  // before dV is staged over the dQ slices
+    auto wait_dq_free = [&]() {  // before the staging area is written again (dQ slices, or dV over them)
         if constexpr (T::kNamedHandoff) {
             if (!dq_free) named_bar_sync(T::kBarDqFree, T::kHandoffThreads);
             dq_free = true;
@@ -410,12 +409,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     };
     auto write_dq = [&](int, int) {
         fence_operand(dq);
-        if constexpr (T::kNamedHandoff) {
-            if (!dq_free) named_bar_sync(T::kBarDqFree, T::kHandoffThreads);
-            dq_free = false;
-        } else {
-            mbar_wait(sm.dq_empty, (dq_count & 1) ^ 1);  // (the first wait passes at once)
-        }
+        wait_dq_free();  // (the first wait passes at once)
+        dq_free = false;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
             asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sdQ_warp + 512 * j + 16 * lane),

@@ -36,6 +36,15 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
+// A/B switches (see their uses): FT_FWD_TILE_RECORD, the consumers read the tile's fields from the producer;
+// FT_FWD_MASK_SHARED, one causal-mask compare per score pair of rows g and g + 8.
+#ifndef FT_FWD_TILE_RECORD
+#define FT_FWD_TILE_RECORD 0
+#endif
+#ifndef FT_FWD_MASK_SHARED
+#define FT_FWD_MASK_SHARED 0
+#endif
+
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kSeparateO_, bool kIsBF16_, bool kIsCausal_,
@@ -92,12 +101,6 @@ struct FwdSm90Traits {
 
 // The key blocks a CTA visits, in walk order: dense, n_block_max - 1 down to 0; block-sparse, the tiles of the
 // non-zero mask blocks of the query block's row that lie below n_block_max, descending. block() is -1 at the end.
-#ifndef FT_FWD_TILE_RECORD
-#define FT_FWD_TILE_RECORD 0
-#endif
-#ifndef FT_FWD_MASK_SHARED
-#define FT_FWD_MASK_SHARED 0
-#endif
 template <class T> struct KeyBlockWalk {
     SparseWalkDesc<kBlockSparseSize / T::kBlockN> sparse;
     int n_block;
@@ -123,6 +126,7 @@ template <class T> struct KeyBlockWalk {
 struct FwdTile {
     int m0, batch, head, head_kv, q_start, k_start, seqlen_q, seqlen_k, n_block_max;
 };
+static_assert(sizeof(FwdTile) == 9 * sizeof(int), "FT_FWD_TILE_RECORD copies FwdTile as 9 ints (fields in order)");
 template <class T> __device__ __forceinline__ bool fwd_tile(const FwdParams& p, int tile, int n_mblocks, FwdTile& x) {
     const int n_bh = p.batch * p.nheads;
     int m_block = tile % n_mblocks, bh = tile / n_mblocks;
@@ -310,7 +314,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             const u32 k_tile = sK + stage * TileKV::kBytes;
 #pragma unroll
             for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
-                const u64 desc_q = gmma_desc_at(sQ + cw * 64 * 128, (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
+                const u64 desc_q =
+                    gmma_desc_at(sQ + cw * 64 * 128, (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
                 const u64 desc_k = gmma_desc_at(k_tile, (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
                 wgmma_ss<kBlockN, T::kIsBF16>(s, desc_q, desc_k, kk > 0);
             }
