@@ -846,6 +846,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --check-nvcc: only the 99 KB tiles that 163 KB GPUs do not use")
     parser.add_argument("--ptxas", action="store_true", help="with --check-nvcc: print registers and spills")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compilations")
+    parser.add_argument("--only", metavar="REGEX", help="only the instantiations whose name matches (re.search)")
     args = parser.parse_args(argv)
     if args.check_nvcc:
         return check_nvcc(args.check_nvcc, args.jobs, small_smem_kernels() if args.small_smem else None, args.ptxas)
@@ -858,7 +859,8 @@ def main(argv: list[str] | None = None) -> int:
         arch = arch_of_capability(*torch.cuda.get_device_capability())
     smem_limit = min(ARCH_SMEM_OPTIN.get(arch, SMEM_OPTIN_SM86), smem_cap() or 1 << 30)
     print(f"prebuilding for {arch} ({smem_limit} bytes of shared memory per block) into {cache_dir()}")
-    specs = [spec for spec in all_kernels(smem_limit) if spec.supports(arch)]
+    specs = [spec for spec in all_kernels(smem_limit) if spec.supports(arch)
+             and (args.only is None or re.search(args.only, spec.name))]
     status = _run_all(specs, args.jobs, lambda spec: compile_kernel(spec, arch))
     start = time.perf_counter()
     try:
