@@ -50,7 +50,7 @@
 #include "wgmma.cuh"
 
 #ifndef FT_BWD_WALK_INC
-#define FT_BWD_WALK_INC 0
+#define FT_BWD_WALK_INC 1
 #endif
 #ifndef FT_BWD_NAMED_HANDOFF
 #define FT_BWD_NAMED_HANDOFF 0
@@ -232,8 +232,9 @@ template <class T> __device__ __forceinline__ bool bwd_tile(const BwdParams& p, 
 
 // The (query head, query block) pairs a CTA visits, in order: dense, every query block from the first that sees the
 // key block, for each query head of the group; block-sparse, the column list of the key block's mask block.
-// FT_BWD_WALK_INC=1 (A/B): the dense walk advances (head, query block) by additions instead of a division and a
-// remainder per block; every role of the CTA runs the walk, the producer warpgroup's on 24-40 registers.
+// FT_BWD_WALK_INC=1 (default since 2026-11-25; 0 for A/Bs): the dense walk advances (head, query block) by additions
+// instead of a division and a remainder per block; every role of the CTA runs the walk, the producer warpgroup's on
+// 24-40 registers.
 template <class T> struct QueryBlockWalk {
     SparseWalkAsc<kBlockSparseSize / T::kBlockM> sparse;
     int it = 0, n_iters = 0, n_mblocks = 0, m_block_min = 0, m_block_end = 0, group = 0, heads = 0, head0 = 0;

@@ -36,13 +36,19 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
-// A/B switches (see their uses): FT_FWD_TILE_RECORD, the consumers read the tile's fields from the producer;
-// FT_FWD_MASK_SHARED, one causal-mask compare per score pair of rows g and g + 8.
+// Switches (see their uses; on by default since 2026-11-25, =0 for A/Bs): FT_FWD_TILE_RECORD, the consumers read the
+// tile's fields from the producer; FT_FWD_MASK_SHARED, one causal-mask compare per score pair of rows g and g + 8.
 #ifndef FT_FWD_TILE_RECORD
-#define FT_FWD_TILE_RECORD 0
+#define FT_FWD_TILE_RECORD 1
 #endif
 #ifndef FT_FWD_MASK_SHARED
-#define FT_FWD_MASK_SHARED 0
+#define FT_FWD_MASK_SHARED 1
+#endif
+// FT_FWD_HALF_FIRST=1 (A/B): a consumer to which the upper half of its tile's first key block is invisible (the causal
+// diagonal block of the first 64 rows; a last key block at most half full) computes S for the lower half only (its P
+// for the upper half is zero); =2 also its P V product (the step after the first block peeled off).
+#ifndef FT_FWD_HALF_FIRST
+#define FT_FWD_HALF_FIRST 0
 #endif
 
 namespace flashtrain {
@@ -173,7 +179,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     const u32 bars = sV + kStages * TileKV::kBytes;
     const u32 full_q = bars, empty_q = bars + 8;
     const u32 tile_slot = bars + T::kBarrierBytes - 8;  // the tile the consumers work on next, -1 at the end
-    // FT_FWD_TILE_RECORD=1 (A/B): the producer also stores the tile's FwdTile fields (it computes them anyway) for the
+    // FT_FWD_TILE_RECORD=1: the producer also stores the tile's FwdTile fields (it computes them anyway) for the
     // consumers, whose eight warps would otherwise each redo its divisions and sequence bounds
     const u32 tile_record = bars + T::kBarrierBytes - 48;
     auto full_k = [&](int s) { return bars + 8 * (2 + s); };
@@ -310,37 +316,40 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         u32 pa[kNT / 2][4];  // P of the previous block as wgmma A fragments (16 keys per k-step)
         const int bh = x.batch * p.nheads + x.head;
 
-        auto issue_s = [&](float (&s)[kNT][4], int stage) {
+        // S of the block's first 8 * (tiles of s) keys (all kBlockN of them, or the lower half: FT_FWD_HALF_FIRST)
+        auto issue_s = [&](auto& s, int stage) {
+            constexpr int kCols = sizeof(s) / sizeof(s[0]) * 8;
             const u32 k_tile = sK + stage * TileKV::kBytes;
 #pragma unroll
             for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
                 const u64 desc_q =
                     gmma_desc_at(sQ + cw * 64 * 128, (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
                 const u64 desc_k = gmma_desc_at(k_tile, (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
-                wgmma_ss<kBlockN, T::kIsBF16>(s, desc_q, desc_k, kk > 0);
+                wgmma_ss<kCols, T::kIsBF16>(s, desc_q, desc_k, kk > 0);
             }
             wgmma_commit();
         };
-        auto issue_pv = [&](int stage) {
+        // P V over the block's first 16 * ksteps keys (all, or a half block's: FT_FWD_HALF_FIRST=2)
+        auto issue_pv = [&](int stage, auto ksteps_tag) {
             const u32 v_tile = sV + stage * TileKV::kBytes;
 #pragma unroll
-            for (int ks = 0; ks < kNT / 2; ++ks)
+            for (int ks = 0; ks < decltype(ksteps_tag)::value; ++ks)
                 wgmma_rs<T::kHeadDim, T::kIsBF16>(o, pa[ks], gmma_desc_at(v_tile, ks * 16 * 128, kBlockN * 128, 1024),
                                                   1);
             wgmma_commit();
         };
-        auto mask = [&](float (&s)[kNT][4], int n_block) {
+        auto mask = [&](auto& s, int n_block) {
+            constexpr int kTiles = sizeof(s) / sizeof(s[0]);
             const int n0 = n_block * kBlockN;
             if constexpr (T::kIsCausal && FT_FWD_MASK_SHARED) {
-                // (A/B, FT_FWD_MASK_SHARED=1) Row g + 8 sees 8 more keys than row g, so its test for n8 tile nt is row
-                // g's for tile nt - 1: one compare per score pair of the two rows instead of two (104 SASS
-                // instructions fewer per kernel; H200, same process, causal forward 1.004-1.013x at 512-4K, hd64 and
-                // hd128, 2026-11-25; not yet the default: the GPU test suite has not run it). Rows past seqlen_q,
-                // whose limit seqlen_k would clamp, are not stored.
+                // (FT_FWD_MASK_SHARED=1) Row g + 8 sees 8 more keys than row g, so its test for n8 tile nt is row g's
+                // for tile nt - 1: one compare per score pair of the two rows instead of two (104 SASS instructions
+                // fewer per kernel; H200, same process, causal forward 1.004-1.013x at 512-4K, hd64 and hd128,
+                // 2026-11-25). Rows past seqlen_q, whose limit seqlen_k would clamp, are not stored.
                 // row g keeps score (nt, e) iff 8 nt + e < lim
                 const int lim = m0 + row0 + g + 1 + seqlen_k - seqlen_q - n0 - 2 * t;
 #pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
+                for (int nt = 0; nt < kTiles; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         if (8 * nt + e >= lim) s[nt][e] = -infinity();
@@ -353,15 +362,19 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 const int row = m0 + row0 + g + 8 * hf;
                 const int col_end = T::kIsCausal ? min_(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
 #pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
+                for (int nt = 0; nt < kTiles; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
                         if (n0 + nt * 8 + 2 * t + e >= col_end) s[nt][2 * hf + e] = -infinity();
             }
         };
-        auto pack_p = [&](const float (&s)[kNT][4]) {
+        // P as A fragments; the k-steps past a half block's are zero (its P V product runs over the whole block)
+        auto pack_p = [&](const auto& s) {
+            constexpr int kTiles = sizeof(s) / sizeof(s[0]);
 #pragma unroll
-            for (int ks = 0; ks < kNT / 2; ++ks) {
+            for (int ks = kTiles / 2; ks < kNT / 2; ++ks) pa[ks][0] = pa[ks][1] = pa[ks][2] = pa[ks][3] = 0u;
+#pragma unroll
+            for (int ks = 0; ks < kTiles / 2; ++ks) {
                 pa[ks][0] = pack2<T::kIsBF16>(s[2 * ks][0], s[2 * ks][1]);
                 pa[ks][1] = pack2<T::kIsBF16>(s[2 * ks][2], s[2 * ks][3]);
                 pa[ks][2] = pack2<T::kIsBF16>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
@@ -396,9 +409,10 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 }
             }
         } else {
-            // First block: S only (there is no P V product to overlap yet).
-            {
-                float s[kNT][4];
+            // First block: S only (there is no P V product to overlap yet). FT_FWD_HALF_FIRST: S of the lower kBlockN / 2
+            // keys when none of the upper half is visible to this warpgroup's rows.
+            auto first_block = [&](auto cols_tag) {
+                float s[decltype(cols_tag)::value / 8][4];
                 const int n_block = walk.n_block, stage = it % kStages;
                 mbar_wait(full_k(stage), (it / kStages) & 1);
                 schedule_wait();
@@ -419,9 +433,17 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
                 pack_p(s);
                 ++it;
-            }
+            };
+            // keys [0, seen_end) of the sequence are visible to some row of this warpgroup
+            const int seen_end = T::kIsCausal ? min_(seqlen_k, m0 + cw * 64 + 64 + seqlen_k - seqlen_q) : seqlen_k;
+            const bool half = FT_FWD_HALF_FIRST && seen_end <= walk.n_block * kBlockN + kBlockN / 2;
+            if (half) first_block(IntConstant<kBlockN / 2>{});
+            else first_block(IntConstant<kBlockN>{});
+            constexpr IntConstant<kNT / 2> kAllKeys{};
+            constexpr IntConstant<kNT / 4> kHalfKeys{};
+            const bool pv_half = FT_FWD_HALF_FIRST >= 2 && half;
             // Later blocks: S of this block overlapped with P V of the previous one.
-            auto step = [&](auto mask_tag) {
+            auto step = [&](auto mask_tag, auto pv_ksteps_tag) {
                 constexpr bool kMask = decltype(mask_tag)::value;
                 const int n_block = walk.n_block;
                 const int stage = it % kStages, prev = (it - 1) % kStages;
@@ -431,7 +453,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 schedule_wait();
                 wgmma_fence();
                 issue_s(s, stage);
-                issue_pv(prev);
+                issue_pv(prev, pv_ksteps_tag);
                 const bool last = walk.next() < 0;
                 schedule_pass();
                 wgmma_wait<1>();  // S done; P V may still run
@@ -454,9 +476,13 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 pack_p(s);
                 ++it;
             };
+            if (pv_half && walk.n_block >= 0) {  // the first block's P V, half of it
+                if (needs_mask(walk.n_block)) step(BoolConstant<true>{}, kHalfKeys);
+                else step(BoolConstant<false>{}, kHalfKeys);
+            }
             while (walk.n_block >= 0) {
-                if (needs_mask(walk.n_block)) step(BoolConstant<true>{});
-                else step(BoolConstant<false>{});
+                if (needs_mask(walk.n_block)) step(BoolConstant<true>{}, kAllKeys);
+                else step(BoolConstant<false>{}, kAllKeys);
             }
             // The last block's P V.
             FT_TIMELINE_MARK(wg, tile_iter, 3);
@@ -464,7 +490,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             mbar_wait(full_v(last_stage), ((it - 1) / kStages) & 1);
             fence_operand(o);
             wgmma_fence();
-            issue_pv(last_stage);
+            issue_pv(last_stage, kAllKeys);  // (a one-block tile's half P: the upper k-steps are zero)
             wgmma_wait<0>();
             fence_operand(o);
             FT_TIMELINE_MARK(wg, tile_iter, 4);

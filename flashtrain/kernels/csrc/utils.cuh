@@ -22,6 +22,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <bool kValue> struct BoolConstant {
     static constexpr bool value = kValue;
 };
+template <int kValue> struct IntConstant {
+    static constexpr int value = kValue;
+};
 
 // ---------------------------------------------------------------------------------------------- scalar helpers
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
