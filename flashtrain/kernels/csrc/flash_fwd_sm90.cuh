@@ -44,11 +44,13 @@
 #ifndef FT_FWD_MASK_SHARED
 #define FT_FWD_MASK_SHARED 1
 #endif
-// FT_FWD_HALF_FIRST=1 (A/B): a consumer to which the upper half of its tile's first key block is invisible (the causal
-// diagonal block of the first 64 rows; a last key block at most half full) computes S for the lower half only (its P
-// for the upper half is zero); =2 also its P V product (the step after the first block peeled off).
+// FT_FWD_HALF_FIRST (128-key blocks): a consumer to which the upper half of its tile's first key block is invisible
+// (the causal diagonal block of the first 64 rows; a last key block at most half full) computes S for the lower half
+// only, its P for the upper half is zero. H200, same process, causal forward 1.07x (hd64) / 1.01x (hd128) at 512,
+// 1.03 / 1.02x at 1K, 1.01-1.02x at 2K-4K, 2026-11-25. (Also halving that block's P V product, the step after the
+// first block peeled off, measured 1.04x at 512 and 0.97-0.99x at 2K-4K.)
 #ifndef FT_FWD_HALF_FIRST
-#define FT_FWD_HALF_FIRST 0
+#define FT_FWD_HALF_FIRST 1
 #endif
 
 namespace flashtrain {
@@ -329,11 +331,10 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             }
             wgmma_commit();
         };
-        // P V over the block's first 16 * ksteps keys (all, or a half block's: FT_FWD_HALF_FIRST=2)
-        auto issue_pv = [&](int stage, auto ksteps_tag) {
+        auto issue_pv = [&](int stage) {
             const u32 v_tile = sV + stage * TileKV::kBytes;
 #pragma unroll
-            for (int ks = 0; ks < decltype(ksteps_tag)::value; ++ks)
+            for (int ks = 0; ks < kNT / 2; ++ks)
                 wgmma_rs<T::kHeadDim, T::kIsBF16>(o, pa[ks], gmma_desc_at(v_tile, ks * 16 * 128, kBlockN * 128, 1024),
                                                   1);
             wgmma_commit();
@@ -409,8 +410,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 }
             }
         } else {
-            // First block: S only (there is no P V product to overlap yet). FT_FWD_HALF_FIRST: S of the lower kBlockN / 2
-            // keys when none of the upper half is visible to this warpgroup's rows.
+            // First block: S only (there is no P V product to overlap yet). FT_FWD_HALF_FIRST: S of the lower
+            // kBlockN / 2 keys when none of the upper half is visible to this warpgroup's rows (the first block is the
+            // last one any of its rows sees).
             auto first_block = [&](auto cols_tag) {
                 float s[decltype(cols_tag)::value / 8][4];
                 const int n_block = walk.n_block, stage = it % kStages;
@@ -434,16 +436,17 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 pack_p(s);
                 ++it;
             };
-            // keys [0, seen_end) of the sequence are visible to some row of this warpgroup
-            const int seen_end = T::kIsCausal ? min_(seqlen_k, m0 + cw * 64 + 64 + seqlen_k - seqlen_q) : seqlen_k;
-            const bool half = FT_FWD_HALF_FIRST && seen_end <= walk.n_block * kBlockN + kBlockN / 2;
-            if (half) first_block(IntConstant<kBlockN / 2>{});
-            else first_block(IntConstant<kBlockN>{});
-            constexpr IntConstant<kNT / 2> kAllKeys{};
-            constexpr IntConstant<kNT / 4> kHalfKeys{};
-            const bool pv_half = FT_FWD_HALF_FIRST >= 2 && half;
+            if constexpr (FT_FWD_HALF_FIRST && kBlockN == 128) {
+                // keys [0, seen_end) of the sequence are visible to some row of this warpgroup
+                const int seen_end =
+                    T::kIsCausal ? min_(seqlen_k, m0 + cw * 64 + 64 + seqlen_k - seqlen_q) : seqlen_k;
+                if (seen_end <= walk.n_block * kBlockN + kBlockN / 2) first_block(IntConstant<kBlockN / 2>{});
+                else first_block(IntConstant<kBlockN>{});
+            } else {
+                first_block(IntConstant<kBlockN>{});
+            }
             // Later blocks: S of this block overlapped with P V of the previous one.
-            auto step = [&](auto mask_tag, auto pv_ksteps_tag) {
+            auto step = [&](auto mask_tag) {
                 constexpr bool kMask = decltype(mask_tag)::value;
                 const int n_block = walk.n_block;
                 const int stage = it % kStages, prev = (it - 1) % kStages;
@@ -453,7 +456,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 schedule_wait();
                 wgmma_fence();
                 issue_s(s, stage);
-                issue_pv(prev, pv_ksteps_tag);
+                issue_pv(prev);
                 const bool last = walk.next() < 0;
                 schedule_pass();
                 wgmma_wait<1>();  // S done; P V may still run
@@ -476,13 +479,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 pack_p(s);
                 ++it;
             };
-            if (pv_half && walk.n_block >= 0) {  // the first block's P V, half of it
-                if (needs_mask(walk.n_block)) step(BoolConstant<true>{}, kHalfKeys);
-                else step(BoolConstant<false>{}, kHalfKeys);
-            }
             while (walk.n_block >= 0) {
-                if (needs_mask(walk.n_block)) step(BoolConstant<true>{}, kAllKeys);
-                else step(BoolConstant<false>{}, kAllKeys);
+                if (needs_mask(walk.n_block)) step(BoolConstant<true>{});
+                else step(BoolConstant<false>{});
             }
             // The last block's P V.
             FT_TIMELINE_MARK(wg, tile_iter, 3);
@@ -490,7 +489,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             mbar_wait(full_v(last_stage), ((it - 1) / kStages) & 1);
             fence_operand(o);
             wgmma_fence();
-            issue_pv(last_stage, kAllKeys);  // (a one-block tile's half P: the upper k-steps are zero)
+            issue_pv(last_stage);
             wgmma_wait<0>();
             fence_operand(o);
             FT_TIMELINE_MARK(wg, tile_iter, 4);
