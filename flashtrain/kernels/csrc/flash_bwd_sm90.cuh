@@ -55,6 +55,12 @@
 #ifndef FT_BWD_NAMED_HANDOFF
 #define FT_BWD_NAMED_HANDOFF 0
 #endif
+// FT_BWD_SKIP_HIDDEN=1 (A/B): a warpgroup none of whose 64 keys is visible to any row of the query block (the
+// causal diagonal's first 64-query block for keys 64-127 at head dim 128; a key tile's part past seqlen_k) skips its
+// S^T, dP^T, dV and dK GEMMs and stores a zero dS^T for the block's dQ.
+#ifndef FT_BWD_SKIP_HIDDEN
+#define FT_BWD_SKIP_HIDDEN 0
+#endif
 
 namespace flashtrain {
 
@@ -147,6 +153,8 @@ struct BwdSm90Traits {
 #else
     static constexpr bool kLateDq = kBlockM == 128 && kDeferDq == 0;
 #endif
+    // FT_BWD_SKIP_HIDDEN (the skipping step keeps no wgmma group across blocks: not with a deferred dQ)
+    static constexpr bool kSkipHidden = FT_BWD_SKIP_HIDDEN && kDeferDq == 0;
     // The dS^T order alone also helps 128-query blocks with dropout (H200, same process, dropout 0.1, backward
     // TFLOP/s first / after dK: full 512 224 / 218, 2K 284 / 275; causal 512 142 / 131, 2K 235 / 211); deterministic
     // hd64 0.98-1.03x (its turns bound it): unchanged.
@@ -420,8 +428,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         if constexpr (T::kLateDq) dq_pending = true;
         else commit_dq();
     };
-    auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag) {
-        constexpr bool kMask = decltype(mask_tag)::value;
+    // kHidden: none of this warpgroup's keys is visible to the block (FT_BWD_SKIP_HIDDEN): only its zero dS^T and its
+    // dQ piece
+    auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag, auto hidden_tag) {
+        constexpr bool kMask = decltype(mask_tag)::value, kHidden = decltype(hidden_tag)::value;
         const int head = walk.head, m0 = walk.m0, n0 = x.n0, seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
         const int s = gs % kStages;  // gs: query blocks so far over every tile of the CTA
         const u32 sdS = sm.sdS0 + (gs & 1) * TileS::kBytes;
@@ -432,119 +442,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         asm volatile("" : "+r"(sK_w), "+r"(sV_w), "+r"(sK_all), "+r"(sQ_s), "+r"(sdO_s));
         mbar_wait(sm.full(s), (gs / kStages) & 1);
 
-        // S^T = K_w Q^T, then dP^T = V_w dO^T: kHeadDimEff / 16 k-steps each, step kk reads 16 columns of block kk / 4.
-        float st[kNT][4], dpt[kNT][4];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < T::kHeadDimEff / 16; ++kk) {
-            const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
-            const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-            wgmma_ss<kBlockM, T::kIsBF16>(st, gmma_desc_at(sK_w, off_kv, 16, 1024), gmma_desc_at(sQ_s, off_q, 16, 1024),
-                                          kk > 0);
-        }
-        wgmma_commit();
-        if (T::kDeferDq == 2 && dq_m0 >= 0) {  // the previous block's dQ piece (issued before S^T)
-            wgmma_wait<1>();
-            write_dq(dq_m0, dq_head);
-            dq_m0 = -1;
-            wgmma_fence();
-        }
-#pragma unroll
-        for (int kk = 0; kk < T::kHeadDimEff / 16; ++kk) {
-            const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
-            const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-            wgmma_ss<kBlockM, T::kIsBF16>(dpt, gmma_desc_at(sV_w, off_kv, 16, 1024),
-                                          gmma_desc_at(sdO_s, off_q, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
-        if (T::kLateDq && dq_pending) {  // the previous block's dQ slice, stored before these GEMMs were issued
-            commit_dq();
-            dq_pending = false;
-        }
-        if (T::kDeferDq == 1 && dq_m0 >= 0) {  // the previous block's dQ piece (issued before these two GEMMs)
-            wgmma_wait<2>();
-            write_dq(dq_m0, dq_head);
-            dq_m0 = -1;
-        }
-        wgmma_wait<1>();  // S^T done (dP^T may still run)
-        fence_operand(st);
-
-        // P^T (kept in st, fp32, for dS^T) and its A fragments (dropped and rescaled with dropout) for dV.
-        u32 pa[kNT / 2][4];
-        u32 keep_bits[(kNT * 4 + 31) / 32];
-#pragma unroll
-        for (int i = 0; i < (kNT * 4 + 31) / 32; ++i) keep_bits[i] = 0;
-        u32 qbits[2][2];  // dropout: the keep words of the current 16-query tile (DropoutRng::bits_transposed)
-#pragma unroll
-        for (int j = 0; j < kNT; ++j) {
-            if (T::kIsDropout && j % 2 == 0) {
-                const int bh = x.batch * f.nheads + head;
-                rng.bits_transposed(qbits, bh, m0 + 8 * j + 2 * t, n0 + key_row0 + g, lane);
-            }
-            float lse[2];
-            asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lse[0]), "=f"(lse[1])
-                         : "r"(sm.sLse(s) + 4 * (8 * j + 2 * t)));
-            float dropped[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float score = st[j][e];
-                if constexpr (kMask) {
-                    const int key = n0 + key_row0 + g + 8 * (e >> 1), query = m0 + 8 * j + 2 * t + (e & 1);
-                    if (key >= seqlen_k || (T::kIsCausal && key > query + seqlen_k - seqlen_q)) score = -infinity();
-                }
-                st[j][e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
-                dropped[e] = st[j][e];
-                if constexpr (T::kIsDropout) {  // element (query 8j + 2t + e % 2, key g + 8 (e / 2)) of the tile
-                    const bool keep = rng.keep16(qbits[e & 1][j & 1], e >> 1);
-                    if (keep) keep_bits[(4 * j + e) / 32] |= 1u << ((4 * j + e) % 32);
-                    dropped[e] = keep ? dropped[e] * f.rp_dropout : 0.f;
-                }
-            }
-            // A fragment of k-step j / 2: regs 0, 1 from n8 tile 2 (j / 2), regs 2, 3 from tile 2 (j / 2) + 1
-            pa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(dropped[0], dropped[1]);
-            pa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(dropped[2], dropped[3]);
-        }
-
-        // dV_w += P^T dO: B = dO, rows = queries (the reduction), MN-major.
-        fence_operand(acc_dv);
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kBlockM / 16; ++ks)
-            wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dv, pa[ks],
-                                                 gmma_desc_at(sdO_s, ks * 16 * 128, kBlockM * 128, 1024), 1);
-        wgmma_commit();
-        // dP^T done; dV may still run unless its P^T registers are needed for dS^T (128-query blocks: ptxas keeps the
-        // A fragments of an unfinished wgmma alive, and 64 more live registers would spill)
-        if constexpr (T::kWaitDv) wgmma_wait<0>();
-        else wgmma_wait<1>();
-        fence_operand(dpt);
-
-        // dS^T = P^T (dP^T - D) (with dropout: dP^T of the kept entries / (1 - p)), A fragments and shared dS^T.
-        u32 dsa[kNT / 2][4];
-#pragma unroll
-        for (int j = 0; j < kNT; ++j) {
-            float dsum[2];
-            asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(dsum[0]), "=f"(dsum[1])
-                         : "r"(sm.sD(s) + 4 * (8 * j + 2 * t)));
-            float ds[4], pt[4];
-            if constexpr (T::kDsFromPa) {
-                unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2)], pt[0], pt[1]);
-                unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2) + 1], pt[2], pt[3]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) pt[e] = st[j][e];
-            }
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float dp = dpt[j][e];
-                if constexpr (T::kIsDropout)
-                    dp = (keep_bits[(4 * j + e) / 32] >> ((4 * j + e) % 32)) & 1 ? dp * f.rp_dropout : 0.f;
-                ds[e] = pt[e] * (dp - dsum[e & 1]);
-            }
-            dsa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(ds[0], ds[1]);
-            dsa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(ds[2], ds[3]);
-        }
-        if constexpr (T::kNamedHandoff) named_bar_arrive(T::kBarStatsFree + s, T::kHandoffThreads);  // lse, D read
+        u32 dsa[kNT / 2][4];  // dS^T as A fragments
         // dS^T rows of this warp to the shared tile (rows keys, columns queries) for dQ = dS K.
         // One stmatrix per 16 x 16 piece (lane l addresses row l % 8 (+ 8 for matrices 1, 3) at columns 16 ks (+ 8 for
         // matrices 2, 3)) instead of four 4-byte stores: hd64 1.00-1.09x, hd128 0.97-1.06x (H200, same process).
@@ -559,17 +457,141 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                 stmatrix_x4(TileS::addr(sdS, key_row0 + lane % 8 + 8 * ((lane / 8) & 1), 16 * ks + 8 * (lane / 16)),
                             dsa[ks]);
         };
-        if constexpr (T::kDsFirst) store_ds();
-        // dK_w += dS^T Q: B = Q, MN-major.
-        fence_operand(acc_dk);
-        wgmma_fence();
+        if constexpr (kHidden) {
+            if (T::kLateDq && dq_pending) {  // the previous block's dQ slice
+                commit_dq();
+                dq_pending = false;
+            }
 #pragma unroll
-        for (int ks = 0; ks < kBlockM / 16; ++ks)
-            wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dk, dsa[ks],
-                                                 gmma_desc_at(sQ_s, ks * 16 * 128, kBlockM * 128, 1024), 1);
-        wgmma_commit();
-        if constexpr (!T::kDsFirst) store_ds();
+            for (int ks = 0; ks < kNT / 2; ++ks) dsa[ks][0] = dsa[ks][1] = dsa[ks][2] = dsa[ks][3] = 0u;
+            if constexpr (T::kNamedHandoff) named_bar_arrive(T::kBarStatsFree + s, T::kHandoffThreads);
+            store_ds();
+        } else {
+            // S^T = K_w Q^T, then dP^T = V_w dO^T: kHeadDimEff / 16 k-steps each, step kk reads 16 columns of block
+            // kk / 4.
+            float st[kNT][4], dpt[kNT][4];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < T::kHeadDimEff / 16; ++kk) {
+                const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
+                const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
+                wgmma_ss<kBlockM, T::kIsBF16>(st, gmma_desc_at(sK_w, off_kv, 16, 1024),
+                                              gmma_desc_at(sQ_s, off_q, 16, 1024), kk > 0);
+            }
+            wgmma_commit();
+            if (T::kDeferDq == 2 && dq_m0 >= 0) {  // the previous block's dQ piece (issued before S^T)
+                wgmma_wait<1>();
+                write_dq(dq_m0, dq_head);
+                dq_m0 = -1;
+                wgmma_fence();
+            }
+#pragma unroll
+            for (int kk = 0; kk < T::kHeadDimEff / 16; ++kk) {
+                const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
+                const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
+                wgmma_ss<kBlockM, T::kIsBF16>(dpt, gmma_desc_at(sV_w, off_kv, 16, 1024),
+                                              gmma_desc_at(sdO_s, off_q, 16, 1024), kk > 0);
+            }
+            wgmma_commit();
+            if (T::kLateDq && dq_pending) {  // the previous block's dQ slice, stored before these GEMMs were issued
+                commit_dq();
+                dq_pending = false;
+            }
+            if (T::kDeferDq == 1 && dq_m0 >= 0) {  // the previous block's dQ piece (issued before these two GEMMs)
+                wgmma_wait<2>();
+                write_dq(dq_m0, dq_head);
+                dq_m0 = -1;
+            }
+            wgmma_wait<1>();  // S^T done (dP^T may still run)
+            fence_operand(st);
 
+            // P^T (kept in st, fp32, for dS^T) and its A fragments (dropped and rescaled with dropout) for dV.
+            u32 pa[kNT / 2][4];
+            u32 keep_bits[(kNT * 4 + 31) / 32];
+#pragma unroll
+            for (int i = 0; i < (kNT * 4 + 31) / 32; ++i) keep_bits[i] = 0;
+            u32 qbits[2][2];  // dropout: the keep words of the current 16-query tile (DropoutRng::bits_transposed)
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) {
+                if (T::kIsDropout && j % 2 == 0) {
+                    const int bh = x.batch * f.nheads + head;
+                    rng.bits_transposed(qbits, bh, m0 + 8 * j + 2 * t, n0 + key_row0 + g, lane);
+                }
+                float lse[2];
+                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lse[0]), "=f"(lse[1])
+                             : "r"(sm.sLse(s) + 4 * (8 * j + 2 * t)));
+                float dropped[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float score = st[j][e];
+                    if constexpr (kMask) {
+                        const int key = n0 + key_row0 + g + 8 * (e >> 1), query = m0 + 8 * j + 2 * t + (e & 1);
+                        if (key >= seqlen_k || (T::kIsCausal && key > query + seqlen_k - seqlen_q)) score = -infinity();
+                    }
+                    st[j][e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
+                    dropped[e] = st[j][e];
+                    if constexpr (T::kIsDropout) {  // element (query 8j + 2t + e % 2, key g + 8 (e / 2)) of the tile
+                        const bool keep = rng.keep16(qbits[e & 1][j & 1], e >> 1);
+                        if (keep) keep_bits[(4 * j + e) / 32] |= 1u << ((4 * j + e) % 32);
+                        dropped[e] = keep ? dropped[e] * f.rp_dropout : 0.f;
+                    }
+                }
+                // A fragment of k-step j / 2: regs 0, 1 from n8 tile 2 (j / 2), regs 2, 3 from tile 2 (j / 2) + 1
+                pa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(dropped[0], dropped[1]);
+                pa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(dropped[2], dropped[3]);
+            }
+
+            // dV_w += P^T dO: B = dO, rows = queries (the reduction), MN-major.
+            fence_operand(acc_dv);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < kBlockM / 16; ++ks)
+                wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dv, pa[ks],
+                                                     gmma_desc_at(sdO_s, ks * 16 * 128, kBlockM * 128, 1024), 1);
+            wgmma_commit();
+            // dP^T done; dV may still run unless its P^T registers are needed for dS^T (128-query blocks: ptxas keeps
+            // the A fragments of an unfinished wgmma alive, and 64 more live registers would spill)
+            if constexpr (T::kWaitDv) wgmma_wait<0>();
+            else wgmma_wait<1>();
+            fence_operand(dpt);
+
+            // dS^T = P^T (dP^T - D) (with dropout: dP^T of the kept entries / (1 - p)), A fragments and shared dS^T.
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) {
+                float dsum[2];
+                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(dsum[0]), "=f"(dsum[1])
+                             : "r"(sm.sD(s) + 4 * (8 * j + 2 * t)));
+                float ds[4], pt[4];
+                if constexpr (T::kDsFromPa) {
+                    unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2)], pt[0], pt[1]);
+                    unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2) + 1], pt[2], pt[3]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) pt[e] = st[j][e];
+                }
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float dp = dpt[j][e];
+                    if constexpr (T::kIsDropout)
+                        dp = (keep_bits[(4 * j + e) / 32] >> ((4 * j + e) % 32)) & 1 ? dp * f.rp_dropout : 0.f;
+                    ds[e] = pt[e] * (dp - dsum[e & 1]);
+                }
+                dsa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(ds[0], ds[1]);
+                dsa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(ds[2], ds[3]);
+            }
+            if constexpr (T::kNamedHandoff) named_bar_arrive(T::kBarStatsFree + s, T::kHandoffThreads);  // lse, D read
+            if constexpr (T::kDsFirst) store_ds();
+            // dK_w += dS^T Q: B = Q, MN-major.
+            fence_operand(acc_dk);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < kBlockM / 16; ++ks)
+                wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dk, dsa[ks],
+                                                     gmma_desc_at(sQ_s, ks * 16 * 128, kBlockM * 128, 1024), 1);
+            wgmma_commit();
+            if constexpr (!T::kDsFirst) store_ds();
+
+        }
         fence_proxy_async();
         named_bar_sync(T::kBarDs, 128 * T::kNMma);  // both warpgroups' dS^T rows stored
 
@@ -602,11 +624,20 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             for (int j = 0; j < 4; ++j) acc_dk[i][j] = acc_dv[i][j] = 0.f;
         mbar_wait(sm.full_kv, tile_iter & 1);
         FT_TIMELINE_MARK(wg, tile_iter, 1);
+        // (FT_BWD_SKIP_HIDDEN) the warpgroup's first key, and the last one some row of a block ending at row m_end sees
+        const int wg_key0 = x.n0 + 64 * w;
+        auto hidden = [&](int m_end) {
+            return wg_key0 >= x.seqlen_k || (T::kIsCausal && wg_key0 > m_end - 1 + x.seqlen_k - x.seqlen_q);
+        };
         for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++gs) {
-            if (tile_needs_mask<T::kIsCausal, kBlockN>(walk.m0, x.n0, x.seqlen_q, x.seqlen_k))
-                step(walk, gs, BoolConstant<true>{});
-            else
-                step(walk, gs, BoolConstant<false>{});
+            if (tile_needs_mask<T::kIsCausal, kBlockN>(walk.m0, x.n0, x.seqlen_q, x.seqlen_k)) {
+                if (T::kSkipHidden && hidden(walk.m0 + kBlockM))
+                    step(walk, gs, BoolConstant<true>{}, BoolConstant<T::kSkipHidden>{});
+                else
+                    step(walk, gs, BoolConstant<true>{}, BoolConstant<false>{});
+            } else {
+                step(walk, gs, BoolConstant<false>{}, BoolConstant<false>{});
+            }
         }
         if (T::kDeferDq && dq_m0 >= 0) {
             wgmma_wait<0>();
