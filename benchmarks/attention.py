@@ -5,8 +5,8 @@ naive PyTorch attention, in one process on one GPU.
 Setting of the FlashAttention-2/3 papers: bf16, head dim 64 and 128, hidden 2048 (nheads = 2048 / head_dim), seqlen
 512 ... 16K with batch * seqlen = 16K tokens, causal and not. FLOPs: forward 4 * batch * nheads * seqlen^2 * head_dim
 (halved when causal), backward 2.5x forward. Each time is the median of timed repeats (CUDA events, after warm-up);
-the implementations are measured in turn, in --rounds rounds, and each keeps its best round (a clock dip then costs
-one window of one implementation, not its result). Memory: peak extra memory of one forward + backward (beyond inputs and gradients) at batch 16, 8 heads, head dim 64,
+the implementations are measured in turn, in --rounds rounds (the order reversed every other round), and each keeps
+its best round (a clock dip then costs one window of one implementation, not its result). Memory: peak extra memory of one forward + backward (beyond inputs and gradients) at batch 16, 8 heads, head dim 64,
 seqlen 1K ... 64K.
 
     python benchmarks/attention.py                      # full run: table, benchmarks/results/attention-<gpu>.json/.png
@@ -139,6 +139,12 @@ def keep_best(row: dict, impl: str, times: dict, fwd_flops: float) -> None:
         row[f"{impl}_{kind}"] = None if ms is None else round(factor * fwd_flops / ms / 1e9, 1)
 
 
+def round_order(impls, round_index: int) -> list:
+    """The implementations of one round, reversed every other round: the first of a round measured up to 5% faster
+    than the same kernel measured later (H200 probes, 2026-11-25), a bias that would otherwise always favour one."""
+    return list(impls) if round_index % 2 == 0 else list(reversed(impls))
+
+
 def speed(seqlens, repeats, rounds):
     rows = []
     for head_dim in (64, 128):
@@ -149,7 +155,7 @@ def speed(seqlens, repeats, rounds):
                 fwd_flops = 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
                 row = {"hd": head_dim, "S": seqlen, "B": batch, "H": nheads, "causal": causal}
                 for round_index in range(rounds):
-                    for impl in IMPLS if round_index == 0 else IMPLS[:-1]:  # naive: one round, it is slow
+                    for impl in round_order(IMPLS if round_index == 0 else IMPLS[:-1], round_index):
                         keep_best(row, impl, time_impl(impl, batch, seqlen, nheads, head_dim, causal, repeats),
                                   fwd_flops)
                 rows.append(row)
@@ -364,7 +370,7 @@ def workload_speed(repeats: int, rounds: int) -> list[dict]:
     for w in workloads():
         row = {"name": w.name, "shape": w.shape(), **asdict(w), "fwd_gflop": round(w.fwd_flops() / 1e9, 2)}
         for round_index in range(rounds):
-            for impl in WORKLOAD_IMPLS:
+            for impl in round_order(WORKLOAD_IMPLS, round_index):
                 if round_index and all(row[f"{impl}_{kind}"] is None for kind, _ in PASSES):
                     continue  # refused every pass in round 0: it will again
                 fn, inputs, dout = workload_case(impl, w)
