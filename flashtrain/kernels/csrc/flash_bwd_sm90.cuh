@@ -52,9 +52,6 @@
 #ifndef FT_BWD_WALK_INC
 #define FT_BWD_WALK_INC 1
 #endif
-#ifndef FT_BWD_NAMED_HANDOFF
-#define FT_BWD_NAMED_HANDOFF 0
-#endif
 // FT_BWD_SKIP_HIDDEN (default 1; 0 for A/Bs): a warpgroup none of whose 64 keys is visible to any row of the query
 // block (the causal diagonal's first 64-query block for keys 64-127 at head dim 128; a key tile's part past seqlen_k)
 // skips its S^T, dP^T, dV and dK GEMMs and stores a zero dS^T for the block's dQ. H200, same process, hd128 causal
@@ -195,17 +192,6 @@ struct BwdSm90Traits {
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then
     // one per warpgroup (its rows of dK / dV staged); head dims 192 / 256: P^T stored (warpgroup 0 to 1).
     static constexpr int kBarDs = 1, kBarEpilogue = 2, kBarP = 5;
-    // FT_BWD_NAMED_HANDOFF=1 (A/B; head dims 64 / 128): the two hand-overs of shared memory that lanes read back to a
-    // writer also go through named barriers, which compute-sanitizer racecheck follows (it does not follow
-    // mbarriers, and reports both as races): the dQ writer's bar.arrive after reading a block's slices and the MMA
-    // warps' bar.sync before they write the staging area again (dQ slices, or dV over them); the MMA warps'
-    // bar.arrive once they have read a stage's lse / D and the statistics warp's bar.sync before rewriting it. One
-    // arrival is outstanding at most (the next needs the other side's write first); the trailing ones are synced
-    // before the roles end.
-    static constexpr bool kNamedHandoff = FT_BWD_NAMED_HANDOFF && !kSplitHd;
-    static constexpr int kBarDqFree = 6, kBarStatsFree = 7;  // kBarStatsFree + stage
-    static constexpr int kHandoffThreads = 32 + 128 * kNMma;
-    static_assert(!kNamedHandoff || kBarStatsFree + kStages <= 16, "named barriers 0..15");
 };
 
 // A tile is one key block of one unit = (batch, kv head, GQA split: BwdParams::kv_splits > 1 splits the group's query
@@ -402,14 +388,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     // warpgroup's issuing thread waits for them before the warpgroup writes dS^T again.
     bool staged_out = false;
     bool dq_pending = false;  // kLateDq: this warp's slice is stored, not yet handed to the writer
-    bool dq_free = true;      // kNamedHandoff: the writer has read everything handed to it (no arrival outstanding)
     auto wait_dq_free = [&]() {  // before the staging area is written again (dQ slices, or dV over them)
-        if constexpr (T::kNamedHandoff) {
-            if (!dq_free) named_bar_sync(T::kBarDqFree, T::kHandoffThreads);
-            dq_free = true;
-        } else {
-            mbar_wait(sm.dq_empty, (dq_count & 1) ^ 1);
-        }
+        mbar_wait(sm.dq_empty, (dq_count & 1) ^ 1);
     };
     auto commit_dq = [&]() {
         fence_proxy_async();
@@ -420,7 +400,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     auto write_dq = [&](int, int) {
         fence_operand(dq);
         wait_dq_free();  // (the first wait passes at once)
-        dq_free = false;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
             asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sdQ_warp + 512 * j + 16 * lane),
@@ -465,7 +444,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             }
 #pragma unroll
             for (int ks = 0; ks < kNT / 2; ++ks) dsa[ks][0] = dsa[ks][1] = dsa[ks][2] = dsa[ks][3] = 0u;
-            if constexpr (T::kNamedHandoff) named_bar_arrive(T::kBarStatsFree + s, T::kHandoffThreads);
             store_ds();
         } else {
             // S^T = K_w Q^T, then dP^T = V_w dO^T: kHeadDimEff / 16 k-steps each, step kk reads 16 columns of block
@@ -580,7 +558,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                 dsa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(ds[0], ds[1]);
                 dsa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(ds[2], ds[3]);
             }
-            if constexpr (T::kNamedHandoff) named_bar_arrive(T::kBarStatsFree + s, T::kHandoffThreads);  // lse, D read
             if constexpr (T::kDsFirst) store_ds();
             // dK_w += dS^T Q: B = Q, MN-major.
             fence_operand(acc_dk);
@@ -742,7 +719,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         FT_TIMELINE_MARK(wg, tile_iter, 4);
     }
     if (T::kTmaStoreDkv && ctid == 0) bulk_wait<0>();  // the last dK / dV stores have read shared memory (and landed)
-    if (T::kNamedHandoff && !dq_free) named_bar_sync(T::kBarDqFree, T::kHandoffThreads);  // the writer's last arrival
     FT_TIMELINE_END(wg);
 }
 
@@ -1115,7 +1091,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                      walk.next(), ++gs) {
                     const int s = gs % kStages;
                     mbar_wait(sm.empty(s), ((gs / kStages) & 1) ^ 1);
-                    if (T::kNamedHandoff && gs >= kStages) named_bar_sync(T::kBarStatsFree + s, T::kHandoffThreads);
                     const i64 offset = x.batch * f.lse_batch_stride + walk.head * f.lse_head_stride + x.q_start;
 #pragma unroll
                     for (int i = 0; i < kBlockM / 32; ++i) {
@@ -1133,10 +1108,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     }
                     mbar_arrive(sm.full(s));
                 }
-            }
-            if constexpr (T::kNamedHandoff) {  // the MMA warps' arrivals after the last use of each stage
-#pragma unroll 1
-                for (int s = 0; s < kStages && s < gs; ++s) named_bar_sync(T::kBarStatsFree + s, T::kHandoffThreads);
             }
         } else if (!T::kSplitHd && warp == 2) {
             // dQ writer: per query block, once the MMA warps have staged their 16 x 64 slices (scrambled order of
@@ -1205,8 +1176,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         bulk_wait_read<0>();
                     }
                     __syncwarp();
-                    if constexpr (T::kNamedHandoff) named_bar_arrive(T::kBarDqFree, T::kHandoffThreads);
-                    else if (lane == 0) mbar_arrive(sm.dq_empty);
+                    if (lane == 0) mbar_arrive(sm.dq_empty);
                     if (T::kIsDeterministic) {  // complete (not only read) before the next key block's turn
                         if (lane == 0 && whole) {
                             bulk_wait<0>();
