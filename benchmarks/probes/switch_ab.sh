@@ -5,14 +5,14 @@
 # racecheck is left to the validation call of the chosen defaults (it takes ~150 s).
 #
 #   FWD_SWITCHES="FT_A=1 FT_B=0" BWD_SWITCHES="FT_C=1" bash benchmarks/probes/switch_ab.sh [FT_A=1,FT_B=0,FT_C=1]
-#   (the argument: the GPU suite's macros, default all of the switches; default switches: FT_FWD_L2_PREFETCH, prepared
+#   (the argument: the GPU suite's macros, default every switch not set to 0; default switches: FT_FWD_L2_PREFETCH, prepared
 #   2026-11-25, and two of that day's defaults turned off)
 set -u
 out=${OUT:-/tmp/switch_ab}
 mkdir -p "$out"
 read -r -a fwd_switches <<< "${FWD_SWITCHES:-FT_FWD_L2_PREFETCH=1 FT_FWD_HALF_FIRST=0}"
 read -r -a bwd_switches <<< "${BWD_SWITCHES:-FT_BWD_SKIP_HIDDEN=0}"
-all=${1:-$(printf '%s\n' "${fwd_switches[@]}" "${bwd_switches[@]}" | sort -u | paste -sd,)}
+all=${1:-$(printf '%s\n' "${fwd_switches[@]}" "${bwd_switches[@]}" | grep -v '=0$' | sort -u | paste -sd,)}
 probed='sm90_hdim(64|128)_bf16(_causal)?(_det|_192x128)?$'  # the kernels the A/Bs below run
 date -u
 python -m flashtrain.kernels.build -j 8 > "$out/build.log" 2>&1 &
