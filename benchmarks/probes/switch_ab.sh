@@ -5,8 +5,8 @@
 # racecheck is left to the validation call of the chosen defaults (it takes ~150 s).
 #
 #   FWD_SWITCHES="FT_A=1 FT_B=0" BWD_SWITCHES="FT_C=1" bash benchmarks/probes/switch_ab.sh [FT_A=1,FT_B=0,FT_C=1]
-#   (the argument: the GPU suite's macros, default every switch not set to 0; default switches: FT_FWD_L2_PREFETCH, prepared
-#   2026-11-25, and two of that day's defaults turned off)
+#   (the argument: the GPU suite's macros, default every switch not set to 0; default switches:
+#   FT_FWD_L2_PREFETCH, prepared 2026-11-25, and two of that day's defaults turned off)
 set -u
 out=${OUT:-/tmp/switch_ab}
 mkdir -p "$out"
