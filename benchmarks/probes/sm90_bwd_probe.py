@@ -149,6 +149,9 @@ def main() -> None:
     parser.add_argument("--heads", default=None, help="H/HKV query / key-value heads (GQA), e.g. 32/8; default "
                         "2048 // head_dim heads, no GQA")
     parser.add_argument("--batch", type=int, default=None, help="default 16384 // seqlen")
+    parser.add_argument("--all-rounds", action="store_true",
+                        help="also print every round's TFLOP/s (each round allocates fresh inputs: a result that "
+                        "depends on where they land shows as a spread)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     if not args.no_check:
@@ -163,7 +166,7 @@ def main() -> None:
             batch = args.batch or 16384 // seqlen
             for causal in [m == "causal" for m in args.masks]:
                 flops = 2.5 * 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
-                best = {}
+                best, rounds = {}, {}
                 for round_index in range(args.rounds):  # odd rounds in reverse order: the first
                     # implementation of a round measured up to 5% faster than the same kernel later (H200, 2026-11-25)
                     for name in args.impls[::-1] if round_index % 2 else args.impls:
@@ -186,6 +189,7 @@ def main() -> None:
                               det_chains(name), group_waves(name)):
                             ms = 1000 * statistics.median(time_calls(fn, torch.device("cuda"), 3, args.repeats))
                         best[name] = max(best.get(name, 0), flops / ms / 1e9)
+                        rounds.setdefault(name, []).append(flops / ms / 1e9)
                 line = "  ".join(f"{n} {best[n]:6.1f}" for n in args.impls)
                 ratio = f"  ft/cudnn {best['flashtrain'] / best['cudnn']:.2f}" if "cudnn" in best else ""
                 if "flashtrain-grid" in best:
@@ -201,6 +205,9 @@ def main() -> None:
                 mask = "causal" if causal else "full  "
                 print(f"hd{head_dim} {nheads}/{nheads_kv} B{batch} S{seqlen:<6} {mask} bwd TFLOP/s {line}{ratio}",
                       flush=True)
+                if args.all_rounds:
+                    for n, values in rounds.items():
+                        print(f"    {n} rounds: {' '.join(f'{v:.1f}' for v in values)}", flush=True)
 
 
 if __name__ == "__main__":
