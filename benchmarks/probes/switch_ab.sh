@@ -36,17 +36,18 @@ FLASHTRAIN_EXTRA_DEFINES=$all timeout 90 compute-sanitizer --tool memcheck --rep
 echo "memcheck rc $?: $(tail -1 "$out/memcheck.log")"
 wait
 date -u
-impls=(flashtrain)
-for sw in "${fwd_switches[@]}"; do impls+=("flashtrain+$sw"); done
-impls+=("flashtrain+${fwd_all//,/+}")
-timeout 130 python benchmarks/probes/sm90_fwd_probe.py --no-check --rounds 4 --seqlens 512 1024 4096 \
-    --impls "${impls[@]}" cudnn > "$out/fwd_ab.txt" 2>&1
-echo "forward A/B rc $?"
+# ab PROBE SEQLENS ALL SWITCH...: default, each switch alone and all of them together, then cuDNN
+ab() {
+    local probe=$1 seqlens=$2 all=$3 impls=(flashtrain)
+    shift 3
+    for sw in "$@"; do impls+=("flashtrain+$sw"); done
+    [ $# -gt 1 ] && impls+=("flashtrain+${all//,/+}")
+    # shellcheck disable=SC2086
+    timeout 130 python "benchmarks/probes/sm90_${probe}_probe.py" --no-check --rounds 4 --seqlens $seqlens \
+        --impls "${impls[@]}" cudnn > "$out/${probe}_ab.txt" 2>&1
+    echo "$probe A/B rc $?"
+}
+ab fwd "512 1024 4096" "$fwd_all" "${fwd_switches[@]}"
 date -u
-impls=(flashtrain)
-for sw in "${bwd_switches[@]}"; do impls+=("flashtrain+$sw"); done
-impls+=("flashtrain+${bwd_all//,/+}")
-timeout 130 python benchmarks/probes/sm90_bwd_probe.py --no-check --rounds 4 --seqlens 1024 4096 16384 \
-    --impls "${impls[@]}" cudnn > "$out/bwd_ab.txt" 2>&1
-echo "backward A/B rc $?"
+ab bwd "1024 4096 16384" "$bwd_all" "${bwd_switches[@]}"
 date -u

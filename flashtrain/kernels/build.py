@@ -328,6 +328,19 @@ def _check_block_sparse_tiles() -> None:
                                      f"tiles {tiles}")
 
 
+# flash_aux.cuh bwd_convert_dq stages a scrambled dq_accum slice in shared memory sized for this many columns.
+MAX_DQ_SLICE_WIDTH = 64
+
+
+def _check_dq_slices() -> None:
+    """Every backward that adds dq_accum in the scrambled order does so in slices the conversion can stage."""
+    tables = [(hd, t) for table in (BWD_TILES, BWD_TILES_SMALL_SMEM) for hd, t in table.items() if t.scramble_dq]
+    for head_dim, tiles in tables + list(BWD_SM90_TILES.items()):
+        if tiles.dq_slice_width(head_dim) > MAX_DQ_SLICE_WIDTH:
+            raise AssertionError(f"hd{head_dim} backward tiles {tiles}: dQ slices of {tiles.dq_slice_width(head_dim)} "
+                                 f"columns; bwd_convert_dq stages at most {MAX_DQ_SLICE_WIDTH}")
+
+
 def _suffix(causal: bool, dropout: bool, block_sparse: bool) -> str:
     return f"{'_causal' if causal else ''}{'_dropout' if dropout else ''}{'_sparse' if block_sparse else ''}"
 
@@ -505,6 +518,7 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
     """Every instantiation a GPU with smem_limit bytes of opt-in shared memory per block dispatches to (None: the
     first-choice tiles); the Hopper kernels are listed whenever they fit (they compile for sm_90a only)."""
     _check_block_sparse_tiles()
+    _check_dq_slices()
     specs = [aux_kernels(dtype) for dtype in DTYPES]
     for block_sparse, head_dims in ((False, HEAD_DIMS), (True, BLOCK_SPARSE_HEAD_DIMS)):
         for head_dim in head_dims:

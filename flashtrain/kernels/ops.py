@@ -387,8 +387,6 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded (mma.sync)
         dq_slice_width=(tiles.dq_slice_width(head_dim)
                         if tiles.scramble_dq and (hopper or not deterministic) and dqa_cols == head_dim else 0))
-    if aux.dq_slice_width > 64:  # flash_aux.cuh bwd_convert_dq stages slices of at most 64 columns
-        raise RuntimeError(f"internal: dQ slices of {aux.dq_slice_width} columns (BWD_TILES); the convert handles <= 64")
     (aux.o_batch_stride, aux.o_row_stride, aux.o_head_stride) = _strides(out, varlen)
     (aux.do_batch_stride, aux.do_row_stride, aux.do_head_stride) = _strides(dout, varlen)
     (aux.dq_batch_stride, aux.dq_row_stride, aux.dq_head_stride) = _strides(dq, varlen)

@@ -92,13 +92,13 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
 // conversion, hd128, 16K tokens x 2048 columns, H200 2026-11-25.) Otherwise row-major rows in groups of lanes, as the
 // preprocess.
 template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq(const AuxParams& p) {
-    constexpr int kMaxSliceWidth = 64;
+    constexpr int kMaxSliceWidth = 64;  // = build.py MAX_DQ_SLICE_WIDTH, which checks the backward tiles against it
     __shared__ __align__(16) unsigned char slice_tiles[kAuxThreads / 32][16 * (2 * kMaxSliceWidth + 16)];
     AuxRows rows;
     if (!rows.init(p)) return;
     const int batch = blockIdx.y, head = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row_end = min_(rows.seqlen_q, rows.row_begin + kRowsPerCta);
-    const int W = p.dq_slice_width;  // (ops.py: at most kMaxSliceWidth)
+    const int W = p.dq_slice_width;
     const bool scrambled = W > 0 && W % 32 == 0 && p.dq_block_m % kRowsPerCta == 0 &&
                            (rows.row_begin / p.dq_block_m + 1) * p.dq_block_m <= rows.seqlen_q;
     const float* acc0 = p.dq_accum + batch * p.dqa_batch_stride + head * p.dqa_head_stride;

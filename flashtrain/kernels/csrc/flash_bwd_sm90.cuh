@@ -408,6 +408,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         if constexpr (T::kLateDq) dq_pending = true;
         else commit_dq();
     };
+    auto flush_dq = [&]() {  // kLateDq: hand over the slice write_dq left pending
+        if (T::kLateDq && dq_pending) {
+            commit_dq();
+            dq_pending = false;
+        }
+    };
     // kHidden: none of this warpgroup's keys is visible to the block (FT_BWD_SKIP_HIDDEN): only its zero dS^T and its
     // dQ piece
     auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag, auto hidden_tag) {
@@ -438,10 +444,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                             dsa[ks]);
         };
         if constexpr (kHidden) {
-            if (T::kLateDq && dq_pending) {  // the previous block's dQ slice
-                commit_dq();
-                dq_pending = false;
-            }
+            flush_dq();  // the previous block's dQ slice
 #pragma unroll
             for (int ks = 0; ks < kNT / 2; ++ks) dsa[ks][0] = dsa[ks][1] = dsa[ks][2] = dsa[ks][3] = 0u;
             store_ds();
@@ -472,10 +475,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                                               gmma_desc_at(sdO_s, off_q, 16, 1024), kk > 0);
             }
             wgmma_commit();
-            if (T::kLateDq && dq_pending) {  // the previous block's dQ slice, stored before these GEMMs were issued
-                commit_dq();
-                dq_pending = false;
-            }
+            flush_dq();  // the previous block's dQ slice, stored before these GEMMs were issued
             if (T::kDeferDq == 1 && dq_m0 >= 0) {  // the previous block's dQ piece (issued before these two GEMMs)
                 wgmma_wait<2>();
                 write_dq(dq_m0, dq_head);
@@ -622,10 +622,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             write_dq(dq_m0, dq_head);
             dq_m0 = -1;
         }
-        if (T::kLateDq && dq_pending) {
-            commit_dq();
-            dq_pending = false;
-        }
+        flush_dq();
         FT_TIMELINE_MARK(wg, tile_iter, 2);
         FT_TIMELINE_PUT(wg, tile_iter, 7, (unsigned long long)gs);
         // Epilogue (kEarlyKv: dK, dV staged outside K / V, TMA stores; see the traits). (Stores straight from the
