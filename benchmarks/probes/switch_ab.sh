@@ -5,13 +5,13 @@
 # racecheck is left to the validation call of the chosen defaults (it takes ~150 s).
 #
 #   FWD_SWITCHES="FT_A=1 FT_B=0" BWD_SWITCHES="FT_C=1" bash benchmarks/probes/switch_ab.sh [FT_A=1,FT_B=0,FT_C=1]
-#   (the argument: the GPU suite's macros, default every switch not set to 0; default switches:
-#   FT_FWD_L2_PREFETCH, prepared 2026-11-25, and two of that day's defaults turned off)
+#   (the argument: the GPU suite's macros, default every switch not set to 0; default switches: two of 2026-11-25's
+#   defaults turned off. An empty FWD_SWITCHES / BWD_SWITCHES runs no variant on that side.)
 set -u
 out=${OUT:-/tmp/switch_ab}
 mkdir -p "$out"
-read -r -a fwd_switches <<< "${FWD_SWITCHES:-FT_FWD_L2_PREFETCH=1 FT_FWD_HALF_FIRST=0}"
-read -r -a bwd_switches <<< "${BWD_SWITCHES:-FT_BWD_SKIP_HIDDEN=0}"
+read -r -a fwd_switches <<< "${FWD_SWITCHES-FT_FWD_HALF_FIRST=0}"
+read -r -a bwd_switches <<< "${BWD_SWITCHES-FT_BWD_SKIP_HIDDEN=0}"
 all=${1:-$(printf '%s\n' "${fwd_switches[@]}" "${bwd_switches[@]}" | grep -v '=0$' | sort -u | paste -sd,)}
 probed='sm90_hdim(64|128)_bf16(_causal)?(_det|_192x128)?$'  # the kernels the A/Bs below run
 date -u

@@ -66,28 +66,29 @@ class BwdParams(ctypes.Structure):
 
 
 class BwdSm90Params(ctypes.Structure):
-    """csrc/flash.h BwdSm90Params: six 128-byte tensor maps (q, k, v, dout, dk, dv), BwdParams (from 768), the tile
-    counter, then padding to a multiple of the struct's 64-byte alignment."""
+    """csrc/flash.h BwdSm90Params: seven 128-byte tensor maps (q, k, v, dout, dk, dv, stats), BwdParams (from 896),
+    the tile counter, then padding to a multiple of the struct's 64-byte alignment."""
 
     _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("tma_do", TmaDesc), ("tma_dk", TmaDesc),
-                ("tma_dv", TmaDesc), ("bwd", BwdParams), ("tile_counter", _ptr),
-                ("pad_", ctypes.c_uint8 * (-(6 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(BwdParams) + 8) % 64))]
+                ("tma_dv", TmaDesc), ("tma_stats", TmaDesc), ("bwd", BwdParams), ("tile_counter", _ptr),
+                ("pad_", ctypes.c_uint8 * (-(7 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(BwdParams) + 8) % 64))]
 
 
 class AuxParams(ctypes.Structure):
     _fields_ = [
         ("out", _ptr), ("dout", _ptr), ("dq", _ptr), ("softmax_d", _ptr), ("dq_accum", _ptr), ("dropout_mask", _ptr),
         ("cu_seqlens_q", _ptr), ("cu_seqlens_k", _ptr), ("rng_state", _ptr),
+        ("lse", _ptr), ("lse_log2", _ptr),
         ("o_batch_stride", _i64), ("o_row_stride", _i64), ("o_head_stride", _i64),
         ("do_batch_stride", _i64), ("do_row_stride", _i64), ("do_head_stride", _i64),
         ("dq_batch_stride", _i64), ("dq_row_stride", _i64), ("dq_head_stride", _i64),
-        ("d_batch_stride", _i64), ("d_head_stride", _i64),
+        ("d_batch_stride", _i64), ("d_head_stride", _i64), ("lse_batch_stride", _i64), ("lse_head_stride", _i64),
         ("dqa_split_stride", _i64), ("dqa_batch_stride", _i64), ("dqa_head_stride", _i64),
         ("mask_batch_stride", _i64), ("mask_head_stride", _i64), ("mask_row_stride", _i64),
         ("batch", _i32), ("nheads", _i32), ("head_dim", _i32), ("seqlen_q", _i32), ("seqlen_k", _i32),
         ("nsplits", _i32), ("softmax_scale", _f32), ("keep_threshold", _u32),
         ("dq_slice_width", _i32), ("dq_block_m", _i32), ("total_q", _i32), ("total_k", _i32),
-        ("dqa_cols", _i32), ("pad_", _i32),
+        ("dqa_cols", _i32), ("padded", _i32),
     ]
 
 

@@ -262,9 +262,9 @@ class _Launch:
         for address in self.addresses:
             flat += address
         flat.append(len(self.tensor_maps))
-        for offset, index, (dtype, dims, strides, box_rows) in self.tensor_maps:
-            flat += [offset, index, dtype, *dims, *strides, tma.BOX_COLS, box_rows, tma.SWIZZLE_128B,
-                     tma.L2_PROMOTION_256B, tma.OOB_FILL_ZERO]
+        for offset, index, (dtype, dims, strides, box_cols, box_rows, swizzle) in self.tensor_maps:
+            flat += [offset, index, dtype, *dims, *strides, box_cols, box_rows, swizzle, tma.L2_PROMOTION_256B,
+                     tma.OOB_FILL_ZERO]
         return flat + [self.tile_counter_offset, self.kernel.tile_counters, build.MAX_STREAMS]
 
 
@@ -366,24 +366,38 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         nsplits = _det_chains(n_kblocks)
     # the Hopper backward's dq_accum rows are its instantiated head dim (a padded head dim adds whole 16-row slices too)
     dqa_cols = head_dim if hopper else q.shape[-1]
-    # softmax_d (lse's layout) and dq_accum share one float32 workspace (output 3); dq_accum starts 128-byte aligned
-    d_extent = 1 + sum((size - 1) * stride for size, stride in zip(lse.shape, lse.stride()))
-    d_floats, dqa_shape = -(-d_extent // 32) * 32, (nsplits, *lse.shape, dqa_cols)
+    varlen = cu_seqlens_q is not None
+    lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    if hopper:
+        # padded rows (csrc/flash.h): each sequence owns whole query blocks of lse_log2, softmax_d and dq_accum, so
+        # that the kernel reads a block's statistics and adds its dQ with bulk copies (racecheck-clean hand-overs);
+        # one float32 workspace (output 3): lse_log2, softmax_d, dq_accum
+        rows_pad = (batch * fwd.seqlen_q if not varlen else fwd.total_q) + batch * tiles.block_m
+        rows_pad = -(-rows_pad // tiles.block_m) * tiles.block_m  # (16-byte aligned heads for the bulk copies)
+        stats_floats = nheads * rows_pad
+        d_offset, d_floats = 4 * stats_floats, -(-2 * stats_floats // 32) * 32
+        dqa_shape = (nsplits, nheads, rows_pad, dqa_cols)
+        dqa_strides = (nheads * rows_pad * dqa_cols, 0, rows_pad * dqa_cols)
+        d_strides = (0, rows_pad)
+    else:
+        # softmax_d (lse's layout) and dq_accum share one float32 workspace (output 3); dq_accum starts 128-byte
+        # aligned
+        d_extent = 1 + sum((size - 1) * stride for size, stride in zip(lse.shape, lse.stride()))
+        d_offset, d_floats, dqa_shape = 0, -(-d_extent // 32) * 32, (nsplits, *lse.shape, dqa_cols)
+        dq_accum = torch.empty(dqa_shape, dtype=torch.float32, device="meta")
+        dqa_strides = (dq_accum.stride(0), 0, dq_accum.stride(1)) if varlen else dq_accum.stride()[:3]
+        d_strides = lse_strides
     outputs = [(tuple(q.shape), q.dtype, False), (tuple(k.shape), q.dtype, False), (tuple(v.shape), q.dtype, False),
                ((d_floats + math.prod(dqa_shape),), torch.float32, False)]
-    dq_accum = torch.empty(dqa_shape, dtype=torch.float32, device="meta")
-    varlen = cu_seqlens_q is not None
-    dqa_strides = (dq_accum.stride(0), 0, dq_accum.stride(1)) if varlen else dq_accum.stride()[:3]
-    lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    softmax_d, dq_accum_address = (_OUTPUT, 3, 0), (_OUTPUT, 3, 4 * d_floats)
+    softmax_d, dq_accum_address = (_OUTPUT, 3, d_offset), (_OUTPUT, 3, 4 * d_floats)
 
     aux_spec = build.aux_kernels(_DTYPE_NAMES[q.dtype])
     aux = launch.AuxParams(
-        d_batch_stride=lse_strides[0], d_head_stride=lse_strides[1], dqa_split_stride=dqa_strides[0],
+        d_batch_stride=d_strides[0], d_head_stride=d_strides[1], dqa_split_stride=dqa_strides[0],
         dqa_batch_stride=dqa_strides[1], dqa_head_stride=dqa_strides[2], batch=batch, nheads=nheads,
         head_dim=q.shape[-1], seqlen_q=fwd.seqlen_q, seqlen_k=fwd.seqlen_k, nsplits=nsplits,
         softmax_scale=softmax_scale, dq_block_m=tiles.block_m, total_q=fwd.total_q, total_k=fwd.total_k,
-        dqa_cols=dqa_cols,
+        dqa_cols=dqa_cols, padded=int(hopper), lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1],
         # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded (mma.sync)
         dq_slice_width=(tiles.dq_slice_width(head_dim)
                         if tiles.scramble_dq and (hopper or not deterministic) and dqa_cols == head_dim else 0))
@@ -393,8 +407,10 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     aux_addresses = [(_offset(launch.AuxParams, name), *source) for name, source in (
         ("out", (_INPUT, 4, 0)), ("dout", (_INPUT, 0, 0)), ("dq", (_OUTPUT, 0, 0)), ("softmax_d", softmax_d),
         ("dq_accum", dq_accum_address), ("cu_seqlens_q", (_INPUT, 6, 0)), ("cu_seqlens_k", (_INPUT, 7, 0)),
-        ("rng_state", (_INPUT, 8, 0)))]
-    aux_grid = (math.ceil(fwd.seqlen_q / build.AUX_ROWS_PER_CTA), batch, nheads)
+        ("rng_state", (_INPUT, 8, 0)), ("lse", (_INPUT, 5, 0)), ("lse_log2", (_OUTPUT, 3, 0)))]
+    # (padded: the preprocess also writes the padding rows of each sequence's last query block)
+    aux_rows = -(-fwd.seqlen_q // tiles.block_m) * tiles.block_m if hopper else fwd.seqlen_q
+    aux_grid = (math.ceil(aux_rows / build.AUX_ROWS_PER_CTA), batch, nheads)
     preprocess = _Launch(launch.get_kernel(aux_spec, aux_spec.symbols[0], q.device), aux_grid, aux, aux_addresses)
     convert = _Launch(launch.get_kernel(aux_spec, aux_spec.symbols[1], q.device), aux_grid, aux, aux_addresses)
 
@@ -451,6 +467,9 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         maps = [(_offset(launch.BwdSm90Params, name), index, tma.layout(x, varlen, rows)) for name, index, x, rows in
                 (("tma_q", 1, q, tiles.block_m), ("tma_k", 2, k, tiles.block_n), ("tma_v", 3, v, tiles.block_n),
                  ("tma_do", 0, dout, tiles.block_m), ("tma_dk", -2, dk, 64), ("tma_dv", -3, dv, 64))]  # outputs 1, 2
+        # lse_log2 and softmax_d, the start of output 3
+        maps.append((_offset(launch.BwdSm90Params, "tma_stats"), -4, tma.rows_layout(rows_pad, 2 * nheads,
+                                                                                       tiles.block_m)))
     main = _Launch(launch.get_kernel(spec, spec.symbols[0], q.device), grid, params,
                    [(_offset(type(params), prefix + name), *source) for name, source in fields], maps)
     if hopper:  # the persistent grid's tile counter (the one-CTA-per-tile variant ignores it)

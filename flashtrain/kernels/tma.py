@@ -30,8 +30,8 @@ class TmaDesc(ctypes.Structure):
 
 
 # cuda.h enums
-_DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
-INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZERO = 0, 3, 3, 0
+_DTYPES = {torch.float16: 6, torch.bfloat16: 9, torch.float32: 7}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / ...
+INTERLEAVE_NONE, SWIZZLE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZERO = 0, 0, 3, 3, 0
 BOX_COLS = 64  # 16-bit columns per box: one 128-byte swizzled column block
 
 
@@ -59,10 +59,10 @@ _CACHE_SIZE = 512
 
 
 def layout(x: Tensor, varlen: bool, box_rows: int) -> tuple:
-    """What a tensor map of q/k/v-like x encodes besides its address (dtype, dims, byte strides, box), as
-    tensor_map takes it: x (batch, rows, heads, head_dim), or varlen (total rows, heads, head_dim); last dim
-    contiguous, 16-byte aligned address and strides (ops._aligned guarantees both). Computed once per call signature
-    (a launch plan keeps it)."""
+    """What a tensor map of q/k/v-like x encodes besides its address (dtype, dims, byte strides, box columns and
+    rows, swizzle), as tensor_map takes it: x (batch, rows, heads, head_dim), or varlen (total rows, heads,
+    head_dim); last dim contiguous, 16-byte aligned address and strides (ops._aligned guarantees both). Computed once
+    per call signature (a launch plan keeps it)."""
     size = x.element_size()
     if varlen:
         total, heads, head_dim = x.shape
@@ -75,7 +75,14 @@ def layout(x: Tensor, varlen: bool, box_rows: int) -> tuple:
         strides = (x.stride(1) * size, x.stride(2) * size, x.stride(0) * size)
     # A dimension of size 1 may carry any stride: give it a valid one. Other strides must be valid as they are.
     strides = tuple(s if (s % 16 == 0 and 0 < s < 2**40) or dim > 1 else 16 for s, dim in zip(strides, dims[1:]))
-    return _DTYPES[x.dtype], dims, strides, box_rows
+    return _DTYPES[x.dtype], dims, strides, BOX_COLS, box_rows, SWIZZLE_128B
+
+
+def rows_layout(rows: int, arrays: int, box: int) -> tuple:
+    """The layout of a tensor map over `arrays` float32 arrays of `rows` values each, back to back (the Hopper
+    backward's padded lse_log2 and softmax_d: csrc/flash.h), in boxes of `box` values of one array, unswizzled."""
+    stride = rows * 4
+    return _DTYPES[torch.float32], (rows, arrays, 1, 1), (stride, stride * arrays, stride * arrays), box, 1, SWIZZLE_NONE
 
 
 def tensor_map(address: int, map_layout: tuple) -> TmaDesc:
@@ -86,11 +93,11 @@ def tensor_map(address: int, map_layout: tuple) -> TmaDesc:
     if desc is not None:
         _CACHE.move_to_end(key)
         return desc
-    dtype, dims, strides, box_rows = map_layout
+    dtype, dims, strides, box_cols, box_rows, swizzle = map_layout
     desc = TmaDesc()
     result = _encoder()(ctypes.byref(desc), dtype, 4, ctypes.c_void_p(address), (_u64 * 4)(*dims),
-                        (_u64 * 3)(*strides), (_u32 * 4)(BOX_COLS, box_rows, 1, 1), (_u32 * 4)(1, 1, 1, 1),
-                        INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZERO)
+                        (_u64 * 3)(*strides), (_u32 * 4)(box_cols, box_rows, 1, 1), (_u32 * 4)(1, 1, 1, 1),
+                        INTERLEAVE_NONE, swizzle, L2_PROMOTION_256B, OOB_FILL_ZERO)
     if result != 0:  # e.g. 710: an earlier kernel's device-side assert left the context unusable
         message = ctypes.c_char_p()
         _error_string()(result, ctypes.byref(message))

@@ -4,8 +4,12 @@
 //   q, out, dout, dq   (batch, seqlen_q, nheads,    head_dim)   or varlen (total_q, nheads,    head_dim)
 //   k, v, dk, dv       (batch, seqlen_k, nheads_kv, head_dim)   or varlen (total_k, nheads_kv, head_dim)
 //   lse, softmax_d     float32 (batch, nheads, seqlen_q)        or varlen (nheads, total_q)
-//   dq_accum           float32 (nsplits, batch, nheads, seqlen_q, C) or varlen (nsplits, nheads, total_q, C): C = head_dim,
-//                      or the Hopper backward's instantiated head dim (AuxParams::dqa_cols)
+//   dq_accum           float32 (nsplits, batch, nheads, seqlen_q, C) or varlen (nsplits, nheads, total_q, C): C = head_dim
+// The Hopper backward's workspaces use padded rows instead (utils.cuh padded_row_start: sequence b starts at a
+// multiple of its query block M and owns whole blocks, rows_pad = total_q + batch * M rows per head, batch stride 0):
+//   lse_log2, softmax_d float32 (nheads, rows_pad): lse * log2(e) (+inf past a sequence's end and for rows that saw
+//                      no key), D (0 past the end)
+//   dq_accum           float32 (nsplits, nheads, rows_pad, C): C = the instantiated head dim (AuxParams::dqa_cols)
 // Varlen: cu_seqlens_q/k (batch + 1, int32) give each sequence's first row; the batch strides are then 0.
 //   bs_rows            int32 (mask heads, n_qblocks, n_kblocks + 1): per query block of the block mask, the number c
 //                      of its non-zero key blocks, then those key blocks in ascending order (entries past c unused)
@@ -87,7 +91,7 @@ struct BwdParams {
     void* dk;
     void* dv;
     float* dq_accum;
-    float* softmax_d;         // D = rowsum(dout * out), same layout as lse
+    float* softmax_d;         // D = rowsum(dout * out), same layout as lse (Hopper: padded rows, tma_stats)
     i64 do_batch_stride, do_row_stride, do_head_stride;
     i64 dk_batch_stride, dk_row_stride, dk_head_stride;
     i64 dv_batch_stride, dv_row_stride, dv_head_stride;
@@ -110,12 +114,15 @@ struct BwdParams {
     int kv_splits, dkv_cols;
 };
 
-// Parameters of the Hopper TMA backward (flash_bwd_sm90.cuh): tensor maps of q, k, v, dout, dk, dv (as
+// Parameters of the Hopper TMA backward (flash_bwd_sm90.cuh): tensor maps of q, k, v, dout, dk, dv, stats (as
 // FwdSm90Params'), the plain parameters, the persistent grid's tile counter (as FwdSm90Params'); padded to the 64-byte
 // alignment (launch.py pads its mirror the same way).
 struct BwdSm90Params {
     TmaDesc tma_q, tma_k, tma_v, tma_do;
     TmaDesc tma_dk, tma_dv;  // dk, dv, boxes of 64 rows (an MMA warpgroup's): the epilogue's TMA stores
+    // the padded lse_log2 and softmax_d (above) as one float32 tensor (rows_pad, 2 nheads): boxes of one query
+    // block's rows (lse_log2 of head h: column h; D: column nheads + h)
+    TmaDesc tma_stats;
     BwdParams bwd;
     int* tile_counter;
 };
@@ -131,10 +138,13 @@ struct AuxParams {
     const int* cu_seqlens_q;
     const int* cu_seqlens_k;
     const u64* rng_state;
+    const float* lse;         // padded: the forward's lse, read into lse_log2
+    float* lse_log2;
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 do_batch_stride, do_row_stride, do_head_stride;
     i64 dq_batch_stride, dq_row_stride, dq_head_stride;
-    i64 d_batch_stride, d_head_stride;                        // softmax_d, like lse
+    i64 d_batch_stride, d_head_stride;                        // softmax_d (and lse_log2), like lse or padded
+    i64 lse_batch_stride, lse_head_stride;
     i64 dqa_split_stride, dqa_batch_stride, dqa_head_stride;
     i64 mask_batch_stride, mask_head_stride, mask_row_stride;
     int batch, nheads, head_dim, seqlen_q, seqlen_k, nsplits;
@@ -145,7 +155,9 @@ struct AuxParams {
     int dq_slice_width, dq_block_m;
     int total_q, total_k;     // varlen: rows of q / k, as in FwdParams
     int dqa_cols;             // dq_accum row length: head_dim, or the Hopper backward's padded head dim (zeros past
-    int pad_;                 // head_dim)
+                              // head_dim)
+    int padded;               // 1: the Hopper backward's padded rows (dq_block_m = M): the preprocess also writes
+                              // lse_log2 and the padding rows, the conversion reads whole blocks
 };
 
 }  // namespace flashtrain

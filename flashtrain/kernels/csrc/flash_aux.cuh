@@ -1,7 +1,9 @@
 // Small memory-bound kernels around the backward, and the test-only dropout-mask kernel. kRowsPerCta query rows per
 // CTA, grid (ceil(max_seqlen_q / kRowsPerCta), batch, nheads); rows in groups of lanes (AuxRowGroup), dq from the
 // scrambled layout in whole slices.
-//   preprocess: D[row] = sum_d dout[row, d] * out[row, d] (fp32) and dq_accum[:, row, :] = 0;
+//   preprocess: D[row] = sum_d dout[row, d] * out[row, d] (fp32) and dq_accum[:, row, :] = 0; padded (the Hopper
+//               backward, flash.h): also lse_log2[row] = lse * log2(e) (+inf for -inf), and for the padding rows of a
+//               sequence's last query block lse_log2 = +inf, D = 0, dq_accum = 0;
 //   convert_dq: dq[row, :] = softmax_scale * sum_split dq_accum[split, row, :] in the input dtype;
 //   dropout_mask: mask[row, j] = keep(row, j) for j < seqlen_k, the bits the forward and backward kernels draw.
 #pragma once
@@ -11,15 +13,22 @@ namespace flashtrain {
 
 constexpr int kAuxThreads = 128, kRowsPerCta = 32;
 
-// Sequence bounds of CTA (blockIdx.y = batch); false when this CTA's rows are all past the end.
+// Sequence bounds of CTA (blockIdx.y = batch); false when this CTA's rows are all past the end (padded: past the
+// end of the sequence's last query block). pad_start: the sequence's first row in the padded arrays (padded layouts),
+// else q_start.
 struct AuxRows {
-    int q_start, seqlen_q, k_start, seqlen_k, row_begin;
+    int q_start, seqlen_q, k_start, seqlen_k, row_begin, pad_start, rows_end;
     __device__ __forceinline__ bool init(const AuxParams& p) {
         q_start = 0, seqlen_q = p.seqlen_q, k_start = 0, seqlen_k = p.seqlen_k;
         if (p.cu_seqlens_q != nullptr) packed_seq(p.cu_seqlens_q, blockIdx.y, p.seqlen_q, p.total_q, q_start, seqlen_q);
         if (p.cu_seqlens_k != nullptr) packed_seq(p.cu_seqlens_k, blockIdx.y, p.seqlen_k, p.total_k, k_start, seqlen_k);
         row_begin = blockIdx.x * kRowsPerCta;
-        return row_begin < seqlen_q;
+        pad_start = q_start, rows_end = seqlen_q;
+        if (p.padded) {
+            pad_start = padded_row_start(p.cu_seqlens_q != nullptr, blockIdx.y, q_start, p.seqlen_q, p.dq_block_m);
+            rows_end = ceil_div(seqlen_q, p.dq_block_m) * p.dq_block_m;
+        }
+        return row_begin < rows_end;
     }
 };
 
@@ -42,16 +51,16 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
     AuxRows rows;
     if (!rows.init(p)) return;
     const int batch = blockIdx.y, head = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row_end = min_(rows.seqlen_q, rows.row_begin + kRowsPerCta);
+    const int row_end = min_(rows.rows_end, rows.row_begin + kRowsPerCta);
     const AuxRowGroup grp(p.head_dim, lane);
     const int step = grp.rows_per_warp * (kAuxThreads / 32);
     // (the loop bound is the warp's, so that every lane takes part in the shuffles)
     for (int base = rows.row_begin + warp * grp.rows_per_warp; base < row_end; base += step) {
         const int row = base + grp.slot;
-        const bool valid = row < row_end;
-        const i64 q_row = rows.q_start + row;
+        const bool valid = row < row_end, in_seq = row < rows.seqlen_q;  // (padded: rows past the end are padding)
+        const i64 q_row = rows.q_start + row, pad_row = rows.pad_start + row;
         float dot = 0.f;
-        if (valid) {
+        if (in_seq) {
             const u16* out = (const u16*)p.out + batch * p.o_batch_stride + q_row * p.o_row_stride +
                              head * p.o_head_stride;
             const u16* dout = (const u16*)p.dout + batch * p.do_batch_stride + q_row * p.do_row_stride +
@@ -71,10 +80,21 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
         }
         for (int mask = grp.lanes / 2; mask > 0; mask /= 2) dot += shfl_xor(dot, mask);
         if (!valid) continue;
-        if (grp.sub == 0) p.softmax_d[batch * p.d_batch_stride + head * p.d_head_stride + q_row] = dot;
+        if (grp.sub == 0) {
+            const i64 at = batch * p.d_batch_stride + head * p.d_head_stride + pad_row;
+            p.softmax_d[at] = dot;
+            if (p.padded) {
+                float lse = infinity();
+                if (in_seq) {
+                    const float raw = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + q_row];
+                    lse = raw == -infinity() ? infinity() : raw * kLog2e;
+                }
+                p.lse_log2[at] = lse;
+            }
+        }
         for (int split = 0; split < p.nsplits; ++split) {
             float* acc = (float*)p.dq_accum + split * p.dqa_split_stride + batch * p.dqa_batch_stride +
-                         head * p.dqa_head_stride + q_row * p.dqa_cols;
+                         head * p.dqa_head_stride + pad_row * p.dqa_cols;
             for (int c = grp.sub * 4; c < p.dqa_cols; c += grp.lanes * 4) {
                 const u32 zeros[4] = {0u, 0u, 0u, 0u};
                 st_global_v4(acc + c, zeros);
@@ -95,13 +115,15 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq(const Aux
     constexpr int kMaxSliceWidth = 64;  // = build.py MAX_DQ_SLICE_WIDTH, which checks the backward tiles against it
     __shared__ __align__(16) unsigned char slice_tiles[kAuxThreads / 32][16 * (2 * kMaxSliceWidth + 16)];
     AuxRows rows;
-    if (!rows.init(p)) return;
+    if (!rows.init(p) || rows.row_begin >= rows.seqlen_q) return;
     const int batch = blockIdx.y, head = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row_end = min_(rows.seqlen_q, rows.row_begin + kRowsPerCta);
     const int W = p.dq_slice_width;
+    // (padded: a sequence's last query block is whole in dq_accum too; its rows past the end are not written)
     const bool scrambled = W > 0 && W % 32 == 0 && p.dq_block_m % kRowsPerCta == 0 &&
-                           (rows.row_begin / p.dq_block_m + 1) * p.dq_block_m <= rows.seqlen_q;
-    const float* acc0 = p.dq_accum + batch * p.dqa_batch_stride + head * p.dqa_head_stride;
+                           (p.padded || (rows.row_begin / p.dq_block_m + 1) * p.dq_block_m <= rows.seqlen_q);
+    const float* acc0 = p.dq_accum + batch * p.dqa_batch_stride + head * p.dqa_head_stride +
+                        (i64)(rows.pad_start - rows.q_start) * p.dqa_cols;
     u16* dq0 = (u16*)p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride;
     if (scrambled) {
         // the layout's slices span dqa_cols (the Hopper backward's padded head dim); columns >= head_dim are not
@@ -137,7 +159,7 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq(const Aux
             warp_sync();
             for (int c = lane; c < 16 * pieces; c += 32) {
                 const int row = c / pieces, col = col0 + 8 * (c % pieces);
-                if (col >= p.head_dim) continue;  // (head_dim is a multiple of 8)
+                if (col >= p.head_dim || group_row + row >= rows.seqlen_q) continue;  // (head_dim: a multiple of 8)
                 u32 v[4];
                 ld_shared_v4(tile + row * tile_row + 16 * (c % pieces), v);
                 st_global_v4(dq0 + (q_row + row) * p.dq_row_stride + col, v);

@@ -10,9 +10,12 @@
 //   while the MMA warps finish the current one, and its K / V once their last GEMMs are done (head dims 192 / 256:
 //   once they have stored dK / dV through the K / V tiles).
 //   warpgroup 0 (producer; setmaxnreg.dec): one thread issues the TMA copies of each query block's Q and dO into a
-//     ring of kStages stages; warp 1 reads the block's row statistics (lse in log2 units, +inf for rows past the end,
-//     so that their P is 0; D = rowsum(dO * O)) into the stage. Each stage has a "full" mbarrier (the copy engine's
-//     bytes + warp 1's 32 arrivals) and an "empty" one (the 8 MMA warps release the stage).
+//     ring of kStages stages, and of its row statistics (lse in log2 units, +inf for rows past the end, so that
+//     their P is 0; D = rowsum(dO * O)), which the preprocess (flash_aux.cuh) writes in whole blocks of padded rows
+//     (flash.h). Each stage has a "full" mbarrier (the copy engine's bytes) and an "empty" one (the 8 MMA warps
+//     release the stage). (Until 2026-11-25 a statistics warp stored lse / D into the stage; compute-sanitizer
+//     racecheck, which does not follow mbarriers, reported its stores against the MMA warps' loads. A non-tensor
+//     bulk copy is reported the same way; tensor copies are not.)
 //   warpgroups 1, 2 (MMA; setmaxnreg.inc): warpgroup w owns keys [64 w, 64 w + 64) of the block, the M = 64 rows of
 //     its warpgroup MMAs, so it computes transposed scores (swap-AB: the 64-key atom, queries along N):
 //         S^T = K_w Q^T, dP^T = V_w dO^T           (both operands in shared memory; two commit groups)
@@ -27,8 +30,8 @@
 //     Each warp stages its 16 x 64 fp32 slice of a piece in shared memory in dq_accum's scrambled order (flash_aux.cuh
 //     convert_dq: a 16-row group's 64-column slice is 4 KB contiguous) and one lane adds it to global memory with an
 //     asynchronous bulk reduce-add (cp.reduce.async.bulk .add.f32): the warpgroups never wait for dQ to reach global
-//     memory (only, one iteration later, for the copy engine to have read the staging slice). Query blocks that are
-//     not whole (a sequence's end) or padded head dims add with vector atomics instead (row-major).
+//     memory (only, one iteration later, for the copy engine to have read the staging slice). A sequence's last query
+//     block is a whole block of dq_accum's padded rows: its rows past the end add zeros there.
 //   Epilogue: dK * scale and dV staged in the score tiles and dQ slices (K / V are released first), then TMA stores
 //   of the warpgroup's rows (head dims 192 / 256 and a varlen sequence's partial last tile: 16-byte stores).
 //
@@ -42,9 +45,9 @@
 // group. Not deterministic (dQ is summed by reductions in arrival order) unless kIsDeterministic (below: key blocks
 // take turns per query block); block-sparse with deterministic=True runs flash_bwd.cuh. Head dims 64 and 128 (65-96 are
 // padded up by the host; columns past head_dim are zero-filled by the copies and not written). Head dims 192 and 256
-// (129-255 padded up; dense, no dropout, not deterministic) keep the producer and the statistics warp but tile 64 keys
-// and split the head dim over the MMA warpgroups (flash_bwd_sm90_split_mma). flash_aux.cuh runs before (D, zeroing
-// dq_accum) and after (dq = scale * dq_accum).
+// (129-255 padded up; dense, no dropout, not deterministic) keep the producer but tile 64 keys and split the head dim
+// over the MMA warpgroups (flash_bwd_sm90_split_mma). flash_aux.cuh runs before (D and lse in log2 units in padded
+// rows, zeroing dq_accum) and after (dq = scale * dq_accum).
 #pragma once
 #include "tma.cuh"
 #include "wgmma.cuh"
@@ -87,7 +90,7 @@ struct BwdSm90Traits {
     static constexpr int kHeadDimEff = kHeadDimEff_;
     static_assert(kHeadDimEff == kHeadDim || (kHeadDim == 128 && kHeadDimEff == 96), "effective head dim 96 of 128");
     static constexpr int kDT = kHeadDimEff / 8;  // n8 column tiles of dK, dV per thread
-    // Registers per thread after setmaxnreg: the producer warpgroup (TMA copies, statistics warp, dQ writer) and the
+    // Registers per thread after setmaxnreg: the producer warpgroup (TMA copies, dQ writer) and the
     // MMA warpgroups share the launch pool (168 x 384). On 24 the producer warpgroup's loops spill (ptxas 188-236 bytes
     // per kernel), and where ptxas puts those spills moved the whole kernel's speed: the causal steps ran 8-18% slower
     // than the dense ones. 32 or 40 leave the MMA warpgroups 232: enough for 64-column work (40: hd64 causal backward
@@ -190,7 +193,8 @@ struct BwdSm90Traits {
     static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileS::kBytes +
                                       kDqStagingBytes + 2 * kStages * kStatsBytes + kBarrierBytes + 1024;
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then
-    // one per warpgroup (its rows of dK / dV staged); head dims 192 / 256: P^T stored (warpgroup 0 to 1).
+    // one per warpgroup (its rows -- split head dims: columns -- of dK / dV staged); head dims 192 / 256: P^T stored
+    // (warpgroup 0 to 1).
     static constexpr int kBarDs = 1, kBarEpilogue = 2, kBarP = 5;
 };
 
@@ -204,6 +208,7 @@ struct BwdSm90Traits {
 // run alone at the end). Groups keep the L2 locality that all units inner loses (0.76-0.84x at 1K / 2K, 2026-11-25).
 struct BwdTile {
     int n_block, n0, batch, head_kv, q_start, k_start, seqlen_q, seqlen_k, split;
+    int q_pad;  // the sequence's first row in lse_log2 / softmax_d / dq_accum (utils.cuh padded_row_start)
 };
 template <class T> __device__ __forceinline__ bool bwd_tile(const BwdParams& p, int tile, int n_kblocks, BwdTile& x) {
     const FwdParams& f = p.fwd;
@@ -221,6 +226,7 @@ template <class T> __device__ __forceinline__ bool bwd_tile(const BwdParams& p, 
     x.batch = bh % f.batch;
     x.head_kv = bh / f.batch;
     seq_bounds(f, x.batch, x.q_start, x.k_start, x.seqlen_q, x.seqlen_k);
+    x.q_pad = padded_row_start(f.cu_seqlens_q != nullptr, x.batch, x.q_start, f.seqlen_q, T::kBlockM);
     x.n0 = x.n_block * T::kBlockN;
     return x.n0 < x.seqlen_k;  // varlen: key blocks past a short sequence's end do nothing
 }
@@ -311,9 +317,9 @@ template <class T> struct BwdSm90Smem {
     __device__ __forceinline__ u32 sD(int s) const { return sStats + (T::kStages + s) * T::kStatsBytes; }
     __device__ __forceinline__ u32 full(int s) const { return bars + 8 * (2 + s); }
     __device__ __forceinline__ u32 empty(int s) const { return bars + 8 * (2 + T::kStages + s); }
-    // Tile slots: the producer publishes each tile it takes (-1: no more) to the statistics warp, the dQ writer (head
-    // dims 64 / 128) and the MMA warps, two tiles ahead at most.
-    static constexpr int kTileReaders = (T::kSplitHd ? 1 : 2) + 4 * T::kNMma;
+    // Tile slots: the producer publishes each tile it takes (-1: no more) to the dQ writer (head dims 64 / 128) and
+    // the MMA warps, two tiles ahead at most.
+    static constexpr int kTileReaders = (T::kSplitHd ? 0 : 1) + 4 * T::kNMma;
     __device__ __forceinline__ u32 tile_full(int i) const { return bars + 8 * (4 + 2 * T::kStages + i); }
     __device__ __forceinline__ u32 tile_empty(int i) const { return bars + 8 * (6 + 2 * T::kStages + i); }
     __device__ __forceinline__ u32 tile_slot(int i) const { return bars + 8 * (8 + 2 * T::kStages) + 4 * i; }
@@ -351,6 +357,25 @@ __device__ __forceinline__ void store_dkv_rows(const BwdParams& p, u32 sdK, u32 
             st_global_v4(dk + row * p.dk_row_stride + col, v);
             ld_shared_v4(TileKV::addr(sdV, row_begin + row, col), v);
             st_global_v4(dv + row * p.dv_row_stride + col, v);
+        }
+    }
+}
+
+// Epilogue of a split-head-dim tile: columns [col0, col0 + kCols) of the kRows rows of a gradient staged in TileKV
+// layout at src (the warpgroup's own columns: no other warpgroup's stores to wait for), to global memory at dst
+// (rows of row_stride elements) with 16-byte stores by the 128 threads of one warpgroup (ctid).
+template <class T, int kRows, int kCols>
+__device__ __forceinline__ void store_cols(u32 src, u16* dst, i64 row_stride, int rows_valid, int col0, int head_dim,
+                                           int ctid) {
+    constexpr int kChunksPerRow = kCols / 8;
+    static_assert(kRows * kChunksPerRow % 128 == 0, "whole 16-byte chunks per thread");
+#pragma unroll
+    for (int i = 0; i < kRows * kChunksPerRow / 128; ++i) {
+        const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = col0 + (chunk % kChunksPerRow) * 8;
+        if (row < rows_valid && col < head_dim) {
+            u32 v[4];
+            ld_shared_v4(T::TileKV::addr(src, row, col), v);
+            st_global_v4(dst + row * row_stride + col, v);
         }
     }
 }
@@ -731,7 +756,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
 // m64n64 GEMMs with both operands in shared memory (4 KB per 32-cycle k-step, the SM's shared-memory bandwidth), run
 // by the two warpgroups at the same time. dQ = dS K in 64 x 64 pieces (64-column blocks of K), even pieces on one
 // warpgroup and odd on the other (hd192: swapped every other block), added to dq_accum from the registers with vector
-// reductions (whole query blocks in convert_dq's scrambled order, a sequence's last block row-major). The shared P^T
+// reductions (in convert_dq's scrambled order; a sequence's last block too, in padded rows). The shared P^T
 // and dS^T tiles need one buffer each: warpgroup 0 stores the next P^T only after the dS^T barrier, which warpgroup 1
 // reaches after reading this P^T, and warpgroup 1 stores the next dS^T only after the next P^T barrier, which
 // warpgroup 0 reaches after its dQ GEMMs (the last readers of dS^T) are done.
@@ -768,22 +793,13 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
     // A dQ piece (64-column block cb) of query block m0 of head `head` into dq_accum (this warp's 16 rows).
     auto add_dq = [&](float (&dq)[8][4], int m0, int head, int cb) {
         fence_operand(dq);
-        float* dq_acc = p.dq_accum + x.batch * p.dqa_batch_stride + (i64)x.q_start * kHeadDim +
-                        head * p.dqa_head_stride;
-        if (m0 + kBlockM <= x.seqlen_q) {  // the 16 x 64 slice of this warp: 4 KB contiguous, float4 32 j + lane
-            float* dst = dq_acc + (i64)(m0 + row0) * kHeadDim + cb * 64 * 16 + 4 * lane;
+        // (a sequence's last block too: its rows past the end are padding, and add zeros). x.q_pad recomputed: read
+        // from x, the field stayed in a register through the loop (ptxas spills at hd256 112 -> 164 bytes).
+        const int q_pad = padded_row_start(f.cu_seqlens_q != nullptr, x.batch, x.q_start, f.seqlen_q, kBlockM);
+        float* dst = p.dq_accum + head * p.dqa_head_stride + (i64)(q_pad + m0 + row0) * kHeadDim +
+                     cb * 64 * 16 + 4 * lane;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) atomic_add4(dst + 128 * j, dq[j]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = m0 + row0 + g + 8 * hf, col = 64 * cb + 8 * j + 2 * t;
-                    if (row < x.seqlen_q && col < f.head_dim)
-                        atomic_add2(dq_acc + (i64)row * kHeadDim + col, dq[j][2 * hf], dq[j][2 * hf + 1]);
-                }
-        }
+        for (int j = 0; j < 8; ++j) atomic_add4(dst + 128 * j, dq[j]);
     };
 
     // kOdd: hd192 swaps the warpgroups' dQ pieces on odd blocks (compile-time, so that ptxas sees every wgmma wait)
@@ -970,14 +986,22 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
             continue;
         }
         // Epilogue: each warpgroup's columns of dK * scale and dV into the K / V tiles (both warpgroups done reading
-        // them), then warpgroup W stores rows [32 W, 32 W + 32) of both with 16-byte stores.
+        // them), then the same columns of every row to global memory with 16-byte stores. (Each warpgroup storing
+        // half of the rows of every column instead needed a barrier of both warpgroups between the shared stores and
+        // loads, which compute-sanitizer racecheck reported as hazards, 2026-11-25.)
         named_bar_sync(T::kBarEpilogue, 256);
         float(&dk1)[1][kDkN / 8][4] = *reinterpret_cast<float(*)[1][kDkN / 8][4]>(&acc_dk);
         float(&dv1)[1][kDvN / 8][4] = *reinterpret_cast<float(*)[1][kDvN / 8][4]>(&acc_dv);
         store_acc<T::kIsBF16, TileKV>(sm.sK, dk1, row0, kDkCol, f.softmax_scale, lane);
         store_acc<T::kIsBF16, TileKV>(sm.sV, dv1, row0, kDvCol, 1.f, lane);
-        named_bar_sync(T::kBarEpilogue + 1, 256);
-        store_dkv_rows<T, 32, kHeadDim>(p, sm.sK, sm.sV, x, 32 * W, ctid);
+        named_bar_sync(T::kBarEpilogue + 1 + W, 128);
+        {
+            const i64 row = x.k_start + x.n0;
+            u16* dk = (u16*)p.dk + x.batch * p.dk_batch_stride + row * p.dk_row_stride + x.head_kv * p.dk_head_stride;
+            u16* dv = (u16*)p.dv + x.batch * p.dv_batch_stride + row * p.dv_row_stride + x.head_kv * p.dv_head_stride;
+            store_cols<T, kBlockN, kDkN>(sm.sK, dk, p.dk_row_stride, x.seqlen_k - x.n0, kDkCol, f.head_dim, ctid);
+            store_cols<T, kBlockN, kDvN>(sm.sV, dv, p.dv_row_stride, x.seqlen_k - x.n0, kDvCol, f.head_dim, ctid);
+        }
         __syncwarp();
         if (lead_lane) mbar_arrive(sm.empty_kv);
     }
@@ -1009,7 +1033,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(sm.full(s), 1 + 32);     // the TMA thread's expect_tx arrival + warp 1's lanes (statistics)
+            mbar_init(sm.full(s), 1);  // the TMA thread's expect_tx arrival (Q, dO and the row statistics)
             mbar_init(sm.empty(s), 4 * T::kNMma);  // one arrival per MMA warp
         }
         mbar_fence_init();
@@ -1024,6 +1048,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         if (warp == 0 && lane == 0) {
             tma_prefetch_desc(&params.tma_q);
             tma_prefetch_desc(&params.tma_do);
+            tma_prefetch_desc(&params.tma_stats);
             // Persistent: tiles gridDim.x .. n_tiles - 1 from the counter, then one past the end per CTA (n_tiles
             // fetches in all; the fetch of n_tiles - 1 is the launch's last, so it resets the counter to 0).
             auto next_tile = [&](int tile) {
@@ -1062,11 +1087,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     kv_loaded = true;
                     FT_TIMELINE_MARK(0, tile_iter, 3);
                 };
+                const int q_pad = x.q_pad;
                 for (QueryBlockWalk<T> walk(p, x); walk.has;
                      walk.next(), ++gs) {
                     const int s = gs % kStages;
                     mbar_wait(sm.empty(s), ((gs / kStages) & 1) ^ 1);  // the first pass finds every stage empty
-                    mbar_arrive_expect_tx(sm.full(s), 2 * TileQ::kBytes);
+                    mbar_arrive_expect_tx(sm.full(s), 2 * TileQ::kBytes + 2 * T::kStatsBytes);
 #pragma unroll
                     for (int cb = 0; cb < kHeadDim / 64; ++cb) {
                         tma_load_4d(sm.sQ(s) + cb * kBlockM * 128, &params.tma_q, sm.full(s), cb * 64, x.q_start + walk.m0,
@@ -1074,43 +1100,20 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         tma_load_4d(sm.sdO(s) + cb * kBlockM * 128, &params.tma_do, sm.full(s), cb * 64,
                                     x.q_start + walk.m0, walk.head, batch_coord);
                     }
+                    // the block's row statistics: a whole block of the padded rows (+inf / 0 past the end)
+                    tma_load_4d(sm.sLse(s), &params.tma_stats, sm.full(s), q_pad + walk.m0, walk.head, 0, 0);
+                    tma_load_4d(sm.sD(s), &params.tma_stats, sm.full(s), q_pad + walk.m0, f.nheads + walk.head, 0, 0);
                     if (!kv_loaded) load_kv();
                 }
                 if (!kv_loaded) load_kv();  // no query block sees these keys: dK = dV = 0
                 ++tile_iter;
             }
-        } else if (warp == 1) {
-            // Row statistics: lse in log2 units (+inf for rows past the end and rows that saw no key, so P = 0), D.
-            int gs = 0;
-            BwdTile x;
-            for (int tile_iter = 0; sm.read_tile(tile_iter, x); ++tile_iter) {
-                for (QueryBlockWalk<T> walk(p, x); walk.has;
-                     walk.next(), ++gs) {
-                    const int s = gs % kStages;
-                    mbar_wait(sm.empty(s), ((gs / kStages) & 1) ^ 1);
-                    const i64 offset = x.batch * f.lse_batch_stride + walk.head * f.lse_head_stride + x.q_start;
-#pragma unroll
-                    for (int i = 0; i < kBlockM / 32; ++i) {
-                        const int row = walk.m0 + lane + 32 * i;
-                        float lse = infinity(), dsum = 0.f;
-                        if (row < x.seqlen_q) {
-                            const float raw = f.lse[offset + row];
-                            lse = raw == -infinity() ? infinity() : raw * kLog2e;
-                            dsum = p.softmax_d[offset + row];
-                        }
-                        asm volatile("st.shared.f32 [%0], %1;" ::"r"(sm.sLse(s) + 4 * (lane + 32 * i)), "f"(lse)
-                                     : "memory");
-                        asm volatile("st.shared.f32 [%0], %1;" ::"r"(sm.sD(s) + 4 * (lane + 32 * i)), "f"(dsum)
-                                     : "memory");
-                    }
-                    mbar_arrive(sm.full(s));
-                }
-            }
         } else if (!T::kSplitHd && warp == 2) {
             // dQ writer: per query block, once the MMA warps have staged their 16 x 64 slices (scrambled order of
-            // flash_aux.cuh convert_dq), add them to dq_accum -- whole blocks with 8 bulk reduce-adds, a sequence's
-            // last block with vector atomics -- and release the staging area. Deterministic: after the key blocks
-            // below this one have added this query block (their turn counter), and count this one in when done.
+            // flash_aux.cuh convert_dq), add them to dq_accum with 8 bulk reduce-adds (a sequence's last block too:
+            // its rows past the end are padding rows and add zeros) and release the staging area. Deterministic:
+            // after the key blocks below this one have added this query block (their turn counter), and count this
+            // one in when done.
             int n = 0;
             BwdTile x;
             for (int tile_iter = 0; sm.read_tile(tile_iter, x); ++tile_iter) {
@@ -1121,8 +1124,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     // deterministic non-causal: key block n adds to split n % dq_splits (the convert kernel sums
                     // the splits in a fixed order), taking turns with the key blocks of its split only
                     const int dq_split = T::kIsDeterministic && !T::kIsCausal ? x.n_block % p.dq_splits : 0;
-                    float* dq_acc = p.dq_accum + dq_split * p.dqa_split_stride + x.batch * p.dqa_batch_stride +
-                                    (i64)x.q_start * kHeadDim + walk.head * p.dqa_head_stride;
+                    float* dq_acc = p.dq_accum + dq_split * p.dqa_split_stride + walk.head * p.dqa_head_stride +
+                                    (i64)x.q_pad * kHeadDim;
                     int* counter = p.dq_semaphore +
                                    (((i64)dq_split * f.batch + x.batch) * f.nheads + walk.head) * p.dq_sem_mblocks +
                                    m0 / kBlockM;
@@ -1143,39 +1146,21 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                             }
                         __syncwarp();
                     }
-                    const bool whole = m0 + kBlockM <= seqlen_q;
-                    // (loops kept rolled: this warpgroup runs on 24 or 40 registers per thread: kProducerRegs)
+                    if (lane == 0) {
 #pragma unroll 1
-                    for (int slice = 0; slice < 4 * T::kNMma; ++slice) {
-                        const int piece = slice / 4, row0 = m0 + 16 * ((piece / (kHeadDim / 64)) * 4 + slice % 4);
-                        const int col0 = 64 * (piece % (kHeadDim / 64));
-                        const u32 src = sm.sdQ + slice * T::kDqSliceBytes;
-                        if (whole) {
-                            if (lane == 0)
-                                bulk_reduce_add_f32(dq_acc + (i64)row0 * kHeadDim + col0 * 16, src, T::kDqSliceBytes);
-                        } else {  // lane l holds accumulator fragment d[j][e] of MMA lane l: floats 128 j + 4 l + e
-#pragma unroll 1
-                            for (int j = 0; j < 8; ++j) {
-                                u32 v[4];
-                                ld_shared_v4(src + 512 * j + 16 * lane, v);
-#pragma unroll
-                                for (int hf = 0; hf < 2; ++hf) {
-                                    const int row = row0 + lane / 4 + 8 * hf, col = col0 + 8 * j + 2 * (lane % 4);
-                                    if (row < seqlen_q && col < f.head_dim)
-                                        atomic_add2(dq_acc + (i64)row * kHeadDim + col, __int_as_float(v[2 * hf]),
-                                                    __int_as_float(v[2 * hf + 1]));
-                                }
-                            }
+                        for (int slice = 0; slice < 4 * T::kNMma; ++slice) {
+                            const int piece = slice / 4, row0 = m0 + 16 * ((piece / (kHeadDim / 64)) * 4 + slice % 4);
+                            const int col0 = 64 * (piece % (kHeadDim / 64));
+                            bulk_reduce_add_f32(dq_acc + (i64)row0 * kHeadDim + col0 * 16,
+                                                sm.sdQ + slice * T::kDqSliceBytes, T::kDqSliceBytes);
                         }
-                    }
-                    if (lane == 0 && whole) {
                         bulk_commit();
                         bulk_wait_read<0>();
+                        mbar_arrive(sm.dq_empty);
                     }
                     __syncwarp();
-                    if (lane == 0) mbar_arrive(sm.dq_empty);
                     if (T::kIsDeterministic) {  // complete (not only read) before the next key block's turn
-                        if (lane == 0 && whole) {
+                        if (lane == 0) {
                             bulk_wait<0>();
                             fence_proxy_async_global();
                         }

@@ -52,14 +52,6 @@
 #ifndef FT_FWD_HALF_FIRST
 #define FT_FWD_HALF_FIRST 1
 #endif
-// FT_FWD_L2_PREFETCH=1 (A/B, prepared 2026-11-25, not measured): the producer claims its next tile one tile ahead and
-// asks for that tile's Q and first K / V block in L2 once it has issued the current one's copies (ncu, hd128
-// causal 512: the
-// forward moves ~259 MB per call at 2.6 TB/s at boost clocks, where it trails cuDNN by 2%, and leads it by 8% at ncu's
-// locked clocks: latency-bound on memory at tile starts, the guess).
-#ifndef FT_FWD_L2_PREFETCH
-#define FT_FWD_L2_PREFETCH 0
-#endif
 
 namespace flashtrain {
 
@@ -228,25 +220,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 return fetched + (int)gridDim.x;
             };
             FwdTile x;
-            // FT_FWD_L2_PREFETCH: `ahead` is claimed one tile early (each CTA still fetches until it gets one past the
-            // end, so the counter's reset is unchanged); its fields are computed into x once the current tile's
-            // copies are issued (x is dead then: no more live registers than without) and its first copies asked
-            // into L2; ahead_valid says whether x holds them (-1: not computed, 0: a varlen tile past its sequence)
-            int tile = blockIdx.x, ahead = FT_FWD_L2_PREFETCH ? next_tile(tile) : 0, ahead_valid = -1;
-            auto advance = [&]() {
-                if constexpr (FT_FWD_L2_PREFETCH) {
-                    tile = ahead;
-                    if (tile < n_tiles) ahead = next_tile(tile);
-                } else {
-                    tile = next_tile(tile);
-                }
-            };
-            for (;; advance()) {
-                if (tile < n_tiles && !(ahead_valid >= 0 ? ahead_valid == 1 : fwd_tile<T>(p, tile, n_mblocks, x))) {
-                    ahead_valid = -1;
-                    continue;
-                }
-                ahead_valid = -1;
+            for (int tile = blockIdx.x;; tile = next_tile(tile)) {
+                if (tile < n_tiles && !fwd_tile<T>(p, tile, n_mblocks, x)) continue;
                 mbar_wait(empty_q, (tile_iter & 1) ^ 1);  // the consumers' last S GEMM of the previous tile is done
                 atomic_store_shared(tile_slot, tile < n_tiles ? tile : -1);  // (ordered by empty_q / full_q)
                 if (FT_FWD_TILE_RECORD && tile < n_tiles) {
@@ -282,24 +257,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     for (int cb = 0; cb < T::kColBlocks; ++cb)
                         tma_load_4d(sV + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_v, full_v(stage),
                                     cb * 64, row, x.head_kv, batch_coord);
-                }
-                // the next tile's fields (x is dead now) and its first copies into L2
-                if constexpr (FT_FWD_L2_PREFETCH) {
-                    ahead_valid = ahead < n_tiles ? (int)fwd_tile<T>(p, ahead, n_mblocks, x) : -1;
-                    if (ahead_valid == 1) {
-                        const int batch_ahead = varlen ? 0 : x.batch;
-#pragma unroll
-                        for (int cb = 0; cb < T::kColBlocks; ++cb)
-                            tma_prefetch_l2_4d(&params.tma_q, cb * 64, x.q_start + x.m0, x.head, batch_ahead);
-                        if (!T::kIsBlockSparse && x.n_block_max > 0) {  // the first key block of its walk
-                            const int row = x.k_start + (x.n_block_max - 1) * kBlockN;
-#pragma unroll
-                            for (int cb = 0; cb < T::kColBlocks; ++cb) {
-                                tma_prefetch_l2_4d(&params.tma_k, cb * 64, row, x.head_kv, batch_ahead);
-                                tma_prefetch_l2_4d(&params.tma_v, cb * 64, row, x.head_kv, batch_ahead);
-                            }
-                        }
-                    }
                 }
                 ++tile_iter;
             }

@@ -97,12 +97,6 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* desc, u32 ba
         " [%2];" ::"r"(dst), "l"(desc), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
 }
-// Ask the copy engine to bring the box at (c0, c1, c2, c3) into L2 (a hint: no completion, no shared memory).
-__device__ __forceinline__ void tma_prefetch_l2_4d(const TmaDesc* desc, int c0, int c1, int c2, int c3) {
-    asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];" ::"l"(desc), "r"(c0),
-                 "r"(c1), "r"(c2), "r"(c3)
-                 : "memory");
-}
 
 // Epilogues through TMA stores (forward O, backward dK / dV); FT_TMA_STORE=0 builds the 16-byte-store epilogues (A/B).
 #ifndef FT_TMA_STORE
