@@ -372,8 +372,10 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         # padded rows (csrc/flash.h): each sequence owns whole query blocks of lse_log2, softmax_d and dq_accum, so
         # that the kernel reads a block's statistics and adds its dQ with bulk copies (racecheck-clean hand-overs);
         # one float32 workspace (output 3): lse_log2, softmax_d, dq_accum
-        rows_pad = (batch * fwd.seqlen_q if not varlen else fwd.total_q) + batch * tiles.block_m
-        rows_pad = -(-rows_pad // tiles.block_m) * tiles.block_m  # (16-byte aligned heads for the bulk copies)
+        # (utils.cuh padded_row_start; a multiple of block_m: 16-byte aligned heads for the copies)
+        block_m = tiles.block_m
+        rows_pad = (batch * -(-fwd.seqlen_q // block_m) * block_m if not varlen
+                    else -(-(fwd.total_q + batch * block_m) // block_m) * block_m)
         stats_floats = nheads * rows_pad
         d_offset, d_floats = 4 * stats_floats, -(-2 * stats_floats // 32) * 32
         dqa_shape = (nsplits, nheads, rows_pad, dqa_cols)

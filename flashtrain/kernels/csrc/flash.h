@@ -6,7 +6,8 @@
 //   lse, softmax_d     float32 (batch, nheads, seqlen_q)        or varlen (nheads, total_q)
 //   dq_accum           float32 (nsplits, batch, nheads, seqlen_q, C) or varlen (nsplits, nheads, total_q, C): C = head_dim
 // The Hopper backward's workspaces use padded rows instead (utils.cuh padded_row_start: sequence b starts at a
-// multiple of its query block M and owns whole blocks, rows_pad = total_q + batch * M rows per head, batch stride 0):
+// multiple of its query block M and owns whole blocks; rows_pad per head = batch * ceil(seqlen_q / M) * M, varlen
+// total_q + batch * M rounded up to M; batch stride 0):
 //   lse_log2, softmax_d float32 (nheads, rows_pad): lse * log2(e) (+inf past a sequence's end and for rows that saw
 //                      no key), D (0 past the end)
 //   dq_accum           float32 (nsplits, nheads, rows_pad, C): C = the instantiated head dim (AuxParams::dqa_cols)

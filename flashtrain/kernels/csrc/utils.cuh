@@ -475,13 +475,14 @@ __device__ __forceinline__ void seq_bounds(const FwdParams& p, int batch, int& q
         packed_seq(p.cu_seqlens_k, batch, p.seqlen_k, p.total_k, k_start, seqlen_k);
     }
 }
-// The Hopper backward's padded rows (flash.h): batch entry `batch` -- first row q_start (varlen), or seqlen_q rows per
-// entry (batch mode, q_start 0) -- starts at this row of lse_log2 / softmax_d / dq_accum, a multiple of block_m after
-// the whole blocks of the entries before it (all of them fit in total_q + batch * block_m rows), so that its query
-// blocks, the last included, are whole blocks of those arrays: read by bulk copies and added by bulk reduce-adds.
+// The Hopper backward's padded rows (flash.h): batch entry `batch` starts at this row of lse_log2 / softmax_d /
+// dq_accum, a multiple of block_m after the whole blocks of the entries before it, so that its query blocks, the last
+// included, are whole blocks of those arrays (read by tensor copies, added by bulk reduce-adds). Batch mode: entries
+// of ceil(seqlen_q / block_m) blocks (batch * that many rows in all; no padding when block_m divides seqlen_q).
+// Varlen (first row q_start): all entries fit in total_q + batch * block_m rows.
 __device__ __forceinline__ int padded_row_start(bool varlen, int batch, int q_start, int seqlen_q, int block_m) {
-    const int packed = varlen ? q_start : batch * seqlen_q;
-    return (packed + batch * block_m) / block_m * block_m;
+    if (!varlen) return batch * (ceil_div(seqlen_q, block_m) * block_m);
+    return (q_start + batch * block_m) / block_m * block_m;
 }
 // The tile of queries from m0 and kBlockN keys from n0 needs masking: it holds keys past the end or, causal (bottom-
 // right aligned), keys right of the diagonal of its first query.
