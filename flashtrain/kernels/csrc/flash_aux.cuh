@@ -1,6 +1,6 @@
 // Small memory-bound kernels around the backward, and the test-only dropout-mask kernel. kRowsPerCta query rows per
-// CTA, grid (ceil(max_seqlen_q / kRowsPerCta), batch, nheads); rows in groups of lanes (AuxRowGroup), dq from the
-// scrambled layout in whole slices.
+// CTA, grid (ceil(R / kRowsPerCta), batch, nheads), R = max_seqlen_q (padded: rounded up to whole query blocks of
+// dq_block_m rows); rows in groups of lanes (AuxRowGroup), dq from the scrambled layout in whole slices.
 //   preprocess: D[row] = sum_d dout[row, d] * out[row, d] (fp32) and dq_accum[:, row, :] = 0; padded (the Hopper
 //               backward, flash.h): also lse_log2[row] = lse * log2(e) (+inf for -inf), and for the padding rows of a
 //               sequence's last query block lse_log2 = +inf, D = 0, dq_accum = 0;
