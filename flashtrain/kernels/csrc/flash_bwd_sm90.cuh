@@ -335,6 +335,11 @@ template <class T> struct BwdSm90Smem {
     }
 };
 
+// Two consecutive floats of a stage's row statistics (lse or D of queries q, q + 1) at shared address addr.
+__device__ __forceinline__ void ld_stats2(u32 addr, float (&v)[2]) {
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v[0]), "=f"(v[1]) : "r"(addr));
+}
+
 // Epilogue of a tile: rows [row_begin, row_begin + kRows) of dK and dV, staged in TileKV layout at sdK / sdV, to
 // global memory with 16-byte stores by the 128 threads of one warpgroup (ctid); kCols: the columns that can be
 // non-zero.
@@ -522,8 +527,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                     rng.bits_transposed(qbits, bh, m0 + 8 * j + 2 * t, n0 + key_row0 + g, lane);
                 }
                 float lse[2];
-                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lse[0]), "=f"(lse[1])
-                             : "r"(sm.sLse(s) + 4 * (8 * j + 2 * t)));
+                ld_stats2(sm.sLse(s) + 4 * (8 * j + 2 * t), lse);
                 float dropped[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
@@ -563,8 +567,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
 #pragma unroll
             for (int j = 0; j < kNT; ++j) {
                 float dsum[2];
-                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(dsum[0]), "=f"(dsum[1])
-                             : "r"(sm.sD(s) + 4 * (8 * j + 2 * t)));
+                ld_stats2(sm.sD(s) + 4 * (8 * j + 2 * t), dsum);
                 float ds[4], pt[4];
                 if constexpr (T::kDsFromPa) {
                     unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2)], pt[0], pt[1]);
@@ -842,8 +845,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
 #pragma unroll
             for (int j = 0; j < kNT; ++j) {
                 float lse[2];
-                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lse[0]), "=f"(lse[1])
-                             : "r"(sm.sLse(s) + 4 * (8 * j + 2 * t)));
+                ld_stats2(sm.sLse(s) + 4 * (8 * j + 2 * t), lse);
                 float pt[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
@@ -874,8 +876,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
 #pragma unroll
             for (int j = 0; j < kNT; ++j) {
                 float dsum[2];
-                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(dsum[0]), "=f"(dsum[1])
-                             : "r"(sm.sD(s) + 4 * (8 * j + 2 * t)));
+                ld_stats2(sm.sD(s) + 4 * (8 * j + 2 * t), dsum);
                 float pt[4], ds[4];
                 unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2)], pt[0], pt[1]);
                 unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2) + 1], pt[2], pt[3]);
