@@ -20,10 +20,13 @@ def _grads(fn, q, k, v, dout):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_deterministic_backward_is_bitwise_repeatable(head_dim, causal):
+@pytest.mark.parametrize("nheads_kv", [8, 2], ids=["mha", "gqa"])
+def test_deterministic_backward_is_bitwise_repeatable(head_dim, causal, nheads_kv):
+    """Hopper: the tiles in groups of units (ops._det_tile_group), key blocks taking turns at every query block."""
     gen = torch.Generator("cuda").manual_seed(0)
-    q, k, v, dout = (torch.randn(2, 2048, 8, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
-                     for _ in range(4))
+    q, dout = (torch.randn(2, 2048, 8, head_dim, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 2048, nheads_kv, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+            for _ in range(2))
     fn = lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=True, impl="cuda")  # noqa: E731
     first = _grads(fn, q, k, v, dout)
     for _ in range(2):
@@ -37,8 +40,7 @@ def test_deterministic_backward_is_bitwise_repeatable(head_dim, causal):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_deterministic_varlen_backward_is_bitwise_repeatable(causal):
-    """Varlen, every length class (empty, 1 token, partial blocks); non-causal takes turns in several chains
-    (ops._bwd_plan: one dq_accum split per chain on Hopper)."""
+    """Varlen, every length class (empty, 1 token, partial blocks)."""
     lengths = torch.tensor([0, 300, 1, 1000, 129], device="cuda")
     cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     gen = torch.Generator("cuda").manual_seed(1)
@@ -48,8 +50,8 @@ def test_deterministic_varlen_backward_is_bitwise_repeatable(causal):
                                                 deterministic=True, impl="cuda")
     first, again = _grads(fn, q, k, v, dout), _grads(fn, q, k, v, dout)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
-    # the same gradients as the default backward (Hopper: the dq_accum splits of the padded rows, summed by the
-    # conversion), up to the order of dq's fp32 additions
+    # the same gradients as the default backward (Hopper: dq_accum in padded rows), up to the order of dq's fp32
+    # additions
     default = _grads(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, 1000, 1000, causal=causal, impl="cuda"),
                      q, k, v, dout)
     for a, b in zip(first, default):

@@ -344,3 +344,19 @@ def test_causal_tile_groups(n_blocks, n_units, waves, expected, monkeypatch):
     assert group == expected and 1 <= group <= n_units
     if 1 < group < n_units:  # the smallest group whose tiles fill the SMs `waves` times over
         assert group * n_blocks >= waves * 132 > (group - 1) * n_blocks
+
+
+@pytest.mark.parametrize("steps_per_tile, n_units, unit_bytes, expected", [
+    (32, 128, 2 << 20, 9),         # hd128 2K non-causal (64-query blocks): ceil(2 * 132 / 32) units per group
+    (256, 16, 16 << 20, 1),        # hd128 16K: one unit per group (L2 bound: 24 MiB / 16 MiB)
+    (16, 256, 1 << 20, 17),        # hd64 2K (128-query blocks)
+    (16.5, 4, 1 << 20, 4),         # fewer units than a group: one group
+    (4, 512, 4 << 20, 6),          # the L2 bound: 24 MiB / 4 MiB
+])
+def test_deterministic_tile_groups(steps_per_tile, n_units, unit_bytes, expected):
+    """ops._det_tile_group: units per group of the Hopper deterministic backward's tiles."""
+    from flashtrain.kernels import ops
+
+    group = ops._det_tile_group(steps_per_tile, n_units, unit_bytes, 132)
+    assert group == expected and 1 <= group <= n_units
+    assert group == n_units or group * unit_bytes <= ops.DET_GROUP_L2_BYTES or group == 1

@@ -4,10 +4,11 @@ check of the gradients against fp32 attention (dense, causal, GQA, head dim 96 p
 
     PYTHONPATH=$PWD python3 benchmarks/probes/sm90_bwd_probe.py [--seqlens 1024 4096 16384] [--head-dims 64 128]
 
-Implementations: flashtrain, flashtrain-det (deterministic=True), flashtrain-detN (deterministic, non-causal turns
-in N chains, N = 1..8), flashtrain-grid (one CTA per tile), cudnn, fa2; "flashtrain@waves=W" runs the causal
-backward with ops.CAUSAL_GROUP_WAVES = W (W = 0: key blocks fastest), "flashtrain@splits=N" GQA with N tiles per
-group and key block (ops._gqa_splits); and
+Implementations: flashtrain, flashtrain-det (deterministic=True), flashtrain-grid (one CTA per tile), cudnn, fa2;
+"flashtrain@waves=W" runs the causal backward with ops.CAUSAL_GROUP_WAVES = W (W = 0: key blocks fastest),
+"flashtrain@splits=N" GQA with N tiles per group and key block (ops._gqa_splits), "flashtrain-det@detsteps=X" the
+deterministic backward's tile groups with ops.DET_GROUP_STEPS = X (0: key blocks fastest; "@detl2=MiB" their L2
+bound, "@detgroup=G" G units per group); and
 compile-time variants of the kernels in the same process: "flashtrain+FT_MACRO=1[+FT_OTHER=2]" builds and runs the
 kernels with those macros (FLASHTRAIN_EXTRA_DEFINES; its own cubins and launch plans), e.g.
 "flashtrain+FT_PHILOX_ROUNDS=7" with --dropout 0.1.
@@ -69,26 +70,6 @@ def one_cta_per_tile(enabled: bool):
         drop_plans()
 
 
-def chains_of(name: str) -> int | None:
-    """N of a flashtrain-detN implementation name, else None."""
-    return int(name[-1]) if name[-5:-1] == "-det" and name[-1].isdigit() else None
-
-
-@contextlib.contextmanager
-def det_chains(name: str):
-    """flashtrain-detN: the deterministic non-causal Hopper backward in N turn chains (ops._det_chains)."""
-    saved = ops._det_chains
-    chains = chains_of(name)
-    if chains is not None:
-        ops._det_chains = lambda n_kblocks: chains
-    drop_plans()
-    try:
-        yield
-    finally:
-        ops._det_chains = saved
-        drop_plans()
-
-
 @contextlib.contextmanager
 def kernel_variant(name: str):
     """Kernels compiled with the macros after '+' in `name` (none: the default build)."""
@@ -121,18 +102,28 @@ def kernel_variant(name: str):
 @contextlib.contextmanager
 def group_waves(name: str):
     """flashtrain@waves=W: the causal tile order with ops.CAUSAL_GROUP_WAVES = W; flashtrain@splits=N: GQA backward
-    tiles split the group's query heads N ways (ops._gqa_splits forced to N)."""
-    saved, saved_splits = ops.CAUSAL_GROUP_WAVES, ops._gqa_splits
+    tiles split the group's query heads N ways (ops._gqa_splits forced to N); flashtrain-det@detsteps=X: the
+    deterministic tile groups with ops.DET_GROUP_STEPS = X (0: key blocks fastest), @detl2=MiB: DET_GROUP_L2_BYTES,
+    @detgroup=G: G units per group (at most all)."""
+    saved = ops.CAUSAL_GROUP_WAVES, ops._gqa_splits, ops.DET_GROUP_STEPS, ops.DET_GROUP_L2_BYTES
     options = dict(item.split("=") for item in name.split("@")[1:])
     if "waves" in options:
         ops.CAUSAL_GROUP_WAVES = float(options["waves"])
     if "splits" in options:
         ops._gqa_splits = lambda *args, **kwargs: int(options["splits"])
+    if "detsteps" in options:
+        ops.DET_GROUP_STEPS = float(options["detsteps"])
+    if "detl2" in options:
+        ops.DET_GROUP_L2_BYTES = int(float(options["detl2"]) * 2**20)
+    saved_group = ops._det_tile_group
+    if "detgroup" in options:
+        ops._det_tile_group = lambda steps, n_units, unit_bytes, sms: min(n_units, int(options["detgroup"]))
     drop_plans()
     try:
         yield
     finally:
-        ops.CAUSAL_GROUP_WAVES, ops._gqa_splits = saved, saved_splits
+        ops.CAUSAL_GROUP_WAVES, ops._gqa_splits, ops.DET_GROUP_STEPS, ops.DET_GROUP_L2_BYTES = saved
+        ops._det_tile_group = saved_group
         drop_plans()
 
 
@@ -174,7 +165,7 @@ def main() -> None:
                                                requires_grad=True) for h in (nheads, nheads_kv, nheads_kv))
                         if name.startswith("flashtrain"):  # -det: deterministic=True; -grid: one CTA per tile
                             with (one_cta_per_tile(name.endswith("-grid")), kernel_variant(name.split("@")[0]),
-                                  det_chains(name), group_waves(name)):
+                                  group_waves(name)):
                                 out = flash_attn_func(q, k, v, args.dropout, causal=causal, impl="cuda",
                                                       deterministic="-det" in name)
                         else:
@@ -186,7 +177,7 @@ def main() -> None:
                         dout = torch.randn_like(out)
                         fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
                         with (one_cta_per_tile(name.endswith("-grid")), kernel_variant(name.split("@")[0]),
-                              det_chains(name), group_waves(name)):
+                              group_waves(name)):
                             ms = 1000 * statistics.median(time_calls(fn, torch.device("cuda"), 3, args.repeats))
                         best[name] = max(best.get(name, 0), flops / ms / 1e9)
                         rounds.setdefault(name, []).append(flops / ms / 1e9)
@@ -197,10 +188,10 @@ def main() -> None:
                 if "flashtrain-det" in best:
                     ratio += f"  det/default {best['flashtrain-det'] / best['flashtrain']:.2f}"
                 for n in best:
-                    if chains_of(n) is not None:
-                        ratio += f"  {n[-4:]}/default {best[n] / best['flashtrain']:.2f}"
+                    if "-det" in n and ("@" in n or "+" in n):
+                        ratio += f"  {n[11:]}/default {best[n] / best['flashtrain']:.2f}"
                 for n in best:
-                    if "+" in n or "@" in n:
+                    if ("+" in n or "@" in n) and "-det" not in n:
                         ratio += f"  {n}/default {best[n] / best['flashtrain']:.3f}"
                 mask = "causal" if causal else "full  "
                 print(f"hd{head_dim} {nheads}/{nheads_kv} B{batch} S{seqlen:<6} {mask} bwd TFLOP/s {line}{ratio}",

@@ -330,11 +330,6 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     return _Plan([(shape, dtype, False) for shape, dtype in outputs], [item])
 
 
-def _det_chains(n_kblocks: int) -> int:
-    """The Hopper deterministic non-causal backward's turn chains (dq_accum splits) for n_kblocks key blocks."""
-    return min(4, max(1, math.ceil(n_kblocks / 4)))
-
-
 def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
               softmax_scale, causal, deterministic, bs_cols) -> _Plan:
     """The launch plan of a backward call (dout, q, k, v, out aligned): the preprocess kernel (D = rowsum(dout * out),
@@ -358,12 +353,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if deterministic and not hopper:  # enough CTAs to fill the GPU twice over; each walks key blocks x, x + nsplits..
         sm_count = launch.sm_count(q.device)
         nsplits = max(1, min(n_kblocks, math.ceil(2 * sm_count / max(1, batch * nheads_kv))))
-    elif deterministic and not causal:
-        # Hopper: the key blocks take turns at each query block in nsplits chains (key block n in chain n % nsplits,
-        # each chain its own dq_accum split, summed in a fixed order by the convert kernel): a chain's startup skew
-        # (one completed reduction per key block ahead of it) is n_kblocks / nsplits turns long instead of
-        # n_kblocks. Extra memory: nsplits - 1 more float32 dq accumulators (at most 3).
-        nsplits = _det_chains(n_kblocks)
+    # (Hopper: one dq_accum, the key blocks taking turns at each query block in one chain, in tile groups:
+    # _det_tile_group. Chains of their own dq_accum splits were 0.65-0.95x of one chain with the groups, H200.)
     # the Hopper backward's dq_accum rows are its instantiated head dim (a padded head dim adds whole 16-row slices too)
     dqa_cols = head_dim if hopper else q.shape[-1]
     varlen = cu_seqlens_q is not None
@@ -459,6 +450,11 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if hopper and causal and not deterministic:  # (else 0: key blocks fastest)
         params.fwd.causal_tile_group = _causal_tile_group(n_kblocks, batch * nheads_kv * params.kv_splits,
                                                           launch.sm_count(q.device))
+    elif hopper and deterministic:
+        m_blocks = math.ceil(fwd.seqlen_q / tiles.block_m)
+        params.fwd.causal_tile_group = _det_tile_group(
+            (m_blocks + 1) / 2 if causal else m_blocks, batch * nheads_kv,
+            8 * fwd.seqlen_q * head_dim * (nheads // nheads_kv), launch.sm_count(q.device))
     grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)
     if hopper:  # tiles (key block, batch, kv head, GQA split) along x: at most one CTA per SM when persistent
         n_tiles = math.prod(grid) * params.kv_splits
@@ -496,6 +492,25 @@ def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int) -> int:
     if not math.isfinite(CAUSAL_GROUP_WAVES):
         return n_units
     return max(1, min(n_units, math.ceil(CAUSAL_GROUP_WAVES * sm_count / n_blocks)))
+
+
+# The Hopper deterministic backward's tile order: units per group (FwdParams.causal_tile_group; 0: key blocks
+# fastest), ceil(DET_GROUP_STEPS * sm_count / steps_per_tile) ...
+DET_GROUP_STEPS = 2.0
+# ... and no more units than keep this many bytes of their Q and dO rows (bf16) and dq_accum rows (fp32) in L2
+DET_GROUP_L2_BYTES = 24 << 20
+
+
+def _det_tile_group(steps_per_tile: float, n_units: int, unit_bytes: int, sm_count: int) -> int:
+    """Units per tile group of the Hopper deterministic backward (0: key blocks fastest; steps_per_tile: a tile's
+    query blocks, unit_bytes: a unit's Q, dO and dq_accum rows). Fewer of a unit's key blocks then run at once, in one
+    chain of turns. H200, 2026-11-25, deterministic / default backward at 2K-16K, hd64 and hd128: these groups
+    0.73-0.91x; key blocks fastest 0.49-0.84x; 4 units per group within 0.01 of these except hd128 causal 16K (0.72 vs
+    0.79); 33 units 0.57-0.84x and all units 0.56-0.79x (the units' Q, dO and dq_accum leave L2)."""
+    if DET_GROUP_STEPS <= 0:
+        return 0
+    want = math.ceil(DET_GROUP_STEPS * sm_count / max(1.0, steps_per_tile))
+    return max(1, min(n_units, want, DET_GROUP_L2_BYTES // max(1, unit_bytes)))
 
 
 def _gqa_splits(group: int, seqlen_q: int, seqlen_k: int, tiles, causal: bool, n_bh: int, sm_count: int) -> int:

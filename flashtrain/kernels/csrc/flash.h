@@ -60,10 +60,10 @@ struct FwdParams {
     const int* bs_cols;
     i64 bs_rows_head_stride, bs_cols_head_stride;  // 0: one mask for all heads
     int total_q, total_k;     // varlen: rows of q / k (every sequence is clamped into them; utils.cuh packed_seq)
-    // Hopper causal kernels (the backward: not deterministic): the persistent grid's tiles in groups of this many
+    // Hopper causal kernels and the deterministic Hopper backward: the persistent grid's tiles in groups of this many
     // (batch, head) units -- the backward's: (batch, kv head, GQA split) --, longest tiles first inside a group (a
-    // short tail) while a group's K / V (Q / dO) stay in L2; 0: longest first over all units (forward) or key blocks
-    // fastest (backward, also for 1)
+    // short tail; deterministic causal: key blocks descending, the turns' order) while a group's K / V (Q / dO) stay
+    // in L2; 0: longest first over all units (forward) or key blocks fastest (backward, also for 1)
     int causal_tile_group;
     int pad_;
 };
@@ -100,7 +100,8 @@ struct BwdParams {
     int deterministic;        // 1: CTA x owns dq_accum split x and adds with plain loads/stores (no atomics); Hopper:
                               // the key blocks add to each query block in a fixed order (dq_semaphore)
     int dq_splits;            // Hopper deterministic non-causal: key block n adds to dq_accum split n % dq_splits,
-                              // after key blocks n - dq_splits, n - 2 dq_splits, ... (shorter turn chains); else 1
+                              // after key blocks n - dq_splits, n - 2 dq_splits, ...; ops passes 1 (one chain of
+                              // turns, the tiles in groups: ops._det_tile_group)
     // Hopper deterministic backward: per (batch, query head, query block of the kernel) the number of MMA warps of
     // lower key blocks that have added their dQ; (batch, nheads, dq_sem_mblocks) int32, zeroed before the launch
     int* dq_semaphore;

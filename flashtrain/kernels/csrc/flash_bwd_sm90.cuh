@@ -55,6 +55,16 @@
 #ifndef FT_BWD_WALK_INC
 #define FT_BWD_WALK_INC 1
 #endif
+// FT_BWD_DET_NO_TURNS=1: diagnostic builds only (not deterministic): the deterministic kernels without the turns (no
+// waiting, no completion wait, no counting), to measure what the turns cost against the kernel's other differences.
+#ifndef FT_BWD_DET_NO_TURNS
+#define FT_BWD_DET_NO_TURNS 0
+#endif
+// FT_BWD_DET_MEMBAR=0 (A/B): the dQ writer releases a turn without a membar.gl before the release add (the completed
+// bulk reduce-adds are ordered by the proxy fence and the add's release semantics).
+#ifndef FT_BWD_DET_MEMBAR
+#define FT_BWD_DET_MEMBAR 1
+#endif
 // FT_BWD_SKIP_HIDDEN (default 1; 0 for A/Bs): a warpgroup none of whose 64 keys is visible to any row of the query
 // block (the causal diagonal's first 64-query block for keys 64-127 at head dim 128; a key tile's part past seqlen_k)
 // skips its S^T, dP^T, dV and dK GEMMs and stores a zero dS^T for the block's dQ. H200, same process, hd128 causal
@@ -118,12 +128,13 @@ struct BwdSm90Traits {
     // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s with the dQ writer warp: hd128 0
     // beats 2 by 10-15% (16K 524 vs 473); hd64 x 128 queries 0 beats 2 by 3-6% (16K 434 vs 418) despite 120 B of
     // spills. Dropout 0.1, same process (Philox 7 rounds), 0 / 2: hd128 1.03-1.12x (4K 367 vs 337), hd64 0.88-0.95x:
-    // hd64 dropout keeps 2; so does the deterministic hd64 kernel (2 vs 0, separate runs: 271 / 357 / 416 vs
-    // 255 / 325 / 383 TFLOP/s at 2K / 8K / 16K).
+    // hd64 dropout keeps 2. The deterministic hd64 kernel kept 2 while its turns bounded it (key blocks fastest);
+    // with the tile groups (ops._det_tile_group) 0 and kDsFirst are 1.04-1.14x (H200, same process, 2K-16K,
+    // 2026-11-25 22:15 UTC).
 #ifdef FT_BWD_DEFER_DQ
     static constexpr int kDeferDq = FT_BWD_DEFER_DQ;
 #else
-    static constexpr int kDeferDq = kHeadDim == 64 && (kIsDropout || kIsDeterministic) ? 2 : 0;
+    static constexpr int kDeferDq = kHeadDim == 64 && kIsDropout ? 2 : 0;
 #endif
     // 128-query blocks without dropout take P^T for dS^T = P^T (dP^T - D) from its 16-bit A fragments (the values
     // dV's GEMM reads): the fp32 P^T is dead once packed, which frees the 64 registers that let dS^T run while dV's
@@ -141,7 +152,7 @@ struct BwdSm90Traits {
     // 128-query blocks with dropout: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished
     // wgmma alive, and 64 more live registers would spill)
     static constexpr bool kWaitDv = kBlockM == 128 && !kDsFromPa;
-    // 128-query blocks with the dQ piece staged at once (head dim 64 without dropout, not deterministic): dS^T is
+    // 128-query blocks with the dQ piece staged at once (head dim 64 without dropout): dS^T is
     // stored before dK's GEMM is issued (its stores complete meanwhile, so the proxy fence before the dS^T barrier
     // waits less), and a dQ slice's proxy fence and hand-over to the writer come after the next block's GEMMs are
     // issued (ncu, hd128: the MMA warps stalled on these fences in ~10% of their samples). H200, same process,
@@ -158,11 +169,11 @@ struct BwdSm90Traits {
     static constexpr bool kSkipHidden = FT_BWD_SKIP_HIDDEN && kDeferDq == 0;
     // The dS^T order alone also helps 128-query blocks with dropout (H200, same process, dropout 0.1, backward
     // TFLOP/s first / after dK: full 512 224 / 218, 2K 284 / 275; causal 512 142 / 131, 2K 235 / 211); deterministic
-    // hd64 0.98-1.03x (its turns bound it): unchanged.
+    // hd64 too since its tile groups (above, kDeferDq).
 #ifdef FT_BWD_DS_FIRST
     static constexpr bool kDsFirst = FT_BWD_DS_FIRST;
 #else
-    static constexpr bool kDsFirst = kBlockM == 128 && !kIsDeterministic;
+    static constexpr bool kDsFirst = kBlockM == 128;
 #endif
     using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO stages
     using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V, then dK and dV
@@ -206,6 +217,10 @@ struct BwdSm90Traits {
 // (tile_group_unit), and inside a group the key blocks outer, units inner: the longest tiles (key block 0 sees every
 // query block) start first and the shortest end the launch (key blocks fastest leaves one unit's long first tile to
 // run alone at the end). Groups keep the L2 locality that all units inner loses (0.76-0.84x at 1K / 2K, 2026-11-25).
+// Deterministic with causal_tile_group > 1 (ops._det_tile_group): the same groups (causal: key blocks descending
+// inside a group, the turns' order), so that fewer key blocks of a unit run at once and wait in one chain of turns:
+// with one dq_accum (no chains, BwdParams::dq_splits = 1) 1.19-1.33x the key-blocks-fastest order at 2K-8K, 1.00-1.03x
+// at 16K (H200, 2026-11-25 22:07 UTC).
 struct BwdTile {
     int n_block, n0, batch, head_kv, q_start, k_start, seqlen_q, seqlen_k, split;
     int q_pad;  // the sequence's first row in lse_log2 / softmax_d / dq_accum (utils.cuh padded_row_start)
@@ -213,10 +228,10 @@ struct BwdTile {
 template <class T> __device__ __forceinline__ bool bwd_tile(const BwdParams& p, int tile, int n_kblocks, BwdTile& x) {
     const FwdParams& f = p.fwd;
     int unit;
-    if (T::kIsCausal && !T::kIsDeterministic && f.causal_tile_group > 1) {
+    if ((T::kIsCausal || T::kIsDeterministic) && f.causal_tile_group > 1) {
         int r;
         unit = tile_group_unit(tile, n_kblocks, f.batch * f.nheads_kv * p.kv_splits, f.causal_tile_group, r);
-        x.n_block = r;
+        x.n_block = T::kIsDeterministic && T::kIsCausal ? n_kblocks - 1 - r : r;
     } else {
         x.n_block = T::kIsDeterministic && T::kIsCausal ? n_kblocks - 1 - tile % n_kblocks : tile % n_kblocks;
         unit = tile / n_kblocks;
@@ -229,6 +244,27 @@ template <class T> __device__ __forceinline__ bool bwd_tile(const BwdParams& p, 
     x.q_pad = padded_row_start(f.cu_seqlens_q != nullptr, x.batch, x.q_start, f.seqlen_q, T::kBlockM);
     x.n0 = x.n_block * T::kBlockN;
     return x.n0 < x.seqlen_k;  // varlen: key blocks past a short sequence's end do nothing
+}
+
+// The deterministic turns: the counter of (dQ split, batch, query head, query block m0) and the count at which it is
+// key block x.n_block's turn to add it. Non-causal: ascending key blocks of the split (key block n after n - dq_splits,
+// n - 2 dq_splits, ...); causal: descending from the highest key block that sees the query block (n_last), which
+// visits it first. Either way the tiles a turn waits for are taken from the scheduler earlier (bwd_tile's order).
+template <class T>
+__device__ __forceinline__ int* det_turn(const BwdParams& p, const BwdTile& x, int head, int m0, int& turn) {
+    const FwdParams& f = p.fwd;
+    const int dq_split = T::kIsCausal ? 0 : x.n_block % p.dq_splits;
+    turn = x.n_block / p.dq_splits;
+    if constexpr (T::kIsCausal) {
+        const int row_last = min_(m0 + T::kBlockM, x.seqlen_q) - 1;
+        turn = (row_last + x.seqlen_k - x.seqlen_q) / T::kBlockN - x.n_block;
+    }
+    return p.dq_semaphore + (((i64)dq_split * f.batch + x.batch) * f.nheads + head) * p.dq_sem_mblocks +
+           m0 / T::kBlockM;
+}
+__device__ __forceinline__ void wait_turn(const int* counter, int turn) {
+    while (ld_acquire_gpu(counter) < turn) {
+    }
 }
 
 // The (query head, query block) pairs a CTA visits, in order: dense, every query block from the first that sees the
@@ -1123,28 +1159,14 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     mbar_wait(sm.dq_full, n & 1);
                     const int m0 = walk.m0;
                     // deterministic non-causal: key block n adds to split n % dq_splits (the convert kernel sums
-                    // the splits in a fixed order), taking turns with the key blocks of its split only
+                    // the splits in a fixed order)
                     const int dq_split = T::kIsDeterministic && !T::kIsCausal ? x.n_block % p.dq_splits : 0;
                     float* dq_acc = p.dq_accum + dq_split * p.dqa_split_stride + walk.head * p.dqa_head_stride +
                                     (i64)x.q_pad * kHeadDim;
-                    int* counter = p.dq_semaphore +
-                                   (((i64)dq_split * f.batch + x.batch) * f.nheads + walk.head) * p.dq_sem_mblocks +
-                                   m0 / kBlockM;
-                    if (T::kIsDeterministic) {
-                        // This key block's turn at the query block: non-causal, ascending key blocks of its split
-                        // (key block n after n - dq_splits, n - 2 dq_splits, ...: dq_splits chains, each as long as
-                        // the startup skew it costs); causal, descending from the highest key block that sees the
-                        // query block (n_last), which visits it first, so that every key block's predecessor added
-                        // this query block some blocks earlier and the turns do not wait in steady state. Either way
-                        // the tiles a turn waits for are taken from the scheduler earlier (bwd_tile's order).
-                        int turn = x.n_block / p.dq_splits;
-                        if constexpr (T::kIsCausal) {
-                            const int row_last = min_(m0 + kBlockM, seqlen_q) - 1;
-                            turn = (row_last + x.seqlen_k - seqlen_q) / kBlockN - x.n_block;
-                        }
-                        if (lane == 0)
-                            while (ld_acquire_gpu(counter) < turn) {
-                            }
+                    int turn = 0;
+                    int* counter = T::kIsDeterministic ? det_turn<T>(p, x, walk.head, m0, turn) : nullptr;
+                    if (T::kIsDeterministic && !FT_BWD_DET_NO_TURNS) {
+                        if (lane == 0) wait_turn(counter, turn);
                         __syncwarp();
                     }
                     if (lane == 0) {
@@ -1160,12 +1182,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         mbar_arrive(sm.dq_empty);
                     }
                     __syncwarp();
-                    if (T::kIsDeterministic) {  // complete (not only read) before the next key block's turn
-                        if (lane == 0) {
+                    if (T::kIsDeterministic && !FT_BWD_DET_NO_TURNS) {  // complete (not only read) before the
+                        if (lane == 0) {                                   // next key block's turn
                             bulk_wait<0>();
                             fence_proxy_async_global();
                         }
-                        __threadfence();
+                        if (FT_BWD_DET_MEMBAR) __threadfence();
                         __syncwarp();
                         if (lane == 0) red_release_gpu_add(counter, 1);
                     }
