@@ -423,7 +423,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         outputs.append(((nsplits, batch, nheads, params.dq_sem_mblocks), torch.int32, True))  # output 4, zero-filled
         fields.append(("dq_semaphore", (_OUTPUT, 4, 0)))
     params.kv_splits, kv_converts = 1, []
-    if hopper and not deterministic and not block_sparse and nheads > nheads_kv:
+    if hopper and not block_sparse and nheads > nheads_kv:  # (deterministic too: the splits are summed in order)
         params.kv_splits = _gqa_splits(nheads // nheads_kv, fwd.seqlen_q, fwd.seqlen_k, tiles, causal,
                                        batch * nheads_kv, launch.sm_count(q.device))
     if params.kv_splits > 1:  # fp32 partial dK / dV per split (an output of their own), summed by two converts
@@ -453,8 +453,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     elif hopper and deterministic:
         m_blocks = math.ceil(fwd.seqlen_q / tiles.block_m)
         params.fwd.causal_tile_group = _det_tile_group(
-            (m_blocks + 1) / 2 if causal else m_blocks, batch * nheads_kv,
-            8 * fwd.seqlen_q * head_dim * (nheads // nheads_kv), launch.sm_count(q.device))
+            (m_blocks + 1) / 2 if causal else m_blocks, batch * nheads_kv * params.kv_splits,
+            8 * fwd.seqlen_q * head_dim * (nheads // nheads_kv // params.kv_splits), launch.sm_count(q.device))
     grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)
     if hopper:  # tiles (key block, batch, kv head, GQA split) along x: at most one CTA per SM when persistent
         n_tiles = math.prod(grid) * params.kv_splits

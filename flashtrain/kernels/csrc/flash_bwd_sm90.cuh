@@ -60,10 +60,11 @@
 #ifndef FT_BWD_DET_NO_TURNS
 #define FT_BWD_DET_NO_TURNS 0
 #endif
-// FT_BWD_DET_MEMBAR=0 (A/B): the dQ writer releases a turn without a membar.gl before the release add (the completed
-// bulk reduce-adds are ordered by the proxy fence and the add's release semantics).
+// FT_BWD_DET_MEMBAR=1 (A/B): the dQ writer issues a membar.gl before a turn's release add. Not needed: the completed
+// bulk reduce-adds are ordered before the add by the async-proxy fence and the add's release semantics; without it
+// the deterministic backward is 1.03-1.07x (H200, same process, hd64 / hd128 2K-16K, 2026-11-25 22:25 UTC).
 #ifndef FT_BWD_DET_MEMBAR
-#define FT_BWD_DET_MEMBAR 1
+#define FT_BWD_DET_MEMBAR 0
 #endif
 // FT_BWD_SKIP_HIDDEN (default 1; 0 for A/Bs): a warpgroup none of whose 64 keys is visible to any row of the query
 // block (the causal diagonal's first 64-query block for keys 64-127 at head dim 128; a key tile's part past seqlen_k)
