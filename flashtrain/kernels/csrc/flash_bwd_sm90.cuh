@@ -60,6 +60,12 @@
 #ifndef FT_BWD_DET_NO_TURNS
 #define FT_BWD_DET_NO_TURNS 0
 #endif
+// FT_BWD_DET_WRITERS=2 (deterministic, head dims 64 / 128; prepared 2026-11-25, not yet measured): two dQ writer warps
+// take the query blocks in turn, so that one waits for its block's reduce-adds to complete (and releases the turn)
+// while the other takes the next block's slices: the writer's cycle per block is then two MMA steps long.
+#ifndef FT_BWD_DET_WRITERS
+#define FT_BWD_DET_WRITERS 1
+#endif
 // FT_BWD_DET_MEMBAR=1 (A/B): the dQ writer issues a membar.gl before a turn's release add. Not needed: the completed
 // bulk reduce-adds are ordered before the add by the async-proxy fence and the add's release semantics; without it
 // the deterministic backward is 1.03-1.07x (H200, same process, hd64 / hd128 2K-16K, 2026-11-25 22:25 UTC).
@@ -184,11 +190,13 @@ struct BwdSm90Traits {
     // mbarriers: K / V full and empty, Q / dO stages full and empty, dQ staging full and empty, tile slots full and
     // empty (2 each); then the 2 tile slots (ints)
     static constexpr int kBarrierBytes = 128;
-    static_assert(8 * (4 + 2 * kStages + 4) + 8 <= kBarrierBytes, "barrier area");
+    static_assert(8 * (4 + 2 * kStages + 4) + 16 <= kBarrierBytes, "barrier area");
     // Split head dims add their dQ pieces to global memory from the registers (no staging, no dQ writer warp):
     // staged through shared memory for the writer's bulk reduce-adds (two rounds of 8 slices, 64 KB, fit at hd192)
     // they ran 0.72-0.81x as fast (H200, same process): the MMA warps waited for the writer at every block.
     static constexpr int kDqStagingBytes = kSplitHd ? 0 : kNMma * 4 * kPiecesPerWg * kDqSliceBytes;
+    // dQ writer warps (producer warpgroup warps 2, 3): FT_BWD_DET_WRITERS for the deterministic kernels, else one
+    static constexpr int kDqWriters = kIsDeterministic && !kSplitHd && FT_BWD_DET_WRITERS == 2 ? 2 : 1;
     // Head dims 64 / 128: the epilogue stages dK and dV in the score tiles and the dQ staging slices (one area, free
     // once both warpgroups' last GEMMs are done and the dQ writer has taken the last slices) instead of in K / V, so
     // K / V are released before the epilogue and the next tile's copy overlaps it. Split head dims: no room;
@@ -334,7 +342,7 @@ template <class T> struct QueryBlockWalk {
 // V, two 16 x 16-bit score tiles (dS^T double-buffered; head dims 192 / 256: P^T and dS^T), the dQ staging slices
 // (head dims 64 / 128), lse and D per stage, mbarriers, tile slots; and the reader side of the tile slots.
 template <class T> struct BwdSm90Smem {
-    u32 base, sK, sV, sdS0, sdQ, sStats, bars, full_kv, empty_kv, dq_full, dq_empty;
+    u32 base, sK, sV, sdS0, sdQ, sStats, bars, full_kv, empty_kv, dq_full, dq_empty, dq_full1;
     const BwdParams* p;
     int n_kblocks;
     __device__ __forceinline__ BwdSm90Smem(const unsigned char* smem, const BwdParams& params) : p(&params) {
@@ -346,6 +354,7 @@ template <class T> struct BwdSm90Smem {
         bars = sStats + 2 * T::kStages * T::kStatsBytes;
         full_kv = bars, empty_kv = bars + 8;
         dq_full = bars + 8 * (2 + 2 * T::kStages), dq_empty = dq_full + 8;  // the dQ staging slices
+        dq_full1 = bars + 8 * (9 + 2 * T::kStages);  // two writers: the odd blocks' (after the tile slots)
         n_kblocks = ceil_div(params.fwd.seqlen_k, T::kBlockN);
     }
     __device__ __forceinline__ u32 sQ(int s) const { return base + s * T::TileQ::kBytes; }
@@ -356,7 +365,7 @@ template <class T> struct BwdSm90Smem {
     __device__ __forceinline__ u32 empty(int s) const { return bars + 8 * (2 + T::kStages + s); }
     // Tile slots: the producer publishes each tile it takes (-1: no more) to the dQ writer (head dims 64 / 128) and
     // the MMA warps, two tiles ahead at most.
-    static constexpr int kTileReaders = (T::kSplitHd ? 0 : 1) + 4 * T::kNMma;
+    static constexpr int kTileReaders = (T::kSplitHd ? 0 : T::kDqWriters) + 4 * T::kNMma;
     __device__ __forceinline__ u32 tile_full(int i) const { return bars + 8 * (4 + 2 * T::kStages + i); }
     __device__ __forceinline__ u32 tile_empty(int i) const { return bars + 8 * (6 + 2 * T::kStages + i); }
     __device__ __forceinline__ u32 tile_slot(int i) const { return bars + 8 * (8 + 2 * T::kStages) + 4 * i; }
@@ -461,7 +470,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     auto commit_dq = [&]() {
         fence_proxy_async();
         __syncwarp();
-        if (lead_lane) mbar_arrive(sm.dq_full);
+        if (lead_lane) mbar_arrive(T::kDqWriters == 2 && (dq_count & 1) ? sm.dq_full1 : sm.dq_full);
         ++dq_count;
     };
     auto write_dq = [&](int, int) {
@@ -1061,6 +1070,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const bool varlen = f.cu_seqlens_q != nullptr;  // varlen maps have one batch entry
     if (tid == 0) {
         mbar_init(sm.dq_full, 4 * T::kNMma);  // one arrival per MMA warp (its slice is staged)
+        if (T::kDqWriters == 2) mbar_init(sm.dq_full1, 4 * T::kNMma);
         mbar_init(sm.dq_empty, 1);            // the dQ writer (the copy engine has read the slices)
         mbar_init(sm.full_kv, 1);
         mbar_init(sm.empty_kv, 4 * T::kNMma);  // one arrival per MMA warp (its last GEMM reading K / V is done)
@@ -1146,18 +1156,21 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 if (!kv_loaded) load_kv();  // no query block sees these keys: dK = dV = 0
                 ++tile_iter;
             }
-        } else if (!T::kSplitHd && warp == 2) {
+        } else if (!T::kSplitHd && (warp == 2 || (T::kDqWriters == 2 && warp == 3))) {
             // dQ writer: per query block, once the MMA warps have staged their 16 x 64 slices (scrambled order of
             // flash_aux.cuh convert_dq), add them to dq_accum with 8 bulk reduce-adds (a sequence's last block too:
             // its rows past the end are padding rows and add zeros) and release the staging area. Deterministic:
             // after the key blocks below this one have added this query block (their turn counter), and count this
-            // one in when done.
+            // one in when done. Two writers (kDqWriters): warp 2 + w takes the CTA's blocks n with n % 2 == w, each
+            // with its own "full" mbarrier (one barrier's parity could not tell a writer's next block from the
+            // other's); the "empty" arrivals alternate in block order (block n + 1 is staged after block n's).
             int n = 0;
             BwdTile x;
             for (int tile_iter = 0; sm.read_tile(tile_iter, x); ++tile_iter) {
-                const int seqlen_q = x.seqlen_q;
                 for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++n) {
-                    mbar_wait(sm.dq_full, n & 1);
+                    if (T::kDqWriters == 2 && n % 2 != warp - 2) continue;
+                    if (T::kDqWriters == 2) mbar_wait(warp == 3 ? sm.dq_full1 : sm.dq_full, (n / 2) & 1);
+                    else mbar_wait(sm.dq_full, n & 1);
                     const int m0 = walk.m0;
                     // deterministic non-causal: key block n adds to split n % dq_splits (the convert kernel sums
                     // the splits in a fixed order)
