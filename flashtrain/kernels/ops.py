@@ -505,8 +505,9 @@ def _det_tile_group(steps_per_tile: float, n_units: int, unit_bytes: int, sm_cou
     """Units per tile group of the Hopper deterministic backward (0: key blocks fastest; steps_per_tile: a tile's
     query blocks, unit_bytes: a unit's Q, dO and dq_accum rows). Fewer of a unit's key blocks then run at once, in one
     chain of turns. H200, 2026-11-25, deterministic / default backward at 2K-16K, hd64 and hd128: these groups
-    0.73-0.91x; key blocks fastest 0.49-0.84x; 4 units per group within 0.01 of these except hd128 causal 16K (0.72 vs
-    0.79); 33 units 0.57-0.84x and all units 0.56-0.79x (the units' Q, dO and dq_accum leave L2)."""
+    0.73-0.91x; key blocks fastest 0.67-0.84x with 2-4 chains of their own dq_accum, 0.49-0.83x with one; 4 units per
+    group within 0.01 of these except hd128 causal 16K (0.72 vs 0.79); 33 units 0.57-0.84x and all units 0.56-0.79x
+    (the units' Q, dO and dq_accum leave L2)."""
     if DET_GROUP_STEPS <= 0:
         return 0
     want = math.ceil(DET_GROUP_STEPS * sm_count / max(1.0, steps_per_tile))

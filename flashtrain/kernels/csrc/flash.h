@@ -102,8 +102,9 @@ struct BwdParams {
     int dq_splits;            // Hopper deterministic non-causal: key block n adds to dq_accum split n % dq_splits,
                               // after key blocks n - dq_splits, n - 2 dq_splits, ...; ops passes 1 (one chain of
                               // turns, the tiles in groups: ops._det_tile_group)
-    // Hopper deterministic backward: per (batch, query head, query block of the kernel) the number of MMA warps of
-    // lower key blocks that have added their dQ; (batch, nheads, dq_sem_mblocks) int32, zeroed before the launch
+    // Hopper deterministic backward: per (dQ split, batch, query head, query block of the kernel) the number of key
+    // blocks that have added their dQ to it (non-causal: the lower ones; causal: the higher ones, descending);
+    // (dq_splits, batch, nheads, dq_sem_mblocks) int32, zeroed before the launch
     int* dq_semaphore;
     int dq_sem_mblocks;
     int pad2_;

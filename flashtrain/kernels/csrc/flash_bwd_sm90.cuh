@@ -188,7 +188,7 @@ struct BwdSm90Traits {
     static constexpr int kStatsBytes = kBlockM * 4;
     static constexpr int kDqSliceBytes = 16 * 64 * 4;  // one warp's 16 x 64 fp32 slice of a dQ piece
     // mbarriers: K / V full and empty, Q / dO stages full and empty, dQ staging full and empty, tile slots full and
-    // empty (2 each); then the 2 tile slots (ints)
+    // empty (2 each); then the 2 tile slots (ints); then (kDqWriters == 2) the odd blocks' dQ staging full
     static constexpr int kBarrierBytes = 128;
     static_assert(8 * (4 + 2 * kStages + 4) + 16 <= kBarrierBytes, "barrier area");
     // Split head dims add their dQ pieces to global memory from the registers (no staging, no dQ writer warp):
@@ -222,14 +222,16 @@ struct BwdSm90Traits {
 // heads over that many tiles per key block), unit = (head_kv * batch + batch) * kv_splits + split. Order: tile =
 // unit * n_kblocks + n_block, key blocks fastest, so that concurrent tiles share the head's Q / dO and dQ rows in L2
 // and the deterministic turns find the key blocks they wait for taken earlier (deterministic causal: the highest key
-// block first; see the dQ writer). Causal (not deterministic): the units in groups of FwdParams::causal_tile_group
-// (tile_group_unit), and inside a group the key blocks outer, units inner: the longest tiles (key block 0 sees every
-// query block) start first and the shortest end the launch (key blocks fastest leaves one unit's long first tile to
-// run alone at the end). Groups keep the L2 locality that all units inner loses (0.76-0.84x at 1K / 2K, 2026-11-25).
+// block first; see the dQ writer). Causal, and deterministic (below): the units in groups of
+// FwdParams::causal_tile_group (tile_group_unit), and inside a group the key blocks outer, units inner: the longest
+// tiles (key block 0 sees every query block) start first and the shortest end the launch (key blocks fastest leaves
+// one unit's long first tile to run alone at the end). Groups keep the L2 locality that all units inner loses
+// (0.76-0.84x at 1K / 2K, 2026-11-25).
 // Deterministic with causal_tile_group > 1 (ops._det_tile_group): the same groups (causal: key blocks descending
-// inside a group, the turns' order), so that fewer key blocks of a unit run at once and wait in one chain of turns:
-// with one dq_accum (no chains, BwdParams::dq_splits = 1) 1.19-1.33x the key-blocks-fastest order at 2K-8K, 1.00-1.03x
-// at 16K (H200, 2026-11-25 22:07 UTC).
+// inside a group, the turns' order), so that fewer key blocks of a unit run at once and wait in one chain of turns
+// (one dq_accum, BwdParams::dq_splits = 1). H200, 2026-11-25 22:07 UTC, against key blocks fastest with 2-4 chains of
+// their own dq_accum: non-causal 1.01-1.17x, causal 0.99-1.02x; one chain without the groups was 0.49-0.83x of the
+// default backward.
 struct BwdTile {
     int n_block, n0, batch, head_kv, q_start, k_start, seqlen_q, seqlen_k, split;
     int q_pad;  // the sequence's first row in lse_log2 / softmax_d / dq_accum (utils.cuh padded_row_start)
