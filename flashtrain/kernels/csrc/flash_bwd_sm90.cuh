@@ -60,11 +60,13 @@
 #ifndef FT_BWD_DET_NO_TURNS
 #define FT_BWD_DET_NO_TURNS 0
 #endif
-// FT_BWD_DET_WRITERS=2 (deterministic, head dims 64 / 128; prepared 2026-11-25, not yet measured): two dQ writer warps
-// take the query blocks in turn, so that one waits for its block's reduce-adds to complete (and releases the turn)
-// while the other takes the next block's slices: the writer's cycle per block is then two MMA steps long.
+// FT_BWD_DET_WRITERS (deterministic, head dims 64 / 128; default 2, 1 for A/Bs): two dQ writer warps take the query
+// blocks in turn, so that one waits for its block's reduce-adds to complete (and releases the turn) while the other
+// takes the next block's slices: the writer's cycle per block is then two MMA steps long. H200, same process,
+// 2026-11-25 23:39 UTC, deterministic / default backward, 2K-16K, one writer -> two: hd128 0.78-0.87 -> 0.95-0.99,
+// hd64 0.89-0.93 -> 0.92-0.99.
 #ifndef FT_BWD_DET_WRITERS
-#define FT_BWD_DET_WRITERS 1
+#define FT_BWD_DET_WRITERS 2
 #endif
 // FT_BWD_DET_MEMBAR=1 (A/B): the dQ writer issues a membar.gl before a turn's release add. Not needed: the completed
 // bulk reduce-adds are ordered before the add by the async-proxy fence and the add's release semantics; without it
