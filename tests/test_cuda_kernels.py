@@ -212,7 +212,10 @@ def test_hopper_runs_the_warpgroup_mma_kernels():
     names = [build.fwd_kernel(head_dim, "bf16", False, False, arch=arch).name for head_dim in (64, 128)]
     names += [build.bwd_kernel(head_dim, "bf16", False, False, arch=arch).name for head_dim in (64, 128)]
     kind = "_sm90" if _is_hopper() else ""
-    assert names == [f"flash_{pass_}{kind}_hdim{head_dim}_bf16" for pass_ in ("fwd", "bwd") for head_dim in (64, 128)]
+    expected = [f"flash_{pass_}{kind}_hdim{head_dim}_bf16" for pass_ in ("fwd", "bwd") for head_dim in (64, 128)]
+    if _is_hopper() and build.bwd_sm90_q80_enabled():  # the dense hd128 backward's 80-query blocks
+        expected[-1] += "_q80"
+    assert names == expected
 
 
 def test_mqa_many_heads():
@@ -359,11 +362,12 @@ def test_cuda_graph_capture_replays():
 
 def _sanitizer_grid() -> None:
     """A small grid of forward + backward calls covering every kernel path (on Hopper the warpgroup-MMA kernels too:
-    head dims 40, 64, 128 with and without dropout), for compute-sanitizer."""
+    head dims 40, 64, 128 with and without dropout, the dense hd128 backward's 80-query blocks), for compute-sanitizer."""
     for head_dim, dtype, causal, dropout_p in [(64, torch.float16, False, 0.0), (128, torch.bfloat16, True, 0.1),
                                                 (96, torch.float16, True, 0.0), (256, torch.bfloat16, False, 0.0),
                                                 (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2),
-                                                (128, torch.bfloat16, True, 0.0), (72, torch.float16, False, 0.0)]:
+                                                (128, torch.bfloat16, True, 0.0), (72, torch.float16, False, 0.0),
+                                                (128, torch.float16, False, 0.0)]:
         q, k, v, dout = _inputs((2, 97, 4, head_dim), (2, 130, 2, head_dim), dtype)
         _run(lambda q, k, v: flash_attn_func(q, k, v, dropout_p, causal=causal, return_lse=True, impl="cuda"),
              q, k, v, dout)
@@ -376,7 +380,8 @@ def _sanitizer_grid() -> None:
     # deterministic
     for head_dim, nheads_kv, causal, deterministic in [(64, 16, False, False), (64, 4, True, False),
                                                        (64, 16, False, True), (64, 16, True, True),
-                                                       (128, 16, True, False), (256, 2, True, False),
+                                                       (128, 16, True, False), (128, 16, False, False),
+                                                       (128, 4, False, False), (256, 2, True, False),
                                                        (192, 16, False, False)]:
         q, k, v, dout = _inputs((1, 2048, 16, head_dim), (1, 2048, nheads_kv, head_dim), torch.bfloat16)
         _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, return_lse=True,

@@ -8,7 +8,8 @@ Implementations: flashtrain, flashtrain-det (deterministic=True), flashtrain-gri
 "flashtrain@waves=W" runs the causal backward with ops.CAUSAL_GROUP_WAVES = W (W = 0: key blocks fastest),
 "flashtrain@splits=N" GQA with N tiles per group and key block (ops._gqa_splits), "flashtrain-det@detsteps=X" the
 deterministic backward's tile groups with ops.DET_GROUP_STEPS = X (0: key blocks fastest; "@detl2=MiB" their L2
-bound, "@detgroup=G" G units per group); and
+bound, "@detgroup=G" G units per group), "flashtrain@q80=0" the dense hd128 backward at 64-query blocks
+(build.BWD_SM90_DENSE128_TILES off); and
 compile-time variants of the kernels in the same process: "flashtrain+FT_MACRO=1[+FT_OTHER=2]" builds and runs the
 kernels with those macros (FLASHTRAIN_EXTRA_DEFINES; its own cubins and launch plans), e.g.
 "flashtrain+FT_PHILOX_ROUNDS=7" with --dropout 0.1.
@@ -104,7 +105,7 @@ def group_waves(name: str):
     """flashtrain@waves=W: the causal tile order with ops.CAUSAL_GROUP_WAVES = W; flashtrain@splits=N: GQA backward
     tiles split the group's query heads N ways (ops._gqa_splits forced to N); flashtrain-det@detsteps=X: the
     deterministic tile groups with ops.DET_GROUP_STEPS = X (0: key blocks fastest), @detl2=MiB: DET_GROUP_L2_BYTES,
-    @detgroup=G: G units per group (at most all)."""
+    @detgroup=G: G units per group (at most all); @q80=0: FLASHTRAIN_BWD_SM90_Q80=0."""
     saved = ops.CAUSAL_GROUP_WAVES, ops._gqa_splits, ops.DET_GROUP_STEPS, ops.DET_GROUP_L2_BYTES
     options = dict(item.split("=") for item in name.split("@")[1:])
     if "waves" in options:
@@ -115,6 +116,9 @@ def group_waves(name: str):
         ops.DET_GROUP_STEPS = float(options["detsteps"])
     if "detl2" in options:
         ops.DET_GROUP_L2_BYTES = int(float(options["detl2"]) * 2**20)
+    saved_q80 = os.environ.get("FLASHTRAIN_BWD_SM90_Q80")
+    if "q80" in options:
+        os.environ["FLASHTRAIN_BWD_SM90_Q80"] = options["q80"]
     saved_group = ops._det_tile_group
     if "detgroup" in options:
         ops._det_tile_group = lambda steps, n_units, unit_bytes, sms: min(n_units, int(options["detgroup"]))
@@ -124,6 +128,10 @@ def group_waves(name: str):
     finally:
         ops.CAUSAL_GROUP_WAVES, ops._gqa_splits, ops.DET_GROUP_STEPS, ops.DET_GROUP_L2_BYTES = saved
         ops._det_tile_group = saved_group
+        if saved_q80 is None:
+            os.environ.pop("FLASHTRAIN_BWD_SM90_Q80", None)
+        else:
+            os.environ["FLASHTRAIN_BWD_SM90_Q80"] = saved_q80
         drop_plans()
 
 

@@ -164,8 +164,14 @@ class BwdSm90Tiles:
     scramble_dq: int = 1  # whole query blocks add into dq_accum in the scrambled order of 64-column slices
     persistent: bool = True  # one CTA per SM taking (key block, batch, kv head) tiles; False: one CTA per tile
 
-    def dq_slice_width(self, head_dim: int) -> int:  # dQ is computed in 64 x 64 pieces
-        return 64
+    def dq_slice_width(self, head_dim: int) -> int:  # dQ is computed in 64 x 64 pieces (80-query blocks: dQ^T,
+        return 0 if self.swap_dq else 64              # added in plain rows)
+
+    @property
+    def swap_dq(self) -> bool:
+        """80-query blocks (head dim 128, dense): dQ^T = K^T dS^T per warpgroup (64 head-dim rows x 80 queries),
+        dS stored row-major by queries, dq_accum in plain rows reduce-added by tensor copies (BwdSm90Traits::kSwapDq)."""
+        return self.block_m == 80
 
     @property
     def split_head_dim(self) -> bool:
@@ -176,12 +182,15 @@ class BwdSm90Tiles:
 
     def smem_bytes(self, head_dim: int) -> int:
         """Q, dO stages; K, V; two 16-bit score tiles (dS^T double-buffered; split head dim: P^T, dS^T); per MMA warp
-        4 KB fp32 dQ staging per piece (split head dim: none); lse, D stages; barriers; 1024 to align the tiles
-        (128-byte swizzle)."""
+        4 KB fp32 dQ staging per piece (split head dim: none; 80-query blocks: the block's fp32 dQ); lse, D stages
+        (128-byte multiples); barriers; 1024 to align the tiles (128-byte swizzle)."""
         pieces = (self.block_m // 64) * (head_dim // 64)
         dq_staging = 0 if self.split_head_dim else 2 * 4 * ((pieces + 1) // 2) * 4096
+        if self.swap_dq:  # one fp32 query block of dQ
+            dq_staging = 4 * self.block_m * head_dim
         return (2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
-                     + 2 * self.block_n * self.block_m) + dq_staging + 2 * self.stages * 4 * self.block_m + 128 + 1024)
+                     + 2 * self.block_n * self.block_m) + dq_staging + 2 * self.stages * -(-4 * self.block_m // 128) * 128
+                + 128 + 1024)
 
 
 # Hopper backward: dense or block-sparse, dropout too, deterministic too (not with block-sparse), these head dims
@@ -193,6 +202,16 @@ BWD_SM90_TILES = {
     192: BwdSm90Tiles(block_m=64, block_n=64),
     256: BwdSm90Tiles(block_m=64, block_n=64),
 }
+
+
+# ... and for the dense head-dim-128 backward (not causal, no dropout, not block-sparse, not deterministic, all 128
+# columns): 80-query blocks (FlashAttention-3's shape for it; BwdSm90Tiles.swap_dq). FLASHTRAIN_BWD_SM90_Q80=0 takes
+# BWD_SM90_TILES[128] instead (A/B).
+BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
+
+
+def bwd_sm90_q80_enabled() -> bool:
+    return os.environ.get("FLASHTRAIN_BWD_SM90_Q80", "1") != "0"
 
 
 def _bwd_tile_overrides() -> None:
@@ -471,6 +490,9 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
                                      or deterministic):
         raise ValueError(f"no Hopper backward of head dim {head_dim} narrowed to {head_dim_eff} "
                          f"(block_sparse={block_sparse}, deterministic={deterministic})")
+    if (head_dim == 128 and head_dim_eff is None and not (causal or dropout or block_sparse or deterministic)
+            and bwd_sm90_q80_enabled()):
+        tiles = BWD_SM90_DENSE128_TILES
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
                           head_dim_eff or head_dim)
 
@@ -480,7 +502,8 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
                    tiles: BwdSm90Tiles, head_dim_eff: int) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
     name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
-            f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}")
+            f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"
+            f"{'_q80' if tiles.swap_dq else ''}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
                ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
@@ -540,6 +563,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
     specs += [spec for dtype in DTYPES for causal in (False, True) for dropout in (False, True)  # head dims 65-96
               if _fits(spec := bwd_sm90_kernel(128, dtype, causal, dropout, head_dim_eff=SM90_NARROW_HEAD_DIM),
                        smem_limit)]
+    specs += [spec for dtype in DTYPES  # the dense hd128 backward's other query block (A/B: FLASHTRAIN_BWD_SM90_Q80)
+              for tiles in (BWD_SM90_TILES[128], BWD_SM90_DENSE128_TILES)
+              if _fits(spec := _bwd_sm90_spec(128, dtype, False, False, False, False, tiles, 128), smem_limit)]
     specs += [spec for head_dim in BWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # deterministic
               for dropout in (False, True) if BWD_SM90_TILES[head_dim].supports(dropout, False, True)
               if _fits(spec := bwd_sm90_kernel(head_dim, dtype, causal, dropout, deterministic=True), smem_limit)]

@@ -59,19 +59,20 @@ class BwdParams(ctypes.Structure):
         ("dv_batch_stride", _i64), ("dv_row_stride", _i64), ("dv_head_stride", _i64),
         ("dqa_split_stride", _i64), ("dqa_batch_stride", _i64), ("dqa_head_stride", _i64),
         ("deterministic", _i32), ("dq_splits", _i32),
-        ("dq_semaphore", _ptr), ("dq_sem_mblocks", _i32), ("pad2_", _i32),
+        ("dq_semaphore", _ptr), ("dq_sem_mblocks", _i32), ("dq_map_row0", _i32),
         ("dkv_accum", _ptr), ("dkv_split_stride", _i64), ("dkv_batch_stride", _i64), ("dkv_head_stride", _i64),
         ("kv_splits", _i32), ("dkv_cols", _i32),
     ]
 
 
 class BwdSm90Params(ctypes.Structure):
-    """csrc/flash.h BwdSm90Params: seven 128-byte tensor maps (q, k, v, dout, dk, dv, stats), BwdParams (from 896),
+    """csrc/flash.h BwdSm90Params: eight 128-byte tensor maps (q, k, v, dout, dk, dv, stats, dq), BwdParams (from 1024),
     the tile counter, then padding to a multiple of the struct's 64-byte alignment."""
 
     _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("tma_do", TmaDesc), ("tma_dk", TmaDesc),
-                ("tma_dv", TmaDesc), ("tma_stats", TmaDesc), ("bwd", BwdParams), ("tile_counter", _ptr),
-                ("pad_", ctypes.c_uint8 * (-(7 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(BwdParams) + 8) % 64))]
+                ("tma_dv", TmaDesc), ("tma_stats", TmaDesc), ("tma_dq", TmaDesc), ("bwd", BwdParams),
+                ("tile_counter", _ptr),
+                ("pad_", ctypes.c_uint8 * (-(8 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(BwdParams) + 8) % 64))]
 
 
 class AuxParams(ctypes.Structure):

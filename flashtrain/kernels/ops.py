@@ -368,7 +368,9 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         rows_pad = (batch * -(-fwd.seqlen_q // block_m) * block_m if not varlen
                     else -(-(fwd.total_q + batch * block_m) // block_m) * block_m)
         stats_floats = nheads * rows_pad
-        d_offset, d_floats = 4 * stats_floats, -(-2 * stats_floats // 32) * 32
+        # (80-query blocks: dq_accum starts at a whole row of dqa_cols floats from lse_log2, where tma_dq's rows do)
+        row_floats = dqa_cols if tiles.swap_dq else 32
+        d_offset, d_floats = 4 * stats_floats, -(-2 * stats_floats // row_floats) * row_floats
         dqa_shape = (nsplits, nheads, rows_pad, dqa_cols)
         dqa_strides = (nheads * rows_pad * dqa_cols, 0, rows_pad * dqa_cols)
         d_strides = (0, rows_pad)
@@ -468,6 +470,10 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         # lse_log2 and softmax_d, the start of output 3
         maps.append((_offset(launch.BwdSm90Params, "tma_stats"), -4, tma.rows_layout(rows_pad, 2 * nheads,
                                                                                        tiles.block_m)))
+        if tiles.swap_dq:  # dq_accum's rows, counted from lse_log2's address (the same output)
+            params.bwd.dq_map_row0 = d_floats // dqa_cols
+            maps.append((_offset(launch.BwdSm90Params, "tma_dq"), -4,
+                         tma.accum_layout(d_floats // dqa_cols + nheads * rows_pad, dqa_cols, tiles.block_m)))
     main = _Launch(launch.get_kernel(spec, spec.symbols[0], q.device), grid, params,
                    [(_offset(type(params), prefix + name), *source) for name, source in fields], maps)
     if hopper:  # the persistent grid's tile counter (the one-CTA-per-tile variant ignores it)

@@ -85,6 +85,13 @@ def rows_layout(rows: int, arrays: int, box: int) -> tuple:
     return _DTYPES[torch.float32], (rows, arrays, 1, 1), (stride, stride * arrays, stride * arrays), box, 1, SWIZZLE_NONE
 
 
+def accum_layout(rows: int, cols: int, box_rows: int) -> tuple:
+    """The layout of a tensor map over `rows` float32 rows of `cols` values (the Hopper backward's dq_accum, counted
+    from the start of its workspace), in boxes of 32 columns (128 bytes, 128-byte swizzle) by `box_rows` rows."""
+    stride = cols * 4
+    return _DTYPES[torch.float32], (cols, rows, 1, 1), (stride, stride * rows, stride * rows), 32, box_rows, SWIZZLE_128B
+
+
 def tensor_map(address: int, map_layout: tuple) -> TmaDesc:
     """The tensor map of the tensor at `address` with `map_layout` (layout()), encoded once per (address, layout):
     a training step's activations come back at the same addresses from PyTorch's caching allocator."""

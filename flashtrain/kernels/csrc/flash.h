@@ -107,7 +107,9 @@ struct BwdParams {
     // (dq_splits, batch, nheads, dq_sem_mblocks) int32, zeroed before the launch
     int* dq_semaphore;
     int dq_sem_mblocks;
-    int pad2_;
+    // Hopper backward at 80-query blocks (BwdSm90Traits::kSwapDq): dq_accum's first row in tma_dq, a map of rows of
+    // dqa_cols floats from lse_log2's address (ops rounds softmax_d's extent up to whole rows)
+    int dq_map_row0;
     // Hopper backward, GQA / MQA: the query heads of a group split over kv_splits tiles per key block (> 1 when the
     // whole group per tile would leave too few tiles to balance the SMs); each writes its fp32 partial dK (unscaled)
     // and dV to dkv_accum: dK at split * dkv_split_stride, dV at (kv_splits + split) * dkv_split_stride, rows of
@@ -117,7 +119,7 @@ struct BwdParams {
     int kv_splits, dkv_cols;
 };
 
-// Parameters of the Hopper TMA backward (flash_bwd_sm90.cuh): tensor maps of q, k, v, dout, dk, dv, stats (as
+// Parameters of the Hopper TMA backward (flash_bwd_sm90.cuh): tensor maps of q, k, v, dout, dk, dv, stats, dq (as
 // FwdSm90Params'), the plain parameters, the persistent grid's tile counter (as FwdSm90Params'); padded to the 64-byte
 // alignment (launch.py pads its mirror the same way).
 struct BwdSm90Params {
@@ -126,6 +128,9 @@ struct BwdSm90Params {
     // the padded lse_log2 and softmax_d (above) as one float32 tensor (rows_pad, 2 nheads): boxes of one query
     // block's rows (lse_log2 of head h: column h; D: column nheads + h)
     TmaDesc tma_stats;
+    // dq_accum (80-query blocks, kSwapDq): float32 rows of the head dim from lse_log2's address, boxes of 32 columns x
+    // one query block (128-byte swizzle) that the dQ writer reduce-adds
+    TmaDesc tma_dq;
     BwdParams bwd;
     int* tile_counter;
 };

@@ -101,7 +101,15 @@ struct BwdSm90Traits {
                   "head dims 64, 128, 192, 256 (128-byte swizzled column blocks)");
     static_assert(!kSplitHd || (kBlockM == 64 && !kIsDropout && !kIsBlockSparse && !kIsDeterministic),
                   "head dims 192 / 256: 64-query blocks, dense, no dropout, not deterministic (flash_bwd.cuh runs those)");
-    static_assert(kBlockM == 64 || kBlockM == 128, "query blocks of 64 or 128 rows");
+    // 80-query blocks (head dim 128, dense; FlashAttention-3's shape for it): S^T, dP^T are m64n80 (a fifth fewer
+    // steps, and their B operand read for 80 queries instead of 64), dQ is computed transposed, dQ^T = K^T dS^T, by
+    // each warpgroup for 64 head-dim rows x all 80 queries (dS stored row-major by queries), staged in fp32 boxes of
+    // 32 columns (128-byte swizzle) and added to dq_accum's plain rows by tensor reduce-adds (tma_dq).
+    static constexpr bool kSwapDq = kBlockM_ == 80;
+    static_assert(kBlockM == 64 || kBlockM == 128 || kSwapDq, "query blocks of 64, 80 or 128 rows");
+    static_assert(!kSwapDq || (kHeadDim == 128 && kHeadDimEff_ == 128 && !kIsCausal && !kIsDropout &&
+                               !kIsBlockSparse && !kIsDeterministic),
+                  "80-query blocks: head dim 128, dense, no dropout, not deterministic");
     static_assert(!kIsBlockSparse || kBlockSparseSize % kBlockM == 0, "a mask block is whole query tiles");
     static constexpr int kNT = kBlockM / 8;   // n8 column tiles of S^T per thread (columns = queries)
     // Columns that can be non-zero: head dims 65-96 run the hd128 tiles (zero-filled past head_dim) with kHeadDimEff
@@ -122,8 +130,10 @@ struct BwdSm90Traits {
 #ifdef FT_BWD_PRODUCER_REGS
     static constexpr int kProducerRegs = FT_BWD_PRODUCER_REGS;
 #else
+    // 80-query blocks: 24 (their MMA warps need 240: on 232 ptxas serializes the wgmmas, C7512).
     static constexpr int kProducerRegs =
-        kIsDeterministic || (kIsCausal && (kHeadDimEff <= 96 || kHd128DsFromPa)) ? 40 : kHd128DsFromPa ? 32 : 24;
+        kSwapDq ? 24
+        : kIsDeterministic || (kIsCausal && (kHeadDimEff <= 96 || kHd128DsFromPa)) ? 40 : kHd128DsFromPa ? 32 : 24;
 #endif
     // (the rest, in multiples of 8)
     static constexpr int kMmaRegs = (kLaunchRegs * kNThreads - kProducerRegs * 128) / (128 * kNMma) / 8 * 8;
@@ -131,7 +141,7 @@ struct BwdSm90Traits {
     // dQ(block) in 64 x 64 pieces (mi = query rows / 64, hj = columns / 64); warpgroup w computes pieces w, w + 2, ..
     // (one piece, head dim 64 x 64 queries: warpgroup 0 alone; the other's GEMMs meanwhile keep the tensor cores busy)
     static constexpr int kPieces = (kBlockM / 64) * (kHeadDim / 64);
-    static_assert(kSplitHd || kPieces == kNMma, "one dQ piece per warpgroup (every MMA warp stages one slice per block)");
+    static_assert(kSplitHd || kSwapDq || kPieces == kNMma, "one dQ piece per warpgroup (every MMA warp stages one slice per block)");
     static constexpr int kPiecesPerWg = 1;
     // The dQ piece of a query block is waited for and staged at once (0), or once the next block's S^T GEMM (2) or
     // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s with the dQ writer warp: hd128 0
@@ -186,9 +196,13 @@ struct BwdSm90Traits {
 #endif
     using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO stages
     using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V, then dK and dV
-    using TileS = SmemTile<kBlockN, kBlockM>;    // dS^T (rows keys, columns queries), two buffers
-    static constexpr int kStatsBytes = kBlockM * 4;
-    static constexpr int kDqSliceBytes = 16 * 64 * 4;  // one warp's 16 x 64 fp32 slice of a dQ piece
+    // dS^T (rows keys, columns queries), two buffers; 80-query blocks: dS (rows queries, columns keys)
+    using TileS = SmemTile<kSwapDq ? kBlockM : kBlockN, kSwapDq ? kBlockN : kBlockM>;
+    // a block's lse (or D): kStatsBoxBytes copied, in kStatsBytes (tensor copies land 128-byte aligned)
+    static constexpr int kStatsBoxBytes = kBlockM * 4, kStatsBytes = (kStatsBoxBytes + 127) / 128 * 128;
+    // one warp's 16 x 64 fp32 slice of a dQ piece (80-query blocks: 16 head-dim rows x 80 queries of dQ^T)
+    static constexpr int kDqSliceBytes = 16 * (kSwapDq ? kBlockM : 64) * 4;
+    static constexpr int kDqBoxBytes = 32 * kBlockM * 4;  // kSwapDq: a tma_dq box (32 columns, 128-byte swizzle)
     // mbarriers: K / V full and empty, Q / dO stages full and empty, dQ staging full and empty, tile slots full and
     // empty (2 each); then the 2 tile slots (ints); then (kDqWriters == 2) the odd blocks' dQ staging full
     static constexpr int kBarrierBytes = 128;
@@ -212,6 +226,16 @@ struct BwdSm90Traits {
     static_assert(!kEarlyKv || 2 * TileKV::kBytes <= 2 * TileS::kBytes + kDqStagingBytes, "dK / dV staging area");
     // ... and written from there by TMA stores, so that the MMA warps go on to the next tile at once
     static constexpr bool kTmaStoreDkv = kEarlyKv && FT_TMA_STORE;
+    // Where kEarlyKv stages a warpgroup's 64 rows of dK and dV. 64 / 128-query blocks: TileKV rows [64 w, 64 w + 64)
+    // over the two score tiles (dK) and the dQ staging (dV): a warpgroup's dK rows are the bytes of its own dS^T rows
+    // (the other warpgroup's next dS^T stores cannot land on them while their TMA store reads them). 80-query blocks:
+    // dS's columns are keys, so its rows do not line up with TileKV's; warpgroup w's dK column blocks go into its own
+    // dS columns of the two score tiles (TileDk: 64 rows, column blocks a score tile apart, from w * 10 KB) and its dV
+    // into the dQ staging (TileDv, from w * 16 KB).
+    using TileDk = SmemTile<kSwapDq ? 2 * kBlockM : kBlockN, kHeadDim>;
+    using TileDv = SmemTile<kSwapDq ? 64 : kBlockN, kHeadDim>;
+    static_assert(!kSwapDq || (TileS::kBytes / 2) % 1024 == 0, "dK column blocks 1024-byte aligned (TMA stores)");
+    static_assert(!kSwapDq || 2 * TileDv::kBytes <= kDqStagingBytes, "dV staging");
     static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileS::kBytes +
                                       kDqStagingBytes + 2 * kStages * kStatsBytes + kBarrierBytes + 1024;
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then
@@ -390,13 +414,15 @@ __device__ __forceinline__ void ld_stats2(u32 addr, float (&v)[2]) {
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v[0]), "=f"(v[1]) : "r"(addr));
 }
 
-// Epilogue of a tile: rows [row_begin, row_begin + kRows) of dK and dV, staged in TileKV layout at sdK / sdV, to
+// Epilogue of a tile: rows [row_begin, row_begin + kRows) of dK and dV, staged from row srow of T::TileDk / TileDv at
+// sdK / sdV (TileKV: srow = row_begin), to
 // global memory with 16-byte stores by the 128 threads of one warpgroup (ctid); kCols: the columns that can be
 // non-zero.
 template <class T, int kRows, int kCols>
 __device__ __forceinline__ void store_dkv_rows(const BwdParams& p, u32 sdK, u32 sdV, const BwdTile& x, int row_begin,
-                                               int ctid) {
-    using TileKV = typename T::TileKV;
+                                               int ctid, int srow) {
+    using TileDk = typename T::TileDk;
+    using TileDv = typename T::TileDv;
     u16* dk = (u16*)p.dk + x.batch * p.dk_batch_stride + (i64)(x.k_start + x.n0 + row_begin) * p.dk_row_stride +
               x.head_kv * p.dk_head_stride;
     u16* dv = (u16*)p.dv + x.batch * p.dv_batch_stride + (i64)(x.k_start + x.n0 + row_begin) * p.dv_row_stride +
@@ -408,9 +434,9 @@ __device__ __forceinline__ void store_dkv_rows(const BwdParams& p, u32 sdK, u32 
         const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
         if (row < rows_valid && col < p.fwd.head_dim) {
             u32 v[4];
-            ld_shared_v4(TileKV::addr(sdK, row_begin + row, col), v);
+            ld_shared_v4(TileDk::addr(sdK, srow + row, col), v);
             st_global_v4(dk + row * p.dk_row_stride + col, v);
-            ld_shared_v4(TileKV::addr(sdV, row_begin + row, col), v);
+            ld_shared_v4(TileDv::addr(sdV, srow + row, col), v);
             st_global_v4(dv + row * p.dv_row_stride + col, v);
         }
     }
@@ -459,7 +485,21 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     BwdTile x{};  // the tile being worked on
     // dQ: this warpgroup's 64 x 64 piece (mi, hj) of each query block (none for warpgroup 1 when there is one piece).
     const int mi = w / (kHeadDim / 64), hj = w % (kHeadDim / 64);
-    float dq[8][4];
+    // (80-query blocks: dQ^T, head-dim rows [64 w, 64 w + 64) x the block's 80 queries)
+    float dq[T::kSwapDq ? kNT : 8][4];
+    // kSwapDq: where this thread's dQ^T elements go in the staged tma_dq boxes (box hd_row / 32; element (query q,
+    // column c) at 128 q + 16 ((c / 4) ^ (q % 8)) + 4 (c % 4)): elements e of n8 tile j (queries 8 j + 2 t + e % 2,
+    // head-dim row hd_row + 8 (e / 2)) at dq_st[e] + 1024 j. Per store instruction the 32 lanes hit 32 banks.
+    u32 dq_st[4];
+    if constexpr (T::kSwapDq) {
+        const int hd_row = 64 * w + 16 * wwarp + g, c = hd_row % 32;
+        const u32 box = sm.sdQ + (hd_row / 32) * T::kDqBoxBytes;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int q = 2 * t + (e & 1), col = c + 8 * (e >> 1);
+            dq_st[e] = box + 128 * q + 16 * ((col / 4) ^ q) + 4 * (col % 4);
+        }
+    }
     int dq_m0 = -1, dq_head = 0;  // deferred: the query block whose dQ piece is still in flight (-1: none)
     // This warp's slice of the block's dQ piece, in dq_accum's scrambled order (n8 tile j, lane l -> floats 128 j +
     // 4 l), to its staging area once the dQ writer has released it; the writer adds it to global memory.
@@ -480,11 +520,19 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     auto write_dq = [&](int, int) {
         fence_operand(dq);
         wait_dq_free();  // (the first wait passes at once)
+        if constexpr (T::kSwapDq) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sdQ_warp + 512 * j + 16 * lane),
-                         "f"(dq[j][0]), "f"(dq[j][1]), "f"(dq[j][2]), "f"(dq[j][3])
-                         : "memory");
+            for (int j = 0; j < kNT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    asm volatile("st.shared.f32 [%0], %1;" ::"r"(dq_st[e] + 1024 * j), "f"(dq[j][e]) : "memory");
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sdQ_warp + 512 * j + 16 * lane),
+                             "f"(dq[j][0]), "f"(dq[j][1]), "f"(dq[j][2]), "f"(dq[j][3])
+                             : "memory");
+        }
         if constexpr (T::kLateDq) dq_pending = true;
         else commit_dq();
     };
@@ -519,9 +567,14 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                 staged_out = false;
             }
 #pragma unroll
-            for (int ks = 0; ks < kBlockM / 16; ++ks)
-                stmatrix_x4(TileS::addr(sdS, key_row0 + lane % 8 + 8 * ((lane / 8) & 1), 16 * ks + 8 * (lane / 16)),
-                            dsa[ks]);
+            for (int ks = 0; ks < kBlockM / 16; ++ks) {
+                if constexpr (T::kSwapDq)  // dS (rows queries): each 8 x 8 matrix transposed
+                    stmatrix_x4_trans(TileS::addr(sdS, 16 * ks + lane % 8 + 8 * (lane / 16),
+                                                  key_row0 + 8 * ((lane / 8) & 1)), dsa[ks]);
+                else
+                    stmatrix_x4(TileS::addr(sdS, key_row0 + lane % 8 + 8 * ((lane / 8) & 1), 16 * ks + 8 * (lane / 16)),
+                                dsa[ks]);
+            }
         };
         if constexpr (kHidden) {
             flush_dq();  // the previous block's dQ slice
@@ -652,13 +705,21 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         named_bar_sync(T::kBarDs, 128 * T::kNMma);  // both warpgroups' dS^T rows stored
 
         // dQ(block) piece of this warpgroup = dS K: A = dS (dS^T in shared memory: M-major), B = K (MN-major).
+        // 80-query blocks: dQ^T rows [64 w, 64 w + 64) = K^T dS^T: A = K^T (MN-major), B = dS^T (dS: K-major).
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kBlockN / 16; ++ks) {
-            const u64 desc_a = gmma_desc_at(sdS, mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
-            const u64 desc_b = gmma_desc_at(sK_all, hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
-            if (ks == 0) wgmma_ss_tt_init<64, T::kIsBF16>(dq, desc_a, desc_b, 0);  // dq's old values are dead
-            else wgmma_ss_tt<64, T::kIsBF16>(dq, desc_a, desc_b, 1);
+            if constexpr (T::kSwapDq) {
+                const u64 desc_a = gmma_desc_at(sK_all, w * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+                const u64 desc_b = gmma_desc_at(sdS, (ks / 4) * kBlockM * 128 + (ks % 4) * 32, 16, 1024);
+                if (ks == 0) wgmma_ss_tn_init<kBlockM, T::kIsBF16>(dq, desc_a, desc_b, 0);
+                else wgmma_ss_tn<kBlockM, T::kIsBF16>(dq, desc_a, desc_b, 1);
+            } else {
+                const u64 desc_a = gmma_desc_at(sdS, mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+                const u64 desc_b = gmma_desc_at(sK_all, hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+                if (ks == 0) wgmma_ss_tt_init<64, T::kIsBF16>(dq, desc_a, desc_b, 0);  // dq's old values are dead
+                else wgmma_ss_tt<64, T::kIsBF16>(dq, desc_a, desc_b, 1);
+            }
         }
         wgmma_commit();
         wgmma_wait<1>();  // dV and dK done (dQ may still run): Q, dO, the statistics of stage s are free
@@ -733,11 +794,17 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             continue;
         }
         u32 sdK = sm.sK, sdV = sm.sV;
+        // the warpgroup's first row in the staging tiles (TileDk, TileDv; see the traits)
+        constexpr int kStageRows = T::kSwapDq ? 0 : -1;
+        const int srow = kStageRows >= 0 ? kStageRows : 64 * w;
+        using TileDk = typename T::TileDk;
+        using TileDv = typename T::TileDv;
         if constexpr (T::kEarlyKv) {
             // (each warp after its warpgroup's last GEMM: the K / V copy of the next tile overlaps this epilogue)
             __syncwarp();
             if (lead_lane) mbar_arrive(sm.empty_kv);
-            sdK = sm.sdS0, sdV = sm.sdS0 + TileKV::kBytes;
+            if constexpr (T::kSwapDq) sdK = sm.sdS0 + w * (TileS::kBytes / 2), sdV = sm.sdQ + w * TileDv::kBytes;
+            else sdK = sm.sdS0, sdV = sm.sdS0 + TileKV::kBytes;
             // (a tile without query blocks has written no dS^T, so nothing has waited for the last stores yet)
             if (T::kTmaStoreDkv && staged_out && ctid == 0) bulk_wait_read<0>();
         }
@@ -754,38 +821,39 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             // TMA stores of the warpgroup's 64 rows of dK and dV (rows past a batch's sequence lie outside the maps;
             // a varlen sequence's partial last tile takes store_dkv_rows: its rows past the end are the next one's).
             // dK first, so that its staging and store overlap the dQ writer's last reduction.
-            auto store_rows = [&](const TmaDesc* desc, u32 tile) {
+            // (column blocks block_rows rows apart)
+            auto store_rows = [&](const TmaDesc* desc, u32 tile, int block_rows) {
                 if (ctid == 0) {
                     const int row = x.k_start + x.n0 + 64 * w, batch = f.cu_seqlens_q != nullptr ? 0 : x.batch;
 #pragma unroll
                     for (int cb = 0; cb < kHeadDim / 64; ++cb)
                         if (cb * 64 < T::kHeadDimEff)
-                            tma_store_4d(desc, tile + cb * kBlockN * 128 + 64 * w * 128, cb * 64, row, x.head_kv,
+                            tma_store_4d(desc, tile + cb * block_rows * 128 + srow * 128, cb * 64, row, x.head_kv,
                                          batch);
                 }
             };
-            store_acc<T::kIsBF16, TileKV>(sdK, dk1, key_row0, 0, f.softmax_scale, lane);
+            store_acc<T::kIsBF16, TileDk>(sdK, dk1, srow + 16 * wwarp, 0, f.softmax_scale, lane);
             if constexpr (kDvWaitsDq) {
                 fence_proxy_async();
                 named_bar_sync(T::kBarEpilogue + 1 + w, 128);
-                store_rows(&params.tma_dk, sdK);
+                store_rows(&params.tma_dk, sdK, TileDk::kNumRows);
                 wait_dq_free();
             }
             FT_TIMELINE_MARK(wg, tile_iter, 3);
-            store_acc<T::kIsBF16, TileKV>(sdV, dv1, key_row0, 0, 1.f, lane);
+            store_acc<T::kIsBF16, TileDv>(sdV, dv1, srow + 16 * wwarp, 0, 1.f, lane);
             fence_proxy_async();
             named_bar_sync(T::kBarEpilogue + 1 + w, 128);
-            if constexpr (!kDvWaitsDq) store_rows(&params.tma_dk, sdK);
-            store_rows(&params.tma_dv, sdV);
+            if constexpr (!kDvWaitsDq) store_rows(&params.tma_dk, sdK, TileDk::kNumRows);
+            store_rows(&params.tma_dv, sdV, TileDv::kNumRows);
             if (ctid == 0) bulk_commit();
             staged_out = true;
         } else {
             if constexpr (kDvWaitsDq) wait_dq_free();
             FT_TIMELINE_MARK(wg, tile_iter, 3);
-            store_acc<T::kIsBF16, TileKV>(sdK, dk1, key_row0, 0, f.softmax_scale, lane);
-            store_acc<T::kIsBF16, TileKV>(sdV, dv1, key_row0, 0, 1.f, lane);
+            store_acc<T::kIsBF16, TileDk>(sdK, dk1, srow + 16 * wwarp, 0, f.softmax_scale, lane);
+            store_acc<T::kIsBF16, TileDv>(sdV, dv1, srow + 16 * wwarp, 0, 1.f, lane);
             named_bar_sync(T::kBarEpilogue + 1 + w, 128);
-            store_dkv_rows<T, 64, T::kHeadDimEff>(p, sdK, sdV, x, 64 * w, ctid);
+            store_dkv_rows<T, 64, T::kHeadDimEff>(p, sdK, sdV, x, 64 * w, ctid, srow);
         }
         if constexpr (!T::kEarlyKv) {
             __syncwarp();
@@ -1144,7 +1212,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                      walk.next(), ++gs) {
                     const int s = gs % kStages;
                     mbar_wait(sm.empty(s), ((gs / kStages) & 1) ^ 1);  // the first pass finds every stage empty
-                    mbar_arrive_expect_tx(sm.full(s), 2 * TileQ::kBytes + 2 * T::kStatsBytes);
+                    mbar_arrive_expect_tx(sm.full(s), 2 * TileQ::kBytes + 2 * T::kStatsBoxBytes);
 #pragma unroll
                     for (int cb = 0; cb < kHeadDim / 64; ++cb) {
                         tma_load_4d(sm.sQ(s) + cb * kBlockM * 128, &params.tma_q, sm.full(s), cb * 64, x.q_start + walk.m0,
@@ -1187,7 +1255,15 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         if (lane == 0) wait_turn(counter, turn);
                         __syncwarp();
                     }
-                    if (lane == 0) {
+                    if (T::kSwapDq && lane == 0) {  // the block's dQ^T boxes, reduce-added into plain rows
+                        const int row = p.dq_map_row0 + walk.head * (int)(p.dqa_head_stride / kHeadDim) + x.q_pad + m0;
+#pragma unroll
+                        for (int b = 0; b < kHeadDim / 32; ++b)
+                            tma_reduce_add_4d(&params.tma_dq, sm.sdQ + b * T::kDqBoxBytes, 32 * b, row, 0, 0);
+                        bulk_commit();
+                        bulk_wait_read<0>();
+                        mbar_arrive(sm.dq_empty);
+                    } else if (lane == 0) {
 #pragma unroll 1
                         for (int slice = 0; slice < 4 * T::kNMma; ++slice) {
                             const int piece = slice / 4, row0 = m0 + 16 * ((piece / (kHeadDim / 64)) * 4 + slice % 4);

@@ -121,6 +121,14 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 byt
                  "r"(bytes)
                  : "memory");
 }
+// Element-wise reduce-add of shared memory at src (laid out as tma_load_4d leaves a box: the map's element type,
+// fp32 for the backward's dq_accum) into the box at (c0, c1, c2, c3) of a rank-4 tensor map; tracked in bulk groups
+// and fenced as tma_store_4d.
+__device__ __forceinline__ void tma_reduce_add_4d(const TmaDesc* desc, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+                 ::"l"(desc), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");

@@ -120,6 +120,13 @@ __device__ __forceinline__ void stmatrix_x4(u32 smem_addr, const u32 (&r)[4]) {
                  "r"(r[1]), "r"(r[2]), "r"(r[3])
                  : "memory");
 }
+// The same, each 8 x 8 matrix transposed: lane l gives the address of row l % 8 of transposed matrix l / 8 (that is,
+// column l % 8 of matrix l / 8 of the accumulator layout).
+__device__ __forceinline__ void stmatrix_x4_trans(u32 smem_addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 smem_addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr));

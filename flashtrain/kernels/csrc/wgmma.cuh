@@ -70,6 +70,11 @@ __device__ __forceinline__ void wgmma_ss_tt(float (&d)[N / 8][4], u64 desc_a, u6
 // The same with D = A B (scale_d 0): the accumulators are write-only operands (their old values are dead).
 template <int N, bool kIsBF16>
 __device__ __forceinline__ void wgmma_ss_tt_init(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int scale_d);
+// D (64 x N) = A B + (scale_d ? D : 0), A MN-major (its M contiguous), B K-major; _init: as wgmma_ss_tt_init.
+template <int N, bool kIsBF16>
+__device__ __forceinline__ void wgmma_ss_tn(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int scale_d);
+template <int N, bool kIsBF16>
+__device__ __forceinline__ void wgmma_ss_tn_init(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int scale_d);
 
 }  // namespace flashtrain
 
