@@ -182,7 +182,9 @@ struct BwdSm90Traits {
 #ifdef FT_BWD_LATE_DQ
     static constexpr bool kLateDq = FT_BWD_LATE_DQ && kDeferDq == 0;
 #else
-    static constexpr bool kLateDq = kBlockM == 128 && kDeferDq == 0;
+    // (80-query blocks too: H200, same process, 2026-11-26 00:01 UTC, with both / neither, hd128 full 4K / 8K / 16K
+    // 592 / 584, 569 / 551, 568 / 563 TFLOP/s)
+    static constexpr bool kLateDq = (kBlockM == 128 || kSwapDq) && kDeferDq == 0;
 #endif
     // FT_BWD_SKIP_HIDDEN (the skipping step keeps no wgmma group across blocks: not with a deferred dQ)
     static constexpr bool kSkipHidden = FT_BWD_SKIP_HIDDEN && kDeferDq == 0;
@@ -192,7 +194,7 @@ struct BwdSm90Traits {
 #ifdef FT_BWD_DS_FIRST
     static constexpr bool kDsFirst = FT_BWD_DS_FIRST;
 #else
-    static constexpr bool kDsFirst = kBlockM == 128;
+    static constexpr bool kDsFirst = kBlockM == 128 || kSwapDq;
 #endif
     using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO stages
     using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V, then dK and dV
