@@ -186,6 +186,12 @@ struct BwdSm90Traits {
     // 592 / 584, 569 / 551, 568 / 563 TFLOP/s)
     static constexpr bool kLateDq = (kBlockM == 128 || kSwapDq) && kDeferDq == 0;
 #endif
+    // 80-query blocks: the dQ GEMM is issued before dK's (FT_BWD_DQ_FIRST, default 1; 0 for A/Bs), so that the dQ
+    // staging and its hand-over run while dK's GEMM holds the tensor cores, instead of after the block's last GEMM.
+#ifndef FT_BWD_DQ_FIRST
+#define FT_BWD_DQ_FIRST 1
+#endif
+    static constexpr bool kDqFirst = FT_BWD_DQ_FIRST && kSwapDq && kDeferDq == 0;
     // FT_BWD_SKIP_HIDDEN (the skipping step keeps no wgmma group across blocks: not with a deferred dQ)
     static constexpr bool kSkipHidden = FT_BWD_SKIP_HIDDEN && kDeferDq == 0;
     // The dS^T order alone also helps 128-query blocks with dropout (H200, same process, dropout 0.1, backward
@@ -559,6 +565,15 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         mbar_wait(sm.full(s), (gs / kStages) & 1);
 
         u32 dsa[kNT / 2][4];  // dS^T as A fragments
+        auto dk_gemm = [&]() {  // dK_w += dS^T Q: B = Q, MN-major.
+            fence_operand(acc_dk);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < kBlockM / 16; ++ks)
+                wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dk, dsa[ks],
+                                                     gmma_desc_at(sQ_s, ks * 16 * 128, kBlockM * 128, 1024), 1);
+            wgmma_commit();
+        };
         // dS^T rows of this warp to the shared tile (rows keys, columns queries) for dQ = dS K.
         // One stmatrix per 16 x 16 piece (lane l addresses row l % 8 (+ 8 for matrices 1, 3) at columns 16 ks (+ 8 for
         // matrices 2, 3)) instead of four 4-byte stores: hd64 1.00-1.09x, hd128 0.97-1.06x (H200, same process).
@@ -692,14 +707,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                 dsa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(ds[2], ds[3]);
             }
             if constexpr (T::kDsFirst) store_ds();
-            // dK_w += dS^T Q: B = Q, MN-major.
-            fence_operand(acc_dk);
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < kBlockM / 16; ++ks)
-                wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dk, dsa[ks],
-                                                     gmma_desc_at(sQ_s, ks * 16 * 128, kBlockM * 128, 1024), 1);
-            wgmma_commit();
+            if constexpr (!T::kDqFirst) dk_gemm();
             if constexpr (!T::kDsFirst) store_ds();
 
         }
@@ -724,6 +732,14 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             }
         }
         wgmma_commit();
+        if constexpr (T::kDqFirst && !kHidden) {
+            dk_gemm();
+            wgmma_wait<1>();  // dV and dQ done (dK may still run)
+            write_dq(m0, head);
+            wgmma_wait<0>();  // dK done: Q, dO, the statistics of stage s are free
+            if (lead_lane) mbar_arrive(sm.empty(s));
+            return;
+        }
         wgmma_wait<1>();  // dV and dK done (dQ may still run): Q, dO, the statistics of stage s are free
         if (lead_lane) mbar_arrive(sm.empty(s));
         if constexpr (T::kDeferDq != 0) {  // finished after the next block's GEMMs are issued
