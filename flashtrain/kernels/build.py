@@ -205,8 +205,9 @@ BWD_SM90_TILES = {
 
 
 # ... and for the dense head-dim-128 backward (not causal, no dropout, not block-sparse, not deterministic, all 128
-# columns): 80-query blocks (FlashAttention-3's shape for it; BwdSm90Tiles.swap_dq). FLASHTRAIN_BWD_SM90_Q80=0 takes
-# BWD_SM90_TILES[128] instead (A/B).
+# columns): 80-query blocks (FlashAttention-3's shape for it; BwdSm90Tiles.swap_dq). H200, same process, 2026-11-26:
+# 1.01-1.05x the 64-query blocks at 1K-16K, GQA 16/4 1.06-1.13x (before the kernel's dQ-first order, which added
+# 1.01-1.07x). FLASHTRAIN_BWD_SM90_Q80=0 takes BWD_SM90_TILES[128] instead (A/B).
 BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
 
 

@@ -32,6 +32,13 @@
 //     asynchronous bulk reduce-add (cp.reduce.async.bulk .add.f32): the warpgroups never wait for dQ to reach global
 //     memory (only, one iteration later, for the copy engine to have read the staging slice). A sequence's last query
 //     block is a whole block of dq_accum's padded rows: its rows past the end add zeros there.
+//   Head dim 128, dense (not causal, no dropout, not block-sparse, not deterministic): 80-query blocks (kSwapDq,
+//   FlashAttention-3's shape for this case): S^T, dP^T are m64n80; dS is stored by queries (stmatrix .trans) and dQ is
+//   computed transposed, dQ^T = K^T dS^T, warpgroup w taking head-dim rows [64 w, 64 w + 64) of all 80 queries; it
+//   is issued before dK's GEMM, and staged as fp32 boxes of 32 columns (128-byte swizzle, scalar stores on 32 banks)
+//   that the dQ writer adds to dq_accum's plain rows with tensor reduce-adds (tma_dq). A fifth fewer steps per tile,
+//   the B operands of S^T / dP^T read once for 80 queries: H200, same process, 1.01-1.05x the 64-query kernel, GQA
+//   16/4 1.06-1.13x; with dQ first 1.01-1.07x more (hd128 16K backward 588 TFLOP/s, 2026-11-26).
 //   Epilogue: dK * scale and dV staged in the score tiles and dQ slices (K / V are released first), then TMA stores
 //   of the warpgroup's rows (head dims 192 / 256 and a varlen sequence's partial last tile: 16-byte stores).
 //
