@@ -381,7 +381,8 @@ def _sanitizer_grid() -> None:
     for head_dim, nheads_kv, causal, deterministic in [(64, 16, False, False), (64, 4, True, False),
                                                        (64, 16, False, True), (64, 16, True, True),
                                                        (128, 16, True, False), (128, 16, False, False),
-                                                       (128, 4, False, False), (256, 2, True, False),
+                                                       (128, 4, False, False), (128, 16, False, True),
+                                                       (256, 2, True, False),
                                                        (192, 16, False, False)]:
         q, k, v, dout = _inputs((1, 2048, 16, head_dim), (1, 2048, nheads_kv, head_dim), torch.bfloat16)
         _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, return_lse=True,

@@ -38,13 +38,14 @@ def test_deterministic_backward_is_bitwise_repeatable(head_dim, causal, nheads_k
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_deterministic_varlen_backward_is_bitwise_repeatable(causal):
+def test_deterministic_varlen_backward_is_bitwise_repeatable(causal, head_dim):
     """Varlen, every length class (empty, 1 token, partial blocks)."""
     lengths = torch.tensor([0, 300, 1, 1000, 129], device="cuda")
     cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     gen = torch.Generator("cuda").manual_seed(1)
-    q, k, v, dout = (torch.randn(int(lengths.sum()), 4, 64, device="cuda", generator=gen).to(torch.float16)
+    q, k, v, dout = (torch.randn(int(lengths.sum()), 4, head_dim, device="cuda", generator=gen).to(torch.float16)
                      for _ in range(4))
     fn = lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, 1000, 1000, causal=causal,  # noqa: E731
                                                 deterministic=True, impl="cuda")

@@ -114,9 +114,8 @@ struct BwdSm90Traits {
     // 32 columns (128-byte swizzle) and added to dq_accum's plain rows by tensor reduce-adds (tma_dq).
     static constexpr bool kSwapDq = kBlockM_ == 80;
     static_assert(kBlockM == 64 || kBlockM == 128 || kSwapDq, "query blocks of 64, 80 or 128 rows");
-    static_assert(!kSwapDq || (kHeadDim == 128 && kHeadDimEff_ == 128 && !kIsCausal && !kIsDropout &&
-                               !kIsBlockSparse && !kIsDeterministic),
-                  "80-query blocks: head dim 128, dense, no dropout, not deterministic");
+    static_assert(!kSwapDq || (kHeadDim == 128 && kHeadDimEff_ == 128 && !kIsCausal && !kIsDropout && !kIsBlockSparse),
+                  "80-query blocks: head dim 128, dense, no dropout");
     static_assert(!kIsBlockSparse || kBlockSparseSize % kBlockM == 0, "a mask block is whole query tiles");
     static constexpr int kNT = kBlockM / 8;   // n8 column tiles of S^T per thread (columns = queries)
     // Columns that can be non-zero: head dims 65-96 run the hd128 tiles (zero-filled past head_dim) with kHeadDimEff
@@ -247,10 +246,12 @@ struct BwdSm90Traits {
     // dS's columns are keys, so its rows do not line up with TileKV's; warpgroup w's dK column blocks go into its own
     // dS columns of the two score tiles (TileDk: 64 rows, column blocks a score tile apart, from w * 10 KB) and its dV
     // into the dQ staging (TileDv, from w * 16 KB).
-    using TileDk = SmemTile<kSwapDq ? 2 * kBlockM : kBlockN, kHeadDim>;
-    using TileDv = SmemTile<kSwapDq ? 64 : kBlockN, kHeadDim>;
-    static_assert(!kSwapDq || (TileS::kBytes / 2) % 1024 == 0, "dK column blocks 1024-byte aligned (TMA stores)");
-    static_assert(!kSwapDq || 2 * TileDv::kBytes <= kDqStagingBytes, "dV staging");
+    // (Without kEarlyKv, deterministic: through K / V in TileKV layout.)
+    static constexpr bool kStageByWg = kSwapDq && kEarlyKv;
+    using TileDk = SmemTile<kStageByWg ? 2 * kBlockM : kBlockN, kHeadDim>;
+    using TileDv = SmemTile<kStageByWg ? 64 : kBlockN, kHeadDim>;
+    static_assert(!kStageByWg || (TileS::kBytes / 2) % 1024 == 0, "dK column blocks 1024-byte aligned (TMA stores)");
+    static_assert(!kStageByWg || 2 * TileDv::kBytes <= kDqStagingBytes, "dV staging");
     static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileS::kBytes +
                                       kDqStagingBytes + 2 * kStages * kStatsBytes + kBarrierBytes + 1024;
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then
@@ -820,7 +821,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         }
         u32 sdK = sm.sK, sdV = sm.sV;
         // the warpgroup's first row in the staging tiles (TileDk, TileDv; see the traits)
-        constexpr int kStageRows = T::kSwapDq ? 0 : -1;
+        constexpr int kStageRows = T::kStageByWg ? 0 : -1;
         const int srow = kStageRows >= 0 ? kStageRows : 64 * w;
         using TileDk = typename T::TileDk;
         using TileDv = typename T::TileDv;
@@ -828,7 +829,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             // (each warp after its warpgroup's last GEMM: the K / V copy of the next tile overlaps this epilogue)
             __syncwarp();
             if (lead_lane) mbar_arrive(sm.empty_kv);
-            if constexpr (T::kSwapDq) sdK = sm.sdS0 + w * (TileS::kBytes / 2), sdV = sm.sdQ + w * TileDv::kBytes;
+            if constexpr (T::kStageByWg) sdK = sm.sdS0 + w * (TileS::kBytes / 2), sdV = sm.sdQ + w * TileDv::kBytes;
             else sdK = sm.sdS0, sdV = sm.sdS0 + TileKV::kBytes;
             // (a tile without query blocks has written no dS^T, so nothing has waited for the last stores yet)
             if (T::kTmaStoreDkv && staged_out && ctid == 0) bulk_wait_read<0>();
