@@ -58,7 +58,7 @@ class BwdParams(ctypes.Structure):
         ("dk_batch_stride", _i64), ("dk_row_stride", _i64), ("dk_head_stride", _i64),
         ("dv_batch_stride", _i64), ("dv_row_stride", _i64), ("dv_head_stride", _i64),
         ("dqa_split_stride", _i64), ("dqa_batch_stride", _i64), ("dqa_head_stride", _i64),
-        ("deterministic", _i32), ("dq_splits", _i32),
+        ("deterministic", _i32),
         ("dq_semaphore", _ptr), ("dq_sem_mblocks", _i32), ("dq_map_row0", _i32),
         ("dkv_accum", _ptr), ("dkv_split_stride", _i64), ("dkv_batch_stride", _i64), ("dkv_head_stride", _i64),
         ("kv_splits", _i32), ("dkv_cols", _i32),

@@ -411,7 +411,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
     params = launch.BwdParams(
         fwd=fwd, dqa_split_stride=dqa_strides[0], dqa_batch_stride=dqa_strides[1], dqa_head_stride=dqa_strides[2],
-        deterministic=int(deterministic), dq_splits=1)  # (one chain of turns: the Hopper kernel's splits are unused)
+        deterministic=int(deterministic))
     (params.do_batch_stride, params.do_row_stride, params.do_head_stride) = _strides(dout, varlen)
     (params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride) = _strides(dk, varlen)
     (params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride) = _strides(dv, varlen)

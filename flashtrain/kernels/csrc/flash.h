@@ -99,12 +99,9 @@ struct BwdParams {
     i64 dqa_split_stride, dqa_batch_stride, dqa_head_stride;  // dq_accum row stride is head_dim
     int deterministic;        // 1: CTA x owns dq_accum split x and adds with plain loads/stores (no atomics); Hopper:
                               // the key blocks add to each query block in a fixed order (dq_semaphore)
-    int dq_splits;            // Hopper deterministic non-causal: key block n adds to dq_accum split n % dq_splits,
-                              // after key blocks n - dq_splits, n - 2 dq_splits, ...; ops passes 1 (one chain of
-                              // turns, the tiles in groups: ops._det_tile_group)
-    // Hopper deterministic backward: per (dQ split, batch, query head, query block of the kernel) the number of key
-    // blocks that have added their dQ to it (non-causal: the lower ones; causal: the higher ones, descending);
-    // (dq_splits, batch, nheads, dq_sem_mblocks) int32, zeroed before the launch
+    // Hopper deterministic backward: per (batch, query head, query block of the kernel) the number of key blocks that
+    // have added their dQ to it (non-causal: the lower ones; causal: the higher ones, descending); (batch, nheads,
+    // dq_sem_mblocks) int32, zeroed before the launch
     int* dq_semaphore;
     int dq_sem_mblocks;
     // Hopper backward at 80-query blocks (BwdSm90Traits::kSwapDq): dq_accum's first row in tma_dq, a map of rows of

@@ -271,7 +271,7 @@ struct BwdSm90Traits {
 // (0.76-0.84x at 1K / 2K, 2026-11-25).
 // Deterministic with causal_tile_group > 1 (ops._det_tile_group): the same groups (causal: key blocks descending
 // inside a group, the turns' order), so that fewer key blocks of a unit run at once and wait in one chain of turns
-// (one dq_accum, BwdParams::dq_splits = 1). H200, 2026-11-25 22:07 UTC, against key blocks fastest with 2-4 chains of
+// (one dq_accum). H200, 2026-11-25 22:07 UTC, against key blocks fastest with 2-4 chains of
 // their own dq_accum: non-causal 1.01-1.17x, causal 0.99-1.02x; one chain without the groups was 0.49-0.83x of the
 // default backward.
 struct BwdTile {
@@ -299,21 +299,20 @@ template <class T> __device__ __forceinline__ bool bwd_tile(const BwdParams& p, 
     return x.n0 < x.seqlen_k;  // varlen: key blocks past a short sequence's end do nothing
 }
 
-// The deterministic turns: the counter of (dQ split, batch, query head, query block m0) and the count at which it is
-// key block x.n_block's turn to add it. Non-causal: ascending key blocks of the split (key block n after n - dq_splits,
-// n - 2 dq_splits, ...); causal: descending from the highest key block that sees the query block (n_last), which
-// visits it first. Either way the tiles a turn waits for are taken from the scheduler earlier (bwd_tile's order).
+// The deterministic turns: the counter of (batch, query head, query block m0) and the count at which it is key block
+// x.n_block's turn to add it. Non-causal: ascending key blocks (key block n after n - 1, n - 2, ...); causal:
+// descending from the highest key block that sees the query block (n_last), which visits it first. Either way the
+// tiles a turn waits for are taken from the scheduler earlier (bwd_tile's order). (Until 2026-11-26 non-causal key
+// blocks could add to dq_splits copies of dq_accum in separate chains; one chain in tile groups replaced them.)
 template <class T>
 __device__ __forceinline__ int* det_turn(const BwdParams& p, const BwdTile& x, int head, int m0, int& turn) {
     const FwdParams& f = p.fwd;
-    const int dq_split = T::kIsCausal ? 0 : x.n_block % p.dq_splits;
-    turn = x.n_block / p.dq_splits;
+    turn = x.n_block;
     if constexpr (T::kIsCausal) {
         const int row_last = min_(m0 + T::kBlockM, x.seqlen_q) - 1;
         turn = (row_last + x.seqlen_k - x.seqlen_q) / T::kBlockN - x.n_block;
     }
-    return p.dq_semaphore + (((i64)dq_split * f.batch + x.batch) * f.nheads + head) * p.dq_sem_mblocks +
-           m0 / T::kBlockM;
+    return p.dq_semaphore + ((i64)x.batch * f.nheads + head) * p.dq_sem_mblocks + m0 / T::kBlockM;
 }
 __device__ __forceinline__ void wait_turn(const int* counter, int turn) {
     while (ld_acquire_gpu(counter) < turn) {
@@ -1270,11 +1269,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     if (T::kDqWriters == 2) mbar_wait(warp == 3 ? sm.dq_full1 : sm.dq_full, (n / 2) & 1);
                     else mbar_wait(sm.dq_full, n & 1);
                     const int m0 = walk.m0;
-                    // deterministic non-causal: key block n adds to split n % dq_splits (the convert kernel sums
-                    // the splits in a fixed order)
-                    const int dq_split = T::kIsDeterministic && !T::kIsCausal ? x.n_block % p.dq_splits : 0;
-                    float* dq_acc = p.dq_accum + dq_split * p.dqa_split_stride + walk.head * p.dqa_head_stride +
-                                    (i64)x.q_pad * kHeadDim;
+                    float* dq_acc = p.dq_accum + walk.head * p.dqa_head_stride + (i64)x.q_pad * kHeadDim;
                     int turn = 0;
                     int* counter = T::kIsDeterministic ? det_turn<T>(p, x, walk.head, m0, turn) : nullptr;
                     if (T::kIsDeterministic && !FT_BWD_DET_NO_TURNS) {
