@@ -169,7 +169,7 @@ class BwdSm90Tiles:
 
     @property
     def swap_dq(self) -> bool:
-        """80-query blocks (head dim 128, dense): dQ^T = K^T dS^T per warpgroup (64 head-dim rows x 80 queries),
+        """80-query blocks (head dim 128): dQ^T = K^T dS^T per warpgroup (64 head-dim rows x 80 queries),
         dS stored row-major by queries, dq_accum in plain rows reduce-added by tensor copies (BwdSm90Traits::kSwapDq)."""
         return self.block_m == 80
 
@@ -204,10 +204,11 @@ BWD_SM90_TILES = {
 }
 
 
-# ... and for the dense head-dim-128 backward (not causal, no dropout, not block-sparse, not deterministic, all 128
-# columns): 80-query blocks (FlashAttention-3's shape for it; BwdSm90Tiles.swap_dq). H200, same process, 2026-11-26:
-# 1.01-1.05x the 64-query blocks at 1K-16K, GQA 16/4 1.06-1.13x (before the kernel's dQ-first order, which added
-# 1.01-1.07x). FLASHTRAIN_BWD_SM90_Q80=0 takes BWD_SM90_TILES[128] instead (A/B). The kernel has a deterministic
+# ... and for the head-dim-128 backward without dropout (not block-sparse, not deterministic, all 128 columns):
+# 80-query blocks (FlashAttention-3's shape for the non-causal case; BwdSm90Tiles.swap_dq). H200, same process,
+# 2026-11-26: non-causal 1.01-1.05x the 64-query blocks at 1K-16K, GQA 16/4 1.06-1.13x (before the kernel's dQ-first
+# order, which added 1.01-1.07x); causal (with dQ first) 0.99x at 1K, 1.04 / 1.07 / 1.11 / 1.07x at 2K / 4K / 8K / 16K,
+# GQA 16/2 4K 1.04x. FLASHTRAIN_BWD_SM90_Q80=0 takes BWD_SM90_TILES[128] instead (A/B). The kernel has a deterministic
 # variant (_bwd_sm90_spec(..., deterministic=True, BWD_SM90_DENSE128_TILES)): correct (bitwise tests, racecheck) and
 # 0.90-0.96x the 64-query deterministic kernel (H200, same process, 2K-16K, MHA and GQA 16/4, 2026-11-26 00:21 UTC),
 # so the deterministic backward keeps 64-query blocks.
@@ -494,7 +495,7 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
                                      or deterministic):
         raise ValueError(f"no Hopper backward of head dim {head_dim} narrowed to {head_dim_eff} "
                          f"(block_sparse={block_sparse}, deterministic={deterministic})")
-    if (head_dim == 128 and head_dim_eff is None and not (causal or dropout or block_sparse or deterministic)
+    if (head_dim == 128 and head_dim_eff is None and not (dropout or block_sparse or deterministic)
             and bwd_sm90_q80_enabled()):
         tiles = BWD_SM90_DENSE128_TILES
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
@@ -567,9 +568,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
     specs += [spec for dtype in DTYPES for causal in (False, True) for dropout in (False, True)  # head dims 65-96
               if _fits(spec := bwd_sm90_kernel(128, dtype, causal, dropout, head_dim_eff=SM90_NARROW_HEAD_DIM),
                        smem_limit)]
-    specs += [spec for dtype in DTYPES  # the dense hd128 backward's other query block (A/B: FLASHTRAIN_BWD_SM90_Q80)
-              for tiles in (BWD_SM90_TILES[128], BWD_SM90_DENSE128_TILES)
-              if _fits(spec := _bwd_sm90_spec(128, dtype, False, False, False, False, tiles, 128), smem_limit)]
+    specs += [spec for dtype in DTYPES  # the hd128 backward's other query block (A/B: FLASHTRAIN_BWD_SM90_Q80)
+              for causal in (False, True) for tiles in (BWD_SM90_TILES[128], BWD_SM90_DENSE128_TILES)
+              if _fits(spec := _bwd_sm90_spec(128, dtype, causal, False, False, False, tiles, 128), smem_limit)]
     specs += [spec for head_dim in BWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # deterministic
               for dropout in (False, True) if BWD_SM90_TILES[head_dim].supports(dropout, False, True)
               if _fits(spec := bwd_sm90_kernel(head_dim, dtype, causal, dropout, deterministic=True), smem_limit)]

@@ -32,13 +32,14 @@
 //     asynchronous bulk reduce-add (cp.reduce.async.bulk .add.f32): the warpgroups never wait for dQ to reach global
 //     memory (only, one iteration later, for the copy engine to have read the staging slice). A sequence's last query
 //     block is a whole block of dq_accum's padded rows: its rows past the end add zeros there.
-//   Head dim 128, dense (not causal, no dropout, not block-sparse, not deterministic): 80-query blocks (kSwapDq,
-//   FlashAttention-3's shape for this case): S^T, dP^T are m64n80; dS is stored by queries (stmatrix .trans) and dQ is
+//   Head dim 128 without dropout (not block-sparse, not deterministic; causal too): 80-query blocks (kSwapDq,
+//   FlashAttention-3's shape for the non-causal case): S^T, dP^T are m64n80; dS is stored by queries (stmatrix .trans) and dQ is
 //   computed transposed, dQ^T = K^T dS^T, warpgroup w taking head-dim rows [64 w, 64 w + 64) of all 80 queries; it
 //   is issued before dK's GEMM, and staged as fp32 boxes of 32 columns (128-byte swizzle, scalar stores on 32 banks)
 //   that the dQ writer adds to dq_accum's plain rows with tensor reduce-adds (tma_dq). A fifth fewer steps per tile,
 //   the B operands of S^T / dP^T read once for 80 queries: H200, same process, 1.01-1.05x the 64-query kernel, GQA
-//   16/4 1.06-1.13x; with dQ first 1.01-1.07x more (hd128 16K backward 588 TFLOP/s, 2026-11-26).
+//   16/4 1.06-1.13x; with dQ first 1.01-1.07x more (hd128 16K backward 588 TFLOP/s, 2026-11-26); causal 1.04-1.11x
+//   at 2K-16K, 0.99x at 1K. (A deterministic variant compiles and passes the tests, 0.90-0.96x the 64-query one.)
 //   Epilogue: dK * scale and dV staged in the score tiles and dQ slices (K / V are released first), then TMA stores
 //   of the warpgroup's rows (head dims 192 / 256 and a varlen sequence's partial last tile: 16-byte stores).
 //
@@ -114,8 +115,8 @@ struct BwdSm90Traits {
     // 32 columns (128-byte swizzle) and added to dq_accum's plain rows by tensor reduce-adds (tma_dq).
     static constexpr bool kSwapDq = kBlockM_ == 80;
     static_assert(kBlockM == 64 || kBlockM == 128 || kSwapDq, "query blocks of 64, 80 or 128 rows");
-    static_assert(!kSwapDq || (kHeadDim == 128 && kHeadDimEff_ == 128 && !kIsCausal && !kIsDropout && !kIsBlockSparse),
-                  "80-query blocks: head dim 128, dense, no dropout");
+    static_assert(!kSwapDq || (kHeadDim == 128 && kHeadDimEff_ == 128 && !kIsDropout && !kIsBlockSparse),
+                  "80-query blocks: head dim 128 (all columns), no dropout, not block-sparse");
     static_assert(!kIsBlockSparse || kBlockSparseSize % kBlockM == 0, "a mask block is whole query tiles");
     static constexpr int kNT = kBlockM / 8;   // n8 column tiles of S^T per thread (columns = queries)
     // Columns that can be non-zero: head dims 65-96 run the hd128 tiles (zero-filled past head_dim) with kHeadDimEff
