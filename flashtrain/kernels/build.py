@@ -215,6 +215,11 @@ BWD_SM90_TILES = {
 BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
 
 
+# ... causal from this query length (H200, 2026-11-26 00:40 UTC, benchmark grid: hd128 causal 512 backward 197 vs 227
+# TFLOP/s of the 64-query kernel, 1K 341 vs 344; from 2K 1.04-1.11x, above)
+BWD_SM90_Q80_CAUSAL_SEQLEN = 2048
+
+
 def bwd_sm90_q80_enabled() -> bool:
     return os.environ.get("FLASHTRAIN_BWD_SM90_Q80", "1") != "0"
 
@@ -467,24 +472,26 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
 
 def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, deterministic: bool = False, smem_limit: int | None = None,
-               effective_head_dim: int | None = None) -> KernelSpec:
+               effective_head_dim: int | None = None, seqlen_q: int | None = None) -> KernelSpec:
     """The backward kernel for these features (head_dim: the instantiated one, rounded_head_dim; effective_head_dim:
     the call's own, when smaller); on arch sm_90a the warpgroup-MMA kernel where it exists and fits smem_limit (bytes
     of shared memory per block; None: no limit): head dims 65-96 there run the hd128 tiles with the MMA work of 96
-    columns (dense, not deterministic)."""
+    columns (dense, not deterministic). seqlen_q: the call's (max) query length, which picks the causal hd128 tiles
+    (None: the short ones)."""
     if (arch == SM90_ARCH and not (deterministic and block_sparse) and head_dim in BWD_SM90_TILES and sm90_enabled()
             and BWD_SM90_TILES[head_dim].supports(dropout, block_sparse, deterministic)):
         narrow = (head_dim == 128 and effective_head_dim is not None and effective_head_dim <= SM90_NARROW_HEAD_DIM
                   and not block_sparse and not deterministic)
         spec = bwd_sm90_kernel(head_dim, dtype, causal, dropout, block_sparse, deterministic,
-                               head_dim_eff=SM90_NARROW_HEAD_DIM if narrow else None)
+                               head_dim_eff=SM90_NARROW_HEAD_DIM if narrow else None, seqlen_q=seqlen_q)
         if _fits(spec, smem_limit):
             return spec
     return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit))
 
 
 def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False, block_sparse: bool = False,
-                    deterministic: bool = False, head_dim_eff: int | None = None) -> KernelSpec:
+                    deterministic: bool = False, head_dim_eff: int | None = None,
+                    seqlen_q: int | None = None) -> KernelSpec:
     """head_dim_eff: SM90_NARROW_HEAD_DIM on the hd128 tiles (dense, not deterministic); None or head_dim: all."""
     tiles = BWD_SM90_TILES[head_dim]
     head_dim_eff = None if head_dim_eff == head_dim else head_dim_eff
@@ -496,7 +503,7 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
         raise ValueError(f"no Hopper backward of head dim {head_dim} narrowed to {head_dim_eff} "
                          f"(block_sparse={block_sparse}, deterministic={deterministic})")
     if (head_dim == 128 and head_dim_eff is None and not (dropout or block_sparse or deterministic)
-            and bwd_sm90_q80_enabled()):
+            and bwd_sm90_q80_enabled() and (not causal or (seqlen_q or 0) >= BWD_SM90_Q80_CAUSAL_SEQLEN)):
         tiles = BWD_SM90_DENSE128_TILES
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
                           head_dim_eff or head_dim)

@@ -342,7 +342,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
     spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
                             deterministic=deterministic, smem_limit=launch.device_smem_limit(q.device),
-                            effective_head_dim=q.shape[-1])
+                            effective_head_dim=q.shape[-1],
+                            seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1])
     tiles = spec.tiles
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                       bs_cols=bs_cols)
