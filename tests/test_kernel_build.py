@@ -183,6 +183,42 @@ def test_gpus_with_less_shared_memory_are_refused_by_name():
         build.BWD_TILES_SMALL_SMEM[128])
 
 
+def test_hd128_backward_query_blocks(monkeypatch):
+    """The Hopper hd128 backward without dropout runs 80-query blocks (dQ^T, plain dq_accum rows): non-causal always,
+    causal from BWD_SM90_Q80_CAUSAL_SEQLEN query tokens; deterministic, dropout, block-sparse and the narrowed head
+    dims keep 64; FLASHTRAIN_BWD_SM90_Q80=0 turns it off."""
+    monkeypatch.delenv("FLASHTRAIN_BWD_SM90_Q80", raising=False)
+
+    def spec(causal=False, seqlen_q=None, **kwargs):
+        return build.bwd_kernel(128, "bf16", causal, kwargs.pop("dropout", False), arch="sm_90a", seqlen_q=seqlen_q,
+                                **kwargs)
+
+    q80 = spec()
+    assert q80.name == "flash_bwd_sm90_hdim128_bf16_q80" and q80.block_m == 80 and q80.tiles.swap_dq
+    assert q80.tiles.dq_slice_width(128) == 0  # dq_accum in plain rows: the conversion's row path
+    # Q / dO stages 80 KB, K / V 64 KB, two dS tiles 40 KB, dQ staging 40 KB, statistics in 128-byte slots 1.5 KB,
+    # barriers, alignment: under the 227 KB a Hopper block may opt in to
+    assert q80.smem_bytes == 81920 + 65536 + 40960 + 40960 + 1536 + 128 + 1024 == 232064 <= SM90_MAX_SMEM
+    assert spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN).name == "flash_bwd_sm90_hdim128_bf16_causal_q80"
+    assert spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN - 1).name == "flash_bwd_sm90_hdim128_bf16_causal"
+    assert spec(causal=True).block_m == 64
+    assert spec(deterministic=True).name == "flash_bwd_sm90_hdim128_bf16_det"
+    assert spec(dropout=True).block_m == 64 and spec(block_sparse=True).block_m == 64
+    assert spec(effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16"
+    monkeypatch.setenv("FLASHTRAIN_BWD_SM90_Q80", "0")
+    assert spec().name == "flash_bwd_sm90_hdim128_bf16" and spec().block_m == 64
+
+
+def test_accum_tensor_map_layout():
+    """tma_dq: float32 rows of the head dim, boxes of 32 columns (128 bytes, the 128-byte swizzle) x one query block."""
+    from flashtrain.kernels import tma
+
+    dtype, dims, strides, box_cols, box_rows, swizzle = tma.accum_layout(1000, 128, 80)
+    assert (dims, strides, box_cols, box_rows, swizzle) == ((128, 1000, 1, 1), (512, 512000, 512000), 32, 80,
+                                                            tma.SWIZZLE_128B)
+    assert box_cols * 4 == 128
+
+
 @pytest.mark.parametrize("value,expected", [(None, None), ("101376", 101376), ("99K", 101376), ("163k", 166912)])
 def test_max_smem_environment_variable(monkeypatch, value, expected):
     if value is None:
