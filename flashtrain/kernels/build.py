@@ -185,9 +185,8 @@ class BwdSm90Tiles:
         4 KB fp32 dQ staging per piece (split head dim: none; 80-query blocks: the block's fp32 dQ); lse, D stages
         (128-byte multiples); barriers; 1024 to align the tiles (128-byte swizzle)."""
         pieces = (self.block_m // 64) * (head_dim // 64)
-        dq_staging = 0 if self.split_head_dim else 2 * 4 * ((pieces + 1) // 2) * 4096
-        if self.swap_dq:  # one fp32 query block of dQ
-            dq_staging = 4 * self.block_m * head_dim
+        dq_staging = (0 if self.split_head_dim else 4 * self.block_m * head_dim if self.swap_dq
+                      else 2 * 4 * ((pieces + 1) // 2) * 4096)
         return (2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
                      + 2 * self.block_n * self.block_m) + dq_staging + 2 * self.stages * -(-4 * self.block_m // 128) * 128
                 + 128 + 1024)
@@ -208,10 +207,9 @@ BWD_SM90_TILES = {
 # 80-query blocks (FlashAttention-3's shape for the non-causal case; BwdSm90Tiles.swap_dq). H200, same process,
 # 2026-11-26: non-causal 1.01-1.05x the 64-query blocks at 1K-16K, GQA 16/4 1.06-1.13x (before the kernel's dQ-first
 # order, which added 1.01-1.07x); causal (with dQ first) 0.99x at 1K, 1.04 / 1.07 / 1.11 / 1.07x at 2K / 4K / 8K / 16K,
-# GQA 16/2 4K 1.04x. FLASHTRAIN_BWD_SM90_Q80=0 takes BWD_SM90_TILES[128] instead (A/B). The kernel has a deterministic
-# variant (_bwd_sm90_spec(..., deterministic=True, BWD_SM90_DENSE128_TILES)): correct (bitwise tests, racecheck) and
-# 0.90-0.96x the 64-query deterministic kernel (H200, same process, 2K-16K, MHA and GQA 16/4, 2026-11-26 00:21 UTC),
-# so the deterministic backward keeps 64-query blocks.
+# GQA 16/2 4K 1.04x. FLASHTRAIN_BWD_SM90_Q80=0 takes BWD_SM90_TILES[128] instead (A/B). A deterministic variant
+# passed the deterministic tests and racecheck at 0.90-0.96x the 64-query deterministic kernel (H200, same process,
+# 2K-16K, MHA and GQA 16/4, 2026-11-26 00:21 UTC): removed; the deterministic backward keeps 64-query blocks.
 BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
 
 

@@ -39,7 +39,7 @@
 //   that the dQ writer adds to dq_accum's plain rows with tensor reduce-adds (tma_dq). A fifth fewer steps per tile,
 //   the B operands of S^T / dP^T read once for 80 queries: H200, same process, 1.01-1.05x the 64-query kernel, GQA
 //   16/4 1.06-1.13x; with dQ first 1.01-1.07x more (hd128 16K backward 588 TFLOP/s, 2026-11-26); causal 1.04-1.11x
-//   at 2K-16K, 0.99x at 1K. (A deterministic variant compiles and passes the tests, 0.90-0.96x the 64-query one.)
+//   at 2K-16K, 0.99x at 1K. (A deterministic variant passed the tests at 0.90-0.96x the 64-query one: removed.)
 //   Epilogue: dK * scale and dV staged in the score tiles and dQ slices (K / V are released first), then TMA stores
 //   of the warpgroup's rows (head dims 192 / 256 and a varlen sequence's partial last tile: 16-byte stores).
 //
@@ -115,8 +115,9 @@ struct BwdSm90Traits {
     // 32 columns (128-byte swizzle) and added to dq_accum's plain rows by tensor reduce-adds (tma_dq).
     static constexpr bool kSwapDq = kBlockM_ == 80;
     static_assert(kBlockM == 64 || kBlockM == 128 || kSwapDq, "query blocks of 64, 80 or 128 rows");
-    static_assert(!kSwapDq || (kHeadDim == 128 && kHeadDimEff_ == 128 && !kIsDropout && !kIsBlockSparse),
-                  "80-query blocks: head dim 128 (all columns), no dropout, not block-sparse");
+    static_assert(!kSwapDq || (kHeadDim == 128 && kHeadDimEff_ == 128 && !kIsDropout && !kIsBlockSparse &&
+                               !kIsDeterministic),
+                  "80-query blocks: head dim 128 (all columns), no dropout, not block-sparse, not deterministic");
     static_assert(!kIsBlockSparse || kBlockSparseSize % kBlockM == 0, "a mask block is whole query tiles");
     static constexpr int kNT = kBlockM / 8;   // n8 column tiles of S^T per thread (columns = queries)
     // Columns that can be non-zero: head dims 65-96 run the hd128 tiles (zero-filled past head_dim) with kHeadDimEff
@@ -247,12 +248,10 @@ struct BwdSm90Traits {
     // dS's columns are keys, so its rows do not line up with TileKV's; warpgroup w's dK column blocks go into its own
     // dS columns of the two score tiles (TileDk: 64 rows, column blocks a score tile apart, from w * 10 KB) and its dV
     // into the dQ staging (TileDv, from w * 16 KB).
-    // (Without kEarlyKv, deterministic: through K / V in TileKV layout.)
-    static constexpr bool kStageByWg = kSwapDq && kEarlyKv;
-    using TileDk = SmemTile<kStageByWg ? 2 * kBlockM : kBlockN, kHeadDim>;
-    using TileDv = SmemTile<kStageByWg ? 64 : kBlockN, kHeadDim>;
-    static_assert(!kStageByWg || (TileS::kBytes / 2) % 1024 == 0, "dK column blocks 1024-byte aligned (TMA stores)");
-    static_assert(!kStageByWg || 2 * TileDv::kBytes <= kDqStagingBytes, "dV staging");
+    using TileDk = SmemTile<kSwapDq ? 2 * kBlockM : kBlockN, kHeadDim>;
+    using TileDv = SmemTile<kSwapDq ? 64 : kBlockN, kHeadDim>;
+    static_assert(!kSwapDq || (kEarlyKv && (TileS::kBytes / 2) % 1024 == 0 && 2 * TileDv::kBytes <= kDqStagingBytes),
+                  "80-query blocks: dK column blocks 1024-byte aligned (TMA stores), dV in the dQ staging");
     static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileS::kBytes +
                                       kDqStagingBytes + 2 * kStages * kStatsBytes + kBarrierBytes + 1024;
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then
@@ -573,15 +572,18 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         mbar_wait(sm.full(s), (gs / kStages) & 1);
 
         u32 dsa[kNT / 2][4];  // dS^T as A fragments
-        auto dk_gemm = [&]() {  // dK_w += dS^T Q: B = Q, MN-major.
-            fence_operand(acc_dk);
+        // acc += A B over the block's queries: A (64 keys x queries) from registers, B (queries x head dim) = the
+        // stage's Q or dO tile, MN-major
+        auto rs_gemm = [&](float (&acc)[kDT][4], const u32 (&a)[kNT / 2][4], u32 b_tile) {
+            fence_operand(acc);
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < kBlockM / 16; ++ks)
-                wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dk, dsa[ks],
-                                                     gmma_desc_at(sQ_s, ks * 16 * 128, kBlockM * 128, 1024), 1);
+                wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc, a[ks], gmma_desc_at(b_tile, ks * 16 * 128, kBlockM * 128, 1024),
+                                                     1);
             wgmma_commit();
         };
+        auto dk_gemm = [&]() { rs_gemm(acc_dk, dsa, sQ_s); };  // dK_w += dS^T Q
         // dS^T rows of this warp to the shared tile (rows keys, columns queries) for dQ = dS K.
         // One stmatrix per 16 x 16 piece (lane l addresses row l % 8 (+ 8 for matrices 1, 3) at columns 16 ks (+ 8 for
         // matrices 2, 3)) instead of four 4-byte stores: hd64 1.00-1.09x, hd128 0.97-1.06x (H200, same process).
@@ -677,14 +679,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                 pa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(dropped[2], dropped[3]);
             }
 
-            // dV_w += P^T dO: B = dO, rows = queries (the reduction), MN-major.
-            fence_operand(acc_dv);
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < kBlockM / 16; ++ks)
-                wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc_dv, pa[ks],
-                                                     gmma_desc_at(sdO_s, ks * 16 * 128, kBlockM * 128, 1024), 1);
-            wgmma_commit();
+            rs_gemm(acc_dv, pa, sdO_s);  // dV_w += P^T dO (rows of dO = queries, the reduction)
             // dP^T done; dV may still run unless its P^T registers are needed for dS^T (128-query blocks: ptxas keeps
             // the A fragments of an unfinished wgmma alive, and 64 more live registers would spill)
             if constexpr (T::kWaitDv) wgmma_wait<0>();
@@ -821,15 +816,14 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         }
         u32 sdK = sm.sK, sdV = sm.sV;
         // the warpgroup's first row in the staging tiles (TileDk, TileDv; see the traits)
-        constexpr int kStageRows = T::kStageByWg ? 0 : -1;
-        const int srow = kStageRows >= 0 ? kStageRows : 64 * w;
+        const int srow = T::kSwapDq ? 0 : 64 * w;
         using TileDk = typename T::TileDk;
         using TileDv = typename T::TileDv;
         if constexpr (T::kEarlyKv) {
             // (each warp after its warpgroup's last GEMM: the K / V copy of the next tile overlaps this epilogue)
             __syncwarp();
             if (lead_lane) mbar_arrive(sm.empty_kv);
-            if constexpr (T::kStageByWg) sdK = sm.sdS0 + w * (TileS::kBytes / 2), sdV = sm.sdQ + w * TileDv::kBytes;
+            if constexpr (T::kSwapDq) sdK = sm.sdS0 + w * (TileS::kBytes / 2), sdV = sm.sdQ + w * TileDv::kBytes;
             else sdK = sm.sdS0, sdV = sm.sdS0 + TileKV::kBytes;
             // (a tile without query blocks has written no dS^T, so nothing has waited for the last stores yet)
             if (T::kTmaStoreDkv && staged_out && ctid == 0) bulk_wait_read<0>();
