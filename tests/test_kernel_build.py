@@ -40,6 +40,7 @@ def test_dispatch_table_covers_every_instantiation_once():
     assert split == [192, 256]
     hopper_det = (len(build.BWD_SM90_TILES) - len(split)) * 2 * 2 * 2  # the deterministic backward (dense only)
     hopper_long = len(build.FWD_SM90_TILES_LONG_CAUSAL) * 2  # the causal forward's long-sequence tiles (x dtype)
+    hopper_long += len(build.FWD_SM90_TILES_SHORT_CAUSAL) * 2  # ... and its short-sequence ones
     hopper_narrow = 2 * 2 * 2  # the hd128 backward with 96 columns of MMA work (head dims 65-96), x dtype x causal x dropout
     hopper_q80 = 2 * 2  # the hd128 backward's other query block (64 rows, or 80 with FLASHTRAIN_BWD_SM90_Q80=0), x dtype
     # x causal
@@ -54,6 +55,35 @@ def test_dispatch_table_covers_every_instantiation_once():
             assert spec.threads in (128, 256)
         else:  # the warp-specialized Hopper forward: a producer warpgroup + 2 or 3 consumer warpgroups
             assert spec.smem_bytes <= SM90_MAX_SMEM and spec.threads in (128, 384, 512)
+
+
+def test_short_causal_forward_tiles():
+    """Causal forward at head dim 128 below SHORT_CAUSAL_SEQLEN query rows: two Q buffers (a kernel of its own name,
+    32 KB more shared memory, within the 227 KB an sm_90 block can have); unknown length (0), longer, non-causal,
+    dropout, block-sparse and head dim 64 keep one; FLASHTRAIN_FWD_SM90_Q_BUFFERS overrides it both ways."""
+    short = build.SHORT_CAUSAL_SEQLEN - 1
+    spec = build.fwd_kernel(128, "bf16", True, False, arch="sm_90a", seqlen_q=short)
+    assert (spec.name, spec.block_m, spec.smem_bytes) == ("flash_fwd_sm90_hdim128_bf16_causal_q2", 128, 230656)
+    assert spec.smem_bytes == build.FwdSm90Tiles(128, 128, 2).smem_bytes(128) + 128 * 128 * 2 <= SM90_MAX_SMEM
+    assert ("FT_Q_BUFFERS", 2) in spec.defines
+    for other in (build.fwd_kernel(128, "bf16", True, False, arch="sm_90a", seqlen_q=0),
+                  build.fwd_kernel(128, "bf16", True, False, arch="sm_90a", seqlen_q=short + 1),
+                  build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", seqlen_q=short),
+                  build.fwd_kernel(128, "bf16", True, True, arch="sm_90a", seqlen_q=short),
+                  build.fwd_kernel(128, "bf16", True, False, True, arch="sm_90a", seqlen_q=short),
+                  build.fwd_kernel(64, "bf16", True, False, arch="sm_90a", seqlen_q=short)):
+        assert ("FT_Q_BUFFERS", 1) in other.defines and not other.name.endswith("_q2")
+    assert build.fwd_kernel(128, "fp16", True, False, arch="sm_80", seqlen_q=short).name == "flash_fwd_hdim128_fp16_causal"
+
+
+def test_fwd_q_buffers_switch(monkeypatch):
+    monkeypatch.setenv("FLASHTRAIN_FWD_SM90_Q_BUFFERS", "1")
+    assert build.fwd_kernel(128, "bf16", True, False, arch="sm_90a", seqlen_q=512).name == (
+        "flash_fwd_sm90_hdim128_bf16_causal")
+    monkeypatch.setenv("FLASHTRAIN_FWD_SM90_Q_BUFFERS", "2")
+    assert build.fwd_kernel(64, "bf16", False, False, arch="sm_90a", seqlen_q=4096).name == "flash_fwd_sm90_hdim64_bf16_q2"
+    # head dim 192 stages O in Q: one buffer whatever the switch says
+    assert build.fwd_kernel(192, "bf16", False, False, arch="sm_90a").name == "flash_fwd_sm90_hdim192_bf16"
 
 
 def test_long_causal_forward_tiles():

@@ -100,13 +100,15 @@ class FwdSm90Tiles:
     # O staged in a tile of its own (the next tile's Q is copied during this tile's epilogue); False: through the Q
     # tile, where Q + O + the K/V stages exceed the 227 KB of shared memory a block can have (head dims 192, 256)
     separate_o: bool = True
+    # Q buffers: with 2 the producer copies the next tile's Q while this tile runs (needs separate_o)
+    q_buffers: int = 1
 
     @property
     def threads(self) -> int:  # consumer warpgroups + the producer warpgroup
         return 128 * (self.block_m // 64 + 1)
 
     def smem_bytes(self, head_dim: int) -> int:  # Q, O, K and V stages; 1024 to align them (128-byte swizzle); barriers
-        q_and_o = (2 if self.separate_o else 1) * self.block_m
+        q_and_o = (self.q_buffers + (1 if self.separate_o else 0)) * self.block_m
         return 2 * (q_and_o + 2 * self.stages * self.block_n) * head_dim + 1024 + 256
 
 
@@ -131,6 +133,15 @@ FWD_SM90_TILES_LONG_CAUSAL = {
     64: FwdSm90Tiles(192, 128, stages=2),
 }
 LONG_CAUSAL_SEQLEN = 1024
+# Causal without dropout / block-sparse below SHORT_CAUSAL_SEQLEN query rows (max_seqlen_q known and smaller): two Q
+# buffers at head dim 128, so that the producer copies the next tile's Q while this one runs (its 1-4 key blocks
+# leave little time after the last S GEMM, when one buffer frees). H200, 2026-11-26, CUDA-graph replays interleaved
+# in one process (benchmarks/probes/ab_probe.py), forward q2 / q1: hd128 causal 512 1.034 (1.029 in a second run);
+# 1K-16K 0.986-1.010; hd64 causal 512 0.987, so not there. Bitwise the same result (same tile shape).
+FWD_SM90_TILES_SHORT_CAUSAL = {
+    128: FwdSm90Tiles(128, 128, stages=2, q_buffers=2),
+}
+SHORT_CAUSAL_SEQLEN = 1024
 
 
 def _tile_overrides() -> None:
@@ -437,11 +448,23 @@ def _fwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spar
 
 def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, seqlen_q: int = 0) -> FwdSm90Tiles:
     if not (causal or dropout or block_sparse) and head_dim in FWD_SM90_TILES_NONCAUSAL:
-        return FWD_SM90_TILES_NONCAUSAL[head_dim]
-    if (causal and not (dropout or block_sparse) and seqlen_q >= LONG_CAUSAL_SEQLEN
+        tiles = FWD_SM90_TILES_NONCAUSAL[head_dim]
+    elif (causal and not (dropout or block_sparse) and seqlen_q >= LONG_CAUSAL_SEQLEN
             and head_dim in FWD_SM90_TILES_LONG_CAUSAL):
-        return FWD_SM90_TILES_LONG_CAUSAL[head_dim]
-    return FWD_SM90_TILES[head_dim]
+        tiles = FWD_SM90_TILES_LONG_CAUSAL[head_dim]
+    elif (causal and not (dropout or block_sparse) and 0 < seqlen_q < SHORT_CAUSAL_SEQLEN
+            and head_dim in FWD_SM90_TILES_SHORT_CAUSAL):
+        tiles = FWD_SM90_TILES_SHORT_CAUSAL[head_dim]
+    else:
+        tiles = FWD_SM90_TILES[head_dim]
+    # FLASHTRAIN_FWD_SM90_Q_BUFFERS=N (A/B): N Q buffers wherever O has a tile of its own and shared memory allows
+    # (seqlen_q 0: unknown, the tables' first choice)
+    q_buffers = os.environ.get("FLASHTRAIN_FWD_SM90_Q_BUFFERS")
+    if q_buffers and tiles.separate_o:
+        other = dataclasses.replace(tiles, q_buffers=int(q_buffers))
+        if other.smem_bytes(head_dim) <= ARCH_SMEM_OPTIN[SM90_ARCH]:
+            return other
+    return tiles
 
 
 def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
@@ -457,10 +480,12 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     # tiles other than the features' first choice (long causal sequences, a capped shared-memory limit) get names of
     # their own: a process may load both, and kernels are looked up by name
     first_choice = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse)
+    same_shape = dataclasses.replace(tiles, q_buffers=first_choice.q_buffers) == first_choice
     name = (f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
-            f"{'' if tiles == first_choice else f'_{tiles.block_m}x{tiles.block_n}'}")
+            f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
+               ("FT_Q_BUFFERS", tiles.q_buffers),
                ("FT_BF16", int(dtype == "bf16")),
                ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", smem_bytes), ("FT_MAX_STREAMS", MAX_STREAMS), ("FT_KERNEL_NAME", name))
@@ -570,6 +595,8 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
                   if _fits(spec := sm90_kernel(head_dim, dtype, causal, dropout, block_sparse), smem_limit)]
     specs += [spec for head_dim in FWD_SM90_TILES_LONG_CAUSAL for dtype in DTYPES  # causal, long sequences
               if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=LONG_CAUSAL_SEQLEN), smem_limit)]
+    specs += [spec for head_dim in FWD_SM90_TILES_SHORT_CAUSAL for dtype in DTYPES  # causal, short sequences
+              if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=1), smem_limit)]
     specs += [spec for dtype in DTYPES for causal in (False, True) for dropout in (False, True)  # head dims 65-96
               if _fits(spec := bwd_sm90_kernel(128, dtype, causal, dropout, head_dim_eff=SM90_NARROW_HEAD_DIM),
                        smem_limit)]

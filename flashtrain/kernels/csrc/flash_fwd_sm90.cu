@@ -3,7 +3,7 @@
 #include "flash_fwd_sm90.cuh"
 
 using Traits = flashtrain::FwdSm90Traits<FT_HEAD_DIM, FT_BLOCK_M, FT_BLOCK_N, FT_STAGES, FT_SEPARATE_O, FT_BF16,
-                                          FT_CAUSAL, FT_DROPOUT, FT_BLOCK_SPARSE>;
+                                          FT_CAUSAL, FT_DROPOUT, FT_BLOCK_SPARSE, FT_Q_BUFFERS>;
 static_assert(Traits::kSmemBytes == FT_SMEM_BYTES, "build.py and the kernel disagree on the shared memory size");
 static_assert(Traits::kNThreads == FT_THREADS, "build.py and the kernel disagree on the block size");
 

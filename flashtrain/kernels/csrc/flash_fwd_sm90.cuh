@@ -56,9 +56,14 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kSeparateO_, bool kIsBF16_, bool kIsCausal_,
-          bool kIsDropout_, bool kIsBlockSparse_>
+          bool kIsDropout_, bool kIsBlockSparse_, int kQBuffers_ = 1>
 struct FwdSm90Traits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
+    // Q buffers: with two, the producer copies the next tile's Q (and its tile record) into the other buffer as soon
+    // as the tile before this one has released it, instead of after this tile's last S GEMM; the consumers' flow is
+    // the same (tile i uses buffer i % kQBuffers)
+    static constexpr int kQBuffers = kQBuffers_;
+    static_assert(kQBuffers == 1 || (kQBuffers == 2 && kSeparateO_), "one Q buffer, or two and O in its own tile");
     // O staged in a tile of its own (Q is released after the tile's last S GEMM) or through Q (released after the
     // epilogue has read O back: head dims whose Q + O + K/V stages do not fit in shared memory)
     static constexpr bool kSeparateO = kSeparateO_;
@@ -96,13 +101,14 @@ struct FwdSm90Traits {
     using TileKV = SmemTile<kBlockN, kHeadDim>;
     static_assert(TileQ::kBlockCols == 64 && TileKV::kBlockCols == 64, "128-byte rows");
     static constexpr int kColBlocks = kHeadDim / 64;  // TMA boxes per tile
-    // Barriers after the tiles: full_q, empty_q, then full_k, empty_k, full_v, empty_v (kStages each), 8 bytes apiece.
+    // Barriers after the tiles: full_q, empty_q, then full_k, empty_k, full_v, empty_v (kStages each), then the second
+    // Q buffer's full_q, empty_q; 8 bytes apiece. The area's last 48 bytes per Q buffer: its tile record and slot.
     static constexpr int kBarrierBytes = 256;
-    static_assert(8 * (3 + 4 * kStages) <= kBarrierBytes - 48, "barrier area (the last 48 bytes: tile record, slot)");
-    // Q, O staging (its own buffer: the next tile's Q is copied while this tile's O is written), K and V stages;
-    // + 1024: the tiles start at the first 1024-byte boundary (the 128-byte swizzle repeats every 1024 bytes)
+    static_assert(8 * (2 * kQBuffers + 4 * kStages) <= kBarrierBytes - 48 * kQBuffers, "barrier area");
+    // Q (kQBuffers), O staging (its own buffer: the next tile's Q is copied while this tile's O is written), K and V
+    // stages; + 1024: the tiles start at the first 1024-byte boundary (the 128-byte swizzle repeats every 1024 bytes)
     static constexpr int kSmemBytes =
-        (kSeparateO ? 2 : 1) * TileQ::kBytes + 2 * kStages * TileKV::kBytes + 1024 + kBarrierBytes;
+        (kQBuffers + (kSeparateO ? 1 : 0)) * TileQ::kBytes + 2 * kStages * TileKV::kBytes + 1024 + kBarrierBytes;
     // Named barrier ids (0 is __syncthreads): 1 + c = consumer c's turn to issue GEMMs, 3 + c = its epilogue.
     static constexpr int kBarSchedule = 1, kBarEpilogue = 3;
 };
@@ -176,21 +182,27 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     const bool varlen = p.cu_seqlens_q != nullptr;  // varlen maps have one batch entry
 
     const u32 smem_base = (smem_u32(smem) + 1023) & ~1023u;
-    const u32 sQ = smem_base, sO = T::kSeparateO ? sQ + TileQ::kBytes : sQ;
+    // Q buffer b of kQBuffers at sQ0 + b * TileQ::kBytes (tile i in buffer i % kQBuffers); O after them (or in Q)
+    const u32 sQ0 = smem_base, sO = T::kSeparateO ? sQ0 + T::kQBuffers * TileQ::kBytes : sQ0;
     const u32 sK = sO + TileQ::kBytes, sV = sK + kStages * TileKV::kBytes;
     const u32 bars = sV + kStages * TileKV::kBytes;
-    const u32 full_q = bars, empty_q = bars + 8;
-    const u32 tile_slot = bars + T::kBarrierBytes - 8;  // the tile the consumers work on next, -1 at the end
+    auto full_q = [&](int b) { return b == 0 ? bars : bars + 8 * (2 + 4 * kStages); };
+    auto empty_q = [&](int b) { return full_q(b) + 8; };
+    // the tile the consumers work on next, -1 at the end
+    auto tile_slot = [&](int b) { return bars + T::kBarrierBytes - 48 * b - 8; };
     // FT_FWD_TILE_RECORD=1: the producer also stores the tile's FwdTile fields (it computes them anyway) for the
     // consumers, whose eight warps would otherwise each redo its divisions and sequence bounds
-    const u32 tile_record = bars + T::kBarrierBytes - 48;
+    auto tile_record = [&](int b) { return bars + T::kBarrierBytes - 48 * b - 48; };
     auto full_k = [&](int s) { return bars + 8 * (2 + s); };
     auto empty_k = [&](int s) { return bars + 8 * (2 + kStages + s); };
     auto full_v = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
     auto empty_v = [&](int s) { return bars + 8 * (2 + 3 * kStages + s); };
     if (tid == 0) {
-        mbar_init(full_q, 1);
-        mbar_init(empty_q, 4 * T::kNConsumers);  // one arrival per consumer warp
+#pragma unroll
+        for (int b = 0; b < T::kQBuffers; ++b) {
+            mbar_init(full_q(b), 1);
+            mbar_init(empty_q(b), 4 * T::kNConsumers);  // one arrival per consumer warp
+        }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full_k(s), 1);
@@ -222,23 +234,26 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             FwdTile x;
             for (int tile = blockIdx.x;; tile = next_tile(tile)) {
                 if (tile < n_tiles && !fwd_tile<T>(p, tile, n_mblocks, x)) continue;
-                mbar_wait(empty_q, (tile_iter & 1) ^ 1);  // the consumers' last S GEMM of the previous tile is done
-                atomic_store_shared(tile_slot, tile < n_tiles ? tile : -1);  // (ordered by empty_q / full_q)
+                const int qb = tile_iter % T::kQBuffers;
+                const u32 sQ = sQ0 + qb * TileQ::kBytes;
+                // the consumers' last S GEMM of the buffer's previous tile is done
+                mbar_wait(empty_q(qb), ((tile_iter / T::kQBuffers) & 1) ^ 1);
+                atomic_store_shared(tile_slot(qb), tile < n_tiles ? tile : -1);  // (ordered by empty_q / full_q)
                 if (FT_FWD_TILE_RECORD && tile < n_tiles) {
                     const int fields[9] = {x.m0,      x.batch,    x.head,     x.head_kv,    x.q_start,
                                            x.k_start, x.seqlen_q, x.seqlen_k, x.n_block_max};
 #pragma unroll
-                    for (int i = 0; i < 9; ++i) atomic_store_shared(tile_record + 4 * i, fields[i]);
+                    for (int i = 0; i < 9; ++i) atomic_store_shared(tile_record(qb) + 4 * i, fields[i]);
                 }
                 if (tile >= n_tiles) {
-                    mbar_arrive(full_q);  // no copy: the consumers read the end mark and stop
+                    mbar_arrive(full_q(qb));  // no copy: the consumers read the end mark and stop
                     break;
                 }
                 const int batch_coord = varlen ? 0 : x.batch;
-                mbar_arrive_expect_tx(full_q, TileQ::kBytes);
+                mbar_arrive_expect_tx(full_q(qb), TileQ::kBytes);
 #pragma unroll
                 for (int cb = 0; cb < T::kColBlocks; ++cb)
-                    tma_load_4d(sQ + cb * kBlockM * 128, &params.tma_q, full_q, cb * 64, x.q_start + x.m0, x.head,
+                    tma_load_4d(sQ + cb * kBlockM * 128, &params.tma_q, full_q(qb), cb * 64, x.q_start + x.m0, x.head,
                                 batch_coord);
                 KeyBlockWalk<T> walk(p, x.head, x.m0, x.n_block_max);
                 for (; walk.n_block >= 0; walk.next(), ++it) {
@@ -292,9 +307,11 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     int it = 0;
     for (int tile_iter = 0;; ++tile_iter) {
         FT_TIMELINE_MARK(wg, tile_iter, 0);
-        mbar_wait(full_q, tile_iter & 1);  // Q landed, or the end mark
+        const int qb = tile_iter % T::kQBuffers;
+        const u32 sQ = sQ0 + qb * TileQ::kBytes, empty_qb = empty_q(qb);
+        mbar_wait(full_q(qb), (tile_iter / T::kQBuffers) & 1);  // Q landed, or the end mark
         FT_TIMELINE_MARK(wg, tile_iter, 1);
-        const int tile = ld_shared_b32(tile_slot);
+        const int tile = ld_shared_b32(tile_slot(qb));
         if (tile < 0) {
             if constexpr (T::kPingPong)
                 if (cw == 0) schedule_wait();  // consumer 1's last hand-over
@@ -304,7 +321,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         if constexpr (FT_FWD_TILE_RECORD) {
             int fields[9];
 #pragma unroll
-            for (int i = 0; i < 9; ++i) fields[i] = ld_shared_b32(tile_record + 4 * i);
+            for (int i = 0; i < 9; ++i) fields[i] = ld_shared_b32(tile_record(qb) + 4 * i);
             x = FwdTile{fields[0], fields[1], fields[2], fields[3], fields[4],
                         fields[5], fields[6], fields[7], fields[8]};
         } else {
@@ -393,7 +410,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         // process, hd64 non-causal forward TFLOP/s with / without: 512 392 / 370, 1K 448 / 424, 4K 517 / 508.)
         const bool idle = m0 + cw * 64 >= seqlen_q || (T::kShiftRows && m0 + cw * 64 + 64 <= 0);
         if (walk.n_block < 0) {
-            if (T::kSeparateO && lead_lane) mbar_arrive(empty_q);  // nothing to read: Q is free at once
+            if (T::kSeparateO && lead_lane) mbar_arrive(empty_qb);  // nothing to read: Q is free at once
         } else if (idle) {
             for (; walk.n_block >= 0; ++it) {
                 const int stage = it % kStages;
@@ -406,7 +423,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 if (lead_lane) {
                     mbar_arrive(empty_k(stage));
                     mbar_arrive(empty_v(stage));
-                    if (T::kSeparateO && last) mbar_arrive(empty_q);
+                    if (T::kSeparateO && last) mbar_arrive(empty_qb);
                 }
             }
         } else {
@@ -427,7 +444,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 FT_TIMELINE_MARK(wg, tile_iter, 2);
                 if (lead_lane) {
                     mbar_arrive(empty_k(stage));
-                    if (T::kSeparateO && last) mbar_arrive(empty_q);
+                    if (T::kSeparateO && last) mbar_arrive(empty_qb);
                 }
                 if (needs_mask(n_block)) mask(s, n_block);
 #pragma unroll
@@ -463,7 +480,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 fence_operand(s);
                 if (lead_lane) {
                     mbar_arrive(empty_k(stage));
-                    if (T::kSeparateO && last) mbar_arrive(empty_q);
+                    if (T::kSeparateO && last) mbar_arrive(empty_qb);
                 }
                 if constexpr (kMask) mask(s, n_block);
                 float correction[2];
@@ -541,7 +558,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         }
         if constexpr (!T::kSeparateO) {  // O was staged in Q: free it once the warp has read its O rows back
             __syncwarp();
-            if (lead_lane) mbar_arrive(empty_q);
+            if (lead_lane) mbar_arrive(empty_qb);
         }
         FT_TIMELINE_MARK(wg, tile_iter, 5);
         FT_TIMELINE_PUT(wg, tile_iter, 7, (unsigned long long)it);
