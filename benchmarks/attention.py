@@ -5,8 +5,14 @@ naive PyTorch attention, in one process on one GPU.
 Setting of the FlashAttention-2/3 papers: bf16, head dim 64 and 128, hidden 2048 (nheads = 2048 / head_dim), seqlen
 512 ... 16K with batch * seqlen = 16K tokens, causal and not. FLOPs: forward 4 * batch * nheads * seqlen^2 * head_dim
 (halved when causal), backward 2.5x forward. Each time is the median of timed repeats (CUDA events, after warm-up);
-the implementations are measured in turn, in --rounds rounds (the order reversed every other round), and each keeps
-its best round (a clock dip then costs one window of one implementation, not its result). Memory: peak extra memory of one forward + backward (beyond inputs and gradients) at batch 16, 8 heads, head dim 64,
+the implementations' calls are interleaved (--timing interleaved, the default since 2026-11-26: each repeat calls
+every implementation once, the order rotated per repeat, so all of them run under the same clocks and power state),
+in --rounds rounds with fresh inputs, and each keeps its best round. (--timing windows: each implementation's repeats
+back to back, implementations in turn, the order reversed every other round; on an H200 at its 700 W cap the same
+kernels measured 0.88-1.13x of cuDNN from run to run that way, interleaved within 0.3%. Interleaving measures the
+ratios; absolute TFLOP/s run higher than in sustained use of one implementation, as the slower backends' calls
+between them cool the GPU: benchmarks/probes/clock_probe.py measures sustained speed.)
+Memory: peak extra memory of one forward + backward (beyond inputs and gradients) at batch 16, 8 heads, head dim 64,
 seqlen 1K ... 64K.
 
     python benchmarks/attention.py                      # full run: table, benchmarks/results/attention-<gpu>.json/.png
@@ -37,6 +43,7 @@ the speedup over dense flashtrain. The timed call includes building the mask's i
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -118,6 +125,58 @@ def time_passes(fn, inputs, dout, repeats: int, label: str, warmup: int = 3) -> 
     return times
 
 
+def time_passes_interleaved(cases: dict, repeats: int, label: str, warmup: int = 3) -> dict:
+    """{impl: times as time_passes} for cases {impl: (fn, inputs, dout)}, the implementations' calls interleaved:
+    per pass, repeat r times one call of each implementation (in an order rotated every repeat), each call between
+    CUDA events, no host sync in between; median per implementation. Every implementation then runs under the same
+    clocks and power state (sequential windows of one implementation's calls measured the same kernel 0.88-1.13x of
+    cuDNN from run to run on an H200 at the 700 W cap)."""
+    times = {impl: {} for impl in cases}
+    outs = {}
+
+    def calls(kind):
+        for impl, (fn, inputs, dout) in cases.items():
+            if kind == "fwd":
+                yield impl, lambda fn=fn, inputs=inputs: fn(*inputs)
+            elif kind == "bwd":
+                yield impl, lambda impl=impl, inputs=inputs, dout=dout: torch.autograd.grad(
+                    outs[impl], inputs, dout, retain_graph=True)
+            else:
+                yield impl, lambda fn=fn, inputs=inputs, dout=dout: torch.autograd.grad(fn(*inputs), inputs, dout)
+
+    for kind, _ in PASSES:
+        ready = {}
+        for impl, call in calls(kind):
+            try:  # a backend that refuses the shape (or runs out of memory) misses this pass
+                if kind == "bwd":
+                    fn, inputs, _ = cases[impl]
+                    outs[impl] = fn(*inputs)
+                with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
+                    for _ in range(warmup):
+                        call()
+                ready[impl] = call
+            except (RuntimeError, ValueError, NotImplementedError) as error:
+                print(f"  {impl} {label} {kind}: {type(error).__name__}: {str(error)[:120]}")
+                outs.pop(impl, None)
+        order = list(ready)
+        events = {impl: [] for impl in order}
+        torch.cuda.synchronize()
+        with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
+            for r in range(repeats):
+                for impl in order[r % len(order):] + order[:r % len(order)] if order else []:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    ready[impl]()
+                    end.record()
+                    events[impl].append((start, end))
+        torch.cuda.synchronize()
+        for impl in order:
+            times[impl][kind] = statistics.median(start.elapsed_time(end) for start, end in events[impl])
+        outs.clear()
+    torch.cuda.empty_cache()
+    return times
+
+
 def time_impl(impl, batch, seqlen, nheads, head_dim, causal, repeats):
     """Forward, backward and forward+backward times in ms (None where the implementation cannot run)."""
     q, k, v, dout = make_inputs(impl, batch, seqlen, nheads, head_dim, requires_grad=True)
@@ -128,6 +187,12 @@ def time_impl(impl, batch, seqlen, nheads, head_dim, causal, repeats):
 
 
 PASSES = (("fwd", 1.0), ("bwd", 2.5), ("fb", 3.5))  # each pass's FLOPs in units of the forward's
+
+
+def unpack_inputs(tensors) -> tuple:
+    """make_inputs' q, k, v, dout as (inputs, dout)."""
+    q, k, v, dout = tensors
+    return (q, k, v), dout
 
 
 def keep_best(row: dict, impl: str, times: dict, fwd_flops: float) -> None:
@@ -145,7 +210,7 @@ def round_order(impls, round_index: int) -> list:
     return list(impls) if round_index % 2 == 0 else list(reversed(impls))
 
 
-def speed(seqlens, repeats, rounds):
+def speed(seqlens, repeats, rounds, interleave=True):
     rows = []
     for head_dim in (64, 128):
         nheads = HIDDEN // head_dim
@@ -155,6 +220,18 @@ def speed(seqlens, repeats, rounds):
                 fwd_flops = 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
                 row = {"hd": head_dim, "S": seqlen, "B": batch, "H": nheads, "causal": causal}
                 for round_index in range(rounds):
+                    if interleave:  # naive (seconds per call at 16K) alone in round 0, the others interleaved
+                        if round_index == 0:
+                            keep_best(row, "naive", time_impl("naive", batch, seqlen, nheads, head_dim, causal,
+                                                              repeats), fwd_flops)
+                        cases = {impl: (attention_fn(impl, causal), *unpack_inputs(
+                            make_inputs(impl, batch, seqlen, nheads, head_dim, requires_grad=True)))
+                            for impl in IMPLS[:-1]}
+                        for impl, times in time_passes_interleaved(
+                                cases, repeats, f"hd{head_dim} S{seqlen} causal={causal}").items():
+                            keep_best(row, impl, times, fwd_flops)
+                        del cases
+                        continue
                     for impl in round_order(IMPLS if round_index == 0 else IMPLS[:-1], round_index):
                         keep_best(row, impl, time_impl(impl, batch, seqlen, nheads, head_dim, causal, repeats),
                                   fwd_flops)
@@ -364,12 +441,18 @@ def add_ratios(row: dict) -> None:
         row[f"ratio_{kind}"] = round(flashtrain / best_tflops, 3) if flashtrain and best_tflops else None
 
 
-def workload_speed(repeats: int, rounds: int) -> list[dict]:
+def workload_speed(repeats: int, rounds: int, interleave: bool = True) -> list[dict]:
     """One row per workload: best-round ms and TFLOP/s of each implementation per pass, and the ratios."""
     rows = []
     for w in workloads():
         row = {"name": w.name, "shape": w.shape(), **asdict(w), "fwd_gflop": round(w.fwd_flops() / 1e9, 2)}
         for round_index in range(rounds):
+            if interleave:
+                cases = {impl: workload_case(impl, w) for impl in WORKLOAD_IMPLS}
+                for impl, times in time_passes_interleaved(cases, repeats, w.name).items():
+                    keep_best(row, impl, times, w.fwd_flops())
+                del cases
+                continue
             for impl in round_order(WORKLOAD_IMPLS, round_index):
                 if round_index and all(row[f"{impl}_{kind}"] is None for kind, _ in PASSES):
                     continue  # refused every pass in round 0: it will again
@@ -558,7 +641,8 @@ def run_grid(args, env: dict, out: Path) -> str:
     """The 24-configuration grid (+ memory sweep): JSON and PNG at out; returns its markdown table."""
     seqlens = [1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
     print(GRID_HEADER)
-    rows = speed(seqlens, 5 if args.quick else args.repeats, 1 if args.quick else args.rounds)
+    rows = speed(seqlens, 5 if args.quick else args.repeats, 1 if args.quick else args.rounds,
+                 interleave=args.timing == "interleaved")
     mem = [] if args.quick else memory([1024, 2048, 4096, 8192, 16384, 32768, 65536])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "rows": rows, "memory": mem}, indent=1))
@@ -569,7 +653,8 @@ def run_grid(args, env: dict, out: Path) -> str:
 
 def run_workloads(args, env: dict, out: Path) -> str:
     """The workloads table: JSON and PNG at out; returns its markdown table."""
-    rows = workload_speed(5 if args.quick else args.repeats, 1 if args.quick else args.rounds)
+    rows = workload_speed(5 if args.quick else args.repeats, 1 if args.quick else args.rounds,
+                          interleave=args.timing == "interleaved")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     plot_workloads(rows, out.with_suffix(".png"), env["gpu"])
@@ -583,6 +668,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="seqlens 1K and 4K, 5 repeats, 1 round, no memory sweep")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timing", choices=("interleaved", "windows"), default="interleaved",
+                        help="interleaved: each repeat calls every implementation once (same clocks for all); "
+                             "windows: each implementation's repeats back to back, implementations in turn (the "
+                             "method of the records before 2026-11-26)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (PNG beside it): of the grid, or with --workloads of the workloads table "
                              "(with --all the workloads file goes beside the grid's); with --block-sparse a directory")
@@ -598,7 +687,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     env = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "sms": torch.cuda.get_device_properties(0).multi_processor_count, "bf16_matmul_tflops": matmul_tflops()}
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count, "bf16_matmul_tflops": matmul_tflops(),
+           "timing": args.timing}
     print(json.dumps(env))
     if args.block_sparse:
         out_dir = args.out or RESULTS

@@ -1,0 +1,129 @@
+"""Probe: A/B of kernel variants with interleaved CUDA-graph replays, bf16, the benchmark grid's shapes (batch x seqlen
+= 16K tokens, 2048 / head_dim heads). Each implementation's call is captured once as a CUDA graph (with its variant
+active), then the graphs are replayed in turn, one replay of each per repeat (order rotated every repeat), each between
+CUDA events: every variant runs under the same clocks and power state, and no host work sits between the events.
+Medians per implementation; ratios to the first implementation and to cuDNN.
+
+Implementations: flashtrain; flashtrain+FT_MACRO=v[+...] (kernels compiled with those macros, sm90_bwd_probe's
+kernel_variant); flashtrain@ENV=v[@...] (environment variables set while the call is captured, e.g.
+flashtrain@FLASHTRAIN_BWD_SM90_Q80=0: dispatch switches read at plan time); cudnn, fa2 (SDPA backends).
+
+    PYTHONPATH=$PWD python3 benchmarks/probes/ab_probe.py --impls flashtrain flashtrain+FT_X=1 cudnn \
+        --configs 64:512:causal 128:4096:full [--pass fwd|fb]
+"""
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashtrain.kernels import flash_attn_func
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sm90_bwd_probe import drop_plans, kernel_variant  # noqa: E402
+
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
+GRID = [f"{hd}:{s}:{m}" for hd in (64, 128) for s in (512, 1024, 2048, 4096, 8192, 16384) for m in ("full", "causal")]
+
+
+@contextlib.contextmanager
+def env_variant(name: str):
+    """flashtrain@ENV=v[@...]: the variables set (launch plans dropped on entry and exit)."""
+    items = dict(item.split("=", 1) for item in name.split("@")[1:])
+    saved = {key: os.environ.get(key) for key in items}
+    os.environ.update(items)
+    drop_plans()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        drop_plans()
+
+
+def capture(name: str, head_dim: int, seqlen: int, causal: bool, kind: str) -> torch.cuda.CUDAGraph:
+    """One call of `name` (fwd, or fwd + backward) as a CUDA graph, on inputs of its own."""
+    batch, nheads = 16384 // seqlen, 2048 // head_dim
+    flashtrain = name.startswith("flashtrain")
+    shape = (batch, seqlen, nheads, head_dim) if flashtrain else (batch, nheads, seqlen, head_dim)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=kind == "fb")
+                     for _ in range(4))
+
+    def call():
+        if flashtrain:
+            out = flash_attn_func(q, k, v, causal=causal, impl="cuda")
+        else:
+            with sdpa_kernel(BACKENDS[name]):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if kind == "fb":
+            torch.autograd.grad(out, (q, k, v), dout)
+
+    with contextlib.ExitStack() as stack:
+        if flashtrain:
+            stack.enter_context(env_variant(name.split("+")[0]))
+            stack.enter_context(kernel_variant("+".join(["flashtrain"] + name.split("@")[0].split("+")[1:])))
+        if kind == "fwd":
+            stack.enter_context(torch.no_grad())
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # build, load, warm up outside the capture
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+    graph.inputs = (q, k, v, dout)  # keep them alive with the graph
+    return graph
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impls", nargs="+", default=["flashtrain", "cudnn"])
+    parser.add_argument("--configs", nargs="+", default=GRID, help="head_dim:seqlen:full|causal")
+    parser.add_argument("--pass", dest="kind", choices=("fwd", "fb"), default="fwd")
+    parser.add_argument("--repeats", type=int, default=40)
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, f"cuDNN {torch.backends.cudnn.version()}", args.kind,
+          flush=True)
+    for config in args.configs:
+        head_dim, seqlen, mask = config.split(":")
+        head_dim, seqlen, causal = int(head_dim), int(seqlen), mask == "causal"
+        graphs = {name: capture(name, head_dim, seqlen, causal, args.kind) for name in args.impls}
+        names, times = list(graphs), {name: [] for name in graphs}
+        for graph in graphs.values():  # warm up the replays
+            graph.replay()
+        torch.cuda.synchronize()
+        events = []
+        for r in range(args.repeats):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graphs[name].replay()
+                end.record()
+                events.append((name, start, end))
+        torch.cuda.synchronize()
+        for name, start, end in events:
+            times[name].append(start.elapsed_time(end))
+        flops = 4 * (16384 // seqlen) * (2048 // head_dim) * seqlen**2 * head_dim / (2 if causal else 1)
+        flops *= 3.5 if args.kind == "fb" else 1.0
+        tflops = {name: flops / statistics.median(times[name]) / 1e9 for name in names}
+        line = "  ".join(f"{name} {tflops[name]:6.1f}" for name in names)
+        ratios = "".join(f"  /{names[0]}: {name} {tflops[name] / tflops[names[0]]:.3f}" for name in names[1:]
+                         if name.startswith("flashtrain"))
+        ratios += "".join(f"  {name}/cudnn {tflops[name] / tflops['cudnn']:.3f}" for name in names
+                          if "cudnn" in tflops and name.startswith("flashtrain"))
+        print(f"hd{head_dim} S{seqlen:<6} {mask:<6} {args.kind} TFLOP/s {line}{ratios}", flush=True)
+        del graphs
+
+
+if __name__ == "__main__":
+    main()
