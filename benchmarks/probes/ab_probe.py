@@ -6,7 +6,9 @@ Medians per implementation; ratios to the first implementation and to cuDNN.
 
 Implementations: flashtrain; flashtrain+FT_MACRO=v[+...] (kernels compiled with those macros, sm90_bwd_probe's
 kernel_variant); flashtrain@ENV=v[@...] (environment variables set while the call is captured, e.g.
-flashtrain@FLASHTRAIN_BWD_SM90_Q80=0: dispatch switches read at plan time); cudnn, fa2 (SDPA backends).
+flashtrain@FLASHTRAIN_BWD_SM90_Q80=0: dispatch switches read at plan time; build.NAME=v sets an int attribute of
+flashtrain.kernels.build instead, e.g. flashtrain@build.LONG_CAUSAL_SEQLEN=512); both: flashtrain+MACRO=v@ENV=v;
+cudnn, fa2 (SDPA backends).
 
     PYTHONPATH=$PWD python3 benchmarks/probes/ab_probe.py --impls flashtrain flashtrain+FT_X=1 cudnn \
         --configs 64:512:causal 128:4096:full [--pass fwd|fb]
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashtrain.kernels import flash_attn_func
+from flashtrain.kernels import build, flash_attn_func
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sm90_bwd_probe import drop_plans, kernel_variant  # noqa: E402
@@ -33,10 +35,15 @@ GRID = [f"{hd}:{s}:{m}" for hd in (64, 128) for s in (512, 1024, 2048, 4096, 819
 
 @contextlib.contextmanager
 def env_variant(name: str):
-    """flashtrain@ENV=v[@...]: the variables set (launch plans dropped on entry and exit)."""
+    """flashtrain@ENV=v[@...]: the variables (or build.NAME attributes) set (launch plans dropped on entry and exit)."""
     items = dict(item.split("=", 1) for item in name.split("@")[1:])
+    attrs = {key[len("build."):]: int(value) for key, value in items.items() if key.startswith("build.")}
+    items = {key: value for key, value in items.items() if not key.startswith("build.")}
     saved = {key: os.environ.get(key) for key in items}
+    saved_attrs = {key: getattr(build, key) for key in attrs}
     os.environ.update(items)
+    for key, value in attrs.items():
+        setattr(build, key, value)
     drop_plans()
     try:
         yield
@@ -46,6 +53,8 @@ def env_variant(name: str):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        for key, value in saved_attrs.items():
+            setattr(build, key, value)
         drop_plans()
 
 
@@ -68,8 +77,8 @@ def capture(name: str, head_dim: int, seqlen: int, causal: bool, kind: str) -> t
 
     with contextlib.ExitStack() as stack:
         if flashtrain:
-            stack.enter_context(env_variant(name.split("+")[0]))
-            stack.enter_context(kernel_variant("+".join(["flashtrain"] + name.split("@")[0].split("+")[1:])))
+            stack.enter_context(env_variant(name))
+            stack.enter_context(kernel_variant(name.split("@")[0]))
         if kind == "fwd":
             stack.enter_context(torch.no_grad())
         side = torch.cuda.Stream()
