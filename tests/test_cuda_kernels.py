@@ -362,7 +362,8 @@ def test_cuda_graph_capture_replays():
 
 def _sanitizer_grid() -> None:
     """A small grid of forward + backward calls covering every kernel path (on Hopper the warpgroup-MMA kernels too:
-    head dims 40, 64, 128 with and without dropout, the dense hd128 backward's 80-query blocks), for compute-sanitizer."""
+    head dims 40, 64, 128 with and without dropout, the dense hd128 backward's 80-query blocks, the causal hd128
+    forward's two Q buffers), for compute-sanitizer."""
     for head_dim, dtype, causal, dropout_p in [(64, torch.float16, False, 0.0), (128, torch.bfloat16, True, 0.1),
                                                 (96, torch.float16, True, 0.0), (256, torch.bfloat16, False, 0.0),
                                                 (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2),
@@ -387,6 +388,9 @@ def _sanitizer_grid() -> None:
         q, k, v, dout = _inputs((1, 2048, 16, head_dim), (1, 2048, nheads_kv, head_dim), torch.bfloat16)
         _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, return_lse=True,
                                              impl="cuda"), q, k, v, dout)
+    # the causal hd128 forward below 1K query rows (two Q buffers) with several tiles per CTA (256 tiles)
+    q, k, v, dout = _inputs((2, 960, 16, 128), (2, 960, 16, 128), torch.bfloat16)
+    _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
     torch.cuda.synchronize()
     print("sanitizer grid done")
 
