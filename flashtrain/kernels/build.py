@@ -128,11 +128,13 @@ FWD_SM90_TILES_NONCAUSAL = {
 # too (H200, bf16 forward vs cuDNN, 2026-11-25, each variant its own process, two runs each: 1K 0.89 -> 0.93,
 # 1.5K 0.89 -> 0.97-0.98, 2K 0.91 -> 0.97-0.98, 3K 0.92-0.96 -> 1.01-1.02, 4K 0.93-0.94 -> 1.05-1.07; 512: 0.87 either
 # way). The 1K gain needs the causal tiles to end at the sequence's last row (flash_fwd_sm90.cuh kShiftRows): with
-# the partial tile last, 192-row tiles were 0.84-0.86 at 1K. Bitwise the same result (same block_n).
+# the partial tile last, 192-row tiles were 0.84-0.86 at 1K. Bitwise the same result (same block_n). From 512 since
+# 2026-11-26 (H200, CUDA-graph replays interleaved in one process, benchmarks/probes/ab_probe.py, 192 / 128 rows:
+# 512 1.019, 768 1.044; 1.000 and 1.013 of cuDNN).
 FWD_SM90_TILES_LONG_CAUSAL = {
     64: FwdSm90Tiles(192, 128, stages=2),
 }
-LONG_CAUSAL_SEQLEN = 1024
+LONG_CAUSAL_SEQLEN = 512
 # Causal without dropout / block-sparse below SHORT_CAUSAL_SEQLEN query rows (max_seqlen_q known and smaller): two Q
 # buffers at head dim 128, so that the producer copies the next tile's Q while this one runs (its 1-4 key blocks
 # leave little time after the last S GEMM, when one buffer frees). H200, 2026-11-26, CUDA-graph replays interleaved
