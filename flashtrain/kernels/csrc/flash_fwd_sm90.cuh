@@ -17,7 +17,10 @@
 //   The grid is persistent: each CTA loops over tiles (fwd_tile below). The producer picks the next tile, waits for
 //     the consumers' "empty_q" (their last S GEMM of the current tile), writes the tile's index to a shared slot and
 //     copies its Q, then its K/V, while the consumers still run the current tile's last P V product and epilogue;
-//     the consumers read the slot once "full_q" completes (index -1: no more tiles).
+//     the consumers read the slot once "full_q" completes (index -1: no more tiles). With two Q buffers
+//     (FwdSm90Traits::kQBuffers; build.py dispatches them to causal hd128 below 1K rows) tile i uses buffer i % 2, its
+//     slot, tile record and full_q / empty_q pair, so the producer copies the next tile's Q as soon as the tile before
+//     the current one has released that buffer.
 //
 // Key blocks are walked from the last to the first (the blocks that need a mask come first); block-sparse walks the
 // non-zero blocks of the query block's row of the block mask (utils.cuh SparseWalkDesc). Dropout draws the same
