@@ -22,7 +22,8 @@ from flashtrain.data.lm import LMTask
 
 from flashtrain.train import train
 from flashtrain.train.checkpoint import (DamagedCheckpointError, DamagedCheckpointWarning, checkpoint_problem,
-                                         read_manifest, resolve_resume, run_checkpoints)
+                                         prune_after_resume, read_manifest, resolve_resume, run_checkpoints,
+                                         write_manifest)
 from flashtrain.train.trainer import read_metrics
 from hydra_config import compose_config
 from test_train import ROOT, tiny_overrides
@@ -141,6 +142,36 @@ def test_resume_auto_continues_the_newest_run_in_its_own_directory(full_run, cac
     assert losses(resumed.history, "val_loss") == losses(full_run.history, "val_loss")
     assert (run / "curves.png").stat().st_size > 10_000
     assert [c.name for c in run_checkpoints(run)] == ["step_00000003", "step_00000006", "step_00000009"]
+
+
+def test_a_resumed_run_prunes_what_a_killed_launch_left(tmp_path):
+    """A launch killed between its last save and that save's pruning (or during the pruning) leaves older
+    checkpoints, one half deleted; the launch that resumes the run at its last step saves nothing more. So the
+    resume prunes: older checkpoints beyond keep - 1 go, with unfinished saves; the resumed one and newer ones stay."""
+    run = tmp_path / "run"
+
+    def make(*steps, damaged=()):
+        shutil.rmtree(run, ignore_errors=True)
+        for step in steps:
+            ckpt = run / "checkpoints" / f"step_{step:08d}"
+            ckpt.mkdir(parents=True)
+            (ckpt / "model.safetensors").write_bytes(bytes(step))
+            if step not in damaged:
+                write_manifest(ckpt, step, config={})
+        (run / "checkpoints" / ".tmp-step_00000027").mkdir()
+
+    def names():
+        return [c.name for c in run_checkpoints(run)] + [p.name for p in (run / "checkpoints").glob(".tmp-*")]
+
+    make(15, 18, 21, 24, damaged=(15,))  # killed while deleting step 15, after saving step 24
+    removed = prune_after_resume(run / "checkpoints" / "step_00000024", keep=2)
+    assert names() == ["step_00000021", "step_00000024"] and len(removed) == 3
+    make(15, 18, 21, damaged=(21,))  # the newest one damaged: the run resumes from 18 and will save 21 again
+    prune_after_resume(run / "checkpoints" / "step_00000018", keep=2)
+    assert names() == ["step_00000015", "step_00000018", "step_00000021"]
+    make(15, 18, 21, damaged=(21,))
+    prune_after_resume(run / "checkpoints" / "step_00000018", keep=1)
+    assert names() == ["step_00000018", "step_00000021"]
 
 
 def test_resume_auto_logs_into_the_same_wandb_run(cache_dir, tmp_path):

@@ -210,6 +210,20 @@ def _prune(ckpt_root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def prune_after_resume(resumed: Path, keep: int) -> list[Path]:
+    """A run resumed from `resumed` in its own run directory: delete what a killed launch of it left beyond `keep`
+    (a kill between a save and its pruning, or during the pruning, leaves older checkpoints, some half deleted, and a
+    run resumed at its last step saves nothing more that would prune them), and its unfinished saves (.tmp-step_*).
+    Only checkpoints older than `resumed` go, the newest keep - 1 of them stay: newer ones (damaged, or else the resume
+    would have taken them) are replaced when the run saves their step again. Returns the deleted paths."""
+    ckpt_root = Path(resumed).parent
+    older = [c for c in run_checkpoints(ckpt_root.parent) if c.name < Path(resumed).name]
+    stale = older[:max(0, len(older) - (keep - 1))] + sorted(ckpt_root.glob(".tmp-step_*"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
 def run_checkpoints(run_dir: Path) -> list[Path]:
     """The complete (renamed into place) checkpoints of one run directory, oldest first."""
     return sorted(p for p in (Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())

@@ -32,8 +32,8 @@ from flashtrain.data.task import Task, check_model_fits
 from flashtrain.models.padding import Unpadding
 from flashtrain.train import activation_checkpoint
 from flashtrain.train.checkpoint import (MODEL_FILES, TrainState, accelerate_warnings_only, check_writable,
-                                        checkpoint_format, config_differences, config_fingerprint, resolve_resume,
-                                        save_checkpoint)
+                                        checkpoint_format, config_differences, config_fingerprint,
+                                        prune_after_resume, resolve_resume, save_checkpoint)
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.hf_files import save_model_files
 from flashtrain.train.metrics import MetricsLog
@@ -199,6 +199,10 @@ class Trainer:
             with accelerate_warnings_only():
                 accelerator.load_state(str(self.checkpoint))
             self._print(f"resumed from {self.checkpoint} at step {self.state.step}")
+            if self.main and self.checkpoint.parent.parent == self.run_dir:  # the same run continues
+                for path in prune_after_resume(self.checkpoint, tcfg.keep_checkpoints):
+                    self._print(f"removed {path} (trainer.keep_checkpoints={tcfg.keep_checkpoints}; left by a "
+                                f"stopped launch)")
             self._continue_data_position()
         elif cfg.resume is not None:
             self._print(f"resume={cfg.resume}: no checkpoint found under {runs_of_name}, starting fresh")
