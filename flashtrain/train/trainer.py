@@ -199,10 +199,7 @@ class Trainer:
             with accelerate_warnings_only():
                 accelerator.load_state(str(self.checkpoint))
             self._print(f"resumed from {self.checkpoint} at step {self.state.step}")
-            if self.main and self.checkpoint.parent.parent == self.run_dir:  # the same run continues
-                for path in prune_after_resume(self.checkpoint, tcfg.keep_checkpoints):
-                    self._print(f"removed {path} (trainer.keep_checkpoints={tcfg.keep_checkpoints}; left by a "
-                                f"stopped launch)")
+            self._prune_left_behind()
             self._continue_data_position()
         elif cfg.resume is not None:
             self._print(f"resume={cfg.resume}: no checkpoint found under {runs_of_name}, starting fresh")
@@ -478,6 +475,13 @@ class Trainer:
         self.stop_message = (f"{reason}; checkpoint: {self.last_checkpoint}. Continue with the same command and "
                              f"resume={self.run_dir} (or resume=auto)")
         return True
+
+    def _prune_left_behind(self) -> None:
+        """The run continues in its own directory: the checkpoints a killed launch left beyond keep_checkpoints go."""
+        if self.main and self.checkpoint.parent.parent == self.run_dir:
+            keep = self.tcfg.keep_checkpoints
+            for path in prune_after_resume(self.checkpoint, keep):
+                self._print(f"removed {path} (trainer.keep_checkpoints={keep}; left by a stopped launch)")
 
     def _save(self) -> None:
         """Checkpoint the current step; never from non-finite weights (each process checks its own, FSDP's shards)."""
