@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtrain.kernels import block_sparse, flash_attn_func, flash_attn_varlen_func
-from train_gpt2 import time_calls  # the sibling benchmark's timer (this script's folder is on sys.path)
+from train_gpt2 import time_calls, time_interleaved  # the sibling benchmark's timers (this folder is on sys.path)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENS, HIDDEN = 16 * 1024, 2048
@@ -128,9 +128,7 @@ def time_passes(fn, inputs, dout, repeats: int, label: str, warmup: int = 3) -> 
 def time_passes_interleaved(cases: dict, repeats: int, label: str, warmup: int = 3) -> dict:
     """{impl: times as time_passes} for cases {impl: (fn, inputs, dout)}, the implementations' calls interleaved:
     per pass, repeat r times one call of each implementation (in an order rotated every repeat), each call between
-    CUDA events, no host sync in between; median per implementation. Every implementation then runs under the same
-    clocks and power state (sequential windows of one implementation's calls measured the same kernel 0.88-1.13x of
-    cuDNN from run to run on an H200 at the 700 W cap)."""
+    CUDA events, no host sync in between (train_gpt2.time_interleaved); median per implementation."""
     times = {impl: {} for impl in cases}
     outs = {}
 
@@ -158,20 +156,10 @@ def time_passes_interleaved(cases: dict, repeats: int, label: str, warmup: int =
             except (RuntimeError, ValueError, NotImplementedError) as error:
                 print(f"  {impl} {label} {kind}: {type(error).__name__}: {str(error)[:120]}")
                 outs.pop(impl, None)
-        order = list(ready)
-        events = {impl: [] for impl in order}
-        torch.cuda.synchronize()
         with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
-            for r in range(repeats):
-                for impl in order[r % len(order):] + order[:r % len(order)] if order else []:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    ready[impl]()
-                    end.record()
-                    events[impl].append((start, end))
-        torch.cuda.synchronize()
-        for impl in order:
-            times[impl][kind] = statistics.median(start.elapsed_time(end) for start, end in events[impl])
+            seconds = time_interleaved(ready, repeats)
+        for impl, values in seconds.items():
+            times[impl][kind] = 1000 * statistics.median(values)
         outs.clear()
     torch.cuda.empty_cache()
     return times

@@ -26,6 +26,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtrain.kernels import build, flash_attn_func
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from train_gpt2 import time_interleaved  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sm90_bwd_probe import drop_plans, kernel_variant  # noqa: E402
 
@@ -107,24 +110,13 @@ def main() -> None:
         head_dim, seqlen, mask = config.split(":")
         head_dim, seqlen, causal = int(head_dim), int(seqlen), mask == "causal"
         graphs = {name: capture(name, head_dim, seqlen, causal, args.kind) for name in args.impls}
-        names, times = list(graphs), {name: [] for name in graphs}
+        names = list(graphs)
         for graph in graphs.values():  # warm up the replays
             graph.replay()
-        torch.cuda.synchronize()
-        events = []
-        for r in range(args.repeats):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graphs[name].replay()
-                end.record()
-                events.append((name, start, end))
-        torch.cuda.synchronize()
-        for name, start, end in events:
-            times[name].append(start.elapsed_time(end))
+        times = time_interleaved({name: graph.replay for name, graph in graphs.items()}, args.repeats)
         flops = 4 * (16384 // seqlen) * (2048 // head_dim) * seqlen**2 * head_dim / (2 if causal else 1)
         flops *= 3.5 if args.kind == "fb" else 1.0
-        tflops = {name: flops / statistics.median(times[name]) / 1e9 for name in names}
+        tflops = {name: flops / statistics.median(times[name]) / 1e12 for name in names}
         line = "  ".join(f"{name} {tflops[name]:6.1f}" for name in names)
         ratios = "".join(f"  /{names[0]}: {name} {tflops[name] / tflops[names[0]]:.3f}" for name in names[1:]
                          if name.startswith("flashtrain"))

@@ -7,7 +7,10 @@ a queue that ran dry). bf16, batch x seqlen = 16K tokens, 2048 / head_dim heads.
     PYTHONPATH=$PWD python3 benchmarks/probes/launch_gap_probe.py --configs 64:512:causal 128:512:full
 """
 import argparse
+import contextlib
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +18,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from flashtrain.kernels import flash_attn_func
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from train_gpt2 import time_interleaved  # noqa: E402
 
 
 def main() -> None:
@@ -43,18 +49,9 @@ def main() -> None:
                 for call in calls.values():
                     for _ in range(3):
                         call()
-                torch.cuda.synchronize()
-                events = {name: [] for name in calls}
-                with profile(activities=[ProfilerActivity.CUDA]) if profiled else torch.no_grad() as prof:
-                    for r in range(args.repeats):
-                        for name in list(calls)[r % 2:] + list(calls)[:r % 2]:
-                            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                            start.record()
-                            calls[name]()
-                            end.record()
-                            events[name].append((start, end))
-                    torch.cuda.synchronize()
-            ms = {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
+                with profile(activities=[ProfilerActivity.CUDA]) if profiled else contextlib.nullcontext() as prof:
+                    seconds = time_interleaved(calls, args.repeats)
+            ms = {name: 1000 * statistics.median(values) for name, values in seconds.items()}
             line = f"{config:<16} {'profiled' if profiled else 'plain   '} event ms: " + "  ".join(
                 f"{name} {ms[name]:.4f}" for name in calls) + f"  ratio cudnn/flashtrain {ms['cudnn'] / ms['flashtrain']:.3f}"
             if profiled:

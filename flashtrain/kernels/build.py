@@ -449,13 +449,12 @@ def _fwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spar
 
 
 def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, seqlen_q: int = 0) -> FwdSm90Tiles:
-    if not (causal or dropout or block_sparse) and head_dim in FWD_SM90_TILES_NONCAUSAL:
+    plain = not (dropout or block_sparse)  # the tables by mask and length are for calls without either
+    if plain and not causal and head_dim in FWD_SM90_TILES_NONCAUSAL:
         tiles = FWD_SM90_TILES_NONCAUSAL[head_dim]
-    elif (causal and not (dropout or block_sparse) and seqlen_q >= LONG_CAUSAL_SEQLEN
-            and head_dim in FWD_SM90_TILES_LONG_CAUSAL):
+    elif plain and causal and seqlen_q >= LONG_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_LONG_CAUSAL:
         tiles = FWD_SM90_TILES_LONG_CAUSAL[head_dim]
-    elif (causal and not (dropout or block_sparse) and 0 < seqlen_q < SHORT_CAUSAL_SEQLEN
-            and head_dim in FWD_SM90_TILES_SHORT_CAUSAL):
+    elif plain and causal and 0 < seqlen_q < SHORT_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_SHORT_CAUSAL:
         tiles = FWD_SM90_TILES_SHORT_CAUSAL[head_dim]
     else:
         tiles = FWD_SM90_TILES[head_dim]
