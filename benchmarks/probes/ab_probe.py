@@ -7,7 +7,8 @@ Medians per implementation; ratios to the first implementation and to cuDNN.
 Implementations: flashtrain; flashtrain+FT_MACRO=v[+...] (kernels compiled with those macros, sm90_bwd_probe's
 kernel_variant); flashtrain@ENV=v[@...] (environment variables set while the call is captured, e.g.
 flashtrain@FLASHTRAIN_BWD_SM90_Q80=0: dispatch switches read at plan time; build.NAME=v sets an int attribute of
-flashtrain.kernels.build instead, e.g. flashtrain@build.LONG_CAUSAL_SEQLEN=512); both: flashtrain+MACRO=v@ENV=v;
+flashtrain.kernels.build (ops.NAME: of flashtrain.kernels.ops) instead, e.g. flashtrain@build.LONG_CAUSAL_SEQLEN=512;
+FLASHTRAIN_FWD_SM90_TILES=... re-reads the tile tables); both: flashtrain+MACRO=v@ENV=v;
 cudnn, fa2 (SDPA backends).
 
     PYTHONPATH=$PWD python3 benchmarks/probes/ab_probe.py --impls flashtrain flashtrain+FT_X=1 cudnn \
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashtrain.kernels import build, flash_attn_func
+from flashtrain.kernels import build, flash_attn_func, launch, ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from train_gpt2 import time_interleaved  # noqa: E402
@@ -32,32 +33,52 @@ from train_gpt2 import time_interleaved  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sm90_bwd_probe import drop_plans, kernel_variant  # noqa: E402
 
+MODULES = {"build": build, "ops": ops}
+TILE_TABLES = (build.FWD_SM90_TILES, build.FWD_SM90_TILES_NONCAUSAL, build.FWD_SM90_TILES_LONG_CAUSAL)
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
 GRID = [f"{hd}:{s}:{m}" for hd in (64, 128) for s in (512, 1024, 2048, 4096, 8192, 16384) for m in ("full", "causal")]
 
 
 @contextlib.contextmanager
 def env_variant(name: str):
-    """flashtrain@ENV=v[@...]: the variables (or build.NAME attributes) set (launch plans dropped on entry and exit)."""
+    """flashtrain@ENV=v[@...]: the variables (or build.NAME / ops.NAME attributes, numbers) set (launch plans dropped
+    on entry and exit)."""
     items = dict(item.split("=", 1) for item in name.split("@")[1:])
-    attrs = {key[len("build."):]: int(value) for key, value in items.items() if key.startswith("build.")}
-    items = {key: value for key, value in items.items() if not key.startswith("build.")}
+    attrs = {tuple(key.split(".", 1)): float(value) if "." in value or "inf" in value else int(value)
+             for key, value in items.items() if key.split(".")[0] in MODULES}
+    items = {key: value for key, value in items.items() if key.split(".")[0] not in MODULES}
     saved = {key: os.environ.get(key) for key in items}
-    saved_attrs = {key: getattr(build, key) for key in attrs}
+    saved_attrs = {key: getattr(MODULES[key[0]], key[1]) for key in attrs}
+    # FLASHTRAIN_FWD_SM90_TILES (read by build at import): the tile tables re-read, kernels of the same name reloaded
+    tiles = "FLASHTRAIN_FWD_SM90_TILES" in items
+    saved_tables = [dict(table) for table in TILE_TABLES]
+    saved_kernels, saved_modules = dict(launch._kernels), dict(launch._modules)
     os.environ.update(items)
-    for key, value in attrs.items():
-        setattr(build, key, value)
+    for (module, attr), value in attrs.items():
+        setattr(MODULES[module], attr, value)
+    if tiles:
+        build._tile_overrides()
+        launch._kernels.clear()
+        launch._modules.clear()
     drop_plans()
     try:
         yield
     finally:
+        if tiles:
+            for table, saved_table in zip(TILE_TABLES, saved_tables):
+                table.clear()
+                table.update(saved_table)
+            launch._kernels.clear()
+            launch._modules.clear()
+            launch._kernels.update(saved_kernels)
+            launch._modules.update(saved_modules)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        for key, value in saved_attrs.items():
-            setattr(build, key, value)
+        for (module, attr), value in saved_attrs.items():
+            setattr(MODULES[module], attr, value)
         drop_plans()
 
 

@@ -12,8 +12,9 @@
 //     With two consumers, named barriers order their GEMM issues (ping-pong): consumer 0 issues, then consumer 1,
 //     then consumer 0 again, so one warpgroup's softmax runs while the other's GEMMs hold the tensor cores.
 //   Epilogue: O / l and lse = m * scale + ln(l) per row; O staged through the warpgroup's rows of a shared O tile and
-//     written by TMA stores (the warps go on to the next tile; head dims 192 / 256 stage O in Q and a varlen
-//     sequence's partial last tile is written with 16-byte stores: rows past its end belong to the next sequence).
+//     written by TMA stores (the warps go on to the next tile; a varlen sequence's partial last tile is written with
+//     16-byte stores: rows past its end belong to the next sequence). Head dims 192 / 256, whose Q + O + K/V stages
+//     do not fit in shared memory, write O from the registers.
 //   The grid is persistent: each CTA loops over tiles (fwd_tile below). The producer picks the next tile, waits for
 //     the consumers' "empty_q" (their last S GEMM of the current tile), writes the tile's index to a shared slot and
 //     copies its Q, then its K/V, while the consumers still run the current tile's last P V product and epilogue;
@@ -67,12 +68,22 @@ struct FwdSm90Traits {
     // the same (tile i uses buffer i % kQBuffers)
     static constexpr int kQBuffers = kQBuffers_;
     static_assert(kQBuffers == 1 || (kQBuffers == 2 && kSeparateO_), "one Q buffer, or two and O in its own tile");
-    // O staged in a tile of its own (Q is released after the tile's last S GEMM) or through Q (released after the
-    // epilogue has read O back: head dims whose Q + O + K/V stages do not fit in shared memory)
+    // O staged in a tile of its own, or written from the registers (kDirectO: head dims whose Q + O + K/V stages do
+    // not fit in shared memory); either way Q is released after the tile's last S GEMM
     static constexpr bool kSeparateO = kSeparateO_;
-    // The epilogue writes O with TMA stores from its own tile (not through Q: it is released once read back), with
+    // The epilogue writes O with TMA stores from its own tile (not through Q, which was released once read back), with
     // two consumer warpgroups (H200, same run: 128-row tiles 1.00-1.05x; 192-row tiles 0.96-0.99x at 1K-4K)
-    static constexpr bool kTmaStoreO = kSeparateO && FT_TMA_STORE && kBlockM == 128;
+#ifndef FT_FWD_TMA_STORE_MAX_M
+#define FT_FWD_TMA_STORE_MAX_M 128
+#endif
+    static constexpr bool kTmaStoreO = kSeparateO && FT_TMA_STORE && kBlockM <= FT_FWD_TMA_STORE_MAX_M;
+    // Without a tile of its own, O goes from the accumulator registers straight to global memory (4-byte stores),
+    // not through Q's tile: Q is then released after the tile's last S GEMM as with a separate O, so the next tile's
+    // Q and K / V copies overlap this tile's last P V product and epilogue, and the epilogue needs no registers for
+    // shared-memory addressing. H200, same process, 2026-11-26: hd192 128 x 112 tiles 1.03-1.06x; hd256 1.01-1.04x
+    // at 128 x 64 tiles, and its 80-key tiles then spill nothing: 1.10-1.16x of the 64-key ones through Q. (Where O
+    // has a tile, its TMA stores are faster than these: 0.84-0.98x with direct stores at hd64 / hd128.)
+    static constexpr bool kDirectO = !kSeparateO;
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_;
     // Causal: a sequence's query tiles end at its last row, so that a partial tile (seqlen_q not a multiple of
@@ -108,7 +119,7 @@ struct FwdSm90Traits {
     // Q buffer's full_q, empty_q; 8 bytes apiece. The area's last 48 bytes per Q buffer: its tile record and slot.
     static constexpr int kBarrierBytes = 256;
     static_assert(8 * (2 * kQBuffers + 4 * kStages) <= kBarrierBytes - 48 * kQBuffers, "barrier area");
-    // Q (kQBuffers), O staging (its own buffer: the next tile's Q is copied while this tile's O is written), K and V
+    // Q (kQBuffers), O staging (kSeparateO: the next tile's Q is copied while this tile's O is written), K and V
     // stages; + 1024: the tiles start at the first 1024-byte boundary (the 128-byte swizzle repeats every 1024 bytes)
     static constexpr int kSmemBytes =
         (kQBuffers + (kSeparateO ? 1 : 0)) * TileQ::kBytes + 2 * kStages * TileKV::kBytes + 1024 + kBarrierBytes;
@@ -185,9 +196,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     const bool varlen = p.cu_seqlens_q != nullptr;  // varlen maps have one batch entry
 
     const u32 smem_base = (smem_u32(smem) + 1023) & ~1023u;
-    // Q buffer b of kQBuffers at sQ0 + b * TileQ::kBytes (tile i in buffer i % kQBuffers); O after them (or in Q)
-    const u32 sQ0 = smem_base, sO = T::kSeparateO ? sQ0 + T::kQBuffers * TileQ::kBytes : sQ0;
-    const u32 sK = sO + TileQ::kBytes, sV = sK + kStages * TileKV::kBytes;
+    // Q buffer b of kQBuffers at sQ0 + b * TileQ::kBytes (tile i in buffer i % kQBuffers); O after them (kSeparateO)
+    const u32 sQ0 = smem_base, sO = sQ0 + T::kQBuffers * TileQ::kBytes;
+    const u32 sK = T::kSeparateO ? sO + TileQ::kBytes : sO, sV = sK + kStages * TileKV::kBytes;
     const u32 bars = sV + kStages * TileKV::kBytes;
     auto full_q = [&](int b) { return b == 0 ? bars : bars + 8 * (2 + 4 * kStages); };
     auto empty_q = [&](int b) { return full_q(b) + 8; };
@@ -413,7 +424,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         // process, hd64 non-causal forward TFLOP/s with / without: 512 392 / 370, 1K 448 / 424, 4K 517 / 508.)
         const bool idle = m0 + cw * 64 >= seqlen_q || (T::kShiftRows && m0 + cw * 64 + 64 <= 0);
         if (walk.n_block < 0) {
-            if (T::kSeparateO && lead_lane) mbar_arrive(empty_qb);  // nothing to read: Q is free at once
+            if (lead_lane) mbar_arrive(empty_qb);  // nothing to read: Q is free at once
         } else if (idle) {
             for (; walk.n_block >= 0; ++it) {
                 const int stage = it % kStages;
@@ -426,7 +437,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 if (lead_lane) {
                     mbar_arrive(empty_k(stage));
                     mbar_arrive(empty_v(stage));
-                    if (T::kSeparateO && last) mbar_arrive(empty_qb);
+                    if (last) mbar_arrive(empty_qb);
                 }
             }
         } else {
@@ -447,7 +458,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 FT_TIMELINE_MARK(wg, tile_iter, 2);
                 if (lead_lane) {
                     mbar_arrive(empty_k(stage));
-                    if (T::kSeparateO && last) mbar_arrive(empty_qb);
+                    if (last) mbar_arrive(empty_qb);
                 }
                 if (needs_mask(n_block)) mask(s, n_block);
 #pragma unroll
@@ -483,7 +494,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 fence_operand(s);
                 if (lead_lane) {
                     mbar_arrive(empty_k(stage));
-                    if (T::kSeparateO && last) mbar_arrive(empty_qb);
+                    if (last) mbar_arrive(empty_qb);
                 }
                 if constexpr (kMask) mask(s, n_block);
                 float correction[2];
@@ -524,12 +535,30 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             const int row = m0 + row0 + g + 8 * hf;
             if (t == 0 && row < seqlen_q && row >= 0) lse[row] = row_lse(sum, row_max[hf], p.softmax_scale);
         }
+        const int rows_valid = seqlen_q - m0 - cw * 64, rows_first = -(m0 + cw * 64);  // rows [rows_first, rows_valid)
+        if constexpr (T::kDirectO) {
+            u16* out = (u16*)p.out + x.batch * p.o_batch_stride + (i64)(x.q_start + m0 + cw * 64) * p.o_row_stride +
+                       x.head * p.o_head_stride;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = row0 - cw * 64 + g + 8 * hf;
+                if (row < rows_valid && row >= rows_first) {
+                    u16* out_row = out + (i64)row * p.o_row_stride + 2 * t;
+#pragma unroll
+                    for (int dt = 0; dt < kDT; ++dt)
+                        if (8 * dt < p.head_dim)
+                            st_global_b32(out_row + 8 * dt, pack2<T::kIsBF16>(o[dt][2 * hf], o[dt][2 * hf + 1]));
+                }
+            }
+            FT_TIMELINE_MARK(wg, tile_iter, 5);
+            FT_TIMELINE_PUT(wg, tile_iter, 7, (unsigned long long)it);
+            continue;
+        }
         // (the warpgroup's reads of the previous tile's O, or the copy engine's, are done)
         if (T::kTmaStoreO && ctid == 0) bulk_wait_read<0>();
         named_bar_sync(T::kBarEpilogue + cw, 128);
         float(&o1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&o);
         store_acc<T::kIsBF16, TileQ>(sO, o1, row0, 0, 1.f, lane);
-        const int rows_valid = seqlen_q - m0 - cw * 64, rows_first = -(m0 + cw * 64);  // rows [rows_first, rows_valid)
         if (T::kTmaStoreO && (!varlen || rows_valid >= 64) && rows_first <= 0) {
             // TMA stores of the warpgroup's 64 rows (rows past a batch's sequence lie outside the tensor map and are
             // not written; a varlen sequence's partial last tile takes the loop below: its rows past the end belong
@@ -558,10 +587,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     st_global_v4(out + row * p.o_row_stride + col, v);
                 }
             }
-        }
-        if constexpr (!T::kSeparateO) {  // O was staged in Q: free it once the warp has read its O rows back
-            __syncwarp();
-            if (lead_lane) mbar_arrive(empty_qb);
         }
         FT_TIMELINE_MARK(wg, tile_iter, 5);
         FT_TIMELINE_PUT(wg, tile_iter, 7, (unsigned long long)it);

@@ -142,6 +142,9 @@ __device__ __forceinline__ void st_global_v4(void* ptr, const u32 (&v)[4]) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
                  : "memory");
 }
+__device__ __forceinline__ void st_global_b32(void* ptr, u32 v) {
+    asm volatile("st.global.b32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
 __device__ __forceinline__ float4 ld_global_f4(const float* ptr) { return *reinterpret_cast<const float4*>(ptr); }
 __device__ __forceinline__ void ld_global_v4(const void* ptr, u32 (&v)[4]) {
     asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];"
