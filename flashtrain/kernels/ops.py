@@ -310,7 +310,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
     if spec.persistent:  # at most one CTA per SM, each taking tiles from the dynamic scheduler
         grid = (min(math.prod(grid), launch.sm_count(q.device)), 1, 1)
-    if spec.persistent and causal and head_dim >= FWD_CAUSAL_GROUP_HEAD_DIM:  # (flash_fwd_sm90.cuh fwd_tile)
+    if spec.persistent and causal and (head_dim >= FWD_CAUSAL_GROUP_HEAD_DIM or spec.block_m > 128):  # (fwd_tile)
         params.causal_tile_group = _causal_tile_group(math.ceil(params.seqlen_q / spec.block_m),
                                                       params.batch * params.nheads, launch.sm_count(q.device))
     kernel = launch.get_kernel(spec, spec.symbols[0], q.device)
@@ -485,7 +485,9 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 # Hopper causal kernels: tiles per group of units (FwdParams.causal_tile_group) about this many times the SM count
 CAUSAL_GROUP_WAVES = 2.0
 # ... in the forward from this (instantiated) head dim: H200, 2026-11-25, causal forward with / without the groups,
-# hd128 512 / 1K / 4K 1.11 / 1.17 / 1.06x; hd64 512 / 1K / 4K / GPT-2 small 0.99 / 0.99 / 1.02 / 0.98x
+# hd128 512 / 1K / 4K 1.11 / 1.17 / 1.06x; hd64 512 / 1K / 4K / GPT-2 small 0.99 / 0.99 / 1.02 / 0.98x (128-row
+# tiles). Below it, with tiles of more than 128 rows (hd64 causal from build.LONG_CAUSAL_SEQLEN): H200, 2026-11-26,
+# graph-interleaved, 512 / 1K / 2K / 4K 1.009 / 1.020 / 1.008 / 1.003x.
 FWD_CAUSAL_GROUP_HEAD_DIM = 128
 
 
