@@ -9,8 +9,9 @@
 //         wait K[j], V[j-1]; [scheduler barrier] issue S_j = Q K[j]^T, then O += P_{j-1} V[j-1]; [hand over]
 //         wait S_j; release K[j]; mask; online softmax of S_j (exp, running max and sum); dropout
 //         wait P V; release V[j-1]; rescale O by the max's correction; P_j = pack(S_j) (A operand in registers)
-//     With two consumers, named barriers order their GEMM issues (ping-pong): consumer 0 issues, then consumer 1,
-//     then consumer 0 again, so one warpgroup's softmax runs while the other's GEMMs hold the tensor cores.
+//     With two consumers (three, causal), named barriers order their GEMM issues (ping-pong): consumer 0 issues,
+//     then consumer 1, then consumer 0 again (or 2, then 0), so one warpgroup's softmax runs while another's GEMMs
+//     hold the tensor cores.
 //   Epilogue: O / l and lse = m * scale + ln(l) per row; O staged through the warpgroup's rows of a shared O tile and
 //     written by TMA stores (the warps go on to the next tile; a varlen sequence's partial last tile is written with
 //     16-byte stores: rows past its end belong to the next sequence). Head dims 192 / 256, whose Q + O + K/V stages
@@ -53,6 +54,9 @@
 // only, its P for the upper half is zero. H200, same process, causal forward 1.07x (hd64) / 1.01x (hd128) at 512,
 // 1.03 / 1.02x at 1K, 1.01-1.02x at 2K-4K, 2026-11-25. (Also halving that block's P V product, the step after the
 // first block peeled off, measured 1.04x at 512 and 0.97-0.99x at 2K-4K.)
+#ifndef FT_FWD_ROUND_ROBIN
+#define FT_FWD_ROUND_ROBIN 1
+#endif
 #ifndef FT_FWD_HALF_FIRST
 #define FT_FWD_HALF_FIRST 1
 #endif
@@ -98,7 +102,10 @@ struct FwdSm90Traits {
                   "a block-sparse mask block must be a whole number of tiles");
     static constexpr int kNConsumers = kBlockM / 64;           // consumer warpgroups, 64 query rows each
     static constexpr int kNThreads = 128 * (kNConsumers + 1);  // + the producer warpgroup
-    static constexpr bool kPingPong = kNConsumers == 2;
+    // Turns for the GEMM issues: two consumers ping-pong; three (causal) take turns in a ring, 0 -> 1 -> 2 -> 0
+    // (FT_FWD_ROUND_ROBIN; H200, graph-interleaved, 2026-11-26, hd64 192-row tiles, causal 512 / 768 / 1K / 4K / 16K
+    // 1.011 / 1.011 / 1.015 / 1.009 / 1.002x of issuing freely; non-causal 512 / 2K / 16K 0.998 / 1.000 / 0.992x)
+    static constexpr bool kPingPong = kNConsumers == 2 || (kNConsumers == 3 && kIsCausal_ && FT_FWD_ROUND_ROBIN);
     // Registers per thread after reallocation. The CTA's pool is what it got at launch, 65536 / kNThreads rounded
     // down to a multiple of 8 per thread (384 threads: 168); setmaxnreg.inc waits until the pool has the registers,
     // so asking for more than the pool holds hangs the CTA.
@@ -124,7 +131,7 @@ struct FwdSm90Traits {
     static constexpr int kSmemBytes =
         (kQBuffers + (kSeparateO ? 1 : 0)) * TileQ::kBytes + 2 * kStages * TileKV::kBytes + 1024 + kBarrierBytes;
     // Named barrier ids (0 is __syncthreads): 1 + c = consumer c's turn to issue GEMMs, 3 + c = its epilogue.
-    static constexpr int kBarSchedule = 1, kBarEpilogue = 3;
+    static constexpr int kBarSchedule = 1, kBarEpilogue = 1 + kNConsumers;
 };
 
 // The key blocks a CTA visits, in walk order: dense, n_block_max - 1 down to 0; block-sparse, the tiles of the
@@ -302,21 +309,22 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     const bool lead_lane = lane == 0;
     const DropoutRng rng = T::kIsDropout ? DropoutRng(p.rng_state, p.keep_threshold) : DropoutRng{};
 
-    // Ping-pong: consumer c waits for its turn on barrier 1 + c and hands the turn over to the other after issuing.
-    // Both walk the same key blocks of a tile, so the two strictly alternate, across tiles too: consumer 1 hands the
-    // turn over after its last issue of a tile as well, so consumer 0 issues the next tile's first S GEMM while
-    // consumer 1 still runs its last P V product and its epilogue. Consumer 0 gets the first turn before the first
-    // tile and takes consumer 1's last hand-over when there are no more tiles. (H200, same run, forward TFLOP/s vs
+    // Ping-pong: consumer c waits for its turn on barrier 1 + c and hands the turn over to the next after issuing
+    // (the other one; with three, c + 1 mod 3). All walk the same key blocks of a tile, so they strictly alternate,
+    // across tiles too: the last consumer hands the turn over after its last issue of a tile as well, so consumer 0
+    // issues the next tile's first S GEMM while the others still run their last P V products and epilogues. Consumer
+    // 0 gets the first turn before the first tile and takes the last consumer's last hand-over when there are no
+    // more tiles. (H200, same run, forward TFLOP/s vs
     // each tile starting only once consumer 1 was done with the previous one: head dim 128 non-causal 512 / 1K / 4K
     // 522 / 604 / 672 vs 501 / 585 / 628; causal head dim 64 +1-2%, 128 equal.)
     auto schedule_wait = [&]() {
         if constexpr (T::kPingPong) named_bar_sync(T::kBarSchedule + cw, 256);
     };
     auto schedule_pass = [&]() {
-        if constexpr (T::kPingPong) named_bar_arrive(T::kBarSchedule + 1 - cw, 256);
+        if constexpr (T::kPingPong) named_bar_arrive(T::kBarSchedule + (cw + 1) % T::kNConsumers, 256);
     };
     if constexpr (T::kPingPong)
-        if (cw == 1) named_bar_arrive(T::kBarSchedule, 256);
+        if (cw == T::kNConsumers - 1) named_bar_arrive(T::kBarSchedule, 256);
 
     int it = 0;
     for (int tile_iter = 0;; ++tile_iter) {
@@ -328,7 +336,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         const int tile = ld_shared_b32(tile_slot(qb));
         if (tile < 0) {
             if constexpr (T::kPingPong)
-                if (cw == 0) schedule_wait();  // consumer 1's last hand-over
+                if (cw == 0) schedule_wait();  // the last consumer's last hand-over
             break;
         }
         FwdTile x;
