@@ -57,10 +57,6 @@
 #ifndef FT_FWD_ROUND_ROBIN
 #define FT_FWD_ROUND_ROBIN 1
 #endif
-// FT_FWD_LAST_PV_TURN=1 (A/B): a tile's last P V product is issued in a turn of the ping-pong as well
-#ifndef FT_FWD_LAST_PV_TURN
-#define FT_FWD_LAST_PV_TURN 0
-#endif
 #ifndef FT_FWD_HALF_FIRST
 #define FT_FWD_HALF_FIRST 1
 #endif
@@ -452,10 +448,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     if (last) mbar_arrive(empty_qb);
                 }
             }
-            if constexpr (FT_FWD_LAST_PV_TURN) {  // the turn of the last P V product
-                schedule_wait();
-                schedule_pass();
-            }
         } else {
             // First block: S only (there is no P V product to overlap yet). FT_FWD_HALF_FIRST: S of the lower
             // kBlockN / 2 keys when none of the upper half is visible to this warpgroup's rows (the first block is the
@@ -535,10 +527,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             const int last_stage = (it - 1) % kStages;
             mbar_wait(full_v(last_stage), ((it - 1) / kStages) & 1);
             fence_operand(o);
-            if constexpr (FT_FWD_LAST_PV_TURN) schedule_wait();
             wgmma_fence();
             issue_pv(last_stage);
-            if constexpr (FT_FWD_LAST_PV_TURN) schedule_pass();
             wgmma_wait<0>();
             fence_operand(o);
             FT_TIMELINE_MARK(wg, tile_iter, 4);
