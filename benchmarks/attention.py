@@ -5,9 +5,9 @@ naive PyTorch attention, in one process on one GPU.
 Setting of the FlashAttention-2/3 papers: bf16, head dim 64 and 128, hidden 2048 (nheads = 2048 / head_dim), seqlen
 512 ... 16K with batch * seqlen = 16K tokens, causal and not. FLOPs: forward 4 * batch * nheads * seqlen^2 * head_dim
 (halved when causal), backward 2.5x forward. Each time is the median of timed repeats (CUDA events, after warm-up);
-the implementations' calls are interleaved (--timing interleaved, the default since 2026-11-26: each repeat calls
-every implementation once, the order rotated per repeat, so all of them run under the same clocks and power state),
-in --rounds rounds with fresh inputs, and each keeps its best round. (--timing windows: each implementation's repeats
+the implementations' calls are interleaved (--timing interleaved, the default since 2026-11-26: the implementations
+take turns, each preceded equally often by every other, so all run under the same clocks and power state), in
+--rounds rounds with fresh inputs, and each keeps its best round. (--timing windows: each implementation's repeats
 back to back, implementations in turn, the order reversed every other round; on an H200 at its 700 W cap the same
 kernels measured 0.88-1.13x of cuDNN from run to run that way, interleaved within 0.3%. Interleaving measures the
 ratios; absolute TFLOP/s run higher than in sustained use of one implementation, as the slower backends' calls
@@ -127,8 +127,8 @@ def time_passes(fn, inputs, dout, repeats: int, label: str, warmup: int = 3) -> 
 
 def time_passes_interleaved(cases: dict, repeats: int, label: str, warmup: int = 3) -> dict:
     """{impl: times as time_passes} for cases {impl: (fn, inputs, dout)}, the implementations' calls interleaved:
-    per pass, repeat r times one call of each implementation (in an order rotated every repeat), each call between
-    CUDA events, no host sync in between (train_gpt2.time_interleaved); median per implementation."""
+    per pass, at least r calls of each implementation, taking turns (each preceded equally often by every other), each
+    call between CUDA events, no host sync in between (train_gpt2.time_interleaved); median per implementation."""
     times = {impl: {} for impl in cases}
     outs = {}
 

@@ -90,20 +90,40 @@ def time_calls(fn, device: torch.device, warmup: int, repeats: int) -> list[floa
     return [start.elapsed_time(end) / 1000 for start, end in events]
 
 
+def balanced_order(n: int) -> list[int]:
+    """An order of n items (0..n-1) in which every ordered pair of distinct items follows each other exactly once,
+    closing on itself (an Eulerian circuit of the complete directed graph, Hierholzer's algorithm): repeated, every
+    item is preceded by every other equally often. n = 4: [0, 3, 2, 3, 1, 3, 0, 2, 1, 2, 0, 1]."""
+    if n < 2:
+        return list(range(n))
+    unused = {a: [b for b in range(n) if b != a] for a in range(n)}  # edges a -> b not walked yet
+    stack, circuit = [0], []
+    while stack:
+        if unused[stack[-1]]:
+            stack.append(unused[stack[-1]].pop())
+        else:
+            circuit.append(stack.pop())
+    return circuit[::-1][:-1]  # (the circuit ends where it began)
+
+
 def time_interleaved(calls: dict, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each call of each of `calls` ({name: fn}, already warmed up) when they take turns: `repeats` rounds
-    of one call each, the order rotated every round, each call between CUDA events, no host sync in between. Every
-    name then runs under the same clocks and power state (H200 at its 700 W cap: windows of one implementation's calls
-    back to back measured the same kernel 0.88-1.13x of cuDNN from run to run, interleaved within 0.3%)."""
+    """Seconds of each call of each of `calls` ({name: fn}, already warmed up) when they take turns, each call between
+    CUDA events, no host sync in between: every name then runs under the same clocks and power state (H200 at its
+    700 W cap: windows of one implementation's calls back to back measured the same kernel 0.88-1.13x of cuDNN from
+    run to run, interleaved within 0.3%). The turns follow balanced_order, so that every name is preceded equally
+    often by every other (what ran before a call, its L2 contents and its power draw, is part of that call's
+    conditions; a rotation of the names put each one after the same predecessor 3 times in 4). At least `repeats`
+    calls per name (whole circuits of the order)."""
     names, events = list(calls), {name: [] for name in calls}
+    order = balanced_order(len(names))
+    circuits = -(-repeats // max(len(names) - 1, 1))
     torch.cuda.synchronize()
-    for r in range(repeats if names else 0):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            calls[name]()
-            end.record()
-            events[name].append((start, end))
+    for index in order * circuits if names else []:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        calls[names[index]]()
+        end.record()
+        events[names[index]].append((start, end))
     torch.cuda.synchronize()
     return {name: [start.elapsed_time(end) / 1000 for start, end in pairs] for name, pairs in events.items()}
 

@@ -149,6 +149,16 @@ def test_benchmark_flops_per_token_of_gpt2_small_at_1k():
     assert bench.flops_per_token(12, 768, 1024, n) == 6 * n + 12 * 12 * 1024 * 768 == 855_166_464
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7])
+def test_benchmark_interleaving_order_gives_every_call_every_predecessor_equally(n):
+    # every implementation follows every other exactly once per circuit (the circuit closes on itself), and appears
+    # n - 1 times: no implementation is timed after the same neighbour more often than after another
+    order = load_benchmark().balanced_order(n)
+    pairs = [(order[i - 1], order[i]) for i in range(len(order))] if n > 1 else []
+    assert sorted(pairs) == [(a, b) for a in range(n) for b in range(n) if a != b]
+    assert sorted(order) == sorted(list(range(n)) * max(n - 1, 1))
+
+
 def test_benchmark_imports_without_hydra_datasets_wandb():
     # the GPU machine has none of them: the module must load with their imports failing
     code = ("import sys, importlib.util\n"

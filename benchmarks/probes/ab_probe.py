@@ -1,7 +1,7 @@
 """Probe: A/B of kernel variants with interleaved CUDA-graph replays, bf16, the benchmark grid's shapes (batch x seqlen
 = 16K tokens, 2048 / head_dim heads). Each implementation's call is captured once as a CUDA graph (with its variant
-active), then the graphs are replayed in turn, one replay of each per repeat (order rotated every repeat), each between
-CUDA events: every variant runs under the same clocks and power state, and no host work sits between the events.
+active), then the graphs are replayed in turn, each preceded equally often by every other (train_gpt2.balanced_order),
+each between CUDA events: every variant runs under the same clocks and power state, and no host work sits between the events.
 Medians per implementation; ratios to the first implementation and to cuDNN.
 
 Implementations: flashtrain; flashtrain+FT_MACRO=v[+...] (kernels compiled with those macros, sm90_bwd_probe's
