@@ -1,10 +1,13 @@
 """GPT-2 training throughput on one GPU: flashtrain's GPT2 (attn_impl=flash, optionally torch.compile'd) against
-Hugging Face transformers' GPT2LMHeadModel with attn_implementation="eager" and "sdpa", in one process.
+Hugging Face transformers' GPT2LMHeadModel with attn_implementation="eager" and "sdpa", or (--vs-sdpa) against the
+same flashtrain GPT2 on PyTorch SDPA (its default backend choice, cuDNN forced, FA2 forced), in one process.
 
 Every implementation runs the same training step on the same random tokens: bf16 autocast (fp32 on the CPU),
 forward, float32 cross-entropy over the full vocabulary, backward, grad-norm clipping at 1.0, fused AdamW, with the
 same micro-batch (--batch-tokens / seq_len sequences). Dropout is off everywhere. The step time is the median of
---steps timed steps (CUDA events) after --warmup untimed ones.
+--steps timed steps (CUDA events) after --warmup untimed ones; on a GPU the implementations' steps take turns
+(time_interleaved: each preceded equally often by every other, all under the same clocks and power state), every
+implementation's model staying in memory meanwhile (--timing windows: each one's steps back to back).
 
 MFU = tokens/s x model FLOPs per token / the bf16 matmul rate MEASURED in the same run (an 8192^3 torch.matmul),
 both reported. Model FLOPs per token = 6 N + 12 L T d: N = parameters without the position table (the tied lm_head
@@ -13,6 +16,7 @@ subtracted, as in PaLM's MFU). A configuration that runs out of GPU memory is re
 
     python benchmarks/train_gpt2.py                 # small, medium x 1K, 4K -> results/train_gpt2-<gpu>.json/.png
     python benchmarks/train_gpt2.py --compile       # also flashtrain with torch.compile
+    python benchmarks/train_gpt2.py --vs-sdpa --compile   # ours vs every SDPA backend, eager and compiled
     python benchmarks/train_gpt2.py --impls flashtrain flashtrain-compile flashtrain-reduce-overhead \
         flashtrain-max-autotune --models small --seq-lens 1024   # tokens/s of each trainer.compile_mode
     python benchmarks/train_gpt2.py --device cpu --tiny --out /tmp/t.json   # smoke test (2 layers x 64 wide)
@@ -25,6 +29,7 @@ Needs torch, transformers and matplotlib only (no hydra, datasets or wandb).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -35,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtrain.kernels import flash_attn_func
 from flashtrain.models.gpt2 import GPT2, GPT2Config
@@ -47,12 +53,29 @@ MODEL_SHAPES = {  # name -> (n_layer, n_embd, n_head)
     "tiny": (2, 64, 2),  # CPU smoke test
 }
 HF_IMPLS = {"hf-eager": "eager", "hf-sdpa": "sdpa"}
-# flashtrain under torch.compile, by mode (trainer.compile_mode); reduce-overhead replays CUDA graphs (cudagraph trees)
-COMPILE_IMPLS = {"flashtrain-compile": "default", "flashtrain-reduce-overhead": "reduce-overhead",
-                 "flashtrain-max-autotune": "max-autotune"}
-# the same flashtrain GPT-2 with attn_impl=sdpa (PyTorch's default backend choice: cuDNN on Hopper): what a user gets
-# without our kernel
+# flashtrain's GPT2: flashtrain[-sdpa[-BACKEND]][-MODE]. -sdpa: attn_impl=sdpa, PyTorch's default backend choice
+# (cuDNN on Hopper: what a user gets without our kernel), -sdpa-cudnn / -sdpa-fa2 that backend forced; -MODE: under
+# torch.compile with that mode (trainer.compile_mode; reduce-overhead replays CUDA graphs)
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
+COMPILE_MODES = {"compile": "default", "reduce-overhead": "reduce-overhead", "max-autotune": "max-autotune"}
 SDPA_IMPL = "flashtrain-sdpa"
+VS_SDPA = ["flashtrain", SDPA_IMPL, *(f"{SDPA_IMPL}-{backend}" for backend in SDPA_BACKENDS)]
+
+
+def parse_impl(impl: str) -> tuple[str, str | None, str | None]:
+    """(attention: flash | sdpa | the HF name, forced SDPA backend or None, torch.compile mode or None)."""
+    if impl in HF_IMPLS:
+        return impl, None, None
+    rest, mode = impl.removeprefix("flashtrain"), None
+    for suffix, compile_mode in COMPILE_MODES.items():
+        if rest.endswith(f"-{suffix}"):
+            rest, mode = rest.removesuffix(f"-{suffix}"), compile_mode
+    choices = {"": ("flash", None), "-sdpa": ("sdpa", None),
+               **{f"-sdpa-{backend}": ("sdpa", backend) for backend in SDPA_BACKENDS}}
+    if not impl.startswith("flashtrain") or rest not in choices:
+        raise ValueError(f"unknown implementation {impl!r}: flashtrain[-sdpa[-{'|-'.join(SDPA_BACKENDS)}]]"
+                         f"[-{'|-'.join(COMPILE_MODES)}] or {' '.join(HF_IMPLS)}")
+    return (*choices[rest], mode)
 
 
 def flops_per_token(n_layer: int, n_embd: int, seq_len: int, n_params_without_positions: int) -> int:
@@ -131,13 +154,18 @@ def time_interleaved(calls: dict, repeats: int) -> dict[str, list[float]]:
 def build_loss_fn(impl: str, shape: tuple[int, int, int], seq_len: int, vocab_size: int, device: torch.device):
     """(model, loss_fn(x, y) -> mean cross-entropy) for one implementation, parameters in float32 on `device`."""
     n_layer, n_embd, n_head = shape
+    attn, backend, mode = parse_impl(impl)
     if impl.startswith("flashtrain"):
         config = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer,
-                            n_head=n_head, attn_impl="sdpa" if impl == SDPA_IMPL else "flash")
+                            n_head=n_head, attn_impl=attn)
         with device:
             model = GPT2(config)
-        step_model = torch.compile(model, mode=COMPILE_IMPLS[impl]) if impl in COMPILE_IMPLS else model
-        return model, lambda x, y: step_model(x, y)[1]
+        step_model = torch.compile(model, mode=mode) if mode is not None else model
+
+        def loss_fn(x, y):  # (a forced backend also while torch.compile traces)
+            with sdpa_kernel(SDPA_BACKENDS[backend]) if backend else contextlib.nullcontext():
+                return step_model(x, y)[1]
+        return model, loss_fn
 
     import transformers  # only the comparison needs it
 
@@ -167,10 +195,15 @@ def check_flash_kernel(shape: tuple[int, int, int], seq_len: int, device: torch.
     return "cuda kernel"
 
 
-def measure(impl: str, shape, seq_len: int, micro_batch: int, vocab_size: int, device: torch.device, warmup: int,
-            steps: int) -> dict:
-    """One (implementation, model, context): median step time, tokens/s, peak memory."""
+def prepare(impl: str, shape, seq_len: int, micro_batch: int, vocab_size: int, device: torch.device,
+            warmup: int) -> tuple:
+    """One implementation's training step, warmed up: (train_step, its row's fields so far). The peak memory is what
+    its warm-up steps allocated beyond what was allocated before it was built (other implementations' models stay
+    in memory while the steps are interleaved)."""
     torch.manual_seed(0)
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     model, loss_fn = build_loss_fn(impl, shape, seq_len, vocab_size, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=device.type == "cuda")
@@ -186,70 +219,80 @@ def measure(impl: str, shape, seq_len: int, micro_batch: int, vocab_size: int, d
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        seconds = time_calls(train_step, device, warmup=warmup + (3 if impl in COMPILE_IMPLS else 0),
-                             repeats=steps)
-    step_s = statistics.median(seconds)
+        for _ in range(warmup + (3 if parse_impl(impl)[2] else 0)):  # compiling: 3 more
+            train_step()
     n_params = sum(p.numel() for p in model.parameters())  # each tensor once (tied weights too)
     position_table = model.transformer.wpe.weight.numel()  # same name in both
-    return {
-        "status": "ok",
-        "step_ms": 1000 * step_s,
-        "tokens_per_s": micro_batch * seq_len / step_s,
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    return train_step, {
+        "peak_mem_gib": (torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None,
         "n_params": n_params,
         "flops_per_token": flops_per_token(shape[0], shape[1], seq_len, n_params - position_table),
         "warnings": sorted({str(w.message) for w in caught}),
     }
 
 
-def run_one(impl, model_name, seq_len, micro_batch, vocab_size, device, warmup, steps) -> dict:
-    """measure(), with an out-of-memory (or any other failure) reported in the row instead of ending the run."""
-    row = {"model": model_name, "seq_len": seq_len, "micro_batch": micro_batch, "impl": impl}
+def run_config(impls, model_name, seq_len, micro_batch, vocab_size, device, warmup, steps, interleave) -> list:
+    """Rows of every implementation for one (model, context): each built and warmed up (its failure, an
+    out-of-memory too, reported in its row), then the timed steps, on a GPU interleaved (train_gpt2.time_interleaved:
+    every implementation under the same clocks) unless interleave is False (each one's steps back to back)."""
+    rows, steps_of = {}, {}
     shape = MODEL_SHAPES[model_name]
-    try:
-        if impl.startswith("flashtrain"):
-            row["attention"] = check_flash_kernel(shape, seq_len, device)
-        row.update(measure(impl, shape, seq_len, micro_batch, vocab_size, device, warmup, steps))
-    except torch.OutOfMemoryError:
-        row["status"] = "OOM"
-    except Exception as error:  # noqa: BLE001 -- reported in the table, the other configurations still run
-        row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
-    gc.collect()  # the failed step's tensors are freed only once the exception is gone
+    for impl in impls:
+        row = rows[impl] = {"model": model_name, "seq_len": seq_len, "micro_batch": micro_batch, "impl": impl}
+        try:
+            if impl.startswith("flashtrain") and parse_impl(impl)[0] == "flash":
+                row["attention"] = check_flash_kernel(shape, seq_len, device)
+            steps_of[impl], fields = prepare(impl, shape, seq_len, micro_batch, vocab_size, device, warmup)
+            row.update(status="ok", **fields)
+        except torch.OutOfMemoryError:
+            row["status"] = "OOM"
+        except Exception as error:  # noqa: BLE001 -- reported in the table, the other implementations still run
+            row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        gc.collect()  # a failed step's tensors are freed only once the exception is gone
+    if device.type == "cuda" and interleave:
+        seconds = time_interleaved(steps_of, steps)
+    else:
+        seconds = {impl: time_calls(step, device, warmup=0, repeats=steps) for impl, step in steps_of.items()}
+    for impl, values in seconds.items():
+        step_s = statistics.median(values)
+        rows[impl].update(step_ms=1000 * step_s, tokens_per_s=micro_batch * seq_len / step_s)
+    del steps_of
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
+    return list(rows.values())
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'model':<7} {'T':>5} {'B':>3} {'impl':<19} {'tokens/s':>10} {'step ms':>8} {'MFU':>6} "
+    lines = [f"{'model':<7} {'T':>5} {'B':>3} {'impl':<29} {'tokens/s':>10} {'step ms':>8} {'MFU':>6} "
              f"{'peak GiB':>8}  speedup of flashtrain"]
     for row in rows:
         if row["status"] != "ok":
-            lines.append(f"{row['model']:<7} {row['seq_len']:>5} {row['micro_batch']:>3} {row['impl']:<19} "
+            lines.append(f"{row['model']:<7} {row['seq_len']:>5} {row['micro_batch']:>3} {row['impl']:<29} "
                          f"{row['status']}")
             continue
         peak = f"{row['peak_mem_gib']:.1f}" if row["peak_mem_gib"] is not None else "-"
         speedup = ", ".join(f"{k.removeprefix('speedup_vs_')} {v:.2f}x" for k, v in row.items()
                             if k.startswith("speedup_vs_") and v is not None)
-        lines.append(f"{row['model']:<7} {row['seq_len']:>5} {row['micro_batch']:>3} {row['impl']:<19} "
+        lines.append(f"{row['model']:<7} {row['seq_len']:>5} {row['micro_batch']:>3} {row['impl']:<29} "
                      f"{row['tokens_per_s']:>10,.0f} {row['step_ms']:>8.1f} {100 * row['mfu']:>5.1f}% {peak:>8}  "
                      f"{speedup}")
     return "\n".join(lines)
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """flashtrain rows (our kernel) get tokens/s ratios against each HF implementation and against flashtrain's model
-    on SDPA, for the same (model, seq_len)."""
+    """flashtrain rows with our kernel get tokens/s ratios against each HF implementation and against flashtrain's
+    model on each SDPA variant compiled the same way (eager against eager), for the same (model, seq_len)."""
     for row in rows:
-        if not row["impl"].startswith("flashtrain") or row["impl"] == SDPA_IMPL or row["status"] != "ok":
+        attn, _, mode = parse_impl(row["impl"])
+        if attn != "flash" or row["status"] != "ok":
             continue
         for other in rows:
             same_config = (other["model"], other["seq_len"]) == (row["model"], row["seq_len"])
-            if same_config and (other["impl"] in HF_IMPLS or other["impl"] == SDPA_IMPL):
+            other_attn, _, other_mode = parse_impl(other["impl"])
+            if same_config and (other_attn in HF_IMPLS or (other_attn == "sdpa" and other_mode == mode)):
                 ok = other["status"] == "ok"
                 row[f"speedup_vs_{other['impl']}"] = row["tokens_per_s"] / other["tokens_per_s"] if ok else None
 
@@ -297,11 +340,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None, help="default 1024 4096 (tiny: 64 128)")
     parser.add_argument("--batch-tokens", type=int, default=None,
                         help="tokens per micro-batch, the same for every implementation (default 16384; tiny 256)")
-    parser.add_argument("--compile", action="store_true", help="also time flashtrain under torch.compile")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the flashtrain implementations under torch.compile (their -compile names)")
+    parser.add_argument("--vs-sdpa", action="store_true",
+                        help="flashtrain's GPT2 with our kernel against the same model on SDPA: PyTorch's choice, "
+                             "cuDNN forced, FA2 forced (instead of the HF models)")
     parser.add_argument("--impls", nargs="+", default=None,
-                        help="a subset of flashtrain flashtrain-sdpa flashtrain-compile flashtrain-reduce-overhead "
-                             "flashtrain-max-autotune hf-eager hf-sdpa (default: flashtrain and hf-*; --compile adds "
-                             "flashtrain-compile)")
+                        help="flashtrain[-sdpa[-cudnn|-fa2]][-compile|-reduce-overhead|-max-autotune], hf-eager, "
+                             "hf-sdpa (default: flashtrain and hf-*)")
+    parser.add_argument("--timing", choices=("interleaved", "windows"), default="interleaved",
+                        help="interleaved: the implementations' steps take turns (same clocks for all; every model "
+                             "stays in GPU memory); windows: each one's steps back to back")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile: 3 more)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
@@ -320,10 +369,15 @@ def main(argv: list[str] | None = None) -> dict:
     for seq_len in seq_lens:
         if batch_tokens % seq_len:
             raise SystemExit(f"--batch-tokens={batch_tokens} must be a multiple of every --seq-lens value ({seq_len})")
-    impls = args.impls or ["flashtrain"] + (["flashtrain-compile"] if args.compile else []) + list(HF_IMPLS)
+    impls = args.impls or (VS_SDPA if args.vs_sdpa else ["flashtrain", *HF_IMPLS])
+    if args.compile:
+        impls = impls + [f"{impl}-compile" for impl in impls if impl.startswith("flashtrain")
+                         and parse_impl(impl)[2] is None]
     for impl in impls:
-        if impl not in ("flashtrain", SDPA_IMPL, *COMPILE_IMPLS, *HF_IMPLS):
-            raise SystemExit(f"--impls: unknown implementation {impl!r}")
+        try:
+            parse_impl(impl)
+        except ValueError as error:
+            raise SystemExit(f"--impls: {error}") from None
 
     import transformers
 
@@ -340,15 +394,15 @@ def main(argv: list[str] | None = None) -> dict:
         "batch_tokens": batch_tokens,
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
+        "timing": args.timing,
     }
     print(json.dumps(env), flush=True)
 
     rows = []
     for model_name in models:
         for seq_len in seq_lens:
-            for impl in impls:
-                row = run_one(impl, model_name, seq_len, batch_tokens // seq_len, vocab_size, device, args.warmup,
-                              args.steps)
+            for row in run_config(impls, model_name, seq_len, batch_tokens // seq_len, vocab_size, device,
+                                  args.warmup, args.steps, args.timing == "interleaved"):
                 if row["status"] == "ok":
                     row["model_tflops"] = row["tokens_per_s"] * row["flops_per_token"] / 1e12
                     row["mfu"] = row["model_tflops"] / env["matmul_tflops"]

@@ -159,6 +159,36 @@ def test_benchmark_interleaving_order_gives_every_call_every_predecessor_equally
     assert sorted(order) == sorted(list(range(n)) * max(n - 1, 1))
 
 
+def test_benchmark_implementation_names():
+    parse = load_benchmark().parse_impl
+    assert parse("flashtrain") == ("flash", None, None)
+    assert parse("flashtrain-compile") == ("flash", None, "default")
+    assert parse("flashtrain-sdpa") == ("sdpa", None, None)
+    assert parse("flashtrain-sdpa-cudnn-compile") == ("sdpa", "cudnn", "default")
+    assert parse("flashtrain-sdpa-fa2-reduce-overhead") == ("sdpa", "fa2", "reduce-overhead")
+    assert parse("hf-sdpa") == ("hf-sdpa", None, None)
+    for bad in ("flashtrain-sdpa-efficient", "flashtrain-cudnn", "sdpa", "flashtrain-compile-sdpa"):
+        with pytest.raises(ValueError, match="unknown implementation"):
+            parse(bad)
+
+
+def test_benchmark_vs_sdpa_compares_each_variant_with_ours(tmp_path):
+    # on the CPU: ours (the reference attention), SDPA's default and its flash backend (PyTorch has a CPU one); forced
+    # cuDNN reports its error in its row
+    result = load_benchmark().main(["--device", "cpu", "--tiny", "--seq-lens", "64", "--batch-tokens", "128",
+                                    "--warmup", "1", "--steps", "2", "--vs-sdpa", "--out", str(tmp_path / "b.json")])
+    rows = {row["impl"]: row for row in result["rows"]}
+    assert list(rows) == ["flashtrain", "flashtrain-sdpa", "flashtrain-sdpa-cudnn", "flashtrain-sdpa-fa2"]
+    assert rows["flashtrain-sdpa"]["status"] == "ok" and rows["flashtrain-sdpa"]["n_params"] == rows["flashtrain"][
+        "n_params"]
+    assert rows["flashtrain"]["speedup_vs_flashtrain-sdpa"] == pytest.approx(
+        rows["flashtrain"]["tokens_per_s"] / rows["flashtrain-sdpa"]["tokens_per_s"])
+    assert rows["flashtrain-sdpa-cudnn"]["status"].startswith("error: RuntimeError: No viable backend")
+    assert rows["flashtrain"]["speedup_vs_flashtrain-sdpa-cudnn"] is None
+    assert rows["flashtrain"]["speedup_vs_flashtrain-sdpa-fa2"] == pytest.approx(
+        rows["flashtrain"]["tokens_per_s"] / rows["flashtrain-sdpa-fa2"]["tokens_per_s"])
+
+
 def test_benchmark_imports_without_hydra_datasets_wandb():
     # the GPU machine has none of them: the module must load with their imports failing
     code = ("import sys, importlib.util\n"

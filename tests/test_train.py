@@ -131,6 +131,10 @@ def test_training_loss_falls(cache_dir, tmp_path, caplog):
     assert list(logged_lr) == [5, 10, 15, 20, 25, 30, 35, 40]
     for step, lr in logged_lr.items():
         assert lr == pytest.approx(3e-3 * lr_factor(step - 1, 5, 40, 0.1, "cosine"), rel=1e-12), step
+    # throughput of all processes and per process (one here); MFU only on a GPU (its peak rate): not on this CPU run
+    logged = [r for r in result.history if "train_loss" in r]
+    assert all(r["tokens_per_s"] > 0 and r["tokens_per_s_per_process"] == r["tokens_per_s"] for r in logged)
+    assert not any("mfu" in r for r in result.history)
     # checkpoints (steps 20 and 40) are saved without Accelerate's INFO lines or a shared-tensor warning
     accelerate_records = [r for r in caplog.records if r.name.startswith("accelerate")]
     assert accelerate_records == [], [r.getMessage() for r in accelerate_records]
@@ -237,6 +241,7 @@ def test_launch_end_to_end_with_wandb_offline_and_tensorboard(cache_dir, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"checkpoint: {run_dir / 'checkpoints' / 'step_00000020'}" in proc.stdout
     assert "---- sample ----" in proc.stdout
+    assert "MFU: not reported on a CPU (" in proc.stdout  # the model's GFLOP per token, no GPU peak to divide by
     assert f"wandb: {run_dir / 'wandb'} (offline" in proc.stdout and f"tensorboard: {run_dir / 'tensorboard'}" in \
         proc.stdout
     records = read_metrics(run_dir / "metrics.jsonl")

@@ -180,6 +180,11 @@ class AttentionConfig:
         """Start-up check and the run header's words for what computes attention (raises as `check_backend`)."""
         return f"{self.name} (plain PyTorch)"
 
+    def attention_flops_fraction(self, seqlen: int) -> float:
+        """The share of softmax attention's seqlen x seqlen score matrix this variant computes, for the MFU's FLOPs
+        (flashtrain.models.flops); 0: not softmax over pairs of tokens (its few matmuls are left out)."""
+        return 0.0
+
 
 @dataclass
 class DenseAttentionConfig(AttentionConfig):
@@ -195,6 +200,9 @@ class DenseAttentionConfig(AttentionConfig):
 
     def backend(self, attn_impl: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
         return check_backend(attn_impl, device, dtype, head_dim)
+
+    def attention_flops_fraction(self, seqlen: int) -> float:
+        return 1.0
 
 
 class BidirectionalSelfAttention(nn.Module):

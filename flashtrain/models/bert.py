@@ -28,6 +28,7 @@ from torch import Tensor
 
 from flashtrain.models.attention import (BidirectionalSelfAttention, ExactAttention, check_attn_impl, check_backend,
                                          runs_packed)
+from flashtrain.models.flops import training_flops_per_token
 from flashtrain.models.padding import Unpadding, check_values, pad_packed
 from flashtrain.models.tying import tie_weights
 
@@ -282,6 +283,11 @@ class BertForMaskedLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # each tensor once: the tied decoder is not counted twice
 
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token at seq_len tokens (default max_position_embeddings; flashtrain.models.flops). The
+        head's decoder runs on the masked tokens only (~15%): it is left out, with the embedding tables it shares."""
+        return _encoder_flops(self, self.encoder.embeddings, seq_len)
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
                 labels: Tensor | None = None, unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor | None]:
         """input_ids, attention_mask, token_type_ids, unpadding as in BertModel.encode; labels (B, T): the original
@@ -306,6 +312,13 @@ class BertForMaskedLM(nn.Module):
             masked_rows = torch.nonzero(packed_labels != -100).flatten()  # (n_masked,)
         logits = self.lm_head(hidden[masked_rows])  # (n_masked, vocab_size)
         return logits, F.cross_entropy(logits.float(), packed_labels[masked_rows])
+
+def _encoder_flops(model: nn.Module, embeddings: Embeddings, seq_len: int | None) -> float:
+    c = model.config
+    tables = [embeddings.word_embeddings, embeddings.position_embeddings, embeddings.token_type_embeddings]
+    return training_flops_per_token(model, tables, c.num_hidden_layers, c.hidden_size,
+                                    seq_len or c.max_position_embeddings)
+
 
 class RobertaClassificationHead(nn.Module):
     """On <s>: dropout, dense + tanh, dropout, out_proj (HF RobertaClassificationHead)."""
@@ -339,6 +352,10 @@ class BertForSequenceClassification(nn.Module):
             self.classifier = RobertaClassificationHead(config, dropout)
         with torch.no_grad():
             self.classifier.apply(_init_weights)
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token at seq_len tokens (default max_position_embeddings; flashtrain.models.flops)."""
+        return _encoder_flops(self, self.encoder.embeddings, seq_len)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
                 labels: Tensor | None = None, unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor | None]:

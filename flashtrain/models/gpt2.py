@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashtrain.models.attention import attention, check_attn_impl, check_backend, compute_dtype
+from flashtrain.models.flops import training_flops_per_token
 from flashtrain.models.tying import tie_weights
 
 # how the end-of-run sample, `python -m flashtrain.generate` and an export's generation_config.json sample by default:
@@ -164,6 +165,12 @@ class GPT2(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("attn.c_proj.weight") or name.endswith("mlp.c_proj.weight"):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token at seq_len tokens per sequence (default n_positions; flashtrain.models.flops):
+        the tied token table counts once, as the LM head's matmul; the position table is a lookup."""
+        c = self.config
+        return training_flops_per_token(self, [self.transformer.wpe], c.n_layer, c.n_embd, seq_len or c.n_positions)
 
     @staticmethod
     def _init_weights(module: nn.Module):

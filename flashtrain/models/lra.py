@@ -37,6 +37,7 @@ from torch import Tensor
 
 from flashtrain.models.attention import BidirectionalSelfAttention, DenseAttentionConfig, check_attn_impl
 from flashtrain.models.attention_variants import VARIANTS
+from flashtrain.models.flops import training_flops_per_token
 from flashtrain.models.padding import Unpadding, check_values
 
 POSITIONS = ("learned", "sinusoidal")
@@ -177,6 +178,13 @@ class LRAClassifier(nn.Module):
                                       nn.Linear(config.d_ff, config.num_classes))
         self._init_weights()
         self._block_masks: dict[tuple[int, str], Tensor | None] = {}  # (max_seqlen, device) -> block_mask
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token at seq_len tokens (default max_len; flashtrain.models.flops); the attention term
+        scaled by the share of the score matrix the variant computes (its attention_flops_fraction)."""
+        c, seq_len = self.config, seq_len or self.config.max_len
+        return training_flops_per_token(self, [self.tok_emb, self.pos_emb], c.n_layer, c.d_model, seq_len,
+                                        c.attention.attention_flops_fraction(seq_len))
 
     def _init_weights(self) -> None:
         """LRA's initialisation (its Flax TransformerEncoder): token embeddings N(0, 1), so that the tokens are not

@@ -37,6 +37,7 @@ from flashtrain.train.checkpoint import (MODEL_FILES, TrainState, accelerate_war
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.hf_files import save_model_files
 from flashtrain.train.metrics import MetricsLog
+from flashtrain.train.mfu import Utilisation, peak_bf16_tflops
 from flashtrain.train.model_init import load_initial_weights
 from flashtrain.train.optim import build_optimizer, build_scheduler
 from flashtrain.train.processes import (accumulation_steps, build_accelerator, launcher_precision, main_process_first,
@@ -306,6 +307,9 @@ class Trainer:
         self.checkpointed_blocks = activation_checkpoint.apply(model, tcfg.activation_checkpointing)
         self.base_model = model = model.to(self.accelerator.device)  # neither compiled nor wrapped
         self.n_params = sum(p.numel() for p in model.parameters())  # each tensor once: tied weights count once
+        flops = getattr(model, "flops_per_token", None)  # at the data's longest sequence
+        self.utilisation = Utilisation(flops(self.task.spec.max_length) if flops is not None else None,
+                                       peak_bf16_tflops(self.accelerator.device), self.accelerator.num_processes)
         optimizer = build_optimizer(model, cfg.optim)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.tcfg.max_steps)
         if self.tcfg.compile:
@@ -340,6 +344,7 @@ class Trainer:
                     f"{tcfg.micro_batch_size} x {world} process(es) x {self.grad_accum_steps} accumulation step(s)"
                     + (f"; activation checkpointing: {tcfg.activation_checkpointing}, {self.checkpointed_blocks} "
                        f"blocks" if self.checkpointed_blocks else ""))
+        self._print(self.utilisation.describe())
 
     def _wandb_run_id(self) -> str | None:
         """The wandb run of this run directory: made once and stored there, so a resumed run logs into the same one.
@@ -426,15 +431,20 @@ class Trainer:
 
     def _log_training(self, loss_sum: torch.Tensor) -> None:
         """Log the step's loss (the processes' shares summed: the mean over the global batch), the learning rate,
-        tokens/s of all processes and, on a GPU, this process's peak memory."""
+        tokens/s of all processes and per process, MFU (flashtrain.train.mfu; on a GPU, for a model that counts its
+        FLOPs) and, on a GPU, this process's peak memory."""
         train_loss = self.accelerator.reduce(loss_sum, reduction="sum").item()
         tok_s = (self.state.tokens_seen - self.tokens_at_log) / max(self.interval_seconds, 1e-9)
         self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen
-        memory = {}
+        extra, mfu = {}, self.utilisation.mfu(tok_s)
         if self.accelerator.device.type == "cuda":
-            memory["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
-        self._record(train_loss=train_loss, lr=self.step_lr, tokens_per_s=tok_s, **memory)
-        self.pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{self.step_lr:.2e}", tok_s=f"{tok_s:,.0f}")
+            extra["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
+        if mfu is not None:
+            extra["mfu"] = mfu
+        self._record(train_loss=train_loss, lr=self.step_lr, tokens_per_s=tok_s,
+                     tokens_per_s_per_process=tok_s / self.accelerator.num_processes, **extra)
+        self.pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{self.step_lr:.2e}", tok_s=f"{tok_s:,.0f}",
+                              **({"mfu": f"{100 * mfu:.1f}%"} if mfu is not None else {}))
 
     def _last_step(self) -> bool:
         return self.state.step == self.end_step or self.out_of_time

@@ -52,6 +52,9 @@ class BlockSparseConfig(AttentionConfig):
     def runs_packed(self, attn_impl: str, x: Tensor, head_dim: int) -> bool:
         return runs_packed(attn_impl, x, head_dim, block_mask=True)
 
+    def attention_flops_fraction(self, seqlen: int) -> float:
+        return float(self.block_mask(seqlen).float().mean())  # the kept tiles
+
     def block_mask(self, seqlen: int) -> Tensor:
         """bool (n, n), n = ceil(seqlen / 128): True where query block i attends to key block j."""
         if self.kind == "butterfly":
