@@ -4,12 +4,14 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 from transformers import GPT2Config as HFGPT2Config
 from transformers import GPT2LMHeadModel
 
 from flashtrain.models import GPT2, GPT2Config
+from flashtrain.models.losses import linear_cross_entropy
 from flashtrain.models.hf_convert import (from_pretrained_hf, gpt2_config_from_hf, gpt2_config_to_hf, load_hf_state_dict,
                                           to_hf_state_dict)
 
@@ -228,3 +230,42 @@ def test_unsupported_hf_config_raises_naming_the_option(field, value):
     hf_config = HFGPT2Config(**TINY, bos_token_id=0, eos_token_id=0, **{field: value})
     with pytest.raises(ValueError, match=field):
         gpt2_config_from_hf(hf_config)
+
+
+# ---- the loss without the logits (flashtrain.models.losses) -----------------------------------------------------
+
+@pytest.mark.parametrize("chunk_elements", [1000, 7 * 512, 2**26])  # 1 row per chunk, 7 rows, everything at once
+def test_linear_cross_entropy_equals_the_loss_of_the_full_logits(chunk_elements):
+    torch.manual_seed(0)
+    hidden = torch.randn(50, 32, dtype=torch.float64, requires_grad=True)
+    weight = (0.3 * torch.randn(512, 32, dtype=torch.float64)).requires_grad_()
+    targets = torch.randint(0, 512, (50,))
+    targets[::6] = -100  # ignored, as F.cross_entropy's ignore_index
+    expected = F.cross_entropy(hidden @ weight.T, targets, ignore_index=-100)
+    grads = torch.autograd.grad(3.0 * expected, (hidden, weight))
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_elements=chunk_elements)
+    assert loss.dtype == torch.float32 and float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-6)
+    for got, want in zip(torch.autograd.grad(3.0 * loss, (hidden, weight)), grads):
+        assert got.dtype == torch.float64 and torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_linear_cross_entropy_with_every_target_ignored_is_zero_with_zero_gradients():
+    hidden, weight = torch.randn(4, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+    loss = linear_cross_entropy(hidden, weight, torch.full((4,), -100))
+    loss.backward()
+    assert float(loss) == 0.0 and not hidden.grad.any() and not weight.grad.any()
+
+
+def test_gpt2_training_loss_without_logits_matches_the_full_logits():
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=2, attn_impl="reference"))
+    x, y = torch.randint(0, 300, (3, 32)), torch.randint(0, 300, (3, 32))
+    y[0, :5] = -100
+    logits, full = model(x, y)
+    full_grads = torch.autograd.grad(full, list(model.parameters()))
+    none, chunked = model(x, y, return_logits=False)
+    assert none is None and float(chunked.detach()) == pytest.approx(float(full.detach()), rel=1e-6)
+    for got, want in zip(torch.autograd.grad(chunked, list(model.parameters())), full_grads):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)  # the tied token table too
+    with pytest.raises(ValueError, match="targets must be"):
+        linear_cross_entropy(torch.randn(4, 8), torch.randn(16, 8), torch.zeros(5, dtype=torch.long))

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from flashtrain.models.attention import attention, check_attn_impl, check_backend, compute_dtype
 from flashtrain.models.flops import training_flops_per_token
+from flashtrain.models.losses import linear_cross_entropy
 from flashtrain.models.tying import tie_weights
 
 # how the end-of-run sample, `python -m flashtrain.generate` and an export's generation_config.json sample by default:
@@ -181,11 +182,14 @@ class GPT2(nn.Module):
         # nn.LayerNorm already starts at weight 1, bias 0.
 
     def forward(self, input_ids: Tensor, targets: Tensor | None = None, cache: KVCache | None = None,
-                cu_seqlens: Tensor | None = None, position_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                cu_seqlens: Tensor | None = None, position_ids: Tensor | None = None,
+                return_logits: bool = True) -> tuple[Tensor | None, Tensor | None]:
         """input_ids (B, T) -> (logits (B, T, vocab_size), mean cross-entropy or None).
 
         targets (B, T) are already shifted: targets[:, t] is the token that follows input_ids[:, t].
         Targets equal to -100 are ignored (as in HF and F.cross_entropy).
+        return_logits=False (with targets; what training needs): logits None, the loss computed a chunk of tokens at
+        a time without the (B, T, vocab_size) logits (flashtrain.models.losses): the same value and gradients.
         cache (generation): input_ids continue the cache.length tokens in it (positions from cache.length on); their
         keys and values are added to it.
         cu_seqlens (n + 1,) int32 (data.document_mask): the documents packed in the flattened B * T tokens, built on
@@ -212,7 +216,10 @@ class GPT2(nn.Module):
             x = block(x, cache, layer, cu_seqlens)
         if cache is not None:
             cache.length = past + T
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab_size)
+        x = self.transformer.ln_f(x)
+        if targets is not None and not return_logits:
+            return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = None
         if targets is not None:  # in float32 even when the logits are bf16/fp16
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
