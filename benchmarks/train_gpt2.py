@@ -3,9 +3,9 @@ Hugging Face transformers' GPT2LMHeadModel with attn_implementation="eager" and 
 same flashtrain GPT2 on PyTorch SDPA (its default backend choice, cuDNN forced, FA2 forced), in one process.
 
 Every implementation runs the same training step on the same random tokens: bf16 autocast (fp32 on the CPU),
-forward, float32 cross-entropy over the full vocabulary (flashtrain's GPT2: computed a chunk of tokens at a time
-without the logits, as the trainer runs it; --loss full: from the full logits, as the HF models), backward,
-grad-norm clipping at 1.0, fused AdamW, with the same micro-batch (--batch-tokens / seq_len sequences). Dropout is off everywhere. The step time is the median of
+forward, float32 cross-entropy over the full vocabulary (--loss chunked: flashtrain's GPT2 computes it a chunk of
+tokens at a time without the logits, model.chunked_loss), backward, grad-norm clipping at 1.0, fused AdamW, with the
+same micro-batch (--batch-tokens / seq_len sequences). Dropout is off everywhere. The step time is the median of
 --steps timed steps (CUDA events) after --warmup untimed ones; on a GPU the implementations' steps take turns
 (time_interleaved: each preceded equally often by every other, all under the same clocks and power state), every
 implementation's model staying in memory meanwhile (--timing windows: each one's steps back to back).
@@ -153,22 +153,22 @@ def time_interleaved(calls: dict, repeats: int) -> dict[str, list[float]]:
 
 
 def build_loss_fn(impl: str, shape: tuple[int, int, int], seq_len: int, vocab_size: int, device: torch.device,
-                  chunked_loss: bool = True):
+                  chunked_loss: bool = False):
     """(model, loss_fn(x, y) -> mean cross-entropy) for one implementation, parameters in float32 on `device`.
-    chunked_loss: flashtrain's GPT2 computes its loss without the logits, as the trainer runs it
-    (flashtrain.models.losses); False: from the full float32 logits, as the HF models do."""
+    chunked_loss: flashtrain's GPT2 computes its loss without the logits (model.chunked_loss,
+    flashtrain.models.losses); False: from the full float32 logits, as the HF models do."""
     n_layer, n_embd, n_head = shape
     attn, backend, mode = parse_impl(impl)
     if impl.startswith("flashtrain"):
         config = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer,
-                            n_head=n_head, attn_impl=attn)
+                            n_head=n_head, attn_impl=attn, chunked_loss=chunked_loss)
         with device:
             model = GPT2(config)
         step_model = torch.compile(model, mode=mode) if mode is not None else model
 
         def loss_fn(x, y):  # (a forced backend also while torch.compile traces)
             with sdpa_kernel(SDPA_BACKENDS[backend]) if backend else contextlib.nullcontext():
-                return step_model(x, y, return_logits=not chunked_loss)[1]
+                return step_model(x, y)[1]
         return model, loss_fn
 
     import transformers  # only the comparison needs it
@@ -200,7 +200,7 @@ def check_flash_kernel(shape: tuple[int, int, int], seq_len: int, device: torch.
 
 
 def prepare(impl: str, shape, seq_len: int, micro_batch: int, vocab_size: int, device: torch.device,
-            warmup: int, chunked_loss: bool = True) -> tuple:
+            warmup: int, chunked_loss: bool = False) -> tuple:
     """One implementation's training step, warmed up: (train_step, its row's fields so far). The peak memory is what
     its warm-up steps allocated beyond what was allocated before it was built (other implementations' models stay
     in memory while the steps are interleaved)."""
@@ -238,7 +238,7 @@ def prepare(impl: str, shape, seq_len: int, micro_batch: int, vocab_size: int, d
 
 
 def run_config(impls, model_name, seq_len, micro_batch, vocab_size, device, warmup, steps, interleave,
-               chunked_loss: bool = True) -> list:
+               chunked_loss: bool = False) -> list:
     """Rows of every implementation for one (model, context): each built and warmed up (its failure, an
     out-of-memory too, reported in its row), then the timed steps, on a GPU interleaved (train_gpt2.time_interleaved:
     every implementation under the same clocks) unless interleave is False (each one's steps back to back)."""
@@ -354,9 +354,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--impls", nargs="+", default=None,
                         help="flashtrain[-sdpa[-cudnn|-fa2]][-compile|-reduce-overhead|-max-autotune], hf-eager, "
                              "hf-sdpa (default: flashtrain and hf-*)")
-    parser.add_argument("--loss", choices=("chunked", "full"), default="chunked",
-                        help="flashtrain's GPT2: its loss a chunk of tokens at a time without the logits (what the "
-                             "trainer runs) or from the full float32 logits (as the HF models)")
+    parser.add_argument("--loss", choices=("full", "chunked"), default="full",
+                        help="flashtrain's GPT2: its loss from the full float32 logits (as the HF models) or a chunk "
+                             "of tokens at a time without the logits (model.chunked_loss)")
     parser.add_argument("--timing", choices=("interleaved", "windows"), default="interleaved",
                         help="interleaved: the implementations' steps take turns (same clocks for all; every model "
                              "stays in GPU memory); windows: each one's steps back to back")

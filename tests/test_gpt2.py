@@ -263,7 +263,8 @@ def test_gpt2_training_loss_without_logits_matches_the_full_logits():
     y[0, :5] = -100
     logits, full = model(x, y)
     full_grads = torch.autograd.grad(full, list(model.parameters()))
-    none, chunked = model(x, y, return_logits=False)
+    model.config.chunked_loss = True
+    none, chunked = model(x, y)
     assert none is None and float(chunked.detach()) == pytest.approx(float(full.detach()), rel=1e-6)
     for got, want in zip(torch.autograd.grad(chunked, list(model.parameters())), full_grads):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)  # the tied token table too

@@ -140,6 +140,19 @@ def test_training_loss_falls(cache_dir, tmp_path, caplog):
     assert accelerate_records == [], [r.getMessage() for r in accelerate_records]
 
 
+def test_chunked_loss_trains_the_same_model(cache_dir, tmp_path):
+    # model.chunked_loss: the LM loss without the logits (flashtrain.models.losses); the same losses step by step
+    runs = {}
+    for chunked in (False, True):
+        cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_steps=10", "trainer.eval_interval=10",
+                                            "trainer.save_interval=10", f"model.chunked_loss={str(chunked).lower()}",
+                                            "data.sample_tokens=0"))
+        runs[chunked] = train(cfg, tmp_path / f"run{int(chunked)}").history
+    losses = {k: [r["train_loss"] for r in h if "train_loss" in r] + [r["val_loss"] for r in h if "val_loss" in r]
+              for k, h in runs.items()}
+    assert len(losses[True]) == 4 and losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
 def test_resume_is_exact(cache_dir, tmp_path):
     # dropout on everywhere: a resumed run must also restore the RNG states exactly
     extra = ["model.dropout=0.1", "model.attn_dropout=0.1", "trainer.max_steps=12", "trainer.log_interval=1",

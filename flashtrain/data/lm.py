@@ -360,10 +360,8 @@ class LMTask(Task):
 
     @staticmethod
     def _loss(model, batch) -> Tensor:
-        """The mean loss of a batch: (x, y), or collate_documents' dict of the model's keyword arguments (no logits:
-        the model computes the loss a chunk of tokens at a time)."""
-        return (model(**batch, return_logits=False) if isinstance(batch, dict) else
-                model(*batch, return_logits=False))[1]
+        """The mean loss of a batch: (x, y), or collate_documents' dict of the model's keyword arguments."""
+        return (model(**batch) if isinstance(batch, dict) else model(*batch))[1]
 
     @staticmethod
     def _targets(batch) -> Tensor:
