@@ -55,7 +55,7 @@ def test_peak_table_knows_the_data_sheet_numbers(monkeypatch):
 
 
 def test_unknown_gpu_is_measured_once_and_cached(monkeypatch, tmp_path):
-    monkeypatch.setenv("FLASHTRAIN_CACHE", str(tmp_path))
+    monkeypatch.setenv("FLASHTRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
     calls = []
     monkeypatch.setattr(mfu, "measure_bf16_tflops", lambda device: calls.append(device) or 1234.56)

@@ -44,7 +44,7 @@ def transformer_flops_per_token(matmul_params: int, n_layer: int, width: int, se
 
 
 def _cache_path() -> Path:
-    root = os.environ.get("FLASHTRAIN_CACHE") or Path.home() / ".cache" / "flashtrain"
+    root = os.environ.get("FLASHTRAIN_CACHE_DIR") or Path.home() / ".cache" / "flashtrain"
     return Path(root) / "peak_bf16_tflops.json"
 
 
