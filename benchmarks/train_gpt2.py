@@ -21,6 +21,7 @@ subtracted, as in PaLM's MFU). A configuration that runs out of GPU memory is re
     python benchmarks/train_gpt2.py --impls flashtrain flashtrain-compile flashtrain-reduce-overhead \
         flashtrain-max-autotune --models small --seq-lens 1024   # tokens/s of each trainer.compile_mode
     python benchmarks/train_gpt2.py --device cpu --tiny --out /tmp/t.json   # smoke test (2 layers x 64 wide)
+    python benchmarks/train_gpt2.py --max-batch --vs-sdpa   # the largest micro-batch that fits, per implementation
     python benchmarks/train_gpt2.py --impls flashtrain --models small --batch-tokens 32768 --out /tmp/mem.json
                                                     # peak memory at a recipe's micro-batch (gpt2-small-*: 32K tokens)
 
@@ -271,6 +272,65 @@ def run_config(impls, model_name, seq_len, micro_batch, vocab_size, device, warm
     return list(rows.values())
 
 
+def largest_fitting(fits, limit: int) -> int:
+    """The largest n in [1, limit] for which fits(n) holds, fits being monotone (true up to some n, false above):
+    doubling from 1, then bisection; 0 when not even 1 fits."""
+    if not fits(1):
+        return 0
+    good, n = 1, 2
+    while n <= limit and fits(n):
+        good, n = n, 2 * n
+    bad = min(n, limit + 1)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def max_batch_rows(impls, models, seq_lens, vocab_size, device, limit: int, chunked_loss: bool) -> list[dict]:
+    """--max-batch: per (model, context, implementation), the largest micro-batch (sequences, at most `limit`) whose
+    training step (two of them: the optimizer's state exists after the first) fits in GPU memory."""
+    rows = []
+    for model_name in models:
+        for seq_len in seq_lens:
+            for impl in impls:
+                def fits(micro_batch: int) -> bool:
+                    try:
+                        prepare(impl, MODEL_SHAPES[model_name], seq_len, micro_batch, vocab_size, device, 2,
+                                chunked_loss)
+                        return True
+                    except torch.OutOfMemoryError:
+                        return False
+                    finally:
+                        gc.collect()
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                largest = largest_fitting(fits, limit)
+                rows.append({"model": model_name, "seq_len": seq_len, "impl": impl, "max_micro_batch": largest,
+                             "max_micro_batch_tokens": largest * seq_len, "limit": limit})
+                print(f"{model_name:<7} {seq_len:>5} {impl:<29} max micro-batch {largest:>4} sequences "
+                      f"({largest * seq_len:,} tokens){' (the --max-batch-limit)' if largest == limit else ''}",
+                      flush=True)
+    return rows
+
+
+def plot_max_batch(rows: list[dict], env: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"{r['model']} {r['seq_len']}\n{r['impl']}" for r in rows]
+    ax.bar(range(len(rows)), [r["max_micro_batch_tokens"] for r in rows], color="C0")
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("largest micro-batch (tokens)")
+    ax.set_title(f"GPT-2 training step, {env['device_name']}, torch {env['torch']}, {env['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'model':<7} {'T':>5} {'B':>3} {'impl':<29} {'tokens/s':>10} {'step ms':>8} {'MFU':>6} "
              f"{'peak GiB':>8}  speedup of flashtrain"]
@@ -357,6 +417,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--loss", choices=("full", "chunked"), default="full",
                         help="flashtrain's GPT2: its loss from the full float32 logits (as the HF models) or a chunk "
                              "of tokens at a time without the logits (model.chunked_loss)")
+    parser.add_argument("--max-batch", action="store_true",
+                        help="instead of timing: the largest micro-batch (sequences) whose training step fits in GPU "
+                             "memory, per model, context and (eager) implementation")
+    parser.add_argument("--max-batch-limit", type=int, default=256, help="--max-batch: the largest size tried")
     parser.add_argument("--timing", choices=("interleaved", "windows"), default="interleaved",
                         help="interleaved: the implementations' steps take turns (same clocks for all; every model "
                              "stays in GPU memory); windows: each one's steps back to back")
@@ -408,6 +472,12 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(json.dumps(env), flush=True)
 
+    if args.max_batch:
+        if any(parse_impl(impl)[2] for impl in impls):
+            raise SystemExit("--max-batch measures eager steps: drop --compile and the compiled --impls")
+        rows = max_batch_rows(impls, models, seq_lens, vocab_size, device, args.max_batch_limit,
+                              args.loss == "chunked")
+        return save_results("train_gpt2_max_batch", args.out, env, rows, plot_max_batch)
     rows = []
     for model_name in models:
         for seq_len in seq_lens:

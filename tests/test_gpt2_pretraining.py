@@ -189,6 +189,24 @@ def test_benchmark_vs_sdpa_compares_each_variant_with_ours(tmp_path):
         rows["flashtrain"]["tokens_per_s"] / rows["flashtrain-sdpa-fa2"]["tokens_per_s"])
 
 
+@pytest.mark.parametrize("largest, limit", [(0, 64), (1, 64), (5, 64), (64, 64), (100, 64), (37, 1000)])
+def test_benchmark_max_batch_search_finds_the_largest_size_that_fits(largest, limit):
+    tried = []
+    found = load_benchmark().largest_fitting(lambda n: tried.append(n) or n <= largest, limit)
+    assert found == min(largest, limit)
+    assert len(tried) <= 2 * max(limit, 1).bit_length() + 1 and max(tried) <= limit  # doubling, then bisection
+
+
+def test_benchmark_max_batch_mode_reports_each_implementation(tmp_path):
+    # on the CPU nothing runs out of memory: the search stops at --max-batch-limit
+    result = load_benchmark().main(["--device", "cpu", "--tiny", "--seq-lens", "64", "--max-batch",
+                                    "--max-batch-limit", "3", "--impls", "flashtrain", "flashtrain-sdpa",
+                                    "--out", str(tmp_path / "m.json")])
+    assert [(r["impl"], r["max_micro_batch"], r["max_micro_batch_tokens"]) for r in result["rows"]] == [
+        ("flashtrain", 3, 192), ("flashtrain-sdpa", 3, 192)]
+    assert (tmp_path / "m.png").stat().st_size > 5_000
+
+
 def test_benchmark_imports_without_hydra_datasets_wandb():
     # the GPU machine has none of them: the module must load with their imports failing
     code = ("import sys, importlib.util\n"
