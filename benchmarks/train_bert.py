@@ -10,10 +10,14 @@ realistic padding: a share --full-fraction of the sequences is full length and t
 uniformly in [64, 512) (default 0.7: ~13% of the batch is padding; BERT pretraining data cut at 512 tokens has more,
 so this is a conservative setting for the unpadded model); 15% of the real tokens are masked. The step time is the
 median of --steps timed steps (CUDA events) after --warmup untimed ones; sequences/s = batch / step time.
-"flashtrain-sdpa" is flashtrain's model with attn_impl=sdpa (padded, PyTorch's attention): it separates the kernel's
-share of the gain from the rest.
+"flashtrain-sdpa" is flashtrain's model with attn_impl=sdpa (padded, PyTorch's attention and its backend choice):
+it separates the kernel's share of the gain from the rest; "flashtrain-sdpa-cudnn" / "-fa2" / "-efficient" force one
+SDPA backend (a backend that cannot run the padded, dropout batch reports its error). On a GPU the implementations'
+steps are interleaved (train_gpt2.time_interleaved: each preceded equally often by every other, all under the same
+clocks; every model stays in memory); --timing windows runs each one's steps back to back.
 
     python benchmarks/train_bert.py --out $OUT/train_bert.json          # BERT-large, seq 512, batch 32 on a GPU
+    python benchmarks/train_bert.py --vs-sdpa                           # unpadded flash vs every padded SDPA backend
     python benchmarks/train_bert.py --device cpu --tiny --out /tmp/b.json   # smoke test (2 layers x 64 wide)
 
 Needs torch, transformers and matplotlib only.
@@ -30,11 +34,15 @@ import sys
 import warnings
 from pathlib import Path
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt2 import measure_matmul_flops, save_results, time_calls  # noqa: E402  (the sibling benchmark's helpers)
+from train_gpt2 import (measure_matmul_flops, save_results, time_calls,  # noqa: E402  (the sibling's helpers)
+                        time_interleaved)
 
 from flashtrain.kernels import flash_attn_varlen_func  # noqa: E402
 from flashtrain.models.bert import BertConfig, BertForMaskedLM  # noqa: E402
@@ -42,7 +50,11 @@ from flashtrain.train.lamb import LAMB  # noqa: E402
 
 VOCAB = 30522
 MODEL_SHAPES = {"large": (24, 1024, 16, 4096), "tiny": (2, 64, 2, 128)}  # layers, width, heads, MLP width
-IMPLS = ("flashtrain", "flashtrain-sdpa", "hf-sdpa")
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
+IMPLS = ("flashtrain", "flashtrain-sdpa", *(f"flashtrain-sdpa-{backend}" for backend in SDPA_BACKENDS), "hf-sdpa")
+DEFAULT_IMPLS = ("flashtrain", "flashtrain-sdpa", "hf-sdpa")
+VS_SDPA = IMPLS[:-1]
 
 
 def make_batch(batch: int, seq_len: int, full_fraction: float, vocab_size: int, device: torch.device,
@@ -67,12 +79,17 @@ def build_loss_fn(impl: str, shape, seq_len: int, vocab_size: int, device: torch
     """(model, loss_fn(batch) -> masked-LM loss) with float32 parameters on `device`."""
     n_layer, width, n_head, mlp = shape
     if impl.startswith("flashtrain"):
+        backend = impl.removeprefix("flashtrain-sdpa-") if impl.startswith("flashtrain-sdpa-") else None
         config = BertConfig(vocab_size=vocab_size, hidden_size=width, num_hidden_layers=n_layer,
                             num_attention_heads=n_head, intermediate_size=mlp, max_length=seq_len,
-                            head="masked_lm", attn_impl="sdpa" if impl == "flashtrain-sdpa" else "flash")
+                            head="masked_lm", attn_impl="flash" if impl == "flashtrain" else "sdpa")
         with device:
             model = BertForMaskedLM(config)
-        return model, lambda b: model(b["input_ids"], b["attention_mask"], labels=b["labels"])[1]
+
+        def flashtrain_loss(b):
+            with sdpa_kernel(SDPA_BACKENDS[backend]) if backend else contextlib.nullcontext():
+                return model(b["input_ids"], b["attention_mask"], labels=b["labels"])[1]
+        return model, flashtrain_loss
 
     import transformers  # only the comparison needs it
 
@@ -103,8 +120,13 @@ def check_flash_kernel(shape, seq_len: int, device: torch.device) -> str:
     return "cuda kernel"
 
 
-def measure(impl: str, shape, seq_len: int, batch: dict, device: torch.device, warmup: int, steps: int) -> dict:
+def prepare(impl: str, shape, seq_len: int, batch: dict, device: torch.device, warmup: int) -> tuple:
+    """One implementation's training step, warmed up: (train_step, its row's fields so far); peak memory as in
+    train_gpt2.prepare (beyond what was allocated before it was built)."""
     torch.manual_seed(0)
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     model, loss_fn = build_loss_fn(impl, shape, seq_len, VOCAB if shape != MODEL_SHAPES["tiny"] else 512, device)
     model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -122,49 +144,58 @@ def measure(impl: str, shape, seq_len: int, batch: dict, device: torch.device, w
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        seconds = time_calls(train_step, device, warmup=warmup, repeats=steps)
-    step_s = statistics.median(seconds)
-    n_sequences = batch["input_ids"].shape[0]
-    return {
-        "status": "ok",
-        "step_ms": 1000 * step_s,
-        "sequences_per_s": n_sequences / step_s,
-        "real_tokens_per_s": int(batch["attention_mask"].sum()) / step_s,
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        for _ in range(warmup):
+            train_step()
+    return train_step, {
+        "peak_mem_gib": (torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None,
         "n_params": sum(p.numel() for p in model.parameters()),
         "warnings": sorted({str(w.message) for w in caught}),
     }
 
 
-def run_one(impl, shape, seq_len, batch, device, warmup, steps) -> dict:
-    row = {"impl": impl, "seq_len": seq_len, "batch": batch["input_ids"].shape[0]}
-    try:
-        if impl == "flashtrain":
-            row["attention"] = check_flash_kernel(shape, seq_len, device)
-        row.update(measure(impl, shape, seq_len, batch, device, warmup, steps))
-    except torch.OutOfMemoryError:
-        row["status"] = "OOM"
-    except Exception as error:  # noqa: BLE001 -- reported in the table, the other implementations still run
-        row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+def run_all(impls, shape, seq_len, batch, device, warmup, steps, interleave: bool) -> list[dict]:
+    """Every implementation built and warmed up (a failure, an out-of-memory too, reported in its row), then timed:
+    on a GPU interleaved unless interleave is False."""
+    rows, steps_of = {}, {}
+    for impl in impls:
+        row = rows[impl] = {"impl": impl, "seq_len": seq_len, "batch": batch["input_ids"].shape[0]}
+        try:
+            if impl == "flashtrain":
+                row["attention"] = check_flash_kernel(shape, seq_len, device)
+            steps_of[impl], fields = prepare(impl, shape, seq_len, batch, device, warmup)
+            row.update(status="ok", **fields)
+        except torch.OutOfMemoryError:
+            row["status"] = "OOM"
+        except Exception as error:  # noqa: BLE001 -- reported in the table, the other implementations still run
+            row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        gc.collect()
+    if device.type == "cuda" and interleave:
+        seconds = time_interleaved(steps_of, steps)
+    else:
+        seconds = {impl: time_calls(step, device, warmup=0, repeats=steps) for impl, step in steps_of.items()}
+    n_sequences, n_real = batch["input_ids"].shape[0], int(batch["attention_mask"].sum())
+    for impl, values in seconds.items():
+        step_s = statistics.median(values)
+        rows[impl].update(step_ms=1000 * step_s, sequences_per_s=n_sequences / step_s,
+                          real_tokens_per_s=n_real / step_s)
+    del steps_of
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
+    return list(rows.values())
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'impl':<16} {'T':>4} {'B':>3} {'seq/s':>8} {'step ms':>8} {'peak GiB':>8}  flashtrain speedup"]
+    lines = [f"{'impl':<26} {'T':>4} {'B':>3} {'seq/s':>8} {'step ms':>8} {'peak GiB':>8}  flashtrain speedup"]
     for row in rows:
         if row["status"] != "ok":
-            lines.append(f"{row['impl']:<16} {row['seq_len']:>4} {row['batch']:>3} {row['status']}")
+            lines.append(f"{row['impl']:<26} {row['seq_len']:>4} {row['batch']:>3} {row['status']}")
             continue
         peak = f"{row['peak_mem_gib']:.1f}" if row["peak_mem_gib"] is not None else "-"
         speedup = f"{row['speedup_of_flashtrain']:.2f}x" if row.get("speedup_of_flashtrain") else ""
-        lines.append(f"{row['impl']:<16} {row['seq_len']:>4} {row['batch']:>3} {row['sequences_per_s']:>8.1f} "
+        lines.append(f"{row['impl']:<26} {row['seq_len']:>4} {row['batch']:>3} {row['sequences_per_s']:>8.1f} "
                      f"{row['step_ms']:>8.1f} {peak:>8}  {speedup}")
     return "\n".join(lines)
 
@@ -197,7 +228,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 32; tiny 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 512 (tiny 128)")
     parser.add_argument("--full-fraction", type=float, default=0.7, help="share of full-length sequences")
-    parser.add_argument("--impls", nargs="+", default=list(IMPLS), help=f"a subset of {IMPLS}")
+    parser.add_argument("--impls", nargs="+", default=None, help=f"a subset of {IMPLS} (default {DEFAULT_IMPLS})")
+    parser.add_argument("--vs-sdpa", action="store_true",
+                        help="flashtrain's model unpadded with our kernel against the same model padded on SDPA: "
+                             "PyTorch's choice and each backend forced (instead of the HF model)")
+    parser.add_argument("--timing", choices=("interleaved", "windows"), default="interleaved",
+                        help="interleaved: the implementations' steps take turns; windows: each one's back to back")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
@@ -206,9 +242,13 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU here; use --device cpu --tiny for the smoke test")
-    for impl in args.impls:
+    impls = args.impls or (VS_SDPA if args.vs_sdpa else DEFAULT_IMPLS)
+    for impl in impls:
         if impl not in IMPLS:
             raise SystemExit(f"--impls: unknown implementation {impl!r}; choose from {IMPLS}")
+    if args.seq_len is not None and args.seq_len <= 64:
+        raise SystemExit(f"--seq-len must be > 64 (the shorter sequences' lengths are drawn from [64, seq_len)), got "
+                         f"{args.seq_len}")
     if not 0.0 <= args.full_fraction <= 1.0:
         raise SystemExit(f"--full-fraction must be in [0, 1], got {args.full_fraction}")
     model_name = "tiny" if args.tiny else "large"
@@ -234,16 +274,19 @@ def main(argv: list[str] | None = None) -> dict:
         "masked_tokens": int(batch["labels"].ne(-100).sum()),
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
+        "timing": args.timing,
     }
     print(json.dumps(env), flush=True)
-    rows = []
-    for impl in args.impls:
-        rows.append(run_one(impl, MODEL_SHAPES[model_name], seq_len, batch, device, args.warmup, args.steps))
-        print(format_table([rows[-1]]).splitlines()[-1], flush=True)
+    rows = run_all(impls, MODEL_SHAPES[model_name], seq_len, batch, device, args.warmup, args.steps,
+                   args.timing == "interleaved")
     ours = next((r for r in rows if r["impl"] == "flashtrain" and r["status"] == "ok"), None)
     for row in rows:
         if ours is not None and row["status"] == "ok" and row["impl"] != "flashtrain":
             row["speedup_of_flashtrain"] = ours["sequences_per_s"] / row["sequences_per_s"]
+    sdpa = [r for r in rows if r["impl"].startswith("flashtrain-sdpa") and r["status"] == "ok"]
+    if ours is not None and sdpa:  # the padded model on its fastest SDPA backend
+        fastest = max(sdpa, key=lambda r: r["sequences_per_s"])
+        env["fastest_sdpa"], env["speedup_over_fastest_sdpa"] = fastest["impl"], fastest["speedup_of_flashtrain"]
     print(format_table(rows))
 
     return save_results("train_bert", args.out, env, rows, plot)

@@ -2,6 +2,7 @@
 
 import importlib.resources
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -395,3 +396,24 @@ def test_minilm_checkpoint_matches_hf():
         # States reach ~|6|; measured ~3e-6 (float32 over 6 layers).
         assert max_diff_at_real_tokens(hidden, hf_out.last_hidden_state, batch["attention_mask"]) <= 2e-5, attn_impl
         assert (pooled - hf_out.pooler_output).abs().max().item() <= 2e-5, attn_impl
+
+
+def test_train_bert_benchmark_vs_sdpa_reports_every_backend(tmp_path):
+    # benchmarks/train_bert.py --vs-sdpa on the CPU: our unpadded model (the reference attention) and the padded one
+    # on SDPA's default; the GPU-only backends forced report their error in their rows
+    spec = importlib.util.spec_from_file_location("train_bert_benchmark",
+                                                  Path(__file__).resolve().parents[1] / "benchmarks" / "train_bert.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--device", "cpu", "--tiny", "--vs-sdpa", "--batch", "2", "--seq-len", "96", "--warmup", "1",
+                         "--steps", "1", "--out", str(tmp_path / "b.json")])
+    rows = {row["impl"]: row for row in result["rows"]}
+    assert list(rows) == ["flashtrain", "flashtrain-sdpa", "flashtrain-sdpa-cudnn", "flashtrain-sdpa-fa2",
+                          "flashtrain-sdpa-efficient"]
+    assert rows["flashtrain"]["status"] == rows["flashtrain-sdpa"]["status"] == "ok"
+    assert rows["flashtrain"]["n_params"] == rows["flashtrain-sdpa"]["n_params"]
+    assert rows["flashtrain-sdpa"]["speedup_of_flashtrain"] == pytest.approx(
+        rows["flashtrain"]["sequences_per_s"] / rows["flashtrain-sdpa"]["sequences_per_s"])
+    for forced in ("flashtrain-sdpa-cudnn", "flashtrain-sdpa-efficient"):
+        assert rows[forced]["status"].startswith("error: RuntimeError"), rows[forced]
+    assert result["env"]["fastest_sdpa"] in rows and result["env"]["speedup_over_fastest_sdpa"] > 0
