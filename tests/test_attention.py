@@ -431,7 +431,16 @@ BAD_BATCH_CALLS = [
      "dropout_mask is on meta but q is on cpu"),
     (dict(return_lse=1), TypeError, "return_lse"),
     (dict(deterministic="yes"), TypeError, "deterministic"),
-    (dict(window_size=(-1, -1)), TypeError, "unexpected keyword argument 'window_size'"),  # a flash-attn option
+    (dict(sliding_window=128), TypeError, "unexpected keyword argument 'sliding_window'"),  # not our name
+    (dict(window_size=3), TypeError, r"window_size must be a pair of ints \(left, right\), got 3"),
+    (dict(window_size=(2.5, 0)), TypeError, "window_size must be a pair of ints"),
+    (dict(window_size=(-2, 4)), ValueError, r"window_size entries must be >= -1"),
+    (dict(window_size=(8, 4), causal=True), ValueError, "causal is right = 0, so right must be -1 or 0"),
+    (dict(softcap=-1.0), ValueError, "softcap must be finite and >= 0"),
+    (dict(softcap="30"), TypeError, "softcap must be a float, got str"),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError, "alibi_slopes must be float32"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must be \(4,\) or \(2, 4\)"),
+    (dict(alibi_slopes=[0.5] * 4), TypeError, "alibi_slopes must be a float32 tensor, got list"),
 ]
 
 
@@ -459,7 +468,8 @@ BAD_VARLEN_CALLS = [
     (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0, got -1"),
     (dict(max_seqlen_k=True), TypeError, "max_seqlen_k must be an int, got bool"),
     (dict(impl="triton"), ValueError, "impl"),
-    (dict(softcap=30.0), TypeError, r"flash_attn_varlen_func\(\) got an unexpected keyword argument 'softcap'"),
+    (dict(logit_cap=30.0), TypeError, r"flash_attn_varlen_func\(\) got an unexpected keyword argument 'logit_cap'"),
+    (dict(alibi_slopes=torch.ones(3, 4)), ValueError, r"alibi_slopes must be \(4,\) or \(2, 4\)"),  # 2 sequences
 ]
 
 

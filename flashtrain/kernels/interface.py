@@ -39,10 +39,16 @@ class AttentionOptions(TypedDict, total=False):
     generator: torch.Generator | None
     deterministic: bool
     impl: str
+    window_size: tuple[int, int]
+    softcap: float
+    alibi_slopes: Tensor | None
 
 
 OPTION_DEFAULTS: AttentionOptions = {"block_mask": None, "return_lse": False, "dropout_mask": None, "generator": None,
-                                     "deterministic": False, "impl": "auto"}
+                                     "deterministic": False, "impl": "auto", "window_size": (-1, -1), "softcap": 0.0,
+                                     "alibi_slopes": None}
+# the options the CUDA kernels do not have yet: they run on impl="reference" (impl="auto" warns once and runs it)
+_REFERENCE_ONLY = ("window_size", "softcap", "alibi_slopes")
 
 
 def flash_attn_func(
@@ -85,6 +91,15 @@ def flash_attn_func(
         impl: "auto" (CPU tensors: the plain-PyTorch reference; CUDA tensors: the CUDA kernel, or the reference with
             a one-time warning saying why when the kernel cannot run this call), "cuda" (the kernel or a
             RuntimeError saying why not; never a fallback) or "reference".
+        window_size: (left, right) local attention, flash-attn's definition: query i sees key j iff
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = unbounded on that side
+            (default (-1, -1): none). With causal, right must be -1 or 0 (causal is right = 0). Tiles outside every
+            query's window are skipped.
+        softcap: > 0 caps the scaled scores s at +-softcap smoothly, s -> softcap * tanh(s / softcap), before the
+            softmax (Gemma 2, Grok); 0 (default) = none.
+        alibi_slopes: float32 (nheads,) or (batch, nheads) (varlen: one row per sequence): ALiBi, adds
+            -slope * |i + seqlen_k - seqlen_q - j| to the scaled (and capped) scores.
+        window_size, softcap and alibi_slopes run on the reference only for now (impl="cuda" raises).
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim) in q's dtype, or (out, lse) with return_lse=True.
@@ -99,8 +114,9 @@ def flash_attn_func(
     dropout_p, softmax_scale = _check_scalars(dropout_p, softmax_scale, causal, head_dim)
     _check_block_mask(block_mask, q, nheads, seqlen_q, seqlen_k)
     _check_dropout_mask(dropout_mask, q, dropout_p, (batch, nheads, seqlen_q, seqlen_k))
+    features = _check_features(options, q, nheads, batch, causal)
 
-    ops = _cuda_ops_to_use(options["impl"], q, block_mask, dropout_mask)
+    ops = _cuda_ops_to_use(options["impl"], q, block_mask, dropout_mask, features)
     if ops is not None:
         out, lse = ops.flash_attn_cuda(
             q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
@@ -117,7 +133,7 @@ def flash_attn_func(
             k.reshape(batch * seqlen_k, k.shape[2], head_dim),
             v.reshape(batch * seqlen_k, k.shape[2], head_dim),
             cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale, causal=causal, block_mask=block_mask,
-            dropout_p=dropout_p, dropout_mask=dropout_mask, generator=generator,
+            dropout_p=dropout_p, dropout_mask=dropout_mask, generator=generator, **(features or {}),
         )
         out = out.view(batch, seqlen_q, nheads, head_dim)
         lse = lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()  # (batch, nheads, seqlen_q)
@@ -158,8 +174,9 @@ def flash_attn_varlen_func(
     dropout_p, softmax_scale = _check_scalars(dropout_p, softmax_scale, causal, head_dim)
     _check_block_mask(block_mask, q, nheads, max_seqlen_q, max_seqlen_k)
     _check_dropout_mask(dropout_mask, q, dropout_p, (nheads, q.shape[0], max_seqlen_k))
+    features = _check_features(options, q, nheads, cu_seqlens_q.shape[0] - 1, causal)
 
-    ops = _cuda_ops_to_use(options["impl"], q, block_mask, dropout_mask)
+    ops = _cuda_ops_to_use(options["impl"], q, block_mask, dropout_mask, features)
     if ops is not None:
         out, lse = ops.flash_attn_cuda(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -169,7 +186,7 @@ def flash_attn_varlen_func(
     else:
         out, lse = flash_attn_reference(
             q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale, causal=causal, block_mask=block_mask,
-            dropout_p=dropout_p, dropout_mask=dropout_mask, generator=generator,
+            dropout_p=dropout_p, dropout_mask=dropout_mask, generator=generator, **(features or {}),
         )
     return (out, lse) if options["return_lse"] else out
 
@@ -177,22 +194,24 @@ def flash_attn_varlen_func(
 # ---- dispatch ----------------------------------------------------------------------------------------------------
 
 
-def _cuda_ops_or_reason(q: Tensor, block_mask: Tensor | None, dropout_mask: Tensor | None):
+def _cuda_ops_or_reason(q: Tensor, block_mask: Tensor | None, dropout_mask: Tensor | None, features=None):
     """(ops module, None) when the CUDA kernel can run these arguments, else (None, why not)."""
     if q.device.type != "cuda":
         return None, f"the tensors are on {q.device}; the CUDA kernel needs CUDA tensors"
     if dropout_mask is not None:
         return None, "an explicit dropout_mask is supported by impl='reference' only"
+    if features:
+        return None, f"{' / '.join(features)} run on impl='reference' only (the CUDA kernels do not have them yet)"
     from flashtrain.kernels import ops  # imported here: CPU-only calls never load the kernel side
     reason = ops.unavailable_reason(q.device, head_dim=q.shape[-1], dtype=q.dtype, block_mask=block_mask is not None)
     return (None, reason) if reason is not None else (ops, None)
 
 
-def _cuda_ops_to_use(impl: str, q: Tensor, block_mask: Tensor | None, dropout_mask: Tensor | None):
+def _cuda_ops_to_use(impl: str, q: Tensor, block_mask: Tensor | None, dropout_mask: Tensor | None, features=None):
     """The ops module when the CUDA kernel runs this call, None when the reference does."""
     if impl == "reference" or (impl == "auto" and q.device.type != "cuda"):
         return None
-    ops, reason = _cuda_ops_or_reason(q, block_mask, dropout_mask)
+    ops, reason = _cuda_ops_or_reason(q, block_mask, dropout_mask, features)
     if ops is not None:
         return ops
     if impl == "cuda":
@@ -268,6 +287,46 @@ def _check_options(function: str, options: dict) -> AttentionOptions:
     if options["impl"] not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {options['impl']!r}")
     return options
+
+
+def _check_features(options: AttentionOptions, q: Tensor, nheads: int, batch: int, causal: bool) -> dict | None:
+    """window_size, softcap, alibi_slopes checked; {name: value} of those set (alibi_slopes as (batch, nheads) in
+    q's compute dtype), None when none is (the common call)."""
+    window, softcap, slopes = options["window_size"], options["softcap"], options["alibi_slopes"]
+    if window == (-1, -1) and softcap == 0.0 and slopes is None:
+        return None
+    features = {}
+    if window != (-1, -1):
+        if (not isinstance(window, (tuple, list)) or len(window) != 2
+                or any(isinstance(x, bool) or not isinstance(_number(x, integral=True), int) for x in window)):
+            raise TypeError(f"window_size must be a pair of ints (left, right), got {window!r}")
+        left, right = (_number(x, integral=True) for x in window)
+        if left < -1 or right < -1:
+            raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {tuple(window)}")
+        if causal and right not in (-1, 0):
+            raise ValueError(f"window_size={tuple(window)} with causal=True: causal is right = 0, so right must be -1 "
+                             f"or 0")
+        if (left, right) != (-1, -1):
+            features["window_size"] = (left, right)
+    softcap = _number(softcap)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be finite and >= 0 (0: none), got {softcap}")
+    if softcap > 0:
+        features["softcap"] = float(softcap)
+    if slopes is not None:
+        if not isinstance(slopes, Tensor):
+            raise TypeError(f"alibi_slopes must be a float32 tensor, got {type(slopes).__name__}")
+        if slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
+        if slopes.device != q.device:
+            raise ValueError(f"alibi_slopes is on {slopes.device}, q on {q.device}")
+        if tuple(slopes.shape) not in ((nheads,), (batch, nheads)):
+            raise ValueError(f"alibi_slopes must be ({nheads},) or ({batch}, {nheads}) (nheads, or batch x nheads), "
+                             f"got {tuple(slopes.shape)}")
+        features["alibi_slopes"] = slopes.expand(batch, nheads)
+    return features or None
 
 
 def _number(value, integral: bool = False):

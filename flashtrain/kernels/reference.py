@@ -25,6 +25,11 @@ generator, and each tile's keep-mask is drawn from a generator (on the tensors' 
 hash(seed, sequence group, query tile, key tile): backward regenerates exactly the forward's mask without storing it,
 and the mask does not depend on the compute dtype.
 
+Score modifications, in this order (as flash-attn): softcap (s -> softcap * tanh(s / softcap) of the scaled scores;
+its derivative 1 - tanh^2 in backward), ALiBi (+ -slope * |i + seqlen_k - seqlen_q - j|), then the masks: causal,
+window_size = (left, right) (query i sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
+right; -1 = unbounded; causal is right = 0), block_mask. Tiles with no visible pair are never computed.
+
 Precision: computes in float32 (float64 for float64 inputs); out has the input dtype, lse is float32 (float64 for
 float64 inputs, so float64 gradient checks are exact).
 """
@@ -62,7 +67,7 @@ class _Tile:
     q1: int
     k0: int
     k1: int
-    on_diagonal: bool  # causal: some query of the tile may not see some key of it
+    on_diagonal: bool  # causal / window: some query of the tile may not see some key of it
     head_skip: Tensor | None  # (nheads_kv, 1, group_size, 1) True for heads whose block_mask block is 0
 
 
@@ -78,18 +83,23 @@ def _seq_groups(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> list[_SeqGroup]:
 
 
 def _visible_tiles(
-    seqlen_q: int, seqlen_k: int, causal: bool, block_mask: Tensor | None, nheads_kv: int, device: torch.device
+    seqlen_q: int, seqlen_k: int, window: tuple[int, int], block_mask: Tensor | None, nheads_kv: int,
+    device: torch.device
 ) -> list[_Tile]:
-    """Tiles with at least one (query, key) pair to compute, query-tile major. block_mask is on the CPU; the
-    per-head skip masks go to `device`, where the scores are."""
-    causal_offset = seqlen_k - seqlen_q  # bottom-right: query i sees key j iff j <= i + causal_offset
+    """Tiles with at least one (query, key) pair to compute, query-tile major. window = (left, right), causal being
+    right = 0 (-1: unbounded). block_mask is on the CPU; the per-head skip masks go to `device`, where the scores
+    are."""
+    offset = seqlen_k - seqlen_q  # bottom-right: query i is aligned with key i + offset
+    left, right = window
     tiles = []
     for q_tile in range(math.ceil(seqlen_q / TILE)):
         q0, q1 = q_tile * TILE, min(seqlen_q, (q_tile + 1) * TILE)
         for k_tile in range(math.ceil(seqlen_k / TILE)):
             k0, k1 = k_tile * TILE, min(seqlen_k, (k_tile + 1) * TILE)
-            if causal and k0 > q1 - 1 + causal_offset:
-                break  # this tile and all later ones are in the future of every query of the row
+            if right >= 0 and k0 > q1 - 1 + offset + right:
+                break  # this tile and all later ones lie right of every query's window
+            if left >= 0 and k1 - 1 < q0 + offset - left:
+                continue  # left of every query's window
             head_skip = None
             if block_mask is not None:
                 keep = block_mask[..., q_tile, k_tile]  # () shared by all heads, or (nheads,)
@@ -97,7 +107,7 @@ def _visible_tiles(
                     continue
                 if not keep.all():
                     head_skip = (~keep).view(nheads_kv, 1, -1, 1).to(device)
-            on_diagonal = causal and k1 - 1 > q0 + causal_offset
+            on_diagonal = (right >= 0 and k1 - 1 > q0 + offset + right) or (left >= 0 and k0 < q1 - 1 + offset - left)
             tiles.append(_Tile(q_tile, k_tile, q0, q1, k0, k1, on_diagonal, head_skip))
     return tiles
 
@@ -113,14 +123,21 @@ def _tile_seed(seed: int, group_index: int, q_tile: int, k_tile: int) -> int:
 class _GroupCompute:
     """What the forward and backward passes of one sequence group share: tiles, masks, dropout."""
 
-    def __init__(self, group, *, nheads, nheads_kv, device, causal, block_mask, dropout_p, dropout_mask, dropout_seed):
+    def __init__(self, group, *, nheads, nheads_kv, device, window, block_mask, dropout_p, dropout_mask, dropout_seed,
+                 softcap=0.0, alibi_slopes=None):
         self.group = group
         self.nheads_kv = nheads_kv
         self.group_size = nheads // nheads_kv
         self.causal_offset = group.seqlen_k - group.seqlen_q
         self.device = device
-        self.tiles = _visible_tiles(group.seqlen_q, group.seqlen_k, causal, block_mask, nheads_kv, device)
+        self.window = window
+        self.tiles = _visible_tiles(group.seqlen_q, group.seqlen_k, window, block_mask, nheads_kv, device)
         self._causal_masks: dict[tuple[int, int, int], Tensor] = {}
+        self.softcap = softcap
+        self.slopes = None  # ALiBi: (batch * nheads_kv, 1, group, 1), the rows' layout
+        if alibi_slopes is not None:  # (sequences, nheads) -> this group's sequences
+            slopes = alibi_slopes[group.index : group.index + group.batch]
+            self.slopes = slopes.reshape(group.batch * nheads_kv, 1, self.group_size, 1)
         self.dropout_p = dropout_p
         self.dropout_seed = dropout_seed
         self.dropout_mask = None
@@ -131,25 +148,46 @@ class _GroupCompute:
         if dropout_p > 0 and dropout_mask is None:
             self.generator = torch.Generator(device=device)
 
+    def _distance(self, tile: _Tile) -> Tensor:
+        """(bq, 1, bk): key k0 + c minus the key aligned with query q0 + r (bottom-right), c - r + k0 - q0 - offset."""
+        bq, bk = tile.q1 - tile.q0, tile.k1 - tile.k0
+        rows = torch.arange(bq, device=self.device)[:, None, None]
+        cols = torch.arange(bk, device=self.device)
+        return cols - rows + (tile.k0 - tile.q0 - self.causal_offset)
+
     def masked_out(self, tile: _Tile) -> Tensor | None:
         """Bool mask True where a score of the tile must be -inf, broadcastable to (batch, nheads_kv, bq, group, bk)."""
         mask = tile.head_skip
         if tile.on_diagonal:
-            bq, bk, shift = tile.q1 - tile.q0, tile.k1 - tile.k0, tile.k0 - tile.q0 - self.causal_offset
-            causal = self._causal_masks.get((bq, bk, shift))
-            if causal is None:  # key k0 + c is in the future of query q0 + r iff c - r + shift > 0
-                rows = torch.arange(bq, device=self.device)[:, None, None]
-                cols = torch.arange(bk, device=self.device)
-                causal = self._causal_masks[(bq, bk, shift)] = cols - rows + shift > 0  # (bq, 1, bk)
-            mask = causal if mask is None else mask | causal
+            key = (tile.q1 - tile.q0, tile.k1 - tile.k0, tile.k0 - tile.q0 - self.causal_offset)
+            outside = self._causal_masks.get(key)
+            if outside is None:  # right of the window (causal: in the future), or left of it
+                left, right = self.window
+                distance = self._distance(tile)
+                outside = torch.zeros(distance.shape, dtype=torch.bool, device=self.device)
+                if right >= 0:
+                    outside |= distance > right
+                if left >= 0:
+                    outside |= distance < -left
+                self._causal_masks[key] = outside  # (bq, 1, bk)
+            mask = outside if mask is None else mask | outside
         return mask
 
-    def apply_mask(self, scores: Tensor, tile: _Tile) -> None:
-        """scores: (batch * nheads_kv, bq * group, bk), masked in place."""
+    def modify_scores(self, scores: Tensor, tile: _Tile) -> Tensor | None:
+        """softcap, ALiBi and the masks on scores (batch * nheads_kv, bq * group, bk), in place; returns tanh of the
+        softcapped scores (their derivative is softcap-independent: 1 - tanh^2) or None without softcap."""
+        bq, bk = tile.q1 - tile.q0, tile.k1 - tile.k0
+        tanh = None
+        if self.softcap > 0:
+            tanh = scores.div_(self.softcap).tanh_().clone()
+            scores.mul_(self.softcap)
+        if self.slopes is not None:  # -slope * |i + seqlen_k - seqlen_q - j|
+            bias = self._distance(tile).abs().to(scores.dtype)  # (bq, 1, bk)
+            scores.view(-1, bq, self.group_size, bk).sub_(self.slopes.to(scores.dtype) * bias)
         mask = self.masked_out(tile)
         if mask is not None:
-            bq, bk = tile.q1 - tile.q0, tile.k1 - tile.k0
             scores.view(self.group.batch, self.nheads_kv, bq, self.group_size, bk).masked_fill_(mask, -math.inf)
+        return tanh
 
     def dropout_scale(self, tile: _Tile, dtype: torch.dtype) -> Tensor | None:
         """keep-mask / (1 - dropout_p) of the tile, (batch * nheads_kv, bq * group, bk); None without dropout."""
@@ -182,7 +220,7 @@ class _GroupCompute:
             acc = torch.zeros_like(q_rows)  # unnormalised output
             for tile in row_tiles:
                 scores = torch.bmm(q_rows, k[:, tile.k0 : tile.k1].transpose(1, 2))  # (rows, bq * group, bk)
-                self.apply_mask(scores, tile)
+                self.modify_scores(scores, tile)
                 new_max = torch.maximum(row_max, scores.amax(-1))
                 # rows that have seen no key yet keep max -inf; subtract 0 instead so exp() gives 0, not NaN
                 safe_max = new_max.masked_fill(new_max == -math.inf, 0.0)
@@ -211,7 +249,7 @@ class _GroupCompute:
             q_rows, dout_rows = q[:, r0:r1], dout[:, r0:r1]
             k_tile, v_tile = k[:, tile.k0 : tile.k1], v[:, tile.k0 : tile.k1]
             scores = torch.bmm(q_rows, k_tile.transpose(1, 2))  # (rows, bq * group, bk)
-            self.apply_mask(scores, tile)
+            tanh = self.modify_scores(scores, tile)
             probs = scores.sub_(lse[:, r0:r1, None]).exp_()  # P
             dprobs = torch.bmm(dout_rows, v_tile.transpose(1, 2))  # dP of the dropped-out probabilities
             keep_scale = self.dropout_scale(tile, probs.dtype)
@@ -222,6 +260,8 @@ class _GroupCompute:
                 dv[:, tile.k0 : tile.k1].add_(torch.bmm((probs * keep_scale).transpose(1, 2), dout_rows))
                 dprobs.mul_(keep_scale)
             dscores = probs.mul_(dprobs.sub_(delta[:, r0:r1, None]))  # dS = P * (dP - D)
+            if tanh is not None:  # through softcap: d/ds softcap * tanh(s / softcap) = 1 - tanh^2
+                dscores.mul_(1.0 - tanh.square_())
             dq[:, r0:r1].add_(torch.bmm(dscores, k_tile))
             dk[:, tile.k0 : tile.k1].add_(torch.bmm(dscores.transpose(1, 2), q_rows))
         return dq, dk, dv
@@ -264,16 +304,17 @@ class _FlashAttentionFunction(torch.autograd.Function):
     """Packed q (total_q, nheads, D), k/v (total_k, nheads_kv, D) -> out (total_q, nheads, D), lse (nheads, total_q)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, block_mask, dropout_p, dropout_mask,
-                dropout_seed):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window, block_mask, dropout_p, dropout_mask,
+                dropout_seed, softcap, alibi_slopes):
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         nheads, nheads_kv = q.shape[1], k.shape[1]
         group = nheads // nheads_kv
         block_mask_cpu = None if block_mask is None else block_mask.cpu()
         computes = [
-            _GroupCompute(seqs, nheads=nheads, nheads_kv=nheads_kv, device=q.device, causal=causal,
+            _GroupCompute(seqs, nheads=nheads, nheads_kv=nheads_kv, device=q.device, window=window,
                           block_mask=block_mask_cpu, dropout_p=dropout_p, dropout_mask=dropout_mask,
-                          dropout_seed=dropout_seed)
+                          dropout_seed=dropout_seed, softcap=softcap,
+                          alibi_slopes=None if alibi_slopes is None else alibi_slopes.to(compute_dtype))
             for seqs in _seq_groups(cu_seqlens_q, cu_seqlens_k)
         ]
         out = q.new_zeros(q.shape)
@@ -318,7 +359,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
             _copy_to_packed(dq[packed_q], dq_rows.mul_(scale), seqs.batch, seqs.seqlen_q, nheads_kv, group)
             _copy_to_packed(dk[packed_k], dk_rows, seqs.batch, seqs.seqlen_k, nheads_kv, 1)
             _copy_to_packed(dv[packed_k], dv_rows, seqs.batch, seqs.seqlen_k, nheads_kv, 1)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 def flash_attn_reference(
@@ -334,15 +375,21 @@ def flash_attn_reference(
     dropout_p: float,
     dropout_mask: Tensor | None,
     generator: torch.Generator | None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """FlashAttention in plain PyTorch, packed (varlen) form, arguments as validated by flashtrain.kernels.interface:
     q (total_q, nheads, D), k/v (total_k, nheads_kv, D), cu_seqlens int32 (batch + 1,); block_mask
-    ([nheads,] n_qblocks, n_kblocks); dropout_mask (nheads, total_q, max_seqlen_k).
+    ([nheads,] n_qblocks, n_kblocks); dropout_mask (nheads, total_q, max_seqlen_k); window_size (left, right), -1
+    unbounded (with causal, right is 0); softcap 0 = none; alibi_slopes (batch, nheads) float32 or None.
     Returns out (total_q, nheads, D) in q's dtype, differentiable w.r.t. q, k, v, and lse (nheads, total_q)."""
     dropout_seed = 0
     if dropout_p > 0 and dropout_mask is None:  # one draw per call; every tile's mask derives from it
         device = q.device if generator is None else generator.device
         dropout_seed = int(torch.randint(2**62, (), generator=generator, device=device))
+    window = (window_size[0], 0 if causal else window_size[1])
     return _FlashAttentionFunction.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, block_mask, dropout_p, dropout_mask, dropout_seed
+        q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window, block_mask, dropout_p, dropout_mask, dropout_seed,
+        softcap, alibi_slopes,
     )

@@ -1,0 +1,116 @@
+"""window_size, softcap and ALiBi on the reference (tiled FlashAttention) against the naive oracle, float64: outputs,
+lse and gradients; the tiles a window skips; the CUDA kernels say they do not have the features yet."""
+import math
+
+import pytest
+import torch
+
+from flashtrain.kernels import flash_attn_func, flash_attn_varlen_func
+from flashtrain.kernels.naive import naive_attention
+from flashtrain.kernels.reference import _visible_tiles
+
+
+def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim=16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    shape = lambda s, h: (batch, s, h, head_dim)  # noqa: E731
+    return [torch.randn(shape(s, h), generator=generator, dtype=torch.float64, requires_grad=True)
+            for s, h in ((seqlen_q, nheads), (seqlen_k, nheads_kv), (seqlen_k, nheads_kv))]
+
+
+def _compare(out, lse, expected_out, expected_lse, inputs, dout):
+    assert torch.allclose(out, expected_out, atol=1e-10), (out - expected_out).abs().max()
+    finite = expected_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite) and torch.allclose(lse[finite], expected_lse[finite], atol=1e-10)
+    grads = torch.autograd.grad(out, inputs, dout)
+    expected = torch.autograd.grad(expected_out, inputs, dout)
+    for got, want in zip(grads, expected):
+        assert torch.allclose(got, want, atol=1e-9), (got - want).abs().max()
+
+
+FEATURES = [
+    dict(window_size=(40, 40)),
+    dict(window_size=(100, -1)),
+    dict(window_size=(-1, 7)),
+    dict(window_size=(130, 0)),  # a sliding window of 131 keys, written as causal's right bound
+    dict(window_size=(64, -1), causal=True),  # causal local attention (Mistral)
+    dict(window_size=(0, 0)),  # each query sees only its aligned key
+    dict(softcap=2.0),
+    dict(softcap=0.5, causal=True),
+    dict(alibi="heads"),
+    dict(alibi="batch", causal=True),
+    dict(alibi="heads", softcap=3.0, window_size=(90, 20)),
+]
+
+
+@pytest.mark.parametrize("features", FEATURES, ids=[str(f) for f in FEATURES])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(300, 300), (200, 330), (330, 200)])
+def test_reference_matches_the_oracle(features, seqlen_q, seqlen_k):
+    features = dict(features)
+    causal = features.pop("causal", False)
+    alibi = features.pop("alibi", None)
+    q, k, v = _inputs(2, seqlen_q, seqlen_k, 4, 2)
+    if alibi is not None:  # ALiBi's geometric slopes 2^(-8 h / nheads), per head or per (sequence, head)
+        slopes = torch.tensor([2 ** (-8 * (h + 1) / 4) for h in range(4)], dtype=torch.float32)
+        features["alibi_slopes"] = slopes if alibi == "heads" else torch.stack([slopes, 2 * slopes])
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, impl="reference", **features)
+    expected_out, expected_lse = naive_attention(q, k, v, causal=causal, **features)
+    dout = torch.randn_like(out)
+    _compare(out, lse, expected_out, expected_lse, (q, k, v), dout)
+
+
+def test_varlen_reference_matches_the_oracle_with_every_feature():
+    lengths_q, lengths_k = [150, 0, 37, 260], [150, 12, 80, 200]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(sum(lengths_q), 4, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(sum(lengths_k), 1, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    slopes = torch.rand(4, 4, generator=generator) * 0.2  # per (sequence, head)
+    features = dict(window_size=(50, 10), softcap=1.5, alibi_slopes=slopes)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), return_lse=True,
+                                      impl="reference", **features)
+    expected_out, expected_lse = naive_attention(q, k, v, cu_q, cu_k, **features)
+    _compare(out, lse, expected_out, expected_lse, (q, k, v), torch.randn_like(out))
+
+
+def test_a_window_skips_the_tiles_outside_it():
+    # 16K tokens, window 1024 either side of the diagonal (left only, causal): a band of 128-token tiles, work
+    # proportional to the window; tiles fully inside need no mask
+    n = 16384 // 128
+    tiles = _visible_tiles(16384, 16384, (1024, 0), None, 1, torch.device("cpu"))
+    assert len(tiles) == sum(min(i, 8) + 1 for i in range(n))  # each query tile: itself and up to 8 to its left
+    assert len(tiles) / (n * (n + 1) / 2) < 1 / 7.3  # 1116 of the 8256 causal tiles at 16K
+    masked = [t for t in tiles if t.on_diagonal]
+    assert all(t.k_tile == t.q_tile or t.k_tile == t.q_tile - 8 for t in masked)  # the diagonal and the far edge
+    assert len(_visible_tiles(300, 300, (-1, -1), None, 1, torch.device("cpu"))) == 9
+
+
+def test_rows_whose_window_holds_no_key_output_zero():
+    q, k, v = _inputs(1, 50, 10, 2, 2)  # queries aligned with keys -40 .. 9: a window of (0, 3) misses for 37
+    out, lse = flash_attn_func(q, k, v, window_size=(0, 3), return_lse=True, impl="reference")
+    assert torch.all(out[0, :37] == 0) and torch.all(lse[0, :, :37] == -math.inf)
+    assert torch.all(lse[0, :, 37:].isfinite())
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(g.isfinite().all() for g in grads) and torch.all(grads[0][0, :37] == 0)
+
+
+def test_softcap_bounds_the_scores():
+    # with q = k and huge norms, the scores are far beyond +-softcap; capped, the lse is at most softcap + log(n)
+    q = torch.full((1, 64, 1, 16), 10.0, dtype=torch.float64)
+    _, lse = flash_attn_func(q, q, q, softcap=5.0, return_lse=True, impl="reference")
+    assert torch.all(lse <= 5.0 + math.log(64) + 1e-9)
+    _, plain = flash_attn_func(q, q, q, return_lse=True, impl="reference")
+    assert torch.all(plain > 100.0)
+
+
+def test_the_cuda_kernels_say_they_lack_the_features():
+    q, k, v = (x.detach().float() for x in _inputs(1, 8, 8, 2, 2))
+    for features in (dict(window_size=(4, 0)), dict(softcap=30.0), dict(alibi_slopes=torch.ones(2))):
+        with pytest.raises(RuntimeError, match="impl='cuda' cannot run"):
+            flash_attn_func(q, k, v, impl="cuda", **features)
+    from flashtrain.kernels import interface
+    q_cuda = type("FakeCudaTensor", (), {"device": torch.device("cuda", 0)})()  # past the device check only
+    ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"window_size": (4, 0), "softcap": 30.0})
+    assert ops is None and reason == ("window_size / softcap run on impl='reference' only (the CUDA kernels do not "
+                                      "have them yet)")
