@@ -77,10 +77,7 @@ struct FwdSm90Traits {
     static constexpr bool kSeparateO = kSeparateO_;
     // The epilogue writes O with TMA stores from its own tile (not through Q, which was released once read back), with
     // two consumer warpgroups (H200, same run: 128-row tiles 1.00-1.05x; 192-row tiles 0.96-0.99x at 1K-4K)
-#ifndef FT_FWD_TMA_STORE_MAX_M
-#define FT_FWD_TMA_STORE_MAX_M 128
-#endif
-    static constexpr bool kTmaStoreO = kSeparateO && FT_TMA_STORE && kBlockM <= FT_FWD_TMA_STORE_MAX_M;
+    static constexpr bool kTmaStoreO = kSeparateO && FT_TMA_STORE && kBlockM == 128;
     // Without a tile of its own, O goes from the accumulator registers straight to global memory (4-byte stores),
     // not through Q's tile: Q is then released after the tile's last S GEMM as with a separate O, so the next tile's
     // Q and K / V copies overlap this tile's last P V product and epilogue, and the epilogue needs no registers for
@@ -535,7 +532,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             if (lead_lane) mbar_arrive(empty_v(last_stage));
         }
 
-        // Epilogue: out = O / l, lse = m * scale + ln(l); O staged through this warpgroup's rows of the O buffer.
+        // Epilogue: out = O / l, lse = m * scale + ln(l); O from the registers (kDirectO) or staged through this
+        // warpgroup's rows of the O buffer.
         float* lse = p.lse + x.batch * p.lse_batch_stride + x.head * p.lse_head_stride + x.q_start;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
@@ -544,9 +542,12 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             if (t == 0 && row < seqlen_q && row >= 0) lse[row] = row_lse(sum, row_max[hf], p.softmax_scale);
         }
         const int rows_valid = seqlen_q - m0 - cw * 64, rows_first = -(m0 + cw * 64);  // rows [rows_first, rows_valid)
+        auto out_rows = [&]() {  // the warpgroup's first row of out (the register and 16-byte stores)
+            return (u16*)p.out + x.batch * p.o_batch_stride + (i64)(x.q_start + m0 + cw * 64) * p.o_row_stride +
+                   x.head * p.o_head_stride;
+        };
         if constexpr (T::kDirectO) {
-            u16* out = (u16*)p.out + x.batch * p.o_batch_stride + (i64)(x.q_start + m0 + cw * 64) * p.o_row_stride +
-                       x.head * p.o_head_stride;
+            u16* out = out_rows();
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int row = row0 - cw * 64 + g + 8 * hf;
@@ -558,41 +559,38 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                             st_global_b32(out_row + 8 * dt, pack2<T::kIsBF16>(o[dt][2 * hf], o[dt][2 * hf + 1]));
                 }
             }
-            FT_TIMELINE_MARK(wg, tile_iter, 5);
-            FT_TIMELINE_PUT(wg, tile_iter, 7, (unsigned long long)it);
-            continue;
-        }
-        // (the warpgroup's reads of the previous tile's O, or the copy engine's, are done)
-        if (T::kTmaStoreO && ctid == 0) bulk_wait_read<0>();
-        named_bar_sync(T::kBarEpilogue + cw, 128);
-        float(&o1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&o);
-        store_acc<T::kIsBF16, TileQ>(sO, o1, row0, 0, 1.f, lane);
-        if (T::kTmaStoreO && (!varlen || rows_valid >= 64) && rows_first <= 0) {
-            // TMA stores of the warpgroup's 64 rows (rows past a batch's sequence lie outside the tensor map and are
-            // not written; a varlen sequence's partial last tile takes the loop below: its rows past the end belong
-            // to the next sequence; so does a shifted first tile's, whose rows before the start belong to the
-            // previous one)
-            fence_proxy_async();
-            named_bar_sync(T::kBarEpilogue + cw, 128);
-            if (ctid == 0) {
-#pragma unroll
-                for (int cb = 0; cb < T::kColBlocks; ++cb)
-                    tma_store_4d(&params.tma_o, sO + cb * kBlockM * 128 + cw * 64 * 128, cb * 64,
-                                 x.q_start + m0 + cw * 64, x.head, varlen ? 0 : x.batch);
-                bulk_commit();
-            }
         } else {
+            // (the warpgroup's reads of the previous tile's O, or the copy engine's, are done)
+            if (T::kTmaStoreO && ctid == 0) bulk_wait_read<0>();
             named_bar_sync(T::kBarEpilogue + cw, 128);
-            u16* out = (u16*)p.out + x.batch * p.o_batch_stride + (i64)(x.q_start + m0 + cw * 64) * p.o_row_stride +
-                       x.head * p.o_head_stride;
-            constexpr int kChunksPerRow = T::kHeadDim / 8;
+            float(&o1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&o);
+            store_acc<T::kIsBF16, TileQ>(sO, o1, row0, 0, 1.f, lane);
+            if (T::kTmaStoreO && (!varlen || rows_valid >= 64) && rows_first <= 0) {
+                // TMA stores of the warpgroup's 64 rows (rows past a batch's sequence lie outside the tensor map and
+                // are not written; a varlen sequence's partial last tile takes the loop below: its rows past the end
+                // belong to the next sequence; so does a shifted first tile's, whose rows before the start belong to
+                // the previous one)
+                fence_proxy_async();
+                named_bar_sync(T::kBarEpilogue + cw, 128);
+                if (ctid == 0) {
 #pragma unroll
-            for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
-                const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-                if (row < rows_valid && row >= rows_first && col < p.head_dim) {
-                    u32 v[4];
-                    ld_shared_v4(TileQ::addr(sO, cw * 64 + row, col), v);
-                    st_global_v4(out + row * p.o_row_stride + col, v);
+                    for (int cb = 0; cb < T::kColBlocks; ++cb)
+                        tma_store_4d(&params.tma_o, sO + cb * kBlockM * 128 + cw * 64 * 128, cb * 64,
+                                     x.q_start + m0 + cw * 64, x.head, varlen ? 0 : x.batch);
+                    bulk_commit();
+                }
+            } else {
+                named_bar_sync(T::kBarEpilogue + cw, 128);
+                u16* out = out_rows();
+                constexpr int kChunksPerRow = T::kHeadDim / 8;
+#pragma unroll
+                for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
+                    const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+                    if (row < rows_valid && row >= rows_first && col < p.head_dim) {
+                        u32 v[4];
+                        ld_shared_v4(TileQ::addr(sO, cw * 64 + row, col), v);
+                        st_global_v4(out + row * p.o_row_stride + col, v);
+                    }
                 }
             }
         }
