@@ -29,7 +29,6 @@ import argparse
 import datetime
 import gc
 import json
-import statistics
 import sys
 import warnings
 from pathlib import Path
@@ -41,8 +40,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt2 import (measure_matmul_flops, save_results, time_calls,  # noqa: E402  (the sibling's helpers)
-                        time_interleaved)
+from train_gpt2 import measure_matmul_flops, save_results, time_steps  # noqa: E402  (the sibling's helpers)
 
 from flashtrain.kernels import flash_attn_varlen_func  # noqa: E402
 from flashtrain.models.bert import BertConfig, BertForMaskedLM  # noqa: E402
@@ -171,13 +169,8 @@ def run_all(impls, shape, seq_len, batch, device, warmup, steps, interleave: boo
         except Exception as error:  # noqa: BLE001 -- reported in the table, the other implementations still run
             row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
         gc.collect()
-    if device.type == "cuda" and interleave:
-        seconds = time_interleaved(steps_of, steps)
-    else:
-        seconds = {impl: time_calls(step, device, warmup=0, repeats=steps) for impl, step in steps_of.items()}
     n_sequences, n_real = batch["input_ids"].shape[0], int(batch["attention_mask"].sum())
-    for impl, values in seconds.items():
-        step_s = statistics.median(values)
+    for impl, step_s in time_steps(steps_of, device, steps, interleave).items():
         rows[impl].update(step_ms=1000 * step_s, sequences_per_s=n_sequences / step_s,
                           real_tokens_per_s=n_real / step_s)
     del steps_of

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtrain.kernels import flash_attn_func
+from flashtrain.models.flops import training_flops_per_token
 from flashtrain.models.gpt2 import GPT2, GPT2Config
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -78,11 +79,6 @@ def parse_impl(impl: str) -> tuple[str, str | None, str | None]:
         raise ValueError(f"unknown implementation {impl!r}: flashtrain[-sdpa[-{'|-'.join(SDPA_BACKENDS)}]]"
                          f"[-{'|-'.join(COMPILE_MODES)}] or {' '.join(HF_IMPLS)}")
     return (*choices[rest], mode)
-
-
-def flops_per_token(n_layer: int, n_embd: int, seq_len: int, n_params_without_positions: int) -> int:
-    """Training FLOPs per token: 6 N (forward 2 N + backward 4 N) + 12 L T d (QK^T and PV, forward and backward)."""
-    return 6 * n_params_without_positions + 12 * n_layer * seq_len * n_embd
 
 
 def measure_matmul_flops(device: torch.device, size: int, repeats: int = 20) -> float:
@@ -229,13 +225,23 @@ def prepare(impl: str, shape, seq_len: int, micro_batch: int, vocab_size: int, d
         for _ in range(warmup + (3 if parse_impl(impl)[2] else 0)):  # compiling: 3 more
             train_step()
     n_params = sum(p.numel() for p in model.parameters())  # each tensor once (tied weights too)
-    position_table = model.transformer.wpe.weight.numel()  # same name in both
     return train_step, {
         "peak_mem_gib": (torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None,
         "n_params": n_params,
-        "flops_per_token": flops_per_token(shape[0], shape[1], seq_len, n_params - position_table),
+        # the position table is a lookup (the same name in both libraries); the tied LM head a matmul
+        "flops_per_token": training_flops_per_token(model, [model.transformer.wpe], shape[0], shape[1], seq_len),
         "warnings": sorted({str(w.message) for w in caught}),
     }
+
+
+def time_steps(steps_of: dict, device: torch.device, steps: int, interleave: bool) -> dict[str, float]:
+    """Median seconds of `steps` calls of each of steps_of ({name: warmed-up step}): on a GPU interleaved
+    (time_interleaved) unless interleave is False, then each one's calls back to back."""
+    if device.type == "cuda" and interleave:
+        seconds = time_interleaved(steps_of, steps)
+    else:
+        seconds = {name: time_calls(step, device, warmup=0, repeats=steps) for name, step in steps_of.items()}
+    return {name: statistics.median(values) for name, values in seconds.items()}
 
 
 def run_config(impls, model_name, seq_len, micro_batch, vocab_size, device, warmup, steps, interleave,
@@ -258,12 +264,7 @@ def run_config(impls, model_name, seq_len, micro_batch, vocab_size, device, warm
         except Exception as error:  # noqa: BLE001 -- reported in the table, the other implementations still run
             row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
         gc.collect()  # a failed step's tensors are freed only once the exception is gone
-    if device.type == "cuda" and interleave:
-        seconds = time_interleaved(steps_of, steps)
-    else:
-        seconds = {impl: time_calls(step, device, warmup=0, repeats=steps) for impl, step in steps_of.items()}
-    for impl, values in seconds.items():
-        step_s = statistics.median(values)
+    for impl, step_s in time_steps(steps_of, device, steps, interleave).items():
         rows[impl].update(step_ms=1000 * step_s, tokens_per_s=micro_batch * seq_len / step_s)
     del steps_of
     gc.collect()

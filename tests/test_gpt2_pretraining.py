@@ -19,7 +19,7 @@ from flashtrain.data import corpus as corpus_module
 from flashtrain.data.corpus import open_corpus
 from flashtrain.data.lm import PackedLMDataset, prepare_lm_data, split_documents
 from flashtrain.data.tokenizer import decode, encode_ordinary, eos_id, load_tokenizer
-from flashtrain.models.gpt2 import GPT2
+from flashtrain.models.gpt2 import GPT2, GPT2Config
 from hydra_config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,7 +146,9 @@ def load_benchmark():
 def test_benchmark_flops_per_token_of_gpt2_small_at_1k():
     bench = load_benchmark()
     n = 124_439_808 - 1024 * 768  # GPT-2 small without its position table
-    assert bench.flops_per_token(12, 768, 1024, n) == 6 * n + 12 * 12 * 1024 * 768 == 855_166_464
+    small = GPT2(GPT2Config(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12))
+    flops = bench.training_flops_per_token(small, [small.transformer.wpe], 12, 768, 1024)  # what its rows report
+    assert flops == 6 * n + 12 * 12 * 1024 * 768 == 855_166_464
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7])

@@ -359,23 +359,23 @@ class LMTask(Task):
                                collate_fn=self.collate_fn)
 
     @staticmethod
-    def _loss(model, batch) -> Tensor:
-        """The mean loss of a batch: (x, y), or collate_documents' dict of the model's keyword arguments."""
-        return (model(**batch) if isinstance(batch, dict) else model(*batch))[1]
+    def _forward(model, batch) -> tuple[Tensor, Tensor]:
+        """(logits, mean loss) of a batch: (x, y), or collate_documents' dict of the model's keyword arguments."""
+        return model(**batch) if isinstance(batch, dict) else model(*batch)
 
     @staticmethod
     def _targets(batch) -> Tensor:
         return batch["targets"] if isinstance(batch, dict) else batch[1]
 
     def loss(self, model, batch) -> Tensor:
-        return self._loss(model, batch)
+        return self._forward(model, batch)[1]
 
     def loss_count(self, batch) -> int:
         return self._targets(batch).numel()  # packed blocks: every target token is predicted
 
     def eval_sums(self, model, batch) -> dict[str, Tensor]:
         n_targets = self._targets(batch).numel()
-        return {"loss": self._loss(model, batch).float() * n_targets, "tokens": torch.tensor(float(n_targets))}
+        return {"loss": self._forward(model, batch)[1].float() * n_targets, "tokens": torch.tensor(float(n_targets))}
 
     def eval_metrics(self, sums):
         val_loss = sums["loss"] / sums["tokens"]

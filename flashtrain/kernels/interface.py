@@ -47,8 +47,6 @@ class AttentionOptions(TypedDict, total=False):
 OPTION_DEFAULTS: AttentionOptions = {"block_mask": None, "return_lse": False, "dropout_mask": None, "generator": None,
                                      "deterministic": False, "impl": "auto", "window_size": (-1, -1), "softcap": 0.0,
                                      "alibi_slopes": None}
-# the options the CUDA kernels do not have yet: they run on impl="reference" (impl="auto" warns once and runs it)
-_REFERENCE_ONLY = ("window_size", "softcap", "alibi_slopes")
 
 
 def flash_attn_func(
@@ -290,8 +288,8 @@ def _check_options(function: str, options: dict) -> AttentionOptions:
 
 
 def _check_features(options: AttentionOptions, q: Tensor, nheads: int, batch: int, causal: bool) -> dict | None:
-    """window_size, softcap, alibi_slopes checked; {name: value} of those set (alibi_slopes as (batch, nheads) in
-    q's compute dtype), None when none is (the common call)."""
+    """window_size, softcap, alibi_slopes checked; {name: value} of those set (alibi_slopes expanded to
+    (batch, nheads)), None when none is (the common call)."""
     window, softcap, slopes = options["window_size"], options["softcap"], options["alibi_slopes"]
     if window == (-1, -1) and softcap == 0.0 and slopes is None:
         return None

@@ -132,7 +132,7 @@ class _GroupCompute:
         self.device = device
         self.window = window
         self.tiles = _visible_tiles(group.seqlen_q, group.seqlen_k, window, block_mask, nheads_kv, device)
-        self._causal_masks: dict[tuple[int, int, int], Tensor] = {}
+        self._edge_masks: dict[tuple[int, int, int], Tensor] = {}
         self.softcap = softcap
         self.slopes = None  # ALiBi: (batch * nheads_kv, 1, group, 1), the rows' layout
         if alibi_slopes is not None:  # (sequences, nheads) -> this group's sequences
@@ -160,7 +160,7 @@ class _GroupCompute:
         mask = tile.head_skip
         if tile.on_diagonal:
             key = (tile.q1 - tile.q0, tile.k1 - tile.k0, tile.k0 - tile.q0 - self.causal_offset)
-            outside = self._causal_masks.get(key)
+            outside = self._edge_masks.get(key)
             if outside is None:  # right of the window (causal: in the future), or left of it
                 left, right = self.window
                 distance = self._distance(tile)
@@ -169,7 +169,7 @@ class _GroupCompute:
                     outside |= distance > right
                 if left >= 0:
                     outside |= distance < -left
-                self._causal_masks[key] = outside  # (bq, 1, bk)
+                self._edge_masks[key] = outside  # (bq, 1, bk)
             mask = outside if mask is None else mask | outside
         return mask
 

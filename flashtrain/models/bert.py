@@ -313,6 +313,7 @@ class BertForMaskedLM(nn.Module):
         logits = self.lm_head(hidden[masked_rows])  # (n_masked, vocab_size)
         return logits, F.cross_entropy(logits.float(), packed_labels[masked_rows])
 
+
 def _encoder_flops(model: nn.Module, embeddings: Embeddings, seq_len: int | None) -> float:
     c = model.config
     tables = [embeddings.word_embeddings, embeddings.position_embeddings, embeddings.token_type_embeddings]

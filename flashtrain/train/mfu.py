@@ -3,9 +3,7 @@ times tokens per second, over the GPU's peak dense bf16 tensor-core rate.
 
 The peak comes from the vendors' data sheets for GPUs this table knows (dense, no sparsity, boost clock); for others
 it is measured once (a large bf16 matmul, the best of a few) and cached per GPU name and torch version, so MFU stays
-comparable between runs on the same GPU. The FLOPs follow PaLM's convention (Chowdhery et al. 2022, appendix B):
-6 x the parameters that multiply activations, plus 12 x layers x width x sequence length for softmax attention's two
-matmuls (forward + backward, the full square also when causal), what nanoGPT and llm.c report as MFU too."""
+comparable between runs on the same GPU. The FLOPs follow PaLM's convention (flashtrain.models.flops)."""
 from __future__ import annotations
 
 import json
@@ -34,13 +32,6 @@ PEAK_BF16_TFLOPS = (
     ("A10", 125.0),
 )
 MEASURE_SIZE = 8192  # square bf16 matmul for GPUs the table does not know
-
-
-def transformer_flops_per_token(matmul_params: int, n_layer: int, width: int, seq_len: int,
-                                attention: bool = True) -> float:
-    """Training FLOPs per token: 6 per parameter that multiplies activations (forward 2, backward 4), plus, with
-    softmax attention, 12 * n_layer * width * seq_len (Q K^T and P V, forward and backward)."""
-    return 6.0 * matmul_params + (12.0 * n_layer * width * seq_len if attention else 0.0)
 
 
 def _cache_path() -> Path:
