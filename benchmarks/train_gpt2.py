@@ -90,6 +90,16 @@ def measure_matmul_flops(device: torch.device, size: int, repeats: int = 20) -> 
     return 2 * size**3 / statistics.median(seconds)
 
 
+def datasheet_peak_tflops(device: torch.device) -> float | None:
+    """The peak bf16 TFLOP/s the trainer's logged MFU divides by (flashtrain.train.mfu: the data sheet's, or measured
+    and cached for an unknown GPU); None on a CPU or without the trainer's dependencies (Hydra)."""
+    try:
+        from flashtrain.train.mfu import peak_bf16_tflops
+    except ImportError:
+        return None
+    return (peak_bf16_tflops(device) or (None,))[0]
+
+
 def time_calls(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
     """Seconds of each of `repeats` calls of fn after `warmup` calls (CUDA events on a GPU: no host sync in between)."""
     for _ in range(warmup):
@@ -288,30 +298,26 @@ def largest_fitting(fits, limit: int) -> int:
     return good
 
 
-def max_batch_rows(impls, models, seq_lens, vocab_size, device, limit: int, chunked_loss: bool) -> list[dict]:
-    """--max-batch: per (model, context, implementation), the largest micro-batch (sequences, at most `limit`) whose
-    training step (two of them: the optimizer's state exists after the first) fits in GPU memory."""
+def max_batch_rows(impls, configs, vocab_size, device, limit: int, chunked_loss: bool) -> list[dict]:
+    """--max-batch: per (model, context) of configs and implementation, the largest micro-batch (sequences, at most
+    `limit`) whose training step (two of them: the optimizer's state exists after the first) fits in GPU memory."""
     rows = []
-    for model_name in models:
-        for seq_len in seq_lens:
-            for impl in impls:
-                def fits(micro_batch: int) -> bool:
-                    try:
-                        prepare(impl, MODEL_SHAPES[model_name], seq_len, micro_batch, vocab_size, device, 2,
-                                chunked_loss)
-                        return True
-                    except torch.OutOfMemoryError:
-                        return False
-                    finally:
-                        gc.collect()
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
-                largest = largest_fitting(fits, limit)
-                rows.append({"model": model_name, "seq_len": seq_len, "impl": impl, "max_micro_batch": largest,
-                             "max_micro_batch_tokens": largest * seq_len, "limit": limit})
-                print(f"{model_name:<7} {seq_len:>5} {impl:<29} max micro-batch {largest:>4} sequences "
-                      f"({largest * seq_len:,} tokens){' (the --max-batch-limit)' if largest == limit else ''}",
-                      flush=True)
+    for (model_name, seq_len), impl in ((config, impl) for config in configs for impl in impls):
+        def fits(micro_batch: int) -> bool:
+            try:
+                prepare(impl, MODEL_SHAPES[model_name], seq_len, micro_batch, vocab_size, device, 2, chunked_loss)
+                return True
+            except torch.OutOfMemoryError:
+                return False
+            finally:
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        largest = largest_fitting(fits, limit)
+        rows.append({"model": model_name, "seq_len": seq_len, "impl": impl, "max_micro_batch": largest,
+                     "max_micro_batch_tokens": largest * seq_len, "limit": limit})
+        print(f"{model_name:<7} {seq_len:>5} {impl:<29} max micro-batch {largest:>4} sequences "
+              f"({largest * seq_len:,} tokens){' (the --max-batch-limit)' if largest == limit else ''}", flush=True)
     return rows
 
 
@@ -405,6 +411,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="2 layers x 64 wide, context 64 and 128, vocab 512")
     parser.add_argument("--models", nargs="+", default=None, help="small medium (default) | tiny")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None, help="default 1024 4096 (tiny: 64 128)")
+    parser.add_argument("--configs", nargs="+", default=None, metavar="MODEL:CONTEXT",
+                        help="these (model, context) pairs instead of every --models x --seq-lens one, e.g. "
+                             "small:1024 small:4096 medium:4096")
     parser.add_argument("--batch-tokens", type=int, default=None,
                         help="tokens per micro-batch, the same for every implementation (default 16384; tiny 256)")
     parser.add_argument("--compile", action="store_true",
@@ -422,6 +431,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="instead of timing: the largest micro-batch (sequences) whose training step fits in GPU "
                              "memory, per model, context and (eager) implementation")
     parser.add_argument("--max-batch-limit", type=int, default=256, help="--max-batch: the largest size tried")
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="--max-batch as on a GPU of this many GiB: the caching allocator is capped there "
+                             "(torch.cuda.set_per_process_memory_fraction), e.g. 80 for an H100 on an H200")
     parser.add_argument("--timing", choices=("interleaved", "windows"), default="interleaved",
                         help="interleaved: the implementations' steps take turns (same clocks for all; every model "
                              "stays in GPU memory); windows: each one's steps back to back")
@@ -437,12 +449,17 @@ def main(argv: list[str] | None = None) -> dict:
     seq_lens = args.seq_lens or ([64, 128] if args.tiny else [1024, 4096])
     batch_tokens = args.batch_tokens or (256 if args.tiny else 16384)
     vocab_size = 512 if args.tiny else VOCAB
-    for name in models:
+    configs = [(name, seq_len) for name in models for seq_len in seq_lens]
+    if args.configs:
+        try:
+            configs = [(name, int(seq_len)) for name, seq_len in (c.split(":") for c in args.configs)]
+        except ValueError:
+            raise SystemExit(f"--configs: MODEL:CONTEXT pairs such as small:1024, got {args.configs}") from None
+    for name, seq_len in configs:
         if name not in MODEL_SHAPES:
-            raise SystemExit(f"--models: unknown model {name!r}; choose from {list(MODEL_SHAPES)}")
-    for seq_len in seq_lens:
+            raise SystemExit(f"--models / --configs: unknown model {name!r}; choose from {list(MODEL_SHAPES)}")
         if batch_tokens % seq_len:
-            raise SystemExit(f"--batch-tokens={batch_tokens} must be a multiple of every --seq-lens value ({seq_len})")
+            raise SystemExit(f"--batch-tokens={batch_tokens} must be a multiple of every context ({seq_len})")
     impls = args.impls or (VS_SDPA if args.vs_sdpa else ["flashtrain", *HF_IMPLS])
     if args.compile:
         impls = impls + [f"{impl}-compile" for impl in impls if impl.startswith("flashtrain")
@@ -465,6 +482,7 @@ def main(argv: list[str] | None = None) -> dict:
         "precision": "bf16 autocast" if device.type == "cuda" else "fp32",
         "matmul_size": matmul_size,
         "matmul_tflops": measure_matmul_flops(device, matmul_size) / 1e12,
+        "peak_bf16_tflops": datasheet_peak_tflops(device),
         "batch_tokens": batch_tokens,
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
@@ -476,19 +494,23 @@ def main(argv: list[str] | None = None) -> dict:
     if args.max_batch:
         if any(parse_impl(impl)[2] for impl in impls):
             raise SystemExit("--max-batch measures eager steps: drop --compile and the compiled --impls")
-        rows = max_batch_rows(impls, models, seq_lens, vocab_size, device, args.max_batch_limit,
-                              args.loss == "chunked")
+        if args.memory_gib is not None and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
+        env["memory_gib"] = args.memory_gib
+        rows = max_batch_rows(impls, configs, vocab_size, device, args.max_batch_limit, args.loss == "chunked")
         return save_results("train_gpt2_max_batch", args.out, env, rows, plot_max_batch)
     rows = []
-    for model_name in models:
-        for seq_len in seq_lens:
-            for row in run_config(impls, model_name, seq_len, batch_tokens // seq_len, vocab_size, device,
-                                  args.warmup, args.steps, args.timing == "interleaved", args.loss == "chunked"):
-                if row["status"] == "ok":
-                    row["model_tflops"] = row["tokens_per_s"] * row["flops_per_token"] / 1e12
-                    row["mfu"] = row["model_tflops"] / env["matmul_tflops"]
-                rows.append(row)
-                print(format_table([row]).splitlines()[-1], flush=True)
+    for model_name, seq_len in configs:
+        for row in run_config(impls, model_name, seq_len, batch_tokens // seq_len, vocab_size, device,
+                              args.warmup, args.steps, args.timing == "interleaved", args.loss == "chunked"):
+            if row["status"] == "ok":
+                row["model_tflops"] = row["tokens_per_s"] * row["flops_per_token"] / 1e12
+                row["mfu"] = row["model_tflops"] / env["matmul_tflops"]
+                if env["peak_bf16_tflops"]:
+                    row["mfu_datasheet"] = row["model_tflops"] / env["peak_bf16_tflops"]
+            rows.append(row)
+            print(format_table([row]).splitlines()[-1], flush=True)
     add_speedups(rows)
     print(format_table(rows))
 

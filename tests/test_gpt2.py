@@ -11,7 +11,7 @@ from transformers import GPT2Config as HFGPT2Config
 from transformers import GPT2LMHeadModel
 
 from flashtrain.models import GPT2, GPT2Config
-from flashtrain.models.losses import linear_cross_entropy
+from flashtrain.models.losses import linear_cross_entropy, padded_logits
 from flashtrain.models.hf_convert import (from_pretrained_hf, gpt2_config_from_hf, gpt2_config_to_hf, load_hf_state_dict,
                                           to_hf_state_dict)
 
@@ -169,7 +169,7 @@ def test_generate_greedy_matches_forward_argmax_and_crops_context():
 
 @pytest.mark.parametrize("field, value", [
     ("attn_impl", "triton"), ("n_embd", 66), ("vocab_size", 0), ("n_positions", -1), ("n_layer", 0),
-    ("n_head", 0), ("dropout", 1.0), ("attn_dropout", -0.1), ("layer_norm_eps", 0.0),
+    ("n_head", 0), ("dropout", 1.0), ("attn_dropout", -0.1), ("layer_norm_eps", 0.0), ("vocab_multiple", 0),
 ])
 def test_bad_config_field_raises_naming_it(field, value):
     with pytest.raises(ValueError, match=field):
@@ -270,3 +270,39 @@ def test_gpt2_training_loss_without_logits_matches_the_full_logits():
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)  # the tied token table too
     with pytest.raises(ValueError, match="targets must be"):
         linear_cross_entropy(torch.randn(4, 8), torch.randn(16, 8), torch.zeros(5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("multiple, bias", [(128, False), (64, True), (1, False), (5, True)])
+def test_padded_logits_equal_the_linear_layer_in_value_and_gradient(multiple, bias):
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(301, 16, dtype=torch.float64, requires_grad=True)  # 301 rows: padded to 384 / 320 / 305
+    b = torch.randn(301, dtype=torch.float64, requires_grad=True) if bias else None
+    inputs = [t for t in (hidden, weight, b) if t is not None]
+    expected = F.linear(hidden, weight, b)
+    upstream = torch.randn_like(expected)
+    want = torch.autograd.grad(expected, inputs, upstream)
+    padded = padded_logits(hidden, weight, multiple, b)
+    assert padded.shape[-1] == (301 if multiple == 1 else -(-301 // multiple) * multiple)
+    assert not padded[..., 301:].any()  # the padding columns are exactly 0
+    got = padded[..., :301]
+    assert got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-12, atol=1e-12)
+    for g, w in zip(torch.autograd.grad(got, inputs, upstream), want):
+        assert g.shape == w.shape and torch.allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_gpt2_vocab_padding_keeps_parameters_logits_and_gradients():
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=2, attn_impl="reference",
+                        vocab_multiple=1)
+    model = GPT2(config)
+    x, y = torch.randint(0, 300, (3, 32)), torch.randint(0, 300, (3, 32))
+    logits, loss = model(x, y)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    model.config.vocab_multiple = 128
+    padded, padded_loss = model(x, y)
+    assert model.lm_head.weight.shape == (300, 32) and padded.shape == (3, 32, 300)
+    assert torch.allclose(padded, logits, rtol=1e-5, atol=1e-6)
+    assert float(padded_loss.detach()) == pytest.approx(float(loss.detach()), rel=1e-6)
+    for got, want in zip(torch.autograd.grad(padded_loss, list(model.parameters())), grads):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)

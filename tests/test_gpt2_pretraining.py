@@ -201,12 +201,19 @@ def test_benchmark_max_batch_search_finds_the_largest_size_that_fits(largest, li
 
 def test_benchmark_max_batch_mode_reports_each_implementation(tmp_path):
     # on the CPU nothing runs out of memory: the search stops at --max-batch-limit
-    result = load_benchmark().main(["--device", "cpu", "--tiny", "--seq-lens", "64", "--max-batch",
+    result = load_benchmark().main(["--device", "cpu", "--tiny", "--configs", "tiny:64", "--max-batch",
                                     "--max-batch-limit", "3", "--impls", "flashtrain", "flashtrain-sdpa",
-                                    "--out", str(tmp_path / "m.json")])
+                                    "--memory-gib", "80", "--out", str(tmp_path / "m.json")])
     assert [(r["impl"], r["max_micro_batch"], r["max_micro_batch_tokens"]) for r in result["rows"]] == [
         ("flashtrain", 3, 192), ("flashtrain-sdpa", 3, 192)]
     assert (tmp_path / "m.png").stat().st_size > 5_000
+
+
+@pytest.mark.parametrize("configs, message", [(["small"], "MODEL:CONTEXT"), (["huge:1024"], "unknown model"),
+                                               (["tiny:100"], "multiple of every context")])
+def test_benchmark_bad_configs_name_the_option(configs, message):
+    with pytest.raises(SystemExit, match=message):
+        load_benchmark().main(["--device", "cpu", "--tiny", "--configs", *configs])
 
 
 def test_benchmark_imports_without_hydra_datasets_wandb():

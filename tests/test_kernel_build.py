@@ -46,7 +46,8 @@ def test_dispatch_table_covers_every_instantiation_once():
     # x causal
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
               + hopper_q80)
-    assert len(names) == len(set(names)) == 2 + 2 * (dense + sparse) * 2 * 2 * 2 + hopper
+    cross_entropy = len(build.CE_DTYPES)  # the fused cross-entropy, one module per logits dtype
+    assert len(names) == len(set(names)) == 2 + cross_entropy + 2 * (dense + sparse) * 2 * 2 * 2 + hopper
     assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2 + hopper_sparse
     assert [spec.archs for spec in specs if "_sm90_" in spec.name] == [("sm_90a",)] * hopper
     for spec in specs:

@@ -573,12 +573,24 @@ def aux_kernels(dtype: str) -> KernelSpec:
     return KernelSpec("flash_aux.cu", defines, symbols, AUX_THREADS, 0)
 
 
+CE_THREADS = 256  # csrc/cross_entropy.cu kCeThreads
+CE_DTYPES = ("fp32", "fp16", "bf16")  # FT_CE_KIND 0, 1, 2
+
+
+@functools.lru_cache(maxsize=None)
+def cross_entropy_kernels(dtype: str) -> KernelSpec:
+    """The fused cross-entropy's forward and backward for logits of `dtype` (csrc/cross_entropy.cu)."""
+    prefix = f"ft_cross_entropy_{dtype}"
+    defines = (("FT_CE_KIND", CE_DTYPES.index(dtype)), ("FT_KERNEL_PREFIX", prefix))
+    return KernelSpec("cross_entropy.cu", defines, (f"{prefix}_fwd", f"{prefix}_bwd"), CE_THREADS, 0)
+
+
 def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
     """Every instantiation a GPU with smem_limit bytes of opt-in shared memory per block dispatches to (None: the
     first-choice tiles); the Hopper kernels are listed whenever they fit (they compile for sm_90a only)."""
     _check_block_sparse_tiles()
     _check_dq_slices()
-    specs = [aux_kernels(dtype) for dtype in DTYPES]
+    specs = [aux_kernels(dtype) for dtype in DTYPES] + [cross_entropy_kernels(dtype) for dtype in CE_DTYPES]
     for block_sparse, head_dims in ((False, HEAD_DIMS), (True, BLOCK_SPARSE_HEAD_DIMS)):
         for head_dim in head_dims:
             if smem_unavailable_reason(head_dim, block_sparse, smem_limit) is not None:

@@ -93,6 +93,16 @@ class AuxParams(ctypes.Structure):
     ]
 
 
+class CeParams(ctypes.Structure):
+    """csrc/cross_entropy.cu CeParams."""
+
+    _fields_ = [
+        ("logits", _ptr), ("targets", _ptr), ("lse", _ptr), ("loss", _ptr), ("grad", _ptr), ("scale", _ptr),
+        ("row_stride", _i64), ("grad_row_stride", _i64), ("ignore_index", _i64),
+        ("rows", _i32), ("vocab", _i32), ("width", _i32), ("vectorized", _i32),
+    ]
+
+
 def _check(result, what: str):
     """cuda.bindings calls return (error, *values): raise on error, return the values."""
     err, *values = result

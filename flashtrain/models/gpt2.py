@@ -16,7 +16,7 @@ from torch import Tensor
 
 from flashtrain.models.attention import attention, check_attn_impl, check_backend, compute_dtype
 from flashtrain.models.flops import training_flops_per_token
-from flashtrain.models.losses import linear_cross_entropy
+from flashtrain.models.losses import cross_entropy, linear_cross_entropy, padded_logits
 from flashtrain.models.tying import tie_weights
 
 # how the end-of-run sample, `python -m flashtrain.generate` and an export's generation_config.json sample by default:
@@ -40,6 +40,12 @@ class GPT2Config:
     # half the peak memory of GPT-2 small at 16K tokens per micro-batch (16.0 -> 7.9 GiB), but 13% slower eager and
     # 9% slower compiled (H200, 2026-11-26), so off unless memory is what limits the micro-batch
     chunked_loss: bool = False
+    # the LM head's matmuls run on the vocabulary padded with zero rows to a multiple of this (50257 -> 50304), the
+    # logits sliced back: aligned GEMM shapes, the same values; the parameters keep vocab_size rows. 1: no padding
+    vocab_multiple: int = 128
+    # the loss on flashtrain's cross-entropy kernels on CUDA (flashtrain.kernels.cross_entropy: the bf16 logits read
+    # once forward and once backward, no float32 copy); False: F.cross_entropy of the float32 logits
+    fused_loss: bool = True
 
     def __post_init__(self):
         check_attn_impl(self.attn_impl)
@@ -55,6 +61,8 @@ class GPT2Config:
                 raise ValueError(f"{name} must be in [0, 1), got {p}")
         if self.layer_norm_eps <= 0:
             raise ValueError(f"layer_norm_eps must be positive, got {self.layer_norm_eps}")
+        if self.vocab_multiple < 1:
+            raise ValueError(f"vocab_multiple must be >= 1 (1: no padding), got {self.vocab_multiple}")
 
     def build(self) -> "GPT2":
         return GPT2(self)
@@ -223,11 +231,12 @@ class GPT2(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is not None and self.config.chunked_loss:
             return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
-        logits = self.lm_head(x)  # (B, T, vocab_size)
+        padded = padded_logits(x, self.lm_head.weight, self.config.vocab_multiple)  # (B, T, padded vocab)
         loss = None
         if targets is not None:  # in float32 even when the logits are bf16/fp16
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
-        return logits, loss
+            loss = cross_entropy(padded.flatten(0, 1), targets.flatten(), self.config.vocab_size, ignore_index=-100,
+                                 fused=self.config.fused_loss)
+        return padded[..., :self.config.vocab_size], loss  # (B, T, vocab_size)
 
     def new_cache(self, batch_size: int) -> KVCache:
         """An empty KV cache for `batch_size` sequences, on this model's device, in its (autocast) compute dtype."""

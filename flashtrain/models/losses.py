@@ -76,3 +76,35 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, ignore
         raise ValueError(f"targets must be ({hidden.shape[0]},), got {tuple(targets.shape)}")
     chunk_rows = max(1, chunk_elements // weight.shape[0])
     return _LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, chunk_rows)
+
+
+def padded_logits(hidden: Tensor, weight: Tensor, multiple: int, bias: Tensor | None = None) -> Tensor:
+    """F.linear(hidden, weight, bias) computed with the head's rows (the vocabulary) padded with zeros to a multiple
+    of `multiple`: (..., padded vocab), the columns past weight.shape[0] exactly 0 (slice them off for the logits;
+    cross_entropy(..., vocab=) reads the padded tensor as it is). The parameters keep their shape. A 50257-token
+    vocabulary makes every matmul of the head (forward, and both of its backward) run with an odd leading dimension,
+    which keeps cuBLAS off its aligned kernels; 50304 columns do not. multiple <= 1: plain F.linear."""
+    vocab = weight.shape[0]
+    pad = -vocab % multiple if multiple > 1 else 0
+    if pad == 0:
+        return torch.nn.functional.linear(hidden, weight, bias)
+    weight = torch.nn.functional.pad(weight.to(_compute_dtype(hidden)), (0, 0, 0, pad))  # the cast first: one copy
+    if bias is not None:
+        bias = torch.nn.functional.pad(bias.to(weight.dtype), (0, pad))
+    return torch.nn.functional.linear(hidden, weight, bias)
+
+
+def cross_entropy(logits: Tensor, targets: Tensor, vocab: int | None = None, ignore_index: int = -100,
+                  fused: bool = True) -> Tensor:
+    """Mean cross-entropy (float32) of logits (rows, columns) [:, :vocab] against targets (rows,), over the targets
+    that are not ignore_index (0 when there is none). fused, on CUDA: flashtrain's kernels
+    (flashtrain.kernels.cross_entropy: the logits read in their dtype, no float32 copy); otherwise F.cross_entropy of
+    the float32 logits."""
+    if fused and logits.device.type == "cuda":
+        from flashtrain.kernels.cross_entropy import cross_entropy as fused_cross_entropy
+
+        return fused_cross_entropy(logits, targets, vocab, ignore_index)
+    vocab = logits.shape[-1] if vocab is None else vocab
+    total = torch.nn.functional.cross_entropy(logits[:, :vocab].float(), targets, ignore_index=ignore_index,
+                                              reduction="sum")
+    return total / (targets != ignore_index).sum().clamp(min=1)
