@@ -495,8 +495,9 @@ def main(argv: list[str] | None = None) -> dict:
         if any(parse_impl(impl)[2] for impl in impls):
             raise SystemExit("--max-batch measures eager steps: drop --compile and the compiled --impls")
         if args.memory_gib is not None and device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            total = torch.cuda.get_device_properties(index).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), index)
         env["memory_gib"] = args.memory_gib
         rows = max_batch_rows(impls, configs, vocab_size, device, args.max_batch_limit, args.loss == "chunked")
         return save_results("train_gpt2_max_batch", args.out, env, rows, plot_max_batch)
