@@ -170,6 +170,7 @@ def test_generate_greedy_matches_forward_argmax_and_crops_context():
 @pytest.mark.parametrize("field, value", [
     ("attn_impl", "triton"), ("n_embd", 66), ("vocab_size", 0), ("n_positions", -1), ("n_layer", 0),
     ("n_head", 0), ("dropout", 1.0), ("attn_dropout", -0.1), ("layer_norm_eps", 0.0), ("vocab_multiple", 0),
+    ("attn_window", -2), ("attn_softcap", -1.0), ("attn_softcap", float("inf")),
 ])
 def test_bad_config_field_raises_naming_it(field, value):
     with pytest.raises(ValueError, match=field):
@@ -306,3 +307,54 @@ def test_gpt2_vocab_padding_keeps_parameters_logits_and_gradients():
     assert float(padded_loss.detach()) == pytest.approx(float(loss.detach()), rel=1e-6)
     for got, want in zip(torch.autograd.grad(padded_loss, list(model.parameters())), grads):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def _windowed_logits(window: int, softcap: float = 0.0, attn_impl: str = "reference", dtype=torch.float64):
+    model = tiny_model(dtype, attn_window=window, attn_softcap=softcap, attn_impl=attn_impl)
+    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(3))
+    return model(tokens)[0]
+
+
+def test_sliding_window_attention_matches_sdpa_with_a_band_mask_and_changes_the_output():
+    full = _windowed_logits(-1)
+    assert torch.allclose(_windowed_logits(39), full, atol=1e-10)  # a window as long as the context: no change
+    for window in (0, 5):
+        windowed = _windowed_logits(window)
+        assert torch.allclose(windowed, _windowed_logits(window, attn_impl="sdpa"), atol=1e-10)
+        assert torch.allclose(windowed[:, :window + 1], full[:, :window + 1], atol=1e-10)  # tokens that see it all
+        assert (windowed[:, window + 1:] - full[:, window + 1:]).abs().max() > 1e-3
+
+
+def test_softcap_changes_scores_and_sdpa_refuses_it_by_name():
+    capped = _windowed_logits(-1, softcap=0.05)  # scores of this tiny model are O(0.1): a cap this low matters
+    assert (capped - _windowed_logits(-1)).abs().max() > 1e-4
+    assert torch.allclose(_windowed_logits(-1, softcap=1e6), _windowed_logits(-1), atol=1e-8)
+    with pytest.raises(ValueError, match="softcap"):
+        _windowed_logits(-1, softcap=30.0, attn_impl="sdpa")
+
+
+def test_windowed_generation_with_the_cache_matches_recomputing_everything():
+    model = tiny_model(torch.float64, attn_window=6, attn_softcap=2.0)
+    prompt = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(0))
+    cached = model.generate(prompt, 12, temperature=0.0)
+    assert torch.equal(cached, model.generate(prompt, 12, temperature=0.0, use_cache=False))
+
+
+def test_attention_options_reach_the_backend_check_and_the_flops():
+    from flashtrain.models.attention import backend
+
+    config = GPT2Config(**(TINY | {"attn_window": 7, "attn_softcap": 30.0}))
+    assert config.attention_backend(torch.device("cpu"), torch.float32) == "flash -> reference"
+    # on a CUDA device the kernels lack the options: attn_impl=flash stops at start-up naming them (no GPU needed:
+    # the check comes before any CUDA call)
+    with pytest.raises(RuntimeError, match="window_size / softcap run on impl='reference' only.*attn_impl=reference"):
+        backend("flash", torch.device("cuda"), torch.bfloat16, 16, features=("window_size", "softcap"))
+    with pytest.raises(ValueError, match="softcap: attn_impl=auto runs PyTorch SDPA"):
+        backend("auto", torch.device("cuda"), torch.bfloat16, 16, features=("softcap",))
+    assert backend("auto", torch.device("cuda"), torch.bfloat16, 16, features=("window_size",))[0] == "sdpa"
+    plain = GPT2(GPT2Config(**TINY)).flops_per_token()
+    windowed = GPT2(config).flops_per_token()
+    assert plain - windowed == pytest.approx(12 * 2 * 64 * 64 * (1 - 2 * 8 / 64))
+    with pytest.raises(ValueError, match="attn_window"):
+        from flashtrain.models.hf_convert import gpt2_config_to_hf
+        gpt2_config_to_hf(config)

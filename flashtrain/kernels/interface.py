@@ -192,14 +192,29 @@ def flash_attn_varlen_func(
 # ---- dispatch ----------------------------------------------------------------------------------------------------
 
 
+# the options of flash_attn_func beyond plain attention that the CUDA kernels run (issue 20 adds window_size, softcap,
+# alibi_slopes as the kernels gain them); the others run on impl="reference" only
+CUDA_FEATURES: frozenset[str] = frozenset()
+
+
+def features_unavailable_reason(features) -> str | None:
+    """None when the CUDA kernels run every option named in `features` (window_size, softcap, alibi_slopes), else a
+    sentence naming those they lack."""
+    missing = [name for name in features if name not in CUDA_FEATURES]
+    if not missing:
+        return None
+    return f"{' / '.join(missing)} run on impl='reference' only (the CUDA kernels do not have them yet)"
+
+
 def _cuda_ops_or_reason(q: Tensor, block_mask: Tensor | None, dropout_mask: Tensor | None, features=None):
     """(ops module, None) when the CUDA kernel can run these arguments, else (None, why not)."""
     if q.device.type != "cuda":
         return None, f"the tensors are on {q.device}; the CUDA kernel needs CUDA tensors"
     if dropout_mask is not None:
         return None, "an explicit dropout_mask is supported by impl='reference' only"
-    if features:
-        return None, f"{' / '.join(features)} run on impl='reference' only (the CUDA kernels do not have them yet)"
+    reason = features_unavailable_reason(features or ())
+    if reason is not None:
+        return None, reason
     from flashtrain.kernels import ops  # imported here: CPU-only calls never load the kernel side
     reason = ops.unavailable_reason(q.device, head_dim=q.shape[-1], dtype=q.dtype, block_mask=block_mask is not None)
     return (None, reason) if reason is not None else (ops, None)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashtrain.kernels import flash_attn_func, flash_attn_varlen_func
+from flashtrain.kernels.interface import features_unavailable_reason
 from flashtrain.kernels.reference import BLOCK_SPARSE_SIZE
 
 ATTN_IMPLS = ("flash", "sdpa", "reference", "auto")
@@ -42,39 +43,48 @@ def check_attn_impl(attn_impl: str) -> None:
         raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
 
 
-def kernel_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, block_mask: bool) -> str | None:
-    """None when flashtrain's CUDA kernel runs attention on `device` in `dtype`, else a sentence saying why not."""
+def kernel_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, block_mask: bool,
+                              features: tuple[str, ...] = ()) -> str | None:
+    """None when flashtrain's CUDA kernel runs attention on `device` in `dtype` with the options named in `features`
+    (window_size, softcap), else a sentence saying why not."""
     if device.type != "cuda":
         return f"the tensors are on {device.type}; the CUDA kernel needs CUDA tensors"
+    reason = features_unavailable_reason(features)
+    if reason is not None:
+        return reason
     from flashtrain.kernels import ops  # the kernel's Python side; only CUDA tensors need it
 
     return ops.unavailable_reason(device, head_dim=head_dim, dtype=dtype, block_mask=block_mask)
 
 
 def backend(attn_impl: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-            block_mask: bool = False) -> tuple[str, str | None]:
-    """(KERNEL | REFERENCE | SDPA, why the kernel does not run or None) for calls on `device` in `dtype`.
-    attn_impl flash on a CUDA device where the kernel cannot run raises RuntimeError with the reason."""
-    if attn_impl == "sdpa":
-        return SDPA, None
+            block_mask: bool = False, features: tuple[str, ...] = ()) -> tuple[str, str | None]:
+    """(KERNEL | REFERENCE | SDPA, why the kernel does not run or None) for calls on `device` in `dtype` with the
+    attention options named in `features` (window_size, softcap). attn_impl flash on a CUDA device where the kernel
+    cannot run raises RuntimeError with the reason; SDPA chosen for a softcap raises ValueError (it has none)."""
     if attn_impl == "reference":
         return REFERENCE, None
-    reason = kernel_unavailable_reason(device, dtype, head_dim, block_mask)
-    if reason is None:
+    reason = kernel_unavailable_reason(device, dtype, head_dim, block_mask, features) if attn_impl != "sdpa" else None
+    if attn_impl != "sdpa" and reason is None:
         return KERNEL, None
     if attn_impl == "flash":
         if device.type == "cuda":
-            raise RuntimeError(f"attn_impl=flash cannot run flashtrain's CUDA kernel: {reason}. Use attn_impl=auto "
-                               f"(PyTorch SDPA where the kernel cannot run) or sdpa")
+            hint = ("attn_impl=reference" if features_unavailable_reason(features) else
+                    "attn_impl=auto (PyTorch SDPA where the kernel cannot run) or sdpa")
+            raise RuntimeError(f"attn_impl=flash cannot run flashtrain's CUDA kernel: {reason}. Use {hint}")
         return REFERENCE, None  # CPU tensors: the reference is flash's CPU path
+    if "softcap" in features:
+        raise ValueError(f"softcap: attn_impl={attn_impl} runs PyTorch SDPA here"
+                         + (f" ({reason})" if reason else "") + ", which has no logit softcapping; use flash or "
+                         "reference")
     return SDPA, reason
 
 
 def check_backend(attn_impl: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                  block_mask: bool = False) -> str:
+                  block_mask: bool = False, features: tuple[str, ...] = ()) -> str:
     """Start-up check of a model's attention calls: raises when attn_impl=flash cannot run them on `device`; returns
     the run header's words for what runs them, e.g. "auto -> sdpa (the tensors are on cpu; ...)"."""
-    chosen, reason = backend(attn_impl, torch.device(device), dtype, head_dim, block_mask)
+    chosen, reason = backend(attn_impl, torch.device(device), dtype, head_dim, block_mask, features)
     return f"{attn_impl} -> {chosen}" + (f" ({reason})" if attn_impl == "auto" and reason else "")
 
 
@@ -85,20 +95,26 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-def runs_packed(attn_impl: str, x: Tensor, head_dim: int, block_mask: bool = False) -> bool:
+def runs_packed(attn_impl: str, x: Tensor, head_dim: int, block_mask: bool = False,
+                features: tuple[str, ...] = ()) -> bool:
     """Whether a model with padded inputs packs them (removes the padding) before attention: every backend but sdpa.
     x: the model's activations (their device and, under autocast, the compute dtype decide "auto")."""
-    return backend(attn_impl, x.device, compute_dtype(x), head_dim, block_mask)[0] != SDPA
+    return backend(attn_impl, x.device, compute_dtype(x), head_dim, block_mask, features)[0] != SDPA
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_impl: str, *, causal: bool = False, dropout_p: float = 0.0,
               cu_seqlens: Tensor | None = None, max_seqlen: int | None = None, key_padding_mask: Tensor | None = None,
-              block_mask: Tensor | None = None) -> Tensor:
+              block_mask: Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
+              softcap: float = 0.0) -> Tensor:
     """Self-attention of packed q, k, v (total, H, D) with cu_seqlens (B + 1,) int32 and max_seqlen, or of padded
     ones (B, T, H, D) with key_padding_mask (B, T) bool (True at real tokens; sdpa only) or None. Padded k, v may be
     longer than q (a KV cache: the queries are the last tokens; causal aligns to the bottom-right corner). block_mask: None or
-    bool (ceil(T / 128),) * 2 (flashtrain.kernels.block_sparse layouts). -> the output in q's layout."""
-    chosen, _ = backend(attn_impl, q.device, q.dtype, q.shape[-1], block_mask is not None)
+    bool (ceil(T / 128),) * 2 (flashtrain.kernels.block_sparse layouts). window_size (left, right), softcap: as
+    flash_attn_func's (sliding-window attention, logit softcapping; sdpa: the window as a mask, no softcap).
+    -> the output in q's layout."""
+    features = attention_features(window_size, softcap)
+    chosen, _ = backend(attn_impl, q.device, q.dtype, q.shape[-1], block_mask is not None, features)
+    options = {"window_size": tuple(window_size), "softcap": softcap} if features else {}
     if chosen != SDPA:
         impl = "cuda" if chosen == KERNEL else "reference"
         if key_padding_mask is not None:
@@ -107,9 +123,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_impl: str, *, causal: bool =
         deterministic = torch.are_deterministic_algorithms_enabled()
         if cu_seqlens is not None:
             return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-                                          causal=causal, block_mask=block_mask, deterministic=deterministic, impl=impl)
+                                          causal=causal, block_mask=block_mask, deterministic=deterministic, impl=impl,
+                                          **options)
         return flash_attn_func(q, k, v, dropout_p, causal=causal, block_mask=block_mask, deterministic=deterministic,
-                               impl=impl)
+                               impl=impl, **options)
     if cu_seqlens is not None:
         raise ValueError(f"cu_seqlens: attn_impl {attn_impl} runs PyTorch SDPA here, on padded inputs; "
                          f"check runs_packed before packing")
@@ -119,6 +136,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_impl: str, *, causal: bool =
         bottom_right = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(seqlen_k - seqlen_q)
         mask = bottom_right if mask is None else mask & bottom_right
         causal = False
+    if "window_size" in features:  # keys j of query i: i + offset - left <= j <= i + offset + right (-1: unbounded)
+        left, right = window_size
+        offset = seqlen_k - seqlen_q
+        rows = torch.arange(seqlen_q, device=q.device)[:, None] + offset
+        cols = torch.arange(seqlen_k, device=q.device)[None, :]
+        band = ((cols >= rows - left) | (left < 0)) & ((cols <= rows + right) | (right < 0))
+        if causal:  # the bottom-right causal bound as a mask too (SDPA's is_causal aligns top-left)
+            band &= cols <= rows
+            causal = False
+        mask = band if mask is None else mask & band
     if block_mask is not None:  # one bit per 128 x 128 block -> one per (query, key)
         T = q.shape[1]
         dense = block_mask.repeat_interleave(BLOCK_SPARSE_SIZE, -2).repeat_interleave(BLOCK_SPARSE_SIZE, -1)
@@ -126,6 +153,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_impl: str, *, causal: bool =
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                        dropout_p=dropout_p, is_causal=causal)  # (B, H, T, D)
     return y.transpose(1, 2)  # (B, T, H, D)
+
+
+def attention_features(window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple[str, ...]:
+    """The names of the attention options beyond plain attention that a call sets (for backend checks)."""
+    return tuple(name for name, on in (("window_size", tuple(window_size) != (-1, -1)), ("softcap", softcap != 0.0))
+                 if on)
 
 
 def check_padded(variant: str, cu_seqlens: Tensor | None, block_mask: Tensor | None) -> None:

@@ -14,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashtrain.models.attention import attention, check_attn_impl, check_backend, compute_dtype
+from flashtrain.models.attention import (attention, attention_features, check_attn_impl, check_backend,
+                                         compute_dtype)
 from flashtrain.models.flops import training_flops_per_token
 from flashtrain.models.losses import cross_entropy, linear_cross_entropy, padded_logits
 from flashtrain.models.tying import tie_weights
@@ -36,6 +37,10 @@ class GPT2Config:
     layer_norm_eps: float = 1e-5  # LayerNorm epsilon
     bias: bool = True  # biases in Linear and LayerNorm layers (GPT-2 has them; HF conversion needs them)
     attn_impl: str = "flash"  # flash | sdpa | reference | auto (flashtrain.models.attention)
+    # sliding-window attention: each token attends to itself and the attn_window tokens before it; -1: to all before it
+    attn_window: int = -1
+    # logit softcapping (Gemma 2): scores s -> attn_softcap * tanh(s / attn_softcap) before the softmax; 0: none
+    attn_softcap: float = 0.0
     # the training loss a chunk of tokens at a time, without the (B, T, vocab) logits (flashtrain.models.losses):
     # half the peak memory of GPT-2 small at 16K tokens per micro-batch (16.0 -> 7.9 GiB), but 13% slower eager and
     # 9% slower compiled (H200, 2026-11-26), so off unless memory is what limits the micro-batch
@@ -61,14 +66,24 @@ class GPT2Config:
                 raise ValueError(f"{name} must be in [0, 1), got {p}")
         if self.layer_norm_eps <= 0:
             raise ValueError(f"layer_norm_eps must be positive, got {self.layer_norm_eps}")
+        if self.attn_window < -1:
+            raise ValueError(f"attn_window must be >= 0 tokens, or -1 for none, got {self.attn_window}")
+        if not (math.isfinite(self.attn_softcap) and self.attn_softcap >= 0):
+            raise ValueError(f"attn_softcap must be finite and >= 0 (0: none), got {self.attn_softcap}")
         if self.vocab_multiple < 1:
             raise ValueError(f"vocab_multiple must be >= 1 (1: no padding), got {self.vocab_multiple}")
 
     def build(self) -> "GPT2":
         return GPT2(self)
 
+    @property
+    def attention_options(self) -> dict:
+        """window_size / softcap of every attention call (flashtrain.models.attention.attention)."""
+        return {"window_size": (self.attn_window, 0), "softcap": self.attn_softcap}
+
     def attention_backend(self, device: torch.device, dtype: torch.dtype) -> str:
-        return check_backend(self.attn_impl, device, dtype, self.n_embd // self.n_head)
+        return check_backend(self.attn_impl, device, dtype, self.n_embd // self.n_head,
+                             features=attention_features(**self.attention_options))
 
     def check_data(self, data) -> None:
         """Raise ValueError when the data (a flashtrain.data.task.DataSpec) is not what this model reads; a field
@@ -111,6 +126,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = config.n_embd // config.n_head
         self.attn_impl = config.attn_impl
         self.attn_dropout = config.attn_dropout
+        self.options = config.attention_options
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # -> q, k, v
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -123,12 +139,12 @@ class CausalSelfAttention(nn.Module):
         dropout_p = self.attn_dropout if self.training else 0.0
         if cu_seqlens is not None:  # documents packed in the B * T rows: each attends to itself only
             y = attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), self.attn_impl, causal=True,
-                          dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=T)  # (B * T, H, D)
+                          dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=T, **self.options)  # (B * T, H, D)
             return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
         if cache is not None:  # attend to every cached token too: k, v (B, cache.length + T, H, D)
             k, v = cache.update(layer, k, v)
         # causal is aligned to the bottom-right corner: query t of T sees all cached keys and the new ones up to t
-        y = attention(q, k, v, self.attn_impl, causal=True, dropout_p=dropout_p)  # (B, T, H, D)
+        y = attention(q, k, v, self.attn_impl, causal=True, dropout_p=dropout_p, **self.options)  # (B, T, H, D)
         return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
 
 
@@ -183,7 +199,10 @@ class GPT2(nn.Module):
         """Training FLOPs per token at seq_len tokens per sequence (default n_positions; flashtrain.models.flops):
         the tied token table counts once, as the LM head's matmul; the position table is a lookup."""
         c = self.config
-        return training_flops_per_token(self, [self.transformer.wpe], c.n_layer, c.n_embd, seq_len or c.n_positions)
+        seq_len = seq_len or c.n_positions
+        # the convention counts causal attention's whole square; a window of w keys, the same share of the band
+        fraction = 1.0 if c.attn_window < 0 else min(1.0, 2 * (c.attn_window + 1) / seq_len)
+        return training_flops_per_token(self, [self.transformer.wpe], c.n_layer, c.n_embd, seq_len, fraction)
 
     @staticmethod
     def _init_weights(module: nn.Module):

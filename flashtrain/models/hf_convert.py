@@ -58,6 +58,9 @@ def gpt2_config_to_hf(config: GPT2Config, eos_token_id: int | None = None):
 
     if not config.bias:
         raise ValueError("config.bias must be True to export to HF GPT-2, which always has biases")
+    for name, value, none in (("attn_window", config.attn_window, -1), ("attn_softcap", config.attn_softcap, 0.0)):
+        if value != none:
+            raise ValueError(f"config.{name}={value}: HF GPT-2 has no such attention option; export needs {none}")
     return transformers.GPT2Config(
         vocab_size=config.vocab_size, n_positions=config.n_positions, n_embd=config.n_embd, n_layer=config.n_layer,
         n_head=config.n_head, n_inner=None, activation_function="gelu_new", resid_pdrop=config.dropout,
