@@ -106,12 +106,12 @@ def test_flash_that_cannot_run_on_cuda_stops_with_the_reason(monkeypatch):
     """On a CUDA device where the kernel cannot run (here: it says so), flash raises with the kernel's reason and
     auto takes SDPA; neither runs the reference."""
     monkeypatch.setattr(attention, "kernel_unavailable_reason",
-                        lambda device, dtype, head_dim, block_mask: "cuda-python is not installed")
+                        lambda device, dtype, head_dim, block_mask, features=(): "cuda-python is not installed")
     cuda = torch.device("cuda", 0)
     with pytest.raises(RuntimeError, match="attn_impl=flash cannot run flashtrain's CUDA kernel: cuda-python is not"):
         GPT2Config(attn_impl="flash").attention_backend(cuda, torch.bfloat16)
     assert attention.backend("auto", cuda, torch.bfloat16, 64) == ("sdpa", "cuda-python is not installed")
-    monkeypatch.setattr(attention, "kernel_unavailable_reason", lambda device, dtype, head_dim, block_mask: None)
+    monkeypatch.setattr(attention, "kernel_unavailable_reason", lambda device, dtype, head_dim, block_mask, features=(): None)
     assert attention.backend("flash", cuda, torch.bfloat16, 64) == ("kernel", None)
     assert attention.backend("auto", cuda, torch.bfloat16, 64) == ("kernel", None)
 
