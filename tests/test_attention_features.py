@@ -114,3 +114,62 @@ def test_the_cuda_kernels_say_they_lack_the_features():
     ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"window_size": (4, 0), "softcap": 30.0})
     assert ops is None and reason == ("window_size / softcap run on impl='reference' only (the CUDA kernels do not "
                                       "have them yet)")
+
+
+MASK_MODS = [
+    ("doc[q_idx] == doc[kv_idx]", False),  # documents packed in each sequence
+    ("doc[q_idx] == doc[kv_idx]", True),  # ... causal inside each document
+    ("kv_idx < 40 || q_idx >= kv_idx", False),  # prefix-LM: a bidirectional prefix of 40 tokens, causal after it
+    ("q_idx - kv_idx < 70 && (q_idx - kv_idx) % 3 == 0", True),  # a dilated causal window
+    ("h % 2 == 0 ? q_idx >= kv_idx : kv_idx >= q_idx", False),  # heads look back or forward
+    ("b == 0 || kv_idx > 150", False),  # per sequence of the batch; some rows see no key
+]
+
+
+@pytest.mark.parametrize("expression, causal", MASK_MODS, ids=[f"{e} causal={c}" for e, c in MASK_MODS])
+def test_mask_mod_reference_matches_the_oracle(expression, causal):
+    from flashtrain.kernels.mask_mod import MaskMod
+
+    doc = torch.repeat_interleave(torch.arange(5), torch.tensor([30, 100, 1, 90, 79]))  # 300 tokens
+    mod = MaskMod(expression, doc=doc) if "doc" in expression else expression
+    q, k, v = _inputs(2, 300, 300, 4, 2)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, impl="reference", mask_mod=mod)
+    expected_out, expected_lse = naive_attention(q, k, v, causal=causal,
+                                                 mask_mod=mod if isinstance(mod, MaskMod) else MaskMod(mod))
+    _compare(out, lse, expected_out, expected_lse, (q, k, v), torch.randn_like(out))
+
+
+def test_a_document_mask_equals_varlen_attention_over_the_documents_and_skips_tiles():
+    from flashtrain.kernels.mask_mod import MaskMod
+    from flashtrain.kernels.reference import _GroupCompute, _seq_groups
+
+    lengths = [200, 1, 300, 11]
+    doc = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))  # 512 tokens
+    q, k, v = _inputs(1, 512, 512, 2, 1)
+    out = flash_attn_func(q, k, v, causal=True, impl="reference",
+                          mask_mod=MaskMod("doc[q_idx] == doc[kv_idx]", doc=doc))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packed = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 300, 300, causal=True, impl="reference")
+    assert torch.allclose(out[0], packed, atol=1e-12)
+    # 4 x 4 tiles of 128 tokens, causal: 10; the documents leave out the tiles between document 0 (tokens 0-199)
+    # and document 2 (tokens 201-500) that hold no pair of one document: (2, 0), (3, 0)
+    group = _seq_groups(torch.tensor([0, 512]), torch.tensor([0, 512]))[0]
+    compute = _GroupCompute(group, nheads=2, nheads_kv=1, device=q.device, window=(-1, 0), block_mask=None,
+                            dropout_p=0.0, dropout_mask=None, dropout_seed=0,
+                            mask_mod=MaskMod("doc[q_idx] == doc[kv_idx]", doc=doc))
+    assert sorted((t.q_tile, t.k_tile) for t in compute.tiles) == [(0, 0), (1, 0), (1, 1), (2, 1), (2, 2), (3, 1),
+                                                                   (3, 2), (3, 3)]
+
+
+def test_mask_mod_is_validated_and_the_cuda_kernels_say_they_lack_it():
+    from flashtrain.kernels import interface
+    from flashtrain.kernels.mask_mod import MaskModError
+
+    q, k, v = (x.detach() for x in _inputs(1, 8, 8, 2, 2))
+    with pytest.raises(TypeError, match="mask_mod must be a MaskMod"):
+        flash_attn_func(q, k, v, impl="reference", mask_mod=3)
+    with pytest.raises(MaskModError, match="unknown name 'doc'"):
+        flash_attn_func(q, k, v, impl="reference", mask_mod="doc[q_idx] > 0")
+    q_cuda = type("FakeCudaTensor", (), {"device": torch.device("cuda", 0)})()
+    ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"mask_mod": None})
+    assert ops is None and reason.startswith("mask_mod run on impl='reference' only")

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from flashtrain.kernels.mask_mod import MaskMod
 from flashtrain.kernels.reference import BLOCK_SPARSE_SIZE, flash_attn_reference
 
 if TYPE_CHECKING:  # PEP 692's typed **kwargs; only type checkers read the annotation
@@ -42,11 +43,12 @@ class AttentionOptions(TypedDict, total=False):
     window_size: tuple[int, int]
     softcap: float
     alibi_slopes: Tensor | None
+    mask_mod: MaskMod | str | None
 
 
 OPTION_DEFAULTS: AttentionOptions = {"block_mask": None, "return_lse": False, "dropout_mask": None, "generator": None,
                                      "deterministic": False, "impl": "auto", "window_size": (-1, -1), "softcap": 0.0,
-                                     "alibi_slopes": None}
+                                     "alibi_slopes": None, "mask_mod": None}
 
 
 def flash_attn_func(
@@ -97,7 +99,11 @@ def flash_attn_func(
             softmax (Gemma 2, Grok); 0 (default) = none.
         alibi_slopes: float32 (nheads,) or (batch, nheads) (varlen: one row per sequence): ALiBi, adds
             -slope * |i + seqlen_k - seqlen_q - j| to the scaled (and capped) scores.
-        window_size, softcap and alibi_slopes run on the reference only for now (impl="cuda" raises).
+        mask_mod: a mask expression (flashtrain.kernels.mask_mod.MaskMod, or its C expression as a str when it reads
+            no tensor): query q_idx of sequence b, head h attends key kv_idx where the expression is nonzero, on top
+            of causal / window_size / block_mask; e.g. MaskMod("doc[q_idx] == doc[kv_idx]", doc=ids). Tiles where it
+            is 0 for every pair are skipped (evaluated exactly). q_idx / kv_idx count from each sequence's start.
+        window_size, softcap, alibi_slopes and mask_mod run on the reference only for now (impl="cuda" raises).
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim) in q's dtype, or (out, lse) with return_lse=True.
@@ -306,7 +312,8 @@ def _check_features(options: AttentionOptions, q: Tensor, nheads: int, batch: in
     """window_size, softcap, alibi_slopes checked; {name: value} of those set (alibi_slopes expanded to
     (batch, nheads)), None when none is (the common call)."""
     window, softcap, slopes = options["window_size"], options["softcap"], options["alibi_slopes"]
-    if window == (-1, -1) and softcap == 0.0 and slopes is None:
+    mask_mod = options["mask_mod"]
+    if window == (-1, -1) and softcap == 0.0 and slopes is None and mask_mod is None:
         return None
     features = {}
     if window != (-1, -1):
@@ -339,6 +346,16 @@ def _check_features(options: AttentionOptions, q: Tensor, nheads: int, batch: in
             raise ValueError(f"alibi_slopes must be ({nheads},) or ({batch}, {nheads}) (nheads, or batch x nheads), "
                              f"got {tuple(slopes.shape)}")
         features["alibi_slopes"] = slopes.expand(batch, nheads)
+    if mask_mod is not None:
+        if isinstance(mask_mod, str):
+            mask_mod = MaskMod(mask_mod)
+        if not isinstance(mask_mod, MaskMod):
+            raise TypeError(f"mask_mod must be a MaskMod (flashtrain.kernels.mask_mod) or a str, got "
+                            f"{type(mask_mod).__name__}")
+        for name, tensor in mask_mod.tensors.items():
+            if tensor.device != q.device:
+                raise ValueError(f"mask_mod tensor {name!r} is on {tensor.device}, q on {q.device}")
+        features["mask_mod"] = mask_mod
     return features or None
 
 

@@ -124,7 +124,7 @@ class _GroupCompute:
     """What the forward and backward passes of one sequence group share: tiles, masks, dropout."""
 
     def __init__(self, group, *, nheads, nheads_kv, device, window, block_mask, dropout_p, dropout_mask, dropout_seed,
-                 softcap=0.0, alibi_slopes=None):
+                 softcap=0.0, alibi_slopes=None, mask_mod=None):
         self.group = group
         self.nheads_kv = nheads_kv
         self.group_size = nheads // nheads_kv
@@ -133,6 +133,11 @@ class _GroupCompute:
         self.window = window
         self.tiles = _visible_tiles(group.seqlen_q, group.seqlen_k, window, block_mask, nheads_kv, device)
         self._edge_masks: dict[tuple[int, int, int], Tensor] = {}
+        # mask_mod: per tile, True where the expression is 0, (batch, nheads_kv, bq, group, bk), or None where it is
+        # nonzero everywhere; tiles where it is 0 everywhere are dropped (the kernels' skip list, exactly)
+        self._mod_masks: dict[tuple[int, int], Tensor | None] = {}
+        if mask_mod is not None:
+            self.tiles = [tile for tile in self.tiles if self._mod_mask(mask_mod, tile, nheads)]
         self.softcap = softcap
         self.slopes = None  # ALiBi: (batch * nheads_kv, 1, group, 1), the rows' layout
         if alibi_slopes is not None:  # (sequences, nheads) -> this group's sequences
@@ -147,6 +152,19 @@ class _GroupCompute:
             self.dropout_mask = rows.permute(2, 0, 3, 1, 4)
         if dropout_p > 0 and dropout_mask is None:
             self.generator = torch.Generator(device=device)
+
+    def _mod_mask(self, mask_mod, tile: _Tile, nheads: int) -> bool:
+        """Evaluate mask_mod on the tile for this group's sequences and every head; remember where it masks.
+        Returns whether any pair of the tile is attended."""
+        b = torch.arange(self.group.index, self.group.index + self.group.batch, device=self.device)
+        allowed = mask_mod.evaluate(b.view(-1, 1, 1, 1), torch.arange(nheads, device=self.device).view(1, -1, 1, 1),
+                                    torch.arange(tile.q0, tile.q1, device=self.device).view(1, 1, -1, 1),
+                                    torch.arange(tile.k0, tile.k1, device=self.device).view(1, 1, 1, -1))
+        bq, bk = tile.q1 - tile.q0, tile.k1 - tile.k0
+        # heads h = kv_head * group + g -> the rows' layout (batch, nheads_kv, bq, group, bk)
+        allowed = allowed.reshape(self.group.batch, self.nheads_kv, self.group_size, bq, bk).transpose(2, 3)
+        self._mod_masks[tile.q_tile, tile.k_tile] = None if allowed.all() else ~allowed
+        return bool(allowed.any())
 
     def _distance(self, tile: _Tile) -> Tensor:
         """(bq, 1, bk): key k0 + c minus the key aligned with query q0 + r (bottom-right), c - r + k0 - q0 - offset."""
@@ -171,6 +189,9 @@ class _GroupCompute:
                     outside |= distance < -left
                 self._edge_masks[key] = outside  # (bq, 1, bk)
             mask = outside if mask is None else mask | outside
+        mod = self._mod_masks.get((tile.q_tile, tile.k_tile))
+        if mod is not None:
+            mask = mod if mask is None else mask | mod
         return mask
 
     def modify_scores(self, scores: Tensor, tile: _Tile) -> Tensor | None:
@@ -305,7 +326,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window, block_mask, dropout_p, dropout_mask,
-                dropout_seed, softcap, alibi_slopes):
+                dropout_seed, softcap, alibi_slopes, mask_mod):
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         nheads, nheads_kv = q.shape[1], k.shape[1]
         group = nheads // nheads_kv
@@ -314,7 +335,8 @@ class _FlashAttentionFunction(torch.autograd.Function):
             _GroupCompute(seqs, nheads=nheads, nheads_kv=nheads_kv, device=q.device, window=window,
                           block_mask=block_mask_cpu, dropout_p=dropout_p, dropout_mask=dropout_mask,
                           dropout_seed=dropout_seed, softcap=softcap,
-                          alibi_slopes=None if alibi_slopes is None else alibi_slopes.to(compute_dtype))
+                          alibi_slopes=None if alibi_slopes is None else alibi_slopes.to(compute_dtype),
+                          mask_mod=mask_mod)
             for seqs in _seq_groups(cu_seqlens_q, cu_seqlens_k)
         ]
         out = q.new_zeros(q.shape)
@@ -359,7 +381,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
             _copy_to_packed(dq[packed_q], dq_rows.mul_(scale), seqs.batch, seqs.seqlen_q, nheads_kv, group)
             _copy_to_packed(dk[packed_k], dk_rows, seqs.batch, seqs.seqlen_k, nheads_kv, 1)
             _copy_to_packed(dv[packed_k], dv_rows, seqs.batch, seqs.seqlen_k, nheads_kv, 1)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 def flash_attn_reference(
@@ -378,11 +400,13 @@ def flash_attn_reference(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Tensor | None = None,
+    mask_mod=None,
 ) -> tuple[Tensor, Tensor]:
     """FlashAttention in plain PyTorch, packed (varlen) form, arguments as validated by flashtrain.kernels.interface:
     q (total_q, nheads, D), k/v (total_k, nheads_kv, D), cu_seqlens int32 (batch + 1,); block_mask
     ([nheads,] n_qblocks, n_kblocks); dropout_mask (nheads, total_q, max_seqlen_k); window_size (left, right), -1
-    unbounded (with causal, right is 0); softcap 0 = none; alibi_slopes (batch, nheads) float32 or None.
+    unbounded (with causal, right is 0); softcap 0 = none; alibi_slopes (batch, nheads) float32 or None; mask_mod a
+    flashtrain.kernels.mask_mod.MaskMod or None.
     Returns out (total_q, nheads, D) in q's dtype, differentiable w.r.t. q, k, v, and lse (nheads, total_q)."""
     dropout_seed = 0
     if dropout_p > 0 and dropout_mask is None:  # one draw per call; every tile's mask derives from it
@@ -391,5 +415,5 @@ def flash_attn_reference(
     window = (window_size[0], 0 if causal else window_size[1])
     return _FlashAttentionFunction.apply(
         q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window, block_mask, dropout_p, dropout_mask, dropout_seed,
-        softcap, alibi_slopes,
+        softcap, alibi_slopes, mask_mod,
     )
