@@ -397,7 +397,7 @@ BAD_BATCH_CALLS = [
     (dict(v=torch.randn(2, 140, 2, 32, device="meta")), ValueError, "v is on"),
     (dict(q=torch.randn(2, 130, 128)), ValueError, "q must have 4 dims"),
     (dict(k=torch.randn(2, 140, 32, 2).transpose(2, 3)), ValueError, "k must be contiguous in its last dim"),
-    (dict(q=torch.randn(1, 8, 4, 264), k=torch.randn(1, 8, 2, 264), v=torch.randn(1, 8, 2, 264)), ValueError, "head_dim"),
+    (dict(q=torch.randn(1, 8, 4, 520), k=torch.randn(1, 8, 2, 520), v=torch.randn(1, 8, 2, 520)), ValueError, "head_dim"),
     (dict(q=torch.randn(2, 130, 6, 32), k=torch.randn(2, 140, 4, 32), v=torch.randn(2, 140, 4, 32)), ValueError, "nheads_kv"),
     (dict(v=torch.randn(2, 139, 2, 32)), ValueError, "v must have k's shape"),
     (dict(k=torch.randn(3, 140, 2, 32), v=torch.randn(3, 140, 2, 32)), ValueError, "k: batch"),

@@ -173,3 +173,13 @@ def test_mask_mod_is_validated_and_the_cuda_kernels_say_they_lack_it():
     q_cuda = type("FakeCudaTensor", (), {"device": torch.device("cuda", 0)})()
     ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"mask_mod": None})
     assert ops is None and reason.startswith("mask_mod run on impl='reference' only")
+
+
+@pytest.mark.parametrize("head_dim", [320, 512])
+def test_head_dims_up_to_512_on_the_reference(head_dim):
+    q, k, v = _inputs(1, 140, 140, 2, 1, head_dim=head_dim)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, impl="reference", softcap=5.0)
+    expected_out, expected_lse = naive_attention(q, k, v, causal=True, softcap=5.0)
+    _compare(out, lse, expected_out, expected_lse, (q, k, v), torch.randn_like(out))
+    with pytest.raises(ValueError, match=r"head_dim \(q.shape\[-1\]\) must be in \[1, 512\]"):
+        flash_attn_func(*(torch.zeros(1, 4, 1, 520) for _ in range(3)), impl="reference")

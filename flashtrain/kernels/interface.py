@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # PEP 692's typed **kwargs; only type checkers read the annot
     from typing_extensions import Unpack
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512  # the reference; the CUDA kernels: up to build.HEAD_DIMS[-1] (ops.unavailable_reason)
 IMPLS = ("auto", "cuda", "reference")
 _warned_fallback_reasons: set[str] = set()
 
@@ -64,7 +64,7 @@ def flash_attn_func(
 
     Args:
         q: (batch, seqlen_q, nheads, head_dim), float16 / bfloat16 (float32 / float64 on the reference only);
-            the last dimension must be contiguous (stride 1). head_dim <= 256.
+            the last dimension must be contiguous (stride 1). head_dim <= 512 (the CUDA kernels: <= 256).
         k, v: (batch, seqlen_k, nheads_kv, head_dim), same dtype and device as q. nheads must be a multiple of
             nheads_kv (GQA; nheads_kv == 1 is MQA): query head h attends with kv head h // (nheads // nheads_kv).
         dropout_p: probability of dropping each attention probability (training only; pass 0.0 in eval). Kept
