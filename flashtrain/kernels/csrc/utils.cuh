@@ -38,6 +38,11 @@ __device__ __forceinline__ float fast_log2(float x) {
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+__device__ __forceinline__ float fast_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 __device__ __forceinline__ float fmax_(float a, float b) {
     float y;
     asm("max.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
