@@ -104,16 +104,20 @@ def test_softcap_bounds_the_scores():
     assert torch.all(plain > 100.0)
 
 
-def test_the_cuda_kernels_say_they_lack_the_features():
+def test_the_cuda_kernels_say_which_features_they_lack():
     q, k, v = (x.detach().float() for x in _inputs(1, 8, 8, 2, 2))
     for features in (dict(window_size=(4, 0)), dict(softcap=30.0), dict(alibi_slopes=torch.ones(2))):
         with pytest.raises(RuntimeError, match="impl='cuda' cannot run"):
             flash_attn_func(q, k, v, impl="cuda", **features)
     from flashtrain.kernels import interface
     q_cuda = type("FakeCudaTensor", (), {"device": torch.device("cuda", 0)})()  # past the device check only
-    ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"window_size": (4, 0), "softcap": 30.0})
-    assert ops is None and reason == ("window_size / softcap run on impl='reference' only (the CUDA kernels do not "
-                                      "have them yet)")
+    ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"alibi_slopes": None, "softcap": 30.0})
+    assert ops is None and reason == ("alibi_slopes run on impl='reference' only (the CUDA kernels do not have "
+                                      "them yet)")
+    ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"window_size": (4, 0), "softcap": 3.0},
+                                                dropout_p=0.1)
+    assert ops is None and reason == ("window_size / softcap with dropout run on impl='reference' only (the CUDA "
+                                      "kernels have them without)")
 
 
 MASK_MODS = [
