@@ -111,9 +111,8 @@ def test_the_cuda_kernels_say_which_features_they_lack():
             flash_attn_func(q, k, v, impl="cuda", **features)
     from flashtrain.kernels import interface
     q_cuda = type("FakeCudaTensor", (), {"device": torch.device("cuda", 0)})()  # past the device check only
-    ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"alibi_slopes": None, "softcap": 30.0})
-    assert ops is None and reason == ("alibi_slopes run on impl='reference' only (the CUDA kernels do not have "
-                                      "them yet)")
+    ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"mask_mod": None, "softcap": 30.0})
+    assert ops is None and reason == "mask_mod run on impl='reference' only (the CUDA kernels do not have them yet)"
     ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"window_size": (4, 0), "softcap": 3.0},
                                                 dropout_p=0.1)
     assert ops is None and reason == ("window_size / softcap with dropout run on impl='reference' only (the CUDA "

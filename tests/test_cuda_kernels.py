@@ -272,20 +272,30 @@ def test_varlen_matches_reference(dtype, causal, head_dim):
 
 
 # ---------------------------------------------------------------------------------------------------- dropout
-LOCAL_SOFTCAP = [dict(window_size=(100, 50)), dict(window_size=(-1, 7)), dict(window_size=(130, -1)),
-                 dict(softcap=0.5), dict(softcap=2.0, window_size=(64, 64))]
+SCORE_MODS = [dict(window_size=(100, 50)), dict(window_size=(-1, 7)), dict(window_size=(130, -1)),
+              dict(softcap=0.5), dict(softcap=2.0, window_size=(64, 64)), dict(alibi_slopes="heads"),
+              dict(alibi_slopes="batch", softcap=3.0, window_size=(90, 20))]
 
 
-@pytest.mark.parametrize("features", LOCAL_SOFTCAP, ids=[str(f) for f in LOCAL_SOFTCAP])
+@pytest.mark.parametrize("features", SCORE_MODS, ids=[str(f) for f in SCORE_MODS])
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_window_and_softcap_match_reference(features, head_dim, causal):
-    """The mma.sync kernels' local window and softcap (issue 20), batch and varlen, GQA, bottom-right alignment."""
+def test_window_softcap_and_alibi_match_reference(features, head_dim, causal):
+    """The mma.sync score-modification kernels (issue 20): local window, softcap, ALiBi; batch and varlen, GQA,
+    bottom-right alignment."""
+    features = dict(features)
     if causal and features.get("window_size", (-1, -1))[1] not in (-1, 0):
-        features = dict(features, window_size=(features["window_size"][0], 0))
+        features["window_size"] = (features["window_size"][0], 0)
+    if "alibi_slopes" in features:  # ALiBi's geometric slopes, per head or per (sequence, head)
+        slopes = torch.tensor([2 ** (-8 * (h + 1) / 4) for h in range(4)], device="cuda")
+        features["alibi_slopes"] = slopes if features["alibi_slopes"] == "heads" else torch.stack([slopes] * 4) * \
+            torch.arange(1, 5, device="cuda")[:, None]
+    batch_features = dict(features)
+    if "alibi_slopes" in features and features["alibi_slopes"].dim() == 2:
+        batch_features["alibi_slopes"] = features["alibi_slopes"][:2]
     for index, (seqlen_q, seqlen_k) in enumerate([(300, 300), (200, 457), (457, 200), (1, 333)]):
         q, k, v, dout = _inputs((2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim), torch.bfloat16, seed=index)
-        _check_against_reference(q, k, v, dout, causal=causal, features=features)
+        _check_against_reference(q, k, v, dout, causal=causal, features=batch_features)
     lengths_q, lengths_k = [150, 0, 37, 260], [150, 12, 80, 200]
     cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")

@@ -47,8 +47,8 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
               + hopper_q80)
     cross_entropy = len(build.CE_DTYPES)  # the fused cross-entropy, one module per logits dtype
-    # the mma.sync forward and backward with a local window and / or softcap: head dims x dtype x causal x 3
-    local_softcap = 2 * dense * 2 * 2 * len(build.LOCAL_SOFTCAP_KERNELS)
+    # the mma.sync forward and backward with score modifications (window, softcap, ALiBi): head dims x dtype x causal
+    local_softcap = 2 * dense * 2 * 2
     assert len(names) == len(set(names)) == (2 + cross_entropy + 2 * (dense + sparse) * 2 * 2 * 2 + hopper
                                              + local_softcap)
     assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2 + hopper_sparse
@@ -201,8 +201,8 @@ def test_every_kernel_fits_the_shared_memory_of_its_gpu(smem_limit):
         assert {spec for spec in specs if not spec.archs} == {spec for spec in build.all_kernels() if not spec.archs}
     else:
         small = build.small_smem_kernels()
-        # 5 bwd + 1 fwd head dims (+ sparse), and their local / softcap variants
-        assert len(small) == 64 + 6 * 2 * 2 * len(build.LOCAL_SOFTCAP_KERNELS) and all(spec in specs for spec in small)
+        # 5 bwd + 1 fwd head dims (+ sparse), and their score-modification variants
+        assert len(small) == 64 + 6 * 2 * 2 and all(spec in specs for spec in small)
 
 
 def test_gpus_with_less_shared_memory_are_refused_by_name():

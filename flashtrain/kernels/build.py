@@ -381,8 +381,6 @@ def _check_dq_slices() -> None:
                                  f"columns; bwd_convert_dq stages at most {MAX_DQ_SLICE_WIDTH}")
 
 
-def _feature_suffix(local: bool, softcap: bool) -> str:
-    return f"{'_local' if local else ''}{'_softcap' if softcap else ''}"
 
 
 def _suffix(causal: bool, dropout: bool, block_sparse: bool) -> str:
@@ -420,14 +418,14 @@ def _fits(spec: KernelSpec, smem_limit: int | None) -> bool:
 
 
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
-               arch: str | None = None, smem_limit: int | None = None, seqlen_q: int = 0, local: bool = False,
-               softcap: bool = False) -> KernelSpec:
+               arch: str | None = None, smem_limit: int | None = None, seqlen_q: int = 0,
+               score_mods: bool = False) -> KernelSpec:
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
     smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length.
-    local / softcap (a window_size, a softcap): the mma.sync kernels only so far (LOCAL_SOFTCAP_KERNELS)."""
-    if local or softcap:
+    score_mods (window_size, softcap, alibi_slopes): the mma.sync kernels only so far (SCORE_MODS)."""
+    if score_mods:
         return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
-                         fwd_tiles(head_dim, causal, dropout, block_sparse, smem_limit), local, softcap)
+                         fwd_tiles(head_dim, causal, dropout, block_sparse, smem_limit), True)
     if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
         for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q), FWD_SM90_TILES[head_dim]):
             spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles)
@@ -446,15 +444,15 @@ def _tile_suffix(tiles, default_tiles) -> str:
 # of every attention call look theirs up.
 @functools.lru_cache(maxsize=None)
 def _fwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-              tiles: FwdTiles, local: bool = False, softcap: bool = False) -> KernelSpec:
-    name = (f"flash_fwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{_feature_suffix(local, softcap)}"
+              tiles: FwdTiles, score_mods: bool = False) -> KernelSpec:
+    name = (f"flash_fwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{'_mods' if score_mods else ''}"
             f"{_tile_suffix(tiles, fwd_tiles(head_dim, causal, dropout, block_sparse))}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)), ("FT_KERNEL_NAME", name))
-    if local or softcap:  # (the other kernels' macros, hence their cache keys, stay as they were)
-        defines += (("FT_LOCAL", int(local)), ("FT_SOFTCAP", int(softcap)))
+    if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
+        defines += (("FT_SCORE_MODS", 1),)
     return KernelSpec("flash_fwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),
                       block_m=tiles.block_m, tiles=tiles)
 
@@ -507,16 +505,15 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
 
 def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, deterministic: bool = False, smem_limit: int | None = None,
-               effective_head_dim: int | None = None, seqlen_q: int | None = None, local: bool = False,
-               softcap: bool = False) -> KernelSpec:
+               effective_head_dim: int | None = None, seqlen_q: int | None = None,
+               score_mods: bool = False) -> KernelSpec:
     """The backward kernel for these features (head_dim: the instantiated one, rounded_head_dim; effective_head_dim:
     the call's own, when smaller); on arch sm_90a the warpgroup-MMA kernel where it exists and fits smem_limit (bytes
     of shared memory per block; None: no limit): head dims 65-96 there run the hd128 tiles with the MMA work of 96
     columns (dense, not deterministic). seqlen_q: the call's (max) query length, which picks the causal hd128 tiles
-    (None: the short ones). local / softcap: the mma.sync kernels only so far (LOCAL_SOFTCAP_KERNELS)."""
-    if local or softcap:
-        return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit), local,
-                         softcap)
+    (None: the short ones). score_mods: the mma.sync kernels only so far (SCORE_MODS)."""
+    if score_mods:
+        return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit), True)
     if (arch == SM90_ARCH and not (deterministic and block_sparse) and head_dim in BWD_SM90_TILES and sm90_enabled()
             and BWD_SM90_TILES[head_dim].supports(dropout, block_sparse, deterministic)):
         narrow = (head_dim == 128 and effective_head_dim is not None and effective_head_dim <= SM90_NARROW_HEAD_DIM
@@ -566,8 +563,8 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
 
 @functools.lru_cache(maxsize=None)
 def _bwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-              tiles: BwdTiles, local: bool = False, softcap: bool = False) -> KernelSpec:
-    name = (f"flash_bwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{_feature_suffix(local, softcap)}"
+              tiles: BwdTiles, score_mods: bool = False) -> KernelSpec:
+    name = (f"flash_bwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{'_mods' if score_mods else ''}"
             f"{_tile_suffix(tiles, BWD_TILES[head_dim])}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_WARPS_M_SDP", tiles.warps_m_sdp),
@@ -577,8 +574,8 @@ def _bwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spar
                ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)),
                ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)),
                ("FT_KERNEL_NAME", name))
-    if local or softcap:  # (the other kernels' macros, hence their cache keys, stay as they were)
-        defines += (("FT_LOCAL", int(local)), ("FT_SOFTCAP", int(softcap)))
+    if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
+        defines += (("FT_SCORE_MODS", 1),)
     return KernelSpec("flash_bwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),
                       block_m=tiles.block_m, block_n=tiles.block_n, tiles=tiles)
 
@@ -591,9 +588,10 @@ def aux_kernels(dtype: str) -> KernelSpec:
     return KernelSpec("flash_aux.cu", defines, symbols, AUX_THREADS, 0)
 
 
-# (local, softcap) variants of the mma.sync kernels (issue 20): window_size and softcap, without dropout or a block
-# mask, dense and varlen, every head dim (the Hopper kernels do not have them yet)
-LOCAL_SOFTCAP_KERNELS = ((True, False), (False, True), (True, True))
+# The score-modification variant of the mma.sync kernels (issue 20, `_mods`): a local window, softcap and ALiBi, each
+# read from the parameters and off when unset (one variant instead of one per combination), without dropout or a
+# block mask, dense and varlen, every head dim (the Hopper kernels do not have them yet).
+SCORE_MODS = ("window_size", "softcap", "alibi_slopes")
 CE_THREADS = 256  # csrc/cross_entropy.cu kCeThreads
 CE_DTYPES = ("fp32", "fp16", "bf16")  # FT_CE_KIND 0, 1, 2
 
@@ -612,10 +610,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
     _check_block_sparse_tiles()
     _check_dq_slices()
     specs = [aux_kernels(dtype) for dtype in DTYPES] + [cross_entropy_kernels(dtype) for dtype in CE_DTYPES]
-    specs += [kernel(head_dim, dtype, causal, False, local=local, softcap=softcap, smem_limit=smem_limit)
+    specs += [kernel(head_dim, dtype, causal, False, score_mods=True, smem_limit=smem_limit)
               for kernel in (fwd_kernel, bwd_kernel) for head_dim in HEAD_DIMS for dtype in DTYPES
-              for causal in (False, True) for local, softcap in LOCAL_SOFTCAP_KERNELS
-              if smem_unavailable_reason(head_dim, False, smem_limit) is None]
+              for causal in (False, True) if smem_unavailable_reason(head_dim, False, smem_limit) is None]
     for block_sparse, head_dims in ((False, HEAD_DIMS), (True, BLOCK_SPARSE_HEAD_DIMS)):
         for head_dim in head_dims:
             if smem_unavailable_reason(head_dim, block_sparse, smem_limit) is not None:

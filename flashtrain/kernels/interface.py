@@ -103,8 +103,8 @@ def flash_attn_func(
             no tensor): query q_idx of sequence b, head h attends key kv_idx where the expression is nonzero, on top
             of causal / window_size / block_mask; e.g. MaskMod("doc[q_idx] == doc[kv_idx]", doc=ids). Tiles where it
             is 0 for every pair are skipped (evaluated exactly). q_idx / kv_idx count from each sequence's start.
-        window_size and softcap run on the CUDA kernels without dropout and block_mask (the mma.sync kernels, also
-        on Hopper); alibi_slopes and mask_mod on the reference only for now (impl="cuda" raises).
+        window_size, softcap and alibi_slopes run on the CUDA kernels without dropout and block_mask (the mma.sync
+        kernels, also on Hopper); mask_mod on the reference only for now (impl="cuda" raises).
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim) in q's dtype, or (out, lse) with return_lse=True.
@@ -202,8 +202,8 @@ def flash_attn_varlen_func(
 
 # the options of flash_attn_func beyond plain attention that the CUDA kernels run (issue 20 adds window_size, softcap,
 # alibi_slopes as the kernels gain them); the others run on impl="reference" only
-CUDA_FEATURES: frozenset[str] = frozenset({"window_size", "softcap"})  # the mma.sync kernels, no dropout / block mask
-_LOCAL_SOFTCAP = ("window_size", "softcap")
+CUDA_FEATURES: frozenset[str] = frozenset({"window_size", "softcap", "alibi_slopes"})  # mma.sync kernels (build.SCORE_MODS)
+_SCORE_MODS = ("window_size", "softcap", "alibi_slopes")
 
 
 def features_unavailable_reason(features) -> str | None:
@@ -225,9 +225,9 @@ def _cuda_ops_or_reason(q: Tensor, block_mask: Tensor | None, dropout_mask: Tens
     reason = features_unavailable_reason(features or ())
     if reason is not None:
         return None, reason
-    local_softcap = [name for name in _LOCAL_SOFTCAP if name in (features or ())]
-    if local_softcap and (dropout_p > 0 or block_mask is not None):
-        return None, (f"{' / '.join(local_softcap)} with {'dropout' if dropout_p > 0 else 'a block_mask'} run on "
+    score_mods = [name for name in _SCORE_MODS if name in (features or ())]
+    if score_mods and (dropout_p > 0 or block_mask is not None):
+        return None, (f"{' / '.join(score_mods)} with {'dropout' if dropout_p > 0 else 'a block_mask'} run on "
                       f"impl='reference' only (the CUDA kernels have them without)")
     from flashtrain.kernels import ops  # imported here: CPU-only calls never load the kernel side
     reason = ops.unavailable_reason(q.device, head_dim=q.shape[-1], dtype=q.dtype, block_mask=block_mask is not None)

@@ -22,14 +22,15 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
-          bool kIsBlockSparse_, bool kIsLocal_ = false, bool kHasSoftcap_ = false>
+          bool kIsBlockSparse_, bool kScoreMods_ = false>
 struct FwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_;
-    // local window (params.window_left / window_right) and softcap (params.softcap_scale / _unscale): flash.h
-    static constexpr bool kIsLocal = kIsLocal_, kHasSoftcap = kHasSoftcap_;
-    static_assert(!(kIsLocal && kIsBlockSparse), "a local window and a block mask are not combined");
+    // the local window, softcap and ALiBi of the call's parameters (flash.h: window_left / window_right,
+    // softcap_scale / _unscale, alibi_slopes), each off when unset
+    static constexpr bool kScoreMods = kScoreMods_;
+    static_assert(!(kScoreMods && kIsBlockSparse), "score modifications and a block mask are not combined");
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
                   "a block-sparse mask block must be a whole number of tiles");
     static constexpr int kNThreads = kNWarps * 32;
@@ -76,7 +77,7 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
     // Local window: key blocks [n_block_min, n_block_max) hold every key some row of the block sees (n_block_max as
     // causal's with the right bound; n_block_min from the first row's left bound).
     int n_block_min = 0;
-    if constexpr (T::kIsLocal) {
+    if constexpr (T::kScoreMods) {
         const int offset = seqlen_k - seqlen_q;
         if (!T::kIsCausal && p.window_right >= 0) {
             const int last_visible = min_(seqlen_q, m0 + kBlockM) + offset + p.window_right;  // exclusive
@@ -116,6 +117,10 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
 
     DropoutRng rng = T::kIsDropout ? DropoutRng(p.rng_state, p.keep_threshold) : DropoutRng{};
     const int bh = batch * p.nheads + head;
+    // ALiBi slope of this (batch, head) in raw score units
+    const float alibi_scaled = T::kScoreMods && p.alibi_slopes != nullptr
+                                   ? p.alibi_slopes[batch * p.alibi_batch_stride + head] / p.softmax_scale
+                                   : 0.f;
 
     // One key block; kMask: some key of it is past the end or right of the diagonal for some row of this block.
     // Block-sparse: n_block_next is the block walked after this one (its K is copied during this step), -1 for none;
@@ -135,15 +140,9 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         warp_gemm_ss<T::kIsBF16, kMT, kNT, T::kHeadDim, false, false>(s, a_frag_ptr<TileQ, false>(sQ, warp_m0, 0, lane),
                                                                        b_frag_ptr<TileKV, false>(sK, 0, 0, lane));
 
-        if constexpr (T::kHasSoftcap) {  // s -> softcap * tanh(scale * s / softcap) / scale, before the masks
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        s[mt][nt][e] = p.softcap_unscale * fast_tanh(s[mt][nt][e] * p.softcap_scale);
-        }
+        if constexpr (T::kScoreMods)  // softcap, ALiBi (before the masks)
+            apply_score_mods(s, p.softcap_scale, p.softcap_unscale, alibi_scaled, m0 + warp_m0, n0, seqlen_k - seqlen_q,
+                             lane);
 
         // Mask keys past the end and, when causal, keys right of the diagonal (local: outside the window).
         if constexpr (kMask) {
@@ -154,7 +153,7 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
                     const int row = m0 + warp_m0 + mt * 16 + g + 8 * hf;
                     int col_end = T::kIsCausal ? min_(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
                     int col_begin = 0;
-                    if constexpr (T::kIsLocal) {
+                    if constexpr (T::kScoreMods) {
                         if (!T::kIsCausal && p.window_right >= 0)
                             col_end = min_(col_end, row + 1 + seqlen_k - seqlen_q + p.window_right);
                         if (p.window_left >= 0) col_begin = row + seqlen_k - seqlen_q - p.window_left;
@@ -164,7 +163,7 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             const int col = n0 + nt * 8 + 2 * t + e;
-                            if (col >= col_end || (T::kIsLocal && col < col_begin)) s[mt][nt][2 * hf + e] = -infinity();
+                            if (col >= col_end || (T::kScoreMods && col < col_begin)) s[mt][nt][2 * hf + e] = -infinity();
                         }
                 }
         }
@@ -211,7 +210,7 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
     auto needs_mask = [&](int n_block) {
         const int n0 = n_block * kBlockN;
         bool mask = tile_needs_mask<T::kIsCausal, kBlockN>(m0, n0, seqlen_q, seqlen_k);
-        if constexpr (T::kIsLocal) {  // some row's window starts inside the tile or ends before its last key
+        if constexpr (T::kScoreMods) {  // some row's window starts inside the tile or ends before its last key
             const int offset = seqlen_k - seqlen_q;
             const int last_row = min_(seqlen_q, m0 + kBlockM) - 1;
             mask = mask || (p.window_left >= 0 && last_row + offset - p.window_left > n0) ||
@@ -219,7 +218,7 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         }
         return mask;
     };
-    if constexpr (T::kIsLocal) {  // masked tiles at both edges of the window, unmasked ones between
+    if constexpr (T::kScoreMods) {  // masked tiles at both edges of the window, unmasked ones between
         for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
             if (needs_mask(n_block)) step(n_block, -1, BoolConstant<true>{});
             else step(n_block, -1, BoolConstant<false>{});
