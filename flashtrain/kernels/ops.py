@@ -40,7 +40,6 @@ import warnings
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from flashtrain.kernels import build, tma
@@ -71,9 +70,8 @@ def _unavailable_reason_cached(device_type: str, device_index: int, head_dim: in
         return "no CUDA GPU is visible to torch"
     if dtype not in ("torch.float16", "torch.bfloat16"):
         return f"the CUDA kernels support float16 and bfloat16, got {dtype}"
-    if not 1 <= head_dim <= build.HEAD_DIMS[-1]:
-        return f"the CUDA kernels need head_dim in [1, {build.HEAD_DIMS[-1]}], got {head_dim}"
-    head_dim = padded_head_dim(head_dim)  # what the kernels run (flash_attn_cuda pads the inputs)
+    if head_dim % 8 != 0 or not 8 <= head_dim <= build.HEAD_DIMS[-1]:
+        return f"the CUDA kernels need head_dim a multiple of 8 in [8, {build.HEAD_DIMS[-1]}], got {head_dim}"
     if block_mask and head_dim > build.BLOCK_SPARSE_HEAD_DIMS[-1]:
         return (f"the block-sparse CUDA kernels (block_mask) support head_dim <= {build.BLOCK_SPARSE_HEAD_DIMS[-1]} "
                 f"(instantiated for {build.BLOCK_SPARSE_HEAD_DIMS}), got {head_dim}")
@@ -107,11 +105,6 @@ def unavailable_reason(device: torch.device, *, head_dim: int, dtype: torch.dtyp
     return _unavailable_reason(device.type, index, head_dim, str(dtype), bool(block_mask))
 
 
-def padded_head_dim(head_dim: int) -> int:
-    """The head dim the kernels run a head_dim on: the next multiple of 8 (16-byte rows of 16-bit values)."""
-    return -(-head_dim // 8) * 8
-
-
 def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
                     generator: torch.Generator | None, deterministic: bool = False,
@@ -130,15 +123,6 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
                 raise ValueError(f"{name} must be contiguous in its last dim (stride(-1) == 1), got {x.stride(-1)}")
         if (cu_seqlens_q is None) != (cu_seqlens_k is None):
             raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
-    head_dim = q.shape[-1]
-    if head_dim % 8:  # zero columns added to q, k, v change no score and give zero output columns, sliced off
-        pad = padded_head_dim(head_dim) - head_dim
-        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
-        out, lse = flash_attn_cuda(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
-                                   softmax_scale=softmax_scale, causal=causal, generator=generator,
-                                   deterministic=deterministic, block_mask=block_mask, validated=validated)
-        return out[..., :head_dim].contiguous(), lse
     if cu_seqlens_q is not None:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     bs_rows = bs_cols = None
