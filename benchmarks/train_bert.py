@@ -18,6 +18,8 @@ clocks; every model stays in memory); --timing windows runs each one's steps bac
 
     python benchmarks/train_bert.py --out $OUT/train_bert.json          # BERT-large, seq 512, batch 32 on a GPU
     python benchmarks/train_bert.py --vs-sdpa                           # unpadded flash vs every padded SDPA backend
+    python benchmarks/train_bert.py --vs-sdpa --compile                 # ... eager and under torch.compile
+    python benchmarks/train_bert.py --vs-sdpa --full-fraction 0 --min-length 2   # ~50% padding (MLPerf's data)
     python benchmarks/train_bert.py --device cpu --tiny --out /tmp/b.json   # smoke test (2 layers x 64 wide)
 
 Needs torch, transformers and matplotlib only.
@@ -74,8 +76,11 @@ def make_batch(batch: int, seq_len: int, full_fraction: float, vocab_size: int, 
 
 
 def build_loss_fn(impl: str, shape, seq_len: int, vocab_size: int, device: torch.device):
-    """(model, loss_fn(batch) -> masked-LM loss) with float32 parameters on `device`."""
+    """(model, loss_fn(batch) -> masked-LM loss) with float32 parameters on `device`; a "-compile" name steps the
+    model under torch.compile (the parameters and the optimizer are the eager model's)."""
     n_layer, width, n_head, mlp = shape
+    compiled = impl.endswith("-compile")
+    impl = impl.removesuffix("-compile")
     if impl.startswith("flashtrain"):
         backend = impl.removeprefix("flashtrain-sdpa-") if impl.startswith("flashtrain-sdpa-") else None
         config = BertConfig(vocab_size=vocab_size, hidden_size=width, num_hidden_layers=n_layer,
@@ -83,10 +88,11 @@ def build_loss_fn(impl: str, shape, seq_len: int, vocab_size: int, device: torch
                             head="masked_lm", attn_impl="flash" if impl == "flashtrain" else "sdpa")
         with device:
             model = BertForMaskedLM(config)
+        step_model = torch.compile(model) if compiled else model
 
         def flashtrain_loss(b):
             with sdpa_kernel(SDPA_BACKENDS[backend]) if backend else contextlib.nullcontext():
-                return model(b["input_ids"], b["attention_mask"], labels=b["labels"])[1]
+                return step_model(b["input_ids"], b["attention_mask"], labels=b["labels"])[1]
         return model, flashtrain_loss
 
     import transformers  # only the comparison needs it
@@ -160,7 +166,7 @@ def run_all(impls, shape, seq_len, batch, device, warmup, steps, interleave: boo
     for impl in impls:
         row = rows[impl] = {"impl": impl, "seq_len": seq_len, "batch": batch["input_ids"].shape[0]}
         try:
-            if impl == "flashtrain":
+            if impl.removesuffix("-compile") == "flashtrain":
                 row["attention"] = check_flash_kernel(shape, seq_len, device)
             steps_of[impl], fields = prepare(impl, shape, seq_len, batch, device, warmup)
             row.update(status="ok", **fields)
@@ -226,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "--full-fraction 0 --min-length 2: ~50%% padding, the share Krell et al. (2021, "
                              "arXiv:2107.02027) measured in the Wikipedia data MLPerf pretrains BERT on at 512 tokens")
     parser.add_argument("--impls", nargs="+", default=None, help=f"a subset of {IMPLS} (default {DEFAULT_IMPLS})")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time flashtrain's implementations under torch.compile (their -compile names)")
     parser.add_argument("--vs-sdpa", action="store_true",
                         help="flashtrain's model unpadded with our kernel against the same model padded on SDPA: "
                              "PyTorch's choice and each backend forced (instead of the HF model)")
@@ -239,10 +247,13 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU here; use --device cpu --tiny for the smoke test")
-    impls = args.impls or (VS_SDPA if args.vs_sdpa else DEFAULT_IMPLS)
+    impls = list(args.impls or (VS_SDPA if args.vs_sdpa else DEFAULT_IMPLS))
+    if args.compile:
+        impls += [f"{impl}-compile" for impl in impls if impl.startswith("flashtrain") and not impl.endswith("-compile")]
     for impl in impls:
-        if impl not in IMPLS:
-            raise SystemExit(f"--impls: unknown implementation {impl!r}; choose from {IMPLS}")
+        if impl.removesuffix("-compile") not in IMPLS or impl == "hf-sdpa-compile":
+            raise SystemExit(f"--impls: unknown implementation {impl!r}; choose from {IMPLS} (flashtrain ones also "
+                             f"with -compile)")
     model_name = "tiny" if args.tiny else "large"
     seq_len = args.seq_len or (128 if args.tiny else 512)
     if not 2 <= args.min_length < seq_len:
@@ -278,14 +289,17 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(env), flush=True)
     rows = run_all(impls, MODEL_SHAPES[model_name], seq_len, batch, device, args.warmup, args.steps,
                    args.timing == "interleaved")
-    ours = next((r for r in rows if r["impl"] == "flashtrain" and r["status"] == "ok"), None)
-    for row in rows:
-        if ours is not None and row["status"] == "ok" and row["impl"] != "flashtrain":
-            row["speedup_of_flashtrain"] = ours["sequences_per_s"] / row["sequences_per_s"]
-    sdpa = [r for r in rows if r["impl"].startswith("flashtrain-sdpa") and r["status"] == "ok"]
-    if ours is not None and sdpa:  # the padded model on its fastest SDPA backend
-        fastest = max(sdpa, key=lambda r: r["sequences_per_s"])
-        env["fastest_sdpa"], env["speedup_over_fastest_sdpa"] = fastest["impl"], fastest["speedup_of_flashtrain"]
+    for mode in ("", "-compile"):  # eager rows against eager flashtrain, compiled against compiled
+        ours = next((r for r in rows if r["impl"] == f"flashtrain{mode}" and r["status"] == "ok"), None)
+        peers = [r for r in rows if r["impl"].endswith("-compile") == bool(mode) and r["impl"] != f"flashtrain{mode}"]
+        for row in peers:
+            if ours is not None and row["status"] == "ok":
+                row["speedup_of_flashtrain"] = ours["sequences_per_s"] / row["sequences_per_s"]
+        sdpa = [r for r in peers if r["impl"].startswith("flashtrain-sdpa") and r["status"] == "ok"]
+        if ours is not None and sdpa:  # the padded model on its fastest SDPA backend
+            fastest = max(sdpa, key=lambda r: r["sequences_per_s"])
+            env[f"fastest_sdpa{mode}"] = fastest["impl"]
+            env[f"speedup_over_fastest_sdpa{mode}"] = fastest["speedup_of_flashtrain"]
     print(format_table(rows))
 
     return save_results("train_bert", args.out, env, rows, plot)

@@ -417,3 +417,23 @@ def test_train_bert_benchmark_vs_sdpa_reports_every_backend(tmp_path):
     for forced in ("flashtrain-sdpa-cudnn", "flashtrain-sdpa-efficient"):
         assert rows[forced]["status"].startswith("error: RuntimeError"), rows[forced]
     assert result["env"]["fastest_sdpa"] in rows and result["env"]["speedup_over_fastest_sdpa"] > 0
+
+
+def test_train_bert_benchmark_compiled_rows_compare_with_compiled_ones(tmp_path):
+    # --compile: flashtrain's implementations also under torch.compile; each compiled row's speedup is against the
+    # compiled flashtrain row, the eager ones against eager flashtrain
+    spec = importlib.util.spec_from_file_location("train_bert_benchmark",
+                                                  Path(__file__).resolve().parents[1] / "benchmarks" / "train_bert.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--device", "cpu", "--tiny", "--impls", "flashtrain", "flashtrain-sdpa", "--compile",
+                         "--batch", "2", "--seq-len", "96", "--warmup", "1", "--steps", "1",
+                         "--out", str(tmp_path / "b.json")])
+    rows = {row["impl"]: row for row in result["rows"]}
+    assert list(rows) == ["flashtrain", "flashtrain-sdpa", "flashtrain-compile", "flashtrain-sdpa-compile"]
+    assert all(row["status"] == "ok" for row in rows.values()), rows
+    assert rows["flashtrain-sdpa-compile"]["speedup_of_flashtrain"] == pytest.approx(
+        rows["flashtrain-compile"]["sequences_per_s"] / rows["flashtrain-sdpa-compile"]["sequences_per_s"])
+    assert rows["flashtrain-sdpa"]["speedup_of_flashtrain"] == pytest.approx(
+        rows["flashtrain"]["sequences_per_s"] / rows["flashtrain-sdpa"]["sequences_per_s"])
+    assert result["env"]["fastest_sdpa-compile"] == "flashtrain-sdpa-compile"
