@@ -176,11 +176,15 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
     if mods:  # the score-modification kernels ran (also on Hopper: the mma.sync ones), with their parameters
         from flashtrain.kernels import build, launch
 
-        specs = [build.fwd_kernel(spec["shape_q"][-1], "bf16", spec["causal"], False, score_mods=True),
-                 build.bwd_kernel(spec["shape_q"][-1], "bf16", spec["causal"], False, score_mods=True)]
+        specs = [build.fwd_kernel(spec["shape_q"][-1], "bf16", spec["causal"], False, score_mods=True, arch=arch),
+                 build.bwd_kernel(spec["shape_q"][-1], "bf16", spec["causal"], False, score_mods=True, arch=arch)]
+        assert specs[0].source == ("flash_fwd_sm90.cu" if arch == "sm_90a" else "flash_fwd.cu")
+        assert specs[1].source == "flash_bwd.cu"  # (the Hopper backward does not have them yet)
         handles = {zlib.crc32(s.symbols[0].encode()) << 4 for s in specs}
         assert handles <= {struct.unpack_from("<q", record)[0] for record in records}
-        fwd = launch.FwdParams.from_buffer_copy(records[0][56 + 16 * struct.unpack_from("<q", records[0], 48)[0]:])
+        param_bytes = records[0][56 + 16 * struct.unpack_from("<q", records[0], 48)[0]:]
+        fwd = (launch.FwdSm90Params.from_buffer_copy(param_bytes).fwd if arch == "sm_90a"
+               else launch.FwdParams.from_buffer_copy(param_bytes))
         assert (fwd.window_left, fwd.window_right) == (window[0], -1 if spec["causal"] else window[1])
         assert fwd.softcap_scale == pytest.approx(0.125 / softcap if softcap else 0.0)
         assert fwd.alibi_batch_stride == (0 if mods["alibi"] == (4,) else 4) and fwd.alibi_slopes != 0

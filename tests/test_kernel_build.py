@@ -44,8 +44,9 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_narrow = 2 * 2 * 2  # the hd128 backward with 96 columns of MMA work (head dims 65-96), x dtype x causal x dropout
     hopper_q80 = 2 * 2  # the hd128 backward's other query block (64 rows, or 80 with FLASHTRAIN_BWD_SM90_Q80=0), x dtype
     # x causal
+    hopper_mods = len(build.FWD_SM90_TILES) * 2 * 2  # the forward with score modifications, x dtype x causal
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
-              + hopper_q80)
+              + hopper_q80 + hopper_mods)
     cross_entropy = len(build.CE_DTYPES)  # the fused cross-entropy, one module per logits dtype
     # the mma.sync forward and backward with score modifications (window, softcap, ALiBi): head dims x dtype x causal
     local_softcap = 2 * dense * 2 * 2

@@ -422,8 +422,13 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
                score_mods: bool = False) -> KernelSpec:
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
     smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length.
-    score_mods (window_size, softcap, alibi_slopes): the mma.sync kernels only so far (SCORE_MODS)."""
+    score_mods (window_size, softcap, alibi_slopes; without dropout or a block mask): the `_mods` variants (SCORE_MODS),
+    on sm_90a the warpgroup-MMA forward with FWD_SM90_TILES."""
     if score_mods:
+        if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
+            spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], True)
+            if _fits(spec, smem_limit):
+                return spec
         return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
                          fwd_tiles(head_dim, causal, dropout, block_sparse, smem_limit), True)
     if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
@@ -485,20 +490,23 @@ def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-                   tiles: FwdSm90Tiles) -> KernelSpec:
+                   tiles: FwdSm90Tiles, score_mods: bool = False) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
     # tiles other than the features' first choice (long causal sequences, a capped shared-memory limit) get names of
     # their own: a process may load both, and kernels are looked up by name
     first_choice = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse)
     same_shape = dataclasses.replace(tiles, q_buffers=first_choice.q_buffers) == first_choice
     name = (f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
-            f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}")
+            f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}"
+            f"{'_mods' if score_mods else ''}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
                ("FT_Q_BUFFERS", tiles.q_buffers),
                ("FT_BF16", int(dtype == "bf16")),
                ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", smem_bytes), ("FT_MAX_STREAMS", MAX_STREAMS), ("FT_KERNEL_NAME", name))
+    if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
+        defines += (("FT_SCORE_MODS", 1),)
     return KernelSpec("flash_fwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
@@ -613,6 +621,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
     specs += [kernel(head_dim, dtype, causal, False, score_mods=True, smem_limit=smem_limit)
               for kernel in (fwd_kernel, bwd_kernel) for head_dim in HEAD_DIMS for dtype in DTYPES
               for causal in (False, True) if smem_unavailable_reason(head_dim, False, smem_limit) is None]
+    specs += [spec for head_dim in FWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # Hopper forward
+              if _fits(spec := _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], True),
+                       smem_limit)]
     for block_sparse, head_dims in ((False, HEAD_DIMS), (True, BLOCK_SPARSE_HEAD_DIMS)):
         for head_dim in head_dims:
             if smem_unavailable_reason(head_dim, block_sparse, smem_limit) is not None:
