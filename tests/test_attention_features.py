@@ -188,10 +188,14 @@ def test_head_dims_up_to_512_on_the_reference(head_dim):
         flash_attn_func(*(torch.zeros(1, 4, 1, 520) for _ in range(3)), impl="reference")
 
 
-def test_the_feature_benchmark_compares_like_with_like():
+def test_the_feature_benchmark_compares_like_with_like(monkeypatch):
     """benchmarks/attention_features.py: each row's FlexAttention score_mod / mask_mod computes what flashtrain's call
     computes (CPU, float32, rows scaled down), and its pair counts are the masks' (the FLOPs of the rows)."""
     import dataclasses
+
+    import torch.nn.attention.flex_attention as flex
+
+    monkeypatch.setattr(flex, "_WARNINGS_SHOWN", set())  # its once-per-process warning stays for other tests
     import importlib.util
     import pathlib
     import sys
