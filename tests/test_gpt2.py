@@ -355,6 +355,13 @@ def test_attention_options_reach_the_backend_check_and_the_flops(monkeypatch):
     with pytest.raises(ValueError, match="softcap: attn_impl=auto runs PyTorch SDPA"):
         backend("auto", torch.device("cuda"), torch.bfloat16, 16, features=("softcap",))
     assert backend("auto", torch.device("cuda"), torch.bfloat16, 16, features=("window_size",))[0] == "sdpa"
+    # without a window or softcap a GPT-2 sets no option: the CUDA kernels and SDPA's is_causal run it as before
+    from flashtrain.kernels import interface
+    from flashtrain.models.attention import attention_features
+
+    assert attention_features(**GPT2Config(**TINY).attention_options, causal=True) == ()
+    assert interface._check_features(dict(interface.OPTION_DEFAULTS, window_size=(-1, 0)), torch.zeros(1), 2, 1,
+                                     causal=True) is None
     plain = GPT2(GPT2Config(**TINY)).flops_per_token()
     windowed = GPT2(config).flops_per_token()
     assert plain - windowed == pytest.approx(12 * 2 * 64 * 64 * (1 - 2 * 8 / 64))

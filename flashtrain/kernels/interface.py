@@ -335,7 +335,7 @@ def _check_features(options: AttentionOptions, q: Tensor, nheads: int, batch: in
         if causal and right not in (-1, 0):
             raise ValueError(f"window_size={tuple(window)} with causal=True: causal is right = 0, so right must be -1 "
                              f"or 0")
-        if (left, right) != (-1, -1):
+        if left >= 0 or (right >= 0 and not causal):  # (causal: right 0 is the diagonal, no window of its own)
             features["window_size"] = (left, right)
     softcap = _number(softcap)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):

@@ -183,7 +183,8 @@ class MaskMod:
                 raise MaskModError(f"mask_mod {expression!r}: tensor {name!r} must be an integer or bool tensor, got "
                                    f"{tensor.dtype}")
         self.tensors = dict(tensors)
-        for name, subscripts in _names(self.ast, {}).items():
+        used = _names(self.ast, {})  # name -> subscripts (0: an index or unsubscripted)
+        for name, subscripts in used.items():
             if name in INDEX_NAMES:
                 if subscripts:
                     raise MaskModError(f"mask_mod {expression!r}: {name} is an index, it cannot be subscripted")
@@ -194,7 +195,7 @@ class MaskMod:
                 raise MaskModError(f"mask_mod {expression!r}: tensor {name!r} has {self.tensors[name].dim()} "
                                    f"dimension(s) and needs as many subscripts, got {subscripts}")
         for name in self.tensors:
-            if name not in _names(self.ast, {}):
+            if name not in used:
                 raise MaskModError(f"mask_mod {expression!r}: tensor {name!r} is given but not used")
 
     def __repr__(self) -> str:

@@ -95,11 +95,10 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-def runs_packed(attn_impl: str, x: Tensor, head_dim: int, block_mask: bool = False,
-                features: tuple[str, ...] = ()) -> bool:
+def runs_packed(attn_impl: str, x: Tensor, head_dim: int, block_mask: bool = False) -> bool:
     """Whether a model with padded inputs packs them (removes the padding) before attention: every backend but sdpa.
     x: the model's activations (their device and, under autocast, the compute dtype decide "auto")."""
-    return backend(attn_impl, x.device, compute_dtype(x), head_dim, block_mask, features)[0] != SDPA
+    return backend(attn_impl, x.device, compute_dtype(x), head_dim, block_mask)[0] != SDPA
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_impl: str, *, causal: bool = False, dropout_p: float = 0.0,
@@ -112,7 +111,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_impl: str, *, causal: bool =
     bool (ceil(T / 128),) * 2 (flashtrain.kernels.block_sparse layouts). window_size (left, right), softcap: as
     flash_attn_func's (sliding-window attention, logit softcapping; sdpa: the window as a mask, no softcap).
     -> the output in q's layout."""
-    features = attention_features(window_size, softcap)
+    features = attention_features(window_size, softcap, causal)
     chosen, _ = backend(attn_impl, q.device, q.dtype, q.shape[-1], block_mask is not None, features)
     options = {"window_size": tuple(window_size), "softcap": softcap} if features else {}
     if chosen != SDPA:
@@ -155,10 +154,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_impl: str, *, causal: bool =
     return y.transpose(1, 2)  # (B, T, H, D)
 
 
-def attention_features(window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple[str, ...]:
-    """The names of the attention options beyond plain attention that a call sets (for backend checks)."""
-    return tuple(name for name, on in (("window_size", tuple(window_size) != (-1, -1)), ("softcap", softcap != 0.0))
-                 if on)
+def attention_features(window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                       causal: bool = False) -> tuple[str, ...]:
+    """The names of the attention options beyond plain attention that a call sets (for backend checks); with causal
+    a window's right bound is the diagonal already, so (-1, 0) sets none (flashtrain.kernels.interface's rule)."""
+    left, right = window_size
+    windowed = left >= 0 or (right >= 0 and not causal)
+    return tuple(name for name, on in (("window_size", windowed), ("softcap", softcap != 0.0)) if on)
 
 
 def check_padded(variant: str, cu_seqlens: Tensor | None, block_mask: Tensor | None) -> None:

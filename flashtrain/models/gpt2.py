@@ -83,7 +83,7 @@ class GPT2Config:
 
     def attention_backend(self, device: torch.device, dtype: torch.dtype) -> str:
         return check_backend(self.attn_impl, device, dtype, self.n_embd // self.n_head,
-                             features=attention_features(**self.attention_options))
+                             features=attention_features(**self.attention_options, causal=True))
 
     def check_data(self, data) -> None:
         """Raise ValueError when the data (a flashtrain.data.task.DataSpec) is not what this model reads; a field

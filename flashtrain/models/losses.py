@@ -15,20 +15,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flashtrain.models.attention import compute_dtype
+
 CHUNK_ELEMENTS = 2**26  # logits per chunk (256 MB in float32): 1335 rows at a 50257-token vocabulary
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, chunk_rows: int) -> Tensor:
-        dtype = _compute_dtype(hidden)
+        dtype = compute_dtype(hidden)
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         with torch.autocast(hidden.device.type, enabled=False):
             h, w = hidden.to(dtype), weight.to(dtype)
@@ -88,7 +83,7 @@ def padded_logits(hidden: Tensor, weight: Tensor, multiple: int, bias: Tensor | 
     pad = -vocab % multiple if multiple > 1 else 0
     if pad == 0:
         return torch.nn.functional.linear(hidden, weight, bias)
-    weight = torch.nn.functional.pad(weight.to(_compute_dtype(hidden)), (0, 0, 0, pad))  # the cast first: one copy
+    weight = torch.nn.functional.pad(weight.to(compute_dtype(hidden)), (0, 0, 0, pad))  # the cast first: one copy
     if bias is not None:
         bias = torch.nn.functional.pad(bias.to(weight.dtype), (0, pad))
     return torch.nn.functional.linear(hidden, weight, bias)
