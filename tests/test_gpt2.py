@@ -356,7 +356,6 @@ def test_attention_options_reach_the_backend_check_and_the_flops(monkeypatch):
         backend("auto", torch.device("cuda"), torch.bfloat16, 16, features=("softcap",))
     assert backend("auto", torch.device("cuda"), torch.bfloat16, 16, features=("window_size",))[0] == "sdpa"
     # without a window or softcap a GPT-2 sets no option: the CUDA kernels and SDPA's is_causal run it as before
-    from flashtrain.kernels import interface
     from flashtrain.models.attention import attention_features
 
     assert attention_features(**GPT2Config(**TINY).attention_options, causal=True) == ()
