@@ -35,6 +35,9 @@ attn_mask, which FA2 refuses); GPT-2 small (16 x 1K, 12 heads, hd64, causal). FL
 over sequences (useful work only, never padding). Each cell: best-round median ms and TFLOP/s; per pass the ratio
 flashtrain / fastest SDPA backend that ran it. Markdown table last; the PNG shows the fwd and fwd+bwd ratios.
 
+The workloads mode also runs issue 20's rows (benchmarks/attention_features.py: a window of 1024 at 16K, softcap 30
+and ALiBi at 4K, head dim 512 at 4K, a document mask at 16K) against compiled FlexAttention and plain attention.
+
 Block-sparse mode (issue #4): forward+backward time of flashtrain's block-sparse kernels against the density s of the
 block mask, s in {1, 1/2, 1/4, 1/8, 1/16}, at 16K and 64K tokens (batch 1, 16 heads, head dim 64, bf16, not causal),
 against dense flashtrain and the FA2 backend (dense). The masks (block_sparse.random_blocks, a new draw per head) hold
@@ -645,12 +648,16 @@ def run_workloads(args, env: dict, out: Path) -> str:
     """The workloads table: JSON and PNG at out; returns its markdown table."""
     rows = workload_speed(5 if args.quick else args.repeats, 1 if args.quick else args.rounds,
                           interleave=args.timing == "interleaved")
+    # issue 20's rows: the features against FlexAttention and plain attention (benchmarks/attention_features.py)
+    import attention_features
+
+    features = attention_features.run(5 if args.quick else args.repeats, 1 if args.quick else args.rounds)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"env": env, "rows": rows, "features": features}, indent=1))
     plot_workloads(rows, out.with_suffix(".png"), env["gpu"])
     below = [row["name"] for row in rows if (row["ratio_fwd"] or 0) < 1.0]
     print(f"wrote {out}; forward below the fastest SDPA backend in {len(below)} of {len(rows)} rows: {below}")
-    return workloads_markdown(rows)
+    return workloads_markdown(rows) + "\n\n" + attention_features.markdown(features)
 
 
 def main() -> None:

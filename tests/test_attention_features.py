@@ -104,16 +104,19 @@ def test_softcap_bounds_the_scores():
     assert torch.all(plain > 100.0)
 
 
-def test_the_cuda_kernels_say_they_lack_the_features():
+def test_the_cuda_kernels_say_which_features_they_lack():
     q, k, v = (x.detach().float() for x in _inputs(1, 8, 8, 2, 2))
     for features in (dict(window_size=(4, 0)), dict(softcap=30.0), dict(alibi_slopes=torch.ones(2))):
         with pytest.raises(RuntimeError, match="impl='cuda' cannot run"):
             flash_attn_func(q, k, v, impl="cuda", **features)
     from flashtrain.kernels import interface
     q_cuda = type("FakeCudaTensor", (), {"device": torch.device("cuda", 0)})()  # past the device check only
-    ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"window_size": (4, 0), "softcap": 30.0})
-    assert ops is None and reason == ("window_size / softcap run on impl='reference' only (the CUDA kernels do not "
-                                      "have them yet)")
+    ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"mask_mod": None, "softcap": 30.0})
+    assert ops is None and reason == "mask_mod run on impl='reference' only (the CUDA kernels do not have them yet)"
+    ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"window_size": (4, 0), "softcap": 3.0},
+                                                dropout_p=0.1)
+    assert ops is None and reason == ("window_size / softcap with dropout run on impl='reference' only (the CUDA "
+                                      "kernels have them without)")
 
 
 MASK_MODS = [
@@ -183,3 +186,35 @@ def test_head_dims_up_to_512_on_the_reference(head_dim):
     _compare(out, lse, expected_out, expected_lse, (q, k, v), torch.randn_like(out))
     with pytest.raises(ValueError, match=r"head_dim \(q.shape\[-1\]\) must be in \[1, 512\]"):
         flash_attn_func(*(torch.zeros(1, 4, 1, 520) for _ in range(3)), impl="reference")
+
+
+def test_the_feature_benchmark_compares_like_with_like(monkeypatch):
+    """benchmarks/attention_features.py: each row's FlexAttention score_mod / mask_mod computes what flashtrain's call
+    computes (CPU, float32, rows scaled down), and its pair counts are the masks' (the FLOPs of the rows)."""
+    import dataclasses
+
+    import torch.nn.attention.flex_attention as flex
+
+    monkeypatch.setattr(flex, "_WARNINGS_SHOWN", set())  # its once-per-process warning stays for other tests
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "attention_features.py"
+    spec = importlib.util.spec_from_file_location("attention_features", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # (its dataclass resolves annotations through sys.modules)
+    spec.loader.exec_module(bench)
+    cpu = torch.device("cpu")
+    for row in bench.feature_rows():
+        small = dataclasses.replace(row, batch=2, seqlen=256, nheads=2, head_dim=16,
+                                    window=min(row.window, 40), documents=4 if row.documents else 0)
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 256, 2, 16, generator=gen) for _ in range(3))
+        expected = bench.flashtrain_fn(small, cpu, impl="reference")(q, k, v)
+        got = bench.flex_fn(small, cpu, compile_flex=False)(q, k, v)
+        assert torch.allclose(got, expected, atol=2e-5), (row.name, (got - expected).abs().max())
+        _, mask_mod = bench.flex_mods(small, cpu)
+        i = torch.arange(256)
+        assert int(mask_mod(0, 0, i[:, None], i[None, :]).sum()) == small.pairs(), row.name
+    assert bench.feature_rows()[0].pairs() == 1025 * 1026 // 2 + (16384 - 1025) * 1025  # window 1024 at 16K

@@ -56,9 +56,11 @@ def _assert_fa2_rule(kernel, reference, lowp, dtype, what):
 
 
 def _check_against_reference(q, k, v, dout, *, causal, dropout_p=0.0, generator_seed=None, softmax_scale=None,
-                             **varlen):
-    """Kernel vs fp32 reference vs naive attention in q.dtype; varlen: cu_seqlens_q/k, max_seqlen_q/k."""
+                             features=None, **varlen):
+    """Kernel vs fp32 reference vs naive attention in q.dtype; varlen: cu_seqlens_q/k, max_seqlen_q/k; features:
+    window_size / softcap for all three."""
     dtype = q.dtype
+    features = features or {}
     mask = None
     if dropout_p > 0:
         mask = _ops().dropout_mask_for_testing(
@@ -69,19 +71,19 @@ def _check_against_reference(q, k, v, dout, *, causal, dropout_p=0.0, generator_
 
         def attn(q, k, v, impl, **kw):
             return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout_p, causal=causal,
-                                          softmax_scale=softmax_scale, return_lse=True, impl=impl, **kw)
+                                          softmax_scale=softmax_scale, return_lse=True, impl=impl, **kw, **features)
 
         def naive(q, k, v):
             return naive_attention(q, k, v, cu_q, cu_k, causal=causal, dropout_p=dropout_p, dropout_mask=mask,
-                                   softmax_scale=softmax_scale)
+                                   softmax_scale=softmax_scale, **features)
     else:
         def attn(q, k, v, impl, **kw):
             return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, softmax_scale=softmax_scale,
-                                   return_lse=True, impl=impl, **kw)
+                                   return_lse=True, impl=impl, **kw, **features)
 
         def naive(q, k, v):
             return naive_attention(q, k, v, causal=causal, dropout_p=dropout_p, dropout_mask=mask,
-                                   softmax_scale=softmax_scale)
+                                   softmax_scale=softmax_scale, **features)
 
     gen = {} if dropout_p == 0 else {"generator": torch.Generator("cuda").manual_seed(generator_seed)}
     kernel = _run(lambda q, k, v: attn(q, k, v, "cuda", **gen), q, k, v, dout)
@@ -270,6 +272,47 @@ def test_varlen_matches_reference(dtype, causal, head_dim):
 
 
 # ---------------------------------------------------------------------------------------------------- dropout
+SCORE_MODS = [dict(window_size=(100, 50)), dict(window_size=(-1, 7)), dict(window_size=(130, -1)),
+              dict(softcap=0.5), dict(softcap=2.0, window_size=(64, 64)), dict(alibi_slopes="heads"),
+              dict(alibi_slopes="batch", softcap=3.0, window_size=(90, 20))]
+
+
+@pytest.mark.parametrize("features", SCORE_MODS, ids=[str(f) for f in SCORE_MODS])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_window_softcap_and_alibi_match_reference(features, head_dim, causal):
+    """The mma.sync score-modification kernels (issue 20): local window, softcap, ALiBi; batch and varlen, GQA,
+    bottom-right alignment."""
+    features = dict(features)
+    if causal and features.get("window_size", (-1, -1))[1] not in (-1, 0):
+        features["window_size"] = (features["window_size"][0], 0)
+    if "alibi_slopes" in features:  # ALiBi's geometric slopes, per head or per (sequence, head)
+        slopes = torch.tensor([2 ** (-8 * (h + 1) / 4) for h in range(4)], device="cuda")
+        features["alibi_slopes"] = slopes if features["alibi_slopes"] == "heads" else torch.stack([slopes] * 4) * \
+            torch.arange(1, 5, device="cuda")[:, None]
+    batch_features = dict(features)
+    if "alibi_slopes" in features and features["alibi_slopes"].dim() == 2:
+        batch_features["alibi_slopes"] = features["alibi_slopes"][:2]
+    for index, (seqlen_q, seqlen_k) in enumerate([(300, 300), (200, 457), (457, 200), (1, 333)]):
+        q, k, v, dout = _inputs((2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim), torch.bfloat16, seed=index)
+        _check_against_reference(q, k, v, dout, causal=causal, features=batch_features)
+    lengths_q, lengths_k = [150, 0, 37, 260], [150, 12, 80, 200]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v, dout = _inputs((sum(lengths_q), 4, head_dim), (sum(lengths_k), 2, head_dim), torch.float16, seed=9)
+    _check_against_reference(q, k, v, dout, causal=causal, features=features, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+
+
+@pytest.mark.parametrize("head_dim", [4, 36, 100, 250])  # not multiples of 8: the inputs padded with zero columns
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dims_off_the_multiples_of_8_run_on_the_kernel(head_dim, causal):
+    q, k, v, dout = _inputs((2, 300, 4, head_dim), (2, 300, 2, head_dim), torch.bfloat16)
+    out = _check_against_reference(q, k, v, dout, causal=causal)[0]
+    assert out.shape == q.shape and out.is_contiguous()
+    _check_against_reference(q, k, v, dout, causal=causal, dropout_p=0.1, generator_seed=3)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 80])

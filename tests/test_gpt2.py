@@ -340,8 +340,11 @@ def test_windowed_generation_with_the_cache_matches_recomputing_everything():
     assert torch.equal(cached, model.generate(prompt, 12, temperature=0.0, use_cache=False))
 
 
-def test_attention_options_reach_the_backend_check_and_the_flops():
+def test_attention_options_reach_the_backend_check_and_the_flops(monkeypatch):
+    from flashtrain.kernels import interface
     from flashtrain.models.attention import backend
+
+    monkeypatch.setattr(interface, "CUDA_FEATURES", frozenset())  # as for kernels that lack the options
 
     config = GPT2Config(**(TINY | {"attn_window": 7, "attn_softcap": 30.0}))
     assert config.attention_backend(torch.device("cpu"), torch.float32) == "flash -> reference"
@@ -353,7 +356,6 @@ def test_attention_options_reach_the_backend_check_and_the_flops():
         backend("auto", torch.device("cuda"), torch.bfloat16, 16, features=("softcap",))
     assert backend("auto", torch.device("cuda"), torch.bfloat16, 16, features=("window_size",))[0] == "sdpa"
     # without a window or softcap a GPT-2 sets no option: the CUDA kernels and SDPA's is_causal run it as before
-    from flashtrain.kernels import interface
     from flashtrain.models.attention import attention_features
 
     assert attention_features(**GPT2Config(**TINY).attention_options, causal=True) == ()

@@ -117,6 +117,11 @@ CASES = {
     "deterministic": dict(shape_q=(2, 200, 4, 64), shape_k=(2, 200, 2, 64), causal=False, deterministic=True),
     "block-sparse": dict(shape_q=(1, 300, 4, 64), shape_k=(1, 260, 4, 64), causal=True, block_mask=(4, 3, 3)),
     "unaligned": dict(shape_q=(2, 50, 2, 64), shape_k=(2, 50, 2, 64), causal=False, strided=True),
+    # the score-modification kernels (issue 20): window, softcap, ALiBi (per head, then per sequence and head)
+    "score-mods": dict(shape_q=(2, 97, 4, 64), shape_k=(2, 130, 2, 64), causal=False,
+                       mods=dict(window=(20, 5), softcap=30.0, alibi=(4,))),
+    "score-mods-varlen": dict(shape_q=(300, 4, 128), shape_k=(260, 1, 128), causal=True,
+                              lengths=([0, 1, 170, 129], [0, 64, 96, 100]), mods=dict(window=(50, -1), alibi=(3, 4))),
 }
 
 
@@ -147,7 +152,13 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
         mask = torch.rand(spec["block_mask"], generator=gen) < 0.6
         bs_rows, bs_cols = ops.block_sparse_lists(mask)
     deterministic = spec.get("deterministic", False)
-    args = (cu_q, cu_k, max_q, max_k, dropout_p, 0.125, spec["causal"], rng_state, deterministic, bs_rows, bs_cols)
+    mods = spec.get("mods", {})
+    window, softcap = mods.get("window", (-1, -1)), mods.get("softcap", 0.0)
+    alibi = torch.rand(mods["alibi"], generator=gen) if "alibi" in mods else None
+    if alibi is not None and alibi.dim() == 1:  # (nheads,) -> (batch, nheads), batch stride 0
+        alibi = alibi.expand(len(spec["lengths"][0]) - 1 if "lengths" in spec else spec["shape_q"][0], -1)
+    args = (cu_q, cu_k, max_q, max_k, dropout_p, 0.125, spec["causal"], rng_state, deterministic, bs_rows, bs_cols,
+            *window, softcap, alibi)
 
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out, lse = ops.flash_attn_fwd(q, k, v, *args)
@@ -159,9 +170,24 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
 
     q, k, v = (x.detach() for x in (q, k, v))
     py_out, py_lse = ops._fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, 0.125, spec["causal"], rng_state,
-                                   bs_rows)
+                                   bs_rows, window, softcap, alibi)
     py_grads = ops._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, 0.125, spec["causal"],
-                             rng_state, deterministic, bs_cols)
+                             rng_state, deterministic, bs_cols, window, softcap, alibi)
+    if mods:  # the score-modification kernels ran (also on Hopper: the mma.sync ones), with their parameters
+        from flashtrain.kernels import build, launch
+
+        specs = [build.fwd_kernel(spec["shape_q"][-1], "bf16", spec["causal"], False, score_mods=True, arch=arch),
+                 build.bwd_kernel(spec["shape_q"][-1], "bf16", spec["causal"], False, score_mods=True, arch=arch)]
+        assert specs[0].source == ("flash_fwd_sm90.cu" if arch == "sm_90a" else "flash_fwd.cu")
+        assert specs[1].source == "flash_bwd.cu"  # (the Hopper backward does not have them yet)
+        handles = {zlib.crc32(s.symbols[0].encode()) << 4 for s in specs}
+        assert handles <= {struct.unpack_from("<q", record)[0] for record in records}
+        param_bytes = records[0][56 + 16 * struct.unpack_from("<q", records[0], 48)[0]:]
+        fwd = (launch.FwdSm90Params.from_buffer_copy(param_bytes).fwd if arch == "sm_90a"
+               else launch.FwdParams.from_buffer_copy(param_bytes))
+        assert (fwd.window_left, fwd.window_right) == (window[0], -1 if spec["causal"] else window[1])
+        assert fwd.softcap_scale == pytest.approx(0.125 / softcap if softcap else 0.0)
+        assert fwd.alibi_batch_stride == (0 if mods["alibi"] == (4,) else 4) and fwd.alibi_slopes != 0
     assert len(records) == len(cpp)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), (py_out, py_lse, *py_grads)):
         assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), name

@@ -44,10 +44,14 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_narrow = 2 * 2 * 2  # the hd128 backward with 96 columns of MMA work (head dims 65-96), x dtype x causal x dropout
     hopper_q80 = 2 * 2  # the hd128 backward's other query block (64 rows, or 80 with FLASHTRAIN_BWD_SM90_Q80=0), x dtype
     # x causal
+    hopper_mods = len(build.FWD_SM90_TILES) * 2 * 2  # the forward with score modifications, x dtype x causal
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
-              + hopper_q80)
+              + hopper_q80 + hopper_mods)
     cross_entropy = len(build.CE_DTYPES)  # the fused cross-entropy, one module per logits dtype
-    assert len(names) == len(set(names)) == 2 + cross_entropy + 2 * (dense + sparse) * 2 * 2 * 2 + hopper
+    # the mma.sync forward and backward with score modifications (window, softcap, ALiBi): head dims x dtype x causal
+    local_softcap = 2 * dense * 2 * 2
+    assert len(names) == len(set(names)) == (2 + cross_entropy + 2 * (dense + sparse) * 2 * 2 * 2 + hopper
+                                             + local_softcap)
     assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2 + hopper_sparse
     assert [spec.archs for spec in specs if "_sm90_" in spec.name] == [("sm_90a",)] * hopper
     for spec in specs:
@@ -198,7 +202,8 @@ def test_every_kernel_fits_the_shared_memory_of_its_gpu(smem_limit):
         assert {spec for spec in specs if not spec.archs} == {spec for spec in build.all_kernels() if not spec.archs}
     else:
         small = build.small_smem_kernels()
-        assert len(small) == 64 and all(spec in specs for spec in small)  # 5 bwd + 1 fwd head dims (+ sparse)
+        # 5 bwd + 1 fwd head dims (+ sparse), and their score-modification variants
+        assert len(small) == 64 + 6 * 2 * 2 and all(spec in specs for spec in small)
 
 
 def test_gpus_with_less_shared_memory_are_refused_by_name():

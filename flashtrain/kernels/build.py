@@ -381,6 +381,8 @@ def _check_dq_slices() -> None:
                                  f"columns; bwd_convert_dq stages at most {MAX_DQ_SLICE_WIDTH}")
 
 
+
+
 def _suffix(causal: bool, dropout: bool, block_sparse: bool) -> str:
     return f"{'_causal' if causal else ''}{'_dropout' if dropout else ''}{'_sparse' if block_sparse else ''}"
 
@@ -416,9 +418,19 @@ def _fits(spec: KernelSpec, smem_limit: int | None) -> bool:
 
 
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
-               arch: str | None = None, smem_limit: int | None = None, seqlen_q: int = 0) -> KernelSpec:
+               arch: str | None = None, smem_limit: int | None = None, seqlen_q: int = 0,
+               score_mods: bool = False) -> KernelSpec:
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
-    smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length."""
+    smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length.
+    score_mods (window_size, softcap, alibi_slopes; without dropout or a block mask): the `_mods` variants (SCORE_MODS),
+    on sm_90a the warpgroup-MMA forward with FWD_SM90_TILES."""
+    if score_mods:
+        if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
+            spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], True)
+            if _fits(spec, smem_limit):
+                return spec
+        return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
+                         fwd_tiles(head_dim, causal, dropout, block_sparse, smem_limit), True)
     if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
         for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q), FWD_SM90_TILES[head_dim]):
             spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles)
@@ -437,13 +449,15 @@ def _tile_suffix(tiles, default_tiles) -> str:
 # of every attention call look theirs up.
 @functools.lru_cache(maxsize=None)
 def _fwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-              tiles: FwdTiles) -> KernelSpec:
-    name = (f"flash_fwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
+              tiles: FwdTiles, score_mods: bool = False) -> KernelSpec:
+    name = (f"flash_fwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{'_mods' if score_mods else ''}"
             f"{_tile_suffix(tiles, fwd_tiles(head_dim, causal, dropout, block_sparse))}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)), ("FT_KERNEL_NAME", name))
+    if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
+        defines += (("FT_SCORE_MODS", 1),)
     return KernelSpec("flash_fwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),
                       block_m=tiles.block_m, tiles=tiles)
 
@@ -476,32 +490,38 @@ def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-                   tiles: FwdSm90Tiles) -> KernelSpec:
+                   tiles: FwdSm90Tiles, score_mods: bool = False) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
     # tiles other than the features' first choice (long causal sequences, a capped shared-memory limit) get names of
     # their own: a process may load both, and kernels are looked up by name
     first_choice = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse)
     same_shape = dataclasses.replace(tiles, q_buffers=first_choice.q_buffers) == first_choice
     name = (f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
-            f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}")
+            f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}"
+            f"{'_mods' if score_mods else ''}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
                ("FT_Q_BUFFERS", tiles.q_buffers),
                ("FT_BF16", int(dtype == "bf16")),
                ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", smem_bytes), ("FT_MAX_STREAMS", MAX_STREAMS), ("FT_KERNEL_NAME", name))
+    if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
+        defines += (("FT_SCORE_MODS", 1),)
     return KernelSpec("flash_fwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
 
 def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, deterministic: bool = False, smem_limit: int | None = None,
-               effective_head_dim: int | None = None, seqlen_q: int | None = None) -> KernelSpec:
+               effective_head_dim: int | None = None, seqlen_q: int | None = None,
+               score_mods: bool = False) -> KernelSpec:
     """The backward kernel for these features (head_dim: the instantiated one, rounded_head_dim; effective_head_dim:
     the call's own, when smaller); on arch sm_90a the warpgroup-MMA kernel where it exists and fits smem_limit (bytes
     of shared memory per block; None: no limit): head dims 65-96 there run the hd128 tiles with the MMA work of 96
     columns (dense, not deterministic). seqlen_q: the call's (max) query length, which picks the causal hd128 tiles
-    (None: the short ones)."""
+    (None: the short ones). score_mods: the mma.sync kernels only so far (SCORE_MODS)."""
+    if score_mods:
+        return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit), True)
     if (arch == SM90_ARCH and not (deterministic and block_sparse) and head_dim in BWD_SM90_TILES and sm90_enabled()
             and BWD_SM90_TILES[head_dim].supports(dropout, block_sparse, deterministic)):
         narrow = (head_dim == 128 and effective_head_dim is not None and effective_head_dim <= SM90_NARROW_HEAD_DIM
@@ -551,8 +571,9 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
 
 @functools.lru_cache(maxsize=None)
 def _bwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-              tiles: BwdTiles) -> KernelSpec:
-    name = f"flash_bwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{_tile_suffix(tiles, BWD_TILES[head_dim])}"
+              tiles: BwdTiles, score_mods: bool = False) -> KernelSpec:
+    name = (f"flash_bwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{'_mods' if score_mods else ''}"
+            f"{_tile_suffix(tiles, BWD_TILES[head_dim])}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_WARPS_M_SDP", tiles.warps_m_sdp),
                ("FT_WARPS_N_DKV", tiles.warps_n_dkv), ("FT_WARPS_M_DQ", tiles.warps_m_dq),
@@ -561,6 +582,8 @@ def _bwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spar
                ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)),
                ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)),
                ("FT_KERNEL_NAME", name))
+    if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
+        defines += (("FT_SCORE_MODS", 1),)
     return KernelSpec("flash_bwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),
                       block_m=tiles.block_m, block_n=tiles.block_n, tiles=tiles)
 
@@ -573,6 +596,10 @@ def aux_kernels(dtype: str) -> KernelSpec:
     return KernelSpec("flash_aux.cu", defines, symbols, AUX_THREADS, 0)
 
 
+# The score-modification variant of the mma.sync kernels (issue 20, `_mods`): a local window, softcap and ALiBi, each
+# read from the parameters and off when unset (one variant instead of one per combination), without dropout or a
+# block mask, dense and varlen, every head dim (the Hopper kernels do not have them yet).
+SCORE_MODS = ("window_size", "softcap", "alibi_slopes")
 CE_THREADS = 256  # csrc/cross_entropy.cu kCeThreads
 CE_DTYPES = ("fp32", "fp16", "bf16")  # FT_CE_KIND 0, 1, 2
 
@@ -591,6 +618,12 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
     _check_block_sparse_tiles()
     _check_dq_slices()
     specs = [aux_kernels(dtype) for dtype in DTYPES] + [cross_entropy_kernels(dtype) for dtype in CE_DTYPES]
+    specs += [kernel(head_dim, dtype, causal, False, score_mods=True, smem_limit=smem_limit)
+              for kernel in (fwd_kernel, bwd_kernel) for head_dim in HEAD_DIMS for dtype in DTYPES
+              for causal in (False, True) if smem_unavailable_reason(head_dim, False, smem_limit) is None]
+    specs += [spec for head_dim in FWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # Hopper forward
+              if _fits(spec := _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], True),
+                       smem_limit)]
     for block_sparse, head_dims in ((False, HEAD_DIMS), (True, BLOCK_SPARSE_HEAD_DIMS)):
         for head_dim in head_dims:
             if smem_unavailable_reason(head_dim, block_sparse, smem_limit) is not None:

@@ -103,7 +103,8 @@ def flash_attn_func(
             no tensor): query q_idx of sequence b, head h attends key kv_idx where the expression is nonzero, on top
             of causal / window_size / block_mask; e.g. MaskMod("doc[q_idx] == doc[kv_idx]", doc=ids). Tiles where it
             is 0 for every pair are skipped (evaluated exactly). q_idx / kv_idx count from each sequence's start.
-        window_size, softcap, alibi_slopes and mask_mod run on the reference only for now (impl="cuda" raises).
+        window_size, softcap and alibi_slopes run on the CUDA kernels without dropout and block_mask (the mma.sync
+        kernels, also on Hopper); mask_mod on the reference only for now (impl="cuda" raises).
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim) in q's dtype, or (out, lse) with return_lse=True.
@@ -120,12 +121,12 @@ def flash_attn_func(
     _check_dropout_mask(dropout_mask, q, dropout_p, (batch, nheads, seqlen_q, seqlen_k))
     features = _check_features(options, q, nheads, batch, causal)
 
-    ops = _cuda_ops_to_use(options["impl"], q, block_mask, dropout_mask, features)
+    ops = _cuda_ops_to_use(options["impl"], q, block_mask, dropout_mask, features, dropout_p)
     if ops is not None:
         out, lse = ops.flash_attn_cuda(
             q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, generator=generator,
-            block_mask=block_mask, deterministic=options["deterministic"], validated=True,
+            block_mask=block_mask, deterministic=options["deterministic"], validated=True, **(features or {}),
         )
     else:  # batch form -> packed form with one sequence per batch entry
         cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
@@ -180,12 +181,13 @@ def flash_attn_varlen_func(
     _check_dropout_mask(dropout_mask, q, dropout_p, (nheads, q.shape[0], max_seqlen_k))
     features = _check_features(options, q, nheads, cu_seqlens_q.shape[0] - 1, causal)
 
-    ops = _cuda_ops_to_use(options["impl"], q, block_mask, dropout_mask, features)
+    ops = _cuda_ops_to_use(options["impl"], q, block_mask, dropout_mask, features, dropout_p)
     if ops is not None:
         out, lse = ops.flash_attn_cuda(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
             generator=generator, block_mask=block_mask, deterministic=options["deterministic"], validated=True,
+            **(features or {}),
         )
     else:
         out, lse = flash_attn_reference(
@@ -200,7 +202,8 @@ def flash_attn_varlen_func(
 
 # the options of flash_attn_func beyond plain attention that the CUDA kernels run (issue 20 adds window_size, softcap,
 # alibi_slopes as the kernels gain them); the others run on impl="reference" only
-CUDA_FEATURES: frozenset[str] = frozenset()
+CUDA_FEATURES: frozenset[str] = frozenset({"window_size", "softcap", "alibi_slopes"})  # mma.sync kernels (build.SCORE_MODS)
+_SCORE_MODS = ("window_size", "softcap", "alibi_slopes")
 
 
 def features_unavailable_reason(features) -> str | None:
@@ -212,7 +215,8 @@ def features_unavailable_reason(features) -> str | None:
     return f"{' / '.join(missing)} run on impl='reference' only (the CUDA kernels do not have them yet)"
 
 
-def _cuda_ops_or_reason(q: Tensor, block_mask: Tensor | None, dropout_mask: Tensor | None, features=None):
+def _cuda_ops_or_reason(q: Tensor, block_mask: Tensor | None, dropout_mask: Tensor | None, features=None,
+                        dropout_p: float = 0.0):
     """(ops module, None) when the CUDA kernel can run these arguments, else (None, why not)."""
     if q.device.type != "cuda":
         return None, f"the tensors are on {q.device}; the CUDA kernel needs CUDA tensors"
@@ -221,16 +225,21 @@ def _cuda_ops_or_reason(q: Tensor, block_mask: Tensor | None, dropout_mask: Tens
     reason = features_unavailable_reason(features or ())
     if reason is not None:
         return None, reason
+    score_mods = [name for name in _SCORE_MODS if name in (features or ())]
+    if score_mods and (dropout_p > 0 or block_mask is not None):
+        return None, (f"{' / '.join(score_mods)} with {'dropout' if dropout_p > 0 else 'a block_mask'} run on "
+                      f"impl='reference' only (the CUDA kernels have them without)")
     from flashtrain.kernels import ops  # imported here: CPU-only calls never load the kernel side
     reason = ops.unavailable_reason(q.device, head_dim=q.shape[-1], dtype=q.dtype, block_mask=block_mask is not None)
     return (None, reason) if reason is not None else (ops, None)
 
 
-def _cuda_ops_to_use(impl: str, q: Tensor, block_mask: Tensor | None, dropout_mask: Tensor | None, features=None):
+def _cuda_ops_to_use(impl: str, q: Tensor, block_mask: Tensor | None, dropout_mask: Tensor | None, features=None,
+                     dropout_p: float = 0.0):
     """The ops module when the CUDA kernel runs this call, None when the reference does."""
     if impl == "reference" or (impl == "auto" and q.device.type != "cuda"):
         return None
-    ops, reason = _cuda_ops_or_reason(q, block_mask, dropout_mask, features)
+    ops, reason = _cuda_ops_or_reason(q, block_mask, dropout_mask, features, dropout_p)
     if ops is not None:
         return ops
     if impl == "cuda":

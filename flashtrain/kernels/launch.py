@@ -38,6 +38,8 @@ class FwdParams(ctypes.Structure):
         ("bs_n_qblocks", _i32), ("bs_n_kblocks", _i32),
         ("bs_rows", _ptr), ("bs_cols", _ptr), ("bs_rows_head_stride", _i64), ("bs_cols_head_stride", _i64),
         ("total_q", _i32), ("total_k", _i32), ("causal_tile_group", _i32), ("pad_", _i32),
+        ("window_left", _i32), ("window_right", _i32), ("softcap_scale", _f32), ("softcap_unscale", _f32),
+        ("alibi_slopes", _ptr), ("alibi_batch_stride", _i64),
     ]
 
 

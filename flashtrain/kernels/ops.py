@@ -40,6 +40,7 @@ import warnings
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from flashtrain.kernels import build, tma
@@ -70,8 +71,9 @@ def _unavailable_reason_cached(device_type: str, device_index: int, head_dim: in
         return "no CUDA GPU is visible to torch"
     if dtype not in ("torch.float16", "torch.bfloat16"):
         return f"the CUDA kernels support float16 and bfloat16, got {dtype}"
-    if head_dim % 8 != 0 or not 8 <= head_dim <= build.HEAD_DIMS[-1]:
-        return f"the CUDA kernels need head_dim a multiple of 8 in [8, {build.HEAD_DIMS[-1]}], got {head_dim}"
+    if not 1 <= head_dim <= build.HEAD_DIMS[-1]:
+        return f"the CUDA kernels need head_dim in [1, {build.HEAD_DIMS[-1]}], got {head_dim}"
+    head_dim = padded_head_dim(head_dim)  # what the kernels run (flash_attn_cuda pads the inputs)
     if block_mask and head_dim > build.BLOCK_SPARSE_HEAD_DIMS[-1]:
         return (f"the block-sparse CUDA kernels (block_mask) support head_dim <= {build.BLOCK_SPARSE_HEAD_DIMS[-1]} "
                 f"(instantiated for {build.BLOCK_SPARSE_HEAD_DIMS}), got {head_dim}")
@@ -105,10 +107,21 @@ def unavailable_reason(device: torch.device, *, head_dim: int, dtype: torch.dtyp
     return _unavailable_reason(device.type, index, head_dim, str(dtype), bool(block_mask))
 
 
+def _score_mods(window, softcap: float, alibi_slopes) -> bool:
+    """Whether a call needs the score-modification kernels (build.SCORE_MODS)."""
+    return tuple(window) != (-1, -1) or softcap > 0 or alibi_slopes is not None
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the kernels run a head_dim on: the next multiple of 8 (16-byte rows of 16-bit values)."""
+    return -(-head_dim // 8) * 8
+
+
 def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
                     generator: torch.Generator | None, deterministic: bool = False,
-                    block_mask: Tensor | None = None, validated: bool = False) -> tuple[Tensor, Tensor]:
+                    block_mask: Tensor | None = None, validated: bool = False, window_size=(-1, -1),
+                    softcap: float = 0.0, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of the CUDA kernel, differentiable w.r.t. q, k, v. Arguments as in flash_attn_(varlen_)func after
     validation; cu_seqlens None selects the batch form. deterministic=True makes the backward's dq bitwise
     reproducible (each CTA accumulates into its own dq buffer, summed in a fixed order) at some speed cost.
@@ -123,6 +136,16 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
                 raise ValueError(f"{name} must be contiguous in its last dim (stride(-1) == 1), got {x.stride(-1)}")
         if (cu_seqlens_q is None) != (cu_seqlens_k is None):
             raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    head_dim = q.shape[-1]
+    if head_dim % 8:  # zero columns added to q, k, v change no score and give zero output columns, sliced off
+        pad = padded_head_dim(head_dim) - head_dim
+        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+        out, lse = flash_attn_cuda(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
+                                   softmax_scale=softmax_scale, causal=causal, generator=generator,
+                                   deterministic=deterministic, block_mask=block_mask, validated=validated,
+                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+        return out[..., :head_dim].contiguous(), lse
     if cu_seqlens_q is not None:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     bs_rows = bs_cols = None
@@ -141,9 +164,13 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
     if not _host_loaded:
         load_host()
     # the op (flash_host.cpp): its autograd node and launches are C++; torch.compile traces it as one graph node
+    left, right = (int(x) for x in window_size)
+    right = -1 if causal else right  # causal is the right bound 0 already: a window only when left is bounded
+    if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:  # (batch, nheads) float32, head stride 1
+        alibi_slopes = alibi_slopes.contiguous()
     return flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                           float(dropout_p), float(softmax_scale), bool(causal), rng_state, bool(deterministic),
-                          bs_rows, bs_cols)
+                          bs_rows, bs_cols, left, right, float(softcap), alibi_slopes)
 
 
 # block_sparse_lists' results by mask: id(mask) -> (weak reference to the mask, its version counter, the lists). A
@@ -294,19 +321,21 @@ def _offset(params: type, path: str) -> int:
 
 
 def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-              bs_rows) -> _Plan:
-    """The launch plan of a forward call (q, k, v aligned: _aligned)."""
+              bs_rows, window=(-1, -1), softcap=0.0, alibi_slopes=None) -> _Plan:
+    """The launch plan of a forward call (q, k, v aligned: _aligned); window (left, right), softcap, alibi_slopes
+    (float32 (batch, nheads), head stride 1): as flash_attn_func's (with causal, right is -1)."""
     launch = _launch or _load_launch()
     block_sparse = bs_rows is not None
     arch = launch.device_arch(q.device)
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
     spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
                             smem_limit=launch.device_smem_limit(q.device),
-                            seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1])
+                            seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
+                            score_mods=_score_mods(window, softcap, alibi_slopes))
     outputs = _output_shapes(q, cu_seqlens_q)
     out, lse = (torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in outputs)
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                         bs_rows=bs_rows)
+                         bs_rows=bs_rows, window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
     if spec.persistent:  # at most one CTA per SM, each taking tiles from the dynamic scheduler
         grid = (min(math.prod(grid), launch.sm_count(q.device)), 1, 1)
@@ -322,7 +351,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
                  ("tma_v", 2, v, spec.tiles.block_n), ("tma_o", -1, out, 64))]  # (-1: output 0)
     fields = (("q", _INPUT, 0), ("k", _INPUT, 1), ("v", _INPUT, 2), ("out", _OUTPUT, 0), ("lse", _OUTPUT, 1),
               ("cu_seqlens_q", _INPUT, 3), ("cu_seqlens_k", _INPUT, 4), ("rng_state", _INPUT, 5),
-              ("bs_rows", _INPUT, 6))
+              ("bs_rows", _INPUT, 6), ("alibi_slopes", _INPUT, 8))
     item = _Launch(kernel, grid, params, [(_offset(type(params), prefix + name), source, index, 0)
                                           for name, source, index in fields], maps)
     if spec.persistent:
@@ -331,7 +360,8 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
 
 
 def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-              softmax_scale, causal, deterministic, bs_cols) -> _Plan:
+              softmax_scale, causal, deterministic, bs_cols, window=(-1, -1), softcap=0.0,
+              alibi_slopes=None) -> _Plan:
     """The launch plan of a backward call (dout, q, k, v, out aligned): the preprocess kernel (D = rowsum(dout * out),
     dq_accum = 0), the backward kernel, the dq conversion (dq = scale * sum of dq_accum)."""
     launch = _launch or _load_launch()
@@ -343,10 +373,11 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
                             deterministic=deterministic, smem_limit=launch.device_smem_limit(q.device),
                             effective_head_dim=q.shape[-1],
-                            seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1])
+                            seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
+                            score_mods=_score_mods(window, softcap, alibi_slopes))
     tiles = spec.tiles
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                      bs_cols=bs_cols)
+                      bs_cols=bs_cols, window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     batch, nheads, nheads_kv = fwd.batch, fwd.nheads, fwd.nheads_kv
     n_kblocks = math.ceil(fwd.seqlen_k / tiles.block_n)
     nsplits = 1
@@ -419,7 +450,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     fields = [("fwd.q", (_INPUT, 1, 0)), ("fwd.k", (_INPUT, 2, 0)), ("fwd.v", (_INPUT, 3, 0)),
               ("fwd.out", (_INPUT, 4, 0)), ("fwd.lse", (_INPUT, 5, 0)), ("fwd.cu_seqlens_q", (_INPUT, 6, 0)),
               ("fwd.cu_seqlens_k", (_INPUT, 7, 0)), ("fwd.rng_state", (_INPUT, 8, 0)),
-              ("fwd.bs_cols", (_INPUT, 9, 0)), ("dout", (_INPUT, 0, 0)), ("dk", (_OUTPUT, 1, 0)),
+              ("fwd.bs_cols", (_INPUT, 9, 0)), ("fwd.alibi_slopes", (_INPUT, 10, 0)), ("dout", (_INPUT, 0, 0)),
+              ("dk", (_OUTPUT, 1, 0)),
               ("dv", (_OUTPUT, 2, 0)), ("dq_accum", dq_accum_address), ("softmax_d", softmax_d)]
     if deterministic and hopper:  # per (batch, head, query block): MMA warps of lower key blocks done adding dQ
         params.dq_sem_mblocks = math.ceil(fwd.seqlen_q / tiles.block_m)
@@ -540,24 +572,29 @@ def _gqa_splits(group: int, seqlen_q: int, seqlen_k: int, tiles, causal: bool, n
 
 # The plan builders as the C++ executor calls them (their inputs already aligned; the flat plan back).
 def _fwd_plan_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                 rng_state, deterministic, bs_rows, bs_cols) -> list[int]:
+                 rng_state, deterministic, bs_rows, bs_cols, window_left=-1, window_right=-1, softcap=0.0,
+                 alibi_slopes=None) -> list[int]:
     return _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                     causal, bs_rows).flat()
+                     causal, bs_rows, (window_left, window_right), softcap, alibi_slopes).flat()
 
 
 def _bwd_plan_op(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                 softmax_scale, causal, rng_state, deterministic, bs_cols) -> list[int]:
+                 softmax_scale, causal, rng_state, deterministic, bs_cols, window_left=-1, window_right=-1,
+                 softcap=0.0, alibi_slopes=None) -> list[int]:
     return _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                     softmax_scale, causal, deterministic, bs_cols).flat()
+                     softmax_scale, causal, deterministic, bs_cols, (window_left, window_right), softcap,
+                     alibi_slopes).flat()
 
 
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-              rng_state, deterministic, bs_rows=None, bs_cols=None):
+              rng_state, deterministic, bs_rows=None, bs_cols=None, window_left=-1, window_right=-1, softcap=0.0,
+              alibi_slopes=None):
     return tuple(q.new_empty(shape, dtype=dtype) for shape, dtype in _output_shapes(q, cu_seqlens_q))
 
 
 def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-              softmax_scale, causal, rng_state, deterministic, bs_cols=None):
+              softmax_scale, causal, rng_state, deterministic, bs_cols=None, window_left=-1, window_right=-1,
+              softcap=0.0, alibi_slopes=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -658,35 +695,41 @@ def _issue(plan: _Plan, inputs: list[Tensor | None], outputs: list[Tensor]) -> N
 
 def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
               max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
-              rng_state: Tensor | None, bs_rows: Tensor | None) -> tuple[Tensor, Tensor]:
+              rng_state: Tensor | None, bs_rows: Tensor | None, window=(-1, -1),
+              softcap: float = 0.0, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of the forward through the Python executor (tests)."""
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     if cu_seqlens_q is not None:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-               None if bs_rows is None else (bs_rows.shape, bs_rows.stride()))
+               None if bs_rows is None else (bs_rows.shape, bs_rows.stride()), tuple(window), softcap,
+               None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride()))
     key = _signature(q, k, v, cu_seqlens_q, *options)
     plan = _fwd_plans.get(key) or _remember(_fwd_plans, key, _fwd_plan(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, bs_rows))
-    out, lse = _execute(plan, [q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, None])
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, bs_rows,
+        window, softcap, alibi_slopes))
+    out, lse = _execute(plan, [q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, None, alibi_slopes])
     return out, lse
 
 
 def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
               dropout_p: float, softmax_scale: float, causal: bool, rng_state: Tensor | None,
-              deterministic: bool, bs_cols: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+              deterministic: bool, bs_cols: Tensor | None, window=(-1, -1),
+              softcap: float = 0.0, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of the backward through the Python executor (tests)."""
     dout, q, k, v, out = (_aligned(x) for x in (dout, q, k, v, out))
     if cu_seqlens_q is not None:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     options = (lse.shape, lse.stride(), max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, deterministic,
-               None if bs_cols is None else (bs_cols.shape, bs_cols.stride()))
+               None if bs_cols is None else (bs_cols.shape, bs_cols.stride()), tuple(window), softcap,
+               None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride()))
     key = _signature(q, k, v, cu_seqlens_q, dout.stride(), out.stride(), *options)
     plan = _bwd_plans.get(key) or _remember(_bwd_plans, key, _bwd_plan(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, deterministic, bs_cols))
-    dq, dk, dv = _execute(plan, [dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols])[:3]
+        causal, deterministic, bs_cols, window, softcap, alibi_slopes))
+    dq, dk, dv = _execute(plan, [dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols,
+                                 alibi_slopes])[:3]
     return dq, dk, dv
 
 
@@ -725,9 +768,10 @@ def _keep_threshold(dropout_p: float) -> int:
 
 
 def _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, bs_rows=None,
-                bs_cols=None):
+                bs_cols=None, window=(-1, -1), softcap=0.0, alibi_slopes=None):
     """FwdParams of the call, every address 0 (a plan's addresses are written per call); bs_rows (forward) /
-    bs_cols (backward): the block-sparse lists, or None."""
+    bs_cols (backward): the block-sparse lists, or None; window / softcap: read by the FT_LOCAL / FT_SOFTCAP
+    kernels only."""
     launch = _launch or _load_launch()
     varlen = cu_seqlens_q is not None
     params = launch.FwdParams(
@@ -736,7 +780,11 @@ def _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dro
         head_dim=q.shape[-1], seqlen_q=max_seqlen_q if varlen else q.shape[1],
         seqlen_k=max_seqlen_k if varlen else k.shape[1], softmax_scale=softmax_scale,
         softmax_scale_log2=softmax_scale * math.log2(math.e), keep_threshold=_keep_threshold(dropout_p),
-        rp_dropout=1.0 / (1.0 - dropout_p), total_q=q.shape[0] if varlen else 0, total_k=k.shape[0] if varlen else 0)
+        rp_dropout=1.0 / (1.0 - dropout_p), total_q=q.shape[0] if varlen else 0, total_k=k.shape[0] if varlen else 0,
+        window_left=window[0], window_right=window[1],
+        softcap_scale=softmax_scale / softcap if softcap > 0 else 0.0,
+        softcap_unscale=softcap / softmax_scale if softcap > 0 else 0.0,
+        alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes is not None else 0)
     (params.q_batch_stride, params.q_row_stride, params.q_head_stride) = _strides(q, varlen)
     (params.k_batch_stride, params.k_row_stride, params.k_head_stride) = _strides(k, varlen)
     (params.v_batch_stride, params.v_row_stride, params.v_head_stride) = _strides(v, varlen)

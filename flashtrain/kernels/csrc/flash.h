@@ -66,6 +66,18 @@ struct FwdParams {
     // in L2; 0: longest first over all units (forward) or key blocks fastest (backward, also for 1)
     int causal_tile_group;
     int pad_;
+    // Kernels built with the score modifications only (FT_SCORE_MODS; issue 20), last so that the
+    // other kernels' parameter offsets stay as they were tuned. Window (flash-attn's definition): query i sees key j
+    // iff i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right; -1: unbounded (causal
+    // kernels: window_right is 0). Softcap: scores s of q.k become softcap_unscale * tanh(s * softcap_scale), i.e.
+    // softcap * tanh(softmax_scale * s / softcap) / softmax_scale, so that the softmax's scale still applies.
+    int window_left, window_right;
+    float softcap_scale;      // softmax_scale / softcap (0: no softcap)
+    float softcap_unscale;    // softcap / softmax_scale
+    // ALiBi: float32 slopes of (batch, nheads) (batch stride 0: one row for all), the bias -slope * |i + seqlen_k -
+    // seqlen_q - j| added to the scaled (and capped) scores; nullptr: none
+    const float* alibi_slopes;
+    i64 alibi_batch_stride;
 };
 
 // A TMA tensor map (CUtensorMap): 128 opaque bytes encoded on the host by cuTensorMapEncodeTiled

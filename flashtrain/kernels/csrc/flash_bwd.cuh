@@ -27,8 +27,10 @@ namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsM_SdP_, int kWarpsN_dKV_,
           int kWarpsM_dQ_, int kStages_, int kScrambleDq_, bool kVecRowStats_, bool kIsBF16_, bool kIsCausal_,
-          bool kIsDropout_, bool kIsBlockSparse_>
+          bool kIsDropout_, bool kIsBlockSparse_, bool kScoreMods_ = false>
 struct BwdTraits {
+    // the local window, softcap and ALiBi (flash.h FwdParams), each off when unset
+    static constexpr bool kScoreMods = kScoreMods_;
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
     static constexpr int kStages = kStages_;
     // dq_accum layout of whole blocks (see add_dq): 0 row-major; 1 or 2 scrambled (2: one laundered base offset)
@@ -109,8 +111,17 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
     for (int n_block = blockIdx.x; n_block < n_kblocks; n_block += gridDim.x) {
         const int n0 = n_block * kBlockN;
         // Query blocks that see some key of this block: causal rows i >= n0 - (seqlen_k - seqlen_q).
-        const int m_block_min = T::kIsCausal ? max_(0, n0 - (seqlen_k - seqlen_q)) / kBlockM : 0;
-        const int n_mblocks = max_(0, ceil_div(seqlen_q, kBlockM) - m_block_min);
+        int m_block_min = T::kIsCausal ? max_(0, n0 - (seqlen_k - seqlen_q)) / kBlockM : 0;
+        int m_block_last = ceil_div(seqlen_q, kBlockM);  // exclusive
+        if constexpr (T::kScoreMods) {  // rows i + offset - left <= j <= i + offset + right for some key j of the block
+            const int offset = seqlen_k - seqlen_q;
+            if (!T::kIsCausal && f.window_right >= 0) m_block_min = max_(0, n0 - offset - f.window_right) / kBlockM;
+            if (f.window_left >= 0) {
+                const int last_row = n0 + kBlockN - 1 - offset + f.window_left;  // inclusive
+                m_block_last = last_row < 0 ? 0 : min_(m_block_last, last_row / kBlockM + 1);
+            }
+        }
+        const int n_mblocks = max_(0, m_block_last - m_block_min);
         const int n_iters = group * n_mblocks;  // (query head, query block) pairs; dense
         // Block-sparse: the column list of query head head_kv * group + i for this key tile's mask block.
         auto col_list = [&](int i) {
@@ -193,19 +204,40 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
             warp_gemm_ss<T::kIsBF16, kMT_S, kNT_S, T::kHeadDim, false, false>(
                 dp, a_frag_ptr<TileQ, false>(sdO, s_m0_, 0, lane), b_frag_ptr<TileKV, false>(sV, s_n0_, 0, lane));
 
+            float alibi_scaled = 0.f;  // ALiBi slope of this (batch, head) in raw score units
+            if constexpr (T::kScoreMods) {  // the forward's softcap and ALiBi
+                if (f.alibi_slopes != nullptr)
+                    alibi_scaled = f.alibi_slopes[batch * f.alibi_batch_stride + head] / f.softmax_scale;
+                apply_score_mods(s, f.softcap_scale, f.softcap_unscale, alibi_scaled, m0 + s_m0_, n0 + s_n0_,
+                                 seqlen_k - seqlen_q, lane);
+            }
+            // ALiBi's bias of element (mt, n8 tile 2 ks + nt2, e) of the S fragment (0 without)
+            auto alibi_bias = [&](int mt, int ks, int nt2, int e) -> float {
+                const int d = m0 + s_m0_ + mt * 16 + g + 8 * (e >> 1) + seqlen_k - seqlen_q -
+                              (n0 + s_n0_ + (2 * ks + nt2) * 8 + 2 * t + (e & 1));
+                return alibi_scaled * (float)(d < 0 ? -d : d);
+            };
             if constexpr (kMask) {
 #pragma unroll
                 for (int mt = 0; mt < kMT_S; ++mt)
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
                         const int row = m0 + s_m0_ + mt * 16 + g + 8 * hf;
-                        const int col_end =
-                            T::kIsCausal ? min_(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
+                        int col_end = T::kIsCausal ? min_(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
+                        int col_begin = 0;
+                        if constexpr (T::kScoreMods) {
+                            if (!T::kIsCausal && f.window_right >= 0)
+                                col_end = min_(col_end, row + 1 + seqlen_k - seqlen_q + f.window_right);
+                            if (f.window_left >= 0) col_begin = row + seqlen_k - seqlen_q - f.window_left;
+                        }
 #pragma unroll
                         for (int nt = 0; nt < kNT_S; ++nt)
 #pragma unroll
-                            for (int e = 0; e < 2; ++e)
-                                if (n0 + s_n0_ + nt * 8 + 2 * t + e >= col_end) s[mt][nt][2 * hf + e] = -infinity();
+                            for (int e = 0; e < 2; ++e) {
+                                const int col = n0 + s_n0_ + nt * 8 + 2 * t + e;
+                                if (col >= col_end || (T::kScoreMods && col < col_begin))
+                                    s[mt][nt][2 * hf + e] = -infinity();
+                            }
                     }
             }
 
@@ -255,12 +287,22 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                             float& x = s[mt][2 * ks + nt2][e];
                             float& y = dp[mt][2 * ks + nt2][e];
                             const float prob = fast_exp2(x * f.softmax_scale_log2 - lse_log2[mt][e >> 1]);
+                            // softcap: d(capped score) / d(score) = 1 - tanh^2, tanh = capped * softcap_scale (0 where
+                            // masked: -inf there)
+                            float dcap = 1.f;
+                            if constexpr (T::kScoreMods) {
+                                if (f.softcap_scale != 0.f) {
+                                    // tanh = capped * softcap_scale, before ALiBi's bias: recover it from x + bias
+                                    const float th = (x + alibi_bias(mt, ks, nt2, e)) * f.softcap_scale;
+                                    dcap = fmax_(1.f - th * th, 0.f);
+                                }
+                            }
                             if constexpr (T::kIsDropout) {
                                 const bool keep = rng.keep_half(bits, (e >> 1) * 4 + nt2 * 2 + (e & 1));
-                                y = prob * ((keep ? y * f.rp_dropout : 0.f) - dsum[mt][e >> 1]);
+                                y = prob * ((keep ? y * f.rp_dropout : 0.f) - dsum[mt][e >> 1]) * dcap;
                                 x = keep ? prob * f.rp_dropout : 0.f;
                             } else {
-                                y = prob * (y - dsum[mt][e >> 1]);
+                                y = prob * (y - dsum[mt][e >> 1]) * dcap;
                                 x = prob;
                             }
                         }
@@ -344,7 +386,14 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
             }
         };
         auto needs_mask = [&](int m0) {
-            return tile_needs_mask<T::kIsCausal, kBlockN>(m0, n0, seqlen_q, seqlen_k);
+            bool mask = tile_needs_mask<T::kIsCausal, kBlockN>(m0, n0, seqlen_q, seqlen_k);
+            if constexpr (T::kScoreMods) {  // some row's window starts inside the key block or ends before its end
+                const int offset = seqlen_k - seqlen_q;
+                const int last_row = min_(seqlen_q, m0 + kBlockM) - 1;
+                mask = mask || (f.window_left >= 0 && last_row + offset - f.window_left > n0) ||
+                       (!T::kIsCausal && f.window_right >= 0 && n0 + kBlockN - 1 > m0 + offset + f.window_right);
+            }
+            return mask;
         };
         if constexpr (T::kIsBlockSparse) {
             for (int it = 0; has_iter; ++it) {

@@ -22,11 +22,15 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
-          bool kIsBlockSparse_>
+          bool kIsBlockSparse_, bool kScoreMods_ = false>
 struct FwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_;
+    // the local window, softcap and ALiBi of the call's parameters (flash.h: window_left / window_right,
+    // softcap_scale / _unscale, alibi_slopes), each off when unset
+    static constexpr bool kScoreMods = kScoreMods_;
+    static_assert(!(kScoreMods && kIsBlockSparse), "score modifications and a block mask are not combined");
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
                   "a block-sparse mask block must be a whole number of tiles");
     static constexpr int kNThreads = kNWarps * 32;
@@ -70,6 +74,17 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         const int last_visible = min_(seqlen_q, m0 + kBlockM) + seqlen_k - seqlen_q;  // exclusive
         n_block_max = min_(n_block_max, ceil_div(max_(last_visible, 0), kBlockN));
     }
+    // Local window: key blocks [n_block_min, n_block_max) hold every key some row of the block sees (n_block_max as
+    // causal's with the right bound; n_block_min from the first row's left bound).
+    int n_block_min = 0;
+    if constexpr (T::kScoreMods) {
+        const int offset = seqlen_k - seqlen_q;
+        if (!T::kIsCausal && p.window_right >= 0) {
+            const int last_visible = min_(seqlen_q, m0 + kBlockM) + offset + p.window_right;  // exclusive
+            n_block_max = min_(n_block_max, ceil_div(max_(last_visible, 0), kBlockN));
+        }
+        if (p.window_left >= 0) n_block_min = max_(m0 + offset - p.window_left, 0) / kBlockN;
+    }
 
     // Key tiles in walk order: dense, n_block_max - 1 down to 0; block-sparse, those of the row's non-zero mask blocks
     // below n_block_max, descending (walk.next() gives the one after the current tile, -1 at the end).
@@ -84,7 +99,7 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
     const u32 sQ = smem_base, sK = sQ + TileQ::kBytes, sV = sK + TileKV::kBytes;
     load_tile_async<TileQ, T::kNThreads>(sQ, q, p.q_row_stride, seqlen_q - m0, p.head_dim, tid);
     cp_async_commit();
-    if (T::kIsBlockSparse ? first_block >= 0 : n_block_max > 0) {
+    if (T::kIsBlockSparse ? first_block >= 0 : n_block_max > n_block_min) {
         const int n0 = (T::kIsBlockSparse ? first_block : n_block_max - 1) * kBlockN;
         load_tile_async<TileKV, T::kNThreads>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0,
                                               p.head_dim, tid);
@@ -102,6 +117,10 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
 
     DropoutRng rng = T::kIsDropout ? DropoutRng(p.rng_state, p.keep_threshold) : DropoutRng{};
     const int bh = batch * p.nheads + head;
+    // ALiBi slope of this (batch, head) in raw score units
+    const float alibi_scaled = T::kScoreMods && p.alibi_slopes != nullptr
+                                   ? p.alibi_slopes[batch * p.alibi_batch_stride + head] / p.softmax_scale
+                                   : 0.f;
 
     // One key block; kMask: some key of it is past the end or right of the diagonal for some row of this block.
     // Block-sparse: n_block_next is the block walked after this one (its K is copied during this step), -1 for none;
@@ -121,25 +140,37 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         warp_gemm_ss<T::kIsBF16, kMT, kNT, T::kHeadDim, false, false>(s, a_frag_ptr<TileQ, false>(sQ, warp_m0, 0, lane),
                                                                        b_frag_ptr<TileKV, false>(sK, 0, 0, lane));
 
-        // Mask keys past the end and, when causal, keys right of the diagonal.
+        if constexpr (T::kScoreMods)  // softcap, ALiBi (before the masks)
+            apply_score_mods(s, p.softcap_scale, p.softcap_unscale, alibi_scaled, m0 + warp_m0, n0, seqlen_k - seqlen_q,
+                             lane);
+
+        // Mask keys past the end and, when causal, keys right of the diagonal (local: outside the window).
         if constexpr (kMask) {
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     const int row = m0 + warp_m0 + mt * 16 + g + 8 * hf;
-                    const int col_end = T::kIsCausal ? min_(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
+                    int col_end = T::kIsCausal ? min_(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
+                    int col_begin = 0;
+                    if constexpr (T::kScoreMods) {
+                        if (!T::kIsCausal && p.window_right >= 0)
+                            col_end = min_(col_end, row + 1 + seqlen_k - seqlen_q + p.window_right);
+                        if (p.window_left >= 0) col_begin = row + seqlen_k - seqlen_q - p.window_left;
+                    }
 #pragma unroll
                     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            if (n0 + nt * 8 + 2 * t + e >= col_end) s[mt][nt][2 * hf + e] = -infinity();
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = n0 + nt * 8 + 2 * t + e;
+                            if (col >= col_end || (T::kScoreMods && col < col_begin)) s[mt][nt][2 * hf + e] = -infinity();
+                        }
                 }
         }
 
         cp_async_wait<0>();
         __syncthreads();  // V[n] landed; every warp is done with K[n]
-        if (T::kIsBlockSparse ? n_block_next >= 0 : n_block > 0) {
+        if (T::kIsBlockSparse ? n_block_next >= 0 : n_block > n_block_min) {
             const int n0_next = T::kIsBlockSparse ? n_block_next * kBlockN : n0 - kBlockN;
             load_tile_async<TileKV, T::kNThreads>(sK, k + n0_next * p.k_row_stride, p.k_row_stride,
                                                   seqlen_k - n0_next, p.head_dim, tid);
@@ -177,10 +208,26 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         }
     };
     auto needs_mask = [&](int n_block) {
-        return tile_needs_mask<T::kIsCausal, kBlockN>(m0, n_block * kBlockN, seqlen_q, seqlen_k);
+        const int n0 = n_block * kBlockN;
+        bool mask = tile_needs_mask<T::kIsCausal, kBlockN>(m0, n0, seqlen_q, seqlen_k);
+        if constexpr (T::kScoreMods) {  // some row's window starts inside the tile or ends before its last key
+            const int offset = seqlen_k - seqlen_q;
+            const int last_row = min_(seqlen_q, m0 + kBlockM) - 1;
+            mask = mask || (p.window_left >= 0 && last_row + offset - p.window_left > n0) ||
+                   (!T::kIsCausal && p.window_right >= 0 && n0 + kBlockN - 1 > m0 + offset + p.window_right);
+        }
+        return mask;
     };
-    // (dense: n_block_max - 1 spelled out -- through first_block ptxas spilled 16 B in the Hopper forward)
-    walk_key_blocks<T::kIsBlockSparse>(T::kIsBlockSparse ? first_block : n_block_max - 1, walk, needs_mask, step);
+    if constexpr (T::kScoreMods) {  // masked tiles at both edges of the window, unmasked ones between
+        for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+            if (needs_mask(n_block)) step(n_block, -1, BoolConstant<true>{});
+            else step(n_block, -1, BoolConstant<false>{});
+        }
+    } else {
+        // (dense: n_block_max - 1 spelled out -- through first_block ptxas spilled 16 B in the Hopper forward)
+        walk_key_blocks<T::kIsBlockSparse>(T::kIsBlockSparse ? first_block : n_block_max - 1, walk, needs_mask,
+                                           step);
+    }
 
     // Epilogue: out = O / l, lse = m * scale + ln(l); staged through Q's shared tile for 16-byte stores.
     cp_async_wait<0>();

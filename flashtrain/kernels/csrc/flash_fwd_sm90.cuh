@@ -64,8 +64,11 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kSeparateO_, bool kIsBF16_, bool kIsCausal_,
-          bool kIsDropout_, bool kIsBlockSparse_, int kQBuffers_ = 1>
+          bool kIsDropout_, bool kIsBlockSparse_, int kQBuffers_ = 1, bool kScoreMods_ = false>
 struct FwdSm90Traits {
+    // the local window, softcap and ALiBi of the call's parameters (flash.h), each off when unset (issue 20)
+    static constexpr bool kScoreMods = kScoreMods_;
+    static_assert(!(kScoreMods_ && kIsBlockSparse_), "score modifications and a block mask are not combined");
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
     // Q buffers: with two, the producer copies the next tile's Q (and its tile record) into the other buffer as soon
     // as the tile before this one has released it, instead of after this tile's last S GEMM; the consumers' flow is
@@ -94,7 +97,7 @@ struct FwdSm90Traits {
 #ifndef FT_CAUSAL_SHIFT
 #define FT_CAUSAL_SHIFT 1
 #endif
-    static constexpr bool kShiftRows = FT_CAUSAL_SHIFT && kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_;
+    static constexpr bool kShiftRows = FT_CAUSAL_SHIFT && kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_ && !kScoreMods_;
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
                   "a block-sparse mask block must be a whole number of tiles");
     static constexpr int kNConsumers = kBlockM / 64;           // consumer warpgroups, 64 query rows each
@@ -136,19 +139,31 @@ struct FwdSm90Traits {
 template <class T> struct KeyBlockWalk {
     SparseWalkDesc<kBlockSparseSize / T::kBlockN> sparse;
     int n_block;
-    __device__ __forceinline__ KeyBlockWalk(const FwdParams& p, int head, int m0, int n_block_max) {
+    int n_block_min;  // kScoreMods: the window's first key block (the walk ends below it)
+    __device__ __forceinline__ KeyBlockWalk(const FwdParams& p, int head, int m0, int n_block_max,
+                                            int n_block_min_ = 0) {
+        n_block_min = n_block_min_;
         if constexpr (T::kIsBlockSparse) {
             sparse.init(p.bs_rows + head * p.bs_rows_head_stride + (i64)(m0 / kBlockSparseSize) * (p.bs_n_kblocks + 1));
             n_block = sparse.skip_to_below(n_block_max);
         } else {
             n_block = n_block_max - 1;
+            if constexpr (T::kScoreMods) n_block = n_block >= n_block_min ? n_block : -1;
         }
     }
     __device__ __forceinline__ int next() {
         n_block = T::kIsBlockSparse ? sparse.next() : n_block - 1;
+        if constexpr (T::kScoreMods) n_block = n_block >= n_block_min ? n_block : -1;
         return n_block;
     }
 };
+
+// kScoreMods: the first key block of a query block's local window (0 without a left bound).
+template <class T> __device__ __forceinline__ int window_block_min(const FwdParams& p, int m0, int seqlen_q,
+                                                                    int seqlen_k) {
+    if (!T::kScoreMods || p.window_left < 0) return 0;
+    return max_(m0 + seqlen_k - seqlen_q - p.window_left, 0) / T::kBlockN;
+}
 
 // One tile = kBlockM query rows of one (batch, head). The grid is persistent (at most one CTA per SM): CTA c starts
 // with tile c and takes its next tiles from a global atomic counter (dynamic: causal and varlen tiles differ in work),
@@ -183,6 +198,12 @@ template <class T> __device__ __forceinline__ bool fwd_tile(const FwdParams& p, 
     if constexpr (T::kIsCausal) {
         const int last_visible = min_(x.seqlen_q, x.m0 + T::kBlockM) + x.seqlen_k - x.seqlen_q;  // exclusive
         x.n_block_max = min_(x.n_block_max, ceil_div(max_(last_visible, 0), T::kBlockN));
+    }
+    if constexpr (T::kScoreMods && !T::kIsCausal) {  // a window's right bound, as causal's
+        if (p.window_right >= 0) {
+            const int last_visible = min_(x.seqlen_q, x.m0 + T::kBlockM) + x.seqlen_k - x.seqlen_q + p.window_right;
+            x.n_block_max = min_(x.n_block_max, ceil_div(max_(last_visible, 0), T::kBlockN));
+        }
     }
     return x.m0 < x.seqlen_q;  // varlen: blocks past a short sequence's end do nothing
 }
@@ -273,7 +294,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 for (int cb = 0; cb < T::kColBlocks; ++cb)
                     tma_load_4d(sQ + cb * kBlockM * 128, &params.tma_q, full_q(qb), cb * 64, x.q_start + x.m0, x.head,
                                 batch_coord);
-                KeyBlockWalk<T> walk(p, x.head, x.m0, x.n_block_max);
+                KeyBlockWalk<T> walk(p, x.head, x.m0, x.n_block_max,
+                                     window_block_min<T>(p, x.m0, x.seqlen_q, x.seqlen_k));
                 for (; walk.n_block >= 0; walk.next(), ++it) {
                     const int stage = it % kStages;
                     const u32 parity = ((it / kStages) & 1) ^ 1;  // the first pass finds every stage empty
@@ -378,6 +400,24 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         auto mask = [&](auto& s, int n_block) {
             constexpr int kTiles = sizeof(s) / sizeof(s[0]);
             const int n0 = n_block * kBlockN;
+            if constexpr (T::kScoreMods) {  // the window's two bounds (causal: the right one is the diagonal)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int row = m0 + row0 + g + 8 * hf;
+                    int col_end = T::kIsCausal ? min_(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
+                    if (!T::kIsCausal && p.window_right >= 0)
+                        col_end = min_(col_end, row + 1 + seqlen_k - seqlen_q + p.window_right);
+                    const int col_begin = p.window_left >= 0 ? row + seqlen_k - seqlen_q - p.window_left : 0;
+#pragma unroll
+                    for (int nt = 0; nt < kTiles; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = n0 + nt * 8 + 2 * t + e;
+                            if (col >= col_end || col < col_begin) s[nt][2 * hf + e] = -infinity();
+                        }
+                }
+                return;
+            }
             if constexpr (T::kIsCausal && FT_FWD_MASK_SHARED) {
                 // (FT_FWD_MASK_SHARED=1) Row g + 8 sees 8 more keys than row g, so its test for n8 tile nt is row g's
                 // for tile nt - 1: one compare per score pair of the two rows instead of two (104 SASS instructions
@@ -419,10 +459,26 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             }
         };
         auto needs_mask = [&](int n_block) {
+            if constexpr (T::kScoreMods) {  // also where some row's window starts inside the block or ends before it
+                const int n0 = n_block * kBlockN, offset = seqlen_k - seqlen_q;
+                const int last_row = min_(seqlen_q, m0 + kBlockM) - 1;
+                return tile_needs_mask<T::kIsCausal, kBlockN>(m0, n0, seqlen_q, seqlen_k) ||
+                       (p.window_left >= 0 && last_row + offset - p.window_left > n0) ||
+                       (!T::kIsCausal && p.window_right >= 0 && n0 + kBlockN - 1 > m0 + offset + p.window_right);
+            }
             return tile_needs_mask<T::kIsCausal, kBlockN>(m0, n_block * kBlockN, seqlen_q, seqlen_k);
         };
+        // kScoreMods: softcap and ALiBi on a block's scores, before its masks
+        const float alibi_scaled = T::kScoreMods && p.alibi_slopes != nullptr
+                                       ? p.alibi_slopes[x.batch * p.alibi_batch_stride + x.head] / p.softmax_scale
+                                       : 0.f;
+        auto score_mods = [&](auto& s, int n_block) {
+            if constexpr (T::kScoreMods)
+                apply_score_mods(s, p.softcap_scale, p.softcap_unscale, alibi_scaled, m0 + row0, n_block * kBlockN,
+                                 seqlen_k - seqlen_q, lane);
+        };
 
-        KeyBlockWalk<T> walk(p, x.head, m0, x.n_block_max);
+        KeyBlockWalk<T> walk(p, x.head, m0, x.n_block_max, window_block_min<T>(p, m0, seqlen_q, seqlen_k));
         FT_TIMELINE_PUT(wg, tile_iter, 6, (unsigned long long)it);
         // A consumer whose 64 rows all lie past the sequence end (the partial last tile of 192-row tiles at S = 512 /
         // 1K; varlen) computes nothing: it only keeps the stage rings and the turns in step. (H200, each its own
@@ -465,6 +521,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     mbar_arrive(empty_k(stage));
                     if (last) mbar_arrive(empty_qb);
                 }
+                score_mods(s, n_block);
                 if (needs_mask(n_block)) mask(s, n_block);
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) softmax_exp_row(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
@@ -501,6 +558,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     mbar_arrive(empty_k(stage));
                     if (last) mbar_arrive(empty_qb);
                 }
+                score_mods(s, n_block);
                 if constexpr (kMask) mask(s, n_block);
                 float correction[2];
 #pragma unroll

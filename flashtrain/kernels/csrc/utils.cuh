@@ -38,6 +38,11 @@ __device__ __forceinline__ float fast_log2(float x) {
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+__device__ __forceinline__ float fast_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 __device__ __forceinline__ float fmax_(float a, float b) {
     float y;
     asm("max.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
@@ -579,6 +584,39 @@ __device__ __forceinline__ void walk_key_blocks(int first_block, Walk& walk, con
         for (; n_block >= 0; --n_block) step(n_block, -1, BoolConstant<false>{});
     }
 }
+// Score modifications of the FT_SCORE_MODS kernels (flash.h FwdParams, issue 20), on a warp's S fragment s[kMT][kNT][4]
+// (mma layout: element (mt, nt, e) is row row0 + mt * 16 + g + 8 * (e / 2), column col0 + nt * 8 + 2 * t + e % 2), in
+// raw q.k units: softcap s -> softcap_unscale * tanh(s * softcap_scale), then ALiBi s -= slope / scale * |i + offset - j|
+// (alibi_scaled: slope / softmax_scale of this (batch, head); 0: none). Each off when its parameter is 0.
+// One warp's m16 rows: s[kNT][4] (also the wgmma accumulator of a warp's 16 rows), rows row0 + g, row0 + g + 8.
+template <int kNT>
+__device__ __forceinline__ void apply_score_mods(float (&s)[kNT][4], float softcap_scale, float softcap_unscale,
+                                                 float alibi_scaled, int row0, int col0, int offset, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    if (softcap_scale != 0.f) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] = softcap_unscale * fast_tanh(s[nt][e] * softcap_scale);
+    }
+    if (alibi_scaled != 0.f) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int distance = row0 + g + 8 * (e >> 1) + offset - (col0 + nt * 8 + 2 * t + (e & 1));
+                s[nt][e] -= alibi_scaled * (float)(distance < 0 ? -distance : distance);
+            }
+    }
+}
+template <int kMT, int kNT>
+__device__ __forceinline__ void apply_score_mods(float (&s)[kMT][kNT][4], float softcap_scale, float softcap_unscale,
+                                                 float alibi_scaled, int row0, int col0, int offset, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+        apply_score_mods(s[mt], softcap_scale, softcap_unscale, alibi_scaled, row0 + mt * 16, col0, offset, lane);
+}
+
 // lse = m * scale + ln(l) of a row finish_row returned l for; -inf for a row with no visible key.
 __device__ __forceinline__ float row_lse(float sum, float row_max, float softmax_scale) {
     return !(sum > 0.f) ? -infinity() : row_max * softmax_scale + fast_log2(sum) / kLog2e;

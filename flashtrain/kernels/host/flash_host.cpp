@@ -18,8 +18,8 @@
 // _bwd_plan (defined here, implemented in ops.py) and keeps the result.
 //
 // The tensor arguments, in the order plans index them ("input i"):
-//   forward   q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, bs_cols
-//   backward  dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols
+//   forward   q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, bs_cols, alibi_slopes
+//   backward  dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols, alibi_slopes
 // A None argument has address 0.
 //
 // The CUDA driver is reached through dlopen("libcuda.so.1") with the few prototypes it uses declared below, and the
@@ -266,12 +266,14 @@ bool sm90_disabled() {
 }
 
 Key call_key(const std::vector<Tensor>& inputs, int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
-             double softmax_scale, bool causal, bool deterministic) {
+             double softmax_scale, bool causal, bool deterministic, int64_t window_left, int64_t window_right,
+             double softcap) {
     Key key;
     key.reserve(96);
     for (const Tensor& x : inputs) push_tensor(key, x);
     key.insert(key.end(), {inputs[0].is_cuda() ? inputs[0].get_device() : -1, max_seqlen_q, max_seqlen_k,
-                           bits(dropout_p), bits(softmax_scale), causal, deterministic, sm90_disabled()});
+                           bits(dropout_p), bits(softmax_scale), causal, deterministic, sm90_disabled(), window_left,
+                           window_right, bits(softcap)});
     return key;
 }
 
@@ -461,22 +463,26 @@ std::tuple<Tensor, Tensor> fwd_kernel(const Tensor& q_in, const Tensor& k_in, co
                                       const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
                                       c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, double dropout_p,
                                       double softmax_scale, bool causal, const OptTensor& rng_state,
-                                      bool deterministic, const OptTensor& bs_rows, const OptTensor& bs_cols) {
+                                      bool deterministic, const OptTensor& bs_rows, const OptTensor& bs_cols,
+                                      int64_t window_left, int64_t window_right, double softcap,
+                                      const OptTensor& alibi_slopes) {
     check_device(q_in);
     const std::vector<Tensor> inputs = {aligned(q_in), aligned(k_in), aligned(v_in),
                                         contiguous_or_undefined(cu_seqlens_q), contiguous_or_undefined(cu_seqlens_k),
                                         undefined_if_none(rng_state), undefined_if_none(bs_rows),
-                                        undefined_if_none(bs_cols)};
+                                        undefined_if_none(bs_cols), undefined_if_none(alibi_slopes)};
     const int64_t max_q = max_seqlen_q.expect_int(), max_k = max_seqlen_k.expect_int();
-    const Key key = call_key(inputs, max_q, max_k, dropout_p, softmax_scale, causal, deterministic);
+    const Key key = call_key(inputs, max_q, max_k, dropout_p, softmax_scale, causal, deterministic, window_left,
+                             window_right, softcap);
     auto plan = find_plan(0, key);
     if (plan == nullptr) {
         plan = remember(0, key, parse_plan(call_builder<const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
                                                         const OptTensor&, int64_t, int64_t, double, double, bool,
-                                                        const OptTensor&, bool, const OptTensor&, const OptTensor&>(
+                                                        const OptTensor&, bool, const OptTensor&, const OptTensor&,
+                                                        int64_t, int64_t, double, const OptTensor&>(
             "flashtrain::_fwd_plan", inputs[0], inputs[1], inputs[2], optional_of(inputs[3]),
             optional_of(inputs[4]), max_q, max_k, dropout_p, softmax_scale, causal, optional_of(inputs[5]), deterministic, optional_of(inputs[6]),
-            optional_of(inputs[7]))));
+            optional_of(inputs[7]), window_left, window_right, softcap, optional_of(inputs[8]))));
     }
     auto outputs = execute(*plan, inputs);
     return {outputs[0], outputs[1]};
@@ -487,22 +493,27 @@ std::tuple<Tensor, Tensor, Tensor> bwd_kernel(const Tensor& dout, const Tensor& 
                                               const OptTensor& cu_seqlens_k, c10::SymInt max_seqlen_q,
                                               c10::SymInt max_seqlen_k, double dropout_p, double softmax_scale,
                                               bool causal, const OptTensor& rng_state, bool deterministic,
-                                              const OptTensor& bs_cols) {
+                                              const OptTensor& bs_cols, int64_t window_left, int64_t window_right,
+                                              double softcap, const OptTensor& alibi_slopes) {
     check_device(q);
     const std::vector<Tensor> inputs = {aligned(dout), aligned(q), aligned(k), aligned(v), aligned(out), lse,
                                         contiguous_or_undefined(cu_seqlens_q), contiguous_or_undefined(cu_seqlens_k),
-                                        undefined_if_none(rng_state), undefined_if_none(bs_cols)};
+                                        undefined_if_none(rng_state), undefined_if_none(bs_cols),
+                                        undefined_if_none(alibi_slopes)};
     const int64_t max_q = max_seqlen_q.expect_int(), max_k = max_seqlen_k.expect_int();
-    const Key key = call_key(inputs, max_q, max_k, dropout_p, softmax_scale, causal, deterministic);
+    const Key key = call_key(inputs, max_q, max_k, dropout_p, softmax_scale, causal, deterministic, window_left,
+                             window_right, softcap);
     auto plan = find_plan(1, key);
     if (plan == nullptr) {
         plan = remember(1, key, parse_plan(call_builder<const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                         const Tensor&, const Tensor&, const OptTensor&,
                                                         const OptTensor&, int64_t, int64_t, double, double, bool,
-                                                        const OptTensor&, bool, const OptTensor&>(
+                                                        const OptTensor&, bool, const OptTensor&, int64_t, int64_t,
+                                                        double, const OptTensor&>(
             "flashtrain::_bwd_plan", inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
             optional_of(inputs[6]), optional_of(inputs[7]), max_q, max_k, dropout_p, softmax_scale, causal,
-            optional_of(inputs[8]), deterministic, optional_of(inputs[9]))));
+            optional_of(inputs[8]), deterministic, optional_of(inputs[9]), window_left, window_right, softcap,
+            optional_of(inputs[10]))));
     }
     auto outputs = execute(*plan, inputs);
     return {outputs[0], outputs[1], outputs[2]};
@@ -511,10 +522,12 @@ std::tuple<Tensor, Tensor, Tensor> bwd_kernel(const Tensor& dout, const Tensor& 
 // ------------------------------------------------------------------------------------------------ autograd
 // The forward's arguments other than q, k, v (no gradient flows to them).
 struct Options {
-    OptTensor cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, bs_cols;
+    OptTensor cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, bs_cols, alibi_slopes;
     c10::SymInt max_seqlen_q, max_seqlen_k;
     double dropout_p, softmax_scale;
     bool causal, deterministic;
+    int64_t window_left, window_right;
+    double softcap;
 };
 
 c10::TypedOperatorHandle<decltype(fwd_kernel)>& fwd_op() {
@@ -537,16 +550,20 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
         at::AutoDispatchBelowADInplaceOrView below_autograd;
         auto [out, lse] = fwd_op().call(q, k, v, o.cu_seqlens_q, o.cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k,
                                         o.dropout_p, o.softmax_scale, o.causal, o.rng_state, o.deterministic,
-                                        o.bs_rows, o.bs_cols);
+                                        o.bs_rows, o.bs_cols, o.window_left, o.window_right, o.softcap,
+                                        o.alibi_slopes);
         ctx->save_for_backward({q, k, v, out, lse, undefined_if_none(o.cu_seqlens_q),
                                 undefined_if_none(o.cu_seqlens_k), undefined_if_none(o.rng_state),
-                                undefined_if_none(o.bs_cols)});
+                                undefined_if_none(o.bs_cols), undefined_if_none(o.alibi_slopes)});
         ctx->saved_data["max_seqlen_q"] = o.max_seqlen_q;
         ctx->saved_data["max_seqlen_k"] = o.max_seqlen_k;
         ctx->saved_data["dropout_p"] = o.dropout_p;
         ctx->saved_data["softmax_scale"] = o.softmax_scale;
         ctx->saved_data["causal"] = o.causal;
         ctx->saved_data["deterministic"] = o.deterministic;
+        ctx->saved_data["window_left"] = o.window_left;
+        ctx->saved_data["window_right"] = o.window_right;
+        ctx->saved_data["softcap"] = o.softcap;
         ctx->mark_non_differentiable({lse});
         ctx->set_materialize_grads(false);  // lse's gradient stays undefined (no zero tensor per call)
         return {out, lse};
@@ -562,7 +579,9 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
         auto [dq, dk, dv] = bwd_op().call(
             dout, q, k, v, out, lse, optional_of(saved[5]), optional_of(saved[6]), data["max_seqlen_q"].toSymInt(),
             data["max_seqlen_k"].toSymInt(), data["dropout_p"].toDouble(), data["softmax_scale"].toDouble(),
-            data["causal"].toBool(), optional_of(saved[7]), data["deterministic"].toBool(), optional_of(saved[8]));
+            data["causal"].toBool(), optional_of(saved[7]), data["deterministic"].toBool(), optional_of(saved[8]),
+            data["window_left"].toInt(), data["window_right"].toInt(), data["softcap"].toDouble(),
+            optional_of(saved[9]));
         return {dq, dk, dv, Tensor()};
     }
 };
@@ -571,14 +590,18 @@ std::tuple<Tensor, Tensor> fwd_autograd(const Tensor& q, const Tensor& k, const 
                                         const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
                                         c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, double dropout_p,
                                         double softmax_scale, bool causal, const OptTensor& rng_state,
-                                        bool deterministic, const OptTensor& bs_rows, const OptTensor& bs_cols) {
+                                        bool deterministic, const OptTensor& bs_rows, const OptTensor& bs_cols,
+                                        int64_t window_left, int64_t window_right, double softcap,
+                                        const OptTensor& alibi_slopes) {
     if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
         at::AutoDispatchBelowADInplaceOrView below_autograd;  // nothing to record (e.g. under torch.no_grad)
         return fwd_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k),
-                             dropout_p, softmax_scale, causal, rng_state, deterministic, bs_rows, bs_cols);
+                             dropout_p, softmax_scale, causal, rng_state, deterministic, bs_rows, bs_cols, window_left,
+                             window_right, softcap, alibi_slopes);
     }
-    Options options{cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, bs_cols, std::move(max_seqlen_q),
-                    std::move(max_seqlen_k), dropout_p, softmax_scale, causal, deterministic};
+    Options options{cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, bs_cols, alibi_slopes, std::move(max_seqlen_q),
+                    std::move(max_seqlen_k), dropout_p, softmax_scale, causal, deterministic, window_left,
+                    window_right, softcap};
     auto outputs = FlashAttnFunction::apply(q, k, v, options);
     return {outputs[0], outputs[1]};
 }
@@ -611,17 +634,21 @@ void clear_plans() {
 TORCH_LIBRARY(flashtrain, m) {
     m.def("flash_attn_fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
           "SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, float softmax_scale, bool causal, "
-          "Tensor? rng_state, bool deterministic, Tensor? bs_rows=None, Tensor? bs_cols=None) -> (Tensor, Tensor)");
+          "Tensor? rng_state, bool deterministic, Tensor? bs_rows=None, Tensor? bs_cols=None, int window_left=-1, "
+          "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor)");
     m.def("flash_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
           "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, float softmax_scale, "
-          "bool causal, Tensor? rng_state, bool deterministic, Tensor? bs_cols=None) -> (Tensor, Tensor, Tensor)");
+          "bool causal, Tensor? rng_state, bool deterministic, Tensor? bs_cols=None, int window_left=-1, "
+          "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");
     // the plan builders (implemented in Python, ops.py): the flat launch plan of a call
     m.def("_fwd_plan(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
           "int max_seqlen_k, float dropout_p, float softmax_scale, bool causal, Tensor? rng_state, "
-          "bool deterministic, Tensor? bs_rows, Tensor? bs_cols) -> int[]");
+          "bool deterministic, Tensor? bs_rows, Tensor? bs_cols, int window_left, int window_right, "
+          "float softcap, Tensor? alibi_slopes) -> int[]");
     m.def("_bwd_plan(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
           "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float dropout_p, float softmax_scale, "
-          "bool causal, Tensor? rng_state, bool deterministic, Tensor? bs_cols) -> int[]");
+          "bool causal, Tensor? rng_state, bool deterministic, Tensor? bs_cols, int window_left, "
+          "int window_right, float softcap, Tensor? alibi_slopes) -> int[]");
     m.def("_record_launches(bool on) -> ()", &flashtrain_host::record_launches);
     m.def("_recorded_launches() -> Tensor[]", &flashtrain_host::recorded_launches);
     m.def("_clear_plans() -> ()", &flashtrain_host::clear_plans);

@@ -1,0 +1,214 @@
+"""Attention features (issue 20) against FlexAttention and against plain attention, in one process on one GPU.
+
+Rows (bf16, causal, 16 heads of 128 unless stated): a sliding window of 1024 keys at 16K tokens; softcap 30 at 4K;
+ALiBi (geometric slopes) at 4K; head dim 512 at 4K (4 heads); a document mask at 16K tokens of 8 documents. Each row
+times three implementations, interleaved (attention.time_passes_interleaved):
+
+  flashtrain   flash_attn_func with the feature (window_size, softcap, alibi_slopes; the document mask as
+               flash_attn_varlen_func over the documents), impl="cuda"
+  flex         torch.compile(flex_attention) with the same score_mod / mask_mod and the BlockMask of the mask
+               (built once, outside the timed calls)
+  plain        flashtrain's plain causal attention of the same shape: what a kernel without the feature computes
+               (the window's "dense causal" time)
+
+FLOPs count the (query, key) pairs each row computes exactly (4 * pairs * head_dim per head forward; backward 2.5x),
+so TFLOP/s compare work per computed block: the feature against plain attention (issue 20: within 10% for softcap,
+ALiBi and the window), flashtrain against FlexAttention (>= 1.0 forward and forward+backward), and for the window the
+time of plain causal attention over the window's (>= 8x at 16K).
+
+    python benchmarks/attention_features.py --out benchmarks/results/attention_features-<gpu>.json
+    python benchmarks/attention.py --workloads     # also runs these rows (the JSON's "features")
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from flashtrain.kernels import flash_attn_func, flash_attn_varlen_func
+
+RESULTS = Path(__file__).resolve().parent / "results"
+IMPLS = ("flashtrain", "flex", "plain")
+
+
+@dataclass(frozen=True)
+class FeatureRow:
+    name: str
+    batch: int
+    seqlen: int
+    nheads: int
+    head_dim: int
+    window: int = -1  # keys before each query (causal sliding window); -1: none
+    softcap: float = 0.0
+    alibi: bool = False
+    documents: int = 0  # equal documents packed in each sequence (causal inside each); 0: one
+
+    def pairs(self) -> int:
+        """(query, key) pairs computed per (sequence, head): causal, cut by the window / the documents."""
+        def causal(n: int, w: int) -> int:  # sum over queries i < n of min(i, w) + 1
+            if w < 0 or w >= n - 1:
+                return n * (n + 1) // 2
+            return (w + 1) * (w + 2) // 2 + (n - w - 1) * (w + 1)
+        if self.documents:
+            return self.documents * causal(self.seqlen // self.documents, -1)
+        return causal(self.seqlen, self.window)
+
+    def fwd_flops(self) -> float:
+        return 4.0 * self.batch * self.nheads * self.pairs() * self.head_dim
+
+    def plain_fwd_flops(self) -> float:
+        return 4.0 * self.batch * self.nheads * self.seqlen * (self.seqlen + 1) // 2 * self.head_dim
+
+
+def feature_rows() -> list[FeatureRow]:
+    return [
+        FeatureRow("window 1024 at 16K", 1, 16384, 16, 128, window=1024),
+        FeatureRow("softcap 30 at 4K", 4, 4096, 16, 128, softcap=30.0),
+        FeatureRow("ALiBi at 4K", 4, 4096, 16, 128, alibi=True),
+        FeatureRow("head dim 512 at 4K", 4, 4096, 4, 512),
+        FeatureRow("document mask 16K (8 documents)", 1, 16384, 16, 128, documents=8),
+    ]
+
+
+def alibi_slopes(nheads: int, device) -> torch.Tensor:
+    """ALiBi's geometric slopes 2^(-8 (h + 1) / nheads), float32."""
+    return torch.tensor([2 ** (-8 * (h + 1) / nheads) for h in range(nheads)], device=device, dtype=torch.float32)
+
+
+def flex_mods(row: FeatureRow, device):
+    """(score_mod or None, mask_mod) of FlexAttention computing the same attention as flashtrain's row."""
+    slopes = alibi_slopes(row.nheads, device) if row.alibi else None
+    doc_len = row.seqlen // row.documents if row.documents else 0
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        visible = q_idx >= kv_idx
+        if row.window >= 0:
+            visible = visible & (q_idx - kv_idx <= row.window)
+        if doc_len:
+            visible = visible & (q_idx // doc_len == kv_idx // doc_len)
+        return visible
+
+    def capped_and_biased(score, b, h, q_idx, kv_idx):  # flashtrain's order: softcap, then ALiBi
+        if row.softcap:
+            score = row.softcap * torch.tanh(score / row.softcap)
+        if slopes is not None:
+            score = score - slopes[h] * (q_idx - kv_idx).abs()
+        return score
+    return (capped_and_biased if row.softcap or row.alibi else None), mask_mod
+
+
+def flashtrain_fn(row: FeatureRow, device, impl: str = "cuda"):
+    """fn(q, k, v) of flashtrain for the row; q, k, v (batch, seqlen, nheads, head_dim)."""
+    if row.documents:
+        lengths = torch.full((row.batch * row.documents,), row.seqlen // row.documents, device=device)
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        doc_len = row.seqlen // row.documents
+
+        def documents(q, k, v):
+            packed = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+            out = flash_attn_varlen_func(*packed, cu, cu, doc_len, doc_len, causal=True, impl=impl)
+            return out.view(q.shape)
+        return documents
+    options = {}
+    if row.window >= 0:
+        options["window_size"] = (row.window, 0)
+    if row.softcap:
+        options["softcap"] = row.softcap
+    if row.alibi:
+        options["alibi_slopes"] = alibi_slopes(row.nheads, device)
+    return lambda q, k, v: flash_attn_func(q, k, v, causal=True, impl=impl, **options)
+
+
+def flex_fn(row: FeatureRow, device, compile_flex: bool = True):
+    """fn(q, k, v) of FlexAttention for the row; q, k, v (batch, seqlen, nheads, head_dim) (transposed inside)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    score_mod, mask_mod = flex_mods(row, device)
+    block_mask = create_block_mask(mask_mod, None, None, row.seqlen, row.seqlen, device=device)
+    attend = torch.compile(flex_attention) if compile_flex else flex_attention
+
+    def fn(q, k, v):
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
+                     block_mask=block_mask)
+        return out.transpose(1, 2)
+    return fn
+
+
+def case(impl: str, row: FeatureRow, device):
+    """(fn, (q, k, v), dout) of one implementation."""
+    gen = torch.Generator(device).manual_seed(0)
+    shape = (row.batch, row.seqlen, row.nheads, row.head_dim)
+    q, k, v, dout = (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    if impl == "flashtrain":
+        fn = flashtrain_fn(row, device)
+    elif impl == "flex":
+        fn = flex_fn(row, device)
+    else:
+        fn = lambda q, k, v: flash_attn_func(q, k, v, causal=True, impl="cuda")  # noqa: E731
+    return fn, (q, k, v), dout
+
+
+def add_ratios(row: dict, passes) -> None:
+    for kind, _ in passes:
+        ft, flex, plain = (row.get(f"{impl}_{kind}") for impl in IMPLS)
+        row[f"vs_flex_{kind}"] = round(ft / flex, 3) if ft and flex else None
+        row[f"vs_plain_tflops_{kind}"] = round(ft / plain, 3) if ft and plain else None  # work per computed block
+        ft_ms, plain_ms = row.get(f"flashtrain_{kind}_ms"), row.get(f"plain_{kind}_ms")
+        row[f"speedup_over_plain_{kind}"] = round(plain_ms / ft_ms, 2) if ft_ms and plain_ms else None
+
+
+def run(repeats: int, rounds: int) -> list[dict]:
+    import attention  # the sibling benchmark's timers and PASSES
+
+    device = torch.device("cuda")
+    out = []
+    for row in feature_rows():
+        record = {**asdict(row), "pairs": row.pairs(), "fwd_gflop": round(row.fwd_flops() / 1e9, 2)}
+        for _ in range(rounds):
+            cases = {impl: case(impl, row, device) for impl in IMPLS}
+            for impl, times in attention.time_passes_interleaved(cases, repeats, row.name).items():
+                attention.keep_best(record, impl, times, row.plain_fwd_flops() if impl == "plain" else row.fwd_flops())
+            del cases
+        add_ratios(record, attention.PASSES)
+        out.append(record)
+        print(f"{row.name:<34} " + "  ".join(
+            f"{kind}: ft {record.get(f'flashtrain_{kind}') or '-'} flex {record.get(f'flex_{kind}') or '-'} "
+            f"plain {record.get(f'plain_{kind}') or '-'} TFLOP/s (x{record[f'vs_flex_{kind}']} flex)"
+            for kind in ("fwd", "fb")), flush=True)
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| row | fwd TFLOP/s ft / flex / plain | fwd / flex | fwd+bwd / flex | ft / plain TFLOP/s (fwd+bwd) | "
+             "time plain / ft (fwd+bwd) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = " / ".join(str(r.get(f"{impl}_fwd") or "-") for impl in IMPLS)
+        lines.append(f"| {r['name']} | {cells} | {r['vs_flex_fwd'] or '-'} | {r['vs_flex_fb'] or '-'} | "
+                     f"{r['vs_plain_tflops_fb'] or '-'} | {r['speedup_over_plain_fb'] or '-'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path")
+    args = parser.parse_args()
+    gpu = torch.cuda.get_device_name()
+    env = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    rows = run(args.repeats, args.rounds)
+    out = args.out or RESULTS / f"attention_features-{gpu.replace(' ', '_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    print(f"wrote {out}\n\n{markdown(rows)}")
+
+
+if __name__ == "__main__":
+    main()
