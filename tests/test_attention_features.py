@@ -216,5 +216,9 @@ def test_the_feature_benchmark_compares_like_with_like(monkeypatch):
         assert torch.allclose(got, expected, atol=2e-5), (row.name, (got - expected).abs().max())
         _, mask_mod = bench.flex_mods(small, cpu)
         i = torch.arange(256)
-        assert int(mask_mod(0, 0, i[:, None], i[None, :]).sum()) == small.pairs(), row.name
+        visible = mask_mod(0, 0, i[:, None], i[None, :])
+        assert int(visible.sum()) == small.pairs(), row.name
+        tiles = visible.view(256 // 32, 32, 256 // 32, 32).any(dim=3).any(dim=1)  # 32 x 32 tiles holding a pair
+        assert small.computed_tiles(32) == int(tiles.sum()), row.name
     assert bench.feature_rows()[0].pairs() == 1025 * 1026 // 2 + (16384 - 1025) * 1025  # window 1024 at 16K
+    assert bench.feature_rows()[0].computed_tiles() == 36 + 9 * 120  # 128-row tiles: 9 key tiles from the 9th

@@ -277,12 +277,26 @@ SCORE_MODS = [dict(window_size=(100, 50)), dict(window_size=(-1, 7)), dict(windo
               dict(alibi_slopes="batch", softcap=3.0, window_size=(90, 20))]
 
 
+@pytest.mark.parametrize("family", ["default", "mma_sync"])
 @pytest.mark.parametrize("features", SCORE_MODS, ids=[str(f) for f in SCORE_MODS])
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_window_softcap_and_alibi_match_reference(features, head_dim, causal):
-    """The mma.sync score-modification kernels (issue 20): local window, softcap, ALiBi; batch and varlen, GQA,
-    bottom-right alignment."""
+def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, family, monkeypatch):
+    """The score-modification kernels (issue 20): local window, softcap, ALiBi; batch and varlen, GQA, bottom-right
+    alignment, a long sequence (many key blocks outside the window). Both kernel families: on Hopper the default runs
+    the warpgroup-MMA kernels (forward: FWD_SM90_TILES' head dims; backward: 64 / 128), FLASHTRAIN_SM90=0 the mma.sync
+    ones, which every other GPU runs."""
+    from flashtrain.kernels import build
+
+    if family == "mma_sync":
+        if not _is_hopper():
+            pytest.skip("the default family is the mma.sync one here")
+        monkeypatch.setenv("FLASHTRAIN_SM90", "0")
+    elif _is_hopper():  # the warpgroup-MMA kernels are the ones these calls dispatch to
+        fwd = build.fwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True)
+        bwd = build.bwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True)
+        assert (fwd.source == "flash_fwd_sm90.cu") == (head_dim in build.FWD_SM90_TILES)
+        assert (bwd.source == "flash_bwd_sm90.cu") == (head_dim in build.BWD_SM90_MODS_HEAD_DIMS)
     features = dict(features)
     if causal and features.get("window_size", (-1, -1))[1] not in (-1, 0):
         features["window_size"] = (features["window_size"][0], 0)
@@ -293,7 +307,7 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal):
     batch_features = dict(features)
     if "alibi_slopes" in features and features["alibi_slopes"].dim() == 2:
         batch_features["alibi_slopes"] = features["alibi_slopes"][:2]
-    for index, (seqlen_q, seqlen_k) in enumerate([(300, 300), (200, 457), (457, 200), (1, 333)]):
+    for index, (seqlen_q, seqlen_k) in enumerate([(300, 300), (200, 457), (457, 200), (1, 333), (1100, 1100)]):
         q, k, v, dout = _inputs((2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim), torch.bfloat16, seed=index)
         _check_against_reference(q, k, v, dout, causal=causal, features=batch_features)
     lengths_q, lengths_k = [150, 0, 37, 260], [150, 12, 80, 200]

@@ -44,7 +44,8 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_narrow = 2 * 2 * 2  # the hd128 backward with 96 columns of MMA work (head dims 65-96), x dtype x causal x dropout
     hopper_q80 = 2 * 2  # the hd128 backward's other query block (64 rows, or 80 with FLASHTRAIN_BWD_SM90_Q80=0), x dtype
     # x causal
-    hopper_mods = len(build.FWD_SM90_TILES) * 2 * 2  # the forward with score modifications, x dtype x causal
+    # the forward and (head dims 64 / 128) the backward with score modifications, x dtype x causal
+    hopper_mods = (len(build.FWD_SM90_TILES) + len(build.BWD_SM90_MODS_HEAD_DIMS)) * 2 * 2
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
               + hopper_q80 + hopper_mods)
     cross_entropy = len(build.CE_DTYPES)  # the fused cross-entropy, one module per logits dtype

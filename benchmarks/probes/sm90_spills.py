@@ -6,7 +6,8 @@ those outside are the producer warpgroup's roles (24-40 registers) and set-up / 
     PYTHONPATH=$PWD python benchmarks/probes/sm90_spills.py [--kernels bwd:128:causal bwd:64 fwd:64:causal ...]
         [--defines FT_BWD_PRODUCER_REGS=40,...]
 
-A kernel is kind:head_dim[:causal][:dropout][:det] (kind fwd or bwd; det: the deterministic backward). --defines adds
+A kernel is kind:head_dim[:causal][:dropout][:det][:mods] (kind fwd or bwd; det: the deterministic backward; mods: the
+score-modification variant). --defines adds
 macros to every compilation (as FLASHTRAIN_EXTRA_DEFINES does). Needs nvcc and cuobjdump (CUOBJDUMP=path, or on
 PATH; pip's nvidia-cuda-cuobjdump wheel carries one). The Hopper backward's speed moved with its spills' placement by
 up to 10% either way in 2026-11-25's measurements (docs/kernels.md): compare a change's table with the default's
@@ -28,10 +29,15 @@ DEFAULT_KERNELS = ["bwd:64", "bwd:64:causal", "bwd:128", "bwd:128:causal", "bwd:
 
 def kernel_spec(item: str) -> build.KernelSpec:
     kind, head_dim, *flags = item.split(":")
-    unknown = set(flags) - {"causal", "dropout", "det"}
+    unknown = set(flags) - {"causal", "dropout", "det", "mods"}
     if kind not in ("fwd", "bwd") or unknown or (kind == "fwd" and "det" in flags):
-        raise SystemExit(f"--kernels: {item!r} is not kind:head_dim[:causal][:dropout][:det] (det: bwd only)")
+        raise SystemExit(f"--kernels: {item!r} is not kind:head_dim[:causal][:dropout][:det][:mods] (det: bwd only)")
     causal, dropout = "causal" in flags, "dropout" in flags
+    if "mods" in flags:
+        if kind == "fwd":
+            return build._fwd_sm90_spec(int(head_dim), "bf16", causal, False, False,
+                                        build.FWD_SM90_TILES[int(head_dim)], True)
+        return build.bwd_sm90_mods_kernel(int(head_dim), "bf16", causal)
     if kind == "fwd":
         return build.fwd_sm90_kernel(int(head_dim), "bf16", causal, dropout=dropout)
     return build.bwd_sm90_kernel(int(head_dim), "bf16", causal, dropout=dropout, deterministic="det" in flags)

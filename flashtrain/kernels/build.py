@@ -230,6 +230,11 @@ BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
 # TFLOP/s of the 64-query kernel, 1K 341 vs 344; from 2K 1.04-1.11x, above)
 BWD_SM90_Q80_CAUSAL_SEQLEN = 2048
 
+# The Hopper backward's score-modification variant (issue 20): one tile shape per head dim, causal or not. Head dim
+# 128 keeps 64-query blocks: on 80 ptxas serializes the mods kernel's wgmmas (C7512) and spills 120 B (64: 12-40 B).
+BWD_SM90_MODS_TILES = {64: BWD_SM90_TILES[64], 128: BWD_SM90_TILES[128]}
+BWD_SM90_MODS_HEAD_DIMS = tuple(BWD_SM90_MODS_TILES)
+
 
 def bwd_sm90_q80_enabled() -> bool:
     return os.environ.get("FLASHTRAIN_BWD_SM90_Q80", "1") != "0"
@@ -519,8 +524,13 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     the call's own, when smaller); on arch sm_90a the warpgroup-MMA kernel where it exists and fits smem_limit (bytes
     of shared memory per block; None: no limit): head dims 65-96 there run the hd128 tiles with the MMA work of 96
     columns (dense, not deterministic). seqlen_q: the call's (max) query length, which picks the causal hd128 tiles
-    (None: the short ones). score_mods: the mma.sync kernels only so far (SCORE_MODS)."""
+    (None: the short ones). score_mods (SCORE_MODS): the `_mods` variants, on sm_90a the warpgroup-MMA backward at
+    head dims 64 / 128 (not deterministic: flash_bwd.cuh runs that)."""
     if score_mods:
+        if arch == SM90_ARCH and head_dim in BWD_SM90_MODS_HEAD_DIMS and sm90_enabled() and not deterministic:
+            spec = bwd_sm90_mods_kernel(head_dim, dtype, causal)
+            if _fits(spec, smem_limit):
+                return spec
         return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit), True)
     if (arch == SM90_ARCH and not (deterministic and block_sparse) and head_dim in BWD_SM90_TILES and sm90_enabled()
             and BWD_SM90_TILES[head_dim].supports(dropout, block_sparse, deterministic)):
@@ -553,18 +563,29 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
                           head_dim_eff or head_dim)
 
 
+def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool) -> KernelSpec:
+    """The Hopper backward's score-modification variant (window, softcap, ALiBi; dense, no dropout).
+    FLASHTRAIN_BWD_SM90_MODS_Q80=1 (A/B): 80-query blocks at head dim 128."""
+    tiles = BWD_SM90_MODS_TILES[head_dim]
+    if head_dim == 128 and os.environ.get("FLASHTRAIN_BWD_SM90_MODS_Q80") == "1":
+        tiles = BWD_SM90_DENSE128_TILES
+    return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim, True)
+
+
 @functools.lru_cache(maxsize=None)
 def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool, deterministic: bool,
-                   tiles: BwdSm90Tiles, head_dim_eff: int) -> KernelSpec:
+                   tiles: BwdSm90Tiles, head_dim_eff: int, score_mods: bool = False) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
     name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"
-            f"{'_q80' if tiles.swap_dq else ''}")
+            f"{'_q80' if tiles.swap_dq else ''}{'_mods' if score_mods else ''}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
                ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_DETERMINISTIC", int(deterministic)), ("FT_PERSISTENT", int(tiles.persistent)),
                ("FT_SMEM_BYTES", smem_bytes), ("FT_MAX_STREAMS", MAX_STREAMS), ("FT_KERNEL_NAME", name))
+    if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
+        defines += (("FT_SCORE_MODS", 1),)
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
@@ -624,6 +645,8 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
     specs += [spec for head_dim in FWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # Hopper forward
               if _fits(spec := _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], True),
                        smem_limit)]
+    specs += [spec for head_dim in BWD_SM90_MODS_HEAD_DIMS for dtype in DTYPES for causal in (False, True)
+              if _fits(spec := bwd_sm90_mods_kernel(head_dim, dtype, causal), smem_limit)]
     for block_sparse, head_dims in ((False, HEAD_DIMS), (True, BLOCK_SPARSE_HEAD_DIMS)):
         for head_dim in head_dims:
             if smem_unavailable_reason(head_dim, block_sparse, smem_limit) is not None:

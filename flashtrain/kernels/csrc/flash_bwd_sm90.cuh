@@ -93,8 +93,16 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
-          bool kIsBlockSparse_, bool kIsDeterministic_, bool kPersistent_ = true, int kHeadDimEff_ = kHeadDim_>
+          bool kIsBlockSparse_, bool kIsDeterministic_, bool kPersistent_ = true, int kHeadDimEff_ = kHeadDim_,
+          bool kScoreMods_ = false>
 struct BwdSm90Traits {
+    // FT_SCORE_MODS (issue 20): a local window, softcap and ALiBi read from FwdParams (each off when unset), as the
+    // forward's; the query-block walk covers the window only (QueryBlockWalk). Head dims 64 / 128, dense, without
+    // dropout, not deterministic (the deterministic turns assume every key block from 0 visits a query block):
+    // flash_bwd.cuh runs the others.
+    static constexpr bool kScoreMods = kScoreMods_;
+    static_assert(!kScoreMods || (kHeadDim_ <= 128 && !kIsDropout_ && !kIsBlockSparse_ && !kIsDeterministic_),
+                  "score modifications: head dims 64 / 128, dense, no dropout, not deterministic");
     // Head dims 192 and 256 split the head dim over the warpgroups (flash_bwd_sm90_split_mma): 64-key tiles.
     static constexpr bool kSplitHd = kHeadDim_ > 128;
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kSplitHd ? 64 : 128, kStages = kStages_;
@@ -367,6 +375,15 @@ template <class T> struct QueryBlockWalk {
         // Query blocks that see some key of this block: causal rows i >= n0 - (seqlen_k - seqlen_q).
         m_block_min = T::kIsCausal ? max_(0, n0 - (seqlen_k - seqlen_q)) / T::kBlockM : 0;
         m_block_end = ceil_div(seqlen_q, T::kBlockM);
+        if constexpr (T::kScoreMods) {  // rows i + offset - left <= j <= i + offset + right for some key j of the block
+            const FwdParams& f = params.fwd;
+            const int offset = seqlen_k - seqlen_q;
+            if (!T::kIsCausal && f.window_right >= 0) m_block_min = max_(0, n0 - offset - f.window_right) / T::kBlockM;
+            if (f.window_left >= 0) {
+                const int last_row = n0 + T::kBlockN - 1 - offset + f.window_left;  // inclusive
+                m_block_end = last_row < 0 ? 0 : min_(m_block_end, last_row / T::kBlockM + 1);
+            }
+        }
         n_mblocks = max_(0, m_block_end - m_block_min);
         n_iters = heads * n_mblocks;
         settle();
@@ -569,6 +586,11 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         // 5-10% faster; H200 A/B 2026-11-24)
         u32 sK_w = sK_w0, sV_w = sV_w0, sK_all = sm.sK, sQ_s = sm.sQ(s), sdO_s = sm.sdO(s);
         asm volatile("" : "+r"(sK_w), "+r"(sV_w), "+r"(sK_all), "+r"(sQ_s), "+r"(sdO_s));
+        // kScoreMods: ALiBi's slope of this (batch, head) in raw score units (0: none), loaded while the GEMMs run
+        [[maybe_unused]] float alibi_scaled = 0.f;
+        if constexpr (T::kScoreMods && !kHidden)
+            if (f.alibi_slopes != nullptr)
+                alibi_scaled = f.alibi_slopes[x.batch * f.alibi_batch_stride + head] / f.softmax_scale;
         mbar_wait(sm.full(s), (gs / kStages) & 1);
 
         u32 dsa[kNT / 2][4];  // dS^T as A fragments
@@ -645,7 +667,29 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             fence_operand(st);
 
             // P^T (kept in st, fp32, for dS^T) and its A fragments (dropped and rescaled with dropout) for dV.
+            // kScoreMods: softcap and ALiBi on S^T before the masks (the forward's order), each in a loop of its own
+            // behind a uniform branch (nothing per element when unset); softcap's derivative is recovered from P^T
+            // for dS^T (below) rather than kept: 32 registers at head dim 64 spilled inside the loop.
             u32 pa[kNT / 2][4];
+            // (query - key + offset of element (j, e): d0 + 8 j + e % 2 - 8 (e / 2))
+            [[maybe_unused]] const int d0 = m0 + 2 * t + seqlen_k - seqlen_q - (n0 + key_row0 + g);
+            if constexpr (T::kScoreMods) {
+                if (f.softcap_scale != 0.f) {
+#pragma unroll
+                    for (int j = 0; j < kNT; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) st[j][e] = f.softcap_unscale * fast_tanh(st[j][e] * f.softcap_scale);
+                }
+                if (alibi_scaled != 0.f) {
+#pragma unroll
+                    for (int j = 0; j < kNT; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int distance = d0 + 8 * j + (e & 1) - 8 * (e >> 1);
+                            st[j][e] -= alibi_scaled * (float)(distance < 0 ? -distance : distance);
+                        }
+                }
+            }
             u32 keep_bits[(kNT * 4 + 31) / 32];
 #pragma unroll
             for (int i = 0; i < (kNT * 4 + 31) / 32; ++i) keep_bits[i] = 0;
@@ -665,6 +709,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                     if constexpr (kMask) {
                         const int key = n0 + key_row0 + g + 8 * (e >> 1), query = m0 + 8 * j + 2 * t + (e & 1);
                         if (key >= seqlen_k || (T::kIsCausal && key > query + seqlen_k - seqlen_q)) score = -infinity();
+                        if constexpr (T::kScoreMods) {  // the window's bounds (causal: the right one is the diagonal)
+                            const int diag = query + seqlen_k - seqlen_q;
+                            if ((!T::kIsCausal && f.window_right >= 0 && key > diag + f.window_right) ||
+                                (f.window_left >= 0 && key < diag - f.window_left))
+                                score = -infinity();
+                        }
                     }
                     st[j][e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
                     dropped[e] = st[j][e];
@@ -705,6 +755,26 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                     if constexpr (T::kIsDropout)
                         dp = (keep_bits[(4 * j + e) / 32] >> ((4 * j + e) % 32)) & 1 ? dp * f.rp_dropout : 0.f;
                     ds[e] = pt[e] * (dp - dsum[e & 1]);
+                }
+                if constexpr (T::kScoreMods) {
+                    // softcap: d(capped) / d(score) = 1 - tanh^2, tanh = capped / softcap_unscale, and capped (before
+                    // ALiBi's bias) = (log2 P + lse) / scale_log2 + bias. From the 16-bit P the error in tanh is
+                    // ~2^-9 / scale_log2 * softcap_scale / softcap_unscale, far below dS^T's 16-bit rounding; where
+                    // P = 0 (masked, underflow) log2 P = -inf and the clamp makes the factor 0, as dS^T is.
+                    if (f.softcap_scale != 0.f) {
+                        float lse[2];
+                        ld_stats2(sm.sLse(s) + 4 * (8 * j + 2 * t), lse);
+                        const float to_tanh = 1.f / (f.softmax_scale_log2 * f.softcap_unscale);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            float th = (fast_log2(pt[e]) + lse[e & 1]) * to_tanh;
+                            if (alibi_scaled != 0.f) {
+                                const int distance = d0 + 8 * j + (e & 1) - 8 * (e >> 1);
+                                th += alibi_scaled * (float)(distance < 0 ? -distance : distance) / f.softcap_unscale;
+                            }
+                            ds[e] *= fmax_(1.f - th * th, 0.f);
+                        }
+                    }
                 }
                 dsa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(ds[0], ds[1]);
                 dsa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(ds[2], ds[3]);
@@ -764,12 +834,26 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         FT_TIMELINE_MARK(wg, tile_iter, 1);
         // (FT_BWD_SKIP_HIDDEN) the warpgroup's first key, and the last one some row of a block ending at row m_end sees
         const int wg_key0 = x.n0 + 64 * w;
-        auto hidden = [&](int m_end) {
-            return wg_key0 >= x.seqlen_k || (T::kIsCausal && wg_key0 > m_end - 1 + x.seqlen_k - x.seqlen_q);
+        const int offset = x.seqlen_k - x.seqlen_q;
+        auto hidden = [&](int m0, int m_end) {
+            bool none = wg_key0 >= x.seqlen_k || (T::kIsCausal && wg_key0 > m_end - 1 + offset);
+            if constexpr (T::kScoreMods)  // every key before the window of the block's first row, or after its last's
+                none = none || (f.window_left >= 0 && wg_key0 + 63 < m0 + offset - f.window_left) ||
+                       (!T::kIsCausal && f.window_right >= 0 && wg_key0 > m_end - 1 + offset + f.window_right);
+            return none;
+        };
+        auto needs_mask = [&](int m0) {
+            bool mask = tile_needs_mask<T::kIsCausal, kBlockN>(m0, x.n0, x.seqlen_q, x.seqlen_k);
+            if constexpr (T::kScoreMods) {  // some row's window starts inside the key block or ends before its end
+                const int last_row = min_(x.seqlen_q, m0 + kBlockM) - 1;
+                mask = mask || (f.window_left >= 0 && last_row + offset - f.window_left > x.n0) ||
+                       (!T::kIsCausal && f.window_right >= 0 && x.n0 + kBlockN - 1 > m0 + offset + f.window_right);
+            }
+            return mask;
         };
         for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++gs) {
-            if (tile_needs_mask<T::kIsCausal, kBlockN>(walk.m0, x.n0, x.seqlen_q, x.seqlen_k)) {
-                if (T::kSkipHidden && hidden(walk.m0 + kBlockM))
+            if (needs_mask(walk.m0)) {
+                if (T::kSkipHidden && hidden(walk.m0, walk.m0 + kBlockM))
                     step(walk, gs, BoolConstant<true>{}, BoolConstant<T::kSkipHidden>{});
                 else
                     step(walk, gs, BoolConstant<true>{}, BoolConstant<false>{});
