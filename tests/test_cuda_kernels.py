@@ -294,9 +294,11 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
         monkeypatch.setenv("FLASHTRAIN_SM90", "0")
     elif _is_hopper():  # the warpgroup-MMA kernels are the ones these calls dispatch to
         fwd = build.fwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True)
-        bwd = build.bwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True)
+        softcap = "softcap" in features
+        bwd = build.bwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True, softcap=softcap)
         assert (fwd.source == "flash_fwd_sm90.cu") == (head_dim in build.FWD_SM90_TILES)
-        assert (bwd.source == "flash_bwd_sm90.cu") == (head_dim in build.BWD_SM90_MODS_HEAD_DIMS)
+        assert (bwd.source == "flash_bwd_sm90.cu") == (head_dim in build.BWD_SM90_MODS_HEAD_DIMS and
+                                                       (not softcap or build.BWD_SM90_MODS_SOFTCAP[head_dim]))
     features = dict(features)
     if causal and features.get("window_size", (-1, -1))[1] not in (-1, 0):
         features["window_size"] = (features["window_size"][0], 0)

@@ -177,9 +177,12 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
         from flashtrain.kernels import build, launch
 
         specs = [build.fwd_kernel(spec["shape_q"][-1], "bf16", spec["causal"], False, score_mods=True, arch=arch),
-                 build.bwd_kernel(spec["shape_q"][-1], "bf16", spec["causal"], False, score_mods=True, arch=arch)]
+                 build.bwd_kernel(spec["shape_q"][-1], "bf16", spec["causal"], False, score_mods=True, arch=arch,
+                                  softcap=bool(softcap))]
         assert specs[0].source == ("flash_fwd_sm90.cu" if arch == "sm_90a" else "flash_fwd.cu")
-        assert specs[1].source == "flash_bwd.cu"  # (the Hopper backward does not have them yet)
+        # the Hopper backward has them at head dims 64 / 128, softcap at 128 only (build.BWD_SM90_MODS_SOFTCAP)
+        hopper_bwd = arch == "sm_90a" and (spec["shape_q"][-1] == 128 or not softcap)
+        assert specs[1].source == ("flash_bwd_sm90.cu" if hopper_bwd else "flash_bwd.cu")
         handles = {zlib.crc32(s.symbols[0].encode()) << 4 for s in specs}
         assert handles <= {struct.unpack_from("<q", record)[0] for record in records}
         param_bytes = records[0][56 + 16 * struct.unpack_from("<q", records[0], 48)[0]:]

@@ -46,6 +46,7 @@ def test_dispatch_table_covers_every_instantiation_once():
     # x causal
     # the forward and (head dims 64 / 128) the backward with score modifications, x dtype x causal
     hopper_mods = (len(build.FWD_SM90_TILES) + len(build.BWD_SM90_MODS_HEAD_DIMS)) * 2 * 2
+    assert sum(name.endswith("_mods_nocap") for name in names) == 2 * 2  # head dim 64's backward without softcap
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
               + hopper_q80 + hopper_mods)
     cross_entropy = len(build.CE_DTYPES)  # the fused cross-entropy, one module per logits dtype

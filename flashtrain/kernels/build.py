@@ -234,6 +234,10 @@ BWD_SM90_Q80_CAUSAL_SEQLEN = 2048
 # 128 keeps 64-query blocks: on 80 ptxas serializes the mods kernel's wgmmas (C7512) and spills 120 B (64: 12-40 B).
 BWD_SM90_MODS_TILES = {64: BWD_SM90_TILES[64], 128: BWD_SM90_TILES[128]}
 BWD_SM90_MODS_HEAD_DIMS = tuple(BWD_SM90_MODS_TILES)
+# ... with softcap (its derivative kept per element for dS^T): head dim 128; at 64 (128-query blocks) those registers
+# spilled inside the loop (ptxas, 97 spill instructions between the first and last HGMMA), so the head-dim-64 kernel
+# is built without softcap (FT_SCORE_MODS=2, `_mods_nocap`) and a call with softcap runs flash_bwd.cuh's.
+BWD_SM90_MODS_SOFTCAP = {64: False, 128: True}
 
 
 def bwd_sm90_q80_enabled() -> bool:
@@ -519,15 +523,17 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
 def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, deterministic: bool = False, smem_limit: int | None = None,
                effective_head_dim: int | None = None, seqlen_q: int | None = None,
-               score_mods: bool = False) -> KernelSpec:
+               score_mods: bool = False, softcap: bool = False) -> KernelSpec:
     """The backward kernel for these features (head_dim: the instantiated one, rounded_head_dim; effective_head_dim:
     the call's own, when smaller); on arch sm_90a the warpgroup-MMA kernel where it exists and fits smem_limit (bytes
     of shared memory per block; None: no limit): head dims 65-96 there run the hd128 tiles with the MMA work of 96
     columns (dense, not deterministic). seqlen_q: the call's (max) query length, which picks the causal hd128 tiles
     (None: the short ones). score_mods (SCORE_MODS): the `_mods` variants, on sm_90a the warpgroup-MMA backward at
-    head dims 64 / 128 (not deterministic: flash_bwd.cuh runs that)."""
+    head dims 64 / 128 (not deterministic: flash_bwd.cuh runs that; softcap (a call with one) at head dim 64 neither:
+    BWD_SM90_MODS_SOFTCAP)."""
     if score_mods:
-        if arch == SM90_ARCH and head_dim in BWD_SM90_MODS_HEAD_DIMS and sm90_enabled() and not deterministic:
+        if (arch == SM90_ARCH and head_dim in BWD_SM90_MODS_HEAD_DIMS and sm90_enabled() and not deterministic
+                and (not softcap or BWD_SM90_MODS_SOFTCAP[head_dim])):
             spec = bwd_sm90_mods_kernel(head_dim, dtype, causal)
             if _fits(spec, smem_limit):
                 return spec
@@ -569,23 +575,25 @@ def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool) -> KernelSpec:
     tiles = BWD_SM90_MODS_TILES[head_dim]
     if head_dim == 128 and os.environ.get("FLASHTRAIN_BWD_SM90_MODS_Q80") == "1":
         tiles = BWD_SM90_DENSE128_TILES
-    return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim, True)
+    return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim,
+                          1 if BWD_SM90_MODS_SOFTCAP[head_dim] else 2)
 
 
 @functools.lru_cache(maxsize=None)
 def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool, deterministic: bool,
-                   tiles: BwdSm90Tiles, head_dim_eff: int, score_mods: bool = False) -> KernelSpec:
+                   tiles: BwdSm90Tiles, head_dim_eff: int, score_mods: int = 0) -> KernelSpec:
+    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi (BwdSm90Traits' FT_SCORE_MODS)."""
     smem_bytes = tiles.smem_bytes(head_dim)
     name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"
-            f"{'_q80' if tiles.swap_dq else ''}{'_mods' if score_mods else ''}")
+            f"{'_q80' if tiles.swap_dq else ''}{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
                ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_DETERMINISTIC", int(deterministic)), ("FT_PERSISTENT", int(tiles.persistent)),
                ("FT_SMEM_BYTES", smem_bytes), ("FT_MAX_STREAMS", MAX_STREAMS), ("FT_KERNEL_NAME", name))
     if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
-        defines += (("FT_SCORE_MODS", 1),)
+        defines += (("FT_SCORE_MODS", score_mods),)
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 

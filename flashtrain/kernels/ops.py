@@ -374,7 +374,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             deterministic=deterministic, smem_limit=launch.device_smem_limit(q.device),
                             effective_head_dim=q.shape[-1],
                             seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
-                            score_mods=_score_mods(window, softcap, alibi_slopes))
+                            score_mods=_score_mods(window, softcap, alibi_slopes), softcap=softcap > 0)
     tiles = spec.tiles
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                       bs_cols=bs_cols, window=window, softcap=softcap, alibi_slopes=alibi_slopes)

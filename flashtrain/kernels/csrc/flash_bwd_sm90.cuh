@@ -94,13 +94,14 @@ namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
           bool kIsBlockSparse_, bool kIsDeterministic_, bool kPersistent_ = true, int kHeadDimEff_ = kHeadDim_,
-          bool kScoreMods_ = false>
+          int kScoreMods_ = 0>
 struct BwdSm90Traits {
-    // FT_SCORE_MODS (issue 20): a local window, softcap and ALiBi read from FwdParams (each off when unset), as the
-    // forward's; the query-block walk covers the window only (QueryBlockWalk). Head dims 64 / 128, dense, without
-    // dropout, not deterministic (the deterministic turns assume every key block from 0 visits a query block):
-    // flash_bwd.cuh runs the others.
-    static constexpr bool kScoreMods = kScoreMods_;
+    // FT_SCORE_MODS (issue 20): 1, a local window, softcap and ALiBi read from FwdParams (each off when unset), as the
+    // forward's; 2, the window and ALiBi only (head dim 64: softcap's derivative, kept for dS^T, spilled inside the
+    // loop there; flash_bwd.cuh runs softcap at head dim 64). The query-block walk covers the window only
+    // (QueryBlockWalk). Head dims 64 / 128, dense, without dropout, not deterministic (the deterministic turns assume
+    // every key block from 0 visits a query block): flash_bwd.cuh runs the others.
+    static constexpr bool kScoreMods = kScoreMods_ != 0, kSoftcap = kScoreMods_ == 1;
     static_assert(!kScoreMods || (kHeadDim_ <= 128 && !kIsDropout_ && !kIsBlockSparse_ && !kIsDeterministic_),
                   "score modifications: head dims 64 / 128, dense, no dropout, not deterministic");
     // Head dims 192 and 256 split the head dim over the warpgroups (flash_bwd_sm90_split_mma): 64-key tiles.
@@ -668,19 +669,31 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
 
             // P^T (kept in st, fp32, for dS^T) and its A fragments (dropped and rescaled with dropout) for dV.
             // kScoreMods: softcap and ALiBi on S^T before the masks (the forward's order), each in a loop of its own
-            // behind a uniform branch (nothing per element when unset); softcap's derivative is recovered from P^T
-            // for dS^T (below) rather than kept: 32 registers at head dim 64 spilled inside the loop.
+            // behind a uniform branch (nothing per element when unset); softcap's derivative 1 - tanh^2 is kept 16-bit
+            // packed (dcap) for dS^T, which is rounded to 16 bits anyway. (Recovering it from the 16-bit P^T and lse
+            // instead, log2 P = capped * scale_log2 - lse, saved the registers but lost precision where tanh
+            // saturates -- dq 3x the error bound at softcap 0.5 -- and ran 0.65-0.7x as fast: H200, 2026-11-26.)
             u32 pa[kNT / 2][4];
-            // (query - key + offset of element (j, e): d0 + 8 j + e % 2 - 8 (e / 2))
-            [[maybe_unused]] const int d0 = m0 + 2 * t + seqlen_k - seqlen_q - (n0 + key_row0 + g);
-            if constexpr (T::kScoreMods) {
+            [[maybe_unused]] u32 dcap[T::kSoftcap ? kNT : 1][2];
+            if constexpr (T::kSoftcap) {
                 if (f.softcap_scale != 0.f) {
 #pragma unroll
-                    for (int j = 0; j < kNT; ++j)
+                    for (int j = 0; j < kNT; ++j) {
+                        float dc[4];
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) st[j][e] = f.softcap_unscale * fast_tanh(st[j][e] * f.softcap_scale);
+                        for (int e = 0; e < 4; ++e) {
+                            const float th = fast_tanh(st[j][e] * f.softcap_scale);
+                            st[j][e] = f.softcap_unscale * th;
+                            dc[e] = 1.f - th * th;
+                        }
+                        dcap[j][0] = pack2<T::kIsBF16>(dc[0], dc[1]);
+                        dcap[j][1] = pack2<T::kIsBF16>(dc[2], dc[3]);
+                    }
                 }
-                if (alibi_scaled != 0.f) {
+            }
+            if constexpr (T::kScoreMods) {
+                if (alibi_scaled != 0.f) {  // (query - key + offset of element (j, e): d0 + 8 j + e % 2 - 8 (e / 2))
+                    const int d0 = m0 + 2 * t + seqlen_k - seqlen_q - (n0 + key_row0 + g);
 #pragma unroll
                     for (int j = 0; j < kNT; ++j)
 #pragma unroll
@@ -756,24 +769,13 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                         dp = (keep_bits[(4 * j + e) / 32] >> ((4 * j + e) % 32)) & 1 ? dp * f.rp_dropout : 0.f;
                     ds[e] = pt[e] * (dp - dsum[e & 1]);
                 }
-                if constexpr (T::kScoreMods) {
-                    // softcap: d(capped) / d(score) = 1 - tanh^2, tanh = capped / softcap_unscale, and capped (before
-                    // ALiBi's bias) = (log2 P + lse) / scale_log2 + bias. From the 16-bit P the error in tanh is
-                    // ~2^-9 / scale_log2 * softcap_scale / softcap_unscale, far below dS^T's 16-bit rounding; where
-                    // P = 0 (masked, underflow) log2 P = -inf and the clamp makes the factor 0, as dS^T is.
+                if constexpr (T::kSoftcap) {  // softcap: d(capped) / d(score) = 1 - tanh^2
                     if (f.softcap_scale != 0.f) {
-                        float lse[2];
-                        ld_stats2(sm.sLse(s) + 4 * (8 * j + 2 * t), lse);
-                        const float to_tanh = 1.f / (f.softmax_scale_log2 * f.softcap_unscale);
+                        float dc[4];
+                        unpack2<T::kIsBF16>(dcap[j][0], dc[0], dc[1]);
+                        unpack2<T::kIsBF16>(dcap[j][1], dc[2], dc[3]);
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            float th = (fast_log2(pt[e]) + lse[e & 1]) * to_tanh;
-                            if (alibi_scaled != 0.f) {
-                                const int distance = d0 + 8 * j + (e & 1) - 8 * (e >> 1);
-                                th += alibi_scaled * (float)(distance < 0 ? -distance : distance) / f.softcap_unscale;
-                            }
-                            ds[e] *= fmax_(1.f - th * th, 0.f);
-                        }
+                        for (int e = 0; e < 4; ++e) ds[e] *= dc[e];
                     }
                 }
                 dsa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(ds[0], ds[1]);
