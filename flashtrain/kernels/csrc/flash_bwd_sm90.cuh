@@ -692,15 +692,14 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                 }
             }
             if constexpr (T::kScoreMods) {
-                if (alibi_scaled != 0.f) {  // (query - key + offset of element (j, e): d0 + 8 j + e % 2 - 8 (e / 2))
-                    const int d0 = m0 + 2 * t + seqlen_k - seqlen_q - (n0 + key_row0 + g);
+                if (alibi_scaled != 0.f) {  // (query - key + offset of element (j, e): d0 + 8 j + e % 2 - 8 (e / 2);
+                                            // in fp32 from one conversion, as utils.cuh apply_score_mods)
+                    const float d0 = (float)(m0 + 2 * t + seqlen_k - seqlen_q - (n0 + key_row0 + g));
 #pragma unroll
                     for (int j = 0; j < kNT; ++j)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int distance = d0 + 8 * j + (e & 1) - 8 * (e >> 1);
-                            st[j][e] -= alibi_scaled * (float)(distance < 0 ? -distance : distance);
-                        }
+                        for (int e = 0; e < 4; ++e)
+                            st[j][e] = fmaf(-alibi_scaled, fabsf(d0 + (float)(8 * j + (e & 1) - 8 * (e >> 1))), st[j][e]);
                 }
             }
             u32 keep_bits[(kNT * 4 + 31) / 32];

@@ -94,6 +94,9 @@ struct FwdSm90Traits {
     // kBlockM) holds its first rows, which see the fewest keys, instead of its last, which see the most. (Block-sparse
     // keeps tiles aligned to its mask blocks; dropout keeps the plain layout, whose Philox rows are never negative.)
     // FT_CAUSAL_SHIFT=0 builds the old layout (A/B).
+#ifndef FT_FWD_POLY_EXP
+#define FT_FWD_POLY_EXP 1
+#endif
 #ifndef FT_CAUSAL_SHIFT
 #define FT_CAUSAL_SHIFT 1
 #endif
@@ -472,6 +475,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         const float alibi_scaled = T::kScoreMods && p.alibi_slopes != nullptr
                                        ? p.alibi_slopes[x.batch * p.alibi_batch_stride + x.head] / p.softmax_scale
                                        : 0.f;
+        // FT_FWD_POLY_EXP (default 1; 0 for A/Bs): with softcap, whose tanh shares the MUFU pipe with the
+        // exponentials, half of them on the FMA pipe (utils.cuh poly_exp2)
+        const bool poly_exp = T::kScoreMods && FT_FWD_POLY_EXP && p.softcap_scale != 0.f;
         auto score_mods = [&](auto& s, int n_block) {
             if constexpr (T::kScoreMods)
                 apply_score_mods(s, p.softcap_scale, p.softcap_unscale, alibi_scaled, m0 + row0, n_block * kBlockN,
@@ -524,7 +530,12 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 score_mods(s, n_block);
                 if (needs_mask(n_block)) mask(s, n_block);
 #pragma unroll
-                for (int hf = 0; hf < 2; ++hf) softmax_exp_row(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
+                for (int hf = 0; hf < 2; ++hf) {
+                    if (poly_exp)
+                        softmax_exp_row<sizeof(s) / sizeof(s[0]), T::kScoreMods>(s, hf, row_max[hf], row_sum[hf],
+                                                                                p.softmax_scale_log2);
+                    else softmax_exp_row(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
+                }
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
                 pack_p(s);
                 ++it;
@@ -563,7 +574,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 float correction[2];
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf)
-                    correction[hf] = softmax_exp_row(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
+                    correction[hf] = poly_exp ? softmax_exp_row<kNT, T::kScoreMods>(s, hf, row_max[hf], row_sum[hf],
+                                                                                   p.softmax_scale_log2)
+                                              : softmax_exp_row(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
                 wgmma_wait<0>();  // P V done: O and the P registers are free
                 fence_operand(o);

@@ -43,6 +43,20 @@ __device__ __forceinline__ float fast_tanh(float x) {
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+// 2^x on the FMA and integer pipes instead of MUFU (FlashAttention-4's trick on Blackwell; here it relieves the MUFU
+// pipe where softcap's tanh shares it with the exponentials): x = j + f, j = round(x) (the low bits of x + 1.5 * 2^23),
+// |f| <= 1/2; 2^f by a degree-4 polynomial (relative error 3.7e-6; P is rounded to 16 bits next, 2^-9); j added to
+// the exponent bits. x < -125 (masked scores' -inf too) gives 0, as ex2.approx.ftz does below 2^-126.
+__device__ __forceinline__ float poly_exp2(float x) {
+    const float t = x + 12582912.f;
+    const float f = x - (t - 12582912.f);
+    float p = fmaf(0.009676037f, f, 0.05592203f);
+    p = fmaf(p, f, 0.24022107f);
+    p = fmaf(p, f, 0.69312102f);
+    p = fmaf(p, f, 1.0000001f);
+    const float y = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+    return x < -125.f ? 0.f : y;
+}
 __device__ __forceinline__ float fmax_(float a, float b) {
     float y;
     asm("max.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
@@ -510,7 +524,8 @@ __device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int seqlen_q, in
 // online softmax in base 2. Updates the running max m and the thread's partial sum l, turns s into
 // p = exp2(s * scale_log2 - m * scale_log2) and returns the factor the row's O accumulators must be rescaled by
 // (rescale_row; kept apart so that a kernel can rescale O only once an asynchronous P V product into it is done).
-template <int kNT>
+// kPolyExp: the odd n8 tiles' exponentials on the FMA pipe (poly_exp2), the even ones' on MUFU.
+template <int kNT, bool kPolyExp = false>
 __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, float& row_max, float& row_sum,
                                                  float scale_log2) {
     float mx = row_max;
@@ -528,7 +543,7 @@ __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, flo
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             float& x = s[nt][2 * hf + e];
-            x = fast_exp2(x * scale_log2 - m_scaled);
+            x = kPolyExp && nt % 2 == 1 ? poly_exp2(x * scale_log2 - m_scaled) : fast_exp2(x * scale_log2 - m_scaled);
             sum += x;
         }
     row_sum = row_sum * correction + sum;  // the max moved: rescale the running sum
@@ -600,13 +615,14 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[kNT][4], float softc
             for (int e = 0; e < 4; ++e) s[nt][e] = softcap_unscale * fast_tanh(s[nt][e] * softcap_scale);
     }
     if (alibi_scaled != 0.f) {
+        // the distance in fp32 (exact below 2^24) from one conversion: an int-to-float per score would run on the
+        // MUFU pipe, which the exponentials need
+        const float d0 = (float)(row0 + g + offset - col0 - 2 * t);
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int distance = row0 + g + 8 * (e >> 1) + offset - (col0 + nt * 8 + 2 * t + (e & 1));
-                s[nt][e] -= alibi_scaled * (float)(distance < 0 ? -distance : distance);
-            }
+            for (int e = 0; e < 4; ++e)
+                s[nt][e] = fmaf(-alibi_scaled, fabsf(d0 + (float)(8 * (e >> 1) - nt * 8 - (e & 1))), s[nt][e]);
     }
 }
 template <int kMT, int kNT>
