@@ -94,8 +94,12 @@ struct FwdSm90Traits {
     // kBlockM) holds its first rows, which see the fewest keys, instead of its last, which see the most. (Block-sparse
     // keeps tiles aligned to its mask blocks; dropout keeps the plain layout, whose Philox rows are never negative.)
     // FT_CAUSAL_SHIFT=0 builds the old layout (A/B).
+// FT_FWD_POLY_EXP=1 (off; A/B): with softcap, half the exponentials on the FMA pipe (utils.cuh poly_exp2). H200,
+// same process, 2026-11-26: softcap forward / plain 0.73 -> 0.65 (hd128 8K), 0.77 -> 0.67 (2K), and the mods kernel's
+// other calls 1-3% slower (two softmax paths: 5352 -> 6792 SASS instructions). The consumers' issue slots, not the
+// MUFU pipe alone, bound the softcap step.
 #ifndef FT_FWD_POLY_EXP
-#define FT_FWD_POLY_EXP 1
+#define FT_FWD_POLY_EXP 0
 #endif
 #ifndef FT_CAUSAL_SHIFT
 #define FT_CAUSAL_SHIFT 1
@@ -475,8 +479,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         const float alibi_scaled = T::kScoreMods && p.alibi_slopes != nullptr
                                        ? p.alibi_slopes[x.batch * p.alibi_batch_stride + x.head] / p.softmax_scale
                                        : 0.f;
-        // FT_FWD_POLY_EXP (default 1; 0 for A/Bs): with softcap, whose tanh shares the MUFU pipe with the
-        // exponentials, half of them on the FMA pipe (utils.cuh poly_exp2)
+        // FT_FWD_POLY_EXP (above; off): with softcap, whose tanh shares the MUFU pipe with the exponentials, half of
+        // them on the FMA pipe
         const bool poly_exp = T::kScoreMods && FT_FWD_POLY_EXP && p.softcap_scale != 0.f;
         auto score_mods = [&](auto& s, int n_block) {
             if constexpr (T::kScoreMods)
