@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -225,12 +226,45 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Bars of TFLOP/s per row, forward and forward+backward: flashtrain, compiled FlexAttention, plain attention."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    width = 0.27
+    for ax, (kind, label) in zip(axes, (("fwd", "forward"), ("fb", "forward + backward"))):
+        for i, impl in enumerate(IMPLS):
+            values = [r.get(f"{impl}_{kind}") or 0.0 for r in rows]
+            bars = ax.bar([x + (i - 1) * width for x in range(len(rows))], values, width, label=impl)
+            ax.bar_label(bars, labels=[f"{v:.0f}" if v else "-" for v in values], fontsize=7)
+        ax.set_xticks(range(len(rows)), [textwrap.fill(r["name"], 14) for r in rows], fontsize=8)
+        ax.set_ylim(0, 1.2 * max([r.get(f"{impl}_{k}") or 0.0 for r in rows for impl in IMPLS for k in ("fwd", "fb")]
+                                 + [1.0]))
+        ax.set_title(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("TFLOP/s (pairs computed)")
+    axes[0].legend(loc="upper left", ncol=3, fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None, help="JSON path")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (the PNG beside it)")
+    parser.add_argument("--plot", type=Path, default=None, help="only redraw the PNG of this JSON (no GPU)")
     args = parser.parse_args()
+    if args.plot:
+        data = json.loads(args.plot.read_text())
+        plot(data["rows"], args.plot.with_suffix(".png"), f"{data['env']['gpu']}, torch {data['env']['torch']}, "
+             f"{data['env']['date'][:10]}: issue 20's rows, bf16")
+        return
     gpu = torch.cuda.get_device_name()
     env = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -238,7 +272,8 @@ def main() -> None:
     out = args.out or RESULTS / f"attention_features-{gpu.replace(' ', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-    print(f"wrote {out}\n\n{markdown(rows)}")
+    plot(rows, out.with_suffix(".png"), f"{gpu}, torch {torch.__version__}, {env['date'][:10]}: issue 20's rows, bf16")
+    print(f"wrote {out} (+ .png)\n\n{markdown(rows)}")
 
 
 if __name__ == "__main__":
