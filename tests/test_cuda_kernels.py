@@ -386,6 +386,10 @@ def test_opcheck():
     cu_q = torch.tensor([0, 30, 70], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, 20, 50], dtype=torch.int32, device="cuda")
     torch.library.opcheck(ops.flash_attn_fwd, (q[0], k[0], v[0], cu_q, cu_k, 40, 30, 0.0, 0.125, True, None, False))
+    # the score modifications (issue 20): window (left, right), softcap, ALiBi slopes per (sequence, head)
+    slopes = torch.rand(2, 4, device="cuda") * 0.1
+    torch.library.opcheck(ops.flash_attn_fwd, (q, k, v, None, None, 70, 50, 0.0, 0.125, False, None, False, None,
+                                               None, 20, 5, 30.0, slopes))
 
 
 def test_torch_compile_has_no_graph_break_at_attention():
@@ -399,6 +403,24 @@ def test_torch_compile_has_no_graph_break_at_attention():
     got = _run(lambda q, k, v: (compiled(q, k, v), None), q, k, v, dout)
     for a, b in zip(got, expected):
         if a is not None:  # inductor's fused sin/cos round differently from eager's: bf16 tolerances
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_torch_compile_with_score_modifications():
+    """window_size, softcap and alibi_slopes under torch.compile(fullgraph=True): the ops' fake implementations take
+    them, no graph break, the compiled gradients those of eager."""
+    q, k, v, dout = _inputs((2, 256, 4, 64), (2, 256, 4, 64), torch.bfloat16)
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / 4) for h in range(4)], device="cuda")
+
+    def block(q, k, v):
+        return flash_attn_func(q.sin(), k, v, causal=True, window_size=(64, 0), softcap=20.0,
+                               alibi_slopes=slopes).cos()
+
+    compiled = torch.compile(block, fullgraph=True)
+    expected = _run(lambda q, k, v: (block(q, k, v), None), q, k, v, dout)
+    got = _run(lambda q, k, v: (compiled(q, k, v), None), q, k, v, dout)
+    for a, b in zip(got, expected):
+        if a is not None:
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
