@@ -630,6 +630,15 @@ def aux_kernels(dtype: str) -> KernelSpec:
 # block mask, dense and varlen, every head dim (the Hopper kernels do not have them yet).
 SCORE_MODS = ("window_size", "softcap", "alibi_slopes")
 CE_THREADS = 256  # csrc/cross_entropy.cu kCeThreads
+MASK_BLOCKS_THREADS = 256  # csrc/mask_blocks.cu kMaskBlocksThreads
+
+
+def mask_blocks_kernel(mask) -> KernelSpec:
+    """The block-state kernel of a mask expression (csrc/mask_blocks.cu; mask: mask_mod.MaskMod), one per expression
+    and tensor dtypes / ranks: named by a digest of its macros, cached like every kernel (by the macros' text)."""
+    defines = mask.kernel_defines()
+    name = f"ft_mask_blocks_{hashlib.sha256(repr(defines).encode()).hexdigest()[:16]}"
+    return KernelSpec("mask_blocks.cu", defines + (("FT_KERNEL_NAME", name),), (name,), MASK_BLOCKS_THREADS, 0)
 CE_DTYPES = ("fp32", "fp16", "bf16")  # FT_CE_KIND 0, 1, 2
 
 

@@ -105,6 +105,22 @@ class CeParams(ctypes.Structure):
     ]
 
 
+class MaskModParams(ctypes.Structure):
+    """csrc/mask_mod.cuh MaskModParams."""
+
+    _fields_ = [("ptr", _ptr * 4), ("size", (_i64 * 4) * 4), ("stride", (_i64 * 4) * 4), ("error", _ptr)]
+
+
+class MaskBlocksParams(ctypes.Structure):
+    """csrc/mask_blocks.cu MaskBlocksParams."""
+
+    _fields_ = [
+        ("mm", MaskModParams), ("states", _ptr), ("cu_seqlens_q", _ptr), ("cu_seqlens_k", _ptr),
+        ("heads", _i32), ("seqlen_q", _i32), ("seqlen_k", _i32), ("n_qblocks", _i32), ("n_kblocks", _i32),
+        ("block", _i32),
+    ]
+
+
 def _check(result, what: str):
     """cuda.bindings calls return (error, *values): raise on error, return the values."""
     err, *values = result

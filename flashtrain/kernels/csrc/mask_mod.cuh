@@ -1,0 +1,36 @@
+// Mask expressions (issue 20, flashtrain/kernels/mask_mod.py): the user's C expression over b, h, q_idx, kv_idx and up
+// to four integer / bool tensors, compiled in as a device predicate. The build path passes the expression as macros
+// (MaskMod.kernel_defines): FT_MASK_DECLS declares each tensor's pointer, sizes and strides from MaskModParams `mm`,
+// FT_MASK_EXPR is the expression with every subscript checked against its tensor's size (FT_MM_OOB on a miss: the
+// error word is set and the element reads as 0, so a bad subscript never reads outside the tensor).
+#pragma once
+#include "utils.cuh"
+
+namespace flashtrain {
+
+constexpr int kMaskModTensors = 4;  // = mask_mod.MAX_TENSORS
+
+struct MaskModParams {  // = launch.MaskModParams
+    const void* ptr[kMaskModTensors];
+    i64 size[kMaskModTensors][4];    // elements per dimension (a tensor has at most 4 subscripts here)
+    i64 stride[kMaskModTensors][4];  // in elements
+    int* error;                      // set nonzero when a subscript leaves its tensor
+};
+
+__device__ __forceinline__ long long mask_mod_oob(const MaskModParams& mm) {
+    if (mm.error != nullptr) atomicOr(mm.error, 1);
+    return 0;
+}
+
+#ifdef FT_MASK_EXPR
+#define FT_MM_OOB() mask_mod_oob(mm)
+// Whether query q_idx attends to key kv_idx (positions in the sequence) of sequence b, query head h.
+__device__ __forceinline__ bool mask_mod_visible(const MaskModParams& mm, long long b, long long h, long long q_idx,
+                                                 long long kv_idx) {
+    FT_MASK_DECLS
+    return (FT_MASK_EXPR) != 0;
+}
+#undef FT_MM_OOB
+#endif
+
+}  // namespace flashtrain
