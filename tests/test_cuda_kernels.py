@@ -274,7 +274,8 @@ def test_varlen_matches_reference(dtype, causal, head_dim):
 # ---------------------------------------------------------------------------------------------------- dropout
 SCORE_MODS = [dict(window_size=(100, 50)), dict(window_size=(-1, 7)), dict(window_size=(130, -1)),
               dict(softcap=0.5), dict(softcap=2.0, window_size=(64, 64)), dict(alibi_slopes="heads"),
-              dict(alibi_slopes="batch", softcap=3.0, window_size=(90, 20))]
+              dict(alibi_slopes="batch", softcap=3.0, window_size=(90, 20)),
+              dict(window_size=(2**31 - 1, 3))]  # wider than any sequence (ops caps it: int32 index arithmetic)
 
 
 @pytest.mark.parametrize("family", ["default", "mma_sync"])

@@ -64,6 +64,14 @@ def test_dispatch_table_covers_every_instantiation_once():
             assert spec.smem_bytes <= SM90_MAX_SMEM and spec.threads in (128, 384, 512)
 
 
+def test_score_mods_have_no_dropout_or_block_sparse_variant():
+    for kernel in (build.fwd_kernel, build.bwd_kernel):
+        for arch in ("sm_80", "sm_90a"):
+            for dropout, block_sparse in ((True, False), (False, True)):
+                with pytest.raises(ValueError, match="no dropout or block-sparse variant"):
+                    kernel(128, "bf16", True, dropout, block_sparse, arch=arch, score_mods=True)
+
+
 def test_short_causal_forward_tiles():
     """Causal forward at head dim 128 below SHORT_CAUSAL_SEQLEN query rows: two Q buffers (a kernel of its own name,
     32 KB more shared memory, within the 227 KB an sm_90 block can have); unknown length (0), longer, non-causal,

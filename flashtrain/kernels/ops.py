@@ -166,6 +166,10 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
     # the op (flash_host.cpp): its autograd node and launches are C++; torch.compile traces it as one graph node
     left, right = (int(x) for x in window_size)
     right = -1 if causal else right  # causal is the right bound 0 already: a window only when left is bounded
+    # a bound wider than both lengths excludes no key; capped there it stays far inside the kernels' int32 index
+    # arithmetic (window_left = 2**31 - 1 overflowed the backward's last-row bound: dk, dv all zero)
+    reach = int(max_seqlen_q) + int(max_seqlen_k)
+    left, right = (min(x, reach) if x >= 0 else -1 for x in (left, right))
     if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:  # (batch, nheads) float32, head stride 1
         alibi_slopes = alibi_slopes.contiguous()
     return flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
