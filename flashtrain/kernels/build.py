@@ -428,7 +428,7 @@ def _fits(spec: KernelSpec, smem_limit: int | None) -> bool:
 
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, smem_limit: int | None = None, seqlen_q: int = 0,
-               score_mods: bool = False) -> KernelSpec:
+               score_mods: bool = False, mask_defines: tuple = ()) -> KernelSpec:
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
     smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length.
     score_mods (window_size, softcap, alibi_slopes; without dropout or a block mask): the `_mods` variants (SCORE_MODS),
@@ -436,6 +436,9 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     if score_mods and (dropout or block_sparse):
         raise ValueError("the score-modification kernels (window_size, softcap, alibi_slopes) have no dropout or "
                          f"block-sparse variant (dropout={dropout}, block_sparse={block_sparse})")
+    if mask_defines:  # a mask expression (MaskMod.kernel_defines): the mma.sync mods kernel with it compiled in
+        return _fwd_spec(head_dim, dtype, causal, False, False, fwd_tiles(head_dim, causal, False, False, smem_limit),
+                         True, tuple(mask_defines))
     if score_mods:
         if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
             spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], True)
@@ -461,17 +464,22 @@ def _tile_suffix(tiles, default_tiles) -> str:
 # of every attention call look theirs up.
 @functools.lru_cache(maxsize=None)
 def _fwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-              tiles: FwdTiles, score_mods: bool = False) -> KernelSpec:
+              tiles: FwdTiles, score_mods: bool = False, mask_defines: tuple = ()) -> KernelSpec:
     name = (f"flash_fwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{'_mods' if score_mods else ''}"
-            f"{_tile_suffix(tiles, fwd_tiles(head_dim, causal, dropout, block_sparse))}")
+            f"{_tile_suffix(tiles, fwd_tiles(head_dim, causal, dropout, block_sparse))}{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)), ("FT_KERNEL_NAME", name))
     if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
-        defines += (("FT_SCORE_MODS", 1),)
+        defines += (("FT_SCORE_MODS", 1),) + tuple(mask_defines)
     return KernelSpec("flash_fwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),
                       block_m=tiles.block_m, tiles=tiles)
+
+
+def _mask_suffix(mask_defines: tuple) -> str:
+    """A mask expression's kernels are named by a digest of its macros (the expression, its tensors' dtypes / ranks)."""
+    return f"_mask{hashlib.sha256(repr(mask_defines).encode()).hexdigest()[:16]}" if mask_defines else ""
 
 
 def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, seqlen_q: int = 0) -> FwdSm90Tiles:

@@ -8,14 +8,7 @@
 
 namespace flashtrain {
 
-constexpr int kMaskModTensors = 4;  // = mask_mod.MAX_TENSORS
-
-struct MaskModParams {  // = launch.MaskModParams
-    const void* ptr[kMaskModTensors];
-    i64 size[kMaskModTensors][4];    // elements per dimension (a tensor has at most 4 subscripts here)
-    i64 stride[kMaskModTensors][4];  // in elements
-    int* error;                      // set nonzero when a subscript leaves its tensor
-};
+// (MaskModParams: flash.h)
 
 __device__ __forceinline__ long long mask_mod_oob(const MaskModParams& mm) {
     if (mm.error != nullptr) atomicOr(mm.error, 1);
