@@ -200,9 +200,11 @@ def test_mask_blocks_kernel_compiles_for_each_expression():
     expression, cached by the macros; the emitted C has no comma (nvcc splits -D values at commas)."""
     specs = [build.mask_blocks_kernel(case[0]) for case in _cases()]
     assert len({spec.name for spec in specs}) == len(specs)
-    # the mma.sync forward with the first expression compiled in (FT_MASK_EXPR: skips empty tiles, tests partial ones)
-    forward = [build.fwd_kernel(64, "bf16", causal, False, arch="sm_80", score_mods=True,
-                                mask_defines=_cases()[0][0].kernel_defines()) for causal in (False, True)]
+    # the mma.sync forward and backward with the first expression compiled in (FT_MASK_EXPR: skip empty tiles,
+    # the expression on partial ones)
+    forward = [kernel(64, "bf16", causal, False, arch="sm_80", score_mods=True,
+                      mask_defines=_cases()[0][0].kernel_defines())
+               for kernel in (build.fwd_kernel, build.bwd_kernel) for causal in (False, True)]
     assert all(spec.name.endswith(specs[0].name.removeprefix("ft_mask_blocks_")) for spec in forward)
     assert build.check_nvcc(["sm_80", "sm_90a"], jobs=2, specs=specs + forward) == 0
 

@@ -534,7 +534,7 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
 def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, deterministic: bool = False, smem_limit: int | None = None,
                effective_head_dim: int | None = None, seqlen_q: int | None = None,
-               score_mods: bool = False, softcap: bool = False) -> KernelSpec:
+               score_mods: bool = False, softcap: bool = False, mask_defines: tuple = ()) -> KernelSpec:
     """The backward kernel for these features (head_dim: the instantiated one, rounded_head_dim; effective_head_dim:
     the call's own, when smaller); on arch sm_90a the warpgroup-MMA kernel where it exists and fits smem_limit (bytes
     of shared memory per block; None: no limit): head dims 65-96 there run the hd128 tiles with the MMA work of 96
@@ -545,6 +545,9 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     if score_mods and (dropout or block_sparse):
         raise ValueError("the score-modification kernels (window_size, softcap, alibi_slopes) have no dropout or "
                          f"block-sparse variant (dropout={dropout}, block_sparse={block_sparse})")
+    if mask_defines:  # a mask expression (MaskMod.kernel_defines): the mma.sync mods kernel with it compiled in
+        return _bwd_spec(head_dim, dtype, causal, False, False, bwd_tiles(head_dim, smem_limit), True,
+                         tuple(mask_defines))
     if score_mods:
         if (arch == SM90_ARCH and head_dim in BWD_SM90_MODS_HEAD_DIMS and sm90_enabled() and not deterministic
                 and (not softcap or BWD_SM90_MODS_SOFTCAP[head_dim])):
@@ -614,9 +617,9 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
 
 @functools.lru_cache(maxsize=None)
 def _bwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-              tiles: BwdTiles, score_mods: bool = False) -> KernelSpec:
+              tiles: BwdTiles, score_mods: bool = False, mask_defines: tuple = ()) -> KernelSpec:
     name = (f"flash_bwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{'_mods' if score_mods else ''}"
-            f"{_tile_suffix(tiles, BWD_TILES[head_dim])}")
+            f"{_tile_suffix(tiles, BWD_TILES[head_dim])}{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_WARPS_M_SDP", tiles.warps_m_sdp),
                ("FT_WARPS_N_DKV", tiles.warps_n_dkv), ("FT_WARPS_M_DQ", tiles.warps_m_dq),
@@ -626,7 +629,7 @@ def _bwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spar
                ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)),
                ("FT_KERNEL_NAME", name))
     if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
-        defines += (("FT_SCORE_MODS", 1),)
+        defines += (("FT_SCORE_MODS", 1),) + tuple(mask_defines)
     return KernelSpec("flash_bwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),
                       block_m=tiles.block_m, block_n=tiles.block_n, tiles=tiles)
 
