@@ -239,7 +239,9 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                             for (int e = 0; e < 4; ++e) {
                                 const int row = m0 + s_m0_ + mt * 16 + g + 8 * (e >> 1);
                                 const int col = n0 + s_n0_ + nt * 8 + 2 * t + (e & 1);
-                                if (!mask_mod_visible(f.mm, batch, head, row, col)) s[mt][nt][e] = -infinity();
+                                // (pairs past either end: masked, never evaluated, as in the forward)
+                                if (row >= seqlen_q || col >= seqlen_k || !mask_mod_visible(f.mm, batch, head, row, col))
+                                    s[mt][nt][e] = -infinity();
                             }
                 }
             }

@@ -172,7 +172,10 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             const int row = m0 + warp_m0 + mt * 16 + g + 8 * (e >> 1), col = n0 + nt * 8 + 2 * t + (e & 1);
-                            if (!mask_mod_visible(p.mm, batch, head, row, col)) s[mt][nt][e] = -infinity();
+                            // (pairs past either end: masked, never evaluated -- a subscript there could leave its
+                            // tensor and set the error word)
+                            if (row >= seqlen_q || col >= seqlen_k || !mask_mod_visible(p.mm, batch, head, row, col))
+                                s[mt][nt][e] = -infinity();
                         }
             }
         }
