@@ -24,6 +24,11 @@ __device__ __forceinline__ bool mask_mod_visible(const MaskModParams& mm, long l
     return (FT_MASK_EXPR) != 0;
 }
 #undef FT_MM_OOB
+#else
+// (kernels built without an expression never call it; declared so that their templates' non-dependent calls resolve)
+__device__ __forceinline__ bool mask_mod_visible(const MaskModParams&, long long, long long, long long, long long) {
+    return true;
+}
 #endif
 
 }  // namespace flashtrain
