@@ -176,13 +176,15 @@ def case(impl: str, row: FeatureRow, device):
     return fn, (q, k, v), dout
 
 
-def add_ratios(row: dict, passes) -> None:
+def add_ratios(row: dict, passes, feature: FeatureRow) -> None:
     for kind, _ in passes:
         ft, flex, plain = (row.get(f"{impl}_{kind}") for impl in IMPLS)
         row[f"vs_flex_{kind}"] = round(ft / flex, 3) if ft and flex else None
         row[f"vs_plain_tflops_{kind}"] = round(ft / plain, 3) if ft and plain else None  # work per computed block
         ft_ms, plain_ms = row.get(f"flashtrain_{kind}_ms"), row.get(f"plain_{kind}_ms")
         row[f"speedup_over_plain_{kind}"] = round(plain_ms / ft_ms, 2) if ft_ms and plain_ms else None
+        row[f"vs_plain_block_{kind}"] = (round(plain_ms / feature.plain_tiles() / (ft_ms / feature.computed_tiles()), 3)
+                                         if ft_ms and plain_ms else None)
 
 
 def run(repeats: int, rounds: int) -> list[dict]:
@@ -202,11 +204,7 @@ def run(repeats: int, rounds: int) -> list[dict]:
             for impl, times in attention.time_passes_interleaved(cases, repeats, row.name).items():
                 attention.keep_best(record, impl, times, row.plain_fwd_flops() if impl == "plain" else row.fwd_flops())
             del cases
-        add_ratios(record, attention.PASSES)
-        for kind, _ in attention.PASSES:
-            ft_ms, plain_ms = record.get(f"flashtrain_{kind}_ms"), record.get(f"plain_{kind}_ms")
-            record[f"vs_plain_block_{kind}"] = (round((plain_ms / row.plain_tiles()) / (ft_ms / row.computed_tiles()), 3)
-                                                if ft_ms and plain_ms else None)
+        add_ratios(record, attention.PASSES, row)
         out.append(record)
         print(f"{row.name:<34} " + "  ".join(
             f"{kind}: ft {record.get(f'flashtrain_{kind}') or '-'} flex {record.get(f'flex_{kind}') or '-'} "

@@ -4,20 +4,9 @@
 # says whether any failed.
 #   bash benchmarks/probes/issue14_gpu.sh [OUT]
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT=${1:-${OUT:-/tmp/issue14}}
-mkdir -p "$OUT"
-export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export FLASHTRAIN_KERNEL_CACHE=${FLASHTRAIN_KERNEL_CACHE:-$OUT/kernel-cache}
+source "$(dirname "$0")/steps.sh"
+probe_setup /tmp/issue14 "${1:-}"
 XDIST=$(python -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
-status=0
-step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember a failure
-  local name=$1; shift
-  echo "== $name: $*"
-  "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  tail -n 4 "$OUT/$name.log"; echo "== $name rc=$rc"
-  [ $rc -eq 0 ] || status=1
-}
 step doctor python -m flashtrain.kernels.doctor
 step sync_free python -m pytest -q -m cuda tests/test_sync_free_cuda.py
 step compile_modes python -m pytest -q -m cuda tests/test_compile_modes_cuda.py

@@ -1,23 +1,12 @@
 #!/usr/bin/env bash
-# Issue 20's GPU checks of the branch issue20-kernels in one go (one GPU, ~8 minutes on an H200 with a warm kernel
+# Issue 20's GPU checks of the score-modification kernels in one go (one GPU, ~8 minutes on an H200 with a warm kernel
 # cache): the new kernels' tests first (window / softcap / ALiBi, odd head dims), then every cuda-marked test, then
 # the feature rows against FlexAttention. Logs and results land in $OUT (default /tmp/issue20); each step runs even
 # when an earlier one fails, and the exit status says whether any failed.
 #   bash benchmarks/probes/issue20_gpu.sh [OUT]
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT=${1:-${OUT:-/tmp/issue20}}
-mkdir -p "$OUT"
-export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export FLASHTRAIN_KERNEL_CACHE=${FLASHTRAIN_KERNEL_CACHE:-$OUT/kernel-cache}
-status=0
-step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember a failure
-  local name=$1; shift
-  echo "== $name: $*"
-  "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  tail -n 6 "$OUT/$name.log"; echo "== $name rc=$rc"
-  [ $rc -eq 0 ] || status=1
-}
+source "$(dirname "$0")/steps.sh"
+probe_setup /tmp/issue20 "${1:-}"
 step build python -m flashtrain.kernels.build -j 16
 step new_kernels python -m pytest -q -m cuda -x tests/test_cuda_kernels.py \
     -k "window_softcap_and_alibi or off_the_multiples_of_8"

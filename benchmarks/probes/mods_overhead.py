@@ -24,15 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attention  # noqa: E402
-from attention_features import alibi_slopes  # noqa: E402
+from attention_features import FeatureRow, alibi_slopes  # noqa: E402
 
 from flashtrain.kernels import flash_attn_func  # noqa: E402
-
-
-def pairs(seqlen: int, window: int) -> int:
-    if window < 0 or window >= seqlen - 1:
-        return seqlen * (seqlen + 1) // 2
-    return (window + 1) * (window + 2) // 2 + (seqlen - window - 1) * (window + 1)
 
 
 def variants(seqlen: int, nheads: int):
@@ -61,7 +55,7 @@ def main() -> None:
                 q, k, v, dout = attention.make_inputs("flashtrain", batch, seqlen, nheads, head_dim, True)
                 cases[name] = ((lambda q, k, v, options=options: flash_attn_func(q, k, v, causal=True, impl="cuda",
                                                                                   **options)), (q, k, v), dout)
-                flops[name] = 4.0 * batch * nheads * pairs(seqlen, window) * head_dim
+                flops[name] = FeatureRow(name, batch, seqlen, nheads, head_dim, window=window).fwd_flops()
             times = attention.time_passes_interleaved(cases, args.repeats, f"hd{head_dim} S{seqlen}")
             row = {"hd": head_dim, "S": seqlen, "B": batch, "H": nheads}
             for name, passes in times.items():

@@ -426,6 +426,12 @@ def _fits(spec: KernelSpec, smem_limit: int | None) -> bool:
     return smem_limit is None or spec.smem_bytes <= smem_limit
 
 
+def _check_score_mods(score_mods: bool, dropout: bool, block_sparse: bool) -> None:
+    if score_mods and (dropout or block_sparse):
+        raise ValueError("the score-modification kernels (window_size, softcap, alibi_slopes) have no dropout or "
+                         f"block-sparse variant (dropout={dropout}, block_sparse={block_sparse})")
+
+
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, smem_limit: int | None = None, seqlen_q: int = 0,
                score_mods: bool = False, mask_defines: tuple = ()) -> KernelSpec:
@@ -433,9 +439,7 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length.
     score_mods (window_size, softcap, alibi_slopes; without dropout or a block mask): the `_mods` variants (SCORE_MODS),
     on sm_90a the warpgroup-MMA forward with FWD_SM90_TILES."""
-    if score_mods and (dropout or block_sparse):
-        raise ValueError("the score-modification kernels (window_size, softcap, alibi_slopes) have no dropout or "
-                         f"block-sparse variant (dropout={dropout}, block_sparse={block_sparse})")
+    _check_score_mods(score_mods, dropout, block_sparse)
     if mask_defines:  # a mask expression (MaskMod.kernel_defines): the mma.sync mods kernel with it compiled in
         return _fwd_spec(head_dim, dtype, causal, False, False, fwd_tiles(head_dim, causal, False, False, smem_limit),
                          True, tuple(mask_defines))
@@ -542,9 +546,7 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     (None: the short ones). score_mods (SCORE_MODS): the `_mods` variants, on sm_90a the warpgroup-MMA backward at
     head dims 64 / 128 (not deterministic: flash_bwd.cuh runs that; softcap (a call with one) at head dim 64 neither:
     BWD_SM90_MODS_SOFTCAP)."""
-    if score_mods and (dropout or block_sparse):
-        raise ValueError("the score-modification kernels (window_size, softcap, alibi_slopes) have no dropout or "
-                         f"block-sparse variant (dropout={dropout}, block_sparse={block_sparse})")
+    _check_score_mods(score_mods, dropout, block_sparse)
     if mask_defines:  # a mask expression (MaskMod.kernel_defines): the mma.sync mods kernel with it compiled in
         return _bwd_spec(head_dim, dtype, causal, False, False, bwd_tiles(head_dim, smem_limit), True,
                          tuple(mask_defines))
