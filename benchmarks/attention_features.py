@@ -1,11 +1,13 @@
 """Attention features (issue 20) against FlexAttention and against plain attention, in one process on one GPU.
 
 Rows (bf16, causal, 16 heads of 128 unless stated): a sliding window of 1024 keys at 16K tokens; softcap 30 at 4K;
-ALiBi (geometric slopes) at 4K; head dim 512 at 4K (4 heads); a document mask at 16K tokens of 8 documents. Each row
+ALiBi (geometric slopes) at 4K; head dim 512 at 4K (4 heads); a document mask at 16K tokens of 8 documents, twice:
+as varlen, and as the mask expression "doc[q_idx] == doc[kv_idx]" over one sequence (mask_mod). Each row
 times three implementations, interleaved (attention.time_passes_interleaved):
 
   flashtrain   flash_attn_func with the feature (window_size, softcap, alibi_slopes; the document mask as
-               flash_attn_varlen_func over the documents), impl="cuda"
+               flash_attn_varlen_func over the documents, or mask_mod with its block states computed in each call),
+               impl="cuda"
   flex         torch.compile(flex_attention) with the same score_mod / mask_mod and the BlockMask of the mask
                (built once, outside the timed calls)
   plain        flashtrain's plain causal attention of the same shape: what a kernel without the feature computes
@@ -49,6 +51,7 @@ class FeatureRow:
     softcap: float = 0.0
     alibi: bool = False
     documents: int = 0  # equal documents packed in each sequence (causal inside each); 0: one
+    mask_expr: bool = False  # the documents as a mask expression (mask_mod) over one sequence instead of varlen
 
     def pairs(self) -> int:
         """(query, key) pairs computed per (sequence, head): causal, cut by the window / the documents."""
@@ -90,6 +93,7 @@ def feature_rows() -> list[FeatureRow]:
         FeatureRow("ALiBi at 4K", 4, 4096, 16, 128, alibi=True),
         FeatureRow("head dim 512 at 4K", 4, 4096, 4, 512),
         FeatureRow("document mask 16K (8 documents)", 1, 16384, 16, 128, documents=8),
+        FeatureRow("document mask 16K (8 documents, mask_mod)", 1, 16384, 16, 128, documents=8, mask_expr=True),
     ]
 
 
@@ -122,6 +126,12 @@ def flex_mods(row: FeatureRow, device):
 
 def flashtrain_fn(row: FeatureRow, device, impl: str = "cuda"):
     """fn(q, k, v) of flashtrain for the row; q, k, v (batch, seqlen, nheads, head_dim)."""
+    if row.documents and row.mask_expr:
+        from flashtrain.kernels.mask_mod import MaskMod
+
+        doc = (torch.arange(row.seqlen, device=device) // (row.seqlen // row.documents)).to(torch.int32)
+        mask = MaskMod("doc[q_idx] == doc[kv_idx]", doc=doc)
+        return lambda q, k, v: flash_attn_func(q, k, v, causal=True, impl=impl, mask_mod=mask)
     if row.documents:
         lengths = torch.full((row.batch * row.documents,), row.seqlen // row.documents, device=device)
         cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)

@@ -111,8 +111,10 @@ def test_the_cuda_kernels_say_which_features_they_lack():
             flash_attn_func(q, k, v, impl="cuda", **features)
     from flashtrain.kernels import interface
     q_cuda = type("FakeCudaTensor", (), {"device": torch.device("cuda", 0)})()  # past the device check only
-    ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"mask_mod": None, "softcap": 30.0})
-    assert ops is None and reason == "mask_mod run on impl='reference' only (the CUDA kernels do not have them yet)"
+    ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"mask_mod": None, "softcap": 30.0},
+                                                dropout_p=0.1)
+    assert ops is None and reason == ("softcap / mask_mod with dropout run on impl='reference' only (the CUDA "
+                                      "kernels have them without)")
     ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"window_size": (4, 0), "softcap": 3.0},
                                                 dropout_p=0.1)
     assert ops is None and reason == ("window_size / softcap with dropout run on impl='reference' only (the CUDA "
@@ -164,7 +166,7 @@ def test_a_document_mask_equals_varlen_attention_over_the_documents_and_skips_ti
                                                                    (3, 2), (3, 3)]
 
 
-def test_mask_mod_is_validated_and_the_cuda_kernels_say_they_lack_it():
+def test_mask_mod_is_validated_and_the_cuda_kernels_refuse_it_with_a_block_mask():
     from flashtrain.kernels import interface
     from flashtrain.kernels.mask_mod import MaskModError
 
@@ -174,8 +176,8 @@ def test_mask_mod_is_validated_and_the_cuda_kernels_say_they_lack_it():
     with pytest.raises(MaskModError, match="unknown name 'doc'"):
         flash_attn_func(q, k, v, impl="reference", mask_mod="doc[q_idx] > 0")
     q_cuda = type("FakeCudaTensor", (), {"device": torch.device("cuda", 0)})()
-    ops, reason = interface._cuda_ops_or_reason(q_cuda, None, None, {"mask_mod": None})
-    assert ops is None and reason.startswith("mask_mod run on impl='reference' only")
+    ops, reason = interface._cuda_ops_or_reason(q_cuda, torch.ones(1, 1, dtype=torch.bool), None, {"mask_mod": None})
+    assert ops is None and reason.startswith("mask_mod with a block_mask run on impl='reference' only")
 
 
 @pytest.mark.parametrize("head_dim", [320, 512])

@@ -321,6 +321,34 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
                              max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
 
 
+@pytest.mark.parametrize("case", ["documents", "prefix-lm", "dilated-per-head"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_mask_mod_matches_reference(case, head_dim, causal):
+    """A mask expression compiled into the kernels (issue 20): block states on the GPU, empty tiles skipped, the
+    expression on partial ones; documents per sequence (batch and varlen), prefix-LM, a head-dependent dilated window
+    combined with a window; GQA; sequences longer than a tile."""
+    from flashtrain.kernels.mask_mod import MaskMod
+
+    lengths = [700, 260, 333]
+    doc = torch.stack([torch.arange(700) // d for d in (90, 300, 700)]).to(torch.int32).cuda()
+    flags = torch.tensor([True, False, True, False], device="cuda")
+    mods = {"documents": (MaskMod("doc[b][q_idx] == doc[b][kv_idx]", doc=doc), {}),
+            "prefix-lm": (MaskMod("kv_idx < 150 || q_idx >= kv_idx"), {}),
+            "dilated-per-head": (MaskMod("flags[h] ? (q_idx - kv_idx) % 3 == 0 : 1", flags=flags),
+                                 {"window_size": (200, 200)})}
+    mask, extra = mods[case]
+    features = {"mask_mod": mask, **extra}
+    if causal and "window_size" in features:
+        features["window_size"] = (features["window_size"][0], 0)
+    q, k, v, dout = _inputs((3, 700, 4, head_dim), (3, 700, 2, head_dim), torch.bfloat16)
+    _check_against_reference(q, k, v, dout, causal=causal, features=features)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v, dout = _inputs((sum(lengths), 4, head_dim), (sum(lengths), 2, head_dim), torch.float16, seed=3)
+    _check_against_reference(q, k, v, dout, causal=causal, features=features, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                             max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+
+
 @pytest.mark.parametrize("head_dim", [4, 36, 100, 250])  # not multiples of 8: the inputs padded with zero columns
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dims_off_the_multiples_of_8_run_on_the_kernel(head_dim, causal):

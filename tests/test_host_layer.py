@@ -122,6 +122,8 @@ CASES = {
                        mods=dict(window=(20, 5), softcap=30.0, alibi=(4,))),
     "score-mods-varlen": dict(shape_q=(300, 4, 128), shape_k=(260, 1, 128), causal=True,
                               lengths=([0, 1, 170, 129], [0, 64, 96, 100]), mods=dict(window=(50, -1), alibi=(3, 4))),
+    # a mask expression (issue 20, branch issue20-maskmod): document ids per sequence, the states of its 128-tiles
+    "mask-mod": dict(shape_q=(2, 300, 4, 64), shape_k=(2, 300, 2, 64), causal=True, mask_mod=True),
 }
 
 
@@ -159,6 +161,17 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
         alibi = alibi.expand(len(spec["lengths"][0]) - 1 if "lengths" in spec else spec["shape_q"][0], -1)
     args = (cu_q, cu_k, max_q, max_k, dropout_p, 0.125, spec["causal"], rng_state, deterministic, bs_rows, bs_cols,
             *window, softcap, alibi)
+    mask_args, mask_kw = (), {}
+    if spec.get("mask_mod"):
+        from flashtrain.kernels.mask_mod import MaskMod
+
+        doc = (torch.arange(300).repeat(2, 1) // torch.tensor([[70], [150]])).to(torch.int32)
+        mask = MaskMod("doc[b][q_idx] == doc[b][kv_idx]", doc=doc)
+        states, error = mask.block_states(2, 4, 300, 300, device="cpu")
+        assert states.shape == (2, 1, 3, 3) and {0, 1, 2} == set(states.unique().tolist())
+        mask_args = (states, error, doc, None, None, None, ops.mask_mod_text(mask))
+        mask_kw = dict(mask_mod=ops.mask_mod_text(mask), mm_states=states, mm_error=error, mm_tensors=[doc])
+    args += mask_args
 
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out, lse = ops.flash_attn_fwd(q, k, v, *args)
@@ -170,9 +183,9 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
 
     q, k, v = (x.detach() for x in (q, k, v))
     py_out, py_lse = ops._fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, 0.125, spec["causal"], rng_state,
-                                   bs_rows, window, softcap, alibi)
+                                   bs_rows, window, softcap, alibi, **mask_kw)
     py_grads = ops._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, 0.125, spec["causal"],
-                             rng_state, deterministic, bs_cols, window, softcap, alibi)
+                             rng_state, deterministic, bs_cols, window, softcap, alibi, **mask_kw)
     if mods:  # the score-modification kernels ran (also on Hopper: the mma.sync ones), with their parameters
         from flashtrain.kernels import build, launch
 
@@ -191,6 +204,19 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
         assert (fwd.window_left, fwd.window_right) == (window[0], -1 if spec["causal"] else window[1])
         assert fwd.softcap_scale == pytest.approx(0.125 / softcap if softcap else 0.0)
         assert fwd.alibi_batch_stride == (0 if mods["alibi"] == (4,) else 4) and fwd.alibi_slopes != 0
+    if mask_kw:  # the mma.sync mods kernels with the expression compiled in, its tensor, states and error word
+        from flashtrain.kernels import build, launch
+
+        defines = mask.kernel_defines()
+        specs = [kernel(64, "bf16", True, False, arch=arch, score_mods=True, mask_defines=defines)
+                 for kernel in (build.fwd_kernel, build.bwd_kernel)]
+        assert [spec.source for spec in specs] == ["flash_fwd.cu", "flash_bwd.cu"]
+        handles = {zlib.crc32(s.symbols[0].encode()) << 4 for s in specs}
+        assert handles <= {struct.unpack_from("<q", record)[0] for record in records}
+        fwd = launch.FwdParams.from_buffer_copy(records[0][56 + 16 * struct.unpack_from("<q", records[0], 48)[0]:])
+        assert (fwd.mm_n_kblocks, fwd.mm_states_b_stride, fwd.mm_states_h_stride) == (3, 9, 0)
+        assert (list(fwd.mm.size[0][:2]), list(fwd.mm.stride[0][:2])) == ([2, 300], [300, 1])
+        assert fwd.mm_states != 0 and fwd.mm.error != 0 and fwd.mm.ptr[0] != 0 and fwd.mm.ptr[1] is None
     assert len(records) == len(cpp)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), (py_out, py_lse, *py_grads)):
         assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), name

@@ -107,3 +107,132 @@ int main() {{
     from_c = torch.tensor([c == "1" for c in out]).view(2, 3, 9, 9)
     assert torch.equal(from_c, mod.evaluate(*_grid()))
     assert 0 < int(from_c.sum()) < from_c.numel()
+
+
+# ---- block states: the skip list of the kernels ------------------------------------------------------------------
+
+def _cases():
+    """(MaskMod, batch, nheads, lengths_q, lengths_k): document masks (per sequence, varlen), prefix-LM, a head-
+    dependent dilated window; lengths not multiples of the tile."""
+    doc = torch.tensor([[0] * 5 + [1] * 20 + [2] * 12, [0] * 30 + [3] * 7], dtype=torch.int32)
+    flags = torch.tensor([True, False, True])
+    return [
+        (MaskMod("doc[b][q_idx] == doc[b][kv_idx] && q_idx >= kv_idx", doc=doc), 2, 3, [37, 37], [37, 37]),
+        (MaskMod("kv_idx < 11 || kv_idx <= q_idx"), 2, 3, [37, 37], [30, 30]),
+        (MaskMod("flags[h] ? (q_idx - kv_idx) % 3 == 0 && kv_idx <= q_idx : abs(q_idx - kv_idx) < 6", flags=flags),
+         2, 3, [37, 37], [37, 37]),
+        (MaskMod("q_idx >= kv_idx"), 3, 2, [20, 0, 33], [25, 9, 33]),  # varlen (a sequence without queries)
+    ]
+
+
+def _brute_states(mod, batch, nheads, lengths_q, lengths_k, block):
+    """Tile states from evaluating every pair of every (sequence, head)."""
+    n_q, n_k = -(-max(lengths_q) // block), -(-max(lengths_k) // block)
+    out = torch.zeros(batch, nheads, n_q, n_k, dtype=torch.uint8)
+    for b in range(batch):
+        for h in range(nheads):
+            if not lengths_q[b] or not lengths_k[b]:
+                continue
+            full = mod.evaluate(b, h, torch.arange(lengths_q[b])[:, None], torch.arange(lengths_k[b])[None, :])
+            for qb in range(-(-lengths_q[b] // block)):
+                for kb in range(-(-lengths_k[b] // block)):
+                    tile = full[qb * block:(qb + 1) * block, kb * block:(kb + 1) * block]
+                    out[b, h, qb, kb] = 2 if bool(tile.all()) else 1 if bool(tile.any()) else 0
+    return out
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_block_states_are_exact(index):
+    """MaskMod.block_states (the torch path): 0 / 1 / 2 per tile as every pair's value says; the batch and head
+    dimensions only where the expression reads b / h (or the sequences are varlen)."""
+    mod, batch, nheads, lengths_q, lengths_k = _cases()[index]
+    block = 8
+    varlen = len(set(lengths_q)) > 1 or len(set(lengths_k)) > 1
+    cu = {}
+    if varlen:
+        cu = {f"cu_seqlens_{side}": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+              for side, lengths in (("q", lengths_q), ("k", lengths_k))}
+    states, error = mod.block_states(batch, nheads, max(lengths_q), max(lengths_k), device="cpu", block=block, **cu)
+    expected = _brute_states(mod, batch, nheads, lengths_q, lengths_k, block)
+    batches = batch if "b" in mod.index_names or varlen else 1
+    heads = nheads if "h" in mod.index_names else 1
+    assert states.shape == (batches, heads, *expected.shape[2:]) and int(error) == 0
+    assert torch.equal(states, expected[:batches, :heads])
+    assert set(states.unique().tolist()) <= {0, 1, 2} and int((states == 1).sum()) > 0
+
+
+def test_checked_c_reads_nothing_outside_a_tensor():
+    """The kernels' C (c_source(checked=True)): an out-of-range subscript calls FT_MM_OOB() (records the error, reads
+    0) instead of loading; in range it computes what evaluate does."""
+    cxx = build.cxx_path()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    doc = torch.tensor([3, 3, 5, 5], dtype=torch.int32)
+    mod = MaskMod("doc[q_idx] == doc[kv_idx]", doc=doc)
+    params = ", ".join(["long long q_idx", "long long kv_idx"] + mod.c_declarations() + ["long long mm_doc_n0"])
+    program = f"""#include <cstdio>
+static int errors = 0;
+#define FT_MM_OOB() (++errors, 0LL)
+static long long mask({params}) {{ return {mod.c_source(checked=True)}; }}
+int main() {{
+    const int doc[] = {{3, 3, 5, 5}};
+    for (int q = 0; q < 6; ++q) for (int k = 0; k < 6; ++k) std::putchar(mask(q, k, doc, 1, 4) ? '1' : '0');
+    std::printf(" %d", errors);
+}}
+"""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.cpp"
+        path.write_text(program)
+        subprocess.run([cxx, "-O1", "-o", str(Path(tmp) / "m"), str(path)], check=True, capture_output=True)
+        out = subprocess.run([str(Path(tmp) / "m")], check=True, capture_output=True, text=True).stdout
+    bits, errors = out.split()
+    got = torch.tensor([c == "1" for c in bits]).view(6, 6)
+    i = torch.arange(4)
+    assert torch.equal(got[:4, :4], mod.evaluate(0, 0, i[:, None], i[None, :]))
+    # one error per subscript past the tensor: 16 pairs with one of q, kv past it, 4 pairs with both (two each)
+    assert int(errors) == 16 + 2 * 4
+    assert not bool(got[:4, 4:].any()) and not bool(got[4:, :4].any())  # doc 3 / 5 against the 0 read instead
+
+
+@pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
+def test_mask_blocks_kernel_compiles_for_each_expression():
+    """csrc/mask_blocks.cu with each case's expression compiled in (nvcc, sm_80 and sm_90a), one kernel per
+    expression, cached by the macros; the emitted C has no comma (nvcc splits -D values at commas)."""
+    specs = [build.mask_blocks_kernel(case[0]) for case in _cases()]
+    assert len({spec.name for spec in specs}) == len(specs)
+    # the mma.sync forward and backward with the first expression compiled in (FT_MASK_EXPR: skip empty tiles,
+    # the expression on partial ones)
+    forward = [kernel(64, "bf16", causal, False, arch="sm_80", score_mods=True,
+                      mask_defines=_cases()[0][0].kernel_defines())
+               for kernel in (build.fwd_kernel, build.bwd_kernel) for causal in (False, True)]
+    assert all(spec.name.endswith(specs[0].name.removeprefix("ft_mask_blocks_")) for spec in forward)
+    assert build.check_nvcc(["sm_80", "sm_90a"], jobs=2, specs=specs + forward) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("index", range(4))
+def test_gpu_block_states_are_the_torch_ones(index):
+    """csrc/mask_blocks.cu (the expression compiled in, one CTA per tile) gives the torch path's states."""
+    mod, batch, nheads, lengths_q, lengths_k = _cases()[index]
+    gpu_mod = MaskMod(mod.expression, **{name: t.cuda() for name, t in mod.tensors.items()})
+    varlen = len(set(lengths_q)) > 1 or len(set(lengths_k)) > 1
+    for block in (8, 16):
+        cu, cu_gpu = {}, {}
+        if varlen:
+            cu = {f"cu_seqlens_{side}": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()],
+                                                     dtype=torch.int32) for side, lengths in (("q", lengths_q),
+                                                                                              ("k", lengths_k))}
+            cu_gpu = {name: t.cuda() for name, t in cu.items()}
+        expected, _ = mod.block_states(batch, nheads, max(lengths_q), max(lengths_k), device="cpu", block=block, **cu)
+        states, error = gpu_mod.block_states(batch, nheads, max(lengths_q), max(lengths_k), device="cuda",
+                                             block=block, **cu_gpu)
+        assert torch.equal(states.cpu(), expected) and int(error) == 0
+
+
+@pytest.mark.cuda
+def test_gpu_out_of_range_subscript_sets_the_error_word():
+    mod = MaskMod("doc[q_idx] == doc[kv_idx]", doc=torch.tensor([3, 3, 5, 5], dtype=torch.int32, device="cuda"))
+    states, error = mod.block_states(1, 1, 6, 6, device="cuda", block=4)
+    assert int(error) == 1 and states.shape == (1, 1, 2, 2)
+    _, fine = mod.block_states(1, 1, 4, 4, device="cuda", block=4)
+    assert int(fine) == 0

@@ -434,12 +434,15 @@ def _check_score_mods(score_mods: bool, dropout: bool, block_sparse: bool) -> No
 
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, smem_limit: int | None = None, seqlen_q: int = 0,
-               score_mods: bool = False) -> KernelSpec:
+               score_mods: bool = False, mask_defines: tuple = ()) -> KernelSpec:
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
     smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length.
     score_mods (window_size, softcap, alibi_slopes; without dropout or a block mask): the `_mods` variants (SCORE_MODS),
     on sm_90a the warpgroup-MMA forward with FWD_SM90_TILES."""
     _check_score_mods(score_mods, dropout, block_sparse)
+    if mask_defines:  # a mask expression (MaskMod.kernel_defines): the mma.sync mods kernel with it compiled in
+        return _fwd_spec(head_dim, dtype, causal, False, False, fwd_tiles(head_dim, causal, False, False, smem_limit),
+                         True, tuple(mask_defines))
     if score_mods:
         if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
             spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], True)
@@ -465,17 +468,22 @@ def _tile_suffix(tiles, default_tiles) -> str:
 # of every attention call look theirs up.
 @functools.lru_cache(maxsize=None)
 def _fwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-              tiles: FwdTiles, score_mods: bool = False) -> KernelSpec:
+              tiles: FwdTiles, score_mods: bool = False, mask_defines: tuple = ()) -> KernelSpec:
     name = (f"flash_fwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{'_mods' if score_mods else ''}"
-            f"{_tile_suffix(tiles, fwd_tiles(head_dim, causal, dropout, block_sparse))}")
+            f"{_tile_suffix(tiles, fwd_tiles(head_dim, causal, dropout, block_sparse))}{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)), ("FT_KERNEL_NAME", name))
     if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
-        defines += (("FT_SCORE_MODS", 1),)
+        defines += (("FT_SCORE_MODS", 1),) + tuple(mask_defines)
     return KernelSpec("flash_fwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),
                       block_m=tiles.block_m, tiles=tiles)
+
+
+def _mask_suffix(mask_defines: tuple) -> str:
+    """A mask expression's kernels are named by a digest of its macros (the expression, its tensors' dtypes / ranks)."""
+    return f"_mask{hashlib.sha256(repr(mask_defines).encode()).hexdigest()[:16]}" if mask_defines else ""
 
 
 def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, seqlen_q: int = 0) -> FwdSm90Tiles:
@@ -530,7 +538,7 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
 def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, deterministic: bool = False, smem_limit: int | None = None,
                effective_head_dim: int | None = None, seqlen_q: int | None = None,
-               score_mods: bool = False, softcap: bool = False) -> KernelSpec:
+               score_mods: bool = False, softcap: bool = False, mask_defines: tuple = ()) -> KernelSpec:
     """The backward kernel for these features (head_dim: the instantiated one, rounded_head_dim; effective_head_dim:
     the call's own, when smaller); on arch sm_90a the warpgroup-MMA kernel where it exists and fits smem_limit (bytes
     of shared memory per block; None: no limit): head dims 65-96 there run the hd128 tiles with the MMA work of 96
@@ -539,6 +547,9 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     head dims 64 / 128 (not deterministic: flash_bwd.cuh runs that; softcap (a call with one) at head dim 64 neither:
     BWD_SM90_MODS_SOFTCAP)."""
     _check_score_mods(score_mods, dropout, block_sparse)
+    if mask_defines:  # a mask expression (MaskMod.kernel_defines): the mma.sync mods kernel with it compiled in
+        return _bwd_spec(head_dim, dtype, causal, False, False, bwd_tiles(head_dim, smem_limit), True,
+                         tuple(mask_defines))
     if score_mods:
         if (arch == SM90_ARCH and head_dim in BWD_SM90_MODS_HEAD_DIMS and sm90_enabled() and not deterministic
                 and (not softcap or BWD_SM90_MODS_SOFTCAP[head_dim])):
@@ -608,9 +619,9 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
 
 @functools.lru_cache(maxsize=None)
 def _bwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-              tiles: BwdTiles, score_mods: bool = False) -> KernelSpec:
+              tiles: BwdTiles, score_mods: bool = False, mask_defines: tuple = ()) -> KernelSpec:
     name = (f"flash_bwd_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}{'_mods' if score_mods else ''}"
-            f"{_tile_suffix(tiles, BWD_TILES[head_dim])}")
+            f"{_tile_suffix(tiles, BWD_TILES[head_dim])}{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_NWARPS", tiles.nwarps), ("FT_WARPS_M_SDP", tiles.warps_m_sdp),
                ("FT_WARPS_N_DKV", tiles.warps_n_dkv), ("FT_WARPS_M_DQ", tiles.warps_m_dq),
@@ -620,7 +631,7 @@ def _bwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spar
                ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)),
                ("FT_KERNEL_NAME", name))
     if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
-        defines += (("FT_SCORE_MODS", 1),)
+        defines += (("FT_SCORE_MODS", 1),) + tuple(mask_defines)
     return KernelSpec("flash_bwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),
                       block_m=tiles.block_m, block_n=tiles.block_n, tiles=tiles)
 
@@ -638,6 +649,15 @@ def aux_kernels(dtype: str) -> KernelSpec:
 # block mask, dense and varlen, every head dim (the Hopper kernels do not have them yet).
 SCORE_MODS = ("window_size", "softcap", "alibi_slopes")
 CE_THREADS = 256  # csrc/cross_entropy.cu kCeThreads
+MASK_BLOCKS_THREADS = 256  # csrc/mask_blocks.cu kMaskBlocksThreads
+
+
+def mask_blocks_kernel(mask) -> KernelSpec:
+    """The block-state kernel of a mask expression (csrc/mask_blocks.cu; mask: mask_mod.MaskMod), one per expression
+    and tensor dtypes / ranks: named by a digest of its macros, cached like every kernel (by the macros' text)."""
+    defines = mask.kernel_defines()
+    name = f"ft_mask_blocks_{hashlib.sha256(repr(defines).encode()).hexdigest()[:16]}"
+    return KernelSpec("mask_blocks.cu", defines + (("FT_KERNEL_NAME", name),), (name,), MASK_BLOCKS_THREADS, 0)
 CE_DTYPES = ("fp32", "fp16", "bf16")  # FT_CE_KIND 0, 1, 2
 
 

@@ -103,8 +103,9 @@ def flash_attn_func(
             no tensor): query q_idx of sequence b, head h attends key kv_idx where the expression is nonzero, on top
             of causal / window_size / block_mask; e.g. MaskMod("doc[q_idx] == doc[kv_idx]", doc=ids). Tiles where it
             is 0 for every pair are skipped (evaluated exactly). q_idx / kv_idx count from each sequence's start.
-        window_size, softcap and alibi_slopes run on the CUDA kernels without dropout and block_mask (the mma.sync
-        kernels, also on Hopper); mask_mod on the reference only for now (impl="cuda" raises).
+        window_size, softcap, alibi_slopes and mask_mod run on the CUDA kernels without dropout and block_mask
+        (mask_mod: the mma.sync kernels with the expression compiled in, also on Hopper; its block states computed
+        on the GPU per call).
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim) in q's dtype, or (out, lse) with return_lse=True.
@@ -202,8 +203,8 @@ def flash_attn_varlen_func(
 
 # the options of flash_attn_func beyond plain attention that the CUDA kernels run (issue 20 adds window_size, softcap,
 # alibi_slopes as the kernels gain them); the others run on impl="reference" only
-CUDA_FEATURES: frozenset[str] = frozenset({"window_size", "softcap", "alibi_slopes"})  # mma.sync kernels (build.SCORE_MODS)
-_SCORE_MODS = ("window_size", "softcap", "alibi_slopes")
+CUDA_FEATURES: frozenset[str] = frozenset({"window_size", "softcap", "alibi_slopes", "mask_mod"})  # build.SCORE_MODS
+_SCORE_MODS = ("window_size", "softcap", "alibi_slopes", "mask_mod")
 
 
 def features_unavailable_reason(features) -> str | None:

@@ -23,6 +23,12 @@ from flashtrain.kernels.tma import TmaDesc
 _i64, _i32, _u32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
 
 
+class MaskModParams(ctypes.Structure):
+    """csrc/flash.h MaskModParams."""
+
+    _fields_ = [("ptr", _ptr * 4), ("size", (_i64 * 4) * 4), ("stride", (_i64 * 4) * 4), ("error", _ptr)]
+
+
 class FwdParams(ctypes.Structure):
     _fields_ = [
         ("q", _ptr), ("k", _ptr), ("v", _ptr), ("out", _ptr), ("lse", _ptr),
@@ -40,6 +46,8 @@ class FwdParams(ctypes.Structure):
         ("total_q", _i32), ("total_k", _i32), ("causal_tile_group", _i32), ("pad_", _i32),
         ("window_left", _i32), ("window_right", _i32), ("softcap_scale", _f32), ("softcap_unscale", _f32),
         ("alibi_slopes", _ptr), ("alibi_batch_stride", _i64),
+        ("mm", MaskModParams), ("mm_states", _ptr), ("mm_states_b_stride", _i64), ("mm_states_h_stride", _i64),
+        ("mm_n_kblocks", _i32), ("mm_pad_", _i32),
     ]
 
 
@@ -102,6 +110,16 @@ class CeParams(ctypes.Structure):
         ("logits", _ptr), ("targets", _ptr), ("lse", _ptr), ("loss", _ptr), ("grad", _ptr), ("scale", _ptr),
         ("row_stride", _i64), ("grad_row_stride", _i64), ("ignore_index", _i64),
         ("rows", _i32), ("vocab", _i32), ("width", _i32), ("vectorized", _i32),
+    ]
+
+
+class MaskBlocksParams(ctypes.Structure):
+    """csrc/mask_blocks.cu MaskBlocksParams."""
+
+    _fields_ = [
+        ("mm", MaskModParams), ("states", _ptr), ("cu_seqlens_q", _ptr), ("cu_seqlens_k", _ptr),
+        ("heads", _i32), ("seqlen_q", _i32), ("seqlen_k", _i32), ("n_qblocks", _i32), ("n_kblocks", _i32),
+        ("block", _i32),
     ]
 
 

@@ -252,11 +252,80 @@ class MaskMod:
         return _int(result)
 
     # ---- the kernels: C source --------------------------------------------------------------------------------
-    def c_source(self) -> str:
+    def c_source(self, checked: bool = False) -> str:
         """A C expression (64-bit integer arithmetic) over b, h, q_idx, kv_idx and, per user tensor NAME, a pointer
         `mm_NAME` and its strides `mm_NAME_s0`, `mm_NAME_s1`, ... in elements: what the kernels' mask function
-        returns (nonzero: attended)."""
-        return self._c(self.ast)
+        returns (nonzero: attended). checked: each subscript is tested against the sizes `mm_NAME_n0`, ... and an
+        out-of-range one evaluates `FT_MM_OOB()` (the kernels: records the error, the element reads as 0) instead of
+        loading."""
+        return self._c(self.ast, checked)
+
+    @property
+    def index_names(self) -> tuple[str, ...]:
+        """The indices (of b, h, q_idx, kv_idx) the expression reads."""
+        used = _names(self.ast, {})
+        return tuple(name for name in INDEX_NAMES if name in used)
+
+    def kernel_defines(self) -> tuple[tuple[str, str], ...]:
+        """The macros csrc/mask_mod.cuh builds its predicate from: FT_MASK_DECLS (tensor i's pointer, sizes and strides
+        read from MaskModParams `mm`, in the order given) and FT_MASK_EXPR (the checked C source). The build cache
+        keys kernels by their macros, so by the expression and the tensors' dtypes and ranks."""
+        decls = []
+        for i, (name, tensor) in enumerate(self.tensors.items()):
+            ctype = _C_TYPES[tensor.dtype]
+            decls.append(f"const {ctype}* mm_{name} = (const {ctype}*)mm.ptr[{i}];")
+            for d in range(tensor.dim()):
+                decls += [f"const long long mm_{name}_s{d} = mm.stride[{i}][{d}];",
+                          f"const long long mm_{name}_n{d} = mm.size[{i}][{d}];"]
+        defines = (("FT_MASK_DECLS", " ".join(decls)), ("FT_MASK_EXPR", self.c_source(checked=True)))
+        # (nvcc splits a -D value at commas: the emitted C has none, min / max / abs being conditionals)
+        assert not any("," in value for _, value in defines), defines
+        return defines
+
+    def block_states(self, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, *, device,
+                     block: int = 128, cu_seqlens_q: Tensor | None = None,
+                     cu_seqlens_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Per block x block tile of (query, key) pairs: 0 when the expression is false for every pair of the tile,
+        2 when true for every pair, 1 otherwise (tiles counted from each sequence's start; pairs past a sequence's
+        end do not count). Evaluated exactly, on `device`: with the compiled expression on a GPU
+        (csrc/mask_blocks.cu), with `evaluate` elsewhere. Returns (states uint8 (B', H', n_qblocks, n_kblocks),
+        error int32 (1,)): B' = batch when the expression reads b or the sequences are varlen, else 1; H' = nheads
+        when it reads h, else 1; error nonzero when a subscript left its tensor (the GPU path records it without a
+        host sync; `evaluate` raises). Varlen: cu_seqlens_q / cu_seqlens_k (batch + 1,) int32, seqlen_q / seqlen_k
+        the maximum lengths."""
+        device = torch.device(device)
+        varlen = cu_seqlens_q is not None
+        if varlen != (cu_seqlens_k is not None):
+            raise ValueError("block_states: give both cu_seqlens_q and cu_seqlens_k, or neither")
+        heads = nheads if "h" in self.index_names else 1
+        batches = batch if "b" in self.index_names or varlen else 1
+        n_q, n_k = -(-seqlen_q // block), -(-seqlen_k // block)
+        if device.type == "cuda":
+            from flashtrain.kernels import mask_blocks
+
+            return mask_blocks.block_states(self, batches, heads, seqlen_q, seqlen_k, block, cu_seqlens_q,
+                                            cu_seqlens_k)
+        states = torch.zeros(batches, heads, n_q, n_k, dtype=torch.uint8, device=device)
+        arange = lambda n: torch.arange(n, device=device)  # noqa: E731
+        for b in range(batches):
+            len_q, len_k = seqlen_q, seqlen_k
+            if varlen:
+                len_q = int(cu_seqlens_q[b + 1] - cu_seqlens_q[b])
+                len_k = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+            if len_q == 0 or len_k == 0:
+                continue
+            for qb in range(-(-len_q // block)):
+                rows = arange(min(block, len_q - qb * block)) + qb * block
+                visible = self.evaluate(b, arange(heads)[:, None, None], rows[None, :, None],
+                                        arange(len_k)[None, None, :])
+                pad = n_k * block - len_k  # keys past the end: neither visible nor blocking "all"
+                anyv = torch.nn.functional.pad(visible, (0, pad), value=False).view(heads, -1, n_k, block)
+                allv = torch.nn.functional.pad(visible, (0, pad), value=True).view(heads, -1, n_k, block)
+                tile_any, tile_all = anyv.any(3).any(1), allv.all(3).all(1)
+                tiles = -(-len_k // block)
+                state = torch.where(tile_all, 2, torch.where(tile_any, 1, 0)).to(torch.uint8)
+                states[b, :, qb, :tiles] = state[:, :tiles]
+        return states, torch.zeros(1, dtype=torch.int32, device=device)
 
     def c_declarations(self) -> list[str]:
         """The parameters the expression reads besides the indices, as C declarations (pointer, then strides)."""
@@ -266,27 +335,33 @@ class MaskMod:
             out += [f"long long mm_{name}_s{dim}" for dim in range(tensor.dim())]
         return out
 
-    def _c(self, node: Node) -> str:
+    def _c(self, node: Node, checked: bool = False) -> str:
         kind = node.kind
         if kind == "int":
             return f"{node.value}LL"
         if kind == "name":
             return f"((long long)({node.value}))"
         if kind == "subscript":
-            offset = " + ".join(f"({self._c(arg)}) * mm_{node.value}_s{dim}" for dim, arg in enumerate(node.args))
-            return f"((long long)mm_{node.value}[{offset}])"
+            indices = [self._c(arg, checked) for arg in node.args]
+            offset = " + ".join(f"({index}) * mm_{node.value}_s{dim}" for dim, index in enumerate(indices))
+            load = f"((long long)mm_{node.value}[{offset}])"
+            if not checked:
+                return load
+            inside = " && ".join(f"({index}) >= 0 && ({index}) < mm_{node.value}_n{dim}"
+                                 for dim, index in enumerate(indices))
+            return f"(({inside}) ? {load} : FT_MM_OOB())"
         if kind == "call":
-            args = [self._c(arg) for arg in node.args]
+            args = [self._c(arg, checked) for arg in node.args]
             if node.value == "abs":
                 return f"(({args[0]}) < 0 ? -({args[0]}) : ({args[0]}))"
             cmp = "<" if node.value == "min" else ">"
             return f"(({args[0]}) {cmp} ({args[1]}) ? ({args[0]}) : ({args[1]}))"
         if kind == "ternary":
-            cond, yes, no = (self._c(arg) for arg in node.args)
+            cond, yes, no = (self._c(arg, checked) for arg in node.args)
             return f"(({cond}) ? ({yes}) : ({no}))"
         if kind == "unary":
-            return f"({node.value}({self._c(node.args[0])}))"
-        a, b = (self._c(arg) for arg in node.args)
+            return f"({node.value}({self._c(node.args[0], checked)}))"
+        a, b = (self._c(arg, checked) for arg in node.args)
         return f"((long long)(({a}) {node.value} ({b})))"
 
 

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashtrain.kernels import build, tma
+from flashtrain.kernels.mask_mod import MaskMod
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _launch = None  # flashtrain.kernels.launch once loaded (it needs cuda-python; importing this module does not)
@@ -121,12 +122,16 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
                     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
                     generator: torch.Generator | None, deterministic: bool = False,
                     block_mask: Tensor | None = None, validated: bool = False, window_size=(-1, -1),
-                    softcap: float = 0.0, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+                    mask_mod: MaskMod | None = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of the CUDA kernel, differentiable w.r.t. q, k, v. Arguments as in flash_attn_(varlen_)func after
     validation; cu_seqlens None selects the batch form. deterministic=True makes the backward's dq bitwise
     reproducible (each CTA accumulates into its own dq buffer, summed in a fixed order) at some speed cost.
     block_mask: bool ([nheads,] ceil(max_seqlen_q / 128), ceil(max_seqlen_k / 128)) on q's device, or None.
-    validated=True: the caller (flashtrain.kernels.interface) has checked the arguments and unavailable_reason."""
+    validated=True: the caller (flashtrain.kernels.interface) has checked the arguments and unavailable_reason.
+    mask_mod: a mask expression (mask_mod.MaskMod, its tensors on q's device): its block states are computed on the
+    GPU per call (MaskMod.block_states) and the mma.sync score-modification kernels with the expression compiled in
+    skip the empty tiles and test the partial ones; without dropout or a block mask."""
     if not validated:
         reason = unavailable_reason(q.device, head_dim=q.shape[-1], dtype=q.dtype, block_mask=block_mask is not None)
         if reason is not None:
@@ -144,7 +149,8 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
                                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
                                    softmax_scale=softmax_scale, causal=causal, generator=generator,
                                    deterministic=deterministic, block_mask=block_mask, validated=validated,
-                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                   mask_mod=mask_mod)
         return out[..., :head_dim].contiguous(), lse
     if cu_seqlens_q is not None:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
@@ -172,9 +178,19 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
     left, right = (min(x, reach) if x >= 0 else -1 for x in (left, right))
     if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:  # (batch, nheads) float32, head stride 1
         alibi_slopes = alibi_slopes.contiguous()
+    mask_args = ()
+    if mask_mod is not None:
+        if dropout_p > 0 or block_mask is not None:
+            raise ValueError("mask_mod does not combine with dropout_p > 0 or a block_mask on the CUDA kernels")
+        batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
+        states, error = mask_mod.block_states(batch, q.shape[-2], int(max_seqlen_q), int(max_seqlen_k),
+                                              device=q.device, block=build.BLOCK_SPARSE_SIZE,
+                                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        tensors = list(mask_mod.tensors.values())
+        mask_args = (states, error, *tensors, *[None] * (4 - len(tensors)), mask_mod_text(mask_mod))
     return flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                           float(dropout_p), float(softmax_scale), bool(causal), rng_state, bool(deterministic),
-                          bs_rows, bs_cols, left, right, float(softcap), alibi_slopes)
+                          bs_rows, bs_cols, left, right, float(softcap), alibi_slopes, *mask_args)
 
 
 # block_sparse_lists' results by mask: id(mask) -> (weak reference to the mask, its version counter, the lists). A
@@ -325,21 +341,25 @@ def _offset(params: type, path: str) -> int:
 
 
 def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-              bs_rows, window=(-1, -1), softcap=0.0, alibi_slopes=None) -> _Plan:
+              bs_rows, window=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod="", mm_states=None,
+              mm_tensors=()) -> _Plan:
     """The launch plan of a forward call (q, k, v aligned: _aligned); window (left, right), softcap, alibi_slopes
     (float32 (batch, nheads), head stride 1): as flash_attn_func's (with causal, right is -1)."""
     launch = _launch or _load_launch()
     block_sparse = bs_rows is not None
     arch = launch.device_arch(q.device)
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
+    mask = _mask_of(mask_mod, mm_tensors)
     spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
                             smem_limit=launch.device_smem_limit(q.device),
                             seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
-                            score_mods=_score_mods(window, softcap, alibi_slopes))
+                            score_mods=_score_mods(window, softcap, alibi_slopes) or mask is not None,
+                            mask_defines=mask.kernel_defines() if mask is not None else ())
     outputs = _output_shapes(q, cu_seqlens_q)
     out, lse = (torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in outputs)
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                         bs_rows=bs_rows, window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+                         bs_rows=bs_rows, window=window, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask,
+                         mm_states=mm_states)
     grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
     if spec.persistent:  # at most one CTA per SM, each taking tiles from the dynamic scheduler
         grid = (min(math.prod(grid), launch.sm_count(q.device)), 1, 1)
@@ -358,6 +378,8 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
               ("bs_rows", _INPUT, 6), ("alibi_slopes", _INPUT, 8))
     item = _Launch(kernel, grid, params, [(_offset(type(params), prefix + name), source, index, 0)
                                           for name, source, index in fields], maps)
+    if mask is not None:  # inputs 9, 10, 11.. (the mma.sync kernel: FwdParams itself)
+        item.addresses += _mask_addresses(type(params), prefix, 9, len(mask.tensors))
     if spec.persistent:
         item.tile_counter_offset = _offset(launch.FwdSm90Params, "tile_counter")
     return _Plan([(shape, dtype, False) for shape, dtype in outputs], [item])
@@ -365,7 +387,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
 
 def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
               softmax_scale, causal, deterministic, bs_cols, window=(-1, -1), softcap=0.0,
-              alibi_slopes=None) -> _Plan:
+              alibi_slopes=None, mask_mod="", mm_states=None, mm_tensors=()) -> _Plan:
     """The launch plan of a backward call (dout, q, k, v, out aligned): the preprocess kernel (D = rowsum(dout * out),
     dq_accum = 0), the backward kernel, the dq conversion (dq = scale * sum of dq_accum)."""
     launch = _launch or _load_launch()
@@ -378,10 +400,14 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             deterministic=deterministic, smem_limit=launch.device_smem_limit(q.device),
                             effective_head_dim=q.shape[-1],
                             seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
-                            score_mods=_score_mods(window, softcap, alibi_slopes), softcap=softcap > 0)
+                            score_mods=_score_mods(window, softcap, alibi_slopes) or bool(mask_mod),
+                            softcap=softcap > 0,
+                            mask_defines=_mask_of(mask_mod, mm_tensors).kernel_defines() if mask_mod else ())
     tiles = spec.tiles
+    mask = _mask_of(mask_mod, mm_tensors)
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                      bs_cols=bs_cols, window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+                      bs_cols=bs_cols, window=window, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask,
+                      mm_states=mm_states)
     batch, nheads, nheads_kv = fwd.batch, fwd.nheads, fwd.nheads_kv
     n_kblocks = math.ceil(fwd.seqlen_k / tiles.block_n)
     nsplits = 1
@@ -515,6 +541,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    [(_offset(type(params), prefix + name), *source) for name, source in fields], maps)
     if hopper:  # the persistent grid's tile counter (the one-CTA-per-tile variant ignores it)
         main.tile_counter_offset = _offset(launch.BwdSm90Params, "tile_counter")
+    if mask is not None:  # inputs 11, 12, 13.. (the mma.sync kernel: BwdParams)
+        main.addresses += _mask_addresses(type(params), prefix + "fwd.", 11, len(mask.tensors))
     return _Plan(outputs, [preprocess, main, convert, *kv_converts])
 
 
@@ -577,28 +605,32 @@ def _gqa_splits(group: int, seqlen_q: int, seqlen_k: int, tiles, causal: bool, n
 # The plan builders as the C++ executor calls them (their inputs already aligned; the flat plan back).
 def _fwd_plan_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                  rng_state, deterministic, bs_rows, bs_cols, window_left=-1, window_right=-1, softcap=0.0,
-                 alibi_slopes=None) -> list[int]:
+                 alibi_slopes=None, mm_states=None, mm_error=None, mm0=None, mm1=None, mm2=None, mm3=None,
+                 mask_mod="") -> list[int]:
     return _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                     causal, bs_rows, (window_left, window_right), softcap, alibi_slopes).flat()
+                     causal, bs_rows, (window_left, window_right), softcap, alibi_slopes, mask_mod, mm_states,
+                     [x for x in (mm0, mm1, mm2, mm3) if x is not None]).flat()
 
 
 def _bwd_plan_op(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                  softmax_scale, causal, rng_state, deterministic, bs_cols, window_left=-1, window_right=-1,
-                 softcap=0.0, alibi_slopes=None) -> list[int]:
+                 softcap=0.0, alibi_slopes=None, mm_states=None, mm_error=None, mm0=None, mm1=None, mm2=None,
+                 mm3=None, mask_mod="") -> list[int]:
     return _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                      softmax_scale, causal, deterministic, bs_cols, (window_left, window_right), softcap,
-                     alibi_slopes).flat()
+                     alibi_slopes, mask_mod, mm_states, [x for x in (mm0, mm1, mm2, mm3) if x is not None]).flat()
 
 
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
               rng_state, deterministic, bs_rows=None, bs_cols=None, window_left=-1, window_right=-1, softcap=0.0,
-              alibi_slopes=None):
+              alibi_slopes=None, mm_states=None, mm_error=None, mm0=None, mm1=None, mm2=None, mm3=None, mask_mod=""):
     return tuple(q.new_empty(shape, dtype=dtype) for shape, dtype in _output_shapes(q, cu_seqlens_q))
 
 
 def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
               softmax_scale, causal, rng_state, deterministic, bs_cols=None, window_left=-1, window_right=-1,
-              softcap=0.0, alibi_slopes=None):
+              softcap=0.0, alibi_slopes=None, mm_states=None, mm_error=None, mm0=None, mm1=None, mm2=None, mm3=None,
+              mask_mod=""):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -700,19 +732,24 @@ def _issue(plan: _Plan, inputs: list[Tensor | None], outputs: list[Tensor]) -> N
 def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
               max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
               rng_state: Tensor | None, bs_rows: Tensor | None, window=(-1, -1),
-              softcap: float = 0.0, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+              softcap: float = 0.0, alibi_slopes: Tensor | None = None, mask_mod: str = "",
+              mm_states: Tensor | None = None, mm_error: Tensor | None = None,
+              mm_tensors=()) -> tuple[Tensor, Tensor]:
     """(out, lse) of the forward through the Python executor (tests)."""
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     if cu_seqlens_q is not None:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                None if bs_rows is None else (bs_rows.shape, bs_rows.stride()), tuple(window), softcap,
-               None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride()))
+               None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride()), mask_mod,
+               _layouts(mm_states, *mm_tensors))
     key = _signature(q, k, v, cu_seqlens_q, *options)
     plan = _fwd_plans.get(key) or _remember(_fwd_plans, key, _fwd_plan(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, bs_rows,
-        window, softcap, alibi_slopes))
-    out, lse = _execute(plan, [q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, None, alibi_slopes])
+        window, softcap, alibi_slopes, mask_mod, mm_states, mm_tensors))
+    # (the C++ executor's inputs, in order: the mask's four tensor slots too)
+    out, lse = _execute(plan, [q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, None, alibi_slopes,
+                               mm_states, mm_error, *mm_tensors, *[None] * (4 - len(mm_tensors))])
     return out, lse
 
 
@@ -720,24 +757,32 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
               dropout_p: float, softmax_scale: float, causal: bool, rng_state: Tensor | None,
               deterministic: bool, bs_cols: Tensor | None, window=(-1, -1),
-              softcap: float = 0.0, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              softcap: float = 0.0, alibi_slopes: Tensor | None = None, mask_mod: str = "",
+              mm_states: Tensor | None = None, mm_error: Tensor | None = None,
+              mm_tensors=()) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of the backward through the Python executor (tests)."""
     dout, q, k, v, out = (_aligned(x) for x in (dout, q, k, v, out))
     if cu_seqlens_q is not None:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     options = (lse.shape, lse.stride(), max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, deterministic,
                None if bs_cols is None else (bs_cols.shape, bs_cols.stride()), tuple(window), softcap,
-               None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride()))
+               None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride()), mask_mod,
+               _layouts(mm_states, *mm_tensors))
     key = _signature(q, k, v, cu_seqlens_q, dout.stride(), out.stride(), *options)
     plan = _bwd_plans.get(key) or _remember(_bwd_plans, key, _bwd_plan(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, deterministic, bs_cols, window, softcap, alibi_slopes))
+        causal, deterministic, bs_cols, window, softcap, alibi_slopes, mask_mod, mm_states, mm_tensors))
     dq, dk, dv = _execute(plan, [dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols,
-                                 alibi_slopes])[:3]
+                                 alibi_slopes, mm_states, mm_error, *mm_tensors, *[None] * (4 - len(mm_tensors))])[:3]
     return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+def _layouts(*tensors) -> tuple:
+    """(shape, stride, dtype) of each tensor given (None: skipped): what a plan's MaskModParams depend on."""
+    return tuple((x.shape, x.stride(), x.dtype) for x in tensors if x is not None)
+
+
 def _output_shapes(q: Tensor, cu_seqlens_q: Tensor | None) -> list[tuple[tuple, torch.dtype]]:
     """The forward's outputs: out like q (contiguous), lse float32 (batch, nheads, seqlen_q) or varlen
     (nheads, total_q)."""
@@ -772,7 +817,7 @@ def _keep_threshold(dropout_p: float) -> int:
 
 
 def _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, bs_rows=None,
-                bs_cols=None, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+                bs_cols=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, mask=None, mm_states=None):
     """FwdParams of the call, every address 0 (a plan's addresses are written per call); bs_rows (forward) /
     bs_cols (backward): the block-sparse lists, or None; window / softcap: read by the FT_LOCAL / FT_SOFTCAP
     kernels only."""
@@ -799,4 +844,34 @@ def _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dro
     if bs_cols is not None:  # (mask heads, n_kblocks, n_qblocks + 1)
         params.bs_cols_head_stride = bs_cols.stride(0) if bs_cols.shape[0] > 1 else 0
         params.bs_n_kblocks, params.bs_n_qblocks = bs_cols.shape[1], bs_cols.shape[2] - 1
+    if mask is not None:  # the expression's tensors' sizes / strides, the states' layout (B', H', n_qblocks, n_kblocks)
+        for i, tensor in enumerate(mask.tensors.values()):
+            for dim in range(tensor.dim()):
+                params.mm.size[i][dim], params.mm.stride[i][dim] = tensor.shape[dim], tensor.stride(dim)
+        params.mm_states_b_stride = mm_states.stride(0) if mm_states.shape[0] > 1 else 0
+        params.mm_states_h_stride = mm_states.stride(1) if mm_states.shape[1] > 1 else 0
+        params.mm_n_kblocks = mm_states.shape[3]
     return params
+
+
+def mask_mod_text(mask) -> str:
+    """The op's `mask_mod` argument for a MaskMod: its tensors' names and its expression ("name,...;expression")."""
+    return ",".join(mask.tensors) + ";" + mask.expression
+
+
+def _mask_of(text: str, tensors) -> MaskMod | None:
+    """The MaskMod of an op's mask_mod argument and its tensors (mm0..mm3, in the names' order); None for ""."""
+    if not text:
+        return None
+    names, expression = text.split(";", 1)
+    names = names.split(",") if names else []
+    return MaskMod(expression, **dict(zip(names, tensors)))
+
+
+def _mask_addresses(params_type: type, prefix: str, first_input: int, n_tensors: int) -> list:
+    """(offset, _INPUT, index, 0) of the mask's states, error word and tensor pointers (inputs first_input, +1,
+    +2 ...)."""
+    out = [(_offset(params_type, prefix + "mm_states"), _INPUT, first_input, 0),
+           (_offset(params_type, prefix + "mm.error"), _INPUT, first_input + 1, 0)]
+    ptr = _offset(params_type, prefix + "mm.ptr")
+    return out + [(ptr + 8 * i, _INPUT, first_input + 2 + i, 0) for i in range(n_tensors)]

@@ -33,6 +33,17 @@ using i64 = long long;
 using u64 = unsigned long long;
 using u32 = unsigned int;
 
+// A mask expression's tensors (mask_mod.py MaskMod; at most kMaskModTensors, of at most 4 dimensions): pointers, sizes
+// and strides in elements, read by the predicate mask_mod.cuh builds; error: set nonzero when a subscript left its
+// tensor (the element reads 0).
+constexpr int kMaskModTensors = 4;  // = mask_mod.MAX_TENSORS
+struct MaskModParams {
+    const void* ptr[kMaskModTensors];
+    i64 size[kMaskModTensors][4];
+    i64 stride[kMaskModTensors][4];
+    int* error;
+};
+
 struct FwdParams {
     const void* q;
     const void* k;
@@ -78,6 +89,14 @@ struct FwdParams {
     // seqlen_q - j| added to the scaled (and capped) scores; nullptr: none
     const float* alibi_slopes;
     i64 alibi_batch_stride;
+    // Kernels built with a mask expression (FT_MASK_EXPR; mask_mod.cuh, issue 20): its tensors, and the states of
+    // MaskMod.block_states per tile of kBlockSparseSize x kBlockSparseSize (query, key) pairs, uint8 (B', H',
+    // n_qblocks, mm_n_kblocks): 0 none visible (skipped), 1 some (the expression per pair), 2 all (no test); a stride
+    // is 0 where the expression reads neither b nor h.
+    MaskModParams mm;
+    const unsigned char* mm_states;
+    i64 mm_states_b_stride, mm_states_h_stride;
+    int mm_n_kblocks, mm_pad_;
 };
 
 // A TMA tensor map (CUtensorMap): 128 opaque bytes encoded on the host by cuTensorMapEncodeTiled

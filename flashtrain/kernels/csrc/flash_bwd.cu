@@ -4,9 +4,14 @@
 #ifndef FT_SCORE_MODS
 #define FT_SCORE_MODS 0
 #endif
+#ifdef FT_MASK_EXPR  // a mask expression compiled in (build: score_mods kernels with mask_defines)
+#define FT_MASK_MOD 1
+#else
+#define FT_MASK_MOD 0
+#endif
 using Traits = flashtrain::BwdTraits<FT_HEAD_DIM, FT_BLOCK_M, FT_BLOCK_N, FT_NWARPS, FT_WARPS_M_SDP, FT_WARPS_N_DKV,
                                      FT_WARPS_M_DQ, FT_STAGES, FT_SCRAMBLE_DQ, FT_VEC_ROW_STATS, FT_BF16, FT_CAUSAL,
-                                     FT_DROPOUT, FT_BLOCK_SPARSE, FT_SCORE_MODS>;
+                                     FT_DROPOUT, FT_BLOCK_SPARSE, FT_SCORE_MODS, FT_MASK_MOD>;
 static_assert(Traits::kSmemBytes == FT_SMEM_BYTES, "build.py and the kernel disagree on the shared memory size");
 
 extern "C" __global__ void __launch_bounds__(Traits::kNThreads, 1)

@@ -21,16 +21,20 @@
 // count, then the query blocks ascending; a mask block of kBlockSparseSize rows is kBlockSparseSize / kBlockM tiles),
 // cut by causal and the sequence end as in the dense walk.
 #pragma once
+#include "mask_mod.cuh"
 #include "utils.cuh"
 
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsM_SdP_, int kWarpsN_dKV_,
           int kWarpsM_dQ_, int kStages_, int kScrambleDq_, bool kVecRowStats_, bool kIsBF16_, bool kIsCausal_,
-          bool kIsDropout_, bool kIsBlockSparse_, bool kScoreMods_ = false>
+          bool kIsDropout_, bool kIsBlockSparse_, bool kScoreMods_ = false, bool kMaskMod_ = false>
 struct BwdTraits {
     // the local window, softcap and ALiBi (flash.h FwdParams), each off when unset
     static constexpr bool kScoreMods = kScoreMods_;
+    // a mask expression compiled in (FT_MASK_EXPR, mask_mod.cuh): the query walk skips the (head, query block)
+    // iterations the block states mark empty, the expression per pair on the partial ones
+    static constexpr bool kMaskMod = kMaskMod_;
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
     static constexpr int kStages = kStages_;
     // dq_accum layout of whole blocks (see add_dq): 0 row-major; 1 or 2 scrambled (2: one laundered base offset)
@@ -163,11 +167,23 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                 cp_async_4(dst, src + (m0 + row < seqlen_q ? row : 0), m0 + row < seqlen_q);
             }
         };
+        // kMaskMod: the block state of iteration it (query head, query block) for this key block, and the first
+        // iteration from it on that is not empty (n_iters: none)
+        [[maybe_unused]] auto mm_state = [&](int it) -> int {
+            const int head = head_kv * group + it / n_mblocks, m_block = m_block_min + it % n_mblocks;
+            return f.mm_states[batch * f.mm_states_b_stride + head * f.mm_states_h_stride +
+                               (i64)(m_block * kBlockM / kBlockSparseSize) * f.mm_n_kblocks + n0 / kBlockSparseSize];
+        };
+        [[maybe_unused]] auto visible_from = [&](int it) {
+            if constexpr (T::kMaskMod)
+                while (it < n_iters && mm_state(it) == 0) ++it;
+            return it;
+        };
         // Iterations run over query blocks [m_block_min, m_block_min + n_mblocks) of each query head of the group.
         if constexpr (T::kIsBlockSparse) {
             if (has_iter) load_q_do(head_kv * group + walk.head_i, walk.tile(col_list) * kBlockM, 0);
-        } else if (n_iters > 0) {
-            load_q_do(head_kv * group, m_block_min * kBlockM, 0);
+        } else if (const int first = visible_from(0); first < n_iters) {
+            load_q_do(head_kv * group + first / n_mblocks, (m_block_min + first % n_mblocks) * kBlockM, 0);
         }
         cp_async_commit();
 
@@ -183,7 +199,7 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
             const int stage = T::kStages == 2 ? (it & 1) : 0;
             cp_async_wait<0>();
             __syncthreads();  // Q[it], dO[it] (and K, V) landed; every warp is done with iteration it - 1
-            if (T::kStages == 2 && (T::kIsBlockSparse ? has_next : it + 1 < n_iters)) {
+            if (T::kStages == 2 && (T::kIsBlockSparse || T::kMaskMod ? has_next : it + 1 < n_iters)) {
                 load_q_do(head_next, m0_next, stage ^ 1);
                 cp_async_commit();
             }
@@ -210,6 +226,24 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                     alibi_scaled = f.alibi_slopes[batch * f.alibi_batch_stride + head] / f.softmax_scale;
                 apply_score_mods(s, f.softcap_scale, f.softcap_unscale, alibi_scaled, m0 + s_m0_, n0 + s_n0_,
                                  seqlen_k - seqlen_q, lane);
+            }
+            if constexpr (T::kMaskMod) {  // the expression per pair of a partial tile (positions in the sequence)
+                const int state = f.mm_states[batch * f.mm_states_b_stride + head * f.mm_states_h_stride +
+                                               (i64)(m0 / kBlockSparseSize) * f.mm_n_kblocks + n0 / kBlockSparseSize];
+                if (state == 1) {
+#pragma unroll
+                    for (int mt = 0; mt < kMT_S; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < kNT_S; ++nt)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int row = m0 + s_m0_ + mt * 16 + g + 8 * (e >> 1);
+                                const int col = n0 + s_n0_ + nt * 8 + 2 * t + (e & 1);
+                                // (pairs past either end: masked, never evaluated, as in the forward)
+                                if (row >= seqlen_q || col >= seqlen_k || !mask_mod_visible(f.mm, batch, head, row, col))
+                                    s[mt][nt][e] = -infinity();
+                            }
+                }
             }
             // ALiBi's bias of element (mt, n8 tile 2 ks + nt2, e) of the S fragment (0 without)
             auto alibi_bias = [&](int mt, int ks, int nt2, int e) -> float {
@@ -379,7 +413,7 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                     }
                 }
             }
-            if (T::kStages == 1 && (T::kIsBlockSparse ? has_next : it + 1 < n_iters)) {
+            if (T::kStages == 1 && (T::kIsBlockSparse || T::kMaskMod ? has_next : it + 1 < n_iters)) {
                 __syncthreads();  // every warp is done with Q and dO
                 load_q_do(head_next, m0_next, 0);
                 cp_async_commit();
@@ -404,6 +438,16 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                 const int m0_next = has_iter ? walk.tile(col_list) * kBlockM : m0;
                 if (needs_mask(m0)) step(it, head, m0, head_next, m0_next, has_iter, BoolConstant<true>{});
                 else step(it, head, m0, head_next, m0_next, has_iter, BoolConstant<false>{});
+            }
+        } else if constexpr (T::kMaskMod) {  // the iterations the states do not mark empty
+            for (int it = visible_from(0), i = 0; it < n_iters; ++i) {
+                const int next = visible_from(it + 1);
+                const int head = head_kv * group + it / n_mblocks, m0 = (m_block_min + it % n_mblocks) * kBlockM;
+                const int head_next = next < n_iters ? head_kv * group + next / n_mblocks : head;
+                const int m0_next = next < n_iters ? (m_block_min + next % n_mblocks) * kBlockM : m0;
+                if (needs_mask(m0)) step(i, head, m0, head_next, m0_next, next < n_iters, BoolConstant<true>{});
+                else step(i, head, m0, head_next, m0_next, next < n_iters, BoolConstant<false>{});
+                it = next;
             }
         } else {
             for (int it = 0; it < n_iters; ++it) {

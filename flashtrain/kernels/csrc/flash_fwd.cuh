@@ -17,12 +17,13 @@
 // to the first; a mask block of kBlockSparseSize keys is kBlockSparseSize / kBlockN tiles. Causal and the sequence end
 // still cut and mask tiles exactly as in the dense walk, so the computed tiles are the dense ones minus the zero blocks.
 #pragma once
+#include "mask_mod.cuh"
 #include "utils.cuh"
 
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
-          bool kIsBlockSparse_, bool kScoreMods_ = false>
+          bool kIsBlockSparse_, bool kScoreMods_ = false, bool kMaskMod_ = false>
 struct FwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
@@ -31,6 +32,11 @@ struct FwdTraits {
     // softcap_scale / _unscale, alibi_slopes), each off when unset
     static constexpr bool kScoreMods = kScoreMods_;
     static_assert(!(kScoreMods && kIsBlockSparse), "score modifications and a block mask are not combined");
+    // a mask expression compiled in (FT_MASK_EXPR, mask_mod.cuh): the key walk skips the tiles its block states mark
+    // empty, and applies the expression per pair on the partial ones (a variant of the score-modification kernels)
+    static constexpr bool kMaskMod = kMaskMod_;
+    static_assert(!kMaskMod || (kScoreMods && kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
+                  "a mask expression: the score-modification kernels, tiles inside the states' 128 x 128 tiles");
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
                   "a block-sparse mask block must be a whole number of tiles");
     static constexpr int kNThreads = kNWarps * 32;
@@ -86,6 +92,19 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         if (p.window_left >= 0) n_block_min = max_(m0 + offset - p.window_left, 0) / kBlockN;
     }
 
+    // kMaskMod: the block states of this query block's row of tiles (0 empty, 1 partial, 2 full)
+    [[maybe_unused]] const unsigned char* mm_row =
+        T::kMaskMod ? p.mm_states + batch * p.mm_states_b_stride + head * p.mm_states_h_stride +
+                          (i64)(m0 / kBlockSparseSize) * p.mm_n_kblocks
+                    : nullptr;
+    auto mm_state = [&](int n_block) -> int { return mm_row[n_block * kBlockN / kBlockSparseSize]; };
+    // the next key block at or below n that is not empty (below n_block_min: -1)
+    [[maybe_unused]] auto visible_from = [&](int n) {
+        if constexpr (T::kMaskMod)
+            while (n >= n_block_min && mm_state(n) == 0) --n;
+        return n >= n_block_min ? n : -1;
+    };
+
     // Key tiles in walk order: dense, n_block_max - 1 down to 0; block-sparse, those of the row's non-zero mask blocks
     // below n_block_max, descending (walk.next() gives the one after the current tile, -1 at the end).
     SparseWalkDesc<kBlockSparseSize / kBlockN> walk;
@@ -94,13 +113,14 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         walk.init(p.bs_rows + head * p.bs_rows_head_stride + (i64)(m0 / kBlockSparseSize) * (p.bs_n_kblocks + 1));
         first_block = walk.skip_to_below(n_block_max);
     }
+    if constexpr (T::kMaskMod) first_block = visible_from(n_block_max - 1);
 
     const u32 smem_base = smem_u32(smem);
     const u32 sQ = smem_base, sK = sQ + TileQ::kBytes, sV = sK + TileKV::kBytes;
     load_tile_async<TileQ, T::kNThreads>(sQ, q, p.q_row_stride, seqlen_q - m0, p.head_dim, tid);
     cp_async_commit();
-    if (T::kIsBlockSparse ? first_block >= 0 : n_block_max > n_block_min) {
-        const int n0 = (T::kIsBlockSparse ? first_block : n_block_max - 1) * kBlockN;
+    if (T::kIsBlockSparse || T::kMaskMod ? first_block >= 0 : n_block_max > n_block_min) {
+        const int n0 = (T::kIsBlockSparse || T::kMaskMod ? first_block : n_block_max - 1) * kBlockN;
         load_tile_async<TileKV, T::kNThreads>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0,
                                               p.head_dim, tid);
         cp_async_commit();
@@ -143,6 +163,22 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         if constexpr (T::kScoreMods)  // softcap, ALiBi (before the masks)
             apply_score_mods(s, p.softcap_scale, p.softcap_unscale, alibi_scaled, m0 + warp_m0, n0, seqlen_k - seqlen_q,
                              lane);
+        if constexpr (T::kMaskMod) {  // the expression per pair of a partial tile (positions in the sequence)
+            if (mm_state(n_block) == 1) {
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int row = m0 + warp_m0 + mt * 16 + g + 8 * (e >> 1), col = n0 + nt * 8 + 2 * t + (e & 1);
+                            // (pairs past either end: masked, never evaluated -- a subscript there could leave its
+                            // tensor and set the error word)
+                            if (row >= seqlen_q || col >= seqlen_k || !mask_mod_visible(p.mm, batch, head, row, col))
+                                s[mt][nt][e] = -infinity();
+                        }
+            }
+        }
 
         // Mask keys past the end and, when causal, keys right of the diagonal (local: outside the window).
         if constexpr (kMask) {
@@ -170,8 +206,8 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
 
         cp_async_wait<0>();
         __syncthreads();  // V[n] landed; every warp is done with K[n]
-        if (T::kIsBlockSparse ? n_block_next >= 0 : n_block > n_block_min) {
-            const int n0_next = T::kIsBlockSparse ? n_block_next * kBlockN : n0 - kBlockN;
+        if (T::kIsBlockSparse || T::kMaskMod ? n_block_next >= 0 : n_block > n_block_min) {
+            const int n0_next = T::kIsBlockSparse || T::kMaskMod ? n_block_next * kBlockN : n0 - kBlockN;
             load_tile_async<TileKV, T::kNThreads>(sK, k + n0_next * p.k_row_stride, p.k_row_stride,
                                                   seqlen_k - n0_next, p.head_dim, tid);
             cp_async_commit();
@@ -218,7 +254,14 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         }
         return mask;
     };
-    if constexpr (T::kScoreMods) {  // masked tiles at both edges of the window, unmasked ones between
+    if constexpr (T::kMaskMod) {  // the tiles the states do not mark empty, descending
+        for (int n_block = first_block; n_block >= 0;) {
+            const int next = visible_from(n_block - 1);
+            if (needs_mask(n_block)) step(n_block, next, BoolConstant<true>{});
+            else step(n_block, next, BoolConstant<false>{});
+            n_block = next;
+        }
+    } else if constexpr (T::kScoreMods) {  // masked tiles at both edges of the window, unmasked ones between
         for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
             if (needs_mask(n_block)) step(n_block, -1, BoolConstant<true>{});
             else step(n_block, -1, BoolConstant<false>{});

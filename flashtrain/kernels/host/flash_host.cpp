@@ -40,6 +40,9 @@
 #include <array>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <string>
+#include <string_view>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -267,13 +270,16 @@ bool sm90_disabled() {
 
 Key call_key(const std::vector<Tensor>& inputs, int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
              double softmax_scale, bool causal, bool deterministic, int64_t window_left, int64_t window_right,
-             double softcap) {
+             double softcap, c10::string_view mask_mod) {
     Key key;
     key.reserve(96);
     for (const Tensor& x : inputs) push_tensor(key, x);
     key.insert(key.end(), {inputs[0].is_cuda() ? inputs[0].get_device() : -1, max_seqlen_q, max_seqlen_k,
                            bits(dropout_p), bits(softmax_scale), causal, deterministic, sm90_disabled(), window_left,
-                           window_right, bits(softcap)});
+                           window_right, bits(softcap),
+                           static_cast<int64_t>(std::hash<std::string_view>{}(
+                               std::string_view(mask_mod.data(), mask_mod.size())))});
+    if (!mask_mod.empty()) key.push_back(static_cast<int64_t>(mask_mod.size()));
     return key;
 }
 
@@ -465,24 +471,33 @@ std::tuple<Tensor, Tensor> fwd_kernel(const Tensor& q_in, const Tensor& k_in, co
                                       double softmax_scale, bool causal, const OptTensor& rng_state,
                                       bool deterministic, const OptTensor& bs_rows, const OptTensor& bs_cols,
                                       int64_t window_left, int64_t window_right, double softcap,
-                                      const OptTensor& alibi_slopes) {
+                                      const OptTensor& alibi_slopes, const OptTensor& mm_states,
+                                      const OptTensor& mm_error, const OptTensor& mm0, const OptTensor& mm1,
+                                      const OptTensor& mm2, const OptTensor& mm3, c10::string_view mask_mod) {
     check_device(q_in);
     const std::vector<Tensor> inputs = {aligned(q_in), aligned(k_in), aligned(v_in),
                                         contiguous_or_undefined(cu_seqlens_q), contiguous_or_undefined(cu_seqlens_k),
                                         undefined_if_none(rng_state), undefined_if_none(bs_rows),
-                                        undefined_if_none(bs_cols), undefined_if_none(alibi_slopes)};
+                                        undefined_if_none(bs_cols), undefined_if_none(alibi_slopes),
+                                        undefined_if_none(mm_states), undefined_if_none(mm_error),
+                                        undefined_if_none(mm0), undefined_if_none(mm1), undefined_if_none(mm2),
+                                        undefined_if_none(mm3)};
     const int64_t max_q = max_seqlen_q.expect_int(), max_k = max_seqlen_k.expect_int();
     const Key key = call_key(inputs, max_q, max_k, dropout_p, softmax_scale, causal, deterministic, window_left,
-                             window_right, softcap);
+                             window_right, softcap, mask_mod);
     auto plan = find_plan(0, key);
     if (plan == nullptr) {
         plan = remember(0, key, parse_plan(call_builder<const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
                                                         const OptTensor&, int64_t, int64_t, double, double, bool,
                                                         const OptTensor&, bool, const OptTensor&, const OptTensor&,
-                                                        int64_t, int64_t, double, const OptTensor&>(
+                                                        int64_t, int64_t, double, const OptTensor&, const OptTensor&,
+                                                        const OptTensor&, const OptTensor&, const OptTensor&,
+                                                        const OptTensor&, const OptTensor&, c10::string_view>(
             "flashtrain::_fwd_plan", inputs[0], inputs[1], inputs[2], optional_of(inputs[3]),
             optional_of(inputs[4]), max_q, max_k, dropout_p, softmax_scale, causal, optional_of(inputs[5]), deterministic, optional_of(inputs[6]),
-            optional_of(inputs[7]), window_left, window_right, softcap, optional_of(inputs[8]))));
+            optional_of(inputs[7]), window_left, window_right, softcap, optional_of(inputs[8]), optional_of(inputs[9]),
+            optional_of(inputs[10]), optional_of(inputs[11]), optional_of(inputs[12]), optional_of(inputs[13]),
+            optional_of(inputs[14]), mask_mod)));
     }
     auto outputs = execute(*plan, inputs);
     return {outputs[0], outputs[1]};
@@ -494,26 +509,34 @@ std::tuple<Tensor, Tensor, Tensor> bwd_kernel(const Tensor& dout, const Tensor& 
                                               c10::SymInt max_seqlen_k, double dropout_p, double softmax_scale,
                                               bool causal, const OptTensor& rng_state, bool deterministic,
                                               const OptTensor& bs_cols, int64_t window_left, int64_t window_right,
-                                              double softcap, const OptTensor& alibi_slopes) {
+                                              double softcap, const OptTensor& alibi_slopes,
+                                              const OptTensor& mm_states, const OptTensor& mm_error,
+                                              const OptTensor& mm0, const OptTensor& mm1, const OptTensor& mm2,
+                                              const OptTensor& mm3, c10::string_view mask_mod) {
     check_device(q);
     const std::vector<Tensor> inputs = {aligned(dout), aligned(q), aligned(k), aligned(v), aligned(out), lse,
                                         contiguous_or_undefined(cu_seqlens_q), contiguous_or_undefined(cu_seqlens_k),
                                         undefined_if_none(rng_state), undefined_if_none(bs_cols),
-                                        undefined_if_none(alibi_slopes)};
+                                        undefined_if_none(alibi_slopes), undefined_if_none(mm_states),
+                                        undefined_if_none(mm_error), undefined_if_none(mm0), undefined_if_none(mm1),
+                                        undefined_if_none(mm2), undefined_if_none(mm3)};
     const int64_t max_q = max_seqlen_q.expect_int(), max_k = max_seqlen_k.expect_int();
     const Key key = call_key(inputs, max_q, max_k, dropout_p, softmax_scale, causal, deterministic, window_left,
-                             window_right, softcap);
+                             window_right, softcap, mask_mod);
     auto plan = find_plan(1, key);
     if (plan == nullptr) {
         plan = remember(1, key, parse_plan(call_builder<const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                         const Tensor&, const Tensor&, const OptTensor&,
                                                         const OptTensor&, int64_t, int64_t, double, double, bool,
                                                         const OptTensor&, bool, const OptTensor&, int64_t, int64_t,
-                                                        double, const OptTensor&>(
+                                                        double, const OptTensor&, const OptTensor&, const OptTensor&,
+                                                        const OptTensor&, const OptTensor&, const OptTensor&,
+                                                        const OptTensor&, c10::string_view>(
             "flashtrain::_bwd_plan", inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
             optional_of(inputs[6]), optional_of(inputs[7]), max_q, max_k, dropout_p, softmax_scale, causal,
             optional_of(inputs[8]), deterministic, optional_of(inputs[9]), window_left, window_right, softcap,
-            optional_of(inputs[10]))));
+            optional_of(inputs[10]), optional_of(inputs[11]), optional_of(inputs[12]), optional_of(inputs[13]),
+            optional_of(inputs[14]), optional_of(inputs[15]), optional_of(inputs[16]), mask_mod)));
     }
     auto outputs = execute(*plan, inputs);
     return {outputs[0], outputs[1], outputs[2]};
@@ -528,6 +551,8 @@ struct Options {
     bool causal, deterministic;
     int64_t window_left, window_right;
     double softcap;
+    OptTensor mm_states, mm_error, mm0, mm1, mm2, mm3;  // a mask expression's states, error word and tensors
+    std::string mask_mod;                                // "name,name,...;expression" ("" none)
 };
 
 c10::TypedOperatorHandle<decltype(fwd_kernel)>& fwd_op() {
@@ -551,10 +576,14 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
         auto [out, lse] = fwd_op().call(q, k, v, o.cu_seqlens_q, o.cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k,
                                         o.dropout_p, o.softmax_scale, o.causal, o.rng_state, o.deterministic,
                                         o.bs_rows, o.bs_cols, o.window_left, o.window_right, o.softcap,
-                                        o.alibi_slopes);
+                                        o.alibi_slopes, o.mm_states, o.mm_error, o.mm0, o.mm1, o.mm2, o.mm3,
+                                        o.mask_mod);
         ctx->save_for_backward({q, k, v, out, lse, undefined_if_none(o.cu_seqlens_q),
                                 undefined_if_none(o.cu_seqlens_k), undefined_if_none(o.rng_state),
-                                undefined_if_none(o.bs_cols), undefined_if_none(o.alibi_slopes)});
+                                undefined_if_none(o.bs_cols), undefined_if_none(o.alibi_slopes),
+                                undefined_if_none(o.mm_states), undefined_if_none(o.mm_error), undefined_if_none(o.mm0),
+                                undefined_if_none(o.mm1), undefined_if_none(o.mm2), undefined_if_none(o.mm3)});
+        ctx->saved_data["mask_mod"] = o.mask_mod;
         ctx->saved_data["max_seqlen_q"] = o.max_seqlen_q;
         ctx->saved_data["max_seqlen_k"] = o.max_seqlen_k;
         ctx->saved_data["dropout_p"] = o.dropout_p;
@@ -581,7 +610,9 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
             data["max_seqlen_k"].toSymInt(), data["dropout_p"].toDouble(), data["softmax_scale"].toDouble(),
             data["causal"].toBool(), optional_of(saved[7]), data["deterministic"].toBool(), optional_of(saved[8]),
             data["window_left"].toInt(), data["window_right"].toInt(), data["softcap"].toDouble(),
-            optional_of(saved[9]));
+            optional_of(saved[9]), optional_of(saved[10]), optional_of(saved[11]), optional_of(saved[12]),
+            optional_of(saved[13]), optional_of(saved[14]), optional_of(saved[15]),
+            data["mask_mod"].toStringRef());
         return {dq, dk, dv, Tensor()};
     }
 };
@@ -592,16 +623,19 @@ std::tuple<Tensor, Tensor> fwd_autograd(const Tensor& q, const Tensor& k, const 
                                         double softmax_scale, bool causal, const OptTensor& rng_state,
                                         bool deterministic, const OptTensor& bs_rows, const OptTensor& bs_cols,
                                         int64_t window_left, int64_t window_right, double softcap,
-                                        const OptTensor& alibi_slopes) {
+                                        const OptTensor& alibi_slopes, const OptTensor& mm_states,
+                                        const OptTensor& mm_error, const OptTensor& mm0, const OptTensor& mm1,
+                                        const OptTensor& mm2, const OptTensor& mm3, c10::string_view mask_mod) {
     if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
         at::AutoDispatchBelowADInplaceOrView below_autograd;  // nothing to record (e.g. under torch.no_grad)
         return fwd_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k),
                              dropout_p, softmax_scale, causal, rng_state, deterministic, bs_rows, bs_cols, window_left,
-                             window_right, softcap, alibi_slopes);
+                             window_right, softcap, alibi_slopes, mm_states, mm_error, mm0, mm1, mm2, mm3, mask_mod);
     }
     Options options{cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, bs_cols, alibi_slopes, std::move(max_seqlen_q),
                     std::move(max_seqlen_k), dropout_p, softmax_scale, causal, deterministic, window_left,
-                    window_right, softcap};
+                    window_right, softcap, mm_states, mm_error, mm0, mm1, mm2, mm3,
+                    std::string(mask_mod.data(), mask_mod.size())};
     auto outputs = FlashAttnFunction::apply(q, k, v, options);
     return {outputs[0], outputs[1]};
 }
@@ -635,20 +669,20 @@ TORCH_LIBRARY(flashtrain, m) {
     m.def("flash_attn_fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
           "SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, float softmax_scale, bool causal, "
           "Tensor? rng_state, bool deterministic, Tensor? bs_rows=None, Tensor? bs_cols=None, int window_left=-1, "
-          "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor)");
+          "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? mm_states=None, Tensor? mm_error=None, Tensor? mm0=None, Tensor? mm1=None, Tensor? mm2=None, Tensor? mm3=None, str mask_mod=\"\") -> (Tensor, Tensor)");
     m.def("flash_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
           "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, float softmax_scale, "
           "bool causal, Tensor? rng_state, bool deterministic, Tensor? bs_cols=None, int window_left=-1, "
-          "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");
+          "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? mm_states=None, Tensor? mm_error=None, Tensor? mm0=None, Tensor? mm1=None, Tensor? mm2=None, Tensor? mm3=None, str mask_mod=\"\") -> (Tensor, Tensor, Tensor)");
     // the plan builders (implemented in Python, ops.py): the flat launch plan of a call
     m.def("_fwd_plan(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
           "int max_seqlen_k, float dropout_p, float softmax_scale, bool causal, Tensor? rng_state, "
           "bool deterministic, Tensor? bs_rows, Tensor? bs_cols, int window_left, int window_right, "
-          "float softcap, Tensor? alibi_slopes) -> int[]");
+          "float softcap, Tensor? alibi_slopes, Tensor? mm_states, Tensor? mm_error, Tensor? mm0, Tensor? mm1, Tensor? mm2, Tensor? mm3, str mask_mod) -> int[]");
     m.def("_bwd_plan(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
           "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float dropout_p, float softmax_scale, "
           "bool causal, Tensor? rng_state, bool deterministic, Tensor? bs_cols, int window_left, "
-          "int window_right, float softcap, Tensor? alibi_slopes) -> int[]");
+          "int window_right, float softcap, Tensor? alibi_slopes, Tensor? mm_states, Tensor? mm_error, Tensor? mm0, Tensor? mm1, Tensor? mm2, Tensor? mm3, str mask_mod) -> int[]");
     m.def("_record_launches(bool on) -> ()", &flashtrain_host::record_launches);
     m.def("_recorded_launches() -> Tensor[]", &flashtrain_host::recorded_launches);
     m.def("_clear_plans() -> ()", &flashtrain_host::clear_plans);
