@@ -223,10 +223,111 @@ def test_gpu_block_states_are_the_torch_ones(index):
                                                      dtype=torch.int32) for side, lengths in (("q", lengths_q),
                                                                                               ("k", lengths_k))}
             cu_gpu = {name: t.cuda() for name, t in cu.items()}
-        expected, _ = mod.block_states(batch, nheads, max(lengths_q), max(lengths_k), device="cpu", block=block, **cu)
-        states, error = gpu_mod.block_states(batch, nheads, max(lengths_q), max(lengths_k), device="cuda",
-                                             block=block, **cu_gpu)
-        assert torch.equal(states.cpu(), expected) and int(error) == 0
+        for window in ((-1, -1), (-1, 0), (5, 3), (12, 0)):
+            expected, _ = mod.block_states(batch, nheads, max(lengths_q), max(lengths_k), device="cpu", block=block,
+                                           window=window, **cu)
+            states, error = gpu_mod.block_states(batch, nheads, max(lengths_q), max(lengths_k), device="cuda",
+                                                 block=block, window=window, **cu_gpu)
+            assert torch.equal(states.cpu(), expected) and int(error) == 0, (block, window)
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (5, 3), (12, 0), (0, -1)])
+def test_block_states_zero_the_tiles_a_window_hides(window):
+    """window=(before, after) (causal: after 0): a tile whose every pair lies outside the window is 0 without being
+    evaluated (the kernels never visit it); every other tile keeps the expression's state. Varlen and bottom-right
+    alignment (seqlen_k != seqlen_q) included."""
+    zeros = [0, 0]  # tiles at 0 without / with the window, over the cases
+    for mod, batch, nheads, lengths_q, lengths_k in _cases():
+        varlen = len(set(lengths_q)) > 1 or len(set(lengths_k)) > 1
+        cu = {}
+        if varlen:
+            cu = {f"cu_seqlens_{side}": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()],
+                                                     dtype=torch.int32) for side, lengths in (("q", lengths_q),
+                                                                                              ("k", lengths_k))}
+        plain, _ = mod.block_states(batch, nheads, max(lengths_q), max(lengths_k), device="cpu", block=8, **cu)
+        cut, _ = mod.block_states(batch, nheads, max(lengths_q), max(lengths_k), device="cpu", block=8,
+                                  window=window, **cu)
+        for b in range(cut.shape[0]):
+            len_q, len_k = (lengths_q[b], lengths_k[b]) if varlen else (lengths_q[0], lengths_k[0])
+            q, k = torch.arange(len_q)[:, None], torch.arange(len_k)[None, :]
+            dist = k - q - (len_k - len_q)
+            inside = torch.ones(len_q, len_k, dtype=torch.bool)
+            if window[1] >= 0:
+                inside &= dist <= window[1]
+            if window[0] >= 0:
+                inside &= dist >= -window[0]
+            for qb in range(-(-len_q // 8)):
+                for kb in range(-(-len_k // 8)):
+                    seen = bool(inside[qb * 8:(qb + 1) * 8, kb * 8:(kb + 1) * 8].any())
+                    assert torch.equal(cut[b, :, qb, kb], plain[b, :, qb, kb] if seen else
+                                       torch.zeros_like(plain[b, :, qb, kb])), (mod, b, qb, kb)
+        zeros = [zeros[0] + int((plain == 0).sum()), zeros[1] + int((cut == 0).sum())]
+    assert zeros[1] > zeros[0]
+
+
+@pytest.mark.parametrize("expression, tensors, proven", [
+    ("doc[q_idx] == doc[kv_idx]", {"doc": 16}, True),
+    ("doc[q_idx] == doc[kv_idx]", {"doc": 15}, False),  # seqlen 16: q_idx reaches 15
+    ("doc[b][q_idx / 2] == doc[b][kv_idx / 2]", {"doc": (2, 8)}, True),
+    ("doc[min(q_idx + 3 * h, 15)] > 0", {"doc": 16}, True),
+    ("doc[q_idx + h] > 0", {"doc": 16}, False),
+    ("doc[(q_idx - kv_idx) % 16 + 15] > 0", {"doc": 31}, True),  # C's %: -15..15
+    ("doc[abs(q_idx - kv_idx)] > 0", {"doc": 16}, True),
+    ("doc[doc[q_idx]] > 0", {"doc": 16}, False),  # a tensor's value as a subscript: not bounded
+    ("doc[q_idx >> 1] == doc[kv_idx & 7]", {"doc": 8}, True),
+    ("q_idx % (kv_idx - 3) == 0", {}, False),  # a divisor that may be zero
+    ("q_idx % (kv_idx + 1) == 0", {}, True),
+    ("flags[h] ? doc[q_idx] > 0 : 1", {"doc": 16, "flags": 4}, True),
+])
+def test_subscripts_proven_in_range(expression, tensors, proven):
+    """Interval arithmetic over b < 2, h < 4, q_idx, kv_idx < 16: proven means no pair of the grid subscripts outside
+    a tensor (checked against evaluating every pair); unproven subscripts are checked on the error word instead."""
+    made = {name: torch.zeros(shape if isinstance(shape, tuple) else (shape,), dtype=torch.int32)
+            for name, shape in tensors.items()}
+    mod = MaskMod(expression, **made)
+    assert mod.subscripts_in_range(2, 4, 16, 16) == proven
+    if proven:
+        i = torch.arange(16)
+        mod.evaluate(torch.arange(2)[:, None, None, None], torch.arange(4)[None, :, None, None],
+                     i[None, None, :, None], i[None, None, None, :])  # raises on a subscript outside
+
+
+def test_call_states_are_cached_until_a_tensor_changes():
+    """MaskMod.call_states: one evaluation for repeated calls with the same shapes and unmodified tensors (the
+    layers of a model), a new one after an in-place write, other shapes or other cu_seqlens tensors."""
+    doc = torch.arange(40, dtype=torch.int32) // 13
+    mod = MaskMod("doc[q_idx] == doc[kv_idx]", doc=doc)
+    first = mod.call_states(1, 2, 40, 40, device="cpu", block=8)
+    assert mod.call_states(1, 2, 40, 40, device="cpu", block=8)[0] is first[0]
+    doc[20:] = 7  # an in-place write bumps the version counter
+    again = mod.call_states(1, 2, 40, 40, device="cpu", block=8)
+    assert again[0] is not first[0] and not torch.equal(again[0], first[0])
+    assert torch.equal(again[0], mod.block_states(1, 2, 40, 40, device="cpu", block=8)[0])
+    assert mod.call_states(1, 2, 40, 40, device="cpu", block=8, window=(-1, 0))[0] is not again[0]
+    cu = torch.tensor([0, 20, 40], dtype=torch.int32)
+    varlen = mod.call_states(2, 2, 20, 20, device="cpu", block=8, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert mod.call_states(2, 2, 20, 20, device="cpu", block=8, cu_seqlens_q=cu, cu_seqlens_k=cu)[0] is varlen[0]
+    other = cu.clone()
+    assert mod.call_states(2, 2, 20, 20, device="cpu", block=8, cu_seqlens_q=other,
+                           cu_seqlens_k=other)[0] is not varlen[0]
+    with pytest.raises(MaskModError, match="outside"):  # the torch path raises on a subscript outside
+        mod.call_states(1, 2, 41, 41, device="cpu", block=8)
+
+
+@pytest.mark.cuda
+def test_out_of_range_subscript_raises_before_attention():
+    """On the kernels an unproven subscript (here one past the tensor) is caught on the block states' error word:
+    MaskModError naming the expression, no attention output computed from zeros."""
+    from flashtrain.kernels import flash_attn_func
+
+    doc = torch.arange(200, device="cuda", dtype=torch.int32) // 50
+    q = torch.randn(1, 256, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(MaskModError, match=r"doc\[q_idx\].*left its tensor"):
+        flash_attn_func(q, q, q, causal=True, mask_mod=MaskMod("doc[q_idx] == doc[kv_idx]", doc=doc))
+    ok = MaskMod("doc[min(q_idx, 199)] == doc[min(kv_idx, 199)]", doc=doc)
+    assert ok.subscripts_in_range(1, 2, 256, 256)
+    out = flash_attn_func(q, q, q, causal=True, mask_mod=ok)
+    assert out.shape == q.shape and bool(out.isfinite().all())
 
 
 @pytest.mark.cuda

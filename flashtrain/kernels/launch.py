@@ -119,7 +119,7 @@ class MaskBlocksParams(ctypes.Structure):
     _fields_ = [
         ("mm", MaskModParams), ("states", _ptr), ("cu_seqlens_q", _ptr), ("cu_seqlens_k", _ptr),
         ("heads", _i32), ("seqlen_q", _i32), ("seqlen_k", _i32), ("n_qblocks", _i32), ("n_kblocks", _i32),
-        ("block", _i32),
+        ("block", _i32), ("window_left", _i32), ("window_right", _i32),
     ]
 
 

@@ -19,7 +19,8 @@ def mask_mod_params(mask, error: Tensor):
 
 
 def block_states(mask, batches: int, heads: int, seqlen_q: int, seqlen_k: int, block: int,
-                 cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None) -> tuple[Tensor, Tensor]:
+                 cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+                 window: tuple[int, int] = (-1, -1)) -> tuple[Tensor, Tensor]:
     from flashtrain.kernels import build, launch
 
     device = next(iter(mask.tensors.values())).device if mask.tensors else (
@@ -39,7 +40,8 @@ def block_states(mask, batches: int, heads: int, seqlen_q: int, seqlen_k: int, b
         mm=mask_mod_params(mask, error), states=states.data_ptr(),
         cu_seqlens_q=cu_seqlens_q.data_ptr() if cu_seqlens_q is not None else 0,
         cu_seqlens_k=cu_seqlens_k.data_ptr() if cu_seqlens_k is not None else 0,
-        heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, n_qblocks=n_q, n_kblocks=n_k, block=block)
+        heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, n_qblocks=n_q, n_kblocks=n_k, block=block,
+        window_left=window[0], window_right=window[1])
     spec = build.mask_blocks_kernel(mask)
     launch.get_kernel(spec, spec.symbols[0], device).launch((n_k, n_q, batches * heads), params, device)
     return states, error

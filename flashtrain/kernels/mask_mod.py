@@ -282,12 +282,86 @@ class MaskMod:
         assert not any("," in value for _, value in defines), defines
         return defines
 
+    def subscripts_in_range(self, batch: int, nheads: int, seqlen_q: int, seqlen_k: int) -> bool:
+        """Whether interval arithmetic over b < batch, h < nheads, q_idx < seqlen_q, kv_idx < seqlen_k proves every
+        subscript inside its tensor and every divisor nonzero (then no kernel can set the error word, and a call
+        needs no check of it). False means unproven, not wrong: a subscript of a tensor's value, say."""
+        ranges = {"b": (0, batch - 1), "h": (0, nheads - 1), "q_idx": (0, seqlen_q - 1), "kv_idx": (0, seqlen_k - 1)}
+        proven = [True]
+        self._bounds(self.ast, ranges, proven)
+        return proven[0]
+
+    def _bounds(self, node: Node, ranges: dict, proven: list) -> tuple[int, int] | None:
+        """(lowest, highest) value of the node over the index ranges, None when unbounded; proven[0] turns False
+        at a subscript or divisor it cannot bound."""
+        kind, op = node.kind, node.value
+        args = [self._bounds(arg, ranges, proven) for arg in node.args]
+        if kind == "int":
+            return op, op
+        if kind == "name" and op in ranges:
+            return ranges[op]
+        if kind in ("name", "subscript"):  # a tensor's element (a 0-dimensional tensor: its name)
+            tensor = self.tensors[op]
+            for dim, bound in enumerate(args):
+                if bound is None or bound[0] < 0 or bound[1] >= tensor.shape[dim]:
+                    proven[0] = False
+            if tensor.dtype == torch.bool:
+                return 0, 1
+            info = torch.iinfo(tensor.dtype)
+            return info.min, info.max
+        if kind in ("ternary",):
+            yes, no = args[1], args[2]
+            return None if yes is None or no is None else (min(yes[0], no[0]), max(yes[1], no[1]))
+        if (kind == "unary" and op == "!") or (kind == "binary" and op in ("&&", "||", "==", "!=", "<", "<=", ">",
+                                                                              ">=")):
+            return 0, 1
+        if any(a is None for a in args):
+            if kind == "binary" and op in ("/", "%"):
+                proven[0] = False
+            return None
+        if kind == "unary":
+            (lo, hi), = args
+            return {"-": (-hi, -lo), "+": (lo, hi), "~": (-hi - 1, -lo - 1)}[op]
+        if kind == "call":
+            if op == "abs":
+                (lo, hi), = args
+                return (0 if lo <= 0 <= hi else min(abs(lo), abs(hi))), max(abs(lo), abs(hi))
+            (alo, ahi), (blo, bhi) = args
+            return (min(alo, blo), min(ahi, bhi)) if op == "min" else (max(alo, blo), max(ahi, bhi))
+        (alo, ahi), (blo, bhi) = args
+        if op in ("+", "-", "*"):
+            f = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}[op]
+            values = [f(x, y) for x in (alo, ahi) for y in (blo, bhi)]
+            return min(values), max(values)
+        if op in ("/", "%"):
+            if blo <= 0 <= bhi:
+                proven[0] = False  # a divisor that may be zero
+                return None
+            if op == "%":  # C: |a % b| < |b|, the dividend's sign
+                m = max(abs(blo), abs(bhi)) - 1
+                return (0 if alo >= 0 else -min(m, -alo)), (0 if ahi <= 0 else min(m, ahi))
+            values = [(abs(x) // abs(y)) * (1 if (x >= 0) == (y > 0) else -1)  # C: truncation toward zero
+                      for x in (alo, ahi) for y in (blo, bhi)]
+            return min(values), max(values)
+        if op in ("<<", ">>"):
+            if blo < 0 or bhi > 62:
+                return None
+            if op == ">>":
+                return alo >> (bhi if alo >= 0 else blo), ahi >> (blo if ahi >= 0 else bhi)
+            return (alo << (bhi if alo < 0 else blo)), (ahi << (bhi if ahi >= 0 else blo))
+        if alo >= 0 and blo >= 0:  # & | ^ of non-negative values
+            if op == "&":
+                return 0, min(ahi, bhi)
+            return 0, (1 << max(ahi, bhi).bit_length()) - 1
+        return None
+
     def block_states(self, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, *, device,
                      block: int = 128, cu_seqlens_q: Tensor | None = None,
-                     cu_seqlens_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                     cu_seqlens_k: Tensor | None = None, window: tuple[int, int] = (-1, -1)) -> tuple[Tensor, Tensor]:
         """Per block x block tile of (query, key) pairs: 0 when the expression is false for every pair of the tile,
         2 when true for every pair, 1 otherwise (tiles counted from each sequence's start; pairs past a sequence's
-        end do not count). Evaluated exactly, on `device`: with the compiled expression on a GPU
+        end do not count). window (keys before, after the diagonal; causal: after = 0; -1: unbounded): tiles it hides
+        entirely are 0 unevaluated. Evaluated exactly, on `device`: with the compiled expression on a GPU
         (csrc/mask_blocks.cu), with `evaluate` elsewhere. Returns (states uint8 (B', H', n_qblocks, n_kblocks),
         error int32 (1,)): B' = batch when the expression reads b or the sequences are varlen, else 1; H' = nheads
         when it reads h, else 1; error nonzero when a subscript left its tensor (the GPU path records it without a
@@ -297,14 +371,17 @@ class MaskMod:
         varlen = cu_seqlens_q is not None
         if varlen != (cu_seqlens_k is not None):
             raise ValueError("block_states: give both cu_seqlens_q and cu_seqlens_k, or neither")
+        if block <= 0 or block & (block - 1) or block > 256:
+            raise ValueError(f"block_states: block must be a power of two <= 256, got {block}")
         heads = nheads if "h" in self.index_names else 1
         batches = batch if "b" in self.index_names or varlen else 1
         n_q, n_k = -(-seqlen_q // block), -(-seqlen_k // block)
+        left, right = (int(w) for w in window)
         if device.type == "cuda":
             from flashtrain.kernels import mask_blocks
 
             return mask_blocks.block_states(self, batches, heads, seqlen_q, seqlen_k, block, cu_seqlens_q,
-                                            cu_seqlens_k)
+                                            cu_seqlens_k, (left, right))
         states = torch.zeros(batches, heads, n_q, n_k, dtype=torch.uint8, device=device)
         arange = lambda n: torch.arange(n, device=device)  # noqa: E731
         for b in range(batches):
@@ -324,8 +401,46 @@ class MaskMod:
                 tile_any, tile_all = anyv.any(3).any(1), allv.all(3).all(1)
                 tiles = -(-len_k // block)
                 state = torch.where(tile_all, 2, torch.where(tile_any, 1, 0)).to(torch.uint8)
-                states[b, :, qb, :tiles] = state[:, :tiles]
+                # tiles the window hides entirely (key - query distances from the bottom-right diagonal)
+                k0 = arange(tiles) * block
+                lowest = k0 - int(rows[-1]) - (len_k - len_q)
+                highest = torch.clamp(k0 + block, max=len_k) - 1 - qb * block - (len_k - len_q)
+                hidden = ((right >= 0) & (lowest > right)) | ((left >= 0) & (highest < -left))
+                states[b, :, qb, :tiles] = torch.where(hidden, 0, state[:, :tiles]).to(torch.uint8)
         return states, torch.zeros(1, dtype=torch.int32, device=device)
+
+    def call_states(self, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, *, device, block: int = 128,
+                    cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
+                    window: tuple[int, int] = (-1, -1)) -> tuple[Tensor, Tensor]:
+        """block_states for an attention call, cached: the layers of a model and the steps that reuse this MaskMod
+        with unmodified tensors (torch's version counters: in-place writes through torch bump them) and the same
+        shapes / cu_seqlens tensors share one evaluation. A subscript interval arithmetic cannot prove in range
+        (subscripts_in_range) is checked once per evaluation by reading the error word (one host sync), so an
+        out-of-range subscript raises MaskModError here instead of reading 0 in the kernels."""
+        import weakref
+
+        try:
+            versions = tuple(t._version for t in self.tensors.values())
+            cu_versions = tuple(t._version for t in (cu_seqlens_q, cu_seqlens_k) if t is not None)
+        except RuntimeError:  # inference-mode tensors have no version counter: no cache
+            versions = cu_versions = None
+        key = (batch, nheads, seqlen_q, seqlen_k, str(device), block, tuple(window), versions, cu_versions)
+        cache = self.__dict__.setdefault("_states_cache", {})
+        hit = cache.get(key) if versions is not None else None
+        if hit is not None and all(ref() is t for ref, t in zip(hit[0], (cu_seqlens_q, cu_seqlens_k))):
+            return hit[1]
+        states, error = self.block_states(batch, nheads, seqlen_q, seqlen_k, device=device, block=block,
+                                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window)
+        if not self.subscripts_in_range(batch, nheads, seqlen_q, seqlen_k) and int(error) != 0:
+            raise MaskModError(f"mask_mod {self.expression!r}: a subscript left its tensor (tensors "
+                               + ", ".join(f"{n} {tuple(t.shape)}" for n, t in self.tensors.items())
+                               + f"; batch {batch}, heads {nheads}, seqlen_q {seqlen_q}, seqlen_k {seqlen_k})")
+        if versions is not None:
+            refs = tuple(weakref.ref(t) if t is not None else (lambda: None) for t in (cu_seqlens_q, cu_seqlens_k))
+            if len(cache) >= 4:
+                cache.pop(next(iter(cache)))
+            cache[key] = (refs, (states, error))
+        return states, error
 
     def c_declarations(self) -> list[str]:
         """The parameters the expression reads besides the indices, as C declarations (pointer, then strides)."""

@@ -130,7 +130,7 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
     block_mask: bool ([nheads,] ceil(max_seqlen_q / 128), ceil(max_seqlen_k / 128)) on q's device, or None.
     validated=True: the caller (flashtrain.kernels.interface) has checked the arguments and unavailable_reason.
     mask_mod: a mask expression (mask_mod.MaskMod, its tensors on q's device): its block states are computed on the
-    GPU per call (MaskMod.block_states) and the mma.sync score-modification kernels with the expression compiled in
+    GPU (MaskMod.call_states: cached while its tensors and the shapes stay the same) and the mma.sync score-modification kernels with the expression compiled in
     skip the empty tiles and test the partial ones; without dropout or a block mask."""
     if not validated:
         reason = unavailable_reason(q.device, head_dim=q.shape[-1], dtype=q.dtype, block_mask=block_mask is not None)
@@ -183,9 +183,10 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
         if dropout_p > 0 or block_mask is not None:
             raise ValueError("mask_mod does not combine with dropout_p > 0 or a block_mask on the CUDA kernels")
         batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
-        states, error = mask_mod.block_states(batch, q.shape[-2], int(max_seqlen_q), int(max_seqlen_k),
-                                              device=q.device, block=build.BLOCK_SPARSE_SIZE,
-                                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        states, error = mask_mod.call_states(batch, q.shape[-2], int(max_seqlen_q), int(max_seqlen_k),
+                                             device=q.device, block=build.BLOCK_SPARSE_SIZE,
+                                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                             window=(left, 0 if causal else right))
         tensors = list(mask_mod.tensors.values())
         mask_args = (states, error, *tensors, *[None] * (4 - len(tensors)), mask_mod_text(mask_mod))
     return flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),

@@ -1,9 +1,11 @@
-// The block states of a mask expression (mask_mod.cuh): per tile of kMaskBlock x kMaskBlock (query, key) pairs of a
+// The block states of a mask expression (mask_mod.cuh): per tile of `block` x `block` (query, key) pairs of a
 // (sequence, head), 0 when the expression is false for every pair, 2 when true for every pair, 1 otherwise -- the
 // skip list of the attention kernels (empty tiles are not computed, full ones need no mask), evaluated exactly on the
-// GPU from the same compiled expression. One CTA per tile, kMaskBlocksThreads threads, each evaluating every
-// kMaskBlocksThreads-th pair; pairs past a sequence's end do not count. grid (n_kblocks, n_qblocks, B' * H'), B' = 1
-// unless the expression reads b (or the sequences are varlen), H' = 1 unless it reads h. FT_KERNEL_NAME is
+// GPU from the same compiled expression. One CTA per tile, kMaskBlocksThreads threads: thread t evaluates column
+// t % block of rows t / block, t / block + kMaskBlocksThreads / block, ... (block: a power of two <= 256, no
+// division per pair); pairs past a sequence's end do not count. A tile that the call's causal mask or window hides
+// entirely is 0 without evaluating it (the attention kernels never visit it). grid (n_kblocks, n_qblocks, B' * H'),
+// B' = 1 unless the expression reads b (or the sequences are varlen), H' = 1 unless it reads h. FT_KERNEL_NAME is
 // build.mask_blocks_kernel's name (one per expression).
 #include "mask_mod.cuh"
 
@@ -19,7 +21,8 @@ struct MaskBlocksParams {  // = launch.MaskBlocksParams
     int heads;  // H'
     int seqlen_q, seqlen_k;  // lengths (varlen: the maximum ones)
     int n_qblocks, n_kblocks;
-    int block;  // tile side (128: the kernels' block-sparse size)
+    int block;  // tile side (128: the kernels' block-sparse size); a power of two <= kMaskBlocksThreads
+    int window_left, window_right;  // the call's window in keys before / after the diagonal (causal: right 0); -1: none
 };
 
 }  // namespace flashtrain
@@ -35,17 +38,23 @@ extern "C" __global__ void __launch_bounds__(flashtrain::kMaskBlocksThreads)
     }
     const int q0 = qb * p.block, k0 = kb * p.block;
     const int rows = min(p.block, len_q - q0), cols = min(p.block, len_k - k0);  // (<= 0: no pair)
+    // the tile's key - query distances, from the diagonal (bottom-right aligned: key = query + len_k - len_q)
+    const int lowest = k0 - (q0 + rows - 1) - (len_k - len_q), highest = k0 + cols - 1 - q0 - (len_k - len_q);
+    const bool hidden = (p.window_right >= 0 && lowest > p.window_right) ||
+                        (p.window_left >= 0 && highest < -p.window_left);
     bool any = false, all = true;
-    if (rows > 0 && cols > 0) {
-        for (int i = threadIdx.x; i < rows * cols; i += kMaskBlocksThreads) {
-            const bool v = mask_mod_visible(p.mm, b, h, q0 + i / cols, k0 + i % cols);
-            any |= v;
-            all &= v;
+    if (rows > 0 && cols > 0 && !hidden) {
+        const int col = threadIdx.x % p.block, row_step = kMaskBlocksThreads / p.block;
+        if (col < cols) {
+            for (int row = threadIdx.x / p.block; row < rows; row += row_step) {
+                const bool v = mask_mod_visible(p.mm, b, h, q0 + row, k0 + col);
+                any |= v;
+                all &= v;
+            }
         }
     }
     any = __syncthreads_or(any);
     all = __syncthreads_and(all);
     if (threadIdx.x == 0)
-        p.states[((i64)blockIdx.z * p.n_qblocks + qb) * p.n_kblocks + kb] =
-            !any ? 0 : all ? 2 : 1;
+        p.states[((i64)blockIdx.z * p.n_qblocks + qb) * p.n_kblocks + kb] = !any ? 0 : all ? 2 : 1;
 }
