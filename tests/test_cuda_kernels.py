@@ -321,13 +321,17 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
                              max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
 
 
-@pytest.mark.parametrize("case", ["documents", "prefix-lm", "dilated-per-head"])
+@pytest.mark.parametrize("case", ["documents", "prefix-lm", "dilated-per-head", "empty-rows"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_mask_mod_matches_reference(case, head_dim, causal):
+@pytest.mark.parametrize("family", ["default", "mma_sync"])
+def test_mask_mod_matches_reference(case, head_dim, causal, family, monkeypatch):
     """A mask expression compiled into the kernels (issue 20): block states on the GPU, empty tiles skipped, the
     expression on partial ones; documents per sequence (batch and varlen), prefix-LM, a head-dependent dilated window
-    combined with a window; GQA; sequences longer than a tile."""
+    combined with a window, rows that see no key; GQA; sequences longer than a tile. Both kernel families: on Hopper
+    the default runs the warpgroup-MMA forward and backward (head dims 64 / 128), FLASHTRAIN_SM90=0 the mma.sync
+    ones."""
+    from flashtrain.kernels import build
     from flashtrain.kernels.mask_mod import MaskMod
 
     lengths = [700, 260, 333]
@@ -336,8 +340,20 @@ def test_mask_mod_matches_reference(case, head_dim, causal):
     mods = {"documents": (MaskMod("doc[b][q_idx] == doc[b][kv_idx]", doc=doc), {}),
             "prefix-lm": (MaskMod("kv_idx < 150 || q_idx >= kv_idx"), {}),
             "dilated-per-head": (MaskMod("flags[h] ? (q_idx - kv_idx) % 3 == 0 : 1", flags=flags),
-                                 {"window_size": (200, 200)})}
+                                 {"window_size": (200, 200)}),
+            "empty-rows": (MaskMod("q_idx % 5 != 0 && (q_idx / 128 + kv_idx / 128) % 3 != 1"), {})}
     mask, extra = mods[case]
+    if family == "mma_sync":
+        if not _is_hopper():
+            pytest.skip("the default family is the mma.sync one here")
+        monkeypatch.setenv("FLASHTRAIN_SM90", "0")
+    elif _is_hopper():  # the warpgroup-MMA kernels are the ones these calls dispatch to
+        defines = mask.kernel_defines()
+        fwd = build.fwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True,
+                               mask_defines=defines)
+        bwd = build.bwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True,
+                               mask_defines=defines)
+        assert fwd.source == "flash_fwd_sm90.cu" and bwd.source == "flash_bwd_sm90.cu", (fwd.name, bwd.name)
     features = {"mask_mod": mask, **extra}
     if causal and "window_size" in features:
         features["window_size"] = (features["window_size"][0], 0)
@@ -347,6 +363,9 @@ def test_mask_mod_matches_reference(case, head_dim, causal):
     q, k, v, dout = _inputs((sum(lengths), 4, head_dim), (sum(lengths), 2, head_dim), torch.float16, seed=3)
     _check_against_reference(q, k, v, dout, causal=causal, features=features, cu_seqlens_q=cu, cu_seqlens_k=cu,
                              max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+    q, k, v, dout = _inputs((2, 457, 4, head_dim), (2, 200, 2, head_dim), torch.bfloat16, seed=5)  # seqlen_q > k
+    if case != "documents":  # (doc's 700 positions cover either length)
+        _check_against_reference(q, k, v, dout, causal=causal, features=features)
 
 
 @pytest.mark.parametrize("head_dim", [4, 36, 100, 250])  # not multiples of 8: the inputs padded with zero columns

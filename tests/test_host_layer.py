@@ -204,16 +204,21 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
         assert (fwd.window_left, fwd.window_right) == (window[0], -1 if spec["causal"] else window[1])
         assert fwd.softcap_scale == pytest.approx(0.125 / softcap if softcap else 0.0)
         assert fwd.alibi_batch_stride == (0 if mods["alibi"] == (4,) else 4) and fwd.alibi_slopes != 0
-    if mask_kw:  # the mma.sync mods kernels with the expression compiled in, its tensor, states and error word
+    if mask_kw:  # the mods kernels with the expression compiled in (Hopper: the warpgroup-MMA ones), its tensor,
+        # states and error word
         from flashtrain.kernels import build, launch
 
         defines = mask.kernel_defines()
         specs = [kernel(64, "bf16", True, False, arch=arch, score_mods=True, mask_defines=defines)
                  for kernel in (build.fwd_kernel, build.bwd_kernel)]
-        assert [spec.source for spec in specs] == ["flash_fwd.cu", "flash_bwd.cu"]
+        hopper = arch == "sm_90a"
+        assert [spec.source for spec in specs] == (["flash_fwd_sm90.cu", "flash_bwd_sm90.cu"] if hopper
+                                                   else ["flash_fwd.cu", "flash_bwd.cu"])
         handles = {zlib.crc32(s.symbols[0].encode()) << 4 for s in specs}
         assert handles <= {struct.unpack_from("<q", record)[0] for record in records}
-        fwd = launch.FwdParams.from_buffer_copy(records[0][56 + 16 * struct.unpack_from("<q", records[0], 48)[0]:])
+        param_bytes = records[0][56 + 16 * struct.unpack_from("<q", records[0], 48)[0]:]
+        fwd = (launch.FwdSm90Params.from_buffer_copy(param_bytes).fwd if hopper
+               else launch.FwdParams.from_buffer_copy(param_bytes))
         assert (fwd.mm_n_kblocks, fwd.mm_states_b_stride, fwd.mm_states_h_stride) == (3, 9, 0)
         assert (list(fwd.mm.size[0][:2]), list(fwd.mm.stride[0][:2])) == ([2, 300], [300, 1])
         assert fwd.mm_states != 0 and fwd.mm.error != 0 and fwd.mm.ptr[0] != 0 and fwd.mm.ptr[1] is None

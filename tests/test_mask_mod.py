@@ -202,9 +202,13 @@ def test_mask_blocks_kernel_compiles_for_each_expression():
     assert len({spec.name for spec in specs}) == len(specs)
     # the mma.sync forward and backward with the first expression compiled in (FT_MASK_EXPR: skip empty tiles,
     # the expression on partial ones)
-    forward = [kernel(64, "bf16", causal, False, arch="sm_80", score_mods=True,
+    # and the warpgroup-MMA (sm_90a) ones
+    forward = [kernel(64, "bf16", causal, False, arch=arch, score_mods=True,
                       mask_defines=_cases()[0][0].kernel_defines())
-               for kernel in (build.fwd_kernel, build.bwd_kernel) for causal in (False, True)]
+               for kernel in (build.fwd_kernel, build.bwd_kernel) for causal in (False, True)
+               for arch in ("sm_80", "sm_90a")]
+    assert {spec.source for spec in forward} == {"flash_fwd.cu", "flash_bwd.cu", "flash_fwd_sm90.cu",
+                                                 "flash_bwd_sm90.cu"}
     assert all(spec.name.endswith(specs[0].name.removeprefix("ft_mask_blocks_")) for spec in forward)
     assert build.check_nvcc(["sm_80", "sm_90a"], jobs=2, specs=specs + forward) == 0
 

@@ -135,6 +135,10 @@ FWD_SM90_TILES_LONG_CAUSAL = {
     64: FwdSm90Tiles(192, 128, stages=2),
 }
 LONG_CAUSAL_SEQLEN = 512
+# Head dims whose mask-expression forward (mask_mod) runs on the warpgroup-MMA kernel; the others take the mma.sync
+# one (with the expression compiled in, the Hopper kernel's 80- / 112-key tiles at head dims 192 / 256 spill 284-552
+# bytes per thread, ptxas 13.0, against 4-32 without it).
+MASK_SM90_HEAD_DIMS = (64, 128)
 # Causal without dropout / block-sparse below SHORT_CAUSAL_SEQLEN query rows (max_seqlen_q known and smaller): two Q
 # buffers at head dim 128, so that the producer copies the next tile's Q while this one runs (its 1-4 key blocks
 # leave little time after the last S GEMM, when one buffer frees). H200, 2026-11-26, CUDA-graph replays interleaved
@@ -440,7 +444,12 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     score_mods (window_size, softcap, alibi_slopes; without dropout or a block mask): the `_mods` variants (SCORE_MODS),
     on sm_90a the warpgroup-MMA forward with FWD_SM90_TILES."""
     _check_score_mods(score_mods, dropout, block_sparse)
-    if mask_defines:  # a mask expression (MaskMod.kernel_defines): the mma.sync mods kernel with it compiled in
+    if mask_defines:  # a mask expression (MaskMod.kernel_defines) compiled into the mods kernel
+        if arch == SM90_ARCH and head_dim in MASK_SM90_HEAD_DIMS and sm90_enabled():
+            spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], True,
+                                  tuple(mask_defines))
+            if _fits(spec, smem_limit):
+                return spec
         return _fwd_spec(head_dim, dtype, causal, False, False, fwd_tiles(head_dim, causal, False, False, smem_limit),
                          True, tuple(mask_defines))
     if score_mods:
@@ -514,7 +523,7 @@ def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-                   tiles: FwdSm90Tiles, score_mods: bool = False) -> KernelSpec:
+                   tiles: FwdSm90Tiles, score_mods: bool = False, mask_defines: tuple = ()) -> KernelSpec:
     smem_bytes = tiles.smem_bytes(head_dim)
     # tiles other than the features' first choice (long causal sequences, a capped shared-memory limit) get names of
     # their own: a process may load both, and kernels are looked up by name
@@ -522,7 +531,7 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     same_shape = dataclasses.replace(tiles, q_buffers=first_choice.q_buffers) == first_choice
     name = (f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}"
-            f"{'_mods' if score_mods else ''}")
+            f"{'_mods' if score_mods else ''}{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
                ("FT_Q_BUFFERS", tiles.q_buffers),
@@ -530,7 +539,7 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
                ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", smem_bytes), ("FT_MAX_STREAMS", MAX_STREAMS), ("FT_KERNEL_NAME", name))
     if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
-        defines += (("FT_SCORE_MODS", 1),)
+        defines += (("FT_SCORE_MODS", 1),) + tuple(mask_defines)
     return KernelSpec("flash_fwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
@@ -547,7 +556,12 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     head dims 64 / 128 (not deterministic: flash_bwd.cuh runs that; softcap (a call with one) at head dim 64 neither:
     BWD_SM90_MODS_SOFTCAP)."""
     _check_score_mods(score_mods, dropout, block_sparse)
-    if mask_defines:  # a mask expression (MaskMod.kernel_defines): the mma.sync mods kernel with it compiled in
+    if mask_defines:  # a mask expression (MaskMod.kernel_defines) compiled into the mods kernel
+        if (arch == SM90_ARCH and head_dim in BWD_SM90_MODS_HEAD_DIMS and head_dim in MASK_SM90_HEAD_DIMS
+                and sm90_enabled() and not deterministic and (not softcap or BWD_SM90_MODS_SOFTCAP[head_dim])):
+            spec = bwd_sm90_mods_kernel(head_dim, dtype, causal, tuple(mask_defines))
+            if _fits(spec, smem_limit):
+                return spec
         return _bwd_spec(head_dim, dtype, causal, False, False, bwd_tiles(head_dim, smem_limit), True,
                          tuple(mask_defines))
     if score_mods:
@@ -588,31 +602,34 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
                           head_dim_eff or head_dim)
 
 
-def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool) -> KernelSpec:
-    """The Hopper backward's score-modification variant (window, softcap, ALiBi; dense, no dropout).
-    FLASHTRAIN_BWD_SM90_MODS_Q80=1 (A/B): 80-query blocks at head dim 128."""
+def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: tuple = ()) -> KernelSpec:
+    """The Hopper backward's score-modification variant (window, softcap, ALiBi; dense, no dropout), with a mask
+    expression compiled in when mask_defines is given. FLASHTRAIN_BWD_SM90_MODS_Q80=1 (A/B): 80-query blocks at head
+    dim 128 (not with a mask expression: its states are per 128 queries)."""
     tiles = BWD_SM90_MODS_TILES[head_dim]
-    if head_dim == 128 and os.environ.get("FLASHTRAIN_BWD_SM90_MODS_Q80") == "1":
+    if head_dim == 128 and os.environ.get("FLASHTRAIN_BWD_SM90_MODS_Q80") == "1" and not mask_defines:
         tiles = BWD_SM90_DENSE128_TILES
     return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim,
-                          1 if BWD_SM90_MODS_SOFTCAP[head_dim] else 2)
+                          1 if BWD_SM90_MODS_SOFTCAP[head_dim] else 2, tuple(mask_defines))
 
 
 @functools.lru_cache(maxsize=None)
 def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool, deterministic: bool,
-                   tiles: BwdSm90Tiles, head_dim_eff: int, score_mods: int = 0) -> KernelSpec:
+                   tiles: BwdSm90Tiles, head_dim_eff: int, score_mods: int = 0,
+                   mask_defines: tuple = ()) -> KernelSpec:
     """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi (BwdSm90Traits' FT_SCORE_MODS)."""
     smem_bytes = tiles.smem_bytes(head_dim)
     name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"
-            f"{'_q80' if tiles.swap_dq else ''}{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}")
+            f"{'_q80' if tiles.swap_dq else ''}{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}"
+            f"{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
                ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_DETERMINISTIC", int(deterministic)), ("FT_PERSISTENT", int(tiles.persistent)),
                ("FT_SMEM_BYTES", smem_bytes), ("FT_MAX_STREAMS", MAX_STREAMS), ("FT_KERNEL_NAME", name))
     if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
-        defines += (("FT_SCORE_MODS", score_mods),)
+        defines += (("FT_SCORE_MODS", score_mods),) + tuple(mask_defines)
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 

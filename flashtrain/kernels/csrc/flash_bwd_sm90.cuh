@@ -57,6 +57,7 @@
 // over the MMA warpgroups (flash_bwd_sm90_split_mma). flash_aux.cuh runs before (D and lse in log2 units in padded
 // rows, zeroing dq_accum) and after (dq = scale * dq_accum).
 #pragma once
+#include "mask_mod.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -94,7 +95,7 @@ namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
           bool kIsBlockSparse_, bool kIsDeterministic_, bool kPersistent_ = true, int kHeadDimEff_ = kHeadDim_,
-          int kScoreMods_ = 0>
+          int kScoreMods_ = 0, bool kMaskMod_ = false>
 struct BwdSm90Traits {
     // FT_SCORE_MODS (issue 20): 1, a local window, softcap and ALiBi read from FwdParams (each off when unset), as the
     // forward's; 2, the window and ALiBi only (head dim 64: softcap's derivative, kept for dS^T, spilled inside the
@@ -104,6 +105,12 @@ struct BwdSm90Traits {
     static constexpr bool kScoreMods = kScoreMods_ != 0, kSoftcap = kScoreMods_ == 1;
     static_assert(!kScoreMods || (kHeadDim_ <= 128 && !kIsDropout_ && !kIsBlockSparse_ && !kIsDeterministic_),
                   "score modifications: head dims 64 / 128, dense, no dropout, not deterministic");
+    // a mask expression compiled in (FT_MASK_EXPR, mask_mod.cuh; with the score modifications): the query-block walk
+    // skips the (head, query block) pairs whose 128 x 128 block state (FwdParams::mm_states) is empty, the expression
+    // runs per pair where it is partial (128-key tiles: one state per block)
+    static constexpr bool kMaskMod = kMaskMod_;
+    static_assert(!kMaskMod_ || (kScoreMods_ != 0 && kBlockSparseSize % kBlockM_ == 0),
+                  "a mask expression needs the score-modification kernel with query blocks inside 128-row states");
     // Head dims 192 and 256 split the head dim over the warpgroups (flash_bwd_sm90_split_mma): 64-key tiles.
     static constexpr bool kSplitHd = kHeadDim_ > 128;
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kSplitHd ? 64 : 128, kStages = kStages_;
@@ -340,6 +347,8 @@ template <class T> struct QueryBlockWalk {
     int head_kv = 0, n0 = 0;
     bool has = false;
     int head = 0, m0 = 0;
+    int mm_state = 2;  // kMaskMod: the block state of (head, m0) and this key block (0 never: skipped)
+    const unsigned char* mm_col = nullptr;  // kMaskMod: the states of this key block's column (head 0, row 0)
     const BwdParams* p;
     __device__ __forceinline__ const int* col_list(int i) const {
         const FwdParams& f = p->fwd;
@@ -353,17 +362,27 @@ template <class T> struct QueryBlockWalk {
                 head = head_kv * group + sparse.head_i;
                 m0 = sparse.tile([&](int i) { return col_list(i); }) * T::kBlockM;
             }
-        } else if constexpr (FT_BWD_WALK_INC) {
-            has = it < n_iters;
-            if (has) {
-                head = head_kv * group + head0 + head_i;
-                m0 = (m_block_min + m_i) * T::kBlockM;
-            }
         } else {
-            has = it < n_iters;
-            if (has) {
-                head = head_kv * group + head0 + it / n_mblocks;
-                m0 = (m_block_min + it % n_mblocks) * T::kBlockM;
+            for (;;) {  // kMaskMod: past the pairs whose state is empty
+                has = it < n_iters;
+                if (!has) break;
+                if constexpr (FT_BWD_WALK_INC) {
+                    head = head_kv * group + head0 + head_i;
+                    m0 = (m_block_min + m_i) * T::kBlockM;
+                } else {
+                    head = head_kv * group + head0 + it / n_mblocks;
+                    m0 = (m_block_min + it % n_mblocks) * T::kBlockM;
+                }
+                if constexpr (!T::kMaskMod) {
+                    break;
+                } else {
+                    const FwdParams& f = p->fwd;
+                    mm_state = mm_col[head * f.mm_states_h_stride + (i64)(m0 / kBlockSparseSize) * f.mm_n_kblocks];
+                    if (mm_state != 0) break;
+                    ++it;
+                    if constexpr (FT_BWD_WALK_INC)
+                        if (++m_i == n_mblocks) m_i = 0, ++head_i;
+                }
             }
         }
     }
@@ -387,6 +406,8 @@ template <class T> struct QueryBlockWalk {
         }
         n_mblocks = max_(0, m_block_end - m_block_min);
         n_iters = heads * n_mblocks;
+        if constexpr (T::kMaskMod)
+            mm_col = params.fwd.mm_states + x.batch * params.fwd.mm_states_b_stride + n0 / kBlockSparseSize;
         settle();
     }
     __device__ __forceinline__ void next() {
@@ -727,6 +748,11 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                                 (f.window_left >= 0 && key < diag - f.window_left))
                                 score = -infinity();
                         }
+                        // kMaskMod: the expression on a partial state (pairs past either end never evaluated)
+                        if constexpr (T::kMaskMod)
+                            if (walk.mm_state == 1 && key < seqlen_k && query < seqlen_q &&
+                                !mask_mod_visible(f.mm, x.batch, head, query, key))
+                                score = -infinity();
                     }
                     st[j][e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
                     dropped[e] = st[j][e];
@@ -843,8 +869,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                        (!T::kIsCausal && f.window_right >= 0 && wg_key0 > m_end - 1 + offset + f.window_right);
             return none;
         };
-        auto needs_mask = [&](int m0) {
-            bool mask = tile_needs_mask<T::kIsCausal, kBlockN>(m0, x.n0, x.seqlen_q, x.seqlen_k);
+        auto needs_mask = [&](int m0, int mm_state) {
+            bool mask = tile_needs_mask<T::kIsCausal, kBlockN>(m0, x.n0, x.seqlen_q, x.seqlen_k) ||
+                        (T::kMaskMod && mm_state == 1);
             if constexpr (T::kScoreMods) {  // some row's window starts inside the key block or ends before its end
                 const int last_row = min_(x.seqlen_q, m0 + kBlockM) - 1;
                 mask = mask || (f.window_left >= 0 && last_row + offset - f.window_left > x.n0) ||
@@ -853,7 +880,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             return mask;
         };
         for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++gs) {
-            if (needs_mask(walk.m0)) {
+            if (needs_mask(walk.m0, walk.mm_state)) {
                 if (T::kSkipHidden && hidden(walk.m0, walk.m0 + kBlockM))
                     step(walk, gs, BoolConstant<true>{}, BoolConstant<T::kSkipHidden>{});
                 else

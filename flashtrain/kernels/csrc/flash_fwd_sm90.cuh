@@ -38,6 +38,7 @@
 // past the sequence end belong to the next sequence (masked, so they add exact zeros) or lie past the tensor (zeros).
 // Head dims 64, 128, 192, 256 (others padded up by the host; build.py routes the rest to flash_fwd.cuh).
 #pragma once
+#include "mask_mod.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -64,11 +65,17 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kSeparateO_, bool kIsBF16_, bool kIsCausal_,
-          bool kIsDropout_, bool kIsBlockSparse_, int kQBuffers_ = 1, bool kScoreMods_ = false>
+          bool kIsDropout_, bool kIsBlockSparse_, int kQBuffers_ = 1, bool kScoreMods_ = false, bool kMaskMod_ = false>
 struct FwdSm90Traits {
     // the local window, softcap and ALiBi of the call's parameters (flash.h), each off when unset (issue 20)
     static constexpr bool kScoreMods = kScoreMods_;
     static_assert(!(kScoreMods_ && kIsBlockSparse_), "score modifications and a block mask are not combined");
+    // a mask expression compiled in (FT_MASK_EXPR, mask_mod.cuh; with the score modifications): the key walk skips
+    // the blocks whose 128 x 128 block states (FwdParams::mm_states) are all empty, the expression runs per pair on
+    // blocks that overlap a partial state; query tiles of 128 rows (one row of states), key blocks of at most 128
+    static constexpr bool kMaskMod = kMaskMod_;
+    static_assert(!kMaskMod_ || (kScoreMods_ && kBlockM_ == kBlockSparseSize && kBlockN_ <= kBlockSparseSize),
+                  "a mask expression needs the score-modification kernel with 128-row tiles");
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
     // Q buffers: with two, the producer copies the next tile's Q (and its tile record) into the other buffer as soon
     // as the tile before this one has released it, instead of after this tile's last S GEMM; the consumers' flow is
@@ -141,26 +148,59 @@ struct FwdSm90Traits {
     static constexpr int kBarSchedule = 1, kBarEpilogue = 1 + kNConsumers;
 };
 
+// kMaskMod: a query tile's row of block states (0 empty, 1 partial, 2 full per 128 x 128 tile of pairs) and the
+// state of key block n_block: its tiles' common state, 1 where they differ (a key block of fewer than 128 keys may
+// straddle two; keys past the sequence's end have none).
+struct MaskRow {
+    const unsigned char* states;
+    int last;  // the last state of the sequence's keys
+};
+template <class T> __device__ __forceinline__ MaskRow mask_row(const FwdParams& p, int batch, int head, int m0,
+                                                               int seqlen_k) {
+    if constexpr (!T::kMaskMod) return MaskRow{nullptr, 0};
+    return MaskRow{p.mm_states + batch * p.mm_states_b_stride + head * p.mm_states_h_stride +
+                       (i64)(m0 / kBlockSparseSize) * p.mm_n_kblocks,
+                   (seqlen_k - 1) / kBlockSparseSize};
+}
+template <class T> __device__ __forceinline__ int mask_block_state(const MaskRow& row, int n_block) {
+    const int first = n_block * T::kBlockN / kBlockSparseSize;
+    const int state = row.states[first];
+    if constexpr (kBlockSparseSize % T::kBlockN == 0) {
+        return state;
+    } else {
+        const int last = min_((n_block * T::kBlockN + T::kBlockN - 1) / kBlockSparseSize, row.last);
+        return last == first || row.states[last] == state ? state : 1;
+    }
+}
+
 // The key blocks a CTA visits, in walk order: dense, n_block_max - 1 down to 0; block-sparse, the tiles of the
-// non-zero mask blocks of the query block's row that lie below n_block_max, descending. block() is -1 at the end.
+// non-zero mask blocks of the query block's row that lie below n_block_max, descending; kMaskMod: the dense walk
+// without the blocks whose states are empty. block() is -1 at the end.
 template <class T> struct KeyBlockWalk {
     SparseWalkDesc<kBlockSparseSize / T::kBlockN> sparse;
     int n_block;
     int n_block_min;  // kScoreMods: the window's first key block (the walk ends below it)
+    MaskRow mask;
     __device__ __forceinline__ KeyBlockWalk(const FwdParams& p, int head, int m0, int n_block_max,
-                                            int n_block_min_ = 0) {
+                                            int n_block_min_ = 0, MaskRow mask_ = MaskRow{nullptr, 0}) {
         n_block_min = n_block_min_;
+        mask = mask_;
         if constexpr (T::kIsBlockSparse) {
             sparse.init(p.bs_rows + head * p.bs_rows_head_stride + (i64)(m0 / kBlockSparseSize) * (p.bs_n_kblocks + 1));
             n_block = sparse.skip_to_below(n_block_max);
         } else {
-            n_block = n_block_max - 1;
-            if constexpr (T::kScoreMods) n_block = n_block >= n_block_min ? n_block : -1;
+            n_block = settle(n_block_max - 1);
         }
     }
+    // kScoreMods: -1 below the window's first block; kMaskMod: past the empty blocks first
+    __device__ __forceinline__ int settle(int n) const {
+        if constexpr (T::kMaskMod)
+            while (n >= n_block_min && mask_block_state<T>(mask, n) == 0) --n;
+        if constexpr (T::kScoreMods) return n >= n_block_min ? n : -1;
+        return n;
+    }
     __device__ __forceinline__ int next() {
-        n_block = T::kIsBlockSparse ? sparse.next() : n_block - 1;
-        if constexpr (T::kScoreMods) n_block = n_block >= n_block_min ? n_block : -1;
+        n_block = T::kIsBlockSparse ? sparse.next() : settle(n_block - 1);
         return n_block;
     }
 };
@@ -302,7 +342,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     tma_load_4d(sQ + cb * kBlockM * 128, &params.tma_q, full_q(qb), cb * 64, x.q_start + x.m0, x.head,
                                 batch_coord);
                 KeyBlockWalk<T> walk(p, x.head, x.m0, x.n_block_max,
-                                     window_block_min<T>(p, x.m0, x.seqlen_q, x.seqlen_k));
+                                     window_block_min<T>(p, x.m0, x.seqlen_q, x.seqlen_k),
+                                     mask_row<T>(p, x.batch, x.head, x.m0, x.seqlen_k));
                 for (; walk.n_block >= 0; walk.next(), ++it) {
                     const int stage = it % kStages;
                     const u32 parity = ((it / kStages) & 1) ^ 1;  // the first pass finds every stage empty
@@ -382,6 +423,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         float row_max[2] = {-infinity(), -infinity()}, row_sum[2] = {0.f, 0.f};  // rows g, g + 8 (partial sums)
         u32 pa[kNT / 2][4];  // P of the previous block as wgmma A fragments (16 keys per k-step)
         const int bh = x.batch * p.nheads + x.head;
+        [[maybe_unused]] const MaskRow mm_row = mask_row<T>(p, x.batch, x.head, m0, seqlen_k);
 
         // S of the block's first 8 * (tiles of s) keys (all kBlockN of them, or the lower half: FT_FWD_HALF_FIRST)
         auto issue_s = [&](auto& s, int stage) {
@@ -422,6 +464,24 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                             const int col = n0 + nt * 8 + 2 * t + e;
                             if (col >= col_end || col < col_begin) s[nt][2 * hf + e] = -infinity();
                         }
+                }
+                if constexpr (T::kMaskMod) {  // the expression per pair of a block with a partial state
+                    if (mask_block_state<T>(mm_row, n_block) == 1) {
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf) {
+                            const int row = m0 + row0 + g + 8 * hf;
+                            if (row >= seqlen_q) continue;  // (pairs past either end are never evaluated: a
+                                                            // subscript there could leave its tensor)
+#pragma unroll
+                            for (int nt = 0; nt < kTiles; ++nt)
+#pragma unroll
+                                for (int e = 0; e < 2; ++e) {
+                                    const int col = n0 + nt * 8 + 2 * t + e;
+                                    if (col < seqlen_k && !mask_mod_visible(p.mm, x.batch, x.head, row, col))
+                                        s[nt][2 * hf + e] = -infinity();
+                                }
+                        }
+                    }
                 }
                 return;
             }
@@ -471,7 +531,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 const int last_row = min_(seqlen_q, m0 + kBlockM) - 1;
                 return tile_needs_mask<T::kIsCausal, kBlockN>(m0, n0, seqlen_q, seqlen_k) ||
                        (p.window_left >= 0 && last_row + offset - p.window_left > n0) ||
-                       (!T::kIsCausal && p.window_right >= 0 && n0 + kBlockN - 1 > m0 + offset + p.window_right);
+                       (!T::kIsCausal && p.window_right >= 0 && n0 + kBlockN - 1 > m0 + offset + p.window_right) ||
+                       (T::kMaskMod && mask_block_state<T>(mm_row, n_block) == 1);
             }
             return tile_needs_mask<T::kIsCausal, kBlockN>(m0, n_block * kBlockN, seqlen_q, seqlen_k);
         };
@@ -488,7 +549,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                  seqlen_k - seqlen_q, lane);
         };
 
-        KeyBlockWalk<T> walk(p, x.head, m0, x.n_block_max, window_block_min<T>(p, m0, seqlen_q, seqlen_k));
+        KeyBlockWalk<T> walk(p, x.head, m0, x.n_block_max, window_block_min<T>(p, m0, seqlen_q, seqlen_k), mm_row);
         FT_TIMELINE_PUT(wg, tile_iter, 6, (unsigned long long)it);
         // A consumer whose 64 rows all lie past the sequence end (the partial last tile of 192-row tiles at S = 512 /
         // 1K; varlen) computes nothing: it only keeps the stage rings and the turns in step. (H200, each its own
