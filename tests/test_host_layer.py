@@ -163,12 +163,13 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
             *window, softcap, alibi)
     mask_args, mask_kw = (), {}
     if spec.get("mask_mod"):
-        from flashtrain.kernels.mask_mod import MaskMod
+        from flashtrain.kernels.mask_mod import MaskMod, pack_states
 
         doc = (torch.arange(300).repeat(2, 1) // torch.tensor([[70], [150]])).to(torch.int32)
         mask = MaskMod("doc[b][q_idx] == doc[b][kv_idx]", doc=doc)
         states, error = mask.block_states(2, 4, 300, 300, device="cpu")
         assert states.shape == (2, 1, 3, 3) and {0, 1, 2} == set(states.unique().tolist())
+        states = pack_states(states)  # (the kernels' layout, as ops.flash_attn_cuda passes it)
         mask_args = (states, error, doc, None, None, None, ops.mask_mod_text(mask))
         mask_kw = dict(mask_mod=ops.mask_mod_text(mask), mm_states=states, mm_error=error, mm_tensors=[doc])
     args += mask_args
@@ -219,7 +220,8 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
         param_bytes = records[0][56 + 16 * struct.unpack_from("<q", records[0], 48)[0]:]
         fwd = (launch.FwdSm90Params.from_buffer_copy(param_bytes).fwd if hopper
                else launch.FwdParams.from_buffer_copy(param_bytes))
-        assert (fwd.mm_n_kblocks, fwd.mm_states_b_stride, fwd.mm_states_h_stride) == (3, 9, 0)
+        # packed states (mask_mod.pack_states): 3 rows of 4 bytes, 3 row ranges, 3 column ranges per sequence
+        assert (fwd.mm_n_kblocks, fwd.mm_n_qblocks, fwd.mm_states_b_stride, fwd.mm_states_h_stride) == (4, 3, 60, 0)
         assert (list(fwd.mm.size[0][:2]), list(fwd.mm.stride[0][:2])) == ([2, 300], [300, 1])
         assert fwd.mm_states != 0 and fwd.mm.error != 0 and fwd.mm.ptr[0] != 0 and fwd.mm.ptr[1] is None
     assert len(records) == len(cpp)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashtrain.kernels import build
-from flashtrain.kernels.mask_mod import MaskMod, MaskModError
+from flashtrain.kernels.mask_mod import MaskMod, MaskModError, pack_states
 
 
 def _grid(B=2, H=3, S=9):
@@ -269,6 +269,28 @@ def test_block_states_zero_the_tiles_a_window_hides(window):
     assert zeros[1] > zeros[0]
 
 
+def test_packed_states_hold_each_rows_and_columns_range():
+    """pack_states (the kernels' layout, flash.h mm_states): rows padded to 4 bytes, then per query block the first /
+    last non-empty key block, then per key block the first / last query block non-empty in any head."""
+    states = torch.zeros(2, 3, 5, 6, dtype=torch.uint8)
+    states[0, 1, 2, 1:4] = torch.tensor([1, 2, 1])
+    states[0, 2, 4, 5] = 2
+    states[1, 0, 0, 0] = 1
+    packed = pack_states(states)
+    assert packed.shape == (2, 3, 5 * 8 + 8 * 5 + 8 * 6)
+    assert torch.equal(packed[:, :, :40].view(2, 3, 5, 8)[..., :6], states)
+    rows = packed[:, :, 40:80].contiguous().view(torch.int32).view(2, 3, 5, 2)
+    cols = packed[:, :, 80:].contiguous().view(torch.int32).view(2, 3, 6, 2)
+    for b in range(2):
+        for h in range(3):
+            for q in range(5):
+                keys = states[b, h, q].nonzero().flatten().tolist()
+                assert rows[b, h, q].tolist() == ([keys[0], keys[-1]] if keys else [6, -1])
+            for k in range(6):
+                queries = states[b, :, :, k].any(0).nonzero().flatten().tolist()
+                assert cols[b, h, k].tolist() == ([queries[0], queries[-1]] if queries else [5, -1])
+
+
 @pytest.mark.parametrize("expression, tensors, proven", [
     ("doc[q_idx] == doc[kv_idx]", {"doc": 16}, True),
     ("doc[q_idx] == doc[kv_idx]", {"doc": 15}, False),  # seqlen 16: q_idx reaches 15
@@ -306,7 +328,7 @@ def test_call_states_are_cached_until_a_tensor_changes():
     doc[20:] = 7  # an in-place write bumps the version counter
     again = mod.call_states(1, 2, 40, 40, device="cpu", block=8)
     assert again[0] is not first[0] and not torch.equal(again[0], first[0])
-    assert torch.equal(again[0], mod.block_states(1, 2, 40, 40, device="cpu", block=8)[0])
+    assert torch.equal(again[0], pack_states(mod.block_states(1, 2, 40, 40, device="cpu", block=8)[0]))
     assert mod.call_states(1, 2, 40, 40, device="cpu", block=8, window=(-1, 0))[0] is not again[0]
     cu = torch.tensor([0, 20, 40], dtype=torch.int32)
     varlen = mod.call_states(2, 2, 20, 20, device="cpu", block=8, cu_seqlens_q=cu, cu_seqlens_k=cu)

@@ -47,7 +47,7 @@ class FwdParams(ctypes.Structure):
         ("window_left", _i32), ("window_right", _i32), ("softcap_scale", _f32), ("softcap_unscale", _f32),
         ("alibi_slopes", _ptr), ("alibi_batch_stride", _i64),
         ("mm", MaskModParams), ("mm_states", _ptr), ("mm_states_b_stride", _i64), ("mm_states_h_stride", _i64),
-        ("mm_n_kblocks", _i32), ("mm_pad_", _i32),
+        ("mm_n_kblocks", _i32), ("mm_n_qblocks", _i32),
     ]
 
 

@@ -412,7 +412,7 @@ class MaskMod:
     def call_states(self, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, *, device, block: int = 128,
                     cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
                     window: tuple[int, int] = (-1, -1)) -> tuple[Tensor, Tensor]:
-        """block_states for an attention call, cached: the layers of a model and the steps that reuse this MaskMod
+        """block_states for an attention call, packed for the kernels (pack_states), cached: the layers of a model and the steps that reuse this MaskMod
         with unmodified tensors (torch's version counters: in-place writes through torch bump them) and the same
         shapes / cu_seqlens tensors share one evaluation. A subscript interval arithmetic cannot prove in range
         (subscripts_in_range) is checked once per evaluation by reading the error word (one host sync), so an
@@ -431,6 +431,7 @@ class MaskMod:
             return hit[1]
         states, error = self.block_states(batch, nheads, seqlen_q, seqlen_k, device=device, block=block,
                                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window)
+        states = pack_states(states)
         if not self.subscripts_in_range(batch, nheads, seqlen_q, seqlen_k) and int(error) != 0:
             raise MaskModError(f"mask_mod {self.expression!r}: a subscript left its tensor (tensors "
                                + ", ".join(f"{n} {tuple(t.shape)}" for n, t in self.tensors.items())
@@ -478,6 +479,36 @@ class MaskMod:
             return f"({node.value}({self._c(node.args[0], checked)}))"
         a, b = (self._c(arg, checked) for arg in node.args)
         return f"((long long)(({a}) {node.value} ({b})))"
+
+
+def state_row_bytes(n_kblocks: int) -> int:
+    """The row stride of packed block states: the key blocks rounded up to 4 (the ranges after the rows are int32)."""
+    return -(-n_kblocks // 4) * 4
+
+
+def pack_states(states: Tensor) -> Tensor:
+    """The kernels' layout of block states (flash.h FwdParams::mm_states) from MaskMod.block_states' (B', H', n_q,
+    n_k) uint8: per (b, h), the n_q rows padded to state_row_bytes(n_k) bytes, then per query block the int32 pair
+    (first, last) of its non-empty key blocks, then per key block the int32 pair (first, last) of the query blocks
+    non-empty in some head of the sequence (empty: first > last). The walks start and end at these ranges instead of
+    stepping over every empty tile (a document mask's query block sees one document of keys)."""
+    batches, heads, n_q, n_k = states.shape
+    rows = torch.nn.functional.pad(states, (0, state_row_bytes(n_k) - n_k)).reshape(batches, heads, -1)
+    visible = states != 0
+    keys = torch.arange(n_k, device=states.device)
+    row_ranges = torch.stack([torch.where(visible, keys, n_k).amin(-1, keepdim=False) if n_k else
+                              torch.zeros(batches, heads, n_q, dtype=torch.long, device=states.device),
+                              torch.where(visible, keys, -1).amax(-1) if n_k else
+                              torch.full((batches, heads, n_q), -1, dtype=torch.long, device=states.device)], -1)
+    any_head = visible.any(1, keepdim=True)  # (B', 1, n_q, n_k)
+    queries = torch.arange(n_q, device=states.device)[:, None]
+    col_ranges = torch.stack([torch.where(any_head, queries, n_q).amin(-2) if n_q else
+                              torch.zeros(batches, 1, n_k, dtype=torch.long, device=states.device),
+                              torch.where(any_head, queries, -1).amax(-2) if n_q else
+                              torch.full((batches, 1, n_k), -1, dtype=torch.long, device=states.device)], -1)
+    col_ranges = col_ranges.expand(batches, heads, n_k, 2)
+    as_bytes = lambda x: x.to(torch.int32).contiguous().view(torch.uint8).reshape(batches, heads, -1)  # noqa: E731
+    return torch.cat([rows, as_bytes(row_ranges), as_bytes(col_ranges)], -1).contiguous()
 
 
 def _int(x: Tensor) -> Tensor:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashtrain.kernels import build, tma
-from flashtrain.kernels.mask_mod import MaskMod
+from flashtrain.kernels.mask_mod import MaskMod, state_row_bytes
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _launch = None  # flashtrain.kernels.launch once loaded (it needs cuda-python; importing this module does not)
@@ -845,13 +845,14 @@ def _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dro
     if bs_cols is not None:  # (mask heads, n_kblocks, n_qblocks + 1)
         params.bs_cols_head_stride = bs_cols.stride(0) if bs_cols.shape[0] > 1 else 0
         params.bs_n_kblocks, params.bs_n_qblocks = bs_cols.shape[1], bs_cols.shape[2] - 1
-    if mask is not None:  # the expression's tensors' sizes / strides, the states' layout (B', H', n_qblocks, n_kblocks)
+    if mask is not None:  # the expression's tensors' sizes / strides, the packed states' layout (mask_mod.pack_states)
         for i, tensor in enumerate(mask.tensors.values()):
             for dim in range(tensor.dim()):
                 params.mm.size[i][dim], params.mm.stride[i][dim] = tensor.shape[dim], tensor.stride(dim)
         params.mm_states_b_stride = mm_states.stride(0) if mm_states.shape[0] > 1 else 0
         params.mm_states_h_stride = mm_states.stride(1) if mm_states.shape[1] > 1 else 0
-        params.mm_n_kblocks = mm_states.shape[3]
+        params.mm_n_qblocks = math.ceil(params.seqlen_q / build.BLOCK_SPARSE_SIZE)
+        params.mm_n_kblocks = state_row_bytes(math.ceil(params.seqlen_k / build.BLOCK_SPARSE_SIZE))
     return params
 
 

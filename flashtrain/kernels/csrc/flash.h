@@ -90,13 +90,16 @@ struct FwdParams {
     const float* alibi_slopes;
     i64 alibi_batch_stride;
     // Kernels built with a mask expression (FT_MASK_EXPR; mask_mod.cuh, issue 20): its tensors, and the states of
-    // MaskMod.block_states per tile of kBlockSparseSize x kBlockSparseSize (query, key) pairs, uint8 (B', H',
-    // n_qblocks, mm_n_kblocks): 0 none visible (skipped), 1 some (the expression per pair), 2 all (no test); a stride
-    // is 0 where the expression reads neither b nor h.
+    // MaskMod.block_states per tile of kBlockSparseSize x kBlockSparseSize (query, key) pairs (0 none visible:
+    // skipped, 1 some: the expression per pair, 2 all: no test), packed per (b, h) by mask_mod.pack_states:
+    // mm_n_qblocks rows of mm_n_kblocks bytes (the row stride: the key blocks rounded up to 4), then per query block
+    // the int32 pair (first, last) of its non-empty key blocks, then per key block the int32 pair (first, last) of
+    // the query blocks non-empty in some head (empty: first > last). A stride is 0 where the expression reads
+    // neither b nor h (and the sequences are not varlen).
     MaskModParams mm;
     const unsigned char* mm_states;
     i64 mm_states_b_stride, mm_states_h_stride;
-    int mm_n_kblocks, mm_pad_;
+    int mm_n_kblocks, mm_n_qblocks;
 };
 
 // A TMA tensor map (CUtensorMap): 128 opaque bytes encoded on the host by cuTensorMapEncodeTiled

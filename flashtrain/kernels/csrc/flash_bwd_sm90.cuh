@@ -404,10 +404,17 @@ template <class T> struct QueryBlockWalk {
                 m_block_end = last_row < 0 ? 0 : min_(m_block_end, last_row / T::kBlockM + 1);
             }
         }
+        if constexpr (T::kMaskMod) {  // and only the query blocks that some head's states show this key block to
+            const FwdParams& f = params.fwd;
+            const unsigned char* base = f.mm_states + x.batch * f.mm_states_b_stride;
+            mm_col = base + n0 / kBlockSparseSize;
+            const int* range = reinterpret_cast<const int*>(base + (i64)f.mm_n_qblocks * (f.mm_n_kblocks + 8)) +
+                               2 * (n0 / kBlockSparseSize);
+            m_block_min = max_(m_block_min, range[0] * (kBlockSparseSize / T::kBlockM));
+            m_block_end = min_(m_block_end, (range[1] + 1) * (kBlockSparseSize / T::kBlockM));
+        }
         n_mblocks = max_(0, m_block_end - m_block_min);
         n_iters = heads * n_mblocks;
-        if constexpr (T::kMaskMod)
-            mm_col = params.fwd.mm_states + x.batch * params.fwd.mm_states_b_stride + n0 / kBlockSparseSize;
         settle();
     }
     __device__ __forceinline__ void next() {

@@ -148,19 +148,26 @@ struct FwdSm90Traits {
     static constexpr int kBarSchedule = 1, kBarEpilogue = 1 + kNConsumers;
 };
 
-// kMaskMod: a query tile's row of block states (0 empty, 1 partial, 2 full per 128 x 128 tile of pairs) and the
-// state of key block n_block: its tiles' common state, 1 where they differ (a key block of fewer than 128 keys may
-// straddle two; keys past the sequence's end have none).
+// kMaskMod: a query tile's row of block states (0 empty, 1 partial, 2 full per 128 x 128 tile of pairs; flash.h
+// mm_states) with the range of its non-empty key blocks, and the state of key block n_block: its tiles' common state,
+// 1 where they differ (a key block of fewer than 128 keys may straddle two; keys past the sequence's end have none).
 struct MaskRow {
     const unsigned char* states;
     int last;  // the last state of the sequence's keys
+    int first_block, last_block;  // key blocks (of kBlockN) holding the row's non-empty states (empty: first > last)
 };
 template <class T> __device__ __forceinline__ MaskRow mask_row(const FwdParams& p, int batch, int head, int m0,
                                                                int seqlen_k) {
-    if constexpr (!T::kMaskMod) return MaskRow{nullptr, 0};
-    return MaskRow{p.mm_states + batch * p.mm_states_b_stride + head * p.mm_states_h_stride +
-                       (i64)(m0 / kBlockSparseSize) * p.mm_n_kblocks,
-                   (seqlen_k - 1) / kBlockSparseSize};
+    if constexpr (!T::kMaskMod) {
+        return MaskRow{nullptr, 0, 0, 0};
+    } else {
+        const unsigned char* base = p.mm_states + batch * p.mm_states_b_stride + head * p.mm_states_h_stride;
+        const int qb = m0 / kBlockSparseSize;
+        const int* range = reinterpret_cast<const int*>(base + (i64)p.mm_n_qblocks * p.mm_n_kblocks) + 2 * qb;
+        return MaskRow{base + (i64)qb * p.mm_n_kblocks, (seqlen_k - 1) / kBlockSparseSize,
+                       range[0] * kBlockSparseSize / T::kBlockN,
+                       range[1] < 0 ? -1 : ((range[1] + 1) * kBlockSparseSize - 1) / T::kBlockN};
+    }
 }
 template <class T> __device__ __forceinline__ int mask_block_state(const MaskRow& row, int n_block) {
     const int first = n_block * T::kBlockN / kBlockSparseSize;
@@ -182,12 +189,15 @@ template <class T> struct KeyBlockWalk {
     int n_block_min;  // kScoreMods: the window's first key block (the walk ends below it)
     MaskRow mask;
     __device__ __forceinline__ KeyBlockWalk(const FwdParams& p, int head, int m0, int n_block_max,
-                                            int n_block_min_ = 0, MaskRow mask_ = MaskRow{nullptr, 0}) {
+                                            int n_block_min_ = 0, MaskRow mask_ = MaskRow{nullptr, 0, 0, 0}) {
         n_block_min = n_block_min_;
         mask = mask_;
         if constexpr (T::kIsBlockSparse) {
             sparse.init(p.bs_rows + head * p.bs_rows_head_stride + (i64)(m0 / kBlockSparseSize) * (p.bs_n_kblocks + 1));
             n_block = sparse.skip_to_below(n_block_max);
+        } else if constexpr (T::kMaskMod) {  // from the row's last non-empty block down to its first
+            n_block_min = max_(n_block_min, mask.first_block);
+            n_block = settle(min_(n_block_max - 1, mask.last_block));
         } else {
             n_block = settle(n_block_max - 1);
         }
