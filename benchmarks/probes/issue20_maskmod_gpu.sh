@@ -3,7 +3,7 @@
 # kernels in parallel (both families), the mask_mod tests, the block states' cost, then the feature rows against
 # FlexAttention. Logs in $OUT (default /tmp/issue20_maskmod); every step runs, the exit status says whether any
 # failed.
-#   bash benchmarks/probes/issue20_maskmod_gpu.sh [OUT]
+#   [ALL_CUDA_TESTS=SECONDS] bash benchmarks/probes/issue20_maskmod_gpu.sh [OUT]   (then every cuda-marked test)
 set -uo pipefail
 source "$(dirname "$0")/steps.sh"
 probe_setup /tmp/issue20_maskmod "${1:-}"
@@ -14,4 +14,5 @@ step mask_tests timeout 200 python -m pytest -q -m cuda --maxfail=10 tests/test_
 step states timeout 60 python benchmarks/probes/mask_states_time.py
 step features timeout 240 python benchmarks/attention_features.py --repeats 10 --rounds 1 \
     --out "$OUT/attention_features.json"
+[ -n "${ALL_CUDA_TESTS:-}" ] && step cuda_tests timeout "${ALL_CUDA_TESTS}" python -m pytest -q -m cuda tests/
 exit $status
