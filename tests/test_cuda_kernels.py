@@ -472,6 +472,26 @@ def test_torch_compile_with_score_modifications():
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
+def test_torch_compile_with_mask_mod():
+    """mask_mod under torch.compile(fullgraph=True): the block states as the flashtrain::mask_states op (its fake gives
+    the packed shape), no graph break; out and gradients those of eager."""
+    from flashtrain.kernels.mask_mod import MaskMod
+
+    q, k, v, dout = _inputs((2, 300, 4, 64), (2, 300, 2, 64), torch.bfloat16)
+    doc = (torch.arange(300, device="cuda") // 70).to(torch.int32)
+    mask = MaskMod("doc[q_idx] == doc[kv_idx]", doc=doc)
+
+    def block(q, k, v):
+        return flash_attn_func(q.sin(), k, v, causal=True, mask_mod=mask).cos()
+
+    compiled = torch.compile(block, fullgraph=True)
+    expected = _run(lambda q, k, v: (block(q, k, v), None), q, k, v, dout)
+    got = _run(lambda q, k, v: (compiled(q, k, v), None), q, k, v, dout)
+    for a, b in zip(got, expected):
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
 def test_cuda_graph_capture_replays():
     q, k, v, _ = _inputs((2, 300, 4, 64), (2, 300, 4, 64), torch.float16)
     expected = flash_attn_func(q, k, v, causal=True, impl="cuda")

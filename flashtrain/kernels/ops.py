@@ -183,11 +183,18 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
         if dropout_p > 0 or block_mask is not None:
             raise ValueError("mask_mod does not combine with dropout_p > 0 or a block_mask on the CUDA kernels")
         batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
-        states, error = mask_mod.call_states(batch, q.shape[-2], int(max_seqlen_q), int(max_seqlen_k),
-                                             device=q.device, block=build.BLOCK_SPARSE_SIZE,
-                                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                             window=(left, 0 if causal else right))
         tensors = list(mask_mod.tensors.values())
+        if torch.compiler.is_compiling():  # one op in the graph (its fake gives the packed shape); no cache
+            from flashtrain.kernels import mask_blocks
+
+            states, error = mask_blocks.mask_states(q, mask_mod_text(mask_mod), batch, int(max_seqlen_q),
+                                                    int(max_seqlen_k), left, 0 if causal else right, cu_seqlens_q,
+                                                    cu_seqlens_k, *tensors, *[None] * (4 - len(tensors)))
+        else:
+            states, error = mask_mod.call_states(batch, q.shape[-2], int(max_seqlen_q), int(max_seqlen_k),
+                                                 device=q.device, block=build.BLOCK_SPARSE_SIZE,
+                                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                                 window=(left, 0 if causal else right))
         mask_args = (states, error, *tensors, *[None] * (4 - len(tensors)), mask_mod_text(mask_mod))
     return flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                           float(dropout_p), float(softmax_scale), bool(causal), rng_state, bool(deterministic),
