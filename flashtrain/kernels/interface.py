@@ -104,8 +104,8 @@ def flash_attn_func(
             of causal / window_size / block_mask; e.g. MaskMod("doc[q_idx] == doc[kv_idx]", doc=ids). Tiles where it
             is 0 for every pair are skipped (evaluated exactly). q_idx / kv_idx count from each sequence's start.
         window_size, softcap, alibi_slopes and mask_mod run on the CUDA kernels without dropout and block_mask
-        (mask_mod: the mma.sync kernels with the expression compiled in, also on Hopper; its block states computed
-        on the GPU per call).
+        (mask_mod: the expression compiled into the kernels, the warpgroup-MMA ones on Hopper at head dims 64 / 128;
+        its block states computed on the GPU and cached on the MaskMod while its tensors are unmodified).
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim) in q's dtype, or (out, lse) with return_lse=True.
