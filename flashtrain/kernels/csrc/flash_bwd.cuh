@@ -125,6 +125,13 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                 m_block_last = last_row < 0 ? 0 : min_(m_block_last, last_row / kBlockM + 1);
             }
         }
+        if constexpr (T::kMaskMod) {  // the query blocks some head's states show this key block to (pack_states)
+            const int* range = reinterpret_cast<const int*>(f.mm_states + batch * f.mm_states_b_stride +
+                                                            (i64)f.mm_n_qblocks * (f.mm_n_kblocks + 8)) +
+                               2 * (n0 / kBlockSparseSize);
+            m_block_min = max_(m_block_min, range[0] * (kBlockSparseSize / kBlockM));
+            m_block_last = min_(m_block_last, (range[1] + 1) * (kBlockSparseSize / kBlockM));
+        }
         const int n_mblocks = max_(0, m_block_last - m_block_min);
         const int n_iters = group * n_mblocks;  // (query head, query block) pairs; dense
         // Block-sparse: the column list of query head head_kv * group + i for this key tile's mask block.

@@ -98,6 +98,14 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
                           (i64)(m0 / kBlockSparseSize) * p.mm_n_kblocks
                     : nullptr;
     auto mm_state = [&](int n_block) -> int { return mm_row[n_block * kBlockN / kBlockSparseSize]; };
+    if constexpr (T::kMaskMod) {  // the row's non-empty key blocks (pack_states): the walk starts and ends there
+        const int* range = reinterpret_cast<const int*>(p.mm_states + batch * p.mm_states_b_stride +
+                                                        head * p.mm_states_h_stride +
+                                                        (i64)p.mm_n_qblocks * p.mm_n_kblocks) +
+                           2 * (m0 / kBlockSparseSize);
+        n_block_min = max_(n_block_min, range[0] * (kBlockSparseSize / kBlockN));
+        n_block_max = min_(n_block_max, (range[1] + 1) * (kBlockSparseSize / kBlockN));
+    }
     // the next key block at or below n that is not empty (below n_block_min: -1)
     [[maybe_unused]] auto visible_from = [&](int n) {
         if constexpr (T::kMaskMod)
