@@ -509,6 +509,29 @@ def test_cuda_graph_capture_replays():
     assert not torch.equal(out, expected)
 
 
+def test_cuda_graph_capture_replays_a_mask_mod_with_new_tensor_contents():
+    """mask_mod inside a CUDA graph: the block states are computed in the captured work (not taken from the cache
+    filled by the warm-up), so a replay after the mask's tensor changed in place uses its new contents."""
+    from flashtrain.kernels.mask_mod import MaskMod
+
+    q, k, v, _ = _inputs((1, 600, 4, 64), (1, 600, 4, 64), torch.bfloat16)
+    doc = (torch.arange(600, device="cuda") // 300).to(torch.int32)
+    mask = MaskMod("doc[q_idx] == doc[kv_idx]", doc=doc)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_attn_func(q, k, v, causal=True, mask_mod=mask)  # warm-up: compiles, and fills the states cache
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_func(q, k, v, causal=True, mask_mod=mask)
+    doc.copy_((torch.arange(600, device="cuda") // 100).to(torch.int32))  # six documents instead of two
+    graph.replay()
+    torch.testing.assert_close(out, flash_attn_func(q, k, v, causal=True, mask_mod=mask), atol=0, rtol=0)
+    torch.testing.assert_close(out, flash_attn_func(q, k, v, causal=True, impl="reference", mask_mod=mask),
+                               atol=2e-2, rtol=2e-2)
+
+
 def _sanitizer_grid() -> None:
     """A small grid of forward + backward calls covering every kernel path (on Hopper the warpgroup-MMA kernels too:
     head dims 40, 64, 128 with and without dropout, the dense hd128 backward's 80-query blocks, the causal hd128

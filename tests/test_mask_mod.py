@@ -340,6 +340,47 @@ def test_subscripts_proven_in_range(expression, tensors, proven):
                      i[None, None, :, None], i[None, None, None, :])  # raises on a subscript outside
 
 
+def test_bounds_that_64_bit_arithmetic_could_wrap_are_not_proven():
+    """The kernels compute in 64-bit integers: a bound past them (a shift or product that wraps, abs of INT64_MIN) is
+    unproven, and a literal that does not fit is refused."""
+    x = torch.zeros(5, dtype=torch.int32)
+    t = torch.zeros(4, dtype=torch.int64)
+    assert not MaskMod("x[(q_idx << 62) % 5] == 0", x=x).subscripts_in_range(1, 1, 4, 4)
+    assert not MaskMod("x[(q_idx * 4611686018427387904 * 2) % 5] == 0", x=x).subscripts_in_range(1, 1, 4, 4)
+    assert not MaskMod("x[abs(t[q_idx]) % 5] == 0", x=x, t=t).subscripts_in_range(1, 1, 4, 4)
+    assert MaskMod("x[abs(t[q_idx] % 5)] == 0", x=x, t=t).subscripts_in_range(1, 1, 4, 4)
+    assert MaskMod("x[(q_idx << 2) % 5] == 0", x=x).subscripts_in_range(1, 1, 4, 4)
+    with pytest.raises(MaskModError, match="64-bit"):
+        MaskMod("q_idx < 9223372036854775808")
+
+
+def test_checked_c_catches_a_zero_divisor():
+    """A divisor of 0 in the kernels' C sets the error word and reads 0 (C's division by zero is undefined)."""
+    cxx = build.cxx_path()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    mod = MaskMod("q_idx % kv_idx == 0 && q_idx / kv_idx < 3")
+    program = f"""#include <cstdio>
+static int errors = 0;
+#define FT_MM_OOB() (++errors, 0LL)
+static long long mask(long long q_idx, long long kv_idx) {{ return {mod.c_source(checked=True)}; }}
+int main() {{
+    for (int q = 0; q < 4; ++q) for (int k = 0; k < 4; ++k) std::putchar(mask(q, k) ? '1' : '0');
+    std::printf(" %d", errors);
+}}
+"""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.cpp"
+        path.write_text(program)
+        subprocess.run([cxx, "-O1", "-o", str(Path(tmp) / "m"), str(path)], check=True, capture_output=True)
+        bits, errors = subprocess.run([str(Path(tmp) / "m")], check=True, capture_output=True,
+                                      text=True).stdout.split()
+    i = torch.arange(4)
+    got = torch.tensor([c == "1" for c in bits]).view(4, 4)
+    assert torch.equal(got[:, 1:], mod.evaluate(0, 0, i[:, None], i[None, 1:]))
+    assert int(errors) == 2 * 4  # kv_idx = 0: both divisions, for each of the 4 queries
+
+
 def test_call_states_are_cached_until_a_tensor_changes():
     """MaskMod.call_states: one evaluation for repeated calls with the same shapes and unmodified tensors (the
     layers of a model), a new one after an in-place write, other shapes or other cu_seqlens tensors."""
@@ -358,6 +399,9 @@ def test_call_states_are_cached_until_a_tensor_changes():
     other = cu.clone()
     assert mod.call_states(2, 2, 20, 20, device="cpu", block=8, cu_seqlens_q=other,
                            cu_seqlens_k=other)[0] is not varlen[0]
+    replaced = mod.call_states(1, 2, 40, 40, device="cpu", block=8)
+    mod.tensors["doc"] = torch.zeros(40, dtype=torch.int32)  # another tensor (version 0 again): a new evaluation
+    assert mod.call_states(1, 2, 40, 40, device="cpu", block=8)[0] is not replaced[0]
     with pytest.raises(MaskModError, match="outside"):  # the torch path raises on a subscript outside
         mod.call_states(1, 2, 41, 41, device="cpu", block=8)
 

@@ -20,15 +20,16 @@ def mask_mod_params(mask, error: Tensor):
 
 def block_states(mask, batches: int, heads: int, seqlen_q: int, seqlen_k: int, block: int,
                  cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
-                 window: tuple[int, int] = (-1, -1)) -> tuple[Tensor, Tensor]:
+                 window: tuple[int, int] = (-1, -1), device=None) -> tuple[Tensor, Tensor]:
     from flashtrain.kernels import build, launch
 
-    device = next(iter(mask.tensors.values())).device if mask.tensors else (
-        cu_seqlens_q.device if cu_seqlens_q is not None else torch.device("cuda", torch.cuda.current_device()))
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     for name, tensor in mask.tensors.items():
-        if tensor.device.type != "cuda" or tensor.dim() > 4:
-            raise ValueError(f"mask_mod tensor {name!r}: the GPU path needs CUDA tensors of at most 4 dimensions, "
-                             f"got {tensor.device} {tensor.dim()}-d")
+        if tensor.device != device or tensor.dim() > 4:
+            raise ValueError(f"mask_mod tensor {name!r}: the GPU path needs tensors on {device} of at most 4 "
+                             f"dimensions, got {tensor.device} {tensor.dim()}-d")
     n_q, n_k = -(-seqlen_q // block), -(-seqlen_k // block)
     states = torch.empty(batches, heads, n_q, n_k, dtype=torch.uint8, device=device)
     error = torch.zeros(1, dtype=torch.int32, device=device)
@@ -43,7 +44,8 @@ def block_states(mask, batches: int, heads: int, seqlen_q: int, seqlen_k: int, b
         heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, n_qblocks=n_q, n_kblocks=n_k, block=block,
         window_left=window[0], window_right=window[1])
     spec = build.mask_blocks_kernel(mask)
-    launch.get_kernel(spec, spec.symbols[0], device).launch((n_k, n_q, batches * heads), params, device)
+    # grid (n_kblocks * B' * H', n_qblocks): x has room for any batch x heads (z stops at 65535)
+    launch.get_kernel(spec, spec.symbols[0], device).launch((n_k * batches * heads, n_q, 1), params, device)
     return states, error
 
 

@@ -127,6 +127,8 @@ class _Parser:
     def primary(self) -> Node:
         kind, value, pos = self.peek()
         if kind == "int":
+            if int(value) > _INT64_MAX:
+                self.fail(f"integer literal {value} does not fit the 64-bit arithmetic of the kernels", pos)
             self.take()
             return Node("int", int(value))
         if kind == "name":
@@ -292,8 +294,14 @@ class MaskMod:
         return proven[0]
 
     def _bounds(self, node: Node, ranges: dict, proven: list) -> tuple[int, int] | None:
-        """(lowest, highest) value of the node over the index ranges, None when unbounded; proven[0] turns False
-        at a subscript or divisor it cannot bound."""
+        """(lowest, highest) value of the node over the index ranges, None when unbounded or when the kernels'
+        64-bit arithmetic could wrap there; proven[0] turns False at a subscript or divisor it cannot bound."""
+        bounds = self._node_bounds(node, ranges, proven)
+        if bounds is not None and (bounds[0] < _INT64_MIN or bounds[1] > _INT64_MAX):
+            return None
+        return bounds
+
+    def _node_bounds(self, node: Node, ranges: dict, proven: list) -> tuple[int, int] | None:
         kind, op = node.kind, node.value
         args = [self._bounds(arg, ranges, proven) for arg in node.args]
         if kind == "int":
@@ -323,7 +331,7 @@ class MaskMod:
             (lo, hi), = args
             return {"-": (-hi, -lo), "+": (lo, hi), "~": (-hi - 1, -lo - 1)}[op]
         if kind == "call":
-            if op == "abs":
+            if op == "abs":  # (abs of INT64_MIN wraps in C: its bound 2^63 is past the range, so None above)
                 (lo, hi), = args
                 return (0 if lo <= 0 <= hi else min(abs(lo), abs(hi))), max(abs(lo), abs(hi))
             (alo, ahi), (blo, bhi) = args
@@ -381,7 +389,7 @@ class MaskMod:
             from flashtrain.kernels import mask_blocks
 
             return mask_blocks.block_states(self, batches, heads, seqlen_q, seqlen_k, block, cu_seqlens_q,
-                                            cu_seqlens_k, (left, right))
+                                            cu_seqlens_k, (left, right), device)
         states = torch.zeros(batches, heads, n_q, n_k, dtype=torch.uint8, device=device)
         arange = lambda n: torch.arange(n, device=device)  # noqa: E731
         for b in range(batches):
@@ -412,32 +420,44 @@ class MaskMod:
     def call_states(self, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, *, device, block: int = 128,
                     cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
                     window: tuple[int, int] = (-1, -1)) -> tuple[Tensor, Tensor]:
-        """block_states for an attention call, packed for the kernels (pack_states), cached: the layers of a model and the steps that reuse this MaskMod
-        with unmodified tensors (torch's version counters: in-place writes through torch bump them) and the same
-        shapes / cu_seqlens tensors share one evaluation. A subscript interval arithmetic cannot prove in range
-        (subscripts_in_range) is checked once per evaluation by reading the error word (one host sync), so an
-        out-of-range subscript raises MaskModError here instead of reading 0 in the kernels."""
+        """block_states for an attention call, packed for the kernels (pack_states), cached: the layers of a model
+        and the steps that reuse this MaskMod with the same tensor objects, unmodified (torch's version counters:
+        in-place writes through torch bump them; writes through `.data`, DLPack or other kernels are not seen), and
+        the same shapes / cu_seqlens tensors share one evaluation. Not cached while a CUDA graph is captured (the
+        states kernel is captured with the call, so replays see new tensor contents). A subscript or divisor that
+        interval arithmetic cannot prove safe (subscripts_in_range) is checked once per evaluation by reading the
+        error word (one host sync; refused inside a CUDA graph capture), so it raises MaskModError here instead of
+        reading 0 in the kernels."""
         import weakref
 
+        tensors = tuple(self.tensors.values())
+        capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
         try:
-            versions = tuple(t._version for t in self.tensors.values())
+            versions = tuple((t._version, t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors)
             cu_versions = tuple(t._version for t in (cu_seqlens_q, cu_seqlens_k) if t is not None)
         except RuntimeError:  # inference-mode tensors have no version counter: no cache
             versions = cu_versions = None
+        cached = versions is not None and not capturing
         key = (batch, nheads, seqlen_q, seqlen_k, str(device), block, tuple(window), versions, cu_versions)
         cache = self.__dict__.setdefault("_states_cache", {})
-        hit = cache.get(key) if versions is not None else None
-        if hit is not None and all(ref() is t for ref, t in zip(hit[0], (cu_seqlens_q, cu_seqlens_k))):
+        hit = cache.get(key) if cached else None
+        if hit is not None and all(ref() is t for ref, t in zip(hit[0], (cu_seqlens_q, cu_seqlens_k, *tensors))):
             return hit[1]
+        proven = self.subscripts_in_range(batch, nheads, seqlen_q, seqlen_k)
+        if capturing and not proven:
+            raise MaskModError(f"mask_mod {self.expression!r}: a subscript or divisor that cannot be proven in range "
+                               "needs a host read of the error word, which a CUDA graph capture cannot do; bound it "
+                               "with min / max")
         states, error = self.block_states(batch, nheads, seqlen_q, seqlen_k, device=device, block=block,
                                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window)
         states = pack_states(states)
-        if not self.subscripts_in_range(batch, nheads, seqlen_q, seqlen_k) and int(error) != 0:
-            raise MaskModError(f"mask_mod {self.expression!r}: a subscript left its tensor (tensors "
-                               + ", ".join(f"{n} {tuple(t.shape)}" for n, t in self.tensors.items())
+        if not proven and int(error) != 0:
+            raise MaskModError(f"mask_mod {self.expression!r}: a subscript left its tensor or a divisor was 0 "
+                               "(tensors " + ", ".join(f"{n} {tuple(t.shape)}" for n, t in self.tensors.items())
                                + f"; batch {batch}, heads {nheads}, seqlen_q {seqlen_q}, seqlen_k {seqlen_k})")
-        if versions is not None:
-            refs = tuple(weakref.ref(t) if t is not None else (lambda: None) for t in (cu_seqlens_q, cu_seqlens_k))
+        if cached:
+            refs = tuple(weakref.ref(t) if t is not None else (lambda: None)
+                         for t in (cu_seqlens_q, cu_seqlens_k, *tensors))
             if len(cache) >= 4:
                 cache.pop(next(iter(cache)))
             cache[key] = (refs, (states, error))
@@ -478,7 +498,12 @@ class MaskMod:
         if kind == "unary":
             return f"({node.value}({self._c(node.args[0], checked)}))"
         a, b = (self._c(arg, checked) for arg in node.args)
+        if checked and node.value in ("/", "%"):  # a zero divisor: the error word, and 0, instead of a trap / garbage
+            return f"(({b}) == 0 ? FT_MM_OOB() : (long long)(({a}) {node.value} ({b})))"
         return f"((long long)(({a}) {node.value} ({b})))"
+
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def state_row_bytes(n_kblocks: int) -> int:

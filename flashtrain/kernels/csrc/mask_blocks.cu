@@ -4,7 +4,7 @@
 // GPU from the same compiled expression. One CTA per tile, kMaskBlocksThreads threads: thread t evaluates column
 // t % block of rows t / block, t / block + kMaskBlocksThreads / block, ... (block: a power of two <= 256, no
 // division per pair); pairs past a sequence's end do not count. A tile that the call's causal mask or window hides
-// entirely is 0 without evaluating it (the attention kernels never visit it). grid (n_kblocks, n_qblocks, B' * H'),
+// entirely is 0 without evaluating it (the attention kernels never visit it). grid (n_kblocks * B' * H', n_qblocks),
 // B' = 1 unless the expression reads b (or the sequences are varlen), H' = 1 unless it reads h. FT_KERNEL_NAME is
 // build.mask_blocks_kernel's name (one per expression).
 #include "mask_mod.cuh"
@@ -30,7 +30,8 @@ struct MaskBlocksParams {  // = launch.MaskBlocksParams
 extern "C" __global__ void __launch_bounds__(flashtrain::kMaskBlocksThreads)
     FT_KERNEL_NAME(const __grid_constant__ flashtrain::MaskBlocksParams p) {
     using namespace flashtrain;
-    const int kb = blockIdx.x, qb = blockIdx.y, b = blockIdx.z / p.heads, h = blockIdx.z % p.heads;
+    const int kb = blockIdx.x % p.n_kblocks, bh = blockIdx.x / p.n_kblocks, qb = blockIdx.y;
+    const int b = bh / p.heads, h = bh % p.heads;
     int len_q = p.seqlen_q, len_k = p.seqlen_k;
     if (p.cu_seqlens_q != nullptr) {
         len_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
@@ -56,5 +57,5 @@ extern "C" __global__ void __launch_bounds__(flashtrain::kMaskBlocksThreads)
     any = __syncthreads_or(any);
     all = __syncthreads_and(all);
     if (threadIdx.x == 0)
-        p.states[((i64)blockIdx.z * p.n_qblocks + qb) * p.n_kblocks + kb] = !any ? 0 : all ? 2 : 1;
+        p.states[((i64)bh * p.n_qblocks + qb) * p.n_kblocks + kb] = !any ? 0 : all ? 2 : 1;
 }
