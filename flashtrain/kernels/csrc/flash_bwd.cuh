@@ -117,14 +117,9 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
         // Query blocks that see some key of this block: causal rows i >= n0 - (seqlen_k - seqlen_q).
         int m_block_min = T::kIsCausal ? max_(0, n0 - (seqlen_k - seqlen_q)) / kBlockM : 0;
         int m_block_last = ceil_div(seqlen_q, kBlockM);  // exclusive
-        if constexpr (T::kScoreMods) {  // rows i + offset - left <= j <= i + offset + right for some key j of the block
-            const int offset = seqlen_k - seqlen_q;
-            if (!T::kIsCausal && f.window_right >= 0) m_block_min = max_(0, n0 - offset - f.window_right) / kBlockM;
-            if (f.window_left >= 0) {
-                const int last_row = n0 + kBlockN - 1 - offset + f.window_left;  // inclusive
-                m_block_last = last_row < 0 ? 0 : min_(m_block_last, last_row / kBlockM + 1);
-            }
-        }
+        if constexpr (T::kScoreMods)  // rows i + offset - left <= j <= i + offset + right for some key j of the block
+            window_query_blocks<T::kIsCausal, kBlockM, kBlockN>(n0, seqlen_k - seqlen_q, f.window_left,
+                                                                 f.window_right, m_block_min, m_block_last);
         if constexpr (T::kMaskMod) {  // the query blocks some head's states show this key block to (pack_states)
             const int* range = reinterpret_cast<const int*>(f.mm_states + batch * f.mm_states_b_stride +
                                                             (i64)f.mm_n_qblocks * (f.mm_n_kblocks + 8)) +
@@ -428,12 +423,10 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
         };
         auto needs_mask = [&](int m0) {
             bool mask = tile_needs_mask<T::kIsCausal, kBlockN>(m0, n0, seqlen_q, seqlen_k);
-            if constexpr (T::kScoreMods) {  // some row's window starts inside the key block or ends before its end
-                const int offset = seqlen_k - seqlen_q;
-                const int last_row = min_(seqlen_q, m0 + kBlockM) - 1;
-                mask = mask || (f.window_left >= 0 && last_row + offset - f.window_left > n0) ||
-                       (!T::kIsCausal && f.window_right >= 0 && n0 + kBlockN - 1 > m0 + offset + f.window_right);
-            }
+            if constexpr (T::kScoreMods)  // some row's window starts inside the key block or ends before its end
+                mask = mask || window_cuts_tile<T::kIsCausal, kBlockN>(m0, min_(seqlen_q, m0 + kBlockM) - 1, n0,
+                                                                       seqlen_k - seqlen_q, f.window_left,
+                                                                       f.window_right);
             return mask;
         };
         if constexpr (T::kIsBlockSparse) {

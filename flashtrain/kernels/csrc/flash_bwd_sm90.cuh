@@ -395,15 +395,10 @@ template <class T> struct QueryBlockWalk {
         // Query blocks that see some key of this block: causal rows i >= n0 - (seqlen_k - seqlen_q).
         m_block_min = T::kIsCausal ? max_(0, n0 - (seqlen_k - seqlen_q)) / T::kBlockM : 0;
         m_block_end = ceil_div(seqlen_q, T::kBlockM);
-        if constexpr (T::kScoreMods) {  // rows i + offset - left <= j <= i + offset + right for some key j of the block
-            const FwdParams& f = params.fwd;
-            const int offset = seqlen_k - seqlen_q;
-            if (!T::kIsCausal && f.window_right >= 0) m_block_min = max_(0, n0 - offset - f.window_right) / T::kBlockM;
-            if (f.window_left >= 0) {
-                const int last_row = n0 + T::kBlockN - 1 - offset + f.window_left;  // inclusive
-                m_block_end = last_row < 0 ? 0 : min_(m_block_end, last_row / T::kBlockM + 1);
-            }
-        }
+        if constexpr (T::kScoreMods)  // rows i + offset - left <= j <= i + offset + right for some key j of the block
+            window_query_blocks<T::kIsCausal, T::kBlockM, T::kBlockN>(n0, seqlen_k - seqlen_q, params.fwd.window_left,
+                                                                       params.fwd.window_right, m_block_min,
+                                                                       m_block_end);
         if constexpr (T::kMaskMod) {  // and only the query blocks that some head's states show this key block to
             const FwdParams& f = params.fwd;
             const unsigned char* base = f.mm_states + x.batch * f.mm_states_b_stride;
@@ -879,11 +874,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         auto needs_mask = [&](int m0, int mm_state) {
             bool mask = tile_needs_mask<T::kIsCausal, kBlockN>(m0, x.n0, x.seqlen_q, x.seqlen_k) ||
                         (T::kMaskMod && mm_state == 1);
-            if constexpr (T::kScoreMods) {  // some row's window starts inside the key block or ends before its end
-                const int last_row = min_(x.seqlen_q, m0 + kBlockM) - 1;
-                mask = mask || (f.window_left >= 0 && last_row + offset - f.window_left > x.n0) ||
-                       (!T::kIsCausal && f.window_right >= 0 && x.n0 + kBlockN - 1 > m0 + offset + f.window_right);
-            }
+            if constexpr (T::kScoreMods)  // some row's window starts inside the key block or ends before its end
+                mask = mask || window_cuts_tile<T::kIsCausal, kBlockN>(m0, min_(x.seqlen_q, m0 + kBlockM) - 1, x.n0,
+                                                                       offset, f.window_left, f.window_right);
             return mask;
         };
         for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++gs) {

@@ -83,14 +83,9 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
     // Local window: key blocks [n_block_min, n_block_max) hold every key some row of the block sees (n_block_max as
     // causal's with the right bound; n_block_min from the first row's left bound).
     int n_block_min = 0;
-    if constexpr (T::kScoreMods) {
-        const int offset = seqlen_k - seqlen_q;
-        if (!T::kIsCausal && p.window_right >= 0) {
-            const int last_visible = min_(seqlen_q, m0 + kBlockM) + offset + p.window_right;  // exclusive
-            n_block_max = min_(n_block_max, ceil_div(max_(last_visible, 0), kBlockN));
-        }
-        if (p.window_left >= 0) n_block_min = max_(m0 + offset - p.window_left, 0) / kBlockN;
-    }
+    if constexpr (T::kScoreMods)
+        window_key_blocks<T::kIsCausal, kBlockM, kBlockN>(m0, seqlen_q, seqlen_k - seqlen_q, p.window_left,
+                                                           p.window_right, n_block_min, n_block_max);
 
     // kMaskMod: the block states of this query block's row of tiles (0 empty, 1 partial, 2 full)
     [[maybe_unused]] const unsigned char* mm_row =
@@ -254,12 +249,9 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
     auto needs_mask = [&](int n_block) {
         const int n0 = n_block * kBlockN;
         bool mask = tile_needs_mask<T::kIsCausal, kBlockN>(m0, n0, seqlen_q, seqlen_k);
-        if constexpr (T::kScoreMods) {  // some row's window starts inside the tile or ends before its last key
-            const int offset = seqlen_k - seqlen_q;
-            const int last_row = min_(seqlen_q, m0 + kBlockM) - 1;
-            mask = mask || (p.window_left >= 0 && last_row + offset - p.window_left > n0) ||
-                   (!T::kIsCausal && p.window_right >= 0 && n0 + kBlockN - 1 > m0 + offset + p.window_right);
-        }
+        if constexpr (T::kScoreMods)  // some row's window starts inside the tile or ends before its last key
+            mask = mask || window_cuts_tile<T::kIsCausal, kBlockN>(m0, min_(seqlen_q, m0 + kBlockM) - 1, n0,
+                                                                   seqlen_k - seqlen_q, p.window_left, p.window_right);
         return mask;
     };
     if constexpr (T::kMaskMod) {  // the tiles the states do not mark empty, descending

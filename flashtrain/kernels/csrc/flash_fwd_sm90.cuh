@@ -256,11 +256,10 @@ template <class T> __device__ __forceinline__ bool fwd_tile(const FwdParams& p, 
         const int last_visible = min_(x.seqlen_q, x.m0 + T::kBlockM) + x.seqlen_k - x.seqlen_q;  // exclusive
         x.n_block_max = min_(x.n_block_max, ceil_div(max_(last_visible, 0), T::kBlockN));
     }
-    if constexpr (T::kScoreMods && !T::kIsCausal) {  // a window's right bound, as causal's
-        if (p.window_right >= 0) {
-            const int last_visible = min_(x.seqlen_q, x.m0 + T::kBlockM) + x.seqlen_k - x.seqlen_q + p.window_right;
-            x.n_block_max = min_(x.n_block_max, ceil_div(max_(last_visible, 0), T::kBlockN));
-        }
+    if constexpr (T::kScoreMods && !T::kIsCausal) {  // a window's right bound, as causal's (left: window_block_min)
+        int n_block_min = 0;
+        window_key_blocks<T::kIsCausal, T::kBlockM, T::kBlockN>(x.m0, x.seqlen_q, x.seqlen_k - x.seqlen_q, -1,
+                                                                 p.window_right, n_block_min, x.n_block_max);
     }
     return x.m0 < x.seqlen_q;  // varlen: blocks past a short sequence's end do nothing
 }
@@ -540,8 +539,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 const int n0 = n_block * kBlockN, offset = seqlen_k - seqlen_q;
                 const int last_row = min_(seqlen_q, m0 + kBlockM) - 1;
                 return tile_needs_mask<T::kIsCausal, kBlockN>(m0, n0, seqlen_q, seqlen_k) ||
-                       (p.window_left >= 0 && last_row + offset - p.window_left > n0) ||
-                       (!T::kIsCausal && p.window_right >= 0 && n0 + kBlockN - 1 > m0 + offset + p.window_right) ||
+                       window_cuts_tile<T::kIsCausal, kBlockN>(m0, last_row, n0, offset, p.window_left,
+                                                               p.window_right) ||
                        (T::kMaskMod && mask_block_state<T>(mm_row, n_block) == 1);
             }
             return tile_needs_mask<T::kIsCausal, kBlockN>(m0, n_block * kBlockN, seqlen_q, seqlen_k);

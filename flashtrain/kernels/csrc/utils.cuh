@@ -520,6 +520,38 @@ __device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int seqlen_q, in
     return n0 + kBlockN > seqlen_k || (kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
 }
 
+// Local window (issue 20, FwdParams window_left / window_right): row i sees key j iff
+// i + offset - left <= j <= i + offset + right, offset = seqlen_k - seqlen_q, a bound < 0 unbounded (causal: the right
+// bound is the diagonal, which the causal code handles). The helpers below are each kernel's window arithmetic.
+// Whether some row of [m0, last_row] has its window's start inside the key tile [n0, n0 + kBlockN), or its end before
+// the tile's last key: the tile needs the window's per-element mask.
+template <bool kIsCausal, int kBlockN>
+__device__ __forceinline__ bool window_cuts_tile(int m0, int last_row, int n0, int offset, int left, int right) {
+    return (left >= 0 && last_row + offset - left > n0) ||
+           (!kIsCausal && right >= 0 && n0 + kBlockN - 1 > m0 + offset + right);
+}
+// Narrows the key blocks [n_block_min, n_block_max) of the query block at m0 to those holding a key some row sees.
+template <bool kIsCausal, int kBlockM, int kBlockN>
+__device__ __forceinline__ void window_key_blocks(int m0, int seqlen_q, int offset, int left, int right,
+                                                  int& n_block_min, int& n_block_max) {
+    if (!kIsCausal && right >= 0) {
+        const int last_visible = min_(seqlen_q, m0 + kBlockM) + offset + right;  // exclusive
+        n_block_max = min_(n_block_max, ceil_div(max_(last_visible, 0), kBlockN));
+    }
+    if (left >= 0) n_block_min = max_(m0 + offset - left, 0) / kBlockN;
+}
+// Narrows the query blocks [m_block_min, m_block_end) of the key tile at n0 to those with a row that sees one of its
+// keys.
+template <bool kIsCausal, int kBlockM, int kBlockN>
+__device__ __forceinline__ void window_query_blocks(int n0, int offset, int left, int right, int& m_block_min,
+                                                    int& m_block_end) {
+    if (!kIsCausal && right >= 0) m_block_min = max_(0, n0 - offset - right) / kBlockM;
+    if (left >= 0) {
+        const int last_row = n0 + kBlockN - 1 - offset + left;  // inclusive
+        m_block_end = last_row < 0 ? 0 : min_(m_block_end, last_row / kBlockM + 1);
+    }
+}
+
 // Forward, one row (half hf: row g or g + 8) of a thread's S fragment s[kNT][4] in the mma / wgmma accumulator layout:
 // online softmax in base 2. Updates the running max m and the thread's partial sum l, turns s into
 // p = exp2(s * scale_log2 - m * scale_log2) and returns the factor the row's O accumulators must be rescaled by
