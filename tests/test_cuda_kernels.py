@@ -454,35 +454,24 @@ def test_torch_compile_has_no_graph_break_at_attention():
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
-def test_torch_compile_with_score_modifications():
-    """window_size, softcap and alibi_slopes under torch.compile(fullgraph=True): the ops' fake implementations take
-    them, no graph break, the compiled gradients those of eager."""
-    q, k, v, dout = _inputs((2, 256, 4, 64), (2, 256, 4, 64), torch.bfloat16)
-    slopes = torch.tensor([2 ** (-8 * (h + 1) / 4) for h in range(4)], device="cuda")
-
-    def block(q, k, v):
-        return flash_attn_func(q.sin(), k, v, causal=True, window_size=(64, 0), softcap=20.0,
-                               alibi_slopes=slopes).cos()
-
-    compiled = torch.compile(block, fullgraph=True)
-    expected = _run(lambda q, k, v: (block(q, k, v), None), q, k, v, dout)
-    got = _run(lambda q, k, v: (compiled(q, k, v), None), q, k, v, dout)
-    for a, b in zip(got, expected):
-        if a is not None:
-            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
-
-
-def test_torch_compile_with_mask_mod():
-    """mask_mod under torch.compile(fullgraph=True): the block states as the flashtrain::mask_states op (its fake gives
-    the packed shape), no graph break; out and gradients those of eager."""
+@pytest.mark.parametrize("feature", ["score_mods", "mask_mod"])
+def test_torch_compile_with_the_features(feature):
+    """window_size, softcap and alibi_slopes, and mask_mod, under torch.compile(fullgraph=True): the ops' fake
+    implementations take them (mask_mod: the block states as the flashtrain::mask_states op, its fake giving the
+    packed shape), no graph break; out and gradients those of eager."""
     from flashtrain.kernels.mask_mod import MaskMod
 
-    q, k, v, dout = _inputs((2, 300, 4, 64), (2, 300, 2, 64), torch.bfloat16)
-    doc = (torch.arange(300, device="cuda") // 70).to(torch.int32)
-    mask = MaskMod("doc[q_idx] == doc[kv_idx]", doc=doc)
+    if feature == "score_mods":
+        q, k, v, dout = _inputs((2, 256, 4, 64), (2, 256, 4, 64), torch.bfloat16)
+        slopes = torch.tensor([2 ** (-8 * (h + 1) / 4) for h in range(4)], device="cuda")
+        options = {"window_size": (64, 0), "softcap": 20.0, "alibi_slopes": slopes}
+    else:
+        q, k, v, dout = _inputs((2, 300, 4, 64), (2, 300, 2, 64), torch.bfloat16)
+        doc = (torch.arange(300, device="cuda") // 70).to(torch.int32)
+        options = {"mask_mod": MaskMod("doc[q_idx] == doc[kv_idx]", doc=doc)}
 
     def block(q, k, v):
-        return flash_attn_func(q.sin(), k, v, causal=True, mask_mod=mask).cos()
+        return flash_attn_func(q.sin(), k, v, causal=True, **options).cos()
 
     compiled = torch.compile(block, fullgraph=True)
     expected = _run(lambda q, k, v: (block(q, k, v), None), q, k, v, dout)

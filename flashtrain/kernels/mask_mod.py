@@ -518,19 +518,17 @@ def pack_states(states: Tensor) -> Tensor:
     non-empty in some head of the sequence (empty: first > last). The walks start and end at these ranges instead of
     stepping over every empty tile (a document mask's query block sees one document of keys)."""
     batches, heads, n_q, n_k = states.shape
-    rows = torch.nn.functional.pad(states, (0, state_row_bytes(n_k) - n_k)).reshape(batches, heads, -1)
+    pad = torch.nn.functional.pad
+    rows = pad(states, (0, state_row_bytes(n_k) - n_k)).reshape(batches, heads, -1)
+
+    def first_last(visible: Tensor, n: int) -> Tensor:  # over the last dim; (n, -1) when none (one sentinel column)
+        index = torch.arange(n, device=states.device)
+        return torch.stack([pad(torch.where(visible, index, n), (0, 1), value=n).amin(-1),
+                            pad(torch.where(visible, index, -1), (0, 1), value=-1).amax(-1)], -1)
+
     visible = states != 0
-    keys = torch.arange(n_k, device=states.device)
-    row_ranges = torch.stack([torch.where(visible, keys, n_k).amin(-1, keepdim=False) if n_k else
-                              torch.zeros(batches, heads, n_q, dtype=torch.long, device=states.device),
-                              torch.where(visible, keys, -1).amax(-1) if n_k else
-                              torch.full((batches, heads, n_q), -1, dtype=torch.long, device=states.device)], -1)
-    any_head = visible.any(1, keepdim=True)  # (B', 1, n_q, n_k)
-    queries = torch.arange(n_q, device=states.device)[:, None]
-    col_ranges = torch.stack([torch.where(any_head, queries, n_q).amin(-2) if n_q else
-                              torch.zeros(batches, 1, n_k, dtype=torch.long, device=states.device),
-                              torch.where(any_head, queries, -1).amax(-2) if n_q else
-                              torch.full((batches, 1, n_k), -1, dtype=torch.long, device=states.device)], -1)
+    row_ranges = first_last(visible, n_k)  # (B', H', n_q, 2)
+    col_ranges = first_last(visible.any(1, keepdim=True).transpose(-1, -2), n_q)  # (B', 1, n_k, 2): any head
     col_ranges = col_ranges.expand(batches, heads, n_k, 2)
     as_bytes = lambda x: x.to(torch.int32).contiguous().view(torch.uint8).reshape(batches, heads, -1)  # noqa: E731
     return torch.cat([rows, as_bytes(row_ranges), as_bytes(col_ranges)], -1).contiguous()

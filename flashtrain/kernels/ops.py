@@ -404,15 +404,15 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     block_sparse = bs_cols is not None
     arch = launch.device_arch(q.device)
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
+    mask = _mask_of(mask_mod, mm_tensors)
     spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
                             deterministic=deterministic, smem_limit=launch.device_smem_limit(q.device),
                             effective_head_dim=q.shape[-1],
                             seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
-                            score_mods=_score_mods(window, softcap, alibi_slopes) or bool(mask_mod),
+                            score_mods=_score_mods(window, softcap, alibi_slopes) or mask is not None,
                             softcap=softcap > 0,
-                            mask_defines=_mask_of(mask_mod, mm_tensors).kernel_defines() if mask_mod else ())
+                            mask_defines=mask.kernel_defines() if mask is not None else ())
     tiles = spec.tiles
-    mask = _mask_of(mask_mod, mm_tensors)
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                       bs_cols=bs_cols, window=window, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask,
                       mm_states=mm_states)

@@ -1,14 +1,6 @@
 // Backward kernel entry point, one instantiation per compilation (FT_* macros from build.py's dispatch table).
 #include "flash_bwd.cuh"
 
-#ifndef FT_SCORE_MODS
-#define FT_SCORE_MODS 0
-#endif
-#ifdef FT_MASK_EXPR  // a mask expression compiled in (build: score_mods kernels with mask_defines)
-#define FT_MASK_MOD 1
-#else
-#define FT_MASK_MOD 0
-#endif
 using Traits = flashtrain::BwdTraits<FT_HEAD_DIM, FT_BLOCK_M, FT_BLOCK_N, FT_NWARPS, FT_WARPS_M_SDP, FT_WARPS_N_DKV,
                                      FT_WARPS_M_DQ, FT_STAGES, FT_SCRAMBLE_DQ, FT_VEC_ROW_STATS, FT_BF16, FT_CAUSAL,
                                      FT_DROPOUT, FT_BLOCK_SPARSE, FT_SCORE_MODS, FT_MASK_MOD>;

@@ -232,20 +232,8 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
             if constexpr (T::kMaskMod) {  // the expression per pair of a partial tile (positions in the sequence)
                 const int state = f.mm_states[batch * f.mm_states_b_stride + head * f.mm_states_h_stride +
                                                (i64)(m0 / kBlockSparseSize) * f.mm_n_kblocks + n0 / kBlockSparseSize];
-                if (state == 1) {
-#pragma unroll
-                    for (int mt = 0; mt < kMT_S; ++mt)
-#pragma unroll
-                        for (int nt = 0; nt < kNT_S; ++nt)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                const int row = m0 + s_m0_ + mt * 16 + g + 8 * (e >> 1);
-                                const int col = n0 + s_n0_ + nt * 8 + 2 * t + (e & 1);
-                                // (pairs past either end: masked, never evaluated, as in the forward)
-                                if (row >= seqlen_q || col >= seqlen_k || !mask_mod_visible(f.mm, batch, head, row, col))
-                                    s[mt][nt][e] = -infinity();
-                            }
-                }
+                if (state == 1)
+                    apply_mask_mod(s, f.mm, batch, head, m0 + s_m0_, n0 + s_n0_, seqlen_q, seqlen_k, lane);
             }
             // ALiBi's bias of element (mt, n8 tile 2 ks + nt2, e) of the S fragment (0 without)
             auto alibi_bias = [&](int mt, int ks, int nt2, int e) -> float {

@@ -2,14 +2,6 @@
 // the features as FT_* macros and names the kernel (extern "C", so the cubin symbol is exactly FT_KERNEL_NAME).
 #include "flash_fwd.cuh"
 
-#ifndef FT_SCORE_MODS
-#define FT_SCORE_MODS 0
-#endif
-#ifdef FT_MASK_EXPR  // a mask expression compiled in (build: score_mods kernels with mask=MaskMod)
-#define FT_MASK_MOD 1
-#else
-#define FT_MASK_MOD 0
-#endif
 using Traits = flashtrain::FwdTraits<FT_HEAD_DIM, FT_BLOCK_M, FT_BLOCK_N, FT_NWARPS, FT_BF16, FT_CAUSAL, FT_DROPOUT,
                                      FT_BLOCK_SPARSE, FT_SCORE_MODS, FT_MASK_MOD>;
 static_assert(Traits::kSmemBytes == FT_SMEM_BYTES, "build.py and the kernel disagree on the shared memory size");

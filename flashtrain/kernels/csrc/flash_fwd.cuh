@@ -167,20 +167,8 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
             apply_score_mods(s, p.softcap_scale, p.softcap_unscale, alibi_scaled, m0 + warp_m0, n0, seqlen_k - seqlen_q,
                              lane);
         if constexpr (T::kMaskMod) {  // the expression per pair of a partial tile (positions in the sequence)
-            if (mm_state(n_block) == 1) {
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int row = m0 + warp_m0 + mt * 16 + g + 8 * (e >> 1), col = n0 + nt * 8 + 2 * t + (e & 1);
-                            // (pairs past either end: masked, never evaluated -- a subscript there could leave its
-                            // tensor and set the error word)
-                            if (row >= seqlen_q || col >= seqlen_k || !mask_mod_visible(p.mm, batch, head, row, col))
-                                s[mt][nt][e] = -infinity();
-                        }
-            }
+            if (mm_state(n_block) == 1)
+                apply_mask_mod(s, p.mm, batch, head, m0 + warp_m0, n0, seqlen_q, seqlen_k, lane);
         }
 
         // Mask keys past the end and, when causal, keys right of the diagonal (local: outside the window).

@@ -2,14 +2,6 @@
 // shape and the features as FT_* macros.
 #include "flash_fwd_sm90.cuh"
 
-#ifndef FT_SCORE_MODS
-#define FT_SCORE_MODS 0
-#endif
-#ifdef FT_MASK_EXPR  // a mask expression compiled in (build: score_mods kernels with mask_defines)
-#define FT_MASK_MOD 1
-#else
-#define FT_MASK_MOD 0
-#endif
 using Traits = flashtrain::FwdSm90Traits<FT_HEAD_DIM, FT_BLOCK_M, FT_BLOCK_N, FT_STAGES, FT_SEPARATE_O, FT_BF16,
                                           FT_CAUSAL, FT_DROPOUT, FT_BLOCK_SPARSE, FT_Q_BUFFERS, FT_SCORE_MODS,
                                           FT_MASK_MOD>;

@@ -6,6 +6,17 @@
 #pragma once
 #include "utils.cuh"
 
+// The entry files' feature switches (build.py passes them): FT_SCORE_MODS (window / softcap / ALiBi; the Hopper
+// backward's 1 or 2, see flash_bwd_sm90.cuh), FT_MASK_MOD from whether an expression is compiled in.
+#ifndef FT_SCORE_MODS
+#define FT_SCORE_MODS 0
+#endif
+#ifdef FT_MASK_EXPR
+#define FT_MASK_MOD 1
+#else
+#define FT_MASK_MOD 0
+#endif
+
 namespace flashtrain {
 
 // (MaskModParams: flash.h)
@@ -30,5 +41,24 @@ __device__ __forceinline__ bool mask_mod_visible(const MaskModParams&, long long
     return true;
 }
 #endif
+
+// The expression on a partial tile of an mma.sync S fragment s[kMT][kNT][4] (a warp's rows row0 + 16 mt + g (+ 8),
+// columns col0 + 8 nt + 2 t (+ 1); positions in the sequence): -inf where it is false. Pairs past either end are
+// masked and never evaluated (a subscript there could leave its tensor and set the error word).
+template <int kMT, int kNT>
+__device__ __forceinline__ void apply_mask_mod(float (&s)[kMT][kNT][4], const MaskModParams& mm, int batch, int head,
+                                               int row0, int col0, int seqlen_q, int seqlen_k, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = row0 + mt * 16 + g + 8 * (e >> 1), col = col0 + nt * 8 + 2 * t + (e & 1);
+                if (row >= seqlen_q || col >= seqlen_k || !mask_mod_visible(mm, batch, head, row, col))
+                    s[mt][nt][e] = -infinity();
+            }
+}
 
 }  // namespace flashtrain
