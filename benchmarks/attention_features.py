@@ -197,12 +197,14 @@ def add_ratios(row: dict, passes, feature: FeatureRow) -> None:
                                          if ft_ms and plain_ms else None)
 
 
-def run(repeats: int, rounds: int) -> list[dict]:
+def run(repeats: int, rounds: int, only: str | None = None) -> list[dict]:
     import attention  # the sibling benchmark's timers and PASSES
 
     device = torch.device("cuda")
     out = []
     for row in feature_rows():
+        if only and only not in row.name:
+            continue
         # each row compiles FlexAttention afresh: the previous rows' graphs (other score / mask mods, guarded on the
         # closures) would count against dynamo's recompile limit (an ALiBi row after two others fell back to eager
         # tracing and failed, H200 2026-11-26)
@@ -266,6 +268,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (the PNG beside it)")
+    parser.add_argument("--only", default=None, help="only the rows whose name contains this text")
     parser.add_argument("--plot", type=Path, default=None, help="only redraw the PNG of this JSON (no GPU)")
     args = parser.parse_args()
     if args.plot:
@@ -276,7 +279,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     env = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    rows = run(args.repeats, args.rounds)
+    rows = run(args.repeats, args.rounds, args.only)
     out = args.out or RESULTS / f"attention_features-{gpu.replace(' ', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))

@@ -136,7 +136,7 @@ def test_negative_softmax_scale_matches_reference(causal, head_dim):
 SEQLENS = [(1, 1), (17, 17), (97, 97), (128, 128), (1025, 1025), (17, 97), (97, 17), (128, 1025)]
 
 
-@pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 96, 128, 160, 192, 256])
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 96, 128, 160, 192, 256, 320, 512])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_matches_reference(head_dim, dtype, causal):
@@ -154,12 +154,13 @@ def test_matches_reference_long(head_dim, causal):
     _check_against_reference(q, k, v, dout, causal=causal)
 
 
-@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("head_dim", [192, 256, 512])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nheads_kv", [16, 2])
 def test_wide_head_dims_many_tiles(head_dim, causal, nheads_kv):
-    """Head dims 192 / 256 (on Hopper the backward that splits the head dim over its warpgroups): many key tiles per
-    CTA of the persistent grid, and GQA 16 / 2, whose dK / dV are partial sums over the group's query heads."""
+    """Head dims 192 / 256 (on Hopper the backward that splits the head dim over its warpgroups) and 512 (the forward
+    whose warp pairs split O's columns, the backward's dQ in pieces): many key tiles per CTA of the persistent grid,
+    and GQA 16 / 2, whose dK / dV are partial sums over the group's query heads."""
     q, k, v, dout = _inputs((1, 2048 + 33, 16, head_dim), (1, 2048 + 33, nheads_kv, head_dim), torch.bfloat16)
     _check_against_reference(q, k, v, dout, causal=causal)
 
@@ -260,7 +261,7 @@ def test_non_contiguous_inputs():
 # ---------------------------------------------------------------------------------------------------- varlen
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128, 72, 160, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 72, 160, 256, 512])
 def test_varlen_matches_reference(dtype, causal, head_dim):
     lengths_q = [0, 1, 17, 97, 128, 300, 5]
     lengths_k = [3, 1, 0, 97, 200, 129, 40]
@@ -280,7 +281,7 @@ SCORE_MODS = [dict(window_size=(100, 50)), dict(window_size=(-1, 7)), dict(windo
 
 @pytest.mark.parametrize("family", ["default", "mma_sync"])
 @pytest.mark.parametrize("features", SCORE_MODS, ids=[str(f) for f in SCORE_MODS])
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256, 512])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, family, monkeypatch):
     """The score-modification kernels (issue 20): local window, softcap, ALiBi; batch and varlen, GQA, bottom-right
@@ -322,7 +323,7 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
 
 
 @pytest.mark.parametrize("case", ["documents", "prefix-lm", "dilated-per-head", "empty-rows"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 512])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("family", ["default", "mma_sync"])
 def test_mask_mod_matches_reference(case, head_dim, causal, family, monkeypatch):
@@ -379,7 +380,7 @@ def test_head_dims_off_the_multiples_of_8_run_on_the_kernel(head_dim, causal):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 512])
 def test_dropout_matches_reference_with_the_kernels_mask(dtype, causal, head_dim):
     q, k, v, dout = _inputs((2, 300, 4, head_dim), (2, 257, 2, head_dim), dtype)
     _check_against_reference(q, k, v, dout, causal=causal, dropout_p=0.17, generator_seed=1234)

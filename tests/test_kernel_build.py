@@ -22,10 +22,10 @@ SM80_MAX_SMEM = 163 * 1024  # dynamic shared memory a CTA may opt in to on A100 
 
 
 def test_rounded_head_dim():
-    assert [build.rounded_head_dim(d) for d in (8, 32, 40, 64, 72, 96, 128, 136, 160, 192, 200, 256)] == [
-        32, 32, 64, 64, 96, 96, 128, 192, 192, 192, 256, 256]
+    assert [build.rounded_head_dim(d) for d in (8, 32, 40, 64, 72, 96, 128, 136, 160, 192, 200, 256, 264, 512)] == [
+        32, 32, 64, 64, 96, 96, 128, 192, 192, 192, 256, 256, 512, 512]
     with pytest.raises(ValueError, match="head_dim"):
-        build.rounded_head_dim(264)
+        build.rounded_head_dim(520)
 
 
 def test_dispatch_table_covers_every_instantiation_once():
@@ -57,8 +57,9 @@ def test_dispatch_table_covers_every_instantiation_once():
     assert sum(name.endswith("_sparse") for name in names) == 2 * sparse * 2 * 2 * 2 + hopper_sparse
     assert [spec.archs for spec in specs if "_sm90_" in spec.name] == [("sm_90a",)] * hopper
     for spec in specs:
-        if spec.supports("sm_80"):
-            assert spec.smem_bytes <= SM80_MAX_SMEM, f"{spec.name} needs {spec.smem_bytes} bytes of shared memory"
+        if spec.supports("sm_80"):  # (the head-dim-512 backward: 205 KB, Hopper's 227 KB only)
+            limit = SM90_MAX_SMEM if spec.name.startswith("flash_bwd_hdim512") else SM80_MAX_SMEM
+            assert spec.smem_bytes <= limit, f"{spec.name} needs {spec.smem_bytes} bytes of shared memory"
             assert spec.threads in (128, 256)
         else:  # the warp-specialized Hopper forward: a producer warpgroup + 2 or 3 consumer warpgroups
             assert spec.smem_bytes <= SM90_MAX_SMEM and spec.threads in (128, 384, 512)
@@ -186,30 +187,38 @@ def test_block_sparse_size_agrees_everywhere_and_is_whole_tiles():
 
 def test_tiles_split_evenly_across_warps():
     for head_dim, tiles in [*build.FWD_TILES.items(), *build.FWD_TILES_SMALL_SMEM.items()]:
-        assert tiles.block_m % (16 * tiles.nwarps) == 0 and tiles.block_n % 16 == 0
+        assert tiles.block_m % (16 * tiles.nwarps // tiles.warps_d) == 0 and tiles.block_n % 16 == 0
+        assert head_dim % (64 * tiles.warps_d) == 0 if tiles.warps_d > 1 else head_dim % 32 == 0
     for head_dim, tiles in [*build.BWD_TILES.items(), *build.BWD_TILES_SMALL_SMEM.items()]:
         assert tiles.block_m % (16 * tiles.warps_m_sdp) == 0
         assert tiles.block_n % (16 * tiles.warps_n_dkv) == 0 and tiles.block_m % (16 * tiles.warps_m_dq) == 0
         assert head_dim % (16 * (tiles.nwarps // tiles.warps_n_dkv)) == 0
-        assert head_dim % (16 * (tiles.nwarps // tiles.warps_m_dq)) == 0
+        assert head_dim % (16 * (tiles.nwarps // tiles.warps_m_dq) * tiles.dq_chunks) == 0
 
 
 @pytest.mark.parametrize("smem_limit", [build.SMEM_OPTIN_SM80, build.SMEM_OPTIN_SM86])
 def test_every_kernel_fits_the_shared_memory_of_its_gpu(smem_limit):
-    """A100-class GPUs (163 KB per block) and sm_86 / sm_89 / sm_120 (99 KB) run every head dim, dtype and feature
-    with tiles that fit; 163 KB keeps the first-choice tiles, 99 KB replaces exactly the ones that do not fit."""
+    """A100-class GPUs (163 KB per block) and sm_86 / sm_89 / sm_120 (99 KB) run every head dim up to 256, dtype and
+    feature with tiles that fit; 163 KB keeps the first-choice tiles, 99 KB replaces exactly the ones that do not fit.
+    Head dim 512 needs Hopper's 227 KB (its backward: 205 KB) and is refused by name below that."""
     specs = build.all_kernels(smem_limit)
     assert all(spec.smem_bytes <= smem_limit for spec in specs)
     assert len({spec.name for spec in specs}) == len(specs)
-    for head_dim in build.HEAD_DIMS:
+    assert build.smem_unavailable_reason(512, False, smem_limit) == (
+        f"the backward kernel for head_dim 512 needs 205312 bytes of shared memory per block, the GPU allows "
+        f"{smem_limit}" if smem_limit == build.SMEM_OPTIN_SM80 else
+        f"the forward kernel for head_dim 512 needs 147456 bytes of shared memory per block, the GPU allows {smem_limit}")
+    assert not any("hdim512" in spec.name for spec in specs)
+    for head_dim in build.HEAD_DIMS[:-1]:
         assert build.smem_unavailable_reason(head_dim, False, smem_limit) is None
         fwd = build.fwd_kernel(head_dim, "bf16", True, True, smem_limit=smem_limit)
         bwd = build.bwd_kernel(head_dim, "bf16", True, True, smem_limit=smem_limit)
         for spec, first_choice in ((fwd, build.FWD_TILES[head_dim]), (bwd, build.BWD_TILES[head_dim])):
             fits = first_choice.smem_bytes(head_dim) <= smem_limit
             assert (spec.tiles == first_choice) == fits and spec.name.endswith("_dropout") == fits
-    if smem_limit == build.SMEM_OPTIN_SM80:  # the same kernels as with no limit (the Hopper-only ones aside)
-        assert {spec for spec in specs if not spec.archs} == {spec for spec in build.all_kernels() if not spec.archs}
+    if smem_limit == build.SMEM_OPTIN_SM80:  # the same kernels as with no limit (the Hopper-only ones and hd512 aside)
+        assert {spec for spec in specs if not spec.archs} == {spec for spec in build.all_kernels() if not spec.archs
+                                                              and "hdim512" not in spec.name}
     else:
         small = build.small_smem_kernels()
         # 5 bwd + 1 fwd head dims (+ sparse), and their score-modification variants

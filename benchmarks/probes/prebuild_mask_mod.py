@@ -1,7 +1,7 @@
 """Probe helper: compile, in parallel, the mask-expression kernels that tests/test_cuda_kernels.py's
-test_mask_mod_matches_reference and benchmarks/attention_features.py's mask_mod row build at first use (one
-forward and backward per expression, head dim, dtype and causal flag; one block-states kernel per expression), so a
-GPU call does not spend minutes compiling them one by one inside the test process.
+test_mask_mod_matches_reference (head dims 64, 128, 512) and benchmarks/attention_features.py's mask_mod row build
+at first use (one forward and backward per expression, head dim, dtype and causal flag; one block-states kernel per
+expression), so a GPU call does not spend minutes compiling them one by one inside the test process.
 
     PYTHONPATH=$PWD python benchmarks/probes/prebuild_mask_mod.py [ARCH] [--dry]
 """
@@ -27,7 +27,7 @@ for sm90 in ("1", "0"):  # both kernel families (FLASHTRAIN_SM90=0: the mma.sync
     for m in tests + [bench]:
         d = m.kernel_defines()
         specs.append(build.mask_blocks_kernel(m))
-        for hd in ((128,) if m is bench else (64, 128)):
+        for hd in ((128,) if m is bench else (64, 128, 512)):
             for c in ((True,) if m is bench else (False, True)):
                 for dt in (("bf16",) if m is bench else ("bf16", "fp16")):
                     specs.append(build.fwd_kernel(hd, dt, c, False, arch=arch, score_mods=True, mask_defines=d))

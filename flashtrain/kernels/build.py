@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-HEAD_DIMS = (32, 64, 96, 128, 192, 256)  # instantiated head dims; others round up to the next one
+HEAD_DIMS = (32, 64, 96, 128, 192, 256, 512)  # instantiated head dims; others round up to the next one
 # Block-sparse kernels (block_mask) exist for these head dims only (head_dim <= 128 rounds up to one of them): half
 # the instantiations of the dense set would add ~4 minutes to CI's nvcc check for head dims nobody asked for.
 BLOCK_SPARSE_HEAD_DIMS = (64, 128)
@@ -49,9 +49,11 @@ class FwdTiles:
     block_m: int  # query rows per CTA
     block_n: int  # keys per K/V tile
     nwarps: int  # the query rows are split across the warps
+    warps_d: int = 1  # warps sharing a row group, each owning head_dim / warps_d columns of O (flash_fwd.cuh kWarpsD)
 
-    def smem_bytes(self, head_dim: int) -> int:  # Q tile + K tile + V tile, 16-bit values
-        return 2 * (self.block_m + 2 * self.block_n) * head_dim
+    def smem_bytes(self, head_dim: int) -> int:  # Q tile + K tile + V tile, 16-bit values; the warps' partial S
+        partial_s = self.block_m * self.warps_d * self.block_n * 4 if self.warps_d > 1 else 0
+        return 2 * (self.block_m + 2 * self.block_n) * head_dim + partial_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,7 @@ class BwdTiles:
     # lse / D of a thread's rows stored contiguously in shared memory and read with 16-byte loads (fewer shared-memory
     # instructions per iteration; H100 backward, same process: hd128 +1..3%, hd64 -1..4% (its spills 0 -> 8-32 B))
     vec_row_stats: bool = False
+    dq_chunks: int = 1  # dQ computed and added in this many pieces of a warp's columns (fewer registers live)
 
     def dq_slice_width(self, head_dim: int) -> int:  # columns of dQ per warp (flash_bwd.cuh: kNT_dQ * 8)
         return head_dim // (self.nwarps // self.warps_m_dq)
@@ -86,7 +89,23 @@ FWD_TILES = {
     128: FwdTiles(128, 64, 4),
     192: FwdTiles(128, 64, 8),
     256: FwdTiles(128, 64, 8),
+    # head dim 512 (every GPU with 163 KB: 144 KB): 4 row groups of 16 rows x 2 warps of 256 columns each (O: 128
+    # registers per thread), S summed from the two warps' halves of the head dim through shared memory
+    512: FwdTiles(64, 32, 8, warps_d=2),
 }
+
+
+def _fwd_tile_overrides() -> None:
+    """FLASHTRAIN_FWD_TILES="512=64x64x8x2" (head dim = block_m x block_n x nwarps [x warps_d]) replaces entries of
+    FWD_TILES in this process (tile A/B measurements of the mma.sync forward without editing the table)."""
+    for item in filter(None, os.environ.get("FLASHTRAIN_FWD_TILES", "").split(",")):
+        head_dim, shape = item.split("=")
+        FWD_TILES[int(head_dim)] = FwdTiles(*(int(x) for x in shape.split("x")))
+
+
+_fwd_tile_overrides()
+
+
 # Hopper (sm_90a) forward, warp-specialized (csrc/flash_fwd_sm90.cuh): a producer warpgroup issuing TMA copies into a
 # ring of `stages` K/V buffers, block_m / 64 consumer warpgroups (two: ping-pong scheduled). Dense or block-sparse,
 # dropout too, these head dims (a head_dim that rounds up to one of them). FLASHTRAIN_SM90=0 in the environment turns
@@ -273,6 +292,9 @@ BWD_TILES = {
     128: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=2, stages=2, scramble_dq=2, vec_row_stats=True),
     192: BwdTiles(64, 64, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=2),
     256: BwdTiles(64, 64, 8, warps_m_sdp=2, warps_n_dkv=4, warps_m_dq=4, stages=1),
+    # head dim 512: 32 keys per CTA (dK, dV: 128 registers per thread), dQ in four pieces of 64 columns per warp;
+    # 205 KB of shared memory: Hopper (227 KB) only
+    512: BwdTiles(64, 32, 8, warps_m_sdp=4, warps_n_dkv=2, warps_m_dq=4, stages=1, dq_chunks=4),
 }
 AUX_THREADS, AUX_ROWS_PER_CTA = 128, 32  # flash_aux.cuh: kAuxThreads, kRowsPerCta
 
@@ -484,6 +506,8 @@ def _fwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spar
                ("FT_NWARPS", tiles.nwarps), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)), ("FT_KERNEL_NAME", name))
+    if tiles.warps_d > 1:  # (only where used: the other kernels' macros, hence their cache keys, stay as they were)
+        defines += (("FT_WARPS_D", tiles.warps_d),)
     if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
         defines += (("FT_SCORE_MODS", 1),) + tuple(mask_defines)
     return KernelSpec("flash_fwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),
@@ -647,6 +671,8 @@ def _bwd_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spar
                ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)),
                ("FT_BLOCK_SPARSE", int(block_sparse)), ("FT_SMEM_BYTES", tiles.smem_bytes(head_dim)),
                ("FT_KERNEL_NAME", name))
+    if tiles.dq_chunks > 1:
+        defines += (("FT_DQ_CHUNKS", tiles.dq_chunks),)
     if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
         defines += (("FT_SCORE_MODS", 1),) + tuple(mask_defines)
     return KernelSpec("flash_bwd.cu", defines, (name,), 32 * tiles.nwarps, tiles.smem_bytes(head_dim),

@@ -28,7 +28,7 @@ namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsM_SdP_, int kWarpsN_dKV_,
           int kWarpsM_dQ_, int kStages_, int kScrambleDq_, bool kVecRowStats_, bool kIsBF16_, bool kIsCausal_,
-          bool kIsDropout_, bool kIsBlockSparse_, bool kScoreMods_ = false, bool kMaskMod_ = false>
+          bool kIsDropout_, bool kIsBlockSparse_, bool kScoreMods_ = false, bool kMaskMod_ = false, int kDqChunks_ = 1>
 struct BwdTraits {
     // the local window, softcap and ALiBi (flash.h FwdParams), each off when unset
     static constexpr bool kScoreMods = kScoreMods_;
@@ -60,6 +60,11 @@ struct BwdTraits {
     static_assert(kMT_SdP * 16 * kWarpsM_SdP == kBlockM && kNT_SdP * 8 * kWarpsN_SdP == kBlockN, "S tiling");
     static_assert(kMT_dKV * 16 * kWarpsN_dKV == kBlockN && kNT_dKV * 8 * kWarpsD_dKV == kHeadDim, "dKV tiling");
     static_assert(kMT_dQ * 16 * kWarpsM_dQ == kBlockM && kNT_dQ * 8 * kWarpsD_dQ == kHeadDim, "dQ tiling");
+    // dQ of a block computed and added in kDqChunks pieces of a warp's columns (head dim 512: a warp's 64 x 512 / 2
+    // dQ slice alone would take 128 registers next to dK and dV's 128)
+    static constexpr int kDqChunks = kDqChunks_, kNT_dQc = kNT_dQ / kDqChunks;
+    static_assert(kNT_dQc * kDqChunks == kNT_dQ && kNT_dQc % 2 == 0 && (kDqChunks == 1 || kScrambleDq_ == 0),
+                  "dQ chunks: whole pairs of n8 tiles, row-major dq_accum");
     static_assert(kNT_SdP % 2 == 0 && kNT_dKV % 2 == 0 && kNT_dQ % 2 == 0, "warp tiles are pairs of n8 tiles");
     static_assert(kStages == 1 || kStages == 2, "kStages");
     static_assert(!kVecRowStats || kMT_SdP % 2 == 0, "16-byte lse / D loads need an even number of m16 tiles");
@@ -71,7 +76,7 @@ struct BwdTraits {
     }
     static_assert(xor_safe(kWarpsN_SdP, kNT_SdP * 8) && xor_safe(kWarpsN_dKV, kMT_dKV * 16), "power-of-two tiles");
     static constexpr bool kXorSafe_dKV = xor_safe(kWarpsD_dKV, kNT_dKV * 8);
-    static constexpr bool kXorSafe_dQ = xor_safe(kWarpsD_dQ, kNT_dQ * 8);
+    static constexpr bool kXorSafe_dQ = xor_safe(kWarpsD_dQ * kDqChunks, kNT_dQc * 8);
     using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO
     using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V, then dK and dV
     using TileP = SmemTile<kBlockM, kBlockN>;    // P and dS
@@ -343,66 +348,70 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                 acc_dk, a_frag_ptr<TileP, true>(sdS, 0, kv_n0_, lane),
                 b_frag_ptr<TileQ, true, T::kXorSafe_dKV>(sQ, 0, kv_d0_, lane));
 
-            // dQ(block) = dS K, added to dq_accum in fp32.
-            float acc_dq[T::kMT_dQ][T::kNT_dQ][4];
-            zero(acc_dq);
-            warp_gemm_ss<T::kIsBF16, T::kMT_dQ, T::kNT_dQ, kBlockN, false, true>(
-                acc_dq, a_frag_ptr<TileP, false>(sdS, dq_m0_, 0, lane),
-                b_frag_ptr<TileKV, true, T::kXorSafe_dQ>(sK, 0, dq_d0_, lane));
+            // dQ(block) = dS K, added to dq_accum in fp32 (in kDqChunks pieces of the warp's columns).
             float* dq_head = dq_accum_base() + head * p.dqa_head_stride;
-            // kGuard: some row of the block is past the end, or head_dim < kHeadDim.
-            auto add_dq = [&](auto deterministic_tag, auto guard_tag) {
 #pragma unroll
-                for (int mt = 0; mt < T::kMT_dQ; ++mt)
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int row = m0 + dq_m0_ + mt * 16 + g + 8 * hf;
-                        float* dq_row = dq_head + (i64)row * f.head_dim;
-#pragma unroll
-                        for (int nt = 0; nt < T::kNT_dQ; ++nt) {
-                            const int col = dq_d0_ + nt * 8 + 2 * t;
-                            if (decltype(guard_tag)::value && (row >= seqlen_q || col >= f.head_dim)) continue;
-                            const float a = acc_dq[mt][nt][2 * hf], b = acc_dq[mt][nt][2 * hf + 1];
-                            if constexpr (decltype(deterministic_tag)::value) {
-                                dq_row[col] += a;  // this thread is the only writer of this split's element
-                                dq_row[col + 1] += b;
-                            } else {
-                                atomic_add2(dq_row + col, a, b);
-                            }
-                        }
-                    }
-            };
-            const bool guard = m0 + kBlockM > seqlen_q || f.head_dim != T::kHeadDim;
-            if (p.deterministic) add_dq(BoolConstant<true>{}, BoolConstant<true>{});
-            else if (guard) add_dq(BoolConstant<false>{}, BoolConstant<true>{});
-            else if constexpr (T::kScrambleDq == 0) add_dq(BoolConstant<false>{}, BoolConstant<false>{});
-            else {
-                // Whole block, atomics, kScrambleDq: dq_accum holds this block's 16-row groups scrambled so that a
-                // lane's 4 accumulators acc_dq[mt][nt][0..3] are 4 consecutive floats and a warp's red.v4 covers 512
-                // contiguous bytes (row-major: 8 rows, 8 cache lines per instruction -> lg_throttle stalls). Group
-                // (16 rows x kHeadDim, contiguous) = kWarpsD_dQ slices of 16 x W; element (r, c) of a slice at
-                // (c / 8) * 128 + ((r % 8) * 4 + (c % 8) / 2) * 4 + (r / 8) * 2 + c % 2. flash_aux.cuh reads it back.
-                constexpr int W = T::kNT_dQ * 8;
-                if constexpr (T::kScrambleDq == 2) {
-                    // One base pointer for all the block's atomics, its lane offset laundered (hd128: ptxas spills
-                    // 8 B / 16 B instead of 32 B / 28 B with per-mt pointers; hd64 the other way round).
-                    float* slice = dq_head + (i64)m0 * T::kHeadDim +
-                                   launder((u32)(dq_m0_ * T::kHeadDim + (dq_d0_ / W) * 16 * W + lane * 4));
+            for (int chunk = 0; chunk < T::kDqChunks; ++chunk) {
+                const int dq_c0 = dq_d0_ + chunk * T::kNT_dQc * 8;
+                float acc_dq[T::kMT_dQ][T::kNT_dQc][4];
+                zero(acc_dq);
+                warp_gemm_ss<T::kIsBF16, T::kMT_dQ, T::kNT_dQc, kBlockN, false, true>(
+                    acc_dq, a_frag_ptr<TileP, false>(sdS, dq_m0_, 0, lane),
+                    b_frag_ptr<TileKV, true, T::kXorSafe_dQ>(sK, 0, dq_c0, lane));
+                // kGuard: some row of the block is past the end, or head_dim < kHeadDim.
+                auto add_dq = [&](auto deterministic_tag, auto guard_tag) {
 #pragma unroll
                     for (int mt = 0; mt < T::kMT_dQ; ++mt)
 #pragma unroll
-                        for (int nt = 0; nt < T::kNT_dQ; ++nt)
-                            atomic_add4(slice + mt * 16 * T::kHeadDim + nt * 128, acc_dq[mt][nt]);
-                } else {
+                        for (int hf = 0; hf < 2; ++hf) {
+                            const int row = m0 + dq_m0_ + mt * 16 + g + 8 * hf;
+                            float* dq_row = dq_head + (i64)row * f.head_dim;
 #pragma unroll
-                    for (int mt = 0; mt < T::kMT_dQ; ++mt) {
-                        float* slice = dq_head + (i64)(m0 + dq_m0_ + mt * 16) * T::kHeadDim +
-                                       (dq_d0_ / W) * 16 * W + launder((u32)lane) * 4;
+                            for (int nt = 0; nt < T::kNT_dQc; ++nt) {
+                                const int col = dq_c0 + nt * 8 + 2 * t;
+                                if (decltype(guard_tag)::value && (row >= seqlen_q || col >= f.head_dim)) continue;
+                                const float a = acc_dq[mt][nt][2 * hf], b = acc_dq[mt][nt][2 * hf + 1];
+                                if constexpr (decltype(deterministic_tag)::value) {
+                                    dq_row[col] += a;  // this thread is the only writer of this split's element
+                                    dq_row[col + 1] += b;
+                                } else {
+                                    atomic_add2(dq_row + col, a, b);
+                                }
+                            }
+                        }
+                };
+                const bool guard = m0 + kBlockM > seqlen_q || f.head_dim != T::kHeadDim;
+                if (p.deterministic) add_dq(BoolConstant<true>{}, BoolConstant<true>{});
+                else if (guard) add_dq(BoolConstant<false>{}, BoolConstant<true>{});
+                else if constexpr (T::kScrambleDq == 0) add_dq(BoolConstant<false>{}, BoolConstant<false>{});
+                else {
+                    // Whole block, atomics, kScrambleDq: dq_accum holds this block's 16-row groups scrambled so that a
+                    // lane's 4 accumulators acc_dq[mt][nt][0..3] are 4 consecutive floats and a warp's red.v4 covers 512
+                    // contiguous bytes (row-major: 8 rows, 8 cache lines per instruction -> lg_throttle stalls). Group
+                    // (16 rows x kHeadDim, contiguous) = kWarpsD_dQ slices of 16 x W; element (r, c) of a slice at
+                    // (c / 8) * 128 + ((r % 8) * 4 + (c % 8) / 2) * 4 + (r / 8) * 2 + c % 2. flash_aux.cuh reads it back.
+                    constexpr int W = T::kNT_dQ * 8;
+                    if constexpr (T::kScrambleDq == 2) {
+                        // One base pointer for all the block's atomics, its lane offset laundered (hd128: ptxas spills
+                        // 8 B / 16 B instead of 32 B / 28 B with per-mt pointers; hd64 the other way round).
+                        float* slice = dq_head + (i64)m0 * T::kHeadDim +
+                                       launder((u32)(dq_m0_ * T::kHeadDim + (dq_d0_ / W) * 16 * W + lane * 4));
 #pragma unroll
-                        for (int nt = 0; nt < T::kNT_dQ; ++nt) atomic_add4(slice + nt * 128, acc_dq[mt][nt]);
+                        for (int mt = 0; mt < T::kMT_dQ; ++mt)
+#pragma unroll
+                            for (int nt = 0; nt < T::kNT_dQ; ++nt)
+                                atomic_add4(slice + mt * 16 * T::kHeadDim + nt * 128, acc_dq[mt][nt]);
+                    } else {
+#pragma unroll
+                        for (int mt = 0; mt < T::kMT_dQ; ++mt) {
+                            float* slice = dq_head + (i64)(m0 + dq_m0_ + mt * 16) * T::kHeadDim +
+                                           (dq_d0_ / W) * 16 * W + launder((u32)lane) * 4;
+#pragma unroll
+                            for (int nt = 0; nt < T::kNT_dQ; ++nt) atomic_add4(slice + nt * 128, acc_dq[mt][nt]);
+                        }
                     }
                 }
-            }
+            }  // chunk
             if (T::kStages == 1 && (T::kIsBlockSparse || T::kMaskMod ? has_next : it + 1 < n_iters)) {
                 __syncthreads();  // every warp is done with Q and dO
                 load_q_do(head_next, m0_next, 0);

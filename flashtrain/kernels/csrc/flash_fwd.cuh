@@ -23,9 +23,17 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
-          bool kIsBlockSparse_, bool kScoreMods_ = false, bool kMaskMod_ = false>
+          bool kIsBlockSparse_, bool kScoreMods_ = false, bool kMaskMod_ = false, int kWarpsD_ = 1>
 struct FwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
+    // Warps sharing the same rows, each owning kHeadDim / kWarpsD columns of O (head dim 512: O of 16 rows x 512
+    // columns would take 256 registers per thread). Each computes S over its columns of Q and K only; the partial
+    // S of the kWarpsD warps are added through shared memory (kWarpsD == 2: both warps then hold the same S, bit
+    // for bit, since a + b == b + a) and both run the same softmax, so P and the row statistics agree.
+    static constexpr int kWarpsD = kWarpsD_;
+    static_assert(kWarpsD == 1 || kWarpsD == 2, "kWarpsD: 1 or 2 warps per row group");
+    static constexpr int kWarpsM = kNWarps / kWarpsD;  // row groups
+    static constexpr int kDCols = kHeadDim / kWarpsD;  // head-dim columns per warp
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_;
     // the local window, softcap and ALiBi of the call's parameters (flash.h: window_left / window_right,
@@ -40,14 +48,16 @@ struct FwdTraits {
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
                   "a block-sparse mask block must be a whole number of tiles");
     static constexpr int kNThreads = kNWarps * 32;
-    static constexpr int kMT = kBlockM / (16 * kNWarps);  // m16 tiles per warp
+    static constexpr int kMT = kBlockM / (16 * kWarpsM);  // m16 tiles per warp
     static constexpr int kNT = kBlockN / 8;               // n8 tiles of S per warp
-    static constexpr int kDT = kHeadDim / 8;              // n8 tiles of O per warp
-    static_assert(kMT * 16 * kNWarps == kBlockM, "kBlockM must be a multiple of 16 * kNWarps");
-    static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "bad tile shape");
+    static constexpr int kDT = kDCols / 8;                // n8 tiles of O per warp
+    static_assert(kMT * 16 * kWarpsM == kBlockM, "kBlockM must be a multiple of 16 * (kNWarps / kWarpsD)");
+    static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0 && (kWarpsD == 1 || kDCols % 64 == 0), "bad tile shape");
     using TileQ = SmemTile<kBlockM, kHeadDim>;
     using TileKV = SmemTile<kBlockN, kHeadDim>;
-    static constexpr int kSmemBytes = TileQ::kBytes + 2 * TileKV::kBytes;
+    // kWarpsD > 1: each warp's partial S (fp32, in its fragment layout) after the K / V tiles
+    static constexpr int kPartialSBytes = kWarpsD > 1 ? kNWarps * kMT * kNT * 32 * 16 : 0;
+    static constexpr int kSmemBytes = TileQ::kBytes + 2 * TileKV::kBytes + kPartialSBytes;
 };
 
 template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p) {
@@ -129,7 +139,8 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         cp_async_commit();
     }
 
-    const int warp_m0 = warp * kMT * 16;  // first row of this warp inside the block
+    const int warp_m0 = (warp / T::kWarpsD) * kMT * 16;  // first row of this warp inside the block
+    const int warp_d0 = (warp % T::kWarpsD) * T::kDCols;  // first head-dim column of its O (and of its part of S)
     float o[kMT][kDT][4];
     zero(o);
     float row_max[kMT][2], row_sum[kMT][2];  // per (m16 tile, row g / g + 8); row_sum is this thread's partial sum
@@ -160,8 +171,26 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
 
         float s[kMT][kNT][4];
         zero(s);
-        warp_gemm_ss<T::kIsBF16, kMT, kNT, T::kHeadDim, false, false>(s, a_frag_ptr<TileQ, false>(sQ, warp_m0, 0, lane),
-                                                                       b_frag_ptr<TileKV, false>(sK, 0, 0, lane));
+        warp_gemm_ss<T::kIsBF16, kMT, kNT, T::kDCols, false, false>(
+            s, a_frag_ptr<TileQ, false>(sQ, warp_m0, warp_d0, lane), b_frag_ptr<TileKV, false>(sK, 0, warp_d0, lane));
+        if constexpr (T::kWarpsD > 1) {  // S = the two warps' partial sums (lane l of both holds the same elements)
+            const u32 mine = sV + TileKV::kBytes + (warp * kMT * kNT * 32 + lane) * 16;
+            const u32 other = sV + TileKV::kBytes + ((warp ^ 1) * kMT * kNT * 32 + lane) * 16;  // the partner's
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt) st_shared_v4f(mine + (mt * kNT + nt) * 32 * 16, s[mt][nt]);
+            named_bar_sync(1 + warp / 2, 64);  // the pair's partial sums stored
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt) {
+                    float x[4];
+                    ld_shared_v4f(other + (mt * kNT + nt) * 32 * 16, x);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] += x[e];
+                }
+        }
 
         if constexpr (T::kScoreMods)  // softcap, ALiBi (before the masks)
             apply_score_mods(s, p.softcap_scale, p.softcap_unscale, alibi_scaled, m0 + warp_m0, n0, seqlen_k - seqlen_q,
@@ -217,7 +246,7 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         }
 
         // O += P V: P is re-packed from the S accumulators (k = key) and V[k][d] is read transposed.
-        const TilePtr<TileKV> v_ptr = b_frag_ptr<TileKV, true>(sV, 0, 0, lane);
+        const TilePtr<TileKV> v_ptr = b_frag_ptr<TileKV, true>(sV, 0, warp_d0, lane);
 #pragma unroll
         for (int ks = 0; ks < kNT / 2; ++ks) {
             u32 a[kMT][4];
@@ -270,9 +299,9 @@ template <class T> __device__ __forceinline__ void flash_fwd(const FwdParams& p)
         for (int hf = 0; hf < 2; ++hf) {
             const float sum = finish_row<T::kIsDropout>(o[mt], hf, row_sum[mt][hf], p.rp_dropout);
             const int row = m0 + warp_m0 + mt * 16 + g + 8 * hf;
-            if (t == 0 && row < seqlen_q) lse[row] = row_lse(sum, row_max[mt][hf], p.softmax_scale);
+            if (t == 0 && row < seqlen_q && warp_d0 == 0) lse[row] = row_lse(sum, row_max[mt][hf], p.softmax_scale);
         }
-    store_acc<T::kIsBF16, TileQ>(sQ, o, warp_m0, 0, 1.f, lane);
+    store_acc<T::kIsBF16, TileQ>(sQ, o, warp_m0, warp_d0, 1.f, lane);
     __syncthreads();
     u16* out = (u16*)p.out + batch * p.o_batch_stride + (i64)(q_start + m0) * p.o_row_stride + head * p.o_head_stride;
     store_tile<TileQ, T::kNThreads>(sQ, out, p.o_row_stride, seqlen_q - m0, p.head_dim, tid);

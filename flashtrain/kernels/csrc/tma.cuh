@@ -138,14 +138,6 @@ template <int N> __device__ __forceinline__ void bulk_wait() {
 }
 
 // ---------------------------------------------------------------------------------------------- warpgroups
-// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32): sync waits, arrive
-// counts this warp in without waiting.
-__device__ __forceinline__ void named_bar_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 // Register reallocation between warpgroups (sm_90a): the producer gives registers back, the consumers take them.
 // Needs a register cap at kernel entry (__launch_bounds__(threads, 1)).
 template <int kRegs> __device__ __forceinline__ void setmaxnreg_dec() {
