@@ -64,7 +64,8 @@ def flash_attn_func(
 
     Args:
         q: (batch, seqlen_q, nheads, head_dim), float16 / bfloat16 (float32 / float64 on the reference only);
-            the last dimension must be contiguous (stride 1). head_dim <= 512 (the CUDA kernels: <= 256).
+            the last dimension must be contiguous (stride 1). head_dim <= 512 (the CUDA kernels too;
+            head dims 257-512 need Hopper's shared memory: an A100 refuses them by name).
         k, v: (batch, seqlen_k, nheads_kv, head_dim), same dtype and device as q. nheads must be a multiple of
             nheads_kv (GQA; nheads_kv == 1 is MQA): query head h attends with kv head h // (nheads // nheads_kv).
         dropout_p: probability of dropping each attention probability (training only; pass 0.0 in eval). Kept

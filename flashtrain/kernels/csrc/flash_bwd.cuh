@@ -349,7 +349,6 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                 b_frag_ptr<TileQ, true, T::kXorSafe_dKV>(sQ, 0, kv_d0_, lane));
 
             // dQ(block) = dS K, added to dq_accum in fp32 (in kDqChunks pieces of the warp's columns).
-            float* dq_head = dq_accum_base() + head * p.dqa_head_stride;
 #pragma unroll
             for (int chunk = 0; chunk < T::kDqChunks; ++chunk) {
                 const int dq_c0 = dq_d0_ + chunk * T::kNT_dQc * 8;
@@ -358,6 +357,7 @@ template <class T> __device__ __forceinline__ void flash_bwd(const BwdParams& p)
                 warp_gemm_ss<T::kIsBF16, T::kMT_dQ, T::kNT_dQc, kBlockN, false, true>(
                     acc_dq, a_frag_ptr<TileP, false>(sdS, dq_m0_, 0, lane),
                     b_frag_ptr<TileKV, true, T::kXorSafe_dQ>(sK, 0, dq_c0, lane));
+                float* dq_head = dq_accum_base() + head * p.dqa_head_stride;
                 // kGuard: some row of the block is past the end, or head_dim < kHeadDim.
                 auto add_dq = [&](auto deterministic_tag, auto guard_tag) {
 #pragma unroll
