@@ -1,9 +1,11 @@
 """Head dims 256 / 512 against every SDPA backend that runs them, in one process on one GPU (issue 20: head dims up
 to 512). bf16, batch 4, 4 heads (the feature benchmark's hd512 row), causal and not, at the given lengths; the
-implementations' calls interleaved (attention.time_passes_interleaved). cuDNN and FA2 refuse head dims above 256 on
-torch 2.11; the memory-efficient backend and the math one (naive) run them.
+implementations' calls interleaved (attention.time_passes_interleaved). "default" is SDPA with no backend chosen (what
+a user gets). cuDNN and FA2 refuse head dims above 256 on torch 2.11; the memory-efficient backend and the math one
+(naive: the scores materialised, bf16) run them.
 
-    python benchmarks/probes/wide_head_dims.py --out $OUT/wide_head_dims.json
+    python benchmarks/probes/wide_head_dims.py --out $OUT/wide_head_dims.json    (+ .png beside it)
+    python benchmarks/probes/wide_head_dims.py --plot benchmarks/results/wide_head_dims-h200.json   (no GPU)
 """
 
 from __future__ import annotations
@@ -19,7 +21,35 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attention  # noqa: E402  (the sibling benchmark's inputs, functions and timers)
 
-IMPLS = ("flashtrain", "cudnn", "fa2", "efficient", "naive")
+IMPLS = ("flashtrain", "default", "cudnn", "fa2", "efficient", "naive")
+
+
+def plot(data: dict, path: Path) -> None:
+    """Bars of TFLOP/s per configuration, forward and forward+backward, one bar per implementation that ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, env = data["rows"], data["env"]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), sharey=True)
+    width = 0.14
+    for ax, (kind, label) in zip(axes, (("fwd", "forward"), ("fb", "forward + backward"))):
+        for i, impl in enumerate(IMPLS):
+            values = [r.get(f"{impl}_{kind}") or 0.0 for r in rows]
+            bars = ax.bar([x + (i - 2.5) * width for x in range(len(rows))], values, width, label=impl)
+            ax.bar_label(bars, labels=[f"{v:.0f}" if v else "-" for v in values], fontsize=5)
+        ax.set_xticks(range(len(rows)), [f"hd{r['head_dim']} {r['seqlen'] // 1024}K\n"
+                                         f"{'causal' if r['causal'] else 'full'}" for r in rows], fontsize=8)
+        ax.set_title(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("TFLOP/s")
+    axes[0].legend(loc="upper left", ncol=6, fontsize=7)
+    fig.suptitle(f"{env['gpu']}, torch {env['torch']}, {env['date'][:16]} UTC: bf16, batch 4, 4 heads "
+                 "(naive = SDPA's math path)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -27,8 +57,14 @@ def main() -> None:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="JSON path (the PNG beside it)")
+    parser.add_argument("--plot", type=Path, help="only redraw the PNG of this JSON (no GPU)")
     args = parser.parse_args()
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return
+    if args.out is None:
+        parser.error("--out is required (or --plot)")
     rows = []
     for head_dim in args.head_dims:
         for seqlen in args.seqlens:
@@ -49,6 +85,7 @@ def main() -> None:
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    plot({"env": env, "rows": rows}, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
