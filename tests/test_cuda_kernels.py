@@ -371,7 +371,7 @@ def test_mask_mod_matches_reference(case, head_dim, causal, family, monkeypatch)
         _check_against_reference(q, k, v, dout, causal=causal, features=features)
 
 
-@pytest.mark.parametrize("head_dim", [4, 36, 100, 250])  # not multiples of 8: the inputs padded with zero columns
+@pytest.mark.parametrize("head_dim", [4, 36, 100, 250, 500])  # not multiples of 8: padded with zero columns
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dims_off_the_multiples_of_8_run_on_the_kernel(head_dim, causal):
     q, k, v, dout = _inputs((2, 300, 4, head_dim), (2, 300, 2, head_dim), torch.bfloat16)
