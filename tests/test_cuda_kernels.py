@@ -169,7 +169,7 @@ def _is_hopper() -> bool:
     return torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 512])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_mma_sync_kernels_on_hopper_match_reference(head_dim, causal, monkeypatch):
     """On Hopper dense attention without dropout runs on the warpgroup-MMA kernels (flash_fwd_sm90.cuh,
@@ -286,7 +286,7 @@ SCORE_MODS = [dict(window_size=(100, 50)), dict(window_size=(-1, 7)), dict(windo
 def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, family, monkeypatch):
     """The score-modification kernels (issue 20): local window, softcap, ALiBi; batch and varlen, GQA, bottom-right
     alignment, a long sequence (many key blocks outside the window). Both kernel families: on Hopper the default runs
-    the warpgroup-MMA kernels (forward: FWD_SM90_TILES' head dims; backward: 64 / 128), FLASHTRAIN_SM90=0 the mma.sync
+    the warpgroup-MMA kernels (forward: FWD_SM90_MODS_HEAD_DIMS; backward: 64 / 128), FLASHTRAIN_SM90=0 the mma.sync
     ones, which every other GPU runs."""
     from flashtrain.kernels import build
 
@@ -298,7 +298,7 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
         fwd = build.fwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True)
         softcap = "softcap" in features
         bwd = build.bwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True, softcap=softcap)
-        assert (fwd.source == "flash_fwd_sm90.cu") == (head_dim in build.FWD_SM90_TILES)
+        assert (fwd.source == "flash_fwd_sm90.cu") == (head_dim in build.FWD_SM90_MODS_HEAD_DIMS)
         assert (bwd.source == "flash_bwd_sm90.cu") == (head_dim in build.BWD_SM90_MODS_HEAD_DIMS and
                                                        (not softcap or build.BWD_SM90_MODS_SOFTCAP[head_dim]))
     features = dict(features)

@@ -45,7 +45,7 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_q80 = 2 * 2  # the hd128 backward's other query block (64 rows, or 80 with FLASHTRAIN_BWD_SM90_Q80=0), x dtype
     # x causal
     # the forward and (head dims 64 / 128) the backward with score modifications, x dtype x causal
-    hopper_mods = (len(build.FWD_SM90_TILES) + len(build.BWD_SM90_MODS_HEAD_DIMS)) * 2 * 2
+    hopper_mods = (len(build.FWD_SM90_MODS_HEAD_DIMS) + len(build.BWD_SM90_MODS_HEAD_DIMS)) * 2 * 2
     assert sum(name.endswith("_mods_nocap") for name in names) == 2 * 2  # head dim 64's backward without softcap
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
               + hopper_q80 + hopper_mods)

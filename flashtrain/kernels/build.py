@@ -121,14 +121,18 @@ class FwdSm90Tiles:
     separate_o: bool = True
     # Q buffers: with 2 the producer copies the next tile's Q while this tile runs (needs separate_o)
     q_buffers: int = 1
+    # head dims above 256 (flash_fwd_sm90.cuh kSplitD): two consumer warpgroups on the same 64 rows, each owning half
+    # of O's columns, their partial S added through shared memory
+    split_d: bool = False
 
     @property
     def threads(self) -> int:  # consumer warpgroups + the producer warpgroup
-        return 128 * (self.block_m // 64 + 1)
+        return 128 * ((2 if self.split_d else self.block_m // 64) + 1)
 
     def smem_bytes(self, head_dim: int) -> int:  # Q, O, K and V stages; 1024 to align them (128-byte swizzle); barriers
         q_and_o = (self.q_buffers + (1 if self.separate_o else 0)) * self.block_m
-        return 2 * (q_and_o + 2 * self.stages * self.block_n) * head_dim + 1024 + 256
+        partial_s = 2 * 2 * 128 * self.block_n // 2 * 4 if self.split_d else 0  # (two buffers of two warpgroups')
+        return 2 * (q_and_o + 2 * self.stages * self.block_n) * head_dim + 1024 + 256 + partial_s
 
 
 FWD_SM90_TILES = {
@@ -136,7 +140,13 @@ FWD_SM90_TILES = {
     128: FwdSm90Tiles(128, 128, stages=2),  # also head dims 65-96 on Hopper (rounded_head_dim)
     192: FwdSm90Tiles(128, 112, stages=2, separate_o=False),  # FlashAttention-3's key tile
     256: FwdSm90Tiles(128, 80, stages=2, separate_o=False),  # FA3's too; O from registers: no spills (64 keys: 1.10x)
+    # 64 rows shared by two consumer warpgroups (256 columns of O each); 32-key K / V stages (Q 64 KB + 2 x 2 x 32 KB
+    # + partial S 32 KB = 225 KB); dense or causal, dropout too; score modifications / mask_mod: flash_fwd.cuh's
+    512: FwdSm90Tiles(64, 32, stages=2, separate_o=False, split_d=True),
 }
+# The Hopper forward's score-modification variant (window, softcap, ALiBi, mask_mod's base): these head dims (not the
+# split-head-dim 512, whose mods run flash_fwd.cuh's)
+FWD_SM90_MODS_HEAD_DIMS = tuple(head_dim for head_dim, tiles in FWD_SM90_TILES.items() if not tiles.split_d)
 # Dense non-causal forward without dropout: three consumer warpgroups at head dim 64 (H200, same process, GPU time:
 # 422 -> 480 TFLOP/s at 16K, 343 -> 363 at 512; with dropout they spill, and 192 rows do not divide a 128-token
 # block-sparse block). Rows are independent, so the result is bitwise that of FWD_SM90_TILES (same block_n).
@@ -475,7 +485,7 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
         return _fwd_spec(head_dim, dtype, causal, False, False, fwd_tiles(head_dim, causal, False, False, smem_limit),
                          True, tuple(mask_defines))
     if score_mods:
-        if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
+        if arch == SM90_ARCH and head_dim in FWD_SM90_MODS_HEAD_DIMS and sm90_enabled():
             spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], True)
             if _fits(spec, smem_limit):
                 return spec
@@ -721,7 +731,7 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
     specs += [kernel(head_dim, dtype, causal, False, score_mods=True, smem_limit=smem_limit)
               for kernel in (fwd_kernel, bwd_kernel) for head_dim in HEAD_DIMS for dtype in DTYPES
               for causal in (False, True) if smem_unavailable_reason(head_dim, False, smem_limit) is None]
-    specs += [spec for head_dim in FWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # Hopper forward
+    specs += [spec for head_dim in FWD_SM90_MODS_HEAD_DIMS for dtype in DTYPES for causal in (False, True)  # Hopper
               if _fits(spec := _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], True),
                        smem_limit)]
     specs += [spec for head_dim in BWD_SM90_MODS_HEAD_DIMS for dtype in DTYPES for causal in (False, True)

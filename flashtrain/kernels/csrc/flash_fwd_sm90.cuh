@@ -114,12 +114,21 @@ struct FwdSm90Traits {
     static constexpr bool kShiftRows = FT_CAUSAL_SHIFT && kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_ && !kScoreMods_;
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
                   "a block-sparse mask block must be a whole number of tiles");
-    static constexpr int kNConsumers = kBlockM / 64;           // consumer warpgroups, 64 query rows each
-    static constexpr int kNThreads = 128 * (kNConsumers + 1);  // + the producer warpgroup
+    // Head dims above 256 (kSplitD): O of 64 rows x kHeadDim columns would take kHeadDim / 2 registers per thread, so
+    // two consumer warpgroups share the tile's 64 rows, each owning kHeadDim / 2 columns of O. Each computes S over
+    // its half of the head dim (its columns of Q and K), the two partial S are added through shared memory (thread i
+    // of both warpgroups holds the same elements, and a + b == b + a: both hold the same S bit for bit), and both run
+    // the same softmax on it. They issue together (no ping-pong).
+    static constexpr bool kSplitD = kHeadDim_ > 256;
+    static_assert(!kSplitD || (kBlockM_ == 64 && !kScoreMods_ && !kIsBlockSparse_ && !kSeparateO_ && kQBuffers_ == 1),
+                  "the split-head-dim forward: 64-row tiles, O from the registers, no score modifications / block mask");
+    static constexpr int kNConsumers = kSplitD ? 2 : kBlockM / 64;  // consumer warpgroups, 64 query rows each
+    static constexpr int kNThreads = 128 * (kNConsumers + 1);        // + the producer warpgroup
     // Turns for the GEMM issues: two consumers ping-pong; three (causal) take turns in a ring, 0 -> 1 -> 2 -> 0
     // (FT_FWD_ROUND_ROBIN; H200, graph-interleaved, 2026-11-26, hd64 192-row tiles, causal 512 / 768 / 1K / 4K / 16K
     // 1.011 / 1.011 / 1.015 / 1.009 / 1.002x of issuing freely; non-causal 512 / 2K / 16K 0.998 / 1.000 / 0.992x)
-    static constexpr bool kPingPong = kNConsumers == 2 || (kNConsumers == 3 && kIsCausal_ && FT_FWD_ROUND_ROBIN);
+    static constexpr bool kPingPong =
+        !kSplitD && (kNConsumers == 2 || (kNConsumers == 3 && kIsCausal_ && FT_FWD_ROUND_ROBIN));
     // Registers per thread after reallocation. The CTA's pool is what it got at launch, 65536 / kNThreads rounded
     // down to a multiple of 8 per thread (384 threads: 168); setmaxnreg.inc waits until the pool has the registers,
     // so asking for more than the pool holds hangs the CTA.
@@ -129,9 +138,10 @@ struct FwdSm90Traits {
     static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kNConsumers <= kLaunchRegs * kNThreads,
                   "register budget: the launch allocation");
     static constexpr int kNT = kBlockN / 8;   // n8 column tiles of S per thread
-    static constexpr int kDT = kHeadDim / 8;  // n8 column tiles of O per thread
+    static constexpr int kDCols = kSplitD ? kHeadDim / 2 : kHeadDim;  // columns of O per consumer warpgroup
+    static constexpr int kDT = kDCols / 8;                              // n8 column tiles of O per thread
     static_assert((kNConsumers == 2 || kNConsumers == 3) && kBlockN % 16 == 0 && kBlockN <= 256, "tile shape");
-    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dims of 64-column blocks (128-byte swizzle)");
+    static_assert(kHeadDim % 64 == 0 && kDCols <= 256, "head dims of 64-column blocks (128-byte swizzle)");
     using TileQ = SmemTile<kBlockM, kHeadDim>;
     using TileKV = SmemTile<kBlockN, kHeadDim>;
     static_assert(TileQ::kBlockCols == 64 && TileKV::kBlockCols == 64, "128-byte rows");
@@ -142,10 +152,14 @@ struct FwdSm90Traits {
     static_assert(8 * (2 * kQBuffers + 4 * kStages) <= kBarrierBytes - 48 * kQBuffers, "barrier area");
     // Q (kQBuffers), O staging (kSeparateO: the next tile's Q is copied while this tile's O is written), K and V
     // stages; + 1024: the tiles start at the first 1024-byte boundary (the 128-byte swizzle repeats every 1024 bytes)
-    static constexpr int kSmemBytes =
-        (kQBuffers + (kSeparateO ? 1 : 0)) * TileQ::kBytes + 2 * kStages * TileKV::kBytes + 1024 + kBarrierBytes;
-    // Named barrier ids (0 is __syncthreads): 1 + c = consumer c's turn to issue GEMMs, 3 + c = its epilogue.
-    static constexpr int kBarSchedule = 1, kBarEpilogue = 1 + kNConsumers;
+    // kSplitD: each consumer's partial S (fp32, one 16-byte chunk per thread and n8 pair), two buffers by key block
+    // parity (a warpgroup may store the next block's while the other still reads this one's)
+    static constexpr int kPartialSBytes = kSplitD ? 2 * kNConsumers * 128 * kBlockN / 2 * 4 : 0;
+    static constexpr int kSmemBytes = (kQBuffers + (kSeparateO ? 1 : 0)) * TileQ::kBytes +
+                                      2 * kStages * TileKV::kBytes + 1024 + kBarrierBytes + kPartialSBytes;
+    // Named barrier ids (0 is __syncthreads): 1 + c = consumer c's turn to issue GEMMs, 3 + c = its epilogue;
+    // kSplitD: kBarPartialS, the two consumers' partial S stored.
+    static constexpr int kBarSchedule = 1, kBarEpilogue = 1 + kNConsumers, kBarPartialS = 1 + 2 * kNConsumers;
 };
 
 // kMaskMod: a query tile's row of block states (0 empty, 1 partial, 2 full per 128 x 128 tile of pairs; flash.h
@@ -381,7 +395,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     const int cw = wg - 1;                     // consumer index: rows [64 cw, 64 cw + 64) of the block
     const int ctid = tid - 128 * wg, lane = tid % 32;
     const int g = lane >> 2, t = lane & 3;
-    const int row0 = cw * 64 + ctid / 32 * 16;  // this warp's first row inside the block
+    const int wg_row0 = T::kSplitD ? 0 : cw * 64;      // the warpgroup's first row inside the block
+    const int row0 = wg_row0 + ctid / 32 * 16;         // this warp's first row inside the block
+    const int col0 = T::kSplitD ? cw * T::kDCols : 0;  // its first column of O (kSplitD: of S's reduction too)
     const bool lead_lane = lane == 0;
     const DropoutRng rng = T::kIsDropout ? DropoutRng(p.rng_state, p.keep_threshold) : DropoutRng{};
 
@@ -439,11 +455,12 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             constexpr int kCols = sizeof(s) / sizeof(s[0]) * 8;
             const u32 k_tile = sK + stage * TileKV::kBytes;
 #pragma unroll
-            for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+            for (int k = 0; k < T::kDCols / 16; ++k) {
+                const int kk = col0 / 16 + k;  // k-step of the head dim
                 const u64 desc_q =
-                    gmma_desc_at(sQ + cw * 64 * 128, (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
+                    gmma_desc_at(sQ + wg_row0 * 128, (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
                 const u64 desc_k = gmma_desc_at(k_tile, (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
-                wgmma_ss<kCols, T::kIsBF16>(s, desc_q, desc_k, kk > 0);
+                wgmma_ss<kCols, T::kIsBF16>(s, desc_q, desc_k, k > 0);
             }
             wgmma_commit();
         };
@@ -451,8 +468,10 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             const u32 v_tile = sV + stage * TileKV::kBytes;
 #pragma unroll
             for (int ks = 0; ks < kNT / 2; ++ks)
-                wgmma_rs<T::kHeadDim, T::kIsBF16>(o, pa[ks], gmma_desc_at(v_tile, ks * 16 * 128, kBlockN * 128, 1024),
-                                                  1);
+                wgmma_rs<T::kDCols, T::kIsBF16>(o, pa[ks],
+                                                gmma_desc_at(v_tile + (col0 / 64) * kBlockN * 128, ks * 16 * 128,
+                                                             kBlockN * 128, 1024),
+                                                1);
             wgmma_commit();
         };
         auto mask = [&](auto& s, int n_block) {
@@ -545,6 +564,24 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             }
             return tile_needs_mask<T::kIsCausal, kBlockN>(m0, n_block * kBlockN, seqlen_q, seqlen_k);
         };
+        // kSplitD: S = the two warpgroups' partial sums over their halves of the head dim (buffers by key block parity;
+        // thread i of both stores / reads the same elements, 16 bytes per n8 tile)
+        auto sum_partial_s = [&](auto& s, int block_it) {
+            if constexpr (T::kSplitD) {
+                constexpr int kTiles = sizeof(s) / sizeof(s[0]);
+                const u32 buf = bars + T::kBarrierBytes + (block_it & 1) * (T::kPartialSBytes / 2);
+#pragma unroll
+                for (int nt = 0; nt < kTiles; ++nt) st_shared_v4f(buf + ((cw * kNT + nt) * 128 + ctid) * 16, s[nt]);
+                named_bar_sync(T::kBarPartialS, 256);
+#pragma unroll
+                for (int nt = 0; nt < kTiles; ++nt) {
+                    float other[4];
+                    ld_shared_v4f(buf + (((1 - cw) * kNT + nt) * 128 + ctid) * 16, other);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[nt][e] += other[e];
+                }
+            }
+        };
         // kScoreMods: softcap and ALiBi on a block's scores, before its masks
         const float alibi_scaled = T::kScoreMods && p.alibi_slopes != nullptr
                                        ? p.alibi_slopes[x.batch * p.alibi_batch_stride + x.head] / p.softmax_scale
@@ -563,7 +600,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         // A consumer whose 64 rows all lie past the sequence end (the partial last tile of 192-row tiles at S = 512 /
         // 1K; varlen) computes nothing: it only keeps the stage rings and the turns in step. (H200, each its own
         // process, hd64 non-causal forward TFLOP/s with / without: 512 392 / 370, 1K 448 / 424, 4K 517 / 508.)
-        const bool idle = m0 + cw * 64 >= seqlen_q || (T::kShiftRows && m0 + cw * 64 + 64 <= 0);
+        const bool idle = m0 + wg_row0 >= seqlen_q || (T::kShiftRows && m0 + wg_row0 + 64 <= 0);
         if (walk.n_block < 0) {
             if (lead_lane) mbar_arrive(empty_qb);  // nothing to read: Q is free at once
         } else if (idle) {
@@ -601,6 +638,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     mbar_arrive(empty_k(stage));
                     if (last) mbar_arrive(empty_qb);
                 }
+                sum_partial_s(s, it);
                 score_mods(s, n_block);
                 if (needs_mask(n_block)) mask(s, n_block);
 #pragma unroll
@@ -617,7 +655,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             if constexpr (FT_FWD_HALF_FIRST && kBlockN == 128) {
                 // keys [0, seen_end) of the sequence are visible to some row of this warpgroup
                 const int seen_end =
-                    T::kIsCausal ? min_(seqlen_k, m0 + cw * 64 + 64 + seqlen_k - seqlen_q) : seqlen_k;
+                    T::kIsCausal ? min_(seqlen_k, m0 + wg_row0 + 64 + seqlen_k - seqlen_q) : seqlen_k;
                 if (seen_end <= walk.n_block * kBlockN + kBlockN / 2) first_block(IntConstant<kBlockN / 2>{});
                 else first_block(IntConstant<kBlockN>{});
             } else {
@@ -643,6 +681,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     mbar_arrive(empty_k(stage));
                     if (last) mbar_arrive(empty_qb);
                 }
+                sum_partial_s(s, it);
                 score_mods(s, n_block);
                 if constexpr (kMask) mask(s, n_block);
                 float correction[2];
@@ -684,23 +723,24 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         for (int hf = 0; hf < 2; ++hf) {
             const float sum = finish_row<T::kIsDropout>(o, hf, row_sum[hf], p.rp_dropout);
             const int row = m0 + row0 + g + 8 * hf;
-            if (t == 0 && row < seqlen_q && row >= 0) lse[row] = row_lse(sum, row_max[hf], p.softmax_scale);
+            if (t == 0 && row < seqlen_q && row >= 0 && col0 == 0)
+                lse[row] = row_lse(sum, row_max[hf], p.softmax_scale);
         }
-        const int rows_valid = seqlen_q - m0 - cw * 64, rows_first = -(m0 + cw * 64);  // rows [rows_first, rows_valid)
+        const int rows_valid = seqlen_q - m0 - wg_row0, rows_first = -(m0 + wg_row0);  // rows [rows_first, rows_valid)
         auto out_rows = [&]() {  // the warpgroup's first row of out (the register and 16-byte stores)
-            return (u16*)p.out + x.batch * p.o_batch_stride + (i64)(x.q_start + m0 + cw * 64) * p.o_row_stride +
-                   x.head * p.o_head_stride;
+            return (u16*)p.out + x.batch * p.o_batch_stride + (i64)(x.q_start + m0 + wg_row0) * p.o_row_stride +
+                   x.head * p.o_head_stride + col0;
         };
         if constexpr (T::kDirectO) {
             u16* out = out_rows();
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                const int row = row0 - cw * 64 + g + 8 * hf;
+                const int row = row0 - wg_row0 + g + 8 * hf;
                 if (row < rows_valid && row >= rows_first) {
                     u16* out_row = out + (i64)row * p.o_row_stride + 2 * t;
 #pragma unroll
                     for (int dt = 0; dt < kDT; ++dt)
-                        if (8 * dt < p.head_dim)
+                        if (col0 + 8 * dt < p.head_dim)
                             st_global_b32(out_row + 8 * dt, pack2<T::kIsBF16>(o[dt][2 * hf], o[dt][2 * hf + 1]));
                 }
             }
