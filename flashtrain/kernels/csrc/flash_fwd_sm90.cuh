@@ -12,10 +12,12 @@
 //     With two consumers (three, causal), named barriers order their GEMM issues (ping-pong): consumer 0 issues,
 //     then consumer 1, then consumer 0 again (or 2, then 0), so one warpgroup's softmax runs while another's GEMMs
 //     hold the tensor cores.
+//     Head dims above 256 (kSplitD): both consumers own the same 64 rows, each half of O's columns; each issues S over
+//     its half of the head dim, and they add their partial S through shared memory before the softmax (no ping-pong).
 //   Epilogue: O / l and lse = m * scale + ln(l) per row; O staged through the warpgroup's rows of a shared O tile and
 //     written by TMA stores (the warps go on to the next tile; a varlen sequence's partial last tile is written with
-//     16-byte stores: rows past its end belong to the next sequence). Head dims 192 / 256, whose Q + O + K/V stages
-//     do not fit in shared memory, write O from the registers.
+//     16-byte stores: rows past its end belong to the next sequence). Head dims 192 / 256 / 512, whose Q + O + K/V
+//     stages do not fit in shared memory, write O from the registers.
 //   The grid is persistent: each CTA loops over tiles (fwd_tile below). The producer picks the next tile, waits for
 //     the consumers' "empty_q" (their last S GEMM of the current tile), writes the tile's index to a shared slot and
 //     copies its Q, then its K/V, while the consumers still run the current tile's last P V product and epilogue;
