@@ -542,13 +542,15 @@ def _sanitizer_grid() -> None:
         _run(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, 97, 97, dropout_p, causal=causal,
                                                     return_lse=True, impl="cuda"), q, k, v, dout)
     # the persistent Hopper backward with several tiles per CTA (256 tiles: its epilogue staging), GQA-split and
-    # deterministic
+    # deterministic; head dim 512: the Hopper forward's two warpgroups over several tiles per CTA (512 tiles: the
+    # partial-S buffers' parity across tiles), the mma.sync backward's dQ pieces, deterministic too
     for head_dim, nheads_kv, causal, deterministic in [(64, 16, False, False), (64, 4, True, False),
                                                        (64, 16, False, True), (64, 16, True, True),
                                                        (128, 16, True, False), (128, 16, False, False),
                                                        (128, 4, False, False), (128, 16, False, True),
                                                        (256, 2, True, False),
-                                                       (192, 16, False, False)]:
+                                                       (192, 16, False, False), (512, 16, True, False),
+                                                       (512, 2, False, True)]:
         q, k, v, dout = _inputs((1, 2048, 16, head_dim), (1, 2048, nheads_kv, head_dim), torch.bfloat16)
         _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, return_lse=True,
                                              impl="cuda"), q, k, v, dout)

@@ -187,7 +187,7 @@ def _tile_overrides() -> None:
         head_dim, shape = item.split("=")
         separate_o = shape.endswith("o") or (not shape.endswith("q") and FWD_SM90_TILES[int(head_dim)].separate_o)
         block_m, block_n, stages = (int(x) for x in shape.rstrip("oq").split("x"))
-        tiles = FwdSm90Tiles(block_m, block_n, stages, separate_o=separate_o)
+        tiles = FwdSm90Tiles(block_m, block_n, stages, separate_o=separate_o, split_d=int(head_dim) > 256)
         FWD_SM90_TILES[int(head_dim)] = FWD_SM90_TILES_NONCAUSAL[int(head_dim)] = tiles
         if int(head_dim) in FWD_SM90_TILES_LONG_CAUSAL:
             FWD_SM90_TILES_LONG_CAUSAL[int(head_dim)] = tiles
