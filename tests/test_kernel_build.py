@@ -115,6 +115,38 @@ def test_long_causal_forward_tiles():
     assert build.fwd_kernel(64, "bf16", True, False, arch="sm_80", seqlen_q=long).name == "flash_fwd_hdim64_bf16_causal"
 
 
+def test_head_dim_512_dispatch(monkeypatch):
+    """Head dims 257-512 run the head-dim-512 kernels: on sm_90a the warpgroup-MMA forward with two consumer
+    warpgroups sharing 64 rows (split_d: 384 threads, 225 KB) and the mma.sync backward (205 KB); the score
+    modifications and mask expressions there, and every kernel on sm_80, the mma.sync ones (their forward's warp pairs
+    split O's columns); 163 KB refuses the head dim by name (the backward's shared memory). FLASHTRAIN_FWD_SM90_TILES
+    keeps the split at head dim 512."""
+    assert build.rounded_head_dim(300) == build.rounded_head_dim(500, arch="sm_90a") == 512
+    fwd = build.fwd_kernel(512, "bf16", True, True, arch="sm_90a")
+    assert (fwd.name, fwd.threads, fwd.smem_bytes) == ("flash_fwd_sm90_hdim512_bf16_causal_dropout", 384, 230656)
+    assert fwd.tiles.split_d and fwd.smem_bytes <= build.ARCH_SMEM_OPTIN["sm_90a"]
+    mods = build.fwd_kernel(512, "bf16", True, False, arch="sm_90a", score_mods=True)
+    assert mods.name == "flash_fwd_hdim512_bf16_causal_mods" and mods.tiles.warps_d == 2
+    assert 512 not in build.FWD_SM90_MODS_HEAD_DIMS
+    bwd = build.bwd_kernel(512, "bf16", False, False, arch="sm_90a", deterministic=True)
+    assert (bwd.source, bwd.smem_bytes, bwd.tiles.dq_chunks) == ("flash_bwd.cu", 205312, 4)
+    assert ("FT_DQ_CHUNKS", 4) in bwd.defines
+    sm80 = build.fwd_kernel(512, "bf16", False, False, arch="sm_80")
+    assert (sm80.source, sm80.threads, sm80.smem_bytes) == ("flash_fwd.cu", 256, 147456)
+    assert ("FT_WARPS_D", 2) in sm80.defines
+    # the other head dims' macros (hence their cache keys) carry neither switch
+    assert not any(name in ("FT_WARPS_D", "FT_DQ_CHUNKS") for spec in (build.fwd_kernel(128, "bf16", True, False),
+                                                                       build.bwd_kernel(256, "bf16", True, False))
+                   for name, _ in spec.defines)
+    assert "205312 bytes" in build.smem_unavailable_reason(512, False, build.SMEM_OPTIN_SM80)
+    monkeypatch.setenv("FLASHTRAIN_FWD_SM90_TILES", "512=64x32x2q")
+    monkeypatch.setattr(build, "FWD_SM90_TILES", dict(build.FWD_SM90_TILES))
+    monkeypatch.setattr(build, "FWD_SM90_TILES_NONCAUSAL", dict(build.FWD_SM90_TILES_NONCAUSAL))
+    monkeypatch.setattr(build, "FWD_SM90_TILES_LONG_CAUSAL", dict(build.FWD_SM90_TILES_LONG_CAUSAL))
+    build._tile_overrides()
+    assert build.FWD_SM90_TILES[512].split_d and build.FWD_SM90_TILES[512].threads == 384
+
+
 def test_hopper_dispatch(monkeypatch):
     """sm_90a runs the warpgroup-MMA forward at head dims 64, 128, 192, 256 and backward at 64, 128 (dense or
     block-sparse, dropout too; the backward deterministic too, except block-sparse) and at 192, 256 (dense, no
