@@ -88,15 +88,11 @@ def attention_fn(impl: str, causal: bool, dropout_p: float = 0.0, enable_gqa: bo
         return lambda q, k, v: flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, impl="cuda")
     if impl == "naive":
         return lambda q, k, v: naive_attention(q, k, v, causal)
-    if impl == "default":  # SDPA with no backend chosen: what a user gets by default
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                              is_causal=causal, **({"enable_gqa": True} if enable_gqa
-                                                                                   else {}))
-    backend = SDPA_BACKENDS[impl]
+    backend = None if impl == "default" else SDPA_BACKENDS[impl]  # default: what a user gets with no backend chosen
     extra = {"enable_gqa": True} if enable_gqa else {}  # only when needed: not every backend takes the flag
 
     def sdpa(q, k, v):
-        with sdpa_kernel(backend):
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                                   is_causal=causal, **extra)
     return sdpa

@@ -238,25 +238,32 @@ def markdown(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     """Bars of TFLOP/s per row, forward and forward+backward: flashtrain, compiled FlexAttention, plain attention."""
+    plot_passes(rows, IMPLS, [textwrap.fill(r["name"], 14) for r in rows], path, title, "TFLOP/s (pairs computed)")
+
+
+def plot_passes(rows: list[dict], impls, ticks: list[str], path: Path, title: str, ylabel: str = "TFLOP/s") -> None:
+    """Two panels (forward, forward+backward) of bars per row, one per implementation (rows' {impl}_fwd / {impl}_fb;
+    "-" where one did not run), labelled with their values; also benchmarks/probes/wide_head_dims.py's plot."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
-    width = 0.27
+    fig, axes = plt.subplots(1, 2, figsize=(min(15, 7 + 0.9 * len(rows) * len(impls) / 3), 4.5), sharey=True)
+    width = 0.8 / len(impls)
     for ax, (kind, label) in zip(axes, (("fwd", "forward"), ("fb", "forward + backward"))):
-        for i, impl in enumerate(IMPLS):
+        for i, impl in enumerate(impls):
             values = [r.get(f"{impl}_{kind}") or 0.0 for r in rows]
-            bars = ax.bar([x + (i - 1) * width for x in range(len(rows))], values, width, label=impl)
-            ax.bar_label(bars, labels=[f"{v:.0f}" if v else "-" for v in values], fontsize=7)
-        ax.set_xticks(range(len(rows)), [textwrap.fill(r["name"], 14) for r in rows], fontsize=8)
-        ax.set_ylim(0, 1.2 * max([r.get(f"{impl}_{k}") or 0.0 for r in rows for impl in IMPLS for k in ("fwd", "fb")]
+            bars = ax.bar([x + (i - (len(impls) - 1) / 2) * width for x in range(len(rows))], values, width,
+                          label=impl)
+            ax.bar_label(bars, labels=[f"{v:.0f}" if v else "-" for v in values], fontsize=7 if len(impls) < 4 else 5)
+        ax.set_xticks(range(len(rows)), ticks, fontsize=8)
+        ax.set_ylim(0, 1.2 * max([r.get(f"{impl}_{k}") or 0.0 for r in rows for impl in impls for k in ("fwd", "fb")]
                                  + [1.0]))
         ax.set_title(label)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel("TFLOP/s (pairs computed)")
-    axes[0].legend(loc="upper left", ncol=3, fontsize=8)
+    axes[0].set_ylabel(ylabel)
+    axes[0].legend(loc="upper left", ncol=len(impls), fontsize=8 if len(impls) < 4 else 7)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

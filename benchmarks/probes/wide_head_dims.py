@@ -26,30 +26,13 @@ IMPLS = ("flashtrain", "default", "cudnn", "fa2", "efficient", "naive")
 
 def plot(data: dict, path: Path) -> None:
     """Bars of TFLOP/s per configuration, forward and forward+backward, one bar per implementation that ran."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import attention_features
 
     rows, env = data["rows"], data["env"]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), sharey=True)
-    width = 0.14
-    for ax, (kind, label) in zip(axes, (("fwd", "forward"), ("fb", "forward + backward"))):
-        for i, impl in enumerate(IMPLS):
-            values = [r.get(f"{impl}_{kind}") or 0.0 for r in rows]
-            bars = ax.bar([x + (i - 2.5) * width for x in range(len(rows))], values, width, label=impl)
-            ax.bar_label(bars, labels=[f"{v:.0f}" if v else "-" for v in values], fontsize=5)
-        ax.set_xticks(range(len(rows)), [f"hd{r['head_dim']} {r['seqlen'] // 1024}K\n"
-                                         f"{'causal' if r['causal'] else 'full'}" for r in rows], fontsize=8)
-        ax.set_title(label)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel("TFLOP/s")
-    axes[0].legend(loc="upper left", ncol=6, fontsize=7)
-    fig.suptitle(f"{env['gpu']}, torch {env['torch']}, {env['date'][:16]} UTC: bf16, batch 4, 4 heads "
-                 "(naive = SDPA's math path)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    attention_features.plot_passes(
+        rows, IMPLS, [f"hd{r['head_dim']} {r['seqlen'] // 1024}K\n{'causal' if r['causal'] else 'full'}" for r in rows],
+        path, f"{env['gpu']}, torch {env['torch']}, {env['date'][:16]} UTC: bf16, batch 4, 4 heads (naive = SDPA's "
+        "math path)")
 
 
 def main() -> None:
