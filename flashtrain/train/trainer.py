@@ -432,13 +432,17 @@ class Trainer:
     def _log_training(self, loss_sum: torch.Tensor) -> None:
         """Log the step's loss (the processes' shares summed: the mean over the global batch), the learning rate,
         tokens/s of all processes and per process, MFU (flashtrain.train.mfu; on a GPU, for a model that counts its
-        FLOPs) and, on a GPU, this process's peak memory."""
+        FLOPs) and, on a GPU, this process's peak memory (with several processes also every process's, in rank order)."""
         train_loss = self.accelerator.reduce(loss_sum, reduction="sum").item()
         tok_s = (self.state.tokens_seen - self.tokens_at_log) / max(self.interval_seconds, 1e-9)
         self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen
         extra, mfu = {}, self.utilisation.mfu(tok_s)
         if self.accelerator.device.type == "cuda":
-            extra["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
+            peak = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
+            extra["peak_memory_gib"] = peak
+            if self.accelerator.num_processes > 1:  # every GPU's, in rank order (one small all-gather per log)
+                peaks = self.accelerator.gather(torch.tensor([peak], device=self.accelerator.device))
+                extra["peak_memory_gib_per_process"] = [round(float(value), 4) for value in peaks.tolist()]
         if mfu is not None:
             extra["mfu"] = mfu
         self._record(train_loss=train_loss, lr=self.step_lr, tokens_per_s=tok_s,
