@@ -4,14 +4,17 @@ checkpoints that continue on another number of GPUs. Loss curves must agree up t
 measures that noise: the kernel's backward adds dQ with atomics, so two plain runs differ too); tokens/s and every
 GPU's peak memory show what each costs or saves.
 
-    plain, plain-again    python launch.py ...
+    plain, plain-again(2) python launch.py ...
     ddp-2                 accelerate launch --config_file conf/accelerate/ddp.yaml --num_processes 2 launch.py ...
     fsdp-2 / fsdp-1       accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes 2 / 1 ...
     ac-full, ac-selective python launch.py ... trainer.activation_checkpointing=full / selective
     ddp2-on-1             the ddp-2 run's checkpoint at half the steps, continued by python launch.py (2 -> 1 GPU)
     plain-on-ddp2         the plain run's checkpoint at half the steps, continued by DDP on 2 GPUs (1 -> 2)
     fsdp2-on-fsdp1        the fsdp-2 run's checkpoint at half the steps, continued by FSDP on one process (2 -> 1)
-    *-nodrop              the same with the model's dropout off (model.dropout_overrides of the workload)
+    *-nodrop              the same with the model's dropout off
+    ddp-2-gc, fsdp-2-gc   ... trainer.gc_interval=50 (Python's collector on a schedule, the same step on every GPU)
+    fsdp-2-noreshard      ... --fsdp_reshard_after_forward false (parameters kept gathered from forward to backward)
+    fsdp-2-expandable     fsdp-2 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 Workloads (--workload; every corpus is local, no download):
     gpt2-4k         recipe gpt2-small-4k on this Python's standard library (BPE of 8192 trained on the first run),
@@ -67,6 +70,7 @@ def accelerate(config: str, processes: int) -> list[str]:
 RUNS = {
     "plain": ([sys.executable], (), None),
     "plain-again": ([sys.executable], (), None),
+    "plain-again2": ([sys.executable], (), None),
     "ddp-2": (accelerate("ddp", 2), (), None),
     "fsdp-2": (accelerate("fsdp", 2), (), None),
     "fsdp-1": (accelerate("fsdp", 1), (), None),
@@ -75,9 +79,16 @@ RUNS = {
     "ddp2-on-1": ([sys.executable], (), "ddp-2"),
     "plain-on-ddp2": (accelerate("ddp", 2), (), "plain"),
     "fsdp2-on-fsdp1": (accelerate("fsdp", 1), (), "fsdp-2"),
+    # FSDP variants: Python's collector on a schedule; no re-gather in the backward (ZeRO-2's layout)
+    "ddp-2-gc": (accelerate("ddp", 2), ("trainer.gc_interval=50",), None),
+    "fsdp-2-gc": (accelerate("fsdp", 2), ("trainer.gc_interval=50",), None),
+    "fsdp-2-noreshard": ([*accelerate("fsdp", 2), "--fsdp_reshard_after_forward", "false"], (), None),
 }
 RUNS.update({f"{label}-nodrop": (launcher, extra, source and f"{source}-nodrop")
              for label, (launcher, extra, source) in list(RUNS.items())})
+# label -> environment variables of that run alone
+RUN_ENV = {"fsdp-2-expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+RUNS["fsdp-2-expandable"] = RUNS["fsdp-2"]
 
 
 def workload_overrides(args) -> tuple[list[str], list[str]]:
@@ -130,7 +141,8 @@ def run(label: str, args, runs_dir: Path) -> tuple[list[dict], float]:
     with log.open("w") as output:
         proc = subprocess.run([*launcher, str(REPO / "launch.py"), *overrides], cwd=REPO, stdout=output,
                               stderr=subprocess.STDOUT,
-                              env={**os.environ, **NO_MULTICAST, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+                              env={**os.environ, **NO_MULTICAST, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                                   **RUN_ENV.get(label, {})})
     seconds = time.perf_counter() - start
     print(f"{label}: exit {proc.returncode}, {seconds:.0f} s (log: {log})", flush=True)
     if proc.returncode:
@@ -162,10 +174,23 @@ def summarize(label: str, records: list[dict], seconds: float, histories: dict, 
         "peak_memory_gib_per_gpu": [max(run[i] for run in peaks) for i in range(len(peaks[0]))] if peaks else None,
         "tokens_per_s": statistics.median(speeds) if speeds else None,
     }
-    # within bf16 noise: on average no further from plain than a second plain run is, with 50% to spare
-    if noise and info["vs_plain"] and not label.startswith("plain"):
-        info["within_noise"] = info["vs_plain"]["mean"] <= 1.5 * noise["mean"]
+    # within bf16 noise: on average no further from plain (a continued run: from the run it continues) than two
+    # one-GPU runs are from each other, with 50% to spare
+    reference = info["vs_source"] if source else info["vs_plain"]
+    if noise and reference and label != plain_of(label) and not label.startswith("plain-again"):
+        info["within_noise"] = reference["mean"] <= 1.5 * noise["mean"]
     return info
+
+
+def run_to_run_noise(histories: dict, key: str) -> dict | None:
+    """How far two one-GPU runs of the same settings are apart: the largest max and mean over every pair of plain,
+    plain-again and plain-again2 (with `key` after each name: "" or "-nodrop")."""
+    runs = [train_losses(histories[label + key]) for label in ("plain", "plain-again", "plain-again2")
+            if histories.get(label + key)]
+    pairs = [differences(a, b) for i, a in enumerate(runs) for b in runs[i + 1:]]
+    pairs = [pair for pair in pairs if pair]
+    return {"max": max(p["max"] for p in pairs), "mean": max(p["mean"] for p in pairs), "pairs": len(pairs)} \
+        if pairs else None
 
 
 def plain_of(label: str) -> str:
@@ -230,8 +255,7 @@ def main() -> None:
     for label in args.runs:
         histories[label], seconds[label] = run(label, args, runs_dir)
 
-    noise = {key: differences(train_losses(histories.get(f"plain-again{key}", [])),
-                              train_losses(histories.get(f"plain{key}", []))) for key in ("", "-nodrop")}
+    noise = {key: run_to_run_noise(histories, key) for key in ("", "-nodrop")}
     summary_runs = {label: summarize(label, records, seconds[label], histories,
                                      noise["-nodrop" if label.endswith("-nodrop") else ""])
                     for label, records in histories.items()}

@@ -8,6 +8,7 @@
 #   listops  the listops recipe, the same five runs
 # Results (JSON + PNG) in $OUT, every log in $OUT/logs.tgz.
 #   PARTS="gpt2 bert listops" bash benchmarks/probes/issue18_gpu.sh [OUT]
+#   PARTS=gpt2 PART_RUNS="plain fsdp-2 fsdp-2-gc" MP_ARGS="--name gpt2-4k-fsdp" bash ...   (other runs, other files)
 set -uo pipefail
 source "$(dirname "$0")/steps.sh"
 probe_setup /tmp/issue18 "${1:-}"
@@ -36,7 +37,7 @@ wait
 for part in $PARTS; do tail -n 2 "$OUT/prepare_$part.log"; done
 for part in $PARTS; do
   # shellcheck disable=SC2086
-  step "$part" timeout 420 "${MP[@]}" --workload "${WORKLOAD[$part]}" --runs ${RUNS[$part]}
+  step "$part" timeout 480 "${MP[@]}" --workload "${WORKLOAD[$part]}" --runs ${PART_RUNS:-${RUNS[$part]}} ${MP_ARGS:-}
 done
 (cd /tmp/issue18 && tar czf "$RESULTS/logs.tgz" logs $(find runs -maxdepth 3 \( -name '*.log' -o -name metrics.jsonl \)))
 exit $status

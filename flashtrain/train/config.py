@@ -101,6 +101,10 @@ class TrainerConfig:
     # several processes: when the data is not prepared yet (python -m flashtrain.data.prepare), rank 0 prepares it
     # while the others wait this long, saying so every minute, before they stop
     prepare_timeout_minutes: float = 360.0
+    # Python's garbage collector: 0 leaves it automatic (a full collection can pause any step for tens of ms); N > 0
+    # turns automatic collection off while training and collects young objects every N steps on every process at
+    # once, and everything at each validation pass and checkpoint
+    gc_interval: int = 0
     log_interval: int = 10  # steps between train-loss log lines
     eval_interval: int = 50  # steps between validation passes (and one at the end); data.val_samples says how much
     save_interval: int = 100  # steps between checkpoints (and one at the end)
@@ -126,6 +130,9 @@ class TrainerConfig:
                      "save_interval", "keep_checkpoints", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.gc_interval < 0:
+            raise ValueError(f"trainer.gc_interval must be >= 0 (0: Python's automatic collection), got "
+                             f"{self.gc_interval}")
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ValueError(f"trainer.global_batch_size must be >= 1 (or null), got {self.global_batch_size}")
         if self.max_minutes is not None and self.max_minutes <= 0:

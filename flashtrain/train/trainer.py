@@ -11,6 +11,7 @@ metadata; metrics are reduced over all processes.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import secrets
@@ -109,9 +110,13 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
     """Train `cfg` writing into `run_dir`; `runs_of_name` (default: run_dir's parent) is where resume=auto looks."""
     # trainer.deterministic switches a process-wide setting: put it back when the run ends
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    gc_enabled = gc.isenabled()  # so does trainer.gc_interval
     trainer = Trainer(cfg)
     try:
         trainer.setup(run_dir, runs_of_name)
+        if cfg.trainer.gc_interval:
+            gc.collect()
+            gc.disable()
         while trainer.state.step < trainer.end_step:
             trainer.train_step()
             if trainer.after_step():
@@ -120,6 +125,8 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
     finally:
         trainer.restore_signal_handlers()
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        if gc_enabled:
+            gc.enable()
 
 
 def make_accelerator(cfg: FlashtrainConfig, run_dir: Path) -> Accelerator:
@@ -467,6 +474,11 @@ class Trainer:
                 f"the last finite one. Check the data and the learning rate", exit_code=1)
         out_of_time, last = self.out_of_time, self._last_step()
         target_reached = False
+        if tcfg.gc_interval:  # automatic collection is off (train): young objects every gc_interval steps, all at
+            if step % tcfg.eval_interval == 0 or step % tcfg.save_interval == 0 or last:  # a pause that waits anyway
+                gc.collect()
+            elif step % tcfg.gc_interval == 0:
+                gc.collect(1)
         if step % tcfg.eval_interval == 0 or last:
             metrics = self.evaluate()
             target_reached = tcfg.stop_metric is not None and metrics[tcfg.stop_metric] >= tcfg.stop_value
