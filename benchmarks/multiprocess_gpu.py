@@ -41,6 +41,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -205,19 +206,91 @@ def plot(histories: dict[str, list[dict]], png: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for label, records in histories.items():
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, records) in enumerate(histories.items()):
         losses = train_losses(records)
-        style = "--" if RUNS[label][2] else "-"
-        ax_loss.plot(list(losses), list(losses.values()), style, label=label, linewidth=1.2)
+        style = dict(linestyle="--" if RUNS[label][2] else "-", color=colors[i % len(colors)], linewidth=1.2)
+        ax_loss.plot(list(losses), list(losses.values()), label=label, **style)
         plain = train_losses(histories.get(plain_of(label), []))
         if label != plain_of(label) and plain:
             steps = [step for step in losses if step in plain]
-            ax_diff.plot(steps, [losses[step] - plain[step] for step in steps], style, label=label, linewidth=1.2)
+            ax_diff.plot(steps, [losses[step] - plain[step] for step in steps], label=label, **style)
     ax_loss.set(xlabel="optimizer step", ylabel="train loss", title=title)
     ax_diff.axhline(0, color="black", linewidth=0.6)
     ax_diff.set(xlabel="optimizer step", ylabel="train loss - plain's",
                 title="difference from one GPU (plain-again: the run-to-run noise)")
     save_figure(fig, (ax_loss, ax_diff), png)
+
+
+def pooled(files: list[Path], out: Path) -> None:
+    """The run-to-run noise from several result files of one workload (several calls, the same GPU kind): every
+    pair of full-length one-GPU runs (plain, plain-again...) gives the noise; every other full-length run is compared
+    with each one-GPU run (median of its mean |loss difference|, largest difference). Writes <out>.json and .png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [json.loads(Path(file).read_text()) for file in files]
+    steps = max(result["steps"] for result in results)
+    curves = {f"{Path(file).stem}:{label}": train_losses_of(info) for file, result in zip(files, results)
+              for label, info in result["runs"].items() if info["steps"] == steps}
+    one_gpu = [name for name in curves if name.split(":")[1] == plain_of(name.split(":")[1])
+               or name.split(":")[1].startswith("plain-again")]
+    pairs = [differences(curves[a], curves[b]) for i, a in enumerate(one_gpu) for b in one_gpu[i + 1:]]
+    if not pairs:
+        raise SystemExit("--pool needs at least two full-length one-GPU runs (plain, plain-again...) in the files")
+    noise_mean = max(pair["mean"] for pair in pairs)
+    others = {}
+    for name in (name for name in curves if name not in one_gpu):
+        against = [differences(curves[name], curves[plain]) for plain in one_gpu]
+        median = statistics.median(d["mean"] for d in against)
+        others[name] = {"median_mean_abs_diff": median, "max_abs_diff": max(d["max"] for d in against),
+                        "within_noise": median <= 1.5 * noise_mean}
+    summary = {"files": [str(file) for file in files], "device": results[0]["device"], "steps": steps,
+               "one_gpu_runs": one_gpu, "one_gpu_pairs_mean_abs_diff": sorted(p["mean"] for p in pairs),
+               "one_gpu_pairs_max_abs_diff": sorted(p["max"] for p in pairs), "runs": others,
+               "rule": "within_noise: median over the one-GPU runs of the mean |loss difference| <= 1.5 x the "
+                       "largest mean |difference| of two one-GPU runs"}
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    names = ["one GPU vs one GPU"] + list(others)
+    values = [[p["mean"] for p in pairs]] + [[differences(curves[name], curves[plain])["mean"] for plain in one_gpu]
+                                             for name in others]
+    for i, vals in enumerate(values):
+        ax.plot([i] * len(vals), vals, "o", alpha=0.7)
+    ax.axhline(1.5 * noise_mean, color="gray", linestyle=":", label="1.5 x the largest one-GPU pair")
+    ax.set_xticks(range(len(names)), [name.replace("multiprocess_gpu-", "").replace(":", "\n") for name in names],
+                  fontsize=7, rotation=25, ha="right")
+    ax.set(ylabel="mean |train loss difference| over the steps",
+           title=f"{results[0]['workload']}: each run against every one-GPU run ({results[0]['device']})")
+    save_figure(fig, (ax,), out.with_suffix(".png"))
+    print(f"one-GPU pairs ({len(pairs)}): mean |diff| {min(p['mean'] for p in pairs):.4f}-{noise_mean:.4f}, "
+          f"max |diff| {min(p['max'] for p in pairs):.4f}-{max(p['max'] for p in pairs):.4f}")
+    for name, info in others.items():
+        print(f"{name}: median mean |diff| {info['median_mean_abs_diff']:.4f}, max {info['max_abs_diff']:.4f}, "
+              f"within noise: {info['within_noise']}")
+
+
+def train_losses_of(info: dict) -> dict[int, float]:
+    """A result file's train losses of one run, steps as ints."""
+    return {int(step): loss for step, loss in info["train_loss"].items()}
+
+
+def rejudge(file: Path) -> None:
+    """Recompute a result file's loss comparisons and verdicts with this version's rules, and redraw its PNG."""
+    result = json.loads(file.read_text())
+    histories = {label: [{"step": step, "train_loss": loss} for step, loss in train_losses_of(info).items()]
+                 for label, info in result["runs"].items()}
+    result["noise_plain_again"] = {key: run_to_run_noise(histories, key) for key in ("", "-nodrop")}
+    for label, info in result["runs"].items():
+        noise = result["noise_plain_again"]["-nodrop" if label.endswith("-nodrop") else ""]
+        fresh = summarize(label, histories[label], info["wall_s"], histories, noise)
+        info.pop("within_noise", None)
+        info.update({key: fresh[key] for key in ("vs_plain", "vs_source", "within_noise") if key in fresh})
+    file.write_text(json.dumps(result, indent=1))
+    plot({label: records for label, records in histories.items() if records}, file.with_suffix(".png"),
+         f"{result['workload']}: global batch {result['global_batch']}, {result['device']}")
 
 
 def main() -> None:
@@ -239,7 +312,19 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
     parser.add_argument("--prepare", action="store_true",
                         help="only prepare the workload's data (python -m flashtrain.data.prepare), then exit")
+    parser.add_argument("--pool", nargs="+", type=Path, metavar="JSON",
+                        help="only compare the runs of these result files (one workload) with every one-GPU run of "
+                             "them, then exit; writes <out>/multiprocess_gpu-<name>-pooled.json / .png")
+    parser.add_argument("--rejudge", nargs="+", type=Path, metavar="JSON",
+                        help="only recompute these result files' loss comparisons and verdicts, and their PNGs")
     args = parser.parse_args()
+    if args.pool:
+        pooled(args.pool, args.out / f"multiprocess_gpu-{args.name or args.workload}-pooled")
+        return
+    if args.rejudge:
+        for file in args.rejudge:
+            rejudge(file)
+        return
     if args.prepare:
         command = [sys.executable, "-m", "flashtrain.data.prepare", *workload_overrides(args)[0], *args.extra]
         sys.exit(subprocess.run(command, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode)
@@ -264,7 +349,8 @@ def main() -> None:
         if info["tokens_per_s"] and plain and not RUNS[label][2]:
             info["speedup_vs_plain"] = info["tokens_per_s"] / plain
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    tag = gpu.split()[-1].lower() if torch.cuda.is_available() else "cpu"
+    model = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", gpu)  # "h100" for "NVIDIA H100 80GB HBM3"
+    tag = (model.group(1).lower() if model else gpu.replace(" ", "_")) if torch.cuda.is_available() else "cpu"
     name = args.name or f"{args.workload}"
     summary = {"device": gpu, "gpus": torch.cuda.device_count(), "torch": torch.__version__,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),

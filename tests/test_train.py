@@ -64,6 +64,7 @@ def test_misspelled_key_is_rejected(override, key):
     ("optim.lr=-1", "optim.lr"),
     ("model.attn_impl=flsh", "attn_impl"),
     ("trainer.compile_mode=fast", "trainer.compile_mode"),
+    ("trainer.gc_interval=-1", "trainer.gc_interval"),
     ("logger.kind=[wandb,mlflow]", "logger.kind lists trackers among .* got 'mlflow'"),
     ("logger.kind=[tensorboard,tensorboard]", "logger.kind names a tracker twice"),
 ])
@@ -151,6 +152,28 @@ def test_chunked_loss_trains_the_same_model(cache_dir, tmp_path):
     losses = {k: [r["train_loss"] for r in h if "train_loss" in r] + [r["val_loss"] for r in h if "val_loss" in r]
               for k, h in runs.items()}
     assert len(losses[True]) == 4 and losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
+def test_gc_interval_trains_the_same_steps_and_gives_the_collector_back(cache_dir, tmp_path, monkeypatch):
+    # trainer.gc_interval: automatic collection off while training, young objects every N steps, everything at each
+    # validation / checkpoint; the losses are the automatic collector's, and the collector is on again afterwards
+    import gc
+
+    collections = []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *generation: collections.append(generation) or real_collect(*generation))
+    runs, states = {}, {}
+    for interval in (0, 3):
+        cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_steps=10", "trainer.eval_interval=5",
+                                            "trainer.save_interval=5", "trainer.log_interval=1",
+                                            f"trainer.gc_interval={interval}", "data.sample_tokens=0"))
+        collections.clear()
+        runs[interval] = [r["train_loss"] for r in train(cfg, tmp_path / f"run{interval}").history if "train_loss" in r]
+        states[interval] = (list(collections), gc.isenabled())
+    assert len(runs[3]) == 10 and runs[3] == runs[0]
+    assert states[0] == ([], True)
+    # at the start (everything), steps 3, 6, 9 (young objects), steps 5 and 10 (validation + checkpoint: everything)
+    assert states[3] == ([(), (1,), (), (1,), (1,), ()], True)
 
 
 def test_resume_is_exact(cache_dir, tmp_path):
