@@ -1,5 +1,6 @@
 """Training through launch.py's code path: Hydra composition + typed schemas + the Accelerate trainer."""
 
+import json
 import logging
 import math
 import os
@@ -65,6 +66,8 @@ def test_misspelled_key_is_rejected(override, key):
     ("model.attn_impl=flsh", "attn_impl"),
     ("trainer.compile_mode=fast", "trainer.compile_mode"),
     ("trainer.gc_interval=-1", "trainer.gc_interval"),
+    ("trainer.profile_steps=5-2", "trainer.profile_steps"),
+    ("trainer.profile_steps=abc", "trainer.profile_steps"),
     ("logger.kind=[wandb,mlflow]", "logger.kind lists trackers among .* got 'mlflow'"),
     ("logger.kind=[tensorboard,tensorboard]", "logger.kind names a tracker twice"),
 ])
@@ -174,6 +177,19 @@ def test_gc_interval_trains_the_same_steps_and_gives_the_collector_back(cache_di
     assert states[0] == ([], True)
     # at the start (everything), steps 3, 6, 9 (young objects), steps 5 and 10 (validation + checkpoint: everything)
     assert states[3] == ([(), (1,), (), (1,), (1,), ()], True)
+
+
+def test_profile_steps_write_a_trace_of_those_steps(cache_dir, tmp_path, capsys):
+    # trainer.profile_steps=3-4: torch.profiler over optimizer steps 3 and 4, one Chrome trace per process
+    cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_steps=6", "trainer.eval_interval=6",
+                                        "trainer.save_interval=6", "trainer.profile_steps=3-4", "data.sample_tokens=0"))
+    train(cfg, tmp_path / "run")
+    (trace,) = (tmp_path / "run" / "profile").iterdir()
+    assert trace.name == "steps_3-4_rank0.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    # two steps of 2-layer GPT-2: each step's forward has the attention and every linear layer's matmul
+    assert sum(event.get("name") == "aten::addmm" or event.get("name") == "aten::mm" for event in events) >= 2 * 2 * 4
+    assert "profile of steps 3-4" in capsys.readouterr().out
 
 
 def test_resume_is_exact(cache_dir, tmp_path):

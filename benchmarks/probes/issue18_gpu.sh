@@ -9,6 +9,7 @@
 # Results (JSON + PNG) in $OUT, every log in $OUT/logs.tgz.
 #   PARTS="gpt2 bert listops" bash benchmarks/probes/issue18_gpu.sh [OUT]
 #   PARTS=gpt2 PART_RUNS="plain fsdp-2 fsdp-2-gc" MP_ARGS="--name gpt2-4k-fsdp" bash ...   (other runs, other files)
+#   ... MP_ARGS="--extra trainer.profile_steps=30-31" ...   (each process's trace of steps 30-31 in logs.tgz)
 set -uo pipefail
 source "$(dirname "$0")/steps.sh"
 probe_setup /tmp/issue18 "${1:-}"
@@ -39,5 +40,5 @@ for part in $PARTS; do
   # shellcheck disable=SC2086
   step "$part" timeout 480 "${MP[@]}" --workload "${WORKLOAD[$part]}" --runs ${PART_RUNS:-${RUNS[$part]}} ${MP_ARGS:-}
 done
-(cd /tmp/issue18 && tar czf "$RESULTS/logs.tgz" logs $(find runs -maxdepth 3 \( -name '*.log' -o -name metrics.jsonl \)))
+(cd /tmp/issue18 && tar czf "$RESULTS/logs.tgz" logs $(find runs -maxdepth 4 \( -name '*.log' -o -name metrics.jsonl -o -path '*/profile/*.json' \)))
 exit $status

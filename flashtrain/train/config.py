@@ -105,6 +105,9 @@ class TrainerConfig:
     # turns automatic collection off while training and collects young objects every N steps on every process at
     # once, and everything at each validation pass and checkpoint
     gc_interval: int = 0
+    # torch.profiler over optimizer steps "A-B" (or "A"; 1-based, inclusive) on every process: a Chrome / Perfetto
+    # trace per process in <run dir>/profile/, and the main process prints the ops that took the most time
+    profile_steps: Optional[str] = None
     log_interval: int = 10  # steps between train-loss log lines
     eval_interval: int = 50  # steps between validation passes (and one at the end); data.val_samples says how much
     save_interval: int = 100  # steps between checkpoints (and one at the end)
@@ -133,6 +136,8 @@ class TrainerConfig:
         if self.gc_interval < 0:
             raise ValueError(f"trainer.gc_interval must be >= 0 (0: Python's automatic collection), got "
                              f"{self.gc_interval}")
+        if self.profile_steps is not None:
+            self.profile_window()  # a ValueError naming trainer.profile_steps when it is not "A" or "A-B"
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ValueError(f"trainer.global_batch_size must be >= 1 (or null), got {self.global_batch_size}")
         if self.max_minutes is not None and self.max_minutes <= 0:
@@ -143,6 +148,20 @@ class TrainerConfig:
         if self.stop_step is not None and not 0 < self.stop_step <= self.max_steps:
             raise ValueError(f"trainer.stop_step must be in [1, trainer.max_steps={self.max_steps}], "
                              f"got {self.stop_step}")
+
+    def profile_window(self) -> tuple[int, int] | None:
+        """profile_steps as (first, last) optimizer step, 1-based and inclusive; None when unset."""
+        if self.profile_steps is None:
+            return None
+        first, _, last = str(self.profile_steps).partition("-")
+        try:
+            window = int(first), int(last or first)
+        except ValueError:
+            window = (0, 0)
+        if not 1 <= window[0] <= window[1]:
+            raise ValueError(f"trainer.profile_steps must be 'A' or 'A-B' with 1 <= A <= B (optimizer steps), got "
+                             f"{self.profile_steps!r}")
+        return window
 
 
 @dataclass

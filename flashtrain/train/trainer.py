@@ -118,7 +118,9 @@ def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None
             gc.collect()
             gc.disable()
         while trainer.state.step < trainer.end_step:
+            trainer.profile_before_step()
             trainer.train_step()
+            trainer.profile_after_step()
             if trainer.after_step():
                 break
         return trainer.finish()
@@ -161,6 +163,7 @@ class Trainer:
         self.previous_handlers: dict[int, object] = {}
         self.stop_message: str | None = None  # why the run stopped before its end, and how to continue
         self.exit_code = 0
+        self.profiler: torch.profiler.profile | None = None  # running over trainer.profile_steps
 
     # ---- setup ---------------------------------------------------------------------------------------------------
 
@@ -409,6 +412,37 @@ class Trainer:
             (time.perf_counter() - self.start_time) / 60 >= tcfg.max_minutes
         if state.step % tcfg.log_interval == 0 or self._last_step():
             self._log_training(loss_sum)
+
+    def profile_before_step(self) -> None:
+        """Start torch.profiler before the first step of trainer.profile_steps (CPU ops, and CUDA kernels on a GPU)."""
+        window = self.tcfg.profile_window()
+        if window is None or self.profiler is not None or self.state.step + 1 != window[0]:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.accelerator.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.__enter__()
+
+    def profile_after_step(self) -> None:
+        """After the last step of trainer.profile_steps (or the run's last): stop the profiler, write this process's
+        trace to <run dir>/profile/steps_A-B_rank<R>.json, and print the ops that took the most time (main process)."""
+        if self.profiler is None or (self.state.step < self.tcfg.profile_window()[1] and not self._last_step()):
+            return
+        cuda = self.accelerator.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.accelerator.device)
+        self.profiler.__exit__(None, None, None)
+        first = self.tcfg.profile_window()[0]
+        path = self.run_dir / "profile" / f"steps_{first}-{self.state.step}_rank{self.accelerator.process_index}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.profiler.export_chrome_trace(str(path))
+        if self.main:
+            table = self.profiler.key_averages().table(
+                sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=15)
+            self._print(f"profile of steps {first}-{self.state.step} (trace per process: {path.parent}):\n{table}",
+                        progress=True)
+        self.profiler = None
 
     def _sum_over_processes(self, *values: int) -> tuple:
         """Each value summed over every process: the host ints themselves in a single process, else float32 device
