@@ -17,10 +17,12 @@ GPU's peak memory show what each costs or saves.
     fsdp-2-expandable     fsdp-2 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 Workloads (--workload; every corpus is local, no download):
-    gpt2-4k         recipe gpt2-small-4k on this Python's standard library (BPE of 8192 trained on the first run),
-                    global batch 16 x 4096 tokens (one GPU: 2 micro-batches of 8; two: one each), 50 steps
+    gpt2-4k         recipe gpt2-small-4k on this Python's standard library (data=stdlib: its byte-level BPE, trained
+                    on the first run), global batch 16 x 4096 tokens (one GPU: 2 micro-batches of 8; two: one each),
+                    50 steps
     bert-large-mlm  recipe bert-large-mlm (unpadded varlen, LAMB) on the standard library with BERT's uncased
-                    WordPiece (--tokenizer), global batch 32 x 512 (5% of the text held out for validation), 20 steps, warmup 2
+                    WordPiece (--tokenizer), global batch 32 x 512 (5% of the text held out for validation), 20 steps,
+                    warmup 2
     listops         recipe listops (data.n_train 8000 generated), global batch 32, 20 steps, warmup 10
 
     python benchmarks/multiprocess_gpu.py --workload gpt2-4k --runs plain plain-again ddp-2 fsdp-2 ddp2-on-1 ...
@@ -101,7 +103,8 @@ def workload_overrides(args) -> tuple[list[str], list[str]]:
                 "data.val_fraction=0.1", "data.val_samples=32"], ["model.dropout=0.0"]
     if args.workload == "bert-large-mlm":
         return ["recipe=bert-large-mlm", "data.corpus=stdlib", "data.max_bytes=4000000", "data.streaming=false",
-                f"data.tokenizer={args.tokenizer}", "data.num_proc=16", cache, "data.val_fraction=0.05", "data.val_samples=64"], \
+                f"data.tokenizer={args.tokenizer}", "data.num_proc=16", cache, "data.val_fraction=0.05",
+                "data.val_samples=64"], \
             ["model.hidden_dropout_prob=0.0", "model.attention_probs_dropout_prob=0.0"]
     return ["recipe=listops", "data.n_train=8000", "data.n_val=256", "data.n_test=256", cache], \
         ["model.dropout=0.0", "model.attn_dropout=0.0"]

@@ -473,7 +473,8 @@ class Trainer:
     def _log_training(self, loss_sum: torch.Tensor) -> None:
         """Log the step's loss (the processes' shares summed: the mean over the global batch), the learning rate,
         tokens/s of all processes and per process, MFU (flashtrain.train.mfu; on a GPU, for a model that counts its
-        FLOPs) and, on a GPU, this process's peak memory (with several processes also every process's, in rank order)."""
+        FLOPs) and, on a GPU, this process's peak memory (with several processes also every process's, in rank
+        order)."""
         train_loss = self.accelerator.reduce(loss_sum, reduction="sum").item()
         tok_s = (self.state.tokens_seen - self.tokens_at_log) / max(self.interval_seconds, 1e-9)
         self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen
