@@ -52,6 +52,7 @@ def first_step(trainer) -> tuple[dict, dict, dict]:
     trainer.optimizer.step = recording_step
     try:
         trainer.train_step()
+        trainer.flush_log()  # the step's record (logging reads the device at the next point that waits for it)
     finally:
         trainer.optimizer.step = optimizer_step
     after = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}

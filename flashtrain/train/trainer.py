@@ -164,6 +164,7 @@ class Trainer:
         self.stop_message: str | None = None  # why the run stopped before its end, and how to continue
         self.exit_code = 0
         self.profiler: torch.profiler.profile | None = None  # running over trainer.profile_steps
+        self.pending_log: tuple | None = None  # a training record whose device values are not read yet
 
     # ---- setup ---------------------------------------------------------------------------------------------------
 
@@ -396,7 +397,9 @@ class Trainer:
         state.samples_consumed += self.global_batch_size
         # grad_clip 0: measured (an infinite bound multiplies the gradients by exactly 1), not clipped
         grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
-        if not self._finite_step(loss_sum, grad_norm):
+        finite = self._finite_step(loss_sum, grad_norm)  # waits for the backward pass: the last log's values are in
+        self.flush_log()
+        if not finite:
             self.optimizer.zero_grad(set_to_none=True)
             return
         self.nonfinite_in_a_row = 0
@@ -474,23 +477,38 @@ class Trainer:
         """Log the step's loss (the processes' shares summed: the mean over the global batch), the learning rate,
         tokens/s of all processes and per process, MFU (flashtrain.train.mfu; on a GPU, for a model that counts its
         FLOPs) and, on a GPU, this process's peak memory (with several processes also every process's, in rank
-        order)."""
-        train_loss = self.accelerator.reduce(loss_sum, reduction="sum").item()
+        order). The device values are reduced here but read by `flush_log` at the next point that waits for the
+        device anyway (the next step's finiteness check, a validation pass, a checkpoint, the end): logging adds no
+        host sync, and the record is written one step later."""
+        self.flush_log()
         tok_s = (self.state.tokens_seen - self.tokens_at_log) / max(self.interval_seconds, 1e-9)
         self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen
-        extra, mfu = {}, self.utilisation.mfu(tok_s)
+        host, device = {"lr": self.step_lr, "tokens_per_s": tok_s,
+                        "tokens_per_s_per_process": tok_s / self.accelerator.num_processes}, {}
+        device["train_loss"] = self.accelerator.reduce(loss_sum, reduction="sum")
         if self.accelerator.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
-            extra["peak_memory_gib"] = peak
+            host["peak_memory_gib"] = peak
             if self.accelerator.num_processes > 1:  # every GPU's, in rank order (one small all-gather per log)
-                peaks = self.accelerator.gather(torch.tensor([peak], device=self.accelerator.device))
-                extra["peak_memory_gib_per_process"] = [round(float(value), 4) for value in peaks.tolist()]
-        if mfu is not None:
-            extra["mfu"] = mfu
-        self._record(train_loss=train_loss, lr=self.step_lr, tokens_per_s=tok_s,
-                     tokens_per_s_per_process=tok_s / self.accelerator.num_processes, **extra)
-        self.pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{self.step_lr:.2e}", tok_s=f"{tok_s:,.0f}",
-                              **({"mfu": f"{100 * mfu:.1f}%"} if mfu is not None else {}))
+                device["peak_memory_gib_per_process"] = self.accelerator.gather(
+                    torch.tensor([peak], device=self.accelerator.device))
+        if (mfu := self.utilisation.mfu(tok_s)) is not None:
+            host["mfu"] = mfu
+        self.pending_log = (self.state.step, self.state.tokens_seen, host, device)
+
+    def flush_log(self) -> None:
+        """Write the pending training record (`_log_training`), reading its device values."""
+        if self.pending_log is None:
+            return
+        step, tokens, host, device = self.pending_log
+        self.pending_log = None
+        train_loss = device["train_loss"].item()
+        if "peak_memory_gib_per_process" in device:
+            host["peak_memory_gib_per_process"] = [round(float(v), 4)
+                                                   for v in device.pop("peak_memory_gib_per_process").tolist()]
+        self._record(step=step, tokens=tokens, train_loss=train_loss, **host)
+        self.pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{host['lr']:.2e}", tok_s=f"{host['tokens_per_s']:,.0f}",
+                              **({"mfu": f"{100 * host['mfu']:.1f}%"} if "mfu" in host else {}))
 
     def _last_step(self) -> bool:
         return self.state.step == self.end_step or self.out_of_time
@@ -546,6 +564,7 @@ class Trainer:
 
     def _save(self) -> None:
         """Checkpoint the current step; never from non-finite weights (each process checks its own, FSDP's shards)."""
+        self.flush_log()  # the records up to this step are on disk before its checkpoint
         finite = torch.stack([torch.isfinite(local_tensor(p.detach())).all() for p in self.model.parameters()]).all()
         if self.accelerator.reduce(finite.float(), reduction="sum").item() < self.accelerator.num_processes:
             raise FloatingPointError(f"step {self.state.step}: the weights are not finite; no checkpoint written "
@@ -556,6 +575,7 @@ class Trainer:
     def evaluate(self, split: str = "val") -> dict[str, float]:
         """Score `split` ("val": the data's first val_samples samples; other splits whole) and log it, its metrics
         named "<split>_*"; tracks the best validation loss."""
+        self.flush_log()  # the step's training record first
         tcfg, accelerator = self.tcfg, self.accelerator
         loader = self.val_loader if split == "val" else self.task.eval_loader(
             split, tcfg.micro_batch_size, accelerator.process_index, accelerator.num_processes)
@@ -576,6 +596,7 @@ class Trainer:
     def finish(self) -> TrainResult:
         """Score the task's other splits (once, at the end of a finished run), sample, plot, say where things are."""
         cfg, accelerator = self.cfg, self.accelerator
+        self.flush_log()
         self.pbar.close()
         if not self.stopped_early:
             for split in self.task.eval_splits[1:]:
@@ -603,10 +624,12 @@ class Trainer:
         return TrainResult(run_dir=self.run_dir, checkpoint=self.last_checkpoint, final_step=self.state.step,
                            history=self.log.records, sample=sample, exit_code=self.exit_code)
 
-    def _record(self, **values) -> None:
-        values = {"step": self.state.step, "tokens": self.state.tokens_seen, **values}
+    def _record(self, step: int | None = None, tokens: int | None = None, **values) -> None:
+        """One metrics record (metrics.jsonl and the trackers) at `step` / `tokens` (default: now)."""
+        step = self.state.step if step is None else step
+        values = {"step": step, "tokens": self.state.tokens_seen if tokens is None else tokens, **values}
         self.log.write(values)
-        self.accelerator.log({k: v for k, v in values.items() if k != "step"}, step=self.state.step)
+        self.accelerator.log({k: v for k, v in values.items() if k != "step"}, step=step)
 
     def _print(self, text: str, progress: bool = False) -> None:
         """Print on the main process; progress=True: above the progress bar."""
