@@ -5,8 +5,8 @@ measures that noise: the kernel's backward adds dQ with atomics, so two plain ru
 GPU's peak memory show what each costs or saves.
 
     plain, plain-again(2) python launch.py ...
-    ddp-2                 accelerate launch --config_file conf/accelerate/ddp.yaml --num_processes 2 launch.py ...
-    fsdp-2 / fsdp-1       accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes 2 / 1 ...
+    ddp-2(-again)         accelerate launch --config_file conf/accelerate/ddp.yaml --num_processes 2 launch.py ...
+    fsdp-2(-again), -1    accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes 2 / 1 ...
     ac-full, ac-selective python launch.py ... trainer.activation_checkpointing=full / selective
     ddp2-on-1             the ddp-2 run's checkpoint at half the steps, continued by python launch.py (2 -> 1 GPU)
     plain-on-ddp2         the plain run's checkpoint at half the steps, continued by DDP on 2 GPUs (1 -> 2)
@@ -76,6 +76,8 @@ RUNS = {
     "plain-again2": ([sys.executable], (), None),
     "ddp-2": (accelerate("ddp", 2), (), None),
     "fsdp-2": (accelerate("fsdp", 2), (), None),
+    "ddp-2-again": (accelerate("ddp", 2), (), None),
+    "fsdp-2-again": (accelerate("fsdp", 2), (), None),
     "fsdp-1": (accelerate("fsdp", 1), (), None),
     "ac-full": ([sys.executable], ("trainer.activation_checkpointing=full",), None),
     "ac-selective": ([sys.executable], ("trainer.activation_checkpointing=selective",), None),
