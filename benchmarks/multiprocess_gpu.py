@@ -191,11 +191,15 @@ def summarize(label: str, records: list[dict], seconds: float, histories: dict, 
 def run_to_run_noise(histories: dict, key: str) -> dict | None:
     """How far two one-GPU runs of the same settings are apart: the largest max and mean over every pair of plain,
     plain-again and plain-again2 (with `key` after each name: "" or "-nodrop")."""
-    runs = [train_losses(histories[label + key]) for label in ("plain", "plain-again", "plain-again2")
-            if histories.get(label + key)]
-    pairs = [differences(a, b) for i, a in enumerate(runs) for b in runs[i + 1:]]
-    pairs = [pair for pair in pairs if pair]
-    return {"max": max(p["max"] for p in pairs), "mean": max(p["mean"] for p in pairs), "pairs": len(pairs)} \
+    return pair_noise([train_losses(histories[label + key]) for label in ("plain", "plain-again", "plain-again2")
+                       if histories.get(label + key)])
+
+
+def pair_noise(curves: list[dict[int, float]]) -> dict | None:
+    """The differences of every pair of `curves` (one-GPU runs): the largest max and mean, and each pair's mean."""
+    pairs = [d for i, a in enumerate(curves) for b in curves[i + 1:] if (d := differences(a, b))]
+    return {"max": max(p["max"] for p in pairs), "mean": max(p["mean"] for p in pairs), "pairs": len(pairs),
+            "pair_means": sorted(p["mean"] for p in pairs), "pair_maxes": sorted(p["max"] for p in pairs)} \
         if pairs else None
 
 
@@ -240,12 +244,11 @@ def pooled(files: list[Path], out: Path) -> None:
     steps = max(result["steps"] for result in results)
     curves = {f"{Path(file).stem}:{label}": train_losses_of(info) for file, result in zip(files, results)
               for label, info in result["runs"].items() if info["steps"] == steps}
-    one_gpu = [name for name in curves if name.split(":")[1] == plain_of(name.split(":")[1])
-               or name.split(":")[1].startswith("plain-again")]
-    pairs = [differences(curves[a], curves[b]) for i, a in enumerate(one_gpu) for b in one_gpu[i + 1:]]
-    if not pairs:
+    one_gpu = [name for name in curves if name.split(":")[1].startswith("plain") and not RUNS[name.split(":")[1]][2]]
+    noise = pair_noise([curves[name] for name in one_gpu])
+    if noise is None:
         raise SystemExit("--pool needs at least two full-length one-GPU runs (plain, plain-again...) in the files")
-    noise_mean = max(pair["mean"] for pair in pairs)
+    noise_mean = noise["mean"]
     others = {}
     for name in (name for name in curves if name not in one_gpu):
         against = [differences(curves[name], curves[plain]) for plain in one_gpu]
@@ -253,14 +256,14 @@ def pooled(files: list[Path], out: Path) -> None:
         others[name] = {"median_mean_abs_diff": median, "max_abs_diff": max(d["max"] for d in against),
                         "within_noise": median <= 1.5 * noise_mean}
     summary = {"files": [str(file) for file in files], "device": results[0]["device"], "steps": steps,
-               "one_gpu_runs": one_gpu, "one_gpu_pairs_mean_abs_diff": sorted(p["mean"] for p in pairs),
-               "one_gpu_pairs_max_abs_diff": sorted(p["max"] for p in pairs), "runs": others,
+               "one_gpu_runs": one_gpu, "one_gpu_pairs_mean_abs_diff": noise["pair_means"],
+               "one_gpu_pairs_max_abs_diff": noise["pair_maxes"], "runs": others,
                "rule": "within_noise: median over the one-GPU runs of the mean |loss difference| <= 1.5 x the "
                        "largest mean |difference| of two one-GPU runs"}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     fig, ax = plt.subplots(figsize=(10, 4.2))
     names = ["one GPU vs one GPU"] + list(others)
-    values = [[p["mean"] for p in pairs]] + [[differences(curves[name], curves[plain])["mean"] for plain in one_gpu]
+    values = [noise["pair_means"]] + [[differences(curves[name], curves[plain])["mean"] for plain in one_gpu]
                                              for name in others]
     for i, vals in enumerate(values):
         ax.plot([i] * len(vals), vals, "o", alpha=0.7)
@@ -270,8 +273,8 @@ def pooled(files: list[Path], out: Path) -> None:
     ax.set(ylabel="mean |train loss difference| over the steps",
            title=f"{results[0]['workload']}: each run against every one-GPU run ({results[0]['device']})")
     save_figure(fig, (ax,), out.with_suffix(".png"))
-    print(f"one-GPU pairs ({len(pairs)}): mean |diff| {min(p['mean'] for p in pairs):.4f}-{noise_mean:.4f}, "
-          f"max |diff| {min(p['max'] for p in pairs):.4f}-{max(p['max'] for p in pairs):.4f}")
+    print(f"one-GPU pairs ({noise['pairs']}): mean |diff| {noise['pair_means'][0]:.4f}-{noise_mean:.4f}, "
+          f"max |diff| {noise['pair_maxes'][0]:.4f}-{noise['max']:.4f}")
     for name, info in others.items():
         print(f"{name}: median mean |diff| {info['median_mean_abs_diff']:.4f}, max {info['max_abs_diff']:.4f}, "
               f"within noise: {info['within_noise']}")
@@ -323,6 +326,7 @@ def main() -> None:
     parser.add_argument("--rejudge", nargs="+", type=Path, metavar="JSON",
                         help="only recompute these result files' loss comparisons and verdicts, and their PNGs")
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.pool:
         pooled(args.pool, args.out / f"multiprocess_gpu-{args.name or args.workload}-pooled")
         return
@@ -336,7 +340,6 @@ def main() -> None:
     steps, micro, global_batch, warmup = DEFAULTS[args.workload]
     args.steps, args.micro_batch = args.steps or steps, args.micro_batch or micro
     args.global_batch, args.warmup = args.global_batch or global_batch, args.warmup or warmup
-    args.out.mkdir(parents=True, exist_ok=True)
     runs_dir = args.runs_dir / args.workload
 
     import torch

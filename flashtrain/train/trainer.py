@@ -163,7 +163,8 @@ class Trainer:
         self.previous_handlers: dict[int, object] = {}
         self.stop_message: str | None = None  # why the run stopped before its end, and how to continue
         self.exit_code = 0
-        self.profiler: torch.profiler.profile | None = None  # running over trainer.profile_steps
+        self.profile_window = cfg.trainer.profile_window()  # trainer.profile_steps as (first, last), or None
+        self.profiler: torch.profiler.profile | None = None  # running over those steps
         self.pending_log: tuple | None = None  # a training record whose device values are not read yet
 
     # ---- setup ---------------------------------------------------------------------------------------------------
@@ -418,25 +419,24 @@ class Trainer:
 
     def profile_before_step(self) -> None:
         """Start torch.profiler before the first step of trainer.profile_steps (CPU ops, and CUDA kernels on a GPU)."""
-        window = self.tcfg.profile_window()
-        if window is None or self.profiler is not None or self.state.step + 1 != window[0]:
+        if self.profile_window is None or self.profiler is not None or self.state.step + 1 != self.profile_window[0]:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.accelerator.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.profiler = torch.profiler.profile(activities=activities)
-        self.profiler.__enter__()
+        self.profiler.start()
 
     def profile_after_step(self) -> None:
         """After the last step of trainer.profile_steps (or the run's last): stop the profiler, write this process's
         trace to <run dir>/profile/steps_A-B_rank<R>.json, and print the ops that took the most time (main process)."""
-        if self.profiler is None or (self.state.step < self.tcfg.profile_window()[1] and not self._last_step()):
+        if self.profiler is None or (self.state.step < self.profile_window[1] and not self._last_step()):
             return
         cuda = self.accelerator.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.accelerator.device)
-        self.profiler.__exit__(None, None, None)
-        first = self.tcfg.profile_window()[0]
+        self.profiler.stop()
+        first = self.profile_window[0]
         path = self.run_dir / "profile" / f"steps_{first}-{self.state.step}_rank{self.accelerator.process_index}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         self.profiler.export_chrome_trace(str(path))
@@ -480,7 +480,6 @@ class Trainer:
         order). The device values are reduced here but read by `flush_log` at the next point that waits for the
         device anyway (the next step's finiteness check, a validation pass, a checkpoint, the end): logging adds no
         host sync, and the record is written one step later."""
-        self.flush_log()
         tok_s = (self.state.tokens_seen - self.tokens_at_log) / max(self.interval_seconds, 1e-9)
         self.interval_seconds, self.tokens_at_log = 0.0, self.state.tokens_seen
         host, device = {"lr": self.step_lr, "tokens_per_s": tok_s,
@@ -504,8 +503,7 @@ class Trainer:
         self.pending_log = None
         train_loss = device["train_loss"].item()
         if "peak_memory_gib_per_process" in device:
-            host["peak_memory_gib_per_process"] = [round(float(v), 4)
-                                                   for v in device.pop("peak_memory_gib_per_process").tolist()]
+            host["peak_memory_gib_per_process"] = [round(v, 4) for v in device["peak_memory_gib_per_process"].tolist()]
         self._record(step=step, tokens=tokens, train_loss=train_loss, **host)
         self.pbar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{host['lr']:.2e}", tok_s=f"{host['tokens_per_s']:,.0f}",
                               **({"mfu": f"{100 * host['mfu']:.1f}%"} if "mfu" in host else {}))
