@@ -9,7 +9,9 @@
 # Results (JSON + PNG) in $OUT, every log in $OUT/logs.tgz.
 #   PARTS="gpt2 bert listops" bash benchmarks/probes/issue18_gpu.sh [OUT]
 #   PARTS=gpt2 PART_RUNS="plain fsdp-2 fsdp-2-gc" MP_ARGS="--name gpt2-4k-fsdp" bash ...   (other runs, other files)
-#   ... MP_ARGS="--extra trainer.profile_steps=30-31" ...   (each process's trace of steps 30-31 in logs.tgz)
+#   ... MP_ARGS="--extra trainer.profile_steps=30-31" ...   (each process's trace of steps 30-31 in logs.tgz, and
+#          benchmarks/probes/trace_gaps.py's summary of where each GPU waited in $OUT/trace_gaps.txt / .json)
+#   RUNS_gpt2="plain ddp-2" RUNS_listops="plain-nodrop ddp-2-nodrop" ...   (runs of one part; PART_RUNS: of every part)
 set -uo pipefail
 source "$(dirname "$0")/steps.sh"
 probe_setup /tmp/issue18 "${1:-}"
@@ -38,7 +40,14 @@ wait
 for part in $PARTS; do tail -n 2 "$OUT/prepare_$part.log"; done
 for part in $PARTS; do
   # shellcheck disable=SC2086
-  step "$part" timeout 480 "${MP[@]}" --workload "${WORKLOAD[$part]}" --runs ${PART_RUNS:-${RUNS[$part]}} ${MP_ARGS:-}
+  runs_of_part="RUNS_$part"
+  step "$part" timeout 480 "${MP[@]}" --workload "${WORKLOAD[$part]}" --runs ${!runs_of_part:-${PART_RUNS:-${RUNS[$part]}}} ${MP_ARGS:-}
 done
+traces=$(find /tmp/issue18/runs -path '*/profile/*.json' | sort)
+if [ -n "$traces" ]; then
+  # shellcheck disable=SC2086
+  step trace_gaps python benchmarks/probes/trace_gaps.py $traces --json "$RESULTS/trace_gaps.json"
+  cp "$OUT/trace_gaps.log" "$RESULTS/trace_gaps.txt"; cat "$RESULTS/trace_gaps.txt"
+fi
 (cd /tmp/issue18 && tar czf "$RESULTS/logs.tgz" logs $(find runs -maxdepth 4 \( -name '*.log' -o -name metrics.jsonl -o -path '*/profile/*.json' \)))
 exit $status
