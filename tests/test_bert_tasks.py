@@ -26,7 +26,7 @@ from flashtrain.train import train
 from flashtrain.train.config import OptimConfig
 from flashtrain.train.lamb import LAMB
 from flashtrain.train.model_init import load_initial_weights
-from flashtrain.train.optim import build_optimizer, lr_factor
+from flashtrain.train.optim import ShardLocalAdamW, build_optimizer, lr_factor
 from flashtrain.train.trainer import to_device
 from hydra_config import compose_config
 
@@ -108,7 +108,7 @@ def test_lamb_from_config_and_linear_schedule():
     assert {names[id(p)] for p in no_decay["params"]} >= {"lm_head.norm.weight", "lm_head.decoder.bias",
                                                           "encoder.embeddings.word_embeddings.weight"}
     assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == model.num_parameters()
-    assert type(build_optimizer(model, OptimConfig())) is torch.optim.AdamW
+    assert type(build_optimizer(model, OptimConfig())) is ShardLocalAdamW
     with pytest.raises(ValueError, match="optim.name"):
         OptimConfig(name="sgd")
     # linear: warmup to 1, then straight down to min_lr_ratio at max_steps

@@ -60,8 +60,8 @@ def analyse(path: Path, min_gap_us: float = 10.0) -> dict:
     nccl = [(k["ts"], k["ts"] + k["dur"]) for k in kernels if "nccl" in k["name"].lower()]
     compute = union([(k["ts"], k["ts"] + k["dur"]) for k in kernels if "nccl" not in k["name"].lower()])
     compute_us = sum(end - start for start, end in compute)
-    starts = sorted((k["ts"], k) for k in kernels)
-    start_ts = [s for s, _ in starts]
+    starts = sorted(((k["ts"], i, k) for i, k in enumerate(kernels)), key=lambda x: x[:2])
+    start_ts = [s for s, _, _ in starts]
     host_late = collections.Counter()
     host_late_us = queued_us = 0.0
     gaps = []
@@ -70,7 +70,7 @@ def analyse(path: Path, min_gap_us: float = 10.0) -> dict:
         if gap < min_gap_us:
             queued_us += gap  # small gaps: launch latency between dependent kernels
             continue
-        kernel = starts[bisect.bisect_left(start_ts, gap_end)][1]
+        kernel = starts[bisect.bisect_left(start_ts, gap_end)][2]
         launch = launches.get(kernel["args"].get("correlation"))
         if launch is not None and launch["ts"] > gap_start:
             late = min(gap, launch["ts"] - gap_start)

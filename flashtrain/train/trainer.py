@@ -40,7 +40,7 @@ from flashtrain.train.hf_files import save_model_files
 from flashtrain.train.metrics import MetricsLog
 from flashtrain.train.mfu import Utilisation, peak_bf16_tflops
 from flashtrain.train.model_init import load_initial_weights
-from flashtrain.train.optim import build_optimizer, build_scheduler
+from flashtrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from flashtrain.train.processes import (accumulation_steps, build_accelerator, launcher_precision, main_process_first,
                                         on_main_process, process_header)
 
@@ -397,7 +397,7 @@ class Trainer:
             loss_sum += share.detach()
         state.samples_consumed += self.global_batch_size
         # grad_clip 0: measured (an infinite bound multiplies the gradients by exactly 1), not clipped
-        grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
+        grad_norm = clip_grad_norm_(accelerator, self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
         finite = self._finite_step(loss_sum, grad_norm)  # waits for the backward pass: the last log's values are in
         self.flush_log()
         if not finite:
