@@ -11,7 +11,8 @@
 #   PARTS=gpt2 PART_RUNS="plain fsdp-2 fsdp-2-gc" MP_ARGS="--name gpt2-4k-fsdp" bash ...   (other runs, other files)
 #   ... MP_ARGS="--extra trainer.profile_steps=30-31" ...   (each process's trace of steps 30-31 in logs.tgz, and
 #          benchmarks/probes/trace_gaps.py's summary of where each GPU waited in $OUT/trace_gaps.txt / .json)
-#   RUNS_gpt2="plain ddp-2" RUNS_listops="plain-nodrop ddp-2-nodrop" ...   (runs of one part; PART_RUNS: of every part)
+#   RUNS_gpt2="plain ddp-2" RUNS_listops="plain-nodrop ddp-2-nodrop" ...   (runs of one part; PART_RUNS: of every part;
+#          MP_ARGS_gpt2=... likewise for MP_ARGS)
 set -uo pipefail
 source "$(dirname "$0")/steps.sh"
 probe_setup /tmp/issue18 "${1:-}"
@@ -40,8 +41,8 @@ wait
 for part in $PARTS; do tail -n 2 "$OUT/prepare_$part.log"; done
 for part in $PARTS; do
   # shellcheck disable=SC2086
-  runs_of_part="RUNS_$part"
-  step "$part" timeout 480 "${MP[@]}" --workload "${WORKLOAD[$part]}" --runs ${!runs_of_part:-${PART_RUNS:-${RUNS[$part]}}} ${MP_ARGS:-}
+  runs_of_part="RUNS_$part" args_of_part="MP_ARGS_$part"
+  step "$part" timeout 480 "${MP[@]}" --workload "${WORKLOAD[$part]}" --runs ${!runs_of_part:-${PART_RUNS:-${RUNS[$part]}}} ${!args_of_part:-${MP_ARGS:-}}
 done
 traces=$(find /tmp/issue18/runs -path '*/profile/*.json' | sort)
 if [ -n "$traces" ]; then
