@@ -74,6 +74,9 @@ RUNS = {
     "plain": ([sys.executable], (), None),
     "plain-again": ([sys.executable], (), None),
     "plain-again2": ([sys.executable], (), None),
+    # one GPU, the whole global batch as one micro-batch: the same step with the gradient summed in another order (no
+    # accumulation over micro-batches), as DDP / FSDP sum theirs in another order: the yardstick for their rounding
+    "plain-whole": ([sys.executable], (), None),
     "ddp-2": (accelerate("ddp", 2), (), None),
     "fsdp-2": (accelerate("fsdp", 2), (), None),
     "ddp-2-again": (accelerate("ddp", 2), (), None),
@@ -134,7 +137,8 @@ def run(label: str, args, runs_dir: Path) -> tuple[list[dict], float]:
     overrides = [
         *base, "logger=none", f"name=multiprocess-{label}", f"hydra.run.dir={runs_dir / label}",
         f"trainer.max_steps={args.steps}", f"optim.warmup_steps={args.warmup}",
-        f"trainer.micro_batch_size={args.micro_batch}", f"trainer.global_batch_size={args.global_batch}",
+        f"trainer.micro_batch_size={args.global_batch if label.startswith('plain-whole') else args.micro_batch}",
+        f"trainer.global_batch_size={args.global_batch}",
         "trainer.log_interval=1", f"trainer.eval_interval={half}", f"trainer.save_interval={half}",
         "trainer.keep_checkpoints=2", *extra, *(no_dropout if label.endswith("-nodrop") else ()), *args.extra,
     ]
