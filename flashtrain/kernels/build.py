@@ -1081,10 +1081,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --check-nvcc: only the 99 KB tiles that 163 KB GPUs do not use")
     parser.add_argument("--ptxas", action="store_true", help="with --check-nvcc: print registers and spills")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compilations")
-    parser.add_argument("--only", metavar="REGEX", help="only the instantiations whose name matches (re.search)")
+    parser.add_argument("--only", metavar="REGEX",
+                        help="only the instantiations whose name matches (re.search; also with --check-nvcc)")
     args = parser.parse_args(argv)
     if args.check_nvcc:
-        return check_nvcc(args.check_nvcc, args.jobs, small_smem_kernels() if args.small_smem else None, args.ptxas)
+        specs = small_smem_kernels() if args.small_smem else None
+        if args.only is not None:
+            specs = [spec for spec in (specs if specs is not None else all_kernels()) if re.search(args.only, spec.name)]
+        return check_nvcc(args.check_nvcc, args.jobs, specs, args.ptxas)
     arch = args.arch
     if arch is None:
         import torch
