@@ -583,9 +583,10 @@ __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, flo
     float mx = kRowBias ? -infinity() : row_max;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) mx = fmax_(mx, fmax_(s[nt][2 * hf], s[nt][2 * hf + 1]));
+    // kRowBias: this lane's scores are s + row_bias (alibi_by_rows; the bias differs between a quad's lanes)
+    if constexpr (kRowBias) mx = fmax_(row_max, mx + row_bias);
     mx = fmax_(mx, shfl_xor(mx, 1));  // the 4 lanes of a quad share a row
     mx = fmax_(mx, shfl_xor(mx, 2));
-    if constexpr (kRowBias) mx = fmax_(row_max, mx + row_bias);  // the scores are s + row_bias (alibi_by_rows)
     // A row that saw only masked keys so far keeps m = -inf; subtract 0 instead to avoid inf - inf.
     const float m_scaled = mx == -infinity() ? 0.f : mx * scale_log2;
     const float correction = fast_exp2(row_max * scale_log2 - m_scaled);
@@ -691,9 +692,9 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[kNT][4], float softc
 // ALiBi on one warp's m16 rows at one FFMA per score (the Hopper forward; apply_score_mods spends an FADD and an FFMA):
 // where every pair of the warp's 16 rows x kNT * 8 columns lies on one side of the diagonal (sign sg of
 // i + offset - j; with causal masking every visible pair does), -slope |d| = sg slope (8 nt + e % 2) + bias_r with
-// bias_r = -sg slope (row0 + g + 8 r + offset - col0 - 2 t) the same for all of a row's scores: the scores get the
-// first term, and the row's bias goes to softmax_exp_row (kRowBias), which adds it to the block's row maximum and the
-// exponent's constant at no cost per score. Returns false, changing nothing, where the warp's pairs straddle the
+// bias_r = -sg slope (row0 + g + 8 r + offset - col0 - 2 t) the same for all of a lane's scores in row r: the scores
+// get the first term, and the lane's bias goes to softmax_exp_row (kRowBias), which adds it to the lane's maximum
+// before the quad's shuffles and to the exponent's constant, at no cost per score. Returns false, changing nothing, where the warp's pairs straddle the
 // diagonal (not causal): apply_score_mods' ALiBi then.
 template <bool kIsCausal, int kNT>
 __device__ __forceinline__ bool alibi_by_rows(float (&s)[kNT][4], float alibi_scaled, int row0, int col0, int offset,
