@@ -47,23 +47,32 @@ class ShardLocalAdamW(torch.optim.AdamW):
     moments, instead of dispatching each of its list ops through DTensor: the same kernels and arithmetic (AdamW is
     element-wise), at a fraction of the host time (H200, GPT-2 small under FSDP2 on 2 GPUs: 6.5 ms of host time per
     step through DTensor, spent while the GPU waited; benchmarks/probes/trace_gaps.py). The state stays DTensors, so
-    checkpoints (torch.distributed.checkpoint) see what torch.optim.AdamW has; plain parameters step as in AdamW."""
+    checkpoints (torch.distributed.checkpoint) see what torch.optim.AdamW has; plain parameters step as in AdamW.
+    A group steps on local shards only where that is the same update: each DTensor gradient laid out as its
+    parameter (same mesh and placements, none Partial, as FSDP2 and HSDP give) and no differentiable step; any other
+    group goes through DTensor as in torch.optim.AdamW."""
 
-    def _init_group(self, group, params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps):
-        has_complex = super()._init_group(group, params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                                          state_steps)
-        for tensors in (params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
-            tensors[:] = local_shards(tensors)
+    def _init_group(self, group, params_with_grad, grads, *state_lists):
+        has_complex = super()._init_group(group, params_with_grad, grads, *state_lists)
+        if not group["differentiable"] and all(
+                not isinstance(p, DTensor) or (isinstance(g, DTensor) and g.device_mesh == p.device_mesh and
+                                               g.placements == p.placements and
+                                               not any(pl.is_partial() for pl in g.placements))
+                for p, g in zip(params_with_grad, grads)):
+            for tensors in (params_with_grad, grads, *state_lists):
+                tensors[:] = local_shards(tensors)
         return has_complex
 
 
+@torch.no_grad()
 def clip_grad_norm_(accelerator, parameters, max_norm: float) -> torch.Tensor:
     """accelerator.clip_grad_norm_ (2-norm of every gradient together, scaled down to max_norm when above it; returns
     the norm before clipping), with FSDP2's DTensor gradients computed on their local shards: each process's norm of
     its shards, the squares summed over the shards' process group (one all-reduce), the coefficient applied to the
     shards in place; the arithmetic of DTensor's own partial-norm reduction, without dispatching every list op
     through DTensor (H200, GPT-2 small under FSDP2: 3-6 ms of host time per step, spent while the GPU waited). Other
-    layouts (plain tensors, several meshes, replicated placements) take accelerator.clip_grad_norm_."""
+    layouts (plain tensors, several meshes, replicated placements) take accelerator.clip_grad_norm_. Every process
+    decides alike (FSDP2 shards every parameter on every process), so all of them join the one all-reduce."""
     parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     sharded = grads and all(isinstance(g, DTensor) and g.device_mesh.ndim == 1 and g.placements[0].is_shard()

@@ -401,6 +401,8 @@ class Trainer:
         finite = self._finite_step(loss_sum, grad_norm)  # waits for the backward pass: the last log's values are in
         self.flush_log()
         if not finite:
+            if accelerator.scaler is not None:  # fp16: the skipped step's unscale is recorded; lower the scale, reset
+                accelerator.scaler.update()     # its stage (else the next step's unscale raises)
             self.optimizer.zero_grad(set_to_none=True)
             return
         self.nonfinite_in_a_row = 0
@@ -460,7 +462,8 @@ class Trainer:
         fp16's loss scaler the loss only: the scaler skips steps whose gradients overflow, and lowers its scale).
         Reading the answer waits for the backward pass: one synchronisation per step."""
         checks = [loss_sum.float().reshape(1)]
-        if self.accelerator.scaler is None:  # FSDP's norm is a replicated DTensor: every process holds the total
+        if self.accelerator.scaler is None:  # every process holds the total norm (FSDP: a plain tensor or a
+                                             # replicated DTensor)
             checks.append(torch.as_tensor(local_tensor(grad_norm), device=loss_sum.device).float().reshape(1))
         nonfinite = (~torch.isfinite(torch.cat(checks))).sum().float()
         if self.accelerator.reduce(nonfinite, reduction="sum").item() == 0:
