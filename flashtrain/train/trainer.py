@@ -166,6 +166,9 @@ class Trainer:
         self.profile_window = cfg.trainer.profile_window()  # trainer.profile_steps as (first, last), or None
         self.profiler: torch.profiler.profile | None = None  # running over those steps
         self.pending_log: tuple | None = None  # a training record whose device values are not read yet
+        self.latest_skipped = False  # the latest step's update was skipped (non-finite); nothing new to save
+        self.lagged = False  # trainer.lagged_finite_check in effect (set with the optimizer)
+        self.pending_step: tuple | None = None  # lagged: the queued step whose finiteness is not read yet
 
     # ---- setup ---------------------------------------------------------------------------------------------------
 
@@ -327,6 +330,11 @@ class Trainer:
         if self.tcfg.compile:
             model = torch.compile(model, mode=self.tcfg.compile_mode)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        # the lagged finiteness check needs an update the device itself can skip: fused AdamW's found_inf (fp16's
+        # loss scaler decides its own skips)
+        self.lagged = bool(tcfg.lagged_finite_check and self.accelerator.scaler is None and
+                           isinstance(optimizer, torch.optim.Adam) and optimizer.defaults.get("fused"))
+        self.raw_optimizer = optimizer
 
     def _open_loaders_and_logs(self) -> None:
         cfg, tcfg, accelerator = self.cfg, self.tcfg, self.accelerator
@@ -398,6 +406,9 @@ class Trainer:
         state.samples_consumed += self.global_batch_size
         # grad_clip 0: measured (an infinite bound multiplies the gradients by exactly 1), not clipped
         grad_norm = clip_grad_norm_(accelerator, self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
+        if self.lagged:
+            self._lagged_update(loss_sum, grad_norm, total_tokens, step_start)
+            return
         finite = self._finite_step(loss_sum, grad_norm)  # waits for the backward pass: the last log's values are in
         self.flush_log()
         if not finite:
@@ -406,6 +417,12 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             return
         self.nonfinite_in_a_row = 0
+        self._update(loss_sum, total_tokens, step_start)
+
+    def _update(self, loss_sum: torch.Tensor, total_tokens, step_start: float) -> None:
+        """The optimizer and LR-schedule step, the step's count, progress and (on log_interval) its record."""
+        tcfg, state = self.tcfg, self.state
+        self.latest_skipped = False
         self.step_lr = self.scheduler.get_last_lr()[0]  # the learning rate of this step (logged with its loss)
         self.optimizer.step()
         self.scheduler.step()
@@ -418,6 +435,65 @@ class Trainer:
             (time.perf_counter() - self.start_time) / 60 >= tcfg.max_minutes
         if state.step % tcfg.log_interval == 0 or self._last_step():
             self._log_training(loss_sum)
+
+    def _lagged_update(self, loss_sum: torch.Tensor, grad_norm, total_tokens, step_start: float) -> None:
+        """trainer.lagged_finite_check: read the previous step's finiteness (copied to the host when it was queued:
+        no wait for this step's backward pass), correct the books if it was skipped, then queue this step's update
+        with its own finiteness as the optimizer's found_inf (a non-finite step changes no weight, moment or step
+        count on the device) and copy that flag to the host for the next step."""
+        # 1.0 / 0.0: the fused kernels skip on found_inf == 1 and take it off the step count
+        nonfinite = (self._nonfinite_count(loss_sum, grad_norm) > 0).float()
+        if self.pending_step is not None and not self._resolve_pending_step():
+            if self.nonfinite_in_a_row >= self.tcfg.max_nonfinite_steps:
+                # stop with the last finite weights: this step is never queued, and its batch is read again on resume
+                self.state.samples_consumed -= self.global_batch_size
+                self.optimizer.zero_grad(set_to_none=True)
+                return
+        self.flush_log()
+        snapshot = (self.scheduler.state_dict(), [group["lr"] for group in self.raw_optimizer.param_groups])
+        self.raw_optimizer.found_inf = nonfinite
+        try:
+            self._update(loss_sum, total_tokens, step_start)
+        finally:
+            del self.raw_optimizer.found_inf
+        event, flag = None, nonfinite
+        if nonfinite.device.type == "cuda":
+            flag = torch.empty((), dtype=nonfinite.dtype, pin_memory=True)
+            flag.copy_(nonfinite, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self.pending_step = (flag, event, self.state.step, int(total_tokens), snapshot, loss_sum, grad_norm)
+
+    def _resolve_pending_step(self) -> bool:
+        """Read the queued step's finiteness (lagged); True when finite. When not: its update was skipped on the
+        device, so its count, tokens, LR-schedule step and record are taken back, and it is counted as skipped,
+        exactly as the step-by-step check does."""
+        flag, event, step, tokens, (scheduler_state, lrs), loss_sum, grad_norm = self.pending_step
+        self.pending_step = None
+        if event is not None:
+            event.synchronize()
+        if flag.item() == 0:
+            self.nonfinite_in_a_row = 0
+            return True
+        state = self.state
+        state.step, state.tokens_seen = step - 1, state.tokens_seen - tokens
+        self.scheduler.load_state_dict(scheduler_state)
+        for group, lr in zip(self.raw_optimizer.param_groups, lrs):
+            group["lr"] = lr
+        if self.pending_log is not None and self.pending_log[0] == step:
+            self.pending_log = None  # the skipped step's record
+        self.pbar.update(-1)
+        self.latest_skipped = True
+        self._count_skipped(loss_sum, grad_norm)
+        return False
+
+    def _count_skipped(self, loss_sum: torch.Tensor, grad_norm) -> None:
+        self.nonfinite_in_a_row += 1
+        self.state.skipped_nonfinite += 1
+        self._print(f"step {self.state.step + 1}: non-finite loss ({loss_sum.item():.4g}) "
+                    f"or gradient norm ({float(local_tensor(grad_norm)):.4g}): step skipped, {self.nonfinite_in_a_row} in a row "
+                    f"(trainer.max_nonfinite_steps={self.tcfg.max_nonfinite_steps}), "
+                    f"{self.state.skipped_nonfinite} in this run", progress=True)
 
     def profile_before_step(self) -> None:
         """Start torch.profiler before the first step of trainer.profile_steps (CPU ops, and CUDA kernels on a GPU)."""
@@ -457,23 +533,23 @@ class Trainer:
         local = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
         return tuple(self.accelerator.reduce(local, reduction="sum").float())
 
-    def _finite_step(self, loss_sum: torch.Tensor, grad_norm) -> bool:
-        """False, counting the step as skipped, when the loss or the gradient norm is not finite on any process (with
-        fp16's loss scaler the loss only: the scaler skips steps whose gradients overflow, and lowers its scale).
-        Reading the answer waits for the backward pass: one synchronisation per step."""
+    def _nonfinite_count(self, loss_sum: torch.Tensor, grad_norm) -> torch.Tensor:
+        """On the device, the number of processes whose loss or gradient norm is not finite (with fp16's loss scaler
+        the loss only: the scaler skips steps whose gradients overflow, and lowers its scale)."""
         checks = [loss_sum.float().reshape(1)]
         if self.accelerator.scaler is None:  # every process holds the total norm (FSDP: a plain tensor or a
                                              # replicated DTensor)
             checks.append(torch.as_tensor(local_tensor(grad_norm), device=loss_sum.device).float().reshape(1))
         nonfinite = (~torch.isfinite(torch.cat(checks))).sum().float()
-        if self.accelerator.reduce(nonfinite, reduction="sum").item() == 0:
+        return self.accelerator.reduce(nonfinite, reduction="sum").reshape(())
+
+    def _finite_step(self, loss_sum: torch.Tensor, grad_norm) -> bool:
+        """False, counting the step as skipped, when the loss or the gradient norm is not finite on any process.
+        Reading the answer waits for the backward pass: one synchronisation per step."""
+        if self._nonfinite_count(loss_sum, grad_norm).item() == 0:
             return True
-        self.nonfinite_in_a_row += 1
-        self.state.skipped_nonfinite += 1
-        self._print(f"step {self.state.step + 1}: non-finite loss ({loss_sum.item():.4g}) "
-                    f"or gradient norm ({float(local_tensor(grad_norm)):.4g}): step skipped, {self.nonfinite_in_a_row} in a row "
-                    f"(trainer.max_nonfinite_steps={self.tcfg.max_nonfinite_steps}), "
-                    f"{self.state.skipped_nonfinite} in this run", progress=True)
+        self.latest_skipped = True
+        self._count_skipped(loss_sum, grad_norm)
         return False
 
     def _log_training(self, loss_sum: torch.Tensor) -> None:
@@ -496,14 +572,23 @@ class Trainer:
                     torch.tensor([peak], device=self.accelerator.device))
         if (mfu := self.utilisation.mfu(tok_s)) is not None:
             host["mfu"] = mfu
-        self.pending_log = (self.state.step, self.state.tokens_seen, host, device)
+        event = None
+        if self.lagged and self.accelerator.device.type == "cuda":
+            # copied to the host behind this step's work: flush_log then waits for this step, not for the next one
+            device = {key: torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
+                      for key, value in device.items()}
+            event = torch.cuda.Event()
+            event.record()
+        self.pending_log = (self.state.step, self.state.tokens_seen, host, device, event)
 
     def flush_log(self) -> None:
         """Write the pending training record (`_log_training`), reading its device values."""
         if self.pending_log is None:
             return
-        step, tokens, host, device = self.pending_log
+        step, tokens, host, device, event = self.pending_log
         self.pending_log = None
+        if event is not None:
+            event.synchronize()
         train_loss = device["train_loss"].item()
         if "peak_memory_gib_per_process" in device:
             host["peak_memory_gib_per_process"] = [round(v, 4) for v in device["peak_memory_gib_per_process"].tolist()]
@@ -518,10 +603,15 @@ class Trainer:
         """Evaluate and save on their intervals; True when the run stops before end_step (stop_metric reached, out
         of time, a signal, trainer.max_nonfinite_steps skipped in a row), always with a checkpoint."""
         tcfg, step = self.tcfg, self.state.step
+        if self.pending_step is not None and (  # lagged: whatever waits for the device reads the step's answer first
+                self._signalled() or step % tcfg.eval_interval == 0 or step % tcfg.save_interval == 0 or
+                self._last_step()):
+            self._resolve_pending_step()
+            step = self.state.step
         if self._signalled():
             name = signal.Signals(self.received_signal or signal.SIGTERM).name
             return self._stop(f"stopped by {name} after step {step}", 128 + (self.received_signal or signal.SIGTERM))
-        if self.nonfinite_in_a_row:  # no step was taken: nothing new to evaluate or save
+        if self.latest_skipped:  # no step was taken: nothing new to evaluate or save
             return self.nonfinite_in_a_row >= tcfg.max_nonfinite_steps and self._stop(
                 f"stopped: {self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient norm "
                 f"(trainer.max_nonfinite_steps={tcfg.max_nonfinite_steps}); the weights are those after step {step}, "
@@ -597,6 +687,8 @@ class Trainer:
     def finish(self) -> TrainResult:
         """Score the task's other splits (once, at the end of a finished run), sample, plot, say where things are."""
         cfg, accelerator = self.cfg, self.accelerator
+        if self.pending_step is not None:
+            self._resolve_pending_step()
         self.flush_log()
         self.pbar.close()
         if not self.stopped_early:

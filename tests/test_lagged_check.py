@@ -1,0 +1,113 @@
+"""trainer.lagged_finite_check: each step's finiteness read one step later, the update of a non-finite step skipped on
+the device (fused AdamW's found_inf). On the CPU the trainer's AdamW is not fused, so these tests make it fused (torch
+has a fused CPU AdamW) and compare the lagged run with the step-by-step one: the same records, skips, messages and
+weights."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flashtrain.data.lm import LMTask
+from flashtrain.train import train
+from flashtrain.train import trainer as trainer_module
+from flashtrain.train.optim import ShardLocalAdamW
+from hydra_config import compose_config
+from test_resilience import EXACT, _poison
+from test_train import tiny_overrides
+
+KEYS = ("train_loss", "lr", "val_loss", "val_ppl")
+LOSS = LMTask.loss  # unpoisoned: each run poisons it afresh (_poison wraps whatever LMTask.loss is)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("flashtrain-cache-lagged")
+
+
+@pytest.fixture
+def fused_adamw(monkeypatch):
+    """The trainer's AdamW fused on the CPU too; counts the steps that took the lagged path."""
+    original = trainer_module.build_optimizer
+
+    def build(model, cfg):
+        optimizer = original(model, cfg)
+        if type(optimizer) is ShardLocalAdamW:
+            groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+            d = optimizer.defaults
+            return ShardLocalAdamW(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], fused=True)
+        return optimizer
+
+    monkeypatch.setattr(trainer_module, "build_optimizer", build)
+    lagged_steps = []
+    lagged_update = trainer_module.Trainer._lagged_update
+
+    def counting(self, *args):
+        lagged_steps.append(self.state.step)
+        return lagged_update(self, *args)
+
+    monkeypatch.setattr(trainer_module.Trainer, "_lagged_update", counting)
+    return lagged_steps
+
+
+def _run(cache_dir, path, lagged: bool, *extra):
+    overrides = tiny_overrides(cache_dir, *EXACT, f"trainer.lagged_finite_check={str(lagged).lower()}", *extra)
+    return train(compose_config(overrides), path)
+
+
+def _records(result):
+    """(step, key, value) of every record's losses, learning rate and validation metrics."""
+    return [(r.get("step"), key, r[key]) for r in result.history for key in KEYS if key in r]
+
+
+def _weights(result):
+    return load_file(str(result.checkpoint / "model.safetensors"))
+
+
+def _same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lagged_run_repeats_the_stepwise_run(fused_adamw, cache_dir, tmp_path):
+    stepwise = _run(cache_dir, tmp_path / "stepwise", False)
+    assert fused_adamw == []
+    lagged = _run(cache_dir, tmp_path / "lagged", True)
+    assert len(fused_adamw) == 9  # every step took the lagged path
+    assert lagged.final_step == stepwise.final_step == 9
+    assert _records(lagged) == _records(stepwise)
+    assert _same_weights(_weights(lagged), _weights(stepwise))
+
+
+def test_lagged_check_skips_as_the_stepwise_check(fused_adamw, cache_dir, tmp_path, monkeypatch, capsys):
+    runs, outputs = {}, {}
+    for lagged in (False, True):
+        monkeypatch.setattr(LMTask, "loss", LOSS)
+        _poison(monkeypatch, bad_calls={3, 4})  # the micro-batches of steps 4 and 5
+        runs[lagged] = _run(cache_dir, tmp_path / str(lagged), lagged)
+        outputs[lagged] = [line.strip() for line in capsys.readouterr().out.splitlines() if "non-finite" in line]
+    assert fused_adamw  # the lagged run took the lagged path
+    for lagged in (False, True):
+        assert any("step 4: non-finite loss (nan) or gradient norm (nan): step skipped, 2 in a row" in line
+                   for line in outputs[lagged])
+    assert [o.split("step skipped")[1] for o in outputs[True]] == [o.split("step skipped")[1] for o in outputs[False]]
+    assert runs[True].final_step == runs[False].final_step == 9
+    assert _records(runs[True]) == _records(runs[False])  # no record of a skipped step, the same LR schedule
+    assert _same_weights(_weights(runs[True]), _weights(runs[False]))
+    optimizer = torch.load(runs[True].checkpoint / "optimizer.bin", weights_only=False)
+    assert {float(s["step"]) for s in optimizer["state"].values()} == {9.0}  # the skipped updates left no count
+
+
+def test_lagged_check_stops_with_the_last_finite_weights(fused_adamw, cache_dir, tmp_path, monkeypatch, capsys):
+    runs = {}
+    for lagged in (False, True):
+        monkeypatch.setattr(LMTask, "loss", LOSS)
+        _poison(monkeypatch, bad_calls=set(range(3, 100)))  # every micro-batch after step 3
+        runs[lagged] = _run(cache_dir, tmp_path / str(lagged), lagged, "trainer.max_nonfinite_steps=3")
+        assert ("stopped: 3 steps in a row had a non-finite loss or gradient norm (trainer.max_nonfinite_steps=3); "
+                "the weights are those after step 3, the last finite one") in capsys.readouterr().out
+    for result in runs.values():
+        assert result.final_step == 3 and result.exit_code == 1
+        assert result.checkpoint.name == "step_00000003"
+    assert _same_weights(_weights(runs[True]), _weights(runs[False]))
+    # the batch the lagged run read past the third skipped step is read again on resume: the same data position
+    states = [torch.load(r.checkpoint / "custom_checkpoint_1.pkl", weights_only=False) for r in runs.values()]
+    assert states[0]["samples_consumed"] == states[1]["samples_consumed"]
