@@ -111,3 +111,23 @@ def test_lagged_check_stops_with_the_last_finite_weights(fused_adamw, cache_dir,
     # the batch the lagged run read past the third skipped step is read again on resume: the same data position
     states = [torch.load(r.checkpoint / "custom_checkpoint_1.pkl", weights_only=False) for r in runs.values()]
     assert states[0]["samples_consumed"] == states[1]["samples_consumed"]
+
+
+def test_signal_of_several_processes_is_read_one_step_later():
+    """Under several processes every rank reads the summed signal flags of the step before (no host wait per step):
+    a signal during step s stops every rank after step s + 1."""
+    import signal
+
+    class TwoProcesses:  # accelerate's reduce over 2 processes, both with this process's flag
+        num_processes, device = 2, torch.device("cpu")
+
+        @staticmethod
+        def reduce(tensor, reduction):
+            return tensor * 2
+
+    trainer = trainer_module.Trainer.__new__(trainer_module.Trainer)
+    trainer.accelerator, trainer.received_signal, trainer.signal_pending = TwoProcesses(), None, None
+    assert trainer._signalled() is False  # step 1
+    trainer.received_signal = signal.SIGTERM  # during step 2
+    assert trainer._signalled() is False  # after step 2: step 1's flags
+    assert trainer._signalled() is True  # after step 3

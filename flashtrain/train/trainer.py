@@ -153,6 +153,19 @@ def use_deterministic_algorithms() -> None:
     torch.backends.cudnn.benchmark = False
 
 
+def _staged(value: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A GPU tensor's copy in pinned host memory, queued behind the work so far, and an event after it: reading the
+    copy once the event is done waits for this point of the stream, not for the work queued later. A CPU tensor as
+    it is (no event)."""
+    if value.device.type != "cuda":
+        return value, None
+    copy = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    copy.copy_(value, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return copy, event
+
+
 class Trainer:
     def __init__(self, cfg: FlashtrainConfig):
         self.cfg, self.tcfg = cfg, cfg.trainer
@@ -169,6 +182,7 @@ class Trainer:
         self.latest_skipped = False  # the latest step's update was skipped (non-finite); nothing new to save
         self.lagged = False  # trainer.lagged_finite_check in effect (set with the optimizer)
         self.pending_step: tuple | None = None  # lagged: the queued step whose finiteness is not read yet
+        self.signal_pending: tuple | None = None  # several processes: the summed signal flags of the last step
 
     # ---- setup ---------------------------------------------------------------------------------------------------
 
@@ -257,13 +271,21 @@ class Trainer:
         self.previous_handlers = {}
 
     def _signalled(self) -> bool:
-        """True on every process once any process got SIGINT/SIGTERM: under several processes the flags are summed,
-        so every rank stops after the same step."""
+        """True on every process once any process got SIGINT/SIGTERM (called once per step). Under several processes
+        the flags are summed on the device and the sum read one step later, from a copy made behind its step: no
+        host wait per step, and every rank stops after the same step (the one after the signal's)."""
         got = self.received_signal is not None
-        if self.accelerator.num_processes > 1:
-            flag = torch.tensor(float(got), device=self.accelerator.device)
-            got = self.accelerator.reduce(flag, reduction="sum").item() > 0
-        return got
+        if self.accelerator.num_processes == 1:
+            return got
+        previous = self.signal_pending
+        summed = self.accelerator.reduce(torch.tensor(float(got), device=self.accelerator.device), reduction="sum")
+        self.signal_pending = _staged(summed)
+        if previous is None:
+            return False
+        value, event = previous
+        if event is not None:
+            event.synchronize()
+        return value.item() > 0
 
     def _check_resumed_config(self) -> None:
         """A checkpoint of another model/data configuration stops the start, unless resume_allow_config_change."""
@@ -456,12 +478,7 @@ class Trainer:
             self._update(loss_sum, total_tokens, step_start)
         finally:
             del self.raw_optimizer.found_inf
-        event, flag = None, nonfinite
-        if nonfinite.device.type == "cuda":
-            flag = torch.empty((), dtype=nonfinite.dtype, pin_memory=True)
-            flag.copy_(nonfinite, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+        flag, event = _staged(nonfinite)
         self.pending_step = (flag, event, self.state.step, int(total_tokens), snapshot, loss_sum, grad_norm)
 
     def _resolve_pending_step(self) -> bool:
@@ -573,12 +590,10 @@ class Trainer:
         if (mfu := self.utilisation.mfu(tok_s)) is not None:
             host["mfu"] = mfu
         event = None
-        if self.lagged and self.accelerator.device.type == "cuda":
-            # copied to the host behind this step's work: flush_log then waits for this step, not for the next one
-            device = {key: torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
-                      for key, value in device.items()}
-            event = torch.cuda.Event()
-            event.record()
+        if self.lagged:  # copied to the host behind this step's work: flush_log waits for this step, not the next
+            staged = [(key, *_staged(value)) for key, value in device.items()]
+            device = {key: copy for key, copy, _ in staged}
+            event = staged[-1][2]  # the last copy's: the others are done before it
         self.pending_log = (self.state.step, self.state.tokens_seen, host, device, event)
 
     def flush_log(self) -> None:
@@ -603,12 +618,12 @@ class Trainer:
         """Evaluate and save on their intervals; True when the run stops before end_step (stop_metric reached, out
         of time, a signal, trainer.max_nonfinite_steps skipped in a row), always with a checkpoint."""
         tcfg, step = self.tcfg, self.state.step
+        signalled = self._signalled()
         if self.pending_step is not None and (  # lagged: whatever waits for the device reads the step's answer first
-                self._signalled() or step % tcfg.eval_interval == 0 or step % tcfg.save_interval == 0 or
-                self._last_step()):
+                signalled or step % tcfg.eval_interval == 0 or step % tcfg.save_interval == 0 or self._last_step()):
             self._resolve_pending_step()
             step = self.state.step
-        if self._signalled():
+        if signalled:
             name = signal.Signals(self.received_signal or signal.SIGTERM).name
             return self._stop(f"stopped by {name} after step {step}", 128 + (self.received_signal or signal.SIGTERM))
         if self.latest_skipped:  # no step was taken: nothing new to evaluate or save
