@@ -162,8 +162,16 @@ def _staged(value: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]
     copy = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
     copy.copy_(value, non_blocking=True)
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(value.device))
     return copy, event
+
+
+def _host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host numbers as a tensor on `device` without a wait: torch.tensor(..., device=cuda) copies from pageable
+    memory and synchronizes the stream; from pinned memory the copy is queued like a kernel."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 class Trainer:
@@ -262,7 +270,9 @@ class Trainer:
                   file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self.received_signal = signum
-        print(f"\n{name} received: finishing step {self.state.step + 1}, then saving a checkpoint "
+        when = (f"step {self.state.step + 1}" if self.accelerator.num_processes == 1 else
+                "this step and the next (the processes agree on a signal one step later)")
+        print(f"\n{name} received: finishing {when}, then saving a checkpoint "
               f"(another {name} exits at once, without one)", file=sys.stderr, flush=True)
 
     def restore_signal_handlers(self) -> None:
@@ -278,7 +288,8 @@ class Trainer:
         if self.accelerator.num_processes == 1:
             return got
         previous = self.signal_pending
-        summed = self.accelerator.reduce(torch.tensor(float(got), device=self.accelerator.device), reduction="sum")
+        summed = self.accelerator.reduce(_host_to_device(float(got), torch.float32, self.accelerator.device),
+                                         reduction="sum")
         self.signal_pending = _staged(summed)
         if previous is None:
             return False
@@ -354,7 +365,10 @@ class Trainer:
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         # the lagged finiteness check needs an update the device itself can skip: fused AdamW's found_inf (fp16's
         # loss scaler decides its own skips)
+        # (one process for now: under several the step's token count is a sum on the device that the books read at
+        # once; deferring it to the step's answer is the next change)
         self.lagged = bool(tcfg.lagged_finite_check and self.accelerator.scaler is None and
+                           self.accelerator.num_processes == 1 and
                            isinstance(optimizer, torch.optim.Adam) and optimizer.defaults.get("fused"))
         self.raw_optimizer = optimizer
 
@@ -409,6 +423,9 @@ class Trainer:
         processes before the backward passes (one small all-reduce). DDP and FSDP average gradients over processes, so
         each process back-propagates its shares times the number of processes."""
         tcfg, accelerator, state = self.tcfg, self.accelerator, self.state
+        if (self.pending_step is not None and self.nonfinite_in_a_row + 1 >= tcfg.max_nonfinite_steps and
+                not self._resolve_pending_step()):
+            return  # lagged: the limit of skips in a row is reached before this step reads a batch (as step by step)
         step_start = time.perf_counter()
         host_batches = [next(self.train_iter) for _ in range(self.grad_accum_steps)]  # CPU tensors: no device sync
         counts = [self.task.loss_count(batch) for batch in host_batches]
@@ -465,14 +482,12 @@ class Trainer:
         count on the device) and copy that flag to the host for the next step."""
         # 1.0 / 0.0: the fused kernels skip on found_inf == 1 and take it off the step count
         nonfinite = (self._nonfinite_count(loss_sum, grad_norm) > 0).float()
-        if self.pending_step is not None and not self._resolve_pending_step():
-            if self.nonfinite_in_a_row >= self.tcfg.max_nonfinite_steps:
-                # stop with the last finite weights: this step is never queued, and its batch is read again on resume
-                self.state.samples_consumed -= self.global_batch_size
-                self.optimizer.zero_grad(set_to_none=True)
-                return
+        if self.pending_step is not None:
+            self._resolve_pending_step()  # (a skip that reaches the limit is read before the step: train_step)
         self.flush_log()
-        snapshot = (self.scheduler.state_dict(), [group["lr"] for group in self.raw_optimizer.param_groups])
+        # what taking this step back restores: the schedule, the learning rates, the throughput interval
+        snapshot = (self.scheduler.state_dict(), [group["lr"] for group in self.raw_optimizer.param_groups],
+                    self.interval_seconds, self.tokens_at_log)
         self.raw_optimizer.found_inf = nonfinite
         try:
             self._update(loss_sum, total_tokens, step_start)
@@ -485,7 +500,8 @@ class Trainer:
         """Read the queued step's finiteness (lagged); True when finite. When not: its update was skipped on the
         device, so its count, tokens, LR-schedule step and record are taken back, and it is counted as skipped,
         exactly as the step-by-step check does."""
-        flag, event, step, tokens, (scheduler_state, lrs), loss_sum, grad_norm = self.pending_step
+        flag, event, step, tokens, (scheduler_state, lrs, seconds, tokens_at_log), loss_sum, grad_norm = \
+            self.pending_step
         self.pending_step = None
         if event is not None:
             event.synchronize()
@@ -497,6 +513,7 @@ class Trainer:
         self.scheduler.load_state_dict(scheduler_state)
         for group, lr in zip(self.raw_optimizer.param_groups, lrs):
             group["lr"] = lr
+        self.interval_seconds, self.tokens_at_log = seconds, tokens_at_log  # the skip's time and tokens not counted
         if self.pending_log is not None and self.pending_log[0] == step:
             self.pending_log = None  # the skipped step's record
         self.pbar.update(-1)
@@ -547,7 +564,7 @@ class Trainer:
         tensors (summed in float64), which weight the losses without waiting for the device."""
         if self.accelerator.num_processes == 1:
             return values
-        local = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
+        local = _host_to_device(values, torch.float64, self.accelerator.device)
         return tuple(self.accelerator.reduce(local, reduction="sum").float())
 
     def _nonfinite_count(self, loss_sum: torch.Tensor, grad_norm) -> torch.Tensor:
@@ -586,7 +603,7 @@ class Trainer:
             host["peak_memory_gib"] = peak
             if self.accelerator.num_processes > 1:  # every GPU's, in rank order (one small all-gather per log)
                 device["peak_memory_gib_per_process"] = self.accelerator.gather(
-                    torch.tensor([peak], device=self.accelerator.device))
+                    _host_to_device([peak], torch.float32, self.accelerator.device))
         if (mfu := self.utilisation.mfu(tok_s)) is not None:
             host["mfu"] = mfu
         event = None
