@@ -67,10 +67,11 @@ def _same_weights(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_lagged_run_repeats_the_stepwise_run(fused_adamw, cache_dir, tmp_path):
+def test_lagged_run_repeats_the_stepwise_run(fused_adamw, cache_dir, tmp_path, capsys):
     stepwise = _run(cache_dir, tmp_path / "stepwise", False)
-    assert fused_adamw == []
+    assert fused_adamw == [] and "finiteness check" not in capsys.readouterr().out
     lagged = _run(cache_dir, tmp_path / "lagged", True)
+    assert "finiteness check: read one step later (trainer.lagged_finite_check)" in capsys.readouterr().out
     assert len(fused_adamw) == 9  # every step took the lagged path
     assert lagged.final_step == stepwise.final_step == 9
     assert _records(lagged) == _records(stepwise)
@@ -167,3 +168,10 @@ def test_signal_of_several_processes_is_read_one_step_later():
     trainer.received_signal = signal.SIGTERM  # during step 2
     assert trainer._signalled() is False  # after step 2: step 1's flags
     assert trainer._signalled() is True  # after step 3
+
+
+def test_lagged_check_says_when_it_is_not_in_effect(cache_dir, tmp_path, capsys):
+    """The CPU's AdamW is not fused: asked for, the lagged check says it is off and why (the run goes step by step)."""
+    _run(cache_dir, tmp_path / "run", True, "trainer.max_steps=2")
+    assert ("trainer.lagged_finite_check: not in effect, the host waits for each step's finiteness (it needs one "
+            "process, a fused AdamW and no fp16 loss scaler)") in capsys.readouterr().out
