@@ -54,8 +54,9 @@ class ShardLocalAdamW(torch.optim.AdamW):
 
     def _init_group(self, group, params_with_grad, grads, *state_lists):
         has_complex = super()._init_group(group, params_with_grad, grads, *state_lists)
+        # (the same mesh object, as FSDP2 gives: an identity test, not DeviceMesh equality, per tensor and step)
         if not group["differentiable"] and all(
-                not isinstance(p, DTensor) or (isinstance(g, DTensor) and g.device_mesh == p.device_mesh and
+                not isinstance(p, DTensor) or (isinstance(g, DTensor) and g.device_mesh is p.device_mesh and
                                                g.placements == p.placements and
                                                not any(pl.is_partial() for pl in g.placements))
                 for p, g in zip(params_with_grad, grads)):
@@ -75,14 +76,15 @@ def clip_grad_norm_(accelerator, parameters, max_norm: float) -> torch.Tensor:
     decides alike (FSDP2 shards every parameter on every process), so all of them join the one all-reduce."""
     parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
-    sharded = grads and all(isinstance(g, DTensor) and g.device_mesh.ndim == 1 and g.placements[0].is_shard()
-                            for g in grads) and len({g.device_mesh for g in grads}) == 1
+    mesh = grads[0].device_mesh if grads and isinstance(grads[0], DTensor) else None
+    sharded = mesh is not None and mesh.ndim == 1 and all(
+        isinstance(g, DTensor) and g.device_mesh is mesh and g.placements[0].is_shard() for g in grads)
     if not sharded:
         return accelerator.clip_grad_norm_(parameters, max_norm)
     accelerator.unscale_gradients()
     local = local_shards(grads)
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local, 2.0)), 2.0) ** 2
-    torch.distributed.all_reduce(norm, group=grads[0].device_mesh.get_group())
+    torch.distributed.all_reduce(norm, group=mesh.get_group())
     norm = norm ** 0.5
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     torch._foreach_mul_(local, coefficient)

@@ -22,6 +22,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -153,17 +154,30 @@ def use_deterministic_algorithms() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def _staged(value: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """A GPU tensor's copy in pinned host memory, queued behind the work so far, and an event after it: reading the
-    copy once the event is done waits for this point of the stream, not for the work queued later. A CPU tensor as
-    it is (no event)."""
-    if value.device.type != "cuda":
-        return value, None
-    copy = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-    copy.copy_(value, non_blocking=True)
+def _staged(*values: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Copies of GPU tensors (one device) in pinned host memory, queued behind the work so far, and one event after
+    them: reading the copies once the event is done waits for this point of the stream, not for the work queued
+    later. CPU tensors as they are (no event)."""
+    if values[0].device.type != "cuda":
+        return list(values), None
+    copies = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True) for v in values]
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(value.device))
-    return copy, event
+    event.record(torch.cuda.current_stream(values[0].device))
+    return copies, event
+
+
+class PendingStep(NamedTuple):
+    """trainer.lagged_finite_check: a queued step whose finiteness is not read yet, and what taking it back restores."""
+    flag: torch.Tensor  # 1.0 when the step was not finite (a host copy, or a CPU tensor)
+    event: torch.cuda.Event | None  # the copy is done once this is
+    step: int  # the step's number
+    tokens: int  # its tokens
+    scheduler_state: dict  # the LR schedule, the learning rates and the throughput interval before it
+    lrs: list[float]
+    interval_seconds: float
+    tokens_at_log: int
+    loss_sum: torch.Tensor  # for the message of a skipped step
+    grad_norm: torch.Tensor
 
 
 def _host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -189,7 +203,7 @@ class Trainer:
         self.pending_log: tuple | None = None  # a training record whose device values are not read yet
         self.latest_skipped = False  # the latest step's update was skipped (non-finite); nothing new to save
         self.lagged = False  # trainer.lagged_finite_check in effect (set with the optimizer)
-        self.pending_step: tuple | None = None  # lagged: the queued step whose finiteness is not read yet
+        self.pending_step: PendingStep | None = None  # lagged: the queued step whose finiteness is not read yet
         self.signal_pending: tuple | None = None  # several processes: the summed signal flags of the last step
 
     # ---- setup ---------------------------------------------------------------------------------------------------
@@ -293,7 +307,7 @@ class Trainer:
         self.signal_pending = _staged(summed)
         if previous is None:
             return False
-        value, event = previous
+        (value,), event = previous
         if event is not None:
             event.synchronize()
         return value.item() > 0
@@ -490,39 +504,38 @@ class Trainer:
             self._resolve_pending_step()  # (a skip that reaches the limit is read before the step: train_step)
         self.flush_log()
         # what taking this step back restores: the schedule, the learning rates, the throughput interval
-        snapshot = (self.scheduler.state_dict(), [group["lr"] for group in self.raw_optimizer.param_groups],
-                    self.interval_seconds, self.tokens_at_log)
+        before = (self.scheduler.state_dict(), [group["lr"] for group in self.raw_optimizer.param_groups],
+                  self.interval_seconds, self.tokens_at_log)
         self.raw_optimizer.found_inf = nonfinite
         try:
             self._update(loss_sum, total_tokens, step_start)
         finally:
             del self.raw_optimizer.found_inf
-        flag, event = _staged(nonfinite)
-        self.pending_step = (flag, event, self.state.step, int(total_tokens), snapshot, loss_sum, grad_norm)
+        (flag,), event = _staged(nonfinite)
+        self.pending_step = PendingStep(flag, event, self.state.step, int(total_tokens), *before, loss_sum, grad_norm)
 
     def _resolve_pending_step(self) -> bool:
         """Read the queued step's finiteness (lagged); True when finite. When not: its update was skipped on the
         device, so its count, tokens, LR-schedule step and record are taken back, and it is counted as skipped,
         exactly as the step-by-step check does."""
-        flag, event, step, tokens, (scheduler_state, lrs, seconds, tokens_at_log), loss_sum, grad_norm = \
-            self.pending_step
-        self.pending_step = None
-        if event is not None:
-            event.synchronize()
-        if flag.item() == 0:
+        pending, self.pending_step = self.pending_step, None
+        if pending.event is not None:
+            pending.event.synchronize()
+        if pending.flag.item() == 0:
             self.nonfinite_in_a_row = 0
             return True
         state = self.state
-        state.step, state.tokens_seen = step - 1, state.tokens_seen - tokens
-        self.scheduler.load_state_dict(scheduler_state)
-        for group, lr in zip(self.raw_optimizer.param_groups, lrs):
+        state.step, state.tokens_seen = pending.step - 1, state.tokens_seen - pending.tokens
+        self.scheduler.load_state_dict(pending.scheduler_state)
+        for group, lr in zip(self.raw_optimizer.param_groups, pending.lrs):
             group["lr"] = lr
-        self.interval_seconds, self.tokens_at_log = seconds, tokens_at_log  # the skip's time and tokens not counted
-        if self.pending_log is not None and self.pending_log[0] == step:
+        # the skip's time and tokens leave the throughput interval
+        self.interval_seconds, self.tokens_at_log = pending.interval_seconds, pending.tokens_at_log
+        if self.pending_log is not None and self.pending_log[0] == pending.step:
             self.pending_log = None  # the skipped step's record
         self.pbar.update(-1)
         self.latest_skipped = True
-        self._count_skipped(loss_sum, grad_norm)
+        self._count_skipped(pending.loss_sum, pending.grad_norm)
         return False
 
     def _count_skipped(self, loss_sum: torch.Tensor, grad_norm) -> None:
@@ -612,9 +625,8 @@ class Trainer:
             host["mfu"] = mfu
         event = None
         if self.lagged:  # copied to the host behind this step's work: flush_log waits for this step, not the next
-            staged = [(key, *_staged(value)) for key, value in device.items()]
-            device = {key: copy for key, copy, _ in staged}
-            event = staged[-1][2]  # the last copy's: the others are done before it
+            copies, event = _staged(*device.values())
+            device = dict(zip(device, copies))
         self.pending_log = (self.state.step, self.state.tokens_seen, host, device, event)
 
     def flush_log(self) -> None:
