@@ -702,12 +702,15 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                 if (f.softcap_scale != 0.f) {
 #pragma unroll
                     for (int j = 0; j < kNT; ++j) {
-                        float dc[4];
+                        float dc[4], th[4];
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) th[e] = st[j][e] * f.softcap_scale;
+                        fast_tanh2(th[0], th[1]);  // the forward's tanh (utils.cuh apply_score_mods), bit for bit
+                        fast_tanh2(th[2], th[3]);
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
-                            const float th = fast_tanh(st[j][e] * f.softcap_scale);
-                            st[j][e] = f.softcap_unscale * th;
-                            dc[e] = 1.f - th * th;
+                            st[j][e] = f.softcap_unscale * th[e];
+                            dc[e] = 1.f - th[e] * th[e];
                         }
                         dcap[j][0] = pack2<T::kIsBF16>(dc[0], dc[1]);
                         dcap[j][1] = pack2<T::kIsBF16>(dc[2], dc[3]);

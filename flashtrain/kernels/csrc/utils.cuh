@@ -38,11 +38,6 @@ __device__ __forceinline__ float fast_log2(float x) {
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-__device__ __forceinline__ float fast_tanh(float x) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 // 2^x on the FMA and integer pipes instead of MUFU (FlashAttention-4's trick on Blackwell; here it relieves the MUFU
 // pipe where softcap's tanh shares it with the exponentials): x = j + f, j = round(x) (the low bits of x + 1.5 * 2^23),
 // |f| <= 1/2; 2^f by a degree-4 polynomial (relative error 3.7e-6; P is rounded to 16 bits next, 2^-9); j added to
@@ -101,6 +96,15 @@ template <> __device__ __forceinline__ void unpack2<false>(u32 v, float& lo, flo
 }
 template <> __device__ __forceinline__ void unpack2<true>(u32 v, float& lo, float& hi) {
     asm("mov.b32 %0, %2;\n mov.b32 %1, %3;" : "=f"(lo), "=f"(hi) : "r"(v << 16), "r"(v & 0xffff0000u));
+}
+// tanh of two floats on one MUFU operation (tanh.approx.f16x2, sm_75+): softcap's tanh shares the MUFU pipe with the
+// softmax's exponentials. Error: the fp16 rounding of the input (|x| 2^-11 at most, times tanh' <= 1: below 0.45 x
+// 2^-11 absolute, as x sech^2 x <= 0.45) and of the result (2^-11 relative), the order of tanh.approx.f32's own
+// (2^-10.99 relative). |x| past fp16's range rounds to inf: tanh = +-1, as it is.
+__device__ __forceinline__ void fast_tanh2(float& a, float& b) {
+    u32 t;
+    asm("tanh.approx.f16x2 %0, %1;" : "=r"(t) : "r"(pack2<false>(a, b)));
+    unpack2<false>(t, a, b);
 }
 
 // ---------------------------------------------------------------------------------------------- memory helpers
@@ -573,25 +577,32 @@ __device__ __forceinline__ void window_query_blocks(int n0, int offset, int left
 // p = exp2(s * scale_log2 - m * scale_log2) and returns the factor the row's O accumulators must be rescaled by
 // (rescale_row; kept apart so that a kernel can rescale O only once an asynchronous P V product into it is done).
 // kPolyExp: the odd n8 tiles' exponentials on the FMA pipe (poly_exp2), the even ones' on MUFU.
-template <int kNT, bool kPolyExp = false>
+template <int kNT, bool kPolyExp = false, bool kRowBias = false>
 __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, float& row_max, float& row_sum,
-                                                 float scale_log2) {
-    float mx = row_max;
+                                                 float scale_log2, float row_bias = 0.f) {
+    float mx = kRowBias ? -infinity() : row_max;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) mx = fmax_(mx, fmax_(s[nt][2 * hf], s[nt][2 * hf + 1]));
+    // kRowBias: this lane's scores are s + row_bias (alibi_by_rows; the bias differs between a quad's lanes)
+    if constexpr (kRowBias) mx = fmax_(row_max, mx + row_bias);
     mx = fmax_(mx, shfl_xor(mx, 1));  // the 4 lanes of a quad share a row
     mx = fmax_(mx, shfl_xor(mx, 2));
     // A row that saw only masked keys so far keeps m = -inf; subtract 0 instead to avoid inf - inf.
     const float m_scaled = mx == -infinity() ? 0.f : mx * scale_log2;
     const float correction = fast_exp2(row_max * scale_log2 - m_scaled);
     row_max = mx;
+    // kRowBias: exp2((s + row_bias) scale_log2 - m_scaled) with the bias in the constant
+    const float shift = kRowBias ? fmaf(row_bias, scale_log2, -m_scaled) : -m_scaled;
     float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             float& x = s[nt][2 * hf + e];
-            x = kPolyExp && nt % 2 == 1 ? poly_exp2(x * scale_log2 - m_scaled) : fast_exp2(x * scale_log2 - m_scaled);
+            if constexpr (kRowBias)
+                x = kPolyExp && nt % 2 == 1 ? poly_exp2(fmaf(x, scale_log2, shift)) : fast_exp2(fmaf(x, scale_log2, shift));
+            else
+                x = kPolyExp && nt % 2 == 1 ? poly_exp2(x * scale_log2 - m_scaled) : fast_exp2(x * scale_log2 - m_scaled);
             sum += x;
         }
     row_sum = row_sum * correction + sum;  // the max moved: rescale the running sum
@@ -660,7 +671,12 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[kNT][4], float softc
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[nt][e] = softcap_unscale * fast_tanh(s[nt][e] * softcap_scale);
+            for (int e = 0; e < 4; e += 2) {
+                float a = s[nt][e] * softcap_scale, b = s[nt][e + 1] * softcap_scale;
+                fast_tanh2(a, b);
+                s[nt][e] = softcap_unscale * a;
+                s[nt][e + 1] = softcap_unscale * b;
+            }
     }
     if (alibi_scaled != 0.f) {
         // the distance in fp32 (exact below 2^24) from one conversion: an int-to-float per score would run on the
@@ -672,6 +688,32 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[kNT][4], float softc
             for (int e = 0; e < 4; ++e)
                 s[nt][e] = fmaf(-alibi_scaled, fabsf(d0 + (float)(8 * (e >> 1) - nt * 8 - (e & 1))), s[nt][e]);
     }
+}
+// ALiBi on one warp's m16 rows at one FFMA per score (the Hopper forward; apply_score_mods spends an FADD and an FFMA):
+// where every pair of the warp's 16 rows x kNT * 8 columns lies on one side of the diagonal (sign sg of
+// i + offset - j; with causal masking every visible pair does), -slope |d| = sg slope (8 nt + e % 2) + bias_r with
+// bias_r = -sg slope (row0 + g + 8 r + offset - col0 - 2 t) the same for all of a lane's scores in row r: the scores
+// get the first term, and the lane's bias goes to softmax_exp_row (kRowBias), which adds it to the lane's maximum
+// before the quad's shuffles and to the exponent's constant, at no cost per score. Returns false, changing nothing, where the warp's pairs straddle the
+// diagonal (not causal): apply_score_mods' ALiBi then.
+template <bool kIsCausal, int kNT>
+__device__ __forceinline__ bool alibi_by_rows(float (&s)[kNT][4], float alibi_scaled, int row0, int col0, int offset,
+                                              int lane, float (&row_bias)[2]) {
+    float sg = 1.f;
+    if constexpr (!kIsCausal) {
+        if (row0 + offset - (col0 + kNT * 8 - 1) >= 0) sg = 1.f;
+        else if (row0 + 15 + offset - col0 <= 0) sg = -1.f;
+        else return false;
+    }
+    const int g = lane >> 2, t = lane & 3;
+    const float a = sg * alibi_scaled, d0 = (float)(row0 + g + offset - col0 - 2 * t);
+    row_bias[0] = -a * d0;
+    row_bias[1] = -a * (d0 + 8.f);
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = fmaf(a, (float)(8 * nt + (e & 1)), s[nt][e]);
+    return true;
 }
 template <int kMT, int kNT>
 __device__ __forceinline__ void apply_score_mods(float (&s)[kMT][kNT][4], float softcap_scale, float softcap_unscale,
