@@ -190,7 +190,8 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
     if mods:  # the score-modification kernels ran (also on Hopper: the mma.sync ones), with their parameters
         from flashtrain.kernels import build, launch
 
-        specs = [build.fwd_kernel(spec["shape_q"][-1], "bf16", spec["causal"], False, score_mods=True, arch=arch),
+        specs = [build.fwd_kernel(spec["shape_q"][-1], "bf16", spec["causal"], False, score_mods=True, arch=arch,
+                                  softcap=bool(softcap)),
                  build.bwd_kernel(spec["shape_q"][-1], "bf16", spec["causal"], False, score_mods=True, arch=arch,
                                   softcap=bool(softcap))]
         assert specs[0].source == ("flash_fwd_sm90.cu" if arch == "sm_90a" else "flash_fwd.cu")

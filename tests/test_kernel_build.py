@@ -44,9 +44,11 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_narrow = 2 * 2 * 2  # the hd128 backward with 96 columns of MMA work (head dims 65-96), x dtype x causal x dropout
     hopper_q80 = 2 * 2  # the hd128 backward's other query block (64 rows, or 80 with FLASHTRAIN_BWD_SM90_Q80=0), x dtype
     # x causal
-    # the forward and (head dims 64 / 128) the backward with score modifications, x dtype x causal
-    hopper_mods = (len(build.FWD_SM90_MODS_HEAD_DIMS) + len(build.BWD_SM90_MODS_HEAD_DIMS)) * 2 * 2
-    assert sum(name.endswith("_mods_nocap") for name in names) == 2 * 2  # head dim 64's backward without softcap
+    # the forward and (head dims 64 / 128) the backward with score modifications, x dtype x causal, each without
+    # softcap (`_nocap`, the calls without one) and with it (the backward where it has that variant: head dim 128)
+    nocap = (len(build.FWD_SM90_MODS_HEAD_DIMS) + len(build.BWD_SM90_MODS_HEAD_DIMS)) * 2 * 2
+    hopper_mods = nocap + (len(build.FWD_SM90_MODS_HEAD_DIMS) + sum(build.BWD_SM90_MODS_SOFTCAP.values())) * 2 * 2
+    assert sum(name.endswith("_mods_nocap") for name in names) == nocap
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
               + hopper_q80 + hopper_mods)
     cross_entropy = len(build.CE_DTYPES)  # the fused cross-entropy, one module per logits dtype
@@ -486,3 +488,28 @@ def test_deterministic_tile_groups(steps_per_tile, n_units, unit_bytes, expected
     group = ops._det_tile_group(steps_per_tile, n_units, unit_bytes, 132)
     assert group == expected and 1 <= group <= n_units
     assert group == n_units or group * unit_bytes <= ops.DET_GROUP_L2_BYTES or group == 1
+
+
+def test_hopper_mods_kernels_without_softcap_run_the_nocap_variants(monkeypatch):
+    """A call without softcap runs the Hopper kernels built without softcap (the forward without the tanh path, the
+    backward without the derivative's registers); one with softcap the variants that have it (the backward: head dim
+    128). FLASHTRAIN_MODS_NOCAP=0 (A/B) runs the softcap variants for every call."""
+    for causal in (False, True):
+        fwd = build.fwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True)
+        assert fwd.name.endswith("_mods_nocap") and ("FT_SCORE_MODS", 2) in fwd.defines
+        assert build.fwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True,
+                                softcap=True).name.endswith("_mods")
+        plain = build.bwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True)
+        capped = build.bwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True, softcap=True)
+        assert plain.name.endswith("_mods_nocap") and ("FT_SCORE_MODS", 2) in plain.defines
+        assert capped.name.endswith("_mods") and ("FT_SCORE_MODS", 1) in capped.defines
+        assert build.bwd_kernel(64, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True).name.endswith(
+            "_mods_nocap")
+        assert build.bwd_kernel(64, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True,
+                                softcap=True).source == "flash_bwd.cu"
+    with pytest.raises(ValueError, match="no softcap variant"):
+        build.bwd_sm90_mods_kernel(64, "bf16", True, softcap=True)
+    monkeypatch.setenv("FLASHTRAIN_MODS_NOCAP", "0")
+    assert build.fwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_mods")
+    assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_mods")
+    assert build.bwd_kernel(64, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_nocap")

@@ -37,7 +37,8 @@ def kernel_spec(item: str) -> build.KernelSpec:
         if kind == "fwd":
             return build._fwd_sm90_spec(int(head_dim), "bf16", causal, False, False,
                                         build.FWD_SM90_TILES[int(head_dim)], True)
-        return build.bwd_sm90_mods_kernel(int(head_dim), "bf16", causal)
+        return build.bwd_sm90_mods_kernel(int(head_dim), "bf16", causal,
+                                          softcap=build.BWD_SM90_MODS_SOFTCAP[int(head_dim)])
     if kind == "fwd":
         return build.fwd_sm90_kernel(int(head_dim), "bf16", causal, dropout=dropout)
     return build.bwd_sm90_kernel(int(head_dim), "bf16", causal, dropout=dropout, deterministic="det" in flags)

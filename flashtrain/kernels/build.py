@@ -273,6 +273,15 @@ BWD_SM90_MODS_HEAD_DIMS = tuple(BWD_SM90_MODS_TILES)
 BWD_SM90_MODS_SOFTCAP = {64: False, 128: True}
 
 
+def _mods_variant(softcap: bool, has_softcap_variant: bool = True) -> int:
+    """FT_SCORE_MODS of a Hopper mods kernel: 1 with softcap, 2 without (`_nocap`: a call without softcap; the
+    backward's derivative registers free). FLASHTRAIN_MODS_NOCAP=0 (A/B): the softcap variant for every call that
+    has one."""
+    if softcap or (has_softcap_variant and os.environ.get("FLASHTRAIN_MODS_NOCAP") == "0"):
+        return 1
+    return 2
+
+
 def bwd_sm90_q80_enabled() -> bool:
     return os.environ.get("FLASHTRAIN_BWD_SM90_Q80", "1") != "0"
 
@@ -470,23 +479,25 @@ def _check_score_mods(score_mods: bool, dropout: bool, block_sparse: bool) -> No
 
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, smem_limit: int | None = None, seqlen_q: int = 0,
-               score_mods: bool = False, mask_defines: tuple = ()) -> KernelSpec:
+               score_mods: bool = False, softcap: bool = False, mask_defines: tuple = ()) -> KernelSpec:
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
     smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length.
     score_mods (window_size, softcap, alibi_slopes; without dropout or a block mask): the `_mods` variants (SCORE_MODS),
-    on sm_90a the warpgroup-MMA forward with FWD_SM90_TILES."""
+    on sm_90a the warpgroup-MMA forward with FWD_SM90_TILES, built without the tanh path (`_nocap`) unless softcap (the
+    call has one)."""
     _check_score_mods(score_mods, dropout, block_sparse)
     if mask_defines:  # a mask expression (MaskMod.kernel_defines) compiled into the mods kernel
         if arch == SM90_ARCH and head_dim in MASK_SM90_HEAD_DIMS and sm90_enabled():
-            spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], True,
-                                  tuple(mask_defines))
+            spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim],
+                                  _mods_variant(softcap), tuple(mask_defines))
             if _fits(spec, smem_limit):
                 return spec
         return _fwd_spec(head_dim, dtype, causal, False, False, fwd_tiles(head_dim, causal, False, False, smem_limit),
                          True, tuple(mask_defines))
     if score_mods:
         if arch == SM90_ARCH and head_dim in FWD_SM90_MODS_HEAD_DIMS and sm90_enabled():
-            spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], True)
+            spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim],
+                                  _mods_variant(softcap))
             if _fits(spec, smem_limit):
                 return spec
         return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
@@ -557,7 +568,8 @@ def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-                   tiles: FwdSm90Tiles, score_mods: bool = False, mask_defines: tuple = ()) -> KernelSpec:
+                   tiles: FwdSm90Tiles, score_mods: int = 0, mask_defines: tuple = ()) -> KernelSpec:
+    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi (FwdSm90Traits' FT_SCORE_MODS)."""
     smem_bytes = tiles.smem_bytes(head_dim)
     # tiles other than the features' first choice (long causal sequences, a capped shared-memory limit) get names of
     # their own: a process may load both, and kernels are looked up by name
@@ -565,7 +577,7 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     same_shape = dataclasses.replace(tiles, q_buffers=first_choice.q_buffers) == first_choice
     name = (f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}"
-            f"{'_mods' if score_mods else ''}{_mask_suffix(mask_defines)}")
+            f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
                ("FT_Q_BUFFERS", tiles.q_buffers),
@@ -573,7 +585,7 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
                ("FT_CAUSAL", int(causal)), ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
                ("FT_SMEM_BYTES", smem_bytes), ("FT_MAX_STREAMS", MAX_STREAMS), ("FT_KERNEL_NAME", name))
     if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
-        defines += (("FT_SCORE_MODS", 1),) + tuple(mask_defines)
+        defines += (("FT_SCORE_MODS", int(score_mods)),) + tuple(mask_defines)
     return KernelSpec("flash_fwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
@@ -593,7 +605,7 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     if mask_defines:  # a mask expression (MaskMod.kernel_defines) compiled into the mods kernel
         if (arch == SM90_ARCH and head_dim in BWD_SM90_MODS_HEAD_DIMS and head_dim in MASK_SM90_HEAD_DIMS
                 and sm90_enabled() and not deterministic and (not softcap or BWD_SM90_MODS_SOFTCAP[head_dim])):
-            spec = bwd_sm90_mods_kernel(head_dim, dtype, causal, tuple(mask_defines))
+            spec = bwd_sm90_mods_kernel(head_dim, dtype, causal, tuple(mask_defines), softcap)
             if _fits(spec, smem_limit):
                 return spec
         return _bwd_spec(head_dim, dtype, causal, False, False, bwd_tiles(head_dim, smem_limit), True,
@@ -601,7 +613,7 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     if score_mods:
         if (arch == SM90_ARCH and head_dim in BWD_SM90_MODS_HEAD_DIMS and sm90_enabled() and not deterministic
                 and (not softcap or BWD_SM90_MODS_SOFTCAP[head_dim])):
-            spec = bwd_sm90_mods_kernel(head_dim, dtype, causal)
+            spec = bwd_sm90_mods_kernel(head_dim, dtype, causal, softcap=softcap)
             if _fits(spec, smem_limit):
                 return spec
         return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit), True)
@@ -636,15 +648,20 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
                           head_dim_eff or head_dim)
 
 
-def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: tuple = ()) -> KernelSpec:
+def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: tuple = (),
+                         softcap: bool = False) -> KernelSpec:
     """The Hopper backward's score-modification variant (window, softcap, ALiBi; dense, no dropout), with a mask
-    expression compiled in when mask_defines is given. FLASHTRAIN_BWD_SM90_MODS_Q80=1 (A/B): 80-query blocks at head
-    dim 128 (not with a mask expression: its states are per 128 queries)."""
+    expression compiled in when mask_defines is given. softcap=False (a call without one): the variant without
+    softcap's derivative (`_nocap`, _mods_variant; the only one at head dim 64, BWD_SM90_MODS_SOFTCAP).
+    FLASHTRAIN_BWD_SM90_MODS_Q80=1 (A/B): 80-query blocks at head dim 128 (not with a mask expression: its states are
+    per 128 queries)."""
+    if softcap and not BWD_SM90_MODS_SOFTCAP[head_dim]:
+        raise ValueError(f"the Hopper backward at head dim {head_dim} has no softcap variant (BWD_SM90_MODS_SOFTCAP)")
     tiles = BWD_SM90_MODS_TILES[head_dim]
     if head_dim == 128 and os.environ.get("FLASHTRAIN_BWD_SM90_MODS_Q80") == "1" and not mask_defines:
         tiles = BWD_SM90_DENSE128_TILES
     return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim,
-                          1 if BWD_SM90_MODS_SOFTCAP[head_dim] else 2, tuple(mask_defines))
+                          _mods_variant(softcap, BWD_SM90_MODS_SOFTCAP[head_dim]), tuple(mask_defines))
 
 
 @functools.lru_cache(maxsize=None)
@@ -732,10 +749,12 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               for kernel in (fwd_kernel, bwd_kernel) for head_dim in HEAD_DIMS for dtype in DTYPES
               for causal in (False, True) if smem_unavailable_reason(head_dim, False, smem_limit) is None]
     specs += [spec for head_dim in FWD_SM90_MODS_HEAD_DIMS for dtype in DTYPES for causal in (False, True)  # Hopper
-              if _fits(spec := _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], True),
+              for mods in (1, 2)
+              if _fits(spec := _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], mods),
                        smem_limit)]
     specs += [spec for head_dim in BWD_SM90_MODS_HEAD_DIMS for dtype in DTYPES for causal in (False, True)
-              if _fits(spec := bwd_sm90_mods_kernel(head_dim, dtype, causal), smem_limit)]
+              for softcap in (False, True)[:1 + BWD_SM90_MODS_SOFTCAP[head_dim]]
+              if _fits(spec := bwd_sm90_mods_kernel(head_dim, dtype, causal, softcap=softcap), smem_limit)]
     for block_sparse, head_dims in ((False, HEAD_DIMS), (True, BLOCK_SPARSE_HEAD_DIMS)):
         for head_dim in head_dims:
             if smem_unavailable_reason(head_dim, block_sparse, smem_limit) is not None:

@@ -362,7 +362,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
                             smem_limit=launch.device_smem_limit(q.device),
                             seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
                             score_mods=_score_mods(window, softcap, alibi_slopes) or mask is not None,
-                            mask_defines=mask.kernel_defines() if mask is not None else ())
+                            softcap=softcap > 0, mask_defines=mask.kernel_defines() if mask is not None else ())
     outputs = _output_shapes(q, cu_seqlens_q)
     out, lse = (torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in outputs)
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,

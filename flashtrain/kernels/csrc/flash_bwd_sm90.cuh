@@ -702,30 +702,47 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                 if (f.softcap_scale != 0.f) {
 #pragma unroll
                     for (int j = 0; j < kNT; ++j) {
-                        float dc[4], th[4];
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) th[e] = st[j][e] * f.softcap_scale;
-                        fast_tanh2(th[0], th[1]);  // the forward's tanh (utils.cuh apply_score_mods), bit for bit
-                        fast_tanh2(th[2], th[3]);
+                        float dc[4];
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
-                            st[j][e] = f.softcap_unscale * th[e];
-                            dc[e] = 1.f - th[e] * th[e];
+                            const float th = fast_tanh(st[j][e] * f.softcap_scale);
+                            st[j][e] = f.softcap_unscale * th;
+                            dc[e] = 1.f - th * th;
                         }
                         dcap[j][0] = pack2<T::kIsBF16>(dc[0], dc[1]);
                         dcap[j][1] = pack2<T::kIsBF16>(dc[2], dc[3]);
                     }
                 }
             }
+            // ALiBi: where every pair of the warp's 16 keys x kBlockM queries lies on one side of the diagonal (with causal
+            // masking every visible pair does), -slope |d| = -sg slope d with d = d0 + 8 j + e % 2 - 8 (e / 2) is added
+            // to the exponent's constant instead of the score: a per-lane constant per key row (alibi_rk) plus one per
+            // query column, folded into -lse per n8 tile (2 FFMA + 4 FADD per 4 scores instead of 4 FADD + 4 FFMA).
+            // Else per score, as utils.cuh apply_score_mods (d in fp32 from one conversion). Not in the softcap variant
+            // (kSoftcap, the calls with softcap): there the shifts' registers add spills (hd128 44 -> 52 bytes).
+            constexpr bool kAlibiRows = T::kScoreMods && !T::kSoftcap;
+            [[maybe_unused]] bool alibi_rows = false;
+            [[maybe_unused]] float alibi_b = 0.f, alibi_rk[2] = {0.f, 0.f};
             if constexpr (T::kScoreMods) {
-                if (alibi_scaled != 0.f) {  // (query - key + offset of element (j, e): d0 + 8 j + e % 2 - 8 (e / 2);
-                                            // in fp32 from one conversion, as utils.cuh apply_score_mods)
-                    const float d0 = (float)(m0 + 2 * t + seqlen_k - seqlen_q - (n0 + key_row0 + g));
+                if (alibi_scaled != 0.f) {
+                    const int offset = seqlen_k - seqlen_q, key0 = n0 + key_row0;
+                    const float d0 = (float)(m0 + 2 * t + offset - (key0 + g));
+                    const float sg = T::kIsCausal || m0 + offset - (key0 + 15) >= 0 ? 1.f
+                                     : m0 + kBlockM - 1 + offset - key0 <= 0   ? -1.f
+                                                                               : 0.f;
+                    if (kAlibiRows && sg != 0.f) {
+                        alibi_rows = true;
+                        alibi_b = -sg * alibi_scaled * f.softmax_scale_log2;
+                        alibi_rk[0] = alibi_b * d0;
+                        alibi_rk[1] = alibi_b * (d0 - 8.f);
+                    } else {
 #pragma unroll
-                    for (int j = 0; j < kNT; ++j)
+                        for (int j = 0; j < kNT; ++j)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            st[j][e] = fmaf(-alibi_scaled, fabsf(d0 + (float)(8 * j + (e & 1) - 8 * (e >> 1))), st[j][e]);
+                            for (int e = 0; e < 4; ++e)
+                                st[j][e] = fmaf(-alibi_scaled, fabsf(d0 + (float)(8 * j + (e & 1) - 8 * (e >> 1))),
+                                                st[j][e]);
+                    }
                 }
             }
             u32 keep_bits[(kNT * 4 + 31) / 32];
@@ -740,6 +757,19 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                 }
                 float lse[2];
                 ld_stats2(sm.sLse(s) + 4 * (8 * j + 2 * t), lse);
+                [[maybe_unused]] float shift[4];  // ALiBi by rows: the exponent's constant per score
+                if constexpr (kAlibiRows) {
+                    if (alibi_rows) {
+                        const float c0 = fmaf(alibi_b, (float)(8 * j), -lse[0]), c1 = fmaf(alibi_b, (float)(8 * j + 1), -lse[1]);
+                        shift[0] = c0 + alibi_rk[0];
+                        shift[1] = c1 + alibi_rk[0];
+                        shift[2] = c0 + alibi_rk[1];
+                        shift[3] = c1 + alibi_rk[1];
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) shift[e] = -lse[e & 1];
+                    }
+                }
                 float dropped[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
@@ -759,7 +789,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                                 !mask_mod_visible(f.mm, x.batch, head, query, key))
                                 score = -infinity();
                     }
-                    st[j][e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
+                    if constexpr (kAlibiRows) st[j][e] = fast_exp2(fmaf(score, f.softmax_scale_log2, shift[e]));
+                    else st[j][e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
                     dropped[e] = st[j][e];
                     if constexpr (T::kIsDropout) {  // element (query 8j + 2t + e % 2, key g + 8 (e / 2)) of the tile
                         const bool keep = rng.keep16(qbits[e & 1][j & 1], e >> 1);

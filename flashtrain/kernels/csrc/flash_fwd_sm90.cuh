@@ -67,10 +67,11 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kSeparateO_, bool kIsBF16_, bool kIsCausal_,
-          bool kIsDropout_, bool kIsBlockSparse_, int kQBuffers_ = 1, bool kScoreMods_ = false, bool kMaskMod_ = false>
+          bool kIsDropout_, bool kIsBlockSparse_, int kQBuffers_ = 1, int kScoreMods_ = 0, bool kMaskMod_ = false>
 struct FwdSm90Traits {
-    // the local window, softcap and ALiBi of the call's parameters (flash.h), each off when unset (issue 20)
-    static constexpr bool kScoreMods = kScoreMods_;
+    // FT_SCORE_MODS (issue 20): 1, the local window, softcap and ALiBi of the call's parameters (flash.h), each off
+    // when unset; 2, the window and ALiBi only (the calls without softcap: no tanh path, fewer registers)
+    static constexpr bool kScoreMods = kScoreMods_ != 0, kSoftcap = kScoreMods_ == 1;
     static_assert(!(kScoreMods_ && kIsBlockSparse_), "score modifications and a block mask are not combined");
     // a mask expression compiled in (FT_MASK_EXPR, mask_mod.cuh; with the score modifications): the key walk skips
     // the blocks whose 128 x 128 block states (FwdParams::mm_states) are all empty, the expression runs per pair on
@@ -590,7 +591,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                        : 0.f;
         // FT_FWD_POLY_EXP (above; off): with softcap, whose tanh shares the MUFU pipe with the exponentials, half of
         // them on the FMA pipe
-        const bool poly_exp = T::kScoreMods && FT_FWD_POLY_EXP && p.softcap_scale != 0.f;
+        const bool poly_exp = T::kSoftcap && FT_FWD_POLY_EXP && p.softcap_scale != 0.f;
         // ALiBi by rows where the warp's block lies on one side of the diagonal (utils.cuh alibi_by_rows: one FFMA per
         // score, each row's bias to softmax_exp_row), else per score (apply_score_mods)
         float row_bias[2] = {0.f, 0.f};
@@ -599,7 +600,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 const int col0 = n_block * kBlockN, offset = seqlen_k - seqlen_q;
                 row_bias[0] = row_bias[1] = 0.f;
                 // softcap first, then ALiBi (the reference's order)
-                apply_score_mods(s, p.softcap_scale, p.softcap_unscale, 0.f, m0 + row0, col0, offset, lane);
+                if constexpr (T::kSoftcap)
+                    apply_score_mods(s, p.softcap_scale, p.softcap_unscale, 0.f, m0 + row0, col0, offset, lane);
                 if (alibi_scaled != 0.f &&
                     !alibi_by_rows<T::kIsCausal>(s, alibi_scaled, m0 + row0, col0, offset, lane, row_bias))
                     apply_score_mods(s, 0.f, 0.f, alibi_scaled, m0 + row0, col0, offset, lane);

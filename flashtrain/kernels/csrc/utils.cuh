@@ -38,6 +38,11 @@ __device__ __forceinline__ float fast_log2(float x) {
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+__device__ __forceinline__ float fast_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 // 2^x on the FMA and integer pipes instead of MUFU (FlashAttention-4's trick on Blackwell; here it relieves the MUFU
 // pipe where softcap's tanh shares it with the exponentials): x = j + f, j = round(x) (the low bits of x + 1.5 * 2^23),
 // |f| <= 1/2; 2^f by a degree-4 polynomial (relative error 3.7e-6; P is rounded to 16 bits next, 2^-9); j added to
@@ -97,16 +102,6 @@ template <> __device__ __forceinline__ void unpack2<false>(u32 v, float& lo, flo
 template <> __device__ __forceinline__ void unpack2<true>(u32 v, float& lo, float& hi) {
     asm("mov.b32 %0, %2;\n mov.b32 %1, %3;" : "=f"(lo), "=f"(hi) : "r"(v << 16), "r"(v & 0xffff0000u));
 }
-// tanh of two floats on one MUFU operation (tanh.approx.f16x2, sm_75+): softcap's tanh shares the MUFU pipe with the
-// softmax's exponentials. Error: the fp16 rounding of the input (|x| 2^-11 at most, times tanh' <= 1: below 0.45 x
-// 2^-11 absolute, as x sech^2 x <= 0.45) and of the result (2^-11 relative), the order of tanh.approx.f32's own
-// (2^-10.99 relative). |x| past fp16's range rounds to inf: tanh = +-1, as it is.
-__device__ __forceinline__ void fast_tanh2(float& a, float& b) {
-    u32 t;
-    asm("tanh.approx.f16x2 %0, %1;" : "=r"(t) : "r"(pack2<false>(a, b)));
-    unpack2<false>(t, a, b);
-}
-
 // ---------------------------------------------------------------------------------------------- memory helpers
 __device__ __forceinline__ u32 smem_u32(const void* ptr) {
     u32 addr;
@@ -671,12 +666,7 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[kNT][4], float softc
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; e += 2) {
-                float a = s[nt][e] * softcap_scale, b = s[nt][e + 1] * softcap_scale;
-                fast_tanh2(a, b);
-                s[nt][e] = softcap_unscale * a;
-                s[nt][e + 1] = softcap_unscale * b;
-            }
+            for (int e = 0; e < 4; ++e) s[nt][e] = softcap_unscale * fast_tanh(s[nt][e] * softcap_scale);
     }
     if (alibi_scaled != 0.f) {
         // the distance in fp32 (exact below 2^24) from one conversion: an int-to-float per score would run on the
