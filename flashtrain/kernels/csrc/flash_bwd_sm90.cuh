@@ -720,7 +720,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             // query column, folded into -lse per n8 tile (2 FFMA + 4 FADD per 4 scores instead of 4 FADD + 4 FFMA).
             // Else per score, as utils.cuh apply_score_mods (d in fp32 from one conversion). Not in the softcap variant
             // (kSoftcap, the calls with softcap): there the shifts' registers add spills (hd128 44 -> 52 bytes).
-            constexpr bool kAlibiRows = T::kScoreMods && !T::kSoftcap;
+            constexpr bool kAlibiRows = T::kScoreMods && !T::kSoftcap && !T::kSwapDq;
             [[maybe_unused]] bool alibi_rows = false;
             [[maybe_unused]] float alibi_b = 0.f, alibi_rk[2] = {0.f, 0.f};
             if constexpr (T::kScoreMods) {

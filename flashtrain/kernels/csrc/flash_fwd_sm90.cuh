@@ -593,15 +593,16 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         // them on the FMA pipe
         const bool poly_exp = T::kSoftcap && FT_FWD_POLY_EXP && p.softcap_scale != 0.f;
         // ALiBi by rows where the warp's block lies on one side of the diagonal (utils.cuh alibi_by_rows: one FFMA per
-        // score, each row's bias to softmax_exp_row), else per score (apply_score_mods)
+        // score, each row's bias to softmax_exp_row), else per score (apply_score_mods). Not in the softcap variant
+        // (the calls with softcap), which stays as it was: there it added spills (hd256 causal 28 -> 36 bytes).
+        constexpr bool kRowBias = T::kScoreMods && !T::kSoftcap;
         float row_bias[2] = {0.f, 0.f};
         auto score_mods = [&](auto& s, int n_block) {
-            if constexpr (T::kScoreMods) {
-                const int col0 = n_block * kBlockN, offset = seqlen_k - seqlen_q;
+            const int col0 = n_block * kBlockN, offset = seqlen_k - seqlen_q;
+            if constexpr (T::kSoftcap) {  // softcap first, then ALiBi (the reference's order)
+                apply_score_mods(s, p.softcap_scale, p.softcap_unscale, alibi_scaled, m0 + row0, col0, offset, lane);
+            } else if constexpr (kRowBias) {
                 row_bias[0] = row_bias[1] = 0.f;
-                // softcap first, then ALiBi (the reference's order)
-                if constexpr (T::kSoftcap)
-                    apply_score_mods(s, p.softcap_scale, p.softcap_unscale, 0.f, m0 + row0, col0, offset, lane);
                 if (alibi_scaled != 0.f &&
                     !alibi_by_rows<T::kIsCausal>(s, alibi_scaled, m0 + row0, col0, offset, lane, row_bias))
                     apply_score_mods(s, 0.f, 0.f, alibi_scaled, m0 + row0, col0, offset, lane);
@@ -657,9 +658,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     if (poly_exp)
-                        softmax_exp_row<sizeof(s) / sizeof(s[0]), T::kScoreMods, T::kScoreMods>(
+                        softmax_exp_row<sizeof(s) / sizeof(s[0]), T::kScoreMods, kRowBias>(
                             s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
-                    else softmax_exp_row<sizeof(s) / sizeof(s[0]), false, T::kScoreMods>(
+                    else softmax_exp_row<sizeof(s) / sizeof(s[0]), false, kRowBias>(
                             s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 }
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
@@ -701,9 +702,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 float correction[2];
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf)
-                    correction[hf] = poly_exp ? softmax_exp_row<kNT, T::kScoreMods, T::kScoreMods>(
+                    correction[hf] = poly_exp ? softmax_exp_row<kNT, T::kScoreMods, kRowBias>(
                                                     s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf])
-                                              : softmax_exp_row<kNT, false, T::kScoreMods>(
+                                              : softmax_exp_row<kNT, false, kRowBias>(
                                                     s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
                 wgmma_wait<0>();  // P V done: O and the P registers are free
