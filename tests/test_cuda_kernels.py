@@ -301,6 +301,9 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
         assert (fwd.source == "flash_fwd_sm90.cu") == (head_dim in build.FWD_SM90_MODS_HEAD_DIMS)
         assert (bwd.source == "flash_bwd_sm90.cu") == (head_dim in build.BWD_SM90_MODS_HEAD_DIMS and
                                                        (not softcap or build.BWD_SM90_MODS_SOFTCAP[head_dim]))
+        if causal and head_dim == 128 and not softcap:
+            assert build.bwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True,
+                                    seqlen_q=2100).block_m == 80
     features = dict(features)
     if causal and features.get("window_size", (-1, -1))[1] not in (-1, 0):
         features["window_size"] = (features["window_size"][0], 0)
@@ -311,9 +314,19 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
     batch_features = dict(features)
     if "alibi_slopes" in features and features["alibi_slopes"].dim() == 2:
         batch_features["alibi_slopes"] = features["alibi_slopes"][:2]
-    for index, (seqlen_q, seqlen_k) in enumerate([(300, 300), (200, 457), (457, 200), (1, 333), (1100, 1100)]):
+    shapes = [(300, 300), (200, 457), (457, 200), (1, 333), (1100, 1100)]
+    long_q80 = family == "default" and causal and head_dim == 128 and "softcap" not in features
+    if long_q80:  # the Hopper hd128 causal backward's 80-query blocks (from BWD_SM90_Q80_CAUSAL_SEQLEN queries)
+        shapes.append((2100, 2100))
+    for index, (seqlen_q, seqlen_k) in enumerate(shapes):
         q, k, v, dout = _inputs((2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim), torch.bfloat16, seed=index)
         _check_against_reference(q, k, v, dout, causal=causal, features=batch_features)
+    if long_q80:
+        lengths = [2100, 300]
+        cu = torch.tensor([0, 2100, 2400], dtype=torch.int32, device="cuda")
+        q, k, v, dout = _inputs((2400, 4, head_dim), (2400, 2, head_dim), torch.bfloat16, seed=7)
+        _check_against_reference(q, k, v, dout, causal=causal, features=batch_features, cu_seqlens_q=cu,
+                                 cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
     lengths_q, lengths_k = [150, 0, 37, 260], [150, 12, 80, 200]
     cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")

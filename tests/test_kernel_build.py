@@ -47,6 +47,7 @@ def test_dispatch_table_covers_every_instantiation_once():
     # the forward and (head dims 64 / 128) the backward with score modifications, x dtype x causal, each without
     # softcap (`_nocap`, the calls without one) and with it (the backward where it has that variant: head dim 128)
     nocap = (len(build.FWD_SM90_MODS_HEAD_DIMS) + len(build.BWD_SM90_MODS_HEAD_DIMS)) * 2 * 2
+    nocap += 2  # the hd128 causal backward on 80-query blocks too (long sequences), x dtype
     hopper_mods = nocap + (len(build.FWD_SM90_MODS_HEAD_DIMS) + sum(build.BWD_SM90_MODS_SOFTCAP.values())) * 2 * 2
     assert sum(name.endswith("_mods_nocap") for name in names) == nocap
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
@@ -509,6 +510,16 @@ def test_hopper_mods_kernels_without_softcap_run_the_nocap_variants(monkeypatch)
                                 softcap=True).source == "flash_bwd.cu"
     with pytest.raises(ValueError, match="no softcap variant"):
         build.bwd_sm90_mods_kernel(64, "bf16", True, softcap=True)
+    # causal without softcap or a mask expression, the hd128 backward's 80-query blocks where the plain kernel takes
+    # them
+    long = build.BWD_SM90_Q80_CAUSAL_SEQLEN
+    for causal, seqlen_q, block_m in ((False, long, 64), (True, None, 64), (True, long, 80)):
+        spec = build.bwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=seqlen_q)
+        assert spec.block_m == block_m and spec.name.endswith("_mods_nocap"), spec.name
+        assert build.bwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True, softcap=True,
+                                seqlen_q=seqlen_q).block_m == 64
+    assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=long,
+                            mask_defines=(("FT_MASK_MOD", 1),)).block_m == 64
     monkeypatch.setenv("FLASHTRAIN_MODS_NOCAP", "0")
     assert build.fwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_mods")
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_mods")

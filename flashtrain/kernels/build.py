@@ -263,8 +263,12 @@ BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
 # TFLOP/s of the 64-query kernel, 1K 341 vs 344; from 2K 1.04-1.11x, above)
 BWD_SM90_Q80_CAUSAL_SEQLEN = 2048
 
-# The Hopper backward's score-modification variant (issue 20): one tile shape per head dim, causal or not. Head dim
-# 128 keeps 64-query blocks: on 80 ptxas serializes the mods kernel's wgmmas (C7512) and spills 120 B (64: 12-40 B).
+# The Hopper backward's score-modification variant (issue 20): these tiles, and at head dim 128, causal, without
+# softcap or a mask expression the 80-query ones where the plain kernel takes them (_bwd_q80: from
+# BWD_SM90_Q80_CAUSAL_SEQLEN query tokens). ptxas serializes the 80-query kernel's wgmmas (C7512) with softcap (its
+# derivative's registers) and in the fp16 non-causal variant; the mask expression's states are per 128 queries. H200, 2026-11-28, hd128 causal, mods_overhead.py
+# TFLOP/s against the 64-query nocap kernel: window (S, 0) (plain's work) 8K 547.0 vs 502.7 (plain 562-574), 2K 447.4
+# vs 433.5; ALiBi 8K 507.9 vs 479.8, 2K 433.5 vs 420.3; window 1024 8K 379.6 vs 374.9.
 BWD_SM90_MODS_TILES = {64: BWD_SM90_TILES[64], 128: BWD_SM90_TILES[128]}
 BWD_SM90_MODS_HEAD_DIMS = tuple(BWD_SM90_MODS_TILES)
 # ... with softcap (its derivative kept per element for dS^T): head dim 128; at 64 (128-query blocks) those registers
@@ -284,6 +288,11 @@ def _mods_variant(softcap: bool, has_softcap_variant: bool = True) -> int:
 
 def bwd_sm90_q80_enabled() -> bool:
     return os.environ.get("FLASHTRAIN_BWD_SM90_Q80", "1") != "0"
+
+
+def _bwd_q80(causal: bool, seqlen_q: int | None) -> bool:
+    """The hd128 Hopper backward's 80-query blocks for a call of this query length (None: a short one)."""
+    return bwd_sm90_q80_enabled() and (not causal or (seqlen_q or 0) >= BWD_SM90_Q80_CAUSAL_SEQLEN)
 
 
 def _bwd_tile_overrides() -> None:
@@ -613,7 +622,7 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     if score_mods:
         if (arch == SM90_ARCH and head_dim in BWD_SM90_MODS_HEAD_DIMS and sm90_enabled() and not deterministic
                 and (not softcap or BWD_SM90_MODS_SOFTCAP[head_dim])):
-            spec = bwd_sm90_mods_kernel(head_dim, dtype, causal, softcap=softcap)
+            spec = bwd_sm90_mods_kernel(head_dim, dtype, causal, softcap=softcap, seqlen_q=seqlen_q)
             if _fits(spec, smem_limit):
                 return spec
         return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit), True)
@@ -641,27 +650,27 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
                                      or deterministic):
         raise ValueError(f"no Hopper backward of head dim {head_dim} narrowed to {head_dim_eff} "
                          f"(block_sparse={block_sparse}, deterministic={deterministic})")
-    if (head_dim == 128 and head_dim_eff is None and not (dropout or block_sparse or deterministic)
-            and bwd_sm90_q80_enabled() and (not causal or (seqlen_q or 0) >= BWD_SM90_Q80_CAUSAL_SEQLEN)):
+    if head_dim == 128 and head_dim_eff is None and not (dropout or block_sparse or deterministic) and _bwd_q80(causal,
+                                                                                                          seqlen_q):
         tiles = BWD_SM90_DENSE128_TILES
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
                           head_dim_eff or head_dim)
 
 
 def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: tuple = (),
-                         softcap: bool = False) -> KernelSpec:
+                         softcap: bool = False, seqlen_q: int | None = None) -> KernelSpec:
     """The Hopper backward's score-modification variant (window, softcap, ALiBi; dense, no dropout), with a mask
     expression compiled in when mask_defines is given. softcap=False (a call without one): the variant without
-    softcap's derivative (`_nocap`, _mods_variant; the only one at head dim 64, BWD_SM90_MODS_SOFTCAP).
-    FLASHTRAIN_BWD_SM90_MODS_Q80=1 (A/B): 80-query blocks at head dim 128 (not with a mask expression: its states are
-    per 128 queries)."""
+    softcap's derivative (`_nocap`, _mods_variant; the only one at head dim 64, BWD_SM90_MODS_SOFTCAP), at head dim
+    128 causal on 80-query blocks where _bwd_q80 says so for the call's (max) query length seqlen_q
+    (BWD_SM90_MODS_TILES)."""
     if softcap and not BWD_SM90_MODS_SOFTCAP[head_dim]:
         raise ValueError(f"the Hopper backward at head dim {head_dim} has no softcap variant (BWD_SM90_MODS_SOFTCAP)")
+    mods = _mods_variant(softcap, BWD_SM90_MODS_SOFTCAP[head_dim])
     tiles = BWD_SM90_MODS_TILES[head_dim]
-    if head_dim == 128 and os.environ.get("FLASHTRAIN_BWD_SM90_MODS_Q80") == "1" and not mask_defines:
+    if head_dim == 128 and mods == 2 and causal and not mask_defines and _bwd_q80(causal, seqlen_q):
         tiles = BWD_SM90_DENSE128_TILES
-    return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim,
-                          _mods_variant(softcap, BWD_SM90_MODS_SOFTCAP[head_dim]), tuple(mask_defines))
+    return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim, mods, tuple(mask_defines))
 
 
 @functools.lru_cache(maxsize=None)
@@ -753,8 +762,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               if _fits(spec := _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], mods),
                        smem_limit)]
     specs += [spec for head_dim in BWD_SM90_MODS_HEAD_DIMS for dtype in DTYPES for causal in (False, True)
-              for softcap in (False, True)[:1 + BWD_SM90_MODS_SOFTCAP[head_dim]]
-              if _fits(spec := bwd_sm90_mods_kernel(head_dim, dtype, causal, softcap=softcap), smem_limit)]
+              for softcap in (False, True)[:1 + BWD_SM90_MODS_SOFTCAP[head_dim]] for seqlen_q in (1, 1 << 20)
+              if _fits(spec := bwd_sm90_mods_kernel(head_dim, dtype, causal, softcap=softcap, seqlen_q=seqlen_q),
+                       smem_limit)]
     for block_sparse, head_dims in ((False, HEAD_DIMS), (True, BLOCK_SPARSE_HEAD_DIMS)):
         for head_dim in head_dims:
             if smem_unavailable_reason(head_dim, block_sparse, smem_limit) is not None:
