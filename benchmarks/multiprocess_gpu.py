@@ -92,9 +92,9 @@ RUNS = {
     "fsdp-2-gc": (accelerate("fsdp", 2), ("trainer.gc_interval=50",), None),
     "fsdp-2-noreshard": ([*accelerate("fsdp", 2), "--fsdp_reshard_after_forward", "false"], (), None),
 }
-# the step's finiteness read one step later (trainer.lagged_finite_check; one process for now): no host wait before
-# each update
-RUNS.update({f"{label}-lagged": (launcher, (*extra, "trainer.lagged_finite_check=true"), None)
+# the step's finiteness read after each step, the host waiting for it before the update: the default until
+# 2026-11-28 (trainer.lagged_finite_check=false; the lagged check is one process only, so one-process runs only)
+RUNS.update({f"{label}-stepwise": (launcher, (*extra, "trainer.lagged_finite_check=false"), None)
              for label, (launcher, extra, source) in list(RUNS.items())
              if source is None and launcher[0] == sys.executable})
 RUNS.update({f"{label}-nodrop": (launcher, extra, source and f"{source}-nodrop")

@@ -171,7 +171,11 @@ def test_signal_of_several_processes_is_read_one_step_later():
 
 
 def test_lagged_check_says_when_it_is_not_in_effect(cache_dir, tmp_path, capsys):
-    """The CPU's AdamW is not fused: asked for, the lagged check says it is off and why (the run goes step by step)."""
+    """The CPU's AdamW is not fused: the lagged check (on by default) says it is off and why (the run goes step by
+    step)."""
+    from flashtrain.train.config import TrainerConfig
+
+    assert TrainerConfig.lagged_finite_check is True
     _run(cache_dir, tmp_path / "run", True, "trainer.max_steps=2")
-    assert ("trainer.lagged_finite_check: not in effect, the host waits for each step's finiteness (it needs one "
-            "process, a fused AdamW and no fp16 loss scaler)") in capsys.readouterr().out
+    assert ("finiteness check: step by step (trainer.lagged_finite_check needs one process, a fused AdamW and no fp16 "
+            "loss scaler)") in capsys.readouterr().out

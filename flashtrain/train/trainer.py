@@ -417,8 +417,8 @@ class Trainer:
         self._print(self.utilisation.describe())
         if tcfg.lagged_finite_check:
             self._print("finiteness check: read one step later (trainer.lagged_finite_check)" if self.lagged else
-                        "trainer.lagged_finite_check: not in effect, the host waits for each step's finiteness "
-                        "(it needs one process, a fused AdamW and no fp16 loss scaler)")
+                        "finiteness check: step by step (trainer.lagged_finite_check needs one process, a fused "
+                        "AdamW and no fp16 loss scaler)")
 
     def _wandb_run_id(self) -> str | None:
         """The wandb run of this run directory: made once and stored there, so a resumed run logs into the same one.
