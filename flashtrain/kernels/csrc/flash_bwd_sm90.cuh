@@ -714,12 +714,13 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                     }
                 }
             }
-            // ALiBi: where every pair of the warp's 16 keys x kBlockM queries lies on one side of the diagonal (with causal
-            // masking every visible pair does), -slope |d| = -sg slope d with d = d0 + 8 j + e % 2 - 8 (e / 2) is added
-            // to the exponent's constant instead of the score: a per-lane constant per key row (alibi_rk) plus one per
-            // query column, folded into -lse per n8 tile (2 FFMA + 4 FADD per 4 scores instead of 4 FADD + 4 FFMA).
-            // Else per score, as utils.cuh apply_score_mods (d in fp32 from one conversion). Not in the softcap variant
-            // (kSoftcap, the calls with softcap): there the shifts' registers add spills (hd128 44 -> 52 bytes).
+            // ALiBi: where every pair of the warp's 16 keys x kBlockM queries lies on one side of the diagonal (with
+            // causal masking every visible pair does), -slope |d| = -sg slope d with d = d0 + 8 j + e % 2 - 8 (e / 2)
+            // goes into the exponent's constant instead of the score: a per-lane term per key row (alibi_rk) plus one
+            // per query column, folded into -lse per n8 tile (2 FFMA + 4 FADD per 4 scores instead of 4 FADD + 4
+            // FFMA). Else per score, as utils.cuh apply_score_mods (d in fp32 from one conversion). Not in the softcap
+            // variant (kSoftcap, the calls with softcap: the shifts' registers added spills, hd128 44 -> 52 bytes), nor
+            // on the 80-query tiles (kSwapDq: ptxas serialized the wgmmas, C7512).
             constexpr bool kAlibiRows = T::kScoreMods && !T::kSoftcap && !T::kSwapDq;
             [[maybe_unused]] bool alibi_rows = false;
             [[maybe_unused]] float alibi_b = 0.f, alibi_rk[2] = {0.f, 0.f};
@@ -760,7 +761,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                 [[maybe_unused]] float shift[4];  // ALiBi by rows: the exponent's constant per score
                 if constexpr (kAlibiRows) {
                     if (alibi_rows) {
-                        const float c0 = fmaf(alibi_b, (float)(8 * j), -lse[0]), c1 = fmaf(alibi_b, (float)(8 * j + 1), -lse[1]);
+                        const float c0 = fmaf(alibi_b, (float)(8 * j), -lse[0]);
+                        const float c1 = fmaf(alibi_b, (float)(8 * j + 1), -lse[1]);
                         shift[0] = c0 + alibi_rk[0];
                         shift[1] = c1 + alibi_rk[0];
                         shift[2] = c0 + alibi_rk[1];

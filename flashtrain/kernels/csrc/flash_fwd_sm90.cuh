@@ -702,10 +702,11 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 float correction[2];
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf)
-                    correction[hf] = poly_exp ? softmax_exp_row<kNT, T::kScoreMods, kRowBias>(
-                                                    s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf])
-                                              : softmax_exp_row<kNT, false, kRowBias>(
-                                                    s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
+                    correction[hf] =
+                        poly_exp ? softmax_exp_row<kNT, T::kScoreMods, kRowBias>(s, hf, row_max[hf], row_sum[hf],
+                                                                                 p.softmax_scale_log2, row_bias[hf])
+                                 : softmax_exp_row<kNT, false, kRowBias>(s, hf, row_max[hf], row_sum[hf],
+                                                                         p.softmax_scale_log2, row_bias[hf]);
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
                 wgmma_wait<0>();  // P V done: O and the P registers are free
                 fence_operand(o);

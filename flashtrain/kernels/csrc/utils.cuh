@@ -102,6 +102,7 @@ template <> __device__ __forceinline__ void unpack2<false>(u32 v, float& lo, flo
 template <> __device__ __forceinline__ void unpack2<true>(u32 v, float& lo, float& hi) {
     asm("mov.b32 %0, %2;\n mov.b32 %1, %3;" : "=f"(lo), "=f"(hi) : "r"(v << 16), "r"(v & 0xffff0000u));
 }
+
 // ---------------------------------------------------------------------------------------------- memory helpers
 __device__ __forceinline__ u32 smem_u32(const void* ptr) {
     u32 addr;
@@ -595,9 +596,11 @@ __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, flo
         for (int e = 0; e < 2; ++e) {
             float& x = s[nt][2 * hf + e];
             if constexpr (kRowBias)
-                x = kPolyExp && nt % 2 == 1 ? poly_exp2(fmaf(x, scale_log2, shift)) : fast_exp2(fmaf(x, scale_log2, shift));
+                x = kPolyExp && nt % 2 == 1 ? poly_exp2(fmaf(x, scale_log2, shift))
+                                            : fast_exp2(fmaf(x, scale_log2, shift));
             else
-                x = kPolyExp && nt % 2 == 1 ? poly_exp2(x * scale_log2 - m_scaled) : fast_exp2(x * scale_log2 - m_scaled);
+                x = kPolyExp && nt % 2 == 1 ? poly_exp2(x * scale_log2 - m_scaled)
+                                            : fast_exp2(x * scale_log2 - m_scaled);
             sum += x;
         }
     row_sum = row_sum * correction + sum;  // the max moved: rescale the running sum
@@ -684,8 +687,8 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[kNT][4], float softc
 // i + offset - j; with causal masking every visible pair does), -slope |d| = sg slope (8 nt + e % 2) + bias_r with
 // bias_r = -sg slope (row0 + g + 8 r + offset - col0 - 2 t) the same for all of a lane's scores in row r: the scores
 // get the first term, and the lane's bias goes to softmax_exp_row (kRowBias), which adds it to the lane's maximum
-// before the quad's shuffles and to the exponent's constant, at no cost per score. Returns false, changing nothing, where the warp's pairs straddle the
-// diagonal (not causal): apply_score_mods' ALiBi then.
+// before the quad's shuffles and to the exponent's constant, at no cost per score. Returns false, changing nothing,
+// where the warp's pairs straddle the diagonal (not causal): apply_score_mods' ALiBi then.
 template <bool kIsCausal, int kNT>
 __device__ __forceinline__ bool alibi_by_rows(float (&s)[kNT][4], float alibi_scaled, int row0, int col0, int offset,
                                               int lane, float (&row_bias)[2]) {
