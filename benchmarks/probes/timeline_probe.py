@@ -4,6 +4,7 @@ call, and prints per configuration: the kernel's span, the SMs' idle tail, and t
 grouped by the tile's number of blocks.
 
     PYTHONPATH=$PWD python3 benchmarks/probes/timeline_probe.py [--configs fwd:128:512:causal bwd:128:4096:full ...]
+    ... --configs bwd:128:16384:window1024 bwd:128:16384:window16384   (a window; the mods kernel on plain's work)
 
 Forward marks (flash_fwd_sm90.cuh): 0 ready for a tile, 1 Q landed, 2 first S done, 3 key-block loop done, 4 last
 P V done, 5 epilogue done; slots 6 / 7: the stage counter before / after (blocks = difference).
@@ -29,10 +30,11 @@ from flashtrain.kernels import flash_attn_func, launch  # noqa: E402
 CTAS, ROLES, TILES, EVENTS = 160, 4, 96, 8  # = csrc/tma.cuh kTimeline*
 
 
-def timeline_ptr(kind: str, head_dim: int, causal: bool):
-    """(device pointer, bytes) of flashtrain_timeline in the loaded module of the `kind` kernel (fwd / bwd)."""
+def timeline_ptr(kind: str, head_dim: int, causal: bool, mods: bool = False):
+    """(device pointer, bytes) of flashtrain_timeline in the loaded module of the `kind` kernel (fwd / bwd); mods: the
+    score-modification kernel's."""
     found = [(name, module) for (_, name), module in launch._modules.items()
-             if f"_{kind}_sm90_hdim{head_dim}_" in name and ("_causal" in name) == causal]
+             if f"_{kind}_sm90_hdim{head_dim}_" in name and ("_causal" in name) == causal and ("_mods" in name) == mods]
     if not found:
         raise RuntimeError(f"no Hopper {kind} module loaded: {[name for _, name in launch._modules]}")
     err, ptr, size = driver.cuModuleGetGlobal(found[-1][1], b"flashtrain_timeline")
@@ -122,26 +124,30 @@ def analyse(kind: str, data: np.ndarray, elapsed_ms: float) -> None:
 
 
 def run(config: str) -> None:
+    """config = kind:head_dim:seqlen:mask, mask full, causal, or windowN (causal, window_size=(N, 0): the mods kernels;
+    window_size=(seqlen, 0) runs them on plain causal's work)."""
     kind, head_dim, seqlen, mask = config.split(":")
-    head_dim, seqlen, causal = int(head_dim), int(seqlen), mask == "causal"
+    head_dim, seqlen = int(head_dim), int(seqlen)
+    causal, window = mask != "full", int(mask.removeprefix("window")) if mask.startswith("window") else None
+    options = {"window_size": (window, 0)} if window is not None else {}
     batch, nheads = 16384 // seqlen, 2048 // head_dim
     q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    out = flash_attn_func(q, k, v, causal=causal, impl="cuda")
+    out = flash_attn_func(q, k, v, causal=causal, impl="cuda", **options)
     dout = torch.randn_like(out)
     for _ in range(3):  # build, load, warm up
-        out = flash_attn_func(q, k, v, causal=causal, impl="cuda")
+        out = flash_attn_func(q, k, v, causal=causal, impl="cuda", **options)
         torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
-    ptr, size = timeline_ptr(kind, head_dim, causal)
+    ptr, size = timeline_ptr(kind, head_dim, causal, mods=window is not None)
     clear(ptr, size)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if kind == "fwd":
         start.record()
-        flash_attn_func(q, k, v, causal=causal, impl="cuda")
+        flash_attn_func(q, k, v, causal=causal, impl="cuda", **options)
         end.record()
     else:
-        out = flash_attn_func(q, k, v, causal=causal, impl="cuda")
+        out = flash_attn_func(q, k, v, causal=causal, impl="cuda", **options)
         torch.cuda.synchronize()
         clear(ptr, size)
         start.record()
