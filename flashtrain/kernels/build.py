@@ -266,9 +266,10 @@ BWD_SM90_Q80_CAUSAL_SEQLEN = 2048
 # The Hopper backward's score-modification variant (issue 20): these tiles, and at head dim 128, causal, without
 # softcap or a mask expression the 80-query ones where the plain kernel takes them (_bwd_q80: from
 # BWD_SM90_Q80_CAUSAL_SEQLEN query tokens). ptxas serializes the 80-query kernel's wgmmas (C7512) with softcap (its
-# derivative's registers) and in the fp16 non-causal variant; the mask expression's states are per 128 queries. H200, 2026-11-28, hd128 causal, mods_overhead.py
-# TFLOP/s against the 64-query nocap kernel: window (S, 0) (plain's work) 8K 547.0 vs 502.7 (plain 562-574), 2K 447.4
-# vs 433.5; ALiBi 8K 507.9 vs 479.8, 2K 433.5 vs 420.3; window 1024 8K 379.6 vs 374.9.
+# derivative's registers) and in the fp16 non-causal variant; the mask expression's states are per 128 queries.
+# H200, 2026-11-28, hd128 causal, mods_overhead.py TFLOP/s against the 64-query nocap kernel: window (S, 0) (plain's
+# work) 8K 547.0 vs 502.7 (plain 562-574), 2K 447.4 vs 433.5; ALiBi 8K 507.9 vs 479.8, 2K 433.5 vs 420.3; window 1024
+# 8K 379.6 vs 374.9.
 BWD_SM90_MODS_TILES = {64: BWD_SM90_TILES[64], 128: BWD_SM90_TILES[128]}
 BWD_SM90_MODS_HEAD_DIMS = tuple(BWD_SM90_MODS_TILES)
 # ... with softcap (its derivative kept per element for dS^T): head dim 128; at 64 (128-query blocks) those registers
@@ -650,8 +651,8 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
                                      or deterministic):
         raise ValueError(f"no Hopper backward of head dim {head_dim} narrowed to {head_dim_eff} "
                          f"(block_sparse={block_sparse}, deterministic={deterministic})")
-    if head_dim == 128 and head_dim_eff is None and not (dropout or block_sparse or deterministic) and _bwd_q80(causal,
-                                                                                                          seqlen_q):
+    plain = not (dropout or block_sparse or deterministic)
+    if head_dim == 128 and head_dim_eff is None and plain and _bwd_q80(causal, seqlen_q):
         tiles = BWD_SM90_DENSE128_TILES
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
                           head_dim_eff or head_dim)
