@@ -524,3 +524,25 @@ def test_hopper_mods_kernels_without_softcap_run_the_nocap_variants(monkeypatch)
     assert build.fwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_mods")
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_mods")
     assert build.bwd_kernel(64, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_nocap")
+
+
+def test_check_nvcc_fails_on_a_new_serialized_wgmma_pipeline(monkeypatch, capsys):
+    """ptxas serializing a Hopper kernel's wgmmas (C75xx, a warning only) fails the nvcc check, except for the kernels
+    WGMMA_SERIALIZED_KNOWN accepts; the other archs' kernels are compiled without ptxas's report."""
+    reports = {}
+
+    def fake_compile(spec, arch, output, ptxas_verbose=False):
+        reports[spec.name, arch] = ptxas_verbose
+        return "168 registers, 0 / 0 bytes spilled (stores / loads), wgmma serialized (C7512)" if ptxas_verbose else ""
+
+    monkeypatch.setattr(build, "nvcc_path", lambda: "/usr/bin/nvcc")
+    monkeypatch.setattr(build, "_compile_nvcc", fake_compile)
+    fwd = build.fwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH)
+    known = build.bwd_kernel(64, "bf16", True, True, arch=build.SM90_ARCH)
+    assert known.name == "flash_bwd_sm90_hdim64_bf16_causal_dropout" and build.WGMMA_SERIALIZED_KNOWN.match(known.name)
+    assert not build.WGMMA_SERIALIZED_KNOWN.match(fwd.name)
+    assert build.check_nvcc([build.SM90_ARCH], 1, [known]) == 0
+    assert build.check_nvcc([build.SM90_ARCH], 1, [fwd]) == 1
+    assert "ptxas serialized the wgmmas of flash_fwd_sm90_hdim128_bf16_causal" in capsys.readouterr().err
+    sm80 = build.fwd_kernel(128, "bf16", True, False, arch="sm_80")
+    assert build.check_nvcc(["sm_80"], 1, [sm80]) == 0 and reports[sm80.name, "sm_80"] is False

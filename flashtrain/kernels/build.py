@@ -1085,9 +1085,18 @@ def _run_all(specs: list[KernelSpec], jobs: int, compile_one) -> int:
     return 1 if failures else 0
 
 
+# The Hopper kernels whose wgmmas ptxas serializes (C7514: the deferred dQ piece of the hd64 dropout / deterministic
+# backward, and the hd128 deterministic dropout one, read under a wait_group ptxas cannot pair), measured not to bound
+# them (docs/kernels.md: retiring it with wait_group 0 instead was 0.97-1.04x). check_nvcc fails on any other: a
+# serialized wgmma pipeline cost the 2026-11-25 forward overlap 13-15% and the 2026-11-28 mods backward on 80-query
+# blocks 9%, and ptxas only mentions it.
+WGMMA_SERIALIZED_KNOWN = re.compile(r"^flash_bwd_sm90_hdim(64_\w+_dropout\w*|128_\w+_dropout_det)$")
+
+
 def check_nvcc(archs: list[str], jobs: int, specs: list[KernelSpec] | None = None, ptxas_verbose: bool = False) -> int:
-    """Compile every instantiation (or `specs`) for every arch with nvcc, compile only; 0 when all succeed.
-    ptxas_verbose: print each kernel's registers and spills."""
+    """Compile every instantiation (or `specs`) for every arch with nvcc, compile only; 0 when all succeed and no
+    sm_90a kernel outside WGMMA_SERIALIZED_KNOWN has its wgmmas serialized by ptxas. ptxas_verbose: print each
+    kernel's registers and spills."""
     if nvcc_path() is None:
         print("nvcc not found", file=sys.stderr)
         return 1
@@ -1095,7 +1104,12 @@ def check_nvcc(archs: list[str], jobs: int, specs: list[KernelSpec] | None = Non
     with tempfile.TemporaryDirectory() as tmp:
         def compile_one(item):
             spec, arch = item
-            return _compile_nvcc(spec, arch, Path(tmp) / f"{spec.name}.{arch}.cubin", ptxas_verbose)
+            resources = _compile_nvcc(spec, arch, Path(tmp) / f"{spec.name}.{arch}.cubin",
+                                      ptxas_verbose or arch == SM90_ARCH)
+            if "wgmma serialized" in resources and not WGMMA_SERIALIZED_KNOWN.match(spec.name):
+                raise RuntimeError(f"ptxas serialized the wgmmas of {spec.name} ({resources}): each wgmma then waits "
+                                   f"for the previous one (build.WGMMA_SERIALIZED_KNOWN lists the accepted ones)")
+            return resources if ptxas_verbose else ""
 
         items = [(spec, arch) for arch in archs for spec in specs if spec.supports(arch)]
         wrapped = [dataclasses.replace(spec, symbols=tuple(f"{s}@{arch}" for s in spec.symbols)) for spec, arch in items]
