@@ -276,6 +276,7 @@ def test_varlen_matches_reference(dtype, causal, head_dim):
 SCORE_MODS = [dict(window_size=(100, 50)), dict(window_size=(-1, 7)), dict(window_size=(130, -1)),
               dict(softcap=0.5), dict(softcap=2.0, window_size=(64, 64)), dict(alibi_slopes="heads"),
               dict(alibi_slopes="batch", softcap=3.0, window_size=(90, 20)),
+              dict(alibi_slopes="heads", window_size=(90, 20)),  # both without softcap: the `_nocap` kernels
               dict(window_size=(2**31 - 1, 3))]  # wider than any sequence (ops caps it: int32 index arithmetic)
 
 
@@ -317,7 +318,7 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
     shapes = [(300, 300), (200, 457), (457, 200), (1, 333), (1100, 1100)]
     long_q80 = family == "default" and causal and head_dim == 128 and "softcap" not in features
     if long_q80:  # the Hopper hd128 causal backward's 80-query blocks (from BWD_SM90_Q80_CAUSAL_SEQLEN queries)
-        shapes.append((2100, 2100))
+        shapes += [(2100, 2100), (2100, 2400)]
     for index, (seqlen_q, seqlen_k) in enumerate(shapes):
         q, k, v, dout = _inputs((2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim), torch.bfloat16, seed=index)
         _check_against_reference(q, k, v, dout, causal=causal, features=batch_features)

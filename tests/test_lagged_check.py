@@ -177,5 +177,5 @@ def test_lagged_check_says_when_it_is_not_in_effect(cache_dir, tmp_path, capsys)
 
     assert TrainerConfig.lagged_finite_check is True
     _run(cache_dir, tmp_path / "run", True, "trainer.max_steps=2")
-    assert ("finiteness check: step by step (trainer.lagged_finite_check needs one process, a fused AdamW and no fp16 "
-            "loss scaler)") in capsys.readouterr().out
+    assert ("finiteness check: step by step (trainer.lagged_finite_check needs one process without FSDP, a fused "
+            "AdamW and no fp16 loss scaler)") in capsys.readouterr().out

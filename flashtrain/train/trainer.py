@@ -380,9 +380,12 @@ class Trainer:
         # the lagged finiteness check needs an update the device itself can skip: fused AdamW's found_inf (fp16's
         # loss scaler decides its own skips)
         # (one process for now: under several the step's token count is a sum on the device that the books read at
-        # once; deferring it to the step's answer is the next change)
+        # once; deferring it to the step's answer is the next change. Not with FSDP's DTensor parameters, even in
+        # one process: found_inf through ShardLocalAdamW's shard-local step has not been run (two gloo processes hung
+        # in a flagged step there, docs/training_speed.md).)
         self.lagged = bool(tcfg.lagged_finite_check and self.accelerator.scaler is None and
                            self.accelerator.num_processes == 1 and
+                           self.accelerator.distributed_type != DistributedType.FSDP and
                            isinstance(optimizer, torch.optim.Adam) and optimizer.defaults.get("fused"))
         self.raw_optimizer = optimizer
 
@@ -417,8 +420,8 @@ class Trainer:
         self._print(self.utilisation.describe())
         if tcfg.lagged_finite_check:
             self._print("finiteness check: read one step later (trainer.lagged_finite_check)" if self.lagged else
-                        "finiteness check: step by step (trainer.lagged_finite_check needs one process, a fused "
-                        "AdamW and no fp16 loss scaler)")
+                        "finiteness check: step by step (trainer.lagged_finite_check needs one process without FSDP, "
+                        "a fused AdamW and no fp16 loss scaler)")
 
     def _wandb_run_id(self) -> str | None:
         """The wandb run of this run directory: made once and stored there, so a resumed run logs into the same one.
