@@ -657,9 +657,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 if (needs_mask(n_block)) mask(s, n_block);
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    if (poly_exp)
-                        softmax_exp_row<sizeof(s) / sizeof(s[0]), T::kScoreMods, kRowBias>(
-                            s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
+                    if (poly_exp)  // (softcap only: no row bias)
+                        softmax_exp_row<sizeof(s) / sizeof(s[0]), T::kSoftcap>(s, hf, row_max[hf], row_sum[hf],
+                                                                              p.softmax_scale_log2);
                     else softmax_exp_row<sizeof(s) / sizeof(s[0]), false, kRowBias>(
                             s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 }
@@ -703,8 +703,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf)
                     correction[hf] =
-                        poly_exp ? softmax_exp_row<kNT, T::kScoreMods, kRowBias>(s, hf, row_max[hf], row_sum[hf],
-                                                                                 p.softmax_scale_log2, row_bias[hf])
+                        poly_exp ? softmax_exp_row<kNT, T::kSoftcap>(s, hf, row_max[hf], row_sum[hf],
+                                                                     p.softmax_scale_log2)
                                  : softmax_exp_row<kNT, false, kRowBias>(s, hf, row_max[hf], row_sum[hf],
                                                                          p.softmax_scale_log2, row_bias[hf]);
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
