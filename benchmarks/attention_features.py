@@ -9,7 +9,8 @@ times three implementations, interleaved (attention.time_passes_interleaved):
                flash_attn_varlen_func over the documents, or mask_mod with its block states computed in each call),
                impl="cuda"
   flex         torch.compile(flex_attention) with the same score_mod / mask_mod and the BlockMask of the mask
-               (built once, outside the timed calls)
+               (built once, outside the timed calls); head dims past 256 with small Triton tiles
+               (FLEX_WIDE_HEAD_TILES: its default tiles run out of shared memory there)
   plain        flashtrain's plain causal attention of the same shape: what a kernel without the feature computes
                (the window's "dense causal" time)
 
@@ -152,6 +153,12 @@ def flashtrain_fn(row: FeatureRow, device, impl: str = "cuda"):
     return lambda q, k, v: flash_attn_func(q, k, v, causal=True, impl=impl, **options)
 
 
+# Head dims past 256: FlexAttention's default Triton tiles run out of shared memory (H200, 2026-11-26); these small
+# tiles (dividing the block mask's 128 x 128 blocks, one pipeline stage) are the ones it is given there.
+FLEX_WIDE_HEAD_TILES = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16,
+                        "num_stages": 1}
+
+
 def flex_fn(row: FeatureRow, device, compile_flex: bool = True):
     """fn(q, k, v) of FlexAttention for the row; q, k, v (batch, seqlen, nheads, head_dim) (transposed inside)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -163,10 +170,11 @@ def flex_fn(row: FeatureRow, device, compile_flex: bool = True):
         # saved buffers refuses that (H200 run, 2026-11-26), so donation is off, for the benchmark process only.
         torch._functorch.config.donated_buffer = False
     attend = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
+    options = FLEX_WIDE_HEAD_TILES if row.head_dim > 256 else None
 
     def fn(q, k, v):
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
-                     block_mask=block_mask)
+                     block_mask=block_mask, kernel_options=options)
         return out.transpose(1, 2)
     return fn
 
