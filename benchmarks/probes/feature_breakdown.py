@@ -29,10 +29,29 @@ def breakdown(fn, args, dout, iters: int) -> dict:
             torch.autograd.grad(fn(*args), args, dout)  # (no .grad accumulation: the benchmark's pass)
         torch.cuda.synchronize()
     per = collections.defaultdict(float)
+    spans = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             per[ev.name[:90]] += ev.device_time / iters
-    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+            spans.append((ev.time_range.start, ev.time_range.end))
+    per = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+    # the device's span over the profiled calls against its busy time: idle gaps between kernels (host-bound stretches)
+    spans.sort()
+    busy, end = 0.0, None
+    for a, b in spans:
+        busy += max(0.0, b - max(a, end)) if end is not None else b - a
+        end = b if end is None else max(end, b)
+    per["(span per call, us)"] = (spans[-1][1] - spans[0][0]) / iters if spans else 0.0
+    per["(idle inside the span per call, us)"] = per["(span per call, us)"] - busy / iters
+    # back to back with CUDA events, nothing else in between (the benchmark interleaves implementations)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        torch.autograd.grad(fn(*args), args, dout)
+    stop.record()
+    torch.cuda.synchronize()
+    per["(events, back to back, per call, us)"] = 1000 * start.elapsed_time(stop) / iters
+    return per
 
 
 def copy_references(row, device, iters: int) -> dict:
@@ -73,10 +92,11 @@ def main() -> None:
             fn, qkv, dout = af.case(impl, row, device)
             per = breakdown(fn, qkv, dout, args.iters)
             result[f"{row.name} / {impl}"] = per
-            total = sum(per.values())
+            total = sum(us for name, us in per.items() if not name.startswith("("))
             print(f"== {row.name} / {impl}: {total:.1f} us per fwd+bwd")
             for name, us in per.items():
-                print(f"   {us:9.1f} us {100 * us / total:5.1f}%  {name}")
+                print(f"   {us:9.1f} us {100 * us / total:5.1f}%  {name}" if not name.startswith("(") else
+                      f"   {us:9.1f} us         {name}")
         refs = copy_references(row, device, args.iters)
         result[f"{row.name} / memory references"] = refs
         for name, us in refs.items():
