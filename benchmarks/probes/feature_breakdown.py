@@ -2,6 +2,9 @@
 torch.profiler: where a row's time goes besides its attention kernels (the backward's preprocess and dq conversion
 are per token, so they weigh more on a sliding window's few tiles than on plain causal attention's many).
 
+Also per call: the device's span and its idle time under the profiler (which slows the host: an upper bound on the
+host-bound gaps), and the time of back-to-back calls between two CUDA events (no profiler).
+
     python benchmarks/probes/feature_breakdown.py --only window --out /tmp/breakdown.json
 """
 from __future__ import annotations
