@@ -7,8 +7,9 @@ Per (head dim, sequence length), causal bf16, batch * seqlen = 16K tokens, 2048 
   alibi     ALiBi slopes (a bias per score)
   window    window_size=(1024, 0) (fewer blocks; TFLOP/s counted over the pairs it computes)
 TFLOP/s over the pairs each computes (forward 4 * pairs * head_dim per head, backward 2.5x).
+--noncausal: the same without causal masking (mods = window_size (seqlen, seqlen); no window row).
 
-    python benchmarks/probes/mods_overhead.py --out $OUT/mods_overhead.json [--family mma_sync]
+    python benchmarks/probes/mods_overhead.py --out $OUT/mods_overhead.json [--family mma_sync] [--noncausal]
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from attention_features import FeatureRow, alibi_slopes  # noqa: E402
 from flashtrain.kernels import flash_attn_func  # noqa: E402
 
 
-def variants(seqlen: int, nheads: int):
+def variants(seqlen: int, nheads: int, causal: bool = True):
+    if not causal:
+        return {"plain": ({}, -1), "mods": ({"window_size": (seqlen, seqlen)}, -1), "softcap": ({"softcap": 30.0}, -1),
+                "alibi": ({"alibi_slopes": alibi_slopes(nheads, "cuda")}, -1)}
     return {"plain": ({}, -1), "mods": ({"window_size": (seqlen, 0)}, -1), "softcap": ({"softcap": 30.0}, -1),
             "alibi": ({"alibi_slopes": alibi_slopes(nheads, "cuda")}, -1),
             "window": ({"window_size": (1024, 0)}, 1024)}
@@ -42,6 +46,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--noncausal", action="store_true", help="without causal masking")
     args = parser.parse_args()
     if args.family == "mma_sync":
         os.environ["FLASHTRAIN_SM90"] = "0"
@@ -51,13 +56,15 @@ def main() -> None:
         for seqlen in args.seqlens:
             batch = 16384 // seqlen
             cases, flops = {}, {}
-            for name, (options, window) in variants(seqlen, nheads).items():
+            causal = not args.noncausal
+            for name, (options, window) in variants(seqlen, nheads, causal).items():
                 q, k, v, dout = attention.make_inputs("flashtrain", batch, seqlen, nheads, head_dim, True)
-                cases[name] = ((lambda q, k, v, options=options: flash_attn_func(q, k, v, causal=True, impl="cuda",
+                cases[name] = ((lambda q, k, v, options=options: flash_attn_func(q, k, v, causal=causal, impl="cuda",
                                                                                   **options)), (q, k, v), dout)
-                flops[name] = FeatureRow(name, batch, seqlen, nheads, head_dim, window=window).fwd_flops()
+                flops[name] = (FeatureRow(name, batch, seqlen, nheads, head_dim, window=window).fwd_flops() if causal
+                               else 4.0 * batch * nheads * seqlen * seqlen * head_dim)
             times = attention.time_passes_interleaved(cases, args.repeats, f"hd{head_dim} S{seqlen}")
-            row = {"hd": head_dim, "S": seqlen, "B": batch, "H": nheads}
+            row = {"hd": head_dim, "S": seqlen, "B": batch, "H": nheads, "causal": causal}
             for name, passes in times.items():
                 for kind, factor in attention.PASSES:
                     if kind in passes:
