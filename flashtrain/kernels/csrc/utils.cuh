@@ -576,6 +576,7 @@ __device__ __forceinline__ void window_query_blocks(int n0, int offset, int left
 template <int kNT, bool kPolyExp = false, bool kRowBias = false>
 __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, float& row_max, float& row_sum,
                                                  float scale_log2, float row_bias = 0.f) {
+    static_assert(!(kPolyExp && kRowBias), "the FMA-pipe exponentials are softcap's, the row bias ALiBi's without it");
     float mx = kRowBias ? -infinity() : row_max;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) mx = fmax_(mx, fmax_(s[nt][2 * hf], s[nt][2 * hf + 1]));
@@ -596,8 +597,7 @@ __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, flo
         for (int e = 0; e < 2; ++e) {
             float& x = s[nt][2 * hf + e];
             if constexpr (kRowBias)
-                x = kPolyExp && nt % 2 == 1 ? poly_exp2(fmaf(x, scale_log2, shift))
-                                            : fast_exp2(fmaf(x, scale_log2, shift));
+                x = fast_exp2(fmaf(x, scale_log2, shift));
             else
                 x = kPolyExp && nt % 2 == 1 ? poly_exp2(x * scale_log2 - m_scaled)
                                             : fast_exp2(x * scale_log2 - m_scaled);
@@ -694,9 +694,10 @@ __device__ __forceinline__ bool alibi_by_rows(float (&s)[kNT][4], float alibi_sc
                                               int lane, float (&row_bias)[2]) {
     float sg = 1.f;
     if constexpr (!kIsCausal) {
-        if (row0 + offset - (col0 + kNT * 8 - 1) >= 0) sg = 1.f;
-        else if (row0 + 15 + offset - col0 <= 0) sg = -1.f;
-        else return false;
+        if (row0 + offset - (col0 + kNT * 8 - 1) < 0) {  // not all of them at or below it
+            if (row0 + 15 + offset - col0 > 0) return false;
+            sg = -1.f;
+        }
     }
     const int g = lane >> 2, t = lane & 3;
     const float a = sg * alibi_scaled, d0 = (float)(row0 + g + offset - col0 - 2 * t);
