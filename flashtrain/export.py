@@ -13,7 +13,9 @@ Which transformers class a model becomes, and how its config and weights convert
 adapter (`flashtrain.models.hf_convert.register_hf_adapter`); the tokenizer is the data's (`Task.hf_tokenizer`). Runs
 of models without an adapter (the LRA classifier) have no transformers counterpart. `load_run` is shared with
 `flashtrain.generate`: the typed config, the model with the checkpoint's weights (a strict load_state_dict) and the
-tokenizer.
+tokenizer. The checkpoint is verified as `resume` verifies it (`flashtrain.train.checkpoint.intact_checkpoint`): a run
+directory gives its newest intact checkpoint, each damaged one skipped named in a warning; a damaged checkpoint named
+explicitly, or a run with none intact, stops with a message naming the file.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from omegaconf import OmegaConf
 
 from flashtrain.models.gpt2 import SAMPLING
 from flashtrain.models.hf_convert import has_hf_adapter, hf_adapter, to_hf_state_dict
-from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint, model_state
+from flashtrain.train.checkpoint import (CHECKPOINT_PREFIX, DamagedCheckpointError, intact_checkpoint,
+                                        latest_checkpoint, model_state)
 from flashtrain.train.hf_files import HF_FILES, hf_tokenizer_of
 
 MAX_NEW_TOKENS = 200  # generation_config.json's and flashtrain.generate's default length
@@ -45,7 +48,8 @@ class Run:
 
 
 def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """(run directory, checkpoint directory) of a run directory (its newest checkpoint) or of a checkpoint."""
+    """(run directory, checkpoint directory) of a run directory (its newest checkpoint) or of a checkpoint; where it is,
+    not verified (`find_intact_checkpoint` verifies)."""
     path = Path(path).expanduser()
     if path.name.startswith(CHECKPOINT_PREFIX) and path.is_dir():
         return path.parent.parent, path
@@ -54,6 +58,16 @@ def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
         raise FileNotFoundError(f"{path}: neither a checkpoint directory ({CHECKPOINT_PREFIX}N) nor a run directory "
                                 "with checkpoints/")
     return path, checkpoint
+
+
+def find_intact_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) of a checkpoint (which must be intact) or of a run directory (its newest
+    intact checkpoint), verified as resume does: `intact_checkpoint`, whose DamagedCheckpointError names the file."""
+    checkpoint = intact_checkpoint(path, runs=False)
+    if checkpoint is None:
+        raise FileNotFoundError(f"{path}: neither a checkpoint directory ({CHECKPOINT_PREFIX}N) nor a run directory "
+                                "with checkpoints/")
+    return checkpoint.parent.parent, checkpoint
 
 
 def _typed_schema(group: str, values: dict):
@@ -111,8 +125,9 @@ def load_run_config(run_dir: Path):
 
 def load_run(path: str | Path, attn_impl: str | None = None) -> Run:
     """The run at `path` (run or checkpoint directory): config, model with the checkpoint's weights, tokenizer.
-    attn_impl overrides the model config's (e.g. "reference" or "sdpa" on a CPU)."""
-    run_dir, checkpoint = find_checkpoint(path)
+    attn_impl overrides the model config's (e.g. "reference" or "sdpa" on a CPU). The checkpoint is verified
+    (`find_intact_checkpoint`)."""
+    run_dir, checkpoint = find_intact_checkpoint(path)
     cfg = load_run_config(run_dir)
     if attn_impl is not None:
         cfg.model.attn_impl = attn_impl
@@ -171,7 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", help="the transformers model directory to write")
     parser.add_argument("--push-to-hub", metavar="REPO", help="also upload to this Hub repository (online)")
     args = parser.parse_args(argv)
-    out_dir = export(args.run, args.out_dir, args.push_to_hub)
+    try:
+        out_dir = export(args.run, args.out_dir, args.push_to_hub)
+    except DamagedCheckpointError as error:
+        raise SystemExit(f"python -m flashtrain.export: {error}") from None
     print(f"wrote {out_dir} (load with transformers' Auto*.from_pretrained({str(out_dir)!r}))")
 
 

@@ -3,7 +3,9 @@
 The prompt is read once; each new token attends to the KV cache of the tokens before it through flashtrain's attention
 (query length 1, causal aligned to the bottom-right corner: GPT2.generate with use_cache). Tokens are printed as they
 come; the throughput goes to stderr at the end. On a GPU the model runs in bf16 (the CUDA kernel needs fp16 / bf16);
-on a CPU in fp32, through the model config's attn_impl (flash: the plain-PyTorch reference there).
+on a CPU in fp32, through the model config's attn_impl (flash: the plain-PyTorch reference there). The checkpoint is
+verified as `resume` verifies it (`flashtrain.export.load_run`): a run directory gives its newest intact checkpoint, a
+damaged checkpoint named explicitly stops with a message naming the file.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from flashtrain.export import MAX_NEW_TOKENS, load_run
 from flashtrain.models.gpt2 import GPT2, SAMPLING
+from flashtrain.train.checkpoint import DamagedCheckpointError
 
 
 class TextStream:
@@ -53,7 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cache", action="store_true", help="re-read the whole context for every token")
     args = parser.parse_args(argv)
 
-    run = load_run(args.run, attn_impl=args.attn_impl)
+    try:
+        run = load_run(args.run, attn_impl=args.attn_impl)
+    except DamagedCheckpointError as error:
+        raise SystemExit(f"python -m flashtrain.generate: {error}") from None
     if not isinstance(run.model, GPT2):
         raise SystemExit(f"{args.run}: a {type(run.model).__name__} run; generation needs a GPT-2 run")
     device = torch.device(args.device)

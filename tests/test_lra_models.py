@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 from flashtrain.models.attention_variants import BlockSparseConfig
 from flashtrain.models.lra import LRAClassifier, LRAConfig
 from flashtrain.models.position import upsample_positions_2d
+from flashtrain.train.checkpoint import write_manifest
 from flashtrain.train.model_init import load_initial_weights
 
 
@@ -126,6 +127,7 @@ def test_init_from_smaller_grid_upsamples_positions(tmp_path, pooling, factor):
     ckpt = tmp_path / "runs" / "path64" / "2026-01-01_00-00-00" / "checkpoints" / "step_00000010"
     ckpt.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(ckpt / "model.safetensors"))
+    write_manifest(ckpt, 10, config={})  # init_from verifies a checkpoint against its manifest, as resume does
     side = 4 * factor
     model = tiny(pooling=pooling, max_len=n_prefix + side * side, pad_id=None)
     # a directory of runs (runs/path64): its newest checkpoint

@@ -8,6 +8,7 @@ from transformers import GPT2Config as HFGPT2Config
 from transformers import GPT2LMHeadModel
 
 from flashtrain.models.gpt2 import GPT2, GPT2Config
+from flashtrain.train.checkpoint import write_manifest
 from flashtrain.train.model_init import load_initial_weights
 
 
@@ -53,6 +54,7 @@ def test_init_from_flashtrain_checkpoint(tmp_path):
     # as Accelerate saves it: the tied lm_head is stored once, as the token embedding
     save_file({k: v.contiguous() for k, v in source.state_dict().items() if k != "lm_head.weight"},
               str(ckpt / "model.safetensors"))
+    write_manifest(ckpt, 10, config={})  # init_from verifies a checkpoint against its manifest, as resume does
     model = GPT2(our_config(128))
     load_initial_weights(model, model.config, str(tmp_path / "run"), "repeat")  # a run dir: its newest checkpoint
     torch.testing.assert_close(model.transformer.wpe.weight[:64], source.transformer.wpe.weight, rtol=0, atol=0)

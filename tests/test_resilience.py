@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -166,11 +167,14 @@ def test_a_resumed_run_prunes_what_a_killed_launch_left(tmp_path):
     make(15, 18, 21, 24, damaged=(15,))  # killed while deleting step 15, after saving step 24
     removed = prune_after_resume(run / "checkpoints" / "step_00000024", keep=2)
     assert names() == ["step_00000021", "step_00000024"] and len(removed) == 3
+    named = "step_00000021 is damaged .*manifest.json is missing.*: kept, not counted toward trainer.keep_checkpoints"
     make(15, 18, 21, damaged=(21,))  # the newest one damaged: the run resumes from 18 and will save 21 again
-    prune_after_resume(run / "checkpoints" / "step_00000018", keep=2)
+    with pytest.warns(DamagedCheckpointWarning, match=named + "=2"):
+        prune_after_resume(run / "checkpoints" / "step_00000018", keep=2)
     assert names() == ["step_00000015", "step_00000018", "step_00000021"]
     make(15, 18, 21, damaged=(21,))
-    prune_after_resume(run / "checkpoints" / "step_00000018", keep=1)
+    with pytest.warns(DamagedCheckpointWarning, match=named + "=1"):
+        prune_after_resume(run / "checkpoints" / "step_00000018", keep=1)
     assert names() == ["step_00000018", "step_00000021"]
 
 
@@ -336,18 +340,25 @@ def test_sigint_saves_and_resume_repeats_the_uninterrupted_run(cache_dir, tmp_pa
     stopped = [r["step"] for r in read_metrics(tmp_path / "interrupted" / "metrics.jsonl") if "train_loss" in r][-1]
     assert 10 <= stopped < 100
     ckpt = tmp_path / "interrupted" / "checkpoints" / f"step_{stopped:08d}"
-    assert (f"stopped by SIGINT after step {stopped}; checkpoint: {ckpt}. Continue with the same command and "
-            f"resume={tmp_path / 'interrupted'} (or resume=auto)") in out
+    # the command that continues this run in place: its own overrides (hydra.run.dir included) and resume=auto
+    command = "python launch.py " + " ".join(shlex.quote(o) for o in [*tiny_overrides(cache_dir, *LAUNCH),
+                                                                       f"hydra.run.dir={tmp_path / 'interrupted'}"])
+    assert (f"stopped by SIGINT after step {stopped}; checkpoint: {ckpt}. Continue this run in place (its "
+            f"metrics.jsonl and checkpoints) with: {command} resume=auto\n") in out
     assert checkpoint_problem(ckpt) is None
 
-    code, out, err = _finish(_launch(cache_dir, tmp_path / "resumed", f"resume={tmp_path / 'interrupted'}"),
-                             tmp_path / "resumed")
+    # followed as given: the same run directory continues, one metrics.jsonl with every step once
+    words = shlex.split(f"{command} resume=auto")
+    with open(tmp_path / "resumed.out", "w") as stdout, open(tmp_path / "resumed.err", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, *words[1:]], cwd=ROOT, stdout=stdout, stderr=stderr,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    code, out, err = _finish(proc, tmp_path / "resumed")
     assert code == 0, err[-3000:]
     assert f"resumed from {ckpt} at step {stopped}" in out
-    full_records, resumed_records = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("full", "resumed"))
-    assert sorted(losses(resumed_records)) == list(range(stopped + 1, 101))
-    for step in range(stopped + 1, 101):  # bit for bit
-        assert losses(resumed_records)[step] == losses(full_records)[step], step
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["full", "interrupted"]  # no new run
+    full_records, resumed_records = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("full", "interrupted"))
+    assert [r["step"] for r in resumed_records if "train_loss" in r] == list(range(1, 101))
+    assert losses(resumed_records) == losses(full_records)  # bit for bit, before the signal and after
     assert losses(resumed_records, "val_loss")[100] == losses(full_records, "val_loss")[100]
 
 

@@ -1,13 +1,19 @@
-"""A model that exists only for the tests: a one-block causal Transformer LM, registered from outside the package.
+"""Models that exist only for the tests: a one-block causal Transformer LM, registered from outside the package.
 
 It shows what a new model needs: this file (the model, its config with build / attention_backend / check_data, the
 schema registered with Hydra, and, for a model with a transformers counterpart, its Hugging Face adapter) and one YAML
 file (tests/conf/model/toy.yaml). `test_toy_model.py` trains it through launch.py (FLASHTRAIN_PLUGINS=toy_model, on
 PYTHONPATH; hydra.searchpath=[file://tests/conf] model=toy) and exports the run with python -m flashtrain.export as a
 transformers GPT-2 of one layer with exact GELU.
+
+ToyLM defines none of the optional methods of the model protocol, and gets the defaults: no generate(), so an LM run
+ends with "sample skipped: ToyLM defines no generate()"; no load_pretrained(), so init_from takes hf:DIR through its
+Hugging Face adapter and a flashtrain checkpoint of its own shapes; no extend_positions(), so a source with fewer
+positions stops with an error naming that method. LongToyLM (model.extendable=true) defines extend_positions(new_max,
+method) and load_pretrained(init_from, position_extension): it starts from a toy run with a shorter position table.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -17,7 +23,9 @@ from torch import Tensor
 
 from flashtrain.models.attention import attention, check_attn_impl, check_backend
 from flashtrain.models.hf_convert import HFAdapter, register_hf_adapter
+from flashtrain.models.position import extended_table
 from flashtrain.models.tying import tie_weights
+from flashtrain.train.model_init import checkpoint_weights, load_hf_weights
 
 
 @dataclass
@@ -27,12 +35,13 @@ class ToyConfig:
     d_model: int = 64  # width
     n_head: int = 2  # attention heads; head_dim = d_model // n_head
     attn_impl: str = "flash"  # flash | sdpa | reference | auto (flashtrain.models.attention)
+    extendable: bool = False  # build LongToyLM, the toy with load_pretrained() and extend_positions()
 
     def __post_init__(self):
         check_attn_impl(self.attn_impl)
 
     def build(self) -> "ToyLM":
-        return ToyLM(self)
+        return LongToyLM(self) if self.extendable else ToyLM(self)
 
     def attention_backend(self, device: torch.device, dtype: torch.dtype) -> str:
         return check_backend(self.attn_impl, device, dtype, self.d_model // self.n_head)
@@ -72,6 +81,34 @@ class ToyLM(nn.Module):
         logits = self.head(self.final_norm(x))  # (B, T, vocab_size)
         loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         return logits, loss
+
+
+class LongToyLM(ToyLM):
+    """ToyLM with the two optional methods a model defines to start from other weights: a longer position table
+    (init_position_extension) and its own loader for init_from."""
+
+    def extend_positions(self, new_max: int, method: str = "repeat") -> None:
+        """Grow pos_emb to new_max rows (repeat | interpolate: flashtrain.models.position) and config.n_positions."""
+        self.pos_emb = extended_table(self.pos_emb, new_max, method)
+        self.config.n_positions = new_max
+
+    def load_pretrained(self, init_from: str, position_extension: str = "repeat") -> str:
+        """hf:DIR through the adapter (flashtrain.train.model_init.load_hf_weights, which calls extend_positions), or
+        a toy checkpoint / run directory (its newest checkpoint) of up to config.n_positions positions, extended."""
+        if init_from.startswith("hf:"):
+            return load_hf_weights(self, init_from, position_extension)
+        ckpt, state = checkpoint_weights(init_from)
+        n_source, n_model = state["pos_emb.weight"].shape[0], self.config.n_positions
+        if n_source > n_model:
+            raise ValueError(f"init_from={init_from!r} has {n_source} positions, more than model.n_positions={n_model}")
+        source = LongToyLM(replace(self.config, n_positions=n_source))
+        source.load_state_dict(state)
+        note = f"initialised from {ckpt}"
+        if n_source < n_model:
+            source.extend_positions(n_model, position_extension)
+            note += f", positions extended {n_source} -> {n_model} ({position_extension})"
+        self.load_state_dict(source.state_dict())
+        return note
 
 
 ConfigStore.instance().store(group="model", name="toy_schema", node=ToyConfig)

@@ -51,6 +51,7 @@ from flashtrain.data.samplers import ResumableBatchSampler, ordered_batches
 from flashtrain.data.task import DataSpec, Task, check_processes, check_val_samples
 from flashtrain.data.tokenizer import (bpe_as_hf_tokenizer, eos_id, encode_ordinary, load_tokenizer, save_tokenizer,
                                        tokenizer_fingerprint, train_bpe)
+from flashtrain.kernels import check_cu_seqlens
 from flashtrain.models.gpt2 import SAMPLING
 
 logger = logging.getLogger(__name__)
@@ -282,11 +283,14 @@ def document_offsets(input_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
 def collate_documents(samples: list[tuple[Tensor, Tensor]], eos_id: int, document_mask: bool,
                       reset_positions: bool) -> dict[str, Tensor]:
     """collate_fn of document-aware packing: the stacked (x, y) as {"input_ids", "targets"} plus "cu_seqlens"
-    (document_mask) and "position_ids" (reset_positions) from document_offsets, built here on the host."""
+    (document_mask) and "position_ids" (reset_positions) from document_offsets, built here on the host (cu_seqlens
+    checked there too: flashtrain.kernels.check_cu_seqlens)."""
     input_ids = torch.stack([x for x, _ in samples])  # (B, T)
     batch = {"input_ids": input_ids, "targets": torch.stack([y for _, y in samples])}
     cu_seqlens, position_ids = document_offsets(input_ids, eos_id)
-    if document_mask:
+    if document_mask:  # checked on the host: on the GPU a bad one is a device-side assert that ends the process
+        # (B * T packed rows; the model passes max_seqlen = T)
+        check_cu_seqlens(cu_seqlens, input_ids.numel(), input_ids.shape[1], name="cu_seqlens")
         batch["cu_seqlens"] = cu_seqlens
     if reset_positions:
         batch["position_ids"] = position_ids

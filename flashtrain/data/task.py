@@ -69,13 +69,30 @@ def check_splits(source, labels: dict[str, np.ndarray], num_classes: int) -> Non
             raise ValueError(f"{source}: the {split} split has {values.shape[1]} label columns, not {num_classes}")
 
 
+def model_data_misfit(model_schema: str, data_schema: str, reason: str) -> ValueError:
+    """The error of a model config that cannot train on a data config, naming both (their schema classes)."""
+    return ValueError(f"model config {model_schema} does not fit data config {data_schema}: {reason}")
+
+
 def check_model_fits(model_cfg, data_cfg, spec: DataSpec) -> None:
     """Raise ValueError naming both configs when `model_cfg` cannot train on the data that `data_cfg` prepared."""
     try:
         model_cfg.check_data(spec)
     except ValueError as error:
-        raise ValueError(f"model config {type(model_cfg).__name__} does not fit data config "
-                         f"{type(data_cfg).__name__}: {error}") from None
+        raise model_data_misfit(type(model_cfg).__name__, type(data_cfg).__name__, str(error)) from None
+
+
+def check_model_fits_before_preparing(model_cfg, data_cfg) -> None:
+    """The start-up check, before any data is prepared: `check_model_fits` on the data config's preview. A preview
+    that cannot be made (it loads a tokenizer that is neither local nor reachable, say) stops the start with an error
+    naming both configs and the preview's reason."""
+    try:
+        spec = data_cfg.preview()
+    except (OSError, ValueError) as error:
+        raise ValueError(f"model config {type(model_cfg).__name__} cannot be checked against data config "
+                         f"{type(data_cfg).__name__}: the data config cannot say what it provides before it is "
+                         f"prepared: {error}") from error
+    check_model_fits(model_cfg, data_cfg, spec)
 
 
 class Task:

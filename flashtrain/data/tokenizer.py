@@ -154,7 +154,12 @@ def load_hf_tokenizer(spec: str):
     pad tokens."""
     from transformers import AutoTokenizer  # imported here: only the BERT/RoBERTa data need transformers
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained_path(spec), use_fast=True)
+    path = resolve_pretrained_path(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
+    except OSError as error:  # transformers' message does not say which tokenizer
+        raise OSError(f"tokenizer {spec!r} (data.tokenizer: a checkpoint directory, a Hub name or pkg:MODULE/SUBDIR) "
+                      f"cannot be loaded: {error}") from error
     if not tokenizer.is_fast:
         raise ValueError(f"tokenizer {spec!r} has no fast (Rust) version")
     for name, token_id in (("cls", tokenizer.cls_token_id), ("sep", tokenizer.sep_token_id),

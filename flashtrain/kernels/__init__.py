@@ -3,7 +3,7 @@ block-sparse layouts."""
 
 from flashtrain.kernels import block_sparse
 from flashtrain.kernels.block_sparse import bigbird, butterfly, fixed_stride, local_window, random_blocks
-from flashtrain.kernels.interface import flash_attn_func, flash_attn_varlen_func
+from flashtrain.kernels.interface import check_cu_seqlens, flash_attn_func, flash_attn_varlen_func
 from flashtrain.kernels.naive import naive_attention
 from flashtrain.kernels.reference import BLOCK_SPARSE_SIZE, flash_attn_reference
 
@@ -12,6 +12,7 @@ __all__ = [
     "bigbird",
     "block_sparse",
     "butterfly",
+    "check_cu_seqlens",
     "fixed_stride",
     "flash_attn_func",
     "flash_attn_reference",

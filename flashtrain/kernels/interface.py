@@ -109,7 +109,9 @@ def flash_attn_func(
         its block states computed on the GPU and cached on the MaskMod while its tensors are unmodified).
 
     Returns:
-        out (batch, seqlen_q, nheads, head_dim) in q's dtype, or (out, lse) with return_lse=True.
+        out (batch, seqlen_q, nheads, head_dim) in q's dtype, or (out, lse) with return_lse=True. Any of batch,
+        seqlen_q, seqlen_k and nheads may be 0: with seqlen_k 0 every query sees no key (out 0, lse -inf, zero
+        gradients); a call with nothing to compute launches no kernel.
     """
     options = _check_options("flash_attn_func", options)
     block_mask, dropout_mask, generator = options["block_mask"], options["dropout_mask"], options["generator"]
@@ -171,6 +173,18 @@ def flash_attn_varlen_func(
     Returns out (total_q, nheads, head_dim), and with return_lse=True also lse (nheads, total_q). block_mask:
     ([nheads,] ceil(max_seqlen_q / 128), ceil(max_seqlen_k / 128)), blocks counted from the start of each sequence.
     dropout_mask: (nheads, total_q, max_seqlen_k), column j of a row is key j of that row's sequence.
+
+    Empty inputs: sequences without queries or keys, zero sequences, zero rows and max_seqlen 0 are valid. A query
+    that sees no key (its sequence has none) gets out 0 and lse -inf and passes no gradient; a call with nothing to
+    compute launches no kernel.
+
+    Bad offsets. CPU cu_seqlens are checked here at once (ValueError naming the argument and the sequence). CUDA
+    cu_seqlens are checked without a host sync, by a device-side assert: offsets past the packed rows, a sequence
+    longer than max_seqlen_q / max_seqlen_k, a first offset other than 0 or decreasing offsets stop the process at
+    its next synchronisation with "CUDA error: device-side assert triggered", and the assert leaves the CUDA context
+    unusable: every later CUDA call in that process fails (the kernels still never read outside q, k, v). Offsets
+    built on the host are best checked there, before the copy to the GPU, with check_cu_seqlens (the data pipelines
+    do).
     """
     options = _check_options("flash_attn_varlen_func", options)
     block_mask, dropout_mask, generator = options["block_mask"], options["dropout_mask"], options["generator"]
@@ -431,17 +445,55 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q:
         )
 
 
-def _check_offsets_on_host(name: str, cu_seqlens: Tensor, total: int, max_name: str, max_seqlen: int) -> None:
+def check_cu_seqlens(cu_seqlens, total: int, max_seqlen: int | None = None, *, name: str = "cu_seqlens",
+                     max_name: str = "max_seqlen") -> None:
+    """Raise ValueError, naming `name` and the offending sequence, unless `cu_seqlens` holds valid offsets of
+    `total` packed rows for flash_attn_varlen_func: 1-D, batch + 1 integers, starting at 0, non-decreasing, ending at
+    `total`, and, when max_seqlen is given, no sequence longer than max_seqlen (named `max_name` in the message).
+
+    Call it where offsets are built on the host -- a CPU tensor, a list or tuple of ints, a numpy array -- before they
+    go to the GPU. flash_attn_varlen_func checks CUDA cu_seqlens only with an asynchronous device-side assert (no host
+    sync), which stops the process at the next synchronisation and leaves its CUDA context unusable: every later CUDA
+    call of that process fails. A CUDA tensor is accepted too, at the cost of a copy that waits for the GPU. The data
+    pipelines call it on the offsets they build (flashtrain.data.lm.collate_documents,
+    flashtrain.models.padding.Unpadding.of); flash_attn_varlen_func calls it on CPU cu_seqlens."""
+    for arg, value in (("total", total), (max_name, max_seqlen)):
+        if value is None and arg != "total":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{arg} must be >= 0, got {value}")
+    if not isinstance(cu_seqlens, Tensor):  # a list, tuple or numpy array
+        cu_seqlens = torch.as_tensor(cu_seqlens) if len(cu_seqlens) else torch.zeros(0, dtype=torch.int64)
+    if cu_seqlens.dtype == torch.bool or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+        raise TypeError(f"{name} must hold integers, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1:
+        raise ValueError(f"{name} must be 1-D (batch + 1 offsets), got shape {tuple(cu_seqlens.shape)}")
     offsets = cu_seqlens.tolist()  # a CPU tensor: no device sync
+    if not offsets:
+        raise ValueError(f"{name} must hold batch + 1 >= 1 offsets, got none")
     if offsets[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {offsets[0]}")
     lengths = [end - start for start, end in zip(offsets, offsets[1:])]
     if min(lengths, default=0) < 0:
-        raise ValueError(f"{name} must be non-decreasing, got {offsets}")
+        b = next(b for b, length in enumerate(lengths) if length < 0)
+        raise ValueError(f"{name} must be non-decreasing: sequence {b} would end before it starts ({name}[{b}] = "
+                         f"{offsets[b]}, {name}[{b + 1}] = {offsets[b + 1]})")
+    if offsets[-1] > total:
+        b = next(b for b, end in enumerate(offsets[1:]) if end > total)
+        raise ValueError(f"{name}: sequence {b} (rows {offsets[b]}:{offsets[b + 1]}) ends past the {total} packed "
+                         f"rows; {name}[-1] must equal the number of packed rows")
     if offsets[-1] != total:
         raise ValueError(f"{name}[-1] = {offsets[-1]} must equal the number of packed rows {total}")
-    if max_seqlen < max(lengths, default=0):
-        raise ValueError(f"{max_name} = {max_seqlen} is below the longest sequence, {max(lengths)}")
+    if max_seqlen is not None and max(lengths, default=0) > max_seqlen:
+        b = max(range(len(lengths)), key=lengths.__getitem__)
+        raise ValueError(f"{max_name} = {max_seqlen} is below the length {lengths[b]} of sequence {b} of {name} (rows "
+                         f"{offsets[b]}:{offsets[b + 1]}); it must bound every sequence's length")
+
+
+def _check_offsets_on_host(name: str, cu_seqlens: Tensor, total: int, max_name: str, max_seqlen: int) -> None:
+    check_cu_seqlens(cu_seqlens, total, max_seqlen, name=name, max_name=max_name)  # a CPU tensor: no device sync
 
 
 # CUDA cu_seqlens already asserted on the device: tensor -> {(its _version, total, max_seqlen)}. A model passes one

@@ -154,6 +154,8 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
         return out[..., :head_dim].contiguous(), lse
     if cu_seqlens_q is not None:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    if no_work(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):  # the op launches nothing (its plan only fills the
+        block_mask = mask_mod = None  # outputs): no block lists or mask states to build for it
     bs_rows = bs_cols = None
     if block_mask is not None:
         blocks = (math.ceil(max_seqlen_q / build.BLOCK_SPARSE_SIZE), math.ceil(max_seqlen_k / build.BLOCK_SPARSE_SIZE))
@@ -199,6 +201,25 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
     return flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                           float(dropout_p), float(softmax_scale), bool(causal), rng_state, bool(deterministic),
                           bs_rows, bs_cols, left, right, float(softcap), alibi_slopes, *mask_args)
+
+
+def no_work(q: Tensor, k: Tensor, cu_seqlens_q: Tensor | None, max_seqlen_q: int, max_seqlen_k: int) -> bool:
+    """Whether a call has no (query, key) pair to compute: no sequence, no query head, no query row or no key row
+    (batch form q (batch, seqlen_q, nheads, d), k (batch, seqlen_k, ...); varlen q (total_q, nheads, d), k (total_k,
+    ...), sequences of at most max_seqlen_q / max_seqlen_k rows). Its plans launch no kernel: out 0 and lse -inf
+    (every query sees no key, as a query row of an empty key sequence does), dq, dk, dv 0. Launching would encode TMA
+    tensor maps over a dimension of size 0 at a null address (Hopper) and size grids and tile groups by zero blocks."""
+    if cu_seqlens_q is None:
+        extents = (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
+    else:
+        extents = (cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0], int(max_seqlen_q), int(max_seqlen_k),
+                   q.shape[1], k.shape[1])
+    return min(extents) <= 0
+
+
+def _no_work_plan(outputs: list[tuple[tuple[int, ...], torch.dtype, int]]) -> "_Plan":
+    """The plan of a call without work (no_work): its outputs allocated with their fills, no launch."""
+    return _Plan(outputs, [])
 
 
 # block_sparse_lists' results by mask: id(mask) -> (weak reference to the mask, its version counter, the lists). A
@@ -293,7 +314,9 @@ def dropout_mask_for_testing(q: Tensor, k: Tensor, *, dropout_p: float, generato
 #   forward   q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, bs_cols
 #   backward  dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols
 _INPUT, _OUTPUT = 0, 1  # where an address comes from: an input of the op, or an output / workspace of the plan
-_PLAN_FORMAT = 1  # = flash_host.cpp kPlanFormat
+_PLAN_FORMAT = 2  # = flash_host.cpp kPlanFormat
+# how a plan's output is allocated (flash_host.cpp Fill): uninitialised, zero-filled, filled with -inf
+_FILL_NONE, _FILL_ZERO, _FILL_NEG_INF = 0, 1, 2
 _SCALAR_TYPES = {torch.int32: 3, torch.float16: 5, torch.float32: 6, torch.bfloat16: 15}  # c10::ScalarType codes
 _MAX_PLANS = 1024  # per direction; a process that sees more distinct call signatures rebuilds plans (correct, slower)
 
@@ -325,14 +348,14 @@ class _Launch:
 
 @dataclasses.dataclass
 class _Plan:
-    outputs: list[tuple[tuple[int, ...], torch.dtype, bool]]  # (shape, dtype, zero-filled); the op returns the
+    outputs: list[tuple[tuple[int, ...], torch.dtype, int]]  # (shape, dtype, _FILL_*); the op returns the
     launches: list[_Launch]  # first ones, the others are workspaces
 
     def flat(self) -> list[int]:
         """The plan as flash_host.cpp parse_plan reads it: a list of int64."""
         flat = [_PLAN_FORMAT, len(self.outputs)]
-        for shape, dtype, zero in self.outputs:
-            flat += [_SCALAR_TYPES[dtype], int(zero), len(shape), *shape]
+        for shape, dtype, fill in self.outputs:
+            flat += [_SCALAR_TYPES[dtype], int(fill), len(shape), *shape]
         flat.append(len(self.launches))
         for item in self.launches:
             flat += item.flat()
@@ -353,6 +376,9 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
               mm_tensors=()) -> _Plan:
     """The launch plan of a forward call (q, k, v aligned: _aligned); window (left, right), softcap, alibi_slopes
     (float32 (batch, nheads), head stride 1): as flash_attn_func's (with causal, right is -1)."""
+    if no_work(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):  # out 0, lse -inf
+        (out_shape, out_dtype), (lse_shape, lse_dtype) = _output_shapes(q, cu_seqlens_q)
+        return _no_work_plan([(out_shape, out_dtype, _FILL_ZERO), (lse_shape, lse_dtype, _FILL_NEG_INF)])
     launch = _launch or _load_launch()
     block_sparse = bs_rows is not None
     arch = launch.device_arch(q.device)
@@ -390,7 +416,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
         item.addresses += _mask_addresses(type(params), prefix, 9, len(mask.tensors))
     if spec.persistent:
         item.tile_counter_offset = _offset(launch.FwdSm90Params, "tile_counter")
-    return _Plan([(shape, dtype, False) for shape, dtype in outputs], [item])
+    return _Plan([(shape, dtype, _FILL_NONE) for shape, dtype in outputs], [item])
 
 
 def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -398,6 +424,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               alibi_slopes=None, mask_mod="", mm_states=None, mm_tensors=()) -> _Plan:
     """The launch plan of a backward call (dout, q, k, v, out aligned): the preprocess kernel (D = rowsum(dout * out),
     dq_accum = 0), the backward kernel, the dq conversion (dq = scale * sum of dq_accum)."""
+    if no_work(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):  # dq, dk, dv 0
+        return _no_work_plan([(tuple(x.shape), q.dtype, _FILL_ZERO) for x in (q, k, v)])
     launch = _launch or _load_launch()
     dq = q.new_empty(q.shape, device="meta")
     dk, dv = k.new_empty(k.shape, device="meta"), v.new_empty(v.shape, device="meta")
@@ -452,8 +480,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         dq_accum = torch.empty(dqa_shape, dtype=torch.float32, device="meta")
         dqa_strides = (dq_accum.stride(0), 0, dq_accum.stride(1)) if varlen else dq_accum.stride()[:3]
         d_strides = lse_strides
-    outputs = [(tuple(q.shape), q.dtype, False), (tuple(k.shape), q.dtype, False), (tuple(v.shape), q.dtype, False),
-               ((d_floats + math.prod(dqa_shape),), torch.float32, False)]
+    outputs = [(tuple(q.shape), q.dtype, _FILL_NONE), (tuple(k.shape), q.dtype, _FILL_NONE),
+               (tuple(v.shape), q.dtype, _FILL_NONE), ((d_floats + math.prod(dqa_shape),), torch.float32, _FILL_NONE)]
     softmax_d, dq_accum_address = (_OUTPUT, 3, d_offset), (_OUTPUT, 3, 4 * d_floats)
 
     aux_spec = build.aux_kernels(_DTYPE_NAMES[q.dtype])
@@ -493,7 +521,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               ("dv", (_OUTPUT, 2, 0)), ("dq_accum", dq_accum_address), ("softmax_d", softmax_d)]
     if deterministic and hopper:  # per (batch, head, query block): MMA warps of lower key blocks done adding dQ
         params.dq_sem_mblocks = math.ceil(fwd.seqlen_q / tiles.block_m)
-        outputs.append(((nsplits, batch, nheads, params.dq_sem_mblocks), torch.int32, True))  # output 4, zero-filled
+        outputs.append(((nsplits, batch, nheads, params.dq_sem_mblocks), torch.int32, _FILL_ZERO))  # output 4
         fields.append(("dq_semaphore", (_OUTPUT, 4, 0)))
     params.kv_splits, kv_converts = 1, []
     if hopper and not block_sparse and nheads > nheads_kv:  # (deterministic too: the splits are summed in order)
@@ -505,7 +533,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         params.dkv_batch_stride = 0 if varlen else nheads_kv * fwd.seqlen_k * head_dim
         params.dkv_head_stride = rows[-1] * head_dim
         index = len(outputs)
-        outputs.append(((2 * params.kv_splits * params.dkv_split_stride,), torch.float32, False))
+        outputs.append(((2 * params.kv_splits * params.dkv_split_stride,), torch.float32, _FILL_NONE))
         fields.append(("dkv_accum", (_OUTPUT, index, 0)))
         for target, scale, offset in ((1, softmax_scale, 0), (2, 1.0, 4 * params.kv_splits * params.dkv_split_stride)):
             aux_kv = launch.AuxParams(
@@ -572,7 +600,8 @@ def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int) -> int:
     (CAUSAL_GROUP_WAVES = inf)."""
     if not math.isfinite(CAUSAL_GROUP_WAVES):
         return n_units
-    return max(1, min(n_units, math.ceil(CAUSAL_GROUP_WAVES * sm_count / n_blocks)))
+    # (n_blocks 0: max_seqlen 0, a call without work; no_work keeps such calls from launching)
+    return max(1, min(n_units, math.ceil(CAUSAL_GROUP_WAVES * sm_count / max(1, n_blocks))))
 
 
 # The Hopper deterministic backward's tile order: units per group (FwdParams.causal_tile_group; 0: key blocks
@@ -604,8 +633,9 @@ def _gqa_splits(group: int, seqlen_q: int, seqlen_k: int, tiles, causal: bool, n
     visible = [m_blocks - (max(0, j * tiles.block_n - offset) // tiles.block_m if causal else 0)
                for j in range(math.ceil(seqlen_k / tiles.block_n))]
     share = n_bh * group * sum(max(0, v) for v in visible) / sm_count
+    longest = max(visible, default=0)  # (no key block: seqlen_k 0, a call without work)
     for splits in (d for d in range(1, group + 1) if group % d == 0):
-        if group // splits * max(visible) <= share / 4:
+        if group // splits * longest <= share / 4:
             return splits
     return group
 
@@ -709,13 +739,16 @@ def _execute(plan: _Plan, inputs: list[Tensor | None]) -> list[Tensor]:
     """Allocates the plan's outputs and issues its launches on the current stream (what flash_host.cpp execute
     does)."""
     device = inputs[0].device
-    outputs = [(torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
-               for shape, dtype, zero in plan.outputs]
+    outputs = [torch.empty(shape, dtype=dtype, device=device) if fill == _FILL_NONE else
+               torch.full(shape, 0.0 if fill == _FILL_ZERO else -math.inf, dtype=dtype, device=device)
+               for shape, dtype, fill in plan.outputs]
     _issue(plan, inputs, outputs)
     return outputs
 
 
 def _issue(plan: _Plan, inputs: list[Tensor | None], outputs: list[Tensor]) -> None:
+    if not plan.launches:  # a call without work (no_work): its outputs' fills are all
+        return
     launch = _launch or _load_launch()
     device = inputs[0].device
     addresses = ([_ptr(x) for x in inputs], [x.data_ptr() for x in outputs])

@@ -101,6 +101,9 @@ def tensor_map(address: int, map_layout: tuple) -> TmaDesc:
         _CACHE.move_to_end(key)
         return desc
     dtype, dims, strides, box_cols, box_rows, swizzle = map_layout
+    if not address or min(dims) <= 0:  # an empty tensor has no valid map; plans map none (calls without work)
+        raise ValueError(f"a TMA tensor map over an empty tensor (address {address:#x}, dims {dims}): calls without "
+                         f"work launch nothing (ops.no_work)")
     desc = TmaDesc()
     result = _encoder()(ctypes.byref(desc), dtype, 4, ctypes.c_void_p(address), (_u64 * 4)(*dims),
                         (_u64 * 3)(*strides), (_u32 * 4)(box_cols, box_rows, 1, 1), (_u32 * 4)(1, 1, 1, 1),

@@ -30,6 +30,7 @@ from flashtrain.models.attention import (BidirectionalSelfAttention, ExactAttent
                                          runs_packed)
 from flashtrain.models.flops import training_flops_per_token
 from flashtrain.models.padding import Unpadding, check_values, pad_packed
+from flashtrain.models.position import extended_table
 from flashtrain.models.tying import tie_weights
 
 FLAVORS = ("bert", "roberta")
@@ -192,6 +193,15 @@ class BertModel(nn.Module):
         with torch.no_grad():
             self.apply(_init_weights)
 
+    def extend_positions(self, new_max: int, method: str = "repeat") -> None:
+        """Grow the position table to new_max positions by `method` (repeat | interpolate: flashtrain.models.position;
+        RoBERTa's first two rows, which are not positions, copied) and set config.max_position_embeddings; a new
+        nn.Parameter: build the optimizer after this."""
+        offset = self.config.position_offset
+        self.embeddings.position_embeddings = extended_table(self.embeddings.position_embeddings, new_max, method,
+                                                             offset)
+        self.config.max_position_embeddings = offset + new_max
+
     def position_ids(self, input_ids: Tensor) -> Tensor:
         """(B, T) -> (B, T). RoBERTa: pad_token_id + number of non-pad tokens so far, pad_token_id at pads."""
         if self.config.flavor == "bert":
@@ -288,6 +298,19 @@ class BertForMaskedLM(nn.Module):
         head's decoder runs on the masked tokens only (~15%): it is left out, with the embedding tables it shares."""
         return _encoder_flops(self, self.encoder.embeddings, seq_len)
 
+    def load_pretrained(self, init_from: str, position_extension: str = "repeat") -> str:
+        """init_from=hf:NAME_OR_DIR (flashtrain.train.model_init): a Hugging Face BERT/RoBERTa checkpoint's encoder
+        and, for this masked-LM model, its masked-LM head (a fresh one when it has none; a classifier's head always
+        starts fresh), positions extended when the run's model.max_length is longer. Returns the note the run
+        prints."""
+        from flashtrain.train.model_init import load_bert_weights  # model_init finds the files; it imports this module
+
+        return load_bert_weights(self, self.config, init_from, position_extension)
+
+    def extend_positions(self, new_max: int, method: str = "repeat") -> None:
+        """The encoder's position table grown to new_max positions (BertModel.extend_positions)."""
+        self.encoder.extend_positions(new_max, method)
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
                 labels: Tensor | None = None, unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor | None]:
         """input_ids, attention_mask, token_type_ids, unpadding as in BertModel.encode; labels (B, T): the original
@@ -357,6 +380,10 @@ class BertForSequenceClassification(nn.Module):
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token at seq_len tokens (default max_position_embeddings; flashtrain.models.flops)."""
         return _encoder_flops(self, self.encoder.embeddings, seq_len)
+
+    # as the masked-LM model's: the encoder (and BERT's pooler) from a Hugging Face checkpoint, a fresh classifier
+    load_pretrained = BertForMaskedLM.load_pretrained
+    extend_positions = BertForMaskedLM.extend_positions
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
                 labels: Tensor | None = None, unpadding: Unpadding | None = None) -> tuple[Tensor, Tensor | None]:

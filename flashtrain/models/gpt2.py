@@ -14,10 +14,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashtrain.models.attention import (attention, attention_features, check_attn_impl, check_backend,
+from flashtrain.models.attention import (KERNEL, attention, attention_features, check_attn_impl, check_backend,
                                          compute_dtype)
 from flashtrain.models.flops import training_flops_per_token
 from flashtrain.models.losses import cross_entropy, linear_cross_entropy, padded_logits
+from flashtrain.models.position import extended_table
 from flashtrain.models.tying import tie_weights
 
 # how the end-of-run sample, `python -m flashtrain.generate` and an export's generation_config.json sample by default:
@@ -82,8 +83,21 @@ class GPT2Config:
         return {"window_size": (self.attn_window, 0), "softcap": self.attn_softcap}
 
     def attention_backend(self, device: torch.device, dtype: torch.dtype) -> str:
-        return check_backend(self.attn_impl, device, dtype, self.n_embd // self.n_head,
-                             features=attention_features(**self.attention_options, causal=True))
+        features = attention_features(**self.attention_options, causal=True)
+        header = check_backend(self.attn_impl, device, dtype, self.n_embd // self.n_head, features=features)
+        if features and self.attn_dropout > 0 and header == f"{self.attn_impl} -> {KERNEL}":
+            # the CUDA kernels run the window and softcap without attention dropout only (flashtrain.kernels.interface
+            # refuses the combination at the first call)
+            named = {"window_size": ("attn_window", "a sliding window"),
+                     "softcap": ("attn_softcap", "logit softcapping")}
+            values = ", ".join(f"model.{named[f][0]}={getattr(self, named[f][0])}" for f in features)
+            others = "model.attn_impl=reference (the plain-PyTorch path, slow)" + (
+                "" if "softcap" in features else " or model.attn_impl=sdpa (the window as a mask)")
+            raise ValueError(f"{values} with model.attn_dropout={self.attn_dropout}: flashtrain's CUDA kernels "
+                             f"(model.attn_impl={self.attn_impl} -> {KERNEL}) do not combine "
+                             f"{' or '.join(named[f][1] for f in features)} with attention dropout; set "
+                             f"model.attn_dropout=0, or {others}")
+        return header
 
     def check_data(self, data) -> None:
         """Raise ValueError when the data (a flashtrain.data.task.DataSpec) is not what this model reads; a field
@@ -215,7 +229,8 @@ class GPT2(nn.Module):
     def forward(self, input_ids: Tensor, targets: Tensor | None = None, cache: KVCache | None = None,
                 cu_seqlens: Tensor | None = None, position_ids: Tensor | None = None) -> tuple[Tensor | None,
                                                                                                Tensor | None]:
-        """input_ids (B, T) -> (logits (B, T, vocab_size), mean cross-entropy or None).
+        """input_ids (B, T) -> (logits (B, T, vocab_size), mean cross-entropy or None); with targets the logits are
+        detached (no gradient flows through them: the loss is what trains).
 
         targets (B, T) are already shifted: targets[:, t] is the token that follows input_ids[:, t].
         Targets equal to -100 are ignored (as in HF and F.cross_entropy).
@@ -251,11 +266,21 @@ class GPT2(nn.Module):
         if targets is not None and self.config.chunked_loss:
             return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
         padded = padded_logits(x, self.lm_head.weight, self.config.vocab_multiple)  # (B, T, padded vocab)
-        loss = None
-        if targets is not None:  # in float32 even when the logits are bf16/fp16
-            loss = cross_entropy(padded.flatten(0, 1), targets.flatten(), self.config.vocab_size, ignore_index=-100,
-                                 fused=self.config.fused_loss)
-        return padded[..., :self.config.vocab_size], loss  # (B, T, vocab_size)
+        if targets is None:
+            return self._unpadded(padded), None  # (B, T, vocab_size)
+        # in float32 even when the logits are bf16/fp16
+        loss = cross_entropy(padded.flatten(0, 1), targets.flatten(), self.config.vocab_size, ignore_index=-100,
+                             fused=self.config.fused_loss)
+        # with a loss the logits come back detached (the loss is what trains): a padded vocabulary's logits are a
+        # slice of the head's output, and a view that autograd tracks, returned by the root module of an FSDP run,
+        # makes torch warn that an in-place op on it would skip FSDP's all-gather (a copy would cost the logits' size)
+        return self._unpadded(padded.detach()), loss
+
+    def _unpadded(self, padded: Tensor) -> Tensor:
+        """The logits (..., vocab_size) of the head's output over the padded vocabulary: that output itself when
+        nothing was padded, else its first vocab_size columns (a view, no copy)."""
+        vocab = self.config.vocab_size
+        return padded if padded.shape[-1] == vocab else padded[..., :vocab]
 
     def new_cache(self, batch_size: int) -> KVCache:
         """An empty KV cache for `batch_size` sequences, on this model's device, in its (autocast) compute dtype."""
@@ -313,6 +338,20 @@ class GPT2(nn.Module):
             if on_token is not None:
                 on_token(next_token)
         return input_ids
+
+    def load_pretrained(self, init_from: str, position_extension: str = "repeat") -> str:
+        """init_from= (flashtrain.train.model_init): hf:NAME_OR_DIR, a transformers GPT2LMHeadModel, or a flashtrain
+        checkpoint or run directory, of this config's shape but for the number of positions; a shorter position table
+        is extended (`extend_positions`). Returns the one-line note the run prints."""
+        from flashtrain.train.model_init import load_gpt2_weights  # model_init finds the files; it imports this module
+
+        return load_gpt2_weights(self, self.config, init_from, position_extension)
+
+    def extend_positions(self, new_max: int, method: str = "repeat") -> None:
+        """Grow the learned position table (transformer.wpe) to new_max positions by `method` (repeat | interpolate:
+        flashtrain.models.position) and set config.n_positions; a new nn.Parameter: build the optimizer after this."""
+        self.transformer.wpe = extended_table(self.transformer.wpe, new_max, method)
+        self.config.n_positions = new_max
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameters counted once (the tied lm_head is wte); exclude_embeddings drops wte and wpe, as HF does."""

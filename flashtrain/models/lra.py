@@ -186,6 +186,14 @@ class LRAClassifier(nn.Module):
         return training_flops_per_token(self, [self.tok_emb, self.pos_emb], c.n_layer, c.d_model, seq_len,
                                         c.attention.attention_flops_fraction(seq_len))
 
+    def load_pretrained(self, init_from: str, position_extension: str = "repeat") -> str:
+        """init_from= (flashtrain.train.model_init): a flashtrain LRA checkpoint, a run directory (its newest
+        checkpoint) or a directory of runs (the newest checkpoint of them all); learned positions of a smaller square
+        image grid are upsampled in 2D (position_extension is not used). Returns the one-line note the run prints."""
+        from flashtrain.train.model_init import load_lra_weights  # model_init finds the files; it imports this module
+
+        return load_lra_weights(self, self.config, init_from, position_extension)
+
     def _init_weights(self) -> None:
         """LRA's initialisation (its Flax TransformerEncoder): token embeddings N(0, 1), so that the tokens are not
         drowned by the fixed sinusoids (amplitude 1) -- with GPT-style N(0, 0.02) token embeddings ListOps stays at

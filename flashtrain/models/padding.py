@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flashtrain.kernels.interface import check_cu_seqlens
+
 
 class Unpadding(NamedTuple):
     """Where the real tokens of a right-padded (B, T) batch are: what the model needs to run on them packed."""
@@ -29,6 +31,9 @@ class Unpadding(NamedTuple):
         seqlens = is_real.sum(dim=1, dtype=torch.int32)  # (B,)
         indices = torch.nonzero(is_real.flatten()).flatten()  # (total,)
         cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))  # (B + 1,)
+        if cu_seqlens.device.type == "cpu":  # the loader's batch: checked before the copy to the GPU (there, a bad
+            # one would be a device-side assert that ends the process; a CUDA mask is not read back: that syncs)
+            check_cu_seqlens(cu_seqlens, indices.numel(), attention_mask.shape[1], name="cu_seqlens")
         masked_rows = None
         if labels is not None:
             masked_rows = torch.nonzero(labels.flatten()[indices] != -100).flatten()  # (n_masked,)

@@ -17,36 +17,39 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flashtrain.models.bert import BertForMaskedLM, BertForSequenceClassification, BertModel
-from flashtrain.models.gpt2 import GPT2
-
 METHODS = ("repeat", "interpolate")
 
 
 def extend_position_embeddings(model: nn.Module, new_max: int, method: str = "repeat") -> None:
     """Grow model's position table in place so that it takes inputs of up to new_max tokens, and update its config.
 
-    model: GPT2 (transformer.wpe, config.n_positions = new_max), or BertModel / BertForMaskedLM /
-    BertForSequenceClassification (embeddings.position_embeddings; config.max_position_embeddings = new_max, plus
-    the offset of 2 for RoBERTa, whose positions start at pad_token_id + 1). The new table is a new nn.Parameter:
-    build the optimizer after calling this.
+    Calls the model's own `extend_positions(new_max, method)`, the method a model defines to have its positions
+    extended (GPT2: transformer.wpe, config.n_positions = new_max; BertModel / BertForMaskedLM /
+    BertForSequenceClassification: embeddings.position_embeddings, config.max_position_embeddings = new_max plus the
+    offset of 2 for RoBERTa, whose positions start at pad_token_id + 1); a model without it stops with a TypeError
+    naming the method. The new table is a new nn.Parameter: build the optimizer after calling this.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if isinstance(model, GPT2):
-        parent, name, offset, old_max = model.transformer, "wpe", 0, model.config.n_positions
-    elif isinstance(model, (BertModel, BertForMaskedLM, BertForSequenceClassification)):
-        encoder = model if isinstance(model, BertModel) else model.encoder
-        parent, name = encoder.embeddings, "position_embeddings"
-        offset, old_max = encoder.config.position_offset, encoder.config.max_seqlen
-    else:
-        raise TypeError(f"model must be a GPT2 or a BERT/RoBERTa model of flashtrain.models, "
-                        f"got {type(model).__name__}")
+    extend = getattr(model, "extend_positions", None)
+    if not callable(extend):
+        raise TypeError(f"model {type(model).__name__} defines no extend_positions(new_max, method), the method that "
+                        f"grows its position table to new_max positions ({new_max} asked; method {method!r}); "
+                        f"flashtrain.models.position.extended_table builds the new table of a learned nn.Embedding")
+    extend(new_max, method)
+
+
+def extended_table(table: nn.Embedding, new_max: int, method: str = "repeat", offset: int = 0) -> nn.Embedding:
+    """A new position table of offset + new_max rows from `table` (offset + old_max rows, old_max < new_max): its
+    first `offset` rows, which are not positions (RoBERTa's 2), as they are, then its old_max position rows extended
+    by `method` ("repeat" | "interpolate", as the module's docstring says). Same device, dtype, padding_idx and
+    requires_grad; the model sets it in place of the old table and updates its config (`extend_positions`)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    old_max = table.num_embeddings - offset
     if new_max <= old_max:
         raise ValueError(f"new_max must exceed the current maximum of {old_max} tokens, got {new_max}")
-
-    old_table: nn.Embedding = getattr(parent, name)
-    old_weight = old_table.weight.detach()  # (offset + old_max, C)
+    old_weight = table.weight.detach()  # (offset + old_max, C)
     pretrained = old_weight[offset:]  # (old_max, C): the rows of real positions
     if method == "repeat":
         extended = pretrained[torch.arange(new_max, device=pretrained.device) % old_max]  # (new_max, C)
@@ -55,16 +58,12 @@ def extend_position_embeddings(model: nn.Module, new_max: int, method: str = "re
         extended = F.interpolate(pretrained.to(compute_dtype).t()[None], size=new_max, mode="linear",
                                  align_corners=True)[0].t().to(pretrained.dtype)  # (new_max, C)
     new_weight = torch.cat([old_weight[:offset], extended])  # (offset + new_max, C)
-    new_table = nn.Embedding(offset + new_max, new_weight.shape[1], padding_idx=old_table.padding_idx,
+    new_table = nn.Embedding(offset + new_max, new_weight.shape[1], padding_idx=table.padding_idx,
                              device=new_weight.device, dtype=new_weight.dtype)
     with torch.no_grad():
         new_table.weight.copy_(new_weight)
-    new_table.weight.requires_grad_(old_table.weight.requires_grad)
-    setattr(parent, name, new_table)
-    if isinstance(model, GPT2):
-        model.config.n_positions = new_max
-    else:
-        encoder.config.max_position_embeddings = offset + new_max
+    new_table.weight.requires_grad_(table.weight.requires_grad)
+    return new_table
 
 
 def upsample_positions_2d(table: torch.Tensor, height: int, width: int, factor: int,

@@ -11,6 +11,8 @@ A checkpoint is written into `checkpoints/.tmp-step_...` and renamed into place 
 mid-save never leaves a half checkpoint that `resume` would pick up. Its `manifest.json` (step, the model/data
 configuration and its hash, every file's size and sha256, library versions) is written last, atomically; resume
 trusts a checkpoint only when every file matches it, and otherwise warns, names the file and takes the one before.
+Export, generation and `init_from` read weights through the same verification (`intact_checkpoint`). Pruning keeps
+the newest `trainer.keep_checkpoints` intact checkpoints; damaged ones are not counted (`_prune`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import json
 import logging
 import os
 import platform
+import shlex
 import shutil
+import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -153,6 +157,32 @@ def read_manifest(ckpt: Path) -> dict:
     return json.loads((Path(ckpt) / MANIFEST).read_text())
 
 
+# what this process knows of each checkpoint it wrote or verified (hashing every file is the cost of a verification):
+# str(path) -> (the files' sizes, mtimes and inodes then, its problem or None). Pruning, on every save, verifies
+# through it, so that a checkpoint is hashed at most once per process; a file rewritten since shows in its stat.
+# Loading (resume, export, generation, init_from) always hashes.
+_KNOWN: dict[str, tuple[tuple, str | None]] = {}
+
+
+def _file_stats(ckpt: Path) -> tuple:
+    return tuple(sorted((p.relative_to(ckpt).as_posix(), st.st_size, st.st_mtime_ns, st.st_ino)
+                        for p in Path(ckpt).rglob("*") if p.is_file() and (st := p.stat())))
+
+
+def _remember(ckpt: Path, problem: str | None) -> None:
+    _KNOWN[str(ckpt)] = (_file_stats(ckpt), problem)
+
+
+def _known_problem(ckpt: Path) -> str | None:
+    """checkpoint_problem(ckpt), hashed only when this process has not verified (or written) it as it is now."""
+    known = _KNOWN.get(str(ckpt))
+    if known is not None and known[0] == _file_stats(ckpt):
+        return known[1]
+    problem = checkpoint_problem(ckpt)
+    _remember(ckpt, problem)
+    return problem
+
+
 def checkpoint_problem(ckpt: Path) -> str | None:
     """Why `ckpt` cannot be trusted (manifest missing or unreadable; a file missing, resized or changed), or None."""
     manifest_path = Path(ckpt) / MANIFEST
@@ -196,31 +226,62 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, keep: in
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_manifest(tmp, step, config)
-        if final.exists():  # re-saving the same step (e.g. a resumed run that stops at once)
+        if final.exists():  # re-saving the same step (e.g. a resumed run that stops at once, or a damaged one)
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _remember(final, None)  # written here, its manifest from these very files: known intact
         _write_text_atomic(ckpt_root / "latest", final.name + "\n")
-        _prune(ckpt_root, keep)
+        _prune(final, keep)
     accelerator.wait_for_everyone()
     return final
 
 
-def _prune(ckpt_root: Path, keep: int) -> None:
-    for old in run_checkpoints(ckpt_root.parent)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def _prune(newest: Path, keep: int) -> list[Path]:
+    """Delete what trainer.keep_checkpoints lets go, `newest` being the run's newest verified checkpoint (the one just
+    written, or the one a run resumed from): it and the newest keep - 1 intact checkpoints before it stay; everything
+    older than the oldest of those goes, damaged or not. Damaged checkpoints are not counted: one among the kept ones,
+    or newer than `newest` (a resume skipped it; the run replaces it when it saves that step again), stays, named in
+    a DamagedCheckpointWarning. Returns the deleted paths."""
+    checkpoints = run_checkpoints(Path(newest).parent.parent)
+    stale, intact_kept = [], 1
+    for ckpt in reversed([c for c in checkpoints if c.name < Path(newest).name]):  # newest first
+        if intact_kept >= keep:
+            stale.append(ckpt)
+        elif (problem := _known_problem(ckpt)) is None:
+            intact_kept += 1
+        else:
+            _name_damaged(ckpt, problem, keep)
+    for ckpt in (c for c in checkpoints if c.name > Path(newest).name):
+        if (problem := _known_problem(ckpt)) is not None:
+            _name_damaged(ckpt, problem, keep)
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+        _KNOWN.pop(str(path), None)
+    return stale
+
+
+_NAMED: dict[str, tuple] = {}  # damaged checkpoints _prune has named in this process: their files then
+
+
+def _name_damaged(ckpt: Path, problem: str, keep: int) -> None:
+    """Name a damaged checkpoint that pruning keeps, once (again when its files change)."""
+    if _NAMED.get(str(ckpt)) != (stats := _file_stats(ckpt)):
+        _NAMED[str(ckpt)] = stats
+        warnings.warn(f"checkpoint {ckpt} is damaged ({problem}): kept, not counted toward "
+                      f"trainer.keep_checkpoints={keep}", DamagedCheckpointWarning, stacklevel=3)
 
 
 def prune_after_resume(resumed: Path, keep: int) -> list[Path]:
     """A run resumed from `resumed` in its own run directory: delete what a killed launch of it left beyond `keep`
     (a kill between a save and its pruning, or during the pruning, leaves older checkpoints, some half deleted, and a
     run resumed at its last step saves nothing more that would prune them), and its unfinished saves (.tmp-step_*).
-    Only checkpoints older than `resumed` go, the newest keep - 1 of them stay: newer ones (damaged, or else the resume
-    would have taken them) are replaced when the run saves their step again. Returns the deleted paths."""
-    ckpt_root = Path(resumed).parent
-    older = [c for c in run_checkpoints(ckpt_root.parent) if c.name < Path(resumed).name]
-    stale = older[:max(0, len(older) - (keep - 1))] + sorted(ckpt_root.glob(".tmp-step_*"))
-    for path in stale:
+    As every save prunes (`_prune`): `resumed` and the newest keep - 1 intact checkpoints before it stay, older ones go;
+    newer ones (damaged, or else the resume would have taken them) are replaced when the run saves their step again.
+    Returns the deleted paths."""
+    stale = _prune(Path(resumed), keep)
+    for path in sorted(Path(resumed).parent.glob(".tmp-step_*")):
         shutil.rmtree(path, ignore_errors=True)
+        stale.append(path)
     return stale
 
 
@@ -230,7 +291,7 @@ def run_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of one run directory, or None (not verified: init_from reads only weights)."""
+    """The newest complete checkpoint of one run directory, or None; not verified (`intact_checkpoint` verifies)."""
     ckpt_root = Path(run_dir) / "checkpoints"
     pointer = ckpt_root / "latest"
     if pointer.is_file():
@@ -246,10 +307,45 @@ def first_intact(candidates: list[Path]) -> Path | None:
     DamagedCheckpointWarning."""
     for ckpt in candidates:
         problem = checkpoint_problem(ckpt)
+        _remember(ckpt, problem)
         if problem is None:
             return ckpt
         warnings.warn(f"skipping checkpoint {ckpt}: {problem}", DamagedCheckpointWarning, stacklevel=2)
     return None
+
+
+def _newest_run(runs: Path) -> Path | None:
+    """Of the run directories in `runs` (runs/<name>), the one whose last checkpoint was written last."""
+    found = [run for run in Path(runs).glob("*") if run_checkpoints(run)]
+    return max(found, key=lambda run: max(c.stat().st_mtime for c in run_checkpoints(run)), default=None)
+
+
+def intact_checkpoint(path: str | Path, setting: str | None = None, runs: bool = True,
+                      remedy: str = "move them away or name another run", label: str | None = None) -> Path | None:
+    """The checkpoint that `path` names, verified as resume does (the manifest's size and sha256 of every file):
+
+    a checkpoint directory (step_N)  -> it; damaged, DamagedCheckpointError naming the file
+    a run directory                  -> its newest intact checkpoint
+    a directory of runs (runs/<name>, with runs=True) -> the newest intact checkpoint of its newest run (the run whose
+                                        last checkpoint was written last), as resume=auto
+    Each damaged checkpoint skipped is named in a DamagedCheckpointWarning; none intact: DamagedCheckpointError
+    (ending with `remedy`). None when `path` holds no checkpoint at all. The messages start with `setting`=path
+    ("resume=...", "init_from=..."), or with the path alone (or with `label`)."""
+    path = Path(path).expanduser()
+    label = label or (f"{setting}={path}" if setting else str(path))
+    if path.name.startswith(CHECKPOINT_PREFIX) and path.is_dir():
+        if (problem := checkpoint_problem(path)) is not None:
+            run = f"{setting}={path.parent.parent}" if setting else path.parent.parent
+            raise DamagedCheckpointError(f"{label}: the checkpoint is damaged: {problem}. Name an older checkpoint, or "
+                                         f"the run directory ({run}) to take its newest intact one.")
+        return path
+    run = path if run_checkpoints(path) else _newest_run(path) if runs and path.is_dir() else None
+    candidates = run_checkpoints(run)[::-1] if run is not None else []
+    found = first_intact(candidates)
+    if found is None and candidates:
+        raise DamagedCheckpointError(f"{label}: none of the {len(candidates)} checkpoints found is intact (each is "
+                                     f"named in a warning above); {remedy}")
+    return found
 
 
 def checkpoint_format(ckpt: Path) -> str:
@@ -283,7 +379,7 @@ def model_state(ckpt: Path) -> dict:
 
 
 def resolve_resume(resume: str | None, runs_of_name: Path) -> Path | None:
-    """Turn the `resume` setting into a verified checkpoint directory.
+    """Turn the `resume` setting into a verified checkpoint directory (`intact_checkpoint`).
 
     None -> fresh run. "auto" -> the newest intact checkpoint of the newest run in runs/<name>/ (the run whose last
     checkpoint was written last; never an older sibling's), None if no run there has a checkpoint.
@@ -292,23 +388,75 @@ def resolve_resume(resume: str | None, runs_of_name: Path) -> Path | None:
     """
     if resume is None:
         return None
-    path = Path(resume).expanduser()
-    if resume != "auto" and path.is_dir() and path.name.startswith(CHECKPOINT_PREFIX):
-        if (problem := checkpoint_problem(path)) is not None:
-            raise DamagedCheckpointError(
-                f"resume={resume}: the checkpoint is damaged: {problem}. Name an older checkpoint, or the run "
-                f"directory (resume={path.parent.parent}) to take its newest intact one.")
-        return path
+    remedy = "move them away or start with resume=null"
     if resume == "auto":
-        runs = [run for run in Path(runs_of_name).glob("*") if run_checkpoints(run)]
-        newest = max(runs, key=lambda run: max(c.stat().st_mtime for c in run_checkpoints(run)), default=None)
-        candidates = run_checkpoints(newest)[::-1] if newest is not None else []
-    elif path.is_dir() and (candidates := run_checkpoints(path)[::-1]):
-        pass
-    else:
+        newest = _newest_run(runs_of_name)
+        return None if newest is None else intact_checkpoint(newest, runs=False, remedy=remedy, label="resume=auto")
+    found = intact_checkpoint(resume, "resume", runs=False, remedy=remedy)
+    if found is None:
         raise FileNotFoundError(f"resume={resume!r}: not a checkpoint directory nor a run directory with checkpoints")
-    found = first_intact(candidates)
-    if found is None and candidates:
-        raise DamagedCheckpointError(f"resume={resume}: none of the {len(candidates)} checkpoints found is intact "
-                                     f"(each is named in a warning above); move them away or start with resume=null")
     return found
+
+
+def _hydra_launch():
+    """This launch's HydraConfig (a launch.py run), or None."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
+def continue_command(num_processes: int = 1, **changes: str) -> str | None:
+    """This launch's command with `changes` (key=value, e.g. resume="auto") in place of those keys: its launcher, its
+    overrides (Hydra's: the task's and the hydra.* ones given; a sweep's job its own, with -m); None outside a
+    launch.py run. With resume="auto" it continues this run in place: resume=auto takes the newest run of the runs
+    beside this launch's directory (runs/<name>, a sweep job's runs/<name>/<its overrides>, hydra.run.dir's parent)."""
+    hydra = _hydra_launch()
+    if hydra is None:
+        return None
+    given = [o for o in [*hydra.overrides.task, *hydra.overrides.hydra] if not o.startswith("hydra.mode=")]
+    kept = [o for o in given if o.split("=", 1)[0].lstrip("+~") not in changes]
+    multirun = ["-m"] if str(hydra.mode) == "RunMode.MULTIRUN" else []
+    launcher = "python" if num_processes == 1 else f"<the same launcher of {num_processes} processes>"
+    words = [sys.argv[0], *multirun, *kept, *(f"{key}={value}" for key, value in changes.items())]
+    return " ".join([launcher, *map(shlex.quote, words)])
+
+
+def continue_advice(checkpoint: Path, num_processes: int = 1, nonfinite_lr: float | None = None) -> str:
+    """The end of a stop message: how to go on from `checkpoint`. After a signal: the command that continues this run
+    in place (`continue_command` with resume=auto). After non-finite steps (`nonfinite_lr`: optim.lr now): the same
+    command would meet them again; a lower optim.lr, continuing in place (a sweep job from this checkpoint, in a new
+    run directory: its directory is named for its optim.lr) or from the earlier checkpoint, in a new run directory."""
+    def command(**changes: str) -> str:
+        return continue_command(num_processes, **changes) or \
+            "the same command with " + " ".join(f"{key}={value}" for key, value in changes.items())
+
+    if nonfinite_lr is None:
+        return "Continue this run in place (its metrics.jsonl and checkpoints) with: " + command(resume="auto")
+    checkpoint, half = Path(checkpoint), f"{nonfinite_lr / 2:g}"
+    hydra = _hydra_launch()
+    if hydra is not None and str(hydra.mode) == "RunMode.MULTIRUN":
+        options = [f"start a new run directory from this checkpoint (a sweep job's directory is named for its "
+                   f"optim.lr): {command(**{'optim.lr': half, 'resume': str(checkpoint)})}"]
+    else:
+        options = [f"continue this run in place: {command(**{'optim.lr': half, 'resume': 'auto'})}"]
+    earlier = next((c for c in reversed(run_checkpoints(checkpoint.parent.parent))
+                    if c.name < checkpoint.name and _known_problem(c) is None), None)
+    if earlier is not None:
+        options.append(f"go back to the earlier checkpoint {earlier.name} as well, in a new run directory: "
+                       f"{command(**{'optim.lr': half, 'resume': str(earlier)})}")
+    return (f"The same command would meet the same steps again: lower the learning rate (optim.lr={nonfinite_lr:g} "
+            f"now, e.g. optim.lr={half}) and " + "; or ".join(options) + ". Check the data too")
+
+
+def use_configured_lr(scheduler, lr: float) -> str:
+    """After load_state: the learning-rate schedule continues at the peak it was saved with (its base_lrs); a run
+    resumed with another optim.lr continues it at the new one, from the same step. Returns what to add to the
+    "resumed from" line: "" when optim.lr is the checkpoint's."""
+    saved = list(scheduler.base_lrs)
+    if all(base == lr for base in saved):
+        return ""
+    scheduler.base_lrs = [lr] * len(saved)
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return f"; optim.lr={lr:g}: the schedule continues at this peak learning rate (the checkpoint's: {saved[0]:g})"

@@ -13,12 +13,14 @@ import dataclasses
 import hashlib
 import importlib
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import InterpolationKeyError
 
 from flashtrain.data.documents import EcthrConfig, LongDocConfig, MimicConfig
 from flashtrain.data.listops import ListOpsConfig
@@ -26,6 +28,7 @@ from flashtrain.data.lm import LMDataConfig
 from flashtrain.data.mlm import MaskedLMDataConfig
 from flashtrain.data.lra_hf import LRAImageConfig, LRARetrievalConfig, LRATextConfig
 from flashtrain.data.pathfinder import PathfinderConfig
+from flashtrain.data.task import model_data_misfit
 from flashtrain.models.attention_variants import VARIANTS as ATTENTION_VARIANTS
 from flashtrain.models.bert import BertConfig
 from flashtrain.models.gpt2 import GPT2Config
@@ -239,7 +242,33 @@ def typed_config(cfg: DictConfig) -> FlashtrainConfig:
                  for path, schema, names in unknown]
         raise UnknownConfigKeyError("\n".join(lines) + "\nEvery key, `+key=value` included, must be a field of its "
                                     "schema (flashtrain/train/config.py and the model/data config classes)")
-    return OmegaConf.to_object(cfg)
+    try:
+        return OmegaConf.to_object(cfg)
+    except InterpolationKeyError as error:
+        misfit = interpolation_misfit(cfg, error)
+        if misfit is None:
+            raise
+        raise misfit from None
+
+
+def interpolation_misfit(cfg: DictConfig, error: InterpolationKeyError) -> ValueError | None:
+    """A model key that reads a data key the chosen data config does not have (`vocab_size: ${data.vocab_size}`), or
+    the other way round, as the model/data check's error naming both configs; None for any other missing key."""
+    found = re.match(r"Interpolation key '([^']+)' not found", str(error.msg))
+    group, missing = str(error.full_key).split(".", 1)[0], found.group(1) if found else ""
+    other = missing.split(".", 1)[0]
+    if {group, other} != {"model", "data"}:
+        return None
+    schemas = {name: getattr(OmegaConf.get_type(cfg, name), "__name__", name) for name in ("model", "data")}
+    try:  # the key's own text, "${data.vocab_size}"
+        raw = OmegaConf.to_container(cfg, resolve=False)
+        for part in str(error.full_key).split("."):
+            raw = raw[part]
+    except (KeyError, TypeError):  # a key inside a list: say less
+        raw = "${" + missing + "}"
+    return model_data_misfit(schemas["model"], schemas["data"],
+                             f"{error.full_key}={raw} reads {missing}, which {schemas[other]} does not have: "
+                             f"set {error.full_key}=VALUE, or choose a {other} config that has it")
 
 
 def job_dirname(override_dirname: str) -> str:

@@ -10,6 +10,11 @@ When the source has fewer positions than the configured model, its position tabl
 `flashtrain.models.position.extend_position_embeddings` (method "repeat" or "interpolate") before loading, so a
 4K-context run can start from a 1K checkpoint or from GPT-2 itself. Optimizer state and step are NOT taken over:
 this is a new run initialised from those weights (use `resume=` to continue a run).
+
+Which loader runs is the model's own business: a model that defines `load_pretrained(init_from, position_extension)
+-> str` (GPT2, the BERT/RoBERTa heads and LRAClassifier do, with the loaders below) loads itself; any other model takes
+hf:NAME_OR_PATH through its registered Hugging Face adapter (`load_hf_weights`) and a flashtrain checkpoint of its own
+shapes. Position tables grow through the model's `extend_positions(new_max, method)`.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import torch
 
 from flashtrain.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from flashtrain.models.gpt2 import GPT2, GPT2Config
-from flashtrain.models.hf_convert import bert_config_from_hf, from_pretrained_hf, load_hf_state_dict
+from flashtrain.models.hf_convert import (bert_config_from_hf, from_pretrained_hf, has_hf_adapter, hf_adapter,
+                                         load_hf_state_dict)
 from flashtrain.models.lra import LRAClassifier
 from flashtrain.models.position import extend_position_embeddings, upsample_positions_2d
 from flashtrain.pretrained import resolve_pretrained_path
-from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint, model_state
+from flashtrain.train.checkpoint import intact_checkpoint, model_state
 
 _POSITIONS_KEY = "transformer.wpe.weight"
 
@@ -39,11 +45,7 @@ def _source_model(init_from: str, model_cfg: GPT2Config) -> GPT2:
         hf_model = GPT2LMHeadModel.from_pretrained(init_from[len("hf:"):])
         source = GPT2(replace(model_cfg, n_positions=hf_model.config.n_positions))
         return load_hf_state_dict(source, hf_model.state_dict())
-    path = Path(init_from).expanduser()
-    ckpt = path if path.name.startswith(CHECKPOINT_PREFIX) else latest_checkpoint(path)
-    if ckpt is None:
-        raise FileNotFoundError(f"init_from={init_from!r}: no checkpoint found")
-    state = model_state(ckpt)
+    ckpt, state = _checkpoint_state(init_from)
     source = GPT2(replace(model_cfg, n_positions=state[_POSITIONS_KEY].shape[0]))
     missing, unexpected = source.load_state_dict(state, strict=False)  # the tied lm_head comes with wte
     if missing or unexpected:
@@ -53,13 +55,51 @@ def _source_model(init_from: str, model_cfg: GPT2Config) -> GPT2:
 
 
 def load_initial_weights(model: torch.nn.Module, model_cfg, init_from: str, position_extension: str) -> str:
-    """Copy the weights named by `init_from` into `model`; returns a one-line description of what was done. Models
-    without a loader of their own (`_LOADERS`) take a flashtrain checkpoint of the same shape."""
-    load = _LOADERS.get(type(model), _load_checkpoint_weights)
-    return load(model, model_cfg, init_from, position_extension)
+    """Copy the weights named by `init_from` into `model`; returns a one-line description of what was done.
+
+    The model's own `load_pretrained(init_from, position_extension)` when it defines one. Otherwise hf:NAME_OR_PATH
+    goes through the model's registered Hugging Face adapter (`load_hf_weights`), and anything else must be a flashtrain
+    checkpoint of the model's own shapes (a strict load). model_cfg: the run's model config (the model's own config,
+    model.config, is what the loaders read)."""
+    load = getattr(model, "load_pretrained", None)
+    if callable(load):
+        return load(init_from, position_extension)
+    if init_from.startswith("hf:"):
+        if not has_hf_adapter(type(model)):
+            raise ValueError(f"init_from={init_from!r}: {type(model).__name__} has no Hugging Face adapter "
+                             f"(flashtrain.models.hf_convert.register_hf_adapter) and defines no "
+                             f"load_pretrained(init_from, position_extension), the method that loads other weights")
+        return load_hf_weights(model, init_from, position_extension)
+    return _load_checkpoint_weights(model, model_cfg, init_from, position_extension)
 
 
-def _load_gpt2_weights(model: GPT2, model_cfg: GPT2Config, init_from: str, position_extension: str) -> str:
+def load_hf_weights(model: torch.nn.Module, init_from: str, position_extension: str) -> str:
+    """init_from=hf:NAME_OR_PATH into a model with a registered Hugging Face adapter: read with the adapter's Auto
+    class (`hf:pkg:MODULE/SUBDIR`: an installed package's directory), converted by its from_hf, a shorter position
+    table (the adapter's max_length) extended by the model's `extend_positions(new_max, method)`, then loaded strictly
+    (every other tensor has the run's shape). Returns the note. A model's own load_pretrained may call it."""
+    import transformers
+
+    model_class = type(model)
+    adapter = hf_adapter(model_class)
+    hf_class = getattr(transformers, adapter.auto_class)
+    hf_model = hf_class.from_pretrained(resolve_pretrained_path(init_from[len("hf:"):]), dtype=torch.float32)
+    source = from_pretrained_hf(model_class, hf_model, attn_impl=getattr(model.config, "attn_impl", "flash"))
+    note = _fit_positions(source, init_from, adapter.max_length(source.config), adapter.max_length(model.config),
+                          f"{model_class.__name__}'s max length", position_extension)
+    model.load_state_dict(source.state_dict())
+    return note
+
+
+def checkpoint_weights(init_from: str) -> tuple[Path, dict]:
+    """(checkpoint directory, model state dict) that init_from names, found and verified as for every model: for a
+    model's own load_pretrained."""
+    return _checkpoint_state(init_from)
+
+
+def load_gpt2_weights(model: GPT2, model_cfg: GPT2Config, init_from: str, position_extension: str) -> str:
+    """GPT2.load_pretrained: hf:NAME_OR_PATH (a transformers GPT2LMHeadModel) or a flashtrain checkpoint / run
+    directory, its position table extended to model_cfg.n_positions."""
     source = _source_model(init_from, model_cfg)
     note = _fit_positions(source, init_from, source.config.n_positions, model_cfg.n_positions, "model.n_positions",
                           position_extension)
@@ -80,12 +120,11 @@ def _fit_positions(source: torch.nn.Module, init_from: str, n_source: int, n_mod
 
 
 def _checkpoint_state(init_from: str) -> tuple[Path, dict]:
-    """(checkpoint directory, model state dict) of a checkpoint, a run directory (its newest checkpoint) or a
-    directory of runs such as runs/path64 (the newest checkpoint of them all)."""
-    path = Path(init_from).expanduser()
-    ckpt = path if path.name.startswith(CHECKPOINT_PREFIX) else latest_checkpoint(path)
-    if ckpt is None and path.is_dir():  # a directory of runs: the checkpoint written last (weights only: not verified)
-        ckpt = max(filter(None, map(latest_checkpoint, path.glob("*"))), key=lambda c: c.stat().st_mtime, default=None)
+    """(checkpoint directory, model state dict) of a checkpoint, a run directory (its newest intact checkpoint) or a
+    directory of runs such as runs/path64 (the newest intact checkpoint of its newest run), verified as resume does
+    (`intact_checkpoint`: each damaged checkpoint skipped is named in a warning; a damaged one named explicitly, or
+    none intact, stops with a DamagedCheckpointError naming the file)."""
+    ckpt = intact_checkpoint(init_from, "init_from", runs=True, remedy="move them away or name another init_from")
     if ckpt is None:
         raise FileNotFoundError(f"init_from={init_from!r}: no checkpoint found")
     return ckpt, model_state(ckpt)
@@ -93,14 +132,22 @@ def _checkpoint_state(init_from: str) -> tuple[Path, dict]:
 
 def _load_checkpoint_weights(model: torch.nn.Module, model_cfg, init_from: str, position_extension: str) -> str:
     ckpt, state = _checkpoint_state(init_from)
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:  # names and shapes that differ
+        name = type(model).__name__
+        raise RuntimeError(f"init_from={init_from!r} does not fit {name}: {err}\n{name} defines no "
+                           f"load_pretrained(init_from, position_extension), so init_from takes a flashtrain "
+                           f"checkpoint of exactly its shapes (or hf: through its Hugging Face adapter); a model that "
+                           f"starts from other weights defines that method") from err
     return f"initialised from {ckpt}"
 
 
-def _load_lra_weights(model: LRAClassifier, model_cfg, init_from: str, position_extension: str) -> str:
-    """A flashtrain LRA checkpoint into `model`: a checkpoint, a run directory (its newest checkpoint) or a directory
-    of runs such as runs/path64 (the newest checkpoint of them all). Learned positions of a square image grid smaller
-    than the model's (Path-64 -> Path-X / Path-256) are upsampled in 2D, each pretrained position a k x k block."""
+def load_lra_weights(model: LRAClassifier, model_cfg, init_from: str, position_extension: str) -> str:
+    """LRAClassifier.load_pretrained: a flashtrain LRA checkpoint into `model`: a checkpoint, a run directory (its
+    newest checkpoint) or a directory of runs such as runs/path64 (the newest checkpoint of them all). Learned positions
+    of a square image grid smaller than the model's (Path-64 -> Path-X / Path-256) are upsampled in 2D, each pretrained
+    position a k x k block."""
     ckpt, state = _checkpoint_state(init_from)
     note = f"initialised from {ckpt}"
     source_positions = state.get("pos_emb.weight")
@@ -129,10 +176,11 @@ _BERT_SHAPE_FIELDS = ("flavor", "vocab_size", "hidden_size", "num_hidden_layers"
                       "intermediate_size", "type_vocab_size", "pad_token_id", "layer_norm_eps")
 
 
-def _load_bert_weights(model: BertForMaskedLM | BertForSequenceClassification, model_cfg: BertConfig, init_from: str,
-                       position_extension: str) -> str:
-    """A Hugging Face BERT/RoBERTa checkpoint into `model`: the encoder always, the masked-LM head for
-    BertForMaskedLM; positions extended when model_cfg takes longer inputs than the checkpoint."""
+def load_bert_weights(model: BertForMaskedLM | BertForSequenceClassification, model_cfg: BertConfig, init_from: str,
+                      position_extension: str) -> str:
+    """BertForMaskedLM / BertForSequenceClassification.load_pretrained: a Hugging Face BERT/RoBERTa checkpoint into
+    `model`: the encoder always, the masked-LM head for BertForMaskedLM; positions extended when model_cfg takes
+    longer inputs than the checkpoint."""
     if not init_from.startswith("hf:"):
         raise ValueError(f"init_from={init_from!r}: BERT/RoBERTa models start from hf:NAME_OR_PATH (a Hugging Face "
                          "checkpoint); to continue a flashtrain run use resume=")
@@ -161,8 +209,3 @@ def _load_bert_weights(model: BertForMaskedLM | BertForSequenceClassification, m
     if unexpected or set(missing) - {"pooler.weight", "pooler.bias"}:
         raise ValueError(f"init_from={init_from!r} does not fit the model: missing {missing}, unexpected {unexpected}")
     return note + ", fresh classification head" + (" and pooler" if missing else "")
-
-
-# the loader of each model class that starts from more than its own checkpoints
-_LOADERS = {GPT2: _load_gpt2_weights, LRAClassifier: _load_lra_weights, BertForMaskedLM: _load_bert_weights,
-            BertForSequenceClassification: _load_bert_weights}

@@ -30,12 +30,13 @@ from accelerate.utils import DistributedType, ProjectConfiguration, broadcast_ob
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from flashtrain.data.task import Task, check_model_fits
+from flashtrain.data.task import Task, check_model_fits, check_model_fits_before_preparing
 from flashtrain.models.padding import Unpadding
 from flashtrain.train import activation_checkpoint
 from flashtrain.train.checkpoint import (MODEL_FILES, TrainState, accelerate_warnings_only, check_writable,
                                         checkpoint_format, config_differences, config_fingerprint,
-                                        prune_after_resume, resolve_resume, save_checkpoint)
+                                        continue_advice, prune_after_resume, resolve_resume, save_checkpoint,
+                                        use_configured_lr)
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.hf_files import save_model_files
 from flashtrain.train.metrics import MetricsLog
@@ -238,7 +239,7 @@ class Trainer:
         if self.checkpoint is not None:
             self._check_resumed_config()
         check_writable(self.run_dir, self.run_dir / "checkpoints")
-        check_model_fits(cfg.model, cfg.data, cfg.data.preview())
+        check_model_fits_before_preparing(cfg.model, cfg.data)
         # data missing from the cache is prepared by the main process while the others wait (then find it there)
         self.task = main_process_first(cfg.data.build, accelerator, tcfg.prepare_timeout_minutes)
         check_model_fits(cfg.model, cfg.data, self.task.spec)
@@ -250,7 +251,8 @@ class Trainer:
             self._check_checkpoint_engine()
             with accelerate_warnings_only():
                 accelerator.load_state(str(self.checkpoint))
-            self._print(f"resumed from {self.checkpoint} at step {self.state.step}")
+            self._print(f"resumed from {self.checkpoint} at step {self.state.step}"
+                        + use_configured_lr(self.scheduler, cfg.optim.lr))
             self._prune_left_behind()
             self._continue_data_position()
         elif cfg.resume is not None:
@@ -666,7 +668,7 @@ class Trainer:
             return self.nonfinite_in_a_row >= tcfg.max_nonfinite_steps and self._stop(
                 f"stopped: {self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient norm "
                 f"(trainer.max_nonfinite_steps={tcfg.max_nonfinite_steps}); the weights are those after step {step}, "
-                f"the last finite one. Check the data and the learning rate", exit_code=1)
+                f"the last finite one", exit_code=1)
         out_of_time, last = self.out_of_time, self._last_step()
         target_reached = False
         if tcfg.gc_interval:  # automatic collection is off (train): young objects every gc_interval steps, all at
@@ -693,8 +695,9 @@ class Trainer:
         """Stop before end_step: save, and say how to continue; True."""
         self._save()
         self.stopped_early, self.exit_code = True, exit_code
-        self.stop_message = (f"{reason}; checkpoint: {self.last_checkpoint}. Continue with the same command and "
-                             f"resume={self.run_dir} (or resume=auto)")
+        advice = continue_advice(self.last_checkpoint, self.accelerator.num_processes,  # printed by the main process
+                                 nonfinite_lr=self.cfg.optim.lr if exit_code == 1 else None) if self.main else ""
+        self.stop_message = f"{reason}; checkpoint: {self.last_checkpoint}. {advice}"
         return True
 
     def _prune_left_behind(self) -> None:
@@ -747,10 +750,16 @@ class Trainer:
                 self.evaluate(split)
         # FSDP: every process takes part in the sampling model's forward passes (its weights are sharded)
         samples_here = self.main or accelerator.distributed_type == DistributedType.FSDP
-        sample = ""
+        sample, sample_note = "", ""
         if samples_here and not self.exit_code:
-            with accelerator.autocast():
-                sample = self.task.sample(accelerator.unwrap_model(self.model), accelerator.device, cfg.seed)
+            sampler = accelerator.unwrap_model(self.model)
+            try:
+                with accelerator.autocast():
+                    sample = self.task.sample(sampler, accelerator.device, cfg.seed)
+            except AttributeError as err:  # the task samples with generate(), a method a model need not define
+                if err.name != "generate" or hasattr(sampler, "generate"):
+                    raise
+                sample_note = f"sample skipped: {type(self.base_model).__name__} defines no generate()"
             sample = sample if self.main else ""
         if self.main:
             self.log.plot(self.run_dir / "curves.png", title=f"{cfg.name} ({self.run_dir.name})")
@@ -758,6 +767,8 @@ class Trainer:
             self._print(self.stop_message)
         if sample:
             self._print("---- sample ----\n" + sample + "\n----------------")
+        if sample_note:
+            self._print(sample_note)
         self._print(f"checkpoint: {self.last_checkpoint}")
         trackers = {"wandb": f"wandb: {self.run_dir / 'wandb'}" + (" (offline; `wandb sync` uploads)"
                                                                    if cfg.logger.mode == "offline" else ""),

@@ -8,8 +8,8 @@
 //
 // This file makes no dispatch decision. A plan (ops.py _Plan, flattened by _Plan.flat) says everything about a call
 // except its tensors' addresses:
-//   outputs      shape, dtype and zero-fill of each tensor it allocates (the op returns the first ones, the others are
-//                workspaces);
+//   outputs      shape, dtype and fill (none, 0, -inf) of each tensor it allocates (the op returns the first ones, the
+//                others are workspaces); a call without work (ops.py no_work) has a plan of filled outputs only;
 //   launches     per kernel launch: the CUfunction, grid, block, dynamic shared memory, the parameter struct's bytes
 //                with every address 0, where each address goes (byte offset <- input i or output j, plus a byte
 //                offset), the TMA tensor maps to encode (byte offset <- input i, or output j written as -1 - j,
@@ -41,6 +41,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <memory>
@@ -110,9 +111,12 @@ void check(CUresult result, const char* what) {
 // ------------------------------------------------------------------------------------------------ plans
 enum Source : int64_t { kInput = 0, kOutput = 1 };
 
+// How an output is allocated (= ops.py _FILL_*): uninitialised, or filled (a fill kernel on the current stream).
+enum Fill : int64_t { kFillNone = 0, kFillZero = 1, kFillNegInf = 2 };
+
 struct OutputSpec {
     c10::ScalarType dtype;
-    bool zero;  // zero-filled (at::zeros: a fill kernel on the current stream)
+    Fill fill;
     std::vector<int64_t> shape;
 };
 
@@ -143,7 +147,7 @@ struct Plan {
     std::vector<Launch> launches;
 };
 
-constexpr int64_t kPlanFormat = 1;  // = ops.py _PLAN_FORMAT
+constexpr int64_t kPlanFormat = 2;  // = ops.py _PLAN_FORMAT
 constexpr size_t kMaxParamBytes = 4096;
 constexpr size_t kTensorMapBytes = 128;
 
@@ -164,7 +168,9 @@ std::shared_ptr<const Plan> parse_plan(const std::vector<int64_t>& words) {
     for (int64_t n = in.next(); n > 0; --n) {
         OutputSpec output;
         output.dtype = static_cast<c10::ScalarType>(in.next());
-        output.zero = in.next() != 0;
+        const int64_t fill = in.next();
+        TORCH_CHECK(fill >= kFillNone && fill <= kFillNegInf, "flashtrain host layer: output fill ", fill);
+        output.fill = static_cast<Fill>(fill);
         for (int64_t dims = in.next(); dims > 0; --dims) output.shape.push_back(in.next());
         plan->outputs.push_back(std::move(output));
     }
@@ -335,6 +341,12 @@ int64_t tile_counter(const Launch& launch, int64_t device, CUstream stream) {
 }
 
 void write_tensor_map(uint8_t* slot, const TensorMap& map, const Tensor& x) {
+    // an empty tensor (a null address, a dimension of size 0) has no valid tensor map, and plans map none (calls
+    // without work, ops.py no_work, launch nothing): refused here, not handed to the driver
+    TORCH_CHECK(x.data_ptr() != nullptr && map.encode[1] > 0 && map.encode[2] > 0 && map.encode[3] > 0 &&
+                    map.encode[4] > 0,
+                "flashtrain host layer: a TMA tensor map over an empty tensor (dims ", map.encode[1], ", ",
+                map.encode[2], ", ", map.encode[3], ", ", map.encode[4], ")");
     MapKey key;
     key[0] = reinterpret_cast<int64_t>(x.data_ptr());
     std::copy(map.encode.begin(), map.encode.end(), key.begin() + 1);
@@ -396,8 +408,11 @@ std::vector<Tensor> execute(const Plan& plan, const std::vector<Tensor>& inputs)
     std::vector<Tensor> outputs;
     outputs.reserve(plan.outputs.size());
     for (const OutputSpec& spec : plan.outputs) {
-        outputs.push_back(spec.zero ? at::zeros(spec.shape, options.dtype(spec.dtype))
-                                    : at::empty(spec.shape, options.dtype(spec.dtype)));
+        const at::TensorOptions typed = options.dtype(spec.dtype);
+        outputs.push_back(spec.fill == kFillZero     ? at::zeros(spec.shape, typed)
+                          : spec.fill == kFillNegInf ? at::full(spec.shape, -std::numeric_limits<double>::infinity(),
+                                                                typed)
+                                                     : at::empty(spec.shape, typed));
     }
     const int64_t device = first.is_cuda() ? first.get_device() : -1;
     CUstream stream = nullptr;
