@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SEQLEN = 16 * 1024
 NHEADS = 2
 HEAD_DIM = 64
@@ -65,6 +67,7 @@ print(json.dumps({{
 """
 
 
+@pytest.mark.slow
 def test_16k_tokens_forward_backward_allocates_no_seqlen_squared_tensor():
     repo_root = Path(__file__).resolve().parents[1]
     python_path = os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))

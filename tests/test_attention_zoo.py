@@ -28,6 +28,7 @@ def zoo():
 SMALLEST = ["--device", "cpu", "--max-len", "128", "--batch", "4", "--heads", "2", "--warmup", "1", "--repeats", "1"]
 
 
+@pytest.mark.slow
 def test_smallest_configuration_on_the_cpu(zoo, tmp_path):
     paths = zoo.main([*SMALLEST, "--out", str(tmp_path)])
     assert [p.name for p in paths] == ["attention_zoo-cpu.json", "attention_zoo-cpu-runtime.png",

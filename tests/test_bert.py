@@ -419,6 +419,7 @@ def test_train_bert_benchmark_vs_sdpa_reports_every_backend(tmp_path):
     assert result["env"]["fastest_sdpa"] in rows and result["env"]["speedup_over_fastest_sdpa"] > 0
 
 
+@pytest.mark.slow
 def test_train_bert_benchmark_compiled_rows_compare_with_compiled_ones(tmp_path):
     # --compile: flashtrain's implementations also under torch.compile; each compiled row's speedup is against the
     # compiled flashtrain row, the eager ones against eager flashtrain

@@ -205,6 +205,7 @@ def test_loaders_build_the_unpadding_and_the_loss_passes_it(tmp_path, wordpiece_
     assert torch.equal(given, finding)
 
 
+@pytest.mark.slow
 def test_bert_large_mlm_recipe_tiny(tmp_path, wordpiece_dir):
     cfg = compose_config(["name=test", "recipe=bert-large-mlm", "logger=none", "data.corpus=stdlib",
                           "data.max_bytes=120000", f"data.tokenizer={wordpiece_dir}", "data.num_proc=1",
@@ -243,6 +244,7 @@ def test_bert_large_mlm_recipe_tiny(tmp_path, wordpiece_dir):
     assert stopped.final_step == 2 and stopped.checkpoint.name == "step_00000002"
 
 
+@pytest.mark.slow
 def test_masked_lm_loss_is_the_mean_over_the_global_batchs_masked_tokens(tmp_path, wordpiece_dir):
     """A step of 8 sequences as 1 micro-batch of 8 or 2 of 4, whose masked-token counts differ (short documents: a
     [SEP], never masked, wherever one ends): the same loss, the mean over all the masked tokens of the 8, and the same
@@ -430,6 +432,7 @@ def test_recipes_hyperparameters():
 
 
 @pytest.mark.parametrize("recipe", ["roberta-longdoc-ecthr", "roberta-longdoc-mimic"])
+@pytest.mark.slow
 def test_roberta_longdoc_recipes_tiny(tmp_path, roberta_bpe_dir, recipe):
     data = FIXTURES / ("ecthr" if recipe.endswith("ecthr") else "mimic")
     num_labels = 10 if recipe.endswith("ecthr") else 5

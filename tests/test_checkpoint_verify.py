@@ -109,6 +109,7 @@ def test_export_takes_the_newest_intact_checkpoint_or_stops(damaged_run, tmp_pat
     assert not (tmp_path / "named").exists()
 
 
+@pytest.mark.slow
 def test_export_command_names_the_damaged_file(launched_run, tmp_path):
     """`python -m flashtrain.export`: the warning on stderr and `wrote` from a run directory; exit status 1 and the
     message naming the file for a damaged checkpoint named explicitly (no traceback, nothing written)."""
@@ -285,6 +286,7 @@ def _follow(command: str) -> list[str]:
     return [sys.executable, *words[1:]]
 
 
+@pytest.mark.slow
 def test_nonfinite_stop_suggests_a_lower_lr_and_the_suggestion_continues_the_run_in_place(cache_dir, tmp_path):
     run = tmp_path / "runs" / "nan"
     plugin_dir = tmp_path / "plugin"

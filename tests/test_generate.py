@@ -33,6 +33,7 @@ def test_cached_step_logits_equal_the_full_forward(attn_impl):
 
 @pytest.mark.parametrize("attn_impl", ["reference", "sdpa", "flash"])
 @pytest.mark.parametrize("prompt_len, new_tokens", [(1, 9), (5, 30)])  # 5 + 30 > n_positions = 16: the crop
+@pytest.mark.slow
 def test_cached_greedy_generation_equals_uncached(attn_impl, prompt_len, new_tokens):
     model = tiny_gpt2(attn_impl)
     prompt = torch.randint(0, 97, (2, prompt_len), generator=torch.Generator().manual_seed(2))

@@ -199,6 +199,7 @@ def test_benchmark_max_batch_search_finds_the_largest_size_that_fits(largest, li
     assert len(tried) <= 2 * max(limit, 1).bit_length() + 1 and max(tried) <= limit  # doubling, then bisection
 
 
+@pytest.mark.slow
 def test_benchmark_max_batch_mode_reports_each_implementation(tmp_path):
     # on the CPU nothing runs out of memory: the search stops at --max-batch-limit
     result = load_benchmark().main(["--device", "cpu", "--tiny", "--configs", "tiny:64", "--max-batch",
@@ -216,6 +217,7 @@ def test_benchmark_bad_configs_name_the_option(configs, message):
         load_benchmark().main(["--device", "cpu", "--tiny", "--configs", *configs])
 
 
+@pytest.mark.slow
 def test_benchmark_imports_without_hydra_datasets_wandb():
     # the GPU machine has none of them: the module must load with their imports failing
     code = ("import sys, importlib.util\n"
@@ -227,6 +229,7 @@ def test_benchmark_imports_without_hydra_datasets_wandb():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_benchmark_cpu_smoke_run_reports_every_implementation(tmp_path):
     bench = load_benchmark()
     out = tmp_path / "bench.json"

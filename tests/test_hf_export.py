@@ -30,6 +30,7 @@ def gpt2_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_gpt2_export_reloads_with_transformers(gpt2_run, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -109,6 +110,7 @@ def test_older_run_directories_still_load(gpt2_run, tmp_path):
         assert torch.equal(old_run.model.state_dict()[name], tensor), name
 
 
+@pytest.mark.slow
 def test_generate_command_streams_the_greedy_continuation(gpt2_run):
     """python -m flashtrain.generate on the run (KV cache) prints what uncached greedy decoding gives (with the default
     repetition penalty), and tokens/s."""
@@ -141,6 +143,7 @@ def launch(run_dir: Path, overrides: list[str]) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["bert-mlm", "roberta-classification"])
+@pytest.mark.slow
 def test_bert_export_reloads_with_transformers(kind, tmp_path, wordpiece_dir, roberta_bpe_dir):
     import transformers
 

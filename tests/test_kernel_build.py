@@ -398,6 +398,7 @@ def test_cache_key_changes_with_macros_and_arch(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
+@pytest.mark.slow
 def test_nvcc_compiles_the_hardest_instantiations():
     """hdim 128 forward, hdim 256 backward and the block-sparse hdim 128 backward (the dense one differs only in its
     loop over query blocks), with causal masking and dropout, plus the auxiliary kernels."""

@@ -129,6 +129,7 @@ def wait_for_start(proc, out: Path) -> str:
     return out.read_text()
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_points_then_resume_auto_repeats_the_uninterrupted_run(reference):
     tmp, ref = reference
     assert sorted(losses(ref)) == list(range(1, MAX_STEPS + 1))

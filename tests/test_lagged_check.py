@@ -67,6 +67,7 @@ def _same_weights(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_lagged_run_repeats_the_stepwise_run(fused_adamw, cache_dir, tmp_path, capsys):
     stepwise = _run(cache_dir, tmp_path / "stepwise", False)
     assert fused_adamw == [] and "finiteness check" not in capsys.readouterr().out
@@ -108,6 +109,7 @@ def _checkpoint_files(result):
     ({8}, ()),  # the last step
     ({6, 9}, ("trainer.global_batch_size=16",)),  # two micro-batches per step: the first of step 4, the second of 5
 ], ids=["two-in-a-row", "on-a-save-step", "last-step", "accumulation"])
+@pytest.mark.slow
 def test_lagged_check_skips_as_the_stepwise_check(bad_calls, extra, fused_adamw, cache_dir, tmp_path, monkeypatch,
                                                   capsys):
     runs, outputs = {}, {}
@@ -133,6 +135,7 @@ def test_lagged_check_skips_as_the_stepwise_check(bad_calls, extra, fused_adamw,
     assert {float(s["step"]) for s in optimizer["state"].values()} == {9.0}  # the skipped updates left no count
 
 
+@pytest.mark.slow
 def test_lagged_check_stops_with_the_last_finite_weights(fused_adamw, cache_dir, tmp_path, monkeypatch, capsys):
     runs = {}
     for lagged in (False, True):
@@ -170,6 +173,7 @@ def test_signal_of_several_processes_is_read_one_step_later():
     assert trainer._signalled() is True  # after step 3
 
 
+@pytest.mark.slow
 def test_lagged_check_says_when_it_is_not_in_effect(cache_dir, tmp_path, capsys):
     """The CPU's AdamW is not fused: the lagged check (on by default) says it is off and why (the run goes step by
     step)."""

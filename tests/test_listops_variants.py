@@ -6,12 +6,15 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["data.min_length=10", "data.max_length=200", "data.max_depth=4", "data.num_proc=1", "model.n_layer=1",
         "model.d_model=16", "model.n_head=2", "model.d_ff=16", "model.max_len=300", "trainer.micro_batch_size=8",
         "trainer.global_batch_size=null", "optim.warmup_steps=1"]
 
 
+@pytest.mark.slow
 def test_two_variants_run_through_launch(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     spec = importlib.util.spec_from_file_location("listops_variants", ROOT / "benchmarks" / "listops_variants.py")

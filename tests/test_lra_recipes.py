@@ -122,6 +122,7 @@ def test_tiny_lra_retrieval_run(tmp_path):
         check_model_fits(single.model, single.data, single.data.build().spec)
 
 
+@pytest.mark.slow
 def test_tiny_lra_image_run(tmp_path):
     # the last 5 of the 10 training images validate
     cfg = compose_config(tiny("lra-image", tmp_path, f"data.source={FIXTURES / 'image'}", "model.attn_impl=sdpa",
@@ -134,6 +135,7 @@ def test_tiny_lra_image_run(tmp_path):
     check_test_record(cfg, result, n_test=4)
 
 
+@pytest.mark.slow
 def test_tiny_path64_then_pathx_and_path256(tmp_path):
     """path64 on 32 x 32 images, then pathx and path256 on 64 x 64 (2 x 2 blocks; the real recipes upsample
     64 -> 128 and 64 -> 256, factors tested exactly in test_lra_models.py), from the newest checkpoint of a

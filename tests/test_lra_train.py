@@ -146,6 +146,7 @@ def tiny_listops_overrides(cache_dir, *extra):
     ]
 
 
+@pytest.mark.slow
 def test_tiny_listops_run(tmp_path):
     cfg = compose_config(tiny_listops_overrides(tmp_path / "cache"))
     result = train(cfg, tmp_path / "run")
@@ -189,6 +190,7 @@ def test_check_model_rejects_mismatch(tmp_path):
             check_model_fits(dataclasses.replace(cfg.model, **change), cfg.data, task.spec)
 
 
+@pytest.mark.slow
 def test_tiny_pathfinder32_run(tmp_path):
     # no padding (pad_id None): every pixel is a token, attention on (B, 1024) through flash_attn_func
     cfg = compose_config(["name=test", "recipe=pathfinder32", "logger=none", "data.n_train=40", "data.n_val=10",

@@ -195,6 +195,7 @@ int main() {{
 
 
 @pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
+@pytest.mark.slow
 def test_mask_blocks_kernel_compiles_for_each_expression():
     """csrc/mask_blocks.cu with each case's expression compiled in (nvcc, sm_80 and sm_90a), one kernel per
     expression, cached by the macros; the emitted C has no comma (nvcc splits -D values at commas)."""

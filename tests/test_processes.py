@@ -85,6 +85,7 @@ def assert_continues(reference, run_dir: Path, steps: list[int], val_steps: list
     assert all(r["tokens"] == ref_tokens[r["step"]] for r in records)  # 16 x 128 tokens a step, all processes
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_equal_one_and_resume_2_to_1_to_2(reference, cache_dir, tmp_path):
     overrides = tiny_overrides(cache_dir, *STEPS)
     # steps 1-2: `accelerate launch --num_processes 2 --cpu` (the README's command), Hydra's own run directory
@@ -113,6 +114,7 @@ def test_ddp_two_processes_equal_one_and_resume_2_to_1_to_2(reference, cache_dir
     assert_continues(reference, tmp_path / "c", [5, 6], [6])
 
 
+@pytest.mark.slow
 def test_fsdp_two_processes_equal_one_and_resume_2_to_1_to_2(reference, cache_dir, tmp_path):
     overrides = [*tiny_overrides(cache_dir, *STEPS), "trainer.precision=no"]  # the file's bf16 is for GPUs
 
@@ -148,6 +150,7 @@ def test_fsdp_two_processes_equal_one_and_resume_2_to_1_to_2(reference, cache_di
         train(compose_config([*overrides, f"resume={tmp_path / 'c'}", "trainer.max_steps=7"]), tmp_path / "d")
 
 
+@pytest.mark.slow
 def test_fsdp_bf16_on_one_process_trains_as_one_plain_process(cache_dir, tmp_path):
     """conf/accelerate/fsdp.yaml's bf16 (here CPU autocast) trains the model one process trains: fp32 parameters,
     gradients and reductions under the trainer's autocast. Accelerate's own FSDP bf16 policy (bf16 parameters and
@@ -178,6 +181,7 @@ def test_fsdp_bf16_on_one_process_trains_as_one_plain_process(cache_dir, tmp_pat
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 1, reason="accelerate launch starts one process per GPU here")
+@pytest.mark.slow
 def test_fewer_processes_than_asked_stops_in_the_header(tmp_path):
     # without --cpu (or GPUs), accelerate launch starts one process for --num_processes 2
     code, out, err = launch([command("accelerate"), "launch", "--num_processes", "2", "--main_process_port",
@@ -191,6 +195,7 @@ def test_fewer_processes_than_asked_stops_in_the_header(tmp_path):
     assert not (tmp_path / "cache").exists()  # it stopped before preparing any data
 
 
+@pytest.mark.slow
 def test_other_processes_wait_for_rank_0_to_prepare_the_data_then_time_out(tmp_path):
     # a fresh cache: rank 0 trains a BPE and tokenizes (about a second) while rank 1 waits, here for 12 ms only
     code, out, err = launch([command("torchrun"), "--nproc_per_node", "2", "--master_port", free_port()], tmp_path,
@@ -202,6 +207,7 @@ def test_other_processes_wait_for_rank_0_to_prepare_the_data_then_time_out(tmp_p
             "the same overrides, or raise the timeout") in err
 
 
+@pytest.mark.slow
 def test_prepare_command_fills_the_cache_and_training_only_opens_it(tmp_path, caplog):
     overrides = tiny_overrides(tmp_path / "cache")
     proc = subprocess.run([sys.executable, "-m", "flashtrain.data.prepare", *overrides], cwd=tmp_path, env=ENV,
@@ -216,6 +222,7 @@ def test_prepare_command_fills_the_cache_and_training_only_opens_it(tmp_path, ca
     assert f"token cache hit: {meta.parent}" in caplog.text
 
 
+@pytest.mark.slow
 def test_the_two_machine_commands_run_as_written(reference, cache_dir, tmp_path):
     """conf/accelerate/multi-node.yaml's two commands, one per machine rank (here both machines are this one, one CPU
     process each): they join into one run of 2 processes with the single-process losses."""

@@ -51,6 +51,7 @@ def losses(history, key="train_loss"):
     return {r["step"]: r[key] for r in history if key in r}
 
 
+@pytest.mark.slow
 def test_manifest_describes_every_file(full_run):
     ckpt = full_run.checkpoint
     manifest = read_manifest(ckpt)
@@ -178,6 +179,7 @@ def test_a_resumed_run_prunes_what_a_killed_launch_left(tmp_path):
     assert names() == ["step_00000018", "step_00000021"]
 
 
+@pytest.mark.slow
 def test_resume_auto_logs_into_the_same_wandb_run(cache_dir, tmp_path):
     runs = tmp_path / "test"
     wandb = ["logger=wandb", "logger.mode=offline"]
@@ -239,6 +241,7 @@ def _poison(monkeypatch, bad_calls, weights=False):
     monkeypatch.setattr(LMTask, "loss", loss)
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_are_skipped_and_counted(full_run, cache_dir, tmp_path, monkeypatch, capsys):
     _poison(monkeypatch, bad_calls={3, 4})  # the micro-batches of steps 4 and 5 (1 micro-batch per step)
     result = train(compose_config(tiny_overrides(cache_dir, *EXACT)), tmp_path / "run")
@@ -260,6 +263,7 @@ def test_nonfinite_steps_are_skipped_and_counted(full_run, cache_dir, tmp_path, 
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_in_a_row_stop_with_the_last_finite_state(full_run, cache_dir, tmp_path, monkeypatch, capsys):
     _poison(monkeypatch, bad_calls=set(range(3, 100)))  # every micro-batch after step 3
     result = train(compose_config(tiny_overrides(cache_dir, *EXACT, "trainer.max_nonfinite_steps=3")),
@@ -329,6 +333,7 @@ def _signal_at_step(proc, run_dir: Path, step: int, *signums):
     raise AssertionError(f"the run ended before step {step}: {_finish(proc, run_dir)}")
 
 
+@pytest.mark.slow
 def test_sigint_saves_and_resume_repeats_the_uninterrupted_run(cache_dir, tmp_path):
     code, _, err = _finish(_launch(cache_dir, tmp_path / "full"), tmp_path / "full")
     assert code == 0, err[-3000:]
@@ -362,6 +367,7 @@ def test_sigint_saves_and_resume_repeats_the_uninterrupted_run(cache_dir, tmp_pa
     assert losses(resumed_records, "val_loss")[100] == losses(full_records, "val_loss")[100]
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once_without_a_checkpoint(cache_dir, tmp_path):
     proc = _launch(cache_dir, tmp_path / "run")
     _signal_at_step(proc, tmp_path / "run", 10, signal.SIGINT, signal.SIGTERM)
@@ -372,6 +378,7 @@ def test_second_signal_exits_at_once_without_a_checkpoint(cache_dir, tmp_path):
     assert run_checkpoints(tmp_path / "run") == [] and "stopped by" not in out
 
 
+@pytest.mark.slow
 def test_sweep_jobs_resume_only_their_own_checkpoints(cache_dir, tmp_path):
     """`launch.py -m optim.lr=1e-3,3e-3 resume=auto`: each job continues its own run (its directory is keyed by its
     overrides), never the sibling job's."""

@@ -136,6 +136,7 @@ def _worker(rank, port):
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+@pytest.mark.slow
 def test_shard_local_adamw_and_clipping_equal_torch_on_dtensors():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

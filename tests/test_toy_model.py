@@ -55,6 +55,7 @@ def toy_export(toy_run, tmp_path_factory):
     return out_dir
 
 
+@pytest.mark.slow
 def test_toy_model_trains_through_launch(toy_run):
     run_dir, stdout = toy_run
     assert "model: ToyConfig" in stdout and "attention: flash -> reference" in stdout
@@ -101,6 +102,7 @@ def test_toy_run_exports_through_its_own_adapter(toy_run, toy_export):
     assert theirs.tolist() == greedy.tolist()
 
 
+@pytest.mark.slow
 def test_toy_run_starts_from_its_export_through_the_adapter(toy_run, toy_export, tmp_path):
     """init_from=hf:DIR for a model registered only through its Hugging Face adapter (ToyLM defines no
     load_pretrained): the new run's validation perplexity before its first step is the source run's last."""
@@ -111,6 +113,7 @@ def test_toy_run_starts_from_its_export_through_the_adapter(toy_run, toy_export,
     assert val_ppl(new_dir)[0] == pytest.approx(val_ppl(run_dir)[30], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_long_toy_starts_from_the_toy_run_with_its_positions_extended(toy_run, tmp_path):
     """model.extendable=true (LongToyLM) defines load_pretrained() and extend_positions(): a 256-position run from the
     128-position toy run's newest checkpoint, its table repeated; on the same 128-token data, the source run's last

@@ -144,6 +144,7 @@ def test_training_loss_falls(cache_dir, tmp_path, caplog):
     assert accelerate_records == [], [r.getMessage() for r in accelerate_records]
 
 
+@pytest.mark.slow
 def test_chunked_loss_trains_the_same_model(cache_dir, tmp_path):
     # model.chunked_loss: the LM loss without the logits (flashtrain.models.losses); the same losses step by step
     runs = {}
@@ -157,6 +158,7 @@ def test_chunked_loss_trains_the_same_model(cache_dir, tmp_path):
     assert len(losses[True]) == 4 and losses[True] == pytest.approx(losses[False], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_gc_interval_trains_the_same_steps_and_gives_the_collector_back(cache_dir, tmp_path, monkeypatch):
     # trainer.gc_interval: automatic collection off while training, young objects every N steps, everything at each
     # validation / checkpoint; the losses are the automatic collector's, and the collector is on again afterwards
@@ -280,6 +282,7 @@ def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
     return scalars
 
 
+@pytest.mark.slow
 def test_launch_end_to_end_with_wandb_offline_and_tensorboard(cache_dir, tmp_path):
     """logger.kind takes several Accelerate trackers: the same metrics go to metrics.jsonl, an offline wandb run and
     TensorBoard event files."""
