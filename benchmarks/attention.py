@@ -23,10 +23,10 @@ seqlen 1K ... 64K.
     python benchmarks/attention.py --selftest           # tables and plots on synthetic numbers (CPU, no GPU)
 
 Every run records GPU, torch, CUDA and cuDNN versions, the UTC date and the bf16 matmul rate (8192^3, the ceiling of
-issue 12's 75% bar) in its JSON. The grid prints flashtrain / FA2 and / cuDNN per pass, a summary (worst ratios, hd128
+the 75% target) in its JSON. The grid prints flashtrain / FA2 and / cuDNN per pass, a summary (worst ratios, hd128
 full S>=4K forward as a share of the matmul rate) and a markdown table.
 
-Workloads mode (issue 12): rows outside the grid, bf16, each against every SDPA backend that runs it (a backend that
+Workloads mode: rows outside the grid, bf16, each against every SDPA backend that runs it (a backend that
 refuses a pass shows "-"): head dims 64, 80, 96, 128, 192, 256 at 4K causal (batch 4, nheads = 2048 / head_dim
 rounded down to a power of two); GQA 32/8 heads at 8K and 16/2 at 4K, causal, hd128 (SDPA: enable_gqa=True);
 dropout 0.1 at batch 32 x 512, 16 heads, hd64 (BERT-large); varlen, 64 seeded lengths in [128, 512], 16 heads,
@@ -35,10 +35,10 @@ attn_mask, which FA2 refuses); GPT-2 small (16 x 1K, 12 heads, hd64, causal). FL
 over sequences (useful work only, never padding). Each cell: best-round median ms and TFLOP/s; per pass the ratio
 flashtrain / fastest SDPA backend that ran it. Markdown table last; the PNG shows the fwd and fwd+bwd ratios.
 
-The workloads mode also runs issue 20's rows (benchmarks/attention_features.py: a window of 1024 at 16K, softcap 30
+The workloads mode also runs the feature rows (benchmarks/attention_features.py: a window of 1024 at 16K, softcap 30
 and ALiBi at 4K, head dim 512 at 4K, a document mask at 16K) against compiled FlexAttention and plain attention.
 
-Block-sparse mode (issue #4): forward+backward time of flashtrain's block-sparse kernels against the density s of the
+Block-sparse mode: forward+backward time of flashtrain's block-sparse kernels against the density s of the
 block mask, s in {1, 1/2, 1/4, 1/8, 1/16}, at 16K and 64K tokens (batch 1, 16 heads, head dim 64, bf16, not causal),
 against dense flashtrain and the FA2 backend (dense). The masks (block_sparse.random_blocks, a new draw per head) hold
 exactly s * n_kblocks blocks in every row, so s * (dense time) is the ideal; reported: time / (s * dense time) and
@@ -60,7 +60,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtrain.kernels import block_sparse, flash_attn_func, flash_attn_varlen_func
-from train_gpt2 import time_calls, time_interleaved  # the sibling benchmark's timers (this folder is on sys.path)
+from attention_timing import PASSES, keep_best, time_passes_interleaved  # shared with attention_features.py
+from train_gpt2 import time_calls  # the sibling benchmark's timers
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENS, HIDDEN = 16 * 1024, 2048
@@ -128,46 +129,6 @@ def time_passes(fn, inputs, dout, repeats: int, label: str, warmup: int = 3) -> 
     return times
 
 
-def time_passes_interleaved(cases: dict, repeats: int, label: str, warmup: int = 3) -> dict:
-    """{impl: times as time_passes} for cases {impl: (fn, inputs, dout)}, the implementations' calls interleaved:
-    per pass, at least r calls of each implementation, taking turns (each preceded equally often by every other), each
-    call between CUDA events, no host sync in between (train_gpt2.time_interleaved); median per implementation."""
-    times = {impl: {} for impl in cases}
-    outs = {}
-
-    def calls(kind):
-        for impl, (fn, inputs, dout) in cases.items():
-            if kind == "fwd":
-                yield impl, lambda fn=fn, inputs=inputs: fn(*inputs)
-            elif kind == "bwd":
-                yield impl, lambda impl=impl, inputs=inputs, dout=dout: torch.autograd.grad(
-                    outs[impl], inputs, dout, retain_graph=True)
-            else:
-                yield impl, lambda fn=fn, inputs=inputs, dout=dout: torch.autograd.grad(fn(*inputs), inputs, dout)
-
-    for kind, _ in PASSES:
-        ready = {}
-        for impl, call in calls(kind):
-            try:  # a backend that refuses the shape (or runs out of memory) misses this pass
-                if kind == "bwd":
-                    fn, inputs, _ = cases[impl]
-                    outs[impl] = fn(*inputs)
-                with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
-                    for _ in range(warmup):
-                        call()
-                ready[impl] = call
-            except (RuntimeError, ValueError, NotImplementedError) as error:
-                print(f"  {impl} {label} {kind}: {type(error).__name__}: {str(error)[:120]}")
-                outs.pop(impl, None)
-        with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
-            seconds = time_interleaved(ready, repeats)
-        for impl, values in seconds.items():
-            times[impl][kind] = 1000 * statistics.median(values)
-        outs.clear()
-    torch.cuda.empty_cache()
-    return times
-
-
 def time_impl(impl, batch, seqlen, nheads, head_dim, causal, repeats):
     """Forward, backward and forward+backward times in ms (None where the implementation cannot run)."""
     q, k, v, dout = make_inputs(impl, batch, seqlen, nheads, head_dim, requires_grad=True)
@@ -177,22 +138,10 @@ def time_impl(impl, batch, seqlen, nheads, head_dim, causal, repeats):
                        f"causal={causal}")
 
 
-PASSES = (("fwd", 1.0), ("bwd", 2.5), ("fb", 3.5))  # each pass's FLOPs in units of the forward's
-
-
 def unpack_inputs(tensors) -> tuple:
     """make_inputs' q, k, v, dout as (inputs, dout)."""
     q, k, v, dout = tensors
     return (q, k, v), dout
-
-
-def keep_best(row: dict, impl: str, times: dict, fwd_flops: float) -> None:
-    """Fold one round's times into row: {impl}_{pass} = best TFLOP/s so far, {impl}_{pass}_ms = best ms (None: the
-    pass never ran)."""
-    for kind, factor in PASSES:
-        ms = min((x for x in (times.get(kind), row.get(f"{impl}_{kind}_ms")) if x is not None), default=None)
-        row[f"{impl}_{kind}_ms"] = None if ms is None else round(ms, 4)
-        row[f"{impl}_{kind}"] = None if ms is None else round(factor * fwd_flops / ms / 1e9, 1)
 
 
 def round_order(impls, round_index: int) -> list:
@@ -318,7 +267,7 @@ def grid_markdown(rows) -> str:
 
 
 def matmul_tflops(n: int = 8192, repeats: int = 30) -> float:
-    """bf16 (n, n) @ (n, n) rate in TFLOP/s: the ceiling issue 12's 75% bar is measured against, in the same run."""
+    """bf16 (n, n) @ (n, n) rate in TFLOP/s: the ceiling the 75% target is measured against, in the same run."""
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     return round(2 * n**3 / median_ms(lambda: a @ b, 10, repeats) / 1e9, 1)
 
@@ -336,7 +285,7 @@ def grid_summary(rows, matmul: float) -> str:
     return "; ".join(parts)
 
 
-# ---- workloads outside the grid (issue 12): head dims, GQA, dropout, varlen, GPT-2 small -------------------------
+# ---- workloads outside the grid: head dims, GQA, dropout, varlen, GPT-2 small ------------------------------------
 
 WORKLOAD_IMPLS = ("flashtrain", "fa2", "cudnn", "efficient")
 IMPL_NAMES = {"flashtrain": "flashtrain", "fa2": "FA2", "cudnn": "cuDNN", "efficient": "efficient"}
@@ -648,7 +597,7 @@ def run_workloads(args, env: dict, out: Path) -> str:
     """The workloads table: JSON and PNG at out; returns its markdown table."""
     rows = workload_speed(5 if args.quick else args.repeats, 1 if args.quick else args.rounds,
                           interleave=args.timing == "interleaved")
-    # issue 20's rows: the features against FlexAttention and plain attention (benchmarks/attention_features.py)
+    # the feature rows: the features against FlexAttention and plain attention (benchmarks/attention_features.py)
     import attention_features
 
     features = attention_features.run(5 if args.quick else args.repeats, 1 if args.quick else args.rounds)

@@ -1,9 +1,10 @@
-"""Attention features (issue 20) against FlexAttention and against plain attention, in one process on one GPU.
+"""Attention features (window, softcap, ALiBi, mask_mod, head dim 512) against FlexAttention and against plain
+attention, in one process on one GPU.
 
 Rows (bf16, causal, 16 heads of 128 unless stated): a sliding window of 1024 keys at 16K tokens; softcap 30 at 4K;
 ALiBi (geometric slopes) at 4K; head dim 512 at 4K (4 heads); a document mask at 16K tokens of 8 documents, twice:
 as varlen, and as the mask expression "doc[q_idx] == doc[kv_idx]" over one sequence (mask_mod). Each row
-times three implementations, interleaved (attention.time_passes_interleaved):
+times three implementations, interleaved (attention_timing.time_passes_interleaved):
 
   flashtrain   flash_attn_func with the feature (window_size, softcap, alibi_slopes; the document mask as
                flash_attn_varlen_func over the documents, or mask_mod with its block states computed in each call),
@@ -16,7 +17,7 @@ times three implementations, interleaved (attention.time_passes_interleaved):
 
 FLOPs count the (query, key) pairs each row computes exactly (4 * pairs * head_dim per head forward; backward 2.5x):
 TFLOP/s compare flashtrain against FlexAttention (>= 1.0 forward and forward+backward), and for the window the time of
-plain causal attention over the window's (>= 8x at 16K). Work per computed block (issue 20: softcap, ALiBi and the
+plain causal attention over the window's (>= 8x at 16K). Work per computed block (target: softcap, ALiBi and the
 window within 10% of plain attention) is time per 128 x 128 tile that holds a visible pair (computed_tiles), the
 feature's against plain causal attention's: vs_plain_block_<pass> = (plain ms / plain tiles) / (ft ms / ft tiles).
 
@@ -206,7 +207,7 @@ def add_ratios(row: dict, passes, feature: FeatureRow) -> None:
 
 
 def run(repeats: int, rounds: int, only: str | None = None) -> list[dict]:
-    import attention  # the sibling benchmark's timers and PASSES
+    import attention_timing  # the timers and PASSES shared with benchmarks/attention.py
 
     device = torch.device("cuda")
     out = []
@@ -221,10 +222,10 @@ def run(repeats: int, rounds: int, only: str | None = None) -> list[dict]:
                   "tiles": row.computed_tiles(), "plain_tiles": row.plain_tiles()}
         for _ in range(rounds):
             cases = {impl: case(impl, row, device) for impl in IMPLS}
-            for impl, times in attention.time_passes_interleaved(cases, repeats, row.name).items():
-                attention.keep_best(record, impl, times, row.plain_fwd_flops() if impl == "plain" else row.fwd_flops())
+            for impl, times in attention_timing.time_passes_interleaved(cases, repeats, row.name).items():
+                attention_timing.keep_best(record, impl, times, row.plain_fwd_flops() if impl == "plain" else row.fwd_flops())
             del cases
-        add_ratios(record, attention.PASSES, row)
+        add_ratios(record, attention_timing.PASSES, row)
         out.append(record)
         print(f"{row.name:<34} " + "  ".join(
             f"{kind}: ft {record.get(f'flashtrain_{kind}') or '-'} flex {record.get(f'flex_{kind}') or '-'} "
@@ -251,7 +252,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def plot_passes(rows: list[dict], impls, ticks: list[str], path: Path, title: str, ylabel: str = "TFLOP/s") -> None:
     """Two panels (forward, forward+backward) of bars per row, one per implementation (rows' {impl}_fwd / {impl}_fb;
-    "-" where one did not run), labelled with their values; also benchmarks/probes/wide_head_dims.py's plot."""
+    "-" where one did not run), labelled with their values; general over the rows' names and implementations."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -289,7 +290,7 @@ def main() -> None:
     if args.plot:
         data = json.loads(args.plot.read_text())
         plot(data["rows"], args.plot.with_suffix(".png"), f"{data['env']['gpu']}, torch {data['env']['torch']}, "
-             f"{data['env']['date'][:10]}: issue 20's rows, bf16")
+             f"{data['env']['date'][:10]}: feature rows, bf16")
         return
     gpu = torch.cuda.get_device_name()
     env = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -298,7 +299,7 @@ def main() -> None:
     out = args.out or RESULTS / f"attention_features-{gpu.replace(' ', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-    plot(rows, out.with_suffix(".png"), f"{gpu}, torch {torch.__version__}, {env['date'][:10]}: issue 20's rows, bf16")
+    plot(rows, out.with_suffix(".png"), f"{gpu}, torch {torch.__version__}, {env['date'][:10]}: feature rows, bf16")
     print(f"wrote {out} (+ .png)\n\n{markdown(rows)}")
 
 

@@ -1,4 +1,4 @@
-"""What a longer context buys, measured on the same tokens for every model (issue 21).
+"""What a longer context buys, measured on the same tokens for every model.
 
 Every model scores the same held-out documents: the first `--docs` documents of the validation split that are at
 least max(buckets) + 1 tokens long, each cut to its first max(buckets) + 1 tokens. Each token is scored once, with
@@ -130,14 +130,14 @@ def score(label: str, model: torch.nn.Module, window: int, documents: list[np.nd
 def tokens_before(init_from: str | None) -> int:
     """Tokens the weights of `init_from` (a checkpoint or run directory of a local run) had been trained on: a run
     that starts from them (context extension) continues that run's token count. 0 for none or hf:NAME."""
-    from flashtrain.export import find_checkpoint
+    from flashtrain.export import find_intact_checkpoint
     from flashtrain.train.checkpoint import CHECKPOINT_PREFIX
     from flashtrain.train.trainer import read_metrics
 
     if not init_from or init_from.startswith("hf:"):
         return 0
     try:
-        run_dir, checkpoint = find_checkpoint(init_from)
+        run_dir, checkpoint = find_intact_checkpoint(init_from)
     except FileNotFoundError:
         print(f"init_from={init_from!r} is not here: its run's tokens are not counted in the curves", flush=True)
         return 0
@@ -150,7 +150,7 @@ def tokens_before(init_from: str | None) -> int:
 def load_runs(specs: list[str], attn_impl: str | None):
     """[(label, model, data config, metrics records)] of LABEL=RUN_DIR_OR_CHECKPOINT specs; a run started from
     another local run's weights (init_from) counts that run's tokens before its own."""
-    from flashtrain.export import find_checkpoint, load_run
+    from flashtrain.export import load_run
     from flashtrain.train.trainer import read_metrics
 
     runs = []
@@ -159,7 +159,7 @@ def load_runs(specs: list[str], attn_impl: str | None):
         if not path:
             raise ValueError(f"--run {spec!r}: expected LABEL=RUN_DIR (or LABEL=CHECKPOINT_DIR)")
         run = load_run(path, attn_impl)
-        run_dir, _ = find_checkpoint(path)
+        run_dir = run.checkpoint.parent.parent
         metrics = run_dir / "metrics.jsonl"
         offset = tokens_before(getattr(run.cfg, "init_from", None))
         records = [{**r, "tokens": r["tokens"] + offset} if "tokens" in r else r

@@ -1,4 +1,4 @@
-"""Training-quality evidence for GPT-2 small at long context (issue #5): same tokens at 1K and 4K context, and the
+"""Training-quality evidence for GPT-2 small at long context: same tokens at 1K and 4K context, and the
 same runs with attention through PyTorch SDPA instead of the flashtrain kernel.
 
 Each run is a real `launch.py` run of the gpt2-small-1k / gpt2-small-4k recipes on a local corpus (this Python's

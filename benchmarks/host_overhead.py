@@ -1,5 +1,5 @@
 """Host (CPU) time per attention call: flashtrain against PyTorch's SDPA with the FlashAttention-2 and cuDNN
-backends forced, in one process on one GPU (issue 14).
+backends forced, in one process on one GPU.
 
 Host time is measured as in benchmarks/probes (its first version lived there): after warm-up calls and a
 synchronisation, `--calls` calls are issued back to back and the wall time of issuing them, before the closing
@@ -10,7 +10,7 @@ the CPU's work. Each cell is the best of --rounds rounds (the implementations ta
 Cells: {flashtrain, fa2, cudnn, one-op (q.sin(): one pointwise kernel each way, the floor of the path)} x layout {batch (B, S, H, D), varlen (packed rows + cu_seqlens; SDPA gets a nested
 jagged tensor, which is how it runs variable lengths)} x {eager, torch.compile} x {forward (no_grad), forward +
 backward (torch.autograd.grad)}. A backend that cannot run a cell is reported as n/a with its error.
-Targets (issue 14): flashtrain forward <= 60 us, forward + backward <= 200 us in every layout and mode.
+Targets (host overhead): flashtrain forward <= 60 us, forward + backward <= 200 us in every layout and mode.
 
 A second table times whole calls (issue + GPU, synchronised once per --calls calls) at the tiny shape and at GPT-2
 small's attention shape (batch 16, 1K tokens, 12 heads, head dim 64, causal): the speed ratio flashtrain / FA2.

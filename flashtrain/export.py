@@ -32,8 +32,7 @@ from omegaconf import OmegaConf
 
 from flashtrain.models.gpt2 import SAMPLING
 from flashtrain.models.hf_convert import has_hf_adapter, hf_adapter, to_hf_state_dict
-from flashtrain.train.checkpoint import (CHECKPOINT_PREFIX, DamagedCheckpointError, intact_checkpoint,
-                                        latest_checkpoint, model_state)
+from flashtrain.train.checkpoint import CHECKPOINT_PREFIX, DamagedCheckpointError, intact_checkpoint, model_state
 from flashtrain.train.hf_files import HF_FILES, hf_tokenizer_of
 
 MAX_NEW_TOKENS = 200  # generation_config.json's and flashtrain.generate's default length
@@ -45,19 +44,6 @@ class Run:
     checkpoint: Path
     model: torch.nn.Module  # in eval mode, on the CPU
     tokenizer: object  # a transformers PreTrainedTokenizerFast; None for models without a transformers counterpart
-
-
-def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """(run directory, checkpoint directory) of a run directory (its newest checkpoint) or of a checkpoint; where it is,
-    not verified (`find_intact_checkpoint` verifies)."""
-    path = Path(path).expanduser()
-    if path.name.startswith(CHECKPOINT_PREFIX) and path.is_dir():
-        return path.parent.parent, path
-    checkpoint = latest_checkpoint(path)
-    if checkpoint is None:
-        raise FileNotFoundError(f"{path}: neither a checkpoint directory ({CHECKPOINT_PREFIX}N) nor a run directory "
-                                "with checkpoints/")
-    return path, checkpoint
 
 
 def find_intact_checkpoint(path: str | Path) -> tuple[Path, Path]:

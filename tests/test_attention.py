@@ -564,7 +564,7 @@ def test_reference_per_head_block_mask_on_cuda_matches_oracle():
 
 def test_numbers_of_any_numeric_type_are_accepted():
     """dropout_p, softmax_scale and max_seqlen_q/k given as numpy scalars or 0-d tensors act as the Python numbers
-    (issue 22: numbers of any numeric type are accepted where a number is meant)."""
+    (robustness: numbers of any numeric type are accepted where a number is meant)."""
     import numpy as np
 
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """GPU tests of the block-sparse CUDA kernels (block_mask) against the fp32 reference, which computes the same masks
 tile by tile (a per-head mask is given to the reference one query head at a time, as a shared mask: the reference's
-per-head masks do not work on CUDA tensors yet, see docs/kernels.md).
+per-head masks do not work on CUDA tensors yet).
 
 Tolerance rule of FlashAttention-2, as in tests/test_cuda_kernels.py: for out, dq, dk and dv, the kernel's max error
 against the fp32 reference is at most twice that of plain PyTorch attention (naive_attention, same block_mask) in

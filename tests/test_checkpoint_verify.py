@@ -23,7 +23,8 @@ from flashtrain import generate
 from flashtrain.export import export, load_run, load_run_config
 from flashtrain.train import train
 from flashtrain.train.checkpoint import (DamagedCheckpointError, DamagedCheckpointWarning, checkpoint_problem,
-                                         model_state, prune_after_resume, run_checkpoints, write_manifest)
+                                         init_from_verified, model_state, prune_after_resume, run_checkpoints,
+                                         write_manifest)
 from flashtrain.train.model_init import load_initial_weights
 from flashtrain.train.optim import lr_factor
 from flashtrain.train.trainer import read_metrics
@@ -160,6 +161,27 @@ def test_init_from_takes_the_newest_intact_checkpoint_or_stops(damaged_run):
         load_initial_weights(model_cfg.build(), model_cfg, str(run / "checkpoints" / STEP_6), "repeat")
 
 
+def test_a_damaged_init_from_stops_the_start_before_data_is_prepared(damaged_run, tmp_path):
+    run, damaged_file, words = damaged_run
+    cache = tmp_path / "cache"
+    init_from = f"init_from={run / 'checkpoints' / STEP_6}"
+    with pytest.raises(DamagedCheckpointError, match=_stops(run, damaged_file, words, "init_from=")):
+        train(compose_config(tiny_overrides(cache, init_from)), tmp_path / "new")
+    assert not cache.exists()  # no data prepared
+
+
+def test_the_loaders_read_the_checkpoint_the_start_verified_without_hashing_it_again(launched_run, monkeypatch):
+    model_cfg = load_run_config(launched_run).model
+    hashed = []
+    monkeypatch.setattr(checkpoint_module, "_sha256", lambda path: hashed.append(path) or "")
+    model = model_cfg.build()
+    with init_from_verified(str(launched_run), launched_run / "checkpoints" / STEP_3):  # not its newest: that exact one
+        note = load_initial_weights(model, model_cfg, str(launched_run), "repeat")
+    assert hashed == [] and note.startswith("initialised from")
+    intact = model_state(launched_run / "checkpoints" / STEP_3)
+    assert _equal_tensors({k: v for k, v in model.state_dict().items() if k in intact}, intact)
+
+
 def test_every_checkpoint_damaged_stops_each_reader(launched_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(launched_run, run)
@@ -220,9 +242,9 @@ def test_a_damaged_checkpoint_skipped_by_resume_never_costs_an_intact_one(nine_s
     assert all(checkpoint_problem(c) is None for c in run_checkpoints(run))
 
 
-def test_pruning_verifies_each_checkpoint_once_per_process(tmp_path, monkeypatch):
-    """A checkpoint this process verified (or wrote) is not hashed again by the next prunes, unless its files
-    changed since: every save would otherwise hash every kept checkpoint."""
+def test_pruning_counts_checkpoints_without_hashing(tmp_path, monkeypatch):
+    """Pruning counts a checkpoint toward keep_checkpoints by the cheap check (its manifest readable, every file there
+    at its recorded size): every save would otherwise hash up to keep - 1 checkpoints. Loading hashes."""
     run = tmp_path / "run"
     for step in (3, 6, 9, 12):
         ckpt = run / "checkpoints" / f"step_{step:08d}"
@@ -235,15 +257,16 @@ def test_pruning_verifies_each_checkpoint_once_per_process(tmp_path, monkeypatch
                         original(path))
     newest = run / "checkpoints" / "step_00000012"
     assert prune_after_resume(newest, keep=3) == [run / "checkpoints" / "step_00000003"]
-    assert hashed == ["step_00000009", "step_00000006"]  # the two it keeps beside the newest, each once
-    hashed.clear()
-    assert prune_after_resume(newest, keep=3) == [] and hashed == []
+    assert hashed == []
     changed = run / "checkpoints" / "step_00000009" / "model.safetensors"
     time.sleep(0.01)
-    changed.write_bytes(changed.read_bytes()[::-1])  # the same size, other bytes, a new mtime
-    with pytest.warns(DamagedCheckpointWarning, match="step_00000009 is damaged .*does not match its sha256"):
-        assert prune_after_resume(newest, keep=3) == []  # damaged: not counted, so step 6 stays too
-    assert hashed == ["step_00000009"]
+    changed.write_bytes(changed.read_bytes()[::-1])  # the same size, other bytes: the cheap check counts it
+    assert prune_after_resume(newest, keep=3) == [] and hashed == []
+    changed.write_bytes(changed.read_bytes()[:100])  # resized: not counted, so step 6 stays too
+    named = f"step_00000009 is damaged ({changed} has 100 bytes, its manifest says 2304)"
+    with pytest.warns(DamagedCheckpointWarning, match=re.escape(named)):
+        assert prune_after_resume(newest, keep=2) == []
+    assert hashed == []
     assert [c.name for c in run_checkpoints(run)] == ["step_00000006", "step_00000009", "step_00000012"]
 
 
@@ -301,9 +324,10 @@ def test_nonfinite_stop_suggests_a_lower_lr_and_the_suggestion_continues_the_run
                              run)
     assert code == 1, err[-3000:]
     ckpt, earlier = run / "checkpoints" / STEP_6, run / "checkpoints" / "step_00000004"
-    given = " ".join(shlex.quote(o) for o in [*[o for o in overrides if not o.startswith("optim.lr=")],
-                                               f"hydra.run.dir={run}"])
-    in_place = f"python launch.py {given} optim.lr=0.0015 resume=auto"
+    given = " ".join(shlex.quote(o) for o in overrides if not o.startswith("optim.lr="))
+    # in place: this run's directory and resume=<it> (resume=auto could take a concurrent run of the recipe); back:
+    # without hydra.run.dir, so a new run directory is made
+    in_place = f"python launch.py {given} optim.lr=0.0015 hydra.run.dir={run} resume={run}"
     back = f"python launch.py {given} optim.lr=0.0015 resume={earlier}"
     assert (f"stopped: 2 steps in a row had a non-finite loss or gradient norm (trainer.max_nonfinite_steps=2); the "
             f"weights are those after step 6, the last finite one; checkpoint: {ckpt}. The same command would meet "

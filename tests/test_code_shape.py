@@ -1,5 +1,6 @@
-"""The shape issue 15 left the package in, kept: no block of six or more identical lines repeated across flashtrain/'s
-Python sources, no function in flashtrain/train/ longer than 60 lines, no dispatch on `isinstance(..., SomeConfig)`."""
+"""The shape the package's structural clean-up left it in, kept: no block of six or more identical lines repeated
+across flashtrain/'s Python sources, no function in flashtrain/train/ longer than 60 lines, no dispatch on
+`isinstance(..., SomeConfig)`."""
 
 import ast
 import re

@@ -285,7 +285,7 @@ SCORE_MODS = [dict(window_size=(100, 50)), dict(window_size=(-1, 7)), dict(windo
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256, 512])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, family, monkeypatch):
-    """The score-modification kernels (issue 20): local window, softcap, ALiBi; batch and varlen, GQA, bottom-right
+    """The score-modification kernels: local window, softcap, ALiBi; batch and varlen, GQA, bottom-right
     alignment, a long sequence (many key blocks outside the window). Both kernel families: on Hopper the default runs
     the warpgroup-MMA kernels (forward: FWD_SM90_MODS_HEAD_DIMS; backward: 64 / 128), FLASHTRAIN_SM90=0 the mma.sync
     ones, which every other GPU runs."""
@@ -341,7 +341,7 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("family", ["default", "mma_sync"])
 def test_mask_mod_matches_reference(case, head_dim, causal, family, monkeypatch):
-    """A mask expression compiled into the kernels (issue 20): block states on the GPU, empty tiles skipped, the
+    """A mask expression compiled into the kernels (mask_mod): block states on the GPU, empty tiles skipped, the
     expression on partial ones; documents per sequence (batch and varlen), prefix-LM, a head-dependent dilated window
     combined with a window, rows that see no key; GQA; sequences longer than a tile. Both kernel families: on Hopper
     the default runs the warpgroup-MMA forward and backward (head dims 64 / 128), FLASHTRAIN_SM90=0 the mma.sync
@@ -451,7 +451,7 @@ def test_opcheck():
     cu_q = torch.tensor([0, 30, 70], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, 20, 50], dtype=torch.int32, device="cuda")
     torch.library.opcheck(ops.flash_attn_fwd, (q[0], k[0], v[0], cu_q, cu_k, 40, 30, 0.0, 0.125, True, None, False))
-    # the score modifications (issue 20): window (left, right), softcap, ALiBi slopes per (sequence, head)
+    # the score modifications: window (left, right), softcap, ALiBi slopes per (sequence, head)
     slopes = torch.rand(2, 4, device="cuda") * 0.1
     torch.library.opcheck(ops.flash_attn_fwd, (q, k, v, None, None, 70, 50, 0.0, 0.125, False, None, False, None,
                                                None, 20, 5, 30.0, slopes))

@@ -1,4 +1,4 @@
-"""GPU tests of the deterministic mode (issue 13): flash_attn_func(deterministic=True) gives bitwise-identical
+"""GPU tests of the deterministic mode: flash_attn_func(deterministic=True) gives bitwise-identical
 gradients call after call, and trainer.deterministic makes a run resumed from a checkpoint repeat the uninterrupted
 run's losses bit for bit (without it, dq's atomic adds make the two drift apart)."""
 

@@ -1,4 +1,4 @@
-"""python -m flashtrain.kernels.doctor, and the CUDA version check it reports (issue 14, item 5)."""
+"""python -m flashtrain.kernels.doctor, and the CUDA version check it reports."""
 
 import os
 import subprocess

@@ -1,5 +1,5 @@
 """Every dropout site of every model runs in training, drops about p of its input, and none runs in eval mode; the
-attention-probability dropout is on in training only (issue 22, item 9: a removed embedding or residual dropout site
+attention-probability dropout is on in training only (a guard: a removed embedding or residual dropout site once
 went unnoticed). Sites are counted per call: a module used for two residual branches must be called twice."""
 
 import math

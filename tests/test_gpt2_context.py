@@ -1,5 +1,5 @@
-"""benchmarks/gpt2_context.py (issue 21): the sliding-window scoring against a direct per-token computation, the
-long-document selection and the buckets, on a tiny GPT-2."""
+"""benchmarks/gpt2_context.py (what a longer context buys): the sliding-window scoring against a direct per-token
+computation, the long-document selection and the buckets, on a tiny GPT-2."""
 
 import importlib.util
 import json
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtrain.models.gpt2 import GPT2Config
+from flashtrain.train.checkpoint import write_manifest
 
 _path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpt2_context.py"
 _spec = importlib.util.spec_from_file_location("gpt2_context", _path)
@@ -88,6 +89,7 @@ def test_buckets_sum_the_losses_of_their_positions():
 def test_an_extended_run_counts_the_tokens_of_the_run_it_started_from(tmp_path):
     source = tmp_path / "runs" / "1k"
     (source / "checkpoints" / "step_00000300").mkdir(parents=True)
+    write_manifest(source / "checkpoints" / "step_00000300", 300, config={})  # the benchmark reads intact ones only
     records = [{"step": 0, "tokens": 0, "val_loss": 9.0}] + [
         {"step": s, "tokens": s * 65536, "train_loss": 5.0} for s in (100, 200, 300, 400)]
     (source / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

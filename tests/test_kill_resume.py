@@ -1,5 +1,5 @@
 """kill -9 at random points of real `python launch.py` processes, each followed by `resume=auto`: every resumed
-run repeats the uninterrupted run's losses bit for bit on the CPU, and no run loads a damaged checkpoint (issue 22).
+run repeats the uninterrupted run's losses bit for bit on the CPU, and no run loads a damaged checkpoint.
 
 Half of the kill points are aimed at checkpoint writes (the moment `checkpoints/.tmp-step_*` appears, plus a random
 delay of a few milliseconds), the others at training steps (a step's record in metrics.jsonl, plus a random delay):

@@ -1,5 +1,5 @@
-"""Long documents for LM data (issue 21): the python-site corpus, and document-aware packing (data.document_mask,
-data.reset_positions) checked against running each document of a packed block on its own."""
+"""Long documents for LM data (long-context training): the python-site corpus, and document-aware packing
+(data.document_mask, data.reset_positions) checked against running each document of a packed block on its own."""
 
 import hashlib
 import json

@@ -295,7 +295,7 @@ def test_packed_states_hold_each_rows_and_columns_range():
 def test_mask_states_op_fake_gives_the_packed_shape():
     """flashtrain::mask_states (the states as one op, for torch.compile): its fake implementation (meta tensors)
     has the shape of pack_states(block_states(...)) for batch / head / varlen expressions."""
-    from flashtrain.kernels import mask_blocks, ops
+    from flashtrain.kernels.mask_mod import mask_mod_text, mask_states
 
     doc = torch.zeros(3, 300, dtype=torch.int32)
     flags = torch.zeros(4, dtype=torch.bool)
@@ -307,10 +307,9 @@ def test_mask_states_op_fake_gives_the_packed_shape():
         expected = pack_states(mod.block_states(3, 4, 300, 300, device="cpu", block=128,
                                                 **({"cu_seqlens_q": cu, "cu_seqlens_k": cu} if varlen else {}))[0])
         meta = lambda x: None if x is None else x.to("meta")  # noqa: E731
-        states, error = mask_blocks.mask_states(torch.empty(3, 300, 4, 64, device="meta"), ops.mask_mod_text(mod),
-                                                3, 300, 300, -1, 0, meta(cu if varlen else None),
-                                                meta(cu if varlen else None),
-                                                *[meta(t) for t in tensors], *[None] * (4 - len(tensors)))
+        states, error = mask_states(torch.empty(3, 300, 4, 64, device="meta"), mask_mod_text(mod), 3, 300, 300, -1,
+                                    0, meta(cu if varlen else None), meta(cu if varlen else None),
+                                    *[meta(t) for t in tensors], *[None] * (4 - len(tensors)))
         assert states.shape == expected.shape and states.dtype == torch.uint8 and error.shape == (1,)
 
 

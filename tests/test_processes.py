@@ -2,7 +2,7 @@
 the single-process losses for the same global batch, and checkpoints continue on another number of processes
 (2 -> 1 -> 2) at the same data position with the same losses. Also: a launch that yields fewer processes than asked
 stops in its header; processes other than rank 0 wait for it to prepare the data, with a timeout; the data can be
-prepared as its own step (issue 17)."""
+prepared as its own step (the prepare command)."""
 
 import json
 import logging

@@ -1,5 +1,5 @@
 """Runs that survive damage: verified checkpoints (manifest, fallback to the last good one, config check),
-non-finite steps skipped and stopped, SIGINT/SIGTERM ending with a checkpoint (issue 22)."""
+non-finite steps skipped and stopped, SIGINT/SIGTERM ending with a checkpoint."""
 
 import itertools
 import json
@@ -345,15 +345,17 @@ def test_sigint_saves_and_resume_repeats_the_uninterrupted_run(cache_dir, tmp_pa
     stopped = [r["step"] for r in read_metrics(tmp_path / "interrupted" / "metrics.jsonl") if "train_loss" in r][-1]
     assert 10 <= stopped < 100
     ckpt = tmp_path / "interrupted" / "checkpoints" / f"step_{stopped:08d}"
-    # the command that continues this run in place: its own overrides (hydra.run.dir included) and resume=auto
-    command = "python launch.py " + " ".join(shlex.quote(o) for o in [*tiny_overrides(cache_dir, *LAUNCH),
-                                                                       f"hydra.run.dir={tmp_path / 'interrupted'}"])
+    # the command that continues this run in place: its own overrides, hydra.run.dir=RUN and resume=RUN (not
+    # resume=auto, which could take a concurrent run of the same recipe)
+    run = tmp_path / "interrupted"
+    command = "python launch.py " + " ".join(shlex.quote(o) for o in tiny_overrides(cache_dir, *LAUNCH)) + \
+        f" hydra.run.dir={run} resume={run}"
     assert (f"stopped by SIGINT after step {stopped}; checkpoint: {ckpt}. Continue this run in place (its "
-            f"metrics.jsonl and checkpoints) with: {command} resume=auto\n") in out
+            f"metrics.jsonl and checkpoints) with: {command}\n") in out
     assert checkpoint_problem(ckpt) is None
 
     # followed as given: the same run directory continues, one metrics.jsonl with every step once
-    words = shlex.split(f"{command} resume=auto")
+    words = shlex.split(command)
     with open(tmp_path / "resumed.out", "w") as stdout, open(tmp_path / "resumed.err", "w") as stderr:
         proc = subprocess.Popen([sys.executable, *words[1:]], cwd=ROOT, stdout=stdout, stderr=stderr,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})

@@ -1,7 +1,7 @@
 """The start stops before any work, with a message naming the cause: unknown keys (`+key=value` too), a run folder
 that cannot be written, a model that cannot take the data (checked before a tokenizer is trained or a data set
-generated), and bad data (issue 22, items 5 and 6). Real Hydra composition, real corpora and tokenizers on small
-local files."""
+generated), and bad data (empty, too short or unreadable corpora and classification files). Real Hydra composition,
+real corpora and tokenizers on small local files."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""GPU: a training step with our attention never waits for the GPU (issue 14, item 2), and malformed cu_seqlens are
+"""GPU: a training step with our attention never waits for the GPU (no host syncs), and malformed cu_seqlens are
 caught by the device assert while the kernels stay inside q / k.
 
     pytest -m cuda tests/test_sync_free_cuda.py

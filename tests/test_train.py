@@ -13,7 +13,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 
 from flashtrain.train import train
-from flashtrain.train.checkpoint import TrainState, latest_checkpoint, resolve_resume, write_manifest
+from flashtrain.train.checkpoint import TrainState, resolve_resume, run_checkpoints, write_manifest
 from flashtrain.train.optim import lr_factor, param_groups
 from flashtrain.train.processes import accumulation_steps
 from flashtrain.train.trainer import read_metrics
@@ -126,7 +126,7 @@ def test_training_loss_falls(cache_dir, tmp_path, caplog):
     assert val[0] > math.log(512) - 0.3  # an untrained model is close to uniform over the vocabulary
     assert val[0] > val[1] > val[2] and val[-1] < val[0] - 0.6, val  # 40K tokens: a clear fall, not convergence
     assert train_losses[-1] < train_losses[0] - 0.4, train_losses
-    assert result.final_step == 40 and result.checkpoint == latest_checkpoint(tmp_path / "run")
+    assert result.final_step == 40 and result.checkpoint == run_checkpoints(tmp_path / "run")[-1]
     assert read_metrics(tmp_path / "run" / "metrics.jsonl") == result.history
     assert (tmp_path / "run" / "curves.png").stat().st_size > 10_000
     assert len(result.sample) > len("def ")
@@ -216,10 +216,14 @@ def test_resume_is_exact(cache_dir, tmp_path):
     assert losses(second.history, "val_loss")[12] == pytest.approx(losses(full.history, "val_loss")[12], rel=1e-6)
 
 
-def test_time_limit_stops_with_checkpoint_and_eval(cache_dir, tmp_path):
+def test_time_limit_stops_with_checkpoint_and_eval(cache_dir, tmp_path, capsys):
     cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_minutes=1e-6", "data.sample_tokens=0"))
     result = train(cfg, tmp_path / "run")
     assert result.final_step == 1 and result.checkpoint.name == "step_00000001"
+    run = tmp_path / "run"  # the signal stop's advice (outside launch.py: the settings to add)
+    assert (f"stopped after trainer.max_minutes=1e-06 at step 1; checkpoint: {result.checkpoint}. Continue this run "
+            f"in place (its metrics.jsonl and checkpoints) with: the same command with hydra.run.dir={run} "
+            f"resume={run}\n") in capsys.readouterr().out
     assert [r["step"] for r in result.history if "val_loss" in r] == [0, 1]
     cfg = compose_config(tiny_overrides(cache_dir, "trainer.max_steps=3", "data.sample_tokens=0",
                                         f"resume={tmp_path / 'run'}"))

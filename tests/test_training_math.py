@@ -1,7 +1,7 @@
 """What one optimizer step computes, checked on the gradients and updates themselves (AdamW hides a gradient's scale,
 so loss curves alone miss these): gradient accumulation equals the large batch, clipping equals a manual
 clip_grad_norm_, validation leaves the model training, the logged lr is the schedule's, exactly the newest
-keep_checkpoints checkpoints stay (issue 22, item 9)."""
+keep_checkpoints checkpoints stay."""
 
 from contextlib import contextmanager
 

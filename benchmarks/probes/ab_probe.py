@@ -4,9 +4,10 @@ active), then the graphs are replayed in turn, each preceded equally often by ev
 each between CUDA events: every variant runs under the same clocks and power state, and no host work sits between the events.
 Medians per implementation; ratios to the first implementation and to cuDNN.
 
-Implementations: flashtrain; flashtrain+FT_MACRO=v[+...] (kernels compiled with those macros, sm90_bwd_probe's
-kernel_variant); flashtrain@ENV=v[@...] (environment variables set while the call is captured, e.g.
-flashtrain@FLASHTRAIN_BWD_SM90_Q80=0: dispatch switches read at plan time; build.NAME=v sets an int attribute of
+Implementations: flashtrain; flashtrain+FT_MACRO=v[+...] (kernels compiled with those macros through
+FLASHTRAIN_EXTRA_DEFINES, kernel_variant below); flashtrain@ENV=v[@...] (environment variables set while the call is
+captured, e.g. flashtrain@FLASHTRAIN_BWD_SM90_Q80=0: dispatch switches read at plan time; build.NAME=v sets an int
+attribute of
 flashtrain.kernels.build (ops.NAME: of flashtrain.kernels.ops) instead, e.g. flashtrain@build.LONG_CAUSAL_SEQLEN=512;
 FLASHTRAIN_FWD_SM90_TILES=... re-reads the tile tables); both: flashtrain+MACRO=v@ENV=v;
 cudnn, fa2 (SDPA backends).
@@ -30,13 +31,46 @@ from flashtrain.kernels import build, flash_attn_func, launch, ops
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from train_gpt2 import time_interleaved  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sm90_bwd_probe import drop_plans, kernel_variant  # noqa: E402
-
 MODULES = {"build": build, "ops": ops}
 TILE_TABLES = (build.FWD_SM90_TILES, build.FWD_SM90_TILES_NONCAUSAL, build.FWD_SM90_TILES_LONG_CAUSAL)
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
 GRID = [f"{hd}:{s}:{m}" for hd in (64, 128) for s in (512, 1024, 2048, 4096, 8192, 16384) for m in ("full", "causal")]
+
+
+def drop_plans() -> None:
+    """Forget the launch plans (Python and C++ executors): the next call rebuilds them with the current tables."""
+    ops._fwd_plans.clear()
+    ops._bwd_plans.clear()
+    ops.clear_host_plans()
+
+
+@contextlib.contextmanager
+def kernel_variant(name: str):
+    """Kernels compiled with the macros after '+' in `name` (none: the default build)."""
+    defines = ",".join(name.split("+")[1:])
+    saved_env = os.environ.get("FLASHTRAIN_EXTRA_DEFINES")
+    saved_kernels = dict(launch._kernels)
+    saved_modules = dict(launch._modules)
+
+    def reset():
+        launch._kernels.clear()
+        launch._modules.clear()
+        drop_plans()
+
+    if defines:
+        os.environ["FLASHTRAIN_EXTRA_DEFINES"] = defines
+        reset()
+    try:
+        yield
+    finally:
+        if defines:
+            if saved_env is None:
+                os.environ.pop("FLASHTRAIN_EXTRA_DEFINES", None)
+            else:
+                os.environ["FLASHTRAIN_EXTRA_DEFINES"] = saved_env
+            reset()
+            launch._kernels.update(saved_kernels)
+            launch._modules.update(saved_modules)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ A kernel is kind:head_dim[:causal][:dropout][:det][:mods] (kind fwd or bwd; det:
 score-modification variant). --defines adds
 macros to every compilation (as FLASHTRAIN_EXTRA_DEFINES does). Needs nvcc and cuobjdump (CUOBJDUMP=path, or on
 PATH; pip's nvidia-cuda-cuobjdump wheel carries one). The Hopper backward's speed moved with its spills' placement by
-up to 10% either way in 2026-11-25's measurements (docs/kernels.md): compare a change's table with the default's
+up to 10% either way in 2026-11-25's measurements: compare a change's table with the default's
 before spending device time on it.
 """
 import argparse

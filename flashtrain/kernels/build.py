@@ -263,13 +263,13 @@ BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
 # TFLOP/s of the 64-query kernel, 1K 341 vs 344; from 2K 1.04-1.11x, above)
 BWD_SM90_Q80_CAUSAL_SEQLEN = 2048
 
-# The Hopper backward's score-modification variant (issue 20): these tiles, and at head dim 128, causal, without
-# softcap or a mask expression the 80-query ones where the plain kernel takes them (_bwd_q80: from
-# BWD_SM90_Q80_CAUSAL_SEQLEN query tokens). ptxas serializes the 80-query kernel's wgmmas (C7512) with softcap (its
-# derivative's registers) and in the fp16 non-causal variant; the mask expression's states are per 128 queries.
-# H200, 2026-11-28, hd128 causal, mods_overhead.py TFLOP/s against the 64-query nocap kernel: window (S, 0) (plain's
-# work) 8K 547.0 vs 502.7 (plain 562-574), 2K 447.4 vs 433.5; ALiBi 8K 507.9 vs 479.8, 2K 433.5 vs 420.3; window 1024
-# 8K 379.6 vs 374.9.
+# The Hopper backward's score-modification variant (local window, softcap, ALiBi, mask expressions): these tiles, and
+# at head dim 128, causal, without softcap or a mask expression the 80-query ones where the plain kernel takes them
+# (_bwd_q80: from BWD_SM90_Q80_CAUSAL_SEQLEN query tokens). ptxas serializes the 80-query kernel's wgmmas (C7512) with
+# softcap (its derivative's registers) and in the fp16 non-causal variant; the mask expression's states are per 128
+# queries. H200, 2026-11-28, hd128 causal, TFLOP/s (a since-removed per-feature overhead probe) against the 64-query
+# nocap kernel: window (S, 0) (plain's work) 8K 547.0 vs 502.7 (plain 562-574), 2K 447.4 vs 433.5; ALiBi 8K 507.9 vs
+# 479.8, 2K 433.5 vs 420.3; window 1024 8K 379.6 vs 374.9.
 BWD_SM90_MODS_TILES = {64: BWD_SM90_TILES[64], 128: BWD_SM90_TILES[128]}
 BWD_SM90_MODS_HEAD_DIMS = tuple(BWD_SM90_MODS_TILES)
 # ... with softcap (its derivative kept per element for dS^T): head dim 128; at 64 (128-query blocks) those registers
@@ -724,7 +724,7 @@ def aux_kernels(dtype: str) -> KernelSpec:
     return KernelSpec("flash_aux.cu", defines, symbols, AUX_THREADS, 0)
 
 
-# The score-modification variant of the mma.sync kernels (issue 20, `_mods`): a local window, softcap and ALiBi, each
+# The score-modification variant of the mma.sync kernels (the `_mods` kernels): a local window, softcap and ALiBi, each
 # read from the parameters and off when unset (one variant instead of one per combination), without dropout or a
 # block mask, dense and varlen, every head dim (the Hopper kernels do not have them yet).
 SCORE_MODS = ("window_size", "softcap", "alibi_slopes")
@@ -1087,7 +1087,7 @@ def _run_all(specs: list[KernelSpec], jobs: int, compile_one) -> int:
 
 # The Hopper kernels whose wgmmas ptxas serializes (C7514: the deferred dQ piece of the hd64 dropout / deterministic
 # backward, and the hd128 deterministic dropout one, read under a wait_group ptxas cannot pair), measured not to bound
-# them (docs/kernels.md: retiring it with wait_group 0 instead was 0.97-1.04x). check_nvcc fails on any other: a
+# them (measured: retiring it with wait_group 0 instead was 0.97-1.04x). check_nvcc fails on any other: a
 # serialized wgmma pipeline cost the 2026-11-25 forward overlap 13-15% and the 2026-11-28 mods backward on 80-query
 # blocks 9%, and ptxas only mentions it.
 WGMMA_SERIALIZED_KNOWN = re.compile(r"^flash_bwd_sm90_hdim(64_\w+_dropout\w*|128_\w+_dropout_det)$")

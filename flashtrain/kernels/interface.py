@@ -216,8 +216,8 @@ def flash_attn_varlen_func(
 # ---- dispatch ----------------------------------------------------------------------------------------------------
 
 
-# the options of flash_attn_func beyond plain attention that the CUDA kernels run (issue 20 adds window_size, softcap,
-# alibi_slopes as the kernels gain them); the others run on impl="reference" only
+# the options of flash_attn_func beyond plain attention that the CUDA kernels run (the attention features window_size,
+# softcap, alibi_slopes and mask_mod, added as the kernels gained them); the others run on impl="reference" only
 CUDA_FEATURES: frozenset[str] = frozenset({"window_size", "softcap", "alibi_slopes", "mask_mod"})  # build.SCORE_MODS
 _SCORE_MODS = ("window_size", "softcap", "alibi_slopes", "mask_mod")
 

@@ -11,13 +11,13 @@ value.
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
 
 import torch
 from cuda.bindings import driver
 
 from flashtrain.kernels import build
+from flashtrain.kernels.cuda_driver import libcuda
 from flashtrain.kernels.tma import TmaDesc
 
 _i64, _i32, _u32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
@@ -177,18 +177,6 @@ def stream_of(device: torch.device) -> int:
     return _current_stream(device)
 
 
-@functools.lru_cache(maxsize=None)
-def libcuda() -> ctypes.CDLL:
-    """The CUDA driver library torch has loaded, for the calls on the per-launch path (cuLaunchKernel,
-    cuCtxGetCurrent, cuTensorMapEncodeTiled), declared once."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuLaunchKernel.restype = ctypes.c_int
-    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-    lib.cuCtxGetCurrent.restype = ctypes.c_int
-    lib.cuCtxGetCurrent.argtypes = [ctypes.c_void_p]
-    return lib
-
-
 _lock = threading.RLock()
 _contexts: dict[int, driver.CUcontext] = {}  # device index -> primary context (the one torch uses)
 _modules: dict[tuple[int, str], driver.CUmodule] = {}  # (device index, spec name) -> loaded cubin
@@ -249,21 +237,25 @@ def tile_counter(kernel: "Kernel", device: torch.device, stream: int | None = No
     return kernel.tile_counters + 4 * slot
 
 
+# Called with no arguments when a device's shared-memory limit changes: ops.load_host adds the C++ executor's
+# clear_host_plans (this module is below ops and does not import it).
+smem_limit_listeners: list = []
+
+
 class _SmemLimits(dict):
     """device index -> shared memory per block the kernels may use. Launch plans depend on it: a change (tests lower
-    it) makes the C++ executor forget its plans (the Python executor's keys include the limit)."""
+    it) makes the C++ executor forget its plans (smem_limit_listeners; the Python executor's keys include the
+    limit)."""
 
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
-        from flashtrain.kernels import ops
-
-        ops.clear_host_plans()
+        for listener in smem_limit_listeners:
+            listener()
 
     def __delitem__(self, key):
         super().__delitem__(key)
-        from flashtrain.kernels import ops
-
-        ops.clear_host_plans()
+        for listener in smem_limit_listeners:
+            listener()
 
 
 _smem_limits: dict[int, int] = _SmemLimits()

@@ -1,4 +1,4 @@
-"""The GPU side of MaskMod.block_states: launches csrc/mask_blocks.cu, the mask expression compiled in (issue 20)."""
+"""The GPU side of MaskMod.block_states: launches csrc/mask_blocks.cu, the mask expression compiled in (mask_mod)."""
 
 from __future__ import annotations
 
@@ -47,32 +47,3 @@ def block_states(mask, batches: int, heads: int, seqlen_q: int, seqlen_k: int, b
     # grid (n_kblocks * B' * H', n_qblocks): x has room for any batch x heads (z stops at 65535)
     launch.get_kernel(spec, spec.symbols[0], device).launch((n_k * batches * heads, n_q, 1), params, device)
     return states, error
-
-
-# The states of an attention call as one op (the kernels' packed layout, mask_mod.pack_states): what
-# ops.flash_attn_cuda calls under torch.compile, where MaskMod.call_states' cache (Python state keyed on version
-# counters) cannot be traced. The expression travels as the flash_attn ops' `mask_mod` text ("names;expression").
-@torch.library.custom_op("flashtrain::mask_states", mutates_args=(), device_types="cuda")
-def mask_states(q: Tensor, mask_mod: str, batch: int, seqlen_q: int, seqlen_k: int, window_left: int,
-                window_right: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, mm0: Tensor | None,
-                mm1: Tensor | None, mm2: Tensor | None, mm3: Tensor | None) -> tuple[Tensor, Tensor]:
-    from flashtrain.kernels import build, ops
-
-    mask = ops._mask_of(mask_mod, [x for x in (mm0, mm1, mm2, mm3) if x is not None])
-    return mask.call_states(batch, q.shape[-2], seqlen_q, seqlen_k, device=q.device, block=build.BLOCK_SPARSE_SIZE,
-                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                            window=(window_left, window_right))
-
-
-@mask_states.register_fake
-def _(q, mask_mod, batch, seqlen_q, seqlen_k, window_left, window_right, cu_seqlens_q, cu_seqlens_k, mm0, mm1, mm2,
-      mm3):
-    from flashtrain.kernels import build, ops
-    from flashtrain.kernels.mask_mod import state_row_bytes
-
-    mask = ops._mask_of(mask_mod, [x for x in (mm0, mm1, mm2, mm3) if x is not None])
-    n_q, n_k = -(-seqlen_q // build.BLOCK_SPARSE_SIZE), -(-seqlen_k // build.BLOCK_SPARSE_SIZE)
-    batches = batch if "b" in mask.index_names or cu_seqlens_q is not None else 1
-    heads = q.shape[-2] if "h" in mask.index_names else 1
-    size = n_q * state_row_bytes(n_k) + 8 * n_q + 8 * n_k
-    return (q.new_empty((batches, heads, size), dtype=torch.uint8), q.new_empty((1,), dtype=torch.int32))

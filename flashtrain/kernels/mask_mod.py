@@ -1,4 +1,4 @@
-"""Mask expressions (issue 20, `mask_mod`): which keys each query attends to, written as a short C expression over
+"""Mask expressions (`mask_mod`): which keys each query attends to, written as a short C expression over
 `b` (the sequence in the batch), `h` (the query head), `q_idx`, `kv_idx` (positions in the sequence) and up to
 four user tensors, for example document masking of packed sequences:
 
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from flashtrain.kernels import build
 
 INDEX_NAMES = ("b", "h", "q_idx", "kv_idx")
 MAX_TENSORS = 4
@@ -532,6 +534,45 @@ def pack_states(states: Tensor) -> Tensor:
     col_ranges = col_ranges.expand(batches, heads, n_k, 2)
     as_bytes = lambda x: x.to(torch.int32).contiguous().view(torch.uint8).reshape(batches, heads, -1)  # noqa: E731
     return torch.cat([rows, as_bytes(row_ranges), as_bytes(col_ranges)], -1).contiguous()
+
+
+def mask_mod_text(mask: MaskMod) -> str:
+    """The flash_attn ops' `mask_mod` argument for a MaskMod: its tensors' names and its expression
+    ("name,...;expression")."""
+    return ",".join(mask.tensors) + ";" + mask.expression
+
+
+def mask_mod_from_text(text: str, tensors) -> MaskMod | None:
+    """The MaskMod of an op's mask_mod argument and its tensors (mm0..mm3, in the names' order); None for ""."""
+    if not text:
+        return None
+    names, expression = text.split(";", 1)
+    names = names.split(",") if names else []
+    return MaskMod(expression, **dict(zip(names, tensors)))
+
+
+# The states of an attention call as one op (the kernels' packed layout, pack_states): what
+# ops.flash_attn_cuda calls under torch.compile, where MaskMod.call_states' cache (Python state keyed on version
+# counters) cannot be traced. The expression travels as the flash_attn ops' `mask_mod` text ("names;expression").
+@torch.library.custom_op("flashtrain::mask_states", mutates_args=(), device_types="cuda")
+def mask_states(q: Tensor, mask_mod: str, batch: int, seqlen_q: int, seqlen_k: int, window_left: int,
+                window_right: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, mm0: Tensor | None,
+                mm1: Tensor | None, mm2: Tensor | None, mm3: Tensor | None) -> tuple[Tensor, Tensor]:
+    mask = mask_mod_from_text(mask_mod, [x for x in (mm0, mm1, mm2, mm3) if x is not None])
+    return mask.call_states(batch, q.shape[-2], seqlen_q, seqlen_k, device=q.device, block=build.BLOCK_SPARSE_SIZE,
+                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            window=(window_left, window_right))
+
+
+@mask_states.register_fake
+def _(q, mask_mod, batch, seqlen_q, seqlen_k, window_left, window_right, cu_seqlens_q, cu_seqlens_k, mm0, mm1, mm2,
+      mm3):
+    mask = mask_mod_from_text(mask_mod, [x for x in (mm0, mm1, mm2, mm3) if x is not None])
+    n_q, n_k = -(-seqlen_q // build.BLOCK_SPARSE_SIZE), -(-seqlen_k // build.BLOCK_SPARSE_SIZE)
+    batches = batch if "b" in mask.index_names or cu_seqlens_q is not None else 1
+    heads = q.shape[-2] if "h" in mask.index_names else 1
+    size = n_q * state_row_bytes(n_k) + 8 * n_q + 8 * n_k
+    return (q.new_empty((batches, heads, size), dtype=torch.uint8), q.new_empty((1,), dtype=torch.int32))
 
 
 def _int(x: Tensor) -> Tensor:

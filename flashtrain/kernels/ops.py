@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashtrain.kernels import build, tma
-from flashtrain.kernels.mask_mod import MaskMod, state_row_bytes
+from flashtrain.kernels.mask_mod import MaskMod, mask_mod_from_text, mask_mod_text, mask_states, state_row_bytes
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _launch = None  # flashtrain.kernels.launch once loaded (it needs cuda-python; importing this module does not)
@@ -187,11 +187,9 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
         batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
         tensors = list(mask_mod.tensors.values())
         if torch.compiler.is_compiling():  # one op in the graph (its fake gives the packed shape); no cache
-            from flashtrain.kernels import mask_blocks
-
-            states, error = mask_blocks.mask_states(q, mask_mod_text(mask_mod), batch, int(max_seqlen_q),
-                                                    int(max_seqlen_k), left, 0 if causal else right, cu_seqlens_q,
-                                                    cu_seqlens_k, *tensors, *[None] * (4 - len(tensors)))
+            states, error = mask_states(q, mask_mod_text(mask_mod), batch, int(max_seqlen_q), int(max_seqlen_k),
+                                        left, 0 if causal else right, cu_seqlens_q, cu_seqlens_k, *tensors,
+                                        *[None] * (4 - len(tensors)))
         else:
             states, error = mask_mod.call_states(batch, q.shape[-2], int(max_seqlen_q), int(max_seqlen_k),
                                                  device=q.device, block=build.BLOCK_SPARSE_SIZE,
@@ -383,7 +381,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     block_sparse = bs_rows is not None
     arch = launch.device_arch(q.device)
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
-    mask = _mask_of(mask_mod, mm_tensors)
+    mask = mask_mod_from_text(mask_mod, mm_tensors)
     spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
                             smem_limit=launch.device_smem_limit(q.device),
                             seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
@@ -432,7 +430,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     block_sparse = bs_cols is not None
     arch = launch.device_arch(q.device)
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
-    mask = _mask_of(mask_mod, mm_tensors)
+    mask = mask_mod_from_text(mask_mod, mm_tensors)
     spec = build.bwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
                             deterministic=deterministic, smem_limit=launch.device_smem_limit(q.device),
                             effective_head_dim=q.shape[-1],
@@ -695,11 +693,18 @@ def load_host() -> None:
         _host_registrations = library
         flash_attn_fwd = torch.ops.flashtrain.flash_attn_fwd.default
         flash_attn_bwd = torch.ops.flashtrain.flash_attn_bwd.default
+        try:  # plans depend on the shared-memory limit: launch tells when it changes
+            from flashtrain.kernels import launch
+        except ImportError:  # no cuda-python: no device, no limit to change
+            pass
+        else:
+            launch.smem_limit_listeners.append(clear_host_plans)
         _host_loaded = True
 
 
 def clear_host_plans() -> None:
-    """Forget the C++ executor's plans (launch calls it when a device's shared-memory limit changes: tests lower it)."""
+    """Forget the C++ executor's plans (launch.smem_limit_listeners: a device's shared-memory limit changed, as
+    tests lower it)."""
     if _host_loaded:
         torch.ops.flashtrain._clear_plans()
 
@@ -894,20 +899,6 @@ def _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dro
         params.mm_n_qblocks = math.ceil(params.seqlen_q / build.BLOCK_SPARSE_SIZE)
         params.mm_n_kblocks = state_row_bytes(math.ceil(params.seqlen_k / build.BLOCK_SPARSE_SIZE))
     return params
-
-
-def mask_mod_text(mask) -> str:
-    """The op's `mask_mod` argument for a MaskMod: its tensors' names and its expression ("name,...;expression")."""
-    return ",".join(mask.tensors) + ";" + mask.expression
-
-
-def _mask_of(text: str, tensors) -> MaskMod | None:
-    """The MaskMod of an op's mask_mod argument and its tensors (mm0..mm3, in the names' order); None for ""."""
-    if not text:
-        return None
-    names, expression = text.split(";", 1)
-    names = names.split(",") if names else []
-    return MaskMod(expression, **dict(zip(names, tensors)))
 
 
 def _mask_addresses(params_type: type, prefix: str, first_input: int, n_tensors: int) -> list:

@@ -6,8 +6,8 @@ csrc/utils.cuh SmemTile uses) by `box_rows` rows. Columns past head_dim and rows
 by the copy engine.
 
 The encoder is the driver's cuTensorMapEncodeTiled, called through ctypes on the libcuda that torch has already
-loaded (launch.libcuda): the cuda-python wrapper of the same call costs several times more host time, and a forward
-encodes three maps. Encoded maps are cached by (address, layout): a training step's activations come back at
+loaded (cuda_driver.libcuda): the cuda-python wrapper of the same call costs several times more host time, and a
+forward encodes three maps. Encoded maps are cached by (address, layout): a training step's activations come back at
 the same addresses from PyTorch's caching allocator, so most calls encode nothing.
 """
 
@@ -19,6 +19,8 @@ from collections import OrderedDict
 
 import torch
 from torch import Tensor
+
+from flashtrain.kernels.cuda_driver import libcuda
 
 _u32, _u64 = ctypes.c_uint32, ctypes.c_uint64
 
@@ -37,8 +39,6 @@ BOX_COLS = 64  # 16-bit columns per box: one 128-byte swizzled column block
 
 @functools.lru_cache(maxsize=None)
 def _encoder():
-    from flashtrain.kernels.launch import libcuda
-
     encode = libcuda().cuTensorMapEncodeTiled
     encode.restype = ctypes.c_int
     encode.argtypes = [ctypes.c_void_p, ctypes.c_int, _u32, ctypes.c_void_p, ctypes.POINTER(_u64),
@@ -49,8 +49,6 @@ def _encoder():
 
 @functools.lru_cache(maxsize=None)
 def _error_string():
-    from flashtrain.kernels.launch import libcuda
-
     return libcuda().cuGetErrorString
 
 

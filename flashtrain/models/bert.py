@@ -303,9 +303,9 @@ class BertForMaskedLM(nn.Module):
         and, for this masked-LM model, its masked-LM head (a fresh one when it has none; a classifier's head always
         starts fresh), positions extended when the run's model.max_length is longer. Returns the note the run
         prints."""
-        from flashtrain.train.model_init import load_bert_weights  # model_init finds the files; it imports this module
+        from flashtrain.models.pretrained_weights import load_bert_weights
 
-        return load_bert_weights(self, self.config, init_from, position_extension)
+        return load_bert_weights(self, self.config, init_from, position_extension, BertModel, BertForMaskedLM)
 
     def extend_positions(self, new_max: int, method: str = "repeat") -> None:
         """The encoder's position table grown to new_max positions (BertModel.extend_positions)."""

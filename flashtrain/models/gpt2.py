@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashtrain.models.attention import (KERNEL, attention, attention_features, check_attn_impl, check_backend,
-                                         compute_dtype)
+from flashtrain.models.attention import (KERNEL, attention, attention_features, backend, check_attn_impl,
+                                         check_backend, compute_dtype)
 from flashtrain.models.flops import training_flops_per_token
 from flashtrain.models.losses import cross_entropy, linear_cross_entropy, padded_logits
 from flashtrain.models.position import extended_table
@@ -84,8 +84,10 @@ class GPT2Config:
 
     def attention_backend(self, device: torch.device, dtype: torch.dtype) -> str:
         features = attention_features(**self.attention_options, causal=True)
-        header = check_backend(self.attn_impl, device, dtype, self.n_embd // self.n_head, features=features)
-        if features and self.attn_dropout > 0 and header == f"{self.attn_impl} -> {KERNEL}":
+        head_dim = self.n_embd // self.n_head
+        header = check_backend(self.attn_impl, device, dtype, head_dim, features=features)
+        runs_kernel = backend(self.attn_impl, device, dtype, head_dim, features=features)[0] == KERNEL
+        if features and self.attn_dropout > 0 and runs_kernel:
             # the CUDA kernels run the window and softcap without attention dropout only (flashtrain.kernels.interface
             # refuses the combination at the first call)
             named = {"window_size": ("attn_window", "a sliding window"),
@@ -229,8 +231,9 @@ class GPT2(nn.Module):
     def forward(self, input_ids: Tensor, targets: Tensor | None = None, cache: KVCache | None = None,
                 cu_seqlens: Tensor | None = None, position_ids: Tensor | None = None) -> tuple[Tensor | None,
                                                                                                Tensor | None]:
-        """input_ids (B, T) -> (logits (B, T, vocab_size), mean cross-entropy or None); with targets the logits are
-        detached (no gradient flows through them: the loss is what trains).
+        """input_ids (B, T) -> (logits (B, T, vocab_size), mean cross-entropy or None); with targets and a vocabulary
+        padded for the LM head (vocab_size not a multiple of vocab_multiple) the logits are detached (no gradient flows
+        through them: the loss is what trains); set vocab_multiple=1 for logits a loss of your own can differentiate.
 
         targets (B, T) are already shifted: targets[:, t] is the token that follows input_ids[:, t].
         Targets equal to -100 are ignored (as in HF and F.cross_entropy).
@@ -271,9 +274,11 @@ class GPT2(nn.Module):
         # in float32 even when the logits are bf16/fp16
         loss = cross_entropy(padded.flatten(0, 1), targets.flatten(), self.config.vocab_size, ignore_index=-100,
                              fused=self.config.fused_loss)
-        # with a loss the logits come back detached (the loss is what trains): a padded vocabulary's logits are a
-        # slice of the head's output, and a view that autograd tracks, returned by the root module of an FSDP run,
-        # makes torch warn that an in-place op on it would skip FSDP's all-gather (a copy would cost the logits' size)
+        if padded.shape[-1] == self.config.vocab_size:
+            return padded, loss  # (B, T, vocab_size), differentiable
+        # a padded vocabulary's logits are a slice of the head's output: with a loss they come back detached (the loss
+        # is what trains). A view that autograd tracks, returned by the root module of an FSDP run, makes torch warn
+        # that an in-place op on it would skip FSDP's all-gather; a copy would cost the logits' size
         return self._unpadded(padded.detach()), loss
 
     def _unpadded(self, padded: Tensor) -> Tensor:
@@ -343,9 +348,9 @@ class GPT2(nn.Module):
         """init_from= (flashtrain.train.model_init): hf:NAME_OR_DIR, a transformers GPT2LMHeadModel, or a flashtrain
         checkpoint or run directory, of this config's shape but for the number of positions; a shorter position table
         is extended (`extend_positions`). Returns the one-line note the run prints."""
-        from flashtrain.train.model_init import load_gpt2_weights  # model_init finds the files; it imports this module
+        from flashtrain.models.pretrained_weights import load_gpt2_weights
 
-        return load_gpt2_weights(self, self.config, init_from, position_extension)
+        return load_gpt2_weights(self, self.config, init_from, position_extension, GPT2)
 
     def extend_positions(self, new_max: int, method: str = "repeat") -> None:
         """Grow the learned position table (transformer.wpe) to new_max positions by `method` (repeat | interpolate:

@@ -187,10 +187,10 @@ class LRAClassifier(nn.Module):
                                         c.attention.attention_flops_fraction(seq_len))
 
     def load_pretrained(self, init_from: str, position_extension: str = "repeat") -> str:
-        """init_from= (flashtrain.train.model_init): a flashtrain LRA checkpoint, a run directory (its newest
-        checkpoint) or a directory of runs (the newest checkpoint of them all); learned positions of a smaller square
-        image grid are upsampled in 2D (position_extension is not used). Returns the one-line note the run prints."""
-        from flashtrain.train.model_init import load_lra_weights  # model_init finds the files; it imports this module
+        """init_from= (flashtrain.train.model_init): a flashtrain LRA checkpoint, a run directory (its newest intact
+        checkpoint) or a directory of runs (the newest intact checkpoint of its newest run), verified, an error when
+        none is intact; learned positions of a smaller square image grid are upsampled in 2D (position_extension is not used). Returns the one-line note the run prints."""
+        from flashtrain.models.pretrained_weights import load_lra_weights
 
         return load_lra_weights(self, self.config, init_from, position_extension)
 

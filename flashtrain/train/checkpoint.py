@@ -2,7 +2,6 @@
 
 Layout of a run directory (runs/<name>/<time>/):
     checkpoints/step_00000100/   model, optimizer, scheduler, RNG states of every process, TrainState, manifest.json
-    checkpoints/latest           name of the newest complete checkpoint
 The model and optimizer files are Accelerate's for the run's engine: model.safetensors + optimizer.bin (one process,
 DDP), or FSDP's pytorch_model_fsdp_0/ + optimizer_0/ (sharded: every process's shard, torch.distributed.checkpoint,
 loadable by any number of processes) or pytorch_model_fsdp.bin (consolidated by rank 0). `model_state` reads the
@@ -12,7 +11,8 @@ mid-save never leaves a half checkpoint that `resume` would pick up. Its `manife
 configuration and its hash, every file's size and sha256, library versions) is written last, atomically; resume
 trusts a checkpoint only when every file matches it, and otherwise warns, names the file and takes the one before.
 Export, generation and `init_from` read weights through the same verification (`intact_checkpoint`). Pruning keeps
-the newest `trainer.keep_checkpoints` intact checkpoints; damaged ones are not counted (`_prune`).
+the newest `trainer.keep_checkpoints` intact checkpoints; damaged ones are not counted (`_prune`: a cheap check, the
+manifest readable and every file there at its recorded size, or what a full verification of this process found).
 """
 
 from __future__ import annotations
@@ -157,10 +157,9 @@ def read_manifest(ckpt: Path) -> dict:
     return json.loads((Path(ckpt) / MANIFEST).read_text())
 
 
-# what this process knows of each checkpoint it wrote or verified (hashing every file is the cost of a verification):
-# str(path) -> (the files' sizes, mtimes and inodes then, its problem or None). Pruning, on every save, verifies
-# through it, so that a checkpoint is hashed at most once per process; a file rewritten since shows in its stat.
-# Loading (resume, export, generation, init_from) always hashes.
+# what this process found of each checkpoint it wrote or fully verified: str(path) -> (the files' sizes, mtimes and
+# inodes then, its problem or None). Pruning, on every save, counts through it and otherwise through the cheap check
+# (`size_problem`): it never hashes. Loading (resume, export, generation, init_from) always hashes.
 _KNOWN: dict[str, tuple[tuple, str | None]] = {}
 
 
@@ -174,32 +173,47 @@ def _remember(ckpt: Path, problem: str | None) -> None:
 
 
 def _known_problem(ckpt: Path) -> str | None:
-    """checkpoint_problem(ckpt), hashed only when this process has not verified (or written) it as it is now."""
+    """For pruning: what this process found when it wrote or fully verified `ckpt`, if its files are unchanged since;
+    otherwise the cheap check (`size_problem`). Never hashes."""
     known = _KNOWN.get(str(ckpt))
     if known is not None and known[0] == _file_stats(ckpt):
         return known[1]
-    problem = checkpoint_problem(ckpt)
-    _remember(ckpt, problem)
-    return problem
+    return size_problem(ckpt)
 
 
-def checkpoint_problem(ckpt: Path) -> str | None:
-    """Why `ckpt` cannot be trusted (manifest missing or unreadable; a file missing, resized or changed), or None."""
+def _manifest_files(ckpt: Path) -> tuple[dict | None, str | None]:
+    """(the manifest's files, None) or (None, why the manifest cannot be read)."""
     manifest_path = Path(ckpt) / MANIFEST
     if not manifest_path.is_file():
-        return f"{manifest_path} is missing (a save cut short, or a checkpoint from before manifests)"
+        return None, f"{manifest_path} is missing (a save cut short, or a checkpoint from before manifests)"
     try:
-        files = read_manifest(ckpt)["files"]
+        return dict(read_manifest(ckpt)["files"]), None
     except (ValueError, KeyError, TypeError) as err:
-        return f"{manifest_path} is unreadable ({type(err).__name__}: {err})"
+        return None, f"{manifest_path} is unreadable ({type(err).__name__}: {err})"
+
+
+def size_problem(ckpt: Path) -> str | None:
+    """The cheap check: why `ckpt` cannot be trusted by its manifest (missing or unreadable) and its files' presence
+    and sizes, or None; no file is hashed (`checkpoint_problem` does, for loading)."""
+    files, problem = _manifest_files(ckpt)
+    if problem is not None:
+        return problem
     for name, expected in files.items():
         path = Path(ckpt) / name
         if not path.is_file():
             return f"{path} is missing"
         if path.stat().st_size != expected["bytes"]:
             return f"{path} has {path.stat().st_size} bytes, its manifest says {expected['bytes']}"
-        if _sha256(path) != expected["sha256"]:
-            return f"{path} does not match its sha256 in the manifest (same size, different bytes)"
+    return None
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why `ckpt` cannot be trusted (manifest missing or unreadable; a file missing, resized or changed), or None."""
+    if (problem := size_problem(ckpt)) is not None:
+        return problem
+    for name, expected in _manifest_files(ckpt)[0].items():
+        if _sha256(Path(ckpt) / name) != expected["sha256"]:
+            return f"{Path(ckpt) / name} does not match its sha256 in the manifest (same size, different bytes)"
     return None
 
 
@@ -230,7 +244,6 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, keep: in
             shutil.rmtree(final)
         os.replace(tmp, final)
         _remember(final, None)  # written here, its manifest from these very files: known intact
-        _write_text_atomic(ckpt_root / "latest", final.name + "\n")
         _prune(final, keep)
     accelerator.wait_for_everyone()
     return final
@@ -288,18 +301,6 @@ def prune_after_resume(resumed: Path, keep: int) -> list[Path]:
 def run_checkpoints(run_dir: Path) -> list[Path]:
     """The complete (renamed into place) checkpoints of one run directory, oldest first."""
     return sorted(p for p in (Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of one run directory, or None; not verified (`intact_checkpoint` verifies)."""
-    ckpt_root = Path(run_dir) / "checkpoints"
-    pointer = ckpt_root / "latest"
-    if pointer.is_file():
-        candidate = ckpt_root / pointer.read_text().strip()
-        if candidate.is_dir():
-            return candidate
-    complete = run_checkpoints(run_dir)
-    return complete[-1] if complete else None
 
 
 def first_intact(candidates: list[Path]) -> Path | None:
@@ -378,6 +379,34 @@ def model_state(ckpt: Path) -> dict:
         return torch.load(Path(tmp) / "model.pt", map_location="cpu", weights_only=True)["model"]
 
 
+# init_from -> its checkpoint as the run's start found and verified it (`init_from_verified`): read as it is
+_INIT_FROM: dict[str, Path] = {}
+
+
+def resolve_init_from(init_from: str | None) -> Path | None:
+    """The checkpoint a flashtrain init_from names (a checkpoint, a run directory: its newest intact checkpoint, a
+    directory of runs: its newest run's), verified as resume does (`intact_checkpoint`: a damaged one named, or none
+    intact, stops with a DamagedCheckpointError naming the file); None for hf:NAME_OR_PATH or a path without
+    checkpoints. Inside `init_from_verified` the checkpoint verified at the start, without hashing it again."""
+    if init_from is None or init_from.startswith("hf:"):
+        return None
+    if init_from in _INIT_FROM:
+        return _INIT_FROM[init_from]
+    return intact_checkpoint(init_from, "init_from", runs=True, remedy="move them away or name another init_from")
+
+
+@contextmanager
+def init_from_verified(init_from: str, checkpoint: Path | None):
+    """Within: `resolve_init_from(init_from)` (so every model's loader, `checkpoint_weights`) gives `checkpoint`, as
+    the run's start found and verified it on the main process (the trainer shares it with every process)."""
+    if checkpoint is not None:
+        _INIT_FROM[init_from] = Path(checkpoint)
+    try:
+        yield
+    finally:
+        _INIT_FROM.pop(init_from, None)
+
+
 def resolve_resume(resume: str | None, runs_of_name: Path) -> Path | None:
     """Turn the `resume` setting into a verified checkpoint directory (`intact_checkpoint`).
 
@@ -405,45 +434,65 @@ def _hydra_launch():
     return HydraConfig.get() if HydraConfig.initialized() else None
 
 
-def continue_command(num_processes: int = 1, **changes: str) -> str | None:
-    """This launch's command with `changes` (key=value, e.g. resume="auto") in place of those keys: its launcher, its
-    overrides (Hydra's: the task's and the hydra.* ones given; a sweep's job its own, with -m); None outside a
-    launch.py run. With resume="auto" it continues this run in place: resume=auto takes the newest run of the runs
-    beside this launch's directory (runs/<name>, a sweep job's runs/<name>/<its overrides>, hydra.run.dir's parent)."""
+# the overrides that name a launch's directory: left out of a command that starts a new run directory
+RUN_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
+
+
+def continue_command(num_processes: int = 1, drop: tuple[str, ...] = (), **changes: str) -> str | None:
+    """This launch's command with `changes` (key=value, e.g. resume="auto") in place of those keys and without the
+    keys in `drop`: its launcher, its overrides (Hydra's: the task's and the hydra.* ones given; a sweep's job its own,
+    with -m); None outside a launch.py run."""
     hydra = _hydra_launch()
     if hydra is None:
         return None
     given = [o for o in [*hydra.overrides.task, *hydra.overrides.hydra] if not o.startswith("hydra.mode=")]
-    kept = [o for o in given if o.split("=", 1)[0].lstrip("+~") not in changes]
+    kept = [o for o in given if o.split("=", 1)[0].lstrip("+~") not in (*changes, *drop)]
     multirun = ["-m"] if str(hydra.mode) == "RunMode.MULTIRUN" else []
     launcher = "python" if num_processes == 1 else f"<the same launcher of {num_processes} processes>"
     words = [sys.argv[0], *multirun, *kept, *(f"{key}={value}" for key, value in changes.items())]
     return " ".join([launcher, *map(shlex.quote, words)])
 
 
-def continue_advice(checkpoint: Path, num_processes: int = 1, nonfinite_lr: float | None = None) -> str:
-    """The end of a stop message: how to go on from `checkpoint`. After a signal: the command that continues this run
-    in place (`continue_command` with resume=auto). After non-finite steps (`nonfinite_lr`: optim.lr now): the same
-    command would meet them again; a lower optim.lr, continuing in place (a sweep job from this checkpoint, in a new
-    run directory: its directory is named for its optim.lr) or from the earlier checkpoint, in a new run directory."""
-    def command(**changes: str) -> str:
-        return continue_command(num_processes, **changes) or \
-            "the same command with " + " ".join(f"{key}={value}" for key, value in changes.items())
+def _command(num_processes: int, drop: tuple[str, ...] = (), **changes: str) -> str:
+    """continue_command, or outside a launch.py run "the same command with key=value ..."."""
+    return continue_command(num_processes, drop, **changes) or \
+        "the same command with " + " ".join(f"{key}={value}" for key, value in changes.items())
 
-    if nonfinite_lr is None:
-        return "Continue this run in place (its metrics.jsonl and checkpoints) with: " + command(resume="auto")
-    checkpoint, half = Path(checkpoint), f"{nonfinite_lr / 2:g}"
+
+def _in_a_sweep() -> bool:
     hydra = _hydra_launch()
-    if hydra is not None and str(hydra.mode) == "RunMode.MULTIRUN":
+    return hydra is not None and str(hydra.mode) == "RunMode.MULTIRUN"
+
+
+def in_place(run_dir: Path) -> dict[str, str]:
+    """The settings that continue the run of `run_dir` in place: outside a sweep hydra.run.dir=RUN resume=RUN (the
+    launch's directory is the run's, and resume takes its newest intact checkpoint; never another run's); a sweep's job
+    resume=auto (its directory is named for its overrides, so only its own runs are beside it)."""
+    return {"resume": "auto"} if _in_a_sweep() else {"hydra.run.dir": str(run_dir), "resume": str(run_dir)}
+
+
+def continue_advice(checkpoint: Path, num_processes: int = 1, nonfinite_lr: float | None = None) -> str:
+    """The end of a stop message: how to go on from `checkpoint`. After a signal or trainer.max_minutes: the command
+    that continues this run in place (`continue_command` with `in_place`). After non-finite steps (`nonfinite_lr`:
+    optim.lr now): the same command would meet them again; a lower optim.lr, continuing in place (a sweep job from this
+    checkpoint, in a new run directory: its directory is named for its optim.lr) or from the earlier checkpoint, in a
+    new run directory (without the launch's hydra.run.dir / hydra.sweep.dir / hydra.sweep.subdir)."""
+    checkpoint = Path(checkpoint)
+    run_dir = checkpoint.parent.parent
+    if nonfinite_lr is None:
+        return ("Continue this run in place (its metrics.jsonl and checkpoints) with: "
+                + _command(num_processes, **in_place(run_dir)))
+    half = f"{nonfinite_lr / 2:g}"
+    if _in_a_sweep():
         options = [f"start a new run directory from this checkpoint (a sweep job's directory is named for its "
-                   f"optim.lr): {command(**{'optim.lr': half, 'resume': str(checkpoint)})}"]
+                   f"optim.lr): {_command(num_processes, **{'optim.lr': half, 'resume': str(checkpoint)})}"]
     else:
-        options = [f"continue this run in place: {command(**{'optim.lr': half, 'resume': 'auto'})}"]
-    earlier = next((c for c in reversed(run_checkpoints(checkpoint.parent.parent))
+        options = [f"continue this run in place: {_command(num_processes, **{'optim.lr': half}, **in_place(run_dir))}"]
+    earlier = next((c for c in reversed(run_checkpoints(run_dir))
                     if c.name < checkpoint.name and _known_problem(c) is None), None)
     if earlier is not None:
         options.append(f"go back to the earlier checkpoint {earlier.name} as well, in a new run directory: "
-                       f"{command(**{'optim.lr': half, 'resume': str(earlier)})}")
+                       f"{_command(num_processes, RUN_DIR_KEYS, **{'optim.lr': half, 'resume': str(earlier)})}")
     return (f"The same command would meet the same steps again: lower the learning rate (optim.lr={nonfinite_lr:g} "
             f"now, e.g. optim.lr={half}) and " + "; or ".join(options) + ". Check the data too")
 
@@ -451,7 +500,14 @@ def continue_advice(checkpoint: Path, num_processes: int = 1, nonfinite_lr: floa
 def use_configured_lr(scheduler, lr: float) -> str:
     """After load_state: the learning-rate schedule continues at the peak it was saved with (its base_lrs); a run
     resumed with another optim.lr continues it at the new one, from the same step. Returns what to add to the
-    "resumed from" line: "" when optim.lr is the checkpoint's."""
+    "resumed from" line: "" when optim.lr is the checkpoint's. `scheduler` must be a LambdaLR (its lr_lambdas give
+    the factor of each step)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    if not isinstance(scheduler, LambdaLR):
+        raise TypeError(f"use_configured_lr: the scheduler is a {type(scheduler).__name__}, not a "
+                        f"torch.optim.lr_scheduler.LambdaLR; only a LambdaLR's schedule can continue at another peak "
+                        f"learning rate (build_scheduler makes one)")
     saved = list(scheduler.base_lrs)
     if all(base == lr for base in saved):
         return ""

@@ -123,7 +123,7 @@ class TrainerConfig:
     # backward pass before every optimizer step, queues the next step while the GPU finishes this one; its count, LR
     # schedule and records are corrected when the answer arrives (the same run, tested on the CPU). One process
     # without FSDP for now (elsewhere the step-by-step check runs); GPT-2 small 4K on an H200: 1.017-1.018x
-    # tokens/s, curves within the run-to-run noise (docs/training_speed.md); false: the host waits for each step's
+    # tokens/s, curves within the run-to-run noise (docs/training.md); false: the host waits for each step's
     # answer
     lagged_finite_check: bool = True
     # stop (with a checkpoint) at the first validation pass where this metric (e.g. val_mlm_accuracy) is >= stop_value

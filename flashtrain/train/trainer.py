@@ -35,8 +35,8 @@ from flashtrain.models.padding import Unpadding
 from flashtrain.train import activation_checkpoint
 from flashtrain.train.checkpoint import (MODEL_FILES, TrainState, accelerate_warnings_only, check_writable,
                                         checkpoint_format, config_differences, config_fingerprint,
-                                        continue_advice, prune_after_resume, resolve_resume, save_checkpoint,
-                                        use_configured_lr)
+                                        continue_advice, init_from_verified, prune_after_resume,
+                                        resolve_init_from, resolve_resume, save_checkpoint, use_configured_lr)
 from flashtrain.train.config import FlashtrainConfig
 from flashtrain.train.hf_files import save_model_files
 from flashtrain.train.metrics import MetricsLog
@@ -233,8 +233,11 @@ class Trainer:
         self.attention = cfg.model.attention_backend(accelerator.device, COMPUTE_DTYPES[accelerator.mixed_precision])
         # the main process alone verifies checkpoints (hashing every file) and says which it skips
         self.checkpoint = on_main_process(lambda: resolve_resume(cfg.resume, runs_of_name), accelerator)
-        if cfg.resume == "auto" and self.checkpoint is not None:
+        if self.checkpoint is not None and (cfg.resume == "auto" or self._resumes_its_own_run()):
             self.run_dir = self.checkpoint.parent.parent  # the same run continues: its logs, checkpoints, wandb run
+        # init_from's checkpoint, verified the same way; the loaders read that one without hashing it again
+        self.init_checkpoint = on_main_process(lambda: resolve_init_from(cfg.init_from), accelerator) \
+            if cfg.init_from is not None and self.checkpoint is None else None
         self.config_fingerprint = config_fingerprint(cfg)
         if self.checkpoint is not None:
             self._check_resumed_config()
@@ -248,13 +251,7 @@ class Trainer:
         # the scheduler is stepped here once per optimizer step (not through accelerate's per-process stepping)
         accelerator.register_for_checkpointing(self.scheduler, self.state)
         if self.checkpoint is not None:
-            self._check_checkpoint_engine()
-            with accelerate_warnings_only():
-                accelerator.load_state(str(self.checkpoint))
-            self._print(f"resumed from {self.checkpoint} at step {self.state.step}"
-                        + use_configured_lr(self.scheduler, cfg.optim.lr))
-            self._prune_left_behind()
-            self._continue_data_position()
+            self._load_resumed_state()
         elif cfg.resume is not None:
             self._print(f"resume={cfg.resume}: no checkpoint found under {runs_of_name}, starting fresh")
         self.state.processes, self.state.global_batch_size = accelerator.num_processes, self.global_batch_size
@@ -314,6 +311,20 @@ class Trainer:
             event.synchronize()
         return value.item() > 0
 
+    def _resumes_its_own_run(self) -> bool:
+        """resume=RUN (or one of its checkpoints) with hydra.run.dir=RUN: the run continues in place."""
+        return self.checkpoint.parent.parent.resolve() == self.run_dir.resolve()
+
+    def _load_resumed_state(self) -> None:
+        """Model, optimizer, scheduler, RNG and TrainState from self.checkpoint; the schedule at optim.lr's peak."""
+        self._check_checkpoint_engine()
+        with accelerate_warnings_only():
+            self.accelerator.load_state(str(self.checkpoint))
+        lr_note = use_configured_lr(self.scheduler, self.cfg.optim.lr)
+        self._print(f"resumed from {self.checkpoint} at step {self.state.step}{lr_note}")
+        self._prune_left_behind()
+        self._continue_data_position()
+
     def _check_resumed_config(self) -> None:
         """A checkpoint of another model/data configuration stops the start, unless resume_allow_config_change."""
         differences = config_differences(self.checkpoint, self.config_fingerprint)
@@ -367,7 +378,8 @@ class Trainer:
         cfg, tcfg = self.cfg, self.tcfg
         model = cfg.model.build()
         if cfg.init_from is not None and self.checkpoint is None:
-            self._print(load_initial_weights(model, cfg.model, cfg.init_from, cfg.init_position_extension))
+            with init_from_verified(cfg.init_from, self.init_checkpoint):  # verified at the start: read as it is
+                self._print(load_initial_weights(model, cfg.model, cfg.init_from, cfg.init_position_extension))
         self.checkpointed_blocks = activation_checkpoint.apply(model, tcfg.activation_checkpointing)
         self.base_model = model = model.to(self.accelerator.device)  # neither compiled nor wrapped
         self.n_params = sum(p.numel() for p in model.parameters())  # each tensor once: tied weights count once
@@ -384,7 +396,7 @@ class Trainer:
         # (one process for now: under several the step's token count is a sum on the device that the books read at
         # once; deferring it to the step's answer is the next change. Not with FSDP's DTensor parameters, even in
         # one process: found_inf through ShardLocalAdamW's shard-local step has not been run (two gloo processes hung
-        # in a flagged step there, docs/training_speed.md).)
+        # in a flagged step there, docs/training.md).)
         self.lagged = bool(tcfg.lagged_finite_check and self.accelerator.scaler is None and
                            self.accelerator.num_processes == 1 and
                            self.accelerator.distributed_type != DistributedType.FSDP and
@@ -668,7 +680,7 @@ class Trainer:
             return self.nonfinite_in_a_row >= tcfg.max_nonfinite_steps and self._stop(
                 f"stopped: {self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient norm "
                 f"(trainer.max_nonfinite_steps={tcfg.max_nonfinite_steps}); the weights are those after step {step}, "
-                f"the last finite one", exit_code=1)
+                f"the last finite one", exit_code=1, nonfinite=True)
         out_of_time, last = self.out_of_time, self._last_step()
         target_reached = False
         if tcfg.gc_interval:  # automatic collection is off (train): young objects every gc_interval steps, all at
@@ -687,22 +699,25 @@ class Trainer:
             self._print(f"trainer.stop_metric {tcfg.stop_metric} reached {tcfg.stop_value} at step {step}")
         self.stopped_early = out_of_time and not target_reached
         if self.stopped_early:
-            self.stop_message = (f"stopped after trainer.max_minutes={tcfg.max_minutes} at step {step}; "
-                                 f"continue with resume=auto")
+            self._stop_message(f"stopped after trainer.max_minutes={tcfg.max_minutes} at step {step}")
         return target_reached or out_of_time
 
-    def _stop(self, reason: str, exit_code: int) -> bool:
-        """Stop before end_step: save, and say how to continue; True."""
+    def _stop(self, reason: str, exit_code: int, nonfinite: bool = False) -> bool:
+        """Stop before end_step: save, and say how to continue (`nonfinite`: after non-finite steps); True."""
         self._save()
         self.stopped_early, self.exit_code = True, exit_code
-        advice = continue_advice(self.last_checkpoint, self.accelerator.num_processes,  # printed by the main process
-                                 nonfinite_lr=self.cfg.optim.lr if exit_code == 1 else None) if self.main else ""
-        self.stop_message = f"{reason}; checkpoint: {self.last_checkpoint}. {advice}"
+        self._stop_message(reason, nonfinite)
         return True
+
+    def _stop_message(self, reason: str, nonfinite: bool = False) -> None:
+        """The stop message after the checkpoint just saved: `reason`, the checkpoint, how to continue."""
+        advice = continue_advice(self.last_checkpoint, self.accelerator.num_processes,  # printed by the main process
+                                 nonfinite_lr=self.cfg.optim.lr if nonfinite else None) if self.main else ""
+        self.stop_message = f"{reason}; checkpoint: {self.last_checkpoint}. {advice}"
 
     def _prune_left_behind(self) -> None:
         """The run continues in its own directory: the checkpoints a killed launch left beyond keep_checkpoints go."""
-        if self.main and self.checkpoint.parent.parent == self.run_dir:
+        if self.main and self._resumes_its_own_run():
             keep = self.tcfg.keep_checkpoints
             for path in prune_after_resume(self.checkpoint, keep):
                 self._print(f"removed {path} (trainer.keep_checkpoints={keep}; left by a stopped launch)")

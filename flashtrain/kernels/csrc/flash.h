@@ -77,7 +77,7 @@ struct FwdParams {
     // in L2; 0: longest first over all units (forward) or key blocks fastest (backward, also for 1)
     int causal_tile_group;
     int pad_;
-    // Kernels built with the score modifications only (FT_SCORE_MODS; issue 20), last so that the
+    // Kernels built with the score modifications only (FT_SCORE_MODS: window, softcap, ALiBi), last so that the
     // other kernels' parameter offsets stay as they were tuned. Window (flash-attn's definition): query i sees key j
     // iff i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right; -1: unbounded (causal
     // kernels: window_right is 0). Softcap: scores s of q.k become softcap_unscale * tanh(s * softcap_scale), i.e.
@@ -89,7 +89,7 @@ struct FwdParams {
     // seqlen_q - j| added to the scaled (and capped) scores; nullptr: none
     const float* alibi_slopes;
     i64 alibi_batch_stride;
-    // Kernels built with a mask expression (FT_MASK_EXPR; mask_mod.cuh, issue 20): its tensors, and the states of
+    // Kernels built with a mask expression (FT_MASK_EXPR; mask_mod.cuh): its tensors, and the states of
     // MaskMod.block_states per tile of kBlockSparseSize x kBlockSparseSize (query, key) pairs (0 none visible:
     // skipped, 1 some: the expression per pair, 2 all: no test), packed per (b, h) by mask_mod.pack_states:
     // mm_n_qblocks rows of mm_n_kblocks bytes (the row stride: the key blocks rounded up to 4), then per query block

@@ -97,7 +97,7 @@ template <int kHeadDim_, int kBlockM_, int kStages_, bool kIsBF16_, bool kIsCaus
           bool kIsBlockSparse_, bool kIsDeterministic_, bool kPersistent_ = true, int kHeadDimEff_ = kHeadDim_,
           int kScoreMods_ = 0, bool kMaskMod_ = false>
 struct BwdSm90Traits {
-    // FT_SCORE_MODS (issue 20): 1, a local window, softcap and ALiBi read from FwdParams (each off when unset), as the
+    // FT_SCORE_MODS: 1, a local window, softcap and ALiBi read from FwdParams (each off when unset), as the
     // forward's; 2, the window and ALiBi only (head dim 64: softcap's derivative, kept for dS^T, spilled inside the
     // loop there; flash_bwd.cuh runs softcap at head dim 64). The query-block walk covers the window only
     // (QueryBlockWalk). Head dims 64 / 128, dense, without dropout, not deterministic (the deterministic turns assume
@@ -148,7 +148,7 @@ struct BwdSm90Traits {
     // +3-7%, hd96 causal +11%, deterministic +1-9%) and for head dim 128 with dS^T taken from the packed P^T
     // (kHd128DsFromPa, kDsFromPa below; 40: causal +1-5%, GQA +2%, deterministic dense +6%; 32: dense +1-4%, 40
     // there 0.99-1.03x), not for hd128 dropout (dK accumulator spills: 0.86-0.96x), hd64 dense (0.93-1.01x) or the
-    // split head dims (0.82x), which keep 24. docs/kernels.md has the tables (H200, 2026-11-25).
+    // split head dims (0.82x), which keep 24. (H200, 2026-11-25.)
     // FT_BWD_PRODUCER_REGS=n forces n (A/B).
     static constexpr bool kHd128DsFromPa = kHeadDimEff == 128 && !kIsDropout && !kIsBlockSparse;
 #ifdef FT_BWD_PRODUCER_REGS

@@ -69,7 +69,7 @@ namespace flashtrain {
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kSeparateO_, bool kIsBF16_, bool kIsCausal_,
           bool kIsDropout_, bool kIsBlockSparse_, int kQBuffers_ = 1, int kScoreMods_ = 0, bool kMaskMod_ = false>
 struct FwdSm90Traits {
-    // FT_SCORE_MODS (issue 20): 1, the local window, softcap and ALiBi of the call's parameters (flash.h), each off
+    // FT_SCORE_MODS: 1, the local window, softcap and ALiBi of the call's parameters (flash.h), each off
     // when unset; 2, the window and ALiBi only (the calls without softcap: no tanh path, fewer registers)
     static constexpr bool kScoreMods = kScoreMods_ != 0, kSoftcap = kScoreMods_ == 1;
     static_assert(!(kScoreMods_ && kIsBlockSparse_), "score modifications and a block mask are not combined");

@@ -1,4 +1,4 @@
-// Mask expressions (issue 20, flashtrain/kernels/mask_mod.py): the user's C expression over b, h, q_idx, kv_idx and up
+// Mask expressions (mask_mod, flashtrain/kernels/mask_mod.py): the user's C expression over b, h, q_idx, kv_idx and up
 // to four integer / bool tensors, compiled in as a device predicate. The build path passes the expression as macros
 // (MaskMod.kernel_defines): FT_MASK_DECLS declares each tensor's pointer, sizes and strides from MaskModParams `mm`,
 // FT_MASK_EXPR is the expression with every subscript checked against its tensor's size (FT_MM_OOB on a miss: the

@@ -536,7 +536,7 @@ __device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int seqlen_q, in
     return n0 + kBlockN > seqlen_k || (kIsCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
 }
 
-// Local window (issue 20, FwdParams window_left / window_right): row i sees key j iff
+// Local window (a score modification, FwdParams window_left / window_right): row i sees key j iff
 // i + offset - left <= j <= i + offset + right, offset = seqlen_k - seqlen_q, a bound < 0 unbounded (causal: the right
 // bound is the diagonal, which the causal code handles). The helpers below are each kernel's window arithmetic.
 // Whether some row of [m0, last_row] has its window's start inside the key tile [n0, n0 + kBlockN), or its end before
@@ -656,7 +656,7 @@ __device__ __forceinline__ void walk_key_blocks(int first_block, Walk& walk, con
         for (; n_block >= 0; --n_block) step(n_block, -1, BoolConstant<false>{});
     }
 }
-// Score modifications of the FT_SCORE_MODS kernels (flash.h FwdParams, issue 20), on a warp's S fragment s[kMT][kNT][4]
+// Score modifications of the FT_SCORE_MODS kernels (flash.h FwdParams), on a warp's S fragment s[kMT][kNT][4]
 // (mma layout: element (mt, nt, e) is row row0 + mt * 16 + g + 8 * (e / 2), column col0 + nt * 8 + 2 * t + e % 2), in
 // raw q.k units: softcap s -> softcap_unscale * tanh(s * softcap_scale), then ALiBi s -= slope / scale * |i + offset - j|
 // (alibi_scaled: slope / softmax_scale of this (batch, head); 0: none). Each off when its parameter is 0.

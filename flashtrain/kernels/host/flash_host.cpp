@@ -2,9 +2,9 @@
 // kernels and the forward's autograd node), executing launch plans that Python builds (flashtrain/kernels/ops.py).
 //
 // Why C++: a Python autograd.Function and Python launch code cost ~3x FlashAttention-2's host time per call on a
-// tiny attention (issue 14); here a call is a key computed from its tensors, a hash lookup, allocations through
-// at::empty (the caching allocator), the addresses written into a copy of the plan's parameter bytes, and
-// cuLaunchKernel on the current torch stream. The backward never enters Python.
+// tiny attention (benchmarks/host_overhead.py); here a call is a key computed from its tensors, a hash lookup,
+// allocations through at::empty (the caching allocator), the addresses written into a copy of the plan's parameter
+// bytes, and cuLaunchKernel on the current torch stream. The backward never enters Python.
 //
 // This file makes no dispatch decision. A plan (ops.py _Plan, flattened by _Plan.flat) says everything about a call
 // except its tensors' addresses:

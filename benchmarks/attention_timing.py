@@ -1,0 +1,61 @@
+"""The timing that benchmarks/attention.py and benchmarks/attention_features.py share: each pass's FLOPs (PASSES),
+forward / backward / forward+backward times of implementations measured interleaved (time_passes_interleaved), and
+the best of rounds as TFLOP/s (keep_best). Imports neither benchmark (both import it; this folder is on sys.path)."""
+
+import contextlib
+import statistics
+
+import torch
+
+from train_gpt2 import time_interleaved  # the sibling benchmark's timers
+
+PASSES = (("fwd", 1.0), ("bwd", 2.5), ("fb", 3.5))  # each pass's FLOPs in units of the forward's
+
+
+def time_passes_interleaved(cases: dict, repeats: int, label: str, warmup: int = 3) -> dict:
+    """{impl: times as time_passes} for cases {impl: (fn, inputs, dout)}, the implementations' calls interleaved:
+    per pass, at least r calls of each implementation, taking turns (each preceded equally often by every other), each
+    call between CUDA events, no host sync in between (train_gpt2.time_interleaved); median per implementation."""
+    times = {impl: {} for impl in cases}
+    outs = {}
+
+    def calls(kind):
+        for impl, (fn, inputs, dout) in cases.items():
+            if kind == "fwd":
+                yield impl, lambda fn=fn, inputs=inputs: fn(*inputs)
+            elif kind == "bwd":
+                yield impl, lambda impl=impl, inputs=inputs, dout=dout: torch.autograd.grad(
+                    outs[impl], inputs, dout, retain_graph=True)
+            else:
+                yield impl, lambda fn=fn, inputs=inputs, dout=dout: torch.autograd.grad(fn(*inputs), inputs, dout)
+
+    for kind, _ in PASSES:
+        ready = {}
+        for impl, call in calls(kind):
+            try:  # a backend that refuses the shape (or runs out of memory) misses this pass
+                if kind == "bwd":
+                    fn, inputs, _ = cases[impl]
+                    outs[impl] = fn(*inputs)
+                with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
+                    for _ in range(warmup):
+                        call()
+                ready[impl] = call
+            except (RuntimeError, ValueError, NotImplementedError) as error:
+                print(f"  {impl} {label} {kind}: {type(error).__name__}: {str(error)[:120]}")
+                outs.pop(impl, None)
+        with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
+            seconds = time_interleaved(ready, repeats)
+        for impl, values in seconds.items():
+            times[impl][kind] = 1000 * statistics.median(values)
+        outs.clear()
+    torch.cuda.empty_cache()
+    return times
+
+
+def keep_best(row: dict, impl: str, times: dict, fwd_flops: float) -> None:
+    """Fold one round's times into row: {impl}_{pass} = best TFLOP/s so far, {impl}_{pass}_ms = best ms (None: the
+    pass never ran)."""
+    for kind, factor in PASSES:
+        ms = min((x for x in (times.get(kind), row.get(f"{impl}_{kind}_ms")) if x is not None), default=None)
+        row[f"{impl}_{kind}_ms"] = None if ms is None else round(ms, 4)
+        row[f"{impl}_{kind}"] = None if ms is None else round(factor * fwd_flops / ms / 1e9, 1)
