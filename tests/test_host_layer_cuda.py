@@ -91,13 +91,33 @@ def test_cpp_executor_matches_the_python_executor_bitwise(name):
         torch.testing.assert_close(dq, py_dq, atol=1e-2, rtol=1e-2)
 
 
-def test_lse_is_not_differentiable_and_zero_dout_gives_zero_grads():
+def test_lse_is_differentiable_and_zero_dout_gives_zero_grads():
     q, k, v, _ = _inputs((1, 64, 2, 64), (1, 64, 2, 64))
     q.requires_grad_()
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda")
-    assert not lse.requires_grad  # lse is not differentiable
+    assert lse.requires_grad  # its gradient folds into the backward's D
     (out * 0).sum().backward()
     assert torch.equal(q.grad, torch.zeros_like(q))
+
+
+@pytest.mark.parametrize("sm90", ["1", "0"], ids=["hopper-family", "mma-sync-family"])
+def test_lse_gradient_matches_the_python_executor(sm90, monkeypatch):
+    """The C++ node's backward with a gradient on lse (passed as dlse, strided) equals the Python executor's given
+    the same dlse: dk and dv bitwise (deterministic: dq too)."""
+    monkeypatch.setenv("FLASHTRAIN_SM90", sm90)
+    q, k, v, dout = _inputs((2, 384, 4, 128), (2, 384, 4, 128))
+    dlse = torch.randn(2, 384, 4, device="cuda").transpose(1, 2)  # (batch, heads, rows), not lse's strides
+    ops = _ops()
+    options = (None, None, 384, 384, 0.0, 128 ** -0.5, True, None)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, lse = ops.flash_attn_fwd(*leaves, *options, True, None, None)
+    dq, dk, dv = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+    py_out, py_lse = ops._fwd_impl(q, k, v, *options, None)
+    py_dq, py_dk, py_dv = ops._bwd_impl(dout, q, k, v, py_out, py_lse, *options, True, None, dlse=dlse)
+    for what, a, b in (("dq", dq, py_dq), ("dk", dk, py_dk), ("dv", dv, py_dv)):
+        assert torch.equal(a, b), f"{what} differs from the Python executor's"
+    no_lse = ops._bwd_impl(dout, q, k, v, py_out, py_lse, *options, True, None)
+    assert not torch.equal(no_lse[0], py_dq)  # dlse changed dq
 
 
 def test_side_streams_use_their_own_tile_counters():

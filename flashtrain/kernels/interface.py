@@ -83,6 +83,8 @@ def flash_attn_func(
             walk only the non-zero blocks (work proportional to their number; head_dim <= 128);
             flashtrain.kernels.block_sparse builds common layouts.
         return_lse: also return the log-sum-exp of each query's scaled scores, float32 (batch, nheads, seqlen_q).
+            It is differentiable (a loss on it, a z-loss or a merge of partial results, reaches q and k: its
+            gradient enters the backward as dS += P * dlse); rows that see no key (lse -inf) pass none.
         dropout_mask: optional explicit bool keep-mask (batch, nheads, seqlen_q, seqlen_k), True = keep (tests;
             runs on the reference). Without it the mask is drawn from `generator` and regenerated in backward.
         generator: torch.Generator for the dropout mask (default: the device's default generator).

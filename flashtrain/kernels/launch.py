@@ -89,7 +89,7 @@ class AuxParams(ctypes.Structure):
     _fields_ = [
         ("out", _ptr), ("dout", _ptr), ("dq", _ptr), ("softmax_d", _ptr), ("dq_accum", _ptr), ("dropout_mask", _ptr),
         ("cu_seqlens_q", _ptr), ("cu_seqlens_k", _ptr), ("rng_state", _ptr),
-        ("lse", _ptr), ("lse_log2", _ptr),
+        ("lse", _ptr), ("lse_log2", _ptr), ("dlse", _ptr),
         ("o_batch_stride", _i64), ("o_row_stride", _i64), ("o_head_stride", _i64),
         ("do_batch_stride", _i64), ("do_row_stride", _i64), ("do_head_stride", _i64),
         ("dq_batch_stride", _i64), ("dq_row_stride", _i64), ("dq_head_stride", _i64),

@@ -310,8 +310,10 @@ def dropout_mask_for_testing(q: Tensor, k: Tensor, *, dropout_p: float, generato
 #
 # Plans index the ops' tensor arguments ("input i") in this order, None giving address 0:
 #   forward   q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, bs_cols
-#   backward  dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols
-_INPUT, _OUTPUT = 0, 1  # where an address comes from: an input of the op, or an output / workspace of the plan
+#   backward  dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols, alibi_slopes, mm_states,
+#             mm_error, mm0..mm3, dlse (the gradient reaching lse, in lse's layout, or None)
+_INPUT, _OUTPUT = 0, 1
+_DLSE_INPUT = 17  # where an address comes from: an input of the op, or an output / workspace of the plan
 _PLAN_FORMAT = 2  # = flash_host.cpp kPlanFormat
 # how a plan's output is allocated (flash_host.cpp Fill): uninitialised, zero-filled, filled with -inf
 _FILL_NONE, _FILL_ZERO, _FILL_NEG_INF = 0, 1, 2
@@ -498,7 +500,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     aux_addresses = [(_offset(launch.AuxParams, name), *source) for name, source in (
         ("out", (_INPUT, 4, 0)), ("dout", (_INPUT, 0, 0)), ("dq", (_OUTPUT, 0, 0)), ("softmax_d", softmax_d),
         ("dq_accum", dq_accum_address), ("cu_seqlens_q", (_INPUT, 6, 0)), ("cu_seqlens_k", (_INPUT, 7, 0)),
-        ("rng_state", (_INPUT, 8, 0)), ("lse", (_INPUT, 5, 0)), ("lse_log2", (_OUTPUT, 3, 0)))]
+        ("rng_state", (_INPUT, 8, 0)), ("lse", (_INPUT, 5, 0)), ("lse_log2", (_OUTPUT, 3, 0)),
+        ("dlse", (_INPUT, _DLSE_INPUT, 0)))]
     # (padded: the preprocess also writes the padding rows of each sequence's last query block)
     aux_rows = -(-fwd.seqlen_q // tiles.block_m) * tiles.block_m if hopper else fwd.seqlen_q
     aux_grid = (math.ceil(aux_rows / build.AUX_ROWS_PER_CTA), batch, nheads)
@@ -666,7 +669,7 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
 def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
               softmax_scale, causal, rng_state, deterministic, bs_cols=None, window_left=-1, window_right=-1,
               softcap=0.0, alibi_slopes=None, mm_states=None, mm_error=None, mm0=None, mm1=None, mm2=None, mm3=None,
-              mask_mod=""):
+              mask_mod="", dlse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -805,7 +808,7 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               deterministic: bool, bs_cols: Tensor | None, window=(-1, -1),
               softcap: float = 0.0, alibi_slopes: Tensor | None = None, mask_mod: str = "",
               mm_states: Tensor | None = None, mm_error: Tensor | None = None,
-              mm_tensors=()) -> tuple[Tensor, Tensor, Tensor]:
+              mm_tensors=(), dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of the backward through the Python executor (tests)."""
     dout, q, k, v, out = (_aligned(x) for x in (dout, q, k, v, out))
     if cu_seqlens_q is not None:
@@ -818,8 +821,11 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     plan = _bwd_plans.get(key) or _remember(_bwd_plans, key, _bwd_plan(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, deterministic, bs_cols, window, softcap, alibi_slopes, mask_mod, mm_states, mm_tensors))
+    if dlse is not None:  # lse's layout (the plan reads it with lse's strides)
+        dlse = torch.empty_like(lse).copy_(dlse)
     dq, dk, dv = _execute(plan, [dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols,
-                                 alibi_slopes, mm_states, mm_error, *mm_tensors, *[None] * (4 - len(mm_tensors))])[:3]
+                                 alibi_slopes, mm_states, mm_error, *mm_tensors, *[None] * (4 - len(mm_tensors)),
+                                 dlse])[:3]
     return dq, dk, dv
 
 

@@ -327,61 +327,86 @@ class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window, block_mask, dropout_p, dropout_mask,
                 dropout_seed, softcap, alibi_slopes, mask_mod):
-        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        nheads, nheads_kv = q.shape[1], k.shape[1]
-        group = nheads // nheads_kv
-        block_mask_cpu = None if block_mask is None else block_mask.cpu()
-        computes = [
-            _GroupCompute(seqs, nheads=nheads, nheads_kv=nheads_kv, device=q.device, window=window,
-                          block_mask=block_mask_cpu, dropout_p=dropout_p, dropout_mask=dropout_mask,
-                          dropout_seed=dropout_seed, softcap=softcap,
-                          alibi_slopes=None if alibi_slopes is None else alibi_slopes.to(compute_dtype),
-                          mask_mod=mask_mod)
-            for seqs in _seq_groups(cu_seqlens_q, cu_seqlens_k)
-        ]
-        out = q.new_zeros(q.shape)
-        lse = torch.full((nheads, q.shape[0]), -math.inf, dtype=compute_dtype, device=q.device)
-        for compute in computes:
-            seqs = compute.group
-            q_rows = _rows_by_kv_head(q, seqs.q_start, seqs.batch, seqs.seqlen_q, nheads_kv, group, compute_dtype)
-            k_rows = _rows_by_kv_head(k, seqs.k_start, seqs.batch, seqs.seqlen_k, nheads_kv, 1, compute_dtype)
-            v_rows = _rows_by_kv_head(v, seqs.k_start, seqs.batch, seqs.seqlen_k, nheads_kv, 1, compute_dtype)
-            out_rows, lse_rows = compute.forward(q_rows.mul_(softmax_scale), k_rows, v_rows)
-            packed_q = slice(seqs.q_start, seqs.q_start + seqs.batch * seqs.seqlen_q)
-            _copy_to_packed(out[packed_q], out_rows, seqs.batch, seqs.seqlen_q, nheads_kv, group)
-            _copy_lse_to_packed(lse[:, packed_q], lse_rows, seqs.batch, seqs.seqlen_q, nheads_kv, group)
+        computes = _computes(q, k, cu_seqlens_q, cu_seqlens_k, window, block_mask, dropout_p, dropout_mask,
+                             dropout_seed, softcap, alibi_slopes, mask_mod)
+        out, lse = _forward(computes, q, k, v, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.computes = computes  # tiles, masks and the dropout seed of each sequence group
         ctx.softmax_scale = softmax_scale
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        compute_dtype, scale = lse.dtype, ctx.softmax_scale
-        nheads_kv = k.shape[1]
-        group = q.shape[1] // nheads_kv
-        dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-        for compute in ctx.computes:
-            seqs = compute.group
-            packed_q = slice(seqs.q_start, seqs.q_start + seqs.batch * seqs.seqlen_q)
-            packed_k = slice(seqs.k_start, seqs.k_start + seqs.batch * seqs.seqlen_k)
-            q_rows = _rows_by_kv_head(q, seqs.q_start, seqs.batch, seqs.seqlen_q, nheads_kv, group, compute_dtype)
-            k_rows = _rows_by_kv_head(k, seqs.k_start, seqs.batch, seqs.seqlen_k, nheads_kv, 1, compute_dtype)
-            v_rows = _rows_by_kv_head(v, seqs.k_start, seqs.batch, seqs.seqlen_k, nheads_kv, 1, compute_dtype)
-            dout_rows = _rows_by_kv_head(dout, seqs.q_start, seqs.batch, seqs.seqlen_q, nheads_kv, group, compute_dtype)
-            lse_rows = _lse_rows(lse[:, packed_q], seqs.batch, seqs.seqlen_q, nheads_kv, group)
-            delta = (dout[packed_q].to(compute_dtype) * out[packed_q]).sum(-1)  # D = rowsum(dO * O), (rows, nheads)
-            delta_rows = _lse_rows(delta.t(), seqs.batch, seqs.seqlen_q, nheads_kv, group)
-            dq_rows, dk_rows, dv_rows = compute.backward(
-                q_rows.mul_(scale), k_rows, v_rows, dout_rows, lse_rows, delta_rows
-            )
-            _copy_to_packed(dq[packed_q], dq_rows.mul_(scale), seqs.batch, seqs.seqlen_q, nheads_kv, group)
-            _copy_to_packed(dk[packed_k], dk_rows, seqs.batch, seqs.seqlen_k, nheads_kv, 1)
-            _copy_to_packed(dv[packed_k], dv_rows, seqs.batch, seqs.seqlen_k, nheads_kv, 1)
+        if dout is None:  # only lse was used
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _backward(ctx.computes, dout, q, k, v, out, lse, ctx.softmax_scale, dlse)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+
+def _computes(q, k, cu_seqlens_q, cu_seqlens_k, window, block_mask, dropout_p, dropout_mask, dropout_seed, softcap,
+              alibi_slopes, mask_mod) -> list[_GroupCompute]:
+    """The tiles, masks and dropout draws of each group of equal-length sequences."""
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    block_mask_cpu = None if block_mask is None else block_mask.cpu()
+    return [
+        _GroupCompute(seqs, nheads=q.shape[1], nheads_kv=k.shape[1], device=q.device, window=window,
+                      block_mask=block_mask_cpu, dropout_p=dropout_p, dropout_mask=dropout_mask,
+                      dropout_seed=dropout_seed, softcap=softcap,
+                      alibi_slopes=None if alibi_slopes is None else alibi_slopes.to(compute_dtype),
+                      mask_mod=mask_mod)
+        for seqs in _seq_groups(cu_seqlens_q, cu_seqlens_k)
+    ]
+
+
+def _forward(computes, q, k, v, softmax_scale) -> tuple[Tensor, Tensor]:
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    nheads, nheads_kv = q.shape[1], k.shape[1]
+    group = nheads // nheads_kv
+    out = q.new_zeros(q.shape)
+    lse = torch.full((nheads, q.shape[0]), -math.inf, dtype=compute_dtype, device=q.device)
+    for compute in computes:
+        seqs = compute.group
+        q_rows = _rows_by_kv_head(q, seqs.q_start, seqs.batch, seqs.seqlen_q, nheads_kv, group, compute_dtype)
+        k_rows = _rows_by_kv_head(k, seqs.k_start, seqs.batch, seqs.seqlen_k, nheads_kv, 1, compute_dtype)
+        v_rows = _rows_by_kv_head(v, seqs.k_start, seqs.batch, seqs.seqlen_k, nheads_kv, 1, compute_dtype)
+        out_rows, lse_rows = compute.forward(q_rows.mul_(softmax_scale), k_rows, v_rows)
+        packed_q = slice(seqs.q_start, seqs.q_start + seqs.batch * seqs.seqlen_q)
+        _copy_to_packed(out[packed_q], out_rows, seqs.batch, seqs.seqlen_q, nheads_kv, group)
+        _copy_lse_to_packed(lse[:, packed_q], lse_rows, seqs.batch, seqs.seqlen_q, nheads_kv, group)
+    return out, lse
+
+
+def _backward(computes, dout, q, k, v, out, lse, softmax_scale, dlse=None) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv from the forward's out and lse. dlse (lse's shape, or None): the gradient reaching lse, which
+    enters as dS += P * dlse, i.e. D = rowsum(dO * O) - dlse."""
+    compute_dtype, scale = lse.dtype, softmax_scale
+    nheads_kv = k.shape[1]
+    group = q.shape[1] // nheads_kv
+    dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    for compute in computes:
+        seqs = compute.group
+        packed_q = slice(seqs.q_start, seqs.q_start + seqs.batch * seqs.seqlen_q)
+        packed_k = slice(seqs.k_start, seqs.k_start + seqs.batch * seqs.seqlen_k)
+        q_rows = _rows_by_kv_head(q, seqs.q_start, seqs.batch, seqs.seqlen_q, nheads_kv, group, compute_dtype)
+        k_rows = _rows_by_kv_head(k, seqs.k_start, seqs.batch, seqs.seqlen_k, nheads_kv, 1, compute_dtype)
+        v_rows = _rows_by_kv_head(v, seqs.k_start, seqs.batch, seqs.seqlen_k, nheads_kv, 1, compute_dtype)
+        dout_rows = _rows_by_kv_head(dout, seqs.q_start, seqs.batch, seqs.seqlen_q, nheads_kv, group, compute_dtype)
+        lse_rows = _lse_rows(lse[:, packed_q], seqs.batch, seqs.seqlen_q, nheads_kv, group)
+        delta = (dout[packed_q].to(compute_dtype) * out[packed_q]).sum(-1).t()  # D = rowsum(dO * O), (nheads, rows)
+        if dlse is not None:  # (rows that saw no key have P = 0: their dlse reaches nothing)
+            seen = lse[:, packed_q] > -math.inf
+            delta = delta - torch.where(seen, dlse[:, packed_q].to(compute_dtype), 0.0)
+        delta_rows = _lse_rows(delta.contiguous(), seqs.batch, seqs.seqlen_q, nheads_kv, group)
+        dq_rows, dk_rows, dv_rows = compute.backward(
+            q_rows.mul_(scale), k_rows, v_rows, dout_rows, lse_rows, delta_rows
+        )
+        _copy_to_packed(dq[packed_q], dq_rows.mul_(scale), seqs.batch, seqs.seqlen_q, nheads_kv, group)
+        _copy_to_packed(dk[packed_k], dk_rows, seqs.batch, seqs.seqlen_k, nheads_kv, 1)
+        _copy_to_packed(dv[packed_k], dv_rows, seqs.batch, seqs.seqlen_k, nheads_kv, 1)
+    return dq, dk, dv
 
 
 def flash_attn_reference(
@@ -407,7 +432,7 @@ def flash_attn_reference(
     ([nheads,] n_qblocks, n_kblocks); dropout_mask (nheads, total_q, max_seqlen_k); window_size (left, right), -1
     unbounded (with causal, right is 0); softcap 0 = none; alibi_slopes (batch, nheads) float32 or None; mask_mod a
     flashtrain.kernels.mask_mod.MaskMod or None.
-    Returns out (total_q, nheads, D) in q's dtype, differentiable w.r.t. q, k, v, and lse (nheads, total_q)."""
+    Returns out (total_q, nheads, D) in q's dtype and lse (nheads, total_q), both differentiable w.r.t. q, k, v."""
     dropout_seed = 0
     if dropout_p > 0 and dropout_mask is None:  # one draw per call; every tile's mask derives from it
         device = q.device if generator is None else generator.device

@@ -179,6 +179,7 @@ struct AuxParams {
     const u64* rng_state;
     const float* lse;         // padded: the forward's lse, read into lse_log2
     float* lse_log2;
+    const float* dlse;        // the gradient reaching lse (lse's layout), or null: the preprocess takes D - dlse
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 do_batch_stride, do_row_stride, do_head_stride;
     i64 dq_batch_stride, dq_row_stride, dq_head_stride;

@@ -1,7 +1,9 @@
 // Small memory-bound kernels around the backward, and the test-only dropout-mask kernel. kRowsPerCta query rows per
 // CTA, grid (ceil(R / kRowsPerCta), batch, nheads), R = max_seqlen_q (padded: rounded up to whole query blocks of
 // dq_block_m rows); rows in groups of lanes (AuxRowGroup), dq from the scrambled layout in whole slices.
-//   preprocess: D[row] = sum_d dout[row, d] * out[row, d] (fp32) and dq_accum[:, row, :] = 0; padded (the Hopper
+//   preprocess: D[row] = sum_d dout[row, d] * out[row, d] (fp32), minus dlse[row] when the gradient reaches lse
+//               (dS = P * (dP - D) + P * dlse: the lse term folds into D; not for rows that saw no key, whose P is 0)
+//               and dq_accum[:, row, :] = 0; padded (the Hopper
 //               backward, flash.h): also lse_log2[row] = lse * log2(e) (+inf for -inf), and for the padding rows of a
 //               sequence's last query block lse_log2 = +inf, D = 0, dq_accum = 0;
 //   convert_dq: dq[row, :] = softmax_scale * sum_split dq_accum[split, row, :] in the input dtype;
@@ -82,11 +84,13 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
         if (!valid) continue;
         if (grp.sub == 0) {
             const i64 at = batch * p.d_batch_stride + head * p.d_head_stride + pad_row;
+            const i64 lse_at = batch * p.lse_batch_stride + head * p.lse_head_stride + q_row;
+            if (p.dlse != nullptr && in_seq && p.lse[lse_at] != -infinity()) dot -= p.dlse[lse_at];
             p.softmax_d[at] = dot;
             if (p.padded) {
                 float lse = infinity();
                 if (in_seq) {
-                    const float raw = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + q_row];
+                    const float raw = p.lse[lse_at];
                     lse = raw == -infinity() ? infinity() : raw * kLog2e;
                 }
                 p.lse_log2[at] = lse;

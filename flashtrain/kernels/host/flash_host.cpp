@@ -19,7 +19,8 @@
 //
 // The tensor arguments, in the order plans index them ("input i"):
 //   forward   q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, bs_cols, alibi_slopes
-//   backward  dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols, alibi_slopes
+//   backward  dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, bs_cols, alibi_slopes, mm_states,
+//             mm_error, mm0..mm3, dlse (in lse's layout)
 // A None argument has address 0.
 //
 // The CUDA driver is reached through dlopen("libcuda.so.1") with the few prototypes it uses declared below, and the
@@ -527,14 +528,24 @@ std::tuple<Tensor, Tensor, Tensor> bwd_kernel(const Tensor& dout, const Tensor& 
                                               double softcap, const OptTensor& alibi_slopes,
                                               const OptTensor& mm_states, const OptTensor& mm_error,
                                               const OptTensor& mm0, const OptTensor& mm1, const OptTensor& mm2,
-                                              const OptTensor& mm3, c10::string_view mask_mod) {
+                                              const OptTensor& mm3, c10::string_view mask_mod,
+                                              const OptTensor& dlse) {
     check_device(q);
+    // dlse (the gradient reaching lse) in lse's own layout: the plan reads it with lse's strides
+    Tensor dlse_like_lse;
+    if (dlse.has_value() && dlse->defined()) {
+        TORCH_CHECK(dlse->sizes() == lse.sizes(), "flash_attn_bwd: dlse has shape ", dlse->sizes(), ", lse ",
+                    lse.sizes());
+        dlse_like_lse = dlse->strides() == lse.strides() && dlse->scalar_type() == at::kFloat
+                            ? *dlse
+                            : at::empty_like(lse).copy_(*dlse);
+    }
     const std::vector<Tensor> inputs = {aligned(dout), aligned(q), aligned(k), aligned(v), aligned(out), lse,
                                         contiguous_or_undefined(cu_seqlens_q), contiguous_or_undefined(cu_seqlens_k),
                                         undefined_if_none(rng_state), undefined_if_none(bs_cols),
                                         undefined_if_none(alibi_slopes), undefined_if_none(mm_states),
                                         undefined_if_none(mm_error), undefined_if_none(mm0), undefined_if_none(mm1),
-                                        undefined_if_none(mm2), undefined_if_none(mm3)};
+                                        undefined_if_none(mm2), undefined_if_none(mm3), dlse_like_lse};
     const int64_t max_q = max_seqlen_q.expect_int(), max_k = max_seqlen_k.expect_int();
     const Key key = call_key(inputs, max_q, max_k, dropout_p, softmax_scale, causal, deterministic, window_left,
                              window_right, softcap, mask_mod);
@@ -608,8 +619,8 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
         ctx->saved_data["window_left"] = o.window_left;
         ctx->saved_data["window_right"] = o.window_right;
         ctx->saved_data["softcap"] = o.softcap;
-        ctx->mark_non_differentiable({lse});
-        ctx->set_materialize_grads(false);  // lse's gradient stays undefined (no zero tensor per call)
+        // lse is differentiable: its gradient folds into the backward's D (flash_aux.cuh, preprocess)
+        ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined (no zero tensor per call)
         return {out, lse};
     }
 
@@ -618,6 +629,7 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
         auto saved = ctx->get_saved_variables();
         const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
         Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);  // only lse was used
+        const OptTensor dlse = grads[1].defined() ? OptTensor(grads[1]) : OptTensor();
         auto& data = ctx->saved_data;
         at::AutoDispatchBelowADInplaceOrView below_autograd;  // no double backward: straight to the kernel
         auto [dq, dk, dv] = bwd_op().call(
@@ -627,7 +639,7 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
             data["window_left"].toInt(), data["window_right"].toInt(), data["softcap"].toDouble(),
             optional_of(saved[9]), optional_of(saved[10]), optional_of(saved[11]), optional_of(saved[12]),
             optional_of(saved[13]), optional_of(saved[14]), optional_of(saved[15]),
-            data["mask_mod"].toStringRef());
+            data["mask_mod"].toStringRef(), dlse);
         return {dq, dk, dv, Tensor()};
     }
 };
@@ -688,7 +700,7 @@ TORCH_LIBRARY(flashtrain, m) {
     m.def("flash_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
           "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, float softmax_scale, "
           "bool causal, Tensor? rng_state, bool deterministic, Tensor? bs_cols=None, int window_left=-1, "
-          "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? mm_states=None, Tensor? mm_error=None, Tensor? mm0=None, Tensor? mm1=None, Tensor? mm2=None, Tensor? mm3=None, str mask_mod=\"\") -> (Tensor, Tensor, Tensor)");
+          "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? mm_states=None, Tensor? mm_error=None, Tensor? mm0=None, Tensor? mm1=None, Tensor? mm2=None, Tensor? mm3=None, str mask_mod=\"\", Tensor? dlse=None) -> (Tensor, Tensor, Tensor)");
     // the plan builders (implemented in Python, ops.py): the flat launch plan of a call
     m.def("_fwd_plan(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
           "int max_seqlen_k, float dropout_p, float softmax_scale, bool causal, Tensor? rng_state, "
