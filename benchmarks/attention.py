@@ -1,6 +1,7 @@
-"""Attention speed and memory: flashtrain's CUDA kernels against PyTorch's scaled_dot_product_attention with each
-backend forced (FLASH_ATTENTION = PyTorch's vendored FlashAttention-2, CUDNN_ATTENTION, EFFICIENT_ATTENTION) and
-naive PyTorch attention, in one process on one GPU.
+"""Attention speed and memory: flashtrain's CUDA kernels against FlashAttention-4 (the flash-attn-4 package, where
+installed: benchmarks/fa4_baseline.py), PyTorch's scaled_dot_product_attention with each backend forced
+(FLASH_ATTENTION = PyTorch's vendored FlashAttention-2, CUDNN_ATTENTION, EFFICIENT_ATTENTION) and naive PyTorch
+attention, in one process on one GPU. Where FA4 is not installed its columns say "not installed".
 
 Setting of the FlashAttention-2/3 papers: bf16, head dim 64 and 128, hidden 2048 (nheads = 2048 / head_dim), seqlen
 512 ... 16K with batch * seqlen = 16K tokens, causal and not. FLOPs: forward 4 * batch * nheads * seqlen^2 * head_dim
@@ -12,6 +13,10 @@ back to back, implementations in turn, the order reversed every other round; on 
 kernels measured 0.88-1.13x of cuDNN from run to run that way, interleaved within 0.3%. Interleaving measures the
 ratios; absolute TFLOP/s run higher than in sustained use of one implementation, as the slower backends' calls
 between them cool the GPU: benchmarks/probes/clock_probe.py measures sustained speed.)
+Sustained speed (--sustained SECONDS, default 5 with --all): training runs one implementation back to back at the
+clocks its own power draw settles at, which interleaving does not show. For the head dim 128 grid rows at S >= 4K,
+flashtrain, FA4 and cuDNN each run forward, then forward+backward, alone for SECONDS (the host keeps 16 calls queued,
+never draining the GPU); TFLOP/s from the median call of the second half, reported beside the interleaved numbers.
 Memory: peak extra memory of one forward + backward (beyond inputs and gradients) at batch 16, 8 heads, head dim 64,
 seqlen 1K ... 64K.
 
@@ -19,7 +24,8 @@ seqlen 1K ... 64K.
     python benchmarks/attention.py --quick              # 2 seqlens, few repeats
     python benchmarks/attention.py --block-sparse --out DIR   # block-sparse scaling: DIR/block_sparse.json/.png
     python benchmarks/attention.py --workloads          # workloads table: results/attention_workloads-<gpu>.json/.png
-    python benchmarks/attention.py --all                # the grid (+ memory), then the workloads table
+    python benchmarks/attention.py --all                # the grid (+ memory, + sustained hd128 rows), then workloads
+    python benchmarks/attention.py --sustained-only     # the sustained hd128 rows only (S 4K, 8K, 16K)
     python benchmarks/attention.py --selftest           # tables and plots on synthetic numbers (CPU, no GPU)
 
 Every run records GPU, torch, CUDA and cuDNN versions, the UTC date and the bf16 matmul rate (8192^3, the ceiling of
@@ -52,6 +58,7 @@ import json
 import math
 import random
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -60,6 +67,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtrain.kernels import block_sparse, flash_attn_func, flash_attn_varlen_func
+import fa4_baseline  # FlashAttention-4 where installed
 from attention_timing import PASSES, keep_best, time_passes_interleaved  # shared with attention_features.py
 from train_gpt2 import time_calls  # the sibling benchmark's timers
 
@@ -67,7 +75,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TOKENS, HIDDEN = 16 * 1024, 2048
 SDPA_BACKENDS = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION}
-IMPLS = ("flashtrain", "fa2", "cudnn", "efficient", "naive")
+IMPLS = ("flashtrain", "fa4", "fa2", "cudnn", "efficient", "naive")
+FLASH_LAYOUT = ("flashtrain", "fa4")  # (batch, seqlen, nheads, head_dim); SDPA and naive: (batch, nheads, ...)
 
 
 def naive_attention(q, k, v, causal):
@@ -87,6 +96,8 @@ def attention_fn(impl: str, causal: bool, dropout_p: float = 0.0, enable_gqa: bo
     flag for k/v with fewer heads than q (flashtrain reads GQA from the shapes)."""
     if impl == "flashtrain":
         return lambda q, k, v: flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, impl="cuda")
+    if impl == "fa4":
+        return fa4_baseline.attention(causal, dropout_p)
     if impl == "naive":
         return lambda q, k, v: naive_attention(q, k, v, causal)
     backend = None if impl == "default" else SDPA_BACKENDS[impl]  # default: what a user gets with no backend chosen
@@ -102,7 +113,7 @@ def attention_fn(impl: str, causal: bool, dropout_p: float = 0.0, enable_gqa: bo
 def make_inputs(impl, batch, seqlen, nheads, head_dim, requires_grad, nheads_kv=None):
     """q, k, v, dout in bf16; k and v carry nheads_kv heads (default nheads), q and dout nheads."""
     def shape(heads):
-        return (batch, seqlen, heads, head_dim) if impl == "flashtrain" else (batch, heads, seqlen, head_dim)
+        return (batch, seqlen, heads, head_dim) if impl in FLASH_LAYOUT else (batch, heads, seqlen, head_dim)
     heads = (nheads, nheads_kv or nheads, nheads_kv or nheads, nheads)
     return [torch.randn(shape(h), device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad) for h in heads]
 
@@ -185,8 +196,9 @@ def ratio(row, impl, other, kind):
     return None if not a or not b else a / b
 
 
-GRID_HEADER = ("TFLOP/s            | fwd: flashtrain fa2 cudnn | ft/fa2 ft/cudnn | bwd: flashtrain fa2 cudnn | "
-               "ft/fa2 ft/cudnn | fwd+bwd: flashtrain fa2 cudnn | ft/fa2 ft/cudnn")
+GRID_SHOWN = ("flashtrain", "fa4", "fa2", "cudnn")  # the columns of the progress lines and the markdown table
+GRID_HEADER = ("TFLOP/s            | fwd: flashtrain fa4 fa2 cudnn | ft/fa4 ft/fa2 ft/cudnn | bwd: ... | ... | "
+               "fwd+bwd: ... | ...")
 
 
 def format_row(row) -> str:
@@ -194,8 +206,8 @@ def format_row(row) -> str:
         return f"{'-':>{width}}" if x is None else f"{x:>{width}.{digits}f}"
     parts = [f"hd{row['hd']:<4}{'causal' if row['causal'] else 'full':<7}S{row['S']:<6}"]
     for kind, _ in PASSES:
-        parts.append(" ".join(cell(row[f"{impl}_{kind}"]) for impl in ("flashtrain", "fa2", "cudnn")))
-        parts.append("".join(cell(ratio(row, "flashtrain", other, kind), 6, 2) for other in ("fa2", "cudnn")))
+        parts.append(" ".join(cell(row[f"{impl}_{kind}"]) for impl in GRID_SHOWN))
+        parts.append("".join(cell(ratio(row, "flashtrain", other, kind), 6, 2) for other in GRID_SHOWN[1:]))
     return " | ".join(parts)
 
 
@@ -251,17 +263,21 @@ def plot(rows, path: Path) -> None:
     fig.savefig(path, dpi=80)
 
 
-def grid_markdown(rows) -> str:
-    """The grid as a markdown table: TFLOP/s of flashtrain, FA2 and cuDNN and flashtrain / cuDNN, per pass."""
-    def cell(x, digits=0):
+def grid_markdown(rows, fa4: str = fa4_baseline.NOT_INSTALLED) -> str:
+    """The grid as a markdown table: TFLOP/s of flashtrain, FA4, FA2 and cuDNN and flashtrain / FA4 and / cuDNN, per
+    pass; fa4: FA4's version ("not installed": its cells say so)."""
+    def cell(x, digits=0, impl=""):
+        if x is None and impl == "fa4" and fa4 == fa4_baseline.NOT_INSTALLED:
+            return fa4
         return "-" if x is None else f"{x:.{digits}f}"
-    head = "| hd | mask | S | B x H |" + "".join(f" {k}: flashtrain | FA2 | cuDNN | ft/cuDNN |" for k, _ in PASSES)
-    lines = [head, "|" + "---|" * (4 + 4 * len(PASSES))]
+    head = "| hd | mask | S | B x H |" + "".join(f" {k}: flashtrain | FA4 | FA2 | cuDNN | ft/FA4 | ft/cuDNN |"
+                                                for k, _ in PASSES)
+    lines = [head, "|" + "---|" * (4 + 6 * len(PASSES))]
     for row in rows:
         cells = [str(row["hd"]), "causal" if row["causal"] else "full", str(row["S"]), f"{row['B']} x {row['H']}"]
         for kind, _ in PASSES:
-            cells += [cell(row[f"{impl}_{kind}"]) for impl in ("flashtrain", "fa2", "cudnn")]
-            cells.append(cell(ratio(row, "flashtrain", "cudnn", kind), 2))
+            cells += [cell(row[f"{impl}_{kind}"], impl=impl) for impl in GRID_SHOWN]
+            cells += [cell(ratio(row, "flashtrain", other, kind), 2, other) for other in ("fa4", "cudnn")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -275,7 +291,9 @@ def matmul_tflops(n: int = 8192, repeats: int = 30) -> float:
 def grid_summary(rows, matmul: float) -> str:
     """The bar's numbers: worst flashtrain / cuDNN and / FA2 per pass; best hd128 full S>=4K forward / matmul rate."""
     parts = []
-    for other in ("cudnn", "fa2"):
+    for other in ("cudnn", "fa4", "fa2"):
+        if not any(ratio(row, "flashtrain", other, kind) for row in rows for kind, _ in PASSES):
+            continue  # (FA4 not installed)
         worst = {kind: min((ratio(row, "flashtrain", other, kind) or 0) for row in rows) for kind, _ in PASSES}
         parts.append(f"worst flashtrain/{other}: " + ", ".join(f"{k} {v:.2f}" for k, v in worst.items()))
     hd128 = [row["flashtrain_fwd"] or 0 for row in rows if row["hd"] == 128 and not row["causal"] and row["S"] >= 4096]
@@ -285,10 +303,92 @@ def grid_summary(rows, matmul: float) -> str:
     return "; ".join(parts)
 
 
+# ---- sustained speed: one implementation back to back ---------------------------------------------------------
+
+SUSTAINED_IMPLS = ("flashtrain", "fa4", "cudnn")
+SUSTAINED_QUEUE = 16  # calls the host keeps queued ahead of the GPU
+
+
+def sustained_ms(call, seconds: float) -> float:
+    """Median ms of the second half of `call`'s calls, run back to back for `seconds` (at least 20 calls) after 3
+    warm-up calls: each between CUDA events; the host waits only for the call SUSTAINED_QUEUE before the newest, so
+    the GPU never idles and its clocks settle where this implementation's own power draw puts them."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    events = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds or len(events) < 20:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        call()
+        end.record()
+        events.append((begin, end))
+        if len(events) > SUSTAINED_QUEUE:
+            events[-SUSTAINED_QUEUE - 1][1].synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(begin.elapsed_time(end) for begin, end in events[len(events) // 2:])
+
+
+def sustained(seqlens, seconds: float) -> list[dict]:
+    """Head dim 128 rows of the grid (full and causal at each seqlen): TFLOP/s of each SUSTAINED_IMPLS, forward and
+    forward+backward, each alone for `seconds`; {impl}_{pass}_sustained and the ratios ft_over_{impl}_{pass}."""
+    rows = []
+    for seqlen in seqlens:
+        batch, nheads = TOKENS // seqlen, HIDDEN // 128
+        for causal in (False, True):
+            fwd_flops = 4 * batch * nheads * seqlen**2 * 128 / (2 if causal else 1)
+            row = {"hd": 128, "S": seqlen, "B": batch, "H": nheads, "causal": causal, "seconds": seconds}
+            for impl in SUSTAINED_IMPLS:
+                fn = attention_fn(impl, causal)
+                q, k, v, dout = make_inputs(impl, batch, seqlen, nheads, 128, requires_grad=True)
+                for kind, factor in (("fwd", 1.0), ("fb", 3.5)):
+                    try:
+                        if kind == "fwd":
+                            with torch.no_grad():
+                                ms = sustained_ms(lambda: fn(q, k, v), seconds)
+                        else:
+                            ms = sustained_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), seconds)
+                        row[f"{impl}_{kind}_sustained"] = round(factor * fwd_flops / ms / 1e9, 1)
+                    except (RuntimeError, ValueError, NotImplementedError) as error:
+                        print(f"  sustained {impl} S{seqlen} causal={causal} {kind}: {type(error).__name__}: "
+                              f"{str(error)[:120]}")
+                        row[f"{impl}_{kind}_sustained"] = None
+                del q, k, v, dout
+                torch.cuda.empty_cache()
+            for other in SUSTAINED_IMPLS[1:]:
+                for kind in ("fwd", "fb"):
+                    ft, them = row["flashtrain_" + kind + "_sustained"], row[f"{other}_{kind}_sustained"]
+                    row[f"ft_over_{other}_{kind}"] = round(ft / them, 3) if ft and them else None
+            rows.append(row)
+            print(f"sustained hd128 {'causal' if causal else 'full'} S{seqlen}: " + "; ".join(
+                f"{kind} " + " ".join(f"{impl} {row[f'{impl}_{kind}_sustained'] or '-'}" for impl in SUSTAINED_IMPLS)
+                for kind in ("fwd", "fb")) + " TFLOP/s", flush=True)
+    return rows
+
+
+def sustained_markdown(rows, fa4: str = fa4_baseline.NOT_INSTALLED) -> str:
+    """TFLOP/s of each implementation alone for the row's seconds, and flashtrain / FA4 and / cuDNN."""
+    def cell(x, impl="", digits=0):
+        if x is None:
+            return fa4 if impl == "fa4" and fa4 == fa4_baseline.NOT_INSTALLED else "-"
+        return f"{x:.{digits}f}"
+    head = "| hd | mask | S | seconds |" + "".join(f" {k}: flashtrain | FA4 | cuDNN | ft/FA4 | ft/cuDNN |"
+                                                  for k in ("fwd", "fwd+bwd"))
+    lines = [head, "|" + "---|" * 14]
+    for row in rows:
+        cells = [str(row["hd"]), "causal" if row["causal"] else "full", str(row["S"]), f"{row['seconds']:g}"]
+        for kind in ("fwd", "fb"):
+            cells += [cell(row[f"{impl}_{kind}_sustained"], impl) for impl in SUSTAINED_IMPLS]
+            cells += [cell(row[f"ft_over_{other}_{kind}"], other, 2) for other in SUSTAINED_IMPLS[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # ---- workloads outside the grid: head dims, GQA, dropout, varlen, GPT-2 small ------------------------------------
 
-WORKLOAD_IMPLS = ("flashtrain", "fa2", "cudnn", "efficient")
-IMPL_NAMES = {"flashtrain": "flashtrain", "fa2": "FA2", "cudnn": "cuDNN", "efficient": "efficient"}
+WORKLOAD_IMPLS = ("flashtrain", "fa4", "fa2", "cudnn", "efficient")
+IMPL_NAMES = {"flashtrain": "flashtrain", "fa4": "FA4", "fa2": "FA2", "cudnn": "cuDNN", "efficient": "efficient"}
 
 
 @dataclass(frozen=True)
@@ -356,7 +456,7 @@ def varlen_case(impl: str, w: Workload):
     """flashtrain: packed (total, nheads, head_dim) with cu_seqlens. SDPA: padded (batch, nheads, max_len, head_dim)
     and a key-padding mask (padded queries still attend to the real keys: the work SDPA would do in a model)."""
     lengths = torch.tensor(w.lengths, device="cuda")
-    if impl == "flashtrain":
+    if impl in FLASH_LAYOUT:
         cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # (batch + 1,), starts at 0
         q, k, v, dout = (torch.randn(sum(w.lengths), w.nheads, w.head_dim, device="cuda", dtype=torch.bfloat16,
                                      requires_grad=True) for _ in range(4))
@@ -364,6 +464,8 @@ def varlen_case(impl: str, w: Workload):
         def fn(q, k, v):
             return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, w.seqlen, w.seqlen,
                                           dropout_p=w.dropout_p, causal=w.causal, impl="cuda")
+        if impl == "fa4":
+            fn = fa4_baseline.varlen_attention(cu_seqlens, w.seqlen, w.causal, w.dropout_p)
         return fn, (q, k, v), dout
     key_padding = torch.arange(w.seqlen, device="cuda") < lengths[:, None]  # (batch, max_len), True = a real key
     fn = attention_fn(impl, w.causal, dropout_p=w.dropout_p, attn_mask=key_padding[:, None, None, :])
@@ -372,8 +474,11 @@ def varlen_case(impl: str, w: Workload):
 
 
 def add_ratios(row: dict) -> None:
-    """Per pass: the fastest SDPA backend that ran it (sdpa_best_{pass}) and flashtrain / it (ratio_{pass})."""
+    """Per pass: the fastest SDPA backend that ran it (sdpa_best_{pass}) and flashtrain / it (ratio_{pass});
+    flashtrain / FA4 (ratio_fa4_{pass}, None where FA4 did not run)."""
     for kind, _ in PASSES:
+        ft, fa4 = row.get(f"flashtrain_{kind}"), row.get(f"fa4_{kind}")
+        row[f"ratio_fa4_{kind}"] = round(ft / fa4, 3) if ft and fa4 else None
         ran = [(row[f"{impl}_{kind}"], impl) for impl in SDPA_BACKENDS if row.get(f"{impl}_{kind}")]
         best_tflops, best = max(ran) if ran else (None, None)
         flashtrain = row.get(f"flashtrain_{kind}")
@@ -415,25 +520,30 @@ def format_workload(row) -> str:
     parts = [f"{row['name']:<28}"]
     for kind in ("fwd", "fb"):
         ratio_text = "-" if row[f"ratio_{kind}"] is None else f"{row[f'ratio_{kind}']:.2f}"
+        fa4_text = "-" if row[f"ratio_fa4_{kind}"] is None else f"{row[f'ratio_fa4_{kind}']:.2f}"
         parts.append(f"{kind} ms " + ", ".join(ms(impl, kind) for impl in WORKLOAD_IMPLS)
-                     + f"; ft/best SDPA {ratio_text} ({row[f'sdpa_best_{kind}'] or '-'})")
+                     + f"; ft/best SDPA {ratio_text} ({row[f'sdpa_best_{kind}'] or '-'}); ft/FA4 {fa4_text}")
     return " | ".join(parts)
 
 
-def workloads_markdown(rows) -> str:
-    """Three lines per workload (fwd, bwd, fwd+bwd); each cell 'ms / TFLOP/s'."""
+def workloads_markdown(rows, fa4: str = fa4_baseline.NOT_INSTALLED) -> str:
+    """Three lines per workload (fwd, bwd, fwd+bwd); each cell 'ms / TFLOP/s'; fa4: FA4's version ("not
+    installed": its cells say so)."""
     head = ("| workload | shape | pass | " + " | ".join(IMPL_NAMES[impl] for impl in WORKLOAD_IMPLS)
-            + " | flashtrain / fastest SDPA |")
-    lines = [head, "|" + "---|" * (4 + len(WORKLOAD_IMPLS))]
+            + " | flashtrain / fastest SDPA | flashtrain / FA4 |")
+    lines = [head, "|" + "---|" * (5 + len(WORKLOAD_IMPLS))]
+    missing = fa4 == fa4_baseline.NOT_INSTALLED
     for row in rows:
         for index, (kind, _) in enumerate(PASSES):
             cells = [row["name"], row["shape"]] if index == 0 else ["", ""]
             cells.append({"fwd": "fwd", "bwd": "bwd", "fb": "fwd+bwd"}[kind])
             for impl in WORKLOAD_IMPLS:
                 ms, tflops = row[f"{impl}_{kind}_ms"], row[f"{impl}_{kind}"]
-                cells.append("-" if ms is None else f"{ms:.3f} / {tflops:.0f}")
+                cells.append((fa4 if impl == "fa4" and missing else "-") if ms is None else f"{ms:.3f} / {tflops:.0f}")
             best = row[f"ratio_{kind}"]
             cells.append("-" if best is None else f"{best:.2f} ({IMPL_NAMES[row[f'sdpa_best_{kind}']]})")
+            vs_fa4 = row[f"ratio_fa4_{kind}"]
+            cells.append((fa4 if missing else "-") if vs_fa4 is None else f"{vs_fa4:.2f}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -548,7 +658,7 @@ def selftest() -> None:
     rows = workloads()
     assert rows[0].fwd_flops() == 4 * 4 * 32 * 4096**2 * 64 / 2
     assert rows[9].fwd_flops() == sum(4 * 16 * L * L * 64 for L in lengths)
-    refused = {("fa2", "varlen"), ("efficient", "GQA"), ("cudnn", "dropout")}  # (impl, workload-name prefix)
+    refused = {("fa2", "varlen"), ("efficient", "GQA"), ("cudnn", "dropout"), ("fa4", "dropout")}  # (impl, prefix)
     workload_rows = []
     for w in rows:
         row = {"name": w.name, "shape": w.shape(), **asdict(w), "fwd_gflop": round(w.fwd_flops() / 1e9, 2)}
@@ -561,6 +671,18 @@ def selftest() -> None:
         workload_rows.append(row)
         print(format_workload(row))
     assert workload_rows[9]["fa2_fwd"] is None and workload_rows[9]["sdpa_best_fwd"] in ("cudnn", "efficient")
+    assert workload_rows[8]["ratio_fa4_fwd"] is None and workload_rows[0]["ratio_fa4_fwd"] > 0
+    steady = []
+    for seqlen, causal in ((4096, False), (16384, True)):
+        row = {"hd": 128, "S": seqlen, "B": TOKENS // seqlen, "H": 16, "causal": causal, "seconds": 5.0}
+        for impl in SUSTAINED_IMPLS:
+            for kind in ("fwd", "fb"):
+                row[f"{impl}_{kind}_sustained"] = None if impl == "fa4" and causal else fake.uniform(400, 600)
+        for other in SUSTAINED_IMPLS[1:]:
+            for kind in ("fwd", "fb"):
+                ft, them = row[f"flashtrain_{kind}_sustained"], row[f"{other}_{kind}_sustained"]
+                row[f"ft_over_{other}_{kind}"] = round(ft / them, 3) if ft and them else None
+        steady.append(row)
     grid_rows = []
     for head_dim, seqlen, causal in ((64, 1024, False), (128, 4096, False), (128, 8192, True)):
         batch, nheads = TOKENS // seqlen, HIDDEN // head_dim
@@ -576,7 +698,10 @@ def selftest() -> None:
         plot_workloads(workload_rows, Path(folder) / "workloads.png", "CPU selftest")
         json.dumps({"rows": grid_rows, "workloads": workload_rows})
     print(grid_summary(grid_rows, 800.0))
-    print(grid_markdown(grid_rows) + "\n\n" + workloads_markdown(workload_rows))
+    no_fa4 = [{key: None if key.startswith("fa4_") else value for key, value in row.items()} for row in grid_rows]
+    assert "not installed" in grid_markdown(no_fa4) and "not installed" not in grid_markdown(grid_rows, "4.0")
+    print(grid_markdown(grid_rows, "4.0") + "\n\n" + workloads_markdown(workload_rows, "4.0") + "\n\n"
+          + sustained_markdown(steady, "4.0") + "\n\n" + sustained_markdown(steady))
 
 
 def run_grid(args, env: dict, out: Path) -> str:
@@ -586,11 +711,13 @@ def run_grid(args, env: dict, out: Path) -> str:
     rows = speed(seqlens, 5 if args.quick else args.repeats, 1 if args.quick else args.rounds,
                  interleave=args.timing == "interleaved")
     mem = [] if args.quick else memory([1024, 2048, 4096, 8192, 16384, 32768, 65536])
+    steady = sustained([S for S in seqlens if S >= 4096], args.sustained) if args.sustained > 0 else []
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"env": env, "rows": rows, "memory": mem}, indent=1))
+    out.write_text(json.dumps({"env": env, "rows": rows, "memory": mem, "sustained": steady}, indent=1))
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out}; {grid_summary(rows, env['bf16_matmul_tflops'])}")
-    return grid_markdown(rows)
+    tables = [grid_markdown(rows, env["fa4"])]
+    return "\n\n".join(tables + ([sustained_markdown(steady, env["fa4"])] if steady else []))
 
 
 def run_workloads(args, env: dict, out: Path) -> str:
@@ -606,7 +733,7 @@ def run_workloads(args, env: dict, out: Path) -> str:
     plot_workloads(rows, out.with_suffix(".png"), env["gpu"])
     below = [row["name"] for row in rows if (row["ratio_fwd"] or 0) < 1.0]
     print(f"wrote {out}; forward below the fastest SDPA backend in {len(below)} of {len(rows)} rows: {below}")
-    return workloads_markdown(rows) + "\n\n" + attention_features.markdown(features)
+    return workloads_markdown(rows, env["fa4"]) + "\n\n" + attention_features.markdown(features, env["fa4"])
 
 
 def main() -> None:
@@ -618,6 +745,9 @@ def main() -> None:
                         help="interleaved: each repeat calls every implementation once (same clocks for all); "
                              "windows: each implementation's repeats back to back, implementations in turn (the "
                              "method of the records before 2026-11-26)")
+    parser.add_argument("--sustained", type=float, default=None,
+                        help="seconds each implementation runs alone per sustained hd128 row (default: 5 with "
+                             "--all and --sustained-only, else 0 = none)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (PNG beside it): of the grid, or with --workloads of the workloads table "
                              "(with --all the workloads file goes beside the grid's); with --block-sparse a directory")
@@ -625,8 +755,11 @@ def main() -> None:
     mode.add_argument("--block-sparse", action="store_true", help="block-sparse scaling against density only")
     mode.add_argument("--workloads", action="store_true", help="the workloads table only")
     mode.add_argument("--all", action="store_true", help="the grid (+ memory), then the workloads table")
+    mode.add_argument("--sustained-only", action="store_true", help="the sustained hd128 rows only (S 4K, 8K, 16K)")
     mode.add_argument("--selftest", action="store_true", help="tables and plots on synthetic numbers, CPU only")
     args = parser.parse_args()
+    if args.sustained is None:
+        args.sustained = 5.0 if args.all or args.sustained_only else 0.0
     if args.selftest:
         selftest()
         return
@@ -634,7 +767,7 @@ def main() -> None:
     env = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "sms": torch.cuda.get_device_properties(0).multi_processor_count, "bf16_matmul_tflops": matmul_tflops(),
-           "timing": args.timing}
+           "timing": args.timing, "fa4": fa4_baseline.version()}
     print(json.dumps(env))
     if args.block_sparse:
         out_dir = args.out or RESULTS
@@ -645,6 +778,13 @@ def main() -> None:
         print(f"wrote {out_dir / 'block_sparse.json'} and .png")
         return
     tag = gpu.replace(" ", "_")
+    if args.sustained_only:
+        out = args.out or RESULTS / f"attention_sustained-{tag}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        steady = sustained([4096, 8192, 16384], args.sustained)
+        out.write_text(json.dumps({"env": env, "sustained": steady}, indent=1))
+        print(f"wrote {out}\n\n{sustained_markdown(steady, env['fa4'])}")
+        return
     grid_out = (None if args.workloads else args.out) or RESULTS / f"attention-{tag}.json"
     workloads_out = (args.out if args.workloads else None) or grid_out.parent / f"attention_workloads-{tag}.json"
     tables = [] if args.workloads else [run_grid(args, env, grid_out)]

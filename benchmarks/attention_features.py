@@ -14,9 +14,12 @@ times three implementations, interleaved (attention_timing.time_passes_interleav
                (FLEX_WIDE_HEAD_TILES: its default tiles run out of shared memory there)
   plain        flashtrain's plain causal attention of the same shape: what a kernel without the feature computes
                (the window's "dense causal" time)
+  fa4          FlashAttention-4 (benchmarks/fa4_baseline.py, where installed) on the rows it offers: the window
+               (window_size), softcap, and the document mask as varlen; "-" on the others, "not installed" when
+               missing
 
 FLOPs count the (query, key) pairs each row computes exactly (4 * pairs * head_dim per head forward; backward 2.5x):
-TFLOP/s compare flashtrain against FlexAttention (>= 1.0 forward and forward+backward), and for the window the time of
+TFLOP/s compare flashtrain against FlexAttention and FA4 (>= 1.0 forward and forward+backward), and for the window the time of
 plain causal attention over the window's (>= 8x at 16K). Work per computed block (target: softcap, ALiBi and the
 window within 10% of plain attention) is time per 128 x 128 tile that holds a visible pair (computed_tiles), the
 feature's against plain causal attention's: vs_plain_block_<pass> = (plain ms / plain tiles) / (ft ms / ft tiles).
@@ -37,9 +40,10 @@ from pathlib import Path
 import torch
 
 from flashtrain.kernels import flash_attn_func, flash_attn_varlen_func
+import fa4_baseline  # FlashAttention-4 where installed (this folder is on sys.path)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-IMPLS = ("flashtrain", "flex", "plain")
+IMPLS = ("flashtrain", "flex", "plain", "fa4")
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,22 @@ def flex_fn(row: FeatureRow, device, compile_flex: bool = True):
     return fn
 
 
+def fa4_fn(row: FeatureRow, device):
+    """fn(q, k, v) of FA4 for the rows it offers (window, softcap, documents as varlen), else one that raises
+    fa4_baseline.Unavailable (the row's FA4 cells stay empty)."""
+    if row.alibi or row.mask_expr or row.head_dim > 256:
+        return fa4_baseline._refusing("FA4 does not offer this row's feature here")
+    if row.documents:
+        doc_len = row.seqlen // row.documents
+        cu = torch.arange(0, row.batch * row.seqlen + 1, doc_len, device=device, dtype=torch.int32)
+        attend = fa4_baseline.varlen_attention(cu, doc_len, causal=True)
+
+        def documents(q, k, v):
+            return attend(*[x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]).view(q.shape)
+        return documents
+    return fa4_baseline.attention(True, window=row.window, softcap=row.softcap)
+
+
 def case(impl: str, row: FeatureRow, device):
     """(fn, (q, k, v), dout) of one implementation."""
     gen = torch.Generator(device).manual_seed(0)
@@ -190,6 +210,8 @@ def case(impl: str, row: FeatureRow, device):
         fn = flashtrain_fn(row, device)
     elif impl == "flex":
         fn = flex_fn(row, device)
+    elif impl == "fa4":
+        fn = fa4_fn(row, device)
     else:
         fn = lambda q, k, v: flash_attn_func(q, k, v, causal=True, impl="cuda")  # noqa: E731
     return fn, (q, k, v), dout
@@ -197,8 +219,9 @@ def case(impl: str, row: FeatureRow, device):
 
 def add_ratios(row: dict, passes, feature: FeatureRow) -> None:
     for kind, _ in passes:
-        ft, flex, plain = (row.get(f"{impl}_{kind}") for impl in IMPLS)
+        ft, flex, plain, fa4 = (row.get(f"{impl}_{kind}") for impl in ("flashtrain", "flex", "plain", "fa4"))
         row[f"vs_flex_{kind}"] = round(ft / flex, 3) if ft and flex else None
+        row[f"vs_fa4_{kind}"] = round(ft / fa4, 3) if ft and fa4 else None
         row[f"vs_plain_tflops_{kind}"] = round(ft / plain, 3) if ft and plain else None  # work per computed block
         ft_ms, plain_ms = row.get(f"flashtrain_{kind}_ms"), row.get(f"plain_{kind}_ms")
         row[f"speedup_over_plain_{kind}"] = round(plain_ms / ft_ms, 2) if ft_ms and plain_ms else None
@@ -229,17 +252,23 @@ def run(repeats: int, rounds: int, only: str | None = None) -> list[dict]:
         out.append(record)
         print(f"{row.name:<34} " + "  ".join(
             f"{kind}: ft {record.get(f'flashtrain_{kind}') or '-'} flex {record.get(f'flex_{kind}') or '-'} "
-            f"plain {record.get(f'plain_{kind}') or '-'} TFLOP/s (x{record[f'vs_flex_{kind}']} flex)"
+            f"plain {record.get(f'plain_{kind}') or '-'} fa4 {record.get(f'fa4_{kind}') or '-'} TFLOP/s "
+            f"(x{record[f'vs_flex_{kind}']} flex, x{record[f'vs_fa4_{kind}']} FA4)"
             for kind in ("fwd", "fb")), flush=True)
     return out
 
 
-def markdown(rows: list[dict]) -> str:
-    lines = ["| row | fwd TFLOP/s ft / flex / plain | fwd+bwd TFLOP/s ft / flex / plain | fwd / flex | fwd+bwd / flex | "
-             "per tile vs plain fwd, fwd+bwd | time plain / ft fwd, fwd+bwd |", "|---|---|---|---|---|---|---|"]
+def markdown(rows: list[dict], fa4: str = fa4_baseline.NOT_INSTALLED) -> str:
+    """One line per row; fa4: FA4's version ("not installed": its cells say so)."""
+    missing = fa4_baseline.NOT_INSTALLED if fa4 == fa4_baseline.NOT_INSTALLED else "-"
+    lines = ["| row | fwd TFLOP/s ft / flex / plain / FA4 | fwd+bwd TFLOP/s ft / flex / plain / FA4 | fwd / flex | "
+             "fwd+bwd / flex | fwd / FA4 | fwd+bwd / FA4 | per tile vs plain fwd, fwd+bwd | time plain / ft fwd, "
+             "fwd+bwd |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cells = [" / ".join(str(r.get(f"{impl}_{kind}") or "-") for impl in IMPLS) for kind in ("fwd", "fb")]
+        cells = [" / ".join(str(r.get(f"{impl}_{kind}") or (missing if impl == "fa4" else "-")) for impl in IMPLS)
+                 for kind in ("fwd", "fb")]
         lines.append(f"| {r['name']} | {cells[0]} | {cells[1]} | {r['vs_flex_fwd'] or '-'} | {r['vs_flex_fb'] or '-'} | "
+                     f"{r.get('vs_fa4_fwd') or missing} | {r.get('vs_fa4_fb') or missing} | "
                      f"{r.get('vs_plain_block_fwd') or '-'}, {r.get('vs_plain_block_fb') or '-'} | "
                      f"{r['speedup_over_plain_fwd'] or '-'}, {r['speedup_over_plain_fb'] or '-'} |")
     return "\n".join(lines)
@@ -294,13 +323,14 @@ def main() -> None:
         return
     gpu = torch.cuda.get_device_name()
     env = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "fa4": fa4_baseline.version()}
     rows = run(args.repeats, args.rounds, args.only)
     out = args.out or RESULTS / f"attention_features-{gpu.replace(' ', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     plot(rows, out.with_suffix(".png"), f"{gpu}, torch {torch.__version__}, {env['date'][:10]}: feature rows, bf16")
-    print(f"wrote {out} (+ .png)\n\n{markdown(rows)}")
+    print(f"wrote {out} (+ .png)\n\n{markdown(rows, env['fa4'])}")
 
 
 if __name__ == "__main__":

@@ -203,6 +203,7 @@ def test_the_feature_benchmark_compares_like_with_like(monkeypatch):
     import sys
 
     path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "attention_features.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # (its sibling modules: fa4_baseline, attention_timing)
     spec = importlib.util.spec_from_file_location("attention_features", path)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # (its dataclass resolves annotations through sys.modules)

@@ -1,0 +1,67 @@
+"""FlashAttention-4 (the `flash-attn-4` package: Dao-AILab's CuTe-DSL kernels, with a Hopper forward and backward) as
+an optional baseline of the attention benchmarks (benchmarks/attention.py, benchmarks/attention_features.py).
+
+It is imported only when present: where it is missing the benchmarks' tables say "not installed" in its column and
+its calls raise Unavailable (which the benchmarks' timers record as a pass that did not run). The GPU machine lacks
+it; ../shared/device/fa4.sh downloads it here and says how to carry it there.
+
+FA4 takes flashtrain's layout, (batch, seqlen, heads, head_dim) or packed (total, heads, head_dim) with cu_seqlens,
+reads GQA from the shapes, and returns (out, lse); these wrappers return out.
+"""
+
+from __future__ import annotations
+
+NOT_INSTALLED = "not installed"
+
+
+class Unavailable(RuntimeError):
+    """FA4 is not installed, or does not offer what the row asks (dropout, ALiBi): raised by the call, so that the
+    benchmarks' timers record a pass that did not run."""
+
+
+def _refusing(reason: str):
+    def fn(*_):
+        raise Unavailable(reason)
+    return fn
+
+
+def version() -> str:
+    """FA4's version, or NOT_INSTALLED."""
+    try:
+        from importlib.metadata import version as package_version
+
+        import flash_attn.cute  # noqa: F401 -- the kernels themselves, not only the metadata
+        return package_version("flash-attn-4")
+    except Exception:  # noqa: BLE001 -- a missing or broken install is "not installed" either way
+        return NOT_INSTALLED
+
+
+def _module():
+    """flash_attn.cute, or None when it cannot be imported."""
+    try:
+        from flash_attn import cute
+    except Exception:  # noqa: BLE001
+        return None
+    return cute
+
+
+def attention(causal: bool, dropout_p: float = 0.0, window: int = -1, softcap: float = 0.0):
+    """fn(q, k, v) -> out: FA4's flash_attn_func, q (batch, seqlen, heads, head_dim), k / v with heads_kv heads.
+    window >= 0: each query sees itself and the `window` keys before it (causal sliding window)."""
+    cute = _module()
+    if cute is None or dropout_p > 0:
+        return _refusing(f"flash-attn-4 {NOT_INSTALLED}" if cute is None else "FA4 has no attention dropout")
+    options = {"causal": causal, "softcap": softcap}
+    if window >= 0:
+        options["window_size"] = (window, 0)
+    return lambda q, k, v: cute.flash_attn_func(q, k, v, **options)[0]
+
+
+def varlen_attention(cu_seqlens, max_seqlen: int, causal: bool, dropout_p: float = 0.0):
+    """fn(q, k, v) -> out on packed (total, heads, head_dim) tensors: FA4's flash_attn_varlen_func."""
+    cute = _module()
+    if cute is None or dropout_p > 0:
+        return _refusing(f"flash-attn-4 {NOT_INSTALLED}" if cute is None else "FA4 has no attention dropout")
+    return lambda q, k, v: cute.flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+        causal=causal)[0]
