@@ -76,7 +76,9 @@ def run_case(name: str, dtype: torch.dtype, rank: int, world: int, device: torch
 
 def errors(world: int, device: torch.device) -> dict[str, str]:
     """The messages of calls ring_attention refuses (before any communication, the same on every rank)."""
-    q = torch.randn(BATCH, SEQLEN // world, 2, 8, device=device)
+    # (bfloat16 on the GPU: the kernels' dtype, so that the refusal tested is the one named)
+    q = torch.randn(BATCH, SEQLEN // world, 2, 8, device=device,
+                    dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     found = {}
     calls = {
         "row-crossing": dict(cu_seqlens=torch.tensor([0, SEQLEN + 3, BATCH * SEQLEN], dtype=torch.int32)),
