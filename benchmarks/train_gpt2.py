@@ -67,17 +67,18 @@ VS_SDPA = ["flashtrain", SDPA_IMPL, *(f"{SDPA_IMPL}-{backend}" for backend in SD
 
 def parse_impl(impl: str) -> tuple[str, str | None, str | None]:
     """(attention: flash | sdpa | the HF name, forced SDPA backend or None, torch.compile mode or None)."""
-    if impl in HF_IMPLS:
-        return impl, None, None
-    rest, mode = impl.removeprefix("flashtrain"), None
+    rest, mode = impl, None
     for suffix, compile_mode in COMPILE_MODES.items():
         if rest.endswith(f"-{suffix}"):
             rest, mode = rest.removesuffix(f"-{suffix}"), compile_mode
+    if rest in HF_IMPLS:
+        return rest, None, mode
+    rest = rest.removeprefix("flashtrain")
     choices = {"": ("flash", None), "-sdpa": ("sdpa", None),
                **{f"-sdpa-{backend}": ("sdpa", backend) for backend in SDPA_BACKENDS}}
     if not impl.startswith("flashtrain") or rest not in choices:
         raise ValueError(f"unknown implementation {impl!r}: flashtrain[-sdpa[-{'|-'.join(SDPA_BACKENDS)}]]"
-                         f"[-{'|-'.join(COMPILE_MODES)}] or {' '.join(HF_IMPLS)}")
+                         f"[-{'|-'.join(COMPILE_MODES)}] or {'|'.join(HF_IMPLS)}[-{'|-'.join(COMPILE_MODES)}]")
     return (*choices[rest], mode)
 
 
@@ -184,38 +185,51 @@ def build_loss_fn(impl: str, shape: tuple[int, int, int], seq_len: int, vocab_si
                                      n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                      bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1)  # GPT-2's: 50256
     with device:
-        model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation=HF_IMPLS[impl])
-    if model.config._attn_implementation != HF_IMPLS[impl]:
-        raise RuntimeError(f"transformers picked attn_implementation={model.config._attn_implementation!r}, "
-                           f"not {HF_IMPLS[impl]!r}")
+        model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation=HF_IMPLS[attn])
+    return model, hf_loss_fn(model, HF_IMPLS[attn], mode)
 
-    def loss_fn(x, y):  # the same float32 cross-entropy as flashtrain's GPT2 computes
-        logits = model(input_ids=x).logits  # (B, T, vocab)
+
+def hf_loss_fn(model, attn_implementation: str, mode: str | None):
+    """loss_fn(x, y) of a transformers causal LM (torch.compile'd with `mode` unless None): the same float32
+    cross-entropy over the full logits as flashtrain's models compute."""
+    if model.config._attn_implementation != attn_implementation:
+        raise RuntimeError(f"transformers picked attn_implementation={model.config._attn_implementation!r}, "
+                           f"not {attn_implementation!r}")
+    step_model = torch.compile(model, mode=mode) if mode is not None else model
+
+    def loss_fn(x, y):
+        logits = step_model(input_ids=x).logits  # (B, T, vocab)
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-    return model, loss_fn
+    return loss_fn
 
 
 def check_flash_kernel(shape: tuple[int, int, int], seq_len: int, device: torch.device) -> str:
     """Which attention flashtrain's GPT2 runs here; on CUDA, insist on the CUDA kernel (never the slow reference)."""
     if device.type != "cuda":
         return "reference (CPU)"
-    _, n_embd, n_head = shape
+    n_embd, n_head = shape[1], shape[2]
     q, k, v = (torch.randn(1, seq_len, n_head, n_embd // n_head, device=device, dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     flash_attn_func(q, k, v, causal=True, impl="cuda").sum().backward()  # raises with the reason if it cannot run
     return "cuda kernel"
 
 
+def gpt2_flops_per_token(model, shape, seq_len: int) -> float:
+    """The position table is a lookup (the same name in both libraries); the tied LM head a matmul."""
+    return training_flops_per_token(model, [model.transformer.wpe], shape[0], shape[1], seq_len)
+
+
 def prepare(impl: str, shape, seq_len: int, micro_batch: int, vocab_size: int, device: torch.device,
-            warmup: int, chunked_loss: bool = False) -> tuple:
+            warmup: int, chunked_loss: bool = False, build=None, flops=gpt2_flops_per_token) -> tuple:
     """One implementation's training step, warmed up: (train_step, its row's fields so far). The peak memory is what
     its warm-up steps allocated beyond what was allocated before it was built (other implementations' models stay
-    in memory while the steps are interleaved)."""
+    in memory while the steps are interleaved). build (default build_loss_fn) and flops(model, shape, seq_len): the
+    model family's (benchmarks/train_llama.py passes its own)."""
     torch.manual_seed(0)
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model, loss_fn = build_loss_fn(impl, shape, seq_len, vocab_size, device, chunked_loss)
+    model, loss_fn = (build or build_loss_fn)(impl, shape, seq_len, vocab_size, device, chunked_loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=device.type == "cuda")
     tokens = torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=device)
@@ -238,8 +252,7 @@ def prepare(impl: str, shape, seq_len: int, micro_batch: int, vocab_size: int, d
     return train_step, {
         "peak_mem_gib": (torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None,
         "n_params": n_params,
-        # the position table is a lookup (the same name in both libraries); the tied LM head a matmul
-        "flops_per_token": training_flops_per_token(model, [model.transformer.wpe], shape[0], shape[1], seq_len),
+        "flops_per_token": flops(model, shape, seq_len),
         "warnings": sorted({str(w.message) for w in caught}),
     }
 
@@ -255,19 +268,20 @@ def time_steps(steps_of: dict, device: torch.device, steps: int, interleave: boo
 
 
 def run_config(impls, model_name, seq_len, micro_batch, vocab_size, device, warmup, steps, interleave,
-               chunked_loss: bool = False) -> list:
+               chunked_loss: bool = False, shapes=None, **family) -> list:
     """Rows of every implementation for one (model, context): each built and warmed up (its failure, an
     out-of-memory too, reported in its row), then the timed steps, on a GPU interleaved (train_gpt2.time_interleaved:
-    every implementation under the same clocks) unless interleave is False (each one's steps back to back)."""
+    every implementation under the same clocks) unless interleave is False (each one's steps back to back).
+    shapes (default MODEL_SHAPES) and family (prepare's build / flops): another model family's."""
     rows, steps_of = {}, {}
-    shape = MODEL_SHAPES[model_name]
+    shape = (shapes or MODEL_SHAPES)[model_name]
     for impl in impls:
         row = rows[impl] = {"model": model_name, "seq_len": seq_len, "micro_batch": micro_batch, "impl": impl}
         try:
             if impl.startswith("flashtrain") and parse_impl(impl)[0] == "flash":
                 row["attention"] = check_flash_kernel(shape, seq_len, device)
             steps_of[impl], fields = prepare(impl, shape, seq_len, micro_batch, vocab_size, device, warmup,
-                                             chunked_loss)
+                                             chunked_loss, **family)
             row.update(status="ok", **fields)
         except torch.OutOfMemoryError:
             row["status"] = "OOM"

@@ -1,7 +1,8 @@
-"""Generate text from a GPT-2 run: `python -m flashtrain.generate RUN_OR_CHECKPOINT --prompt "def "`.
+"""Generate text from a language-model run (GPT-2, the Llama-style model: any model that defines generate()):
+`python -m flashtrain.generate RUN_OR_CHECKPOINT --prompt "def "`.
 
 The prompt is read once; each new token attends to the KV cache of the tokens before it through flashtrain's attention
-(query length 1, causal aligned to the bottom-right corner: GPT2.generate with use_cache). Tokens are printed as they
+(query length 1, causal aligned to the bottom-right corner: the model's generate with use_cache). Tokens are printed as they
 come; the throughput goes to stderr at the end. On a GPU the model runs in bf16 (the CUDA kernel needs fp16 / bf16);
 on a CPU in fp32, through the model config's attn_impl (flash: the plain-PyTorch reference there). The checkpoint is
 verified as `resume` verifies it (`flashtrain.export.load_run`): a run directory gives its newest intact checkpoint, a
@@ -17,7 +18,7 @@ import time
 import torch
 
 from flashtrain.export import MAX_NEW_TOKENS, load_run
-from flashtrain.models.gpt2 import GPT2, SAMPLING
+from flashtrain.models.gpt2 import SAMPLING
 from flashtrain.train.checkpoint import DamagedCheckpointError
 
 
@@ -60,8 +61,8 @@ def main(argv: list[str] | None = None) -> None:
         run = load_run(args.run, attn_impl=args.attn_impl)
     except DamagedCheckpointError as error:
         raise SystemExit(f"python -m flashtrain.generate: {error}") from None
-    if not isinstance(run.model, GPT2):
-        raise SystemExit(f"{args.run}: a {type(run.model).__name__} run; generation needs a GPT-2 run")
+    if not callable(getattr(run.model, "generate", None)):  # (the model protocol: generate is optional)
+        raise SystemExit(f"{args.run}: a {type(run.model).__name__} run; its model defines no generate()")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = run.model.to(device=device, dtype=dtype)

@@ -22,16 +22,16 @@ from hydra_config import CONF, compose_config
 MODELS = sorted(path.stem for path in (CONF / "model").glob("*.yaml"))
 DATA = sorted(path.stem for path in (CONF / "data").glob("*.yaml"))
 # the pairs that pass the check before the data is prepared
-FITS = {(model, data) for model in ("gpt2-tiny", "gpt2-small", "gpt2-medium") for data in ("stdlib", "python-site")} | {
+DECODERS = ("gpt2-tiny", "gpt2-small", "gpt2-medium", "llama-tiny", "llama-125m", "llama-350m")
+FITS = {(model, data) for model in DECODERS for data in ("stdlib", "python-site")} | {
     ("lra-image", "lra-image"), ("lra-listops", "listops"), ("lra-path64", "pathfinder32"),
     ("lra-path64", "pathfinder64"), ("lra-pathfinder32", "pathfinder32"), ("lra-retrieval", "lra-retrieval"),
     ("lra-text", "lra-text")}
 # data whose preview loads a tokenizer from the Hugging Face Hub (its cache, offline)
 HUB_TOKENIZER_DATA = {"ecthr", "mimic-top50", "openwebtext", "wikipedia-mlm"}
 # the pairs of those that pass the check once the tokenizer loads
-FITS_WITH_THE_TOKENIZER = {("gpt2-tiny", "openwebtext"), ("gpt2-small", "openwebtext"), ("gpt2-medium", "openwebtext"),
-                           ("bert-large", "wikipedia-mlm"), ("roberta-base", "ecthr"),
-                           ("roberta-base", "mimic-top50")}
+FITS_WITH_THE_TOKENIZER = {(model, "openwebtext") for model in DECODERS} | {
+    ("bert-large", "wikipedia-mlm"), ("roberta-base", "ecthr"), ("roberta-base", "mimic-top50")}
 
 
 def test_the_lists_are_the_files():

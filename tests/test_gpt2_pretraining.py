@@ -169,6 +169,7 @@ def test_benchmark_implementation_names():
     assert parse("flashtrain-sdpa-cudnn-compile") == ("sdpa", "cudnn", "default")
     assert parse("flashtrain-sdpa-fa2-reduce-overhead") == ("sdpa", "fa2", "reduce-overhead")
     assert parse("hf-sdpa") == ("hf-sdpa", None, None)
+    assert parse("hf-eager-compile") == ("hf-eager", None, "default")
     for bad in ("flashtrain-sdpa-efficient", "flashtrain-cudnn", "sdpa", "flashtrain-compile-sdpa"):
         with pytest.raises(ValueError, match="unknown implementation"):
             parse(bad)

@@ -297,6 +297,23 @@ def collate_documents(samples: list[tuple[Tensor, Tensor]], eos_id: int, documen
     return batch
 
 
+def shard_lm_batch(batch, positions: Tensor) -> dict[str, Tensor]:
+    """One context-parallel process's part of a batch (parallel.context > 1, flashtrain.parallel.context): the
+    sequence positions `positions` ((T / N,) int64, the global positions the process holds in its local order) of
+    input_ids, targets and position_ids, as the dict of the model's keyword arguments. The position ids are those
+    positions, or the document-reset ones there (data.reset_positions); cu_seqlens (data.document_mask) stays that of
+    the full sequences, for ring attention's document masks. (x, y) batches become dicts."""
+    if not isinstance(batch, dict):
+        batch = {"input_ids": batch[0], "targets": batch[1]}
+    B = batch["input_ids"].shape[0]
+    shard = {key: value[:, positions] for key, value in batch.items() if key != "cu_seqlens"}  # each (B, T / N)
+    if "position_ids" not in shard:
+        shard["position_ids"] = positions.expand(B, -1).contiguous()
+    if "cu_seqlens" in batch:
+        shard["cu_seqlens"] = batch["cu_seqlens"]
+    return shard
+
+
 def make_train_loader(data: LMData, batch_size: int, rank: int = 0, world_size: int = 1, start_batch: int = 0,
                       num_workers: int = 0, accum_steps: int = 1, collate_fn=None) -> DataLoader:
     """Endless (x, y) batches of (batch_size, seq_len) int64 from the train split, for this rank, starting after

@@ -1,4 +1,8 @@
-"""Which samples each process reads, in which order: endless resumable training batches, fixed evaluation batches."""
+"""Which samples each process reads, in which order: endless resumable training batches, fixed evaluation batches.
+
+`rank` and `world_size` are data-parallel ones: with context parallelism (parallel.context=N) the N processes of a
+group share each sequence, so they are given the group's rank among W / N groups and read the same samples.
+"""
 
 from __future__ import annotations
 

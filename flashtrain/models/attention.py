@@ -31,6 +31,7 @@ from torch import Tensor
 from flashtrain.kernels import flash_attn_func, flash_attn_varlen_func
 from flashtrain.kernels.interface import features_unavailable_reason
 from flashtrain.kernels.reference import BLOCK_SPARSE_SIZE
+from flashtrain.parallel.context import active_context
 
 ATTN_IMPLS = ("flash", "sdpa", "reference", "auto")
 # what runs a call: our CUDA kernel, our reference, or PyTorch's SDPA
@@ -112,6 +113,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_impl: str, *, causal: bool =
     flash_attn_func's (sliding-window attention, logit softcapping; sdpa: the window as a mask, no softcap).
     -> the output in q's layout."""
     features = attention_features(window_size, softcap, causal)
+    if (context := active_context()) is not None:  # parallel.context > 1: ring attention over the processes that share
+        # each sequence (flashtrain.parallel.context); the run's device and compute dtype decide what computes it
+        chosen, reason = backend(attn_impl, context.device, context.dtype, q.shape[-1])
+        if chosen == SDPA:
+            raise ValueError(f"parallel.context={context.size}: model.attn_impl={attn_impl} runs PyTorch SDPA here"
+                             + (f" ({reason})" if reason else "") + "; ring attention merges flashtrain's attention "
+                             "of each block of keys by its log-sum-exp: use model.attn_impl=flash or reference")
+        return context.attention(q, k, v, impl="cuda" if chosen == KERNEL else "reference", causal=causal,
+                                 dropout_p=dropout_p, cu_seqlens=cu_seqlens, key_padding_mask=key_padding_mask,
+                                 block_mask=block_mask, features=features)
     chosen, _ = backend(attn_impl, q.device, q.dtype, q.shape[-1], block_mask is not None, features)
     options = {"window_size": tuple(window_size), "softcap": softcap} if features else {}
     if chosen != SDPA:

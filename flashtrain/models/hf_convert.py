@@ -1,16 +1,20 @@
-"""Hugging Face conversion for GPT-2, BERT and RoBERTa: configs, and state-dict adapters in both directions.
+"""Hugging Face conversion for GPT-2, BERT, RoBERTa and Llama: configs, and state-dict adapters in both directions.
 
 One adapter per model class (`HFAdapter`, registered with `register_hf_adapter`): its config from and to an HF config,
 its state dict from HF names and back, the transformers Auto class of its counterpart. Three functions use them for
 every model: `load_hf_state_dict(model, state_dict)`, `to_hf_state_dict(model)` and
 `from_pretrained_hf(model_class, hf_model)` (a copy of a transformers model: config, weights, dtype, device);
 flashtrain.export uses them to write a run as a transformers model directory. The registry and those functions are
-flashtrain.models.hf_adapters (which imports no model); this module registers the adapters of GPT-2 and BERT/RoBERTa.
+flashtrain.models.hf_adapters (which imports no model); this module registers the adapters of GPT-2, BERT/RoBERTa and
+Llama.
 
 GPT-2: HF stores its projections as Conv1D with weight (in, out); ours are nn.Linear with weight (out, in), so a
 conversion is four transposes per block. BERT/RoBERTa: HF's separate query, key and value projections are our fused
 qkv; the heads keep HF's layout (BERT's pooler + classifier, RoBERTa's classification head on <s>, the MLM decoder
 tied to the word embeddings).
+Llama: our parameter names are LlamaForCausalLM's; the conversion is the tied head and the config, RoPE's scaling
+included (transformers' rope_parameters). A model with sliding windows becomes a MinistralForCausalLM (Llama's layers
+with a window on the layers its layer_types say); Mistral and Ministral checkpoints load too.
 """
 
 import re
@@ -21,6 +25,8 @@ from torch import Tensor
 from flashtrain.models.bert import (FLAVORS, BertConfig, BertForMaskedLM, BertForSequenceClassification,
                                     BertModel)
 from flashtrain.models.gpt2 import GPT2, GPT2Config
+from flashtrain.models.llama import Llama, LlamaConfig
+from flashtrain.models.rope import RopeScaling, ntk_theta
 # the registry and the functions over it, here too for the callers that import them from this module
 from flashtrain.models.hf_adapters import (HFAdapter, from_pretrained_hf, has_hf_adapter, hf_adapter,  # noqa: F401
                                            load_hf_state_dict, register_hf_adapter, to_hf_state_dict)
@@ -286,6 +292,110 @@ def _bert_classifier_to_hf(state_dict: dict[str, Tensor], config: BertConfig) ->
     return _encoder_to_hf(state_dict, prefix=config.flavor + ".")  # the head keeps HF's names (classifier.*)
 
 
+# ---- Llama -------------------------------------------------------------------------------------------------------
+
+# RoPE scaling types whose transformers rope_parameters are RopeScaling's fields of the same names (ntk has no static
+# type in transformers: it is written as plain RoPE of its scaled theta, the same frequencies)
+_ROPE_FIELDS = {"linear": ("factor",),
+                "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                         "mscale", "mscale_all_dim", "truncate"),
+                "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
+_LLAMA_MODEL_TYPES = ("llama", "mistral", "ministral")  # Llama's layers; Mistral's and Ministral's with windows
+
+
+def rope_to_hf(config: LlamaConfig) -> dict:
+    """transformers' rope_parameters of config's RoPE (rope_type, rope_theta and the scaling's fields)."""
+    scaling = config.rope_scaling
+    if scaling.type == "default":
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    if scaling.type == "ntk":
+        return {"rope_type": "default", "rope_theta": ntk_theta(config.rope_theta, scaling.factor, config.head_dim)}
+    fields = {name: getattr(scaling, name) for name in _ROPE_FIELDS[scaling.type]}
+    return {"rope_type": scaling.type, "rope_theta": config.rope_theta,
+            **{name: value for name, value in fields.items() if value is not None}}
+
+
+def rope_from_hf(hf_config) -> tuple[float, RopeScaling]:
+    """(rope_theta, rope_scaling) of a transformers config's rope_parameters; ValueError for what flashtrain's RoPE
+    lacks (dynamic, longrope, partial rotation)."""
+    parameters = dict(hf_config.rope_parameters)
+    legacy_type = parameters.pop("type", "default")  # transformers' older name of rope_type
+    rope_type = parameters.pop("rope_type", legacy_type)
+    theta = parameters.pop("rope_theta")
+    if rope_type == "default" and not parameters:
+        return theta, RopeScaling()
+    if rope_type not in _ROPE_FIELDS or set(parameters) - set(_ROPE_FIELDS[rope_type]):
+        raise ValueError(f"hf_config.rope_parameters {hf_config.rope_parameters}: flashtrain's RoPE takes the types "
+                         f"default, {', '.join(_ROPE_FIELDS)} with their fields (flashtrain.models.rope), over the "
+                         f"whole head")
+    if parameters.get("factor") is None:  # transformers' yarn: the ratio of the two lengths
+        parameters["factor"] = hf_config.max_position_embeddings / parameters["original_max_position_embeddings"]
+    return theta, RopeScaling(type=rope_type, **parameters)
+
+
+def llama_config_from_hf(hf_config, attn_impl: str = "flash") -> LlamaConfig:
+    """A LlamaConfig from a transformers Llama, Mistral or Ministral config; ValueError for options this model lacks."""
+    if hf_config.model_type not in _LLAMA_MODEL_TYPES:
+        raise ValueError(f"hf_config.model_type must be one of {_LLAMA_MODEL_TYPES}, got {hf_config.model_type!r}")
+    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    unsupported = {"hidden_act": (hf_config.hidden_act, "silu"), "attention_dropout": (hf_config.attention_dropout, 0),
+                   "head_dim": (hf_config.head_dim or head_dim, head_dim)}  # None: Ministral's way to say the same
+    if hf_config.model_type == "llama":  # Mistral's and Ministral's layers have no such options
+        unsupported |= {"attention_bias": (hf_config.attention_bias, False), "mlp_bias": (hf_config.mlp_bias, False),
+                        "pretraining_tp": (hf_config.pretraining_tp, 1)}
+    for name, (value, supported) in unsupported.items():
+        if value != supported:
+            raise ValueError(f"hf_config.{name}={value!r}: flashtrain's Llama has {name}={supported!r}")
+    attn_window, window_layers = -1, None
+    if hf_config.model_type != "llama" and hf_config.sliding_window is not None:
+        # transformers' window of W tokens holds the query and the W - 1 before it
+        kinds = hf_config.layer_types if hf_config.model_type == "ministral" else \
+            ["sliding_attention"] * hf_config.num_hidden_layers
+        windowed = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+        if windowed:
+            attn_window = hf_config.sliding_window - 1
+            window_layers = None if len(windowed) == hf_config.num_hidden_layers else windowed
+    theta, scaling = rope_from_hf(hf_config)
+    return LlamaConfig(vocab_size=hf_config.vocab_size, n_positions=hf_config.max_position_embeddings,
+                       n_embd=hf_config.hidden_size, n_layer=hf_config.num_hidden_layers,
+                       n_head=hf_config.num_attention_heads, n_kv_head=hf_config.num_key_value_heads,
+                       intermediate_size=hf_config.intermediate_size, rope_theta=theta, rope_scaling=scaling,
+                       norm_eps=hf_config.rms_norm_eps, tie_embeddings=hf_config.tie_word_embeddings,
+                       attn_window=attn_window, window_layers=window_layers, attn_impl=attn_impl)
+
+
+def llama_config_to_hf(config: LlamaConfig, eos_token_id: int | None = None):
+    """The transformers config of the same model: a LlamaConfig, or with sliding windows a MinistralConfig (its
+    layer_types mark the windowed layers); eos_token_id also serves as bos_token_id, as in GPT-2."""
+    import transformers
+
+    common = dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.intermediate_size,
+                  num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+                  num_key_value_heads=config.n_kv_head, head_dim=config.head_dim, hidden_act="silu",
+                  max_position_embeddings=config.n_positions, rms_norm_eps=config.norm_eps,
+                  tie_word_embeddings=config.tie_embeddings, rope_parameters=rope_to_hf(config),
+                  attention_dropout=0.0, bos_token_id=eos_token_id, eos_token_id=eos_token_id)
+    windows = config.layer_windows()
+    if max(windows) < 0:
+        return transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+    return transformers.MinistralConfig(**common, sliding_window=config.attn_window + 1,
+                                        layer_types=["full_attention" if window < 0 else "sliding_attention"
+                                                     for window in windows])
+
+
+def _llama_from_hf(state_dict: dict[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
+    """The names are ours; older checkpoints' rotary frequencies dropped (the config defines them). A tied head may
+    come under both names (equal: the tie checks it on loading, flashtrain.models.tying)."""
+    return {key: value for key, value in state_dict.items() if not key.endswith(".rotary_emb.inv_freq")}
+
+
+def _llama_to_hf(state_dict: dict[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
+    """transformers keeps a tied head under both names; ours keeps it once, as model.embed_tokens."""
+    if not config.tie_embeddings:
+        return dict(state_dict)
+    return {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
+
+
 # ---- the adapters ------------------------------------------------------------------------------------------------
 
 register_hf_adapter(GPT2, HFAdapter(
@@ -304,3 +414,7 @@ register_hf_adapter(BertForMaskedLM, HFAdapter(
 register_hf_adapter(BertForSequenceClassification, HFAdapter(
     "AutoModelForSequenceClassification", from_hf=_bert_classifier_from_hf, to_hf=_bert_classifier_to_hf,
     **_BERT_CONFIGS))
+register_hf_adapter(Llama, HFAdapter(
+    "AutoModelForCausalLM", llama_config_from_hf,
+    lambda config, tokenizer: llama_config_to_hf(config, eos_token_id=tokenizer.eos_token_id),
+    _llama_from_hf, _llama_to_hf, max_length=lambda config: config.n_positions))

@@ -32,6 +32,7 @@ from flashtrain.data.task import model_data_misfit
 from flashtrain.models.attention_variants import VARIANTS as ATTENTION_VARIANTS
 from flashtrain.models.bert import BertConfig
 from flashtrain.models.gpt2 import GPT2Config
+from flashtrain.models.llama import LlamaConfig
 from flashtrain.models.lra import LRAConfig
 
 PRECISIONS = ("auto", "no", "bf16", "fp16")
@@ -194,6 +195,18 @@ class LoggerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # context parallelism: each sequence split over this many processes, attention as ring attention between them
+    # (flashtrain/parallel/context.py). The W processes form (W / context) data-parallel groups of `context` processes;
+    # it must divide W, and data.seq_len must be a multiple of 2 x context (the zigzag layout). 1: none
+    context: int = 1
+
+    def __post_init__(self) -> None:
+        if self.context < 1:
+            raise ValueError(f"parallel.context must be >= 1 (1: no context parallelism), got {self.context}")
+
+
+@dataclass
 class FlashtrainConfig:
     name: str = MISSING  # run name; defaults to the recipe's name. Runs land in runs/<name>/<time>/
     seed: int = 1234  # seeds model init, dropout and the data order
@@ -207,6 +220,7 @@ class FlashtrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how the processes split the work
 
     def __post_init__(self) -> None:
         if self.init_position_extension not in ("repeat", "interpolate"):
@@ -317,6 +331,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="flashtrain_schema", node=FlashtrainConfig)
     cs.store(group="model", name="gpt2_schema", node=GPT2Config)
+    cs.store(group="model", name="llama_schema", node=LlamaConfig)
     cs.store(group="model", name="lra_schema", node=LRAConfig)
     cs.store(group="model", name="bert_schema", node=BertConfig)
     for name, schema in ATTENTION_VARIANTS.items():  # LRAConfig.attention: model/attention=NAME

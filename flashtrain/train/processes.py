@@ -132,8 +132,10 @@ def processes_asked() -> tuple[int, str] | None:
     return None
 
 
-def describe_processes(accelerator: Accelerator) -> str:
-    """The run header's words for how the processes run, e.g. "2 (DDP over gloo, cpu)"."""
+def describe_processes(accelerator: Accelerator, context: int = 1) -> str:
+    """The run header's words for how the processes run, e.g. "2 (DDP over gloo, cpu)", or with context parallelism
+    (parallel.context=`context`, when it divides the processes) "4 (DDP over gloo, cpu; context parallel 2 x data
+    parallel 2)"."""
     n = accelerator.num_processes
     if accelerator.distributed_type == DistributedType.NO:
         return f"1 ({accelerator.device})"
@@ -146,13 +148,14 @@ def describe_processes(accelerator: Accelerator) -> str:
         kind = f"FSDP{plugin.fsdp_version} {sharding}, {plugin.state_dict_type.name.lower()} checkpoints"
     else:
         kind = "DDP"
-    return f"{n} ({kind} over {backend}, {accelerator.device.type})"
+    mesh = f"; context parallel {context} x data parallel {n // context}" if context > 1 and n % context == 0 else ""
+    return f"{n} ({kind} over {backend}, {accelerator.device.type}{mesh})"
 
 
-def process_header(accelerator: Accelerator) -> tuple[str, str | None]:
+def process_header(accelerator: Accelerator, context: int = 1) -> tuple[str, str | None]:
     """(the run header's first line, e.g. "processes: 2 (DDP over gloo, cpu)"; why the run must stop, or None). The
-    run stops when fewer processes started than the launch asked for."""
-    line = f"processes: {describe_processes(accelerator)}"
+    run stops when fewer processes started than the launch asked for. context: parallel.context."""
+    line = f"processes: {describe_processes(accelerator, context)}"
     asked = processes_asked()
     if asked is None or asked[0] == accelerator.num_processes:
         return line, None
@@ -225,20 +228,23 @@ def fsdp_precision_policy(fsdp_version: int):
     return MixedPrecision()
 
 
-def accumulation_steps(global_batch_size: int | None, micro_batch_size: int, processes: int) -> int:
+def accumulation_steps(global_batch_size: int | None, micro_batch_size: int, processes: int,
+                       unit: str = "process(es)") -> int:
     """Micro-batches per process and optimizer step: global_batch_size / (micro_batch_size x processes); 1 when
-    global_batch_size is None. Raises ValueError naming the settings, and the micro-batch sizes that fit, when it is
-    not a whole number."""
+    global_batch_size is None. `processes` are those that read different samples (with parallel.context: the
+    data-parallel groups, `unit` names them). Raises ValueError naming the settings, and the micro-batch sizes that
+    fit, when it is not a whole number."""
     if global_batch_size is None:
         return 1
     per_micro_step = micro_batch_size * processes
     if global_batch_size % per_micro_step == 0:
         return global_batch_size // per_micro_step
     fitting = [m for m in range(1, global_batch_size // processes + 1) if global_batch_size % (m * processes) == 0]
-    hint = (f"micro-batch sizes that fit {processes} process(es): {', '.join(map(str, fitting[-6:]))}" if fitting else
-            f"no micro-batch size fits: {global_batch_size} is not a multiple of {processes} processes")
+    hint = (f"micro-batch sizes that fit {processes} {unit}: {', '.join(map(str, fitting[-6:]))}" if fitting else
+            f"no micro-batch size fits: {global_batch_size} is not a multiple of {processes} "
+            f"{unit.replace('(es)', 'es').replace('(s)', 's')}")
     raise ValueError(f"trainer.global_batch_size={global_batch_size} is not a whole number of micro-batches: "
-                     f"trainer.micro_batch_size={micro_batch_size} x {processes} process(es) = {per_micro_step} "
+                     f"trainer.micro_batch_size={micro_batch_size} x {processes} {unit} = {per_micro_step} "
                      f"sequences per micro-step does not divide it ({hint})")
 
 

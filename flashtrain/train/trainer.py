@@ -6,7 +6,9 @@ intervals, then `finish` (the task's other splits, the sample, the plots). One o
 trainer.global_batch_size samples: micro-batches of trainer.micro_batch_size on every process, as many per process as
 it takes (flashtrain/train/processes.py); its loss is the mean over every loss term (token, sample) of those samples.
 Under several processes (DDP or FSDP through Accelerate) only the main process writes logs, plots and checkpoint
-metadata; metrics are reduced over all processes.
+metadata; metrics are reduced over all processes. With parallel.context=N each sequence is split over N processes
+(flashtrain/parallel/context.py): the samples are dealt to the W / N data-parallel groups, each process keeps its share
+of every sequence, and its forward and backward passes run with the context active (attention as ring attention).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from accelerate.utils import DistributedType, ProjectConfiguration, broadcast_ob
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
+from flashtrain.data.lm import shard_lm_batch
 from flashtrain.data.task import Task, check_model_fits, check_model_fits_before_preparing
 from flashtrain.models.padding import Unpadding
+from flashtrain.parallel.context import ContextParallel, build_context_parallel
 from flashtrain.train import activation_checkpoint
 from flashtrain.train.checkpoint import (MODEL_FILES, TrainState, accelerate_warnings_only, check_writable,
                                         checkpoint_format, config_differences, config_fingerprint,
@@ -49,6 +53,7 @@ from flashtrain.train.processes import (accumulation_steps, build_accelerator, l
 COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TENSORBOARD_DIR = "tensorboard"  # RUN_DIR/tensorboard/<logger.project>/: the tensorboard tracker's event files
 TRACKER_PACKAGES = {"wandb": "pip install wandb", "tensorboard": "pip install tensorboard (or tensorboardX)"}
+CONTEXT_HOST_KEYS = ("cu_seqlens",)  # batch keys that stay on the host under context parallelism (ring attention's)
 
 
 @dataclass
@@ -77,28 +82,40 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def to_device(batch, device: torch.device):
-    """Move a batch (tensor, Unpadding, tuple/list or dict of them) to `device`."""
+def to_device(batch, device: torch.device, host_keys: tuple[str, ...] = ()):
+    """Move a batch (tensor, Unpadding, tuple/list or dict of them) to `device`; a dict's `host_keys` stay where they
+    are (context parallelism: ring attention reads cu_seqlens on the host)."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, Unpadding):
         return batch.to(device)
     if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
+        return {k: v if k in host_keys else to_device(v, device) for k, v in batch.items()}
     return type(batch)(to_device(v, device) for v in batch)
 
 
+def context_batch(batch, context: ContextParallel | None):
+    """This process's share of a host batch under context parallelism (its positions of every sequence:
+    flashtrain.data.lm.shard_lm_batch); the batch itself without."""
+    return batch if context is None else shard_lm_batch(batch, context.positions)
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, task: Task, accelerator: Accelerator | None = None) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, loader, task: Task, accelerator: Accelerator | None = None,
+             context: ContextParallel | None = None) -> dict[str, float]:
     """The task's metrics over `loader`, under the accelerator's autocast, summed over every process's batches.
-    Without an accelerator: on the model's device, in full precision, in this process only."""
+    Without an accelerator: on the model's device, in full precision, in this process only. context (parallel.context
+    > 1): each batch's share of this process, scored with the context active (every process's share is summed)."""
     device = accelerator.device if accelerator is not None else next(model.parameters()).device
+    host_keys = CONTEXT_HOST_KEYS if context is not None else ()
     was_training = model.training
     model.eval()
     sums: dict[str, torch.Tensor] = {}
-    with accelerator.autocast() if accelerator is not None else nullcontext():
+    with accelerator.autocast() if accelerator is not None else nullcontext(), \
+            context.active() if context is not None else nullcontext():
         for batch in loader:
-            for key, value in task.eval_sums(model, to_device(batch, device)).items():
+            batch = to_device(context_batch(batch, context), device, host_keys)
+            for key, value in task.eval_sums(model, batch).items():
                 sums[key] = sums.get(key, 0) + value.detach().to(device, torch.float64)
     model.train(was_training)
     keys = sorted(sums)
@@ -214,13 +231,11 @@ class Trainer:
         self.accelerator = accelerator = make_accelerator(cfg, run_dir)
         self.main = accelerator.is_main_process
         # first line: how many processes run, and how; fewer than the launch asked for stops here
-        header, problem = process_header(accelerator)
+        header, problem = process_header(accelerator, cfg.parallel.context)
         self._print(header if problem is None else f"{header}: {problem}")
         if problem is not None:
             raise RuntimeError(f"{header}: {problem}")
-        self.grad_accum_steps = accumulation_steps(tcfg.global_batch_size, tcfg.micro_batch_size,
-                                                   accelerator.num_processes)
-        self.global_batch_size = tcfg.micro_batch_size * accelerator.num_processes * self.grad_accum_steps
+        self._plan_batches()
         # every process writes into the main process's run directory
         self.run_dir = Path(broadcast_object_list([str(run_dir)])[0])
         runs_of_name = Path(runs_of_name) if runs_of_name is not None else self.run_dir.parent
@@ -231,6 +246,9 @@ class Trainer:
         # the checkpoint to resume (verified) and its configuration, a run directory that cannot be written, a
         # model that cannot take what the data will provide (the vocabulary before a tokenizer is trained)
         self.attention = cfg.model.attention_backend(accelerator.device, COMPUTE_DTYPES[accelerator.mixed_precision])
+        if self.context is not None:  # every attention call of the model is one ring attention runs
+            self.context.check_model(cfg.model)
+            self.attention += f", as ring attention over {self.context.size} processes"
         # the main process alone verifies checkpoints (hashing every file) and says which it skips
         self.checkpoint = on_main_process(lambda: resolve_resume(cfg.resume, runs_of_name), accelerator)
         if self.checkpoint is not None and (cfg.resume == "auto" or self._resumes_its_own_run()):
@@ -266,6 +284,21 @@ class Trainer:
         self.pbar = tqdm(total=self.end_step, initial=self.state.step, disable=not self.main, desc=cfg.name,
                          unit="step", dynamic_ncols=True)
         self._install_signal_handlers()
+
+    def _plan_batches(self) -> None:
+        """The data-parallel ranks and the batch plan. With parallel.context > 1 the (data parallel x context) mesh,
+        its shape checked against the processes and the sequence length first: the samples are dealt to the
+        data-parallel groups (dp_rank of dp_size), whose processes share each sequence."""
+        cfg, tcfg, accelerator = self.cfg, self.tcfg, self.accelerator
+        self.context = build_context_parallel(cfg.parallel.context, accelerator.num_processes, accelerator.device,
+                                              COMPUTE_DTYPES[accelerator.mixed_precision], cfg.data)
+        self.dp_rank, self.dp_size = ((self.context.dp_rank, self.context.dp_size) if self.context is not None else
+                                      (accelerator.process_index, accelerator.num_processes))
+        self.host_keys = CONTEXT_HOST_KEYS if self.context is not None else ()
+        self.grad_accum_steps = accumulation_steps(tcfg.global_batch_size, tcfg.micro_batch_size, self.dp_size,
+                                                   "data-parallel group(s)" if self.context is not None else
+                                                   "process(es)")
+        self.global_batch_size = tcfg.micro_batch_size * self.dp_size * self.grad_accum_steps
 
     # ---- signals -------------------------------------------------------------------------------------------------
 
@@ -405,7 +438,9 @@ class Trainer:
 
     def _open_loaders_and_logs(self) -> None:
         cfg, tcfg, accelerator = self.cfg, self.tcfg, self.accelerator
-        rank, world = accelerator.process_index, accelerator.num_processes
+        # data-parallel rank and size: the processes themselves, or with parallel.context the groups that share each
+        # sequence (each of whose processes reads the same samples and keeps its share: train_step, evaluate)
+        rank, world = self.dp_rank, self.dp_size
         # this process's micro-batches already taken: the samples consumed, in micro-steps of all processes
         start_batch = self.state.samples_consumed // (tcfg.micro_batch_size * world)
         self.train_iter = iter(self.task.train_loader(tcfg.micro_batch_size, rank, world, start_batch=start_batch,
@@ -426,9 +461,14 @@ class Trainer:
             accelerator.init_trackers(cfg.logger.project, config=_flat_config(cfg), init_kwargs=init_kwargs)
         self._print(f"model: {type(cfg.model).__name__} {self.n_params / 1e6:.2f}M parameters, attention: "
                     f"{self.attention}; device: {accelerator.device}, precision: {accelerator.mixed_precision}, "
-                    f"processes: {world}; run dir: {self.run_dir}")
+                    f"processes: {accelerator.num_processes}; run dir: {self.run_dir}")
+        readers, split = f"{world} process(es)", ""
+        if self.context is not None:
+            readers = f"{world} data-parallel group(s)"
+            split = (f"; each sequence split over the {self.context.size} processes of its group "
+                     f"({self.context.local_len} of its {self.context.seq_len} tokens each)")
         self._print(f"batch: {self.global_batch_size} sequences per optimizer step = micro-batch "
-                    f"{tcfg.micro_batch_size} x {world} process(es) x {self.grad_accum_steps} accumulation step(s)"
+                    f"{tcfg.micro_batch_size} x {readers} x {self.grad_accum_steps} accumulation step(s){split}"
                     + (f"; activation checkpointing: {tcfg.activation_checkpointing}, {self.checkpointed_blocks} "
                        f"blocks" if self.checkpointed_blocks else ""))
         self._print(self.utilisation.describe())
@@ -462,16 +502,18 @@ class Trainer:
                 not self._resolve_pending_step()):
             return  # lagged: the limit of skips in a row is reached before this step reads a batch (as step by step)
         step_start = time.perf_counter()
-        host_batches = [next(self.train_iter) for _ in range(self.grad_accum_steps)]  # CPU tensors: no device sync
+        # CPU tensors: no device sync. parallel.context: this process's share of each sequence, counted as such
+        host_batches = [context_batch(next(self.train_iter), self.context) for _ in range(self.grad_accum_steps)]
         counts = [self.task.loss_count(batch) for batch in host_batches]
         total_count, total_tokens = self._sum_over_processes(sum(counts),
                                                              sum(self.task.tokens(batch) for batch in host_batches))
         loss_sum = torch.zeros((), device=accelerator.device)
         for micro, host_batch in enumerate(host_batches):
-            batch = to_device(host_batch, accelerator.device)
+            batch = to_device(host_batch, accelerator.device, self.host_keys)
             # gradients are reduced over processes only on the last micro-batch of the step
             sync = accelerator.no_sync(self.model) if micro < self.grad_accum_steps - 1 else nullcontext()
-            with sync:
+            # parallel.context: attention is ring attention in the forward pass and in the backward's recomputation
+            with sync, self.context.active() if self.context is not None else nullcontext():
                 # autocast here, not only in the forward Accelerate wraps: its FSDP2 preparation wraps none
                 with accelerator.autocast():
                     share = self.task.loss(self.model, batch).float() * (counts[micro] / total_count)
@@ -738,9 +780,9 @@ class Trainer:
         self.flush_log()  # the step's training record first
         tcfg, accelerator = self.tcfg, self.accelerator
         loader = self.val_loader if split == "val" else self.task.eval_loader(
-            split, tcfg.micro_batch_size, accelerator.process_index, accelerator.num_processes)
+            split, tcfg.micro_batch_size, self.dp_rank, self.dp_size)
         metrics = {split + "_" + key.removeprefix("val_"): value
-                   for key, value in evaluate(self.model, loader, self.task, accelerator).items()}
+                   for key, value in evaluate(self.model, loader, self.task, accelerator, self.context).items()}
         if split == "val":
             self.state.best_val_loss = min(self.state.best_val_loss, metrics["val_loss"])
             if tcfg.stop_metric is not None and tcfg.stop_metric not in metrics:
