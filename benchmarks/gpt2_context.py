@@ -1,4 +1,4 @@
-"""What a longer context buys, measured on the same tokens for every model.
+"""What a longer context buys, measured on the same tokens for every model (GPT-2 and Llama-style runs alike).
 
 Every model scores the same held-out documents: the first `--docs` documents of the validation split that are at
 least max(buckets) + 1 tokens long, each cut to its first max(buckets) + 1 tokens. Each token is scored once, with
@@ -29,6 +29,18 @@ The runs of benchmarks/results/gpt2_context-h200 (one H200, ~2.5 minutes each; 4
        hydra.run.dir=runs/i21/ext
     python benchmarks/gpt2_context.py --run 1K=runs/i21/1k --run 4K=runs/i21/4k --run 4K-docmask=runs/i21/4k_docmask \
        --run 1K-then-4K=runs/i21/ext --out benchmarks/results/gpt2_context-h200
+
+RoPE context extension (the Llama-style model; recipes/llama-125m-1k.yaml and llama-125m-8k-yarn.yaml): a 1K
+pretraining, its continuation at 8K with YaRN, and the same model trained at 8K from scratch, scored at positions up
+to 8K (the 1K run slides its window: "before extension"):
+
+    python launch.py recipe=llama-125m-1k hydra.run.dir=runs/ext/1k
+    python launch.py recipe=llama-125m-8k-yarn init_from=runs/ext/1k hydra.run.dir=runs/ext/8k_yarn
+    python launch.py recipe=llama-125m-2k model.n_positions=8192 trainer.micro_batch_size=4 \
+        trainer.global_batch_size=8 hydra.run.dir=runs/ext/8k_scratch
+    python benchmarks/gpt2_context.py --run 1K=runs/ext/1k --run 1K-then-8K-yarn=runs/ext/8k_yarn \
+        --run 8K-scratch=runs/ext/8k_scratch --buckets 0,1024,2048,4096,8192 --out benchmarks/results/llama_context-h200
+    python benchmarks/gpt2_context.py --smoke --smoke-family llama --out /tmp/llama_context_smoke   # CPU, the same 3
 
 Every run must have been trained on the same data (corpus, tokenizer, split seed): the validation documents come
 from the first run's data config, and each other run's data config must name the same token files.
@@ -181,30 +193,55 @@ def validation_documents(data_cfgs: list[LMDataConfig], labels: list[str], min_t
 
 # ---- smoke: tiny models trained here ------------------------------------------------------------------------------
 
-def smoke_runs(steps: int, cache_dir: str | None):
-    """Two tiny GPT-2s (windows 64 and 256) trained `steps` steps on the standard library, with their records."""
+def smoke_runs(steps: int, cache_dir: str | None, family: str = "gpt2"):
+    """Tiny models trained `steps` steps on the standard library, with their records. gpt2: windows 64 and 256;
+    llama: a 64-token pretraining, its continuation at 256 tokens with YaRN (steps / 4 more steps, its records
+    counting the pretraining's tokens first), and 256 tokens from scratch."""
     data_cfg = LMDataConfig(corpus="stdlib", max_bytes=1_500_000, vocab_size=512, seq_len=256, val_fraction=0.25,
                             num_proc=1, **({"cache_dir": cache_dir} if cache_dir else {}))
     data = prepare_lm_data(data_cfg)
     meta = json.loads((data.train_path.parent / "meta.json").read_text())
     train = torch.from_numpy(np.fromfile(data.train_path, dtype=meta["dtype"]).astype(np.int64))
-    runs = []
-    for label, window in (("64 window", 64), ("256 window", 256)):
-        torch.manual_seed(0)
-        model = GPT2Config(vocab_size=512, n_positions=window, n_embd=64, n_layer=2, n_head=2,
-                           attn_impl="sdpa").build()
+
+    def fit(model, window: int, n_steps: int, records: list[dict]):
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        generator, records, batch = torch.Generator().manual_seed(0), [], 4096 // window  # 4K tokens per step
-        for step in range(1, steps + 1):
+        generator, batch = torch.Generator().manual_seed(len(records)), 4096 // window  # 4K tokens per step
+        tokens = records[-1]["tokens"] if records else 0
+        for step in range(1, n_steps + 1):
             starts = torch.randint(0, len(train) - window - 1, (batch,), generator=generator)
             block = torch.stack([train[s:s + window + 1] for s in starts.tolist()])  # (batch, window + 1)
             loss = model(block[:, :-1], block[:, 1:])[1]
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            records.append({"step": step, "tokens": step * batch * window, "train_loss": loss.item()})
-        runs.append((label, model.eval(), data_cfg, records))
-    return runs
+            records.append({"step": len(records) + 1, "tokens": tokens + step * batch * window,
+                            "train_loss": loss.item()})
+        return model.eval(), records
+
+    def build(window: int, **rope):
+        torch.manual_seed(0)
+        if family == "gpt2":
+            return GPT2Config(vocab_size=512, n_positions=window, n_embd=64, n_layer=2, n_head=2,
+                              attn_impl="sdpa").build()
+        from flashtrain.models.llama import LlamaConfig
+        from flashtrain.models.rope import RopeScaling
+
+        return LlamaConfig(vocab_size=512, n_positions=window, n_embd=64, n_layer=2, n_head=4, n_kv_head=2,
+                           intermediate_size=128, attn_impl="sdpa", rope_scaling=RopeScaling(**rope)).build()
+
+    if family == "gpt2":
+        runs = []
+        for window in (64, 256):
+            model, records = fit(build(window), window, steps, [])
+            runs.append((f"{window} window", model, data_cfg, records))
+        return runs
+    short, short_records = fit(build(64), 64, steps, [])
+    extended = build(256, type="yarn", factor=4.0, original_max_position_embeddings=64)
+    extended.load_state_dict(short.state_dict())  # RoPE has no position table: the same weights at any length
+    extended, extended_records = fit(extended.train(), 256, max(1, steps // 4), list(short_records))
+    scratch, scratch_records = fit(build(256), 256, steps, [])
+    return [("64", short, data_cfg, short_records), ("64-then-256-yarn", extended, data_cfg, extended_records),
+            ("256-scratch", scratch, data_cfg, scratch_records)]
 
 
 # ---- report -------------------------------------------------------------------------------------------------------
@@ -243,12 +280,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="CPU check: two tiny models trained here, buckets "
                                                              "0-64, 64-128, 128-256, stride 32")
     parser.add_argument("--smoke-steps", type=int, default=100)
+    parser.add_argument("--smoke-family", choices=("gpt2", "llama"), default="gpt2",
+                        help="smoke: two GPT-2 windows, or the Llama-style extension runs (64, 64 -> 256 YaRN, 256)")
     parser.add_argument("--cache-dir", default=None, help="smoke: the data cache (default: flashtrain's)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.smoke:
         edges, stride = SMOKE_BUCKETS, 32
-        runs = smoke_runs(args.smoke_steps, args.cache_dir)
+        runs = smoke_runs(args.smoke_steps, args.cache_dir, args.smoke_family)
     else:
         if not args.run:
             parser.error("give at least one --run LABEL=RUN_DIR (or --smoke)")

@@ -97,3 +97,24 @@ def test_an_extended_run_counts_the_tokens_of_the_run_it_started_from(tmp_path):
     assert gpt2_context.tokens_before(None) == 0
     assert gpt2_context.tokens_before("hf:openai-community/gpt2") == 0
     assert gpt2_context.tokens_before(str(tmp_path / "gone")) == 0
+
+
+@pytest.mark.slow
+def test_llama_extension_smoke(tmp_path, monkeypatch):
+    """The RoPE extension experiment end to end on the CPU (--smoke --smoke-family llama): a 64-token Llama-style
+    pretraining, its YaRN continuation at 256 tokens (the same weights, its curve continuing the pretraining's
+    tokens), and 256 tokens from scratch, each scored on the same held-out documents by position bucket."""
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    summary = gpt2_context.main(["--smoke", "--smoke-family", "llama", "--smoke-steps", "40", "--cache-dir",
+                                 str(tmp_path / "cache"), "--out", str(tmp_path / "ctx")])
+    runs = summary["runs"]
+    assert {label: row["window"] for label, row in runs.items()} == {"64": 64, "64-then-256-yarn": 256,
+                                                                      "256-scratch": 256}
+    for row in runs.values():
+        assert all(math.isfinite(b["ppl"]) and b["ppl"] > 1 for b in row["buckets"].values())
+        assert row["buckets"]["all"]["tokens"] == sum(b["tokens"] for n, b in row["buckets"].items() if n != "all")
+    curves = summary["curves"]
+    pretraining_tokens = curves["64"][-1][0]
+    assert curves["64-then-256-yarn"][:len(curves["64"])] == curves["64"]  # the continuation's curve starts there
+    assert curves["64-then-256-yarn"][-1][0] == pretraining_tokens + 10 * 4096  # 40 / 4 steps of 4K tokens
+    assert (tmp_path / "ctx.png").is_file()
