@@ -22,7 +22,7 @@ from hydra_config import CONF, compose_config
 MODELS = sorted(path.stem for path in (CONF / "model").glob("*.yaml"))
 DATA = sorted(path.stem for path in (CONF / "data").glob("*.yaml"))
 # the pairs that pass the check before the data is prepared
-DECODERS = ("gpt2-tiny", "gpt2-small", "gpt2-medium", "llama-tiny", "llama-125m", "llama-350m")
+DECODERS = ("gpt2-tiny", "gpt2-small", "gpt2-medium", "llama-tiny", "llama-125m", "llama-350m", "hf")
 FITS = {(model, data) for model in DECODERS for data in ("stdlib", "python-site")} | {
     ("lra-image", "lra-image"), ("lra-listops", "listops"), ("lra-path64", "pathfinder32"),
     ("lra-path64", "pathfinder64"), ("lra-pathfinder32", "pathfinder32"), ("lra-retrieval", "lra-retrieval"),

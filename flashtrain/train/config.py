@@ -32,6 +32,7 @@ from flashtrain.data.task import model_data_misfit
 from flashtrain.models.attention_variants import VARIANTS as ATTENTION_VARIANTS
 from flashtrain.models.bert import BertConfig
 from flashtrain.models.gpt2 import GPT2Config
+from flashtrain.models.hf_model import HFCausalLMConfig
 from flashtrain.models.llama import LlamaConfig
 from flashtrain.models.lra import LRAConfig
 
@@ -332,6 +333,7 @@ def register_configs() -> None:
     cs.store(name="flashtrain_schema", node=FlashtrainConfig)
     cs.store(group="model", name="gpt2_schema", node=GPT2Config)
     cs.store(group="model", name="llama_schema", node=LlamaConfig)
+    cs.store(group="model", name="hf_schema", node=HFCausalLMConfig)
     cs.store(group="model", name="lra_schema", node=LRAConfig)
     cs.store(group="model", name="bert_schema", node=BertConfig)
     for name, schema in ATTENTION_VARIANTS.items():  # LRAConfig.attention: model/attention=NAME
