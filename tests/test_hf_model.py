@@ -159,3 +159,37 @@ def test_pretrained_directory_starts_with_its_weights(tmp_path):
         tokens = torch.cat([input_ids, targets[:, -1:]], dim=1)  # targets are input_ids shifted by one
         own = saved(input_ids=tokens, labels=tokens).loss.item()
     assert abs(first - own) <= 1e-5, (first, own)
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_train_as_one(tmp_path):
+    """model=hf under FSDP2 (conf/accelerate/fsdp.yaml, 2 CPU processes over gloo, each transformers decoder layer a
+    unit through the model's _no_split_modules): 6 steps of 16 sequences give the one-process run's training and
+    validation losses within 1e-5 (the DDP / FSDP tests' tolerance, tests/test_processes.py). The validation set here
+    (22 sequences, 3 micro-batches of 8) does not split evenly over the 2 processes: the one with fewer batches
+    replays its last one for the other's all-gathers (it hung before)."""
+    import shutil
+    import socket
+
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    steps = ["trainer.max_steps=6", "trainer.global_batch_size=16", "trainer.eval_interval=3", "trainer.log_interval=1",
+             "trainer.save_interval=6", "trainer.precision=no"]
+    one = launch(cache, *steps, f"hydra.run.dir={tmp_path / 'one'}")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    accelerate = accelerate if Path(accelerate).is_file() else shutil.which("accelerate")
+    proc = subprocess.run([accelerate, "launch", "--config_file", str(ROOT / "conf/accelerate/fsdp.yaml"),
+                           "--num_processes", "2", "--main_process_port", port, "launch.py", *SHRUNK, cache, *steps,
+                           f"hydra.run.dir={tmp_path / 'fsdp'}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "processes: 2 (FSDP2 full shard" in proc.stdout
+    fsdp = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    for key in ("train_loss", "val_loss"):
+        expected = {r["step"]: r[key] for r in one if key in r}
+        got = {r["step"]: r[key] for r in fsdp if key in r}
+        assert sorted(got) == sorted(expected) and len(expected) >= 2, key
+        for step, loss in expected.items():
+            assert got[step] == pytest.approx(loss, abs=1e-5, rel=1e-5), (key, step)

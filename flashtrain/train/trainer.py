@@ -111,18 +111,39 @@ def evaluate(model: torch.nn.Module, loader, task: Task, accelerator: Accelerato
     was_training = model.training
     model.eval()
     sums: dict[str, torch.Tensor] = {}
+    extra = _missing_batches(loader, accelerator, device)
     with accelerator.autocast() if accelerator is not None else nullcontext(), \
             context.active() if context is not None else nullcontext():
+        batch = None
         for batch in loader:
             batch = to_device(context_batch(batch, context), device, host_keys)
             for key, value in task.eval_sums(model, batch).items():
                 sums[key] = sums.get(key, 0) + value.detach().to(device, torch.float64)
+        for _ in range(extra):  # (FSDP: the others' forwards need this process's all-gathers; scores discarded)
+            task.eval_sums(model, batch)
     model.train(was_training)
     keys = sorted(sums)
     totals = torch.stack([sums[k] for k in keys])
     if accelerator is not None:
         totals = accelerator.reduce(totals, reduction="sum")
     return task.eval_metrics(dict(zip(keys, totals.tolist())))
+
+
+def _missing_batches(loader, accelerator: Accelerator | None, device: torch.device) -> int:
+    """Under FSDP every process must run as many forward passes as every other (each one's parameters are all-gathered
+    from all processes), but a validation set need not split evenly: how many batches this process has fewer than
+    the process with the most (it replays its last one that often, discarding the scores); 0 otherwise."""
+    if accelerator is None or accelerator.distributed_type != DistributedType.FSDP or accelerator.num_processes < 2:
+        return 0
+    count = len(loader)
+    most_fewest = torch.tensor([count, -count], device=device)
+    torch.distributed.all_reduce(most_fewest, op=torch.distributed.ReduceOp.MAX)
+    most, fewest = most_fewest[0].item(), -most_fewest[1].item()
+    if fewest == 0 and most > 0:  # (every process stops here: each knows both counts)
+        raise ValueError(f"validation under FSDP: a process has no validation batch while another has {most}; "
+                         f"raise data.val_samples to at least one micro-batch per process (trainer.micro_batch_size "
+                         f"x {accelerator.num_processes})")
+    return most - count
 
 
 def train(cfg: FlashtrainConfig, run_dir: Path, runs_of_name: Path | None = None) -> TrainResult:
