@@ -22,13 +22,13 @@ The runs of benchmarks/results/gpt2_context-h200 (one H200, ~2.5 minutes each; 4
     R="python launch.py recipe=gpt2-small-1k data=python-site logger=none optim.warmup_steps=40 \
        trainer.eval_interval=100 trainer.save_interval=100 trainer.keep_checkpoints=8 data.val_samples=64"
     B4="model.n_positions=4096 trainer.micro_batch_size=8 trainer.global_batch_size=16"
-    $R trainer.micro_batch_size=32 trainer.global_batch_size=64 trainer.max_steps=400 hydra.run.dir=runs/i21/1k
-    $R $B4 trainer.max_steps=400 hydra.run.dir=runs/i21/4k
-    $R $B4 trainer.max_steps=400 data.document_mask=true data.reset_positions=true hydra.run.dir=runs/i21/4k_docmask
-    $R $B4 trainer.max_steps=100 optim.warmup_steps=10 init_from=runs/i21/1k/checkpoints/step_00000300 \
-       hydra.run.dir=runs/i21/ext
-    python benchmarks/gpt2_context.py --run 1K=runs/i21/1k --run 4K=runs/i21/4k --run 4K-docmask=runs/i21/4k_docmask \
-       --run 1K-then-4K=runs/i21/ext --out benchmarks/results/gpt2_context-h200
+    $R trainer.micro_batch_size=32 trainer.global_batch_size=64 trainer.max_steps=400 hydra.run.dir=runs/gpt2_context/1k
+    $R $B4 trainer.max_steps=400 hydra.run.dir=runs/gpt2_context/4k
+    $R $B4 trainer.max_steps=400 data.document_mask=true data.reset_positions=true hydra.run.dir=runs/gpt2_context/4k_docmask
+    $R $B4 trainer.max_steps=100 optim.warmup_steps=10 init_from=runs/gpt2_context/1k/checkpoints/step_00000300 \
+       hydra.run.dir=runs/gpt2_context/ext
+    python benchmarks/gpt2_context.py --run 1K=runs/gpt2_context/1k --run 4K=runs/gpt2_context/4k --run 4K-docmask=runs/gpt2_context/4k_docmask \
+       --run 1K-then-4K=runs/gpt2_context/ext --out benchmarks/results/gpt2_context-h200
 
 RoPE context extension (the Llama-style model; recipes/llama-125m-1k.yaml and llama-125m-8k-yarn.yaml): a 1K
 pretraining, its continuation at 8K with YaRN, and the same model trained at 8K from scratch, scored at positions up

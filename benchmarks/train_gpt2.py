@@ -384,13 +384,15 @@ def add_speedups(rows: list[dict]) -> None:
                 row[f"speedup_vs_{other['impl']}"] = row["tokens_per_s"] / other["tokens_per_s"] if ok else None
 
 
-def plot(rows: list[dict], env: dict, path: Path) -> None:
+def plot(rows: list[dict], env: dict, path: Path, model_order=None, title: str = "GPT-2") -> None:
+    """tokens/s and MFU per (model, context), a bar per implementation; model_order (default MODEL_SHAPES') and the
+    title's model family for benchmarks/train_llama.py."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    model_order = list(MODEL_SHAPES)
+    model_order = list(model_order or MODEL_SHAPES)
     configs = sorted({(r["model"], r["seq_len"]) for r in rows}, key=lambda c: (model_order.index(c[0]), c[1]))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     width = 0.8 / len(impls)
@@ -412,7 +414,7 @@ def plot(rows: list[dict], env: dict, path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"GPT-2 training step, {env['device_name']}, torch {env['torch']}, {env['precision']}, "
+    fig.suptitle(f"{title} training step, {env['device_name']}, torch {env['torch']}, {env['precision']}, "
                  f"{env['date'][:10]} (matmul {env['matmul_tflops']:.3g} TFLOP/s measured)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

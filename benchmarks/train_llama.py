@@ -32,6 +32,7 @@ from flashtrain.models.flops import training_flops_per_token
 from flashtrain.models.llama import Llama, LlamaConfig
 from train_gpt2 import (SDPA_BACKENDS, SDPA_IMPL, add_speedups, format_table, hf_loss_fn, measure_matmul_flops,
                         parse_impl, run_config, save_results)
+from train_gpt2 import plot as gpt2_plot
 
 VOCAB = 50257
 MODEL_SHAPES = {  # name -> (n_layer, n_embd, n_head, n_kv_head, intermediate_size)
@@ -78,36 +79,8 @@ def flops_per_token(model, shape, seq_len: int) -> float:
 
 
 def plot(rows: list[dict], env: dict, path: Path) -> None:
-    """tokens/s and MFU per (model, context), one bar per implementation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = sorted({(r["model"], r["seq_len"]) for r in rows}, key=lambda c: (list(MODEL_SHAPES).index(c[0]), c[1]))
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
-    width = 0.8 / len(impls)
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
-    for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s"), (axes[1], "mfu", "MFU (of the measured matmul)")):
-        for i, impl in enumerate(impls):
-            for c, config in enumerate(configs):
-                row = next((r for r in rows if (r["model"], r["seq_len"]) == config and r["impl"] == impl), None)
-                xpos = c + (i - (len(impls) - 1) / 2) * width
-                if row is not None and row["status"] == "ok":
-                    ax.bar(xpos, row[key], width, color=f"C{i % 10}", hatch="//" if "compile" in impl else None,
-                           label=impl if c == 0 else None)
-                elif row is not None:
-                    ax.text(xpos, 0, "OOM" if row["status"] == "OOM" else "err", rotation=90, ha="center",
-                            va="bottom", fontsize=7)
-        ax.set_xticks(range(len(configs)), [f"{m} {t // 1024}K" if t >= 1024 else f"{m} {t}" for m, t in configs])
-        ax.set_ylabel(label)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"Llama-style training step, {env['device_name']}, torch {env['torch']}, transformers "
-                 f"{env['transformers']}, {env['precision']}, {env['date'][:10]}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    """tokens/s and MFU per (model, context), a bar per implementation (train_gpt2.plot)."""
+    gpt2_plot(rows, env, path, MODEL_SHAPES, "Llama-style")
 
 
 def main(argv: list[str] | None = None) -> dict:

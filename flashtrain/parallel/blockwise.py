@@ -273,15 +273,9 @@ def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     sign = 1.0
     if softmax_scale < 0:
         q, softmax_scale, sign = q.neg(), -softmax_scale, -1.0
-    extra = {}
-    if dlse is not None:
-        if not any(arg.name == "dlse" for arg in ops.flash_attn_bwd._schema.arguments):
-            raise RuntimeError("a gradient reaching ring_attention's lse needs the dlse argument of "
-                               "flashtrain::flash_attn_bwd, which the loaded host layer lacks; rebuild it "
-                               "(flashtrain/kernels/host)")
-        extra["dlse"] = dlse.float().contiguous()
     dq, dk, dv = ops.flash_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, call.max_seqlen_q,
-                                    call.max_seqlen_k, 0.0, softmax_scale, call.causal, None, deterministic, **extra)
+                                    call.max_seqlen_k, 0.0, softmax_scale, call.causal, None, deterministic,
+                                    dlse=dlse)  # (the op lays dlse out like lse)
     return (dq.neg() if sign < 0 else dq), dk, dv
 
 

@@ -12,20 +12,18 @@ the forward, so the blocks' gradients add up to the exact ones. Design and tests
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashtrain.kernels.interface import IMPLS, _check_qkv, _check_scalars, check_cu_seqlens
+from flashtrain.kernels.interface import IMPLS, _check_qkv, _check_scalars, _cuda_ops_to_use, check_cu_seqlens
 from flashtrain.parallel.blockwise import (LAYOUTS, block_backward, block_forward, local_segments, merge_block,
                                            ring_schedule)
 
 __all__ = ["LAYOUTS", "ring_attention", "shard_positions", "shard_sequence", "unshard_sequence"]
 
 _KV_TAG, _DKV_TAG = 0, 1  # the backward has both in flight to the same peer at once
-_warned_fallback_reasons: set[str] = set()
 
 
 def shard_positions(seqlen: int, rank: int, world: int, layout: str = "zigzag") -> Tensor:
@@ -123,27 +121,17 @@ def _document_offsets(cu_seqlens, total: int) -> tuple[int, ...]:
 
 
 def _uses_cuda(impl: str, q: Tensor) -> bool:
-    """Whether the blocks run on the CUDA kernels (else on the reference); raises where impl="cuda" cannot."""
-    if impl == "reference" or (impl == "auto" and q.device.type != "cuda"):
-        return False
-    if q.device.type != "cuda":
-        reason = f"the tensors are on {q.device}; the CUDA kernels need CUDA tensors"
-    else:
-        from flashtrain.kernels import ops  # imported here: CPU runs never load the kernel side
-
-        reason = ops.unavailable_reason(q.device, head_dim=q.shape[-1], dtype=q.dtype, block_mask=False)
-    if reason is None:
-        if q.shape[-1] % 8:
-            raise ValueError(f"ring_attention on the CUDA kernels needs head_dim (q.shape[-1]) a multiple of 8, got "
-                             f"{q.shape[-1]}; pad q, k, v with zeros to the next multiple of 8 (zero columns change "
-                             f"no score) or use impl='reference'")
-        return True
-    if impl == "cuda":
-        raise RuntimeError(f"ring_attention impl='cuda' cannot run: {reason}")
-    if reason not in _warned_fallback_reasons:
-        _warned_fallback_reasons.add(reason)
-        warnings.warn(f"ring_attention on CUDA tensors runs the slow reference: {reason}", stacklevel=3)
-    return False
+    """Whether the blocks run on the CUDA kernels (else on the reference): flash_attn_func's choice for these tensors
+    (its one-time warning where "auto" falls back); raises where impl="cuda" cannot."""
+    try:
+        cuda = _cuda_ops_to_use(impl, q, None, None) is not None
+    except RuntimeError as error:
+        raise RuntimeError(f"ring_attention {error}") from None
+    if cuda and q.shape[-1] % 8:
+        raise ValueError(f"ring_attention on the CUDA kernels needs head_dim (q.shape[-1]) a multiple of 8, got "
+                         f"{q.shape[-1]}; pad q, k, v with zeros to the next multiple of 8 (zero columns change "
+                         f"no score) or use impl='reference'")
+    return cuda
 
 
 class _Ring:
