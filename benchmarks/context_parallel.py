@@ -1,7 +1,7 @@
 """Context parallelism on N GPUs against one GPU and against PyTorch's own: how long a context trains, and how fast.
 
 For each model (GPT-2 small; the Llama of conf/model/llama-125m.yaml when flashtrain/models/llama.py is there), one
-sequence per optimizer step, the sequence length doubling from --start until a step runs out of memory (or takes
+sequence per optimizer step, the sequence length doubling from --min-len until a step runs out of memory (or takes
 longer than --max-step-seconds, or would pass --max-len), with the same activation checkpointing everywhere
 (--activation-checkpointing, default full: each block keeps only its input), bf16 autocast over fp32 weights, AdamW:
 
@@ -18,18 +18,26 @@ same sequence every step), so every step's loss is the same in every mode up to 
 later steps' check the gradients, activation checkpointing's recomputation included). A row per (model,
 mode, length): status (ok | out of memory | error: ...), the median step time and tokens/s (the sequence's tokens per
 second, all GPUs of the mode together, and per GPU), every GPU's peak memory; a mode stops doubling after its first
-failure, or after a length whose step took longer than --max-step-seconds (noted). Writes
-benchmarks/results/context_parallel-<gpu>-x<N>.json (GPU name, torch version, date, the settings, every row, and the
-longest length each mode trained) after every measurement, so a run cut short keeps what it measured, and the PNG
-beside it (tokens/s and peak memory per GPU by length) at the end. --deadline-minutes stops starting new
+failure, or after a length whose step took longer than --max-step-seconds (noted). Before its first length each model
+and mode trains once, unrecorded, so that no measured step includes the kernels' compilation. A multi-GPU mode skips
+a length whose doubled peak memory would not fit the GPU (recorded as "not run: predicted out of memory ..."): an
+out-of-memory error on one GPU would leave the others waiting on the ring until the process group's timeout
+(--timeout-minutes) ends the run. Writes benchmarks/results/context_parallel-<gpu>-x<N>.json (GPU name, torch version,
+date, the settings, the longest length each mode trained, `table`: one row per model and length with each mode's
+tokens/s and flashtrain CP's ratios to one GPU and to PyTorch's CP, and every measurement) after every measurement,
+with the one under way named in `in_progress`, so a run cut short keeps what it measured and says where it stopped;
+the PNG beside it (tokens/s and peak memory per GPU by length) at the end. --deadline-minutes stops starting new
 measurements.
 
-The GPU run, one call (4 GPUs here; N is torchrun's --nproc_per_node; the device machine needs the carried wheels of
-../shared/device/wheels.sh, carry: [".whl"]):
+The GPU run of benchmarks/results/context_parallel-h200-x2.json, one model per call (kind nvidia-h200-x2; the device
+machine needs the carried wheels of ../shared/device/wheels.sh, carry: [".whl"]; without activation checkpointing
+one GPU runs out of memory at 256K tokens and every length is measured within the call; the default, full
+checkpointing, keeps far less per token, which moves the lengths where memory runs out to ones whose steps are
+slower than --max-step-seconds):
 
     eval "$(bash .whl/install.sh)" || exit 1; NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
-    NVSHMEM_DISABLE_NVLS=1 torchrun --nproc_per_node 4 benchmarks/context_parallel.py --deadline-minutes 8 \\
-    --out $OUT/context_parallel-h200-x4.json
+    NVSHMEM_DISABLE_NVLS=1 torchrun --nproc_per_node 2 benchmarks/context_parallel.py --models gpt2-small \\
+    --activation-checkpointing none --deadline-minutes 8 --out $OUT/context_parallel-h200-x2.json
 
 Smoke test on the CPU, 2 gloo processes, seconds (tiny models, lengths 128 and 256; flashtrain's ring attention on the
 reference; PyTorch's context parallelism has no CPU SDPA, and its rows say so):
@@ -96,12 +104,15 @@ def model_config(family: str, shape: dict, seq_len: int, attn_impl: str):
 class Setup:
     """This process: its rank among `world`, device, the compute dtype, and the 1 x N ("dp", "cp") mesh."""
 
-    def __init__(self, cpu: bool):
+    def __init__(self, cpu: bool, timeout_s: float):
         cuda = torch.cuda.is_available() and not cpu
-        # an out-of-memory error on some GPUs of a mode but not the others would leave those waiting on the ring (all
-        # of a mode's GPUs hold the same shapes, so they run out together): the timeout ends such a run, whose JSON
-        # holds every measurement before it
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+        # An out-of-memory error on one GPU of a mode leaves the others waiting on the ring for it (all of a mode's
+        # GPUs hold the same shapes, but they need not fail at the same allocation). main() skips the lengths that
+        # would run out of memory by the previous length's peak; for what remains, the timeout ends such a run. The
+        # JSON names the measurement under way (in_progress) and holds every one before it. The timeout must outlast
+        # the longest wait of a healthy run: the other ranks wait in trial()'s all-gather while rank 0 measures the
+        # one-GPU mode alone.
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if cuda:
             local = int(os.environ.get("LOCAL_RANK", 0))
@@ -242,6 +253,48 @@ def trial(setup: Setup, model_name: str, mode: str, seq_len: int, args) -> dict:
     return row
 
 
+def predicted_out_of_memory(rows: list[dict], model_name: str, mode: str, seq_len: int, setup: Setup) -> str:
+    """Why `mode` would run out of memory at `seq_len` ("" if it should fit): its peak at the previous length,
+    doubled (activations and the logits grow linearly with the tokens; weights and optimizer state are a small
+    constant part), above the GPU's memory. GPUs only, multi-GPU modes only: there an out-of-memory error can leave
+    the other GPUs waiting (Setup); a one-GPU run just records it."""
+    if setup.device.type != "cuda" or mode == "one-gpu":
+        return ""
+    previous = [r for r in rows if r["model"] == model_name and r["mode"] == mode and r["status"] == "ok"
+                and r["seq_len"] * 2 == seq_len and r.get("peak_memory_gib")]
+    if not previous:
+        return ""
+    peak = max(previous[-1]["peak_memory_gib"])
+    capacity = torch.cuda.get_device_properties(setup.device).total_memory / 2**30
+    if 2 * peak <= capacity:
+        return ""
+    return (f"not run: predicted out of memory (peak {peak:.1f} GiB per GPU at {seq_len // 2} tokens, doubled "
+            f"{2 * peak:.1f} > {capacity:.1f} GiB)")
+
+
+def comparison(rows: list[dict]) -> list[dict]:
+    """One row per (model, length) at which some mode trained: each mode's tokens/s (all its GPUs) or its status,
+    and the ratios of flashtrain's context parallelism to one GPU and to PyTorch's context parallelism where both
+    trained. (The measurements keep the status of a length where none did.)"""
+    table = []
+    for model, seq_len in dict.fromkeys((r["model"], r["seq_len"]) for r in rows if r["status"] == "ok"):
+        row: dict = {"model": model, "seq_len": seq_len}
+        speed = {}
+        for r in rows:
+            if r["model"] == model and r["seq_len"] == seq_len:
+                if r["status"] == "ok":
+                    speed[r["mode"]] = r["tokens_per_s"]
+                    row[r["mode"]] = r["tokens_per_s"]
+                else:
+                    row[r["mode"]] = r["status"][:60]
+        if "flashtrain-cp" in speed and "one-gpu" in speed:
+            row["cp_over_one_gpu"] = speed["flashtrain-cp"] / speed["one-gpu"]
+        if "flashtrain-cp" in speed and "torch-cp" in speed:
+            row["cp_over_torch_cp"] = speed["flashtrain-cp"] / speed["torch-cp"]
+        table.append(row)
+    return table
+
+
 def longest(rows: list[dict]) -> dict:
     """{model: {mode: the longest length with status ok}}."""
     best: dict = {}
@@ -292,9 +345,14 @@ def plot(rows: list[dict], env: dict, png: Path) -> None:
     save_figure(fig, [ax for ax in axes.flatten() if ax.lines], png)
 
 
-def write(out: Path, env: dict, rows: list[dict]) -> None:
+def write(out: Path, env: dict, rows: list[dict], in_progress: str | None = None) -> None:
+    """The record: env, the longest length each mode trained, the comparison table (the docs' table), every
+    measurement, and the measurement under way while one is (a run that ends inside it leaves that mark)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"env": env, "longest": longest(rows), "rows": rows}, indent=1) + "\n")
+    record = {"env": env, "longest": longest(rows), "table": comparison(rows), "measurements": rows}
+    if in_progress:
+        record["in_progress"] = in_progress
+    out.write_text(json.dumps(record, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -302,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo: tiny models at 128 and 256 tokens")
     parser.add_argument("--models", nargs="+", help="default: gpt2-small and (when present) llama-125m")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--start", type=int, help="first sequence length (default 8192; smoke: 128)")
+    parser.add_argument("--min-len", type=int, help="first sequence length (default 8192; smoke: 128)")
     parser.add_argument("--max-len", type=int, help="longest sequence length tried (default 2**20; smoke: 256)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps after the first")
     parser.add_argument("--max-step-seconds", type=float, default=30.0,
@@ -311,24 +369,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deadline-minutes", type=float, default=None, help="start no measurement after this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="the JSON (PNG beside it); default benchmarks/results/")
+    parser.add_argument("--timeout-minutes", type=float, default=None,
+                        help="the process group's timeout (default: the longest a healthy measurement can take, "
+                             "(3 + steps) x --max-step-seconds, at least 5 minutes)")
     args = parser.parse_args(argv)
-    setup = Setup(cpu=args.smoke)
+    timeout_s = 60 * args.timeout_minutes if args.timeout_minutes else max(300.0, (3 + args.steps)
+                                                                           * args.max_step_seconds)
+    setup = Setup(cpu=args.smoke, timeout_s=timeout_s)
     start_time = time.monotonic()
     names = args.models or (list(SMOKE_MODELS) if args.smoke else
                             ["gpt2-small"] + (["llama-125m"] if has_llama() else []))
-    start, max_len = args.start or (128 if args.smoke else 8192), args.max_len or (256 if args.smoke else 2**20)
+    start, max_len = args.min_len or (128 if args.smoke else 8192), args.max_len or (256 if args.smoke else 2**20)
     device_name = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "cpu"
     env = {"device_name": device_name, "gpus": setup.world, "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "precision": "bf16 autocast, fp32 weights" if setup.dtype == torch.bfloat16 else "fp32",
            "activation_checkpointing": args.activation_checkpointing, "batch": "1 sequence per step",
            "steps": f"1 warm-up + {args.steps} timed (median)", "max_step_seconds": args.max_step_seconds,
-           "models": {name: (SMOKE_MODELS if args.smoke else MODELS)[name][1] for name in names}}
+           "models": {name: (SMOKE_MODELS if args.smoke else MODELS)[name][1] for name in names},
+           "warm_up": f"each model and mode trains {start} tokens once before its first measurement, not recorded "
+                      "(the kernels compile at first use)"}
     slug = "cpu-smoke" if args.smoke else device_name.replace(" ", "_")
     out = args.out or RESULTS / f"context_parallel-{slug}-x{setup.world}.json"
     rows: list[dict] = []
     for name in names:
         running = list(args.modes)
+        for mode in running:  # compile what the mode runs, so that no measured step (or its cut-off) includes it
+            trial(setup, name, mode, start, args)
         seq_len = start
         while running and seq_len <= max_len:
             for mode in list(running):
@@ -340,7 +407,14 @@ def main(argv: list[str] | None = None) -> None:
                     env["cut_short"] = f"--deadline-minutes {args.deadline_minutes} reached before {name} {mode} " \
                                        f"at {seq_len}"
                     break
-                row = trial(setup, name, mode, seq_len, args)
+                skip = predicted_out_of_memory(rows, name, mode, seq_len, setup)
+                if skip:
+                    row = {"model": name, "mode": mode, "seq_len": seq_len,
+                           "gpus": 1 if mode == "one-gpu" else setup.world, "status": skip}
+                else:
+                    if setup.rank == 0:
+                        write(out, env, rows, in_progress=f"{name} {mode} {seq_len}")
+                    row = trial(setup, name, mode, seq_len, args)
                 rows.append(row)
                 if setup.rank == 0:
                     print(json.dumps(row), flush=True)

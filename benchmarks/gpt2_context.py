@@ -42,6 +42,11 @@ to 8K (the 1K run slides its window: "before extension"):
         --run 8K-scratch=runs/ext/8k_scratch --buckets 0,1024,2048,4096,8192 --out benchmarks/results/llama_context-h200
     python benchmarks/gpt2_context.py --smoke --smoke-family llama --out /tmp/llama_context_smoke   # CPU, the same 3
 
+benchmarks/results/llama_context-h200.json ran these on one nvidia-h200-x2 call (~5 minutes), the two pretraining runs
+side by side (CUDA_VISIBLE_DEVICES=0 and 1) and shortened: trainer.max_steps=400 for the 1K run and, for the 8K run
+from scratch, trainer.max_steps=600 (as many tokens as the 1K run and its 200-step YaRN continuation together); the
+record's `training` field has the commands, `tokens_seen` each run's tokens.
+
 Every run must have been trained on the same data (corpus, tokenizer, split seed): the validation documents come
 from the first run's data config, and each other run's data config must name the same token files.
 """

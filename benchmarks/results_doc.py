@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "results.md"
 MAX_COLUMNS = 12
-MAX_ROWS = 20
+MAX_ROWS = 12
 MAX_TEXT = 100
-TABLE_KEYS = ("rows", "runs", "summary", "speed", "host", "calls")  # in order of preference
+TABLE_KEYS = ("table", "rows", "runs", "summary", "speed", "host", "calls")  # in order of preference
 
 
 def _scalar(value) -> bool:

@@ -212,7 +212,8 @@ def test_benchmark_smoke_run_trains_both_models_split_as_on_one_process(tmp_path
     assert result["env"]["device_name"] == "cpu" and result["env"]["gpus"] == 2
     assert result["env"]["torch"] == torch.__version__ and result["env"]["date"]
     assert result["longest"] == {model: {"one-gpu": 256, "flashtrain-cp": 256} for model in ("gpt2-tiny", "llama-tiny")}
-    rows = {(r["model"], r["mode"], r["seq_len"]): r for r in result["rows"]}
+    assert "in_progress" not in result  # the mark of a measurement under way is gone when the run ends
+    rows = {(r["model"], r["mode"], r["seq_len"]): r for r in result["measurements"]}
     for model in ("gpt2-tiny", "llama-tiny"):
         for seq_len in (128, 256):
             one, split = rows[model, "one-gpu", seq_len], rows[model, "flashtrain-cp", seq_len]
@@ -223,4 +224,37 @@ def test_benchmark_smoke_run_trains_both_models_split_as_on_one_process(tmp_path
             assert split["tokens_per_s"] == pytest.approx(seq_len / split["step_seconds"], rel=1e-9)
         assert rows[model, "torch-cp", 128]["status"].startswith("error: NotImplementedError")
         assert (model, "torch-cp", 256) not in rows  # a mode stops after its first failure
+    table = {(r["model"], r["seq_len"]): r for r in result["table"]}
+    for model in ("gpt2-tiny", "llama-tiny"):
+        for seq_len in (128, 256):
+            row = table[model, seq_len]
+            assert row["cp_over_one_gpu"] == pytest.approx(
+                rows[model, "flashtrain-cp", seq_len]["tokens_per_s"] / rows[model, "one-gpu", seq_len]["tokens_per_s"],
+                rel=1e-12)
+            assert "cp_over_torch_cp" not in row
+        assert table[model, 128]["torch-cp"].startswith("error: NotImplementedError")
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_benchmark_table_puts_each_length_on_one_row_with_the_ratios():
+    """benchmarks/context_parallel.py's docs table: each mode's tokens/s or its status, and flashtrain CP's ratio
+    to one GPU and to PyTorch's CP only where both trained."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("context_parallel_benchmark",
+                                                  ROOT / "benchmarks" / "context_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [{"model": "m", "mode": "one-gpu", "seq_len": 8, "status": "ok", "tokens_per_s": 100.0},
+            {"model": "m", "mode": "flashtrain-cp", "seq_len": 8, "status": "ok", "tokens_per_s": 180.0},
+            {"model": "m", "mode": "torch-cp", "seq_len": 8, "status": "ok", "tokens_per_s": 150.0},
+            {"model": "m", "mode": "one-gpu", "seq_len": 16, "status": "out of memory"},
+            {"model": "m", "mode": "flashtrain-cp", "seq_len": 16, "status": "ok", "tokens_per_s": 90.0},
+            {"model": "m", "mode": "torch-cp", "seq_len": 16, "status": "ok", "tokens_per_s": 75.0}]
+    table = module.comparison(rows)
+    assert [(r["model"], r["seq_len"]) for r in table] == [("m", 8), ("m", 16)]
+    assert table[0]["cp_over_one_gpu"] == pytest.approx(1.8, rel=1e-12)
+    assert table[0]["cp_over_torch_cp"] == pytest.approx(1.2, rel=1e-12)
+    assert table[1]["one-gpu"] == "out of memory" and "cp_over_one_gpu" not in table[1]
+    assert table[1]["cp_over_torch_cp"] == pytest.approx(1.2, rel=1e-12)
+    assert module.longest(rows) == {"m": {"one-gpu": 8, "flashtrain-cp": 16, "torch-cp": 16}}
