@@ -1,9 +1,9 @@
-"""benchmarks/context_parallel_parity.py, the parity check of context parallelism against one GPU (three trainings
-through launch.py: one-process runs A and B, and parallel.context=2 over 2 processes), in its CPU smoke mode: the
-default recipe's tiny GPT-2 at 256 tokens, 10 steps, the CP run on 2 gloo processes. On the CPU the one-process runs
-are deterministic, so B repeats A bit for bit, and the CP run gives A's losses within the DDP tests' float32
+"""benchmarks/context_parallel_parity.py, the parity check of context parallelism against one GPU (trainings through
+launch.py: one-process runs A, B and C, and parallel.context=2 over 2 processes), in its CPU smoke mode: the default
+recipe's tiny GPT-2 at 256 tokens, 10 steps, the CP run on 2 gloo processes. On the CPU the one-process runs are
+deterministic, so B and C repeat A bit for bit, and the CP run gives A's losses within the DDP tests' float32
 tolerance; the verdict, the JSON's fields and the PNG are checked. Also: overrides the script sets itself are
-refused."""
+refused, and the verdict's rule on given losses."""
 
 import importlib.util
 import json
@@ -28,6 +28,7 @@ def load_script():
     (["--overrides", "hydra.run.dir=/tmp/x"], "--overrides: 'hydra.run.dir=/tmp/x' sets hydra.run.dir"),
     (["--overrides", "logger=none", "parallel.context=2"], "--overrides: 'parallel.context=2' sets parallel.context"),
     (["--context", "1"], "--context must be >= 2"),
+    (["--one-gpu-runs", "1"], "--one-gpu-runs must be in"),
 ])
 def test_settings_the_script_owns_are_refused_before_anything_runs(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message):
@@ -46,12 +47,13 @@ def test_smoke_run_context_parallel_is_within_the_spread_of_one_process_runs(tmp
     assert result["env"]["device_name"] == "cpu" and result["env"]["torch"] == torch.__version__
     assert result["env"]["date"] and result["context"] == 2 and result["prepare"]["exit_code"] == 0
     runs, comparison = result["runs"], result["comparison"]
-    assert runs["A"]["header"][0] == runs["B"]["header"][0] == "processes: 1 (cpu)"
+    assert list(runs) == ["A", "B", "C", "CP"]
+    assert runs["A"]["header"][0] == runs["B"]["header"][0] == runs["C"]["header"][0] == "processes: 1 (cpu)"
     assert runs["CP"]["header"][0] == "processes: 2 (DDP over gloo, cpu; context parallel 2 x data parallel 1)"
     assert "--nproc_per_node 2" in runs["CP"]["command"] and runs["CP"]["command"].endswith(
         f"parallel.context=2 hydra.run.dir={tmp_path / 'work' / 'CP'}")
 
-    # the same 10 steps logged by all three, a loss each
+    # the same 10 steps logged by all four, a loss each
     for run in runs.values():
         assert run["exit_code"] == 0 and run["steps"] == 10
         assert sorted(map(int, run["train_loss"])) == list(range(1, 11))
@@ -59,10 +61,13 @@ def test_smoke_run_context_parallel_is_within_the_spread_of_one_process_runs(tmp
     # the weights move (the check would be empty otherwise): validation loss from ~6.95 at step 0, down by > 0.3
     assert runs["A"]["val_loss"]["10"] < runs["A"]["val_loss"]["0"] - 0.3
 
-    # B repeats A bit for bit: the spread is 0, and the floor (the DDP tests' float32 tolerance) is the threshold
-    assert runs["B"]["train_loss"] == runs["A"]["train_loss"] and runs["B"]["val_loss"] == runs["A"]["val_loss"]
-    assert comparison["b_vs_a"]["mean"] == comparison["b_vs_a"]["max"] == 0.0
-    assert comparison["floor"] == comparison["threshold"] == TOLERANCE["abs"] == 1e-5
+    # B and C repeat A bit for bit: the spread is 0 (3 pairs), and the floor (the DDP tests' float32 tolerance) is
+    # the threshold
+    for label in ("B", "C"):
+        assert runs[label]["train_loss"] == runs["A"]["train_loss"] and runs[label]["val_loss"] == runs["A"]["val_loss"]
+        assert comparison["one_gpu_vs_a"][label]["mean"] == comparison["one_gpu_vs_a"][label]["max"] == 0.0
+    assert comparison["spread"] == {"mean": 0.0, "max": 0.0, "pairs": 3, "pair_means": [0.0, 0.0, 0.0]}
+    assert comparison["floor"] == comparison["threshold"] == TOLERANCE["abs"] == 1e-5 and comparison["margin"] == 1.5
     # CP: A's losses up to float32 round-off (summation order over 2 processes), every step and validation within
     # the DDP tests' 1e-5 (seen: at most ~1e-6)
     for step, loss in runs["A"]["train_loss"].items():
@@ -71,7 +76,8 @@ def test_smoke_run_context_parallel_is_within_the_spread_of_one_process_runs(tmp
                                                                         abs=1e-12)
     for step, loss in runs["A"]["val_loss"].items():
         assert runs["CP"]["val_loss"][step] == pytest.approx(loss, **TOLERANCE), step
-    assert comparison["cp_vs_a"]["steps"] == comparison["b_vs_a"]["steps"] == 10
+    assert comparison["cp_vs_a"]["steps"] == comparison["one_gpu_vs_a"]["B"]["steps"] == 10
+    assert comparison["cp_vs_one_gpu_means"] == {label: comparison["cp_vs_a"]["mean"] for label in ("A", "B", "C")}
     assert comparison["cp_vs_a"]["max"] <= TOLERANCE["abs"]
     assert comparison["cp_vs_a"]["mean"] == pytest.approx(
         sum(comparison["cp_vs_a"]["abs_diff"].values()) / 10, rel=1e-12)
@@ -80,3 +86,24 @@ def test_smoke_run_context_parallel_is_within_the_spread_of_one_process_runs(tmp
     assert comparison["speedup_cp_vs_a"] == pytest.approx(runs["CP"]["tokens_per_s"] / runs["A"]["tokens_per_s"],
                                                           rel=1e-12)
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def rule_runs(curves: dict[str, list[float]]) -> dict:
+    return {label: {"train_loss": dict(enumerate(losses, 1)), "tokens_per_s": None} for label, losses in curves.items()}
+
+
+def test_verdict_is_the_ddp_rule_over_every_pair_of_one_gpu_runs():
+    """mean |CP - A| <= max(1.5 x the largest pair mean of one-GPU runs, floor), as multiprocess_gpu.py rules DDP."""
+    compare = load_script().compare
+    base = [6.0, 5.0, 4.0, 3.0]
+    # pair means: |B - A| 0.01, |C - A| 0.04, |C - B| 0.03 -> spread 0.04, threshold 0.06
+    one_gpu = {"A": base, "B": [x + 0.01 for x in base], "C": [x + 0.04 for x in base]}
+    inside = compare(rule_runs({**one_gpu, "CP": [x + 0.059 for x in base]}), floor=1e-5)
+    assert inside["spread"]["mean"] == pytest.approx(0.04) and inside["spread"]["pairs"] == 3
+    assert inside["spread"]["pair_means"] == pytest.approx([0.01, 0.03, 0.04])
+    assert inside["threshold"] == pytest.approx(0.06) and inside["cp_within_spread"] is True
+    assert inside["cp_vs_one_gpu_means"] == pytest.approx({"A": 0.059, "B": 0.049, "C": 0.019})
+    outside = compare(rule_runs({**one_gpu, "CP": [x + 0.061 for x in base]}), floor=1e-5)
+    assert outside["cp_within_spread"] is False and outside["cp_over_spread"] == pytest.approx(0.061 / 0.06)
+    # a run that logged no loss: no verdict
+    assert compare(rule_runs({**one_gpu, "CP": []}), floor=1e-5)["cp_within_spread"] is None
