@@ -14,9 +14,12 @@ cudnn, fa2 (SDPA backends).
 
     PYTHONPATH=$PWD python3 benchmarks/probes/ab_probe.py --impls flashtrain flashtrain+FT_X=1 cudnn \
         --configs 64:512:causal 128:4096:full [--pass fwd|fb]
+    PYTHONPATH=$PWD python3 benchmarks/probes/ab_probe.py --impls flashtrain cudnn --configs 128:8192:causal:32/8:1 \
+        --pass fb                                          # GQA: 32 query heads on 8 key / value heads, batch 1
 """
 import argparse
 import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -116,20 +119,59 @@ def env_variant(name: str):
         drop_plans()
 
 
-def capture(name: str, head_dim: int, seqlen: int, causal: bool, kind: str) -> torch.cuda.CUDAGraph:
+@dataclasses.dataclass
+class Config:
+    """head_dim:seqlen:full|causal[:heads/kv_heads[:batch]]: the grid's shapes (batch x seqlen = 16K tokens, 2048 /
+    head_dim heads) unless heads (GQA: query heads / key-value heads) and batch are given, e.g. 128:8192:causal:32/8:1,
+    the attention benchmark's GQA workload."""
+
+    head_dim: int
+    seqlen: int
+    causal: bool
+    nheads: int
+    nheads_kv: int
+    batch: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Config":
+        parts = text.split(":")
+        if len(parts) not in (3, 4, 5) or parts[2] not in ("full", "causal"):
+            raise SystemExit(f"--configs: {text!r} is not head_dim:seqlen:full|causal[:heads/kv_heads[:batch]]")
+        head_dim, seqlen = int(parts[0]), int(parts[1])
+        nheads = nheads_kv = 2048 // head_dim
+        if len(parts) > 3:
+            nheads, nheads_kv = (int(x) for x in parts[3].split("/")) if "/" in parts[3] else (int(parts[3]),) * 2
+        batch = int(parts[4]) if len(parts) > 4 else max(1, 16384 // seqlen)
+        return cls(head_dim, seqlen, parts[2] == "causal", nheads, nheads_kv, batch)
+
+    def label(self) -> str:
+        heads = "" if self.nheads == self.nheads_kv == 2048 // self.head_dim else (
+            f" {self.nheads}/{self.nheads_kv}h" if self.nheads != self.nheads_kv else f" {self.nheads}h")
+        return f"hd{self.head_dim} S{self.seqlen:<6} {'causal' if self.causal else 'full':<6}{heads} B{self.batch}"
+
+    def flops(self, kind: str) -> float:
+        flops = 4 * self.batch * self.nheads * self.seqlen**2 * self.head_dim / (2 if self.causal else 1)
+        return flops * (3.5 if kind == "fb" else 1.0)
+
+
+def capture(name: str, config: Config, kind: str) -> torch.cuda.CUDAGraph:
     """One call of `name` (fwd, or fwd + backward) as a CUDA graph, on inputs of its own."""
-    batch, nheads = 16384 // seqlen, 2048 // head_dim
     flashtrain = name.startswith("flashtrain")
-    shape = (batch, seqlen, nheads, head_dim) if flashtrain else (batch, nheads, seqlen, head_dim)
-    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=kind == "fb")
-                     for _ in range(4))
+    c = config
+
+    def tensor(heads):
+        shape = (c.batch, c.seqlen, heads, c.head_dim) if flashtrain else (c.batch, heads, c.seqlen, c.head_dim)
+        return torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=kind == "fb")
+
+    q, k, v, dout = tensor(c.nheads), tensor(c.nheads_kv), tensor(c.nheads_kv), tensor(c.nheads)
+    gqa = {"enable_gqa": True} if c.nheads != c.nheads_kv else {}  # only when needed: not every backend takes it
 
     def call():
         if flashtrain:
-            out = flash_attn_func(q, k, v, causal=causal, impl="cuda")
+            out = flash_attn_func(q, k, v, causal=c.causal, impl="cuda")
         else:
             with sdpa_kernel(BACKENDS[name]):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=c.causal, **gqa)
         if kind == "fb":
             torch.autograd.grad(out, (q, k, v), dout)
 
@@ -155,29 +197,27 @@ def capture(name: str, head_dim: int, seqlen: int, causal: bool, kind: str) -> t
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impls", nargs="+", default=["flashtrain", "cudnn"])
-    parser.add_argument("--configs", nargs="+", default=GRID, help="head_dim:seqlen:full|causal")
+    parser.add_argument("--configs", nargs="+", default=GRID,
+                        help="head_dim:seqlen:full|causal[:heads/kv_heads[:batch]] (Config)")
     parser.add_argument("--pass", dest="kind", choices=("fwd", "fb"), default="fwd")
     parser.add_argument("--repeats", type=int, default=40)
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, f"cuDNN {torch.backends.cudnn.version()}", args.kind,
           flush=True)
-    for config in args.configs:
-        head_dim, seqlen, mask = config.split(":")
-        head_dim, seqlen, causal = int(head_dim), int(seqlen), mask == "causal"
-        graphs = {name: capture(name, head_dim, seqlen, causal, args.kind) for name in args.impls}
+    for config in map(Config.parse, args.configs):
+        graphs = {name: capture(name, config, args.kind) for name in args.impls}
         names = list(graphs)
         for graph in graphs.values():  # warm up the replays
             graph.replay()
         times = time_interleaved({name: graph.replay for name, graph in graphs.items()}, args.repeats)
-        flops = 4 * (16384 // seqlen) * (2048 // head_dim) * seqlen**2 * head_dim / (2 if causal else 1)
-        flops *= 3.5 if args.kind == "fb" else 1.0
+        flops = config.flops(args.kind)
         tflops = {name: flops / statistics.median(times[name]) / 1e12 for name in names}
         line = "  ".join(f"{name} {tflops[name]:6.1f}" for name in names)
         ratios = "".join(f"  /{names[0]}: {name} {tflops[name] / tflops[names[0]]:.3f}" for name in names[1:]
                          if name.startswith("flashtrain"))
         ratios += "".join(f"  {name}/cudnn {tflops[name] / tflops['cudnn']:.3f}" for name in names
                           if "cudnn" in tflops and name.startswith("flashtrain"))
-        print(f"hd{head_dim} S{seqlen:<6} {mask:<6} {args.kind} TFLOP/s {line}{ratios}", flush=True)
+        print(f"{config.label()} {args.kind} TFLOP/s {line}{ratios}", flush=True)
         del graphs
 
 
