@@ -253,23 +253,23 @@ def trial(setup: Setup, model_name: str, mode: str, seq_len: int, args) -> dict:
     return row
 
 
-def predicted_out_of_memory(rows: list[dict], model_name: str, mode: str, seq_len: int, setup: Setup) -> str:
+def predicted_out_of_memory(rows: list[dict], model_name: str, mode: str, seq_len: int,
+                            capacity_gib: float | None) -> str:
     """Why `mode` would run out of memory at `seq_len` ("" if it should fit): its peak at the previous length,
     doubled (activations and the logits grow linearly with the tokens; weights and optimizer state are a small
-    constant part), above the GPU's memory. GPUs only, multi-GPU modes only: there an out-of-memory error can leave
-    the other GPUs waiting (Setup); a one-GPU run just records it."""
-    if setup.device.type != "cuda" or mode == "one-gpu":
+    constant part), above the GPU's memory (capacity_gib; None: the CPU, no prediction). Multi-GPU modes only: there
+    an out-of-memory error can leave the other GPUs waiting (Setup); a one-GPU run just records it."""
+    if capacity_gib is None or mode == "one-gpu":
         return ""
     previous = [r for r in rows if r["model"] == model_name and r["mode"] == mode and r["status"] == "ok"
                 and r["seq_len"] * 2 == seq_len and r.get("peak_memory_gib")]
     if not previous:
         return ""
     peak = max(previous[-1]["peak_memory_gib"])
-    capacity = torch.cuda.get_device_properties(setup.device).total_memory / 2**30
-    if 2 * peak <= capacity:
+    if 2 * peak <= capacity_gib:
         return ""
     return (f"not run: predicted out of memory (peak {peak:.1f} GiB per GPU at {seq_len // 2} tokens, doubled "
-            f"{2 * peak:.1f} > {capacity:.1f} GiB)")
+            f"{2 * peak:.1f} > {capacity_gib:.1f} GiB)")
 
 
 def comparison(rows: list[dict]) -> list[dict]:
@@ -391,6 +391,8 @@ def main(argv: list[str] | None = None) -> None:
                       "(the kernels compile at first use)"}
     slug = "cpu-smoke" if args.smoke else device_name.replace(" ", "_")
     out = args.out or RESULTS / f"context_parallel-{slug}-x{setup.world}.json"
+    capacity_gib = (torch.cuda.get_device_properties(setup.device).total_memory / 2**30
+                    if setup.device.type == "cuda" else None)
     rows: list[dict] = []
     for name in names:
         running = list(args.modes)
@@ -407,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
                     env["cut_short"] = f"--deadline-minutes {args.deadline_minutes} reached before {name} {mode} " \
                                        f"at {seq_len}"
                     break
-                skip = predicted_out_of_memory(rows, name, mode, seq_len, setup)
+                skip = predicted_out_of_memory(rows, name, mode, seq_len, capacity_gib)
                 if skip:
                     row = {"model": name, "mode": mode, "seq_len": seq_len,
                            "gpus": 1 if mode == "one-gpu" else setup.world, "status": skip}

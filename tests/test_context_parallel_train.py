@@ -236,7 +236,7 @@ def test_benchmark_smoke_run_trains_both_models_split_as_on_one_process(tmp_path
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
-def test_benchmark_table_puts_each_length_on_one_row_with_the_ratios():
+def test_benchmark_table_and_predicted_out_of_memory():
     """benchmarks/context_parallel.py's docs table: each mode's tokens/s or its status, and flashtrain CP's ratio
     to one GPU and to PyTorch's CP only where both trained."""
     import importlib.util
@@ -258,3 +258,12 @@ def test_benchmark_table_puts_each_length_on_one_row_with_the_ratios():
     assert table[1]["one-gpu"] == "out of memory" and "cp_over_one_gpu" not in table[1]
     assert table[1]["cp_over_torch_cp"] == pytest.approx(1.2, rel=1e-12)
     assert module.longest(rows) == {"m": {"one-gpu": 8, "flashtrain-cp": 16, "torch-cp": 16}}
+    # the next length of a multi-GPU mode is skipped when its doubled peak would not fit the GPU
+    rows[4]["peak_memory_gib"], rows[5]["peak_memory_gib"] = [70.0, 70.5], [60.0, 61.0]
+    assert module.predicted_out_of_memory(rows, "m", "flashtrain-cp", 32, 139.8) == (
+        "not run: predicted out of memory (peak 70.5 GiB per GPU at 16 tokens, doubled 141.0 > 139.8 GiB)")
+    assert module.predicted_out_of_memory(rows, "m", "torch-cp", 32, 139.8) == ""  # 122 GiB fits
+    assert module.predicted_out_of_memory(rows, "m", "flashtrain-cp", 64, 139.8) == ""  # no measurement at 32
+    assert module.predicted_out_of_memory(rows, "m", "flashtrain-cp", 32, None) == ""  # the CPU: no prediction
+    rows[3]["peak_memory_gib"] = [100.0]
+    assert module.predicted_out_of_memory(rows, "m", "one-gpu", 32, 139.8) == ""  # one GPU just records its OOM
