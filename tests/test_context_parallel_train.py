@@ -238,7 +238,8 @@ def test_benchmark_smoke_run_trains_both_models_split_as_on_one_process(tmp_path
 
 def test_benchmark_table_and_predicted_out_of_memory():
     """benchmarks/context_parallel.py's docs table: each mode's tokens/s or its status, and flashtrain CP's ratio
-    to one GPU and to PyTorch's CP only where both trained."""
+    to one GPU and to PyTorch's CP only where both trained; and which lengths a multi-GPU mode skips as predicted
+    out of memory."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("context_parallel_benchmark",
