@@ -49,8 +49,8 @@ The JSON (--out; the PNG beside it: the loss curves, and |loss - A's| per step):
                 the run together: a step is the same 16K tokens in every run), peak_memory_gib_per_gpu (each GPU's
                 largest over the steps; null on the CPU)
     comparison  cp_vs_a and one_gpu_vs_a {B: ..., C: ...}: {mean, max, steps, abs_diff {step: |difference|}};
-                cp_vs_one_gpu_means (mean |CP - X| for each one-GPU run X); spread {mean (the largest pair mean),
-                max, pairs, pair_means}; floor, margin, threshold, cp_over_spread, cp_within_spread (the verdict), the
+                cp_vs_one_gpu_means (mean |CP - X| for each one-GPU run X); spread (multiprocess_gpu.pair_noise: mean
+                and max, the largest pair's; pairs; pair_means, pair_maxes); floor, margin, threshold, cp_over_spread, cp_within_spread (the verdict), the
                 rule in words, speedup_cp_vs_a (CP's tokens/s over A's)
 The script exits 1 when a run fails (the JSON then holds what there is, the verdict null, and no PNG is drawn) or
 when the verdict is false, after writing its files.
@@ -73,9 +73,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from flashtrain.train.metrics import save_figure  # noqa: E402
 from flashtrain.train.trainer import read_metrics  # noqa: E402
+from multiprocess_gpu import pair_noise  # noqa: E402  (the DDP / FSDP checks' run-to-run spread)
 
 GPU_OVERRIDES = [
     "recipe=gpt2-small-4k", "model.n_positions=16384", "data=python-site", "logger=none",
@@ -181,7 +183,7 @@ def compare(runs: dict[str, dict], floor: float) -> dict:
     cp = runs["CP"]["train_loss"]
     cp_vs_a = differences(cp, runs["A"]["train_loss"])
     others = {label: differences(runs[label]["train_loss"], runs["A"]["train_loss"]) for label in one[1:]}
-    pairs = [differences(runs[x]["train_loss"], runs[y]["train_loss"]) for i, x in enumerate(one) for y in one[i + 1:]]
+    spread = pair_noise([runs[label]["train_loss"] for label in one])
     cp_vs_one = {label: differences(cp, runs[label]["train_loss"]) for label in one}
     comparison = {"cp_vs_a": cp_vs_a,
                   "one_gpu_vs_a": others,  # each other one-GPU run against A, per step (the plot's noise curves)
@@ -190,12 +192,9 @@ def compare(runs: dict[str, dict], floor: float) -> dict:
                   "rule": f"cp_within_spread: mean |loss_CP - loss_A| <= threshold = max({MARGIN} x spread, floor), "
                           "spread = the largest mean |loss difference| of two one-GPU runs, over the steps all runs "
                           "logged (multiprocess_gpu.py's rule for DDP and FSDP)"}
-    if cp_vs_a and pairs and all(pairs):
-        spread = max(pair["mean"] for pair in pairs)
-        threshold = max(MARGIN * spread, floor)
-        comparison.update(spread={"mean": spread, "max": max(pair["max"] for pair in pairs), "pairs": len(pairs),
-                                  "pair_means": sorted(pair["mean"] for pair in pairs)},
-                          threshold=threshold, cp_over_spread=cp_vs_a["mean"] / threshold,
+    if cp_vs_a and spread:
+        threshold = max(MARGIN * spread["mean"], floor)
+        comparison.update(spread=spread, threshold=threshold, cp_over_spread=cp_vs_a["mean"] / threshold,
                           cp_within_spread=cp_vs_a["mean"] <= threshold)
     else:
         comparison["cp_within_spread"] = None
