@@ -423,6 +423,56 @@ def test_dropout_mask_statistics():
         assert abs((a & b).float().mean().item() - 0.75**2) < 2e-3
 
 
+@pytest.fixture
+def gqa_reduce_kernels(monkeypatch):
+    """The FT_BWD_GQA_REDUCE kernel variant (GQA splits reduce-add dK / dV into one copy), compiled and planned for
+    this test only (as benchmarks/probes/ab_probe.py switches variants)."""
+    from flashtrain.kernels import build, launch
+
+    def forget():
+        launch._kernels.clear()
+        launch._modules.clear()
+        _ops()._fwd_plans.clear()
+        _ops()._bwd_plans.clear()
+        _ops().clear_host_plans()
+
+    monkeypatch.setenv("FLASHTRAIN_EXTRA_DEFINES", "FT_BWD_GQA_REDUCE=1")
+    forget()
+    assert build.extra_define("FT_BWD_GQA_REDUCE") == "1"
+    yield
+    monkeypatch.delenv("FLASHTRAIN_EXTRA_DEFINES")
+    forget()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gqa_reduce_variant_matches_reference(gqa_reduce_kernels, head_dim, causal):
+    """On Hopper (other GPUs: the macro changes nothing) GQA shapes whose backward splits the group's query heads
+    over tiles (ops._gqa_splits > 1): batch, uneven lengths, varlen, and the deterministic backward (its in-order sum
+    of per-split copies), each by FlashAttention-2's rule."""
+    q, k, v, dout = _inputs((2, 1000, 8, head_dim), (2, 1000, 1, head_dim), torch.bfloat16)
+    _check_against_reference(q, k, v, dout, causal=causal)
+    q, k, v, dout = _inputs((1, 777, 16, head_dim), (1, 901, 2, head_dim), torch.bfloat16, seed=1)
+    _check_against_reference(q, k, v, dout, causal=causal)
+    cu = torch.tensor([0, 1, 300, 1100], dtype=torch.int32, device="cuda")
+    q, k, v, dout = _inputs((1100, 8, head_dim), (1100, 2, head_dim), torch.bfloat16, seed=2)
+    _check_against_reference(q, k, v, dout, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=800,
+                             max_seqlen_k=800)
+
+    def grads(deterministic):
+        def fn(q, k, v):
+            return _ops().flash_attn_cuda(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=1000,
+                                          max_seqlen_k=1000, dropout_p=0.0, softmax_scale=head_dim**-0.5, causal=causal,
+                                          generator=None, deterministic=deterministic)
+        return _run(fn, q4, k4, v4, dout4)[2:]
+
+    q4, k4, v4, dout4 = _inputs((2, 1000, 8, head_dim), (2, 1000, 1, head_dim), torch.bfloat16, seed=3)
+    first, second, reduced = grads(True), grads(True), grads(False)
+    for a, b, c in zip(first, second, reduced):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, atol=2e-2, rtol=1e-2)
+
+
 # ---------------------------------------------------------------------------------------------------- backward modes
 def test_deterministic_backward_is_bitwise_reproducible():
     q, k, v, dout = _inputs((2, 1000, 4, 64), (2, 1000, 2, 64), torch.bfloat16)

@@ -533,14 +533,18 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         params.dkv_cols, params.dkv_split_stride = head_dim, math.prod(rows) * head_dim
         params.dkv_batch_stride = 0 if varlen else nheads_kv * fwd.seqlen_k * head_dim
         params.dkv_head_stride = rows[-1] * head_dim
+        # the FT_BWD_GQA_REDUCE kernels (not deterministic): the splits reduce-add into one zero-filled copy
+        copies = 1 if not deterministic and build.extra_define("FT_BWD_GQA_REDUCE") not in (None, "0") \
+            else params.kv_splits
         index = len(outputs)
-        outputs.append(((2 * params.kv_splits * params.dkv_split_stride,), torch.float32, _FILL_NONE))
+        outputs.append(((2 * copies * params.dkv_split_stride,), torch.float32,
+                        _FILL_ZERO if copies == 1 else _FILL_NONE))
         fields.append(("dkv_accum", (_OUTPUT, index, 0)))
-        for target, scale, offset in ((1, softmax_scale, 0), (2, 1.0, 4 * params.kv_splits * params.dkv_split_stride)):
+        for target, scale, offset in ((1, softmax_scale, 0), (2, 1.0, 4 * copies * params.dkv_split_stride)):
             aux_kv = launch.AuxParams(
                 dqa_split_stride=params.dkv_split_stride, dqa_batch_stride=params.dkv_batch_stride,
                 dqa_head_stride=params.dkv_head_stride, batch=batch, nheads=nheads_kv, head_dim=k.shape[-1],
-                seqlen_q=fwd.seqlen_k, seqlen_k=fwd.seqlen_k, nsplits=params.kv_splits, softmax_scale=scale,
+                seqlen_q=fwd.seqlen_k, seqlen_k=fwd.seqlen_k, nsplits=copies, softmax_scale=scale,
                 dq_block_m=tiles.block_m, total_q=fwd.total_k, total_k=fwd.total_k, dqa_cols=head_dim, dq_slice_width=0)
             (aux_kv.dq_batch_stride, aux_kv.dq_row_stride, aux_kv.dq_head_stride) = _strides(dk, varlen)
             kv_converts.append(_Launch(

@@ -90,6 +90,13 @@
 #ifndef FT_BWD_SKIP_HIDDEN
 #define FT_BWD_SKIP_HIDDEN 1
 #endif
+// FT_BWD_GQA_REDUCE=1 (A/B; off by default): with GQA splits (BwdParams::kv_splits > 1) and not deterministic, every
+// split adds its fp32 partial dK / dV into one zero-filled copy per gradient (vector reductions, summed in L2) instead
+// of writing a copy of its own for the converts to sum; ops.py then allocates one copy and converts it alone. The
+// host reads the same macro from FLASHTRAIN_EXTRA_DEFINES (build.extra_define).
+#ifndef FT_BWD_GQA_REDUCE
+#define FT_BWD_GQA_REDUCE 0
+#endif
 
 namespace flashtrain {
 
@@ -944,10 +951,11 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             // summed over the splits by the convert kernel; K / V are released at once.
             __syncwarp();
             if (lead_lane) mbar_arrive(sm.empty_kv);
-            const i64 base = x.split * p.dkv_split_stride + x.batch * p.dkv_batch_stride +
+            constexpr bool kReduce = FT_BWD_GQA_REDUCE && !T::kIsDeterministic;  // one copy, reduce-added
+            const i64 base = (kReduce ? 0 : x.split * p.dkv_split_stride) + x.batch * p.dkv_batch_stride +
                              x.head_kv * p.dkv_head_stride + (i64)(x.k_start + x.n0 + key_row0 + g) * p.dkv_cols + 2 * t;
             float* dk_part = p.dkv_accum + base;
-            float* dv_part = p.dkv_accum + p.kv_splits * p.dkv_split_stride + base;
+            float* dv_part = p.dkv_accum + (kReduce ? 1 : p.kv_splits) * p.dkv_split_stride + base;
             const int rows_valid = x.seqlen_k - x.n0 - key_row0;
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
@@ -955,8 +963,13 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
 #pragma unroll
                     for (int j = 0; j < kDT; ++j) {
                         const int offset = 8 * hf * p.dkv_cols + 8 * j;
-                        *reinterpret_cast<float2*>(dk_part + offset) = make_float2(acc_dk[j][2 * hf], acc_dk[j][2 * hf + 1]);
-                        *reinterpret_cast<float2*>(dv_part + offset) = make_float2(acc_dv[j][2 * hf], acc_dv[j][2 * hf + 1]);
+                        if constexpr (kReduce) {
+                            atomic_add2(dk_part + offset, acc_dk[j][2 * hf], acc_dk[j][2 * hf + 1]);
+                            atomic_add2(dv_part + offset, acc_dv[j][2 * hf], acc_dv[j][2 * hf + 1]);
+                        } else {
+                            *reinterpret_cast<float2*>(dk_part + offset) = make_float2(acc_dk[j][2 * hf], acc_dk[j][2 * hf + 1]);
+                            *reinterpret_cast<float2*>(dv_part + offset) = make_float2(acc_dv[j][2 * hf], acc_dv[j][2 * hf + 1]);
+                        }
                     }
                 }
             }
@@ -1251,23 +1264,32 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
         if (p.kv_splits > 1) {
             __syncwarp();
             if (lead_lane) mbar_arrive(sm.empty_kv);
-            const i64 base = x.split * p.dkv_split_stride + x.batch * p.dkv_batch_stride +
+            constexpr bool kReduce = FT_BWD_GQA_REDUCE && !T::kIsDeterministic;  // one copy, reduce-added
+            const i64 base = (kReduce ? 0 : x.split * p.dkv_split_stride) + x.batch * p.dkv_batch_stride +
                              x.head_kv * p.dkv_head_stride + (i64)(x.k_start + x.n0 + row0 + g) * p.dkv_cols + 2 * t;
             float* dk_part = p.dkv_accum + base + kDkCol;
-            float* dv_part = p.dkv_accum + p.kv_splits * p.dkv_split_stride + base + kDvCol;
+            float* dv_part = p.dkv_accum + (kReduce ? 1 : p.kv_splits) * p.dkv_split_stride + base + kDvCol;
             const int rows_valid = x.seqlen_k - x.n0 - row0;
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 if (g + 8 * hf < rows_valid) {
                     const int offset = 8 * hf * p.dkv_cols;
 #pragma unroll
-                    for (int j = 0; j < kDkN / 8; ++j)
-                        *reinterpret_cast<float2*>(dk_part + offset + 8 * j) =
-                            make_float2(acc_dk[j][2 * hf], acc_dk[j][2 * hf + 1]);
+                    for (int j = 0; j < kDkN / 8; ++j) {
+                        if constexpr (kReduce)
+                            atomic_add2(dk_part + offset + 8 * j, acc_dk[j][2 * hf], acc_dk[j][2 * hf + 1]);
+                        else
+                            *reinterpret_cast<float2*>(dk_part + offset + 8 * j) =
+                                make_float2(acc_dk[j][2 * hf], acc_dk[j][2 * hf + 1]);
+                    }
 #pragma unroll
-                    for (int j = 0; j < kDvN / 8; ++j)
-                        *reinterpret_cast<float2*>(dv_part + offset + 8 * j) =
-                            make_float2(acc_dv[j][2 * hf], acc_dv[j][2 * hf + 1]);
+                    for (int j = 0; j < kDvN / 8; ++j) {
+                        if constexpr (kReduce)
+                            atomic_add2(dv_part + offset + 8 * j, acc_dv[j][2 * hf], acc_dv[j][2 * hf + 1]);
+                        else
+                            *reinterpret_cast<float2*>(dv_part + offset + 8 * j) =
+                                make_float2(acc_dv[j][2 * hf], acc_dv[j][2 * hf + 1]);
+                    }
                 }
             }
             continue;
