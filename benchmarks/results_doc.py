@@ -5,7 +5,8 @@
 
 Each JSON gets a section: its metadata (the `env` dict, or the top-level scalar fields: device, torch, date, ...) and
 one compact table of its main numbers, flattened generically from its `rows` list (or `runs` dict, or the first list
-or dict of records). Columns are the scalar fields (nested ones dotted, lists left out), at most MAX_COLUMNS of them;
+or dict of records). A record with a `superseded_by` field (the file name of a newer record of the same measurement)
+gets one line pointing there. Columns are the scalar fields (nested ones dotted, lists left out), at most MAX_COLUMNS of them;
 a file whose shape gives no table gets its metadata and links only. Numbers in docs come from here, not by hand.
 """
 
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "results.md"
 MAX_COLUMNS = 12
-MAX_ROWS = 12
+MAX_ROWS = 10
 MAX_TEXT = 100
 TABLE_KEYS = ("table", "rows", "runs", "summary", "speed", "host", "calls")  # in order of preference
 
@@ -118,6 +119,11 @@ def _section(path: Path) -> list[str]:
               if png.stem == path.stem or png.stem[len(path.stem):].startswith("-")
               and not (RESULTS / f"{png.stem}.json").exists()]
     head = "Source: " + ", ".join(links) + "."
+    successor = data.get("superseded_by") if isinstance(data, dict) else None
+    if successor:  # an older record of the same measurement: its successor's section has the table
+        date = (data.get("env") or {}).get("date") if isinstance(data.get("env"), dict) else data.get("date")
+        return lines + [f"{head} Superseded by [{successor}](#{Path(successor).stem.lower()})"
+                        + (f" (this record: {date})" if date else "") + "; its numbers stay in the JSON.", ""]
     meta = _metadata(data)
     if meta:
         head += " " + "; ".join(f"{k}: {v}" for k, v in meta) + "."

@@ -118,6 +118,22 @@ def test_long_causal_tiles_match_reference(dtype):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_keys_tiles_match_reference(causal):
+    """Head dim 128 from build.LONG_KEYS_SEQLEN keys on runs 192-key tiles (O stored from the registers): a partial
+    last key block, seqlen_q = seqlen_k and a short query block against the long keys (causal: aligned to the end),
+    forward and gradients by FlashAttention-2's rule."""
+    from flashtrain.kernels import build
+
+    long = build.LONG_KEYS_SEQLEN + 77  # (not a multiple of 192)
+    assert build.fwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, seqlen_q=long,
+                            seqlen_k=long).tiles.block_n == 192
+    q, k, v, dout = _inputs((1, long, 2, 128), (1, long, 1, 128), torch.bfloat16, seed=5)
+    _check_against_reference(q, k, v, dout, causal=causal)
+    q, k, v, dout = _inputs((2, 333, 2, 128), (2, long, 2, 128), torch.bfloat16, seed=6)
+    _check_against_reference(q, k, v, dout, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_negative_softmax_scale_matches_reference(causal, head_dim):
     """softmax_scale < 0 is softmax(q k^T * scale) like any other scale. The kernels take each row's running max over
@@ -423,33 +439,12 @@ def test_dropout_mask_statistics():
         assert abs((a & b).float().mean().item() - 0.75**2) < 2e-3
 
 
-@pytest.fixture
-def gqa_reduce_kernels(monkeypatch):
-    """The FT_BWD_GQA_REDUCE kernel variant (GQA splits reduce-add dK / dV into one copy), compiled and planned for
-    this test only (as benchmarks/probes/ab_probe.py switches variants)."""
-    from flashtrain.kernels import build, launch
-
-    def forget():
-        launch._kernels.clear()
-        launch._modules.clear()
-        _ops()._fwd_plans.clear()
-        _ops()._bwd_plans.clear()
-        _ops().clear_host_plans()
-
-    monkeypatch.setenv("FLASHTRAIN_EXTRA_DEFINES", "FT_BWD_GQA_REDUCE=1")
-    forget()
-    assert build.extra_define("FT_BWD_GQA_REDUCE") == "1"
-    yield
-    monkeypatch.delenv("FLASHTRAIN_EXTRA_DEFINES")
-    forget()
-
-
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gqa_reduce_variant_matches_reference(gqa_reduce_kernels, head_dim, causal):
-    """On Hopper (other GPUs: the macro changes nothing) GQA shapes whose backward splits the group's query heads
-    over tiles (ops._gqa_splits > 1): batch, uneven lengths, varlen, and the deterministic backward (its in-order sum
-    of per-split copies), each by FlashAttention-2's rule."""
+def test_gqa_split_backward_matches_reference(head_dim, causal):
+    """GQA shapes whose Hopper backward splits the group's query heads over tiles (ops._gqa_splits > 1; the splits
+    reduce-add dK / dV into one fp32 copy): batch, uneven lengths, varlen, each by FlashAttention-2's rule; and the
+    deterministic backward (a copy per split, summed in order) bitwise repeatable and close to the default."""
     q, k, v, dout = _inputs((2, 1000, 8, head_dim), (2, 1000, 1, head_dim), torch.bfloat16)
     _check_against_reference(q, k, v, dout, causal=causal)
     q, k, v, dout = _inputs((1, 777, 16, head_dim), (1, 901, 2, head_dim), torch.bfloat16, seed=1)
@@ -488,6 +483,54 @@ def test_deterministic_backward_is_bitwise_reproducible():
     for a, b, c in zip(first, second, atomic):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("head_dim, causal, seqlen", [(64, False, 2048), (64, True, 2048), (128, False, 2048),
+                                                      (128, True, 1536), (128, True, 2048)],
+                         ids=["hd64-full", "hd64-causal", "hd128-full-q80", "hd128-causal", "hd128-causal-q80"])
+def test_split_qdo_variant_matches_default(head_dim, causal, seqlen, monkeypatch):
+    """The FT_BWD_SPLIT_QDO variant of the Hopper backward (separate mbarriers for Q + lse and dO + D per stage: only
+    the synchronisation changes) against the default kernel, at lengths with 12-32 query blocks per key tile (hd128
+    causal at 1536 rows: 64-query blocks; at 2048: 80-query blocks, as non-causal): out, dK and dV bitwise equal,
+    dQ (fp32 reduce-adds in arrival order, then rounded) within atol 2e-2, rtol 1e-2. MHA, so that no GQA split
+    sums dK / dV by reductions."""
+    from flashtrain.kernels import build, launch
+
+    if not _is_hopper():
+        pytest.skip("the variant is the Hopper backward's")
+
+    def forget():  # compile and plan the kernels again under the current FLASHTRAIN_EXTRA_DEFINES
+        launch._kernels.clear()
+        launch._modules.clear()
+        _ops()._fwd_plans.clear()
+        _ops()._bwd_plans.clear()
+        _ops().clear_host_plans()
+
+    def grads():
+        return _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, return_lse=True, impl="cuda"),
+                    q, k, v, dout)
+
+    q, k, v, dout = _inputs((2, seqlen, 4, head_dim), (2, seqlen, 4, head_dim), torch.bfloat16)
+    monkeypatch.delenv("FLASHTRAIN_EXTRA_DEFINES", raising=False)
+    forget()
+    spec = build.bwd_kernel(head_dim, "bf16", causal, False, arch="sm_90a", seqlen_q=seqlen)
+    default = grads()
+    monkeypatch.setenv("FLASHTRAIN_EXTRA_DEFINES", "FT_BWD_SPLIT_QDO=1")
+    forget()
+    try:
+        variant_spec = build.bwd_kernel(head_dim, "bf16", causal, False, arch="sm_90a", seqlen_q=seqlen)
+        assert variant_spec.name == spec.name and variant_spec.smem_bytes == spec.smem_bytes + 128
+        variant = grads()
+        device = torch.cuda.current_device()
+        assert launch._kernels[device, spec.name].smem_bytes == variant_spec.smem_bytes  # the variant ran
+    finally:
+        monkeypatch.delenv("FLASHTRAIN_EXTRA_DEFINES")
+        forget()
+    out, lse, dq, dk, dv = variant
+    assert torch.equal(out, default[0]) and torch.equal(lse, default[1])
+    assert torch.equal(dk, default[3]), f"dK differs: max {(dk.float() - default[3].float()).abs().max().item():.3g}"
+    assert torch.equal(dv, default[4]), f"dV differs: max {(dv.float() - default[4].float()).abs().max().item():.3g}"
+    torch.testing.assert_close(dq, default[2], atol=2e-2, rtol=1e-2)
 
 
 def test_opcheck():
@@ -591,7 +634,7 @@ def test_cuda_graph_capture_replays_a_mask_mod_with_new_tensor_contents():
 def _sanitizer_grid() -> None:
     """A small grid of forward + backward calls covering every kernel path (on Hopper the warpgroup-MMA kernels too:
     head dims 40, 64, 128 with and without dropout, the dense hd128 backward's 80-query blocks, the causal hd128
-    forward's two Q buffers), for compute-sanitizer."""
+    forward's two Q buffers, its long-key tiles), for compute-sanitizer."""
     for head_dim, dtype, causal, dropout_p in [(64, torch.float16, False, 0.0), (128, torch.bfloat16, True, 0.1),
                                                 (96, torch.float16, True, 0.0), (256, torch.bfloat16, False, 0.0),
                                                 (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2),
@@ -621,6 +664,10 @@ def _sanitizer_grid() -> None:
     # the causal hd128 forward below 1K query rows (two Q buffers) with several tiles per CTA (256 tiles)
     q, k, v, dout = _inputs((2, 960, 16, 128), (2, 960, 16, 128), torch.bfloat16)
     _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
+    # the hd128 forward's long-key tiles (192 keys, O from registers) with a partial last key block
+    for causal in (False, True):
+        q, k, v, dout = _inputs((1, 333, 4, 128), (1, 8269, 2, 128), torch.bfloat16)
+        _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, return_lse=True, impl="cuda"), q, k, v, dout)
     torch.cuda.synchronize()
     print("sanitizer grid done")
 

@@ -4,10 +4,11 @@ flash_attn_bwd, their C++ autograd node and launch executor.
     pytest -m cuda tests/test_host_layer_cuda.py
 
 The executor must launch exactly what the Python executor (ops._fwd_impl / _bwd_impl, the reference; tests/
-test_host_layer.py checks the parameter bytes on CPU) launches: out, lse, dk, dv bitwise equal, dq too where it is
-deterministic. Then what only the GPU shows: the autograd node's backward (on the autograd device thread), streams
-and their tile counters, torch.compile without graph breaks, CUDA graph capture, no host synchronisation. Numerics
-against the reference are tests/test_cuda_kernels.py's (every call there runs this layer).
+test_host_layer.py checks the parameter bytes on CPU) launches: out, lse, dk, dv bitwise equal (dk, dv: unless GQA
+splits of three or more reduce-add them), dq too where it is deterministic. Then what only the GPU shows: the autograd
+node's backward (on the autograd device thread), streams and their tile counters, torch.compile without graph breaks,
+CUDA graph capture, no host synchronisation. Numerics against the reference are tests/test_cuda_kernels.py's (every
+call there runs this layer).
 """
 
 import os
@@ -83,8 +84,15 @@ def test_cpp_executor_matches_the_python_executor_bitwise(name):
 
     py_out, py_lse = ops._fwd_impl(q, k, v, *options, bs_rows)
     py_dq, py_dk, py_dv = ops._bwd_impl(dout, q, k, v, py_out, py_lse, *options, deterministic, bs_cols)
-    for what, a, b in (("out", out, py_out), ("lse", lse, py_lse), ("dk", dk, py_dk), ("dv", dv, py_dv)):
+    for what, a, b in (("out", out, py_out), ("lse", lse, py_lse)):
         assert torch.equal(a, b), f"{name}: {what} differs from the Python executor's"
+    # GQA groups split over several tiles (Hopper) reduce-add dK / dV in a varying order: from three splits on, the
+    # fp32 sums may round differently (two terms added to zero commute)
+    for what, a, b in (("dk", dk, py_dk), ("dv", dv, py_dv)):
+        if deterministic or q.shape[-2] // k.shape[-2] <= 2:
+            assert torch.equal(a, b), f"{name}: {what} differs from the Python executor's"
+        else:
+            torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
     if deterministic:
         assert torch.equal(dq, py_dq), f"{name}: deterministic dq differs from the Python executor's"
     else:  # atomics add dq in a varying order

@@ -41,6 +41,7 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_det = (len(build.BWD_SM90_TILES) - len(split)) * 2 * 2 * 2  # the deterministic backward (dense only)
     hopper_long = len(build.FWD_SM90_TILES_LONG_CAUSAL) * 2  # the causal forward's long-sequence tiles (x dtype)
     hopper_long += len(build.FWD_SM90_TILES_SHORT_CAUSAL) * 2  # ... and its short-sequence ones
+    hopper_long += len(build.FWD_SM90_TILES_LONG_KEYS) * 2 * 2  # the forward's long-key tiles (x dtype x causal)
     hopper_narrow = 2 * 2 * 2  # the hd128 backward with 96 columns of MMA work (head dims 65-96), x dtype x causal x dropout
     hopper_q80 = 2 * 2  # the hd128 backward's other query block (64 rows, or 80 with FLASHTRAIN_BWD_SM90_Q80=0), x dtype
     # x causal
@@ -116,6 +117,28 @@ def test_long_causal_forward_tiles():
     assert build.fwd_kernel(64, "bf16", True, False, True, arch="sm_90a", seqlen_q=long).block_m == 128  # sparse
     assert build.fwd_kernel(128, "bf16", True, False, arch="sm_90a", seqlen_q=long).block_m == 128
     assert build.fwd_kernel(64, "bf16", True, False, arch="sm_80", seqlen_q=long).name == "flash_fwd_hdim64_bf16_causal"
+
+
+def test_long_keys_forward_tiles():
+    """Head dim 128 from LONG_KEYS_SEQLEN keys on (dense calls, causal or not): 192-key tiles with O from the registers
+    (a kernel of its own name, within the 227 KB an sm_90 block can have); fewer keys, unknown (0: varlen), dropout,
+    block-sparse, score modifications, head dim 64 and sm_80 keep their tiles."""
+    long = build.LONG_KEYS_SEQLEN
+    for causal, suffix in ((False, ""), (True, "_causal")):
+        spec = build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=long, seqlen_k=long)
+        assert (spec.name, spec.block_m, spec.tiles.block_n) == (f"flash_fwd_sm90_hdim128_bf16{suffix}_128x192", 128, 192)
+        assert ("FT_SEPARATE_O", 0) in spec.defines and spec.smem_bytes <= SM90_MAX_SMEM
+        assert spec in build.all_kernels()
+        # a short causal query block against many keys takes the long-key tiles too
+        assert build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=300, seqlen_k=long).tiles.block_n == 192
+    for other in (build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", seqlen_k=long - 1),
+                  build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", seqlen_q=long, seqlen_k=0),
+                  build.fwd_kernel(128, "bf16", False, True, arch="sm_90a", seqlen_k=long),
+                  build.fwd_kernel(128, "bf16", False, False, True, arch="sm_90a", seqlen_k=long),
+                  build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", seqlen_k=long, score_mods=True),
+                  build.fwd_kernel(64, "bf16", False, False, arch="sm_90a", seqlen_k=long)):
+        assert other.tiles.block_n == 128
+    assert build.fwd_kernel(128, "bf16", False, False, arch="sm_80", seqlen_k=long).name == "flash_fwd_hdim128_bf16"
 
 
 def test_head_dim_512_dispatch(monkeypatch):
@@ -558,3 +581,31 @@ def test_extra_define_reads_the_variant_macros(monkeypatch):
     assert build.extra_define("FT_MISSING") is None
     monkeypatch.delenv("FLASHTRAIN_EXTRA_DEFINES")
     assert build.extra_define("FT_BWD_GQA_REDUCE") is None
+
+
+def test_split_qdo_variant_shared_memory(monkeypatch):
+    """FT_BWD_SPLIT_QDO=1 in FLASHTRAIN_EXTRA_DEFINES (the Hopper backward's separate Q / dO mbarriers): the head-dim
+    64 / 128 kernels, every variant, take 128 more bytes of barriers (kBarrierBytes 256), the 80-query hd128 kernel
+    still within the 227 KB of an sm_90 block; the split head dims (one pair per stage) none; the specs built before
+    the switch do not stand in for the variant's (the kernel asserts that the sizes agree)."""
+    monkeypatch.delenv("FLASHTRAIN_EXTRA_DEFINES", raising=False)
+
+    def specs():
+        return [build.bwd_kernel(64, "bf16", False, False, arch="sm_90a"),
+                build.bwd_kernel(128, "bf16", True, False, arch="sm_90a"),
+                build.bwd_kernel(128, "bf16", True, False, arch="sm_90a", seqlen_q=1 << 16),
+                build.bwd_kernel(128, "bf16", False, True, arch="sm_90a", deterministic=True),
+                build.bwd_kernel(64, "bf16", True, False, arch="sm_90a", score_mods=True),
+                build.bwd_kernel(256, "bf16", False, False, arch="sm_90a")]
+
+    default = specs()
+    assert [spec.source for spec in default] == ["flash_bwd_sm90.cu"] * 6 and default[2].tiles.swap_dq
+    monkeypatch.setenv("FLASHTRAIN_EXTRA_DEFINES", "FT_BWD_SPLIT_QDO=1")
+    assert build.bwd_sm90_split_qdo()
+    variant = specs()
+    assert [spec.name for spec in variant] == [spec.name for spec in default]
+    assert [b.smem_bytes - a.smem_bytes for a, b in zip(default, variant)] == [128] * 5 + [0]
+    assert variant[2].smem_bytes == 232064 + 128 <= SM90_MAX_SMEM
+    assert build.BWD_SM90_DENSE128_TILES.smem_bytes(128, split_qdo=False) == 232064
+    monkeypatch.setenv("FLASHTRAIN_EXTRA_DEFINES", "FT_BWD_SPLIT_QDO=0")
+    assert not build.bwd_sm90_split_qdo() and [spec.smem_bytes for spec in specs()] == [s.smem_bytes for s in default]

@@ -2,19 +2,27 @@
 forward or forward + backward), sampled by `nvidia-smi -lms`. Tells a kernel that is slower because the GPU clocks
 down under it (power) from one that is slower per clock.
 
-    PYTHONPATH=$PWD python3 benchmarks/probes/clock_probe.py --head-dim 128 --seqlen 16384 [--causal] [--backward]
+    PYTHONPATH=$PWD python3 benchmarks/probes/clock_probe.py --head-dim 128 --seqlen 16384 [--causal] [--backward] \
+        [--impls flashtrain fa4 cudnn]
+
+Implementations: flashtrain, fa4 (FlashAttention-4 where installed: benchmarks/fa4_baseline.py), cudnn, fa2.
 """
 import argparse
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtrain.kernels import flash_attn_func
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fa4_baseline  # noqa: E402
 
 
 def main() -> None:
@@ -36,6 +44,9 @@ def main() -> None:
     for name in args.impls:
         if name == "flashtrain":
             call = lambda: flash_attn_func(q, k, v, causal=args.causal, impl="cuda")  # noqa: E731
+        elif name == "fa4":
+            fa4 = fa4_baseline.attention(args.causal)
+            call = lambda: fa4(q, k, v)  # noqa: E731
         else:
             qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(args.backward) for x in (q, k, v))
 

@@ -177,6 +177,17 @@ FWD_SM90_TILES_SHORT_CAUSAL = {
     128: FwdSm90Tiles(128, 128, stages=2, q_buffers=2),
 }
 SHORT_CAUSAL_SEQLEN = 1024
+# At least LONG_KEYS_SEQLEN keys (dense calls; not varlen, whose maximum says little about its documents), without
+# dropout / block-sparse: 192-key tiles at head dim 128, FlashAttention-3's longer key tile for the non-causal hd128
+# forward, with O stored from the registers (Q 32 KB + 2 x 2 x 48 KB of K / V leave no room for O's own tile). Fewer,
+# longer key blocks per row: less softmax bookkeeping and fewer barrier round trips per FLOP. H200, 2026-11-29,
+# CUDA-graph replays interleaved in one process (benchmarks/probes/ab_probe.py), forward 128 x 192 / 128 x 128:
+# non-causal 4K 1.002, 8K 1.045, 16K 1.055; causal 8K 0.999, 16K 1.033; but non-causal 1K 0.864 and 2K 0.983 (a
+# partial last key block), hence the threshold. O from the registers alone at 128 x 128: 0.946-0.965.
+FWD_SM90_TILES_LONG_KEYS = {
+    128: FwdSm90Tiles(128, 192, stages=2, separate_o=False),
+}
+LONG_KEYS_SEQLEN = 8192
 
 
 def _tile_overrides() -> None:
@@ -189,8 +200,9 @@ def _tile_overrides() -> None:
         block_m, block_n, stages = (int(x) for x in shape.rstrip("oq").split("x"))
         tiles = FwdSm90Tiles(block_m, block_n, stages, separate_o=separate_o, split_d=int(head_dim) > 256)
         FWD_SM90_TILES[int(head_dim)] = FWD_SM90_TILES_NONCAUSAL[int(head_dim)] = tiles
-        if int(head_dim) in FWD_SM90_TILES_LONG_CAUSAL:
-            FWD_SM90_TILES_LONG_CAUSAL[int(head_dim)] = tiles
+        for table in (FWD_SM90_TILES_LONG_CAUSAL, FWD_SM90_TILES_LONG_KEYS):
+            if int(head_dim) in table:
+                table[int(head_dim)] = tiles
 
 
 _tile_overrides()
@@ -226,16 +238,20 @@ class BwdSm90Tiles:
     def supports(self, dropout: bool, block_sparse: bool, deterministic: bool) -> bool:
         return not (self.split_head_dim and (dropout or block_sparse or deterministic))
 
-    def smem_bytes(self, head_dim: int) -> int:
+    def smem_bytes(self, head_dim: int, split_qdo: bool | None = None) -> int:
         """Q, dO stages; K, V; two 16-bit score tiles (dS^T double-buffered; split head dim: P^T, dS^T); per MMA warp
         4 KB fp32 dQ staging per piece (split head dim: none; 80-query blocks: the block's fp32 dQ); lse, D stages
-        (128-byte multiples); barriers; 1024 to align the tiles (128-byte swizzle)."""
+        (128-byte multiples); barriers (128 bytes; 256 with FT_BWD_SPLIT_QDO's separate Q / dO mbarriers, head dims
+        64 / 128); 1024 to align the tiles (128-byte swizzle). split_qdo: None reads FLASHTRAIN_EXTRA_DEFINES
+        (bwd_sm90_split_qdo)."""
         pieces = (self.block_m // 64) * (head_dim // 64)
         dq_staging = (0 if self.split_head_dim else 4 * self.block_m * head_dim if self.swap_dq
                       else 2 * 4 * ((pieces + 1) // 2) * 4096)
+        split_qdo = bwd_sm90_split_qdo() if split_qdo is None else split_qdo
+        barriers = 256 if split_qdo and not self.split_head_dim else 128
         return (2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
                      + 2 * self.block_n * self.block_m) + dq_staging + 2 * self.stages * -(-4 * self.block_m // 128) * 128
-                + 128 + 1024)
+                + barriers + 1024)
 
 
 # Hopper backward: dense or block-sparse, dropout too, deterministic too (not with block-sparse), these head dims
@@ -289,6 +305,12 @@ def _mods_variant(softcap: bool, has_softcap_variant: bool = True) -> int:
 
 def bwd_sm90_q80_enabled() -> bool:
     return os.environ.get("FLASHTRAIN_BWD_SM90_Q80", "1") != "0"
+
+
+def bwd_sm90_split_qdo() -> bool:
+    """FT_BWD_SPLIT_QDO in FLASHTRAIN_EXTRA_DEFINES (A/B): the Hopper backward's separate mbarriers for Q + lse and
+    dO + D per stage (csrc/flash_bwd_sm90.cuh), 128 more bytes of barriers at head dims 64 / 128."""
+    return extra_define("FT_BWD_SPLIT_QDO") not in (None, "0")
 
 
 def _bwd_q80(causal: bool, seqlen_q: int | None) -> bool:
@@ -489,9 +511,11 @@ def _check_score_mods(score_mods: bool, dropout: bool, block_sparse: bool) -> No
 
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, smem_limit: int | None = None, seqlen_q: int = 0,
-               score_mods: bool = False, softcap: bool = False, mask_defines: tuple = ()) -> KernelSpec:
+               score_mods: bool = False, softcap: bool = False, mask_defines: tuple = (),
+               seqlen_k: int = 0) -> KernelSpec:
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
-    smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length.
+    smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length;
+    seqlen_k: its key length (0: unknown or varlen).
     score_mods (window_size, softcap, alibi_slopes; without dropout or a block mask): the `_mods` variants (SCORE_MODS),
     on sm_90a the warpgroup-MMA forward with FWD_SM90_TILES, built without the tanh path (`_nocap`) unless softcap (the
     call has one)."""
@@ -513,7 +537,8 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
         return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
                          fwd_tiles(head_dim, causal, dropout, block_sparse, smem_limit), True)
     if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
-        for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q), FWD_SM90_TILES[head_dim]):
+        for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k),
+                      FWD_SM90_TILES[head_dim]):
             spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles)
             if _fits(spec, smem_limit):  # (under a capped limit the non-causal tiles may not fit, the others may)
                 return spec
@@ -550,9 +575,12 @@ def _mask_suffix(mask_defines: tuple) -> str:
     return f"_mask{hashlib.sha256(repr(mask_defines).encode()).hexdigest()[:16]}" if mask_defines else ""
 
 
-def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, seqlen_q: int = 0) -> FwdSm90Tiles:
+def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, seqlen_q: int = 0,
+                   seqlen_k: int = 0) -> FwdSm90Tiles:
     plain = not (dropout or block_sparse)  # the tables by mask and length are for calls without either
-    if plain and not causal and head_dim in FWD_SM90_TILES_NONCAUSAL:
+    if plain and seqlen_k >= LONG_KEYS_SEQLEN and head_dim in FWD_SM90_TILES_LONG_KEYS:
+        tiles = FWD_SM90_TILES_LONG_KEYS[head_dim]
+    elif plain and not causal and head_dim in FWD_SM90_TILES_NONCAUSAL:
         tiles = FWD_SM90_TILES_NONCAUSAL[head_dim]
     elif plain and causal and seqlen_q >= LONG_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_LONG_CAUSAL:
         tiles = FWD_SM90_TILES_LONG_CAUSAL[head_dim]
@@ -571,9 +599,9 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
 
 
 def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
-                    block_sparse: bool = False, seqlen_q: int = 0) -> KernelSpec:
+                    block_sparse: bool = False, seqlen_q: int = 0, seqlen_k: int = 0) -> KernelSpec:
     return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse,
-                          fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q))
+                          fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k))
 
 
 @functools.lru_cache(maxsize=None)
@@ -674,12 +702,20 @@ def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: 
     return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim, mods, tuple(mask_defines))
 
 
-@functools.lru_cache(maxsize=None)
 def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool, deterministic: bool,
                    tiles: BwdSm90Tiles, head_dim_eff: int, score_mods: int = 0,
                    mask_defines: tuple = ()) -> KernelSpec:
-    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi (BwdSm90Traits' FT_SCORE_MODS)."""
-    smem_bytes = tiles.smem_bytes(head_dim)
+    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi (BwdSm90Traits' FT_SCORE_MODS). (The shared
+    memory size follows FT_BWD_SPLIT_QDO, read here so that the cached spec of either variant is the right one.)"""
+    return _bwd_sm90_spec_cached(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles, head_dim_eff,
+                                 score_mods, mask_defines, bwd_sm90_split_qdo())
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_sm90_spec_cached(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
+                          deterministic: bool, tiles: BwdSm90Tiles, head_dim_eff: int, score_mods: int,
+                          mask_defines: tuple, split_qdo: bool) -> KernelSpec:
+    smem_bytes = tiles.smem_bytes(head_dim, split_qdo)
     name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"
             f"{'_q80' if tiles.swap_dq else ''}{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}"
@@ -785,6 +821,8 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=LONG_CAUSAL_SEQLEN), smem_limit)]
     specs += [spec for head_dim in FWD_SM90_TILES_SHORT_CAUSAL for dtype in DTYPES  # causal, short sequences
               if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=1), smem_limit)]
+    specs += [spec for head_dim in FWD_SM90_TILES_LONG_KEYS for dtype in DTYPES for causal in (False, True)  # long
+              if _fits(spec := fwd_sm90_kernel(head_dim, dtype, causal, seqlen_k=LONG_KEYS_SEQLEN), smem_limit)]
     specs += [spec for dtype in DTYPES for causal in (False, True) for dropout in (False, True)  # head dims 65-96
               if _fits(spec := bwd_sm90_kernel(128, dtype, causal, dropout, head_dim_eff=SM90_NARROW_HEAD_DIM),
                        smem_limit)]

@@ -387,6 +387,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
                             smem_limit=launch.device_smem_limit(q.device),
                             seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
+                            seqlen_k=0 if cu_seqlens_k is not None else k.shape[1],
                             score_mods=_score_mods(window, softcap, alibi_slopes) or mask is not None,
                             softcap=softcap > 0, mask_defines=mask.kernel_defines() if mask is not None else ())
     outputs = _output_shapes(q, cu_seqlens_q)
@@ -528,14 +529,13 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if hopper and not block_sparse and nheads > nheads_kv:  # (deterministic too: the splits are summed in order)
         params.kv_splits = _gqa_splits(nheads // nheads_kv, fwd.seqlen_q, fwd.seqlen_k, tiles, causal,
                                        batch * nheads_kv, launch.sm_count(q.device))
-    if params.kv_splits > 1:  # fp32 partial dK / dV per split (an output of their own), summed by two converts
+    if params.kv_splits > 1:  # fp32 dK / dV sums (an output of their own), converted by two launches
         rows = (nheads_kv, fwd.total_k) if varlen else (batch, nheads_kv, fwd.seqlen_k)
         params.dkv_cols, params.dkv_split_stride = head_dim, math.prod(rows) * head_dim
         params.dkv_batch_stride = 0 if varlen else nheads_kv * fwd.seqlen_k * head_dim
         params.dkv_head_stride = rows[-1] * head_dim
-        # the FT_BWD_GQA_REDUCE kernels (not deterministic): the splits reduce-add into one zero-filled copy
-        copies = 1 if not deterministic and build.extra_define("FT_BWD_GQA_REDUCE") not in (None, "0") \
-            else params.kv_splits
+        # the splits reduce-add into one zero-filled copy; deterministic calls: a copy per split, summed in order
+        copies = params.kv_splits if deterministic else 1
         index = len(outputs)
         outputs.append(((2 * copies * params.dkv_split_stride,), torch.float32,
                         _FILL_ZERO if copies == 1 else _FILL_NONE))
