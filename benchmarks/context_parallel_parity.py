@@ -29,7 +29,8 @@ runs would agree), so optim.warmup_steps=5; its 512 validation sequences are 8M 
 no sample generated at the end (data.sample_tokens=0).
 
 The GPU run, one device call (kind nvidia-h200-x2, carry: [".whl"], the wheels of ../shared/device/wheels.sh; with
-two one-GPU runs it took 2.2 minutes on two H200s: data 33 s, one-GPU runs 25-28 s each, the CP run 38 s):
+three one-GPU runs it took 3.3 minutes on two H200s: data 35 s, one-GPU runs 28-53 s each (the first builds the
+kernels), the CP run 38 s):
 
     eval "$(bash .whl/install.sh)" || exit 1; export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
     NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1; python3 benchmarks/context_parallel_parity.py \\

@@ -581,31 +581,3 @@ def test_extra_define_reads_the_variant_macros(monkeypatch):
     assert build.extra_define("FT_MISSING") is None
     monkeypatch.delenv("FLASHTRAIN_EXTRA_DEFINES")
     assert build.extra_define("FT_BWD_GQA_REDUCE") is None
-
-
-def test_split_qdo_variant_shared_memory(monkeypatch):
-    """FT_BWD_SPLIT_QDO=1 in FLASHTRAIN_EXTRA_DEFINES (the Hopper backward's separate Q / dO mbarriers): the head-dim
-    64 / 128 kernels, every variant, take 128 more bytes of barriers (kBarrierBytes 256), the 80-query hd128 kernel
-    still within the 227 KB of an sm_90 block; the split head dims (one pair per stage) none; the specs built before
-    the switch do not stand in for the variant's (the kernel asserts that the sizes agree)."""
-    monkeypatch.delenv("FLASHTRAIN_EXTRA_DEFINES", raising=False)
-
-    def specs():
-        return [build.bwd_kernel(64, "bf16", False, False, arch="sm_90a"),
-                build.bwd_kernel(128, "bf16", True, False, arch="sm_90a"),
-                build.bwd_kernel(128, "bf16", True, False, arch="sm_90a", seqlen_q=1 << 16),
-                build.bwd_kernel(128, "bf16", False, True, arch="sm_90a", deterministic=True),
-                build.bwd_kernel(64, "bf16", True, False, arch="sm_90a", score_mods=True),
-                build.bwd_kernel(256, "bf16", False, False, arch="sm_90a")]
-
-    default = specs()
-    assert [spec.source for spec in default] == ["flash_bwd_sm90.cu"] * 6 and default[2].tiles.swap_dq
-    monkeypatch.setenv("FLASHTRAIN_EXTRA_DEFINES", "FT_BWD_SPLIT_QDO=1")
-    assert build.bwd_sm90_split_qdo()
-    variant = specs()
-    assert [spec.name for spec in variant] == [spec.name for spec in default]
-    assert [b.smem_bytes - a.smem_bytes for a, b in zip(default, variant)] == [128] * 5 + [0]
-    assert variant[2].smem_bytes == 232064 + 128 <= SM90_MAX_SMEM
-    assert build.BWD_SM90_DENSE128_TILES.smem_bytes(128, split_qdo=False) == 232064
-    monkeypatch.setenv("FLASHTRAIN_EXTRA_DEFINES", "FT_BWD_SPLIT_QDO=0")
-    assert not build.bwd_sm90_split_qdo() and [spec.smem_bytes for spec in specs()] == [s.smem_bytes for s in default]

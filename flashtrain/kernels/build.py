@@ -238,20 +238,16 @@ class BwdSm90Tiles:
     def supports(self, dropout: bool, block_sparse: bool, deterministic: bool) -> bool:
         return not (self.split_head_dim and (dropout or block_sparse or deterministic))
 
-    def smem_bytes(self, head_dim: int, split_qdo: bool | None = None) -> int:
+    def smem_bytes(self, head_dim: int) -> int:
         """Q, dO stages; K, V; two 16-bit score tiles (dS^T double-buffered; split head dim: P^T, dS^T); per MMA warp
         4 KB fp32 dQ staging per piece (split head dim: none; 80-query blocks: the block's fp32 dQ); lse, D stages
-        (128-byte multiples); barriers (128 bytes; 256 with FT_BWD_SPLIT_QDO's separate Q / dO mbarriers, head dims
-        64 / 128); 1024 to align the tiles (128-byte swizzle). split_qdo: None reads FLASHTRAIN_EXTRA_DEFINES
-        (bwd_sm90_split_qdo)."""
+        (128-byte multiples); barriers; 1024 to align the tiles (128-byte swizzle)."""
         pieces = (self.block_m // 64) * (head_dim // 64)
         dq_staging = (0 if self.split_head_dim else 4 * self.block_m * head_dim if self.swap_dq
                       else 2 * 4 * ((pieces + 1) // 2) * 4096)
-        split_qdo = bwd_sm90_split_qdo() if split_qdo is None else split_qdo
-        barriers = 256 if split_qdo and not self.split_head_dim else 128
         return (2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
                      + 2 * self.block_n * self.block_m) + dq_staging + 2 * self.stages * -(-4 * self.block_m // 128) * 128
-                + barriers + 1024)
+                + 128 + 1024)
 
 
 # Hopper backward: dense or block-sparse, dropout too, deterministic too (not with block-sparse), these head dims
@@ -305,12 +301,6 @@ def _mods_variant(softcap: bool, has_softcap_variant: bool = True) -> int:
 
 def bwd_sm90_q80_enabled() -> bool:
     return os.environ.get("FLASHTRAIN_BWD_SM90_Q80", "1") != "0"
-
-
-def bwd_sm90_split_qdo() -> bool:
-    """FT_BWD_SPLIT_QDO in FLASHTRAIN_EXTRA_DEFINES (A/B): the Hopper backward's separate mbarriers for Q + lse and
-    dO + D per stage (csrc/flash_bwd_sm90.cuh), 128 more bytes of barriers at head dims 64 / 128."""
-    return extra_define("FT_BWD_SPLIT_QDO") not in (None, "0")
 
 
 def _bwd_q80(causal: bool, seqlen_q: int | None) -> bool:
@@ -702,20 +692,12 @@ def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: 
     return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim, mods, tuple(mask_defines))
 
 
+@functools.lru_cache(maxsize=None)
 def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool, deterministic: bool,
                    tiles: BwdSm90Tiles, head_dim_eff: int, score_mods: int = 0,
                    mask_defines: tuple = ()) -> KernelSpec:
-    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi (BwdSm90Traits' FT_SCORE_MODS). (The shared
-    memory size follows FT_BWD_SPLIT_QDO, read here so that the cached spec of either variant is the right one.)"""
-    return _bwd_sm90_spec_cached(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles, head_dim_eff,
-                                 score_mods, mask_defines, bwd_sm90_split_qdo())
-
-
-@functools.lru_cache(maxsize=None)
-def _bwd_sm90_spec_cached(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-                          deterministic: bool, tiles: BwdSm90Tiles, head_dim_eff: int, score_mods: int,
-                          mask_defines: tuple, split_qdo: bool) -> KernelSpec:
-    smem_bytes = tiles.smem_bytes(head_dim, split_qdo)
+    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi (BwdSm90Traits' FT_SCORE_MODS)."""
+    smem_bytes = tiles.smem_bytes(head_dim)
     name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"
             f"{'_q80' if tiles.swap_dq else ''}{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}"

@@ -90,17 +90,6 @@
 #ifndef FT_BWD_SKIP_HIDDEN
 #define FT_BWD_SKIP_HIDDEN 1
 #endif
-// FT_BWD_SPLIT_QDO=1 (A/B; off by default): each Q / dO stage has two pairs of mbarriers, one for Q and lse, one for dO
-// and D (BwdSm90Traits::kSplitQdo), as FlashAttention-4's two rings: a step issues S^T once Q and lse have landed and
-// waits for dO and D only before dP^T; it frees dO and D at the first wgmma wait that shows dV's GEMM (the last
-// reading dO) done -- 80-query blocks: with dQ's, before dK's is done; the others: with dK's, together with Q -- and
-// Q and lse after dK's. The producer waits for both halves of a stage to be free, then copies Q and lse before dO and
-// D. Head dims 64 / 128 (flash_bwd_sm90_mma, every variant); the split head dims keep one pair per stage (the macro
-// changes nothing there). The barrier area grows by 128 bytes (kBarrierBytes); build.BwdSm90Tiles.smem_bytes reads the
-// macro from FLASHTRAIN_EXTRA_DEFINES (build.extra_define).
-#ifndef FT_BWD_SPLIT_QDO
-#define FT_BWD_SPLIT_QDO 0
-#endif
 
 namespace flashtrain {
 
@@ -246,13 +235,10 @@ struct BwdSm90Traits {
     // one warp's 16 x 64 fp32 slice of a dQ piece (80-query blocks: 16 head-dim rows x 80 queries of dQ^T)
     static constexpr int kDqSliceBytes = 16 * (kSwapDq ? kBlockM : 64) * 4;
     static constexpr int kDqBoxBytes = 32 * kBlockM * 4;  // kSwapDq: a tma_dq box (32 columns, 128-byte swizzle)
-    // FT_BWD_SPLIT_QDO: separate mbarriers for Q + lse and dO + D per stage (head dims 64 / 128; see the macro)
-    static constexpr bool kSplitQdo = FT_BWD_SPLIT_QDO && !kSplitHd;
     // mbarriers: K / V full and empty, Q / dO stages full and empty, dQ staging full and empty, tile slots full and
-    // empty (2 each); then the 2 tile slots (ints); then (kDqWriters == 2) the odd blocks' dQ staging full; then
-    // (kSplitQdo) the dO stages' full and empty (the stages' first pair is Q's)
-    static constexpr int kBarrierBytes = kSplitQdo ? 256 : 128;
-    static_assert(8 * (4 + 2 * kStages + 4) + 16 + (kSplitQdo ? 16 * kStages : 0) <= kBarrierBytes, "barrier area");
+    // empty (2 each); then the 2 tile slots (ints); then (kDqWriters == 2) the odd blocks' dQ staging full
+    static constexpr int kBarrierBytes = 128;
+    static_assert(8 * (4 + 2 * kStages + 4) + 16 <= kBarrierBytes, "barrier area");
     // Split head dims add their dQ pieces to global memory from the registers (no staging, no dQ writer warp):
     // staged through shared memory for the writer's bulk reduce-adds (two rounds of 8 slices, 64 KB, fit at hd192)
     // they ran 0.72-0.81x as fast (H200, same process): the MMA warps waited for the writer at every block.
@@ -459,12 +445,8 @@ template <class T> struct BwdSm90Smem {
     __device__ __forceinline__ u32 sdO(int s) const { return base + (T::kStages + s) * T::TileQ::kBytes; }
     __device__ __forceinline__ u32 sLse(int s) const { return sStats + s * T::kStatsBytes; }
     __device__ __forceinline__ u32 sD(int s) const { return sStats + (T::kStages + s) * T::kStatsBytes; }
-    // Stage s's full and empty mbarriers: Q, dO and the row statistics, or (kSplitQdo) Q and lse; full_do / empty_do
-    // (kSplitQdo): dO and D (after dq_full1)
     __device__ __forceinline__ u32 full(int s) const { return bars + 8 * (2 + s); }
     __device__ __forceinline__ u32 empty(int s) const { return bars + 8 * (2 + T::kStages + s); }
-    __device__ __forceinline__ u32 full_do(int s) const { return bars + 8 * (10 + 2 * T::kStages + s); }
-    __device__ __forceinline__ u32 empty_do(int s) const { return bars + 8 * (10 + 3 * T::kStages + s); }
     // Tile slots: the producer publishes each tile it takes (-1: no more) to the dQ writer (head dims 64 / 128) and
     // the MMA warps, two tiles ahead at most.
     static constexpr int kTileReaders = (T::kSplitHd ? 0 : T::kDqWriters) + 4 * T::kNMma;
@@ -633,8 +615,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         if constexpr (T::kScoreMods && !kHidden)
             if (f.alibi_slopes != nullptr)
                 alibi_scaled = f.alibi_slopes[x.batch * f.alibi_batch_stride + head] / f.softmax_scale;
-        mbar_wait(sm.full(s), (gs / kStages) & 1);  // (kSplitQdo: Q and lse; dO and D before dP^T)
-        if constexpr (T::kSplitQdo && kHidden) mbar_wait(sm.full_do(s), (gs / kStages) & 1);  // (the phases)
+        mbar_wait(sm.full(s), (gs / kStages) & 1);
 
         u32 dsa[kNT / 2][4];  // dS^T as A fragments
         // acc += A B over the block's queries: A (64 keys x queries) from registers, B (queries x head dim) = the
@@ -692,7 +673,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                 dq_m0 = -1;
                 wgmma_fence();
             }
-            if constexpr (T::kSplitQdo) mbar_wait(sm.full_do(s), (gs / kStages) & 1);  // dO and D (S^T is running)
 #pragma unroll
             for (int kk = 0; kk < T::kHeadDimEff / 16; ++kk) {
                 const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
@@ -893,16 +873,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         if constexpr (T::kDqFirst && !kHidden) {
             dk_gemm();
             wgmma_wait<1>();  // dV and dQ done (dK may still run)
-            if (T::kSplitQdo && lead_lane) mbar_arrive(sm.empty_do(s));  // dO and D of stage s are free
             write_dq(m0, head);
-            wgmma_wait<0>();  // dK done: Q, dO, the statistics of stage s are free (kSplitQdo: Q and lse)
+            wgmma_wait<0>();  // dK done: Q, dO, the statistics of stage s are free
             if (lead_lane) mbar_arrive(sm.empty(s));
             return;
         }
-        // kSplitQdo: dO is freed here too, with Q: the first wait that shows dV done (waiting for dV alone would add a
-        // wait between dK's issue and the dS^T barrier; the producer refills a stage's Q before its dO anyway)
         wgmma_wait<1>();  // dV and dK done (dQ may still run): Q, dO, the statistics of stage s are free
-        if (T::kSplitQdo && lead_lane) mbar_arrive(sm.empty_do(s));
         if (lead_lane) mbar_arrive(sm.empty(s));
         if constexpr (T::kDeferDq != 0) {  // finished after the next block's GEMMs are issued
             dq_m0 = m0, dq_head = head;
@@ -1364,10 +1340,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         for (int s = 0; s < kStages; ++s) {
             mbar_init(sm.full(s), 1);  // the TMA thread's expect_tx arrival (Q, dO and the row statistics)
             mbar_init(sm.empty(s), 4 * T::kNMma);  // one arrival per MMA warp
-            if constexpr (T::kSplitQdo) {  // (then full / empty are Q and lse's)
-                mbar_init(sm.full_do(s), 1);
-                mbar_init(sm.empty_do(s), 4 * T::kNMma);
-            }
         }
         mbar_fence_init();
     }
@@ -1425,25 +1397,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                      walk.next(), ++gs) {
                     const int s = gs % kStages;
                     mbar_wait(sm.empty(s), ((gs / kStages) & 1) ^ 1);  // the first pass finds every stage empty
-                    if constexpr (T::kSplitQdo) {  // Q and lse, then dO and D, each on its own pair
-                        // (dO is freed no later than Q: waiting for both first delays no copy)
-                        mbar_wait(sm.empty_do(s), ((gs / kStages) & 1) ^ 1);
-                        mbar_arrive_expect_tx(sm.full(s), TileQ::kBytes + T::kStatsBoxBytes);
-#pragma unroll
-                        for (int cb = 0; cb < kHeadDim / 64; ++cb)
-                            tma_load_4d(sm.sQ(s) + cb * kBlockM * 128, &params.tma_q, sm.full(s), cb * 64,
-                                        x.q_start + walk.m0, walk.head, batch_coord);
-                        tma_load_4d(sm.sLse(s), &params.tma_stats, sm.full(s), q_pad + walk.m0, walk.head, 0, 0);
-                        mbar_arrive_expect_tx(sm.full_do(s), TileQ::kBytes + T::kStatsBoxBytes);
-#pragma unroll
-                        for (int cb = 0; cb < kHeadDim / 64; ++cb)
-                            tma_load_4d(sm.sdO(s) + cb * kBlockM * 128, &params.tma_do, sm.full_do(s), cb * 64,
-                                        x.q_start + walk.m0, walk.head, batch_coord);
-                        tma_load_4d(sm.sD(s), &params.tma_stats, sm.full_do(s), q_pad + walk.m0, f.nheads + walk.head,
-                                    0, 0);
-                        if (!kv_loaded) load_kv();
-                        continue;
-                    }
                     mbar_arrive_expect_tx(sm.full(s), 2 * TileQ::kBytes + 2 * T::kStatsBoxBytes);
 #pragma unroll
                     for (int cb = 0; cb < kHeadDim / 64; ++cb) {
