@@ -570,14 +570,3 @@ def test_check_nvcc_fails_on_a_new_serialized_wgmma_pipeline(monkeypatch, capsys
     assert "ptxas serialized the wgmmas of flash_fwd_sm90_hdim128_bf16_causal" in capsys.readouterr().err
     sm80 = build.fwd_kernel(128, "bf16", True, False, arch="sm_80")
     assert build.check_nvcc(["sm_80"], 1, [sm80]) == 0 and reports[sm80.name, "sm_80"] is False
-
-
-def test_extra_define_reads_the_variant_macros(monkeypatch):
-    """build.extra_define: what FLASHTRAIN_EXTRA_DEFINES gives a macro (the host code of a kernel variant reads it
-    as the kernels' compilation does), "1" for a bare name, None when absent."""
-    monkeypatch.setenv("FLASHTRAIN_EXTRA_DEFINES", "FT_A=0,FT_BWD_GQA_REDUCE=1,FT_BARE")
-    assert build.extra_define("FT_BWD_GQA_REDUCE") == "1"
-    assert build.extra_define("FT_A") == "0" and build.extra_define("FT_BARE") == "1"
-    assert build.extra_define("FT_MISSING") is None
-    monkeypatch.delenv("FLASHTRAIN_EXTRA_DEFINES")
-    assert build.extra_define("FT_BWD_GQA_REDUCE") is None

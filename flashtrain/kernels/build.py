@@ -915,16 +915,6 @@ def _extra_defines() -> tuple[str, ...]:
     return tuple(filter(None, os.environ.get("FLASHTRAIN_EXTRA_DEFINES", "").split(",")))
 
 
-def extra_define(name: str) -> str | None:
-    """The value FLASHTRAIN_EXTRA_DEFINES gives macro `name` ("1" for a bare name), or None: for the host code that
-    must match a kernel variant (ops.py's GQA backward buffers under FT_BWD_GQA_REDUCE)."""
-    for item in _extra_defines():
-        key, _, value = item.partition("=")
-        if key.strip() == name:
-            return value.strip() or "1"
-    return None
-
-
 def _macro_flags(spec: KernelSpec) -> list[str]:
     return [f"-D{key}={value}" for key, value in spec.defines] + [f"-D{item}" for item in _extra_defines()]
 
