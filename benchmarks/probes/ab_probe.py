@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashtrain.kernels import build, flash_attn_func, launch, ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fa4_baseline  # noqa: E402
 from train_gpt2 import time_interleaved  # noqa: E402
 
 MODULES = {"build": build, "ops": ops}
@@ -155,26 +156,42 @@ class Config:
         return flops * (3.5 if kind == "fb" else 1.0)
 
 
-def capture(name: str, config: Config, kind: str) -> torch.cuda.CUDAGraph:
-    """One call of `name` (fwd, or fwd + backward) as a CUDA graph, on inputs of its own."""
-    flashtrain = name.startswith("flashtrain")
+def attention_call(name: str, config: Config, kind: str):
+    """(call, inputs): a no-argument callable running `name`'s forward (kind fwd) or forward + backward (fb) on fresh
+    bf16 inputs of `config`, and those inputs. name: flashtrain[+MACRO=v][@ENV=v] (the variant is whatever is active
+    when the call runs), fa4 (FlashAttention-4 where installed; ncu_probe.py runs it, CUDA graphs of it are untried)
+    or an SDPA backend of BACKENDS."""
     c = config
+    flash_layout = name.startswith("flashtrain") or name == "fa4"
+    if not flash_layout and name not in BACKENDS:
+        raise SystemExit(f"--impls: unknown implementation {name!r} (flashtrain[+/@variant], fa4, "
+                         f"{', '.join(BACKENDS)})")
 
     def tensor(heads):
-        shape = (c.batch, c.seqlen, heads, c.head_dim) if flashtrain else (c.batch, heads, c.seqlen, c.head_dim)
+        shape = (c.batch, c.seqlen, heads, c.head_dim) if flash_layout else (c.batch, heads, c.seqlen, c.head_dim)
         return torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=kind == "fb")
 
     q, k, v, dout = tensor(c.nheads), tensor(c.nheads_kv), tensor(c.nheads_kv), tensor(c.nheads)
     gqa = {"enable_gqa": True} if c.nheads != c.nheads_kv else {}  # only when needed: not every backend takes it
+    fa4 = fa4_baseline.attention(c.causal) if name == "fa4" else None
 
     def call():
-        if flashtrain:
+        if name.startswith("flashtrain"):
             out = flash_attn_func(q, k, v, causal=c.causal, impl="cuda")
+        elif fa4 is not None:
+            out = fa4(q, k, v)
         else:
             with sdpa_kernel(BACKENDS[name]):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=c.causal, **gqa)
         if kind == "fb":
             torch.autograd.grad(out, (q, k, v), dout)
+    return call, (q, k, v, dout)
+
+
+def capture(name: str, config: Config, kind: str) -> torch.cuda.CUDAGraph:
+    """One call of `name` (fwd, or fwd + backward) as a CUDA graph, on inputs of its own."""
+    flashtrain = name.startswith("flashtrain")
+    call, inputs = attention_call(name, config, kind)
 
     with contextlib.ExitStack() as stack:
         if flashtrain:
@@ -191,7 +208,7 @@ def capture(name: str, config: Config, kind: str) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             call()
-    graph.inputs = (q, k, v, dout)  # keep them alive with the graph
+    graph.inputs = inputs  # keep them alive with the graph
     return graph
 
 

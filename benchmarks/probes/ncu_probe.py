@@ -17,46 +17,9 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-from flashtrain.kernels import flash_attn_func
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import fa4_baseline  # noqa: E402
-from ab_probe import BACKENDS, Config  # noqa: E402
-
-
-def call_of(name: str, c: Config, kind: str):
-    """A no-argument callable running `name`'s forward (kind fwd) or forward + backward (fb) on fresh inputs."""
-    flashtrain_layout = name in ("flashtrain", "fa4")
-
-    def tensor(heads):
-        shape = (c.batch, c.seqlen, heads, c.head_dim) if flashtrain_layout else (c.batch, heads, c.seqlen, c.head_dim)
-        return torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=kind == "fb")
-
-    q, k, v, dout = tensor(c.nheads), tensor(c.nheads_kv), tensor(c.nheads_kv), tensor(c.nheads)
-    if name == "flashtrain":
-        attend = lambda: flash_attn_func(q, k, v, causal=c.causal, impl="cuda")  # noqa: E731
-    elif name == "fa4":
-        fa4 = fa4_baseline.attention(c.causal)
-        attend = lambda: fa4(q, k, v)  # noqa: E731
-    elif name in BACKENDS:
-        gqa = {"enable_gqa": True} if c.nheads != c.nheads_kv else {}
-
-        def attend():
-            with sdpa_kernel(BACKENDS[name]):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=c.causal, **gqa)
-    else:
-        raise SystemExit(f"--impls: unknown implementation {name!r} (flashtrain, fa4, {', '.join(BACKENDS)})")
-
-    def call():
-        with torch.set_grad_enabled(kind == "fb"):
-            out = attend()
-            if kind == "fb":
-                torch.autograd.grad(out, (q, k, v), dout)
-    return call
+from ab_probe import Config, attention_call  # noqa: E402
 
 
 def main() -> None:
@@ -67,14 +30,15 @@ def main() -> None:
     args = parser.parse_args()
     config = Config.parse(args.config)
     for name in args.impls:
-        call = call_of(name, config, args.kind)
-        for _ in range(3):
+        call, _ = attention_call(name, config, args.kind)
+        with torch.set_grad_enabled(args.kind == "fb"):
+            for _ in range(3):
+                call()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
             call()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-        call()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
         print(f"profiled {name} {config.label()} {args.kind}", flush=True)
 
 

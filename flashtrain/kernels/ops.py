@@ -538,7 +538,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         copies = params.kv_splits if deterministic else 1
         index = len(outputs)
         outputs.append(((2 * copies * params.dkv_split_stride,), torch.float32,
-                        _FILL_ZERO if copies == 1 else _FILL_NONE))
+                        _FILL_NONE if deterministic else _FILL_ZERO))
         fields.append(("dkv_accum", (_OUTPUT, index, 0)))
         for target, scale, offset in ((1, softmax_scale, 0), (2, 1.0, 4 * copies * params.dkv_split_stride)):
             aux_kv = launch.AuxParams(
