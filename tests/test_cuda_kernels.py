@@ -117,19 +117,21 @@ def test_long_causal_tiles_match_reference(dtype):
                              max_seqlen_q=long + 5, max_seqlen_k=long + 5)
 
 
+@pytest.mark.parametrize("head_dim", [128, 80])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_long_keys_tiles_match_reference(causal):
+def test_long_keys_tiles_match_reference(causal, head_dim):
     """Head dim 128 from build.LONG_KEYS_SEQLEN keys on runs 192-key tiles (O stored from the registers): a partial
     last key block, seqlen_q = seqlen_k and a short query block against the long keys (causal: aligned to the end),
-    forward and gradients by FlashAttention-2's rule."""
+    forward and gradients by FlashAttention-2's rule. Head dim 80: the same tiles with 96 columns of MMA work, and the
+    backward's 80-query blocks narrowed likewise."""
     from flashtrain.kernels import build
 
     long = build.LONG_KEYS_SEQLEN + 77  # (not a multiple of 192)
-    assert build.fwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, seqlen_q=long,
-                            seqlen_k=long).tiles.block_n == 192
-    q, k, v, dout = _inputs((1, long, 2, 128), (1, long, 1, 128), torch.bfloat16, seed=5)
+    assert build.fwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, seqlen_q=long, seqlen_k=long,
+                            effective_head_dim=head_dim).tiles.block_n == 192
+    q, k, v, dout = _inputs((1, long, 2, head_dim), (1, long, 1, head_dim), torch.bfloat16, seed=5)
     _check_against_reference(q, k, v, dout, causal=causal)
-    q, k, v, dout = _inputs((2, 333, 2, 128), (2, long, 2, 128), torch.bfloat16, seed=6)
+    q, k, v, dout = _inputs((2, 333, 2, head_dim), (2, long, 2, head_dim), torch.bfloat16, seed=6)
     _check_against_reference(q, k, v, dout, causal=causal)
 
 

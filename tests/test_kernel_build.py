@@ -42,7 +42,10 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_long = len(build.FWD_SM90_TILES_LONG_CAUSAL) * 2  # the causal forward's long-sequence tiles (x dtype)
     hopper_long += len(build.FWD_SM90_TILES_SHORT_CAUSAL) * 2  # ... and its short-sequence ones
     hopper_long += len(build.FWD_SM90_TILES_LONG_KEYS) * 2 * 2  # the forward's long-key tiles (x dtype x causal)
-    hopper_narrow = 2 * 2 * 2  # the hd128 backward with 96 columns of MMA work (head dims 65-96), x dtype x causal x dropout
+    # head dims 65-96: the hd128 backward with 96 columns of MMA work, x dtype x causal x dropout, and its other query
+    # block (64 or 80 rows) x dtype x causal; the forward's (x dtype): causal or not, the short causal and the long-key
+    # tiles (x causal), with dropout (x causal)
+    hopper_narrow = 2 * 2 * 2 + 2 * 2 + (2 + 1 + 2 + 2) * 2
     hopper_q80 = 2 * 2  # the hd128 backward's other query block (64 rows, or 80 with FLASHTRAIN_BWD_SM90_Q80=0), x dtype
     # x causal
     # the forward and (head dims 64 / 128) the backward with score modifications, x dtype x causal, each without
@@ -139,6 +142,34 @@ def test_long_keys_forward_tiles():
                   build.fwd_kernel(64, "bf16", False, False, arch="sm_90a", seqlen_k=long)):
         assert other.tiles.block_n == 128
     assert build.fwd_kernel(128, "bf16", False, False, arch="sm_80", seqlen_k=long).name == "flash_fwd_hdim128_bf16"
+
+
+def test_narrow_head_dims_on_hopper():
+    """Head dims 65-96 on sm_90a run the hd128 tiles with the MMA work of 96 columns (kernels named hdim96, built with
+    FT_HEAD_DIM_EFF=96): the forward without a block mask or score modifications (every tile shape: default, short
+    causal, long keys; dropout too), the backward dense and not deterministic (80-query blocks where hd128 takes
+    them). Head dims above 96, block-sparse, the score-modification kernels and sm_80 keep all 128 columns."""
+    long = build.LONG_KEYS_SEQLEN
+    for causal, suffix in ((False, ""), (True, "_causal")):
+        for seqlen_q, seqlen_k, shape in ((0, 0, ""), (long, long, "_128x192")):
+            spec = build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                    effective_head_dim=80)
+            wide = build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+            assert spec.name == f"flash_fwd_sm90_hdim96_bf16{suffix}{shape}" and ("FT_HEAD_DIM_EFF", 96) in spec.defines
+            assert (spec.tiles, spec.smem_bytes) == (wide.tiles, wide.smem_bytes) and spec in build.all_kernels()
+        bwd = build.bwd_kernel(128, "bf16", causal, False, arch="sm_90a", effective_head_dim=96, seqlen_q=long)
+        assert bwd.name == f"flash_bwd_sm90_hdim96_bf16{suffix}_q80" and bwd in build.all_kernels()
+    short = build.fwd_kernel(128, "fp16", True, True, arch="sm_90a", seqlen_q=300, effective_head_dim=72)
+    assert short.name == "flash_fwd_sm90_hdim96_fp16_causal_dropout"
+    assert build.fwd_kernel(128, "bf16", True, False, arch="sm_90a", seqlen_q=300,
+                            effective_head_dim=96).name == "flash_fwd_sm90_hdim96_bf16_causal_q2"
+    for wide in (build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", effective_head_dim=104),
+                 build.fwd_kernel(128, "bf16", False, False, True, arch="sm_90a", effective_head_dim=80),
+                 build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", effective_head_dim=80, score_mods=True),
+                 build.fwd_kernel(128, "bf16", False, False, arch="sm_80", effective_head_dim=80)):
+        assert "hdim96" not in wide.name and ("FT_HEAD_DIM_EFF", 96) not in wide.defines
+    with pytest.raises(ValueError, match="narrowed to 96"):
+        build.fwd_sm90_kernel(128, "bf16", False, block_sparse=True, head_dim_eff=96)
 
 
 def test_head_dim_512_dispatch(monkeypatch):
@@ -298,8 +329,8 @@ def test_gpus_with_less_shared_memory_are_refused_by_name():
 
 def test_hd128_backward_query_blocks(monkeypatch):
     """The Hopper hd128 backward without dropout runs 80-query blocks (dQ^T, plain dq_accum rows): non-causal always,
-    causal from BWD_SM90_Q80_CAUSAL_SEQLEN query tokens; deterministic, dropout, block-sparse and the narrowed head
-    dims keep 64; FLASHTRAIN_BWD_SM90_Q80=0 turns it off."""
+    causal from BWD_SM90_Q80_CAUSAL_SEQLEN query tokens, head dims 65-96 (narrowed to 96 columns) too; deterministic,
+    dropout and block-sparse keep 64; FLASHTRAIN_BWD_SM90_Q80=0 turns it off."""
     monkeypatch.delenv("FLASHTRAIN_BWD_SM90_Q80", raising=False)
 
     def spec(causal=False, seqlen_q=None, **kwargs):
@@ -317,9 +348,11 @@ def test_hd128_backward_query_blocks(monkeypatch):
     assert spec(causal=True).block_m == 64
     assert spec(deterministic=True).name == "flash_bwd_sm90_hdim128_bf16_det"
     assert spec(dropout=True).block_m == 64 and spec(block_sparse=True).block_m == 64
-    assert spec(effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16"
+    assert spec(effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16_q80"  # (head dims 65-96 too)
+    assert spec(effective_head_dim=96, dropout=True).block_m == 64
     monkeypatch.setenv("FLASHTRAIN_BWD_SM90_Q80", "0")
     assert spec().name == "flash_bwd_sm90_hdim128_bf16" and spec().block_m == 64
+    assert spec(effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16"
 
 
 def test_accum_tensor_map_layout():

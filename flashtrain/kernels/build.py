@@ -261,7 +261,8 @@ BWD_SM90_TILES = {
 }
 
 
-# ... and for the head-dim-128 backward without dropout (not block-sparse, not deterministic, all 128 columns):
+# ... and for the head-dim-128 backward without dropout (not block-sparse, not deterministic; head dims 65-96 narrowed
+# to 96 columns too: 1.06-1.10x their 64-query blocks at 4K-16K, H200, 2026-11-29, kernel_ab-h200.json):
 # 80-query blocks (FlashAttention-3's shape for the non-causal case; BwdSm90Tiles.swap_dq). H200, same process,
 # 2026-11-26: non-causal 1.01-1.05x the 64-query blocks at 1K-16K, GQA 16/4 1.06-1.13x (before the kernel's dQ-first
 # order, which added 1.01-1.07x); causal (with dQ first) 0.99x at 1K, 1.04 / 1.07 / 1.11 / 1.07x at 2K / 4K / 8K / 16K,
@@ -323,7 +324,9 @@ def _bwd_tile_overrides() -> None:
 
 _bwd_tile_overrides()
 SM90_ARCH = "sm_90a"
-# Head dims 65-96 on Hopper: the hd128 tiles (zero-filled columns), the backward with the MMA work of 96 columns
+# Head dims 65-96 on Hopper: the hd128 tiles (zero-filled columns) with the MMA work of 96 columns (forward without a
+# block mask or score modifications: 1.07-1.11x all 128 columns at 1K-16K, H200, 2026-11-29, kernel_ab-h200.json;
+# backward dense, not deterministic)
 SM90_NARROW_HEAD_DIM = 96
 MAX_STREAMS = 64  # streams one process may run the persistent Hopper kernels on (one tile counter each)
 BWD_TILES = {
@@ -424,7 +427,8 @@ class KernelSpec:
 def rounded_head_dim(head_dim: int, block_sparse: bool = False, arch: str | None = None) -> int:
     """The instantiated head dim a head_dim (multiple of 8) runs on: the extra columns are zero-filled. On Hopper,
     head dims 65-96 run on the hd128 warpgroup-MMA kernels (still faster than the mma.sync hd96 kernels); their
-    dense backward skips the MMA work of columns 96-127 (bwd_kernel's effective_head_dim)."""
+    forward without block mask or score modifications and their dense backward skip the MMA work of columns 96-127
+    (fwd_kernel's and bwd_kernel's effective_head_dim)."""
     head_dims = BLOCK_SPARSE_HEAD_DIMS if block_sparse else HEAD_DIMS
     for instantiated in head_dims:
         if head_dim <= instantiated:
@@ -502,10 +506,12 @@ def _check_score_mods(score_mods: bool, dropout: bool, block_sparse: bool) -> No
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, smem_limit: int | None = None, seqlen_q: int = 0,
                score_mods: bool = False, softcap: bool = False, mask_defines: tuple = (),
-               seqlen_k: int = 0) -> KernelSpec:
+               seqlen_k: int = 0, effective_head_dim: int | None = None) -> KernelSpec:
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
     smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length;
-    seqlen_k: its key length (0: unknown or varlen).
+    seqlen_k: its key length (0: unknown or varlen); effective_head_dim: the call's head dim when smaller than
+    head_dim (the instantiated one): on sm_90a head dims 65-96 without block mask or score modifications run the hd128
+    tiles with the MMA work of 96 columns.
     score_mods (window_size, softcap, alibi_slopes; without dropout or a block mask): the `_mods` variants (SCORE_MODS),
     on sm_90a the warpgroup-MMA forward with FWD_SM90_TILES, built without the tanh path (`_nocap`) unless softcap (the
     call has one)."""
@@ -527,9 +533,12 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
         return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
                          fwd_tiles(head_dim, causal, dropout, block_sparse, smem_limit), True)
     if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
+        narrow = (head_dim == 128 and effective_head_dim is not None and effective_head_dim <= SM90_NARROW_HEAD_DIM
+                  and not block_sparse)
         for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k),
                       FWD_SM90_TILES[head_dim]):
-            spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles)
+            spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles,
+                                  head_dim_eff=SM90_NARROW_HEAD_DIM if narrow else head_dim)
             if _fits(spec, smem_limit):  # (under a capped limit the non-causal tiles may not fit, the others may)
                 return spec
     return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
@@ -589,21 +598,32 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
 
 
 def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
-                    block_sparse: bool = False, seqlen_q: int = 0, seqlen_k: int = 0) -> KernelSpec:
+                    block_sparse: bool = False, seqlen_q: int = 0, seqlen_k: int = 0,
+                    head_dim_eff: int | None = None) -> KernelSpec:
+    """head_dim_eff: SM90_NARROW_HEAD_DIM on the hd128 tiles (no block mask); None or head_dim: all columns."""
     return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse,
-                          fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k))
+                          fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k),
+                          head_dim_eff=head_dim_eff or head_dim)
 
 
 @functools.lru_cache(maxsize=None)
 def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
-                   tiles: FwdSm90Tiles, score_mods: int = 0, mask_defines: tuple = ()) -> KernelSpec:
-    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi (FwdSm90Traits' FT_SCORE_MODS)."""
+                   tiles: FwdSm90Tiles, score_mods: int = 0, mask_defines: tuple = (),
+                   head_dim_eff: int | None = None) -> KernelSpec:
+    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi (FwdSm90Traits' FT_SCORE_MODS);
+    head_dim_eff: the columns of MMA work (SM90_NARROW_HEAD_DIM of 128, without block mask or score modifications;
+    None: head_dim)."""
+    head_dim_eff = head_dim_eff or head_dim
+    if head_dim_eff != head_dim and ((head_dim, head_dim_eff) != (128, SM90_NARROW_HEAD_DIM) or block_sparse
+                                     or score_mods):
+        raise ValueError(f"no Hopper forward of head dim {head_dim} narrowed to {head_dim_eff} "
+                         f"(block_sparse={block_sparse}, score_mods={score_mods})")
     smem_bytes = tiles.smem_bytes(head_dim)
     # tiles other than the features' first choice (long causal sequences, a capped shared-memory limit) get names of
     # their own: a process may load both, and kernels are looked up by name
     first_choice = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse)
     same_shape = dataclasses.replace(tiles, q_buffers=first_choice.q_buffers) == first_choice
-    name = (f"flash_fwd_sm90_hdim{head_dim}_{dtype}{_suffix(causal, dropout, block_sparse)}"
+    name = (f"flash_fwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}"
             f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
@@ -614,6 +634,8 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
                ("FT_SMEM_BYTES", smem_bytes), ("FT_MAX_STREAMS", MAX_STREAMS), ("FT_KERNEL_NAME", name))
     if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
         defines += (("FT_SCORE_MODS", int(score_mods)),) + tuple(mask_defines)
+    if head_dim_eff != head_dim:  # (likewise)
+        defines += (("FT_HEAD_DIM_EFF", head_dim_eff),)
     return KernelSpec("flash_fwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
@@ -670,7 +692,7 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
         raise ValueError(f"no Hopper backward of head dim {head_dim} narrowed to {head_dim_eff} "
                          f"(block_sparse={block_sparse}, deterministic={deterministic})")
     plain = not (dropout or block_sparse or deterministic)
-    if head_dim == 128 and head_dim_eff is None and plain and _bwd_q80(causal, seqlen_q):
+    if head_dim == 128 and plain and _bwd_q80(causal, seqlen_q):
         tiles = BWD_SM90_DENSE128_TILES
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
                           head_dim_eff or head_dim)
@@ -806,11 +828,18 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
     specs += [spec for head_dim in FWD_SM90_TILES_LONG_KEYS for dtype in DTYPES for causal in (False, True)  # long
               if _fits(spec := fwd_sm90_kernel(head_dim, dtype, causal, seqlen_k=LONG_KEYS_SEQLEN), smem_limit)]
     specs += [spec for dtype in DTYPES for causal in (False, True) for dropout in (False, True)  # head dims 65-96
-              if _fits(spec := bwd_sm90_kernel(128, dtype, causal, dropout, head_dim_eff=SM90_NARROW_HEAD_DIM),
-                       smem_limit)]
+              for seqlen_q in (None, 1 << 20)
+              if _fits(spec := bwd_sm90_kernel(128, dtype, causal, dropout, head_dim_eff=SM90_NARROW_HEAD_DIM,
+                                               seqlen_q=seqlen_q), smem_limit)]
+    specs += [spec for dtype in DTYPES for causal in (False, True) for dropout in (False, True)  # ... forward
+              for seqlen_q, seqlen_k in ((0, 0), (1, 0), (LONG_CAUSAL_SEQLEN, 0), (0, LONG_KEYS_SEQLEN))
+              if _fits(spec := fwd_sm90_kernel(128, dtype, causal, dropout, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                               head_dim_eff=SM90_NARROW_HEAD_DIM), smem_limit)]
     specs += [spec for dtype in DTYPES  # the hd128 backward's other query block (A/B: FLASHTRAIN_BWD_SM90_Q80)
               for causal in (False, True) for tiles in (BWD_SM90_TILES[128], BWD_SM90_DENSE128_TILES)
-              if _fits(spec := _bwd_sm90_spec(128, dtype, causal, False, False, False, tiles, 128), smem_limit)]
+              for head_dim_eff in (128, SM90_NARROW_HEAD_DIM)
+              if _fits(spec := _bwd_sm90_spec(128, dtype, causal, False, False, False, tiles, head_dim_eff),
+                       smem_limit)]
     specs += [spec for head_dim in BWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # deterministic
               for dropout in (False, True) if BWD_SM90_TILES[head_dim].supports(dropout, False, True)
               if _fits(spec := bwd_sm90_kernel(head_dim, dtype, causal, dropout, deterministic=True), smem_limit)]

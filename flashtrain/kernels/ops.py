@@ -388,6 +388,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
                             smem_limit=launch.device_smem_limit(q.device),
                             seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
                             seqlen_k=0 if cu_seqlens_k is not None else k.shape[1],
+                            effective_head_dim=q.shape[-1],
                             score_mods=_score_mods(window, softcap, alibi_slopes) or mask is not None,
                             softcap=softcap > 0, mask_defines=mask.kernel_defines() if mask is not None else ())
     outputs = _output_shapes(q, cu_seqlens_q)

@@ -131,9 +131,8 @@ struct BwdSm90Traits {
     // 32 columns (128-byte swizzle) and added to dq_accum's plain rows by tensor reduce-adds (tma_dq).
     static constexpr bool kSwapDq = kBlockM_ == 80;
     static_assert(kBlockM == 64 || kBlockM == 128 || kSwapDq, "query blocks of 64, 80 or 128 rows");
-    static_assert(!kSwapDq || (kHeadDim == 128 && kHeadDimEff_ == 128 && !kIsDropout && !kIsBlockSparse &&
-                               !kIsDeterministic),
-                  "80-query blocks: head dim 128 (all columns), no dropout, not block-sparse, not deterministic");
+    static_assert(!kSwapDq || (kHeadDim == 128 && !kIsDropout && !kIsBlockSparse && !kIsDeterministic),
+                  "80-query blocks: head dim 128, no dropout, not block-sparse, not deterministic");
     static_assert(!kIsBlockSparse || kBlockSparseSize % kBlockM == 0, "a mask block is whole query tiles");
     static constexpr int kNT = kBlockM / 8;   // n8 column tiles of S^T per thread (columns = queries)
     // Columns that can be non-zero: head dims 65-96 run the hd128 tiles (zero-filled past head_dim) with kHeadDimEff

@@ -2,9 +2,13 @@
 // shape and the features as FT_* macros.
 #include "flash_fwd_sm90.cuh"
 
+#ifndef FT_HEAD_DIM_EFF
+#define FT_HEAD_DIM_EFF FT_HEAD_DIM
+#endif
+
 using Traits = flashtrain::FwdSm90Traits<FT_HEAD_DIM, FT_BLOCK_M, FT_BLOCK_N, FT_STAGES, FT_SEPARATE_O, FT_BF16,
                                           FT_CAUSAL, FT_DROPOUT, FT_BLOCK_SPARSE, FT_Q_BUFFERS, FT_SCORE_MODS,
-                                          FT_MASK_MOD>;
+                                          FT_MASK_MOD, FT_HEAD_DIM_EFF>;
 static_assert(Traits::kSmemBytes == FT_SMEM_BYTES, "build.py and the kernel disagree on the shared memory size");
 static_assert(Traits::kNThreads == FT_THREADS, "build.py and the kernel disagree on the block size");
 

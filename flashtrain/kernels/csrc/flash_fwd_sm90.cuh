@@ -67,7 +67,8 @@
 namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kSeparateO_, bool kIsBF16_, bool kIsCausal_,
-          bool kIsDropout_, bool kIsBlockSparse_, int kQBuffers_ = 1, int kScoreMods_ = 0, bool kMaskMod_ = false>
+          bool kIsDropout_, bool kIsBlockSparse_, int kQBuffers_ = 1, int kScoreMods_ = 0, bool kMaskMod_ = false,
+          int kHeadDimEff_ = kHeadDim_>
 struct FwdSm90Traits {
     // FT_SCORE_MODS: 1, the local window, softcap and ALiBi of the call's parameters (flash.h), each off
     // when unset; 2, the window and ALiBi only (the calls without softcap: no tanh path, fewer registers)
@@ -141,7 +142,13 @@ struct FwdSm90Traits {
     static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kNConsumers <= kLaunchRegs * kNThreads,
                   "register budget: the launch allocation");
     static constexpr int kNT = kBlockN / 8;   // n8 column tiles of S per thread
-    static constexpr int kDCols = kSplitD ? kHeadDim / 2 : kHeadDim;  // columns of O per consumer warpgroup
+    // Columns that can be non-zero: head dims 65-96 run the hd128 tiles (Q, K, V zero-filled past the call's head dim
+    // by the TMA copies) with kHeadDimEff 96, whose S GEMM takes 6 k-steps instead of 8 and whose P V product and O
+    // accumulator have 96 columns (the O tile's columns 96-127 are never stored: the tensor map ends at head_dim)
+    static constexpr int kHeadDimEff = kHeadDimEff_;
+    static_assert(kHeadDimEff == kHeadDim || (kHeadDim == 128 && kHeadDimEff == 96 && !kScoreMods_),
+                  "effective head dim 96 of 128 (kernels without score modifications)");
+    static constexpr int kDCols = kSplitD ? kHeadDim / 2 : kHeadDimEff;  // columns of O per consumer warpgroup
     static constexpr int kDT = kDCols / 8;                              // n8 column tiles of O per thread
     static_assert((kNConsumers == 2 || kNConsumers == 3) && kBlockN % 16 == 0 && kBlockN <= 256, "tile shape");
     static_assert(kHeadDim % 64 == 0 && kDCols <= 256, "head dims of 64-column blocks (128-byte swizzle)");
