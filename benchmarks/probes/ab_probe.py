@@ -9,13 +9,15 @@ FLASHTRAIN_EXTRA_DEFINES, kernel_variant below); flashtrain@ENV=v[@...] (environ
 captured, e.g. flashtrain@FLASHTRAIN_BWD_SM90_Q80=0: dispatch switches read at plan time; build.NAME=v sets an int
 attribute of
 flashtrain.kernels.build (ops.NAME: of flashtrain.kernels.ops) instead, e.g. flashtrain@build.LONG_CAUSAL_SEQLEN=512;
-FLASHTRAIN_FWD_SM90_TILES=... re-reads the tile tables); both: flashtrain+MACRO=v@ENV=v;
-cudnn, fa2 (SDPA backends).
+FLASHTRAIN_FWD_SM90_TILES=... re-reads the tile tables); both: flashtrain+MACRO=v@ENV=v; flashtrain-det[...]: the
+same with deterministic=True; cudnn, fa2 (SDPA backends). Passes: fwd, fb (forward + backward), bwd (the backward
+alone: the forward runs once before the capture, the graph holds the gradient kernels).
 
     PYTHONPATH=$PWD python3 benchmarks/probes/ab_probe.py --impls flashtrain flashtrain+FT_X=1 cudnn \
         --configs 64:512:causal 128:4096:full [--pass fwd|fb]
     PYTHONPATH=$PWD python3 benchmarks/probes/ab_probe.py --impls flashtrain cudnn --configs 128:8192:causal:32/8:1 \
         --pass fb                                          # GQA: 32 query heads on 8 key / value heads, batch 1
+    PYTHONPATH=$PWD python3 benchmarks/probes/ab_probe.py --impls flashtrain flashtrain-det --pass bwd
 """
 import argparse
 import contextlib
@@ -153,15 +155,17 @@ class Config:
 
     def flops(self, kind: str) -> float:
         flops = 4 * self.batch * self.nheads * self.seqlen**2 * self.head_dim / (2 if self.causal else 1)
-        return flops * (3.5 if kind == "fb" else 1.0)
+        return flops * {"fwd": 1.0, "bwd": 2.5, "fb": 3.5}[kind]
 
 
 def attention_call(name: str, config: Config, kind: str):
-    """(call, inputs): a no-argument callable running `name`'s forward (kind fwd) or forward + backward (fb) on fresh
-    bf16 inputs of `config`, and those inputs. name: flashtrain[+MACRO=v][@ENV=v] (the variant is whatever is active
-    when the call runs), fa4 (FlashAttention-4 where installed; ncu_probe.py runs it, CUDA graphs of it are untried)
-    or an SDPA backend of BACKENDS."""
+    """(call, inputs): a no-argument callable running `name`'s forward (kind fwd), forward + backward (fb) or backward
+    (bwd: of one forward run here, its graph retained) on fresh bf16 inputs of `config`, and those inputs. name:
+    flashtrain[-det][+MACRO=v][@ENV=v] (the variant is whatever is active when the call runs; -det: deterministic=True),
+    fa4 (FlashAttention-4 where installed; ncu_probe.py runs it, CUDA graphs of it are untried) or an SDPA backend of
+    BACKENDS."""
     c = config
+    deterministic = name.split("+")[0].split("@")[0] == "flashtrain-det"
     flash_layout = name.startswith("flashtrain") or name == "fa4"
     if not flash_layout and name not in BACKENDS:
         raise SystemExit(f"--impls: unknown implementation {name!r} (flashtrain[+/@variant], fa4, "
@@ -169,20 +173,26 @@ def attention_call(name: str, config: Config, kind: str):
 
     def tensor(heads):
         shape = (c.batch, c.seqlen, heads, c.head_dim) if flash_layout else (c.batch, heads, c.seqlen, c.head_dim)
-        return torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=kind == "fb")
+        return torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=kind != "fwd")
 
     q, k, v, dout = tensor(c.nheads), tensor(c.nheads_kv), tensor(c.nheads_kv), tensor(c.nheads)
     gqa = {"enable_gqa": True} if c.nheads != c.nheads_kv else {}  # only when needed: not every backend takes it
     fa4 = fa4_baseline.attention(c.causal) if name == "fa4" else None
 
-    def call():
+    def forward():
         if name.startswith("flashtrain"):
-            out = flash_attn_func(q, k, v, causal=c.causal, impl="cuda")
-        elif fa4 is not None:
-            out = fa4(q, k, v)
-        else:
-            with sdpa_kernel(BACKENDS[name]):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=c.causal, **gqa)
+            return flash_attn_func(q, k, v, causal=c.causal, impl="cuda", deterministic=deterministic)
+        if fa4 is not None:
+            return fa4(q, k, v)
+        with sdpa_kernel(BACKENDS[name]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=c.causal, **gqa)
+
+    if kind == "bwd":
+        out = forward()
+        return (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)), (q, k, v, dout, out)
+
+    def call():
+        out = forward()
         if kind == "fb":
             torch.autograd.grad(out, (q, k, v), dout)
     return call, (q, k, v, dout)
@@ -217,7 +227,7 @@ def main() -> None:
     parser.add_argument("--impls", nargs="+", default=["flashtrain", "cudnn"])
     parser.add_argument("--configs", nargs="+", default=GRID,
                         help="head_dim:seqlen:full|causal[:heads/kv_heads[:batch]] (Config)")
-    parser.add_argument("--pass", dest="kind", choices=("fwd", "fb"), default="fwd")
+    parser.add_argument("--pass", dest="kind", choices=("fwd", "fb", "bwd"), default="fwd")
     parser.add_argument("--repeats", type=int, default=40)
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, f"cuDNN {torch.backends.cudnn.version()}", args.kind,
