@@ -187,9 +187,14 @@ def attention_call(name: str, config: Config, kind: str):
         with sdpa_kernel(BACKENDS[name]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=c.causal, **gqa)
 
-    if kind == "bwd":
-        out = forward()
-        return (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)), (q, k, v, dout, out)
+    if kind == "bwd":  # (the forward on the first call's stream: the backward runs on the forward's)
+        saved = []
+
+        def backward():
+            if not saved:
+                saved.append(forward())
+            torch.autograd.grad(saved[0], (q, k, v), dout, retain_graph=True)
+        return backward, (q, k, v, dout, saved)
 
     def call():
         out = forward()
@@ -216,7 +221,7 @@ def capture(name: str, config: Config, kind: str) -> torch.cuda.CUDAGraph:
                 call()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             call()
     graph.inputs = inputs  # keep them alive with the graph
     return graph
