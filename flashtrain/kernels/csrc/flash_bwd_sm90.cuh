@@ -217,6 +217,14 @@ struct BwdSm90Traits {
     static constexpr bool kDqFirst = FT_BWD_DQ_FIRST && kSwapDq && kDeferDq == 0;
     // FT_BWD_SKIP_HIDDEN (the skipping step keeps no wgmma group across blocks: not with a deferred dQ)
     static constexpr bool kSkipHidden = FT_BWD_SKIP_HIDDEN && kDeferDq == 0;
+    // The row statistics (lse for P^T, D for dS^T) of n8 tile j are read from shared memory kStatsAhead tiles before
+    // their use (the first ones while the S^T / dP^T GEMMs finish), so that the FFMA / FADD consuming them do not wait
+    // on the load (ncu, hd128 80-query blocks: those waits were 6-8% of the MMA warps' stall samples).
+    // FT_BWD_STATS_AHEAD=n forces n (0: each pair loaded where it is used; A/B).
+#ifndef FT_BWD_STATS_AHEAD
+#define FT_BWD_STATS_AHEAD 2
+#endif
+    static constexpr int kStatsAhead = FT_BWD_STATS_AHEAD;
     // The dS^T order alone also helps 128-query blocks with dropout (H200, same process, dropout 0.1, backward
     // TFLOP/s first / after dK: full 512 224 / 218, 2K 284 / 275; causal 512 142 / 131, 2K 235 / 211); deterministic
     // hd64 too since its tile groups (above, kDeferDq).
@@ -686,6 +694,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                 write_dq(dq_m0, dq_head);
                 dq_m0 = -1;
             }
+            // lse of the first kStatsAhead n8 tiles (lse_r[j]: tile j's pair; registers only while live)
+            float lse_r[kNT][2];
+#pragma unroll
+            for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(sm.sLse(s) + 4 * (8 * j + 2 * t), lse_r[j]);
             wgmma_wait<1>();  // S^T done (dP^T may still run)
             fence_operand(st);
 
@@ -755,8 +767,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                     const int bh = x.batch * f.nheads + head;
                     rng.bits_transposed(qbits, bh, m0 + 8 * j + 2 * t, n0 + key_row0 + g, lane);
                 }
-                float lse[2];
-                ld_stats2(sm.sLse(s) + 4 * (8 * j + 2 * t), lse);
+                if (j + T::kStatsAhead < kNT)
+                    ld_stats2(sm.sLse(s) + 4 * (8 * (j + T::kStatsAhead) + 2 * t), lse_r[j + T::kStatsAhead]);
+                const float(&lse)[2] = lse_r[j];
                 [[maybe_unused]] float shift[4];  // ALiBi by rows: the exponent's constant per score
                 if constexpr (kAlibiRows) {
                     if (alibi_rows) {
@@ -805,6 +818,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             }
 
             rs_gemm(acc_dv, pa, sdO_s);  // dV_w += P^T dO (rows of dO = queries, the reduction)
+            float d_r[kNT][2];  // D of the first kStatsAhead n8 tiles, as lse above
+#pragma unroll
+            for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(sm.sD(s) + 4 * (8 * j + 2 * t), d_r[j]);
             // dP^T done; dV may still run unless its P^T registers are needed for dS^T (128-query blocks: ptxas keeps
             // the A fragments of an unfinished wgmma alive, and 64 more live registers would spill)
             if constexpr (T::kWaitDv) wgmma_wait<0>();
@@ -814,8 +830,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             // dS^T = P^T (dP^T - D) (with dropout: dP^T of the kept entries / (1 - p)), A fragments and shared dS^T.
 #pragma unroll
             for (int j = 0; j < kNT; ++j) {
-                float dsum[2];
-                ld_stats2(sm.sD(s) + 4 * (8 * j + 2 * t), dsum);
+                if (j + T::kStatsAhead < kNT)
+                    ld_stats2(sm.sD(s) + 4 * (8 * (j + T::kStatsAhead) + 2 * t), d_r[j + T::kStatsAhead]);
+                const float(&dsum)[2] = d_r[j];
                 float ds[4], pt[4];
                 if constexpr (T::kDsFromPa) {
                     unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2)], pt[0], pt[1]);
