@@ -117,13 +117,13 @@ def test_long_causal_tiles_match_reference(dtype):
                              max_seqlen_q=long + 5, max_seqlen_k=long + 5)
 
 
-@pytest.mark.parametrize("head_dim", [128, 80])
+@pytest.mark.parametrize("head_dim", [128, 96, 80])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_long_keys_tiles_match_reference(causal, head_dim):
     """Head dim 128 from build.LONG_KEYS_SEQLEN keys on runs 192-key tiles (O stored from the registers): a partial
     last key block, seqlen_q = seqlen_k and a short query block against the long keys (causal: aligned to the end),
-    forward and gradients by FlashAttention-2's rule. Head dim 80: the same tiles with 96 columns of MMA work, and the
-    backward's 80-query blocks narrowed likewise."""
+    forward and gradients by FlashAttention-2's rule. Head dims 96 / 80: the same tiles with 96 / 80 columns of MMA
+    work, and the backward's 80-query blocks narrowed likewise."""
     from flashtrain.kernels import build
 
     long = build.LONG_KEYS_SEQLEN + 77  # (not a multiple of 192)

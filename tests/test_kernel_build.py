@@ -42,10 +42,10 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_long = len(build.FWD_SM90_TILES_LONG_CAUSAL) * 2  # the causal forward's long-sequence tiles (x dtype)
     hopper_long += len(build.FWD_SM90_TILES_SHORT_CAUSAL) * 2  # ... and its short-sequence ones
     hopper_long += len(build.FWD_SM90_TILES_LONG_KEYS) * 2 * 2  # the forward's long-key tiles (x dtype x causal)
-    # head dims 65-96: the hd128 backward with 96 columns of MMA work, x dtype x causal x dropout, and its other query
-    # block (64 or 80 rows) x dtype x causal; the forward's (x dtype): causal or not, the short causal and the long-key
-    # tiles (x causal), with dropout (x causal)
-    hopper_narrow = 2 * 2 * 2 + 2 * 2 + (2 + 1 + 2 + 2) * 2
+    # head dims 65-96 (x the narrowed widths 80, 96): the hd128 backward with that many columns of MMA work, x dtype x
+    # causal x dropout, and its other query block (64 or 80 rows) x dtype x causal; the forward's (x dtype): causal or
+    # not, the short causal and the long-key tiles (x causal), with dropout (x causal)
+    hopper_narrow = len(build.SM90_NARROW_HEAD_DIMS) * (2 * 2 * 2 + 2 * 2 + (2 + 1 + 2 + 2) * 2)
     hopper_q80 = 2 * 2  # the hd128 backward's other query block (64 rows, or 80 with FLASHTRAIN_BWD_SM90_Q80=0), x dtype
     # x causal
     # the forward and (head dims 64 / 128) the backward with score modifications, x dtype x causal, each without
@@ -144,23 +144,37 @@ def test_long_keys_forward_tiles():
     assert build.fwd_kernel(128, "bf16", False, False, arch="sm_80", seqlen_k=long).name == "flash_fwd_hdim128_bf16"
 
 
-def test_narrow_head_dims_on_hopper():
-    """Head dims 65-96 on sm_90a run the hd128 tiles with the MMA work of 96 columns (kernels named hdim96, built with
-    FT_HEAD_DIM_EFF=96): the forward without a block mask or score modifications (every tile shape: default, short
-    causal, long keys; dropout too), the backward dense and not deterministic (80-query blocks where hd128 takes
-    them). Head dims above 96, block-sparse, the score-modification kernels and sm_80 keep all 128 columns."""
+def test_narrow_head_dims_on_hopper(monkeypatch):
+    """Head dims 65-96 on sm_90a run the hd128 tiles with the MMA work of 80 columns (65-80) or 96 (81-96) (kernels
+    named hdim80 / hdim96, built with FT_HEAD_DIM_EFF): the forward without a block mask or score modifications
+    (every tile shape: default, short causal, long keys; dropout too), the backward dense and not deterministic
+    (80-query blocks where hd128 takes them). Head dims above 96, block-sparse, the score-modification kernels and
+    sm_80 keep all 128 columns; FLASHTRAIN_SM90_NARROW (A/B) picks the widths."""
+    monkeypatch.delenv("FLASHTRAIN_SM90_NARROW", raising=False)
     long = build.LONG_KEYS_SEQLEN
     for causal, suffix in ((False, ""), (True, "_causal")):
         for seqlen_q, seqlen_k, shape in ((0, 0, ""), (long, long, "_128x192")):
             spec = build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                                    effective_head_dim=80)
+                                    effective_head_dim=96)
             wide = build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=seqlen_q, seqlen_k=seqlen_k)
             assert spec.name == f"flash_fwd_sm90_hdim96_bf16{suffix}{shape}" and ("FT_HEAD_DIM_EFF", 96) in spec.defines
             assert (spec.tiles, spec.smem_bytes) == (wide.tiles, wide.smem_bytes) and spec in build.all_kernels()
         bwd = build.bwd_kernel(128, "bf16", causal, False, arch="sm_90a", effective_head_dim=96, seqlen_q=long)
         assert bwd.name == f"flash_bwd_sm90_hdim96_bf16{suffix}_q80" and bwd in build.all_kernels()
-    short = build.fwd_kernel(128, "fp16", True, True, arch="sm_90a", seqlen_q=300, effective_head_dim=72)
+    short = build.fwd_kernel(128, "fp16", True, True, arch="sm_90a", seqlen_q=300, effective_head_dim=88)
     assert short.name == "flash_fwd_sm90_hdim96_fp16_causal_dropout"
+    for head_dim in (72, 80):
+        assert build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", effective_head_dim=head_dim).name == (
+            "flash_fwd_sm90_hdim80_bf16")
+        bwd80 = build.bwd_kernel(128, "bf16", True, True, arch="sm_90a", effective_head_dim=head_dim)
+        assert bwd80.name == "flash_bwd_sm90_hdim80_bf16_causal_dropout" and ("FT_HEAD_DIM_EFF", 80) in bwd80.defines
+    monkeypatch.setenv("FLASHTRAIN_SM90_NARROW", "96")
+    assert build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", effective_head_dim=80).name == (
+        "flash_fwd_sm90_hdim96_bf16")
+    monkeypatch.setenv("FLASHTRAIN_SM90_NARROW", "")
+    assert build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", effective_head_dim=80).name == (
+        "flash_fwd_sm90_hdim128_bf16")
+    monkeypatch.delenv("FLASHTRAIN_SM90_NARROW")
     assert build.fwd_kernel(128, "bf16", True, False, arch="sm_90a", seqlen_q=300,
                             effective_head_dim=96).name == "flash_fwd_sm90_hdim96_bf16_causal_q2"
     for wide in (build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", effective_head_dim=104),
@@ -170,6 +184,8 @@ def test_narrow_head_dims_on_hopper():
         assert "hdim96" not in wide.name and ("FT_HEAD_DIM_EFF", 96) not in wide.defines
     with pytest.raises(ValueError, match="narrowed to 96"):
         build.fwd_sm90_kernel(128, "bf16", False, block_sparse=True, head_dim_eff=96)
+    with pytest.raises(ValueError, match="narrowed to 64"):
+        build.bwd_sm90_kernel(128, "bf16", False, head_dim_eff=64)
 
 
 def test_head_dim_512_dispatch(monkeypatch):
@@ -234,8 +250,8 @@ def test_hopper_dispatch(monkeypatch):
     assert bwd_name(64, "sm_90a", deterministic=True) == "flash_bwd_sm90_hdim64_fp16_det"
     assert bwd_name(64, "sm_90a", block_sparse=True, deterministic=True) == "flash_bwd_hdim64_fp16_sparse"
     assert bwd_name(96, "sm_90a") == "flash_bwd_hdim96_fp16"
-    # head dims 65-96: the hd128 backward tiles with 96 columns of MMA work (dense, dropout too, not deterministic)
-    narrow = build.bwd_kernel(128, "bf16", True, True, arch="sm_90a", effective_head_dim=80)
+    # head dims 81-96: the hd128 backward tiles with 96 columns of MMA work (dense, dropout too, not deterministic)
+    narrow = build.bwd_kernel(128, "bf16", True, True, arch="sm_90a", effective_head_dim=88)
     assert narrow.name == "flash_bwd_sm90_hdim96_bf16_causal_dropout" and ("FT_HEAD_DIM_EFF", 96) in narrow.defines
     assert narrow.smem_bytes == build.bwd_kernel(128, "bf16", True, True, arch="sm_90a").smem_bytes
     assert build.bwd_kernel(128, "bf16", True, False, arch="sm_90a", effective_head_dim=128).name.startswith(

@@ -7,7 +7,7 @@ those outside are the producer warpgroup's roles (24-40 registers) and set-up / 
         [--defines FT_BWD_PRODUCER_REGS=40,...]
 
 A kernel is kind:head_dim[:causal][:dropout][:det][:mods] (kind fwd or bwd; det: the deterministic backward; mods: the
-score-modification variant; head dim 96: the hd128 kernels narrowed to 96 columns, which head dims 65-96 run). --defines adds
+score-modification variant; head dims 80 / 96: the hd128 kernels narrowed to that many columns, which head dims 65-96 run). --defines adds
 macros to every compilation (as FLASHTRAIN_EXTRA_DEFINES does). Needs nvcc and cuobjdump (CUOBJDUMP=path, or on
 PATH; pip's nvidia-cuda-cuobjdump wheel carries one). The Hopper backward's speed moved with its spills' placement by
 up to 10% either way in 2026-11-25's measurements: compare a change's table with the default's
@@ -39,8 +39,8 @@ def kernel_spec(item: str) -> build.KernelSpec:
                                         build.FWD_SM90_TILES[int(head_dim)], True)
         return build.bwd_sm90_mods_kernel(int(head_dim), "bf16", causal,
                                           softcap=build.BWD_SM90_MODS_SOFTCAP[int(head_dim)])
-    # head dim 96: the hd128 kernels with the MMA work of 96 columns (head dims 65-96 on Hopper)
-    narrow = build.SM90_NARROW_HEAD_DIM if int(head_dim) == build.SM90_NARROW_HEAD_DIM else None
+    # head dims 80 / 96: the hd128 kernels with the MMA work of that many columns (head dims 65-96 on Hopper)
+    narrow = int(head_dim) if int(head_dim) in build.SM90_NARROW_HEAD_DIMS else None
     head_dim = 128 if narrow else int(head_dim)
     if kind == "fwd":
         return build.fwd_sm90_kernel(head_dim, "bf16", causal, dropout=dropout, head_dim_eff=narrow)

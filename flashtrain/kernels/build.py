@@ -324,10 +324,22 @@ def _bwd_tile_overrides() -> None:
 
 _bwd_tile_overrides()
 SM90_ARCH = "sm_90a"
-# Head dims 65-96 on Hopper: the hd128 tiles (zero-filled columns) with the MMA work of 96 columns (forward without a
-# block mask or score modifications: 1.07-1.11x all 128 columns at 1K-16K, H200, 2026-11-29, kernel_ab-h200.json;
-# backward dense, not deterministic)
-SM90_NARROW_HEAD_DIM = 96
+# Head dims 65-96 on Hopper: the hd128 tiles (zero-filled columns) with the MMA work of 80 columns (head dims 65-80) or
+# 96 (81-96): forward without a block mask or score modifications (96 columns: 1.07-1.11x all 128 at 1K-16K, H200,
+# 2026-11-29, kernel_ab-h200.json), backward dense, not deterministic. FLASHTRAIN_SM90_NARROW="96" (A/B) narrows to
+# 96 only, "" not at all.
+SM90_NARROW_HEAD_DIMS = (80, 96)
+
+
+def sm90_narrow_width(head_dim: int, effective_head_dim: int | None) -> int | None:
+    """The columns of MMA work a call of effective_head_dim runs on the instantiated head_dim's Hopper tiles, where
+    fewer than head_dim (SM90_NARROW_HEAD_DIMS), else None."""
+    widths = SM90_NARROW_HEAD_DIMS
+    if "FLASHTRAIN_SM90_NARROW" in os.environ:
+        widths = tuple(int(w) for w in os.environ["FLASHTRAIN_SM90_NARROW"].split(",") if w.strip())
+    if head_dim != 128 or effective_head_dim is None:
+        return None
+    return next((w for w in sorted(widths) if effective_head_dim <= w < head_dim), None)
 MAX_STREAMS = 64  # streams one process may run the persistent Hopper kernels on (one tile counter each)
 BWD_TILES = {
     32: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=8, warps_m_dq=4, stages=2),
@@ -511,7 +523,7 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length;
     seqlen_k: its key length (0: unknown or varlen); effective_head_dim: the call's head dim when smaller than
     head_dim (the instantiated one): on sm_90a head dims 65-96 without block mask or score modifications run the hd128
-    tiles with the MMA work of 96 columns.
+    tiles with the MMA work of 80 or 96 columns (sm90_narrow_width).
     score_mods (window_size, softcap, alibi_slopes; without dropout or a block mask): the `_mods` variants (SCORE_MODS),
     on sm_90a the warpgroup-MMA forward with FWD_SM90_TILES, built without the tanh path (`_nocap`) unless softcap (the
     call has one)."""
@@ -533,12 +545,11 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
         return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
                          fwd_tiles(head_dim, causal, dropout, block_sparse, smem_limit), True)
     if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
-        narrow = (head_dim == 128 and effective_head_dim is not None and effective_head_dim <= SM90_NARROW_HEAD_DIM
-                  and not block_sparse)
+        narrow = None if block_sparse else sm90_narrow_width(head_dim, effective_head_dim)
         for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k),
                       FWD_SM90_TILES[head_dim]):
             spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles,
-                                  head_dim_eff=SM90_NARROW_HEAD_DIM if narrow else head_dim)
+                                  head_dim_eff=narrow or head_dim)
             if _fits(spec, smem_limit):  # (under a capped limit the non-causal tiles may not fit, the others may)
                 return spec
     return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
@@ -600,7 +611,7 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
 def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
                     block_sparse: bool = False, seqlen_q: int = 0, seqlen_k: int = 0,
                     head_dim_eff: int | None = None) -> KernelSpec:
-    """head_dim_eff: SM90_NARROW_HEAD_DIM on the hd128 tiles (no block mask); None or head_dim: all columns."""
+    """head_dim_eff: one of SM90_NARROW_HEAD_DIMS on the hd128 tiles (no block mask); None or head_dim: all columns."""
     return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse,
                           fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k),
                           head_dim_eff=head_dim_eff or head_dim)
@@ -611,10 +622,10 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
                    tiles: FwdSm90Tiles, score_mods: int = 0, mask_defines: tuple = (),
                    head_dim_eff: int | None = None) -> KernelSpec:
     """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi (FwdSm90Traits' FT_SCORE_MODS);
-    head_dim_eff: the columns of MMA work (SM90_NARROW_HEAD_DIM of 128, without block mask or score modifications;
-    None: head_dim)."""
+    head_dim_eff: the columns of MMA work (one of SM90_NARROW_HEAD_DIMS of 128, without block mask or score
+    modifications; None: head_dim)."""
     head_dim_eff = head_dim_eff or head_dim
-    if head_dim_eff != head_dim and ((head_dim, head_dim_eff) != (128, SM90_NARROW_HEAD_DIM) or block_sparse
+    if head_dim_eff != head_dim and (head_dim != 128 or head_dim_eff not in SM90_NARROW_HEAD_DIMS or block_sparse
                                      or score_mods):
         raise ValueError(f"no Hopper forward of head dim {head_dim} narrowed to {head_dim_eff} "
                          f"(block_sparse={block_sparse}, score_mods={score_mods})")
@@ -646,8 +657,8 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
                score_mods: bool = False, softcap: bool = False, mask_defines: tuple = ()) -> KernelSpec:
     """The backward kernel for these features (head_dim: the instantiated one, rounded_head_dim; effective_head_dim:
     the call's own, when smaller); on arch sm_90a the warpgroup-MMA kernel where it exists and fits smem_limit (bytes
-    of shared memory per block; None: no limit): head dims 65-96 there run the hd128 tiles with the MMA work of 96
-    columns (dense, not deterministic). seqlen_q: the call's (max) query length, which picks the causal hd128 tiles
+    of shared memory per block; None: no limit): head dims 65-96 there run the hd128 tiles with the MMA work of 80 or
+    96 columns (sm90_narrow_width; dense, not deterministic). seqlen_q: the call's (max) query length, which picks the causal hd128 tiles
     (None: the short ones). score_mods (SCORE_MODS): the `_mods` variants, on sm_90a the warpgroup-MMA backward at
     head dims 64 / 128 (not deterministic: flash_bwd.cuh runs that; softcap (a call with one) at head dim 64 neither:
     BWD_SM90_MODS_SOFTCAP)."""
@@ -669,10 +680,9 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
         return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit), True)
     if (arch == SM90_ARCH and not (deterministic and block_sparse) and head_dim in BWD_SM90_TILES and sm90_enabled()
             and BWD_SM90_TILES[head_dim].supports(dropout, block_sparse, deterministic)):
-        narrow = (head_dim == 128 and effective_head_dim is not None and effective_head_dim <= SM90_NARROW_HEAD_DIM
-                  and not block_sparse and not deterministic)
+        narrow = None if block_sparse or deterministic else sm90_narrow_width(head_dim, effective_head_dim)
         spec = bwd_sm90_kernel(head_dim, dtype, causal, dropout, block_sparse, deterministic,
-                               head_dim_eff=SM90_NARROW_HEAD_DIM if narrow else None, seqlen_q=seqlen_q)
+                               head_dim_eff=narrow, seqlen_q=seqlen_q)
         if _fits(spec, smem_limit):
             return spec
     return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit))
@@ -681,13 +691,14 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
 def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False, block_sparse: bool = False,
                     deterministic: bool = False, head_dim_eff: int | None = None,
                     seqlen_q: int | None = None) -> KernelSpec:
-    """head_dim_eff: SM90_NARROW_HEAD_DIM on the hd128 tiles (dense, not deterministic); None or head_dim: all."""
+    """head_dim_eff: one of SM90_NARROW_HEAD_DIMS on the hd128 tiles (dense, not deterministic); None or head_dim:
+    all."""
     tiles = BWD_SM90_TILES[head_dim]
     head_dim_eff = None if head_dim_eff == head_dim else head_dim_eff
     if not tiles.supports(dropout, block_sparse, deterministic):
         raise ValueError(f"the Hopper backward at head dim {head_dim} has no dropout, block-sparse or deterministic "
                          f"variant (dropout={dropout}, block_sparse={block_sparse}, deterministic={deterministic})")
-    if head_dim_eff is not None and ((head_dim, head_dim_eff) != (128, SM90_NARROW_HEAD_DIM) or block_sparse
+    if head_dim_eff is not None and (head_dim != 128 or head_dim_eff not in SM90_NARROW_HEAD_DIMS or block_sparse
                                      or deterministic):
         raise ValueError(f"no Hopper backward of head dim {head_dim} narrowed to {head_dim_eff} "
                          f"(block_sparse={block_sparse}, deterministic={deterministic})")
@@ -827,17 +838,18 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=1), smem_limit)]
     specs += [spec for head_dim in FWD_SM90_TILES_LONG_KEYS for dtype in DTYPES for causal in (False, True)  # long
               if _fits(spec := fwd_sm90_kernel(head_dim, dtype, causal, seqlen_k=LONG_KEYS_SEQLEN), smem_limit)]
-    specs += [spec for dtype in DTYPES for causal in (False, True) for dropout in (False, True)  # head dims 65-96
-              for seqlen_q in (None, 1 << 20)
-              if _fits(spec := bwd_sm90_kernel(128, dtype, causal, dropout, head_dim_eff=SM90_NARROW_HEAD_DIM,
-                                               seqlen_q=seqlen_q), smem_limit)]
-    specs += [spec for dtype in DTYPES for causal in (False, True) for dropout in (False, True)  # ... forward
+    specs += [spec for narrow in SM90_NARROW_HEAD_DIMS for dtype in DTYPES for causal in (False, True)  # 65-96
+              for dropout in (False, True) for seqlen_q in (None, 1 << 20)
+              if _fits(spec := bwd_sm90_kernel(128, dtype, causal, dropout, head_dim_eff=narrow, seqlen_q=seqlen_q),
+                       smem_limit)]
+    specs += [spec for narrow in SM90_NARROW_HEAD_DIMS for dtype in DTYPES for causal in (False, True)  # ... forward
+              for dropout in (False, True)
               for seqlen_q, seqlen_k in ((0, 0), (1, 0), (LONG_CAUSAL_SEQLEN, 0), (0, LONG_KEYS_SEQLEN))
               if _fits(spec := fwd_sm90_kernel(128, dtype, causal, dropout, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                                               head_dim_eff=SM90_NARROW_HEAD_DIM), smem_limit)]
+                                               head_dim_eff=narrow), smem_limit)]
     specs += [spec for dtype in DTYPES  # the hd128 backward's other query block (A/B: FLASHTRAIN_BWD_SM90_Q80)
               for causal in (False, True) for tiles in (BWD_SM90_TILES[128], BWD_SM90_DENSE128_TILES)
-              for head_dim_eff in (128, SM90_NARROW_HEAD_DIM)
+              for head_dim_eff in (128, *SM90_NARROW_HEAD_DIMS)
               if _fits(spec := _bwd_sm90_spec(128, dtype, causal, False, False, False, tiles, head_dim_eff),
                        smem_limit)]
     specs += [spec for head_dim in BWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # deterministic

@@ -11,7 +11,7 @@ from pathlib import Path
 
 OUTPUT = Path(__file__).resolve().parent / "csrc" / "wgmma_ops.cuh"
 # N of the m64nNk16 instructions the kernels issue: S / dP tiles (block_n) and O / dK / dV widths (head dims).
-WIDTHS = {"ss": (32, 64, 80, 96, 112, 128, 176, 192, 256), "rs": (64, 96, 128, 192, 256), "ss_tt": (64, 128),
+WIDTHS = {"ss": (32, 64, 80, 96, 112, 128, 176, 192, 256), "rs": (64, 80, 96, 128, 192, 256), "ss_tt": (64, 128),
           "ss_tt_init": (64,), "ss_tn": (80,), "ss_tn_init": (80,)}
 # (A operand, transpose flags of A and B): ss = both K-major; rs = A in registers, B MN-major; ss_tt = both MN-major;
 # ss_tn = A MN-major, B K-major (the backward's dQ^T = K^T dS^T at 80-query blocks);

@@ -136,9 +136,10 @@ struct BwdSm90Traits {
     static_assert(!kIsBlockSparse || kBlockSparseSize % kBlockM == 0, "a mask block is whole query tiles");
     static constexpr int kNT = kBlockM / 8;   // n8 column tiles of S^T per thread (columns = queries)
     // Columns that can be non-zero: head dims 65-96 run the hd128 tiles (zero-filled past head_dim) with kHeadDimEff
-    // 96, so that S^T / dP^T skip the zero k-steps and dK / dV are m64n96 (20% less MMA work than padding all the way)
+    // 80 or 96, so that S^T / dP^T skip the zero k-steps and dK / dV are m64n80 / m64n96
     static constexpr int kHeadDimEff = kHeadDimEff_;
-    static_assert(kHeadDimEff == kHeadDim || (kHeadDim == 128 && kHeadDimEff == 96), "effective head dim 96 of 128");
+    static_assert(kHeadDimEff == kHeadDim || (kHeadDim == 128 && (kHeadDimEff == 80 || kHeadDimEff == 96)),
+                  "effective head dim 80 or 96 of 128");
     static constexpr int kDT = kHeadDimEff / 8;  // n8 column tiles of dK, dV per thread
     // Registers per thread after setmaxnreg: the producer warpgroup (TMA copies, dQ writer) and the
     // MMA warpgroups share the launch pool (168 x 384). On 24 the producer warpgroup's loops spill (ptxas 188-236 bytes

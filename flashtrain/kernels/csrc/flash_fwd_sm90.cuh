@@ -147,11 +147,13 @@ struct FwdSm90Traits {
                   "register budget: the launch allocation");
     static constexpr int kNT = kBlockN / 8;   // n8 column tiles of S per thread
     // Columns that can be non-zero: head dims 65-96 run the hd128 tiles (Q, K, V zero-filled past the call's head dim
-    // by the TMA copies) with kHeadDimEff 96, whose S GEMM takes 6 k-steps instead of 8 and whose P V product and O
-    // accumulator have 96 columns (the O tile's columns 96-127 are never stored: the tensor map ends at head_dim)
+    // by the TMA copies) with kHeadDimEff 80 or 96, whose S GEMM takes 5 or 6 k-steps instead of 8 and whose P V
+    // product and O accumulator have that many columns (the O tile's columns past it are never stored: the tensor map
+    // ends at head_dim)
     static constexpr int kHeadDimEff = kHeadDimEff_;
-    static_assert(kHeadDimEff == kHeadDim || (kHeadDim == 128 && kHeadDimEff == 96 && !kScoreMods_),
-                  "effective head dim 96 of 128 (kernels without score modifications)");
+    static_assert(kHeadDimEff == kHeadDim ||
+                      (kHeadDim == 128 && (kHeadDimEff == 80 || kHeadDimEff == 96) && !kScoreMods_),
+                  "effective head dim 80 or 96 of 128 (kernels without score modifications)");
     static constexpr int kDCols = kSplitD ? kHeadDim / 2 : kHeadDimEff;  // columns of O per consumer warpgroup
     static constexpr int kDT = kDCols / 8;                              // n8 column tiles of O per thread
     static_assert((kNConsumers == 2 || kNConsumers == 3) && kBlockN % 16 == 0 && kBlockN <= 256, "tile shape");
