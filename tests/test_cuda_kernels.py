@@ -588,7 +588,8 @@ def test_cuda_graph_capture_replays_a_mask_mod_with_new_tensor_contents():
 def _sanitizer_grid() -> None:
     """A small grid of forward + backward calls covering every kernel path (on Hopper the warpgroup-MMA kernels too:
     head dims 40, 64, 128 with and without dropout, the dense hd128 backward's 80-query blocks, the causal hd128
-    forward's two Q buffers, its long-key tiles), for compute-sanitizer."""
+    forward's two Q buffers, its long-key tiles, head dims 72 / 80 / 96 on the hd128 tiles narrowed to 80 / 96
+    columns), for compute-sanitizer."""
     for head_dim, dtype, causal, dropout_p in [(64, torch.float16, False, 0.0), (128, torch.bfloat16, True, 0.1),
                                                 (96, torch.float16, True, 0.0), (256, torch.bfloat16, False, 0.0),
                                                 (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2),
@@ -609,6 +610,7 @@ def _sanitizer_grid() -> None:
                                                        (64, 16, False, True), (64, 16, True, True),
                                                        (128, 16, True, False), (128, 16, False, False),
                                                        (128, 4, False, False), (128, 16, False, True),
+                                                       (80, 16, True, False),
                                                        (256, 2, True, False),
                                                        (192, 16, False, False), (512, 16, True, False),
                                                        (512, 2, False, True)]:
