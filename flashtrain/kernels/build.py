@@ -325,8 +325,9 @@ def _bwd_tile_overrides() -> None:
 _bwd_tile_overrides()
 SM90_ARCH = "sm_90a"
 # Head dims 65-96 on Hopper: the hd128 tiles (zero-filled columns) with the MMA work of 80 columns (head dims 65-80) or
-# 96 (81-96): forward without a block mask or score modifications (96 columns: 1.07-1.11x all 128 at 1K-16K, H200,
-# 2026-11-29, kernel_ab-h200.json), backward dense, not deterministic. FLASHTRAIN_SM90_NARROW="96" (A/B) narrows to
+# 96 (81-96): forward without a block mask or score modifications, backward dense, not deterministic. H200,
+# 2026-11-29, kernel_ab-h200.json: 96 columns 1.07-1.11x all 128 (forward, 1K-16K); hd80 on 80 columns 1.00-1.10x
+# (forward) and 1.02-1.05x (backward) its 96. FLASHTRAIN_SM90_NARROW="96" (A/B) narrows to
 # 96 only, "" not at all.
 SM90_NARROW_HEAD_DIMS = (80, 96)
 
