@@ -335,12 +335,12 @@ SM90_NARROW_HEAD_DIMS = (80, 96)
 def sm90_narrow_width(head_dim: int, effective_head_dim: int | None) -> int | None:
     """The columns of MMA work a call of effective_head_dim runs on the instantiated head_dim's Hopper tiles, where
     fewer than head_dim (SM90_NARROW_HEAD_DIMS), else None."""
+    if head_dim != 128 or effective_head_dim is None or effective_head_dim > SM90_NARROW_HEAD_DIMS[-1]:
+        return None
     widths = SM90_NARROW_HEAD_DIMS
     if "FLASHTRAIN_SM90_NARROW" in os.environ:
-        widths = tuple(int(w) for w in os.environ["FLASHTRAIN_SM90_NARROW"].split(",") if w.strip())
-    if head_dim != 128 or effective_head_dim is None:
-        return None
-    return next((w for w in sorted(widths) if effective_head_dim <= w < head_dim), None)
+        widths = sorted(int(w) for w in os.environ["FLASHTRAIN_SM90_NARROW"].split(",") if w.strip())
+    return next((w for w in widths if effective_head_dim <= w < head_dim), None)
 MAX_STREAMS = 64  # streams one process may run the persistent Hopper kernels on (one tile counter each)
 BWD_TILES = {
     32: BwdTiles(64, 128, 8, warps_m_sdp=2, warps_n_dkv=8, warps_m_dq=4, stages=2),
@@ -550,7 +550,7 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
         for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k),
                       FWD_SM90_TILES[head_dim]):
             spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles,
-                                  head_dim_eff=narrow or head_dim)
+                                  head_dim_eff=narrow)
             if _fits(spec, smem_limit):  # (under a capped limit the non-causal tiles may not fit, the others may)
                 return spec
     return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
@@ -615,7 +615,7 @@ def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
     """head_dim_eff: one of SM90_NARROW_HEAD_DIMS on the hd128 tiles (no block mask); None or head_dim: all columns."""
     return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse,
                           fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k),
-                          head_dim_eff=head_dim_eff or head_dim)
+                          head_dim_eff=head_dim_eff)
 
 
 @functools.lru_cache(maxsize=None)

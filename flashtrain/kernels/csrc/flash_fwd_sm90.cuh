@@ -131,12 +131,7 @@ struct FwdSm90Traits {
     // Turns for the GEMM issues: two consumers ping-pong; three (causal) take turns in a ring, 0 -> 1 -> 2 -> 0
     // (FT_FWD_ROUND_ROBIN; H200, graph-interleaved, 2026-11-26, hd64 192-row tiles, causal 512 / 768 / 1K / 4K / 16K
     // 1.011 / 1.011 / 1.015 / 1.009 / 1.002x of issuing freely; non-causal 512 / 2K / 16K 0.998 / 1.000 / 0.992x)
-    // FT_FWD_PINGPONG=0 (A/B): the consumers issue freely at every tile shape (FA4's choice at hd192 / hd256; H200,
-    // graph-interleaved, 2026-11-29: there 1.004-1.010x at 4K-16K, 0.998x at 1K: not worth a variant).
-#ifndef FT_FWD_PINGPONG
-#define FT_FWD_PINGPONG 1
-#endif
-    static constexpr bool kPingPong = FT_FWD_PINGPONG &&
+    static constexpr bool kPingPong =
         !kSplitD && (kNConsumers == 2 || (kNConsumers == 3 && kIsCausal_ && FT_FWD_ROUND_ROBIN));
     // Registers per thread after reallocation. The CTA's pool is what it got at launch, 65536 / kNThreads rounded
     // down to a multiple of 8 per thread (384 threads: 168); setmaxnreg.inc waits until the pool has the registers,
