@@ -327,8 +327,7 @@ SM90_ARCH = "sm_90a"
 # Head dims 65-96 on Hopper: the hd128 tiles (zero-filled columns) with the MMA work of 80 columns (head dims 65-80) or
 # 96 (81-96): forward without a block mask or score modifications, backward dense, not deterministic. H200,
 # 2026-11-29, kernel_ab-h200.json: 96 columns 1.07-1.11x all 128 (forward, 1K-16K); hd80 on 80 columns 1.00-1.10x
-# (forward) and 1.02-1.05x (backward) its 96. FLASHTRAIN_SM90_NARROW="96" (A/B) narrows to
-# 96 only, "" not at all.
+# (forward) and 1.02-1.05x (backward) its 96. FLASHTRAIN_SM90_NARROW="96" (A/B) narrows to 96 only, "" not at all.
 SM90_NARROW_HEAD_DIMS = (80, 96)
 
 
@@ -659,8 +658,8 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     """The backward kernel for these features (head_dim: the instantiated one, rounded_head_dim; effective_head_dim:
     the call's own, when smaller); on arch sm_90a the warpgroup-MMA kernel where it exists and fits smem_limit (bytes
     of shared memory per block; None: no limit): head dims 65-96 there run the hd128 tiles with the MMA work of 80 or
-    96 columns (sm90_narrow_width; dense, not deterministic). seqlen_q: the call's (max) query length, which picks the causal hd128 tiles
-    (None: the short ones). score_mods (SCORE_MODS): the `_mods` variants, on sm_90a the warpgroup-MMA backward at
+    96 columns (sm90_narrow_width; dense, not deterministic). seqlen_q: the call's (max) query length, which picks the
+    causal hd128 tiles (None: the short ones). score_mods (SCORE_MODS): the `_mods` variants, on sm_90a the warpgroup-MMA backward at
     head dims 64 / 128 (not deterministic: flash_bwd.cuh runs that; softcap (a call with one) at head dim 64 neither:
     BWD_SM90_MODS_SOFTCAP)."""
     _check_score_mods(score_mods, dropout, block_sparse)
@@ -845,7 +844,7 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
                        smem_limit)]
     specs += [spec for narrow in SM90_NARROW_HEAD_DIMS for dtype in DTYPES for causal in (False, True)  # ... forward
               for dropout in (False, True)
-              for seqlen_q, seqlen_k in ((0, 0), (1, 0), (LONG_CAUSAL_SEQLEN, 0), (0, LONG_KEYS_SEQLEN))
+              for seqlen_q, seqlen_k in ((0, 0), (1, 0), (0, LONG_KEYS_SEQLEN))  # (hd128: no long-causal tiles)
               if _fits(spec := fwd_sm90_kernel(128, dtype, causal, dropout, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                                head_dim_eff=narrow), smem_limit)]
     specs += [spec for dtype in DTYPES  # the hd128 backward's other query block (A/B: FLASHTRAIN_BWD_SM90_Q80)
