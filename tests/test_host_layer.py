@@ -32,20 +32,24 @@ def test_host_source_compiles(tmp_path):
     assert "warning" not in result.stderr, result.stderr[-4000:]
 
 
+_SYMBOLS = {}  # _FakeKernel handle -> kernel symbol
+
+
 class _FakeKernel:
     """launch.Kernel without the driver: launch_on records what flash_host.cpp's record mode does (function, grid,
     block, shared memory, the addresses and sizes of the plan's inputs and outputs, the parameter bytes)."""
 
     def __init__(self, symbol: str, threads: int, smem_bytes: int, persistent: bool, records: list, tensors: list):
         self.handle = ctypes.c_void_p(zlib.crc32(symbol.encode()) << 4)
+        _SYMBOLS[self.handle.value] = symbol
         self.threads, self.smem_bytes, self.records, self.tensors = threads, smem_bytes, records, tensors
         self.tile_counters = (zlib.crc32(symbol.encode()) << 8) if persistent else 0
 
-    def launch_on(self, grid, params, stream):
+    def launch_on(self, grid, params, stream, pdl=False):
         tensors = self.tensors[-1]
         spans = [(0, 0) if x is None else (x.data_ptr(), x.numel() * x.element_size()) for x in tensors]
-        header = struct.pack(f"<{7 + 2 * len(spans)}q", self.handle.value, *grid, self.threads, self.smem_bytes,
-                             len(spans), *(value for span in spans for value in span))
+        header = struct.pack(f"<{8 + 2 * len(spans)}q", self.handle.value, *grid, self.threads, self.smem_bytes,
+                             int(pdl), len(spans), *(value for span in spans for value in span))
         self.records.append(header + bytes(params))
 
 
@@ -95,12 +99,13 @@ def recording(request, monkeypatch):
 
 
 def _canonical(record: bytes) -> list:
-    """A record's launch (function, grid, block, shared memory) and parameter words, each address inside one of the
-    plan's tensors replaced by (tensor index, byte offset): the two executors allocate at different addresses."""
-    n = struct.unpack_from("<q", record, 48)[0]
-    spans = struct.unpack_from(f"<{2 * n}q", record, 56)
-    params = record[56 + 16 * n:]
-    words = list(struct.unpack_from("<6q", record))
+    """A record's launch (function, grid, block, shared memory, programmatic launch) and parameter words, each address
+    inside one of the plan's tensors replaced by (tensor index, byte offset): the two executors allocate at different
+    addresses."""
+    n = struct.unpack_from("<q", record, 56)[0]
+    spans = struct.unpack_from(f"<{2 * n}q", record, 64)
+    params = record[64 + 16 * n:]
+    words = list(struct.unpack_from("<7q", record))
     for (word,) in struct.iter_unpack("<Q", params[: len(params) // 8 * 8]):
         inside = (index for index in range(n) if spans[2 * index] <= word < spans[2 * index] + spans[2 * index + 1])
         index = next(inside, None)
@@ -181,6 +186,10 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
     cpp = torch.ops.flashtrain._recorded_launches()
     # forward; preprocess, backward, dq conversion (+ dk, dv conversions when the Hopper backward splits a GQA group)
     assert len(cpp) in (4, 6)
+    # the Hopper backward and the conversions after it are programmatic dependent launches, nothing else is
+    hopper_main = _SYMBOLS[_canonical(bytes(cpp[2].numpy()))[0]].startswith("flash_bwd_sm90")
+    assert hopper_main == (arch == "sm_90a") or case in ("score-mods", "block-sparse", "mask-mod")
+    assert [_canonical(bytes(record.numpy()))[6] for record in cpp] == [0, 0] + [int(hopper_main)] * (len(cpp) - 2)
 
     q, k, v = (x.detach() for x in (q, k, v))
     py_out, py_lse = ops._fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, 0.125, spec["causal"], rng_state,
@@ -200,7 +209,7 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
         assert specs[1].source == ("flash_bwd_sm90.cu" if hopper_bwd else "flash_bwd.cu")
         handles = {zlib.crc32(s.symbols[0].encode()) << 4 for s in specs}
         assert handles <= {struct.unpack_from("<q", record)[0] for record in records}
-        param_bytes = records[0][56 + 16 * struct.unpack_from("<q", records[0], 48)[0]:]
+        param_bytes = records[0][64 + 16 * struct.unpack_from("<q", records[0], 56)[0]:]
         fwd = (launch.FwdSm90Params.from_buffer_copy(param_bytes).fwd if arch == "sm_90a"
                else launch.FwdParams.from_buffer_copy(param_bytes))
         assert (fwd.window_left, fwd.window_right) == (window[0], -1 if spec["causal"] else window[1])
@@ -218,7 +227,7 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
                                                    else ["flash_fwd.cu", "flash_bwd.cu"])
         handles = {zlib.crc32(s.symbols[0].encode()) << 4 for s in specs}
         assert handles <= {struct.unpack_from("<q", record)[0] for record in records}
-        param_bytes = records[0][56 + 16 * struct.unpack_from("<q", records[0], 48)[0]:]
+        param_bytes = records[0][64 + 16 * struct.unpack_from("<q", records[0], 56)[0]:]
         fwd = (launch.FwdSm90Params.from_buffer_copy(param_bytes).fwd if hopper
                else launch.FwdParams.from_buffer_copy(param_bytes))
         # packed states (mask_mod.pack_states): 3 rows of 4 bytes, 3 row ranges, 3 column ranges per sequence

@@ -221,6 +221,10 @@ class BwdSm90Tiles:
     threads: int = 384
     scramble_dq: int = 1  # whole query blocks add into dq_accum in the scrambled order of 64-column slices
     persistent: bool = True  # one CTA per SM taking (key block, batch, kv head) tiles; False: one CTA per tile
+    # 80-query blocks: each block's dQ^T staged and added to dq_accum in the MMA accumulator's order, converted by
+    # flash_aux.cuh bwd_convert_dq_frag (BwdSm90Traits::kDqFrag); False: plain rows by tensor reduce-adds (A/B,
+    # BWD_DQ_FRAG)
+    dq_frag: bool = True
 
     def dq_slice_width(self, head_dim: int) -> int:  # dQ is computed in 64 x 64 pieces (80-query blocks: dQ^T,
         return 0 if self.swap_dq else 64              # added in plain rows)
@@ -228,7 +232,7 @@ class BwdSm90Tiles:
     @property
     def swap_dq(self) -> bool:
         """80-query blocks (head dim 128): dQ^T = K^T dS^T per warpgroup (64 head-dim rows x 80 queries),
-        dS stored row-major by queries, dq_accum in plain rows reduce-added by tensor copies (BwdSm90Traits::kSwapDq)."""
+        dS stored row-major by queries (BwdSm90Traits::kSwapDq); dq_accum in fragment order (dq_frag)."""
         return self.block_m == 80
 
     @property
@@ -505,6 +509,12 @@ def sm90_enabled() -> bool:
     return os.environ.get("FLASHTRAIN_SM90", "1") != "0"
 
 
+def pdl_enabled() -> bool:
+    """The Hopper backward's programmatic dependent launches (ops._bwd_plan); FLASHTRAIN_PDL=0 launches its kernels
+    one after another instead (A/B measurements; read when a plan is built)."""
+    return os.environ.get("FLASHTRAIN_PDL", "1") != "0"
+
+
 def _fits(spec: KernelSpec, smem_limit: int | None) -> bool:
     return smem_limit is None or spec.smem_bytes <= smem_limit
 
@@ -704,9 +714,23 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
                          f"(block_sparse={block_sparse}, deterministic={deterministic})")
     plain = not (dropout or block_sparse or deterministic)
     if head_dim == 128 and plain and _bwd_q80(causal, seqlen_q):
-        tiles = BWD_SM90_DENSE128_TILES
+        tiles = _dq_frag_choice(BWD_SM90_DENSE128_TILES, causal, head_dim_eff or head_dim)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
                           head_dim_eff or head_dim)
+
+
+# The 80-query backward's dQ^T in fragment order (BwdSm90Tiles.dq_frag) where it measured faster: non-causal, and
+# head dims 65-96 (narrowed) causal or not. H200, interleaved CUDA-graph replays (ab_probe.py --pass bwd), fragment
+# order / plain rows, two runs in either order: hd128 full 4K 1.005-1.009, 16K 1.007-1.014; hd80 causal 4K 1.043, hd96
+# 1.031; hd128 causal 8K 0.973-0.975 and GQA 32/8 8K 0.973, which keep the plain rows. BWD_DQ_FRAG = 0 (or
+# FLASHTRAIN_BWD_DQ_FRAG=0 at import): plain rows everywhere; 2: fragment order everywhere (A/B:
+# ab_probe.py flashtrain@build.BWD_DQ_FRAG=0).
+BWD_DQ_FRAG = int(os.environ.get("FLASHTRAIN_BWD_DQ_FRAG", "1"))
+
+
+def _dq_frag_choice(tiles: BwdSm90Tiles, causal: bool, head_dim_eff: int) -> BwdSm90Tiles:
+    frag = BWD_DQ_FRAG == 2 or (BWD_DQ_FRAG == 1 and not (causal and head_dim_eff == 128))
+    return tiles if not tiles.swap_dq or frag == tiles.dq_frag else dataclasses.replace(tiles, dq_frag=frag)
 
 
 def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: tuple = (),
@@ -722,6 +746,7 @@ def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: 
     tiles = BWD_SM90_MODS_TILES[head_dim]
     if head_dim == 128 and mods == 2 and causal and not mask_defines and _bwd_q80(causal, seqlen_q):
         tiles = BWD_SM90_DENSE128_TILES
+    tiles = _dq_frag_choice(tiles, causal, head_dim)
     return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim, mods, tuple(mask_defines))
 
 
@@ -733,8 +758,8 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     smem_bytes = tiles.smem_bytes(head_dim)
     name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"
-            f"{'_q80' if tiles.swap_dq else ''}{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}"
-            f"{_mask_suffix(mask_defines)}")
+            f"{'_q80' if tiles.swap_dq else ''}{'_dqrows' if tiles.swap_dq and not tiles.dq_frag else ''}"
+            f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
                ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
@@ -742,6 +767,8 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
                ("FT_SMEM_BYTES", smem_bytes), ("FT_MAX_STREAMS", MAX_STREAMS), ("FT_KERNEL_NAME", name))
     if score_mods:  # (the other kernels' macros, hence their cache keys, stay as they were)
         defines += (("FT_SCORE_MODS", score_mods),) + tuple(mask_defines)
+    if tiles.swap_dq and not tiles.dq_frag:
+        defines += (("FT_BWD_DQ_FRAG", 0),)
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 

@@ -99,7 +99,7 @@ class AuxParams(ctypes.Structure):
         ("batch", _i32), ("nheads", _i32), ("head_dim", _i32), ("seqlen_q", _i32), ("seqlen_k", _i32),
         ("nsplits", _i32), ("softmax_scale", _f32), ("keep_threshold", _u32),
         ("dq_slice_width", _i32), ("dq_block_m", _i32), ("total_q", _i32), ("total_k", _i32),
-        ("dqa_cols", _i32), ("padded", _i32),
+        ("dqa_cols", _i32), ("padded", _i32), ("dq_frag", _i32),
     ]
 
 
@@ -141,6 +141,20 @@ def _current_stream(device: torch.device) -> int:
     return _raw_stream(device.index) if _raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
 
 
+class _LaunchAttribute(ctypes.Structure):  # cuda.h CUlaunchAttribute: a 4-byte id, a 64-byte value at offset 8
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attributes", ctypes.POINTER(_LaunchAttribute)),
+                ("attribute_count", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
 class Kernel:
     """One loaded kernel: a CUfunction plus its block size and dynamic shared memory."""
 
@@ -156,12 +170,20 @@ class Kernel:
     def launch(self, grid: tuple[int, int, int], params: ctypes.Structure, device: torch.device) -> None:
         self.launch_on(grid, params, stream_of(device))
 
-    def launch_on(self, grid: tuple[int, int, int], params: ctypes.Structure, stream: int) -> None:
+    def launch_on(self, grid: tuple[int, int, int], params: ctypes.Structure, stream: int, pdl: bool = False) -> None:
         """Launch on `stream` (stream_of's handle: the device's context already current on this thread); an empty
-        grid launches nothing."""
+        grid launches nothing. pdl: a programmatic dependent launch (ops._Launch.pdl)."""
         if min(grid) <= 0:
             return
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        if pdl:
+            attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(self.threads, 1, 1),
+                                   self.smem_bytes, stream, ctypes.pointer(attribute), 1)
+            result = libcuda().cuLaunchKernelEx(ctypes.addressof(config), self.handle, ctypes.addressof(args), None)
+            if result != 0:
+                _check((driver.CUresult(result),), "cuLaunchKernelEx")
+            return
         # the driver's cuLaunchKernel through ctypes: the cuda-python wrapper of the same call costs several times
         # more host time, which small attention calls feel (benchmarks/host_overhead.py)
         result = libcuda().cuLaunchKernel(self.handle, *grid, self.threads, 1, 1, self.smem_bytes, stream,

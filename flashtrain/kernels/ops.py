@@ -314,7 +314,7 @@ def dropout_mask_for_testing(q: Tensor, k: Tensor, *, dropout_p: float, generato
 #             mm_error, mm0..mm3, dlse (the gradient reaching lse, in lse's layout, or None)
 _INPUT, _OUTPUT = 0, 1
 _DLSE_INPUT = 17  # where an address comes from: an input of the op, or an output / workspace of the plan
-_PLAN_FORMAT = 2  # = flash_host.cpp kPlanFormat
+_PLAN_FORMAT = 3  # = flash_host.cpp kPlanFormat
 # how a plan's output is allocated (flash_host.cpp Fill): uninitialised, zero-filled, filled with -inf
 _FILL_NONE, _FILL_ZERO, _FILL_NEG_INF = 0, 1, 2
 _SCALAR_TYPES = {torch.int32: 3, torch.float16: 5, torch.float32: 6, torch.bfloat16: 15}  # c10::ScalarType codes
@@ -330,6 +330,9 @@ class _Launch:
     # (offset, input i or output j as -1 - j, layout)
     tensor_maps: list[tuple[int, int, tuple]] = dataclasses.field(default_factory=list)
     tile_counter_offset: int = -1  # persistent kernels: where their stream's tile counter goes
+    # programmatic dependent launch (cuLaunchKernelEx with programmatic stream serialization): the kernel may start
+    # while the launch before it finishes; it waits for that launch's writes itself (utils.cuh grid_dependency_wait)
+    pdl: bool = False
 
     def flat(self) -> list[int]:
         data = bytes(self.params)
@@ -343,7 +346,7 @@ class _Launch:
         for offset, index, (dtype, dims, strides, box_cols, box_rows, swizzle) in self.tensor_maps:
             flat += [offset, index, dtype, *dims, *strides, box_cols, box_rows, swizzle, tma.L2_PROMOTION_256B,
                      tma.OOB_FILL_ZERO]
-        return flat + [self.tile_counter_offset, self.kernel.tile_counters, build.MAX_STREAMS]
+        return flat + [self.tile_counter_offset, self.kernel.tile_counters, build.MAX_STREAMS, int(self.pdl)]
 
 
 @dataclasses.dataclass
@@ -495,7 +498,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         dqa_cols=dqa_cols, padded=int(hopper), lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1],
         # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded (mma.sync)
         dq_slice_width=(tiles.dq_slice_width(head_dim)
-                        if tiles.scramble_dq and (hopper or not deterministic) and dqa_cols == head_dim else 0))
+                        if tiles.scramble_dq and (hopper or not deterministic) and dqa_cols == head_dim else 0),
+        dq_frag=int(hopper and tiles.swap_dq and tiles.dq_frag))
     (aux.o_batch_stride, aux.o_row_stride, aux.o_head_stride) = _strides(out, varlen)
     (aux.do_batch_stride, aux.do_row_stride, aux.do_head_stride) = _strides(dout, varlen)
     (aux.dq_batch_stride, aux.dq_row_stride, aux.dq_head_stride) = _strides(dq, varlen)
@@ -508,7 +512,9 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     aux_rows = -(-fwd.seqlen_q // tiles.block_m) * tiles.block_m if hopper else fwd.seqlen_q
     aux_grid = (math.ceil(aux_rows / build.AUX_ROWS_PER_CTA), batch, nheads)
     preprocess = _Launch(launch.get_kernel(aux_spec, aux_spec.symbols[0], q.device), aux_grid, aux, aux_addresses)
-    convert = _Launch(launch.get_kernel(aux_spec, aux_spec.symbols[1], q.device), aux_grid, aux, aux_addresses)
+    # (dq_frag: one CTA per query block of the fragment order)
+    convert_grid = (math.ceil(fwd.seqlen_q / tiles.block_m), batch, nheads) if aux.dq_frag else aux_grid
+    convert = _Launch(launch.get_kernel(aux_spec, aux_spec.symbols[1], q.device), convert_grid, aux, aux_addresses)
 
     params = launch.BwdParams(
         fwd=fwd, dqa_split_stride=dqa_strides[0], dqa_batch_stride=dqa_strides[1], dqa_head_stride=dqa_strides[2],
@@ -575,7 +581,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         # lse_log2 and softmax_d, the start of output 3
         maps.append((_offset(launch.BwdSm90Params, "tma_stats"), -4, tma.rows_layout(rows_pad, 2 * nheads,
                                                                                        tiles.block_m)))
-        if tiles.swap_dq:  # dq_accum's rows, counted from lse_log2's address (the same output)
+        if tiles.swap_dq and not tiles.dq_frag:  # dq_accum's rows, counted from lse_log2's address (same output)
             params.bwd.dq_map_row0 = d_floats // dqa_cols
             maps.append((_offset(launch.BwdSm90Params, "tma_dq"), -4,
                          tma.accum_layout(d_floats // dqa_cols + nheads * rows_pad, dqa_cols, tiles.block_m)))
@@ -585,6 +591,12 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         main.tile_counter_offset = _offset(launch.BwdSm90Params, "tile_counter")
     if mask is not None:  # inputs 11, 12, 13.. (the mma.sync kernel: BwdParams)
         main.addresses += _mask_addresses(type(params), prefix + "fwd.", 11, len(mask.tensors))
+    # Hopper: the main kernel and the conversions are programmatic dependent launches (build.pdl_enabled): the main
+    # kernel's prologue and first Q / dO copies overlap the preprocess's tail (it waits for the preprocess's writes
+    # before the row statistics), each conversion waits for the kernel before it at its start
+    if hopper and build.pdl_enabled():
+        for item in (main, convert, *kv_converts):
+            item.pdl = True
     return _Plan(outputs, [preprocess, main, convert, *kv_converts])
 
 
@@ -780,7 +792,7 @@ def _issue(plan: _Plan, inputs: list[Tensor | None], outputs: list[Tensor]) -> N
         if item.tile_counter_offset >= 0:
             ctypes.c_uint64.from_address(base + item.tile_counter_offset).value = launch.tile_counter(
                 item.kernel, device, stream)
-        item.kernel.launch_on(item.grid, params, stream)
+        item.kernel.launch_on(item.grid, params, stream, item.pdl)
 
 
 def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,

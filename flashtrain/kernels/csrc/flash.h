@@ -198,6 +198,9 @@ struct AuxParams {
                               // head_dim)
     int padded;               // 1: the Hopper backward's padded rows (dq_block_m = M): the preprocess also writes
                               // lse_log2 and the padding rows, the conversion reads whole blocks
+    int dq_frag;              // 1: dq_accum's blocks of dq_block_m (80) rows hold the Hopper backward's dQ^T in its
+                              // accumulator's order (BwdSm90Traits::kDqFrag); the conversion's grid is one CTA per
+                              // block (flash_aux.cuh bwd_convert_dq_frag)
 };
 
 }  // namespace flashtrain

@@ -130,6 +130,15 @@ struct BwdSm90Traits {
     // each warpgroup for 64 head-dim rows x all 80 queries (dS stored row-major by queries), staged in fp32 boxes of
     // 32 columns (128-byte swizzle) and added to dq_accum's plain rows by tensor reduce-adds (tma_dq).
     static constexpr bool kSwapDq = kBlockM_ == 80;
+    // ... and the staged dQ^T in the accumulator's own order (kDqFrag, FT_BWD_DQ_FRAG=1, the default): each thread's
+    // n8 tile j is one 16-byte store, warp (w, ww)'s 16 head-dim rows x 80 queries one contiguous 5 KB slice, added to
+    // the block's 40 KB of dq_accum by two 1-D bulk reduce-adds (one per warpgroup) in that order, which
+    // flash_aux.cuh bwd_convert_dq_frag unpermutes (FlashAttention-4's dQ accumulation); FT_BWD_DQ_FRAG=0: the boxes
+    // of plain rows (4-byte stores, 128-byte swizzle) reduce-added by tensor copies (tma_dq)
+#ifndef FT_BWD_DQ_FRAG
+#define FT_BWD_DQ_FRAG 1
+#endif
+    static constexpr bool kDqFrag = kSwapDq && FT_BWD_DQ_FRAG;
     static_assert(kBlockM == 64 || kBlockM == 128 || kSwapDq, "query blocks of 64, 80 or 128 rows");
     static_assert(!kSwapDq || (kHeadDim == 128 && !kIsDropout && !kIsBlockSparse && !kIsDeterministic),
                   "80-query blocks: head dim 128, no dropout, not block-sparse, not deterministic");
@@ -554,8 +563,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     // kSwapDq: where this thread's dQ^T elements go in the staged tma_dq boxes (box hd_row / 32; element (query q,
     // column c) at 128 q + 16 ((c / 4) ^ (q % 8)) + 4 (c % 4)): elements e of n8 tile j (queries 8 j + 2 t + e % 2,
     // head-dim row hd_row + 8 (e / 2)) at dq_st[e] + 1024 j. Per store instruction the 32 lanes hit 32 banks.
+    // kDqFrag: n8 tile j of this thread at dq_frag + 512 j (slice w * 4 + wwarp, float4 32 j + lane of it)
+    const u32 dq_frag = sm.sdQ + ((w * 4 + wwarp) * kNT * 32 + lane) * 16;
     u32 dq_st[4];
-    if constexpr (T::kSwapDq) {
+    if constexpr (T::kSwapDq && !T::kDqFrag) {
         const int hd_row = 64 * w + 16 * wwarp + g, c = hd_row % 32;
         const u32 box = sm.sdQ + (hd_row / 32) * T::kDqBoxBytes;
 #pragma unroll
@@ -584,7 +595,13 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     auto write_dq = [&](int, int) {
         fence_operand(dq);
         wait_dq_free();  // (the first wait passes at once)
-        if constexpr (T::kSwapDq) {
+        if constexpr (T::kDqFrag) {
+#pragma unroll
+            for (int j = 0; j < kNT; ++j)
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(dq_frag + 512 * j), "f"(dq[j][0]),
+                             "f"(dq[j][1]), "f"(dq[j][2]), "f"(dq[j][3])
+                             : "memory");
+        } else if constexpr (T::kSwapDq) {
 #pragma unroll
             for (int j = 0; j < kNT; ++j)
 #pragma unroll
@@ -1362,15 +1379,21 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     }
     __syncthreads();
     if (threadIdx.x == 0) FT_TIMELINE_START();
+    // Launched programmatically after the preprocess (ops.py _Launch.pdl): lse_log2, softmax_d and the zeroed
+    // dq_accum are its writes. Every thread waits for them here but the TMA thread, which first issues the first
+    // block's Q / dO copies (inputs of the call) and waits before the block's statistics.
+    const bool tma_thread = tid == 0;
+    if (!tma_thread) grid_dependency_wait();
 
     if (wg == 0) {
         // ------------------------------------------------------------------------------------------ producer
         setmaxnreg_dec<T::kProducerRegs>();
         const int warp = tid / 32;
-        if (warp == 0 && lane == 0) {
+        if (tma_thread) {
             tma_prefetch_desc(&params.tma_q);
             tma_prefetch_desc(&params.tma_do);
             tma_prefetch_desc(&params.tma_stats);
+            grid_dependency_wait();
             // Persistent: tiles gridDim.x .. n_tiles - 1 from the counter, then one past the end per CTA (n_tiles
             // fetches in all; the fetch of n_tiles - 1 is the launch's last, so it resets the counter to 0).
             auto next_tile = [&](int tile) {
@@ -1453,7 +1476,15 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         if (lane == 0) wait_turn(counter, turn);
                         __syncwarp();
                     }
-                    if (T::kSwapDq && lane == 0) {  // the block's dQ^T boxes, reduce-added into plain rows
+                    if (T::kDqFrag && lane == 0) {  // the block's dQ^T in fragment order: a warpgroup's 20 KB each
+#pragma unroll
+                        for (int half = 0; half < 2; ++half)
+                            bulk_reduce_add_f32(dq_acc + (i64)m0 * kHeadDim + half * kBlockM * 64,
+                                                sm.sdQ + half * kBlockM * 64 * 4, kBlockM * 64 * 4);
+                        bulk_commit();
+                        bulk_wait_read<0>();
+                        mbar_arrive(sm.dq_empty);
+                    } else if (T::kSwapDq && lane == 0) {  // the block's dQ^T boxes, reduce-added into plain rows
                         const int row = p.dq_map_row0 + walk.head * (int)(p.dqa_head_stride / kHeadDim) + x.q_pad + m0;
 #pragma unroll
                         for (int b = 0; b < kHeadDim / 32; ++b)

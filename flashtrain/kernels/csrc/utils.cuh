@@ -205,6 +205,22 @@ __device__ __forceinline__ void atomic_add4(float* ptr, const float (&v)[4]) {
 #endif
 }
 
+// Programmatic dependent launch (sm_90 and later; nothing on older targets). A kernel launched with the
+// programmatic-stream-serialization attribute (ops.py _Launch.pdl) may start before the kernel ahead of it in the
+// stream has finished: grid_dependency_wait blocks the calling thread until that kernel has completed and its memory
+// is visible (a no-op when the launch had no such dependency); grid_launch_dependents lets the next such launch start
+// once every CTA of this grid has called it or exited.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------- shared tiles
 // A kRows x kCols tile of 16-bit values, stored as column blocks of 64 (32 when kCols % 64 != 0) values; inside a
 // block each row's 16-byte chunks are XOR-swizzled with the row index, so that the 8 rows one ldmatrix phase reads

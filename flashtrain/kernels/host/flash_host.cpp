@@ -63,9 +63,29 @@ using CUstream = void*;
 using CUcontext = void*;
 using CUdevice = int;
 
+// cuLaunchKernelEx's configuration (cuda.h CUlaunchConfig, CUlaunchAttribute: a 4-byte id, padding, a 64-byte value)
+struct LaunchAttribute {
+    int id;
+    char pad[4];
+    union {
+        int value;
+        char bytes[64];
+        void* align;
+    };
+};
+static_assert(sizeof(LaunchAttribute) == 72, "cuda.h CUlaunchAttribute");
+constexpr int kAttributeProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+struct LaunchConfig {
+    unsigned grid[3], block[3], smem_bytes;
+    CUstream stream;
+    LaunchAttribute* attributes;
+    unsigned attribute_count;
+};
+
 struct Driver {
     CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                               CUstream, void**, void**) = nullptr;
+    CUresult (*launch_kernel_ex)(const LaunchConfig*, CUfunction, void**, void**) = nullptr;
     CUresult (*ctx_get_current)(CUcontext*) = nullptr;
     CUresult (*ctx_set_current)(CUcontext) = nullptr;
     CUresult (*device_get)(CUdevice*, int) = nullptr;
@@ -88,6 +108,7 @@ const Driver& driver() {
         if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
         TORCH_CHECK(lib != nullptr, "flashtrain host layer: cannot load the CUDA driver libcuda.so.1: ", dlerror());
         resolve(lib, "cuLaunchKernel", d.launch_kernel);
+        resolve(lib, "cuLaunchKernelEx", d.launch_kernel_ex);
         resolve(lib, "cuCtxGetCurrent", d.ctx_get_current);
         resolve(lib, "cuCtxSetCurrent", d.ctx_set_current);
         resolve(lib, "cuDeviceGet", d.device_get);
@@ -141,6 +162,7 @@ struct Launch {
     int64_t tile_counter_offset;          // -1: none
     int64_t tile_counters;                // device address of the kernel's per-stream counters
     int64_t max_streams;
+    bool pdl;                             // launched with programmatic stream serialization (ops.py _Launch.pdl)
 };
 
 struct Plan {
@@ -148,7 +170,7 @@ struct Plan {
     std::vector<Launch> launches;
 };
 
-constexpr int64_t kPlanFormat = 2;  // = ops.py _PLAN_FORMAT
+constexpr int64_t kPlanFormat = 3;  // = ops.py _PLAN_FORMAT
 constexpr size_t kMaxParamBytes = 4096;
 constexpr size_t kTensorMapBytes = 128;
 
@@ -207,6 +229,7 @@ std::shared_ptr<const Plan> parse_plan(const std::vector<int64_t>& words) {
         launch.tile_counter_offset = in.next();
         launch.tile_counters = in.next();
         launch.max_streams = in.next();
+        launch.pdl = in.next() != 0;
         plan->launches.push_back(std::move(launch));
     }
     TORCH_CHECK(in.at == words.size(), "flashtrain host layer: trailing words in the launch plan");
@@ -381,12 +404,12 @@ void write_tensor_map(uint8_t* slot, const TensorMap& map, const Tensor& x) {
     tensor_maps.emplace(key, encoded);
 }
 
-// Record mode: int64 words (function, grid x, y, z, threads, shared memory, n, then (address, bytes) of the n
+// Record mode: int64 words (function, grid x, y, z, threads, shared memory, programmatic launch, n, then (address, bytes) of the n
 // tensors: the inputs, then the outputs), then the parameter bytes. ops.py's test kernels record the same.
 void record(const Launch& launch, const uint8_t* params, const std::vector<Tensor>& inputs,
             const std::vector<Tensor>& outputs) {
     std::vector<int64_t> header = {reinterpret_cast<int64_t>(launch.function), launch.grid[0], launch.grid[1],
-                                   launch.grid[2], launch.threads, launch.smem_bytes,
+                                   launch.grid[2], launch.threads, launch.smem_bytes, launch.pdl ? 1 : 0,
                                    static_cast<int64_t>(inputs.size() + outputs.size())};
     for (const auto* list : {&inputs, &outputs}) {
         for (const Tensor& x : *list) {
@@ -445,6 +468,15 @@ std::vector<Tensor> execute(const Plan& plan, const std::vector<Tensor>& inputs)
             continue;
         }
         void* args[1] = {params};
+        if (launch.pdl) {
+            LaunchAttribute attribute{};
+            attribute.id = kAttributeProgrammaticStreamSerialization;
+            attribute.value = 1;
+            const LaunchConfig config{{launch.grid[0], launch.grid[1], launch.grid[2]}, {launch.threads, 1, 1},
+                                      launch.smem_bytes, stream, &attribute, 1};
+            check(driver().launch_kernel_ex(&config, launch.function, args, nullptr), "cuLaunchKernelEx");
+            continue;
+        }
         const CUresult result =
             driver().launch_kernel(launch.function, launch.grid[0], launch.grid[1], launch.grid[2], launch.threads, 1,
                                    1, launch.smem_bytes, stream, args, nullptr);
