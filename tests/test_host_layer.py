@@ -238,3 +238,35 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), (py_out, py_lse, *py_grads)):
         assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), name
     assert [_canonical(bytes(record.numpy())) for record in cpp] == [_canonical(record) for record in records]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_backward_plan_dq_layout_and_programmatic_launches(recording, causal, monkeypatch):
+    """The Hopper hd128 backward at 2400 queries (80-query blocks): the main kernel and the dq conversion are programmatic
+    dependent launches (FLASHTRAIN_PDL=0: plain launches); non-causal, dq_accum in fragment order, converted by one CTA
+    per 80-row block without the plain-row tensor map; causal, plain rows (tma_dq, 32-row conversion CTAs)."""
+    from flashtrain.kernels import launch, ops
+
+    arch, _ = recording
+    if arch != "sm_90a":
+        pytest.skip("the Hopper backward")
+    b, s, h, d = 2, 2400, 4, 128  # (30 blocks of 80 rows, 75 conversion CTAs of 32)
+    q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.zeros(b, h, s)
+
+    def plan():
+        return ops._bwd_plan(dout, q, k, v, out, lse, None, None, s, s, 0.0, 0.088, causal, False, None)
+
+    preprocess, main, convert = plan().launches
+    assert (preprocess.pdl, main.pdl, convert.pdl) == (False, True, True)
+    assert main.kernel.threads == 384
+    tma_dq = ops._offset(launch.BwdSm90Params, "tma_dq")
+    if causal:
+        assert convert.params.dq_frag == 0 and convert.grid == (75, b, h)
+        assert tma_dq in [offset for offset, _, _ in main.tensor_maps]
+    else:
+        assert convert.params.dq_frag == 1 and convert.grid == (30, b, h)
+        assert tma_dq not in [offset for offset, _, _ in main.tensor_maps]
+    assert main.params.bwd.fwd.seqlen_q == s and preprocess.grid == (75, b, h)
+    monkeypatch.setenv("FLASHTRAIN_PDL", "0")
+    assert [item.pdl for item in plan().launches] == [False, False, False]

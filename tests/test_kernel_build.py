@@ -344,9 +344,10 @@ def test_gpus_with_less_shared_memory_are_refused_by_name():
 
 
 def test_hd128_backward_query_blocks(monkeypatch):
-    """The Hopper hd128 backward without dropout runs 80-query blocks (dQ^T, plain dq_accum rows): non-causal always,
-    causal from BWD_SM90_Q80_CAUSAL_SEQLEN query tokens, head dims 65-96 (narrowed to 96 columns) too; deterministic,
-    dropout and block-sparse keep 64; FLASHTRAIN_BWD_SM90_Q80=0 turns it off."""
+    """The Hopper hd128 backward without dropout runs 80-query blocks (dQ^T): non-causal always, causal from
+    BWD_SM90_Q80_CAUSAL_SEQLEN query tokens, head dims 65-96 (narrowed to 96 columns) too; deterministic, dropout and
+    block-sparse keep 64; FLASHTRAIN_BWD_SM90_Q80=0 turns it off. dq_accum in the accumulator's fragment order
+    except at hd128 causal (plain rows, `_dqrows`); BWD_DQ_FRAG 0 / 2: plain rows / fragment order everywhere."""
     monkeypatch.delenv("FLASHTRAIN_BWD_SM90_Q80", raising=False)
 
     def spec(causal=False, seqlen_q=None, **kwargs):
@@ -355,11 +356,20 @@ def test_hd128_backward_query_blocks(monkeypatch):
 
     q80 = spec()
     assert q80.name == "flash_bwd_sm90_hdim128_bf16_q80" and q80.block_m == 80 and q80.tiles.swap_dq
-    assert q80.tiles.dq_slice_width(128) == 0  # dq_accum in plain rows: the conversion's row path
+    assert q80.tiles.dq_slice_width(128) == 0 and q80.tiles.dq_frag  # (not the 64-column slices: fragment order)
+    assert ("FT_BWD_DQ_FRAG", 0) not in q80.defines
     # Q / dO stages 80 KB, K / V 64 KB, two dS tiles 40 KB, dQ staging 40 KB, statistics in 128-byte slots 1.5 KB,
     # barriers, alignment: under the 227 KB a Hopper block may opt in to
     assert q80.smem_bytes == 81920 + 65536 + 40960 + 40960 + 1536 + 128 + 1024 == 232064 <= SM90_MAX_SMEM
-    assert spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN).name == "flash_bwd_sm90_hdim128_bf16_causal_q80"
+    causal80 = spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN)
+    assert causal80.name == "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows" and not causal80.tiles.dq_frag
+    assert ("FT_BWD_DQ_FRAG", 0) in causal80.defines and causal80.smem_bytes == q80.smem_bytes
+    assert spec(causal=True, seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_causal_q80"
+    monkeypatch.setattr(build, "BWD_DQ_FRAG", 2)
+    assert spec(causal=True, seqlen_q=4096).name == "flash_bwd_sm90_hdim128_bf16_causal_q80"
+    monkeypatch.setattr(build, "BWD_DQ_FRAG", 0)
+    assert spec().name == "flash_bwd_sm90_hdim128_bf16_q80_dqrows"
+    monkeypatch.setattr(build, "BWD_DQ_FRAG", 1)
     assert spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN - 1).name == "flash_bwd_sm90_hdim128_bf16_causal"
     assert spec(causal=True).block_m == 64
     assert spec(deterministic=True).name == "flash_bwd_sm90_hdim128_bf16_det"

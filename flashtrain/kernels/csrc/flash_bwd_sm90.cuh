@@ -130,7 +130,8 @@ struct BwdSm90Traits {
     // each warpgroup for 64 head-dim rows x all 80 queries (dS stored row-major by queries), staged in fp32 boxes of
     // 32 columns (128-byte swizzle) and added to dq_accum's plain rows by tensor reduce-adds (tma_dq).
     static constexpr bool kSwapDq = kBlockM_ == 80;
-    // ... and the staged dQ^T in the accumulator's own order (kDqFrag, FT_BWD_DQ_FRAG=1, the default): each thread's
+    // ... and the staged dQ^T in the accumulator's own order (kDqFrag; build.py BwdSm90Tiles.dq_frag picks the kernels
+    // that take it, the others compile with FT_BWD_DQ_FRAG=0): each thread's
     // n8 tile j is one 16-byte store, warp (w, ww)'s 16 head-dim rows x 80 queries one contiguous 5 KB slice, added to
     // the block's 40 KB of dq_accum by two 1-D bulk reduce-adds (one per warpgroup) in that order, which
     // flash_aux.cuh bwd_convert_dq_frag unpermutes (FlashAttention-4's dQ accumulation); FT_BWD_DQ_FRAG=0: the boxes
@@ -1380,8 +1381,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     __syncthreads();
     if (threadIdx.x == 0) FT_TIMELINE_START();
     // Launched programmatically after the preprocess (ops.py _Launch.pdl): lse_log2, softmax_d and the zeroed
-    // dq_accum are its writes. Every thread waits for them here but the TMA thread, which first issues the first
-    // block's Q / dO copies (inputs of the call) and waits before the block's statistics.
+    // dq_accum are its writes. Every thread waits for them here, the TMA thread once it has prefetched the tensor
+    // maps. (Waiting only before the first statistics copy, or signalling the dq conversion when the producer runs out
+    // of tiles, changed ptxas's allocation of the producer loops: more spills in the hd64 / hd128 kernels.)
     const bool tma_thread = tid == 0;
     if (!tma_thread) grid_dependency_wait();
 
