@@ -222,8 +222,8 @@ class BwdSm90Tiles:
     scramble_dq: int = 1  # whole query blocks add into dq_accum in the scrambled order of 64-column slices
     persistent: bool = True  # one CTA per SM taking (key block, batch, kv head) tiles; False: one CTA per tile
     # 80-query blocks: each block's dQ^T staged and added to dq_accum in the MMA accumulator's order, converted by
-    # flash_aux.cuh bwd_convert_dq_frag (BwdSm90Traits::kDqFrag); False: plain rows by tensor reduce-adds (A/B,
-    # BWD_DQ_FRAG)
+    # flash_aux.cuh bwd_convert_dq_frag (BwdSm90Traits::kDqFrag); False: plain rows by tensor reduce-adds (the hd128
+    # causal kernels, _dq_frag_choice)
     dq_frag: bool = True
 
     def dq_slice_width(self, head_dim: int) -> int:  # dQ is computed in 64 x 64 pieces (80-query blocks: dQ^T,
@@ -232,7 +232,7 @@ class BwdSm90Tiles:
     @property
     def swap_dq(self) -> bool:
         """80-query blocks (head dim 128): dQ^T = K^T dS^T per warpgroup (64 head-dim rows x 80 queries),
-        dS stored row-major by queries (BwdSm90Traits::kSwapDq); dq_accum in fragment order (dq_frag)."""
+        dS stored row-major by queries (BwdSm90Traits::kSwapDq); dq_accum in fragment order or plain rows (dq_frag)."""
         return self.block_m == 80
 
     @property
