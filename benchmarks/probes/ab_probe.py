@@ -8,7 +8,7 @@ Implementations: flashtrain; flashtrain+FT_MACRO=v[+...] (kernels compiled with 
 FLASHTRAIN_EXTRA_DEFINES, kernel_variant below); flashtrain@ENV=v[@...] (environment variables set while the call is
 captured, e.g. flashtrain@FLASHTRAIN_BWD_SM90_Q80=0: dispatch switches read at plan time; build.NAME=v sets an int
 attribute of
-flashtrain.kernels.build (ops.NAME: of flashtrain.kernels.ops) instead, e.g. flashtrain@build.LONG_CAUSAL_SEQLEN=512;
+flashtrain.kernels.build (ops.NAME, tma.NAME: of flashtrain.kernels.ops, .tma) instead, e.g. flashtrain@build.LONG_CAUSAL_SEQLEN=512;
 FLASHTRAIN_FWD_SM90_TILES=... re-reads the tile tables); both: flashtrain+MACRO=v@ENV=v; flashtrain-det[...]: the
 same with deterministic=True; cudnn, fa2 (SDPA backends). Passes: fwd, fb (forward + backward), bwd (the backward
 alone: the forward runs once before the capture, the graph holds the gradient kernels).
@@ -31,13 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashtrain.kernels import build, flash_attn_func, launch, ops
+from flashtrain.kernels import build, flash_attn_func, launch, ops, tma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fa4_baseline  # noqa: E402
 from train_gpt2 import time_interleaved  # noqa: E402
 
-MODULES = {"build": build, "ops": ops}
+MODULES = {"build": build, "ops": ops, "tma": tma}
 TILE_TABLES = (build.FWD_SM90_TILES, build.FWD_SM90_TILES_NONCAUSAL, build.FWD_SM90_TILES_LONG_CAUSAL,
                build.FWD_SM90_TILES_LONG_KEYS)
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}

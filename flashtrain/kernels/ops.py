@@ -344,7 +344,7 @@ class _Launch:
             flat += address
         flat.append(len(self.tensor_maps))
         for offset, index, (dtype, dims, strides, box_cols, box_rows, swizzle) in self.tensor_maps:
-            flat += [offset, index, dtype, *dims, *strides, box_cols, box_rows, swizzle, tma.L2_PROMOTION_256B,
+            flat += [offset, index, dtype, *dims, *strides, box_cols, box_rows, swizzle, tma.L2_PROMOTION,
                      tma.OOB_FILL_ZERO]
         return flat + [self.tile_counter_offset, self.kernel.tile_counters, build.MAX_STREAMS, int(self.pdl)]
 

@@ -35,6 +35,8 @@ class TmaDesc(ctypes.Structure):
 _DTYPES = {torch.float16: 6, torch.bfloat16: 9, torch.float32: 7}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / ...
 INTERLEAVE_NONE, SWIZZLE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZERO = 0, 0, 3, 3, 0
 BOX_COLS = 64  # 16-bit columns per box: one 128-byte swizzled column block
+# The L2 fill size of a copy's misses (CU_TENSOR_MAP_L2_PROMOTION_*: 0 none, 1 64 B, 2 128 B, 3 256 B), every map
+L2_PROMOTION = L2_PROMOTION_256B
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,7 +95,7 @@ def accum_layout(rows: int, cols: int, box_rows: int) -> tuple:
 def tensor_map(address: int, map_layout: tuple) -> TmaDesc:
     """The tensor map of the tensor at `address` with `map_layout` (layout()), encoded once per (address, layout):
     a training step's activations come back at the same addresses from PyTorch's caching allocator."""
-    key = (address, map_layout)
+    key = (address, map_layout, L2_PROMOTION)
     desc = _CACHE.get(key)
     if desc is not None:
         _CACHE.move_to_end(key)
@@ -105,7 +107,7 @@ def tensor_map(address: int, map_layout: tuple) -> TmaDesc:
     desc = TmaDesc()
     result = _encoder()(ctypes.byref(desc), dtype, 4, ctypes.c_void_p(address), (_u64 * 4)(*dims),
                         (_u64 * 3)(*strides), (_u32 * 4)(box_cols, box_rows, 1, 1), (_u32 * 4)(1, 1, 1, 1),
-                        INTERLEAVE_NONE, swizzle, L2_PROMOTION_256B, OOB_FILL_ZERO)
+                        INTERLEAVE_NONE, swizzle, L2_PROMOTION, OOB_FILL_ZERO)
     if result != 0:  # e.g. 710: an earlier kernel's device-side assert left the context unusable
         message = ctypes.c_char_p()
         _error_string()(result, ctypes.byref(message))

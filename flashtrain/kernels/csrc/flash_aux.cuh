@@ -112,12 +112,13 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
 // dq of one 80-row query block (blockIdx.x) whose dQ^T the Hopper backward added in its accumulator's order
 // (p.dq_frag; BwdSm90Traits::kDqFrag): the block's 128 x 80 dQ^T is 8 slices of 16 head-dim columns x 80 queries,
 // 1280 contiguous floats each, float4 32 j + l of a slice holding (query 8 j + 2 (l % 4), column l / 4), (query + 1,
-// column), (query, column + 8), (query + 1, column + 8). A warp converts a slice at a time: coalesced float4 loads,
-// the scaled 16-bit values into its shared tile of 80 rows x 16 columns (rows padded by 16 bytes), then each row's two
-// 16-byte pieces to dq (rows past the sequence's end and columns past head_dim are not written).
-template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq_frag(const AuxParams& p) {
+// column), (query, column + 8), (query + 1, column + 8). A warp converts a slice at a time: coalesced float4 loads
+// (the whole slice in flight), then per half of the slice (40 queries) the scaled 16-bit values into the warp's shared
+// tile (bwd_convert_dq's, 40 rows x 16 columns, rows padded by 16 bytes) and each row's two 16-byte pieces to dq (rows
+// past the sequence's end and columns past head_dim are not written).
+template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq_frag(const AuxParams& p, u32 tile) {
     constexpr int kRows = 80, kCols = 128, kSliceCols = 16, kTileRow = 2 * kSliceCols + 16;  // (bytes)
-    __shared__ __align__(16) unsigned char slice_tiles[kAuxThreads / 32][kRows * kTileRow];
+    constexpr int kHalf = kRows / 2;  // rows of the tile: a slice in two halves
     const int batch = blockIdx.y, head = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int q_start = 0, seqlen_q = p.seqlen_q;
     if (p.cu_seqlens_q != nullptr) packed_seq(p.cu_seqlens_q, batch, p.seqlen_q, p.total_q, q_start, seqlen_q);
@@ -127,7 +128,6 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq_frag(cons
     const float* block = p.dq_accum + batch * p.dqa_batch_stride + head * p.dqa_head_stride +
                          (i64)(pad_start + row0) * kCols;
     u16* dq0 = (u16*)p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride + (i64)(q_start + row0) * p.dq_row_stride;
-    const u32 tile = smem_u32(slice_tiles[warp]);
     const int g = lane / 4, t = lane % 4;
     auto st16 = [](u32 addr, u32 v) { asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"((unsigned short)v)); };
     for (int slice = warp; slice < kCols / kSliceCols && kSliceCols * slice < p.head_dim; slice += kAuxThreads / 32) {
@@ -136,24 +136,28 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq_frag(cons
 #pragma unroll
         for (int j = 0; j < kRows / 8; ++j) v[j] = ld_global_f4(src + 4 * (32 * j + lane));
 #pragma unroll
-        for (int j = 0; j < kRows / 8; ++j) {
-            const u32 at = tile + (8 * j + 2 * t) * kTileRow + 2 * g;  // (query 8 j + 2 t, column g)
-            const u32 lo = pack2<kIsBF16>(v[j].x * p.softmax_scale, v[j].y * p.softmax_scale);
-            const u32 hi = pack2<kIsBF16>(v[j].z * p.softmax_scale, v[j].w * p.softmax_scale);
-            st16(at, lo);
-            st16(at + kTileRow, lo >> 16);
-            st16(at + 16, hi);
-            st16(at + kTileRow + 16, hi >> 16);
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+            for (int jj = 0; jj < kHalf / 8; ++jj) {
+                const int j = half * (kHalf / 8) + jj;
+                const u32 at = tile + (8 * jj + 2 * t) * kTileRow + 2 * g;  // (query 8 j + 2 t, column g)
+                const u32 lo = pack2<kIsBF16>(v[j].x * p.softmax_scale, v[j].y * p.softmax_scale);
+                const u32 hi = pack2<kIsBF16>(v[j].z * p.softmax_scale, v[j].w * p.softmax_scale);
+                st16(at, lo);
+                st16(at + kTileRow, lo >> 16);
+                st16(at + 16, hi);
+                st16(at + kTileRow + 16, hi >> 16);
+            }
+            asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+            for (int c = lane; c < 2 * kHalf; c += 32) {
+                const int row = half * kHalf + c / 2, col = kSliceCols * slice + 8 * (c % 2);
+                if (row0 + row >= seqlen_q || col >= p.head_dim) continue;  // (head_dim: a multiple of 8)
+                u32 w[4];
+                ld_shared_v4(tile + (c / 2) * kTileRow + 16 * (c % 2), w);
+                st_global_v4(dq0 + (i64)row * p.dq_row_stride + col, w);
+            }
+            asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");  // (the tile is rewritten next)
         }
-        asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-        for (int c = lane; c < 2 * kRows; c += 32) {
-            const int row = c / 2, col = kSliceCols * slice + 8 * (c % 2);
-            if (row0 + row >= seqlen_q || col >= p.head_dim) continue;  // (head_dim: a multiple of 8)
-            u32 w[4];
-            ld_shared_v4(tile + row * kTileRow + 16 * (c % 2), w);
-            st_global_v4(dq0 + (i64)row * p.dq_row_stride + col, w);
-        }
-        asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");  // (the tile is rewritten by the next slice)
     }
 }
 
@@ -169,8 +173,9 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq(const Aux
     constexpr int kMaxSliceWidth = 64;  // = build.py MAX_DQ_SLICE_WIDTH, which checks the backward tiles against it
     __shared__ __align__(16) unsigned char slice_tiles[kAuxThreads / 32][16 * (2 * kMaxSliceWidth + 16)];
     grid_dependency_wait();  // launched programmatically after the Hopper backward: its dq_accum is complete
+    static_assert(40 * (2 * 16 + 16) <= sizeof(slice_tiles[0]), "half a fragment-order slice fits the tile");
     if (p.dq_frag) {
-        bwd_convert_dq_frag<kIsBF16>(p);
+        bwd_convert_dq_frag<kIsBF16>(p, smem_u32(slice_tiles[threadIdx.x / 32]));
         return;
     }
     AuxRows rows;
