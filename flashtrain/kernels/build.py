@@ -728,6 +728,18 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
 BWD_DQ_FRAG = int(os.environ.get("FLASHTRAIN_BWD_DQ_FRAG", "1"))
 
 
+# The Hopper backward's loop with less address arithmetic (flash_bwd_sm90.cuh FT_BWD_LEAN_ADDR): the 80-query kernels
+# without score modifications and the dense hd64 non-causal one. H200, 2026-11-29, interleaved CUDA-graph A/B,
+# backward, lean / plain: hd128 full 16K 1.025, 4K 1.024; hd128 causal 8K 1.008, 16K 1.005; GQA 32/8 8K 1.008; hd80
+# / hd96 causal 4K 1.004; hd64 full 16K 1.018; but hd64 causal 4K 0.982, hd128 causal 1K (64-query blocks) 0.988 and
+# the deterministic hd128 causal 16K 0.992, which keep the plain form (kernel_ab-h200.json). A/B: ab_probe.py
+# flashtrain+FT_BWD_LEAN_ADDR=0 (the extra define comes last and overrides).
+def _bwd_lean_addr(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, deterministic: bool,
+                   tiles: BwdSm90Tiles, score_mods: int) -> bool:
+    plain = not (dropout or block_sparse or deterministic or score_mods)
+    return plain and (tiles.swap_dq or (head_dim == 64 and not causal))
+
+
 def _dq_frag_choice(tiles: BwdSm90Tiles, causal: bool, head_dim_eff: int) -> BwdSm90Tiles:
     frag = BWD_DQ_FRAG == 2 or (BWD_DQ_FRAG == 1 and not (causal and head_dim_eff == 128))
     return tiles if not tiles.swap_dq or frag == tiles.dq_frag else dataclasses.replace(tiles, dq_frag=frag)
@@ -769,6 +781,8 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
         defines += (("FT_SCORE_MODS", score_mods),) + tuple(mask_defines)
     if tiles.swap_dq and not tiles.dq_frag:
         defines += (("FT_BWD_DQ_FRAG", 0),)
+    if _bwd_lean_addr(head_dim, causal, dropout, block_sparse, deterministic, tiles, score_mods):
+        defines += (("FT_BWD_LEAN_ADDR", 1),)
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 

@@ -57,6 +57,17 @@
 // over the MMA warpgroups (flash_bwd_sm90_split_mma). flash_aux.cuh runs before (D and lse in log2 units in padded
 // rows, zeroing dq_accum) and after (dq = scale * dq_accum).
 #pragma once
+// FT_BWD_LEAN_ADDR=1 (build.py _bwd_lean_addr picks the kernels): the MMA warps' loop with less address arithmetic.
+// wgmma descriptors moved by one 64-bit add (wgmma.cuh FT_DESC_ADD 2), the stage index and phase from an unsigned
+// count, the statistics loads at immediate offsets from one opaque base, the dS stmatrix address split into a
+// per-lane part and constants, and the K base of the transposed dQ GEMM per warpgroup: the non-causal hd128 80-query
+// loop 534 -> 450 SASS instructions per block (FA4's: 463), spills 128 / 148 -> 116 / 136 bytes.
+#ifndef FT_BWD_LEAN_ADDR
+#define FT_BWD_LEAN_ADDR 0
+#endif
+#ifndef FT_DESC_ADD
+#define FT_DESC_ADD (FT_BWD_LEAN_ADDR ? 2 : 1)
+#endif
 #include "mask_mod.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
@@ -629,19 +640,21 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag, auto hidden_tag) {
         constexpr bool kMask = decltype(mask_tag)::value, kHidden = decltype(hidden_tag)::value;
         const int head = walk.head, m0 = walk.m0, n0 = x.n0, seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
-        const int s = gs % kStages;  // gs: query blocks so far over every tile of the CTA
+        // gs: query blocks so far over every tile of the CTA
+        const int s = FT_BWD_LEAN_ADDR ? (unsigned)gs % kStages : gs % kStages;
         const u32 sdS = sm.sdS0 + (gs & 1) * TileS::kBytes;
         // Shared-memory addresses re-derived per block (opaque to the compiler): hoisting the loop-invariant
         // descriptors out of the tile loop costs more registers than recomputing them (hd128 spills 452 -> 60 bytes,
         // 5-10% faster; H200 A/B 2026-11-24)
-        u32 sK_w = sK_w0, sV_w = sV_w0, sK_all = sm.sK, sQ_s = sm.sQ(s), sdO_s = sm.sdO(s);
+        u32 sK_w = sK_w0, sV_w = sV_w0, sK_all = sm.sK + (T::kSwapDq && FT_BWD_LEAN_ADDR ? w * kBlockN * 128 : 0);
+        u32 sQ_s = sm.sQ(s), sdO_s = sm.sdO(s);
         asm volatile("" : "+r"(sK_w), "+r"(sV_w), "+r"(sK_all), "+r"(sQ_s), "+r"(sdO_s));
         // kScoreMods: ALiBi's slope of this (batch, head) in raw score units (0: none), loaded while the GEMMs run
         [[maybe_unused]] float alibi_scaled = 0.f;
         if constexpr (T::kScoreMods && !kHidden)
             if (f.alibi_slopes != nullptr)
                 alibi_scaled = f.alibi_slopes[x.batch * f.alibi_batch_stride + head] / f.softmax_scale;
-        mbar_wait(sm.full(s), (gs / kStages) & 1);
+        mbar_wait(sm.full(s), (FT_BWD_LEAN_ADDR ? (unsigned)gs / kStages : gs / kStages) & 1);
 
         u32 dsa[kNT / 2][4];  // dS^T as A fragments
         // acc += A B over the block's queries: A (64 keys x queries) from registers, B (queries x head dim) = the
@@ -668,8 +681,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
 #pragma unroll
             for (int ks = 0; ks < kBlockM / 16; ++ks) {
                 if constexpr (T::kSwapDq)  // dS (rows queries): each 8 x 8 matrix transposed
-                    stmatrix_x4_trans(TileS::addr(sdS, 16 * ks + lane % 8 + 8 * (lane / 16),
-                                                  key_row0 + 8 * ((lane / 8) & 1)), dsa[ks]);
+                    stmatrix_x4_trans(FT_BWD_LEAN_ADDR ? TileS::addr_split(sdS, 16 * ks + 8 * (lane / 16), lane % 8,
+                                                                            key_row0 + 8 * ((lane / 8) & 1))
+                                                       : TileS::addr(sdS, 16 * ks + lane % 8 + 8 * (lane / 16),
+                                                                     key_row0 + 8 * ((lane / 8) & 1)), dsa[ks]);
                 else
                     stmatrix_x4(TileS::addr(sdS, key_row0 + lane % 8 + 8 * ((lane / 8) & 1), 16 * ks + 8 * (lane / 16)),
                                 dsa[ks]);
@@ -715,8 +730,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             }
             // lse of the first kStatsAhead n8 tiles (lse_r[j]: tile j's pair; registers only while live)
             float lse_r[kNT][2];
+            // lse pair of n8 tile j at stats_t + 32 j, D's at + kDOff: opaque, so that the offsets stay adds (LDS
+            // immediates) instead of ORs into a register per pair (the compiler knows the base's alignment)
+            u32 stats_t = sm.sLse(s) + 8 * t;
+            if (FT_BWD_LEAN_ADDR) asm volatile("" : "+r"(stats_t));
 #pragma unroll
-            for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(sm.sLse(s) + 4 * (8 * j + 2 * t), lse_r[j]);
+            for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(stats_t + 32 * j, lse_r[j]);
             wgmma_wait<1>();  // S^T done (dP^T may still run)
             fence_operand(st);
 
@@ -787,7 +806,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                     rng.bits_transposed(qbits, bh, m0 + 8 * j + 2 * t, n0 + key_row0 + g, lane);
                 }
                 if (j + T::kStatsAhead < kNT)
-                    ld_stats2(sm.sLse(s) + 4 * (8 * (j + T::kStatsAhead) + 2 * t), lse_r[j + T::kStatsAhead]);
+                    ld_stats2(stats_t + 32 * (j + T::kStatsAhead), lse_r[j + T::kStatsAhead]);
                 const float(&lse)[2] = lse_r[j];
                 [[maybe_unused]] float shift[4];  // ALiBi by rows: the exponent's constant per score
                 if constexpr (kAlibiRows) {
@@ -837,9 +856,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             }
 
             rs_gemm(acc_dv, pa, sdO_s);  // dV_w += P^T dO (rows of dO = queries, the reduction)
+            constexpr u32 kDOff = T::kStages * T::kStatsBytes;  // sD(s) - sLse(s)
             float d_r[kNT][2];  // D of the first kStatsAhead n8 tiles, as lse above
 #pragma unroll
-            for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(sm.sD(s) + 4 * (8 * j + 2 * t), d_r[j]);
+            for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(stats_t + kDOff + 32 * j, d_r[j]);
             // dP^T done; dV may still run unless its P^T registers are needed for dS^T (128-query blocks: ptxas keeps
             // the A fragments of an unfinished wgmma alive, and 64 more live registers would spill)
             if constexpr (T::kWaitDv) wgmma_wait<0>();
@@ -850,7 +870,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
 #pragma unroll
             for (int j = 0; j < kNT; ++j) {
                 if (j + T::kStatsAhead < kNT)
-                    ld_stats2(sm.sD(s) + 4 * (8 * (j + T::kStatsAhead) + 2 * t), d_r[j + T::kStatsAhead]);
+                    ld_stats2(stats_t + kDOff + 32 * (j + T::kStatsAhead), d_r[j + T::kStatsAhead]);
                 const float(&dsum)[2] = d_r[j];
                 float ds[4], pt[4];
                 if constexpr (T::kDsFromPa) {
@@ -893,7 +913,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
 #pragma unroll
         for (int ks = 0; ks < kBlockN / 16; ++ks) {
             if constexpr (T::kSwapDq) {
-                const u64 desc_a = gmma_desc_at(sK_all, w * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+                const u64 desc_a = gmma_desc_at(sK_all, (FT_BWD_LEAN_ADDR ? 0 : w * kBlockN * 128) + ks * 16 * 128,
+                                                   kBlockN * 128, 1024);
                 const u64 desc_b = gmma_desc_at(sdS, (ks / 4) * kBlockM * 128 + (ks % 4) * 32, 16, 1024);
                 if (ks == 0) wgmma_ss_tn_init<kBlockM, T::kIsBF16>(dq, desc_a, desc_b, 0);
                 else wgmma_ss_tn<kBlockM, T::kIsBF16>(dq, desc_a, desc_b, 1);

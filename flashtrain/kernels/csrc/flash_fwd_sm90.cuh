@@ -63,6 +63,17 @@
 #ifndef FT_FWD_HALF_FIRST
 #define FT_FWD_HALF_FIRST 1
 #endif
+// FT_FWD_ARRIVE_PRED (default 1; 0 for A/Bs): in the key-block loop a consumer releases its K stage (and, after the
+// tile's last S GEMM, Q) right after the S wait, and its V stage after the P V wait, by arrives predicated inside the
+// instruction instead of behind `if (lead_lane)` branches: ptxas placed the P V wait right after such a branch, above
+// the whole softmax (SASS, hd128 128 x 128: none of a block's 66 exponentials before the P V wait; predicated, 15-18 of
+// them and 156-282 instructions), so the softmax ran after the warpgroup's own P V GEMM instead of beside it. H200,
+// interleaved CUDA-graph A/B, forward, predicated / branches: hd128 full 4K 1.041, 16K 1.038, causal 1K 1.027, 8K
+// 1.044, GQA 32/8 8K 1.051; hd64 full 512 1.009, 16K 1.035, causal 4K 1.023; hd80 causal 4K 1.059, hd256 1.057.
+// Not with dropout (ptxas then spills 28 bytes in the hd128 kernel, none before).
+#ifndef FT_FWD_ARRIVE_PRED
+#define FT_FWD_ARRIVE_PRED 1
+#endif
 // Head dim 192 (O: 96 registers per thread): a block's O correction is applied once the next block's S GEMM is issued,
 // before its P V GEMM (FlashAttention-3's order above head dim 128), instead of after the P V wait. H200, interleaved
 // CUDA-graph replays, forward: hd192 4K causal 1.028, 16K full 1.023, 8K causal 1.036, 2K full 1.010, 1K causal 1.000;
@@ -722,7 +733,11 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 schedule_pass();
                 wgmma_wait<1>();  // S done; P V may still run
                 fence_operand(s);
-                if (lead_lane) {
+                constexpr bool kArrivePred = FT_FWD_ARRIVE_PRED && !T::kIsDropout;
+                if constexpr (kArrivePred) {
+                    mbar_arrive_if(lead_lane, empty_k(stage));
+                    mbar_arrive_if(lead_lane && last, empty_qb);
+                } else if (lead_lane) {
                     mbar_arrive(empty_k(stage));
                     if (last) mbar_arrive(empty_qb);
                 }
@@ -740,7 +755,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
                 wgmma_wait<0>();  // P V done: O and the P registers are free
                 fence_operand(o);
-                if (lead_lane) mbar_arrive(empty_v(prev));
+                if constexpr (kArrivePred) mbar_arrive_if(lead_lane, empty_v(prev));
+                else if (lead_lane) mbar_arrive(empty_v(prev));
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     if constexpr (kRescaleEarly) pending[hf] = correction[hf];

@@ -30,6 +30,11 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
+// (an arrive predicated inside the instruction, not behind a branch)
+__device__ __forceinline__ void mbar_arrive_if(bool pred, u32 bar) {
+    asm volatile("{ .reg .pred p; setp.ne.u32 p, %1, 0; @p mbarrier.arrive.shared::cta.b64 _, [%0]; }"
+                 ::"r"(bar), "r"((u32)pred) : "memory");
+}
 __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
     u32 done;
     asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"

@@ -22,20 +22,25 @@
 
 namespace flashtrain {
 
-__device__ __forceinline__ u64 gmma_desc(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
-    return (u64)((smem_addr & 0x3ffff) >> 4) | ((u64)((leading_bytes >> 4) & 0x3fff) << 16) |
-           ((u64)((stride_bytes >> 4) & 0x3fff) << 32) | (1ull << 62);
-}
 // The descriptor of the operand at base + offset_bytes (offset a multiple of 16). FT_DESC_ADD=1 (the default since
 // 2026-11-25; 0 for A/Bs): built once from base and moved by one 32-bit add to the start-address field (address / 16
 // of a shared-memory address below 256 KB: the add never carries out of it); with 0 each descriptor is built from its
 // address (five uniform instructions per wgmma operand in SASS against two; the forward's ping-pong turn, from
-// BAR.SYNC to BAR.ARV, 77 -> 47 instructions per block at hd64).
+// BAR.SYNC to BAR.ARV, 77 -> 47 instructions per block at hd64). 2 (the backward's FT_BWD_LEAN_ADDR kernels): the
+// address field without its mask and one 64-bit add to the whole descriptor, so that ptxas keeps no separate high word
+// per operand (the hd128 80-query backward's loop: about 40 fewer SASS instructions per block; the forward's loops
+// grow with it, 1082 -> 1153 at hd128, so the forward keeps 1).
 #ifndef FT_DESC_ADD
 #define FT_DESC_ADD 1
 #endif
+__device__ __forceinline__ u64 gmma_desc(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
+    return (u64)((FT_DESC_ADD == 2 ? smem_addr : smem_addr & 0x3ffff) >> 4) |
+           ((u64)((leading_bytes >> 4) & 0x3fff) << 16) | ((u64)((stride_bytes >> 4) & 0x3fff) << 32) | (1ull << 62);
+}
 __device__ __forceinline__ u64 gmma_desc_at(u32 base, u32 offset_bytes, u32 leading_bytes, u32 stride_bytes) {
-    if constexpr (FT_DESC_ADD) {
+    if constexpr (FT_DESC_ADD == 2) {
+        return gmma_desc(base, leading_bytes, stride_bytes) + (u64)(offset_bytes >> 4);
+    } else if constexpr (FT_DESC_ADD) {
         const u64 desc = gmma_desc(base, leading_bytes, stride_bytes);
         return ((desc >> 32) << 32) | (u32)((u32)desc + (offset_bytes >> 4));
     } else {
