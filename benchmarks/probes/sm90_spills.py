@@ -12,8 +12,15 @@ macros to every compilation (as FLASHTRAIN_EXTRA_DEFINES does). Needs nvcc and c
 PATH; pip's nvidia-cuda-cuobjdump wheel carries one). The Hopper backward's speed moved with its spills' placement by
 up to 10% either way in 2026-11-25's measurements: compare a change's table with the default's
 before spending device time on it.
+
+Forward kernels also get their P V wait windows: for each wait on a key block's S GEMM that leaves the previous block's
+P V GEMM running (WARPGROUP.DEPBAR.LE gsb0, 0x1), the exponentials (MUFU.EX2) and instructions before the P V wait
+(0x0) that follows. Those run beside the warpgroup's own P V GEMM; a window without exponentials means ptxas moved the
+P V wait above the softmax (flash_fwd_sm90.cuh FT_FWD_ARRIVE_PRED). Disassembles with cuobjdump -sass or, where that
+is missing, nvdisasm -c (NVDISASM=path, on PATH, or the nvidia-cuda-nvdisasm wheel of `.[dev]`).
 """
 import argparse
+import importlib.metadata
 import os
 import re
 import shutil
@@ -48,21 +55,59 @@ def kernel_spec(item: str) -> build.KernelSpec:
                                  head_dim_eff=narrow)
 
 
-def sass_instructions(cuobjdump: str, cubin: Path) -> list[str]:
-    text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+def disassembler() -> str | None:
+    """cuobjdump (CUOBJDUMP or PATH), else nvdisasm (NVDISASM, PATH, or the nvidia-cuda-nvdisasm wheel); None if
+    neither is there."""
+    found = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump") or os.environ.get("NVDISASM") or \
+        shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        files = importlib.metadata.distribution("nvidia-cuda-nvdisasm").files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    tool = next((f for f in files if f.name == "nvdisasm"), None)
+    return str(tool.locate()) if tool is not None else None
+
+
+def sass_instructions(tool: str, cubin: Path) -> list[str]:
+    """The SASS instructions of every kernel in `cubin`, in order (tool: cuobjdump or nvdisasm)."""
+    command = [tool, "-c", str(cubin)] if Path(tool).name.startswith("nvdisasm") else [tool, "-sass", str(cubin)]
+    text = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", text)]
 
 
-def report(item: str, cuobjdump: str, workdir: Path) -> str:
+def pv_wait_windows(code: list[str]) -> list[tuple[int, int]]:
+    """(exponentials, instructions) between each wgmma wait that leaves one group running (DEPBAR.LE gsb0, 0x1) and
+    the full wait (0x0) right after it: in the forward's key-block loop, the softmax that runs beside the P V GEMM."""
+    windows, current = [], None
+    for ins in code:
+        op = re.sub(r"^@!?U?P\w+\s+", "", ins)
+        if op.startswith("WARPGROUP.DEPBAR"):
+            if op.endswith("0x1"):
+                current = [0, 0]
+            else:
+                if current is not None:
+                    windows.append((current[0], current[1]))
+                current = None
+        elif current is not None:
+            current[0] += op.startswith("MUFU.EX2")
+            current[1] += 1
+    return windows
+
+
+def report(item: str, tool: str, workdir: Path) -> str:
     spec = kernel_spec(item)
     cubin = workdir / f"{spec.name}.cubin"
     resources = build._compile_nvcc(spec, build.SM90_ARCH, cubin, ptxas_verbose=True)
-    code = sass_instructions(cuobjdump, cubin)
+    code = sass_instructions(tool, cubin)
     mma = [i for i, ins in enumerate(code) if "HGMMA" in ins]
     spills = [i for i, ins in enumerate(code) if re.search(r"\b(LDL|STL)\b", ins)]
     in_loop = [i for i in spills if mma and mma[0] <= i <= mma[-1]]
+    windows = (", P V wait after " + " / ".join(f"{e} exp2 ({n} instr)" for e, n in pv_wait_windows(code))
+               if item.startswith("fwd") else "")
     return f"{item:<24} {spec.name:<48} {len(code):>6} instr  {resources}  spill instr {len(spills)} ({len(in_loop)} " \
-           f"between the first and last HGMMA)"
+           f"between the first and last HGMMA){windows}"
 
 
 def main() -> None:
@@ -72,12 +117,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.defines:
         os.environ["FLASHTRAIN_EXTRA_DEFINES"] = args.defines
-    cuobjdump = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
-    if build.nvcc_path() is None or cuobjdump is None:
-        raise SystemExit("needs nvcc and cuobjdump (set CUOBJDUMP=/path/to/cuobjdump)")
+    tool = disassembler()
+    if build.nvcc_path() is None or tool is None:
+        raise SystemExit("needs nvcc and cuobjdump or nvdisasm (CUOBJDUMP=path or NVDISASM=path)")
     with tempfile.TemporaryDirectory() as tmp:
         for item in args.kernels:
-            print(report(item, cuobjdump, Path(tmp)), flush=True)
+            print(report(item, tool, Path(tmp)), flush=True)
 
 
 if __name__ == "__main__":
