@@ -1,7 +1,7 @@
 """The Hopper forward's softmax runs beside the warpgroup's own P V GEMM: in the compiled key-block loop (static SASS,
 no GPU), a block's exponentials come before the wait for the previous block's P V GEMM. With the stage releases
 behind `if (lead_lane)` branches ptxas moved that wait above the whole softmax (flash_fwd_sm90.cuh
-FT_FWD_ARRIVE_PRED: none of the 66 exponentials of an hd128 block before it; H200, the forward 1.02-1.06x faster
+FT_FWD_ARRIVE_PRED: none of the 66 exponentials of an hd128 block before it; H200, the forward 1.01-1.06x faster
 with them beside it). benchmarks/probes/sm90_spills.py prints the same windows for any forward kernel."""
 
 import importlib.util

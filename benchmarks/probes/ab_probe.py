@@ -7,9 +7,8 @@ Medians per implementation; ratios to the first implementation and to cuDNN.
 Implementations: flashtrain; flashtrain+FT_MACRO=v[+...] (kernels compiled with those macros through
 FLASHTRAIN_EXTRA_DEFINES, kernel_variant below); flashtrain@ENV=v[@...] (environment variables set while the call is
 captured, e.g. flashtrain@FLASHTRAIN_BWD_SM90_Q80=0: dispatch switches read at plan time; build.NAME=v sets an int
-attribute of
-flashtrain.kernels.build (ops.NAME, tma.NAME: of flashtrain.kernels.ops, .tma) instead, e.g. flashtrain@build.LONG_CAUSAL_SEQLEN=512;
-FLASHTRAIN_FWD_SM90_TILES=... re-reads the tile tables); both: flashtrain+MACRO=v@ENV=v; flashtrain-det[...]: the
+attribute of flashtrain.kernels.build (ops.NAME, tma.NAME: of flashtrain.kernels.ops, .tma) instead, e.g.
+flashtrain@build.LONG_CAUSAL_SEQLEN=512; FLASHTRAIN_FWD_SM90_TILES=... re-reads the tile tables); both: flashtrain+MACRO=v@ENV=v; flashtrain-det[...]: the
 same with deterministic=True; cudnn, fa2 (SDPA backends). Passes: fwd, fb (forward + backward), bwd (the backward
 alone: the forward runs once before the capture, the graph holds the gradient kernels).
 

@@ -116,8 +116,11 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
 // (the whole slice in flight), then per half of the slice (40 queries) the scaled 16-bit values into the warp's shared
 // tile (bwd_convert_dq's, 40 rows x 16 columns, rows padded by 16 bytes) and each row's two 16-byte pieces to dq (rows
 // past the sequence's end and columns past head_dim are not written).
+// (the half slice's tile: kDqFragRows / 2 rows of kDqFragTileRow bytes)
+constexpr int kDqFragRows = 80, kDqFragSliceCols = 16, kDqFragTileRow = 2 * kDqFragSliceCols + 16;
+constexpr int kDqFragTileBytes = kDqFragRows / 2 * kDqFragTileRow;
 template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq_frag(const AuxParams& p, u32 tile) {
-    constexpr int kRows = 80, kCols = 128, kSliceCols = 16, kTileRow = 2 * kSliceCols + 16;  // (bytes)
+    constexpr int kRows = kDqFragRows, kCols = 128, kSliceCols = kDqFragSliceCols, kTileRow = kDqFragTileRow;
     constexpr int kHalf = kRows / 2;  // rows of the tile: a slice in two halves
     const int batch = blockIdx.y, head = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int q_start = 0, seqlen_q = p.seqlen_q;
@@ -173,7 +176,7 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq(const Aux
     constexpr int kMaxSliceWidth = 64;  // = build.py MAX_DQ_SLICE_WIDTH, which checks the backward tiles against it
     __shared__ __align__(16) unsigned char slice_tiles[kAuxThreads / 32][16 * (2 * kMaxSliceWidth + 16)];
     grid_dependency_wait();  // launched programmatically after the Hopper backward: its dq_accum is complete
-    static_assert(40 * (2 * 16 + 16) <= sizeof(slice_tiles[0]), "half a fragment-order slice fits the tile");
+    static_assert(kDqFragTileBytes <= sizeof(slice_tiles[0]), "half a fragment-order slice fits the tile");
     if (p.dq_frag) {
         bwd_convert_dq_frag<kIsBF16>(p, smem_u32(slice_tiles[threadIdx.x / 32]));
         return;

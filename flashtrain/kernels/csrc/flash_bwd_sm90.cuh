@@ -59,9 +59,11 @@
 #pragma once
 // FT_BWD_LEAN_ADDR=1 (build.py _bwd_lean_addr picks the kernels): the MMA warps' loop with less address arithmetic.
 // wgmma descriptors moved by one 64-bit add (wgmma.cuh FT_DESC_ADD 2), the stage index and phase from an unsigned
-// count, the statistics loads at immediate offsets from one opaque base, the dS stmatrix address split into a
-// per-lane part and constants, and the K base of the transposed dQ GEMM per warpgroup: the non-causal hd128 80-query
-// loop 534 -> 450 SASS instructions per block (FA4's: 463), spills 128 / 148 -> 116 / 136 bytes.
+// count, the statistics base opaque to the compiler (so that the loads keep immediate offsets from it), the dS
+// stmatrix address split into a per-lane part and constants, and the K base of the transposed dQ GEMM per warpgroup:
+// the non-causal hd128 80-query loop 534 -> 450 SASS instructions per block (FA4's: 463), spills 128 / 148 -> 116 /
+// 136 bytes. (Every kernel addresses the statistics as base + 8 t + 32 j; without the opaque base ptxas schedules that
+// as before the lean form, with fewer spills in some kernels: hd64 causal 32 / 72 -> 12 / 20 bytes.)
 #ifndef FT_BWD_LEAN_ADDR
 #define FT_BWD_LEAN_ADDR 0
 #endif

@@ -69,7 +69,7 @@
 // the whole softmax (SASS, hd128 128 x 128: none of a block's 66 exponentials before the P V wait; predicated, 15-18 of
 // them and 156-282 instructions), so the softmax ran after the warpgroup's own P V GEMM instead of beside it. H200,
 // interleaved CUDA-graph A/B, forward, predicated / branches: hd128 full 4K 1.041, 16K 1.038, causal 1K 1.027, 8K
-// 1.044, GQA 32/8 8K 1.051; hd64 full 512 1.009, 16K 1.035, causal 4K 1.023; hd80 causal 4K 1.059, hd256 1.057.
+// 1.044, GQA 32/8 8K 1.051; hd64 full 512 1.008, 16K 1.035, causal 4K 1.023; hd80 causal 4K 1.059, hd256 1.057.
 // Not with dropout (ptxas then spills 28 bytes in the hd128 kernel, none before).
 #ifndef FT_FWD_ARRIVE_PRED
 #define FT_FWD_ARRIVE_PRED 1

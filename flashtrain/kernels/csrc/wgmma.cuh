@@ -26,10 +26,9 @@ namespace flashtrain {
 // 2026-11-25; 0 for A/Bs): built once from base and moved by one 32-bit add to the start-address field (address / 16
 // of a shared-memory address below 256 KB: the add never carries out of it); with 0 each descriptor is built from its
 // address (five uniform instructions per wgmma operand in SASS against two; the forward's ping-pong turn, from
-// BAR.SYNC to BAR.ARV, 77 -> 47 instructions per block at hd64). 2 (the backward's FT_BWD_LEAN_ADDR kernels): the
+// BAR.SYNC to BAR.ARV, 77 -> 47 instructions per block at hd64). 2 (the backward's FT_BWD_LEAN_ADDR kernels only): the
 // address field without its mask and one 64-bit add to the whole descriptor, so that ptxas keeps no separate high word
-// per operand (the hd128 80-query backward's loop: about 40 fewer SASS instructions per block; the forward's loops
-// grow with it, 1082 -> 1153 at hd128, so the forward keeps 1).
+// per operand.
 #ifndef FT_DESC_ADD
 #define FT_DESC_ADD 1
 #endif
