@@ -731,8 +731,8 @@ BWD_DQ_FRAG = int(os.environ.get("FLASHTRAIN_BWD_DQ_FRAG", "1"))
 # The Hopper backward's loop with less address arithmetic (flash_bwd_sm90.cuh FT_BWD_LEAN_ADDR): the 80-query kernels
 # without score modifications and the dense hd64 non-causal one. H200, 2026-11-29, interleaved CUDA-graph A/B,
 # backward, lean / plain: hd128 full 16K 1.025, 4K 1.023; hd128 causal 8K 1.008, 16K 1.005; GQA 32/8 8K 1.008; hd80
-# / hd96 causal 4K 1.004 / 1.003; hd64 full 16K 1.018; but hd64 causal 4K 0.982, hd128 causal 1K (64-query blocks) 0.988 and
-# the deterministic hd128 causal 16K 0.992, which keep the plain form (kernel_ab-h200.json). A/B: ab_probe.py
+# / hd96 causal 4K 1.004 / 1.003; hd64 full 16K 1.018; but hd64 causal 4K 0.982, hd128 causal 1K (64-query blocks)
+# 0.988 and the deterministic hd128 causal 16K 0.992, which keep the plain form (kernel_ab-h200.json). A/B: ab_probe.py
 # flashtrain+FT_BWD_LEAN_ADDR=0 (the extra define comes last and overrides).
 def _bwd_lean_addr(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, deterministic: bool,
                    tiles: BwdSm90Tiles, score_mods: int) -> bool:

@@ -592,8 +592,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if mask is not None:  # inputs 11, 12, 13.. (the mma.sync kernel: BwdParams)
         main.addresses += _mask_addresses(type(params), prefix + "fwd.", 11, len(mask.tensors))
     # Hopper: the main kernel and the conversions are programmatic dependent launches (build.pdl_enabled): the main
-    # kernel's prologue and first Q / dO copies overlap the preprocess's tail (it waits for the preprocess's writes
-    # before the row statistics), each conversion waits for the kernel before it at its start
+    # kernel's prologue (barrier set-up, tensor-map prefetches) overlaps the preprocess's tail, then its threads wait
+    # for the preprocess's writes; each conversion waits for the kernel before it at its start
     if hopper and build.pdl_enabled():
         for item in (main, convert, *kv_converts):
             item.pdl = True

@@ -404,8 +404,9 @@ void write_tensor_map(uint8_t* slot, const TensorMap& map, const Tensor& x) {
     tensor_maps.emplace(key, encoded);
 }
 
-// Record mode: int64 words (function, grid x, y, z, threads, shared memory, programmatic launch, n, then (address, bytes) of the n
-// tensors: the inputs, then the outputs), then the parameter bytes. ops.py's test kernels record the same.
+// Record mode: int64 words (function, grid x, y, z, threads, shared memory, programmatic launch, n, then (address,
+// bytes) of the n tensors: the inputs, then the outputs), then the parameter bytes. ops.py's test kernels record the
+// same.
 void record(const Launch& launch, const uint8_t* params, const std::vector<Tensor>& inputs,
             const std::vector<Tensor>& outputs) {
     std::vector<int64_t> header = {reinterpret_cast<int64_t>(launch.function), launch.grid[0], launch.grid[1],
