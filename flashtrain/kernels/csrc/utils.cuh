@@ -180,6 +180,10 @@ __device__ __forceinline__ void st_global_v4(void* ptr, const u32 (&v)[4]) {
 __device__ __forceinline__ void st_global_b32(void* ptr, u32 v) {
     asm volatile("st.global.b32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
+__device__ __forceinline__ void st_global_b32_if(bool pred, void* ptr, u32 v) {  // predicated, no branch
+    asm volatile("{ .reg .pred p; setp.ne.u32 p, %2, 0; @p st.global.b32 [%0], %1; }" ::"l"(ptr), "r"(v),
+                 "r"((u32)pred) : "memory");
+}
 __device__ __forceinline__ float4 ld_global_f4(const float* ptr) { return *reinterpret_cast<const float4*>(ptr); }
 __device__ __forceinline__ void ld_global_v4(const void* ptr, u32 (&v)[4]) {
     asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];"
