@@ -124,9 +124,10 @@ def env_variant(name: str):
 
 @dataclasses.dataclass
 class Config:
-    """head_dim:seqlen:full|causal[:heads/kv_heads[:batch]]: the grid's shapes (batch x seqlen = 16K tokens, 2048 /
+    """head_dim:seqlen:full|causal[:heads/kv_heads[:batch]][:wN]: the grid's shapes (batch x seqlen = 16K tokens, 2048 /
     head_dim heads) unless heads (GQA: query heads / key-value heads) and batch are given, e.g. 128:8192:causal:32/8:1,
-    the attention benchmark's GQA workload."""
+    the attention benchmark's GQA workload; wN: a causal sliding window of N keys before each query (window_size
+    (N, 0); flashtrain and fa4 only), e.g. 128:16384:causal:16:1:w1024, attention_features.py's window row."""
 
     head_dim: int
     seqlen: int
@@ -134,26 +135,33 @@ class Config:
     nheads: int
     nheads_kv: int
     batch: int
+    window: int = -1
 
     @classmethod
     def parse(cls, text: str) -> "Config":
         parts = text.split(":")
-        if len(parts) not in (3, 4, 5) or parts[2] not in ("full", "causal"):
-            raise SystemExit(f"--configs: {text!r} is not head_dim:seqlen:full|causal[:heads/kv_heads[:batch]]")
+        window = int(parts.pop()[1:]) if len(parts) > 3 and parts[-1].startswith("w") else -1
+        if len(parts) not in (3, 4, 5) or parts[2] not in ("full", "causal") or (window >= 0 and parts[2] != "causal"):
+            raise SystemExit(f"--configs: {text!r} is not head_dim:seqlen:full|causal[:heads/kv_heads[:batch]][:wN] "
+                             "(a window with causal)")
         head_dim, seqlen = int(parts[0]), int(parts[1])
         nheads = nheads_kv = 2048 // head_dim
         if len(parts) > 3:
             nheads, nheads_kv = (int(x) for x in parts[3].split("/")) if "/" in parts[3] else (int(parts[3]),) * 2
         batch = int(parts[4]) if len(parts) > 4 else max(1, 16384 // seqlen)
-        return cls(head_dim, seqlen, parts[2] == "causal", nheads, nheads_kv, batch)
+        return cls(head_dim, seqlen, parts[2] == "causal", nheads, nheads_kv, batch, window)
 
     def label(self) -> str:
         heads = "" if self.nheads == self.nheads_kv == 2048 // self.head_dim else (
             f" {self.nheads}/{self.nheads_kv}h" if self.nheads != self.nheads_kv else f" {self.nheads}h")
-        return f"hd{self.head_dim} S{self.seqlen:<6} {'causal' if self.causal else 'full':<6}{heads} B{self.batch}"
+        window = f" w{self.window}" if self.window >= 0 else ""
+        return f"hd{self.head_dim} S{self.seqlen:<6} {'causal' if self.causal else 'full':<6}{heads} B{self.batch}{window}"
 
     def flops(self, kind: str) -> float:
         flops = 4 * self.batch * self.nheads * self.seqlen**2 * self.head_dim / (2 if self.causal else 1)
+        if self.window >= 0:  # the (query, key) pairs computed: each query sees itself and up to `window` keys before
+            w, s = min(self.window, self.seqlen - 1), self.seqlen
+            flops = 4 * self.batch * self.nheads * self.head_dim * ((w + 1) * s - w * (w + 1) / 2)
         return flops * {"fwd": 1.0, "bwd": 2.5, "fb": 3.5}[kind]
 
 
@@ -176,11 +184,14 @@ def attention_call(name: str, config: Config, kind: str):
 
     q, k, v, dout = tensor(c.nheads), tensor(c.nheads_kv), tensor(c.nheads_kv), tensor(c.nheads)
     gqa = {"enable_gqa": True} if c.nheads != c.nheads_kv else {}  # only when needed: not every backend takes it
-    fa4 = fa4_baseline.attention(c.causal) if name == "fa4" else None
+    fa4 = fa4_baseline.attention(c.causal, window=c.window) if name == "fa4" else None
+    if c.window >= 0 and not flash_layout:
+        raise SystemExit(f"--impls: {name} has no sliding window (flashtrain, fa4)")
+    window = {"window_size": (c.window, 0)} if c.window >= 0 else {}
 
     def forward():
         if name.startswith("flashtrain"):
-            return flash_attn_func(q, k, v, causal=c.causal, impl="cuda", deterministic=deterministic)
+            return flash_attn_func(q, k, v, causal=c.causal, impl="cuda", deterministic=deterministic, **window)
         if fa4 is not None:
             return fa4(q, k, v)
         with sdpa_kernel(BACKENDS[name]):
