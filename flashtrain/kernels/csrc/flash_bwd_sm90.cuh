@@ -801,60 +801,78 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
 #pragma unroll
             for (int i = 0; i < (kNT * 4 + 31) / 32; ++i) keep_bits[i] = 0;
             u32 qbits[2][2];  // dropout: the keep words of the current 16-query tile (DropoutRng::bits_transposed)
+            // rows_tag: ALiBi by rows (alibi_rows), chosen once for the block. (A branch per n8 tile split the
+            // exponentials into a basic block each, which ptxas scheduled one at a time; H200, interleaved CUDA-graph
+            // A/B, backward of a causal window, this form / that: hd64 16K window 256 1.031, hd128 16K window 1024
+            // 1.001.)
+            auto exponentials = [&](auto rows_tag) {
+                constexpr bool kRowsShift = decltype(rows_tag)::value;
 #pragma unroll
-            for (int j = 0; j < kNT; ++j) {
-                if (T::kIsDropout && j % 2 == 0) {
-                    const int bh = x.batch * f.nheads + head;
-                    rng.bits_transposed(qbits, bh, m0 + 8 * j + 2 * t, n0 + key_row0 + g, lane);
-                }
-                if (j + T::kStatsAhead < kNT)
-                    ld_stats2(stats_t + 32 * (j + T::kStatsAhead), lse_r[j + T::kStatsAhead]);
-                const float(&lse)[2] = lse_r[j];
-                [[maybe_unused]] float shift[4];  // ALiBi by rows: the exponent's constant per score
-                if constexpr (kAlibiRows) {
-                    if (alibi_rows) {
-                        const float c0 = fmaf(alibi_b, (float)(8 * j), -lse[0]);
-                        const float c1 = fmaf(alibi_b, (float)(8 * j + 1), -lse[1]);
-                        shift[0] = c0 + alibi_rk[0];
-                        shift[1] = c1 + alibi_rk[0];
-                        shift[2] = c0 + alibi_rk[1];
-                        shift[3] = c1 + alibi_rk[1];
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) shift[e] = -lse[e & 1];
+                for (int j = 0; j < kNT; ++j) {
+                    if (T::kIsDropout && j % 2 == 0) {
+                        const int bh = x.batch * f.nheads + head;
+                        rng.bits_transposed(qbits, bh, m0 + 8 * j + 2 * t, n0 + key_row0 + g, lane);
                     }
-                }
-                float dropped[4];
+                    if (j + T::kStatsAhead < kNT)
+                        ld_stats2(stats_t + 32 * (j + T::kStatsAhead), lse_r[j + T::kStatsAhead]);
+                    const float(&lse)[2] = lse_r[j];
+                    [[maybe_unused]] float shift[4];  // ALiBi by rows: the exponent's constant per score
+                    if constexpr (kAlibiRows) {
+                        if constexpr (kRowsShift) {
+                            const float c0 = fmaf(alibi_b, (float)(8 * j), -lse[0]);
+                            const float c1 = fmaf(alibi_b, (float)(8 * j + 1), -lse[1]);
+                            shift[0] = c0 + alibi_rk[0];
+                            shift[1] = c1 + alibi_rk[0];
+                            shift[2] = c0 + alibi_rk[1];
+                            shift[3] = c1 + alibi_rk[1];
+                        } else {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float score = st[j][e];
-                    if constexpr (kMask) {
-                        const int key = n0 + key_row0 + g + 8 * (e >> 1), query = m0 + 8 * j + 2 * t + (e & 1);
-                        if (key >= seqlen_k || (T::kIsCausal && key > query + seqlen_k - seqlen_q)) score = -infinity();
-                        if constexpr (T::kScoreMods) {  // the window's bounds (causal: the right one is the diagonal)
-                            const int diag = query + seqlen_k - seqlen_q;
-                            if ((!T::kIsCausal && f.window_right >= 0 && key > diag + f.window_right) ||
-                                (f.window_left >= 0 && key < diag - f.window_left))
-                                score = -infinity();
+                            for (int e = 0; e < 4; ++e) shift[e] = -lse[e & 1];
                         }
-                        // kMaskMod: the expression on a partial state (pairs past either end never evaluated)
-                        if constexpr (T::kMaskMod)
-                            if (walk.mm_state == 1 && key < seqlen_k && query < seqlen_q &&
-                                !mask_mod_visible(f.mm, x.batch, head, query, key))
+                    }
+                    float dropped[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float score = st[j][e];
+                        if constexpr (kMask) {
+                            const int key = n0 + key_row0 + g + 8 * (e >> 1);
+                            const int query = m0 + 8 * j + 2 * t + (e & 1);
+                            if (key >= seqlen_k || (T::kIsCausal && key > query + seqlen_k - seqlen_q))
                                 score = -infinity();
+                            // the window's bounds (causal: the right one is the diagonal)
+                            if constexpr (T::kScoreMods) {
+                                const int diag = query + seqlen_k - seqlen_q;
+                                if ((!T::kIsCausal && f.window_right >= 0 && key > diag + f.window_right) ||
+                                    (f.window_left >= 0 && key < diag - f.window_left))
+                                    score = -infinity();
+                            }
+                            // kMaskMod: the expression on a partial state (pairs past either end never evaluated)
+                            if constexpr (T::kMaskMod)
+                                if (walk.mm_state == 1 && key < seqlen_k && query < seqlen_q &&
+                                    !mask_mod_visible(f.mm, x.batch, head, query, key))
+                                    score = -infinity();
+                        }
+                        if constexpr (kAlibiRows)
+                            st[j][e] = fast_exp2(fmaf(score, f.softmax_scale_log2, shift[e]));
+                        else st[j][e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
+                        dropped[e] = st[j][e];
+                        // dropout: element (query 8j + 2t + e % 2, key g + 8 (e / 2)) of the tile
+                        if constexpr (T::kIsDropout) {
+                            const bool keep = rng.keep16(qbits[e & 1][j & 1], e >> 1);
+                            if (keep) keep_bits[(4 * j + e) / 32] |= 1u << ((4 * j + e) % 32);
+                            dropped[e] = keep ? dropped[e] * f.rp_dropout : 0.f;
+                        }
                     }
-                    if constexpr (kAlibiRows) st[j][e] = fast_exp2(fmaf(score, f.softmax_scale_log2, shift[e]));
-                    else st[j][e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
-                    dropped[e] = st[j][e];
-                    if constexpr (T::kIsDropout) {  // element (query 8j + 2t + e % 2, key g + 8 (e / 2)) of the tile
-                        const bool keep = rng.keep16(qbits[e & 1][j & 1], e >> 1);
-                        if (keep) keep_bits[(4 * j + e) / 32] |= 1u << ((4 * j + e) % 32);
-                        dropped[e] = keep ? dropped[e] * f.rp_dropout : 0.f;
-                    }
+                    // A fragment of k-step j / 2: regs 0, 1 from n8 tile 2 (j / 2), regs 2, 3 from tile 2 (j / 2) + 1
+                    pa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(dropped[0], dropped[1]);
+                    pa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(dropped[2], dropped[3]);
                 }
-                // A fragment of k-step j / 2: regs 0, 1 from n8 tile 2 (j / 2), regs 2, 3 from tile 2 (j / 2) + 1
-                pa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(dropped[0], dropped[1]);
-                pa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(dropped[2], dropped[3]);
+            };
+            if constexpr (kAlibiRows) {
+                if (alibi_rows) exponentials(BoolConstant<true>{});
+                else exponentials(BoolConstant<false>{});
+            } else {
+                exponentials(BoolConstant<false>{});
             }
 
             rs_gemm(acc_dv, pa, sdO_s);  // dV_w += P^T dO (rows of dO = queries, the reduction)
