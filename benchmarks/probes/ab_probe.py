@@ -154,8 +154,9 @@ class Config:
     def label(self) -> str:
         heads = "" if self.nheads == self.nheads_kv == 2048 // self.head_dim else (
             f" {self.nheads}/{self.nheads_kv}h" if self.nheads != self.nheads_kv else f" {self.nheads}h")
+        mask = f"{'causal' if self.causal else 'full':<6}"
         window = f" w{self.window}" if self.window >= 0 else ""
-        return f"hd{self.head_dim} S{self.seqlen:<6} {'causal' if self.causal else 'full':<6}{heads} B{self.batch}{window}"
+        return f"hd{self.head_dim} S{self.seqlen:<6} {mask}{heads} B{self.batch}{window}"
 
     def flops(self, kind: str) -> float:
         flops = 4 * self.batch * self.nheads * self.seqlen**2 * self.head_dim / (2 if self.causal else 1)
