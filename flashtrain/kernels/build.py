@@ -245,13 +245,13 @@ class BwdSm90Tiles:
     def smem_bytes(self, head_dim: int) -> int:
         """Q, dO stages; K, V; two 16-bit score tiles (dS^T double-buffered; split head dim: P^T, dS^T); per MMA warp
         4 KB fp32 dQ staging per piece (split head dim: none; 80-query blocks: the block's fp32 dQ); lse, D stages
-        (128-byte multiples); barriers; 1024 to align the tiles (128-byte swizzle)."""
+        (128-byte multiples); barriers and tile records; 1024 to align the tiles (128-byte swizzle)."""
         pieces = (self.block_m // 64) * (head_dim // 64)
         dq_staging = (0 if self.split_head_dim else 4 * self.block_m * head_dim if self.swap_dq
                       else 2 * 4 * ((pieces + 1) // 2) * 4096)
         return (2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
                      + 2 * self.block_n * self.block_m) + dq_staging + 2 * self.stages * -(-4 * self.block_m // 128) * 128
-                + 128 + 1024)
+                + 256 + 1024)
 
 
 # Hopper backward: dense or block-sparse, dropout too, deterministic too (not with block-sparse), these head dims

@@ -103,6 +103,17 @@
 #ifndef FT_BWD_SKIP_HIDDEN
 #define FT_BWD_SKIP_HIDDEN 1
 #endif
+// FT_BWD_TILE_RECORD (default 1; 0 for A/Bs): the producer publishes each tile's decoded indices (n_block, batch,
+// head_kv, split) with the tile in its slot, and the MMA warps and the dQ writer read them (read_tile) instead of
+// each redoing the tile's 5 integer divisions (tile_group_unit, unit -> split / batch / head_kv); the query-block
+// walk's 2 (BwdTile::group / heads, kernel-wide) are done once per CTA into shared memory, which every role reads
+// (as the forward's FT_FWD_TILE_RECORD). The sequence bounds stay computed by each reader (bwd_tile_bounds): without
+// varlen they are kernel parameters, which ptxas reloads where needed instead of keeping loaded values live (a
+// record of every BwdTile field raised the spills: hd64 causal MMA warps 12 / 20 -> 32 / 48 bytes; the head counts
+// computed per tile by the producer for the record spilled its loop: hd128 causal 0 -> 16 bytes).
+#ifndef FT_BWD_TILE_RECORD
+#define FT_BWD_TILE_RECORD 1
+#endif
 
 namespace flashtrain {
 
@@ -238,7 +249,15 @@ struct BwdSm90Traits {
 #ifndef FT_BWD_DQ_FIRST
 #define FT_BWD_DQ_FIRST 1
 #endif
-    static constexpr bool kDqFirst = FT_BWD_DQ_FIRST && kSwapDq && kDeferDq == 0;
+    // ... and 64-query blocks at head dim 128 without dropout or score modifications (FT_BWD_DQ_FIRST64, default 1; 0
+    // for A/Bs): FA4's order for its 64 x 128 tiles (dQ, then dK, the dQ staging under dK), instead of dK before the
+    // dS^T barrier and the staging after the block's last GEMM.
+#ifndef FT_BWD_DQ_FIRST64
+#define FT_BWD_DQ_FIRST64 1
+#endif
+    static constexpr bool kDqFirst =
+        kDeferDq == 0 && ((FT_BWD_DQ_FIRST && kSwapDq) ||
+                          (FT_BWD_DQ_FIRST64 && kBlockM == 64 && !kSplitHd && kHd128DsFromPa && !kScoreMods));
     // FT_BWD_SKIP_HIDDEN (the skipping step keeps no wgmma group across blocks: not with a deferred dQ)
     static constexpr bool kSkipHidden = FT_BWD_SKIP_HIDDEN && kDeferDq == 0;
     // The row statistics (lse for P^T, D for dS^T) of n8 tile j are read from shared memory kStatsAhead tiles before
@@ -267,9 +286,10 @@ struct BwdSm90Traits {
     static constexpr int kDqSliceBytes = 16 * (kSwapDq ? kBlockM : 64) * 4;
     static constexpr int kDqBoxBytes = 32 * kBlockM * 4;  // kSwapDq: a tma_dq box (32 columns, 128-byte swizzle)
     // mbarriers: K / V full and empty, Q / dO stages full and empty, dQ staging full and empty, tile slots full and
-    // empty (2 each); then the 2 tile slots (ints); then (kDqWriters == 2) the odd blocks' dQ staging full
-    static constexpr int kBarrierBytes = 128;
-    static_assert(8 * (4 + 2 * kStages + 4) + 16 <= kBarrierBytes, "barrier area");
+    // empty (2 each); then the 2 tile slots (ints); then (kDqWriters == 2) the odd blocks' dQ staging full; then
+    // (FT_BWD_TILE_RECORD) the 2 slots' tile records (4 ints each, 16-byte aligned) and the group's head counts
+    static constexpr int kBarrierBytes = 256;
+    static_assert(8 * (4 + 2 * kStages + 4) + 16 + 2 * 16 + 8 <= kBarrierBytes, "barrier area");
     // Split head dims add their dQ pieces to global memory from the registers (no staging, no dQ writer warp):
     // staged through shared memory for the writer's bulk reduce-adds (two rounds of 8 slices, 64 KB, fit at hd192)
     // they ran 0.72-0.81x as fast (H200, same process): the MMA warps waited for the writer at every block.
@@ -287,7 +307,19 @@ struct BwdSm90Traits {
     static constexpr bool kEarlyKv =
         FT_BWD_KV_EARLY && !kSplitHd && (!kIsDeterministic || TileKV::kBytes <= TileS::kBytes);
     static_assert(!kEarlyKv || 2 * TileKV::kBytes <= 2 * TileS::kBytes + kDqStagingBytes, "dK / dV staging area");
-    // ... and written from there by TMA stores, so that the MMA warps go on to the next tile at once
+    // With dQ first, the last query block of a tile releases K / V once its dQ GEMM is done (V's last reader, dP^T,
+    // and K's, dQ, have finished; dK reads Q) instead of in the epilogue after the dQ staging and dK's GEMM, so that
+    // the next tile's K / V copy starts that much earlier (FT_BWD_KV_RELEASE_LAST, default 1; 0 for A/Bs). Not
+    // block-sparse (its walk cannot tell the last block in advance), not the score-modification kernels (untested), and
+    // only where the epilogue stages dK / dV outside K / V (kEarlyKv; the deterministic hd128 kernel stages them in K /
+    // V, which the next tile's copy would overwrite). Not the causal 80-query kernel: there the next tile's K / V copy
+    // then overlaps the last block's dK GEMM and dQ staging, 0.987-0.995x at 16K (H200, three same-process A/Bs).
+#ifndef FT_BWD_KV_RELEASE_LAST
+#define FT_BWD_KV_RELEASE_LAST 1
+#endif
+    static constexpr bool kKvReleaseLast =
+        FT_BWD_KV_RELEASE_LAST && kDqFirst && kEarlyKv && !kIsBlockSparse && !kScoreMods && !(kSwapDq && kIsCausal);
+    // dK / dV written from there by TMA stores, so that the MMA warps go on to the next tile at once
     static constexpr bool kTmaStoreDkv = kEarlyKv && FT_TMA_STORE;
     // Where kEarlyKv stages a warpgroup's 64 rows of dK and dV. 64 / 128-query blocks: TileKV rows [64 w, 64 w + 64)
     // over the two score tiles (dK) and the dQ staging (dV): a warpgroup's dK rows are the bytes of its own dS^T rows
@@ -324,7 +356,22 @@ struct BwdSm90Traits {
 struct BwdTile {
     int n_block, n0, batch, head_kv, q_start, k_start, seqlen_q, seqlen_k, split;
     int q_pad;  // the sequence's first row in lse_log2 / softmax_d / dq_accum (utils.cuh padded_row_start)
+    int group, heads;  // query heads per kv head; this tile's of them (group / kv_splits; QueryBlockWalk)
 };
+// The fields of tile x that follow from x.n_block and x.batch (true: x has keys; varlen: key blocks past a short
+// sequence's end do nothing); and (bwd_tile_heads) the group's head counts, kernel-wide.
+template <class T> __device__ __forceinline__ bool bwd_tile_bounds(const BwdParams& p, BwdTile& x) {
+    const FwdParams& f = p.fwd;
+    seq_bounds(f, x.batch, x.q_start, x.k_start, x.seqlen_q, x.seqlen_k);
+    x.q_pad = padded_row_start(f.cu_seqlens_q != nullptr, x.batch, x.q_start, f.seqlen_q, T::kBlockM);
+    x.n0 = x.n_block * T::kBlockN;
+    return x.n0 < x.seqlen_k;
+}
+__device__ __forceinline__ void bwd_tile_heads(const BwdParams& p, BwdTile& x) {
+    x.group = p.fwd.nheads / p.fwd.nheads_kv;
+    x.heads = x.group / p.kv_splits;
+}
+// Tile `tile`'s fields but x.group / x.heads (bwd_tile_heads)
 template <class T> __device__ __forceinline__ bool bwd_tile(const BwdParams& p, int tile, int n_kblocks, BwdTile& x) {
     const FwdParams& f = p.fwd;
     int unit;
@@ -340,10 +387,7 @@ template <class T> __device__ __forceinline__ bool bwd_tile(const BwdParams& p, 
     const int bh = unit / p.kv_splits;
     x.batch = bh % f.batch;
     x.head_kv = bh / f.batch;
-    seq_bounds(f, x.batch, x.q_start, x.k_start, x.seqlen_q, x.seqlen_k);
-    x.q_pad = padded_row_start(f.cu_seqlens_q != nullptr, x.batch, x.q_start, f.seqlen_q, T::kBlockM);
-    x.n0 = x.n_block * T::kBlockN;
-    return x.n0 < x.seqlen_k;  // varlen: key blocks past a short sequence's end do nothing
+    return bwd_tile_bounds<T>(p, x);
 }
 
 // The deterministic turns: the counter of (batch, query head, query block m0) and the count at which it is key block
@@ -420,8 +464,8 @@ template <class T> struct QueryBlockWalk {
     __device__ __forceinline__ QueryBlockWalk(const BwdParams& params, const BwdTile& x)
         : head_kv(x.head_kv), n0(x.n0), p(&params) {
         const int seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
-        group = params.fwd.nheads / params.fwd.nheads_kv;
-        heads = group / params.kv_splits;  // this tile's query heads: head0 .. head0 + heads - 1 of the group
+        group = x.group;
+        heads = x.heads;  // this tile's query heads: head0 .. head0 + heads - 1 of the group
         head0 = x.split * heads;
         // Query blocks that see some key of this block: causal rows i >= n0 - (seqlen_k - seqlen_q).
         m_block_min = T::kIsCausal ? max_(0, n0 - (seqlen_k - seqlen_q)) / T::kBlockM : 0;
@@ -484,14 +528,57 @@ template <class T> struct BwdSm90Smem {
     __device__ __forceinline__ u32 tile_full(int i) const { return bars + 8 * (4 + 2 * T::kStages + i); }
     __device__ __forceinline__ u32 tile_empty(int i) const { return bars + 8 * (6 + 2 * T::kStages + i); }
     __device__ __forceinline__ u32 tile_slot(int i) const { return bars + 8 * (8 + 2 * T::kStages) + 4 * i; }
+    // FT_BWD_TILE_RECORD: slot i's record n0, batch, head_kv, split (after dq_full1; bars is 128-byte
+    // aligned), then the group's head counts (BwdTile::group, heads; stored before the roles start)
+    __device__ __forceinline__ u32 tile_record(int i) const { return bars + 8 * (10 + 2 * T::kStages) + 16 * i; }
+    __device__ __forceinline__ u32 heads_record() const { return bars + 8 * (10 + 2 * T::kStages) + 32; }
+    __device__ __forceinline__ void init_heads() const {  // one thread, before the __syncthreads that starts the roles
+        if constexpr (FT_BWD_TILE_RECORD) {
+            BwdTile x;
+            bwd_tile_heads(*p, x);
+            st_shared_b32(heads_record(), x.group);
+            st_shared_b32(heads_record() + 4, x.heads);
+        }
+    }
+    __device__ __forceinline__ void tile_heads(BwdTile& x) const {
+        if constexpr (FT_BWD_TILE_RECORD)
+            asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(x.group), "=r"(x.heads) : "r"(heads_record()));
+        else
+            bwd_tile_heads(*p, x);
+    }
+    // The producer's side: publish tile (-1: no more) and, FT_BWD_TILE_RECORD, its record in slot i (the slot is
+    // free: tile_empty waited for; tile_full's arrive orders these stores before the readers' loads).
+    __device__ __forceinline__ void publish_tile(int i, int tile, const BwdTile& x) const {
+        atomic_store_shared(tile_slot(i), tile);
+        if (FT_BWD_TILE_RECORD && tile >= 0) {
+            const int fields[4] = {x.n0, x.batch, x.head_kv, x.split};  // (n0: live in the producer's loop)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) atomic_store_shared(tile_record(i) + 4 * j, fields[j]);
+        }
+    }
     // The tile a role works on next (false: none): waits for the producer to publish it, then releases the slot.
     __device__ __forceinline__ bool read_tile(int tile_iter, BwdTile& x) const {
         const int slot = tile_iter & 1;
         mbar_wait(tile_full(slot), (tile_iter >> 1) & 1);
         const int tile = ld_shared_b32(tile_slot(slot));
+        int v[4];  // FT_BWD_TILE_RECORD: read before the slot is released (unused after the end mark)
+        if constexpr (FT_BWD_TILE_RECORD)
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                         : "r"(tile_record(slot))
+                         : "memory");
         __syncwarp();
         if (threadIdx.x % 32 == 0) mbar_arrive(tile_empty(slot));
-        if (tile >= 0) bwd_tile<T>(*p, tile, n_kblocks, x);
+        if constexpr (FT_BWD_TILE_RECORD)  // (unconditionally: no old fields kept live across the tile loop)
+            x.n_block = (int)((u32)v[0] / T::kBlockN), x.batch = v[1], x.head_kv = v[2], x.split = v[3];
+        if (tile >= 0) {
+            if constexpr (FT_BWD_TILE_RECORD) {
+                bwd_tile_bounds<T>(*p, x);
+            } else {
+                bwd_tile<T>(*p, tile, n_kblocks, x);
+            }
+            tile_heads(x);
+        }
         return tile >= 0;
     }
 };
@@ -639,6 +726,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     };
     // kHidden: none of this warpgroup's keys is visible to the block (FT_BWD_SKIP_HIDDEN): only its zero dS^T and its
     // dQ piece
+    bool kv_released = false;  // kKvReleaseLast: this tile's K / V released by its last query block
     auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag, auto hidden_tag) {
         constexpr bool kMask = decltype(mask_tag)::value, kHidden = decltype(hidden_tag)::value;
         const int head = walk.head, m0 = walk.m0, n0 = x.n0, seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
@@ -949,6 +1037,13 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         if constexpr (T::kDqFirst && !kHidden) {
             dk_gemm();
             wgmma_wait<1>();  // dV and dQ done (dK may still run)
+            if constexpr (T::kKvReleaseLast) {
+                if (walk.it + 1 >= walk.n_iters) {  // the tile's last query block: K / V are read no more
+                    __syncwarp();
+                    if (lead_lane) mbar_arrive(sm.empty_kv);
+                    kv_released = true;
+                }
+            }
             write_dq(m0, head);
             wgmma_wait<0>();  // dK done: Q, dO, the statistics of stage s are free
             if (lead_lane) mbar_arrive(sm.empty(s));
@@ -971,6 +1066,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         for (int i = 0; i < kDT; ++i)
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc_dk[i][j] = acc_dv[i][j] = 0.f;
+        kv_released = false;
         mbar_wait(sm.full_kv, tile_iter & 1);
         FT_TIMELINE_MARK(wg, tile_iter, 1);
         // (FT_BWD_SKIP_HIDDEN) the warpgroup's first key, and the last one some row of a block ending at row m_end sees
@@ -1021,7 +1117,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             // forward + backward 1.017x over a copy per split); deterministic calls write a copy per split, summed
             // in split order by the convert kernel. K / V are released at once.
             __syncwarp();
-            if (lead_lane) mbar_arrive(sm.empty_kv);
+            if (lead_lane && !kv_released) mbar_arrive(sm.empty_kv);
             constexpr bool kReduce = !T::kIsDeterministic;  // one zero-filled copy, reduce-added in L2
             const i64 base = (kReduce ? 0 : x.split * p.dkv_split_stride) + x.batch * p.dkv_batch_stride +
                              x.head_kv * p.dkv_head_stride + (i64)(x.k_start + x.n0 + key_row0 + g) * p.dkv_cols + 2 * t;
@@ -1054,7 +1150,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         if constexpr (T::kEarlyKv) {
             // (each warp after its warpgroup's last GEMM: the K / V copy of the next tile overlaps this epilogue)
             __syncwarp();
-            if (lead_lane) mbar_arrive(sm.empty_kv);
+            if (lead_lane && !kv_released) mbar_arrive(sm.empty_kv);
             if constexpr (T::kSwapDq) sdK = sm.sdS0 + w * (TileS::kBytes / 2), sdV = sm.sdQ + w * TileDv::kBytes;
             else sdK = sm.sdS0, sdV = sm.sdS0 + TileKV::kBytes;
             // (a tile without query blocks has written no dS^T, so nothing has waited for the last stores yet)
@@ -1109,7 +1205,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
         }
         if constexpr (!T::kEarlyKv) {
             __syncwarp();
-            if (lead_lane) mbar_arrive(sm.empty_kv);  // (this warp's reads of K / V are done)
+            if (lead_lane && !kv_released) mbar_arrive(sm.empty_kv);  // (this warp's reads of K / V are done)
         }
         FT_TIMELINE_MARK(wg, tile_iter, 4);
     }
@@ -1418,6 +1514,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             mbar_init(sm.empty(s), 4 * T::kNMma);  // one arrival per MMA warp
         }
         mbar_fence_init();
+        sm.init_heads();
     }
     __syncthreads();
     if (threadIdx.x == 0) FT_TIMELINE_START();
@@ -1454,7 +1551,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 if (tile < n_tiles && !bwd_tile<T>(p, tile, n_kblocks, x)) continue;
                 const int slot = tile_iter & 1;
                 mbar_wait(sm.tile_empty(slot), ((tile_iter >> 1) & 1) ^ 1);  // (the first two pass at once)
-                atomic_store_shared(sm.tile_slot(slot), tile < n_tiles ? tile : -1);
+                sm.publish_tile(slot, tile < n_tiles ? tile : -1, x);
                 mbar_arrive(sm.tile_full(slot));
                 FT_TIMELINE_MARK(0, tile_iter, 2);
                 if (tile >= n_tiles) break;
@@ -1476,6 +1573,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     FT_TIMELINE_MARK(0, tile_iter, 3);
                 };
                 const int q_pad = x.q_pad;
+                sm.tile_heads(x);
                 for (QueryBlockWalk<T> walk(p, x); walk.has;
                      walk.next(), ++gs) {
                     const int s = gs % kStages;
