@@ -34,6 +34,7 @@ from flashtrain.kernels import build, flash_attn_func, launch, ops, tma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fa4_baseline  # noqa: E402
+from attention_features import FeatureRow  # noqa: E402
 from train_gpt2 import time_interleaved  # noqa: E402
 
 MODULES = {"build": build, "ops": ops, "tma": tma}
@@ -160,9 +161,8 @@ class Config:
 
     def flops(self, kind: str) -> float:
         flops = 4 * self.batch * self.nheads * self.seqlen**2 * self.head_dim / (2 if self.causal else 1)
-        if self.window >= 0:  # the (query, key) pairs computed: each query sees itself and up to `window` keys before
-            w, s = min(self.window, self.seqlen - 1), self.seqlen
-            flops = 4 * self.batch * self.nheads * self.head_dim * ((w + 1) * s - w * (w + 1) / 2)
+        if self.window >= 0:  # the (query, key) pairs the window computes, as attention_features.py counts them
+            flops = FeatureRow("window", self.batch, self.seqlen, self.nheads, self.head_dim, self.window).fwd_flops()
         return flops * {"fwd": 1.0, "bwd": 2.5, "fb": 3.5}[kind]
 
 
