@@ -1,6 +1,7 @@
 // FlashAttention backward (Algorithm 2 of FlashAttention-2) on Hopper, warp-specialized in FlashAttention-3's way:
 //
-//   A tile is kBlockN = 128 keys of one (batch, kv head) (64 at head dims 192 / 256: flash_bwd_sm90_split_mma). K
+//   A tile is kBlockN = 128 keys of one (batch, kv head) (64 at head dims 192 / 256: flash_bwd_sm90_split_mma; 96 at
+//   head dim 192 by default: flash_bwd_sm90_split_keys_mma, build.py BWD_SM90_HD192_N96). K
 //   and V are copied into shared memory once per tile (TMA) and stay; dK and dV accumulate in registers. The tile
 //   walks every query block that can see these keys, for every query head of the GQA group (dK, dV summed over the
 //   group in registers, no extra memory) -- or for a part of the group when BwdParams::kv_splits > 1 (few, long
@@ -54,7 +55,8 @@
 // take turns per query block); block-sparse with deterministic=True runs flash_bwd.cuh. Head dims 64 and 128 (65-96 are
 // padded up by the host; columns past head_dim are zero-filled by the copies and not written). Head dims 192 and 256
 // (129-255 padded up; dense, no dropout, not deterministic) keep the producer but tile 64 keys and split the head dim
-// over the MMA warpgroups (flash_bwd_sm90_split_mma). flash_aux.cuh runs before (D and lse in log2 units in padded
+// over the MMA warpgroups (flash_bwd_sm90_split_mma); head dim 192 by default tiles 96 keys, 48 per warpgroup
+// (flash_bwd_sm90_split_keys_mma). flash_aux.cuh runs before (D and lse in log2 units in padded
 // rows, zeroing dq_accum) and after (dq = scale * dq_accum).
 #pragma once
 // FT_BWD_LEAN_ADDR=1 (build.py _bwd_lean_addr picks the kernels): the MMA warps' loop with less address arithmetic.
@@ -1516,11 +1518,13 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
 //                                            the registers (12 red.global.add.v4.f32 per thread, convert_dq's
 //                                            scrambled order: column c of a 16-row group at float 16 c)
 //   dK_w^T += Q^T dS_w                       as dV; 72 registers
-// Only rows the lse / D of 2 queries per thread (4 shared loads per block, against 16 per thread in the transposed
-// split kernel). The dQ GEMM reads K as an MN-major B operand whose 96 columns per warpgroup start at column 96,
-// inside a 64-column block of the 128-byte swizzle; so K (only K) is copied in 32-column boxes with the 64-byte
-// swizzle (TileK, T::kKBoxCols; ops.py maps K so; the descriptors' swizzle mode 2, 8-row groups 512 bytes apart): each
-// warpgroup's columns start at block 3 w. dK is staged through K in that layout too.
+// With the queries as the rows of S / dP a thread needs the lse / D of its 2 rows only (4 shared loads per block,
+// against 16 in the transposed split kernel). The dQ GEMM reads K as an MN-major B operand, and warpgroup 1's 96
+// columns would start at column 96, inside a 64-column block of the 128-byte swizzle; so K (only K) is copied in
+// 32-column boxes with the 64-byte swizzle (TileK, T::kKBoxCols; ops.py maps K so; descriptors with swizzle mode 2,
+// 8-row groups 512 bytes apart, MN-major atoms of 32 columns kBlockN * 64 bytes apart): each warpgroup's columns start
+// at block 3 w. dK is staged through K in that layout too. Every stmatrix .trans here (P^T, dS^T, dK, dV) writes 8
+// consecutive rows at one logical 16-byte chunk per 8-lane phase: 8 distinct bank groups in both swizzles.
 // Registers (240 per MMA thread, the producer on 24): dK^T, dV^T 144 for the whole tile; per block S + dP 48 and the
 // 12 packed P values (S dies as it is packed), then dP + P + dS 48, then dQ 48 (S, dP dead): 192 + addresses.
 // Shared memory: Q, dO 2 stages x 24 KB each (96 KB), K, V 36 KB each, the P^T and dS^T tiles (96 keys x 64
