@@ -1570,9 +1570,10 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
     const int g = lane >> 2, t = lane & 3;
     const int row0 = 16 * wwarp;  // this warp's first M row: queries of S, dP, dQ; head-dim rows of an m64 tile of dK^T
     const bool lead_lane = lane == 0;
-    // stmatrix .trans of a 16 x 16 A-fragment piece (rows: this warp's 16 rows from row0 (+ mrow0), columns: keys 16 kp
-    // of this warpgroup's) into a tile whose rows are keys: lane l addresses key 16 kp + l % 8 + 8 (l / 16) (matrices
-    // 0, 1: the piece's first 8 columns; 2, 3: the next 8), columns row0 + 8 ((l / 8) % 2) (matrices 1, 3: rows 8-15)
+    // stmatrix .trans of a 16 x 16 A-fragment piece (rows: this warp's 16 rows from row0 -- queries, or head-dim
+    // columns of an m64 tile --, columns: keys 16 kp .. of this warpgroup's) into a tile whose rows are keys: lane l
+    // addresses key 16 kp + l % 8 + 8 (l / 16) (matrices 0, 1: the piece's first 8 keys; 2, 3: the next 8) at column
+    // row0 + 8 ((l / 8) % 2) (matrices 1, 3: the piece's rows 8-15)
     const int st_key = kKeys * W + lane % 8 + 8 * (lane / 16), st_col = row0 + 8 * ((lane / 8) & 1);
     float acc_dk[kMT][kNK][4], acc_dv[kMT][kNK][4];  // dK^T, dV^T: rows head-dim columns, columns this warpgroup's keys
     BwdTile x{};
@@ -1772,6 +1773,11 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         // dV into its rows of K / V (the accumulators transposed by stmatrix .trans: A-fragment pieces of 16 keys),
         // then those rows to global memory with 16-byte stores.
         named_bar_sync(T::kBarEpilogue, 256);
+        // (addresses opaque here, so that ptxas derives them in the epilogue instead of keeping 18 per-thread
+        // addresses from before the tile loop: those were spilled, 26 stores before the loop and loads here)
+        u32 sK_e = sm.sK, sV_e = sm.sV;
+        int e_key = st_key, e_col = st_col, e_tid = ctid;
+        asm volatile("" : "+r"(sK_e), "+r"(sV_e), "+r"(e_key), "+r"(e_col), "+r"(e_tid));
 #pragma unroll
         for (int i = 0; i < kMT; ++i)
 #pragma unroll
@@ -1784,13 +1790,13 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
                     a[2 * h + 1] = pack2<T::kIsBF16>(acc_dk[i][2 * kp + h][2] * f.softmax_scale,
                                                      acc_dk[i][2 * kp + h][3] * f.softmax_scale);
                 }
-                stmatrix_x4_trans(TileK::addr(sm.sK, st_key + 16 * kp, 64 * i + st_col), a);
+                stmatrix_x4_trans(TileK::addr(sK_e, e_key + 16 * kp, 64 * i + e_col), a);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     a[2 * h] = pack2<T::kIsBF16>(acc_dv[i][2 * kp + h][0], acc_dv[i][2 * kp + h][1]);
                     a[2 * h + 1] = pack2<T::kIsBF16>(acc_dv[i][2 * kp + h][2], acc_dv[i][2 * kp + h][3]);
                 }
-                stmatrix_x4_trans(TileV::addr(sm.sV, st_key + 16 * kp, 64 * i + st_col), a);
+                stmatrix_x4_trans(TileV::addr(sV_e, e_key + 16 * kp, 64 * i + e_col), a);
             }
         named_bar_sync(T::kBarEpilogue + 1 + W, 128);
         {
@@ -1802,12 +1808,12 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
             static_assert(kKeys * kChunksPerRow % 128 == 0, "whole 16-byte chunks per thread");
 #pragma unroll
             for (int it = 0; it < kKeys * kChunksPerRow / 128; ++it) {
-                const int chunk = ctid + it * 128, r = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+                const int chunk = e_tid + it * 128, r = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
                 if (r < rows_valid && col < f.head_dim) {
                     u32 v[4];
-                    ld_shared_v4(TileK::addr(sm.sK, kKeys * W + r, col), v);
+                    ld_shared_v4(TileK::addr(sK_e, kKeys * W + r, col), v);
                     st_global_v4(dk + r * p.dk_row_stride + col, v);
-                    ld_shared_v4(TileV::addr(sm.sV, kKeys * W + r, col), v);
+                    ld_shared_v4(TileV::addr(sV_e, kKeys * W + r, col), v);
                     st_global_v4(dv + r * p.dv_row_stride + col, v);
                 }
             }
