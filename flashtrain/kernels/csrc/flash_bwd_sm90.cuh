@@ -1547,6 +1547,11 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
 //     rows, and each warp arrives on empty_kv (8 arrivals) after its loads, before the producer copies the next K / V.
 //   Every barrier is reached the same number of times by its participants: both warpgroups run the same walk with one
 //   kBarDs per block (masked or not: each warpgroup decides masking for its own 48 keys) and one kBarEpilogue per tile.
+// Static checks (2026-11-30, nvcc 13.0, no GPU run yet): the MMA warpgroups' code uses registers R0-R223 of their
+// 240 and spills nothing (the kernel's 64-72 spilled bytes are the producer's, as in the 64-key kernel); a block is
+// 473-475 SASS instructions per warpgroup unmasked, 548-551 masked (bf16; 54 wgmmas, 24 MUFU.EX2, 6 stmatrix, 12
+// red.v4, 2 named barriers); benchmarks/probes/hd192_layout_model.py replays this function's offsets, descriptors
+// and fragments on a model of shared memory and the canonical wgmma layouts against numpy.
 // Not done (next steps): skipping a warpgroup whose 48 keys are all hidden from a block (causal diagonal: half the
 // tiles have one such block), issuing the next block's S / dP before this block's dK^T is waited for.
 template <class T, int W>
