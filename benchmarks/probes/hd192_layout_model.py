@@ -8,6 +8,8 @@ model, with:
     + 2 k, MN-major at start + 2 (mn % (W / 2)) + (mn / (W / 2)) * LBO + (k % 8) * W + (k / 8) * SBO (W: the
     swizzle's bytes), then the swizzle applied to the address;
   - accumulators and A fragments in the mma.sync m16n8k16 layout per warp; stmatrix .x4(.trans) as PTX describes.
+Also the GQA-split partials' scalar reduction offsets, and (brute force over small lengths) the walk's first query
+block, each warpgroup's tile_needs_mask and the element mask against bottom-right causal visibility.
 The same model applied to the 64-key kernel's operands (validated on H200 by the CUDA tests) checks the model itself.
 Float64 values, no 16-bit rounding: a mismatch is an indexing error, not precision. Exit status 1 on a mismatch.
 
@@ -107,6 +109,35 @@ def check(name, got, want):
     ok = err < 1e-9 * max(1.0, np.abs(want).max())
     print(f"{name}: {'ok' if ok else 'MISMATCH'} (max error {err:.3g})")
     return ok
+
+
+def mask_walk_ok() -> bool:
+    """The walk (QueryBlockWalk's first query block), each warpgroup's tile_needs_mask and the element mask against
+    bottom-right causal / key-end visibility, brute force over small lengths: every visible (query, key) pair is
+    computed once, and the unmasked path never sees a hidden pair (rows past seqlen_q: lse +inf, P = 0)."""
+    import itertools
+    for sq, sk, causal in itertools.product((1, 63, 64, 97, 130, 200), (1, 47, 48, 49, 95, 96, 97, 130, 250),
+                                            (False, True)):
+        off, seen = sk - sq, set()
+        for n0 in range(0, sk, N):
+            for m0 in range((max(0, n0 - off) // M if causal else 0) * M, sq, M):
+                for w in range(2):
+                    k0 = n0 + KEYS * w
+                    needs = k0 + KEYS > sk or (causal and k0 + KEYS - 1 > m0 + off)
+                    for qi in range(m0, min(m0 + M, sq)):
+                        for key in range(k0, k0 + KEYS):
+                            ref = key < sk and (not causal or key <= qi + off)
+                            got = not (key >= sk or (causal and key > qi + off)) if needs else True
+                            if got != ref:
+                                print(f"mask: sq {sq} sk {sk} causal {causal} query {qi} key {key}: {got}")
+                                return False
+                            if ref:
+                                assert (qi, key) not in seen
+                                seen.add((qi, key))
+        if len(seen) != sum(1 for i in range(sq) for j in range(sk) if not causal or j <= i + off):
+            print(f"walk: sq {sq} sk {sk} causal {causal} misses visible pairs")
+            return False
+    return True
 
 
 def main() -> int:
@@ -235,6 +266,25 @@ def main() -> int:
                              for r in range(KEYS)])
             want = (ds_full if name == "dK" else p_full)[:, KEYS * w:KEYS * w + KEYS].T @ (q if name == "dK" else do)
             ok &= check(f"epilogue {name} rows of warpgroup {w}", rows, want)
+    # GQA split partials (kv_splits > 1): each thread's transposed accumulators reduce-added as scalars at
+    # (key0 + key) * dkv_cols + row0 + g + 64 i + 8 (e >> 1), key = 8 j + 2 t + (e & 1) (dkv_cols = D here)
+    for w in range(2):
+        for name, accs, want in (("dK", acc_dk, ds_full.T @ q), ("dV", acc_dv, p_full.T @ do)):
+            part = np.full(N * D, np.nan)
+            for warp in range(4):
+                row0 = 16 * warp
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    for i in range(D // 64):
+                        regs = frag_of(accs[w][64 * i:64 * i + 64], warp, lane)
+                        for j in range(KEYS // 8):
+                            for e in range(4):
+                                key = 8 * j + 2 * t + (e & 1)
+                                at = (KEYS * w + key) * D + row0 + g + 64 * i + 8 * (e >> 1)
+                                assert np.isnan(part[at]), "two threads reduce into one element"
+                                part[at] = regs[j][e]
+            rows = part.reshape(N, D)[KEYS * w:KEYS * w + KEYS]
+            ok &= check(f"GQA split {name} partials of warpgroup {w}", rows, want[KEYS * w:KEYS * w + KEYS])
     # the model itself on the 64-key kernel's dQ GEMM operands (flash_bwd_sm90_split_mma dq_gemm, H200-validated):
     # A = dS^T (SmemTile<64, 64>) MN-major, B = K (SmemTile<64, 192>) MN-major, 128-byte swizzle
     smem2 = Smem()
@@ -250,6 +300,9 @@ def main() -> int:
             wgmma(dq, smem2, (32768 + ks * 16 * 128, 64 * 128, 1024, 1, True),
                   (cb * 64 * 128 + ks * 16 * 128, 64 * 128, 1024, 1, True), 64)
         ok &= check(f"model on the 64-key kernel's dQ piece {cb}", dq, ds64.T @ k64[:, 64 * cb:64 * cb + 64])
+    walk_ok = mask_walk_ok()
+    print(f"walk and masks: {'ok' if walk_ok else 'MISMATCH'}")
+    ok &= walk_ok
     print("all layouts consistent" if ok else "MISMATCH")
     return 0 if ok else 1
 
