@@ -441,7 +441,7 @@ def test_dropout_mask_statistics():
         assert abs((a & b).float().mean().item() - 0.75**2) < 2e-3
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])  # (192: the 96-key kernel's transposed dK / dV partials)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gqa_split_backward_matches_reference(head_dim, causal):
     """GQA shapes whose Hopper backward splits the group's query heads over tiles (ops._gqa_splits > 1; the splits
@@ -594,7 +594,8 @@ def _sanitizer_grid() -> None:
                                                 (96, torch.float16, True, 0.0), (256, torch.bfloat16, False, 0.0),
                                                 (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2),
                                                 (128, torch.bfloat16, True, 0.0), (72, torch.float16, False, 0.0),
-                                                (128, torch.float16, False, 0.0)]:
+                                                (128, torch.float16, False, 0.0), (192, torch.bfloat16, True, 0.0),
+                                                (160, torch.float16, False, 0.0)]:
         q, k, v, dout = _inputs((2, 97, 4, head_dim), (2, 130, 2, head_dim), dtype)
         _run(lambda q, k, v: flash_attn_func(q, k, v, dropout_p, causal=causal, return_lse=True, impl="cuda"),
              q, k, v, dout)
@@ -612,7 +613,8 @@ def _sanitizer_grid() -> None:
                                                        (128, 4, False, False), (128, 16, False, True),
                                                        (80, 16, True, False),
                                                        (256, 2, True, False),
-                                                       (192, 16, False, False), (512, 16, True, False),
+                                                       (192, 16, False, False), (192, 2, True, False),
+                                                       (512, 16, True, False),
                                                        (512, 2, False, True)]:
         q, k, v, dout = _inputs((1, 2048, 16, head_dim), (1, 2048, nheads_kv, head_dim), torch.bfloat16)
         _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, return_lse=True,

@@ -48,6 +48,7 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_narrow = len(build.SM90_NARROW_HEAD_DIMS) * (2 * 2 * 2 + 2 * 2 + (2 + 1 + 2 + 2) * 2)
     hopper_q80 = 2 * 2  # the hd128 backward's other query block (64 rows, or 80 with FLASHTRAIN_BWD_SM90_Q80=0), x dtype
     # x causal
+    hopper_q80 += 2 * 2  # the hd192 backward's other key tile (64 keys, or 96 with BWD_SM90_HD192_N96=0), x dtype x causal
     # the forward and (head dims 64 / 128) the backward with score modifications, x dtype x causal, each without
     # softcap (`_nocap`, the calls without one) and with it (the backward where it has that variant: head dim 128)
     nocap = (len(build.FWD_SM90_MODS_HEAD_DIMS) + len(build.BWD_SM90_MODS_HEAD_DIMS)) * 2 * 2
@@ -261,7 +262,16 @@ def test_hopper_dispatch(monkeypatch):
     assert build.bwd_kernel(128, "bf16", True, False, True, arch="sm_90a",
                             effective_head_dim=96).name == "flash_bwd_sm90_hdim128_bf16_causal_sparse"
     # head dims 192 / 256: the split-head-dim Hopper backward, dense without dropout, not deterministic
-    assert bwd_name(192, "sm_90a") == "flash_bwd_sm90_hdim192_fp16" and bwd_name(256, "sm_90a").startswith("flash_bwd_sm90")
+    assert bwd_name(192, "sm_90a") == "flash_bwd_sm90_hdim192_fp16_n96" and bwd_name(256, "sm_90a").startswith("flash_bwd_sm90")
+    # (96-key tiles, 48 keys per warpgroup; BWD_SM90_HD192_N96 = 0: the 64-key split-head-dim kernel)
+    n96 = build.bwd_kernel(192, "bf16", True, False, arch="sm_90a")
+    assert (n96.block_n, n96.smem_bytes, ("FT_BLOCK_N", 96) in n96.defines) == (96, 223488, True)
+    assert n96.smem_bytes == 2 * 2 * 24576 + 2 * 36864 + 4 * 12288 + 2 * 2 * 256 + 256 + 1024 <= SM90_MAX_SMEM
+    with monkeypatch.context() as patch:
+        patch.setattr(build, "BWD_SM90_HD192_N96", 0)
+        n64 = build.bwd_kernel(192, "bf16", True, False, arch="sm_90a")
+        assert (n64.name, n64.block_n) == ("flash_bwd_sm90_hdim192_bf16_causal", 64)
+        assert n64.smem_bytes == 2 * 2 * 24576 + 2 * 24576 + 2 * 8192 + 2 * 2 * 256 + 256 + 1024
     assert build.bwd_kernel(256, "bf16", True, False, arch="sm_90a").block_n == 64
     assert bwd_name(256, "sm_90a", dropout=True) == "flash_bwd_hdim256_fp16_dropout"
     assert bwd_name(192, "sm_90a", deterministic=True) == "flash_bwd_hdim192_fp16"

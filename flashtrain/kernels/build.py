@@ -213,7 +213,8 @@ class BwdSm90Tiles:
     """Hopper backward (csrc/flash_bwd_sm90.cuh): a producer warpgroup (TMA copies of Q / dO, row statistics) and two
     MMA warpgroups of 64 keys each (block_n = 128 keys per CTA), walking query blocks of block_m rows through a ring
     of `stages` Q / dO buffers; one CTA per SM. Head dims 192 / 256: block_n = 64 keys shared by both warpgroups,
-    which split the head dim (flash_bwd_sm90_split_mma): dense only, no dropout, not deterministic."""
+    which split the head dim (flash_bwd_sm90_split_mma); head dim 192 with block_n = 96: 48 keys per warpgroup
+    (flash_bwd_sm90_split_keys_mma, K copied in 32-column boxes). Both dense only, no dropout, not deterministic."""
 
     block_m: int  # query rows per step
     stages: int = 2
@@ -237,21 +238,34 @@ class BwdSm90Tiles:
 
     @property
     def split_head_dim(self) -> bool:
-        return self.block_n == 64
+        """The head dims above 128 (64- or 96-key tiles): dense only, no dQ writer (split_keys: 96 keys)."""
+        return self.block_n in (64, 96)
+
+    @property
+    def split_keys(self) -> bool:
+        """Head dim 192 on 96-key tiles, 48 keys per MMA warpgroup (BwdSm90Traits::kSplitKeys): P^T and dS^T
+        double-buffered, K in 32-column boxes with the 64-byte swizzle (k_box_cols)."""
+        return self.block_n == 96
+
+    @property
+    def k_box_cols(self) -> int:  # the K tensor map's box columns (64: 128-byte swizzle; 32: 64-byte swizzle)
+        return 32 if self.split_keys else 64
 
     def supports(self, dropout: bool, block_sparse: bool, deterministic: bool) -> bool:
         return not (self.split_head_dim and (dropout or block_sparse or deterministic))
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Q, dO stages; K, V; two 16-bit score tiles (dS^T double-buffered; split head dim: P^T, dS^T); per MMA warp
-        4 KB fp32 dQ staging per piece (split head dim: none; 80-query blocks: the block's fp32 dQ); lse, D stages
-        (128-byte multiples); barriers and tile records; 1024 to align the tiles (128-byte swizzle)."""
+        """Q, dO stages; K, V; two 16-bit score tiles (dS^T double-buffered; split head dim: P^T, dS^T; split keys:
+        four, P^T and dS^T double-buffered); per MMA warp 4 KB fp32 dQ staging per piece (split head dim: none;
+        80-query blocks: the block's fp32 dQ); lse, D stages (128-byte multiples); barriers and tile records; 1024 to
+        align the tiles (128-byte swizzle)."""
         pieces = (self.block_m // 64) * (head_dim // 64)
         dq_staging = (0 if self.split_head_dim else 4 * self.block_m * head_dim if self.swap_dq
                       else 2 * 4 * ((pieces + 1) // 2) * 4096)
+        score_tiles = 4 if self.split_keys else 2
         return (2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
-                     + 2 * self.block_n * self.block_m) + dq_staging + 2 * self.stages * -(-4 * self.block_m // 128) * 128
-                + 256 + 1024)
+                     + score_tiles * self.block_n * self.block_m) + dq_staging
+                + 2 * self.stages * -(-4 * self.block_m // 128) * 128 + 256 + 1024)
 
 
 # Hopper backward: dense or block-sparse, dropout too, deterministic too (not with block-sparse), these head dims
@@ -260,9 +274,18 @@ class BwdSm90Tiles:
 BWD_SM90_TILES = {
     64: BwdSm90Tiles(block_m=128),  # H200 backward, same process: 128 queries 0-4% faster than 64 (see the kernel)
     128: BwdSm90Tiles(block_m=64),  # (128 queries: S^T, dP^T, dK, dV accumulators alone exceed the registers)
-    192: BwdSm90Tiles(block_m=64, block_n=64),
+    192: BwdSm90Tiles(block_m=64, block_n=96),  # (96 keys: split keys; BWD_SM90_HD192_N96 = 0: BWD_SM90_HD192_N64)
     256: BwdSm90Tiles(block_m=64, block_n=64),
 }
+
+# Head dim 192: 96-key tiles, each MMA warpgroup computing S, dP, dK, dV for its own 48 keys and dQ for half the
+# columns over all 96 (flash_bwd_sm90_split_keys_mma; FlashAttention-3 / 4's 64 x 96 shape for this head dim), instead
+# of the split-head-dim kernel's 64-key tiles (BWD_SM90_HD192_N64), whose warpgroups hand P^T and dS^T to each other
+# in every block. Not yet measured (prototype, 2026-11-30: compiled only; the 64-key kernel ran the hd192 causal 4K
+# backward at 0.81x FlashAttention-4's). BWD_SM90_HD192_N96 = 0 (FLASHTRAIN_BWD_SM90_HD192_N96=0 at import, or
+# ab_probe.py flashtrain@build.BWD_SM90_HD192_N96=0; read at plan time) takes the 64-key kernel.
+BWD_SM90_HD192_N64 = BwdSm90Tiles(block_m=64, block_n=64)
+BWD_SM90_HD192_N96 = int(os.environ.get("FLASHTRAIN_BWD_SM90_HD192_N96", "1"))
 
 
 # ... and for the head-dim-128 backward without dropout (not block-sparse, not deterministic; head dims 65-96 narrowed
@@ -322,7 +345,8 @@ def _bwd_tile_overrides() -> None:
         if int(head_dim) > 128 and block_m != 64:
             raise ValueError(f"FLASHTRAIN_BWD_SM90_TILES: head dim {head_dim} takes block_m 64 (the split-head-dim "
                              f"backward), got {block_m}")
-        BWD_SM90_TILES[int(head_dim)] = BwdSm90Tiles(block_m, stages, block_n=64 if int(head_dim) > 128 else 128,
+        block_n = BWD_SM90_TILES[int(head_dim)].block_n if int(head_dim) in BWD_SM90_TILES else 128
+        BWD_SM90_TILES[int(head_dim)] = BwdSm90Tiles(block_m, stages, block_n=block_n,
                                                      persistent=bool(persistent[0]) if persistent else True)
 
 
@@ -713,6 +737,8 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
         raise ValueError(f"no Hopper backward of head dim {head_dim} narrowed to {head_dim_eff} "
                          f"(block_sparse={block_sparse}, deterministic={deterministic})")
     plain = not (dropout or block_sparse or deterministic)
+    if head_dim == 192 and tiles.split_keys and not BWD_SM90_HD192_N96:
+        tiles = BWD_SM90_HD192_N64
     if head_dim == 128 and plain and _bwd_q80(causal, seqlen_q):
         tiles = _dq_frag_choice(BWD_SM90_DENSE128_TILES, causal, head_dim_eff or head_dim)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
@@ -771,6 +797,7 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"
             f"{'_q80' if tiles.swap_dq else ''}{'_dqrows' if tiles.swap_dq and not tiles.dq_frag else ''}"
+            f"{'_n96' if tiles.split_keys else ''}"
             f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
                ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
@@ -781,6 +808,8 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
         defines += (("FT_SCORE_MODS", score_mods),) + tuple(mask_defines)
     if tiles.swap_dq and not tiles.dq_frag:
         defines += (("FT_BWD_DQ_FRAG", 0),)
+    if tiles.split_keys:  # (the other kernels' macros, hence their cache keys, stay as they were)
+        defines += (("FT_BLOCK_N", tiles.block_n),)
     if _bwd_lean_addr(head_dim, causal, dropout, block_sparse, deterministic, tiles, score_mods):
         defines += (("FT_BWD_LEAN_ADDR", 1),)
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
@@ -893,6 +922,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               for head_dim_eff in (128, *SM90_NARROW_HEAD_DIMS)
               if _fits(spec := _bwd_sm90_spec(128, dtype, causal, False, False, False, tiles, head_dim_eff),
                        smem_limit)]
+    specs += [spec for dtype in DTYPES for causal in (False, True)  # the hd192 backward's other key tile (A/B:
+              for tiles in (BWD_SM90_TILES[192], BWD_SM90_HD192_N64)  # BWD_SM90_HD192_N96)
+              if _fits(spec := _bwd_sm90_spec(192, dtype, causal, False, False, False, tiles, 192), smem_limit)]
     specs += [spec for head_dim in BWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # deterministic
               for dropout in (False, True) if BWD_SM90_TILES[head_dim].supports(dropout, False, True)
               if _fits(spec := bwd_sm90_kernel(head_dim, dtype, causal, dropout, deterministic=True), smem_limit)]

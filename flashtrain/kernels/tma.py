@@ -33,8 +33,10 @@ class TmaDesc(ctypes.Structure):
 
 # cuda.h enums
 _DTYPES = {torch.float16: 6, torch.bfloat16: 9, torch.float32: 7}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / ...
-INTERLEAVE_NONE, SWIZZLE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZERO = 0, 0, 3, 3, 0
+INTERLEAVE_NONE, SWIZZLE_NONE, SWIZZLE_64B, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZERO = 0, 0, 2, 3, 3, 0
 BOX_COLS = 64  # 16-bit columns per box: one 128-byte swizzled column block
+# (the hd192 backward's K on 96-key tiles: 32-column boxes, 64-byte swizzle; csrc SmemTile's 32-column blocks)
+SWIZZLE_OF_BOX_COLS = {64: SWIZZLE_128B, 32: SWIZZLE_64B}
 # The L2 fill size of a copy's misses (CU_TENSOR_MAP_L2_PROMOTION_*: 0 none, 1 64 B, 2 128 B, 3 256 B), every map
 L2_PROMOTION = L2_PROMOTION_256B
 
@@ -58,11 +60,11 @@ _CACHE: OrderedDict[tuple, TmaDesc] = OrderedDict()
 _CACHE_SIZE = 512
 
 
-def layout(x: Tensor, varlen: bool, box_rows: int) -> tuple:
+def layout(x: Tensor, varlen: bool, box_rows: int, box_cols: int = BOX_COLS) -> tuple:
     """What a tensor map of q/k/v-like x encodes besides its address (dtype, dims, byte strides, box columns and
     rows, swizzle), as tensor_map takes it: x (batch, rows, heads, head_dim), or varlen (total rows, heads,
     head_dim); last dim contiguous, 16-byte aligned address and strides (ops._aligned guarantees both). Computed once
-    per call signature (a launch plan keeps it)."""
+    per call signature (a launch plan keeps it). box_cols: 64 (128-byte swizzle) or 32 (64-byte swizzle)."""
     size = x.element_size()
     if varlen:
         total, heads, head_dim = x.shape
@@ -75,7 +77,7 @@ def layout(x: Tensor, varlen: bool, box_rows: int) -> tuple:
         strides = (x.stride(1) * size, x.stride(2) * size, x.stride(0) * size)
     # A dimension of size 1 may carry any stride: give it a valid one. Other strides must be valid as they are.
     strides = tuple(s if (s % 16 == 0 and 0 < s < 2**40) or dim > 1 else 16 for s, dim in zip(strides, dims[1:]))
-    return _DTYPES[x.dtype], dims, strides, BOX_COLS, box_rows, SWIZZLE_128B
+    return _DTYPES[x.dtype], dims, strides, box_cols, box_rows, SWIZZLE_OF_BOX_COLS[box_cols]
 
 
 def rows_layout(rows: int, arrays: int, box: int) -> tuple:

@@ -2,9 +2,13 @@
 // shape and the features as FT_* macros.
 #include "flash_bwd_sm90.cuh"
 
+// FT_BLOCK_N: 96 for the hd192 kernel on 96-key tiles (build.py passes it only there); 0: the head dim's default
+#ifndef FT_BLOCK_N
+#define FT_BLOCK_N 0
+#endif
 using Traits = flashtrain::BwdSm90Traits<FT_HEAD_DIM, FT_BLOCK_M, FT_STAGES, FT_BF16, FT_CAUSAL, FT_DROPOUT,
                                           FT_BLOCK_SPARSE, FT_DETERMINISTIC, FT_PERSISTENT, FT_HEAD_DIM_EFF,
-                                          FT_SCORE_MODS, FT_MASK_MOD>;
+                                          FT_SCORE_MODS, FT_MASK_MOD, FT_BLOCK_N>;
 static_assert(Traits::kSmemBytes == FT_SMEM_BYTES, "build.py and the kernel disagree on the shared memory size");
 static_assert(Traits::kNThreads == FT_THREADS, "build.py and the kernel disagree on the block size");
 

@@ -1,6 +1,7 @@
 // FlashAttention backward (Algorithm 2 of FlashAttention-2) on Hopper, warp-specialized in FlashAttention-3's way:
 //
-//   A tile is kBlockN = 128 keys of one (batch, kv head) (64 at head dims 192 / 256: flash_bwd_sm90_split_mma). K
+//   A tile is kBlockN = 128 keys of one (batch, kv head) (64 at head dims 192 / 256: flash_bwd_sm90_split_mma; 96 at
+//   head dim 192 by default: flash_bwd_sm90_split_keys_mma, build.py BWD_SM90_HD192_N96). K
 //   and V are copied into shared memory once per tile (TMA) and stay; dK and dV accumulate in registers. The tile
 //   walks every query block that can see these keys, for every query head of the GQA group (dK, dV summed over the
 //   group in registers, no extra memory) -- or for a part of the group when BwdParams::kv_splits > 1 (few, long
@@ -54,7 +55,8 @@
 // take turns per query block); block-sparse with deterministic=True runs flash_bwd.cuh. Head dims 64 and 128 (65-96 are
 // padded up by the host; columns past head_dim are zero-filled by the copies and not written). Head dims 192 and 256
 // (129-255 padded up; dense, no dropout, not deterministic) keep the producer but tile 64 keys and split the head dim
-// over the MMA warpgroups (flash_bwd_sm90_split_mma). flash_aux.cuh runs before (D and lse in log2 units in padded
+// over the MMA warpgroups (flash_bwd_sm90_split_mma); head dim 192 by default tiles 96 keys, 48 per warpgroup
+// (flash_bwd_sm90_split_keys_mma). flash_aux.cuh runs before (D and lse in log2 units in padded
 // rows, zeroing dq_accum) and after (dq = scale * dq_accum).
 #pragma once
 // FT_BWD_LEAN_ADDR=1 (build.py _bwd_lean_addr picks the kernels): the MMA warps' loop with less address arithmetic.
@@ -119,7 +121,7 @@ namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
           bool kIsBlockSparse_, bool kIsDeterministic_, bool kPersistent_ = true, int kHeadDimEff_ = kHeadDim_,
-          int kScoreMods_ = 0, bool kMaskMod_ = false>
+          int kScoreMods_ = 0, bool kMaskMod_ = false, int kBlockN_ = 0>
 struct BwdSm90Traits {
     // FT_SCORE_MODS: 1, a local window, softcap and ALiBi read from FwdParams (each off when unset), as the
     // forward's; 2, the window and ALiBi only (head dim 64: softcap's derivative, kept for dS^T, spilled inside the
@@ -135,14 +137,19 @@ struct BwdSm90Traits {
     static constexpr bool kMaskMod = kMaskMod_;
     static_assert(!kMaskMod_ || (kScoreMods_ != 0 && kBlockSparseSize % kBlockM_ == 0),
                   "a mask expression needs the score-modification kernel with query blocks inside 128-row states");
-    // Head dims 192 and 256 split the head dim over the warpgroups (flash_bwd_sm90_split_mma): 64-key tiles.
+    // Head dims 192 and 256 (kSplitHd: dense only, no dQ writer, the epilogue through K / V) split the head dim over
+    // the warpgroups (flash_bwd_sm90_split_mma): 64-key tiles. Head dim 192 with kBlockN_ = 96 (build.py
+    // BWD_SM90_HD192_N96): 96-key tiles, each warpgroup owning 48 keys (flash_bwd_sm90_split_keys_mma, kSplitKeys).
     static constexpr bool kSplitHd = kHeadDim_ > 128;
-    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kSplitHd ? 64 : 128, kStages = kStages_;
+    static constexpr bool kSplitKeys = kSplitHd && kBlockN_ == 96;
+    static_assert(kBlockN_ == 0 || (kBlockN_ == 96 && kHeadDim_ == 192), "96-key tiles: head dim 192 only");
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kStages = kStages_;
+    static constexpr int kBlockN = kSplitKeys ? 96 : kSplitHd ? 64 : 128;
     static constexpr bool kPersistent = kPersistent_;  // one CTA per SM taking tiles from the dynamic scheduler
     static constexpr bool kIsBF16 = kIsBF16_, kIsCausal = kIsCausal_, kIsDropout = kIsDropout_;
     static constexpr bool kIsBlockSparse = kIsBlockSparse_, kIsDeterministic = kIsDeterministic_;
     static_assert(!(kIsBlockSparse && kIsDeterministic), "deterministic block-sparse runs flash_bwd.cuh");
-    static constexpr int kNMma = 2;                     // MMA warpgroups, 64 keys each
+    static constexpr int kNMma = 2;                     // MMA warpgroups, 64 keys each (kSplitKeys: 48)
     static constexpr int kNThreads = 128 * (kNMma + 1);  // + the producer warpgroup
     static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
@@ -278,6 +285,12 @@ struct BwdSm90Traits {
 #endif
     using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO stages
     using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V, then dK and dV
+    // K's tile: TileKV, or (kSplitKeys) 32-column blocks in the 64-byte swizzle, copied in boxes of kKBoxCols columns
+    // (ops.py: the K tensor map's box and swizzle), so that each warpgroup's 96 dQ columns start on a swizzle atom of
+    // the dQ GEMM's MN-major B operand (96 is not a multiple of the 128-byte swizzle's 64 columns)
+    static constexpr int kKBoxCols = kSplitKeys ? 32 : 64;
+    using TileK = SmemTile<kBlockN, kHeadDim, kKBoxCols>;
+    static_assert(TileK::kBytes == TileKV::kBytes, "K and V tiles of one size");
     // dS^T (rows keys, columns queries), two buffers; 80-query blocks: dS (rows queries, columns keys)
     using TileS = SmemTile<kSwapDq ? kBlockM : kBlockN, kSwapDq ? kBlockN : kBlockM>;
     // a block's lse (or D): kStatsBoxBytes copied, in kStatsBytes (tensor copies land 128-byte aligned)
@@ -331,11 +344,14 @@ struct BwdSm90Traits {
     using TileDv = SmemTile<kSwapDq ? 64 : kBlockN, kHeadDim>;
     static_assert(!kSwapDq || (kEarlyKv && (TileS::kBytes / 2) % 1024 == 0 && 2 * TileDv::kBytes <= kDqStagingBytes),
                   "80-query blocks: dK column blocks 1024-byte aligned (TMA stores), dV in the dQ staging");
-    static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + 2 * TileS::kBytes +
+    // score tiles: dS^T double-buffered, or (split head dims) P^T and dS^T, or (kSplitKeys) P^T and dS^T both
+    // double-buffered
+    static constexpr int kScoreTiles = kSplitKeys ? 4 : 2;
+    static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + kScoreTiles * TileS::kBytes +
                                       kDqStagingBytes + 2 * kStages * kStatsBytes + kBarrierBytes + 1024;
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then
     // one per warpgroup (its rows -- split head dims: columns -- of dK / dV staged); head dims 192 / 256: P^T stored
-    // (warpgroup 0 to 1).
+    // (warpgroup 0 to 1); kSplitKeys: kBarP + w, warpgroup w's P^T rows stored (its 128 threads).
     static constexpr int kBarDs = 1, kBarEpilogue = 2, kBarP = 5;
 };
 
@@ -508,7 +524,7 @@ template <class T> struct BwdSm90Smem {
         base = (smem_u32(smem) + 1023) & ~1023u;
         sK = base + 2 * T::kStages * T::TileQ::kBytes, sV = sK + T::TileKV::kBytes;
         sdS0 = sV + T::TileKV::kBytes;
-        sdQ = sdS0 + 2 * T::TileS::kBytes;
+        sdQ = sdS0 + T::kScoreTiles * T::TileS::kBytes;
         sStats = sdQ + T::kDqStagingBytes;  // lse[kStages][M], D[kStages][M]
         bars = sStats + 2 * T::kStages * T::kStatsBytes;
         full_kv = bars, empty_kv = bars + 8;
@@ -1483,6 +1499,335 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
     }
 }
 
+// The MMA warpgroups at head dim 192 with 96-key tiles (T::kSplitKeys; build.py BWD_SM90_HD192_N96, default on; off:
+// flash_bwd_sm90_split_mma's 64-key tiles, kept for A/Bs). The 64-key split kernel hands P^T from warpgroup 0 to 1 and
+// dS^T from 1 to 0 in every query block (each waits for the other twice per block), and per 64 keys reads a 48 KB
+// Q / dO stage and adds 48 KB of dQ. Here warpgroup w owns keys [48 w, 48 w + 48) of the 96-key tile and computes
+// its own S and dP with the queries as M (FlashAttention-3 / 4's shape for this head dim: S not transposed, dK / dV
+// transposed), so the warpgroups meet once per block, where dQ needs both halves of dS. Per 64-query block, for
+// warpgroup w (n8: columns of an accumulator; queries 16 wwarp + g (+ 8) are this thread's rows):
+//   S_w  = Q K_w^T, dP_w = dO V_w^T         m64n48k16 x 12 each, A = the stage's Q / dO (K-major), B = K_w / V_w
+//                                            rows (K-major); S, dP 6 n8 tiles = 24 + 24 registers
+//   P_w  = exp2(S_w scale - lse) (masked 0)  -> 16-bit A-fragment layout (12 registers) -> P_w^T into rows
+//                                            [48 w, 48 w + 48) of the P^T tile (stmatrix .trans), kBarP + w
+//   dV_w^T += dO^T P_w                       head-dim rows as M: 3 m64 tiles x 4 k-steps of m64n48k16, A = dO^T
+//                                            (the stage's dO, MN-major), B = P_w^T rows (K-major); 72 registers
+//   dS_w = P_w (dP_w - D)                    (P_w from its 16-bit values, as kDsFromPa) -> dS_w^T rows, kBarDs (both)
+//   dQ[:, 96 w .. 96 w + 96) = dS K          all 96 keys: 6 k-steps of m64n96k16, A = dS^T (MN-major: the queries
+//                                            contiguous), B = K (MN-major); 48 registers, added to dq_accum from
+//                                            the registers (12 red.global.add.v4.f32 per thread, convert_dq's
+//                                            scrambled order: column c of a 16-row group at float 16 c)
+//   dK_w^T += Q^T dS_w                       as dV; 72 registers
+// With the queries as the rows of S / dP a thread needs the lse / D of its 2 rows only (4 shared loads per block,
+// against 16 in the transposed split kernel). The dQ GEMM reads K as an MN-major B operand, and warpgroup 1's 96
+// columns would start at column 96, inside a 64-column block of the 128-byte swizzle; so K (only K) is copied in
+// 32-column boxes with the 64-byte swizzle (TileK, T::kKBoxCols; ops.py maps K so; descriptors with swizzle mode 2,
+// 8-row groups 512 bytes apart, MN-major atoms of 32 columns kBlockN * 64 bytes apart): each warpgroup's columns start
+// at block 3 w. dK is staged through K in that layout too. Every stmatrix .trans here (P^T, dS^T, dK, dV) writes 8
+// consecutive rows at one logical 16-byte chunk per 8-lane phase: 8 distinct bank groups in both swizzles.
+// Registers (240 per MMA thread, the producer on 24): dK^T, dV^T 144 for the whole tile; per block S + dP 48 and the
+// 12 packed P values (S dies as it is packed), then dP + P + dS 48, then dQ 48 (S, dP dead): 192 + addresses.
+// Shared memory: Q, dO 2 stages x 24 KB each (96 KB), K, V 36 KB each, the P^T and dS^T tiles (96 keys x 64
+// queries, 12 KB) double-buffered (48 KB), lse / D 1 KB, barriers 256 B, alignment 1 KB: 223,488 of 232,448 bytes.
+// Ordering of the shared buffers (b = gs & 1: the CTA's query-block count, the same walk in both warpgroups):
+//   P^T buffer b, rows of warpgroup w: written (stmatrix) by w's warps only, read only by w's dV^T GEMM. Before a
+//     warp writes it at block gs, dV^T(gs - 2) -- its last reader, by all 4 warps' parts -- is done: every warp of w
+//     waited for it (wait_group 0 at the end of block gs - 2) before it arrived at block gs - 1's dS^T barrier, which
+//     the writing warp has passed. Its reader waits for the 4 warps' rows: proxy fence, then named barrier kBarP + w
+//     (128 threads).
+//   dS^T buffer b, rows of w: written by w's warps; read by w's dK^T GEMM (its rows) and both warpgroups' dQ GEMMs
+//     (all 96 rows). Before a warp writes it at block gs, every warp of both warpgroups has waited for its dQ(gs - 2)
+//     and dK^T(gs - 2) (wait_group 0) and then arrived at block gs - 1's dS^T barrier, which the writer has passed.
+//     Its readers: proxy fence, then kBarDs (256 threads) after both warpgroups' rows are stored.
+//   Q / dO / lse / D stage s: each of the 8 MMA warps arrives on empty(s) after its wait_group 0 (dK^T reads Q last,
+//     dV^T dO; lse / D were loaded into registers), as in the other kernels.
+//   K / V: after the tile's last block, kBarEpilogue (256: every warp's last dQ GEMM, the last reader of all of K,
+//     and dP, of V, are waited for), then warpgroup w writes dK * scale and dV into its own 48 rows of K / V
+//     (stmatrix .trans from the transposed accumulators), kBarEpilogue + 1 + w (128), 16-byte global stores of those
+//     rows, and each warp arrives on empty_kv (8 arrivals) after its loads, before the producer copies the next K / V.
+//   Every barrier is reached the same number of times by its participants: both warpgroups run the same walk with one
+//   kBarDs per block (masked or not: each warpgroup decides masking for its own 48 keys) and one kBarEpilogue per tile.
+// Static checks (2026-11-30, nvcc 13.0, no GPU run yet): the MMA warpgroups' code uses registers R0-R223 of their
+// 240 and spills nothing (the kernel's 64-72 spilled bytes are the producer's, as in the 64-key kernel); a block is
+// 473-475 SASS instructions per warpgroup unmasked, 548-551 masked (bf16; 54 wgmmas, 24 MUFU.EX2, 6 stmatrix, 12
+// red.v4, 2 named barriers); benchmarks/probes/hd192_layout_model.py replays this function's offsets, descriptors
+// and fragments on a model of shared memory and the canonical wgmma layouts against numpy.
+// Not done (next steps): skipping a warpgroup whose 48 keys are all hidden from a block (causal diagonal: half the
+// tiles have one such block), issuing the next block's S / dP before this block's dK^T is waited for.
+template <class T, int W>
+__device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Params& params, const BwdSm90Smem<T>& sm) {
+    const BwdParams& p = params.bwd;
+    const FwdParams& f = p.fwd;
+    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages, kHeadDim = T::kHeadDim;
+    constexpr int kKeys = kBlockN / 2;   // this warpgroup's keys [kKeys W, kKeys W + kKeys) of the tile
+    constexpr int kNK = kKeys / 8;       // n8 tiles of S, dP (columns = keys), and of each m64 tile of dK^T, dV^T
+    constexpr int kKP = kKeys / 16;      // 16-key pieces (A-fragment k-steps, stmatrix x4 pieces)
+    constexpr int kMT = kHeadDim / 64;   // m64 tiles of dK^T, dV^T (rows = head-dim columns)
+    constexpr int kKQ = kBlockM / 16;    // k-steps of dK^T, dV^T (queries)
+    constexpr int kDqN = kHeadDim / 2;   // this warpgroup's dQ columns [kDqN W, kDqN W + kDqN)
+    constexpr int kKB = T::kKBoxCols;    // K's column blocks (64-byte rows)
+    static_assert(kKeys % 16 == 0 && kDqN % kKB == 0 && kKB == 32 && kBlockM == 64, "96-key tiles at head dim 192");
+    static_assert(!T::kIsDeterministic && !T::kIsDropout && !T::kIsBlockSparse, "dense only");
+    using TileK = typename T::TileK;
+    using TileV = typename T::TileKV;
+    using TileS = typename T::TileS;  // rows keys (96), columns queries (64)
+    const int tid = threadIdx.x, lane = tid % 32, ctid = tid % 128, wwarp = ctid / 32;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = 16 * wwarp;  // this warp's first M row: queries of S, dP, dQ; head-dim rows of an m64 tile of dK^T
+    const bool lead_lane = lane == 0;
+    // stmatrix .trans of a 16 x 16 A-fragment piece (rows: this warp's 16 rows from row0 -- queries, or head-dim
+    // columns of an m64 tile --, columns: keys 16 kp .. of this warpgroup's) into a tile whose rows are keys: lane l
+    // addresses key 16 kp + l % 8 + 8 (l / 16) (matrices 0, 1: the piece's first 8 keys; 2, 3: the next 8) at column
+    // row0 + 8 ((l / 8) % 2) (matrices 1, 3: the piece's rows 8-15)
+    const int st_key = kKeys * W + lane % 8 + 8 * (lane / 16), st_col = row0 + 8 * ((lane / 8) & 1);
+    float acc_dk[kMT][kNK][4], acc_dv[kMT][kNK][4];  // dK^T, dV^T: rows head-dim columns, columns this warpgroup's keys
+    BwdTile x{};
+    // This warpgroup's dQ columns of query block m0 of head `head` into dq_accum (this warp's 16 rows): column c of the
+    // 16-row group (64-column slice c / 64, its n8 tile (c % 64) / 8, lane l's float4 at 4 l) at float 16 c + 4 l.
+    auto add_dq = [&](float (&dq)[kDqN / 8][4], int m0, int head) {
+        fence_operand(dq);
+        // (a sequence's last block too: its rows past the end are padding and add zeros; q_pad recomputed, as
+        // flash_bwd_sm90_split_mma)
+        const int q_pad = padded_row_start(f.cu_seqlens_q != nullptr, x.batch, x.q_start, f.seqlen_q, kBlockM);
+        float* dst = p.dq_accum + head * p.dqa_head_stride + (i64)(q_pad + m0 + row0) * kHeadDim + 16 * kDqN * W +
+                     4 * lane;
+#pragma unroll
+        for (int j = 0; j < kDqN / 8; ++j) atomic_add4(dst + 128 * j, dq[j]);
+    };
+
+    auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag) {
+        constexpr bool kMask = decltype(mask_tag)::value;
+        const int head = walk.head, m0 = walk.m0;
+        const int s = gs % kStages;
+        const u32 buf = (gs & 1) * TileS::kBytes;
+        // (opaque to the compiler, as in the other kernels: re-derived per block instead of kept across the loop)
+        u32 sK = sm.sK, sV = sm.sV, sQ_s = sm.sQ(s), sdO_s = sm.sdO(s), sP = sm.sdS0 + buf,
+            sdS = sm.sdS0 + 2 * TileS::kBytes + buf;
+        asm volatile("" : "+r"(sK), "+r"(sV), "+r"(sQ_s), "+r"(sdO_s), "+r"(sP), "+r"(sdS));
+        mbar_wait(sm.full(s), (gs / kStages) & 1);
+
+        // S_w = Q K_w^T, then dP_w = dO V_w^T: kHeadDim / 16 k-steps; Q / dO step kk in 64-column block kk / 4, K's
+        // in 32-column block kk / 2 (64-byte swizzle), V's in block kk / 4
+        float st[kNK][4], dpt[kNK][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
+            const u32 off_k = (kk / (kKB / 16)) * kBlockN * kKB * 2 + kKeys * W * kKB * 2 + (kk % (kKB / 16)) * 32;
+            wgmma_ss<kKeys, T::kIsBF16>(st, gmma_desc_at(sQ_s, off_q, 16, 1024),
+                                        gmma_desc_at<2>(sK, off_k, 16, 8 * kKB * 2), kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
+            const u32 off_v = (kk / 4) * kBlockN * 128 + kKeys * W * 128 + (kk % 4) * 32;
+            wgmma_ss<kKeys, T::kIsBF16>(dpt, gmma_desc_at(sdO_s, off_q, 16, 1024), gmma_desc_at(sV, off_v, 16, 1024),
+                                        kk > 0);
+        }
+        wgmma_commit();
+        // lse of this thread's rows (queries row0 + g, + 8), loaded while the GEMMs run
+        const u32 stat = sm.sLse(s) + 4 * (row0 + g);
+        const float lse[2] = {ld_shared_f32(stat), ld_shared_f32(stat + 32)};
+        wgmma_wait<1>();  // S done (dP may still run)
+        fence_operand(st);
+
+        // P_w = exp2(S_w scale - lse) (masked: 0), as A fragments (piece kp: keys 16 kp ..)
+        u32 pa[kKP][4];
+#pragma unroll
+        for (int j = 0; j < kNK; ++j) {
+            float pt[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float score = st[j][e];
+                if constexpr (kMask) {
+                    const int key = x.n0 + kKeys * W + 8 * j + 2 * t + (e & 1);
+                    const int query = m0 + row0 + g + 8 * (e >> 1);
+                    if (key >= x.seqlen_k || (T::kIsCausal && key > query + x.seqlen_k - x.seqlen_q))
+                        score = -infinity();
+                }
+                pt[e] = fast_exp2(score * f.softmax_scale_log2 - lse[e >> 1]);
+            }
+            pa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(pt[0], pt[1]);
+            pa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(pt[2], pt[3]);
+        }
+        // P_w^T: this warpgroup's key rows of P^T buffer b (see the ordering above), then the 4 warps' rows are there
+#pragma unroll
+        for (int kp = 0; kp < kKP; ++kp) stmatrix_x4_trans(TileS::addr(sP, st_key + 16 * kp, st_col), pa[kp]);
+        fence_proxy_async();
+        named_bar_sync(T::kBarP + W, 128);
+
+        // dV_w^T += dO^T P_w: m64 tile i = head-dim columns [64 i, 64 i + 64) (dO's column block i, MN-major), k-step
+        // ks = queries [16 ks, 16 ks + 16) (B: 32 bytes into the P^T rows, K-major)
+#pragma unroll
+        for (int i = 0; i < kMT; ++i) fence_operand(acc_dv[i]);
+        wgmma_fence();
+#pragma unroll
+        for (int i = 0; i < kMT; ++i)
+#pragma unroll
+            for (int ks = 0; ks < kKQ; ++ks)
+                wgmma_ss_tn<kKeys, T::kIsBF16>(acc_dv[i],
+                                               gmma_desc_at(sdO_s, i * kBlockM * 128 + ks * 16 * 128, kBlockM * 128,
+                                                            1024),
+                                               gmma_desc_at(sP, kKeys * W * 128 + ks * 32, 16, 1024), 1);
+        wgmma_commit();
+        const u32 stat_d = sm.sD(s) + 4 * (row0 + g);
+        const float dsum[2] = {ld_shared_f32(stat_d), ld_shared_f32(stat_d + 32)};
+        wgmma_wait<1>();  // dP done (dV^T may still run)
+        fence_operand(dpt);
+
+        // dS_w = P_w (dP_w - D), A fragments -> dS_w^T rows of dS^T buffer b
+        u32 dsa[kKP][4];
+#pragma unroll
+        for (int j = 0; j < kNK; ++j) {
+            float pt[4], ds[4];
+            unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2)], pt[0], pt[1]);
+            unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2) + 1], pt[2], pt[3]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ds[e] = pt[e] * (dpt[j][e] - dsum[e >> 1]);
+            dsa[j / 2][2 * (j % 2)] = pack2<T::kIsBF16>(ds[0], ds[1]);
+            dsa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(ds[2], ds[3]);
+        }
+#pragma unroll
+        for (int kp = 0; kp < kKP; ++kp) stmatrix_x4_trans(TileS::addr(sdS, st_key + 16 * kp, st_col), dsa[kp]);
+        fence_proxy_async();  // (the GEMMs read dS^T through the async proxy)
+        named_bar_sync(T::kBarDs, 256);  // both warpgroups' dS^T rows stored
+
+        // dQ[:, kDqN W ..] = dS K over the 96 keys: k-step ks = keys [16 ks, 16 ks + 16); A = dS^T rows (the queries
+        // contiguous: MN-major), B = K rows from column block kDqN W / kKB (MN-major, 32-column atoms kBlockN * 64
+        // bytes apart, 8-row groups 512)
+        float dq[kDqN / 8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+            const u64 desc_a = gmma_desc_at(sdS, ks * 16 * 128, kBlockN * 128, 1024);
+            const u64 desc_b = gmma_desc_at<2>(sK, (kDqN * W / kKB) * kBlockN * kKB * 2 + ks * 16 * kKB * 2,
+                                               kBlockN * kKB * 2, 8 * kKB * 2);
+            if (ks == 0) wgmma_ss_tt_init<kDqN, T::kIsBF16>(dq, desc_a, desc_b, 0);  // dq's old values are dead
+            else wgmma_ss_tt<kDqN, T::kIsBF16>(dq, desc_a, desc_b, 1);
+        }
+        wgmma_commit();
+        // dK_w^T += Q^T dS_w (as dV^T)
+#pragma unroll
+        for (int i = 0; i < kMT; ++i) fence_operand(acc_dk[i]);
+#pragma unroll
+        for (int i = 0; i < kMT; ++i)
+#pragma unroll
+            for (int ks = 0; ks < kKQ; ++ks)
+                wgmma_ss_tn<kKeys, T::kIsBF16>(acc_dk[i],
+                                               gmma_desc_at(sQ_s, i * kBlockM * 128 + ks * 16 * 128, kBlockM * 128,
+                                                            1024),
+                                               gmma_desc_at(sdS, kKeys * W * 128 + ks * 32, 16, 1024), 1);
+        wgmma_commit();
+        wgmma_wait<1>();  // dV^T and dQ done (dK^T may still run)
+        add_dq(dq, m0, head);
+        wgmma_wait<0>();  // dK^T done: Q, dO, the statistics of stage s are free
+        if (lead_lane) mbar_arrive(sm.empty(s));
+    };
+
+    int gs = 0;
+    for (int tile_iter = 0; sm.read_tile(tile_iter, x); ++tile_iter) {
+#pragma unroll
+        for (int i = 0; i < kMT; ++i)
+#pragma unroll
+            for (int j = 0; j < kNK; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_dk[i][j][e] = acc_dv[i][j][e] = 0.f;
+        mbar_wait(sm.full_kv, tile_iter & 1);
+        for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++gs) {
+            // (this warpgroup's 48 keys: the other's may need the mask where these do not)
+            if (tile_needs_mask<T::kIsCausal, kKeys>(walk.m0, x.n0 + kKeys * W, x.seqlen_q, x.seqlen_k))
+                step(walk, gs, BoolConstant<true>{});
+            else
+                step(walk, gs, BoolConstant<false>{});
+        }
+        // (every step ended with wait_group 0)
+#pragma unroll
+        for (int i = 0; i < kMT; ++i) {
+            fence_operand(acc_dk[i]);
+            fence_operand(acc_dv[i]);
+        }
+        const int key0 = x.n0 + kKeys * W;  // this warpgroup's first key
+        if (p.kv_splits > 1) {
+            // GQA split: fp32 partial sums (dK unscaled) reduce-added into the zero-filled copy, as the other kernels;
+            // the transposed accumulators' pairs are two keys of one column: 4-byte reductions. K / V released at once.
+            __syncwarp();
+            if (lead_lane) mbar_arrive(sm.empty_kv);
+            const i64 base = x.batch * p.dkv_batch_stride + x.head_kv * p.dkv_head_stride +
+                             (i64)(x.k_start + key0) * p.dkv_cols + row0 + g;
+            float* dk_part = p.dkv_accum + base;
+            float* dv_part = p.dkv_accum + p.dkv_split_stride + base;
+            const int rows_valid = x.seqlen_k - key0;
+#pragma unroll
+            for (int j = 0; j < kNK; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = 8 * j + 2 * t + (e & 1);
+                    if (key < rows_valid) {
+#pragma unroll
+                        for (int i = 0; i < kMT; ++i) {
+                            const i64 at = (i64)key * p.dkv_cols + 64 * i + 8 * (e >> 1);
+                            atomicAdd(dk_part + at, acc_dk[i][j][e]);
+                            atomicAdd(dv_part + at, acc_dv[i][j][e]);
+                        }
+                    }
+                }
+            continue;
+        }
+        // Epilogue: both warpgroups done reading K (their dQ GEMMs) and V; this warpgroup's 48 rows of dK * scale and
+        // dV into its rows of K / V (the accumulators transposed by stmatrix .trans: A-fragment pieces of 16 keys),
+        // then those rows to global memory with 16-byte stores.
+        named_bar_sync(T::kBarEpilogue, 256);
+        // (addresses opaque here, so that ptxas derives them in the epilogue instead of keeping 18 per-thread
+        // addresses from before the tile loop: those were spilled, 26 stores before the loop and loads here)
+        u32 sK_e = sm.sK, sV_e = sm.sV;
+        int e_key = st_key, e_col = st_col, e_tid = ctid;
+        asm volatile("" : "+r"(sK_e), "+r"(sV_e), "+r"(e_key), "+r"(e_col), "+r"(e_tid));
+#pragma unroll
+        for (int i = 0; i < kMT; ++i)
+#pragma unroll
+            for (int kp = 0; kp < kKP; ++kp) {
+                u32 a[4];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    a[2 * h] = pack2<T::kIsBF16>(acc_dk[i][2 * kp + h][0] * f.softmax_scale,
+                                                 acc_dk[i][2 * kp + h][1] * f.softmax_scale);
+                    a[2 * h + 1] = pack2<T::kIsBF16>(acc_dk[i][2 * kp + h][2] * f.softmax_scale,
+                                                     acc_dk[i][2 * kp + h][3] * f.softmax_scale);
+                }
+                stmatrix_x4_trans(TileK::addr(sK_e, e_key + 16 * kp, 64 * i + e_col), a);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    a[2 * h] = pack2<T::kIsBF16>(acc_dv[i][2 * kp + h][0], acc_dv[i][2 * kp + h][1]);
+                    a[2 * h + 1] = pack2<T::kIsBF16>(acc_dv[i][2 * kp + h][2], acc_dv[i][2 * kp + h][3]);
+                }
+                stmatrix_x4_trans(TileV::addr(sV_e, e_key + 16 * kp, 64 * i + e_col), a);
+            }
+        named_bar_sync(T::kBarEpilogue + 1 + W, 128);
+        {
+            const i64 row = x.k_start + key0;
+            u16* dk = (u16*)p.dk + x.batch * p.dk_batch_stride + row * p.dk_row_stride + x.head_kv * p.dk_head_stride;
+            u16* dv = (u16*)p.dv + x.batch * p.dv_batch_stride + row * p.dv_row_stride + x.head_kv * p.dv_head_stride;
+            const int rows_valid = x.seqlen_k - key0;
+            constexpr int kChunksPerRow = kHeadDim / 8;
+            static_assert(kKeys * kChunksPerRow % 128 == 0, "whole 16-byte chunks per thread");
+#pragma unroll
+            for (int it = 0; it < kKeys * kChunksPerRow / 128; ++it) {
+                const int chunk = e_tid + it * 128, r = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+                if (r < rows_valid && col < f.head_dim) {
+                    u32 v[4];
+                    ld_shared_v4(TileK::addr(sK_e, kKeys * W + r, col), v);
+                    st_global_v4(dk + r * p.dk_row_stride + col, v);
+                    ld_shared_v4(TileV::addr(sV_e, kKeys * W + r, col), v);
+                    st_global_v4(dv + r * p.dv_row_stride + col, v);
+                }
+            }
+        }
+        __syncwarp();
+        if (lead_lane) mbar_arrive(sm.empty_kv);
+    }
+}
+
 template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90Params& params) {
     extern __shared__ __align__(128) unsigned char smem[];
     const BwdParams& p = params.bwd;
@@ -1562,12 +1907,24 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 auto load_kv = [&]() {
                     mbar_wait(sm.empty_kv, (tile_iter & 1) ^ 1);
                     mbar_arrive_expect_tx(sm.full_kv, 2 * TileKV::kBytes);
+                    if constexpr (T::kKBoxCols == 64) {
 #pragma unroll
-                    for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-                        tma_load_4d(sm.sK + cb * kBlockN * 128, &params.tma_k, sm.full_kv, cb * 64, x.k_start + x.n0,
-                                    x.head_kv, batch_coord);
-                        tma_load_4d(sm.sV + cb * kBlockN * 128, &params.tma_v, sm.full_kv, cb * 64, x.k_start + x.n0,
-                                    x.head_kv, batch_coord);
+                        for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+                            tma_load_4d(sm.sK + cb * kBlockN * 128, &params.tma_k, sm.full_kv, cb * 64,
+                                        x.k_start + x.n0, x.head_kv, batch_coord);
+                            tma_load_4d(sm.sV + cb * kBlockN * 128, &params.tma_v, sm.full_kv, cb * 64,
+                                        x.k_start + x.n0, x.head_kv, batch_coord);
+                        }
+                    } else {  // K in T::TileK's 32-column blocks (the K map's boxes: 32 columns, 64-byte swizzle)
+                        constexpr int kKB = T::kKBoxCols;
+#pragma unroll
+                        for (int cb = 0; cb < kHeadDim / kKB; ++cb)
+                            tma_load_4d(sm.sK + cb * kBlockN * kKB * 2, &params.tma_k, sm.full_kv, cb * kKB,
+                                        x.k_start + x.n0, x.head_kv, batch_coord);
+#pragma unroll
+                        for (int cb = 0; cb < kHeadDim / 64; ++cb)
+                            tma_load_4d(sm.sV + cb * kBlockN * 128, &params.tma_v, sm.full_kv, cb * 64,
+                                        x.k_start + x.n0, x.head_kv, batch_coord);
                     }
                     kv_loaded = true;
                     FT_TIMELINE_MARK(0, tile_iter, 3);
@@ -1664,7 +2021,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
 
     // -------------------------------------------------------------------------------------------------- MMA
     setmaxnreg_inc<T::kMmaRegs>();
-    if constexpr (T::kSplitHd) {
+    if constexpr (T::kSplitKeys) {
+        if (wg == 1) flash_bwd_sm90_split_keys_mma<T, 0>(params, sm);
+        else flash_bwd_sm90_split_keys_mma<T, 1>(params, sm);
+    } else if constexpr (T::kSplitHd) {
         if (wg == 1) flash_bwd_sm90_split_mma<T, 0>(params, sm);
         else flash_bwd_sm90_split_mma<T, 1>(params, sm);
     } else {

@@ -226,12 +226,16 @@ __device__ __forceinline__ void grid_launch_dependents() {
 }
 
 // ---------------------------------------------------------------------------------------------- shared tiles
-// A kRows x kCols tile of 16-bit values, stored as column blocks of 64 (32 when kCols % 64 != 0) values; inside a
-// block each row's 16-byte chunks are XOR-swizzled with the row index, so that the 8 rows one ldmatrix phase reads
-// (same logical chunk, 8 consecutive rows) fall in 8 different bank groups.
-template <int kRows, int kCols> struct SmemTile {
+// A kRows x kCols tile of 16-bit values, stored as column blocks of 64 (32 when kCols % 64 != 0, or when asked for
+// by kBlockCols_) values; inside a block each row's 16-byte chunks are XOR-swizzled with the row index, so that the 8
+// rows one ldmatrix phase reads (same logical chunk, 8 consecutive rows) fall in 8 different bank groups. 64-column
+// blocks: bit for bit the hardware's 128-byte swizzle (TMA, wgmma; 1024-byte aligned blocks); 32-column blocks: its
+// 64-byte swizzle (chunk ^ (row / 2) % 4 in 64-byte rows; 512-byte aligned blocks).
+template <int kRows, int kCols, int kBlockCols_ = (kCols % 64 == 0 ? 64 : 32)> struct SmemTile {
     static_assert(kCols % 32 == 0, "tile width must be a multiple of 32");
-    static constexpr int kBlockCols = kCols % 64 == 0 ? 64 : 32;
+    static_assert(kBlockCols_ == 64 || kBlockCols_ == 32, "column blocks of 64 or 32 values");
+    static_assert(kCols % kBlockCols_ == 0, "whole column blocks");
+    static constexpr int kBlockCols = kBlockCols_;
     static constexpr int kNumRows = kRows, kNumCols = kCols;
     static constexpr int kElems = kRows * kCols;
     static constexpr int kBytes = kElems * 2;

@@ -29,21 +29,26 @@ namespace flashtrain {
 // BAR.SYNC to BAR.ARV, 77 -> 47 instructions per block at hd64). 2 (the backward's FT_BWD_LEAN_ADDR kernels only): the
 // address field without its mask and one 64-bit add to the whole descriptor, so that ptxas keeps no separate high word
 // per operand.
+// kSwizzle: the descriptor's swizzle mode (bits 62-63), 1 = 128-byte (every tile but one), 2 = 64-byte (SmemTile's
+// 32-column blocks: the hd192 backward's K tile, flash_bwd_sm90_split_keys_mma; 8-row groups 512 bytes apart).
 #ifndef FT_DESC_ADD
 #define FT_DESC_ADD 1
 #endif
-__device__ __forceinline__ u64 gmma_desc(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
+template <int kSwizzle = 1> __device__ __forceinline__ u64 gmma_desc(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
+    static_assert(kSwizzle == 1 || kSwizzle == 2, "128-byte or 64-byte swizzle");
     return (u64)((FT_DESC_ADD == 2 ? smem_addr : smem_addr & 0x3ffff) >> 4) |
-           ((u64)((leading_bytes >> 4) & 0x3fff) << 16) | ((u64)((stride_bytes >> 4) & 0x3fff) << 32) | (1ull << 62);
+           ((u64)((leading_bytes >> 4) & 0x3fff) << 16) | ((u64)((stride_bytes >> 4) & 0x3fff) << 32) |
+           ((u64)kSwizzle << 62);
 }
+template <int kSwizzle = 1>
 __device__ __forceinline__ u64 gmma_desc_at(u32 base, u32 offset_bytes, u32 leading_bytes, u32 stride_bytes) {
     if constexpr (FT_DESC_ADD == 2) {
-        return gmma_desc(base, leading_bytes, stride_bytes) + (u64)(offset_bytes >> 4);
+        return gmma_desc<kSwizzle>(base, leading_bytes, stride_bytes) + (u64)(offset_bytes >> 4);
     } else if constexpr (FT_DESC_ADD) {
-        const u64 desc = gmma_desc(base, leading_bytes, stride_bytes);
+        const u64 desc = gmma_desc<kSwizzle>(base, leading_bytes, stride_bytes);
         return ((desc >> 32) << 32) | (u32)((u32)desc + (offset_bytes >> 4));
     } else {
-        return gmma_desc(base + offset_bytes, leading_bytes, stride_bytes);
+        return gmma_desc<kSwizzle>(base + offset_bytes, leading_bytes, stride_bytes);
     }
 }
 // Before the first wgmma of a batch: the registers it reads (accumulators, A fragments) were written by plain code.
