@@ -355,8 +355,8 @@ def test_gpus_with_less_shared_memory_are_refused_by_name():
 
 def test_hd128_backward_query_blocks(monkeypatch):
     """The Hopper hd128 backward without dropout runs 80-query blocks (dQ^T): non-causal always, causal from
-    BWD_SM90_Q80_CAUSAL_SEQLEN query tokens, head dims 65-96 (narrowed to 96 columns) too; deterministic, dropout and
-    block-sparse keep 64; FLASHTRAIN_BWD_SM90_Q80=0 turns it off. dq_accum in the accumulator's fragment order
+    BWD_SM90_Q80_CAUSAL_SEQLEN query tokens, head dims 65-96 (narrowed to 80 / 96 columns) too but 65-80 causal;
+    deterministic, dropout and block-sparse keep 64; FLASHTRAIN_BWD_SM90_Q80=0 turns it off. dq_accum in the accumulator's fragment order
     except at hd128 causal (plain rows, `_dqrows`); BWD_DQ_FRAG 0 / 2: plain rows / fragment order everywhere."""
     monkeypatch.delenv("FLASHTRAIN_BWD_SM90_Q80", raising=False)
 
@@ -374,7 +374,13 @@ def test_hd128_backward_query_blocks(monkeypatch):
     causal80 = spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN)
     assert causal80.name == "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows" and not causal80.tiles.dq_frag
     assert ("FT_BWD_DQ_FRAG", 0) in causal80.defines and causal80.smem_bytes == q80.smem_bytes
+    # head dims 65-80 causal: 64-query blocks at every length (warpgroup 0's m64n80 dQ); non-causal and hd96: 80
+    assert spec(causal=True, seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_causal"
+    assert spec(causal=True, seqlen_q=4096, effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16_causal_q80"
+    assert spec(seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_q80"
+    monkeypatch.setattr(build, "BWD_SM90_HD80_CAUSAL_Q64", 0)
     assert spec(causal=True, seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_causal_q80"
+    monkeypatch.setattr(build, "BWD_SM90_HD80_CAUSAL_Q64", 1)
     monkeypatch.setattr(build, "BWD_DQ_FRAG", 2)
     assert spec(causal=True, seqlen_q=4096).name == "flash_bwd_sm90_hdim128_bf16_causal_q80"
     monkeypatch.setattr(build, "BWD_DQ_FRAG", 0)

@@ -302,6 +302,13 @@ BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
 # ... causal from this query length (H200, 2026-11-26 00:40 UTC, benchmark grid: hd128 causal 512 backward 197 vs 227
 # TFLOP/s of the 64-query kernel, 1K 341 vs 344; from 2K 1.04-1.11x, above)
 BWD_SM90_Q80_CAUSAL_SEQLEN = 2048
+# ... except head dims 65-80 causal, which keep the 64-query blocks at every length: there warpgroup 0 computes the
+# whole m64n80 dQ (flash_bwd_sm90.cuh FT_BWD_NARROW_DQ), where the 80-query kernel's transposed dQ^T still spends an
+# m64 GEMM on head-dim rows 64-127 of which 16 are non-zero. H200, 2026-11-30, interleaved CUDA-graph replays,
+# backward TFLOP/s, 64-query / 80-query: hd80 causal 2K 361.2 / 338.0, 4K 422.8 / 401.9, 16K 486.0 / 481.5; non-causal
+# 4K 449.3 / 455.6 and 16K 473.6 / 488.7 (kept on 80 queries), hd96 (64-query dQ in two pieces) 0.91-0.96x.
+# BWD_SM90_HD80_CAUSAL_Q64 = 0: the 80-query kernel there too (A/B: flashtrain@build.BWD_SM90_HD80_CAUSAL_Q64=0).
+BWD_SM90_HD80_CAUSAL_Q64 = 1
 
 # The Hopper backward's score-modification variant (local window, softcap, ALiBi, mask expressions): these tiles, and
 # at head dim 128, causal, without softcap or a mask expression the 80-query ones where the plain kernel takes them
@@ -739,7 +746,8 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
     plain = not (dropout or block_sparse or deterministic)
     if head_dim == 192 and tiles.split_keys and not BWD_SM90_HD192_N96:
         tiles = BWD_SM90_HD192_N64
-    if head_dim == 128 and plain and _bwd_q80(causal, seqlen_q):
+    if (head_dim == 128 and plain and _bwd_q80(causal, seqlen_q)
+            and not (causal and head_dim_eff == 80 and BWD_SM90_HD80_CAUSAL_Q64)):
         tiles = _dq_frag_choice(BWD_SM90_DENSE128_TILES, causal, head_dim_eff or head_dim)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
                           head_dim_eff or head_dim)

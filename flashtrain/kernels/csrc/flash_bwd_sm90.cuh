@@ -191,7 +191,13 @@ struct BwdSm90Traits {
     // there 0.99-1.03x), not for hd128 dropout (dK accumulator spills: 0.86-0.96x), hd64 dense (0.93-1.01x) or the
     // split head dims (0.82x), which keep 24. (H200, 2026-11-25.)
     // FT_BWD_PRODUCER_REGS=n forces n (A/B).
-    static constexpr bool kHd128DsFromPa = kHeadDimEff == 128 && !kIsDropout && !kIsBlockSparse;
+    // (FT_BWD_NARROW_PA, default 1; 0 for A/Bs: the 64-query kernels of head dims 65-96 too, whose dK / dV
+    // accumulators are 80 or 96 columns: dS^T from P^T's fragments, and with it dQ before dK, as at head dim 128)
+#ifndef FT_BWD_NARROW_PA
+#define FT_BWD_NARROW_PA 1
+#endif
+    static constexpr bool kHd128DsFromPa =
+        (kHeadDimEff == 128 || (FT_BWD_NARROW_PA && kHeadDim == 128 && !kSwapDq)) && !kIsDropout && !kIsBlockSparse;
 #ifdef FT_BWD_PRODUCER_REGS
     static constexpr int kProducerRegs = FT_BWD_PRODUCER_REGS;
 #else
@@ -208,6 +214,21 @@ struct BwdSm90Traits {
     static constexpr int kPieces = (kBlockM / 64) * (kHeadDim / 64);
     static_assert(kSplitHd || kSwapDq || kPieces == kNMma, "one dQ piece per warpgroup (every MMA warp stages one slice per block)");
     static constexpr int kPiecesPerWg = 1;
+    // Head dims 65-80 on the 64-query hd128 tiles without dropout (FT_BWD_NARROW_DQ, default 1; 0 for A/Bs):
+    // warpgroup 0 computes the block's whole dQ, m64n80 (FlashAttention-4's single-warpgroup dQ at these head dims),
+    // and warpgroup 1 none, instead of a 64-column piece each, of which 48 columns of the second are zeros. Its warps
+    // stage columns 0-63 as the first piece's slices and 64-79 as the first two n8 tiles of the second's (the first
+    // 1 KB of each 4 KB slice in dq_accum's scrambled order), and the writer adds only those (the rest of dq_accum
+    // stays zero). (ptxas 13.0: warpgroup 1 issuing m64n16 for its piece instead serializes the wgmmas, C7511; m64n96
+    // at head dim 96, C7512, as does dropout's spilling.)
+#ifndef FT_BWD_NARROW_DQ
+#define FT_BWD_NARROW_DQ 1
+#endif
+    static constexpr bool kNarrowDq =
+        FT_BWD_NARROW_DQ && kHeadDimEff == 80 && kHeadDim == 128 && kBlockM == 64 && !kSwapDq && !kIsDropout;
+    static constexpr int kDqCols = kNarrowDq ? kHeadDimEff : 64;  // dQ columns of a warpgroup's GEMM
+    static constexpr int kDqN1 = kDqCols - 64;                      // kNarrowDq: the second piece's columns
+    static_assert(!kNarrowDq || kPieces == 2, "narrow dQ: two 64-column pieces");
     // The dQ piece of a query block is waited for and staged at once (0), or once the next block's S^T GEMM (2) or
     // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s with the dQ writer warp: hd128 0
     // beats 2 by 10-15% (16K 524 vs 473); hd64 x 128 queries 0 beats 2 by 3-6% (16K 434 vs 418) despite 120 B of
@@ -676,7 +697,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     // dQ: this warpgroup's 64 x 64 piece (mi, hj) of each query block (none for warpgroup 1 when there is one piece).
     const int mi = w / (kHeadDim / 64), hj = w % (kHeadDim / 64);
     // (80-query blocks: dQ^T, head-dim rows [64 w, 64 w + 64) x the block's 80 queries)
-    float dq[T::kSwapDq ? kNT : 8][4];
+    float dq[T::kSwapDq ? kNT : T::kDqCols / 8][4];
     // kSwapDq: where this thread's dQ^T elements go in the staged tma_dq boxes (box hd_row / 32; element (query q,
     // column c) at 128 q + 16 ((c / 4) ^ (q % 8)) + 4 (c % 4)): elements e of n8 tile j (queries 8 j + 2 t + e % 2,
     // head-dim row hd_row + 8 (e / 2)) at dq_st[e] + 1024 j. Per store instruction the 32 lanes hit 32 banks.
@@ -726,8 +747,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
                     asm volatile("st.shared.f32 [%0], %1;" ::"r"(dq_st[e] + 1024 * j), "f"(dq[j][e]) : "memory");
         } else {
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
-                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sdQ_warp + 512 * j + 16 * lane),
+            for (int j = 0; j < T::kDqCols / 8; ++j)
+                if (!T::kNarrowDq || w == 0)  // (kNarrowDq: n8 tiles 8.. to the second piece's slice of these rows)
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};"
+                             ::"r"(sdQ_warp + (j < 8 ? 512 * j : 4 * T::kDqSliceBytes + 512 * (j - 8)) + 16 * lane),
                              "f"(dq[j][0]), "f"(dq[j][1]), "f"(dq[j][2]), "f"(dq[j][3])
                              : "memory");
         }
@@ -1045,8 +1068,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
             } else {
                 const u64 desc_a = gmma_desc_at(sdS, mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
                 const u64 desc_b = gmma_desc_at(sK_all, hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
-                if (ks == 0) wgmma_ss_tt_init<64, T::kIsBF16>(dq, desc_a, desc_b, 0);  // dq's old values are dead
-                else wgmma_ss_tt<64, T::kIsBF16>(dq, desc_a, desc_b, 1);
+                if (!T::kNarrowDq || w == 0) {  // (kNarrowDq: warpgroup 0's whole dQ, hj = 0)
+                    if (ks == 0) wgmma_ss_tt_init<T::kDqCols, T::kIsBF16>(dq, desc_a, desc_b, 0);  // old values dead
+                    else wgmma_ss_tt<T::kDqCols, T::kIsBF16>(dq, desc_a, desc_b, 1);
+                }
             }
         }
         wgmma_commit();
@@ -1995,8 +2020,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         for (int slice = 0; slice < 4 * T::kNMma; ++slice) {
                             const int piece = slice / 4, row0 = m0 + 16 * ((piece / (kHeadDim / 64)) * 4 + slice % 4);
                             const int col0 = 64 * (piece % (kHeadDim / 64));
+                            // (kNarrowDq: piece 1's first kDqN1 / 8 n8 tiles, 512 bytes each)
                             bulk_reduce_add_f32(dq_acc + (i64)row0 * kHeadDim + col0 * 16,
-                                                sm.sdQ + slice * T::kDqSliceBytes, T::kDqSliceBytes);
+                                                sm.sdQ + slice * T::kDqSliceBytes,
+                                                T::kNarrowDq && piece == 1 ? T::kDqN1 * 64 : T::kDqSliceBytes);
                         }
                         bulk_commit();
                         bulk_wait_read<0>();
