@@ -281,8 +281,9 @@ BWD_SM90_TILES = {
 # Head dim 192: 96-key tiles, each MMA warpgroup computing S, dP, dK, dV for its own 48 keys and dQ for half the
 # columns over all 96 (flash_bwd_sm90_split_keys_mma; FlashAttention-3 / 4's 64 x 96 shape for this head dim), instead
 # of the split-head-dim kernel's 64-key tiles (BWD_SM90_HD192_N64), whose warpgroups hand P^T and dS^T to each other
-# in every block. Not yet measured (prototype, 2026-11-30: compiled only; the 64-key kernel ran the hd192 causal 4K
-# backward at 0.81x FlashAttention-4's). BWD_SM90_HD192_N96 = 0 (FLASHTRAIN_BWD_SM90_HD192_N96=0 at import, or
+# in every block. H200, 2026-11-30, interleaved CUDA-graph replays (kernel_ab-h200.json), 96-key / 64-key backward
+# TFLOP/s: causal 1K 292.0 / 268.4, 4K 444.1 / 378.9, 16K 481.7 / 398.0; full 4K 436.9 / 378.3, 16K 499.6 / 398.8;
+# GQA 16/2 8K causal 443.9 / 372.0; forward + backward 1.07-1.17x. BWD_SM90_HD192_N96 = 0 (FLASHTRAIN_BWD_SM90_HD192_N96=0 at import, or
 # ab_probe.py flashtrain@build.BWD_SM90_HD192_N96=0; read at plan time) takes the 64-key kernel.
 BWD_SM90_HD192_N64 = BwdSm90Tiles(block_m=64, block_n=64)
 BWD_SM90_HD192_N96 = int(os.environ.get("FLASHTRAIN_BWD_SM90_HD192_N96", "1"))
