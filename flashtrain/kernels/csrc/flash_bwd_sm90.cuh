@@ -283,9 +283,16 @@ struct BwdSm90Traits {
 #ifndef FT_BWD_DQ_FIRST64
 #define FT_BWD_DQ_FIRST64 1
 #endif
+    // (FT_BWD_MODS_DQ_FIRST=1, A/B only: the 64-query score-modification kernels without softcap or a mask
+    // expression too)
+#ifndef FT_BWD_MODS_DQ_FIRST
+#define FT_BWD_MODS_DQ_FIRST 0
+#endif
     static constexpr bool kDqFirst =
-        kDeferDq == 0 && ((FT_BWD_DQ_FIRST && kSwapDq) ||
-                          (FT_BWD_DQ_FIRST64 && kBlockM == 64 && !kSplitHd && kHd128DsFromPa && !kScoreMods));
+        kDeferDq == 0 &&
+        ((FT_BWD_DQ_FIRST && kSwapDq) ||
+         (FT_BWD_DQ_FIRST64 && kBlockM == 64 && !kSplitHd && kHd128DsFromPa &&
+          (!kScoreMods || (FT_BWD_MODS_DQ_FIRST && !kSoftcap && !kMaskMod))));
     // FT_BWD_SKIP_HIDDEN (the skipping step keeps no wgmma group across blocks: not with a deferred dQ)
     static constexpr bool kSkipHidden = FT_BWD_SKIP_HIDDEN && kDeferDq == 0;
     // The row statistics (lse for P^T, D for dS^T) of n8 tile j are read from shared memory kStatsAhead tiles before
@@ -351,8 +358,14 @@ struct BwdSm90Traits {
 #ifndef FT_BWD_KV_RELEASE_LAST
 #define FT_BWD_KV_RELEASE_LAST 1
 #endif
+    // (FT_BWD_MODS_KV_RELEASE_LAST=1, A/B only: the score-modification kernels without a mask expression too, the
+    // causal 80-query one included: a sliding window's tiles are short, so the next tile's K / V wait counts more)
+#ifndef FT_BWD_MODS_KV_RELEASE_LAST
+#define FT_BWD_MODS_KV_RELEASE_LAST 0
+#endif
     static constexpr bool kKvReleaseLast =
-        FT_BWD_KV_RELEASE_LAST && kDqFirst && kEarlyKv && !kIsBlockSparse && !kScoreMods && !(kSwapDq && kIsCausal);
+        FT_BWD_KV_RELEASE_LAST && kDqFirst && kEarlyKv && !kIsBlockSparse &&
+        (kScoreMods ? FT_BWD_MODS_KV_RELEASE_LAST && !kMaskMod : !(kSwapDq && kIsCausal));
     // dK / dV written from there by TMA stores, so that the MMA warps go on to the next tile at once
     static constexpr bool kTmaStoreDkv = kEarlyKv && FT_TMA_STORE;
     // Where kEarlyKv stages a warpgroup's 64 rows of dK and dV. 64 / 128-query blocks: TileKV rows [64 w, 64 w + 64)
