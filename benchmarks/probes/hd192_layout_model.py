@@ -111,6 +111,19 @@ def check(name, got, want):
     return ok
 
 
+def gemm_t(smem, x_tile, yt_tile, w):
+    """The kernel's gemm_t: X^T Y_w (D x KEYS) for warpgroup w, X (M x D) MN-major at x_tile in 64-column blocks,
+    Y^T (N x M) K-major at yt_tile (dV^T: X = dO, Y^T = P^T; dK^T: X = Q, Y^T = dS^T)."""
+    acc = np.zeros((D, KEYS))
+    for i in range(D // 64):
+        part = np.zeros((64, KEYS))
+        for ks in range(M // 16):
+            wgmma(part, smem, (x_tile + i * M * 128 + ks * 16 * 128, M * 128, 1024, 1, True),
+                  (yt_tile + KEYS * w * 128 + ks * 32, 16, 1024, 1, False), KEYS)
+        acc[64 * i:64 * i + 64] = part
+    return acc
+
+
 def mask_walk_ok() -> bool:
     """The walk (QueryBlockWalk's first query block), each warpgroup's tile_needs_mask and the element mask against
     bottom-right causal / key-end visibility, brute force over small lengths: every visible (query, key) pair is
@@ -203,13 +216,7 @@ def main() -> int:
                 stmatrix_x4_trans(smem, [a[0] for a in addrs[kp]], [r[kp] for r in pregs])
                 stmatrix_x4_trans(smem, [a[1] for a in addrs[kp]], [r[kp] for r in dsregs])
         # dV_w^T += dO^T P_w
-        acc = np.zeros((D, KEYS))
-        for i in range(D // 64):
-            part = np.zeros((64, KEYS))
-            for ks in range(M // 16):
-                wgmma(part, smem, (s_do + i * M * 128 + ks * 16 * 128, M * 128, 1024, 1, True),
-                      (s_p + KEYS * w * 128 + ks * 32, 16, 1024, 1, False), KEYS)
-            acc[64 * i:64 * i + 64] = part
+        acc = gemm_t(smem, s_do, s_p, w)
         acc_dv[w] = acc
         ok &= check(f"dV_{w}^T", acc, (p_full[:, KEYS * w:KEYS * w + KEYS].T @ do).T)
     ok &= check("P^T tile", np.array([[smem.ld(tile_addr(s_p, N, 64, r, c)) for c in range(M)] for r in range(N)]),
@@ -221,13 +228,7 @@ def main() -> int:
                   (s_k + (DQN * w // KB) * N * KB * 2 + ks * 16 * KB * 2, N * KB * 2, 8 * KB * 2, 2, True), DQN)
         dq_w[w] = dq
         ok &= check(f"dQ[:, {DQN * w}:{DQN * w + DQN}]", dq, ds_full @ k[:, DQN * w:DQN * w + DQN])
-        acc = np.zeros((D, KEYS))
-        for i in range(D // 64):
-            part = np.zeros((64, KEYS))
-            for ks in range(M // 16):
-                wgmma(part, smem, (s_q + i * M * 128 + ks * 16 * 128, M * 128, 1024, 1, True),
-                      (s_ds + KEYS * w * 128 + ks * 32, 16, 1024, 1, False), KEYS)
-            acc[64 * i:64 * i + 64] = part
+        acc = gemm_t(smem, s_q, s_ds, w)
         acc_dk[w] = acc
         ok &= check(f"dK_{w}^T", acc, (ds_full[:, KEYS * w:KEYS * w + KEYS].T @ q).T)
         # dq_accum: thread's float4 j at 16 * (DQN w) + 4 lane + 128 j of its warp's 16-row group (row0 * D)

@@ -339,8 +339,11 @@ def bwd_sm90_q80_enabled() -> bool:
     return os.environ.get("FLASHTRAIN_BWD_SM90_Q80", "1") != "0"
 
 
-def _bwd_q80(causal: bool, seqlen_q: int | None) -> bool:
-    """The hd128 Hopper backward's 80-query blocks for a call of this query length (None: a short one)."""
+def _bwd_q80(causal: bool, seqlen_q: int | None, head_dim_eff: int | None = None) -> bool:
+    """The hd128 Hopper backward's 80-query blocks for a call of this query length (None: a short one) and MMA width
+    (head_dim_eff: one of SM90_NARROW_HEAD_DIMS, or None for all 128 columns)."""
+    if causal and head_dim_eff == 80 and BWD_SM90_HD80_CAUSAL_Q64:
+        return False
     return bwd_sm90_q80_enabled() and (not causal or (seqlen_q or 0) >= BWD_SM90_Q80_CAUSAL_SEQLEN)
 
 
@@ -747,8 +750,7 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
     plain = not (dropout or block_sparse or deterministic)
     if head_dim == 192 and tiles.split_keys and not BWD_SM90_HD192_N96:
         tiles = BWD_SM90_HD192_N64
-    if (head_dim == 128 and plain and _bwd_q80(causal, seqlen_q)
-            and not (causal and head_dim_eff == 80 and BWD_SM90_HD80_CAUSAL_Q64)):
+    if head_dim == 128 and plain and _bwd_q80(causal, seqlen_q, head_dim_eff):
         tiles = _dq_frag_choice(BWD_SM90_DENSE128_TILES, causal, head_dim_eff or head_dim)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
                           head_dim_eff or head_dim)

@@ -1695,19 +1695,24 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         fence_proxy_async();
         named_bar_sync(T::kBarP + W, 128);
 
-        // dV_w^T += dO^T P_w: m64 tile i = head-dim columns [64 i, 64 i + 64) (dO's column block i, MN-major), k-step
-        // ks = queries [16 ks, 16 ks + 16) (B: 32 bytes into the P^T rows, K-major)
+        // acc^T += X^T Y_w (dV^T: X = dO, Y = P; dK^T: X = Q, Y = dS): m64 tile i = head-dim columns [64 i, 64 i + 64)
+        // (X's column block i, MN-major), k-step ks = queries [16 ks, 16 ks + 16) (B: 32 bytes into Y^T's rows of
+        // this warpgroup's keys, K-major); first: the batch's first GEMMs (wgmma_fence after the operand fences)
+        auto gemm_t = [&](float (&acc)[kMT][kNK][4], u32 x_tile, u32 yt_tile, bool first) {
 #pragma unroll
-        for (int i = 0; i < kMT; ++i) fence_operand(acc_dv[i]);
-        wgmma_fence();
+            for (int i = 0; i < kMT; ++i) fence_operand(acc[i]);
+            if (first) wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < kMT; ++i)
+            for (int i = 0; i < kMT; ++i)
 #pragma unroll
-            for (int ks = 0; ks < kKQ; ++ks)
-                wgmma_ss_tn<kKeys, T::kIsBF16>(acc_dv[i],
-                                               gmma_desc_at(sdO_s, i * kBlockM * 128 + ks * 16 * 128, kBlockM * 128,
-                                                            1024),
-                                               gmma_desc_at(sP, kKeys * W * 128 + ks * 32, 16, 1024), 1);
+                for (int ks = 0; ks < kKQ; ++ks)
+                    wgmma_ss_tn<kKeys, T::kIsBF16>(acc[i],
+                                                   gmma_desc_at(x_tile, i * kBlockM * 128 + ks * 16 * 128,
+                                                                kBlockM * 128, 1024),
+                                                   gmma_desc_at(yt_tile, kKeys * W * 128 + ks * 32, 16, 1024), 1);
+        };
+        // dV_w^T += dO^T P_w
+        gemm_t(acc_dv, sdO_s, sP, true);
         wgmma_commit();
         const u32 stat_d = sm.sD(s) + 4 * (row0 + g);
         const float dsum[2] = {ld_shared_f32(stat_d), ld_shared_f32(stat_d + 32)};
@@ -1745,17 +1750,8 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
             else wgmma_ss_tt<kDqN, T::kIsBF16>(dq, desc_a, desc_b, 1);
         }
         wgmma_commit();
-        // dK_w^T += Q^T dS_w (as dV^T)
-#pragma unroll
-        for (int i = 0; i < kMT; ++i) fence_operand(acc_dk[i]);
-#pragma unroll
-        for (int i = 0; i < kMT; ++i)
-#pragma unroll
-            for (int ks = 0; ks < kKQ; ++ks)
-                wgmma_ss_tn<kKeys, T::kIsBF16>(acc_dk[i],
-                                               gmma_desc_at(sQ_s, i * kBlockM * 128 + ks * 16 * 128, kBlockM * 128,
-                                                            1024),
-                                               gmma_desc_at(sdS, kKeys * W * 128 + ks * 32, 16, 1024), 1);
+        // dK_w^T += Q^T dS_w
+        gemm_t(acc_dk, sQ_s, sdS, false);
         wgmma_commit();
         wgmma_wait<1>();  // dV^T and dQ done (dK^T may still run)
         add_dq(dq, m0, head);
