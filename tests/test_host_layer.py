@@ -270,3 +270,23 @@ def test_hopper_backward_plan_dq_layout_and_programmatic_launches(recording, cau
     assert main.params.bwd.fwd.seqlen_q == s and preprocess.grid == (75, b, h)
     monkeypatch.setenv("FLASHTRAIN_PDL", "0")
     assert [item.pdl for item in plan().launches] == [False, False, False]
+
+
+def test_hopper_backward_plan_sliding_window_blocks(recording):
+    """A causal hd128 call at 2400 queries runs the score-modification backward on 80-query blocks with ALiBi alone,
+    on 64-query blocks with a sliding window (build.BWD_SM90_WINDOW_Q64): the launch's kernel, its grid rows and the
+    window bounds it reads."""
+    from flashtrain.kernels import ops
+
+    arch, _ = recording
+    if arch != "sm_90a":
+        pytest.skip("the Hopper backward")
+    b, s, h, d = 1, 2400, 2, 128
+    q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
+    lse, slopes = torch.zeros(b, h, s), torch.ones(b, h)
+    for window, alibi, block_m in (((-1, -1), slopes, 80), ((512, -1), None, 64), ((512, -1), slopes, 64)):
+        _, main, _ = ops._bwd_plan(dout, q, k, v, out, lse, None, None, s, s, 0.0, 0.088, True, False, None,
+                                   window=window, alibi_slopes=alibi).launches
+        name = _SYMBOLS[main.kernel.handle.value]
+        assert name.endswith("_mods_nocap") and ("_q80" in name) == (block_m == 80), name
+        assert (main.params.bwd.fwd.window_left, main.params.bwd.fwd.window_right) == window

@@ -574,19 +574,25 @@ def test_causal_tile_groups(n_blocks, n_units, waves, expected, monkeypatch):
         assert group * n_blocks >= waves * 132 > (group - 1) * n_blocks
 
 
-@pytest.mark.parametrize("steps_per_tile, n_units, unit_bytes, expected", [
-    (32, 128, 2 << 20, 9),         # hd128 2K non-causal (64-query blocks): ceil(2 * 132 / 32) units per group
-    (256, 16, 16 << 20, 1),        # hd128 16K: one unit per group (L2 bound: 24 MiB / 16 MiB)
-    (16, 256, 1 << 20, 17),        # hd64 2K (128-query blocks)
-    (16.5, 4, 1 << 20, 4),         # fewer units than a group: one group
-    (4, 512, 4 << 20, 6),          # the L2 bound: 24 MiB / 4 MiB
+@pytest.mark.parametrize("steps_per_tile, n_units, unit_bytes, n_kblocks, expected", [
+    (32, 128, 2 << 20, 16, 9),      # hd128 2K non-causal (64-query blocks): ceil(2 * 132 / 32) units per group
+    (256, 16, 16 << 20, 128, 2),    # hd128 16K: the L2 bound (24 MiB / 16 MiB) is 1 unit, 128 tiles for 132 SMs
+    (128, 32, 8 << 20, 64, 3),      # hd128 8K: ceil(2 * 132 / 128) units, within the L2 bound
+    (16, 256, 1 << 20, 8, 17),      # hd64 2K (128-query blocks)
+    (16.5, 4, 1 << 20, 16, 4),      # fewer units than a group: one group
+    (4, 512, 4 << 20, 64, 6),       # the L2 bound: 24 MiB / 4 MiB (6 x 64 tiles fill the SMs)
 ])
-def test_deterministic_tile_groups(steps_per_tile, n_units, unit_bytes, expected):
-    """ops._det_tile_group: units per group of the Hopper deterministic backward's tiles."""
+def test_deterministic_tile_groups(steps_per_tile, n_units, unit_bytes, n_kblocks, expected, monkeypatch):
+    """ops._det_tile_group: units per group of the Hopper deterministic backward's tiles: DET_GROUP_STEPS waves of
+    steps, at most DET_GROUP_L2_BYTES of rows, at least one tile per SM (DET_GROUP_FULL_WAVE)."""
     from flashtrain.kernels import ops
 
-    group = ops._det_tile_group(steps_per_tile, n_units, unit_bytes, 132)
+    group = ops._det_tile_group(steps_per_tile, n_units, unit_bytes, 132, n_kblocks)
     assert group == expected and 1 <= group <= n_units
+    assert (group == n_units or group * unit_bytes <= ops.DET_GROUP_L2_BYTES or group == 1
+            or (group - 1) * n_kblocks < 132)
+    monkeypatch.setattr(ops, "DET_GROUP_FULL_WAVE", 0)  # the L2 bound alone
+    group = ops._det_tile_group(steps_per_tile, n_units, unit_bytes, 132, n_kblocks)
     assert group == n_units or group * unit_bytes <= ops.DET_GROUP_L2_BYTES or group == 1
 
 
@@ -619,6 +625,13 @@ def test_hopper_mods_kernels_without_softcap_run_the_nocap_variants(monkeypatch)
                                 seqlen_q=seqlen_q).block_m == 64
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=long,
                             mask_defines=(("FT_MASK_MOD", 1),)).block_m == 64
+    # ... but a sliding window keeps the 64-query blocks (BWD_SM90_WINDOW_Q64; A/B switch 0: the 80-query ones)
+    window = build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=long,
+                              window=True)
+    assert window.block_m == 64 and window.name.endswith("_mods_nocap"), window.name
+    monkeypatch.setattr(build, "BWD_SM90_WINDOW_Q64", 0)
+    assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=long,
+                            window=True).block_m == 80
     monkeypatch.setenv("FLASHTRAIN_MODS_NOCAP", "0")
     assert build.fwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_mods")
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_mods")

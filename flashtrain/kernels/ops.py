@@ -444,7 +444,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
                             score_mods=_score_mods(window, softcap, alibi_slopes) or mask is not None,
                             softcap=softcap > 0,
-                            mask_defines=mask.kernel_defines() if mask is not None else ())
+                            mask_defines=mask.kernel_defines() if mask is not None else (),
+                            window=window[0] >= 0)
     tiles = spec.tiles
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                       bs_cols=bs_cols, window=window, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask,
@@ -567,7 +568,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         m_blocks = math.ceil(fwd.seqlen_q / tiles.block_m)
         params.fwd.causal_tile_group = _det_tile_group(
             (m_blocks + 1) / 2 if causal else m_blocks, batch * nheads_kv * params.kv_splits,
-            8 * fwd.seqlen_q * head_dim * (nheads // nheads_kv // params.kv_splits), launch.sm_count(q.device))
+            8 * fwd.seqlen_q * head_dim * (nheads // nheads_kv // params.kv_splits), launch.sm_count(q.device),
+            n_kblocks)
     grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)
     if hopper:  # tiles (key block, batch, kv head, GQA split) along x: at most one CTA per SM when persistent
         n_tiles = math.prod(grid) * params.kv_splits
@@ -628,21 +630,28 @@ def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int) -> int:
 # The Hopper deterministic backward's tile order: units per group (FwdParams.causal_tile_group; 0: key blocks
 # fastest), ceil(DET_GROUP_STEPS * sm_count / steps_per_tile) ...
 DET_GROUP_STEPS = 2.0
-# ... and no more units than keep this many bytes of their Q and dO rows (bf16) and dq_accum rows (fp32) in L2
+# ... and no more units than keep this many bytes of their Q and dO rows (bf16) and dq_accum rows (fp32) in L2 ...
 DET_GROUP_L2_BYTES = 24 << 20
+# ... but (DET_GROUP_FULL_WAVE = 1) at least enough units for one tile per SM: a group of fewer tiles than SMs leaves
+# SMs idle until its last tiles end (hd128 16K non-causal, 64-query blocks: one 16 MiB unit is 128 key blocks on 132
+# SMs; two units measured 1.011x, H200, 2026-11-30). 0: the L2 bound alone (A/B).
+DET_GROUP_FULL_WAVE = 1
 
 
-def _det_tile_group(steps_per_tile: float, n_units: int, unit_bytes: int, sm_count: int) -> int:
+def _det_tile_group(steps_per_tile: float, n_units: int, unit_bytes: int, sm_count: int, n_kblocks: int = 0) -> int:
     """Units per tile group of the Hopper deterministic backward (0: key blocks fastest; steps_per_tile: a tile's
-    query blocks, unit_bytes: a unit's Q, dO and dq_accum rows). Fewer of a unit's key blocks then run at once, in one
-    chain of turns. H200, 2026-11-25, deterministic / default backward at 2K-16K, hd64 and hd128: these groups
-    0.73-0.91x; key blocks fastest 0.67-0.84x with 2-4 chains of their own dq_accum, 0.49-0.83x with one; 4 units per
-    group within 0.01 of these except hd128 causal 16K (0.72 vs 0.79); 33 units 0.57-0.84x and all units 0.56-0.79x
-    (the units' Q, dO and dq_accum leave L2)."""
+    query blocks, unit_bytes: a unit's Q, dO and dq_accum rows, n_kblocks: a unit's tiles). Fewer of a unit's key
+    blocks then run at once, in one chain of turns. H200, 2026-11-25, deterministic / default backward at 2K-16K, hd64
+    and hd128: these groups 0.73-0.91x; key blocks fastest 0.67-0.84x with 2-4 chains of their own dq_accum, 0.49-0.83x
+    with one; 4 units per group within 0.01 of these except hd128 causal 16K (0.72 vs 0.79); 33 units 0.57-0.84x and
+    all units 0.56-0.79x (the units' Q, dO and dq_accum leave L2)."""
     if DET_GROUP_STEPS <= 0:
         return 0
     want = math.ceil(DET_GROUP_STEPS * sm_count / max(1.0, steps_per_tile))
-    return max(1, min(n_units, want, DET_GROUP_L2_BYTES // max(1, unit_bytes)))
+    group = min(want, DET_GROUP_L2_BYTES // max(1, unit_bytes))
+    if DET_GROUP_FULL_WAVE and n_kblocks > 0:
+        group = max(group, math.ceil(sm_count / n_kblocks))
+    return max(1, min(n_units, group))
 
 
 def _gqa_splits(group: int, seqlen_q: int, seqlen_k: int, tiles, causal: bool, n_bh: int, sm_count: int) -> int:

@@ -283,10 +283,11 @@ struct BwdSm90Traits {
 #ifndef FT_BWD_DQ_FIRST64
 #define FT_BWD_DQ_FIRST64 1
 #endif
-    // (FT_BWD_MODS_DQ_FIRST=1, A/B only: the 64-query score-modification kernels without softcap or a mask
-    // expression too)
+    // ... and the 64-query score-modification kernels without softcap or a mask expression (FT_BWD_MODS_DQ_FIRST,
+    // default 1; 0 for A/Bs): with the early K / V release below, the sliding-window backward 1.02-1.04x over neither
+    // (H200, hd128 causal window 1024 at 4K / 16K, window 256 at 16K; kernel_ab-h200.json)
 #ifndef FT_BWD_MODS_DQ_FIRST
-#define FT_BWD_MODS_DQ_FIRST 0
+#define FT_BWD_MODS_DQ_FIRST 1
 #endif
     static constexpr bool kDqFirst =
         kDeferDq == 0 &&
@@ -358,14 +359,17 @@ struct BwdSm90Traits {
 #ifndef FT_BWD_KV_RELEASE_LAST
 #define FT_BWD_KV_RELEASE_LAST 1
 #endif
-    // (FT_BWD_MODS_KV_RELEASE_LAST=1, A/B only: the score-modification kernels without a mask expression too, the
-    // causal 80-query one included: a sliding window's tiles are short, so the next tile's K / V wait counts more)
+    // The score-modification kernels without a mask expression: the 64-query ones (FT_BWD_MODS_KV_RELEASE_LAST,
+    // default 1: a sliding window's tiles are short, so the next tile's K / V wait counts more; 0: none, 2: the
+    // 80-query ones too, for A/Bs)
 #ifndef FT_BWD_MODS_KV_RELEASE_LAST
-#define FT_BWD_MODS_KV_RELEASE_LAST 0
+#define FT_BWD_MODS_KV_RELEASE_LAST 1
 #endif
     static constexpr bool kKvReleaseLast =
         FT_BWD_KV_RELEASE_LAST && kDqFirst && kEarlyKv && !kIsBlockSparse &&
-        (kScoreMods ? FT_BWD_MODS_KV_RELEASE_LAST && !kMaskMod : !(kSwapDq && kIsCausal));
+        (kScoreMods ? (FT_BWD_MODS_KV_RELEASE_LAST == 2 || (FT_BWD_MODS_KV_RELEASE_LAST == 1 && !kSwapDq)) &&
+                          !kMaskMod
+                    : !(kSwapDq && kIsCausal));
     // dK / dV written from there by TMA stores, so that the MMA warps go on to the next tile at once
     static constexpr bool kTmaStoreDkv = kEarlyKv && FT_TMA_STORE;
     // Where kEarlyKv stages a warpgroup's 64 rows of dK and dV. 64 / 128-query blocks: TileKV rows [64 w, 64 w + 64)
