@@ -322,7 +322,7 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
                                                        (not softcap or build.BWD_SM90_MODS_SOFTCAP[head_dim]))
         if causal and head_dim == 128 and not softcap:
             assert build.bwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True,
-                                    seqlen_q=2100).block_m == 80
+                                    seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN).block_m == 80
     features = dict(features)
     if causal and features.get("window_size", (-1, -1))[1] not in (-1, 0):
         features["window_size"] = (features["window_size"][0], 0)
@@ -335,15 +335,16 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
         batch_features["alibi_slopes"] = features["alibi_slopes"][:2]
     shapes = [(300, 300), (200, 457), (457, 200), (1, 333), (1100, 1100)]
     long_q80 = family == "default" and causal and head_dim == 128 and "softcap" not in features
+    long = build.BWD_SM90_Q80_CAUSAL_SEQLEN + 52
     if long_q80:  # the Hopper hd128 causal backward's 80-query blocks (from BWD_SM90_Q80_CAUSAL_SEQLEN queries)
-        shapes += [(2100, 2100), (2100, 2400)]
+        shapes += [(long, long), (long, long + 300)]
     for index, (seqlen_q, seqlen_k) in enumerate(shapes):
         q, k, v, dout = _inputs((2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim), torch.bfloat16, seed=index)
         _check_against_reference(q, k, v, dout, causal=causal, features=batch_features)
     if long_q80:
-        lengths = [2100, 300]
-        cu = torch.tensor([0, 2100, 2400], dtype=torch.int32, device="cuda")
-        q, k, v, dout = _inputs((2400, 4, head_dim), (2400, 2, head_dim), torch.bfloat16, seed=7)
+        lengths = [long, 300]
+        cu = torch.tensor([0, long, long + 300], dtype=torch.int32, device="cuda")
+        q, k, v, dout = _inputs((long + 300, 4, head_dim), (long + 300, 2, head_dim), torch.bfloat16, seed=7)
         _check_against_reference(q, k, v, dout, causal=causal, features=batch_features, cu_seqlens_q=cu,
                                  cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
     lengths_q, lengths_k = [150, 0, 37, 260], [150, 12, 80, 200]
@@ -619,6 +620,10 @@ def _sanitizer_grid() -> None:
         q, k, v, dout = _inputs((1, 2048, 16, head_dim), (1, 2048, nheads_kv, head_dim), torch.bfloat16)
         _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, return_lse=True,
                                              impl="cuda"), q, k, v, dout)
+    # the causal hd128 backward's 80-query blocks (from BWD_SM90_Q80_CAUSAL_SEQLEN queries), with a partial last block
+    q, k, v, dout = _inputs((1, build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40, 2, 128),
+                            (1, build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40, 2, 128), torch.bfloat16)
+    _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
     # the causal hd128 forward below 1K query rows (two Q buffers) with several tiles per CTA (256 tiles)
     q, k, v, dout = _inputs((2, 960, 16, 128), (2, 960, 16, 128), torch.bfloat16)
     _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)

@@ -242,7 +242,7 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_hopper_backward_plan_dq_layout_and_programmatic_launches(recording, causal, monkeypatch):
-    """The Hopper hd128 backward at 2400 queries (80-query blocks): the main kernel and the dq conversion are programmatic
+    """The Hopper hd128 backward at 4160 queries (80-query blocks): the main kernel and the dq conversion are programmatic
     dependent launches (FLASHTRAIN_PDL=0: plain launches); non-causal, dq_accum in fragment order, converted by one CTA
     per 80-row block without the plain-row tensor map; causal, plain rows (tma_dq, 32-row conversion CTAs)."""
     from flashtrain.kernels import launch, ops
@@ -250,7 +250,8 @@ def test_hopper_backward_plan_dq_layout_and_programmatic_launches(recording, cau
     arch, _ = recording
     if arch != "sm_90a":
         pytest.skip("the Hopper backward")
-    b, s, h, d = 2, 2400, 4, 128  # (30 blocks of 80 rows, 75 conversion CTAs of 32)
+    b, s, h, d = 2, 4160, 4, 128  # (52 blocks of 80 rows, 130 conversion CTAs of 32)
+    assert s >= build.BWD_SM90_Q80_CAUSAL_SEQLEN
     q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
     lse = torch.zeros(b, h, s)
 
@@ -262,18 +263,18 @@ def test_hopper_backward_plan_dq_layout_and_programmatic_launches(recording, cau
     assert main.kernel.threads == 384
     tma_dq = ops._offset(launch.BwdSm90Params, "tma_dq")
     if causal:
-        assert convert.params.dq_frag == 0 and convert.grid == (75, b, h)
+        assert convert.params.dq_frag == 0 and convert.grid == (130, b, h)
         assert tma_dq in [offset for offset, _, _ in main.tensor_maps]
     else:
-        assert convert.params.dq_frag == 1 and convert.grid == (30, b, h)
+        assert convert.params.dq_frag == 1 and convert.grid == (52, b, h)
         assert tma_dq not in [offset for offset, _, _ in main.tensor_maps]
-    assert main.params.bwd.fwd.seqlen_q == s and preprocess.grid == (75, b, h)
+    assert main.params.bwd.fwd.seqlen_q == s and preprocess.grid == (130, b, h)
     monkeypatch.setenv("FLASHTRAIN_PDL", "0")
     assert [item.pdl for item in plan().launches] == [False, False, False]
 
 
 def test_hopper_backward_plan_sliding_window_blocks(recording):
-    """A causal hd128 call at 2400 queries runs the score-modification backward on 80-query blocks with ALiBi alone,
+    """A causal hd128 call at 4160 queries runs the score-modification backward on 80-query blocks with ALiBi alone,
     on 64-query blocks with a sliding window (build.BWD_SM90_WINDOW_Q64): the launch's kernel, its grid rows and the
     window bounds it reads."""
     from flashtrain.kernels import ops
@@ -281,7 +282,7 @@ def test_hopper_backward_plan_sliding_window_blocks(recording):
     arch, _ = recording
     if arch != "sm_90a":
         pytest.skip("the Hopper backward")
-    b, s, h, d = 1, 2400, 2, 128
+    b, s, h, d = 1, 4160, 2, 128
     q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
     lse, slopes = torch.zeros(b, h, s), torch.ones(b, h)
     for window, alibi, block_m in (((-1, -1), slopes, 80), ((512, -1), None, 64), ((512, -1), slopes, 64)):

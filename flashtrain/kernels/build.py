@@ -300,9 +300,13 @@ BWD_SM90_HD192_N96 = int(os.environ.get("FLASHTRAIN_BWD_SM90_HD192_N96", "1"))
 BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
 
 
-# ... causal from this query length (H200, 2026-11-26 00:40 UTC, benchmark grid: hd128 causal 512 backward 197 vs 227
-# TFLOP/s of the 64-query kernel, 1K 341 vs 344; from 2K 1.04-1.11x, above)
-BWD_SM90_Q80_CAUSAL_SEQLEN = 2048
+# ... causal from this query length: 4K. Since the 64-query kernel issues dQ first and releases K / V early
+# (kDqFirst, kKvReleaseLast), it is ahead below 4K (H200, 2026-11-30 08:52 UTC, backward TFLOP/s 64-query / 80-query:
+# hd128 causal 3K 478.5 / 469.5, 2K 442.0 / 443.5 (and 1.025x in a second run), GQA 32/8 2K 390.2 / 379.9, GQA 16/2 2K
+# 403.2 / 390.9) and behind from 4K (0.97-0.99x at 4K-16K). Head dims 81-96 keep 2K: the 64-query kernel computes
+# their dQ in two pieces and measured 0.977x at 2K. (2026-11-26, before dQ first there: 80 queries 1.04-1.11x from 2K.)
+BWD_SM90_Q80_CAUSAL_SEQLEN = 4096
+BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN = 2048
 # ... except head dims 65-80 causal, which keep the 64-query blocks at every length: there warpgroup 0 computes the
 # whole m64n80 dQ (flash_bwd_sm90.cuh FT_BWD_NARROW_DQ), where the 80-query kernel's transposed dQ^T still spends an
 # m64 GEMM on head-dim rows 64-127 of which 16 are non-zero. H200, 2026-11-30, interleaved CUDA-graph replays,
@@ -351,7 +355,8 @@ def _bwd_q80(causal: bool, seqlen_q: int | None, head_dim_eff: int | None = None
     (head_dim_eff: one of SM90_NARROW_HEAD_DIMS, or None for all 128 columns)."""
     if causal and head_dim_eff == 80 and BWD_SM90_HD80_CAUSAL_Q64:
         return False
-    return bwd_sm90_q80_enabled() and (not causal or (seqlen_q or 0) >= BWD_SM90_Q80_CAUSAL_SEQLEN)
+    threshold = BWD_SM90_Q80_CAUSAL_SEQLEN if head_dim_eff in (None, 128) else BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN
+    return bwd_sm90_q80_enabled() and (not causal or (seqlen_q or 0) >= threshold)
 
 
 def _bwd_tile_overrides() -> None:
