@@ -320,9 +320,12 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
         assert (fwd.source == "flash_fwd_sm90.cu") == (head_dim in build.FWD_SM90_MODS_HEAD_DIMS)
         assert (bwd.source == "flash_bwd_sm90.cu") == (head_dim in build.BWD_SM90_MODS_HEAD_DIMS and
                                                        (not softcap or build.BWD_SM90_MODS_SOFTCAP[head_dim]))
-        if causal and head_dim == 128 and not softcap:
+        if causal and head_dim == 128 and not softcap:  # long calls: 80-query blocks unless a short sliding window
+            left = features.get("window_size", (-1, -1))[0]
+            sliding = 0 <= left <= build.BWD_SM90_WINDOW_Q64_MAX_LEFT
             assert build.bwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True,
-                                    seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN).block_m == 80
+                                    seqlen_q=build.BWD_SM90_MODS_Q80_CAUSAL_SEQLEN,
+                                    window_left=left).block_m == (64 if sliding else 80)
     features = dict(features)
     if causal and features.get("window_size", (-1, -1))[1] not in (-1, 0):
         features["window_size"] = (features["window_size"][0], 0)
@@ -335,8 +338,9 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
         batch_features["alibi_slopes"] = features["alibi_slopes"][:2]
     shapes = [(300, 300), (200, 457), (457, 200), (1, 333), (1100, 1100)]
     long_q80 = family == "default" and causal and head_dim == 128 and "softcap" not in features
-    long = build.BWD_SM90_Q80_CAUSAL_SEQLEN + 52
-    if long_q80:  # the Hopper hd128 causal backward's 80-query blocks (from BWD_SM90_Q80_CAUSAL_SEQLEN queries)
+    long = build.BWD_SM90_MODS_Q80_CAUSAL_SEQLEN + 52
+    if long_q80:  # the Hopper hd128 causal mods backward's 80-query blocks (from BWD_SM90_MODS_Q80_CAUSAL_SEQLEN
+        # queries; the short sliding windows: 64-query blocks with the early K / V release, over many key blocks)
         shapes += [(long, long), (long, long + 300)]
     for index, (seqlen_q, seqlen_k) in enumerate(shapes):
         q, k, v, dout = _inputs((2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim), torch.bfloat16, seed=index)
@@ -623,9 +627,14 @@ def _sanitizer_grid() -> None:
     # the causal hd128 backward's 80-query blocks (from BWD_SM90_Q80_CAUSAL_SEQLEN queries), with a partial last block
     from flashtrain.kernels import build
 
-    q, k, v, dout = _inputs((1, build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40, 2, 128),
-                            (1, build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40, 2, 128), torch.bfloat16)
+    q, k, v, dout = _inputs((1, build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40, 8, 128),
+                            (1, build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40, 8, 128), torch.bfloat16)
     _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
+    # the causal hd128 mods backward with a sliding window (64-query blocks, K / V released by a tile's last query
+    # block), GQA, more keys than queries (key blocks before the first query's window: tiles without query blocks)
+    q, k, v, dout = _inputs((1, 700, 8, 128), (1, 1500, 2, 128), torch.bfloat16)
+    _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, window_size=(256, 0), return_lse=True, impl="cuda"),
+         q, k, v, dout)
     # the causal hd128 forward below 1K query rows (two Q buffers) with several tiles per CTA (256 tiles)
     q, k, v, dout = _inputs((2, 960, 16, 128), (2, 960, 16, 128), torch.bfloat16)
     _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)

@@ -274,9 +274,9 @@ def test_hopper_backward_plan_dq_layout_and_programmatic_launches(recording, cau
 
 
 def test_hopper_backward_plan_sliding_window_blocks(recording):
-    """A causal hd128 call at 4160 queries runs the score-modification backward on 80-query blocks with ALiBi alone,
-    on 64-query blocks with a sliding window (build.BWD_SM90_WINDOW_Q64): the launch's kernel, its grid rows and the
-    window bounds it reads."""
+    """A causal hd128 call at 4160 queries runs the score-modification backward on 80-query blocks with ALiBi alone or
+    a window longer than build.BWD_SM90_WINDOW_Q64_MAX_LEFT, on 64-query blocks with a shorter sliding window
+    (build.BWD_SM90_WINDOW_Q64): the launch's kernel and the window bounds it reads."""
     from flashtrain.kernels import ops
 
     arch, _ = recording
@@ -285,9 +285,32 @@ def test_hopper_backward_plan_sliding_window_blocks(recording):
     b, s, h, d = 1, 4160, 2, 128
     q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
     lse, slopes = torch.zeros(b, h, s), torch.ones(b, h)
-    for window, alibi, block_m in (((-1, -1), slopes, 80), ((512, -1), None, 64), ((512, -1), slopes, 64)):
+    for window, alibi, block_m in (((-1, -1), slopes, 80), ((512, -1), None, 64), ((512, -1), slopes, 64),
+                                   ((3000, -1), None, 80)):
         _, main, _ = ops._bwd_plan(dout, q, k, v, out, lse, None, None, s, s, 0.0, 0.088, True, False, None,
                                    window=window, alibi_slopes=alibi).launches
         name = _SYMBOLS[main.kernel.handle.value]
         assert name.endswith("_mods_nocap") and ("_q80" in name) == (block_m == 80), name
         assert (main.params.bwd.fwd.window_left, main.params.bwd.fwd.window_right) == window
+
+
+def test_hopper_deterministic_plan_tile_groups(recording, monkeypatch):
+    """The deterministic hd128 backward at 16K non-causal queries, 2 heads: each head's Q, dO and dq_accum rows (16
+    MiB) exceed half the L2 bound (ops.DET_GROUP_L2_BYTES), but a group of one head would be 128 tiles on 132 SMs, so
+    the plan groups both heads (ops.DET_GROUP_FULL_WAVE; 0: the L2 bound alone, one head)."""
+    from flashtrain.kernels import ops
+
+    arch, _ = recording
+    if arch != "sm_90a":
+        pytest.skip("the Hopper backward")
+    b, s, h, d = 1, 16384, 2, 128
+    q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.zeros(b, h, s)
+
+    def group():
+        main = ops._bwd_plan(dout, q, k, v, out, lse, None, None, s, s, 0.0, 0.088, False, True, None).launches[1]
+        return main.params.bwd.fwd.causal_tile_group
+
+    assert group() == 2
+    monkeypatch.setattr(ops, "DET_GROUP_FULL_WAVE", 0)
+    assert group() == 1

@@ -48,6 +48,7 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_narrow = len(build.SM90_NARROW_HEAD_DIMS) * (2 * 2 * 2 + 2 * 2 + (2 + 1 + 2 + 2) * 2)
     hopper_q80 = 2 * 2  # the hd128 backward's other query block (64 rows, or 80 with FLASHTRAIN_BWD_SM90_Q80=0), x dtype
     # x causal
+    hopper_q80 += 2  # the hd128 causal backward of long calls (80-query blocks, plain-row dQ^T), x dtype
     hopper_q80 += 2 * 2  # the hd192 backward's other key tile (64 keys, or 96 with BWD_SM90_HD192_N96=0), x dtype x causal
     # the forward and (head dims 64 / 128) the backward with score modifications, x dtype x causal, each without
     # softcap (`_nocap`, the calls without one) and with it (the backward where it has that variant: head dim 128)
@@ -577,6 +578,18 @@ def test_causal_tile_groups(n_blocks, n_units, waves, expected, monkeypatch):
         assert group * n_blocks >= waves * 132 > (group - 1) * n_blocks
 
 
+def test_all_kernels_lists_what_calls_dispatch_to():
+    """Every Hopper backward that a dense call at head dim 128 (causal or not, short or long, with or without a
+    window) dispatches to is in all_kernels (which CI compiles and `python -m flashtrain.kernels.build` prebuilds)."""
+    names = {spec.name for spec in build.all_kernels()}
+    for causal in (False, True):
+        for seqlen_q in (None, 1 << 20):
+            assert build.bwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, seqlen_q=seqlen_q).name in names
+            for window_left in (-1, 256):
+                assert build.bwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, seqlen_q=seqlen_q,
+                                        score_mods=True, window_left=window_left).name in names
+
+
 @pytest.mark.parametrize("steps_per_tile, n_units, unit_bytes, n_kblocks, expected", [
     (32, 128, 2 << 20, 16, 9),      # hd128 2K non-causal (64-query blocks): ceil(2 * 132 / 32) units per group
     (256, 16, 16 << 20, 128, 2),    # hd128 16K: the L2 bound (24 MiB / 16 MiB) is 1 unit, 128 tiles for 132 SMs
@@ -628,13 +641,24 @@ def test_hopper_mods_kernels_without_softcap_run_the_nocap_variants(monkeypatch)
                                 seqlen_q=seqlen_q).block_m == 64
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=long,
                             mask_defines=(("FT_MASK_MOD", 1),)).block_m == 64
-    # ... but a sliding window keeps the 64-query blocks (BWD_SM90_WINDOW_Q64; A/B switch 0: the 80-query ones)
-    window = build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=long,
-                              window=True)
-    assert window.block_m == 64 and window.name.endswith("_mods_nocap"), window.name
-    monkeypatch.setattr(build, "BWD_SM90_WINDOW_Q64", 0)
+    # (the mods kernels from their own threshold)
+    mods_long = build.BWD_SM90_MODS_Q80_CAUSAL_SEQLEN
+    assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True,
+                            seqlen_q=mods_long).block_m == 80
+    assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True,
+                            seqlen_q=mods_long - 1).block_m == 64
+    # ... but a sliding window of at most BWD_SM90_WINDOW_Q64_MAX_LEFT keys keeps the 64-query blocks
+    # (BWD_SM90_WINDOW_Q64; A/B switch 0: the 80-query ones); a longer window, or none, takes 80
+    def window_blocks(left):
+        return build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=long,
+                                window_left=left).block_m
+
+    assert [window_blocks(left) for left in (0, 256, build.BWD_SM90_WINDOW_Q64_MAX_LEFT,
+                                             build.BWD_SM90_WINDOW_Q64_MAX_LEFT + 1, -1)] == [64, 64, 64, 80, 80]
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=long,
-                            window=True).block_m == 80
+                            window_left=256).name.endswith("_mods_nocap")
+    monkeypatch.setattr(build, "BWD_SM90_WINDOW_Q64", 0)
+    assert window_blocks(256) == 80
     monkeypatch.setenv("FLASHTRAIN_MODS_NOCAP", "0")
     assert build.fwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_mods")
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_mods")

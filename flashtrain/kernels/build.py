@@ -328,8 +328,15 @@ BWD_SM90_MODS_TILES = {64: BWD_SM90_TILES[64], 128: BWD_SM90_TILES[128]}
 # FT_BWD_MODS_KV_RELEASE_LAST) the 64-query kernel ran hd128 causal window 1024 at 16K 442.3 against the 80-query
 # kernel's 431.7 TFLOP/s (1.025x), at 4K 1.036x, window 256 at 16K 1.097x (H200, 2026-11-30, kernel_ab-h200.json).
 # A window's tiles are short (window / block_n query blocks), so the 80-query kernel's longer steps gain less there.
-# BWD_SM90_WINDOW_Q64 = 0: the 80-query kernel for windows too (A/B: flashtrain@build.BWD_SM90_WINDOW_Q64=0).
+# Windows of at most BWD_SM90_WINDOW_Q64_MAX_LEFT keys (the measured ones); a longer window does more of plain causal
+# attention's work, where the 80-query kernel led (window (S, 0) at 8K: 1.09x, above, before the 64-query kernel's
+# dQ first). BWD_SM90_WINDOW_Q64 = 0: the 80-query kernel for windows too (A/B:
+# flashtrain@build.BWD_SM90_WINDOW_Q64=0).
 BWD_SM90_WINDOW_Q64 = 1
+BWD_SM90_WINDOW_Q64_MAX_LEFT = 1024
+# The mods kernels' own 80-query threshold (causal, no window): the query length from which the plain kernel took
+# 80-query blocks when the mods ones were measured (ALiBi 2K: 80 / 64 queries 433.5 / 420.3 TFLOP/s, above).
+BWD_SM90_MODS_Q80_CAUSAL_SEQLEN = 2048
 BWD_SM90_MODS_HEAD_DIMS = tuple(BWD_SM90_MODS_TILES)
 # ... with softcap (its derivative kept per element for dS^T): head dim 128; at 64 (128-query blocks) those registers
 # spilled inside the loop (ptxas, 97 spill instructions between the first and last HGMMA), so the head-dim-64 kernel
@@ -712,14 +719,14 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
                arch: str | None = None, deterministic: bool = False, smem_limit: int | None = None,
                effective_head_dim: int | None = None, seqlen_q: int | None = None,
                score_mods: bool = False, softcap: bool = False, mask_defines: tuple = (),
-               window: bool = False) -> KernelSpec:
+               window_left: int = -1) -> KernelSpec:
     """The backward kernel for these features (head_dim: the instantiated one, rounded_head_dim; effective_head_dim:
     the call's own, when smaller); on arch sm_90a the warpgroup-MMA kernel where it exists and fits smem_limit (bytes
     of shared memory per block; None: no limit): head dims 65-96 there run the hd128 tiles with the MMA work of 80 or
     96 columns (sm90_narrow_width; dense, not deterministic). seqlen_q: the call's (max) query length, which picks the
     causal hd128 tiles (None: the short ones). score_mods (SCORE_MODS): the `_mods` variants, on sm_90a the warpgroup-MMA backward at
     head dims 64 / 128 (not deterministic: flash_bwd.cuh runs that; softcap (a call with one) at head dim 64 neither:
-    BWD_SM90_MODS_SOFTCAP); window: the call has a sliding window (its tile choice, bwd_sm90_mods_kernel)."""
+    BWD_SM90_MODS_SOFTCAP); window_left: the call's left window bound, -1 for none (its tiles: bwd_sm90_mods_kernel)."""
     _check_score_mods(score_mods, dropout, block_sparse)
     if mask_defines:  # a mask expression (MaskMod.kernel_defines) compiled into the mods kernel
         if (arch == SM90_ARCH and head_dim in BWD_SM90_MODS_HEAD_DIMS and head_dim in MASK_SM90_HEAD_DIMS
@@ -732,7 +739,8 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     if score_mods:
         if (arch == SM90_ARCH and head_dim in BWD_SM90_MODS_HEAD_DIMS and sm90_enabled() and not deterministic
                 and (not softcap or BWD_SM90_MODS_SOFTCAP[head_dim])):
-            spec = bwd_sm90_mods_kernel(head_dim, dtype, causal, softcap=softcap, seqlen_q=seqlen_q, window=window)
+            spec = bwd_sm90_mods_kernel(head_dim, dtype, causal, softcap=softcap, seqlen_q=seqlen_q,
+                                        window_left=window_left)
             if _fits(spec, smem_limit):
                 return spec
         return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit), True)
@@ -796,18 +804,20 @@ def _dq_frag_choice(tiles: BwdSm90Tiles, causal: bool, head_dim_eff: int) -> Bwd
 
 
 def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: tuple = (),
-                         softcap: bool = False, seqlen_q: int | None = None, window: bool = False) -> KernelSpec:
+                         softcap: bool = False, seqlen_q: int | None = None, window_left: int = -1) -> KernelSpec:
     """The Hopper backward's score-modification variant (window, softcap, ALiBi; dense, no dropout), with a mask
     expression compiled in when mask_defines is given. softcap=False (a call without one): the variant without
     softcap's derivative (`_nocap`, _mods_variant; the only one at head dim 64, BWD_SM90_MODS_SOFTCAP), at head dim
-    128 causal on 80-query blocks where _bwd_q80 says so for the call's (max) query length seqlen_q
-    (BWD_SM90_MODS_TILES), unless window (the call has a sliding window: BWD_SM90_WINDOW_Q64)."""
+    128 causal on 80-query blocks from BWD_SM90_MODS_Q80_CAUSAL_SEQLEN queries (the call's (max) query length
+    seqlen_q), unless window_left (the window's left bound, -1: none) makes it a sliding window of at most
+    BWD_SM90_WINDOW_Q64_MAX_LEFT keys (BWD_SM90_WINDOW_Q64)."""
     if softcap and not BWD_SM90_MODS_SOFTCAP[head_dim]:
         raise ValueError(f"the Hopper backward at head dim {head_dim} has no softcap variant (BWD_SM90_MODS_SOFTCAP)")
     mods = _mods_variant(softcap, BWD_SM90_MODS_SOFTCAP[head_dim])
     tiles = BWD_SM90_MODS_TILES[head_dim]
-    if (head_dim == 128 and mods == 2 and causal and not mask_defines and _bwd_q80(causal, seqlen_q)
-            and not (window and BWD_SM90_WINDOW_Q64)):
+    sliding = BWD_SM90_WINDOW_Q64 and 0 <= window_left <= BWD_SM90_WINDOW_Q64_MAX_LEFT
+    if (head_dim == 128 and mods == 2 and causal and not mask_defines and not sliding and bwd_sm90_q80_enabled()
+            and (seqlen_q or 0) >= BWD_SM90_MODS_Q80_CAUSAL_SEQLEN):
         tiles = BWD_SM90_DENSE128_TILES
     tiles = _dq_frag_choice(tiles, causal, head_dim)
     return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim, mods, tuple(mask_defines))
@@ -942,6 +952,8 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               for seqlen_q, seqlen_k in ((0, 0), (1, 0), (0, LONG_KEYS_SEQLEN))  # (hd128: no long-causal tiles)
               if _fits(spec := fwd_sm90_kernel(128, dtype, causal, dropout, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                                head_dim_eff=narrow), smem_limit)]
+    specs += [spec for dtype in DTYPES  # the hd128 causal backward of long calls (80-query blocks, plain-row dQ^T)
+              if _fits(spec := bwd_sm90_kernel(128, dtype, True, seqlen_q=1 << 20), smem_limit)]
     specs += [spec for dtype in DTYPES  # the hd128 backward's other query block (A/B: FLASHTRAIN_BWD_SM90_Q80)
               for causal in (False, True) for tiles in (BWD_SM90_TILES[128], BWD_SM90_DENSE128_TILES)
               for head_dim_eff in (128, *SM90_NARROW_HEAD_DIMS)

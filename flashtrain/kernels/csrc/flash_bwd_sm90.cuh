@@ -352,7 +352,8 @@ struct BwdSm90Traits {
     // With dQ first, the last query block of a tile releases K / V once its dQ GEMM is done (V's last reader, dP^T,
     // and K's, dQ, have finished; dK reads Q) instead of in the epilogue after the dQ staging and dK's GEMM, so that
     // the next tile's K / V copy starts that much earlier (FT_BWD_KV_RELEASE_LAST, default 1; 0 for A/Bs). Not
-    // block-sparse (its walk cannot tell the last block in advance), not the score-modification kernels (untested), and
+    // block-sparse (its walk cannot tell the last block in advance), the score-modification kernels as
+    // FT_BWD_MODS_KV_RELEASE_LAST says (below), and
     // only where the epilogue stages dK / dV outside K / V (kEarlyKv; the deterministic hd128 kernel stages them in K /
     // V, which the next tile's copy would overwrite). Not the causal 80-query kernel: there the next tile's K / V copy
     // then overlaps the last block's dK GEMM and dQ staging, 0.987-0.995x at 16K (H200, three same-process A/Bs).
