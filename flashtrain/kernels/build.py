@@ -316,8 +316,8 @@ BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN = 2048
 BWD_SM90_HD80_CAUSAL_Q64 = 1
 
 # The Hopper backward's score-modification variant (local window, softcap, ALiBi, mask expressions): these tiles, and
-# at head dim 128, causal, without softcap or a mask expression the 80-query ones where the plain kernel takes them
-# (_bwd_q80: from BWD_SM90_Q80_CAUSAL_SEQLEN query tokens). ptxas serializes the 80-query kernel's wgmmas (C7512) with
+# at head dim 128, causal, without softcap or a mask expression the 80-query ones from BWD_SM90_MODS_Q80_CAUSAL_SEQLEN
+# query tokens (below). ptxas serializes the 80-query kernel's wgmmas (C7512) with
 # softcap (its derivative's registers) and in the fp16 non-causal variant; the mask expression's states are per 128
 # queries. H200, 2026-11-28, hd128 causal, TFLOP/s (a since-removed per-feature overhead probe) against the 64-query
 # nocap kernel: window (S, 0) (plain's work) 8K 547.0 vs 502.7 (plain 562-574), 2K 447.4 vs 433.5; ALiBi 8K 507.9 vs
@@ -357,13 +357,17 @@ def bwd_sm90_q80_enabled() -> bool:
     return os.environ.get("FLASHTRAIN_BWD_SM90_Q80", "1") != "0"
 
 
-def _bwd_q80(causal: bool, seqlen_q: int | None, head_dim_eff: int | None = None) -> bool:
+def _bwd_q80(causal: bool, seqlen_q: int | None, head_dim_eff: int | None = None,
+             causal_seqlen: int | None = None) -> bool:
     """The hd128 Hopper backward's 80-query blocks for a call of this query length (None: a short one) and MMA width
-    (head_dim_eff: one of SM90_NARROW_HEAD_DIMS, or None for all 128 columns)."""
+    (head_dim_eff: one of SM90_NARROW_HEAD_DIMS, or None for all 128 columns); causal_seqlen: the causal threshold
+    (None: the plain kernels' for that width)."""
     if causal and head_dim_eff == 80 and BWD_SM90_HD80_CAUSAL_Q64:
         return False
-    threshold = BWD_SM90_Q80_CAUSAL_SEQLEN if head_dim_eff in (None, 128) else BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN
-    return bwd_sm90_q80_enabled() and (not causal or (seqlen_q or 0) >= threshold)
+    if causal_seqlen is None:
+        causal_seqlen = (BWD_SM90_Q80_CAUSAL_SEQLEN if head_dim_eff in (None, 128)
+                         else BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN)
+    return bwd_sm90_q80_enabled() and (not causal or (seqlen_q or 0) >= causal_seqlen)
 
 
 def _bwd_tile_overrides() -> None:
@@ -816,8 +820,8 @@ def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: 
     mods = _mods_variant(softcap, BWD_SM90_MODS_SOFTCAP[head_dim])
     tiles = BWD_SM90_MODS_TILES[head_dim]
     sliding = BWD_SM90_WINDOW_Q64 and 0 <= window_left <= BWD_SM90_WINDOW_Q64_MAX_LEFT
-    if (head_dim == 128 and mods == 2 and causal and not mask_defines and not sliding and bwd_sm90_q80_enabled()
-            and (seqlen_q or 0) >= BWD_SM90_MODS_Q80_CAUSAL_SEQLEN):
+    if (head_dim == 128 and mods == 2 and causal and not mask_defines and not sliding
+            and _bwd_q80(causal, seqlen_q, causal_seqlen=BWD_SM90_MODS_Q80_CAUSAL_SEQLEN)):
         tiles = BWD_SM90_DENSE128_TILES
     tiles = _dq_frag_choice(tiles, causal, head_dim)
     return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim, mods, tuple(mask_defines))

@@ -580,9 +580,9 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         # (K: tiles.k_box_cols columns per box, the kernel's TileK)
         maps = [(_offset(launch.BwdSm90Params, name), index, tma.layout(x, varlen, rows, cols))
                 for name, index, x, rows, cols in
-                (("tma_q", 1, q, tiles.block_m, 64), ("tma_k", 2, k, tiles.block_n, tiles.k_box_cols),
-                 ("tma_v", 3, v, tiles.block_n, 64), ("tma_do", 0, dout, tiles.block_m, 64), ("tma_dk", -2, dk, 64, 64),
-                 ("tma_dv", -3, dv, 64, 64))]  # outputs 1, 2
+                (("tma_q", 1, q, tiles.block_m, tma.BOX_COLS), ("tma_k", 2, k, tiles.block_n, tiles.k_box_cols),
+                 ("tma_v", 3, v, tiles.block_n, tma.BOX_COLS), ("tma_do", 0, dout, tiles.block_m, tma.BOX_COLS),
+                 ("tma_dk", -2, dk, 64, tma.BOX_COLS), ("tma_dv", -3, dv, 64, tma.BOX_COLS))]  # outputs 1, 2
         # lse_log2 and softmax_d, the start of output 3
         maps.append((_offset(launch.BwdSm90Params, "tma_stats"), -4, tma.rows_layout(rows_pad, 2 * nheads,
                                                                                        tiles.block_m)))
