@@ -627,8 +627,8 @@ def _sanitizer_grid() -> None:
     # the causal hd128 backward's 80-query blocks (from BWD_SM90_Q80_CAUSAL_SEQLEN queries), with a partial last block
     from flashtrain.kernels import build
 
-    q, k, v, dout = _inputs((1, build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40, 8, 128),
-                            (1, build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40, 8, 128), torch.bfloat16)
+    q, k, v, dout = _inputs((1, build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40, 2, 128),
+                            (1, build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40, 2, 128), torch.bfloat16)
     _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
     # the causal hd128 mods backward with a sliding window (64-query blocks, K / V released by a tile's last query
     # block), GQA, more keys than queries (key blocks before the first query's window: tiles without query blocks)

@@ -300,12 +300,13 @@ BWD_SM90_HD192_N96 = int(os.environ.get("FLASHTRAIN_BWD_SM90_HD192_N96", "1"))
 BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
 
 
-# ... causal from this query length: 4K. Since the 64-query kernel issues dQ first and releases K / V early
-# (kDqFirst, kKvReleaseLast), it is ahead below 4K (H200, 2026-11-30 08:52 UTC, backward TFLOP/s 64-query / 80-query:
-# hd128 causal 3K 478.5 / 469.5, 2K 442.0 / 443.5 (and 1.025x in a second run), GQA 32/8 2K 390.2 / 379.9, GQA 16/2 2K
-# 403.2 / 390.9) and behind from 4K (0.97-0.99x at 4K-16K). Head dims 81-96 keep 2K: the 64-query kernel computes
-# their dQ in two pieces and measured 0.977x at 2K. (2026-11-26, before dQ first there: 80 queries 1.04-1.11x from 2K.)
-BWD_SM90_Q80_CAUSAL_SEQLEN = 4096
+# ... causal from this query length: 16K. The 64-query kernel issues dQ first, releases K / V early (kDqFirst,
+# kKvReleaseLast) and keeps P^T in fp32 with 240 registers for its MMA warps (flash_bwd_sm90.cuh kPtFp32); it is ahead
+# below 16K and level at 16K (H200, 2026-11-30 10:37 UTC, interleaved CUDA-graph replays, backward TFLOP/s 64-query /
+# 80-query: hd128 causal 4K 558.8 / 543.8, 8K 547.0 / 542.3, 16K 569.9 / 571.7, GQA 32/8 8K 519.2 / 512.2, GQA 16/2 4K
+# 493.8 / 478.4; kernel_ab-h200.json). Head dims 81-96 keep 2K: the 64-query kernel computes their dQ in two pieces
+# (0.977x at 2K and at 4K).
+BWD_SM90_Q80_CAUSAL_SEQLEN = 16384
 BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN = 2048
 # ... except head dims 65-80 causal, which keep the 64-query blocks at every length: there warpgroup 0 computes the
 # whole m64n80 dQ (flash_bwd_sm90.cuh FT_BWD_NARROW_DQ), where the 80-query kernel's transposed dQ^T still spends an

@@ -198,12 +198,23 @@ struct BwdSm90Traits {
 #endif
     static constexpr bool kHd128DsFromPa =
         (kHeadDimEff == 128 || (FT_BWD_NARROW_PA && kHeadDim == 128 && !kSwapDq)) && !kIsDropout && !kIsBlockSparse;
+    // The 64-query kernels of that class without score modifications and not deterministic (FT_BWD_PT_FP32, default 1;
+    // 0 for A/Bs) instead keep P^T in fp32 for dS^T (FlashAttention-4's form) and give the producer 24 registers, so
+    // that the MMA warps have 240: the step's loop has no spills and 32 fewer unpacking instructions per query block;
+    // the producer's loops spill (~120 bytes). H200, interleaved CUDA-graph replays, backward, this / packed P^T:
+    // hd128 causal 2K 1.010, 4K 1.017, 16K 1.021 (64-query blocks at both), GQA 16/2 2K 1.016, hd80 causal 4K 1.013,
+    // hd96 causal 2K 1.011, hd128 causal 1K 0.993 (kernel_ab-h200.json).
+#ifndef FT_BWD_PT_FP32
+#define FT_BWD_PT_FP32 1
+#endif
+    static constexpr bool kPtFp32 =
+        FT_BWD_PT_FP32 && kHd128DsFromPa && !kSwapDq && !kIsDeterministic && !kScoreMods && !kIsDropout;
 #ifdef FT_BWD_PRODUCER_REGS
     static constexpr int kProducerRegs = FT_BWD_PRODUCER_REGS;
 #else
     // 80-query blocks: 24 (their MMA warps need 240: on 232 ptxas serializes the wgmmas, C7512).
     static constexpr int kProducerRegs =
-        kSwapDq ? 24
+        kSwapDq || kPtFp32 ? 24
         : kIsDeterministic || (kIsCausal && (kHeadDimEff <= 96 || kHd128DsFromPa)) ? 40 : kHd128DsFromPa ? 32 : 24;
 #endif
     // (the rest, in multiples of 8)
@@ -252,7 +263,7 @@ struct BwdSm90Traits {
 #ifdef FT_BWD_DS_FROM_PA
     static constexpr bool kDsFromPa = FT_BWD_DS_FROM_PA && !kIsDropout;
 #else
-    static constexpr bool kDsFromPa = (kBlockM == 128 || kHd128DsFromPa) && !kIsDropout;
+    static constexpr bool kDsFromPa = (kBlockM == 128 || kHd128DsFromPa) && !kIsDropout && !kPtFp32;
 #endif
     // 128-query blocks with dropout: dS^T is computed once dV is done (ptxas keeps the A fragments of an unfinished
     // wgmma alive, and 64 more live registers would spill)
