@@ -225,21 +225,32 @@ struct BwdSm90Traits {
     static constexpr int kPieces = (kBlockM / 64) * (kHeadDim / 64);
     static_assert(kSplitHd || kSwapDq || kPieces == kNMma, "one dQ piece per warpgroup (every MMA warp stages one slice per block)");
     static constexpr int kPiecesPerWg = 1;
-    // Head dims 65-80 on the 64-query hd128 tiles without dropout (FT_BWD_NARROW_DQ, default 1; 0 for A/Bs):
-    // warpgroup 0 computes the block's whole dQ, m64n80 (FlashAttention-4's single-warpgroup dQ at these head dims),
-    // and warpgroup 1 none, instead of a 64-column piece each, of which 48 columns of the second are zeros. Its warps
-    // stage columns 0-63 as the first piece's slices and 64-79 as the first two n8 tiles of the second's (the first
-    // 1 KB of each 4 KB slice in dq_accum's scrambled order), and the writer adds only those (the rest of dq_accum
-    // stays zero). (ptxas 13.0: warpgroup 1 issuing m64n16 for its piece instead serializes the wgmmas, C7511; m64n96
-    // at head dim 96, C7512, as does dropout's spilling.)
+    // Head dims 65-96 on the 64-query hd128 tiles without dropout (FT_BWD_NARROW_DQ, default 1; 0 for A/Bs):
+    // warpgroup 0 computes the block's whole dQ, m64n80 or m64n96 (FlashAttention-4's single-warpgroup dQ at these
+    // head dims), and warpgroup 1 none, instead of a 64-column piece each, of which 48 or 32 columns of the second are
+    // zeros. Its warps stage columns 0-63 as the first piece's slices and 64.. as the first n8 tiles of the second's
+    // (the first 1 or 2 KB of each 4 KB slice in dq_accum's scrambled order), and the writer adds only those (the rest
+    // of dq_accum stays zero). At 96 columns the two MMA warpgroups run on unequal registers (kSplitRegs), as in FA4:
+    // warpgroup 0 on 256, warpgroup 1 on the rest, each with its own instantiation of the MMA loop
+    // (flash_bwd_sm90_mma<T, w>); on equal registers ptxas serializes m64n96's wgmmas (C7512). H200, interleaved
+    // CUDA-graph replays, backward, hd96 causal, this / two pieces: 1K 1.053, 2K 1.045 (1.036 over the 80-query
+    // kernel), 4K 1.037 (1.008); at hd80 the unequal registers measured 0.994-1.014 (kernel_ab-h200.json).
+    // (ptxas 13.0: warpgroup 1 issuing m64n16 for its piece instead serializes the wgmmas, C7511, as does dropout's
+    // spilling.)
 #ifndef FT_BWD_NARROW_DQ
 #define FT_BWD_NARROW_DQ 1
 #endif
-    static constexpr bool kNarrowDq =
-        FT_BWD_NARROW_DQ && kHeadDimEff == 80 && kHeadDim == 128 && kBlockM == 64 && !kSwapDq && !kIsDropout;
+    static constexpr bool kNarrowDq = FT_BWD_NARROW_DQ && (kHeadDimEff == 80 || kHeadDimEff == 96) &&
+                                      kHeadDim == 128 && kBlockM == 64 && !kSwapDq && !kIsDropout;
     static constexpr int kDqCols = kNarrowDq ? kHeadDimEff : 64;  // dQ columns of a warpgroup's GEMM
     static constexpr int kDqN1 = kDqCols - 64;                      // kNarrowDq: the second piece's columns
     static_assert(!kNarrowDq || kPieces == 2, "narrow dQ: two 64-column pieces");
+    static constexpr bool kSplitRegs = kNarrowDq && kHeadDimEff == 96;
+    static_assert(!kSplitRegs || kNMma == 2, "unequal registers: two MMA warpgroups");
+    static constexpr int kMmaRegs0 = kSplitRegs ? 256 : kMmaRegs;
+    static constexpr int kMmaRegs1 = kSplitRegs ? (kLaunchRegs * kNThreads - kProducerRegs * 128) / 128 / 8 * 8 - 256
+                                                : kMmaRegs;
+    static_assert(kProducerRegs * 128 + (kMmaRegs0 + kMmaRegs1) * 128 <= kLaunchRegs * kNThreads, "register budget");
     // The dQ piece of a query block is waited for and staged at once (0), or once the next block's S^T GEMM (2) or
     // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s with the dQ writer warp: hd128 0
     // beats 2 by 10-15% (16K 524 vs 473); hd64 x 128 queries 0 beats 2 by 3-6% (16K 434 vs 418) despite 120 B of
@@ -702,8 +713,9 @@ __device__ __forceinline__ void store_cols(u32 src, u16* dst, i64 row_stride, in
 }
 
 // The MMA warpgroups (head dims 64 / 128): warpgroup w owns keys [64 w, 64 w + 64) of each 128-key tile.
-template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdSm90Params& params,
-                                                                    const BwdSm90Smem<T>& sm) {
+// kW: the warpgroup, fixed at compile time (T::kSplitRegs), or -1: from the thread index.
+template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdSm90Params& params,
+                                                                                const BwdSm90Smem<T>& sm) {
     const BwdParams& p = params.bwd;
     const FwdParams& f = p.fwd;
     constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kNT = T::kNT, kDT = T::kDT, kStages = T::kStages;
@@ -712,7 +724,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90_mma(const BwdS
     using TileS = typename T::TileS;
     const int tid = threadIdx.x, lane = tid % 32;
     const int wg = warp_uniform(tid / 128);
-    const int w = wg - 1;                        // keys [64 w, 64 w + 64) of the block
+    const int w = kW >= 0 ? kW : wg - 1;         // keys [64 w, 64 w + 64) of the block
     const int ctid = tid - 128 * wg, wwarp = ctid / 32;
     const int g = lane >> 2, t = lane & 3;
     const int key_row0 = 64 * w + 16 * wwarp;   // this warp's first key row inside the block (wgmma M rows)
@@ -2072,6 +2084,16 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     }
 
     // -------------------------------------------------------------------------------------------------- MMA
+    if constexpr (T::kSplitRegs) {
+        if (wg == 1) {
+            setmaxnreg_inc<T::kMmaRegs0>();
+            flash_bwd_sm90_mma<T, 0>(params, sm);
+        } else {
+            setmaxnreg_inc<T::kMmaRegs1>();
+            flash_bwd_sm90_mma<T, 1>(params, sm);
+        }
+        return;
+    }
     setmaxnreg_inc<T::kMmaRegs>();
     if constexpr (T::kSplitKeys) {
         if (wg == 1) flash_bwd_sm90_split_keys_mma<T, 0>(params, sm);
