@@ -123,7 +123,8 @@ def test_long_keys_tiles_match_reference(causal, head_dim):
     """Head dim 128 from build.LONG_KEYS_SEQLEN keys on runs 192-key tiles (O stored from the registers): a partial
     last key block, seqlen_q = seqlen_k and a short query block against the long keys (causal: aligned to the end),
     forward and gradients by FlashAttention-2's rule. Head dims 96 / 80: the same tiles with 96 / 80 columns of MMA
-    work, and the backward's 80-query blocks narrowed likewise."""
+    work, and the backward's query blocks narrowed likewise. Head dim 128 causal also from
+    build.BWD_SM90_Q80_CAUSAL_SEQLEN queries, where its backward takes 80-query blocks (dQ in plain rows)."""
     from flashtrain.kernels import build
 
     long = build.LONG_KEYS_SEQLEN + 77  # (not a multiple of 192)
@@ -133,6 +134,12 @@ def test_long_keys_tiles_match_reference(causal, head_dim):
     _check_against_reference(q, k, v, dout, causal=causal)
     q, k, v, dout = _inputs((2, 333, 2, head_dim), (2, long, 2, head_dim), torch.bfloat16, seed=6)
     _check_against_reference(q, k, v, dout, causal=causal)
+    if head_dim == 128 and causal:
+        n = build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40
+        assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH,
+                                seqlen_q=n).name == "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows"
+        q, k, v, dout = _inputs((1, n, 1, 128), (1, n, 1, 128), torch.bfloat16, seed=7)
+        _check_against_reference(q, k, v, dout, causal=True)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -616,7 +623,7 @@ def _sanitizer_grid() -> None:
                                                        (64, 16, False, True), (64, 16, True, True),
                                                        (128, 16, True, False), (128, 16, False, False),
                                                        (128, 4, False, False), (128, 16, False, True),
-                                                       (80, 16, True, False),
+                                                       (80, 16, True, False), (96, 16, True, False),
                                                        (256, 2, True, False),
                                                        (192, 16, False, False), (192, 2, True, False),
                                                        (512, 16, True, False),

@@ -377,11 +377,10 @@ def test_hd128_backward_query_blocks(monkeypatch):
     assert ("FT_BWD_DQ_FRAG", 0) in causal80.defines and causal80.smem_bytes == q80.smem_bytes
     # head dims 65-80 causal: 64-query blocks at every length (warpgroup 0's m64n80 dQ); non-causal and hd96: 80
     assert spec(causal=True, seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_causal"
-    assert spec(causal=True, seqlen_q=4096, effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16_causal_q80"
     # ... from BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN (4K) queries there, hd128 from BWD_SM90_Q80_CAUSAL_SEQLEN (16K)
-    long = build.BWD_SM90_Q80_CAUSAL_SEQLEN
-    assert spec(causal=True, seqlen_q=2048, effective_head_dim=96).block_m == 64
-    assert spec(causal=True, seqlen_q=build.BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN, effective_head_dim=96).block_m == 80
+    narrow, long = build.BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN, build.BWD_SM90_Q80_CAUSAL_SEQLEN
+    assert spec(causal=True, seqlen_q=narrow, effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16_causal_q80"
+    assert spec(causal=True, seqlen_q=narrow - 1, effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16_causal"
     assert spec(causal=True, seqlen_q=long // 2).block_m == 64 and spec(causal=True, seqlen_q=long).block_m == 80
     assert spec(seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_q80"
     monkeypatch.setattr(build, "BWD_SM90_HD80_CAUSAL_Q64", 0)

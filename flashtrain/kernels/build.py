@@ -306,14 +306,15 @@ BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
 # 80-query: hd128 causal 4K 558.8 / 543.8, 8K 547.0 / 542.3, 16K 569.9 / 571.7, GQA 32/8 8K 519.2 / 512.2, GQA 16/2 4K
 # 493.8 / 478.4; kernel_ab-h200.json). Head dims 81-96: from 4K; their 64-query kernel computes the dQ in one
 # warpgroup on 256 registers (flash_bwd_sm90.cuh kSplitRegs): H200, 2026-11-30 10:45 UTC, 64-query / 80-query, hd96
-# causal 2K 409.1 / 394.7, 4K 456.2 / 452.5, 16K 504.4 / 521.3; non-causal 4K 481.8 / 490.1.
+# causal 2K 409.1 / 394.7, 4K 456.2 / 452.5 (level: within run-to-run noise; 8K not measured), 16K 504.4 / 521.3;
+# non-causal 4K 481.8 / 490.1.
 BWD_SM90_Q80_CAUSAL_SEQLEN = 16384
 BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN = 4096
 # ... except head dims 65-80 causal, which keep the 64-query blocks at every length: there warpgroup 0 computes the
 # whole m64n80 dQ (flash_bwd_sm90.cuh FT_BWD_NARROW_DQ), where the 80-query kernel's transposed dQ^T still spends an
 # m64 GEMM on head-dim rows 64-127 of which 16 are non-zero. H200, 2026-11-30, interleaved CUDA-graph replays,
 # backward TFLOP/s, 64-query / 80-query: hd80 causal 2K 361.2 / 338.0, 4K 422.8 / 401.9, 16K 486.0 / 481.5; non-causal
-# 4K 449.3 / 455.6 and 16K 473.6 / 488.7 (kept on 80 queries), hd96 (64-query dQ in two pieces) 0.91-0.96x.
+# 4K 449.3 / 455.6 and 16K 473.6 / 488.7 (kept on 80 queries); hd96 (its dQ then in two pieces) 0.91-0.96x.
 # BWD_SM90_HD80_CAUSAL_Q64 = 0: the 80-query kernel there too (A/B: flashtrain@build.BWD_SM90_HD80_CAUSAL_Q64=0).
 BWD_SM90_HD80_CAUSAL_Q64 = 1
 

@@ -189,10 +189,13 @@ struct BwdSm90Traits {
     // +3-7%, hd96 causal +11%, deterministic +1-9%) and for head dim 128 with dS^T taken from the packed P^T
     // (kHd128DsFromPa, kDsFromPa below; 40: causal +1-5%, GQA +2%, deterministic dense +6%; 32: dense +1-4%, 40
     // there 0.99-1.03x), not for hd128 dropout (dK accumulator spills: 0.86-0.96x), hd64 dense (0.93-1.01x) or the
-    // split head dims (0.82x), which keep 24. (H200, 2026-11-25.)
+    // split head dims (0.82x), which keep 24. (H200, 2026-11-25.) The plain 64-query kernels (kPtFp32 below) take 24
+    // again with the fp32 P^T: their MMA warps need 240 for it, and the producer's spills then measured 1.01-1.02x
+    // faster overall.
     // FT_BWD_PRODUCER_REGS=n forces n (A/B).
     // (FT_BWD_NARROW_PA, default 1; 0 for A/Bs: the 64-query kernels of head dims 65-96 too, whose dK / dV
-    // accumulators are 80 or 96 columns: dS^T from P^T's fragments, and with it dQ before dK, as at head dim 128)
+    // accumulators are 80 or 96 columns: this class, and with it dQ before dK and (kPtFp32) the fp32 P^T, as at
+    // head dim 128)
 #ifndef FT_BWD_NARROW_PA
 #define FT_BWD_NARROW_PA 1
 #endif
@@ -251,6 +254,8 @@ struct BwdSm90Traits {
     static constexpr int kMmaRegs1 = kSplitRegs ? (kLaunchRegs * kNThreads - kProducerRegs * 128) / 128 / 8 * 8 - 256
                                                 : kMmaRegs;
     static_assert(kProducerRegs * 128 + (kMmaRegs0 + kMmaRegs1) * 128 <= kLaunchRegs * kNThreads, "register budget");
+    static_assert(kMmaRegs0 % 8 == 0 && kMmaRegs1 % 8 == 0 && kMmaRegs0 <= 256 && kMmaRegs1 >= kLaunchRegs,
+                  "setmaxnreg.inc: multiples of 8, up to 256, not below the launch's count");
     // The dQ piece of a query block is waited for and staged at once (0), or once the next block's S^T GEMM (2) or
     // its S^T and dP^T GEMMs (1) are issued. H200, same process, backward TFLOP/s with the dQ writer warp: hd128 0
     // beats 2 by 10-15% (16K 524 vs 473); hd64 x 128 queries 0 beats 2 by 3-6% (16K 434 vs 418) despite 120 B of
