@@ -250,10 +250,9 @@ struct BwdSm90Traits {
     static_assert(!kNarrowDq || kPieces == 2, "narrow dQ: two 64-column pieces");
     static constexpr bool kSplitRegs = kNarrowDq && kHeadDimEff == 96;
     static_assert(!kSplitRegs || kNMma == 2, "unequal registers: two MMA warpgroups");
+    // (the two warpgroups' registers sum to kNMma x kMmaRegs, within the budget checked above)
     static constexpr int kMmaRegs0 = kSplitRegs ? 256 : kMmaRegs;
-    static constexpr int kMmaRegs1 = kSplitRegs ? (kLaunchRegs * kNThreads - kProducerRegs * 128) / 128 / 8 * 8 - 256
-                                                : kMmaRegs;
-    static_assert(kProducerRegs * 128 + (kMmaRegs0 + kMmaRegs1) * 128 <= kLaunchRegs * kNThreads, "register budget");
+    static constexpr int kMmaRegs1 = kSplitRegs ? kNMma * kMmaRegs - kMmaRegs0 : kMmaRegs;
     static_assert(kMmaRegs0 % 8 == 0 && kMmaRegs1 % 8 == 0 && kMmaRegs0 <= 256 && kMmaRegs1 >= kLaunchRegs,
                   "setmaxnreg.inc: multiples of 8, up to 256, not below the launch's count");
     // The dQ piece of a query block is waited for and staged at once (0), or once the next block's S^T GEMM (2) or
