@@ -54,8 +54,12 @@ def test_dispatch_table_covers_every_instantiation_once():
     # softcap (`_nocap`, the calls without one) and with it (the backward where it has that variant: head dim 128)
     nocap = (len(build.FWD_SM90_MODS_HEAD_DIMS) + len(build.BWD_SM90_MODS_HEAD_DIMS)) * 2 * 2
     nocap += 2  # the hd128 causal backward on 80-query blocks too (long sequences), x dtype
-    hopper_mods = nocap + (len(build.FWD_SM90_MODS_HEAD_DIMS) + sum(build.BWD_SM90_MODS_SOFTCAP.values())) * 2 * 2
+    # ... and the backward of calls whose one modification is a window (`_window`, without ALiBi's code), the same
+    # instantiations as `_nocap`'s
+    window = len(build.BWD_SM90_MODS_HEAD_DIMS) * 2 * 2 + 2
+    hopper_mods = nocap + window + (len(build.FWD_SM90_MODS_HEAD_DIMS) + sum(build.BWD_SM90_MODS_SOFTCAP.values())) * 2 * 2
     assert sum(name.endswith("_mods_nocap") for name in names) == nocap
+    assert sum(name.endswith("_mods_window") for name in names) == window
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
               + hopper_q80 + hopper_mods)
     cross_entropy = len(build.CE_DTYPES)  # the fused cross-entropy, one module per logits dtype
@@ -664,6 +668,36 @@ def test_hopper_mods_kernels_without_softcap_run_the_nocap_variants(monkeypatch)
     assert build.fwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_mods")
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_mods")
     assert build.bwd_kernel(64, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True).name.endswith("_nocap")
+
+
+def test_hopper_window_only_calls_run_the_window_variant(monkeypatch):
+    """A call whose one score modification is its window runs the Hopper backward built without ALiBi (`_window`,
+    FT_SCORE_MODS 3), on the tiles the general variant would take; softcap or a mask expression keep the general ones,
+    and BWD_SM90_WINDOW_ONLY = 0 (A/B) the `_nocap` variant."""
+    long = build.BWD_SM90_Q80_CAUSAL_SEQLEN
+    for head_dim in build.BWD_SM90_MODS_HEAD_DIMS:
+        for causal in (False, True):
+            for seqlen_q, left in ((None, 100), (long, 256), (long, build.BWD_SM90_WINDOW_Q64_MAX_LEFT + 1)):
+                def spec(**options):
+                    return build.bwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True,
+                                            seqlen_q=seqlen_q, window_left=left, **options)
+
+                window, general = spec(window_only=True), spec()
+                assert window.name.endswith("_mods_window") and ("FT_SCORE_MODS", 3) in window.defines, window.name
+                assert general.name.endswith("_mods_nocap")
+                assert window.block_m == general.block_m
+                assert window.name.replace("_window", "_nocap") == general.name
+                if head_dim == 128:  # softcap: the variant that has it
+                    assert spec(window_only=True, softcap=True).name.endswith("_mods")
+    masked = build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True,
+                              mask_defines=(("FT_MASK_MOD", 1),), window_only=True)
+    assert "_window" not in masked.name
+    with pytest.raises(ValueError, match="window_only"):
+        build.bwd_sm90_mods_kernel(128, "bf16", True, softcap=True, window_only=True)
+    monkeypatch.setattr(build, "BWD_SM90_WINDOW_ONLY", 0)
+    assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True,
+                            window_only=True).name.endswith("_mods_nocap")
+
 
 
 def test_check_nvcc_fails_on_a_new_serialized_wgmma_pipeline(monkeypatch, capsys):

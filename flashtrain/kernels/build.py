@@ -340,6 +340,12 @@ BWD_SM90_WINDOW_Q64_MAX_LEFT = 1024
 # The mods kernels' own 80-query threshold (causal, no window): the query length from which the plain kernel took
 # 80-query blocks when the mods ones were measured (ALiBi 2K: 80 / 64 queries 433.5 / 420.3 TFLOP/s, above).
 BWD_SM90_MODS_Q80_CAUSAL_SEQLEN = 2048
+# Calls whose one score modification is a window (no softcap, no ALiBi, no mask expression) take a variant compiled
+# without ALiBi (FT_SCORE_MODS 3, `_window`): no slope load and no ALiBi branch around the exponentials, and at head
+# dim 128 the fp32 P^T of the plain 64-query kernels (flash_bwd_sm90.cuh kPtFp32). H200, 2026-11-30, interleaved
+# CUDA-graph replays, backward, `_window` / general: hd128 causal window 1024 at 16K 1.033, at 4K 1.015, window 256 at
+# 16K 1.001; hd64 causal window 256 at 16K 1.030 (kernel_ab-h200.json). BWD_SM90_WINDOW_ONLY = 0: the general one (A/B).
+BWD_SM90_WINDOW_ONLY = 1
 BWD_SM90_MODS_HEAD_DIMS = tuple(BWD_SM90_MODS_TILES)
 # ... with softcap (its derivative kept per element for dS^T): head dim 128; at 64 (128-query blocks) those registers
 # spilled inside the loop (ptxas, 97 spill instructions between the first and last HGMMA), so the head-dim-64 kernel
@@ -707,7 +713,8 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     same_shape = dataclasses.replace(tiles, q_buffers=first_choice.q_buffers) == first_choice
     name = (f"flash_fwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}"
-            f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}{_mask_suffix(mask_defines)}")
+            f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}{'_window' if score_mods == 3 else ''}"
+            f"{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
                ("FT_Q_BUFFERS", tiles.q_buffers),
@@ -726,14 +733,16 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
                arch: str | None = None, deterministic: bool = False, smem_limit: int | None = None,
                effective_head_dim: int | None = None, seqlen_q: int | None = None,
                score_mods: bool = False, softcap: bool = False, mask_defines: tuple = (),
-               window_left: int = -1) -> KernelSpec:
+               window_left: int = -1, window_only: bool = False) -> KernelSpec:
     """The backward kernel for these features (head_dim: the instantiated one, rounded_head_dim; effective_head_dim:
     the call's own, when smaller); on arch sm_90a the warpgroup-MMA kernel where it exists and fits smem_limit (bytes
     of shared memory per block; None: no limit): head dims 65-96 there run the hd128 tiles with the MMA work of 80 or
     96 columns (sm90_narrow_width; dense, not deterministic). seqlen_q: the call's (max) query length, which picks the
     causal hd128 tiles (None: the short ones). score_mods (SCORE_MODS): the `_mods` variants, on sm_90a the warpgroup-MMA backward at
     head dims 64 / 128 (not deterministic: flash_bwd.cuh runs that; softcap (a call with one) at head dim 64 neither:
-    BWD_SM90_MODS_SOFTCAP); window_left: the call's left window bound, -1 for none (its tiles: bwd_sm90_mods_kernel)."""
+    BWD_SM90_MODS_SOFTCAP); window_left: the call's left window bound, -1 for none (its tiles: bwd_sm90_mods_kernel);
+    window_only: the call's one score modification is its window (no softcap, no ALiBi): the Hopper kernel without
+    ALiBi's code (bwd_sm90_mods_kernel)."""
     _check_score_mods(score_mods, dropout, block_sparse)
     if mask_defines:  # a mask expression (MaskMod.kernel_defines) compiled into the mods kernel
         if (arch == SM90_ARCH and head_dim in BWD_SM90_MODS_HEAD_DIMS and head_dim in MASK_SM90_HEAD_DIMS
@@ -747,7 +756,7 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
         if (arch == SM90_ARCH and head_dim in BWD_SM90_MODS_HEAD_DIMS and sm90_enabled() and not deterministic
                 and (not softcap or BWD_SM90_MODS_SOFTCAP[head_dim])):
             spec = bwd_sm90_mods_kernel(head_dim, dtype, causal, softcap=softcap, seqlen_q=seqlen_q,
-                                        window_left=window_left)
+                                        window_left=window_left, window_only=window_only and not softcap)
             if _fits(spec, smem_limit):
                 return spec
         return _bwd_spec(head_dim, dtype, causal, dropout, block_sparse, bwd_tiles(head_dim, smem_limit), True)
@@ -811,19 +820,23 @@ def _dq_frag_choice(tiles: BwdSm90Tiles, causal: bool, head_dim_eff: int) -> Bwd
 
 
 def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: tuple = (),
-                         softcap: bool = False, seqlen_q: int | None = None, window_left: int = -1) -> KernelSpec:
+                         softcap: bool = False, seqlen_q: int | None = None, window_left: int = -1,
+                         window_only: bool = False) -> KernelSpec:
     """The Hopper backward's score-modification variant (window, softcap, ALiBi; dense, no dropout), with a mask
     expression compiled in when mask_defines is given. softcap=False (a call without one): the variant without
     softcap's derivative (`_nocap`, _mods_variant; the only one at head dim 64, BWD_SM90_MODS_SOFTCAP), at head dim
     128 causal on 80-query blocks from BWD_SM90_MODS_Q80_CAUSAL_SEQLEN queries (the call's (max) query length
     seqlen_q), unless window_left (the window's left bound, -1: none) makes it a sliding window of at most
-    BWD_SM90_WINDOW_Q64_MAX_LEFT keys (BWD_SM90_WINDOW_Q64)."""
+    BWD_SM90_WINDOW_Q64_MAX_LEFT keys (BWD_SM90_WINDOW_Q64). window_only (a call whose one modification is its
+    window, no mask expression): the variant without ALiBi (`_window`, FT_SCORE_MODS 3; BWD_SM90_WINDOW_ONLY)."""
     if softcap and not BWD_SM90_MODS_SOFTCAP[head_dim]:
         raise ValueError(f"the Hopper backward at head dim {head_dim} has no softcap variant (BWD_SM90_MODS_SOFTCAP)")
-    mods = _mods_variant(softcap, BWD_SM90_MODS_SOFTCAP[head_dim])
+    if window_only and (softcap or mask_defines):
+        raise ValueError("window_only: a call with softcap or a mask expression takes the general variant")
+    mods = 3 if window_only and BWD_SM90_WINDOW_ONLY else _mods_variant(softcap, BWD_SM90_MODS_SOFTCAP[head_dim])
     tiles = BWD_SM90_MODS_TILES[head_dim]
     sliding = BWD_SM90_WINDOW_Q64 and 0 <= window_left <= BWD_SM90_WINDOW_Q64_MAX_LEFT
-    if (head_dim == 128 and mods == 2 and causal and not mask_defines and not sliding
+    if (head_dim == 128 and mods in (2, 3) and causal and not mask_defines and not sliding
             and _bwd_q80(causal, seqlen_q, causal_seqlen=BWD_SM90_MODS_Q80_CAUSAL_SEQLEN)):
         tiles = BWD_SM90_DENSE128_TILES
     tiles = _dq_frag_choice(tiles, causal, head_dim)
@@ -834,13 +847,14 @@ def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: 
 def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool, deterministic: bool,
                    tiles: BwdSm90Tiles, head_dim_eff: int, score_mods: int = 0,
                    mask_defines: tuple = ()) -> KernelSpec:
-    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi (BwdSm90Traits' FT_SCORE_MODS)."""
+    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi, 3 window (BwdSm90Traits' FT_SCORE_MODS)."""
     smem_bytes = tiles.smem_bytes(head_dim)
     name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"
             f"{'_q80' if tiles.swap_dq else ''}{'_dqrows' if tiles.swap_dq and not tiles.dq_frag else ''}"
             f"{'_n96' if tiles.split_keys else ''}"
-            f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}{_mask_suffix(mask_defines)}")
+            f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}{'_window' if score_mods == 3 else ''}"
+            f"{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
                ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
@@ -926,9 +940,11 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               if _fits(spec := _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], mods),
                        smem_limit)]
     specs += [spec for head_dim in BWD_SM90_MODS_HEAD_DIMS for dtype in DTYPES for causal in (False, True)
-              for softcap in (False, True)[:1 + BWD_SM90_MODS_SOFTCAP[head_dim]] for seqlen_q in (1, 1 << 20)
-              if _fits(spec := bwd_sm90_mods_kernel(head_dim, dtype, causal, softcap=softcap, seqlen_q=seqlen_q),
-                       smem_limit)]
+              for softcap, window_only in ((False, False), (True, False), (False, True))
+              if not softcap or BWD_SM90_MODS_SOFTCAP[head_dim]
+              for seqlen_q in (1, 1 << 20)
+              if _fits(spec := bwd_sm90_mods_kernel(head_dim, dtype, causal, softcap=softcap, seqlen_q=seqlen_q,
+                                                    window_only=window_only), smem_limit)]
     for block_sparse, head_dims in ((False, HEAD_DIMS), (True, BLOCK_SPARSE_HEAD_DIMS)):
         for head_dim in head_dims:
             if smem_unavailable_reason(head_dim, block_sparse, smem_limit) is not None:

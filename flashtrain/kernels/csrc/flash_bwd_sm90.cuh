@@ -128,7 +128,10 @@ struct BwdSm90Traits {
     // loop there; flash_bwd.cuh runs softcap at head dim 64). The query-block walk covers the window only
     // (QueryBlockWalk). Head dims 64 / 128, dense, without dropout, not deterministic (the deterministic turns assume
     // every key block from 0 visits a query block): flash_bwd.cuh runs the others.
-    static constexpr bool kScoreMods = kScoreMods_ != 0, kSoftcap = kScoreMods_ == 1;
+    // 3, the window only (no ALiBi: no slope load, no ALiBi branches around the exponentials; with fp32 P^T at head
+    // dim 128, kPtFp32 below).
+    static constexpr bool kScoreMods = kScoreMods_ != 0, kSoftcap = kScoreMods_ == 1, kAlibi = kScoreMods_ == 1 ||
+                                                                                              kScoreMods_ == 2;
     static_assert(!kScoreMods || (kHeadDim_ <= 128 && !kIsDropout_ && !kIsBlockSparse_ && !kIsDeterministic_),
                   "score modifications: head dims 64 / 128, dense, no dropout, not deterministic");
     // a mask expression compiled in (FT_MASK_EXPR, mask_mod.cuh; with the score modifications): the query-block walk
@@ -210,8 +213,15 @@ struct BwdSm90Traits {
 #ifndef FT_BWD_PT_FP32
 #define FT_BWD_PT_FP32 1
 #endif
+    // ... and the window-only score-modification kernels (FT_SCORE_MODS 3, no mask expression; FT_BWD_WINDOW_PT_FP32,
+    // default 1; 0 for A/Bs): H200, interleaved CUDA-graph replays, backward against the general variant, hd128 causal
+    // window 1024 at 16K 1.033, at 4K 1.015, window 256 at 16K 1.001 (kernel_ab-h200.json).
+#ifndef FT_BWD_WINDOW_PT_FP32
+#define FT_BWD_WINDOW_PT_FP32 1
+#endif
     static constexpr bool kPtFp32 =
-        FT_BWD_PT_FP32 && kHd128DsFromPa && !kSwapDq && !kIsDeterministic && !kScoreMods && !kIsDropout;
+        FT_BWD_PT_FP32 && kHd128DsFromPa && !kSwapDq && !kIsDeterministic && !kIsDropout &&
+        (!kScoreMods || (kScoreMods_ == 3 && !kMaskMod_ && FT_BWD_WINDOW_PT_FP32));
 #ifdef FT_BWD_PRODUCER_REGS
     static constexpr int kProducerRegs = FT_BWD_PRODUCER_REGS;
 #else
@@ -825,7 +835,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
         asm volatile("" : "+r"(sK_w), "+r"(sV_w), "+r"(sK_all), "+r"(sQ_s), "+r"(sdO_s));
         // kScoreMods: ALiBi's slope of this (batch, head) in raw score units (0: none), loaded while the GEMMs run
         [[maybe_unused]] float alibi_scaled = 0.f;
-        if constexpr (T::kScoreMods && !kHidden)
+        if constexpr (T::kAlibi && !kHidden)
             if (f.alibi_slopes != nullptr)
                 alibi_scaled = f.alibi_slopes[x.batch * f.alibi_batch_stride + head] / f.softmax_scale;
         mbar_wait(sm.full(s), (FT_BWD_LEAN_ADDR ? (unsigned)gs / kStages : gs / kStages) & 1);
@@ -944,10 +954,10 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
             // FFMA). Else per score, as utils.cuh apply_score_mods (d in fp32 from one conversion). Not in the softcap
             // variant (kSoftcap, the calls with softcap: the shifts' registers added spills, hd128 44 -> 52 bytes), nor
             // on the 80-query tiles (kSwapDq: ptxas serialized the wgmmas, C7512).
-            constexpr bool kAlibiRows = T::kScoreMods && !T::kSoftcap && !T::kSwapDq;
+            constexpr bool kAlibiRows = T::kAlibi && !T::kSoftcap && !T::kSwapDq;
             [[maybe_unused]] bool alibi_rows = false;
             [[maybe_unused]] float alibi_b = 0.f, alibi_rk[2] = {0.f, 0.f};
-            if constexpr (T::kScoreMods) {
+            if constexpr (T::kAlibi) {
                 if (alibi_scaled != 0.f) {
                     const int offset = seqlen_k - seqlen_q, key0 = n0 + key_row0;
                     const float d0 = (float)(m0 + 2 * t + offset - (key0 + g));
@@ -978,7 +988,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
             // A/B, backward of a causal window, this form / that: hd64 16K window 256 1.031, hd128 16K window 1024
             // 1.001.)
             auto exponentials = [&](auto rows_tag) {
-                constexpr bool kRowsShift = decltype(rows_tag)::value;
+                [[maybe_unused]] constexpr bool kRowsShift = decltype(rows_tag)::value;
 #pragma unroll
                 for (int j = 0; j < kNT; ++j) {
                     if (T::kIsDropout && j % 2 == 0) {
