@@ -323,10 +323,7 @@ def test_window_softcap_and_alibi_match_reference(features, head_dim, causal, fa
     elif _is_hopper():  # the warpgroup-MMA kernels are the ones these calls dispatch to
         fwd = build.fwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True)
         softcap = "softcap" in features
-        window_only = set(features) == {"window_size"}  # (the backward's variant without ALiBi's code)
-        bwd = build.bwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True, softcap=softcap,
-                               window_only=window_only)
-        assert bwd.name.endswith("_mods_window") == (window_only and bwd.source == "flash_bwd_sm90.cu"), bwd.name
+        bwd = build.bwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True, softcap=softcap)
         assert (fwd.source == "flash_fwd_sm90.cu") == (head_dim in build.FWD_SM90_MODS_HEAD_DIMS)
         assert (bwd.source == "flash_bwd_sm90.cu") == (head_dim in build.BWD_SM90_MODS_HEAD_DIMS and
                                                        (not softcap or build.BWD_SM90_MODS_SOFTCAP[head_dim]))

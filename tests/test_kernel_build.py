@@ -674,7 +674,7 @@ def test_hopper_window_only_calls_run_the_window_variant(monkeypatch):
     """A call whose one score modification is its window runs the Hopper backward built without ALiBi (`_window`,
     FT_SCORE_MODS 3), on the tiles the general variant would take; softcap or a mask expression keep the general ones,
     and BWD_SM90_WINDOW_ONLY = 0 (A/B) the `_nocap` variant."""
-    long = build.BWD_SM90_Q80_CAUSAL_SEQLEN
+    long = build.BWD_SM90_MODS_Q80_CAUSAL_SEQLEN
     for head_dim in build.BWD_SM90_MODS_HEAD_DIMS:
         for causal in (False, True):
             for seqlen_q, left in ((None, 100), (long, 256), (long, build.BWD_SM90_WINDOW_Q64_MAX_LEFT + 1)):
@@ -689,6 +689,9 @@ def test_hopper_window_only_calls_run_the_window_variant(monkeypatch):
                 assert window.name.replace("_window", "_nocap") == general.name
                 if head_dim == 128:  # softcap: the variant that has it
                     assert spec(window_only=True, softcap=True).name.endswith("_mods")
+                # a long causal call with a window past BWD_SM90_WINDOW_Q64_MAX_LEFT: the 80-query `_window` kernel
+                long_window = head_dim == 128 and causal and left > build.BWD_SM90_WINDOW_Q64_MAX_LEFT
+                assert (window.block_m == 80) == long_window and ("_q80" in window.name) == long_window
     masked = build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True,
                               mask_defines=(("FT_MASK_MOD", 1),), window_only=True)
     assert "_window" not in masked.name
@@ -697,7 +700,6 @@ def test_hopper_window_only_calls_run_the_window_variant(monkeypatch):
     monkeypatch.setattr(build, "BWD_SM90_WINDOW_ONLY", 0)
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True,
                             window_only=True).name.endswith("_mods_nocap")
-
 
 
 def test_check_nvcc_fails_on_a_new_serialized_wgmma_pipeline(monkeypatch, capsys):

@@ -344,7 +344,7 @@ BWD_SM90_MODS_Q80_CAUSAL_SEQLEN = 2048
 # without ALiBi (FT_SCORE_MODS 3, `_window`): no slope load and no ALiBi branch around the exponentials, and at head
 # dim 128 the fp32 P^T of the plain 64-query kernels (flash_bwd_sm90.cuh kPtFp32). H200, 2026-11-30, interleaved
 # CUDA-graph replays, backward, `_window` / general: hd128 causal window 1024 at 16K 1.033, at 4K 1.015, window 256 at
-# 16K 1.001; hd64 causal window 256 at 16K 1.030 (kernel_ab-h200.json). BWD_SM90_WINDOW_ONLY = 0: the general one (A/B).
+# 16K 1.001; hd64 causal window 256 at 16K 1.029 (kernel_ab-h200.json). BWD_SM90_WINDOW_ONLY = 0: the general one (A/B).
 BWD_SM90_WINDOW_ONLY = 1
 BWD_SM90_MODS_HEAD_DIMS = tuple(BWD_SM90_MODS_TILES)
 # ... with softcap (its derivative kept per element for dS^T): head dim 128; at 64 (128-query blocks) those registers
@@ -356,7 +356,7 @@ BWD_SM90_MODS_SOFTCAP = {64: False, 128: True}
 def _mods_variant(softcap: bool, has_softcap_variant: bool = True) -> int:
     """FT_SCORE_MODS of a Hopper mods kernel: 1 with softcap, 2 without (`_nocap`: a call without softcap; the
     backward's derivative registers free). FLASHTRAIN_MODS_NOCAP=0 (A/B): the softcap variant for every call that
-    has one."""
+    has one (the backward of a window alone keeps its `_window` variant, 3, unless BWD_SM90_WINDOW_ONLY = 0)."""
     if softcap or (has_softcap_variant and os.environ.get("FLASHTRAIN_MODS_NOCAP") == "0"):
         return 1
     return 2
@@ -713,8 +713,7 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     same_shape = dataclasses.replace(tiles, q_buffers=first_choice.q_buffers) == first_choice
     name = (f"flash_fwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}"
-            f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}{'_window' if score_mods == 3 else ''}"
-            f"{_mask_suffix(mask_defines)}")
+            f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
                ("FT_Q_BUFFERS", tiles.q_buffers),
@@ -853,8 +852,8 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"
             f"{'_q80' if tiles.swap_dq else ''}{'_dqrows' if tiles.swap_dq and not tiles.dq_frag else ''}"
             f"{'_n96' if tiles.split_keys else ''}"
-            f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}{'_window' if score_mods == 3 else ''}"
-            f"{_mask_suffix(mask_defines)}")
+            f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}"
+            f"{'_window' if score_mods == 3 else ''}{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
                ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),

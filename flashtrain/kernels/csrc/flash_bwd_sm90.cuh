@@ -128,8 +128,8 @@ struct BwdSm90Traits {
     // loop there; flash_bwd.cuh runs softcap at head dim 64). The query-block walk covers the window only
     // (QueryBlockWalk). Head dims 64 / 128, dense, without dropout, not deterministic (the deterministic turns assume
     // every key block from 0 visits a query block): flash_bwd.cuh runs the others.
-    // 3, the window only (no ALiBi: no slope load, no ALiBi branches around the exponentials; with fp32 P^T at head
-    // dim 128, kPtFp32 below).
+    // 3, the window only (no ALiBi: no slope load, no ALiBi branches around the exponentials; on the 64-query hd128
+    // tiles with fp32 P^T, kPtFp32 below).
     static constexpr bool kScoreMods = kScoreMods_ != 0, kSoftcap = kScoreMods_ == 1, kAlibi = kScoreMods_ == 1 ||
                                                                                               kScoreMods_ == 2;
     static_assert(!kScoreMods || (kHeadDim_ <= 128 && !kIsDropout_ && !kIsBlockSparse_ && !kIsDeterministic_),
