@@ -447,8 +447,6 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             mask_defines=mask.kernel_defines() if mask is not None else (),
                             window_left=window[0],
                             window_only=mask is None and softcap <= 0 and alibi_slopes is None)
-    if ("FT_SCORE_MODS", 3) in spec.defines and (alibi_slopes is not None or softcap > 0 or mask is not None):
-        raise AssertionError(f"{spec.name} (a window alone) was chosen for a call with ALiBi, softcap or a mask")
     tiles = spec.tiles
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                       bs_cols=bs_cols, window=window, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask,

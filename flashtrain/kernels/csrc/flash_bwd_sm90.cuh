@@ -130,16 +130,17 @@ struct BwdSm90Traits {
     // every key block from 0 visits a query block): flash_bwd.cuh runs the others.
     // 3, the window only (no ALiBi: no slope load, no ALiBi branches around the exponentials; on the 64-query hd128
     // tiles with fp32 P^T, kPtFp32 below).
-    static constexpr bool kScoreMods = kScoreMods_ != 0, kSoftcap = kScoreMods_ == 1, kAlibi = kScoreMods_ == 1 ||
-                                                                                              kScoreMods_ == 2;
+    static constexpr bool kScoreMods = kScoreMods_ != 0, kSoftcap = kScoreMods_ == 1;
+    static constexpr bool kAlibi = kScoreMods_ == 1 || kScoreMods_ == 2;
     static_assert(!kScoreMods || (kHeadDim_ <= 128 && !kIsDropout_ && !kIsBlockSparse_ && !kIsDeterministic_),
                   "score modifications: head dims 64 / 128, dense, no dropout, not deterministic");
     // a mask expression compiled in (FT_MASK_EXPR, mask_mod.cuh; with the score modifications): the query-block walk
     // skips the (head, query block) pairs whose 128 x 128 block state (FwdParams::mm_states) is empty, the expression
     // runs per pair where it is partial (128-key tiles: one state per block)
     static constexpr bool kMaskMod = kMaskMod_;
-    static_assert(!kMaskMod_ || (kScoreMods_ != 0 && kBlockSparseSize % kBlockM_ == 0),
-                  "a mask expression needs the score-modification kernel with query blocks inside 128-row states");
+    static_assert(!kMaskMod_ || (kScoreMods_ != 0 && kScoreMods_ != 3 && kBlockSparseSize % kBlockM_ == 0),
+                  "a mask expression needs the general score-modification kernel (not the window-only one) with query "
+                  "blocks inside 128-row states");
     // Head dims 192 and 256 (kSplitHd: dense only, no dQ writer, the epilogue through K / V) split the head dim over
     // the warpgroups (flash_bwd_sm90_split_mma): 64-key tiles. Head dim 192 with kBlockN_ = 96 (build.py
     // BWD_SM90_HD192_N96): 96-key tiles, each warpgroup owning 48 keys (flash_bwd_sm90_split_keys_mma, kSplitKeys).
@@ -213,7 +214,7 @@ struct BwdSm90Traits {
 #ifndef FT_BWD_PT_FP32
 #define FT_BWD_PT_FP32 1
 #endif
-    // ... and the window-only score-modification kernels (FT_SCORE_MODS 3, no mask expression; FT_BWD_WINDOW_PT_FP32,
+    // ... and the window-only score-modification kernels (FT_SCORE_MODS 3; FT_BWD_WINDOW_PT_FP32,
     // default 1; 0 for A/Bs): H200, interleaved CUDA-graph replays, backward against the general variant, hd128 causal
     // window 1024 at 16K 1.033, at 4K 1.015, window 256 at 16K 1.001 (kernel_ab-h200.json).
 #ifndef FT_BWD_WINDOW_PT_FP32
@@ -221,7 +222,7 @@ struct BwdSm90Traits {
 #endif
     static constexpr bool kPtFp32 =
         FT_BWD_PT_FP32 && kHd128DsFromPa && !kSwapDq && !kIsDeterministic && !kIsDropout &&
-        (!kScoreMods || (kScoreMods_ == 3 && !kMaskMod_ && FT_BWD_WINDOW_PT_FP32));
+        (!kScoreMods || (kScoreMods_ == 3 && FT_BWD_WINDOW_PT_FP32));
 #ifdef FT_BWD_PRODUCER_REGS
     static constexpr int kProducerRegs = FT_BWD_PRODUCER_REGS;
 #else

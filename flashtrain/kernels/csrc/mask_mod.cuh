@@ -7,7 +7,8 @@
 #include "utils.cuh"
 
 // The entry files' feature switches (build.py passes them): FT_SCORE_MODS (window / softcap / ALiBi; the Hopper
-// backward's 1 or 2, not its window-only 3; see flash_bwd_sm90.cuh), FT_MASK_MOD from whether an expression is compiled in.
+// backward's 1 or 2, not its window-only 3; see flash_bwd_sm90.cuh), FT_MASK_MOD from whether an expression is
+// compiled in.
 #ifndef FT_SCORE_MODS
 #define FT_SCORE_MODS 0
 #endif
