@@ -344,7 +344,7 @@ struct BwdSm90Traits {
     // The first kStatsAhead lse pairs are loaded before the S^T GEMM is issued (kStatsEarly bit 1; bit 2: the first D
     // pairs before dV's GEMM), not after: there the loads queued behind the GEMMs' instructions in the MIO pipe, and
     // the first exponentials' FFMAs waited on them past the S^T wait (ncu, hd96 causal 4K on 80-query blocks: 3.8% of
-    // the MMA warps' stall samples). The 80- and 128-query kernels without dropout, score modifications, a block mask
+    // the kernel's stall samples). The 80- and 128-query kernels without dropout, score modifications, a block mask
     // or determinism take bit 1: H200, interleaved CUDA-graph replays, backward, early / late: hd128 full 1K 1.011,
     // 2K-16K 1.021-1.024, causal 16K 1.034, hd64 causal 1K-16K 1.020-1.022, hd80 full 4K 1.015, hd96 causal 4K 1.005,
     // hd64 full 0.991-1.001 (kernel_ab-h200.json); the 64-query kernels measured level (0.997-1.002) and keep the
