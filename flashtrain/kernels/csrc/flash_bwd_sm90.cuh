@@ -341,20 +341,19 @@ struct BwdSm90Traits {
 #define FT_BWD_STATS_AHEAD 2
 #endif
     static constexpr int kStatsAhead = FT_BWD_STATS_AHEAD;
-    // The first kStatsAhead lse pairs are loaded before the S^T GEMM is issued (kStatsEarly bit 1; bit 2: the first D
-    // pairs before dV's GEMM), not after: there the loads queued behind the GEMMs' instructions in the MIO pipe, and
-    // the first exponentials' FFMAs waited on them past the S^T wait (ncu, hd96 causal 4K on 80-query blocks: 3.8% of
-    // the kernel's stall samples). The 80- and 128-query kernels without dropout, score modifications, a block mask
-    // or determinism take bit 1: H200, interleaved CUDA-graph replays, backward, early / late: hd128 full 1K 1.011,
+    // The first kStatsAhead lse pairs are loaded before the S^T GEMM is issued (kStatsEarly), not after: there the
+    // loads queued behind the GEMMs' instructions in the MIO pipe, and the first exponentials' FFMAs waited on them
+    // past the S^T wait (ncu, hd96 causal 4K on 80-query blocks: 3.8% of the kernel's stall samples). The 80- and
+    // 128-query kernels without dropout, score modifications, a block mask or determinism take it: H200, interleaved CUDA-graph replays, backward, early / late: hd128 full 1K 1.011,
     // 2K-16K 1.021-1.024, causal 16K 1.034, hd64 causal 1K-16K 1.020-1.022, hd80 full 4K 1.015, hd96 causal 4K 1.005,
     // hd64 full 0.991-1.001 (kernel_ab-h200.json); the 64-query kernels measured level (0.997-1.002) and keep the
-    // late loads, as do the head dim 192 kernel (1.000) and bit 2 (0.988-1.028).
-    // FT_BWD_STATS_EARLY=n forces n (A/B).
+    // late loads (as did the first D pairs before dV's GEMM: 0.988-1.028).
+    // FT_BWD_STATS_EARLY=0 / 1 forces it off / on (A/B).
 #ifdef FT_BWD_STATS_EARLY
-    static constexpr int kStatsEarly = FT_BWD_STATS_EARLY;
+    static constexpr bool kStatsEarly = FT_BWD_STATS_EARLY;
 #else
-    static constexpr int kStatsEarly =
-        (kSwapDq || kBlockM == 128) && !kIsDropout && !kScoreMods && !kIsBlockSparse && !kIsDeterministic ? 1 : 0;
+    static constexpr bool kStatsEarly =
+        (kSwapDq || kBlockM == 128) && !kIsDropout && !kScoreMods && !kIsBlockSparse && !kIsDeterministic;
 #endif
     // The dS^T order alone also helps 128-query blocks with dropout (H200, same process, dropout 0.1, backward
     // TFLOP/s first / after dK: full 512 224 / 218, 2K 284 / 275; causal 512 142 / 131, 2K 235 / 211); deterministic
@@ -904,11 +903,12 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
             // lse pair of n8 tile j at stats_t + 32 j, D's at + kDOff: opaque, so that the offsets stay adds (LDS
             // immediates) instead of ORs into a register per pair (the compiler knows the base's alignment)
             u32 stats_t = sm.sLse(s) + 8 * t;
-            if constexpr (T::kStatsEarly & 1) {
+            auto load_first_lse = [&]() {  // before the S^T GEMM's issue (kStatsEarly) or after both GEMMs'
                 if (FT_BWD_LEAN_ADDR) asm volatile("" : "+r"(stats_t));
 #pragma unroll
                 for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(stats_t + 32 * j, lse_r[j]);
-            }
+            };
+            if constexpr (T::kStatsEarly) load_first_lse();
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < T::kHeadDimEff / 16; ++kk) {
@@ -938,11 +938,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
                 write_dq(dq_m0, dq_head);
                 dq_m0 = -1;
             }
-            if constexpr (!(T::kStatsEarly & 1)) {
-                if (FT_BWD_LEAN_ADDR) asm volatile("" : "+r"(stats_t));
-#pragma unroll
-                for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(stats_t + 32 * j, lse_r[j]);
-            }
+            if constexpr (!T::kStatsEarly) load_first_lse();
             wgmma_wait<1>();  // S^T done (dP^T may still run)
             fence_operand(st);
 
@@ -1080,15 +1076,11 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
                 exponentials(BoolConstant<false>{});
             }
 
+            rs_gemm(acc_dv, pa, sdO_s);  // dV_w += P^T dO (rows of dO = queries, the reduction)
             constexpr u32 kDOff = T::kStages * T::kStatsBytes;  // sD(s) - sLse(s)
             float d_r[kNT][2];  // D of the first kStatsAhead n8 tiles, as lse above
-            if constexpr (T::kStatsEarly & 2)
 #pragma unroll
-                for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(stats_t + kDOff + 32 * j, d_r[j]);
-            rs_gemm(acc_dv, pa, sdO_s);  // dV_w += P^T dO (rows of dO = queries, the reduction)
-            if constexpr (!(T::kStatsEarly & 2))
-#pragma unroll
-                for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(stats_t + kDOff + 32 * j, d_r[j]);
+            for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(stats_t + kDOff + 32 * j, d_r[j]);
             // dP^T done; dV may still run unless its P^T registers are needed for dS^T (128-query blocks: ptxas keeps
             // the A fragments of an unfinished wgmma alive, and 64 more live registers would spill)
             if constexpr (T::kWaitDv) wgmma_wait<0>();
@@ -1716,11 +1708,6 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         // S_w = Q K_w^T, then dP_w = dO V_w^T: kHeadDim / 16 k-steps; Q / dO step kk in 64-column block kk / 4, K's
         // in 32-column block kk / 2 (64-byte swizzle), V's in block kk / 4
         float st[kNK][4], dpt[kNK][4];
-        // lse of this thread's rows (queries row0 + g, + 8): loaded while the GEMMs run (T::kStatsEarly & 1: before
-        // they are issued)
-        const u32 stat = sm.sLse(s) + 4 * (row0 + g);
-        float lse[2];
-        if constexpr (T::kStatsEarly & 1) lse[0] = ld_shared_f32(stat), lse[1] = ld_shared_f32(stat + 32);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -1738,7 +1725,9 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
                                         kk > 0);
         }
         wgmma_commit();
-        if constexpr (!(T::kStatsEarly & 1)) lse[0] = ld_shared_f32(stat), lse[1] = ld_shared_f32(stat + 32);
+        // lse of this thread's rows (queries row0 + g, + 8), loaded while the GEMMs run
+        const u32 stat = sm.sLse(s) + 4 * (row0 + g);
+        const float lse[2] = {ld_shared_f32(stat), ld_shared_f32(stat + 32)};
         wgmma_wait<1>();  // S done (dP may still run)
         fence_operand(st);
 
@@ -1783,13 +1772,11 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
                                                                 kBlockM * 128, 1024),
                                                    gmma_desc_at(yt_tile, kKeys * W * 128 + ks * 32, 16, 1024), 1);
         };
-        // dV_w^T += dO^T P_w (D of this thread's rows loaded while it runs; T::kStatsEarly & 2: before it is issued)
-        const u32 stat_d = sm.sD(s) + 4 * (row0 + g);
-        float dsum[2];
-        if constexpr (T::kStatsEarly & 2) dsum[0] = ld_shared_f32(stat_d), dsum[1] = ld_shared_f32(stat_d + 32);
+        // dV_w^T += dO^T P_w
         gemm_t(acc_dv, sdO_s, sP, true);
         wgmma_commit();
-        if constexpr (!(T::kStatsEarly & 2)) dsum[0] = ld_shared_f32(stat_d), dsum[1] = ld_shared_f32(stat_d + 32);
+        const u32 stat_d = sm.sD(s) + 4 * (row0 + g);
+        const float dsum[2] = {ld_shared_f32(stat_d), ld_shared_f32(stat_d + 32)};
         wgmma_wait<1>();  // dP done (dV^T may still run)
         fence_operand(dpt);
 
