@@ -93,10 +93,11 @@
 #define FT_BWD_DET_WRITERS 2
 #endif
 // FT_BWD_DET_SPIN_NS (deterministic; default 200, 0 for A/Bs): the dQ writer's lane sleeps this many nanoseconds
-// between two polls of a turn counter. A writer warp shares its SM sub-partition's issue slots with an MMA warp, and
-// polling back to back took them from it: H200, 2026-11-30 17:16 UTC, interleaved CUDA-graph replays, deterministic
-// backward 200 ns / none: hd128 non-causal 2K-16K 1.037-1.041, 512 1.023, causal 4K / 16K 1.037 / 1.042, GQA 32/8 8K
-// 1.039, hd64 non-causal 8K 1.051, causal 2K 1.049; 100, 500 and 1000 ns within 0.5% of 200 (kernel_ab-h200.json).
+// between two polls of a turn counter. Polling back to back slowed the whole CTA (a writer warp shares its SM
+// sub-partition's issue slots with an MMA warp, and each poll is an L2 load): H200, 2026-11-30 17:16 UTC, interleaved
+// CUDA-graph replays, deterministic backward 200 ns / none: hd128 non-causal 2K-16K 1.037-1.041, 512 1.023, causal 4K
+// / 16K 1.037 / 1.042, GQA 32/8 8K 1.039, hd64 non-causal 8K 1.051, causal 2K 1.049; 100, 500 and 1000 ns within 0.6%
+// of 200 (kernel_ab-h200.json).
 #ifndef FT_BWD_DET_SPIN_NS
 #define FT_BWD_DET_SPIN_NS 200
 #endif
