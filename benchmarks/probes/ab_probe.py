@@ -17,6 +17,12 @@ alone: the forward runs once before the capture, the graph holds the gradient ke
     PYTHONPATH=$PWD python3 benchmarks/probes/ab_probe.py --impls flashtrain cudnn --configs 128:8192:causal:32/8:1 \
         --pass fb                                          # GQA: 32 query heads on 8 key / value heads, batch 1
     PYTHONPATH=$PWD python3 benchmarks/probes/ab_probe.py --impls flashtrain flashtrain-det --pass bwd
+    PYTHONPATH=$PWD python3 benchmarks/probes/ab_probe.py --impls flashtrain flashtrain@build.LONG_KEYS_SEQLEN=1048576 \
+        --configs 128:16384:full --sustained 3 --rounds 2     # sustained: each graph back to back for 3 s
+
+--sustained SECONDS: instead of interleaving, each implementation's graph is replayed back to back for SECONDS
+(attention.py's sustained_ms: its clocks settle where its own power draw puts them, as in training), --rounds times,
+the implementations' order reversed every other round; the mean of the rounds' medians.
 """
 import argparse
 import contextlib
@@ -238,6 +244,19 @@ def capture(name: str, config: Config, kind: str) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def sustained_tflops(calls: dict, flops: float, seconds: float, rounds: int) -> dict:
+    """TFLOP/s of each call run alone back to back for `seconds` (attention.sustained_ms), `rounds` times in
+    alternating order; the mean over the rounds."""
+    from attention import sustained_ms  # (benchmarks/attention.py: its sustained mode's timing)
+
+    names = list(calls)
+    per_round = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            per_round[name].append(flops / sustained_ms(calls[name], seconds) / 1e9)
+    return {name: statistics.mean(values) for name, values in per_round.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impls", nargs="+", default=["flashtrain", "cudnn"])
@@ -245,7 +264,12 @@ def main() -> None:
                         help="head_dim:seqlen:full|causal[:heads/kv_heads[:batch]] (Config)")
     parser.add_argument("--pass", dest="kind", choices=("fwd", "fb", "bwd"), default="fwd")
     parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                        help="each implementation back to back for SECONDS instead of interleaved replays")
+    parser.add_argument("--rounds", type=int, default=2, help="with --sustained: rounds, alternating the order")
     args = parser.parse_args()
+    if args.sustained < 0 or args.rounds < 1:
+        parser.error(f"--sustained must be >= 0 and --rounds >= 1 (got {args.sustained}, {args.rounds})")
     print(torch.cuda.get_device_name(), torch.__version__, f"cuDNN {torch.backends.cudnn.version()}", args.kind,
           flush=True)
     for config in map(Config.parse, args.configs):
@@ -253,15 +277,20 @@ def main() -> None:
         names = list(graphs)
         for graph in graphs.values():  # warm up the replays
             graph.replay()
-        times = time_interleaved({name: graph.replay for name, graph in graphs.items()}, args.repeats)
         flops = config.flops(args.kind)
-        tflops = {name: flops / statistics.median(times[name]) / 1e12 for name in names}
+        if args.sustained > 0:
+            tflops = sustained_tflops({name: graph.replay for name, graph in graphs.items()}, flops, args.sustained,
+                                      args.rounds)
+        else:
+            times = time_interleaved({name: graph.replay for name, graph in graphs.items()}, args.repeats)
+            tflops = {name: flops / statistics.median(times[name]) / 1e12 for name in names}
         line = "  ".join(f"{name} {tflops[name]:6.1f}" for name in names)
         ratios = "".join(f"  /{names[0]}: {name} {tflops[name] / tflops[names[0]]:.3f}" for name in names[1:]
                          if name.startswith("flashtrain"))
         ratios += "".join(f"  {name}/cudnn {tflops[name] / tflops['cudnn']:.3f}" for name in names
                           if "cudnn" in tflops and name.startswith("flashtrain"))
-        print(f"{config.label()} {args.kind} TFLOP/s {line}{ratios}", flush=True)
+        mode = f" sustained {args.sustained:g} s x {args.rounds}" if args.sustained > 0 else ""
+        print(f"{config.label()} {args.kind}{mode} TFLOP/s {line}{ratios}", flush=True)
         del graphs
 
 

@@ -1,0 +1,46 @@
+"""benchmarks/probes/ab_probe.py's CPU side: the sustained mode's rounds (alternating order, mean of the rounds) and
+its argument checks."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+PROBES = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "probes"
+
+
+@pytest.fixture
+def ab_probe(monkeypatch):
+    monkeypatch.syspath_prepend(str(PROBES.parent))
+    monkeypatch.syspath_prepend(str(PROBES))
+    import ab_probe
+
+    return ab_probe
+
+
+def test_sustained_rounds_alternate_and_average(ab_probe, monkeypatch):
+    import attention
+
+    order, ms = [], {"a": [2.0, 4.0], "b": [1.0, 1.0]}
+
+    def fake_sustained_ms(call, seconds):
+        name = call()
+        order.append(name)
+        assert seconds == 0.5
+        return ms[name][sum(n == name for n in order) - 1]
+
+    monkeypatch.setattr(attention, "sustained_ms", fake_sustained_ms)
+    tflops = ab_probe.sustained_tflops({"a": lambda: "a", "b": lambda: "b"}, 4e12, 0.5, 2)
+    assert order == ["a", "b", "b", "a"]  # the second round in reverse order
+    # 4e12 FLOPs in 2 ms and 4 ms: 2000 and 1000 TFLOP/s, mean 1500; b: 4000 both rounds
+    assert tflops == pytest.approx({"a": 1500.0, "b": 4000.0})
+
+
+@pytest.mark.parametrize("args", [["--sustained", "-1"], ["--sustained", "1", "--rounds", "0"]])
+def test_sustained_arguments_are_checked(args):
+    result = subprocess.run([sys.executable, str(PROBES / "ab_probe.py"), *args], capture_output=True, text=True,
+                            timeout=120, cwd=PROBES.parents[1],
+                            env={"PYTHONPATH": str(PROBES.parents[1]), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2
+    assert "--sustained must be >= 0 and --rounds >= 1" in result.stderr
