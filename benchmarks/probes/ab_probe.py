@@ -278,11 +278,11 @@ def main() -> None:
         for graph in graphs.values():  # warm up the replays
             graph.replay()
         flops = config.flops(args.kind)
+        replays = {name: graph.replay for name, graph in graphs.items()}
         if args.sustained > 0:
-            tflops = sustained_tflops({name: graph.replay for name, graph in graphs.items()}, flops, args.sustained,
-                                      args.rounds)
+            tflops = sustained_tflops(replays, flops, args.sustained, args.rounds)
         else:
-            times = time_interleaved({name: graph.replay for name, graph in graphs.items()}, args.repeats)
+            times = time_interleaved(replays, args.repeats)
             tflops = {name: flops / statistics.median(times[name]) / 1e12 for name in names}
         line = "  ".join(f"{name} {tflops[name]:6.1f}" for name in names)
         ratios = "".join(f"  /{names[0]}: {name} {tflops[name] / tflops[names[0]]:.3f}" for name in names[1:]
