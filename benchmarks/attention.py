@@ -330,18 +330,49 @@ def sustained_ms(call, seconds: float) -> float:
     return statistics.median(begin.elapsed_time(end) for begin, end in events[len(events) // 2:])
 
 
-def sustained(seqlens, seconds: float) -> list[dict]:
+def sustained_rounds(measure, rounds: int) -> dict:
+    """{(impl, kind): [TFLOP/s of each round]} from measure(impl) -> {kind: TFLOP/s or None} over `rounds` rounds of
+    SUSTAINED_IMPLS, the order reversed every other round (round_order): each implementation runs alone for a few
+    seconds and the board's temperature carries over from whatever ran before it, so no implementation always goes
+    first."""
+    results = {(impl, kind): [] for impl in SUSTAINED_IMPLS for kind in ("fwd", "fb")}
+    for round_index in range(rounds):
+        for impl in round_order(SUSTAINED_IMPLS, round_index):
+            for kind, tflops in measure(impl).items():
+                results[impl, kind].append(tflops)
+    return results
+
+
+def sustained_fields(results: dict) -> dict:
+    """A sustained row's fields from sustained_rounds' results: {impl}_{kind}_sustained (the mean of the rounds; None
+    if a round could not run), {impl}_{kind}_sustained_rounds and the ratios ft_over_{impl}_{kind}."""
+    row = {}
+    for (impl, kind), values in results.items():
+        row[f"{impl}_{kind}_sustained"] = (None if not values or None in values
+                                           else round(statistics.fmean(values), 1))
+        row[f"{impl}_{kind}_sustained_rounds"] = values
+    for other in SUSTAINED_IMPLS[1:]:
+        for kind in ("fwd", "fb"):
+            ft, them = row["flashtrain_" + kind + "_sustained"], row[f"{other}_{kind}_sustained"]
+            row[f"ft_over_{other}_{kind}"] = round(ft / them, 3) if ft and them else None
+    return row
+
+
+def sustained(seqlens, seconds: float, rounds: int = 1) -> list[dict]:
     """Head dim 128 rows of the grid (full and causal at each seqlen): TFLOP/s of each SUSTAINED_IMPLS, forward and
-    forward+backward, each alone for `seconds`; {impl}_{pass}_sustained and the ratios ft_over_{impl}_{pass}."""
+    forward+backward, each alone for `seconds`, in `rounds` rounds (sustained_rounds); sustained_fields' keys."""
     rows = []
     for seqlen in seqlens:
         batch, nheads = TOKENS // seqlen, HIDDEN // 128
         for causal in (False, True):
             fwd_flops = 4 * batch * nheads * seqlen**2 * 128 / (2 if causal else 1)
-            row = {"hd": 128, "S": seqlen, "B": batch, "H": nheads, "causal": causal, "seconds": seconds}
-            for impl in SUSTAINED_IMPLS:
+            row = {"hd": 128, "S": seqlen, "B": batch, "H": nheads, "causal": causal, "seconds": seconds,
+                   "rounds": rounds}
+
+            def measure(impl):
                 fn = attention_fn(impl, causal)
                 q, k, v, dout = make_inputs(impl, batch, seqlen, nheads, 128, requires_grad=True)
+                tflops = {}
                 for kind, factor in (("fwd", 1.0), ("fb", 3.5)):
                     try:
                         if kind == "fwd":
@@ -349,17 +380,16 @@ def sustained(seqlens, seconds: float) -> list[dict]:
                                 ms = sustained_ms(lambda: fn(q, k, v), seconds)
                         else:
                             ms = sustained_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), seconds)
-                        row[f"{impl}_{kind}_sustained"] = round(factor * fwd_flops / ms / 1e9, 1)
+                        tflops[kind] = round(factor * fwd_flops / ms / 1e9, 1)
                     except (RuntimeError, ValueError, NotImplementedError) as error:
                         print(f"  sustained {impl} S{seqlen} causal={causal} {kind}: {type(error).__name__}: "
                               f"{str(error)[:120]}")
-                        row[f"{impl}_{kind}_sustained"] = None
+                        tflops[kind] = None
                 del q, k, v, dout
                 torch.cuda.empty_cache()
-            for other in SUSTAINED_IMPLS[1:]:
-                for kind in ("fwd", "fb"):
-                    ft, them = row["flashtrain_" + kind + "_sustained"], row[f"{other}_{kind}_sustained"]
-                    row[f"ft_over_{other}_{kind}"] = round(ft / them, 3) if ft and them else None
+                return tflops
+
+            row.update(sustained_fields(sustained_rounds(measure, rounds)))
             rows.append(row)
             print(f"sustained hd128 {'causal' if causal else 'full'} S{seqlen}: " + "; ".join(
                 f"{kind} " + " ".join(f"{impl} {row[f'{impl}_{kind}_sustained'] or '-'}" for impl in SUSTAINED_IMPLS)
@@ -368,16 +398,18 @@ def sustained(seqlens, seconds: float) -> list[dict]:
 
 
 def sustained_markdown(rows, fa4: str = fa4_baseline.NOT_INSTALLED) -> str:
-    """TFLOP/s of each implementation alone for the row's seconds, and flashtrain / FA4 and / cuDNN."""
+    """TFLOP/s of each implementation alone for the row's seconds (the mean of its rounds), and flashtrain / FA4 and /
+    cuDNN."""
     def cell(x, impl="", digits=0):
         if x is None:
             return fa4 if impl == "fa4" and fa4 == fa4_baseline.NOT_INSTALLED else "-"
         return f"{x:.{digits}f}"
-    head = "| hd | mask | S | seconds |" + "".join(f" {k}: flashtrain | FA4 | cuDNN | ft/FA4 | ft/cuDNN |"
+    head = "| hd | mask | S | seconds x rounds |" + "".join(f" {k}: flashtrain | FA4 | cuDNN | ft/FA4 | ft/cuDNN |"
                                                   for k in ("fwd", "fwd+bwd"))
     lines = [head, "|" + "---|" * 14]
     for row in rows:
-        cells = [str(row["hd"]), "causal" if row["causal"] else "full", str(row["S"]), f"{row['seconds']:g}"]
+        cells = [str(row["hd"]), "causal" if row["causal"] else "full", str(row["S"]),
+                 f"{row['seconds']:g} x {row.get('rounds', 1)}"]
         for kind in ("fwd", "fb"):
             cells += [cell(row[f"{impl}_{kind}_sustained"], impl) for impl in SUSTAINED_IMPLS]
             cells += [cell(row[f"ft_over_{other}_{kind}"], other, 2) for other in SUSTAINED_IMPLS[1:]]
@@ -674,14 +706,10 @@ def selftest() -> None:
     assert workload_rows[8]["ratio_fa4_fwd"] is None and workload_rows[0]["ratio_fa4_fwd"] > 0
     steady = []
     for seqlen, causal in ((4096, False), (16384, True)):
-        row = {"hd": 128, "S": seqlen, "B": TOKENS // seqlen, "H": 16, "causal": causal, "seconds": 5.0}
-        for impl in SUSTAINED_IMPLS:
-            for kind in ("fwd", "fb"):
-                row[f"{impl}_{kind}_sustained"] = None if impl == "fa4" and causal else fake.uniform(400, 600)
-        for other in SUSTAINED_IMPLS[1:]:
-            for kind in ("fwd", "fb"):
-                ft, them = row[f"flashtrain_{kind}_sustained"], row[f"{other}_{kind}_sustained"]
-                row[f"ft_over_{other}_{kind}"] = round(ft / them, 3) if ft and them else None
+        row = {"hd": 128, "S": seqlen, "B": TOKENS // seqlen, "H": 16, "causal": causal, "seconds": 5.0, "rounds": 2}
+        row.update(sustained_fields(sustained_rounds(
+            lambda impl: {kind: None if impl == "fa4" and causal else fake.uniform(400, 600) for kind in ("fwd", "fb")},
+            2)))
         steady.append(row)
     grid_rows = []
     for head_dim, seqlen, causal in ((64, 1024, False), (128, 4096, False), (128, 8192, True)):
@@ -711,7 +739,8 @@ def run_grid(args, env: dict, out: Path) -> str:
     rows = speed(seqlens, 5 if args.quick else args.repeats, 1 if args.quick else args.rounds,
                  interleave=args.timing == "interleaved")
     mem = [] if args.quick else memory([1024, 2048, 4096, 8192, 16384, 32768, 65536])
-    steady = sustained([S for S in seqlens if S >= 4096], args.sustained) if args.sustained > 0 else []
+    steady = (sustained([S for S in seqlens if S >= 4096], args.sustained, args.sustained_rounds)
+              if args.sustained > 0 else [])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "rows": rows, "memory": mem, "sustained": steady}, indent=1))
     plot(rows, out.with_suffix(".png"))
@@ -751,6 +780,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (PNG beside it): of the grid, or with --workloads of the workloads table "
                              "(with --all the workloads file goes beside the grid's); with --block-sparse a directory")
+    parser.add_argument("--sustained-rounds", type=int, default=2,
+                        help="rounds of the sustained rows, the implementations' order reversed every other round; "
+                             "each row reports the mean of its rounds")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--block-sparse", action="store_true", help="block-sparse scaling against density only")
     mode.add_argument("--workloads", action="store_true", help="the workloads table only")
@@ -760,6 +792,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.sustained is None:
         args.sustained = 5.0 if args.all or args.sustained_only else 0.0
+    if args.sustained < 0 or args.sustained_rounds < 1:
+        parser.error("--sustained must be >= 0 and --sustained-rounds >= 1")
     if args.selftest:
         selftest()
         return
@@ -781,7 +815,7 @@ def main() -> None:
     if args.sustained_only:
         out = args.out or RESULTS / f"attention_sustained-{tag}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        steady = sustained([4096, 8192, 16384], args.sustained)
+        steady = sustained([4096, 8192, 16384], args.sustained, args.sustained_rounds)
         out.write_text(json.dumps({"env": env, "sustained": steady}, indent=1))
         print(f"wrote {out}\n\n{sustained_markdown(steady, env['fa4'])}")
         return
