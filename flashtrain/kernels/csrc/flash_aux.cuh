@@ -15,6 +15,7 @@
 namespace flashtrain {
 
 constexpr int kAuxThreads = 128, kRowsPerCta = 32;
+constexpr int kDqFragBlockRows = 80;  // the fragment order's query blocks (bwd_convert_dq_frag's kDqFragRows)
 
 // Sequence bounds of CTA (blockIdx.y = batch); false when this CTA's rows are all past the end (padded: past the
 // end of the sequence's last query block). pad_start: the sequence's first row in the padded arrays (padded layouts),
@@ -50,6 +51,31 @@ struct AuxRowGroup {
     }
 };
 
+// A Hopper backward whose head_dim is below its instantiated one (dqa_cols: head dims 65-96 on the hd128 tiles, 129-192
+// on hd192's) adds into dq_accum's permuted blocks either only the columns it computes or zeros past them, and the
+// conversions read only the columns < head_dim. In both permuted layouts those columns are a prefix of each block of
+// rows, read as plain rows of dqa_cols floats: 16 round_up(head_dim, 8) floats of each 16-row group of slices (n8 tile
+// j of a slice at 128 j floats), 80 round_up(head_dim, 16) of each 80-row block of the fragment order (16-column
+// slices). The preprocess zeroes that prefix, rounded up to whole rows, and the scrambled conversion reads only the n8
+// tiles below head_dim (FT_AUX_NARROW; 0: every column of dqa_cols).
+#ifndef FT_AUX_NARROW
+#define FT_AUX_NARROW 1
+#endif
+struct AuxZeroRows {
+    int group = 0, rows = 0;  // rows r of a sequence with r % group >= rows are not zeroed (group 0: all are)
+    __device__ __forceinline__ explicit AuxZeroRows(const AuxParams& p) {
+        if (!FT_AUX_NARROW || !p.padded || p.head_dim >= p.dqa_cols || p.nsplits != 1) return;
+        // (whole rows: the prefix rounded up to a row; the slice layouts as bwd_convert_dq reads them)
+        const int W = p.dq_slice_width;
+        if (p.dq_frag) {
+            group = kDqFragBlockRows, rows = ceil_div(kDqFragBlockRows * ((p.head_dim + 15) / 16 * 16), p.dqa_cols);
+        } else if (W > 0 && W % 32 == 0 && p.dq_block_m % kRowsPerCta == 0) {
+            group = 16, rows = ceil_div(16 * ((p.head_dim + 7) / 8 * 8), p.dqa_cols);
+        }
+    }
+    __device__ __forceinline__ bool zero(int row) const { return group == 0 || row % group < rows; }
+};
+
 template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const AuxParams& p) {
     grid_launch_dependents();  // the Hopper backward may start its prologue (it waits for this grid's writes)
     AuxRows rows;
@@ -58,6 +84,7 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
     const int row_end = min_(rows.rows_end, rows.row_begin + kRowsPerCta);
     const AuxRowGroup grp(p.head_dim, lane);
     const int step = grp.rows_per_warp * (kAuxThreads / 32);
+    const AuxZeroRows zero_rows(p);
     // (the loop bound is the warp's, so that every lane takes part in the shuffles)
     for (int base = rows.row_begin + warp * grp.rows_per_warp; base < row_end; base += step) {
         const int row = base + grp.slot;
@@ -98,6 +125,7 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
                 p.lse_log2[at] = lse;
             }
         }
+        if (!zero_rows.zero(row)) continue;  // (narrow head dims: past the prefix the backward adds into)
         for (int split = 0; split < p.nsplits; ++split) {
             float* acc = (float*)p.dq_accum + split * p.dqa_split_stride + batch * p.dqa_batch_stride +
                          head * p.dqa_head_stride + pad_row * p.dqa_cols;
@@ -117,7 +145,8 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
 // tile (bwd_convert_dq's, 40 rows x 16 columns, rows padded by 16 bytes) and each row's two 16-byte pieces to dq (rows
 // past the sequence's end and columns past head_dim are not written).
 // (the half slice's tile: kDqFragRows / 2 rows of kDqFragTileRow bytes)
-constexpr int kDqFragRows = 80, kDqFragSliceCols = 16, kDqFragTileRow = 2 * kDqFragSliceCols + 16;
+constexpr int kDqFragRows = kDqFragBlockRows, kDqFragSliceCols = 16;
+constexpr int kDqFragTileRow = 2 * kDqFragSliceCols + 16;
 constexpr int kDqFragTileBytes = kDqFragRows / 2 * kDqFragTileRow;
 template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq_frag(const AuxParams& p, u32 tile) {
     constexpr int kRows = kDqFragRows, kCols = 128, kSliceCols = kDqFragSliceCols, kTileRow = kDqFragTileRow;
@@ -204,13 +233,17 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq(const Aux
             const int group_row = rows.row_begin + 16 * (region / slices), col0 = W * (region % slices);
             const i64 q_row = rows.q_start + group_row;
             const float* src = acc0 + q_row * p.dqa_cols + col0 * 16;
-            for (int j0 = 0; j0 < quads / 32; j0 += 4) {  // 4 float4s in flight per lane
+            // n8 tiles of the slice that hold columns < head_dim (FT_AUX_NARROW; the others are not read)
+            const int tiles = FT_AUX_NARROW ? min_(quads / 32, (p.head_dim - col0 + 7) / 8) : quads / 32;
+            for (int j0 = 0; j0 < tiles; j0 += 4) {  // 4 float4s in flight per lane
                 float4 sum[4];
 #pragma unroll
-                for (int jj = 0; jj < 4; ++jj) sum[jj] = ld_global_f4(src + 4 * (32 * (j0 + jj) + lane));
+                for (int jj = 0; jj < 4; ++jj)
+                    sum[jj] = j0 + jj < tiles ? ld_global_f4(src + 4 * (32 * (j0 + jj) + lane)) : float4{};
                 for (int split = 1; split < p.nsplits; ++split) {  // fixed order: deterministic
 #pragma unroll
                     for (int jj = 0; jj < 4; ++jj) {
+                        if (j0 + jj >= tiles) break;
                         const float4 v = ld_global_f4(src + split * p.dqa_split_stride + 4 * (32 * (j0 + jj) + lane));
                         sum[jj].x += v.x, sum[jj].y += v.y, sum[jj].z += v.z, sum[jj].w += v.w;
                     }

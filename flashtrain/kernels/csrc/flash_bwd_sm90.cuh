@@ -263,6 +263,11 @@ struct BwdSm90Traits {
 #ifndef FT_BWD_NARROW_DQ
 #define FT_BWD_NARROW_DQ 1
 #endif
+// Head dims 65-96 on 80-query blocks (fragment-order dQ^T): warpgroup 1 reduce-adds only its slices below kHeadDimEff
+// (1: 16 or 32 of its 64 columns; 0: all 64)
+#ifndef FT_BWD_NARROW_FRAG_ADD
+#define FT_BWD_NARROW_FRAG_ADD 1
+#endif
     static constexpr bool kNarrowDq = FT_BWD_NARROW_DQ && (kHeadDimEff == 80 || kHeadDimEff == 96) &&
                                       kHeadDim == 128 && kBlockM == 64 && !kSwapDq && !kIsDropout;
     static constexpr int kDqCols = kNarrowDq ? kHeadDimEff : 64;  // dQ columns of a warpgroup's GEMM
@@ -2080,10 +2085,13 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         __syncwarp();
                     }
                     if (T::kDqFrag && lane == 0) {  // the block's dQ^T in fragment order: a warpgroup's 20 KB each
+                        // (head dims 65-96, FT_BWD_NARROW_FRAG_ADD: of warpgroup 1's 16-column slices only those below
+                        // kHeadDimEff, a prefix of its 20 KB; the others hold zeros and are never read)
+                        constexpr int kHalf1Cols = FT_BWD_NARROW_FRAG_ADD ? T::kHeadDimEff - 64 : 64;
 #pragma unroll
                         for (int half = 0; half < 2; ++half)
                             bulk_reduce_add_f32(dq_acc + (i64)m0 * kHeadDim + half * kBlockM * 64,
-                                                sm.sdQ + half * kBlockM * 64 * 4, kBlockM * 64 * 4);
+                                                sm.sdQ + half * kBlockM * 64 * 4, kBlockM * (half ? kHalf1Cols : 64) * 4);
                         bulk_commit();
                         bulk_wait_read<0>();
                         mbar_arrive(sm.dq_empty);
