@@ -330,16 +330,15 @@ def sustained_ms(call, seconds: float) -> float:
     return statistics.median(begin.elapsed_time(end) for begin, end in events[len(events) // 2:])
 
 
-def sustained_rounds(measure, rounds: int) -> dict:
+def sustained_rounds(measure, rounds: int, impls=SUSTAINED_IMPLS) -> dict:
     """{(impl, kind): [TFLOP/s of each round]} from measure(impl) -> {kind: TFLOP/s or None} over `rounds` rounds of
-    SUSTAINED_IMPLS, the order reversed every other round (round_order): each implementation runs alone for a few
-    seconds and the board's temperature carries over from whatever ran before it, so no implementation always goes
-    first."""
-    results = {(impl, kind): [] for impl in SUSTAINED_IMPLS for kind in ("fwd", "fb")}
+    impls, the order reversed every other round (round_order): each implementation runs alone for a few seconds and
+    the board's temperature carries over from whatever ran before it, so no implementation always goes first."""
+    results = {}
     for round_index in range(rounds):
-        for impl in round_order(SUSTAINED_IMPLS, round_index):
+        for impl in round_order(impls, round_index):
             for kind, tflops in measure(impl).items():
-                results[impl, kind].append(tflops)
+                results.setdefault((impl, kind), []).append(tflops)
     return results
 
 

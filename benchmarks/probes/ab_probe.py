@@ -247,14 +247,11 @@ def capture(name: str, config: Config, kind: str) -> torch.cuda.CUDAGraph:
 def sustained_tflops(calls: dict, flops: float, seconds: float, rounds: int) -> dict:
     """TFLOP/s of each call run alone back to back for `seconds` (attention.sustained_ms), `rounds` times in
     alternating order; the mean over the rounds."""
-    from attention import sustained_ms  # (benchmarks/attention.py: its sustained mode's timing)
+    from attention import sustained_ms, sustained_rounds  # (benchmarks/attention.py's sustained mode)
 
-    names = list(calls)
-    per_round = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            per_round[name].append(flops / sustained_ms(calls[name], seconds) / 1e9)
-    return {name: statistics.mean(values) for name, values in per_round.items()}
+    results = sustained_rounds(lambda name: {"tflops": flops / sustained_ms(calls[name], seconds) / 1e9}, rounds,
+                               list(calls))
+    return {name: statistics.mean(results[name, "tflops"]) for name in calls}
 
 
 def main() -> None:

@@ -15,7 +15,7 @@
 namespace flashtrain {
 
 constexpr int kAuxThreads = 128, kRowsPerCta = 32;
-constexpr int kDqFragBlockRows = 80;  // the fragment order's query blocks (bwd_convert_dq_frag's kDqFragRows)
+constexpr int kDqFragRows = 80;  // the fragment order's query blocks (bwd_convert_dq_frag)
 
 // Sequence bounds of CTA (blockIdx.y = batch); false when this CTA's rows are all past the end (padded: past the
 // end of the sequence's last query block). pad_start: the sequence's first row in the padded arrays (padded layouts),
@@ -68,7 +68,7 @@ struct AuxZeroRows {
         // (whole rows: the prefix rounded up to a row; the slice layouts as bwd_convert_dq reads them)
         const int W = p.dq_slice_width;
         if (p.dq_frag) {
-            group = kDqFragBlockRows, rows = ceil_div(kDqFragBlockRows * ((p.head_dim + 15) / 16 * 16), p.dqa_cols);
+            group = kDqFragRows, rows = ceil_div(kDqFragRows * ((p.head_dim + 15) / 16 * 16), p.dqa_cols);
         } else if (W > 0 && W % 32 == 0 && p.dq_block_m % kRowsPerCta == 0) {
             group = 16, rows = ceil_div(16 * ((p.head_dim + 7) / 8 * 8), p.dqa_cols);
         }
@@ -145,8 +145,7 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
 // tile (bwd_convert_dq's, 40 rows x 16 columns, rows padded by 16 bytes) and each row's two 16-byte pieces to dq (rows
 // past the sequence's end and columns past head_dim are not written).
 // (the half slice's tile: kDqFragRows / 2 rows of kDqFragTileRow bytes)
-constexpr int kDqFragRows = kDqFragBlockRows, kDqFragSliceCols = 16;
-constexpr int kDqFragTileRow = 2 * kDqFragSliceCols + 16;
+constexpr int kDqFragSliceCols = 16, kDqFragTileRow = 2 * kDqFragSliceCols + 16;
 constexpr int kDqFragTileBytes = kDqFragRows / 2 * kDqFragTileRow;
 template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq_frag(const AuxParams& p, u32 tile) {
     constexpr int kRows = kDqFragRows, kCols = 128, kSliceCols = kDqFragSliceCols, kTileRow = kDqFragTileRow;
