@@ -121,11 +121,12 @@ def _section(path: Path) -> list[str]:
               and not (RESULTS / f"{png.stem}.json").exists()]
     head = "Source: " + ", ".join(links) + "."
     successor = data.get("superseded_by") if isinstance(data, dict) else None
-    if successor:  # an older record of the same measurement: its successor's section has the table (one line)
+    if successor:  # an older record of the same measurement: its successor's section has the table (one line, and
+        # no blank line after it: the next heading ends the paragraph)
         env = data.get("env")
         date = (env if isinstance(env, dict) else data).get("date")
         return lines[:1] + [f"{head} Superseded by [{successor}](#{Path(successor).stem.lower()})"
-                        + (f" (this record: {date})" if date else "") + "; its numbers stay in the JSON.", ""]
+                        + (f" (this record: {date})" if date else "") + "; its numbers stay in the JSON."]
     meta = _metadata(data)
     if meta:
         head += " " + "; ".join(f"{k}: {v}" for k, v in meta) + "."
