@@ -44,3 +44,47 @@ def test_sustained_arguments_are_checked(args):
                             env={"PYTHONPATH": str(PROBES.parents[1]), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 2
     assert "--sustained must be >= 0 and --rounds >= 1" in result.stderr
+
+
+def test_sustained_clocks_are_sampled_per_run_and_averaged(ab_probe, monkeypatch):
+    """--clocks: each run's steady-state samples (after the first quarter) give its SM clock and power; the rounds'
+    values are averaged like the TFLOP/s."""
+    import contextlib
+
+    import attention
+
+    samples = {"a": [[[900.0, 100.0, 40.0]] + [[1600.0, 680.0, 60.0]] * 3, [[1700.0, 690.0, 61.0]] * 4],
+               "b": [[[1500.0, 700.0, 62.0]] * 4, [[1500.0, 700.0, 62.0]] * 4]}
+    runs = []
+
+    @contextlib.contextmanager
+    def fake_smi_samples():
+        rows = []
+        yield rows
+        name = runs[-1]
+        rows += samples[name][sum(n == name for n in runs) - 1]
+
+    def fake_sustained_ms(call, seconds):
+        runs.append(call())
+        return 2.0
+
+    monkeypatch.setattr(attention, "sustained_ms", fake_sustained_ms)
+    monkeypatch.setattr(ab_probe.clock_probe, "smi_samples", fake_smi_samples)
+    measured = ab_probe.sustained_measure({"a": lambda: "a", "b": lambda: "b"}, 4e12, 0.5, 2, clocks=True)
+    assert runs == ["a", "b", "b", "a"]
+    # a: the first run's first sample (a quarter of 4) is dropped: 1600 MHz / 680 W, then 1700 / 690; means
+    assert measured["a"] == pytest.approx({"tflops": 2000.0, "sm_mhz": 1650.0, "watts": 685.0})
+    assert measured["b"] == pytest.approx({"tflops": 2000.0, "sm_mhz": 1500.0, "watts": 700.0})
+
+
+def test_steady_state_without_samples_is_an_error(ab_probe):
+    with pytest.raises(RuntimeError, match="no clock / power samples"):
+        ab_probe.clock_probe.steady_state([])
+
+
+def test_clocks_need_sustained():
+    result = subprocess.run([sys.executable, str(PROBES / "ab_probe.py"), "--clocks"], capture_output=True, text=True,
+                            timeout=120, cwd=PROBES.parents[1],
+                            env={"PYTHONPATH": str(PROBES.parents[1]), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2
+    assert "--clocks needs --sustained SECONDS" in result.stderr

@@ -22,7 +22,9 @@ alone: the forward runs once before the capture, the graph holds the gradient ke
 
 --sustained SECONDS: instead of interleaving, each implementation's graph is replayed back to back for SECONDS
 (attention.py's sustained_ms: its clocks settle where its own power draw puts them, as in training), --rounds times,
-the implementations' order reversed every other round; the mean of the rounds' medians.
+the implementations' order reversed every other round; the mean of the rounds' medians. --clocks (with --sustained):
+each run's steady-state SM clock and board power too (clock_probe.smi_samples), and TFLOP/s per GHz: tells a variant
+that is slower because the power cap lowers its clock from one that does less per clock.
 """
 import argparse
 import contextlib
@@ -39,6 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashtrain.kernels import build, flash_attn_func, launch, ops, tma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import clock_probe  # noqa: E402
 import fa4_baseline  # noqa: E402
 from attention_features import FeatureRow  # noqa: E402
 from train_gpt2 import time_interleaved  # noqa: E402
@@ -244,14 +247,29 @@ def capture(name: str, config: Config, kind: str) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def sustained_tflops(calls: dict, flops: float, seconds: float, rounds: int) -> dict:
-    """TFLOP/s of each call run alone back to back for `seconds` (attention.sustained_ms), `rounds` times in
-    alternating order; the mean over the rounds."""
+def sustained_measure(calls: dict, flops: float, seconds: float, rounds: int, clocks: bool = False) -> dict:
+    """{name: {"tflops": ...}} of each call run alone back to back for `seconds` (attention.sustained_ms), `rounds`
+    times in alternating order, means over the rounds; with `clocks` also "sm_mhz" and "watts", the steady-state SM
+    clock and board power sampled by nvidia-smi during each run (clock_probe.smi_samples)."""
     from attention import sustained_ms, sustained_rounds  # (benchmarks/attention.py's sustained mode)
 
-    results = sustained_rounds(lambda name: {"tflops": flops / sustained_ms(calls[name], seconds) / 1e9}, rounds,
-                               list(calls))
-    return {name: statistics.mean(results[name, "tflops"]) for name in calls}
+    def measure(name):
+        if not clocks:
+            return {"tflops": flops / sustained_ms(calls[name], seconds) / 1e9}
+        with clock_probe.smi_samples() as samples:
+            ms = sustained_ms(calls[name], seconds)
+        mhz, watts, _ = clock_probe.steady_state(samples)
+        return {"tflops": flops / ms / 1e9, "sm_mhz": mhz, "watts": watts}
+
+    results = sustained_rounds(measure, rounds, list(calls))
+    return {name: {kind: statistics.mean(values) for (impl, kind), values in results.items() if impl == name}
+            for name in calls}
+
+
+def sustained_tflops(calls: dict, flops: float, seconds: float, rounds: int) -> dict:
+    """TFLOP/s of each call run alone back to back for `seconds`, `rounds` times in alternating order; the mean over
+    the rounds (sustained_measure)."""
+    return {name: m["tflops"] for name, m in sustained_measure(calls, flops, seconds, rounds).items()}
 
 
 def main() -> None:
@@ -264,9 +282,13 @@ def main() -> None:
     parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
                         help="each implementation back to back for SECONDS instead of interleaved replays")
     parser.add_argument("--rounds", type=int, default=2, help="with --sustained: rounds, alternating the order")
+    parser.add_argument("--clocks", action="store_true",
+                        help="with --sustained: also each implementation's SM clock and board power (nvidia-smi)")
     args = parser.parse_args()
     if args.sustained < 0 or args.rounds < 1:
         parser.error(f"--sustained must be >= 0 and --rounds >= 1 (got {args.sustained}, {args.rounds})")
+    if args.clocks and args.sustained <= 0:
+        parser.error("--clocks needs --sustained SECONDS (clocks settle only in back-to-back runs)")
     print(torch.cuda.get_device_name(), torch.__version__, f"cuDNN {torch.backends.cudnn.version()}", args.kind,
           flush=True)
     for config in map(Config.parse, args.configs):
@@ -276,8 +298,14 @@ def main() -> None:
             graph.replay()
         flops = config.flops(args.kind)
         replays = {name: graph.replay for name, graph in graphs.items()}
+        clock_line = ""
         if args.sustained > 0:
-            tflops = sustained_tflops(replays, flops, args.sustained, args.rounds)
+            measured = sustained_measure(replays, flops, args.sustained, args.rounds, args.clocks)
+            tflops = {name: m["tflops"] for name, m in measured.items()}
+            if args.clocks:  # TFLOP/s per GHz of SM clock: the work per clock, apart from where power put the clock
+                clock_line = "; " + "  ".join(
+                    f"{name} {m['sm_mhz']:.0f} MHz {m['watts']:.0f} W {m['tflops'] / m['sm_mhz'] * 1e3:.1f}/GHz"
+                    for name, m in measured.items())
         else:
             times = time_interleaved(replays, args.repeats)
             tflops = {name: flops / statistics.median(times[name]) / 1e12 for name in names}
@@ -287,7 +315,7 @@ def main() -> None:
         ratios += "".join(f"  {name}/cudnn {tflops[name] / tflops['cudnn']:.3f}" for name in names
                           if "cudnn" in tflops and name.startswith("flashtrain"))
         mode = f" sustained {args.sustained:g} s x {args.rounds}" if args.sustained > 0 else ""
-        print(f"{config.label()} {args.kind}{mode} TFLOP/s {line}{ratios}", flush=True)
+        print(f"{config.label()} {args.kind}{mode} TFLOP/s {line}{ratios}{clock_line}", flush=True)
         del graphs
 
 

@@ -8,6 +8,7 @@ down under it (power) from one that is slower per clock.
 Implementations: flashtrain, fa4 (FlashAttention-4 where installed: benchmarks/fa4_baseline.py), cudnn, fa2.
 """
 import argparse
+import contextlib
 import statistics
 import subprocess
 import sys
@@ -23,6 +24,30 @@ from flashtrain.kernels import flash_attn_func
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fa4_baseline  # noqa: E402
+
+
+@contextlib.contextmanager
+def smi_samples(period_ms: int = 50):
+    """Samples [SM clock MHz, board power W, temperature C] with `nvidia-smi -lms period_ms` while the block runs; the
+    yielded list is filled when the block exits."""
+    rows: list[list[float]] = []
+    with tempfile.NamedTemporaryFile("r") as log:
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                                "--format=csv,noheader,nounits", "-lms", str(period_ms), "-f", log.name])
+        try:
+            yield rows
+        finally:
+            smi.terminate()
+            smi.wait()
+            rows += [[float(x) for x in line.split(",")] for line in log.read().splitlines() if line.strip()]
+
+
+def steady_state(rows: list[list[float]]) -> tuple[float, float, float]:
+    """Mean SM clock, power and temperature of the samples after the first quarter (the clocks settling)."""
+    steady = rows[len(rows) // 4:]
+    if not steady:
+        raise RuntimeError("nvidia-smi gave no clock / power samples (is it on PATH, and did the run last 50 ms?)")
+    return tuple(statistics.mean(r[i] for r in steady) for i in range(3))
 
 
 def main() -> None:
@@ -63,9 +88,7 @@ def main() -> None:
                 fn()
             torch.cuda.synchronize()
             time.sleep(1.0)  # cool down between implementations
-            with tempfile.NamedTemporaryFile("r") as log:
-                smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
-                                        "--format=csv,noheader,nounits", "-lms", "50", "-f", log.name])
+            with smi_samples() as rows:
                 start, calls = time.time(), 0
                 ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 ev0.record()
@@ -76,14 +99,10 @@ def main() -> None:
                     torch.cuda.synchronize()
                 ev1.record()
                 torch.cuda.synchronize()
-                smi.terminate()
-                smi.wait()
-                rows = [[float(x) for x in line.split(",")] for line in log.read().splitlines() if line.strip()]
         ms = ev0.elapsed_time(ev1) / calls
-        rows = rows[len(rows) // 4:]  # the steady state
-        clock, power, temp = (statistics.mean(r[i] for r in rows) for i in range(3))
+        clock, power, temp = steady_state(rows)
         print(f"{name:<11} {flops / ms / 1e9:7.1f} TFLOP/s  SM clock {clock:6.0f} MHz  power {power:5.0f} W  "
-              f"temp {temp:3.0f} C  ({len(rows)} samples, {calls} calls)", flush=True)
+              f"temp {temp:3.0f} C  ({len(rows) - len(rows) // 4} samples, {calls} calls)", flush=True)
 
 
 if __name__ == "__main__":
