@@ -68,6 +68,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtrain.kernels import block_sparse, flash_attn_func, flash_attn_varlen_func
 import fa4_baseline  # FlashAttention-4 where installed
+import gpu_clocks  # SM clock and power beside the sustained rows
 from attention_timing import PASSES, keep_best, time_passes_interleaved  # shared with attention_features.py
 from train_gpt2 import time_calls  # the sibling benchmark's timers
 
@@ -330,6 +331,24 @@ def sustained_ms(call, seconds: float) -> float:
     return statistics.median(begin.elapsed_time(end) for begin, end in events[len(events) // 2:])
 
 
+def sustained_ms_clocks(call, seconds: float) -> tuple[float, tuple]:
+    """sustained_ms(call, seconds) and the (SM clock MHz, board power W) of its steady state (gpu_clocks); (None, None)
+    where nvidia-smi is missing or gives no samples (said each time), so that the speed is still recorded."""
+    with contextlib.ExitStack() as stack:
+        try:
+            samples = stack.enter_context(gpu_clocks.smi_samples())
+        except FileNotFoundError as error:
+            samples = None
+            print(f"  sustained: no SM clock / power: {error}")
+        ms = sustained_ms(call, seconds)
+    if not samples:
+        if samples is not None:
+            print("  sustained: no SM clock / power: nvidia-smi gave no samples")
+        return ms, (None, None)
+    mhz, watts, _ = gpu_clocks.steady_state(samples)
+    return ms, (round(mhz), round(watts))
+
+
 def sustained_rounds(measure, rounds: int, impls=SUSTAINED_IMPLS) -> dict:
     """{(impl, kind): [TFLOP/s of each round]} from measure(impl) -> {kind: TFLOP/s or None} over `rounds` rounds of
     impls, the order reversed every other round (round_order): each implementation runs alone for a few seconds and
@@ -376,14 +395,16 @@ def sustained(seqlens, seconds: float, rounds: int = 1) -> list[dict]:
                     try:
                         if kind == "fwd":
                             with torch.no_grad():
-                                ms = sustained_ms(lambda: fn(q, k, v), seconds)
+                                ms, clocks = sustained_ms_clocks(lambda: fn(q, k, v), seconds)
                         else:
-                            ms = sustained_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), seconds)
+                            ms, clocks = sustained_ms_clocks(
+                                lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), seconds)
                         tflops[kind] = round(factor * fwd_flops / ms / 1e9, 1)
                     except (RuntimeError, ValueError, NotImplementedError) as error:
                         print(f"  sustained {impl} S{seqlen} causal={causal} {kind}: {type(error).__name__}: "
                               f"{str(error)[:120]}")
-                        tflops[kind] = None
+                        tflops[kind], clocks = None, (None, None)
+                    tflops[kind + "_mhz"], tflops[kind + "_watts"] = clocks
                 del q, k, v, dout
                 torch.cuda.empty_cache()
                 return tflops
@@ -392,7 +413,10 @@ def sustained(seqlens, seconds: float, rounds: int = 1) -> list[dict]:
             rows.append(row)
             print(f"sustained hd128 {'causal' if causal else 'full'} S{seqlen}: " + "; ".join(
                 f"{kind} " + " ".join(f"{impl} {row[f'{impl}_{kind}_sustained'] or '-'}" for impl in SUSTAINED_IMPLS)
-                for kind in ("fwd", "fb")) + " TFLOP/s", flush=True)
+                for kind in ("fwd", "fb")) + " TFLOP/s; SM MHz / W: " + "; ".join(
+                f"{kind} " + " ".join(f"{impl} {row.get(f'{impl}_{kind}_mhz_sustained') or '-'} / "
+                                      f"{row.get(f'{impl}_{kind}_watts_sustained') or '-'}" for impl in SUSTAINED_IMPLS)
+                for kind in ("fwd", "fb")), flush=True)
     return rows
 
 
@@ -413,6 +437,21 @@ def sustained_markdown(rows, fa4: str = fa4_baseline.NOT_INSTALLED) -> str:
             cells += [cell(row[f"{impl}_{kind}_sustained"], impl) for impl in SUSTAINED_IMPLS]
             cells += [cell(row[f"ft_over_{other}_{kind}"], other, 2) for other in SUSTAINED_IMPLS[1:]]
         lines.append("| " + " | ".join(cells) + " |")
+    if any(row.get(f"{impl}_{kind}_mhz_sustained") for row in rows for impl in SUSTAINED_IMPLS for kind in ("fwd", "fb")):
+        # the clocks the power cap left each implementation, and TFLOP/s per GHz (the work per clock)
+        names = " / ".join(IMPL_NAMES[impl] for impl in SUSTAINED_IMPLS)
+        lines += ["", "| hd | mask | S |" + "".join(f" {k}: SM MHz ({names}) | W | TFLOP/s per GHz |"
+                                                 for k in ("fwd", "fwd+bwd")), "|" + "---|" * 9]
+        for row in rows:
+            cells = [str(row["hd"]), "causal" if row["causal"] else "full", str(row["S"])]
+            for kind in ("fwd", "fb"):
+                mhz = [row.get(f"{impl}_{kind}_mhz_sustained") for impl in SUSTAINED_IMPLS]
+                watts = [row.get(f"{impl}_{kind}_watts_sustained") for impl in SUSTAINED_IMPLS]
+                per_ghz = [row[f"{impl}_{kind}_sustained"] / m * 1e3 if m and row[f"{impl}_{kind}_sustained"] else None
+                           for impl, m in zip(SUSTAINED_IMPLS, mhz)]
+                cells += [" / ".join(cell(x, impl) for impl, x in zip(SUSTAINED_IMPLS, values))
+                          for values in (mhz, watts, per_ghz)]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -707,7 +746,10 @@ def selftest() -> None:
     for seqlen, causal in ((4096, False), (16384, True)):
         row = {"hd": 128, "S": seqlen, "B": TOKENS // seqlen, "H": 16, "causal": causal, "seconds": 5.0, "rounds": 2}
         row.update(sustained_fields(sustained_rounds(
-            lambda impl: {kind: None if impl == "fa4" and causal else fake.uniform(400, 600) for kind in ("fwd", "fb")},
+            lambda impl: {kind: None if impl == "fa4" and causal else fake.uniform(*span)
+                          for kind, span in (("fwd", (400, 600)), ("fb", (400, 600)), ("fwd_mhz", (1500, 1700)),
+                                             ("fwd_watts", (650, 700)), ("fb_mhz", (1600, 1800)),
+                                             ("fb_watts", (650, 700)))},
             2)))
         steady.append(row)
     grid_rows = []

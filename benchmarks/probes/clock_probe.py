@@ -8,11 +8,7 @@ down under it (power) from one that is slower per clock.
 Implementations: flashtrain, fa4 (FlashAttention-4 where installed: benchmarks/fa4_baseline.py), cudnn, fa2.
 """
 import argparse
-import contextlib
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,30 +20,7 @@ from flashtrain.kernels import flash_attn_func
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fa4_baseline  # noqa: E402
-
-
-@contextlib.contextmanager
-def smi_samples(period_ms: int = 50):
-    """Samples [SM clock MHz, board power W, temperature C] with `nvidia-smi -lms period_ms` while the block runs; the
-    yielded list is filled when the block exits."""
-    rows: list[list[float]] = []
-    with tempfile.NamedTemporaryFile("r") as log:
-        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
-                                "--format=csv,noheader,nounits", "-lms", str(period_ms), "-f", log.name])
-        try:
-            yield rows
-        finally:
-            smi.terminate()
-            smi.wait()
-            rows += [[float(x) for x in line.split(",")] for line in log.read().splitlines() if line.strip()]
-
-
-def steady_state(rows: list[list[float]]) -> tuple[float, float, float]:
-    """Mean SM clock, power and temperature of the samples after the first quarter (the clocks settling)."""
-    steady = rows[len(rows) // 4:]
-    if not steady:
-        raise RuntimeError("nvidia-smi gave no clock / power samples (is it on PATH, and did the run last 50 ms?)")
-    return tuple(statistics.mean(r[i] for r in steady) for i in range(3))
+from gpu_clocks import smi_samples, steady_state  # noqa: E402
 
 
 def main() -> None:

@@ -1,0 +1,31 @@
+"""The GPU's SM clock and board power while a block of work runs, sampled by `nvidia-smi -lms`: what the sustained
+modes (attention.py --sustained, probes/ab_probe.py --clocks, probes/clock_probe.py) report beside TFLOP/s, so that a
+kernel the power cap clocks down is told from one that does less per clock."""
+import contextlib
+import statistics
+import subprocess
+import tempfile
+
+
+@contextlib.contextmanager
+def smi_samples(period_ms: int = 50):
+    """Samples [SM clock MHz, board power W, temperature C] every period_ms while the block runs; the yielded list is
+    filled when the block exits. FileNotFoundError where nvidia-smi is not on PATH."""
+    rows: list[list[float]] = []
+    with tempfile.NamedTemporaryFile("r") as log:
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                                "--format=csv,noheader,nounits", "-lms", str(period_ms), "-f", log.name])
+        try:
+            yield rows
+        finally:
+            smi.terminate()
+            smi.wait()
+            rows += [[float(x) for x in line.split(",")] for line in log.read().splitlines() if line.strip()]
+
+
+def steady_state(rows: list[list[float]]) -> tuple[float, float, float]:
+    """Mean SM clock, power and temperature of the samples after the first quarter (the clocks settling)."""
+    steady = rows[len(rows) // 4:]
+    if not steady:
+        raise RuntimeError("nvidia-smi gave no clock / power samples (is it on PATH, and did the run last 50 ms?)")
+    return tuple(statistics.mean(r[i] for r in steady) for i in range(3))
