@@ -437,7 +437,8 @@ def sustained_markdown(rows, fa4: str = fa4_baseline.NOT_INSTALLED) -> str:
             cells += [cell(row[f"{impl}_{kind}_sustained"], impl) for impl in SUSTAINED_IMPLS]
             cells += [cell(row[f"ft_over_{other}_{kind}"], other, 2) for other in SUSTAINED_IMPLS[1:]]
         lines.append("| " + " | ".join(cells) + " |")
-    if any(row.get(f"{impl}_{kind}_mhz_sustained") for row in rows for impl in SUSTAINED_IMPLS for kind in ("fwd", "fb")):
+    if any(row.get(f"{impl}_{kind}_mhz_sustained") for row in rows for impl in SUSTAINED_IMPLS
+           for kind in ("fwd", "fb")):
         # the clocks the power cap left each implementation, and TFLOP/s per GHz (the work per clock)
         names = " / ".join(IMPL_NAMES[impl] for impl in SUSTAINED_IMPLS)
         lines += ["", "| hd | mask | S |" + "".join(f" {k}: SM MHz ({names}) | W | TFLOP/s per GHz |"

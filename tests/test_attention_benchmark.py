@@ -97,4 +97,5 @@ def test_sustained_markdown_shows_clocks_and_work_per_ghz(attention):
     lines = attention.sustained_markdown([row], "4.0").splitlines()
     clocks = lines[lines.index(next(line for line in lines if "SM MHz" in line)) + 2]
     # 632 TFLOP/s at 1.6 GHz: 395 per GHz; FA4 659 / 1.65: 399
-    assert clocks.startswith("| 128 | full | 16384 | 1600 / 1650 / 1650 | 680 / 680 / 680 | 395 / 399 / 362 | - / - / - |")
+    assert clocks.startswith(
+        "| 128 | full | 16384 | 1600 / 1650 / 1650 | 680 / 680 / 680 | 395 / 399 / 362 | - / - / - |")

@@ -266,12 +266,6 @@ def sustained_measure(calls: dict, flops: float, seconds: float, rounds: int, cl
             for name in calls}
 
 
-def sustained_tflops(calls: dict, flops: float, seconds: float, rounds: int) -> dict:
-    """TFLOP/s of each call run alone back to back for `seconds`, `rounds` times in alternating order; the mean over
-    the rounds (sustained_measure)."""
-    return {name: m["tflops"] for name, m in sustained_measure(calls, flops, seconds, rounds).items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impls", nargs="+", default=["flashtrain", "cudnn"])
