@@ -88,3 +88,9 @@ def test_clocks_need_sustained():
                             env={"PYTHONPATH": str(PROBES.parents[1]), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 2
     assert "--clocks needs --sustained SECONDS" in result.stderr
+
+
+def test_tagged_copy_runs_the_same_variant(ab_probe):
+    assert ab_probe.variant_spec("flashtrain#2") == "flashtrain"
+    assert ab_probe.variant_spec("flashtrain+FT_X=1@build.Y=2#b") == "flashtrain+FT_X=1@build.Y=2"
+    assert ab_probe.variant_spec("cudnn") == "cudnn"

@@ -4,7 +4,8 @@ active), then the graphs are replayed in turn, each preceded equally often by ev
 each between CUDA events: every variant runs under the same clocks and power state, and no host work sits between the events.
 Medians per implementation; ratios to the first implementation and to cuDNN.
 
-Implementations: flashtrain; flashtrain+FT_MACRO=v[+...] (kernels compiled with those macros through
+Implementations (a '#tag' suffix, e.g. flashtrain#2, runs a second copy of the same one: the run's noise floor):
+flashtrain; flashtrain+FT_MACRO=v[+...] (kernels compiled with those macros through
 FLASHTRAIN_EXTRA_DEFINES, kernel_variant below); flashtrain@ENV=v[@...] (environment variables set while the call is
 captured, e.g. flashtrain@FLASHTRAIN_BWD_SM90_Q80=0: dispatch switches read at plan time; build.NAME=v sets an int
 attribute of flashtrain.kernels.build (ops.NAME, tma.NAME: of flashtrain.kernels.ops, .tma) instead, e.g.
@@ -223,8 +224,15 @@ def attention_call(name: str, config: Config, kind: str):
     return call, (q, k, v, dout)
 
 
+def variant_spec(name: str) -> str:
+    """The implementation an --impls name runs: the name without a '#tag' suffix. A tagged copy (flashtrain#2) runs
+    the same variant as a separate implementation, so that the run shows its own noise floor at each configuration."""
+    return name.split("#", 1)[0]
+
+
 def capture(name: str, config: Config, kind: str) -> torch.cuda.CUDAGraph:
     """One call of `name` (fwd, or fwd + backward) as a CUDA graph, on inputs of its own."""
+    name = variant_spec(name)
     flashtrain = name.startswith("flashtrain")
     call, inputs = attention_call(name, config, kind)
 
