@@ -131,6 +131,9 @@ def _worker(rank, port):
         set_optimizer_state_dict(fresh_model, fresh, state)
         for a, b in zip(fresh_model.parameters(), model.parameters()):
             assert torch.equal(fresh.state[a]["exp_avg"].to_local(), optimizer.state[b]["exp_avg"].to_local())
+        # gloo's barrier waits for the group's work in flight: none is left when the group is destroyed. On the
+        # success path only: after a failed assertion the other process may be inside a collective.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
