@@ -69,7 +69,9 @@ def test_sustained_clocks_are_sampled_per_run_and_averaged(ab_probe, monkeypatch
         return 2.0
 
     monkeypatch.setattr(attention, "sustained_ms", fake_sustained_ms)
-    monkeypatch.setattr(ab_probe.gpu_clocks, "smi_samples", fake_smi_samples)
+    import gpu_clocks
+
+    monkeypatch.setattr(gpu_clocks, "smi_samples", fake_smi_samples)
     measured = ab_probe.sustained_measure({"a": lambda: "a", "b": lambda: "b"}, 4e12, 0.5, 2, clocks=True)
     assert runs == ["a", "b", "b", "a"]
     # a: the first run's first sample (a quarter of 4) is dropped: 1600 MHz / 680 W, then 1700 / 690; means
@@ -78,8 +80,10 @@ def test_sustained_clocks_are_sampled_per_run_and_averaged(ab_probe, monkeypatch
 
 
 def test_steady_state_without_samples_is_an_error(ab_probe):
+    import gpu_clocks
+
     with pytest.raises(RuntimeError, match="no clock / power samples"):
-        ab_probe.gpu_clocks.steady_state([])
+        gpu_clocks.steady_state([])
 
 
 def test_clocks_need_sustained():

@@ -24,7 +24,7 @@ alone: the forward runs once before the capture, the graph holds the gradient ke
 --sustained SECONDS: instead of interleaving, each implementation's graph is replayed back to back for SECONDS
 (attention.py's sustained_ms: its clocks settle where its own power draw puts them, as in training), --rounds times,
 the implementations' order reversed every other round; the mean of the rounds' medians. --clocks (with --sustained):
-each run's steady-state SM clock and board power too (gpu_clocks.smi_samples), and TFLOP/s per GHz: tells a variant
+each run's steady-state SM clock and board power too (attention.sustained_ms_clocks), and TFLOP/s per GHz: tells a variant
 that is slower because the power cap lowers its clock from one that does less per clock.
 """
 import argparse
@@ -43,7 +43,6 @@ from flashtrain.kernels import build, flash_attn_func, launch, ops, tma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fa4_baseline  # noqa: E402
-import gpu_clocks  # noqa: E402
 from attention_features import FeatureRow  # noqa: E402
 from train_gpt2 import time_interleaved  # noqa: E402
 
@@ -258,15 +257,15 @@ def capture(name: str, config: Config, kind: str) -> torch.cuda.CUDAGraph:
 def sustained_measure(calls: dict, flops: float, seconds: float, rounds: int, clocks: bool = False) -> dict:
     """{name: {"tflops": ...}} of each call run alone back to back for `seconds` (attention.sustained_ms), `rounds`
     times in alternating order, means over the rounds; with `clocks` also "sm_mhz" and "watts", the steady-state SM
-    clock and board power sampled by nvidia-smi during each run (gpu_clocks.smi_samples)."""
-    from attention import sustained_ms, sustained_rounds  # (benchmarks/attention.py's sustained mode)
+    clock and board power sampled by nvidia-smi during each run (attention.sustained_ms_clocks)."""
+    from attention import sustained_ms, sustained_ms_clocks, sustained_rounds  # (attention.py's sustained mode)
 
     def measure(name):
         if not clocks:
             return {"tflops": flops / sustained_ms(calls[name], seconds) / 1e9}
-        with gpu_clocks.smi_samples() as samples:
-            ms = sustained_ms(calls[name], seconds)
-        mhz, watts, _ = gpu_clocks.steady_state(samples)
+        ms, (mhz, watts) = sustained_ms_clocks(calls[name], seconds)
+        if mhz is None:
+            raise SystemExit("--clocks: nvidia-smi gave no SM clock / power samples")
         return {"tflops": flops / ms / 1e9, "sm_mhz": mhz, "watts": watts}
 
     results = sustained_rounds(measure, rounds, list(calls))
