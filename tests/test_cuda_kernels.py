@@ -142,6 +142,41 @@ def test_long_keys_tiles_match_reference(causal, head_dim):
         _check_against_reference(q, k, v, dout, causal=True)
 
 
+@pytest.mark.parametrize("head_dim", [128, 96])
+def test_cluster_forward_matches_reference_and_the_one_cta_kernel(head_dim, monkeypatch):
+    """The non-causal forward in 2-CTA clusters (build.FWD_SM90_CLUSTER: neighbouring query tiles share their K / V
+    copies by TMA multicast) against the reference, on 66 query tiles per head with a partial last one, and bitwise
+    against the one-CTA kernel (FWD_SM90_CLUSTER = 0; the same tiles and order of operations) on batch / GQA / key
+    length / dtype variations, among them a grid of fewer CTAs than tiles and a key length past the last tile."""
+    from flashtrain.kernels import build
+
+    ops = _ops()
+    n = 66 * 128 - 40
+    assert build.fwd_kernel(128, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=n, seqlen_k=n,
+                            effective_head_dim=head_dim).name.endswith("_128x192_c2")
+    q, k, v, dout = _inputs((1, n, 2, head_dim), (1, n, 1, head_dim), torch.bfloat16, seed=8)
+    _check_against_reference(q, k, v, dout, causal=False)
+
+    def forward(q, k, v, cluster):
+        monkeypatch.setattr(build, "FWD_SM90_CLUSTER", cluster)
+        ops._fwd_plans.clear()
+        ops.clear_host_plans()
+        return flash_attn_func(q, k, v, return_lse=True)
+
+    long = build.FWD_SM90_CLUSTER_SEQLEN
+    for batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype in (
+            (1, 2 * long, 2 * long, 16, 16, torch.bfloat16), (2, long, long + 808, 8, 2, torch.float16),
+            (3, 256, long + 108, 4, 4, torch.bfloat16), (1, long - 50, long, 3, 1, torch.bfloat16)):
+        q, k, v, _ = _inputs((batch, seqlen_q, nheads, head_dim), (batch, seqlen_k, nheads_kv, head_dim), dtype,
+                             seed=seqlen_k)
+        assert build.fwd_kernel(128, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=seqlen_q,
+                                seqlen_k=seqlen_k).tiles.cluster == 2
+        (out, lse), (out1, lse1) = forward(q, k, v, 1), forward(q, k, v, 0)
+        assert torch.equal(out, out1) and torch.equal(lse, lse1), (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
+    ops._fwd_plans.clear()
+    ops.clear_host_plans()
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_negative_softmax_scale_matches_reference(causal, head_dim):
@@ -600,8 +635,8 @@ def test_cuda_graph_capture_replays_a_mask_mod_with_new_tensor_contents():
 def _sanitizer_grid() -> None:
     """A small grid of forward + backward calls covering every kernel path (on Hopper the warpgroup-MMA kernels too:
     head dims 40, 64, 128 with and without dropout, the dense hd128 backward's 80-query blocks, the causal hd128
-    forward's two Q buffers, its long-key tiles, head dims 72 / 80 / 96 on the hd128 tiles narrowed to 80 / 96
-    columns), for compute-sanitizer."""
+    forward's two Q buffers, its long-key tiles, alone and in 2-CTA clusters, head dims 72 / 80 / 96 on the hd128
+    tiles narrowed to 80 / 96 columns), for compute-sanitizer."""
     for head_dim, dtype, causal, dropout_p in [(64, torch.float16, False, 0.0), (128, torch.bfloat16, True, 0.1),
                                                 (96, torch.float16, True, 0.0), (256, torch.bfloat16, False, 0.0),
                                                 (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2),
@@ -649,6 +684,11 @@ def _sanitizer_grid() -> None:
     for causal in (False, True):
         q, k, v, dout = _inputs((1, 333, 4, 128), (1, 8269, 2, 128), torch.bfloat16)
         _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, return_lse=True, impl="cuda"), q, k, v, dout)
+    # ... non-causal in 2-CTA clusters (2 query tiles per head, the second partial)
+    q, k, v, dout = _inputs((2, 250, 4, 128), (2, 8269, 2, 128), torch.bfloat16)
+    assert build.fwd_kernel(128, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=250,
+                            seqlen_k=8269).tiles.cluster == 2
+    _run(lambda q, k, v: flash_attn_func(q, k, v, return_lse=True, impl="cuda"), q, k, v, dout)
     torch.cuda.synchronize()
     print("sanitizer grid done")
 

@@ -316,3 +316,28 @@ def test_hopper_deterministic_plan_tile_groups(recording, monkeypatch):
     assert group() == 2
     monkeypatch.setattr(ops, "DET_GROUP_FULL_WAVE", 0)
     assert group() == 1
+
+
+def test_hopper_cluster_forward_plan(recording, monkeypatch):
+    """The dense non-causal hd128 forward from build.FWD_SM90_CLUSTER_SEQLEN keys runs in 2-CTA clusters: its kernel
+    (`_c2`) on an even grid, also when the GPU's SM count is odd; an odd number of query tiles per head, fewer keys or
+    the switch off (FWD_SM90_CLUSTER = 0) take the one-CTA kernel on one CTA per SM."""
+    from flashtrain.kernels import launch, ops
+
+    arch, _ = recording
+    if arch != "sm_90a":
+        pytest.skip("the Hopper forward")
+    long = build.FWD_SM90_CLUSTER_SEQLEN
+
+    def plan(seqlen, sms=132):
+        monkeypatch.setattr(launch, "sm_count", lambda device: sms)
+        q = torch.zeros(1, seqlen, 16, 128, dtype=torch.bfloat16)
+        item = ops._fwd_plan(q, q, q, None, None, seqlen, seqlen, 0.0, 0.088, False, None).launches[0]
+        return _SYMBOLS[item.kernel.handle.value], item.grid
+
+    assert plan(long) == ("flash_fwd_sm90_hdim128_bf16_128x192_c2", (132, 1, 1))
+    assert plan(long, sms=131) == ("flash_fwd_sm90_hdim128_bf16_128x192_c2", (130, 1, 1))
+    assert plan(long + 128) == ("flash_fwd_sm90_hdim128_bf16_128x192", (132, 1, 1))  # 65 query tiles per head
+    assert plan(long - 256) == ("flash_fwd_sm90_hdim128_bf16", (132, 1, 1))
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 0)
+    assert plan(long) == ("flash_fwd_sm90_hdim128_bf16_128x192", (132, 1, 1))

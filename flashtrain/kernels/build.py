@@ -124,6 +124,9 @@ class FwdSm90Tiles:
     # head dims above 256 (flash_fwd_sm90.cuh kSplitD): two consumer warpgroups on the same 64 rows, each owning half
     # of O's columns, their partial S added through shared memory
     split_d: bool = False
+    # CTAs per cluster (flash_fwd_sm90.cuh kCluster): 2, neighbouring query tiles share their K / V copies (TMA
+    # multicast), on a static schedule of tile pairs; the grid is even (FWD_SM90_CLUSTER)
+    cluster: int = 1
 
     @property
     def threads(self) -> int:  # consumer warpgroups + the producer warpgroup
@@ -188,6 +191,18 @@ FWD_SM90_TILES_LONG_KEYS = {
     128: FwdSm90Tiles(128, 192, stages=2, separate_o=False),
 }
 LONG_KEYS_SEQLEN = 8192
+# Dense non-causal hd128 calls (head dims 65-128) without dropout, from FWD_SM90_CLUSTER_SEQLEN keys, whose query tiles
+# per (batch, head) are even (not varlen): clusters of two CTAs on neighbouring query tiles, each copying half of
+# every K / V tile into both (TMA multicast; FwdSm90Tiles.cluster, flash_fwd_sm90.cuh kCluster), on a static schedule
+# of tile pairs. Bitwise the same result. Under sustained load the board's power cap then leaves a higher SM clock at
+# the same work per clock: H200, 2026-12-01, ab_probe.py --sustained 3 --rounds 2 --clocks, forward, clusters / one
+# CTA: 16K 1.049 (1645 / 1591 MHz at 688 / 685 W), 8K 1.040 (1654 / 1609 MHz). Interleaved: 8K 1.002, 16K 1.000,
+# GQA 32/8 8K 1.001; on the 128 x 128 tiles below 8K keys slower (1K / 2K / 4K 0.978 / 0.985 / 0.987, hd96 4K 0.977),
+# hence the threshold (kernel_ab-h200.json). FWD_SM90_CLUSTER = 0 (FLASHTRAIN_FWD_SM90_CLUSTER=0, or ab_probe.py
+# flashtrain@build.FWD_SM90_CLUSTER=0; read at plan time): one CTA per tile, the dynamic scheduler.
+FWD_SM90_CLUSTER = int(os.environ.get("FLASHTRAIN_FWD_SM90_CLUSTER", "1"))
+FWD_SM90_CLUSTER_SEQLEN = LONG_KEYS_SEQLEN
+FWD_SM90_CLUSTER_HEAD_DIMS = (128,)
 
 
 def _tile_overrides() -> None:
@@ -675,6 +690,9 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
         tiles = FWD_SM90_TILES_SHORT_CAUSAL[head_dim]
     else:
         tiles = FWD_SM90_TILES[head_dim]
+    if (FWD_SM90_CLUSTER and plain and not causal and head_dim in FWD_SM90_CLUSTER_HEAD_DIMS
+            and seqlen_k >= max(FWD_SM90_CLUSTER_SEQLEN, 1) and seqlen_q > 0 and -(-seqlen_q // tiles.block_m) % 2 == 0 and tiles.q_buffers == 1):
+        return dataclasses.replace(tiles, cluster=2)
     # FLASHTRAIN_FWD_SM90_Q_BUFFERS=N (A/B): N Q buffers wherever O has a tile of its own and shared memory allows
     # (seqlen_q 0: unknown, the tables' first choice)
     q_buffers = os.environ.get("FLASHTRAIN_FWD_SM90_Q_BUFFERS")
@@ -710,9 +728,10 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     # tiles other than the features' first choice (long causal sequences, a capped shared-memory limit) get names of
     # their own: a process may load both, and kernels are looked up by name
     first_choice = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse)
-    same_shape = dataclasses.replace(tiles, q_buffers=first_choice.q_buffers) == first_choice
+    same_shape = dataclasses.replace(tiles, q_buffers=first_choice.q_buffers, cluster=1) == first_choice
     name = (f"flash_fwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}"
+            f"{'' if tiles.cluster == 1 else f'_c{tiles.cluster}'}"
             f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
@@ -724,6 +743,8 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
         defines += (("FT_SCORE_MODS", int(score_mods)),) + tuple(mask_defines)
     if head_dim_eff != head_dim:  # (likewise)
         defines += (("FT_HEAD_DIM_EFF", head_dim_eff),)
+    if tiles.cluster > 1:  # (likewise)
+        defines += (("FT_CLUSTER", tiles.cluster),)
     return KernelSpec("flash_fwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
@@ -974,6 +995,10 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               for seqlen_q, seqlen_k in ((0, 0), (1, 0), (0, LONG_KEYS_SEQLEN))  # (hd128: no long-causal tiles)
               if _fits(spec := fwd_sm90_kernel(128, dtype, causal, dropout, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                                head_dim_eff=narrow), smem_limit)]
+    specs += [spec for dtype in DTYPES for head_dim_eff in (None, *SM90_NARROW_HEAD_DIMS)  # non-causal hd128, long:
+              if _fits(spec := _fwd_sm90_spec(128, dtype, False, False, False, dataclasses.replace(  # 2-CTA clusters
+                  fwd_sm90_tiles(128, False, False, False, 0, FWD_SM90_CLUSTER_SEQLEN), cluster=2),
+                  head_dim_eff=head_dim_eff), smem_limit)]
     specs += [spec for dtype in DTYPES  # the hd128 causal backward of long calls (80-query blocks, plain-row dQ^T)
               if _fits(spec := bwd_sm90_kernel(128, dtype, True, seqlen_q=1 << 20), smem_limit)]
     specs += [spec for dtype in DTYPES  # the hd128 backward's other query block (A/B: FLASHTRAIN_BWD_SM90_Q80)

@@ -402,6 +402,9 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
     if spec.persistent:  # at most one CTA per SM, each taking tiles from the dynamic scheduler
         grid = (min(math.prod(grid), launch.sm_count(q.device)), 1, 1)
+        cluster = getattr(spec.tiles, "cluster", 1)
+        if cluster > 1:  # whole clusters (the tiles come in pairs: build.fwd_sm90_tiles)
+            grid = (max(grid[0] // cluster, 1) * cluster, 1, 1)
     if spec.persistent and causal and (head_dim >= FWD_CAUSAL_GROUP_HEAD_DIM or spec.block_m > 128):  # (fwd_tile)
         params.causal_tile_group = _causal_tile_group(math.ceil(params.seqlen_q / spec.block_m),
                                                       params.batch * params.nheads, launch.sm_count(q.device))

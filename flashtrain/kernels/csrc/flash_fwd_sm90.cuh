@@ -25,6 +25,10 @@
 //     (FwdSm90Traits::kQBuffers; build.py dispatches them to causal hd128 below 1K rows) tile i uses buffer i % 2, its
 //     slot, tile record and full_q / empty_q pair, so the producer copies the next tile's Q as soon as the tile before
 //     the current one has released that buffer.
+//   Clusters (FwdSm90Traits::kCluster; build.py FWD_SM90_CLUSTER: dense non-causal hd128 from 8K keys): two CTAs on
+//     neighbouring query tiles of one (batch, head), tiles in a static round-robin of pairs; each producer copies one
+//     half of every K / V tile into both CTAs (TMA multicast) and refills a stage once both CTAs' consumers released
+//     it (a hand-over between the producers); the consumers run the one-CTA code.
 //
 // Key blocks are walked from the last to the first (the blocks that need a mask come first); block-sparse walks the
 // non-zero blocks of the query block's row of the block mask (utils.cuh SparseWalkDesc). Dropout draws the same
@@ -74,6 +78,15 @@
 #ifndef FT_FWD_ARRIVE_PRED
 #define FT_FWD_ARRIVE_PRED 1
 #endif
+// A/B switches of the 2-CTA cluster kernels (FwdSm90Traits::kCluster): FT_FWD_MULTICAST=0, each CTA copies whole K / V
+// tiles itself (the clusters, their static schedule and the stage hand-over kept); FT_FWD_STATIC=1, the one-CTA
+// kernels take their tiles in the clusters' static round-robin instead of from the dynamic scheduler.
+#ifndef FT_FWD_MULTICAST
+#define FT_FWD_MULTICAST 1
+#endif
+#ifndef FT_FWD_STATIC
+#define FT_FWD_STATIC 0
+#endif
 // Head dim 192 (O: 96 registers per thread): a block's O correction is applied once the next block's S GEMM is issued,
 // before its P V GEMM (FlashAttention-3's order above head dim 128), instead of after the P V wait. H200, interleaved
 // CUDA-graph replays, forward: hd192 4K causal 1.028, 16K full 1.023, 8K causal 1.036, 2K full 1.010, 1K causal 1.000;
@@ -84,7 +97,7 @@ namespace flashtrain {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kSeparateO_, bool kIsBF16_, bool kIsCausal_,
           bool kIsDropout_, bool kIsBlockSparse_, int kQBuffers_ = 1, int kScoreMods_ = 0, bool kMaskMod_ = false,
-          int kHeadDimEff_ = kHeadDim_>
+          int kHeadDimEff_ = kHeadDim_, int kCluster_ = 1>
 struct FwdSm90Traits {
     // FT_SCORE_MODS: 1, the local window, softcap and ALiBi of the call's parameters (flash.h), each off
     // when unset; 2, the window and ALiBi only (the calls without softcap: no tanh path, fewer registers)
@@ -174,10 +187,23 @@ struct FwdSm90Traits {
     using TileKV = SmemTile<kBlockN, kHeadDim>;
     static_assert(TileQ::kBlockCols == 64 && TileKV::kBlockCols == 64, "128-byte rows");
     static constexpr int kColBlocks = kHeadDim / 64;  // TMA boxes per tile
+    // Clusters of two CTAs (FT_CLUSTER 2; build.py FWD_SM90_CLUSTER): the two take query tiles 2 i and 2 i + 1 of a
+    // static round-robin (every tile of a dense non-causal call has the same key blocks), i.e. neighbouring query
+    // blocks of one (batch, head), and each copies one of the two 64-column halves of every K / V tile into both CTAs'
+    // shared memory (TMA multicast): L2 serves each K / V byte once per pair of query tiles instead of once per tile.
+    // A stage is refilled once both CTAs' consumers have released it: each producer, once its own consumers have,
+    // arrives on the peer's "peer_empty" barrier of the stage and waits on its own (the consumers' code is the
+    // one-CTA kernel's).
+    static constexpr int kCluster = kCluster_;
+    static_assert(kCluster == 1 || (kCluster == 2 && kColBlocks == 2 && !kIsCausal_ && !kIsBlockSparse_ &&
+                                    !kScoreMods_ && !kSplitD && kQBuffers_ == 1),
+                  "2-CTA clusters: head dim 128, dense non-causal, no score modifications, one Q buffer");
     // Barriers after the tiles: full_q, empty_q, then full_k, empty_k, full_v, empty_v (kStages each), then the second
-    // Q buffer's full_q, empty_q; 8 bytes apiece. The area's last 48 bytes per Q buffer: its tile record and slot.
+    // Q buffer's full_q, empty_q, then (clusters) peer_empty_k, peer_empty_v (kStages each); 8 bytes apiece. The
+    // area's last 48 bytes per Q buffer: its tile record and slot.
     static constexpr int kBarrierBytes = 256;
-    static_assert(8 * (2 * kQBuffers + 4 * kStages) <= kBarrierBytes - 48 * kQBuffers, "barrier area");
+    static_assert(8 * (4 + 4 * kStages + 2 * kStages * (kCluster > 1)) <= kBarrierBytes - 48 * kQBuffers,
+                  "barrier area");
     // Q (kQBuffers), O staging (kSeparateO: the next tile's Q is copied while this tile's O is written), K and V
     // stages; + 1024: the tiles start at the first 1024-byte boundary (the 128-byte swizzle repeats every 1024 bytes)
     // kSplitD: each consumer's partial S (fp32, one 16-byte chunk per thread and n8 pair), two buffers by key block
@@ -334,6 +360,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     auto empty_k = [&](int s) { return bars + 8 * (2 + kStages + s); };
     auto full_v = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
     auto empty_v = [&](int s) { return bars + 8 * (2 + 3 * kStages + s); };
+    auto peer_empty_k = [&](int s) { return bars + 8 * (4 + 4 * kStages + s); };  // (clusters)
+    auto peer_empty_v = [&](int s) { return bars + 8 * (4 + 5 * kStages + s); };
     if (tid == 0) {
 #pragma unroll
         for (int b = 0; b < T::kQBuffers; ++b) {
@@ -346,10 +374,15 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             mbar_init(full_v(s), 1);
             mbar_init(empty_k(s), 4 * T::kNConsumers);
             mbar_init(empty_v(s), 4 * T::kNConsumers);
+            if constexpr (T::kCluster > 1) {
+                mbar_init(peer_empty_k(s), 1);  // (the peer's producer)
+                mbar_init(peer_empty_v(s), 1);
+            }
         }
         mbar_fence_init();
     }
     __syncthreads();
+    if constexpr (T::kCluster > 1) cluster_sync();  // both CTAs' barriers are set up before either signals the other's
     if (threadIdx.x == 0) FT_TIMELINE_START();
 
     if (wg == 0) {
@@ -362,6 +395,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             int it = 0, tile_iter = 0;  // key blocks and tiles so far: stage and phase of the rings
             // Varlen: the tiles past a short sequence's end are skipped here; the consumers see only real ones.
             auto next_tile = [&](int tile) {
+                if constexpr (T::kCluster > 1 || FT_FWD_STATIC) return tile + (int)gridDim.x;  // (static)
                 // n_tiles fetches in all (gridDim.x <= n_tiles): tiles gridDim.x .. n_tiles - 1, then one past the
                 // end per CTA; the fetch of n_tiles - 1 is the launch's last, so it resets the counter.
                 const int fetched = atomic_fetch_add(params.tile_counter, 1);
@@ -399,6 +433,37 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     const int stage = it % kStages;
                     const u32 parity = ((it / kStages) & 1) ^ 1;  // the first pass finds every stage empty
                     const int row = x.k_start + walk.n_block * kBlockN;
+                    if constexpr (T::kCluster > 1) {
+                        // this CTA's consumers released the stage: tell the peer's producer, wait for its word
+                        // (the first pass: nothing to release), then copy this CTA's half into both CTAs
+                        mbar_wait(empty_k(stage), parity);
+                        mbar_arrive_peer_if(it >= kStages, peer_empty_k(stage));
+                        mbar_wait(peer_empty_k(stage), parity);
+                        mbar_arrive_expect_tx(full_k(stage), TileKV::kBytes);  // (both halves land here)
+                        if constexpr (FT_FWD_MULTICAST) {
+                            tma_load_4d_multicast_pair(sK + stage * TileKV::kBytes, &params.tma_k, full_k(stage),
+                                                       kBlockN * 128, row, x.head_kv, batch_coord);
+                        } else {
+#pragma unroll
+                            for (int cb = 0; cb < T::kColBlocks; ++cb)
+                                tma_load_4d(sK + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_k,
+                                            full_k(stage), cb * 64, row, x.head_kv, batch_coord);
+                        }
+                        mbar_wait(empty_v(stage), parity);
+                        mbar_arrive_peer_if(it >= kStages, peer_empty_v(stage));
+                        mbar_wait(peer_empty_v(stage), parity);
+                        mbar_arrive_expect_tx(full_v(stage), TileKV::kBytes);
+                        if constexpr (FT_FWD_MULTICAST) {
+                            tma_load_4d_multicast_pair(sV + stage * TileKV::kBytes, &params.tma_v, full_v(stage),
+                                                       kBlockN * 128, row, x.head_kv, batch_coord);
+                        } else {
+#pragma unroll
+                            for (int cb = 0; cb < T::kColBlocks; ++cb)
+                                tma_load_4d(sV + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_v,
+                                            full_v(stage), cb * 64, row, x.head_kv, batch_coord);
+                        }
+                        continue;
+                    }
                     mbar_wait(empty_k(stage), parity);
                     mbar_arrive_expect_tx(full_k(stage), TileKV::kBytes);
 #pragma unroll
@@ -415,6 +480,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 ++tile_iter;
             }
         }
+        if constexpr (T::kCluster > 1) cluster_sync();  // (with the consumers' at their end)
         return;
     }
 
@@ -864,6 +930,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         FT_TIMELINE_PUT(wg, tile_iter, 7, (unsigned long long)it);
     }
     if (T::kTmaStoreO && ctid == 0) bulk_wait<0>();  // the last O stores have read shared memory (and landed)
+    if constexpr (T::kCluster > 1) cluster_sync();     // no copy or arrive of the peer's still targets this CTA
     FT_TIMELINE_END(wg);
 }
 

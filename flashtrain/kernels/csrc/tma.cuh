@@ -103,6 +103,35 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* desc, u32 ba
         : "memory");
 }
 
+// ---------------------------------------------------------------------------------------------- clusters
+// An arrive on the mbarrier at shared-memory offset bar in the other CTA of a 2-CTA cluster, predicated inside the
+// instruction block, which also computes the peer's rank and address (mapa): no registers live outside it. (The
+// default semantics, as CUTLASS's cluster barriers; with .release.cluster ptxas puts a MEMBAR.ALL.GPU before it.)
+__device__ __forceinline__ void mbar_arrive_peer_if(bool pred, u32 bar) {
+    asm volatile("{ .reg .pred p; .reg .b32 r, a; setp.ne.u32 p, %1, 0; mov.u32 r, %%cluster_ctarank; xor.b32 r, r, 1;"
+                 " mapa.shared::cluster.u32 a, %0, r; @p mbarrier.arrive.shared::cluster.b64 _, [a]; }"
+                 ::"r"(bar), "r"((u32)pred) : "memory");
+}
+// Every thread of every CTA of the cluster arrives, then waits for all (release / acquire at cluster scope): after
+// barrier set-up (before any CTA signals another's barriers) and before exit (no CTA's copies or arrives still target
+// an exited one).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+// A 2-CTA cluster's K / V tile of two 64-column boxes: this CTA (rank r) copies box r (columns 64 r.., landing at
+// dst + r * box_bytes) into the shared memory of both CTAs (TMA multicast), each copy completing its bytes on the
+// mbarrier at bar's offset in that CTA (the rank computed inside the instruction block, as mbar_arrive_peer_if's).
+__device__ __forceinline__ void tma_load_4d_multicast_pair(u32 dst, const TmaDesc* desc, u32 bar, u32 box_bytes,
+                                                           int c1, int c2, int c3) {
+    asm volatile(
+        "{ .reg .b32 r, d, c; .reg .b16 m; mov.u32 r, %%cluster_ctarank; mad.lo.u32 d, r, %3, %0; shl.b32 c, r, 6;"
+        " mov.b16 m, 3;"
+        " cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [d], [%1, {c, %4, %5, %6}], [%2], m; }" ::"r"(dst), "l"(desc), "r"(bar), "r"(box_bytes), "r"(c1), "r"(c2),
+        "r"(c3)
+        : "memory");
+}
+
 // Epilogues through TMA stores (forward O, backward dK / dV); FT_TMA_STORE=0 builds the 16-byte-store epilogues (A/B).
 #ifndef FT_TMA_STORE
 #define FT_TMA_STORE 1
