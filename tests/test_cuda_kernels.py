@@ -142,18 +142,17 @@ def test_long_keys_tiles_match_reference(causal, head_dim):
         _check_against_reference(q, k, v, dout, causal=True)
 
 
-@pytest.mark.parametrize("head_dim", [128, 96])
-def test_cluster_forward_matches_reference_and_the_one_cta_kernel(head_dim, monkeypatch):
-    """The non-causal forward in 2-CTA clusters (build.FWD_SM90_CLUSTER: neighbouring query tiles share their K / V
+def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
+    """The non-causal hd128 forward in 2-CTA clusters (build.FWD_SM90_CLUSTER: neighbouring query tiles share their K / V
     copies by TMA multicast) against the reference, on 66 query tiles per head with a partial last one, and bitwise
     against the one-CTA kernel (FWD_SM90_CLUSTER = 0; the same tiles and order of operations) on batch / GQA / key
     length / dtype variations, among them a grid of fewer CTAs than tiles and a key length past the last tile."""
     from flashtrain.kernels import build
 
     ops = _ops()
-    n = 66 * 128 - 40
-    assert build.fwd_kernel(128, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=n, seqlen_k=n,
-                            effective_head_dim=head_dim).name.endswith("_128x192_c2")
+    head_dim, n = 128, 66 * 128 - 40
+    assert build.fwd_kernel(128, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=n,
+                            seqlen_k=n).name == "flash_fwd_sm90_hdim128_bf16_128x192_c2"
     q, k, v, dout = _inputs((1, n, 2, head_dim), (1, n, 1, head_dim), torch.bfloat16, seed=8)
     _check_against_reference(q, k, v, dout, causal=False)
 
@@ -169,9 +168,10 @@ def test_cluster_forward_matches_reference_and_the_one_cta_kernel(head_dim, monk
             (3, 256, long + 108, 4, 4, torch.bfloat16), (1, long - 50, long, 3, 1, torch.bfloat16)):
         q, k, v, _ = _inputs((batch, seqlen_q, nheads, head_dim), (batch, seqlen_k, nheads_kv, head_dim), dtype,
                              seed=seqlen_k)
+        (out, lse) = forward(q, k, v, 1)
         assert build.fwd_kernel(128, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=seqlen_q,
                                 seqlen_k=seqlen_k).tiles.cluster == 2
-        (out, lse), (out1, lse1) = forward(q, k, v, 1), forward(q, k, v, 0)
+        (out1, lse1) = forward(q, k, v, 0)
         assert torch.equal(out, out1) and torch.equal(lse, lse1), (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
     ops._fwd_plans.clear()
     ops.clear_host_plans()

@@ -6,6 +6,7 @@ python -m flashtrain.kernels.build --check-nvcc sm_80 sm_90a -j 2
 """
 
 import ctypes
+import dataclasses
 import importlib
 import re
 import shutil
@@ -42,9 +43,8 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_long = len(build.FWD_SM90_TILES_LONG_CAUSAL) * 2  # the causal forward's long-sequence tiles (x dtype)
     hopper_long += len(build.FWD_SM90_TILES_SHORT_CAUSAL) * 2  # ... and its short-sequence ones
     hopper_long += len(build.FWD_SM90_TILES_LONG_KEYS) * 2 * 2  # the forward's long-key tiles (x dtype x causal)
-    # ... non-causal in 2-CTA clusters, x dtype, at head dim 128 and the narrowed widths
-    hopper_long += 2 * (1 + len(build.SM90_NARROW_HEAD_DIMS))
-    assert sum(name.endswith("_c2") for name in names) == 2 * (1 + len(build.SM90_NARROW_HEAD_DIMS))
+    hopper_long += 2  # ... non-causal in 2-CTA clusters (head dim 128), x dtype
+    assert sum(name.endswith("_c2") for name in names) == 2
     # head dims 65-96 (x the narrowed widths 80, 96): the hd128 backward with that many columns of MMA work, x dtype x
     # causal x dropout, and its other query block (64 or 80 rows) x dtype x causal; the forward's (x dtype): causal or
     # not, the short causal and the long-key tiles (x causal), with dropout (x causal)
@@ -155,15 +155,14 @@ def test_long_keys_forward_tiles():
 
 
 def test_cluster_forward_tiles(monkeypatch):
-    """The dense non-causal forward at head dims 65-128 from FWD_SM90_CLUSTER_SEQLEN keys, with an even number of query
-    tiles per head: the long-key tiles in 2-CTA clusters (FT_CLUSTER 2, `_c2`); causal, dropout, block-sparse, score
-    modifications, varlen (seqlen_k 0), an unknown query length, an odd number of query tiles, fewer keys, head dim
-    64, and the switch off (FWD_SM90_CLUSTER = 0) keep one CTA per tile."""
+    """The dense non-causal forward at head dim 128 from FWD_SM90_CLUSTER_SEQLEN keys, with an even number of query
+    tiles per head: the long-key tiles in 2-CTA clusters (FT_CLUSTER 2, `_c2`); head dims 65-96 (narrowed), causal,
+    dropout, block-sparse, score modifications, varlen (seqlen_k 0), an unknown query length, an odd number of query
+    tiles, fewer keys, head dim 64, and the switch off (FWD_SM90_CLUSTER = 0) keep one CTA per tile."""
     long = build.FWD_SM90_CLUSTER_SEQLEN
-    for head_dim_eff, name in ((128, "hdim128"), (96, "hdim96"), (80, "hdim80")):
-        spec = build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", seqlen_q=long, seqlen_k=long,
-                                effective_head_dim=head_dim_eff)
-        assert spec.name == f"flash_fwd_sm90_{name}_bf16_128x192_c2" and spec.tiles.cluster == 2
+    for dtype in ("bf16", "fp16"):
+        spec = build.fwd_kernel(128, dtype, False, False, arch="sm_90a", seqlen_q=long, seqlen_k=long)
+        assert spec.name == f"flash_fwd_sm90_hdim128_{dtype}_128x192_c2" and spec.tiles.cluster == 2
         assert ("FT_CLUSTER", 2) in spec.defines and spec in build.all_kernels()
     # (a query length of 130 x 128 - 5 rows: 130 tiles, the last one partial)
     assert build.fwd_kernel(128, "fp16", False, False, arch="sm_90a", seqlen_q=130 * 128 - 5,
@@ -177,7 +176,11 @@ def test_cluster_forward_tiles(monkeypatch):
                   build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", seqlen_q=0, seqlen_k=long),
                   build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", seqlen_q=long + 128, seqlen_k=long),
                   build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", seqlen_q=long, seqlen_k=long - 1),
-                  build.fwd_kernel(64, "bf16", False, False, arch="sm_90a", seqlen_q=long, seqlen_k=long)):
+                  build.fwd_kernel(64, "bf16", False, False, arch="sm_90a", seqlen_q=long, seqlen_k=long),
+                  build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", seqlen_q=long, seqlen_k=long,
+                                   effective_head_dim=96),
+                  build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", seqlen_q=long, seqlen_k=long,
+                                   effective_head_dim=80)):
         assert other.tiles.cluster == 1 and "_c2" not in other.name and ("FT_CLUSTER", 2) not in other.defines
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 0)
     assert build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", seqlen_q=long,
@@ -197,10 +200,10 @@ def test_narrow_head_dims_on_hopper(monkeypatch):
             spec = build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                     effective_head_dim=96)
             wide = build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-            cluster = "_c2" if shape and not causal else ""  # (test_cluster_forward_tiles)
-            assert spec.name == f"flash_fwd_sm90_hdim96_bf16{suffix}{shape}{cluster}"
-            assert ("FT_HEAD_DIM_EFF", 96) in spec.defines
-            assert (spec.tiles, spec.smem_bytes) == (wide.tiles, wide.smem_bytes) and spec in build.all_kernels()
+            assert spec.name == f"flash_fwd_sm90_hdim96_bf16{suffix}{shape}" and ("FT_HEAD_DIM_EFF", 96) in spec.defines
+            # (the same tiles, but not in 2-CTA clusters: test_cluster_forward_tiles)
+            assert (spec.tiles, spec.smem_bytes) == (dataclasses.replace(wide.tiles, cluster=1), wide.smem_bytes)
+            assert spec in build.all_kernels()
         bwd = build.bwd_kernel(128, "bf16", causal, False, arch="sm_90a", effective_head_dim=96, seqlen_q=long)
         assert bwd.name == f"flash_bwd_sm90_hdim96_bf16{suffix}_q80" and bwd in build.all_kernels()
     short = build.fwd_kernel(128, "fp16", True, True, arch="sm_90a", seqlen_q=300, effective_head_dim=88)

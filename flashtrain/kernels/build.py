@@ -191,15 +191,17 @@ FWD_SM90_TILES_LONG_KEYS = {
     128: FwdSm90Tiles(128, 192, stages=2, separate_o=False),
 }
 LONG_KEYS_SEQLEN = 8192
-# Dense non-causal hd128 calls (head dims 65-128) without dropout, from FWD_SM90_CLUSTER_SEQLEN keys, whose query tiles
-# per (batch, head) are even (not varlen): clusters of two CTAs on neighbouring query tiles, each copying half of
-# every K / V tile into both (TMA multicast; FwdSm90Tiles.cluster, flash_fwd_sm90.cuh kCluster), on a static schedule
-# of tile pairs. Bitwise the same result. Under sustained load the board's power cap then leaves a higher SM clock at
-# the same work per clock: H200, 2026-12-01, ab_probe.py --sustained 3 --rounds 2 --clocks, forward, clusters / one
-# CTA: 16K 1.049 (1645 / 1591 MHz at 688 / 685 W), 8K 1.040 (1654 / 1609 MHz). Interleaved: 8K 1.002, 16K 1.000,
-# GQA 32/8 8K 1.001; on the 128 x 128 tiles below 8K keys slower (1K / 2K / 4K 0.978 / 0.985 / 0.987, hd96 4K 0.977),
-# hence the threshold (kernel_ab-h200.json). FWD_SM90_CLUSTER = 0 (FLASHTRAIN_FWD_SM90_CLUSTER=0, or ab_probe.py
-# flashtrain@build.FWD_SM90_CLUSTER=0; read at plan time): one CTA per tile, the dynamic scheduler.
+# Dense non-causal head-dim-128 calls without dropout, from FWD_SM90_CLUSTER_SEQLEN keys, whose query tiles per (batch,
+# head) are even (not varlen): clusters of two CTAs on neighbouring query tiles, each copying half of every K / V tile
+# into both (TMA multicast; FwdSm90Tiles.cluster, flash_fwd_sm90.cuh kCluster), on a static schedule of tile pairs.
+# Bitwise the same result. Under sustained load the board's power cap then leaves a higher SM clock at the same work
+# per clock: H200, 2026-12-01, ab_probe.py --sustained 3 --rounds 2 --clocks, forward, clusters / one CTA: 16K
+# 1.049 and 1.032 in two runs (1645 / 1591 and 1620 / 1566 MHz at 685-690 W), 8K 1.040 (1654 / 1609 MHz); the
+# static schedule alone 0.973, clusters without the multicast 1.018. Interleaved: 8K 1.002-1.003, 16K 1.000-1.006,
+# GQA 32/8 8K 1.001-1.005. Not below 8K keys (the 128 x 128 tiles: 1K / 2K / 4K 0.978 / 0.985 / 0.987) nor at head
+# dims 65-96 (hd80 16K 0.965, hd96 8K / 16K 0.995 / 0.990; kernel_ab-h200.json). FWD_SM90_CLUSTER = 0
+# (FLASHTRAIN_FWD_SM90_CLUSTER=0, or ab_probe.py flashtrain@build.FWD_SM90_CLUSTER=0; read at plan time): one CTA per
+# tile, the dynamic scheduler.
 FWD_SM90_CLUSTER = int(os.environ.get("FLASHTRAIN_FWD_SM90_CLUSTER", "1"))
 FWD_SM90_CLUSTER_SEQLEN = LONG_KEYS_SEQLEN
 FWD_SM90_CLUSTER_HEAD_DIMS = (128,)
@@ -638,8 +640,10 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
                          fwd_tiles(head_dim, causal, dropout, block_sparse, smem_limit), True)
     if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
         narrow = None if block_sparse else sm90_narrow_width(head_dim, effective_head_dim)
-        for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k),
-                      FWD_SM90_TILES[head_dim]):
+        first = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k)
+        if narrow is not None and first.cluster > 1:  # (clusters: the full head dim only, FWD_SM90_CLUSTER)
+            first = dataclasses.replace(first, cluster=1)
+        for tiles in (first, FWD_SM90_TILES[head_dim]):
             spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles,
                                   head_dim_eff=narrow)
             if _fits(spec, smem_limit):  # (under a capped limit the non-causal tiles may not fit, the others may)
@@ -995,10 +999,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               for seqlen_q, seqlen_k in ((0, 0), (1, 0), (0, LONG_KEYS_SEQLEN))  # (hd128: no long-causal tiles)
               if _fits(spec := fwd_sm90_kernel(128, dtype, causal, dropout, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                                head_dim_eff=narrow), smem_limit)]
-    specs += [spec for dtype in DTYPES for head_dim_eff in (None, *SM90_NARROW_HEAD_DIMS)  # non-causal hd128, long:
-              if _fits(spec := _fwd_sm90_spec(128, dtype, False, False, False, dataclasses.replace(  # 2-CTA clusters
-                  fwd_sm90_tiles(128, False, False, False, 0, FWD_SM90_CLUSTER_SEQLEN), cluster=2),
-                  head_dim_eff=head_dim_eff), smem_limit)]
+    specs += [spec for dtype in DTYPES  # non-causal hd128 from FWD_SM90_CLUSTER_SEQLEN keys: 2-CTA clusters
+              if _fits(spec := _fwd_sm90_spec(128, dtype, False, False, False, dataclasses.replace(
+                  fwd_sm90_tiles(128, False, False, False, 0, FWD_SM90_CLUSTER_SEQLEN), cluster=2)), smem_limit)]
     specs += [spec for dtype in DTYPES  # the hd128 causal backward of long calls (80-query blocks, plain-row dQ^T)
               if _fits(spec := bwd_sm90_kernel(128, dtype, True, seqlen_q=1 << 20), smem_limit)]
     specs += [spec for dtype in DTYPES  # the hd128 backward's other query block (A/B: FLASHTRAIN_BWD_SM90_Q80)
