@@ -98,3 +98,18 @@ def test_tagged_copy_runs_the_same_variant(ab_probe):
     assert ab_probe.variant_spec("flashtrain#2") == "flashtrain"
     assert ab_probe.variant_spec("flashtrain+FT_X=1@build.Y=2#b") == "flashtrain+FT_X=1@build.Y=2"
     assert ab_probe.variant_spec("cudnn") == "cudnn"
+
+
+def test_tile_table_variables_take_effect_and_are_undone(ab_probe):
+    """flashtrain@FLASHTRAIN_FWD_SM90_TILES=... / @FLASHTRAIN_BWD_SM90_TILES=... (read by build at import) re-read the
+    tile tables for the variant's capture and restore them after: the hd128 backward on one CTA per tile (`_grid`)."""
+    from flashtrain.kernels import build
+
+    def bwd_name():
+        return build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, seqlen_q=512).name
+
+    before, fwd_before = bwd_name(), build.FWD_SM90_TILES[64]
+    with ab_probe.env_variant("flashtrain@FLASHTRAIN_BWD_SM90_TILES=128=64x2x0@FLASHTRAIN_FWD_SM90_TILES=64=128x64x2"):
+        assert bwd_name() == before + "_grid"
+        assert (build.FWD_SM90_TILES[64].block_m, build.FWD_SM90_TILES[64].block_n) == (128, 64)
+    assert bwd_name() == before and build.FWD_SM90_TILES[64] == fwd_before

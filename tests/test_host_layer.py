@@ -116,6 +116,8 @@ def _canonical(record: bytes) -> list:
 CASES = {
     "batch": dict(shape_q=(2, 97, 4, 64), shape_k=(2, 130, 2, 64), causal=True),
     "batch-hd128-full": dict(shape_q=(1, 300, 2, 128), shape_k=(1, 300, 2, 128), causal=False),
+    # (Hopper: the forward in 2-CTA clusters, build.FWD_SM90_CLUSTER_SEQLEN keys and more)
+    "hd128-full-long-keys": dict(shape_q=(1, 8192, 2, 128), shape_k=(1, 8192, 2, 128), causal=False),
     "hd40-dropout": dict(shape_q=(2, 65, 2, 40), shape_k=(2, 65, 1, 40), causal=True, dropout_p=0.1),
     "varlen": dict(shape_q=(300, 4, 64), shape_k=(260, 1, 64), causal=True,
                    lengths=([0, 1, 170, 129], [0, 64, 96, 100])),

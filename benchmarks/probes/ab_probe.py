@@ -9,7 +9,7 @@ flashtrain; flashtrain+FT_MACRO=v[+...] (kernels compiled with those macros thro
 FLASHTRAIN_EXTRA_DEFINES, kernel_variant below); flashtrain@ENV=v[@...] (environment variables set while the call is
 captured, e.g. flashtrain@FLASHTRAIN_BWD_SM90_Q80=0: dispatch switches read at plan time; build.NAME=v sets an int
 attribute of flashtrain.kernels.build (ops.NAME, tma.NAME: of flashtrain.kernels.ops, .tma) instead, e.g.
-flashtrain@build.LONG_CAUSAL_SEQLEN=512; FLASHTRAIN_FWD_SM90_TILES=... re-reads the tile tables); both: flashtrain+MACRO=v@ENV=v; flashtrain-det[...]: the
+flashtrain@build.LONG_CAUSAL_SEQLEN=512; FLASHTRAIN_FWD_SM90_TILES=... / FLASHTRAIN_BWD_SM90_TILES=... re-read the tile tables); both: flashtrain+MACRO=v@ENV=v; flashtrain-det[...]: the
 same with deterministic=True; cudnn, fa2 (SDPA backends). Passes: fwd, fb (forward + backward), bwd (the backward
 alone: the forward runs once before the capture, the graph holds the gradient kernels).
 
@@ -48,7 +48,7 @@ from train_gpt2 import time_interleaved  # noqa: E402
 
 MODULES = {"build": build, "ops": ops, "tma": tma}
 TILE_TABLES = (build.FWD_SM90_TILES, build.FWD_SM90_TILES_NONCAUSAL, build.FWD_SM90_TILES_LONG_CAUSAL,
-               build.FWD_SM90_TILES_LONG_KEYS)
+               build.FWD_SM90_TILES_LONG_KEYS, build.BWD_SM90_TILES)
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
 GRID = [f"{hd}:{s}:{m}" for hd in (64, 128) for s in (512, 1024, 2048, 4096, 8192, 16384) for m in ("full", "causal")]
 
@@ -99,8 +99,9 @@ def env_variant(name: str):
     items = {key: value for key, value in items.items() if key.split(".")[0] not in MODULES}
     saved = {key: os.environ.get(key) for key in items}
     saved_attrs = {key: getattr(MODULES[key[0]], key[1]) for key in attrs}
-    # FLASHTRAIN_FWD_SM90_TILES (read by build at import): the tile tables re-read, kernels of the same name reloaded
-    tiles = "FLASHTRAIN_FWD_SM90_TILES" in items
+    # FLASHTRAIN_FWD_SM90_TILES / FLASHTRAIN_BWD_SM90_TILES (read by build at import): the tile tables re-read,
+    # kernels of the same name reloaded
+    tiles = "FLASHTRAIN_FWD_SM90_TILES" in items or "FLASHTRAIN_BWD_SM90_TILES" in items
     saved_tables = [dict(table) for table in TILE_TABLES]
     saved_kernels, saved_modules = dict(launch._kernels), dict(launch._modules)
     os.environ.update(items)
@@ -108,6 +109,7 @@ def env_variant(name: str):
         setattr(MODULES[module], attr, value)
     if tiles:
         build._tile_overrides()
+        build._bwd_tile_overrides()
         launch._kernels.clear()
         launch._modules.clear()
     drop_plans()
