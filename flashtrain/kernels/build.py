@@ -694,8 +694,10 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
         tiles = FWD_SM90_TILES_SHORT_CAUSAL[head_dim]
     else:
         tiles = FWD_SM90_TILES[head_dim]
+    # (clusters: query tiles in pairs of one (batch, head), so an even number of them; seqlen_k 0: varlen or unknown)
     if (FWD_SM90_CLUSTER and plain and not causal and head_dim in FWD_SM90_CLUSTER_HEAD_DIMS
-            and seqlen_k >= max(FWD_SM90_CLUSTER_SEQLEN, 1) and seqlen_q > 0 and -(-seqlen_q // tiles.block_m) % 2 == 0 and tiles.q_buffers == 1):
+            and seqlen_k >= max(FWD_SM90_CLUSTER_SEQLEN, 1) and seqlen_q > 0
+            and -(-seqlen_q // tiles.block_m) % 2 == 0 and tiles.q_buffers == 1):
         return dataclasses.replace(tiles, cluster=2)
     # FLASHTRAIN_FWD_SM90_Q_BUFFERS=N (A/B): N Q buffers wherever O has a tile of its own and shared memory allows
     # (seqlen_q 0: unknown, the tables' first choice)
