@@ -113,3 +113,45 @@ def test_tile_table_variables_take_effect_and_are_undone(ab_probe):
         assert bwd_name() == before + "_grid"
         assert (build.FWD_SM90_TILES[64].block_m, build.FWD_SM90_TILES[64].block_n) == (128, 64)
     assert bwd_name() == before and build.FWD_SM90_TILES[64] == fwd_before
+
+
+def test_variant_is_active_inside_and_undone_after(ab_probe, monkeypatch):
+    """ab_probe.variant (ab_probe's captures and ncu_probe.py's profiled calls): a flashtrain implementation's `@`
+    settings hold inside it, the defaults after; its `+` macros reach the kernel builds (FLASHTRAIN_EXTRA_DEFINES)."""
+    import os
+
+    from flashtrain.kernels import build
+
+    monkeypatch.delenv("FLASHTRAIN_EXTRA_DEFINES", raising=False)
+    before = build.FWD_SM90_CLUSTER
+    with ab_probe.variant("flashtrain+FT_FWD_STATIC=1@build.FWD_SM90_CLUSTER=0"):
+        assert build.FWD_SM90_CLUSTER == 0 and build._extra_defines() == ("FT_FWD_STATIC=1",)
+    assert build.FWD_SM90_CLUSTER == before and "FLASHTRAIN_EXTRA_DEFINES" not in os.environ
+
+
+def test_ncu_probe_profiles_each_variant_inside_it(ab_probe, monkeypatch):
+    """ncu_probe.py runs each flashtrain implementation's warm-up and profiled calls inside its variant (`@` / `+`
+    settings, a `#tag` dropped), and other implementations without one."""
+    import torch
+
+    from flashtrain.kernels import build
+
+    import ncu_probe
+
+    seen = []
+
+    def attention_call(name, config, kind):
+        def call():
+            seen.append((name, build.FWD_SM90_CLUSTER))
+        return call, None
+
+    monkeypatch.setattr(ncu_probe, "attention_call", attention_call)
+    for fn in ("synchronize",):
+        monkeypatch.setattr(torch.cuda, fn, lambda: None)
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: None)
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: None)
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)
+    monkeypatch.setattr(sys, "argv", ["ncu_probe.py", "--impls", "flashtrain", "flashtrain@build.FWD_SM90_CLUSTER=0#b",
+                                      "cudnn", "--config", "128:16384:full"])
+    ncu_probe.main()
+    assert seen == ([("flashtrain", 1)] * 4 + [("flashtrain@build.FWD_SM90_CLUSTER=0", 0)] * 4 + [("cudnn", 1)] * 4)

@@ -143,13 +143,22 @@ def test_long_keys_tiles_match_reference(causal, head_dim):
 
 
 def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
-    """The non-causal hd128 forward in 2-CTA clusters (build.FWD_SM90_CLUSTER: neighbouring query tiles share their K / V
-    copies by TMA multicast) against the reference, on 66 query tiles per head with a partial last one, and bitwise
-    against the one-CTA kernel (FWD_SM90_CLUSTER = 0; the same tiles and order of operations) on batch / GQA / key
-    length / dtype variations, among them a grid of fewer CTAs than tiles and a key length past the last tile."""
+    """The non-causal hd128 forward in 2-CTA clusters (build.FWD_SM90_CLUSTER: neighbouring query tiles share
+    their K / V copies by TMA multicast) against the reference, on 66 query tiles per head with a partial last one, and
+    bitwise against the one-CTA kernel (FWD_SM90_CLUSTER = 0; the same tiles and order of operations) on batch / GQA /
+    key length / dtype variations, among them a grid of fewer CTAs than tiles and a key length past the last tile."""
     from flashtrain.kernels import build
 
+    if not _is_hopper():
+        pytest.skip("the 2-CTA clusters are a Hopper forward's")
     ops = _ops()
+
+    def clusters(on):
+        monkeypatch.setattr(build, "FWD_SM90_CLUSTER", on)
+        ops._fwd_plans.clear()
+        ops.clear_host_plans()
+
+    clusters(1)
     head_dim, n = 128, 66 * 128 - 40
     assert build.fwd_kernel(128, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=n,
                             seqlen_k=n).name == "flash_fwd_sm90_hdim128_bf16_128x192_c2"
@@ -157,10 +166,8 @@ def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
     _check_against_reference(q, k, v, dout, causal=False)
 
     def forward(q, k, v, cluster):
-        monkeypatch.setattr(build, "FWD_SM90_CLUSTER", cluster)
-        ops._fwd_plans.clear()
-        ops.clear_host_plans()
-        return flash_attn_func(q, k, v, return_lse=True)
+        clusters(cluster)
+        return flash_attn_func(q, k, v, return_lse=True, impl="cuda")
 
     long = build.FWD_SM90_CLUSTER_SEQLEN
     for batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype in (
@@ -173,6 +180,7 @@ def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
                                 seqlen_k=seqlen_k).tiles.cluster == 2
         (out1, lse1) = forward(q, k, v, 0)
         assert torch.equal(out, out1) and torch.equal(lse, lse1), (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
+    monkeypatch.undo()
     ops._fwd_plans.clear()
     ops.clear_host_plans()
 
@@ -686,8 +694,8 @@ def _sanitizer_grid() -> None:
         _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, return_lse=True, impl="cuda"), q, k, v, dout)
     # ... non-causal in 2-CTA clusters (2 query tiles per head, the second partial)
     q, k, v, dout = _inputs((2, 250, 4, 128), (2, 8269, 2, 128), torch.bfloat16)
-    assert build.fwd_kernel(128, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=250,
-                            seqlen_k=8269).tiles.cluster == 2
+    assert not build.FWD_SM90_CLUSTER or build.fwd_kernel(128, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=250,
+                                                          seqlen_k=8269).tiles.cluster == 2
     _run(lambda q, k, v: flash_attn_func(q, k, v, return_lse=True, impl="cuda"), q, k, v, dout)
     torch.cuda.synchronize()
     print("sanitizer grid done")

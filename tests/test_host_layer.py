@@ -329,6 +329,7 @@ def test_hopper_cluster_forward_plan(recording, monkeypatch):
     arch, _ = recording
     if arch != "sm_90a":
         pytest.skip("the Hopper forward")
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)  # (the default, whatever the environment says)
     long = build.FWD_SM90_CLUSTER_SEQLEN
 
     def plan(seqlen, sms=132):

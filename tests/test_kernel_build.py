@@ -131,15 +131,16 @@ def test_long_causal_forward_tiles():
     assert build.fwd_kernel(64, "bf16", True, False, arch="sm_80", seqlen_q=long).name == "flash_fwd_hdim64_bf16_causal"
 
 
-def test_long_keys_forward_tiles():
+def test_long_keys_forward_tiles(monkeypatch):
     """Head dim 128 from LONG_KEYS_SEQLEN keys on (dense calls, causal or not): 192-key tiles with O from the registers
     (a kernel of its own name, within the 227 KB an sm_90 block can have); fewer keys, unknown (0: varlen), dropout,
     block-sparse, score modifications, head dim 64 and sm_80 keep their tiles."""
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)  # (the default: non-causal in clusters, whatever the environment)
     long = build.LONG_KEYS_SEQLEN
-    for causal, suffix in ((False, "_c2"), (True, "_causal")):  # (non-causal: in 2-CTA clusters, below)
+    # (non-causal: in 2-CTA clusters, test_cluster_forward_tiles)
+    for causal, name in ((False, "hdim128_bf16_128x192_c2"), (True, "hdim128_bf16_causal_128x192")):
         spec = build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=long, seqlen_k=long)
-        assert (spec.name, spec.block_m, spec.tiles.block_n) == (f"flash_fwd_sm90_hdim128_bf16{suffix.replace('_c2', '')}"
-                                                                 f"_128x192{suffix.replace('_causal', '')}", 128, 192)
+        assert (spec.name, spec.block_m, spec.tiles.block_n) == (f"flash_fwd_sm90_{name}", 128, 192)
         assert ("FT_SEPARATE_O", 0) in spec.defines and spec.smem_bytes <= SM90_MAX_SMEM
         assert spec in build.all_kernels()
         # a short causal query block against many keys takes the long-key tiles too
@@ -159,6 +160,7 @@ def test_cluster_forward_tiles(monkeypatch):
     tiles per head: the long-key tiles in 2-CTA clusters (FT_CLUSTER 2, `_c2`); head dims 65-96 (narrowed), causal,
     dropout, block-sparse, score modifications, varlen (seqlen_k 0), an unknown query length, an odd number of query
     tiles, fewer keys, head dim 64, and the switch off (FWD_SM90_CLUSTER = 0) keep one CTA per tile."""
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)  # (the default, whatever the environment says)
     long = build.FWD_SM90_CLUSTER_SEQLEN
     for dtype in ("bf16", "fp16"):
         spec = build.fwd_kernel(128, dtype, False, False, arch="sm_90a", seqlen_q=long, seqlen_k=long)

@@ -90,6 +90,14 @@ def kernel_variant(name: str):
 
 
 @contextlib.contextmanager
+def variant(name: str):
+    """A flashtrain implementation's variant active (its '@' settings, then its '+' kernels): around every call of it
+    that is measured or profiled (this probe's captures, ncu_probe.py's calls)."""
+    with env_variant(name), kernel_variant(name.split("@")[0]):
+        yield
+
+
+@contextlib.contextmanager
 def env_variant(name: str):
     """flashtrain@ENV=v[@...]: the variables (or build.NAME / ops.NAME attributes, numbers) set (launch plans dropped
     on entry and exit)."""
@@ -239,8 +247,7 @@ def capture(name: str, config: Config, kind: str) -> torch.cuda.CUDAGraph:
 
     with contextlib.ExitStack() as stack:
         if flashtrain:
-            stack.enter_context(env_variant(name))
-            stack.enter_context(kernel_variant(name.split("@")[0]))
+            stack.enter_context(variant(name))
         if kind == "fwd":
             stack.enter_context(torch.no_grad())
         side = torch.cuda.Stream()

@@ -9,17 +9,19 @@ that.
         python3 benchmarks/probes/ncu_probe.py --impls flashtrain fa4 cudnn --config 128:16384:full --pass fwd
 
 Configurations as ab_probe.py's (`head_dim:seqlen:full|causal[:heads/kv_heads[:batch]]`); implementations
-flashtrain, fa4 (where installed), cudnn, fa2. Writes nothing itself; ncu's log has one block per kernel, in the order
-of --impls (each implementation's kernels, e.g. the backward's preprocess, main kernel and converts).
+flashtrain and its variants (ab_probe.py's `+MACRO=v` / `@ENV=v` syntax, active for their calls), fa4 (where
+installed), cudnn, fa2. Writes nothing itself; ncu's log has one block per kernel, in the order of --impls (each
+implementation's kernels, e.g. the backward's preprocess, main kernel and converts).
 """
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_probe import Config, attention_call  # noqa: E402
+from ab_probe import Config, attention_call, variant, variant_spec  # noqa: E402
 
 
 def main() -> None:
@@ -30,8 +32,12 @@ def main() -> None:
     args = parser.parse_args()
     config = Config.parse(args.config)
     for name in args.impls:
-        call, _ = attention_call(name, config, args.kind)
-        with torch.set_grad_enabled(args.kind == "fb"):
+        spec = variant_spec(name)
+        call, _ = attention_call(spec, config, args.kind)
+        # (a flashtrain variant, e.g. flashtrain@build.NAME=v or flashtrain+FT_MACRO=v: active for its calls, as in
+        # ab_probe.py)
+        active = variant(spec) if spec.startswith("flashtrain") else contextlib.nullcontext()
+        with active, torch.set_grad_enabled(args.kind == "fb"):
             for _ in range(3):
                 call()
             torch.cuda.synchronize()

@@ -194,12 +194,12 @@ LONG_KEYS_SEQLEN = 8192
 # Dense non-causal head-dim-128 calls without dropout, from FWD_SM90_CLUSTER_SEQLEN keys, whose query tiles per (batch,
 # head) are even (not varlen): clusters of two CTAs on neighbouring query tiles, each copying half of every K / V tile
 # into both (TMA multicast; FwdSm90Tiles.cluster, flash_fwd_sm90.cuh kCluster), on a static schedule of tile pairs.
-# Bitwise the same result. Under sustained load the board's power cap then leaves a higher SM clock at the same work
-# per clock: H200, 2026-12-01, ab_probe.py --sustained 3 --rounds 2 --clocks, forward, clusters / one CTA: 16K
-# 1.049 and 1.032 in two runs (1645 / 1591 and 1620 / 1566 MHz at 685-690 W), 8K 1.040 (1654 / 1609 MHz); the
-# static schedule alone 0.973, clusters without the multicast 1.018. Interleaved: 8K 1.002-1.003, 16K 1.000-1.006,
-# GQA 32/8 8K 1.001-1.005. Not below 8K keys (the 128 x 128 tiles: 1K / 2K / 4K 0.978 / 0.985 / 0.987) nor at head
-# dims 65-96 (hd80 16K 0.965, hd96 8K / 16K 0.995 / 0.990; kernel_ab-h200.json). FWD_SM90_CLUSTER = 0
+# Bitwise the same result. Under sustained load the board's power cap then leaves a higher SM clock: H200, 2026-11-30,
+# ab_probe.py --sustained 3 --rounds 2 --clocks, forward, clusters / one CTA: 16K 1.049 and 1.032 in two runs (1645 /
+# 1591 and 1620 / 1566 MHz at 685-690 W), 8K 1.040 (1654 / 1609 MHz); the static schedule alone 0.973, clusters
+# without the multicast 1.018. Interleaved: 8K 1.002-1.003, 16K 1.000-1.006, GQA 32/8 8K 1.002-1.005. Not below 8K
+# keys (the 128 x 128 tiles: 1K / 2K / 4K 0.978 / 0.984 / 0.987) nor at head dims 65-96 (hd80 16K 0.965, hd96 8K /
+# 16K 0.995 / 0.990; kernel_ab-h200.json). FWD_SM90_CLUSTER = 0
 # (FLASHTRAIN_FWD_SM90_CLUSTER=0, or ab_probe.py flashtrain@build.FWD_SM90_CLUSTER=0; read at plan time): one CTA per
 # tile, the dynamic scheduler.
 FWD_SM90_CLUSTER = int(os.environ.get("FLASHTRAIN_FWD_SM90_CLUSTER", "1"))
@@ -713,9 +713,10 @@ def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
                     block_sparse: bool = False, seqlen_q: int = 0, seqlen_k: int = 0,
                     head_dim_eff: int | None = None) -> KernelSpec:
     """head_dim_eff: one of SM90_NARROW_HEAD_DIMS on the hd128 tiles (no block mask); None or head_dim: all columns."""
-    return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse,
-                          fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k),
-                          head_dim_eff=head_dim_eff)
+    tiles = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k)
+    if head_dim_eff not in (None, head_dim):  # (clusters: the full head dim only, FWD_SM90_CLUSTER)
+        tiles = dataclasses.replace(tiles, cluster=1)
+    return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles, head_dim_eff=head_dim_eff)
 
 
 @functools.lru_cache(maxsize=None)
@@ -727,9 +728,9 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     modifications; None: head_dim)."""
     head_dim_eff = head_dim_eff or head_dim
     if head_dim_eff != head_dim and (head_dim != 128 or head_dim_eff not in SM90_NARROW_HEAD_DIMS or block_sparse
-                                     or score_mods):
+                                     or score_mods or tiles.cluster > 1):
         raise ValueError(f"no Hopper forward of head dim {head_dim} narrowed to {head_dim_eff} "
-                         f"(block_sparse={block_sparse}, score_mods={score_mods})")
+                         f"(block_sparse={block_sparse}, score_mods={score_mods}, cluster={tiles.cluster})")
     smem_bytes = tiles.smem_bytes(head_dim)
     # tiles other than the features' first choice (long causal sequences, a capped shared-memory limit) get names of
     # their own: a process may load both, and kernels are looked up by name

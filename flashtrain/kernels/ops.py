@@ -403,7 +403,10 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     if spec.persistent:  # at most one CTA per SM, each taking tiles from the dynamic scheduler
         grid = (min(math.prod(grid), launch.sm_count(q.device)), 1, 1)
         cluster = getattr(spec.tiles, "cluster", 1)
-        if cluster > 1:  # whole clusters (the tiles come in pairs: build.fwd_sm90_tiles)
+        if cluster > 1:  # whole clusters, statically scheduled pairs of query tiles (build.fwd_sm90_tiles)
+            if cu_seqlens_q is not None or math.ceil(params.seqlen_q / spec.block_m) % cluster:
+                raise AssertionError(f"{spec.name}: clusters need a dense call with a multiple of {cluster} query "
+                                     f"tiles per head (seqlen_q {params.seqlen_q})")
             grid = (max(grid[0] // cluster, 1) * cluster, 1, 1)
     if spec.persistent and causal and (head_dim >= FWD_CAUSAL_GROUP_HEAD_DIM or spec.block_m > 128):  # (fwd_tile)
         params.causal_tile_group = _causal_tile_group(math.ceil(params.seqlen_q / spec.block_m),

@@ -78,12 +78,8 @@
 #ifndef FT_FWD_ARRIVE_PRED
 #define FT_FWD_ARRIVE_PRED 1
 #endif
-// A/B switches of the 2-CTA cluster kernels (FwdSm90Traits::kCluster): FT_FWD_MULTICAST=0, each CTA copies whole K / V
-// tiles itself (the clusters, their static schedule and the stage hand-over kept); FT_FWD_STATIC=1, the one-CTA
-// kernels take their tiles in the clusters' static round-robin instead of from the dynamic scheduler.
-#ifndef FT_FWD_MULTICAST
-#define FT_FWD_MULTICAST 1
-#endif
+// FT_FWD_STATIC=1 (A/B): the one-CTA kernels take their tiles in the 2-CTA cluster kernels' static round-robin
+// (FwdSm90Traits::kCluster) instead of from the dynamic scheduler.
 #ifndef FT_FWD_STATIC
 #define FT_FWD_STATIC 0
 #endif
@@ -190,7 +186,7 @@ struct FwdSm90Traits {
     // Clusters of two CTAs (FT_CLUSTER 2; build.py FWD_SM90_CLUSTER): the two take query tiles 2 i and 2 i + 1 of a
     // static round-robin (every tile of a dense non-causal call has the same key blocks), i.e. neighbouring query
     // blocks of one (batch, head), and each copies one of the two 64-column halves of every K / V tile into both CTAs'
-    // shared memory (TMA multicast): L2 serves each K / V byte once per pair of query tiles instead of once per tile.
+    // shared memory (TMA multicast): each K / V tile is requested from L2 once per pair of query tiles.
     // A stage is refilled once both CTAs' consumers have released it: each producer, once its own consumers have,
     // arrives on the peer's "peer_empty" barrier of the stage and waits on its own (the consumers' code is the
     // one-CTA kernel's).
@@ -435,33 +431,22 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     const int row = x.k_start + walk.n_block * kBlockN;
                     if constexpr (T::kCluster > 1) {
                         // this CTA's consumers released the stage: tell the peer's producer, wait for its word
-                        // (the first pass: nothing to release), then copy this CTA's half into both CTAs
+                        // (the first pass: nothing to release), then copy this CTA's half into both CTAs. (The
+                        // multicast also orders the hand-overs: a CTA's consumers need the peer's half of a stage,
+                        // copied after the peer's wait, before they release it again, so no producer completes two
+                        // phases of the peer's peer_empty barrier before the peer has waited for the first.)
                         mbar_wait(empty_k(stage), parity);
                         mbar_arrive_peer_if(it >= kStages, peer_empty_k(stage));
                         mbar_wait(peer_empty_k(stage), parity);
                         mbar_arrive_expect_tx(full_k(stage), TileKV::kBytes);  // (both halves land here)
-                        if constexpr (FT_FWD_MULTICAST) {
-                            tma_load_4d_multicast_pair(sK + stage * TileKV::kBytes, &params.tma_k, full_k(stage),
-                                                       kBlockN * 128, row, x.head_kv, batch_coord);
-                        } else {
-#pragma unroll
-                            for (int cb = 0; cb < T::kColBlocks; ++cb)
-                                tma_load_4d(sK + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_k,
-                                            full_k(stage), cb * 64, row, x.head_kv, batch_coord);
-                        }
+                        tma_load_4d_multicast_pair(sK + stage * TileKV::kBytes, &params.tma_k, full_k(stage),
+                                                   kBlockN * 128, row, x.head_kv, batch_coord);
                         mbar_wait(empty_v(stage), parity);
                         mbar_arrive_peer_if(it >= kStages, peer_empty_v(stage));
                         mbar_wait(peer_empty_v(stage), parity);
                         mbar_arrive_expect_tx(full_v(stage), TileKV::kBytes);
-                        if constexpr (FT_FWD_MULTICAST) {
-                            tma_load_4d_multicast_pair(sV + stage * TileKV::kBytes, &params.tma_v, full_v(stage),
-                                                       kBlockN * 128, row, x.head_kv, batch_coord);
-                        } else {
-#pragma unroll
-                            for (int cb = 0; cb < T::kColBlocks; ++cb)
-                                tma_load_4d(sV + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_v,
-                                            full_v(stage), cb * 64, row, x.head_kv, batch_coord);
-                        }
+                        tma_load_4d_multicast_pair(sV + stage * TileKV::kBytes, &params.tma_v, full_v(stage),
+                                                   kBlockN * 128, row, x.head_kv, batch_coord);
                         continue;
                     }
                     mbar_wait(empty_k(stage), parity);
