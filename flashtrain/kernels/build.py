@@ -196,8 +196,8 @@ LONG_KEYS_SEQLEN = 8192
 # into both (TMA multicast; FwdSm90Tiles.cluster, flash_fwd_sm90.cuh kCluster), on a static schedule of tile pairs.
 # Bitwise the same result. Under sustained load the board's power cap then leaves a higher SM clock: H200, 2026-11-30,
 # ab_probe.py --sustained 3 --rounds 2 --clocks, forward, clusters / one CTA: 16K 1.049 and 1.032 in two runs (1645 /
-# 1591 and 1620 / 1566 MHz at 685-690 W), 8K 1.040 (1654 / 1609 MHz); the static schedule alone 0.973, clusters
-# without the multicast 1.018. Interleaved: 8K 1.002-1.003, 16K 1.000-1.006, GQA 32/8 8K 1.002-1.005. Not below 8K
+# 1591 and 1620 / 1566 MHz at 685-690 W), 8K 1.040 (1654 / 1609 MHz); the static schedule alone (FT_FWD_STATIC)
+# 0.973. Interleaved: 8K 1.002-1.003, 16K 1.000-1.006, GQA 32/8 8K 1.002-1.005. Not below 8K
 # keys (the 128 x 128 tiles: 1K / 2K / 4K 0.978 / 0.984 / 0.987) nor at head dims 65-96 (hd80 16K 0.965, hd96 8K /
 # 16K 0.995 / 0.990; kernel_ab-h200.json). FWD_SM90_CLUSTER = 0
 # (FLASHTRAIN_FWD_SM90_CLUSTER=0, or ab_probe.py flashtrain@build.FWD_SM90_CLUSTER=0; read at plan time): one CTA per
@@ -640,10 +640,8 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
                          fwd_tiles(head_dim, causal, dropout, block_sparse, smem_limit), True)
     if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
         narrow = None if block_sparse else sm90_narrow_width(head_dim, effective_head_dim)
-        first = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k)
-        if narrow is not None and first.cluster > 1:  # (clusters: the full head dim only, FWD_SM90_CLUSTER)
-            first = dataclasses.replace(first, cluster=1)
-        for tiles in (first, FWD_SM90_TILES[head_dim]):
+        for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k, narrow),
+                      FWD_SM90_TILES[head_dim]):
             spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles,
                                   head_dim_eff=narrow)
             if _fits(spec, smem_limit):  # (under a capped limit the non-causal tiles may not fit, the others may)
@@ -682,7 +680,9 @@ def _mask_suffix(mask_defines: tuple) -> str:
 
 
 def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, seqlen_q: int = 0,
-                   seqlen_k: int = 0) -> FwdSm90Tiles:
+                   seqlen_k: int = 0, head_dim_eff: int | None = None) -> FwdSm90Tiles:
+    """The Hopper forward's tiles for a call (seqlen_q / seqlen_k: 0 unknown or varlen; head_dim_eff: a narrowed
+    width, sm90_narrow_width, or None)."""
     plain = not (dropout or block_sparse)  # the tables by mask and length are for calls without either
     if plain and seqlen_k >= LONG_KEYS_SEQLEN and head_dim in FWD_SM90_TILES_LONG_KEYS:
         tiles = FWD_SM90_TILES_LONG_KEYS[head_dim]
@@ -696,7 +696,7 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
         tiles = FWD_SM90_TILES[head_dim]
     # (clusters: query tiles in pairs of one (batch, head), so an even number of them; seqlen_k 0: varlen or unknown)
     if (FWD_SM90_CLUSTER and plain and not causal and head_dim in FWD_SM90_CLUSTER_HEAD_DIMS
-            and seqlen_k >= max(FWD_SM90_CLUSTER_SEQLEN, 1) and seqlen_q > 0
+            and head_dim_eff in (None, head_dim) and seqlen_k >= max(FWD_SM90_CLUSTER_SEQLEN, 1) and seqlen_q > 0
             and -(-seqlen_q // tiles.block_m) % 2 == 0 and tiles.q_buffers == 1):
         return dataclasses.replace(tiles, cluster=2)
     # FLASHTRAIN_FWD_SM90_Q_BUFFERS=N (A/B): N Q buffers wherever O has a tile of its own and shared memory allows
@@ -713,10 +713,9 @@ def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
                     block_sparse: bool = False, seqlen_q: int = 0, seqlen_k: int = 0,
                     head_dim_eff: int | None = None) -> KernelSpec:
     """head_dim_eff: one of SM90_NARROW_HEAD_DIMS on the hd128 tiles (no block mask); None or head_dim: all columns."""
-    tiles = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k)
-    if head_dim_eff not in (None, head_dim):  # (clusters: the full head dim only, FWD_SM90_CLUSTER)
-        tiles = dataclasses.replace(tiles, cluster=1)
-    return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles, head_dim_eff=head_dim_eff)
+    return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse,
+                          fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k, head_dim_eff),
+                          head_dim_eff=head_dim_eff)
 
 
 @functools.lru_cache(maxsize=None)

@@ -429,38 +429,42 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     const int stage = it % kStages;
                     const u32 parity = ((it / kStages) & 1) ^ 1;  // the first pass finds every stage empty
                     const int row = x.k_start + walk.n_block * kBlockN;
+                    // Clusters: the stage is free once both CTAs' consumers released it (this CTA's did: tell the
+                    // peer's producer, wait for its word; the first pass has nothing to release), and this CTA's
+                    // half is copied into both CTAs, whose full barriers count both halves. (The multicast also
+                    // orders the hand-overs: a CTA's consumers need the peer's half of a stage, copied after the
+                    // peer's wait, before they release it again, so no producer completes two phases of the peer's
+                    // peer_empty barrier before the peer has waited for the first.)
+                    mbar_wait(empty_k(stage), parity);
                     if constexpr (T::kCluster > 1) {
-                        // this CTA's consumers released the stage: tell the peer's producer, wait for its word
-                        // (the first pass: nothing to release), then copy this CTA's half into both CTAs. (The
-                        // multicast also orders the hand-overs: a CTA's consumers need the peer's half of a stage,
-                        // copied after the peer's wait, before they release it again, so no producer completes two
-                        // phases of the peer's peer_empty barrier before the peer has waited for the first.)
-                        mbar_wait(empty_k(stage), parity);
                         mbar_arrive_peer_if(it >= kStages, peer_empty_k(stage));
                         mbar_wait(peer_empty_k(stage), parity);
-                        mbar_arrive_expect_tx(full_k(stage), TileKV::kBytes);  // (both halves land here)
+                    }
+                    mbar_arrive_expect_tx(full_k(stage), TileKV::kBytes);
+                    if constexpr (T::kCluster > 1) {
                         tma_load_4d_multicast_pair(sK + stage * TileKV::kBytes, &params.tma_k, full_k(stage),
                                                    kBlockN * 128, row, x.head_kv, batch_coord);
-                        mbar_wait(empty_v(stage), parity);
+                    } else {
+#pragma unroll
+                        for (int cb = 0; cb < T::kColBlocks; ++cb)
+                            tma_load_4d(sK + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_k,
+                                        full_k(stage), cb * 64, row, x.head_kv, batch_coord);
+                    }
+                    mbar_wait(empty_v(stage), parity);
+                    if constexpr (T::kCluster > 1) {
                         mbar_arrive_peer_if(it >= kStages, peer_empty_v(stage));
                         mbar_wait(peer_empty_v(stage), parity);
-                        mbar_arrive_expect_tx(full_v(stage), TileKV::kBytes);
+                    }
+                    mbar_arrive_expect_tx(full_v(stage), TileKV::kBytes);
+                    if constexpr (T::kCluster > 1) {
                         tma_load_4d_multicast_pair(sV + stage * TileKV::kBytes, &params.tma_v, full_v(stage),
                                                    kBlockN * 128, row, x.head_kv, batch_coord);
-                        continue;
+                    } else {
+#pragma unroll
+                        for (int cb = 0; cb < T::kColBlocks; ++cb)
+                            tma_load_4d(sV + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_v,
+                                        full_v(stage), cb * 64, row, x.head_kv, batch_coord);
                     }
-                    mbar_wait(empty_k(stage), parity);
-                    mbar_arrive_expect_tx(full_k(stage), TileKV::kBytes);
-#pragma unroll
-                    for (int cb = 0; cb < T::kColBlocks; ++cb)
-                        tma_load_4d(sK + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_k, full_k(stage),
-                                    cb * 64, row, x.head_kv, batch_coord);
-                    mbar_wait(empty_v(stage), parity);
-                    mbar_arrive_expect_tx(full_v(stage), TileKV::kBytes);
-#pragma unroll
-                    for (int cb = 0; cb < T::kColBlocks; ++cb)
-                        tma_load_4d(sV + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_v, full_v(stage),
-                                    cb * 64, row, x.head_kv, batch_coord);
                 }
                 ++tile_iter;
             }
