@@ -57,9 +57,9 @@ def test_dispatch_table_covers_every_instantiation_once():
     # softcap (`_nocap`, the calls without one) and with it (the backward where it has that variant: head dim 128)
     nocap = (len(build.FWD_SM90_MODS_HEAD_DIMS) + len(build.BWD_SM90_MODS_HEAD_DIMS)) * 2 * 2
     nocap += 2  # the hd128 causal backward on 80-query blocks too (long sequences), x dtype
-    # ... and the backward of calls whose one modification is a window (`_window`, without ALiBi's code), the same
-    # instantiations as `_nocap`'s
-    window = len(build.BWD_SM90_MODS_HEAD_DIMS) * 2 * 2 + 2
+    # ... and the forward and backward of calls whose one modification is a window (`_window`, without ALiBi's code),
+    # the same instantiations as `_nocap`'s
+    window = (len(build.FWD_SM90_MODS_HEAD_DIMS) + len(build.BWD_SM90_MODS_HEAD_DIMS)) * 2 * 2 + 2
     hopper_mods = nocap + window + (len(build.FWD_SM90_MODS_HEAD_DIMS) + sum(build.BWD_SM90_MODS_SOFTCAP.values())) * 2 * 2
     assert sum(name.endswith("_mods_nocap") for name in names) == nocap
     assert sum(name.endswith("_mods_window") for name in names) == window
@@ -740,6 +740,36 @@ def test_hopper_window_only_calls_run_the_window_variant(monkeypatch):
         build.bwd_sm90_mods_kernel(128, "bf16", True, softcap=True, window_only=True)
     monkeypatch.setattr(build, "BWD_SM90_WINDOW_ONLY", 0)
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True,
+                            window_only=True).name.endswith("_mods_nocap")
+
+
+def test_hopper_window_only_forward_calls_run_the_window_variant(monkeypatch):
+    """The forward of a call whose one score modification is its window runs the Hopper kernel built without ALiBi
+    (`_window`, FT_SCORE_MODS 3) on the general variant's tiles with FWD_SM90_WINDOW_Q_BUFFERS Q buffers (2); softcap or
+    a mask expression keep the general ones, FWD_SM90_WINDOW_ONLY = 0 (A/B) the `_nocap` one."""
+    for head_dim in build.FWD_SM90_MODS_HEAD_DIMS:
+        for causal in (False, True):
+            def spec(**options):
+                return build.fwd_kernel(head_dim, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True,
+                                        **options)
+
+            window, general = spec(window_only=True), spec()
+            assert window.name.endswith("_mods_window") and ("FT_SCORE_MODS", 3) in window.defines, window.name
+            assert window.name.replace("_q2_", "_").replace("_window", "_nocap") == general.name
+            assert spec(window_only=True, softcap=True).name.endswith("_mods")
+            assert "_window" not in spec(window_only=True, mask_defines=(("FT_MASK_MOD", 1),)).name
+            # (two Q buffers where O has a tile of its own)
+            assert window.tiles.q_buffers == (build.FWD_SM90_WINDOW_Q_BUFFERS if general.tiles.separate_o else 1)
+            assert window.tiles == dataclasses.replace(general.tiles, q_buffers=window.tiles.q_buffers)
+    two = build.fwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, window_only=True)
+    capped = build.fwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, window_only=True,
+                              smem_limit=two.smem_bytes - 1)  # two Q buffers do not fit: one
+    assert capped.tiles.q_buffers == 1 and capped.name.endswith("_mods_window")
+    monkeypatch.setattr(build, "FWD_SM90_WINDOW_Q_BUFFERS", 1)
+    one = build.fwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, window_only=True)
+    assert one.tiles.q_buffers == 1 and one.name.endswith("_causal_mods_window")
+    monkeypatch.setattr(build, "FWD_SM90_WINDOW_ONLY", 0)
+    assert build.fwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True,
                             window_only=True).name.endswith("_mods_nocap")
 
 

@@ -167,6 +167,17 @@ FWD_SM90_TILES_LONG_CAUSAL = {
     64: FwdSm90Tiles(192, 128, stages=2),
 }
 LONG_CAUSAL_SEQLEN = 512
+# Forward calls whose one score modification is a window (no softcap, no ALiBi, no mask expression) take a variant
+# compiled without ALiBi (FT_SCORE_MODS 3, `_window`; the backward's BWD_SM90_WINDOW_ONLY): no slope load, no ALiBi
+# branch, no row bias in the exponentials (hd128 causal: 36 bytes of spills -> none, ptxas 13.0) ...
+FWD_SM90_WINDOW_ONLY = 1
+# ... with two Q buffers (the producer copies the next tile's Q while this one runs, as FWD_SM90_TILES_SHORT_CAUSAL: a
+# window's tiles are a few key blocks long). H200, 2026-12-01, interleaved CUDA-graph replays (ab_probe.py), forward
+# against the `_nocap` variant with one Q buffer: hd128 causal window 1024 at 16K / 4K 1.048 / 1.038, window 256 at
+# 16K 1.042; hd64 window 256 at 16K 1.029, window 1024 at 4K 1.090 (one Q buffer alone: hd128 1.036 / 1.025 / 0.983,
+# hd64 1.033 / 1.091); forward + backward 1.009-1.027 (kernel_ab-h200.json). A/B: ab_probe.py
+# flashtrain@build.FWD_SM90_WINDOW_ONLY=0 (the `_nocap` kernel), flashtrain@build.FWD_SM90_WINDOW_Q_BUFFERS=1.
+FWD_SM90_WINDOW_Q_BUFFERS = 2
 # Head dims whose mask-expression forward (mask_mod) runs on the warpgroup-MMA kernel; the others take the mma.sync
 # one (with the expression compiled in, the Hopper kernel's 80- / 112-key tiles at head dims 192 / 256 spill 284-552
 # bytes per thread, ptxas 13.0, against 4-32 without it).
@@ -612,7 +623,7 @@ def _check_score_mods(score_mods: bool, dropout: bool, block_sparse: bool) -> No
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, smem_limit: int | None = None, seqlen_q: int = 0,
                score_mods: bool = False, softcap: bool = False, mask_defines: tuple = (),
-               seqlen_k: int = 0, effective_head_dim: int | None = None) -> KernelSpec:
+               seqlen_k: int = 0, effective_head_dim: int | None = None, window_only: bool = False) -> KernelSpec:
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
     smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length;
     seqlen_k: its key length (0: unknown or varlen); effective_head_dim: the call's head dim when smaller than
@@ -620,7 +631,8 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     tiles with the MMA work of 80 or 96 columns (sm90_narrow_width).
     score_mods (window_size, softcap, alibi_slopes; without dropout or a block mask): the `_mods` variants (SCORE_MODS),
     on sm_90a the warpgroup-MMA forward with FWD_SM90_TILES, built without the tanh path (`_nocap`) unless softcap (the
-    call has one)."""
+    call has one); window_only (the call's one modification is its window): without ALiBi's code either (`_window`,
+    FWD_SM90_WINDOW_ONLY)."""
     _check_score_mods(score_mods, dropout, block_sparse)
     if mask_defines:  # a mask expression (MaskMod.kernel_defines) compiled into the mods kernel
         if arch == SM90_ARCH and head_dim in MASK_SM90_HEAD_DIMS and sm90_enabled():
@@ -632,10 +644,15 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
                          True, tuple(mask_defines))
     if score_mods:
         if arch == SM90_ARCH and head_dim in FWD_SM90_MODS_HEAD_DIMS and sm90_enabled():
-            spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim],
-                                  _mods_variant(softcap))
-            if _fits(spec, smem_limit):
-                return spec
+            window = window_only and not softcap and FWD_SM90_WINDOW_ONLY
+            tiles = [FWD_SM90_TILES[head_dim]]
+            if window and FWD_SM90_WINDOW_Q_BUFFERS > 1 and tiles[0].separate_o:  # (where they fit, else one)
+                tiles.insert(0, dataclasses.replace(tiles[0], q_buffers=FWD_SM90_WINDOW_Q_BUFFERS))
+            for choice in tiles:
+                spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, choice,
+                                      3 if window else _mods_variant(softcap))
+                if _fits(spec, smem_limit):
+                    return spec
         return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
                          fwd_tiles(head_dim, causal, dropout, block_sparse, smem_limit), True)
     if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
@@ -722,7 +739,7 @@ def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
 def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
                    tiles: FwdSm90Tiles, score_mods: int = 0, mask_defines: tuple = (),
                    head_dim_eff: int | None = None) -> KernelSpec:
-    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi (FwdSm90Traits' FT_SCORE_MODS);
+    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi, 3 window (FwdSm90Traits' FT_SCORE_MODS);
     head_dim_eff: the columns of MMA work (one of SM90_NARROW_HEAD_DIMS of 128, without block mask or score
     modifications; None: head_dim)."""
     head_dim_eff = head_dim_eff or head_dim
@@ -738,7 +755,8 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     name = (f"flash_fwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}"
             f"{'' if tiles.cluster == 1 else f'_c{tiles.cluster}'}"
-            f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}{_mask_suffix(mask_defines)}")
+            f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}"
+            f"{'_window' if score_mods == 3 else ''}{_mask_suffix(mask_defines)}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
                ("FT_Q_BUFFERS", tiles.q_buffers),
@@ -965,6 +983,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               for mods in (1, 2)
               if _fits(spec := _fwd_sm90_spec(head_dim, dtype, causal, False, False, FWD_SM90_TILES[head_dim], mods),
                        smem_limit)]
+    specs += [spec for head_dim in FWD_SM90_MODS_HEAD_DIMS for dtype in DTYPES for causal in (False, True)  # a window
+              if _fits(spec := fwd_kernel(head_dim, dtype, causal, False, arch=SM90_ARCH, score_mods=True,
+                                          window_only=True), smem_limit)]
     specs += [spec for head_dim in BWD_SM90_MODS_HEAD_DIMS for dtype in DTYPES for causal in (False, True)
               for softcap, window_only in ((False, False), (True, False), (False, True))
               if not softcap or BWD_SM90_MODS_SOFTCAP[head_dim]

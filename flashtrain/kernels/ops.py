@@ -393,7 +393,8 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
                             seqlen_k=0 if cu_seqlens_k is not None else k.shape[1],
                             effective_head_dim=q.shape[-1],
                             score_mods=_score_mods(window, softcap, alibi_slopes) or mask is not None,
-                            softcap=softcap > 0, mask_defines=mask.kernel_defines() if mask is not None else ())
+                            softcap=softcap > 0, mask_defines=mask.kernel_defines() if mask is not None else (),
+                            window_only=mask is None and softcap <= 0 and alibi_slopes is None)
     outputs = _output_shapes(q, cu_seqlens_q)
     out, lse = (torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in outputs)
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,

@@ -96,8 +96,10 @@ template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kSeparat
           int kHeadDimEff_ = kHeadDim_, int kCluster_ = 1>
 struct FwdSm90Traits {
     // FT_SCORE_MODS: 1, the local window, softcap and ALiBi of the call's parameters (flash.h), each off
-    // when unset; 2, the window and ALiBi only (the calls without softcap: no tanh path, fewer registers)
+    // when unset; 2, the window and ALiBi only (the calls without softcap: no tanh path, fewer registers); 3, the
+    // window only (no ALiBi slope load, branch or row bias)
     static constexpr bool kScoreMods = kScoreMods_ != 0, kSoftcap = kScoreMods_ == 1;
+    static constexpr bool kAlibi = kScoreMods_ == 1 || kScoreMods_ == 2;
     static_assert(!(kScoreMods_ && kIsBlockSparse_), "score modifications and a block mask are not combined");
     // a mask expression compiled in (FT_MASK_EXPR, mask_mod.cuh; with the score modifications): the key walk skips
     // the blocks whose 128 x 128 block states (FwdParams::mm_states) are all empty, the expression runs per pair on
@@ -435,36 +437,27 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     // orders the hand-overs: a CTA's consumers need the peer's half of a stage, copied after the
                     // peer's wait, before they release it again, so no producer completes two phases of the peer's
                     // peer_empty barrier before the peer has waited for the first.)
-                    mbar_wait(empty_k(stage), parity);
-                    if constexpr (T::kCluster > 1) {
-                        mbar_arrive_peer_if(it >= kStages, peer_empty_k(stage));
-                        mbar_wait(peer_empty_k(stage), parity);
-                    }
-                    mbar_arrive_expect_tx(full_k(stage), TileKV::kBytes);
-                    if constexpr (T::kCluster > 1) {
-                        tma_load_4d_multicast_pair(sK + stage * TileKV::kBytes, &params.tma_k, full_k(stage),
-                                                   kBlockN * 128, row, x.head_kv, batch_coord);
-                    } else {
+                    // K, then V: the stage's buffer (and the peer's) free, then the copy
+                    auto load = [&](u32 empty, u32 peer_empty, u32 full, u32 dst, const TmaDesc* desc) {
+                        mbar_wait(empty, parity);
+                        if constexpr (T::kCluster > 1) {
+                            mbar_arrive_peer_if(it >= kStages, peer_empty);
+                            mbar_wait(peer_empty, parity);
+                        }
+                        mbar_arrive_expect_tx(full, TileKV::kBytes);
+                        if constexpr (T::kCluster > 1) {
+                            tma_load_4d_multicast_pair(dst, desc, full, kBlockN * 128, row, x.head_kv, batch_coord);
+                        } else {
 #pragma unroll
-                        for (int cb = 0; cb < T::kColBlocks; ++cb)
-                            tma_load_4d(sK + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_k,
-                                        full_k(stage), cb * 64, row, x.head_kv, batch_coord);
-                    }
-                    mbar_wait(empty_v(stage), parity);
-                    if constexpr (T::kCluster > 1) {
-                        mbar_arrive_peer_if(it >= kStages, peer_empty_v(stage));
-                        mbar_wait(peer_empty_v(stage), parity);
-                    }
-                    mbar_arrive_expect_tx(full_v(stage), TileKV::kBytes);
-                    if constexpr (T::kCluster > 1) {
-                        tma_load_4d_multicast_pair(sV + stage * TileKV::kBytes, &params.tma_v, full_v(stage),
-                                                   kBlockN * 128, row, x.head_kv, batch_coord);
-                    } else {
-#pragma unroll
-                        for (int cb = 0; cb < T::kColBlocks; ++cb)
-                            tma_load_4d(sV + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_v,
-                                        full_v(stage), cb * 64, row, x.head_kv, batch_coord);
-                    }
+                            for (int cb = 0; cb < T::kColBlocks; ++cb)
+                                tma_load_4d(dst + cb * kBlockN * 128, desc, full, cb * 64, row, x.head_kv,
+                                            batch_coord);
+                        }
+                    };
+                    load(empty_k(stage), peer_empty_k(stage), full_k(stage), sK + stage * TileKV::kBytes,
+                         &params.tma_k);
+                    load(empty_v(stage), peer_empty_v(stage), full_v(stage), sV + stage * TileKV::kBytes,
+                         &params.tma_v);
                 }
                 ++tile_iter;
             }
@@ -666,7 +659,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             }
         };
         // kScoreMods: softcap and ALiBi on a block's scores, before its masks
-        const float alibi_scaled = T::kScoreMods && p.alibi_slopes != nullptr
+        const float alibi_scaled = T::kAlibi && p.alibi_slopes != nullptr
                                        ? p.alibi_slopes[x.batch * p.alibi_batch_stride + x.head] / p.softmax_scale
                                        : 0.f;
         // FT_FWD_POLY_EXP (above; off): with softcap, whose tanh shares the MUFU pipe with the exponentials, half of
@@ -675,7 +668,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         // ALiBi by rows where the warp's block lies on one side of the diagonal (utils.cuh alibi_by_rows: one FFMA per
         // score, each row's bias to softmax_exp_row), else per score (apply_score_mods). Not in the softcap variant
         // (the calls with softcap), which stays as it was: there it added spills (hd256 causal 28 -> 36 bytes).
-        constexpr bool kRowBias = T::kScoreMods && !T::kSoftcap;
+        constexpr bool kRowBias = T::kAlibi && !T::kSoftcap;
         float row_bias[2] = {0.f, 0.f};
         auto score_mods = [&](auto& s, int n_block) {
             const int col0 = n_block * kBlockN, offset = seqlen_k - seqlen_q;
