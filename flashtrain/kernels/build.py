@@ -381,10 +381,13 @@ BWD_SM90_MODS_HEAD_DIMS = tuple(BWD_SM90_MODS_TILES)
 BWD_SM90_MODS_SOFTCAP = {64: False, 128: True}
 
 
-def _mods_variant(softcap: bool, has_softcap_variant: bool = True) -> int:
+def _mods_variant(softcap: bool, has_softcap_variant: bool = True, window: bool = False) -> int:
     """FT_SCORE_MODS of a Hopper mods kernel: 1 with softcap, 2 without (`_nocap`: a call without softcap; the
-    backward's derivative registers free). FLASHTRAIN_MODS_NOCAP=0 (A/B): the softcap variant for every call that
-    has one (the backward of a window alone keeps its `_window` variant, 3, unless BWD_SM90_WINDOW_ONLY = 0)."""
+    backward's derivative registers free), 3 for a call whose one modification is its window (`_window`; window: such
+    a call, where its kernel's switch, FWD_SM90_WINDOW_ONLY / BWD_SM90_WINDOW_ONLY, is on). FLASHTRAIN_MODS_NOCAP=0
+    (A/B): the softcap variant for every other call that has one."""
+    if window and not softcap:
+        return 3
     if softcap or (has_softcap_variant and os.environ.get("FLASHTRAIN_MODS_NOCAP") == "0"):
         return 1
     return 2
@@ -644,13 +647,12 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
                          True, tuple(mask_defines))
     if score_mods:
         if arch == SM90_ARCH and head_dim in FWD_SM90_MODS_HEAD_DIMS and sm90_enabled():
-            window = window_only and not softcap and FWD_SM90_WINDOW_ONLY
+            mods = _mods_variant(softcap, window=window_only and bool(FWD_SM90_WINDOW_ONLY))
             tiles = [FWD_SM90_TILES[head_dim]]
-            if window and FWD_SM90_WINDOW_Q_BUFFERS > 1 and tiles[0].separate_o:  # (where they fit, else one)
+            if mods == 3 and FWD_SM90_WINDOW_Q_BUFFERS > 1 and tiles[0].separate_o:  # (where they fit, else one)
                 tiles.insert(0, dataclasses.replace(tiles[0], q_buffers=FWD_SM90_WINDOW_Q_BUFFERS))
             for choice in tiles:
-                spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, choice,
-                                      3 if window else _mods_variant(softcap))
+                spec = _fwd_sm90_spec(head_dim, dtype, causal, False, False, choice, mods)
                 if _fits(spec, smem_limit):
                     return spec
         return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
@@ -877,7 +879,7 @@ def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: 
         raise ValueError(f"the Hopper backward at head dim {head_dim} has no softcap variant (BWD_SM90_MODS_SOFTCAP)")
     if window_only and (softcap or mask_defines):
         raise ValueError("window_only: a call with softcap or a mask expression takes the general variant")
-    mods = 3 if window_only and BWD_SM90_WINDOW_ONLY else _mods_variant(softcap, BWD_SM90_MODS_SOFTCAP[head_dim])
+    mods = _mods_variant(softcap, BWD_SM90_MODS_SOFTCAP[head_dim], window_only and bool(BWD_SM90_WINDOW_ONLY))
     tiles = BWD_SM90_MODS_TILES[head_dim]
     sliding = BWD_SM90_WINDOW_Q64 and 0 <= window_left <= BWD_SM90_WINDOW_Q64_MAX_LEFT
     if (head_dim == 128 and mods in (2, 3) and causal and not mask_defines and not sliding

@@ -113,6 +113,12 @@ def _score_mods(window, softcap: float, alibi_slopes) -> bool:
     return tuple(window) != (-1, -1) or softcap > 0 or alibi_slopes is not None
 
 
+def _window_only(mask, softcap: float, alibi_slopes) -> bool:
+    """Whether a call's one score modification (if any) is its window: the kernels built without softcap's and ALiBi's
+    code (build: the `_window` variants)."""
+    return mask is None and softcap <= 0 and alibi_slopes is None
+
+
 def padded_head_dim(head_dim: int) -> int:
     """The head dim the kernels run a head_dim on: the next multiple of 8 (16-byte rows of 16-bit values)."""
     return -(-head_dim // 8) * 8
@@ -394,7 +400,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
                             effective_head_dim=q.shape[-1],
                             score_mods=_score_mods(window, softcap, alibi_slopes) or mask is not None,
                             softcap=softcap > 0, mask_defines=mask.kernel_defines() if mask is not None else (),
-                            window_only=mask is None and softcap <= 0 and alibi_slopes is None)
+                            window_only=_window_only(mask, softcap, alibi_slopes))
     outputs = _output_shapes(q, cu_seqlens_q)
     out, lse = (torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in outputs)
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -453,7 +459,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             softcap=softcap > 0,
                             mask_defines=mask.kernel_defines() if mask is not None else (),
                             window_left=window[0],
-                            window_only=mask is None and softcap <= 0 and alibi_slopes is None)
+                            window_only=_window_only(mask, softcap, alibi_slopes))
     tiles = spec.tiles
     fwd = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                       bs_cols=bs_cols, window=window, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask,

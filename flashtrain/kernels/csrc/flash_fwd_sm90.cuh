@@ -436,8 +436,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     // half is copied into both CTAs, whose full barriers count both halves. (The multicast also
                     // orders the hand-overs: a CTA's consumers need the peer's half of a stage, copied after the
                     // peer's wait, before they release it again, so no producer completes two phases of the peer's
-                    // peer_empty barrier before the peer has waited for the first.)
-                    // K, then V: the stage's buffer (and the peer's) free, then the copy
+                    // peer_empty barrier before the peer has waited for the first.) K, then V.
                     auto load = [&](u32 empty, u32 peer_empty, u32 full, u32 dst, const TmaDesc* desc) {
                         mbar_wait(empty, parity);
                         if constexpr (T::kCluster > 1) {
