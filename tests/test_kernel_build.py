@@ -207,7 +207,7 @@ def test_narrow_head_dims_on_hopper(monkeypatch):
             assert (spec.tiles, spec.smem_bytes) == (dataclasses.replace(wide.tiles, cluster=1), wide.smem_bytes)
             assert spec in build.all_kernels()
         bwd = build.bwd_kernel(128, "bf16", causal, False, arch="sm_90a", effective_head_dim=96, seqlen_q=long)
-        assert bwd.name == f"flash_bwd_sm90_hdim96_bf16{suffix}_q80" and bwd in build.all_kernels()
+        assert bwd.name == f"flash_bwd_sm90_hdim96_bf16{suffix}_q80_lsebias" and bwd in build.all_kernels()
     short = build.fwd_kernel(128, "fp16", True, True, arch="sm_90a", seqlen_q=300, effective_head_dim=88)
     assert short.name == "flash_fwd_sm90_hdim96_fp16_causal_dropout"
     for head_dim in (72, 80):
@@ -233,6 +233,29 @@ def test_narrow_head_dims_on_hopper(monkeypatch):
         build.fwd_sm90_kernel(128, "bf16", False, block_sparse=True, head_dim_eff=96)
     with pytest.raises(ValueError, match="narrowed to 64"):
         build.bwd_sm90_kernel(128, "bf16", False, head_dim_eff=64)
+
+
+def test_lse_bias_kernels(monkeypatch):
+    """The narrowed Hopper backward without dropout accumulates S^T onto the lse term (`_lsebias`, FT_BWD_LSE_BIAS;
+    bwd_lse_bias tells the preprocess to write lse in raw score units); dropout, all 128 columns, the other head dims
+    and the score-modification kernels keep the FFMA with lse; BWD_SM90_LSE_BIAS = 0 (A/B) none."""
+    def bwd(head_dim, effective, dropout=False, **kw):
+        return build.bwd_kernel(head_dim, "bf16", True, dropout, arch="sm_90a", effective_head_dim=effective, **kw)
+
+    for effective in (72, 80, 88, 96):
+        for seqlen_q in (None, 1 << 16):
+            spec = bwd(128, effective, seqlen_q=seqlen_q)
+            assert build.bwd_lse_bias(spec) and spec.name.endswith("_lsebias") and spec in build.all_kernels()
+        assert not build.bwd_lse_bias(bwd(128, effective, dropout=True))
+    for spec in (bwd(128, 128), bwd(64, 64), bwd(192, 192), bwd(256, 256), bwd(128, 128, score_mods=True),
+                 bwd(64, 64, score_mods=True), build.bwd_kernel(128, "bf16", True, False, arch="sm_80",
+                                                                effective_head_dim=96)):
+        assert not build.bwd_lse_bias(spec) and "lsebias" not in spec.name, spec.name
+    monkeypatch.setattr(build, "BWD_SM90_LSE_BIAS", 0)
+    plain = bwd(128, 96)
+    assert not build.bwd_lse_bias(plain) and plain.name == "flash_bwd_sm90_hdim96_bf16_causal"
+    with pytest.raises(ValueError, match="lse_bias"):
+        build._bwd_sm90_spec(128, "bf16", True, False, False, False, build.BWD_SM90_TILES[128], 128, 3, lse_bias=True)
 
 
 def test_head_dim_512_dispatch(monkeypatch):
@@ -421,15 +444,18 @@ def test_hd128_backward_query_blocks(monkeypatch):
     assert causal80.name == "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows" and not causal80.tiles.dq_frag
     assert ("FT_BWD_DQ_FRAG", 0) in causal80.defines and causal80.smem_bytes == q80.smem_bytes
     # head dims 65-80 causal: 64-query blocks at every length (warpgroup 0's m64n80 dQ); non-causal and hd96: 80
-    assert spec(causal=True, seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_causal"
+    assert spec(causal=True, seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_causal_lsebias"
     # ... from BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN (4K) queries there, hd128 from BWD_SM90_Q80_CAUSAL_SEQLEN (16K)
     narrow, long = build.BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN, build.BWD_SM90_Q80_CAUSAL_SEQLEN
-    assert spec(causal=True, seqlen_q=narrow, effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16_causal_q80"
-    assert spec(causal=True, seqlen_q=narrow - 1, effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16_causal"
+    assert (spec(causal=True, seqlen_q=narrow, effective_head_dim=96).name
+            == "flash_bwd_sm90_hdim96_bf16_causal_q80_lsebias")
+    assert (spec(causal=True, seqlen_q=narrow - 1, effective_head_dim=96).name
+            == "flash_bwd_sm90_hdim96_bf16_causal_lsebias")
     assert spec(causal=True, seqlen_q=long // 2).block_m == 64 and spec(causal=True, seqlen_q=long).block_m == 80
-    assert spec(seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_q80"
+    assert spec(seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_q80_lsebias"
     monkeypatch.setattr(build, "BWD_SM90_HD80_CAUSAL_Q64", 0)
-    assert spec(causal=True, seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_causal_q80"
+    assert (spec(causal=True, seqlen_q=4096, effective_head_dim=80).name
+            == "flash_bwd_sm90_hdim80_bf16_causal_q80_lsebias")
     monkeypatch.setattr(build, "BWD_SM90_HD80_CAUSAL_Q64", 1)
     monkeypatch.setattr(build, "BWD_DQ_FRAG", 2)
     assert spec(causal=True, seqlen_q=long).name == "flash_bwd_sm90_hdim128_bf16_causal_q80"
@@ -440,11 +466,11 @@ def test_hd128_backward_query_blocks(monkeypatch):
     assert spec(causal=True).block_m == 64
     assert spec(deterministic=True).name == "flash_bwd_sm90_hdim128_bf16_det"
     assert spec(dropout=True).block_m == 64 and spec(block_sparse=True).block_m == 64
-    assert spec(effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16_q80"  # (head dims 65-96 too)
+    assert spec(effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16_q80_lsebias"  # (head dims 65-96 too)
     assert spec(effective_head_dim=96, dropout=True).block_m == 64
     monkeypatch.setenv("FLASHTRAIN_BWD_SM90_Q80", "0")
     assert spec().name == "flash_bwd_sm90_hdim128_bf16" and spec().block_m == 64
-    assert spec(effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16"
+    assert spec(effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16_lsebias"
 
 
 def test_accum_tensor_map_layout():

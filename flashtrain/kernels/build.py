@@ -836,7 +836,22 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
     if head_dim == 128 and plain and _bwd_q80(causal, seqlen_q, head_dim_eff):
         tiles = _dq_frag_choice(BWD_SM90_DENSE128_TILES, causal, head_dim_eff or head_dim)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
-                          head_dim_eff or head_dim)
+                          head_dim_eff or head_dim, lse_bias=bool(BWD_SM90_LSE_BIAS and head_dim_eff and not dropout))
+
+
+# The narrowed Hopper backward kernels (head dims 65-96) accumulate S^T onto each query's lse term (flash_bwd_sm90.cuh
+# kBiasS; the preprocess writes lse in raw score units, AuxParams.lse_bias): P^T = exp2(S^T scale), the lse loads ahead
+# of the GEMM. H200, 2026-12-01, interleaved CUDA-graph A/B, backward, biased / plain: hd80 / hd96 causal 4K 1.028 /
+# 1.031, non-causal 4K 1.040 / 1.038, causal 16K 1.036 / 1.044, causal 1K 1.015 / 1.011, hd96 GQA 32/8 8K 1.038, hd80
+# non-causal 512 1.013; forward + backward, causal 4K 1.022 / 1.019 (kernel_ab-h200.json). The hd64 / hd128 kernels
+# measured 0.80-0.98 with it and keep the FFMA, as do the dropout kernels (not measured). BWD_SM90_LSE_BIAS = 0 (FLASHTRAIN_BWD_SM90_LSE_BIAS=0 at import, or
+# ab_probe.py flashtrain@build.BWD_SM90_LSE_BIAS=0; read at plan time): none.
+BWD_SM90_LSE_BIAS = int(os.environ.get("FLASHTRAIN_BWD_SM90_LSE_BIAS", "1"))
+
+
+def bwd_lse_bias(spec: KernelSpec) -> bool:
+    """Whether this backward kernel reads the lse in raw score units (AuxParams.lse_bias for its preprocess)."""
+    return ("FT_BWD_LSE_BIAS", 1) in spec.defines
 
 
 # The 80-query backward's dQ^T in fragment order (BwdSm90Tiles.dq_frag) where it measured faster: non-causal, and
@@ -892,15 +907,18 @@ def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: 
 @functools.lru_cache(maxsize=None)
 def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool, deterministic: bool,
                    tiles: BwdSm90Tiles, head_dim_eff: int, score_mods: int = 0,
-                   mask_defines: tuple = ()) -> KernelSpec:
-    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi, 3 window (BwdSm90Traits' FT_SCORE_MODS)."""
+                   mask_defines: tuple = (), lse_bias: bool = False) -> KernelSpec:
+    """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi, 3 window (BwdSm90Traits' FT_SCORE_MODS).
+    lse_bias: S^T accumulated onto the lse term (BWD_SM90_LSE_BIAS; no score modifications)."""
+    if lse_bias and score_mods:
+        raise ValueError("lse_bias: the score modifications apply to the raw score")
     smem_bytes = tiles.smem_bytes(head_dim)
     name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"
             f"{'_q80' if tiles.swap_dq else ''}{'_dqrows' if tiles.swap_dq and not tiles.dq_frag else ''}"
             f"{'_n96' if tiles.split_keys else ''}"
             f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}"
-            f"{'_window' if score_mods == 3 else ''}{_mask_suffix(mask_defines)}")
+            f"{'_window' if score_mods == 3 else ''}{_mask_suffix(mask_defines)}{'_lsebias' if lse_bias else ''}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
                ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
@@ -914,6 +932,8 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
         defines += (("FT_BLOCK_N", tiles.block_n),)
     if _bwd_lean_addr(head_dim, causal, dropout, block_sparse, deterministic, tiles, score_mods):
         defines += (("FT_BWD_LEAN_ADDR", 1),)
+    if lse_bias:  # (the other kernels' macros, hence their cache keys, stay as they were)
+        defines += (("FT_BWD_LSE_BIAS", 1),)
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
@@ -1032,8 +1052,8 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
     specs += [spec for dtype in DTYPES  # the hd128 backward's other query block (A/B: FLASHTRAIN_BWD_SM90_Q80)
               for causal in (False, True) for tiles in (BWD_SM90_TILES[128], BWD_SM90_DENSE128_TILES)
               for head_dim_eff in (128, *SM90_NARROW_HEAD_DIMS)
-              if _fits(spec := _bwd_sm90_spec(128, dtype, causal, False, False, False, tiles, head_dim_eff),
-                       smem_limit)]
+              if _fits(spec := _bwd_sm90_spec(128, dtype, causal, False, False, False, tiles, head_dim_eff,
+                                              lse_bias=bool(BWD_SM90_LSE_BIAS and head_dim_eff != 128)), smem_limit)]
     specs += [spec for dtype in DTYPES for causal in (False, True)  # the hd192 backward's other key tile (A/B:
               for tiles in (BWD_SM90_TILES[192], BWD_SM90_HD192_N64)  # BWD_SM90_HD192_N96)
               if _fits(spec := _bwd_sm90_spec(192, dtype, causal, False, False, False, tiles, 192), smem_limit)]

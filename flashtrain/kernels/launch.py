@@ -99,7 +99,7 @@ class AuxParams(ctypes.Structure):
         ("batch", _i32), ("nheads", _i32), ("head_dim", _i32), ("seqlen_q", _i32), ("seqlen_k", _i32),
         ("nsplits", _i32), ("softmax_scale", _f32), ("keep_threshold", _u32),
         ("dq_slice_width", _i32), ("dq_block_m", _i32), ("total_q", _i32), ("total_k", _i32),
-        ("dqa_cols", _i32), ("padded", _i32), ("dq_frag", _i32),
+        ("dqa_cols", _i32), ("padded", _i32), ("dq_frag", _i32), ("lse_bias", _i32),
     ]
 
 

@@ -175,6 +175,11 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
         # for a positive scale (with a negative one, exp() overflows once a row's scaled scores spread by more than
         # ~88): q k^T * s = (-q) k^T * (-s), and autograd carries dq back through the negation.
         q, softmax_scale = q.neg(), -softmax_scale
+    if softmax_scale < 2.0 ** -64:
+        # The Hopper backward keeps each row's lse in raw score units, -lse / softmax_scale (csrc/flash.h), which a
+        # scale this small (0 included) would overflow: such a scale is folded into q instead, q k^T * s =
+        # (q s 2^64) k^T * 2^-64 (the scaled scores are then below 2^-64 |q k^T| anyway).
+        q, softmax_scale = q * (softmax_scale * 2.0 ** 64), 2.0 ** -64
     if not _host_loaded:
         load_host()
     # the op (flash_host.cpp): its autograd node and launches are C++; torch.compile traces it as one graph node
@@ -514,7 +519,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded (mma.sync)
         dq_slice_width=(tiles.dq_slice_width(head_dim)
                         if tiles.scramble_dq and (hopper or not deterministic) and dqa_cols == head_dim else 0),
-        dq_frag=int(hopper and tiles.swap_dq and tiles.dq_frag))
+        dq_frag=int(hopper and tiles.swap_dq and tiles.dq_frag), lse_bias=int(build.bwd_lse_bias(spec)))
     (aux.o_batch_stride, aux.o_row_stride, aux.o_head_stride) = _strides(out, varlen)
     (aux.do_batch_stride, aux.do_row_stride, aux.do_head_stride) = _strides(dout, varlen)
     (aux.dq_batch_stride, aux.dq_row_stride, aux.dq_head_stride) = _strides(dq, varlen)

@@ -4,8 +4,9 @@
 //   preprocess: D[row] = sum_d dout[row, d] * out[row, d] (fp32), minus dlse[row] when the gradient reaches lse
 //               (dS = P * (dP - D) + P * dlse: the lse term folds into D; not for rows that saw no key, whose P is 0)
 //               and dq_accum[:, row, :] = 0; padded (the Hopper
-//               backward, flash.h): also lse_log2[row] = lse * log2(e) (+inf for -inf), and for the padding rows of a
-//               sequence's last query block lse_log2 = +inf, D = 0, dq_accum = 0;
+//               backward, flash.h): also lse_log2[row] = lse * log2(e) (+inf for -inf; lse_bias: -lse / softmax_scale,
+//               -inf for -inf), and for the padding rows of a sequence's last query block lse_log2 = +inf (lse_bias:
+//               -inf), D = 0, dq_accum = 0;
 //   convert_dq: dq[row, :] = softmax_scale * sum_split dq_accum[split, row, :] in the input dtype (dq_frag: one CTA
 //               per 80-row block of the Hopper backward's fragment order, bwd_convert_dq_frag);
 //   dropout_mask: mask[row, j] = keep(row, j) for j < seqlen_k, the bits the forward and backward kernels draw.
@@ -117,12 +118,9 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
             if (p.dlse != nullptr && in_seq && p.lse[lse_at] != -infinity()) dot -= p.dlse[lse_at];
             p.softmax_d[at] = dot;
             if (p.padded) {
-                float lse = infinity();
-                if (in_seq) {
-                    const float raw = p.lse[lse_at];
-                    lse = raw == -infinity() ? infinity() : raw * kLog2e;
-                }
-                p.lse_log2[at] = lse;
+                const float raw = in_seq ? p.lse[lse_at] : -infinity();
+                p.lse_log2[at] = p.lse_bias ? (raw == -infinity() ? -infinity() : raw * (-1.f / p.softmax_scale))
+                                            : (raw == -infinity() ? infinity() : raw * kLog2e);
             }
         }
         if (!zero_rows.zero(row)) continue;  // (narrow head dims: past the prefix the backward adds into)

@@ -363,6 +363,15 @@ struct BwdSm90Traits {
     // hd64 full 0.991-1.001 (kernel_ab-h200.json); the 64-query kernels measured level (0.997-1.002) and keep the
     // late loads (as did the first D pairs before dV's GEMM: 0.988-1.028).
     // FT_BWD_STATS_EARLY=0 / 1 forces it off / on (A/B).
+    // The S^T GEMM accumulates onto the lse term (FT_BWD_LSE_BIAS, set by build.py; the preprocess then writes
+    // lse_log2 as -lse / softmax_scale, AuxParams::lse_bias): each n8 tile of S^T starts at its two queries' values,
+    // loaded before the GEMM is issued, and P^T = exp2(S^T scale) -- an FMUL where the FFMA with lse was, and no lse
+    // loads next to the exponentials.
+#ifndef FT_BWD_LSE_BIAS
+#define FT_BWD_LSE_BIAS 0
+#endif
+    static constexpr bool kBiasS = FT_BWD_LSE_BIAS;
+    static_assert(!kBiasS || !kScoreMods, "score modifications apply to the raw score: no lse term in their S^T");
 #ifdef FT_BWD_STATS_EARLY
     static constexpr bool kStatsEarly = FT_BWD_STATS_EARLY;
 #else
@@ -708,6 +717,12 @@ template <class T> struct BwdSm90Smem {
 __device__ __forceinline__ void ld_stats2(u32 addr, float (&v)[2]) {
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v[0]), "=f"(v[1]) : "r"(addr));
 }
+// An accumulator n8 tile (rows keys, columns queries q, q + 1) set to the statistics of its two queries. (One load and
+// two moves: a second load instead, kept apart by ld.volatile, ran the hd80 / hd96 backward 1-3% slower.)
+__device__ __forceinline__ void ld_stats_acc(u32 addr, float (&acc)[4]) {
+    ld_stats2(addr, reinterpret_cast<float(&)[2]>(acc[0]));
+    acc[2] = acc[0], acc[3] = acc[1];
+}
 
 // Epilogue of a tile: rows [row_begin, row_begin + kRows) of dK and dV, staged from row srow of T::TileDk / TileDv at
 // sdK / sdV (TileKV: srow = row_begin), to
@@ -923,14 +938,20 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
 #pragma unroll
                 for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(stats_t + 32 * j, lse_r[j]);
             };
-            if constexpr (T::kStatsEarly) load_first_lse();
+            if constexpr (T::kBiasS) {  // S^T accumulated onto the lse term (kBiasS)
+                if (FT_BWD_LEAN_ADDR) asm volatile("" : "+r"(stats_t));
+#pragma unroll
+                for (int j = 0; j < kNT; ++j) ld_stats_acc(stats_t + 32 * j, st[j]);
+            } else if constexpr (T::kStatsEarly) {
+                load_first_lse();
+            }
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < T::kHeadDimEff / 16; ++kk) {
                 const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
                 const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
                 wgmma_ss<kBlockM, T::kIsBF16>(st, gmma_desc_at(sK_w, off_kv, 16, 1024),
-                                              gmma_desc_at(sQ_s, off_q, 16, 1024), kk > 0);
+                                              gmma_desc_at(sQ_s, off_q, 16, 1024), T::kBiasS || kk > 0);
             }
             wgmma_commit();
             if (T::kDeferDq == 2 && dq_m0 >= 0) {  // the previous block's dQ piece (issued before S^T)
@@ -953,7 +974,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
                 write_dq(dq_m0, dq_head);
                 dq_m0 = -1;
             }
-            if constexpr (!T::kStatsEarly) load_first_lse();
+            if constexpr (!T::kStatsEarly && !T::kBiasS) load_first_lse();
             wgmma_wait<1>();  // S^T done (dP^T may still run)
             fence_operand(st);
 
@@ -1029,9 +1050,9 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
                         const int bh = x.batch * f.nheads + head;
                         rng.bits_transposed(qbits, bh, m0 + 8 * j + 2 * t, n0 + key_row0 + g, lane);
                     }
-                    if (j + T::kStatsAhead < kNT)
+                    if (!T::kBiasS && j + T::kStatsAhead < kNT)
                         ld_stats2(stats_t + 32 * (j + T::kStatsAhead), lse_r[j + T::kStatsAhead]);
-                    const float(&lse)[2] = lse_r[j];
+                    const float(&lse)[2] = lse_r[j];  // (not read with kBiasS)
                     [[maybe_unused]] float shift[4];  // ALiBi by rows: the exponent's constant per score
                     if constexpr (kAlibiRows) {
                         if constexpr (kRowsShift) {
@@ -1070,6 +1091,8 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
                         }
                         if constexpr (kAlibiRows)
                             st[j][e] = fast_exp2(fmaf(score, f.softmax_scale_log2, shift[e]));
+                        else if constexpr (T::kBiasS)
+                            st[j][e] = fast_exp2(score * f.softmax_scale_log2);
                         else st[j][e] = fast_exp2(score * f.softmax_scale_log2 - lse[e & 1]);
                         dropped[e] = st[j][e];
                         // dropout: element (query 8j + 2t + e % 2, key g + 8 (e / 2)) of the tile
