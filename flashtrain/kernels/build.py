@@ -844,7 +844,7 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
 # of the GEMM. H200, 2026-12-01, interleaved CUDA-graph A/B, backward, biased / plain: hd80 / hd96 causal 4K 1.028 /
 # 1.031, non-causal 4K 1.040 / 1.038, causal 16K 1.036 / 1.044, causal 1K 1.015 / 1.011, hd96 GQA 32/8 8K 1.038, hd80
 # non-causal 512 1.013; forward + backward, causal 4K 1.022 / 1.019 (kernel_ab-h200.json). The hd64 / hd128 kernels
-# measured 0.80-0.98 with it and keep the FFMA, as do the dropout kernels (not measured). BWD_SM90_LSE_BIAS = 0 (FLASHTRAIN_BWD_SM90_LSE_BIAS=0 at import, or
+# measured 0.77-0.96 with it and keep the FFMA, as do the dropout kernels (not measured). BWD_SM90_LSE_BIAS = 0 (FLASHTRAIN_BWD_SM90_LSE_BIAS=0 at import, or
 # ab_probe.py flashtrain@build.BWD_SM90_LSE_BIAS=0; read at plan time): none.
 BWD_SM90_LSE_BIAS = int(os.environ.get("FLASHTRAIN_BWD_SM90_LSE_BIAS", "1"))
 
