@@ -839,13 +839,14 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
                           head_dim_eff or head_dim, lse_bias=bool(BWD_SM90_LSE_BIAS and head_dim_eff and not dropout))
 
 
-# The narrowed Hopper backward kernels (head dims 65-96) accumulate S^T onto each query's lse term (flash_bwd_sm90.cuh
-# kBiasS; the preprocess writes lse in raw score units, AuxParams.lse_bias): P^T = exp2(S^T scale), the lse loads ahead
-# of the GEMM. H200, 2026-12-01, interleaved CUDA-graph A/B, backward, biased / plain: hd80 / hd96 causal 4K 1.028 /
-# 1.031, non-causal 4K 1.040 / 1.038, causal 16K 1.036 / 1.044, causal 1K 1.015 / 1.011, hd96 GQA 32/8 8K 1.038, hd80
-# non-causal 512 1.013; forward + backward, causal 4K 1.022 / 1.019 (kernel_ab-h200.json). The hd64 / hd128 kernels
-# measured 0.77-0.96 with it and keep the FFMA, as do the dropout kernels (not measured). BWD_SM90_LSE_BIAS = 0 (FLASHTRAIN_BWD_SM90_LSE_BIAS=0 at import, or
-# ab_probe.py flashtrain@build.BWD_SM90_LSE_BIAS=0; read at plan time): none.
+# The narrowed Hopper backward kernels (head dims 65-96) without dropout accumulate S^T onto each query's lse term
+# (flash_bwd_sm90.cuh kBiasS; the preprocess writes lse in raw score units for them, AuxParams.lse_bias):
+# P^T = exp2(S^T scale), the lse loads ahead of the GEMM. H200, 2026-12-01, interleaved CUDA-graph A/B, backward,
+# biased / FFMA form: hd80 / hd96 causal 4K 1.029 / 1.032, hd80 non-causal 4K 1.041, hd96 causal 16K 1.044, hd96 GQA
+# 32/8 8K 1.038, hd80 causal 1K 1.014; forward + backward, causal 4K 1.021 / 1.024 (kernel_ab-h200.json). The hd64 /
+# hd128 kernels measured 0.77-0.96 with it and keep the FFMA; the dropout kernels keep it too (not measured).
+# BWD_SM90_LSE_BIAS = 0 (FLASHTRAIN_BWD_SM90_LSE_BIAS=0 at import, or ab_probe.py flashtrain@build.BWD_SM90_LSE_BIAS=0;
+# read at plan time): none.
 BWD_SM90_LSE_BIAS = int(os.environ.get("FLASHTRAIN_BWD_SM90_LSE_BIAS", "1"))
 
 
