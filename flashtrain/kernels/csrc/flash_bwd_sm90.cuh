@@ -720,7 +720,7 @@ __device__ __forceinline__ void ld_stats2(u32 addr, float (&v)[2]) {
 // An accumulator n8 tile (rows keys, columns queries q, q + 1) set to the statistics of its two queries. (One load and
 // two moves: a second load instead, kept apart by ld.volatile, ran the hd80 / hd96 backward 1-3% slower.)
 __device__ __forceinline__ void ld_stats_acc(u32 addr, float (&acc)[4]) {
-    ld_stats2(addr, reinterpret_cast<float(&)[2]>(acc[0]));
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(acc[0]), "=f"(acc[1]) : "r"(addr));
     acc[2] = acc[0], acc[3] = acc[1];
 }
 
@@ -1052,7 +1052,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
                     }
                     if (!T::kBiasS && j + T::kStatsAhead < kNT)
                         ld_stats2(stats_t + 32 * (j + T::kStatsAhead), lse_r[j + T::kStatsAhead]);
-                    const float(&lse)[2] = lse_r[j];  // (not read with kBiasS)
+                    [[maybe_unused]] const float(&lse)[2] = lse_r[j];  // (not read with kBiasS)
                     [[maybe_unused]] float shift[4];  // ALiBi by rows: the exponent's constant per score
                     if constexpr (kAlibiRows) {
                         if constexpr (kRowsShift) {
