@@ -251,6 +251,13 @@ def test_lse_bias_kernels(monkeypatch):
                  bwd(64, 64, score_mods=True), build.bwd_kernel(128, "bf16", True, False, arch="sm_80",
                                                                 effective_head_dim=96)):
         assert not build.bwd_lse_bias(spec) and "lsebias" not in spec.name, spec.name
+    monkeypatch.setattr(build, "BWD_SM90_LSE_BIAS", 2)  # (A/B) also the hd128 64-query kernels without dropout
+    assert build.bwd_lse_bias(bwd(128, 128)) and bwd(128, 128).name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias"
+    for spec in (bwd(128, 128, seqlen_q=1 << 16), bwd(128, 128, dropout=True), bwd(64, 64), bwd(192, 192),
+                 build.bwd_kernel(128, "bf16", False, False, arch="sm_90a"),  # (80-query blocks)
+                 build.bwd_kernel(128, "bf16", True, False, True, arch="sm_90a"),
+                 build.bwd_kernel(128, "bf16", True, False, arch="sm_90a", deterministic=True)):
+        assert not build.bwd_lse_bias(spec), spec.name
     monkeypatch.setattr(build, "BWD_SM90_LSE_BIAS", 0)
     plain = bwd(128, 96)
     assert not build.bwd_lse_bias(plain) and plain.name == "flash_bwd_sm90_hdim96_bf16_causal"
