@@ -235,6 +235,18 @@ def test_narrow_head_dims_on_hopper(monkeypatch):
         build.bwd_sm90_kernel(128, "bf16", False, head_dim_eff=64)
 
 
+def test_kernel_scale():
+    """The kernels take a positive scale of at least 2^-64; ops.kernel_scale folds the rest of the caller's scale into
+    q (a factor whose product with the scale is the caller's): -1 for a negative scale, s 2^64 below 2^-64."""
+    from flashtrain.kernels import ops
+
+    assert ops.kernel_scale(0.125) == (1.0, 0.125) and ops.kernel_scale(2.0 ** -64) == (1.0, 2.0 ** -64)
+    assert ops.kernel_scale(-0.4) == (-1.0, 0.4) and ops.kernel_scale(0.0) == (0.0, 2.0 ** -64)
+    for scale in (1e-30, -1e-30, -2.0 ** -70, 5e-324):
+        q_factor, kernel = ops.kernel_scale(scale)
+        assert kernel == 2.0 ** -64 and q_factor * kernel == pytest.approx(scale, rel=1e-12, abs=0)
+
+
 def test_lse_bias_kernels(monkeypatch):
     """The narrowed Hopper backward without dropout accumulates S^T onto the lse term (`_lsebias`, FT_BWD_LSE_BIAS;
     bwd_lse_bias tells the preprocess to write lse in raw score units); dropout, all 128 columns, the other head dims

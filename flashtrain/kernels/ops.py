@@ -124,6 +124,20 @@ def padded_head_dim(head_dim: int) -> int:
     return -(-head_dim // 8) * 8
 
 
+def kernel_scale(softmax_scale: float) -> tuple[float, float]:
+    """(q_factor, scale): the kernels compute softmax((q * q_factor) k^T * scale) for softmax(q k^T * softmax_scale),
+    with scale >= 2^-64. They take each row's running max over the raw scores q k^T, which is the max of the scaled
+    scores only for a positive scale (with a negative one, exp() overflows once a row's scaled scores spread by more
+    than ~88): q k^T * s = (-q) k^T * (-s). And the Hopper backward keeps some rows' lse in raw score units, -lse /
+    scale (csrc/flash.h), which a scale below 2^-64 (0 included) would overflow: such a scale goes into q, q k^T * s =
+    (q s 2^64) k^T * 2^-64 (the scaled scores are then below 2^-64 |q k^T| anyway). dq of the caller's q is q_factor
+    times the kernels' dq."""
+    q_factor, scale = (-1.0, -softmax_scale) if softmax_scale < 0 else (1.0, softmax_scale)
+    if scale < 2.0 ** -64:
+        q_factor, scale = q_factor * scale * 2.0 ** 64, 2.0 ** -64
+    return q_factor, scale
+
+
 def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
                     generator: torch.Generator | None, deterministic: bool = False,
@@ -170,16 +184,9 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
                              f"{block_mask.dtype} {tuple(block_mask.shape)}")
         bs_rows, bs_cols = block_sparse_lists(block_mask)
     rng_state = _draw_rng_state(q.device, generator) if dropout_p > 0 else None
-    if softmax_scale < 0:
-        # The kernels take each row's running max over the raw scores q k^T, which is the max of the scaled scores only
-        # for a positive scale (with a negative one, exp() overflows once a row's scaled scores spread by more than
-        # ~88): q k^T * s = (-q) k^T * (-s), and autograd carries dq back through the negation.
-        q, softmax_scale = q.neg(), -softmax_scale
-    if softmax_scale < 2.0 ** -64:
-        # The Hopper backward keeps each row's lse in raw score units, -lse / softmax_scale (csrc/flash.h), which a
-        # scale this small (0 included) would overflow: such a scale is folded into q instead, q k^T * s =
-        # (q s 2^64) k^T * 2^-64 (the scaled scores are then below 2^-64 |q k^T| anyway).
-        q, softmax_scale = q * (softmax_scale * 2.0 ** 64), 2.0 ** -64
+    q_factor, softmax_scale = kernel_scale(softmax_scale)
+    if q_factor != 1.0:  # (autograd carries dq back through the product)
+        q = q.neg() if q_factor == -1.0 else q * q_factor
     if not _host_loaded:
         load_host()
     # the op (flash_host.cpp): its autograd node and launches are C++; torch.compile traces it as one graph node

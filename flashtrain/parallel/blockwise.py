@@ -252,8 +252,9 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, call: BlockCall, softmax_scal
     from flashtrain.kernels import ops  # imported here: CPU runs never load the kernel side
 
     cu_seqlens_q, cu_seqlens_k = call.offsets(q.device)
-    if softmax_scale < 0:  # the kernels' running max assumes a positive scale (as ops.flash_attn_cuda does)
-        q, softmax_scale = q.neg(), -softmax_scale
+    q_factor, softmax_scale = ops.kernel_scale(softmax_scale)  # (a positive scale of at least 2^-64, as the kernels take)
+    if q_factor != 1.0:
+        q = q.neg() if q_factor == -1.0 else q * q_factor
     return ops.flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, 0.0,
                               softmax_scale, call.causal, None, deterministic)
 
@@ -270,13 +271,15 @@ def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     from flashtrain.kernels import ops
 
     cu_seqlens_q, cu_seqlens_k = call.offsets(q.device)
-    sign = 1.0
-    if softmax_scale < 0:
-        q, softmax_scale, sign = q.neg(), -softmax_scale, -1.0
+    q_factor, softmax_scale = ops.kernel_scale(softmax_scale)  # (as block_forward)
+    if q_factor != 1.0:
+        q = q.neg() if q_factor == -1.0 else q * q_factor
     dq, dk, dv = ops.flash_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, call.max_seqlen_q,
                                     call.max_seqlen_k, 0.0, softmax_scale, call.causal, None, deterministic,
                                     dlse=dlse)  # (the op lays dlse out like lse)
-    return (dq.neg() if sign < 0 else dq), dk, dv
+    if q_factor != 1.0:  # d(q q_factor) / dq
+        dq = dq.neg() if q_factor == -1.0 else dq * q_factor
+    return dq, dk, dv
 
 
 def _reference_computes(q: Tensor, k: Tensor, call: BlockCall):
