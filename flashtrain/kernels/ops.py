@@ -131,7 +131,7 @@ def kernel_scale(softmax_scale: float) -> tuple[float, float]:
     than ~88): q k^T * s = (-q) k^T * (-s). And the Hopper backward keeps some rows' lse in raw score units, -lse /
     scale (csrc/flash.h), which a scale below 2^-64 (0 included) would overflow: such a scale goes into q, q k^T * s =
     (q s 2^64) k^T * 2^-64 (the scaled scores are then below 2^-64 |q k^T| anyway). dq of the caller's q is q_factor
-    times the kernels' dq."""
+    times the kernels' dq (a product by -1 is exact: the negation)."""
     q_factor, scale = (-1.0, -softmax_scale) if softmax_scale < 0 else (1.0, softmax_scale)
     if scale < 2.0 ** -64:
         q_factor, scale = q_factor * scale * 2.0 ** 64, 2.0 ** -64
@@ -186,7 +186,7 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
     rng_state = _draw_rng_state(q.device, generator) if dropout_p > 0 else None
     q_factor, softmax_scale = kernel_scale(softmax_scale)
     if q_factor != 1.0:  # (autograd carries dq back through the product)
-        q = q.neg() if q_factor == -1.0 else q * q_factor
+        q = q * q_factor
     if not _host_loaded:
         load_host()
     # the op (flash_host.cpp): its autograd node and launches are C++; torch.compile traces it as one graph node

@@ -254,7 +254,7 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, call: BlockCall, softmax_scal
     cu_seqlens_q, cu_seqlens_k = call.offsets(q.device)
     q_factor, softmax_scale = ops.kernel_scale(softmax_scale)  # (a positive scale of at least 2^-64, as the kernels take)
     if q_factor != 1.0:
-        q = q.neg() if q_factor == -1.0 else q * q_factor
+        q = q * q_factor
     return ops.flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, 0.0,
                               softmax_scale, call.causal, None, deterministic)
 
@@ -273,13 +273,11 @@ def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     cu_seqlens_q, cu_seqlens_k = call.offsets(q.device)
     q_factor, softmax_scale = ops.kernel_scale(softmax_scale)  # (as block_forward)
     if q_factor != 1.0:
-        q = q.neg() if q_factor == -1.0 else q * q_factor
+        q = q * q_factor
     dq, dk, dv = ops.flash_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, call.max_seqlen_q,
                                     call.max_seqlen_k, 0.0, softmax_scale, call.causal, None, deterministic,
                                     dlse=dlse)  # (the op lays dlse out like lse)
-    if q_factor != 1.0:  # d(q q_factor) / dq
-        dq = dq.neg() if q_factor == -1.0 else dq * q_factor
-    return dq, dk, dv
+    return (dq * q_factor if q_factor != 1.0 else dq), dk, dv  # d(q q_factor) / dq
 
 
 def _reference_computes(q: Tensor, k: Tensor, call: BlockCall):
