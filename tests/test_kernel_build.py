@@ -248,31 +248,33 @@ def test_kernel_scale():
 
 
 def test_lse_bias_kernels(monkeypatch):
-    """The narrowed Hopper backward without dropout accumulates S^T onto the lse term (`_lsebias`, FT_BWD_LSE_BIAS;
-    bwd_lse_bias tells the preprocess to write lse in raw score units); dropout, all 128 columns, the other head dims
-    and the score-modification kernels keep the FFMA with lse; BWD_SM90_LSE_BIAS = 0 (A/B) none."""
-    def bwd(head_dim, effective, dropout=False, **kw):
-        return build.bwd_kernel(head_dim, "bf16", True, dropout, arch="sm_90a", effective_head_dim=effective, **kw)
+    """The Hopper backward without dropout, block mask or determinism accumulates S^T onto the lse term (`_lsebias`,
+    FT_BWD_LSE_BIAS; bwd_lse_bias tells the preprocess to write lse in raw score units) in the narrowed kernels and the
+    hd128 64-query ones; dropout, the hd128 80-query kernels, the other head dims and the score-modification kernels
+    keep the FFMA with lse; BWD_SM90_LSE_BIAS = 0 (A/B) none."""
+    def bwd(head_dim, effective, dropout=False, causal=True, **kw):
+        return build.bwd_kernel(head_dim, "bf16", causal, dropout, arch="sm_90a", effective_head_dim=effective, **kw)
 
     for effective in (72, 80, 88, 96):
         for seqlen_q in (None, 1 << 16):
             spec = bwd(128, effective, seqlen_q=seqlen_q)
             assert build.bwd_lse_bias(spec) and spec.name.endswith("_lsebias") and spec in build.all_kernels()
         assert not build.bwd_lse_bias(bwd(128, effective, dropout=True))
-    for spec in (bwd(128, 128), bwd(64, 64), bwd(192, 192), bwd(256, 256), bwd(128, 128, score_mods=True),
-                 bwd(64, 64, score_mods=True), build.bwd_kernel(128, "bf16", True, False, arch="sm_80",
-                                                                effective_head_dim=96)):
-        assert not build.bwd_lse_bias(spec) and "lsebias" not in spec.name, spec.name
-    monkeypatch.setattr(build, "BWD_SM90_LSE_BIAS", 2)  # (A/B) also the hd128 64-query kernels without dropout
-    assert build.bwd_lse_bias(bwd(128, 128)) and bwd(128, 128).name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias"
-    for spec in (bwd(128, 128, seqlen_q=1 << 16), bwd(128, 128, dropout=True), bwd(64, 64), bwd(192, 192),
-                 build.bwd_kernel(128, "bf16", False, False, arch="sm_90a"),  # (80-query blocks)
+    causal64 = bwd(128, 128)
+    assert causal64.tiles.block_m == 64 and build.bwd_lse_bias(causal64) and causal64 in build.all_kernels()
+    assert causal64.name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias"
+    for spec in (bwd(128, 128, seqlen_q=1 << 16), bwd(128, 128, causal=False),  # (80-query blocks)
+                 bwd(128, 128, dropout=True), bwd(64, 64), bwd(192, 192), bwd(256, 256),
+                 bwd(128, 128, score_mods=True), bwd(64, 64, score_mods=True),
                  build.bwd_kernel(128, "bf16", True, False, True, arch="sm_90a"),
-                 build.bwd_kernel(128, "bf16", True, False, arch="sm_90a", deterministic=True)):
-        assert not build.bwd_lse_bias(spec), spec.name
+                 build.bwd_kernel(128, "bf16", True, False, arch="sm_90a", deterministic=True),
+                 build.bwd_kernel(128, "bf16", True, False, arch="sm_80", effective_head_dim=96)):
+        assert not build.bwd_lse_bias(spec) and "lsebias" not in spec.name, spec.name
+    assert bwd(128, 128, seqlen_q=1 << 16).tiles.block_m == 80
     monkeypatch.setattr(build, "BWD_SM90_LSE_BIAS", 0)
-    plain = bwd(128, 96)
-    assert not build.bwd_lse_bias(plain) and plain.name == "flash_bwd_sm90_hdim96_bf16_causal"
+    for effective, name in ((96, "flash_bwd_sm90_hdim96_bf16_causal"), (128, "flash_bwd_sm90_hdim128_bf16_causal")):
+        plain = bwd(128, effective)
+        assert not build.bwd_lse_bias(plain) and plain.name == name
     with pytest.raises(ValueError, match="lse_bias"):
         build._bwd_sm90_spec(128, "bf16", True, False, False, False, build.BWD_SM90_TILES[128], 128, 3, lse_bias=True)
 
@@ -481,14 +483,15 @@ def test_hd128_backward_query_blocks(monkeypatch):
     monkeypatch.setattr(build, "BWD_DQ_FRAG", 0)
     assert spec().name == "flash_bwd_sm90_hdim128_bf16_q80_dqrows"
     monkeypatch.setattr(build, "BWD_DQ_FRAG", 1)
-    assert spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN - 1).name == "flash_bwd_sm90_hdim128_bf16_causal"
+    assert (spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN - 1).name
+            == "flash_bwd_sm90_hdim128_bf16_causal_lsebias")
     assert spec(causal=True).block_m == 64
     assert spec(deterministic=True).name == "flash_bwd_sm90_hdim128_bf16_det"
     assert spec(dropout=True).block_m == 64 and spec(block_sparse=True).block_m == 64
     assert spec(effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16_q80_lsebias"  # (head dims 65-96 too)
     assert spec(effective_head_dim=96, dropout=True).block_m == 64
     monkeypatch.setenv("FLASHTRAIN_BWD_SM90_Q80", "0")
-    assert spec().name == "flash_bwd_sm90_hdim128_bf16" and spec().block_m == 64
+    assert spec().name == "flash_bwd_sm90_hdim128_bf16_lsebias" and spec().block_m == 64
     assert spec(effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16_lsebias"
 
 

@@ -839,16 +839,15 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
                           head_dim_eff or head_dim, lse_bias=_bwd_lse_bias_rule(head_dim, head_dim_eff, plain, tiles))
 
 
-# The narrowed Hopper backward kernels (head dims 65-96) without dropout accumulate S^T onto each query's lse term
-# (flash_bwd_sm90.cuh kBiasS; the preprocess writes lse in raw score units for them, AuxParams.lse_bias):
-# P^T = exp2(S^T scale), the lse loads ahead of the GEMM. H200, 2026-12-01, interleaved CUDA-graph A/B, backward,
-# biased / FFMA form: hd80 / hd96 causal 4K 1.029 / 1.032, hd80 non-causal 4K 1.041, hd96 causal 16K 1.044, hd96 GQA
-# 32/8 8K 1.038, hd80 causal 1K 1.014; forward + backward, causal 4K 1.021 / 1.024 (kernel_ab-h200.json). The hd64
-# and hd128 80-query kernels measured 0.77-0.96 with it and keep the FFMA (hd128 80-query: ptxas serializes the wgmmas
-# for lack of registers, C7512); the dropout kernels keep it too (not measured). BWD_SM90_LSE_BIAS = 2 adds the hd128
-# 64-query kernels without dropout, block mask or determinism (causal below 16K queries; no C7512 there): causal 2K /
-# 4K / 8K 1.015 / 1.019 / 1.022, GQA 32/8 8K 1.020, 1K 1.007 against 1 (kernel_ab-h200.json); not the default until a
-# grid record is taken with it.
+# The Hopper backward kernels that accumulate S^T onto each query's lse term (flash_bwd_sm90.cuh kBiasS; the
+# preprocess writes lse in raw score units for them, AuxParams.lse_bias): P^T = exp2(S^T scale), the lse loads ahead of
+# the GEMM. The narrowed kernels (head dims 65-96) and the hd128 64-query ones, without dropout, a block mask or
+# determinism. H200, 2026-12-01, interleaved CUDA-graph A/B, backward, biased / FFMA form: hd80 / hd96 causal 4K
+# 1.029 / 1.032, hd80 non-causal 4K 1.041, hd96 causal 16K 1.044, hd96 GQA 32/8 8K 1.038, hd80 causal 1K 1.014;
+# forward + backward, causal 4K 1.021 / 1.024; hd128 64-query causal 2K / 4K / 8K 1.015 / 1.019 / 1.022, GQA 32/8 8K
+# 1.020, 1K 1.007 (kernel_ab-h200.json). The hd64 and hd128 80-query kernels measured 0.77-0.96 with it and keep the
+# FFMA (hd128 80-query: ptxas serializes the wgmmas for lack of registers, C7512, even with the accumulator started at
+# zero); the dropout kernels keep it too (not measured).
 # BWD_SM90_LSE_BIAS = 0 (FLASHTRAIN_BWD_SM90_LSE_BIAS=0 at import, or ab_probe.py flashtrain@build.BWD_SM90_LSE_BIAS=0;
 # read at plan time): none.
 BWD_SM90_LSE_BIAS = int(os.environ.get("FLASHTRAIN_BWD_SM90_LSE_BIAS", "1"))
@@ -864,9 +863,7 @@ def _bwd_lse_bias_rule(head_dim: int, head_dim_eff: int | None, plain: bool, til
     head_dim for all columns; plain: no dropout, block mask or determinism)."""
     if not BWD_SM90_LSE_BIAS or not plain:
         return False
-    if head_dim_eff not in (None, head_dim):  # the narrowed kernels
-        return True
-    return BWD_SM90_LSE_BIAS == 2 and head_dim == 128 and tiles.block_m == 64
+    return head_dim_eff not in (None, head_dim) or (head_dim == 128 and tiles.block_m == 64)
 
 
 # The 80-query backward's dQ^T in fragment order (BwdSm90Tiles.dq_frag) where it measured faster: non-causal, and
