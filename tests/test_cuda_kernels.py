@@ -205,7 +205,8 @@ def test_negative_softmax_scale_matches_reference(causal, head_dim):
 def test_tiny_softmax_scale_matches_reference(head_dim, softmax_scale):
     """Scales down to 0 are softmax(q k^T * scale) too (0: a uniform average, zero dq and dk). The Hopper backward of
     head dims 65-128 (hd128: its 64-query kernels, which the causal call takes) holds each row's lse in raw score
-    units, -lse / scale (build.BWD_SM90_LSE_BIAS), which a scale below 2^-64 would overflow: the call folds such a scale into q. Forward and gradients, causal, GQA."""
+    units, -lse / scale (build.BWD_SM90_LSE_BIAS), which a scale below 2^-64 would overflow: the call folds such a
+    scale into q. Forward and gradients, causal, GQA."""
     q, k, v, dout = _inputs((2, 200, 4, head_dim), (2, 200, 2, head_dim), torch.bfloat16, scale=3.0, seed=12)
     _check_against_reference(q, k, v, dout, causal=True, softmax_scale=softmax_scale)
 
