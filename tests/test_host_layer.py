@@ -23,6 +23,7 @@ from flashtrain.kernels import build
 pytest.importorskip("cuda.bindings.driver", reason="the plan builders' parameter structs live in launch.py")
 
 
+@pytest.mark.slow  # (a compile of the whole host layer: ~30 s on 2 cores)
 def test_host_source_compiles(tmp_path):
     if build.cxx_path() is None:
         pytest.skip("no C++ compiler (g++ or $CXX)")

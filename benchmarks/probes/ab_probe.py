@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashtrain.kernels import build, flash_attn_func, launch, ops, tma
+from flashtrain.kernels import build, flash_attn_func, ops, tma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fa4_baseline  # noqa: E402
@@ -51,6 +51,16 @@ TILE_TABLES = (build.FWD_SM90_TILES, build.FWD_SM90_TILES_NONCAUSAL, build.FWD_S
                build.FWD_SM90_TILES_LONG_KEYS, build.BWD_SM90_TILES)
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
 GRID = [f"{hd}:{s}:{m}" for hd in (64, 128) for s in (512, 1024, 2048, 4096, 8192, 16384) for m in ("full", "causal")]
+
+
+def loaded_kernels() -> tuple[dict, dict]:
+    """The launcher's caches of loaded kernels and modules (flashtrain.kernels.launch), which a variant clears and
+    restores; two empty dicts where cuda-python is missing (launch cannot be imported, so nothing was loaded)."""
+    try:
+        from flashtrain.kernels import launch
+    except ImportError:
+        return {}, {}
+    return launch._kernels, launch._modules
 
 
 def drop_plans() -> None:
@@ -65,12 +75,12 @@ def kernel_variant(name: str):
     """Kernels compiled with the macros after '+' in `name` (none: the default build)."""
     defines = ",".join(name.split("+")[1:])
     saved_env = os.environ.get("FLASHTRAIN_EXTRA_DEFINES")
-    saved_kernels = dict(launch._kernels)
-    saved_modules = dict(launch._modules)
+    kernels, modules = loaded_kernels()
+    saved_kernels, saved_modules = dict(kernels), dict(modules)
 
     def reset():
-        launch._kernels.clear()
-        launch._modules.clear()
+        kernels.clear()
+        modules.clear()
         drop_plans()
 
     if defines:
@@ -85,8 +95,8 @@ def kernel_variant(name: str):
             else:
                 os.environ["FLASHTRAIN_EXTRA_DEFINES"] = saved_env
             reset()
-            launch._kernels.update(saved_kernels)
-            launch._modules.update(saved_modules)
+            kernels.update(saved_kernels)
+            modules.update(saved_modules)
 
 
 @contextlib.contextmanager
@@ -111,15 +121,16 @@ def env_variant(name: str):
     # kernels of the same name reloaded
     tiles = "FLASHTRAIN_FWD_SM90_TILES" in items or "FLASHTRAIN_BWD_SM90_TILES" in items
     saved_tables = [dict(table) for table in TILE_TABLES]
-    saved_kernels, saved_modules = dict(launch._kernels), dict(launch._modules)
+    kernels, modules = loaded_kernels()
+    saved_kernels, saved_modules = dict(kernels), dict(modules)
     os.environ.update(items)
     for (module, attr), value in attrs.items():
         setattr(MODULES[module], attr, value)
     if tiles:
         build._tile_overrides()
         build._bwd_tile_overrides()
-        launch._kernels.clear()
-        launch._modules.clear()
+        kernels.clear()
+        modules.clear()
     drop_plans()
     try:
         yield
@@ -128,10 +139,10 @@ def env_variant(name: str):
             for table, saved_table in zip(TILE_TABLES, saved_tables):
                 table.clear()
                 table.update(saved_table)
-            launch._kernels.clear()
-            launch._modules.clear()
-            launch._kernels.update(saved_kernels)
-            launch._modules.update(saved_modules)
+            kernels.clear()
+            modules.clear()
+            kernels.update(saved_kernels)
+            modules.update(saved_modules)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
