@@ -845,7 +845,7 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
 # determinism. H200, 2026-12-01, interleaved CUDA-graph A/B, backward, biased / FFMA form: hd80 / hd96 causal 4K
 # 1.029 / 1.032, hd80 non-causal 4K 1.041, hd96 causal 16K 1.044, hd96 GQA 32/8 8K 1.038, hd80 causal 1K 1.014;
 # forward + backward, causal 4K 1.021 / 1.024; hd128 64-query causal 2K / 4K / 8K 1.015 / 1.019 / 1.022, GQA 32/8 8K
-# 1.020, 1K 1.007 (kernel_ab-h200.json). The hd64 and hd128 80-query kernels measured 0.77-0.96 with it and keep the
+# 1.020, 1K 1.007 (08:41 UTC; as the default at 09:45 UTC: 8K 1.022, GQA 1.021, 1K 1.008; kernel_ab-h200.json). The hd64 and hd128 80-query kernels measured 0.77-0.96 with it and keep the
 # FFMA (hd128 80-query: ptxas serializes the wgmmas for lack of registers, C7512, even with the accumulator started at
 # zero); the dropout kernels keep it too (not measured).
 # BWD_SM90_LSE_BIAS = 0 (FLASHTRAIN_BWD_SM90_LSE_BIAS=0 at import, or ab_probe.py flashtrain@build.BWD_SM90_LSE_BIAS=0;
