@@ -37,6 +37,7 @@ def test_sustained_rounds_alternate_and_average(ab_probe, monkeypatch):
     assert measured == {"a": pytest.approx({"tflops": 1500.0}), "b": pytest.approx({"tflops": 4000.0})}
 
 
+@pytest.mark.slow  # (a python process each, importing torch)
 @pytest.mark.parametrize("args", [["--sustained", "-1"], ["--sustained", "1", "--rounds", "0"]])
 def test_sustained_arguments_are_checked(args):
     result = subprocess.run([sys.executable, str(PROBES / "ab_probe.py"), *args], capture_output=True, text=True,
@@ -86,6 +87,7 @@ def test_steady_state_without_samples_is_an_error(ab_probe):
         gpu_clocks.steady_state([])
 
 
+@pytest.mark.slow  # (a python process, importing torch)
 def test_clocks_need_sustained():
     result = subprocess.run([sys.executable, str(PROBES / "ab_probe.py"), "--clocks"], capture_output=True, text=True,
                             timeout=120, cwd=PROBES.parents[1],

@@ -57,6 +57,7 @@ def test_smallest_configuration_on_the_cpu(zoo, tmp_path):
     assert any("fastest sparse/approximate" in line for line in result["summary"])
 
 
+@pytest.mark.slow  # (two zoo runs and their merge, ~7 s on 2 cores)
 def test_split_runs_merge_into_one_result(zoo, tmp_path):
     """Two runs split by --settings / --methods (as a machine's time limit needs) merge into the result one run of both
     would give: every cell once, in setting / method / N order; --partial keeps the cells of a run as it goes."""

@@ -55,6 +55,7 @@ def composed(model: str, data: str):
     return cfg
 
 
+@pytest.mark.slow  # (~11 s of Hydra compositions on 2 cores)
 def test_pairs_compose_as_hydra_does():
     n = max(len(MODELS), len(DATA))
     pairs = {(MODELS[i % len(MODELS)], DATA[i % len(DATA)]) for i in range(n)}  # every file once at least

@@ -142,9 +142,11 @@ def test_fsdp_two_processes_equal_one_and_resume_2_to_1_to_2(reference, cache_di
     assert_continues(reference, tmp_path / "c", [5, 6], [6])
 
     # the sharded weights gathered without a process group: the single-process run's, up to float summation order
+    # (AdamW divides each gradient by its own running scale, so where a gradient is near zero the order's rounding
+    # moves that weight's update most: up to 1.6e-5 after six steps on one CPU, 1e-5 on another)
     final = model_state(tmp_path / "c" / "checkpoints" / "step_00000006")
     for name, tensor in model_state(reference.checkpoint).items():
-        torch.testing.assert_close(final[name], tensor, rtol=0, atol=1e-5)
+        torch.testing.assert_close(final[name], tensor, rtol=0, atol=5e-5)
     # an FSDP checkpoint resumes under FSDP only, and says so
     with pytest.raises(ValueError, match="was saved by FSDP, sharded state dict, this run is one process or DDP"):
         train(compose_config([*overrides, f"resume={tmp_path / 'c'}", "trainer.max_steps=7"]), tmp_path / "d")

@@ -64,7 +64,8 @@ def _worker(rank, port):
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2,))
     try:
-        # clipping: the norm every process returns, and each gradient shard, bit for bit torch's
+        # clipping: the norm every process returns, and each gradient shard, torch's up to float rounding (the two
+        # sum the squares in different orders; bit for bit on some CPUs, within 2 ulp on others)
         for max_norm in (0.05, 1.0, float("inf")):
             model, twin = _models(mesh)
             _backward(rank, 0, model, twin)
@@ -72,9 +73,10 @@ def _worker(rank, port):
             accelerator = StubAccelerator()
             norm = clip_grad_norm_(accelerator, model.parameters(), max_norm)
             assert (accelerator.unscaled, accelerator.fallbacks) == (1, 0)
-            assert not isinstance(norm, DTensor) and torch.equal(norm, expected.full_tensor()), (norm, expected)
+            assert not isinstance(norm, DTensor)
+            torch.testing.assert_close(norm, expected.full_tensor(), rtol=3e-7, atol=0)
             for a, b in zip(model.parameters(), twin.parameters()):
-                assert torch.equal(a.grad.to_local(), b.grad.to_local()), max_norm
+                torch.testing.assert_close(a.grad.to_local(), b.grad.to_local(), rtol=3e-7, atol=0, msg=str(max_norm))
         # an infinite gradient on one process: the norm is infinite on both
         model, _ = _models(mesh)
         _backward(rank, 0, model)
