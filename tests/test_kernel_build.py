@@ -245,6 +245,14 @@ def test_kernel_scale():
     for scale in (1e-30, -1e-30, -2.0 ** -70, 5e-324):
         q_factor, kernel = ops.kernel_scale(scale)
         assert kernel == 2.0 ** -64 and q_factor * kernel == pytest.approx(scale, rel=1e-12, abs=0)
+    # ops.kernel_query: the query the kernels take (q itself at factor 1, else the product) with the same factors
+    import torch
+
+    q = torch.randn(2, 3, 4)
+    same, factor, kernel = ops.kernel_query(q, 0.125)
+    assert same is q and (factor, kernel) == (1.0, 0.125)
+    negated, factor, kernel = ops.kernel_query(q, -0.4)
+    assert torch.equal(negated, -q) and (factor, kernel) == (-1.0, 0.4)
 
 
 def test_lse_bias_kernels(monkeypatch):

@@ -138,6 +138,13 @@ def kernel_scale(softmax_scale: float) -> tuple[float, float]:
     return q_factor, scale
 
 
+def kernel_query(q: Tensor, softmax_scale: float) -> tuple[Tensor, float, float]:
+    """(q * q_factor, q_factor, scale) of kernel_scale: the query and scale the kernels take (q itself where q_factor
+    is 1); a caller that runs the raw backward multiplies its dq by q_factor."""
+    q_factor, scale = kernel_scale(softmax_scale)
+    return (q if q_factor == 1.0 else q * q_factor), q_factor, scale
+
+
 def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
                     generator: torch.Generator | None, deterministic: bool = False,
@@ -184,9 +191,7 @@ def flash_attn_cuda(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | N
                              f"{block_mask.dtype} {tuple(block_mask.shape)}")
         bs_rows, bs_cols = block_sparse_lists(block_mask)
     rng_state = _draw_rng_state(q.device, generator) if dropout_p > 0 else None
-    q_factor, softmax_scale = kernel_scale(softmax_scale)
-    if q_factor != 1.0:  # (autograd carries dq back through the product)
-        q = q * q_factor
+    q, _, softmax_scale = kernel_query(q, softmax_scale)  # (autograd carries dq back through the product)
     if not _host_loaded:
         load_host()
     # the op (flash_host.cpp): its autograd node and launches are C++; torch.compile traces it as one graph node

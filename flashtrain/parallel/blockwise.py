@@ -252,9 +252,7 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, call: BlockCall, softmax_scal
     from flashtrain.kernels import ops  # imported here: CPU runs never load the kernel side
 
     cu_seqlens_q, cu_seqlens_k = call.offsets(q.device)
-    q_factor, softmax_scale = ops.kernel_scale(softmax_scale)  # (a positive scale of at least 2^-64, as the kernels take)
-    if q_factor != 1.0:
-        q = q * q_factor
+    q, _, softmax_scale = ops.kernel_query(q, softmax_scale)  # (a positive scale of at least 2^-64, as the kernels take)
     return ops.flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, 0.0,
                               softmax_scale, call.causal, None, deterministic)
 
@@ -271,9 +269,7 @@ def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     from flashtrain.kernels import ops
 
     cu_seqlens_q, cu_seqlens_k = call.offsets(q.device)
-    q_factor, softmax_scale = ops.kernel_scale(softmax_scale)  # (as block_forward)
-    if q_factor != 1.0:
-        q = q * q_factor
+    q, q_factor, softmax_scale = ops.kernel_query(q, softmax_scale)  # (as block_forward)
     dq, dk, dv = ops.flash_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, call.max_seqlen_q,
                                     call.max_seqlen_k, 0.0, softmax_scale, call.causal, None, deterministic,
                                     dlse=dlse)  # (the op lays dlse out like lse)
