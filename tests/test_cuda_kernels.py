@@ -124,8 +124,9 @@ def test_long_keys_tiles_match_reference(causal, head_dim):
     last key block, seqlen_q = seqlen_k and a short query block against the long keys (causal: aligned to the end),
     forward and gradients by FlashAttention-2's rule. Head dims 96 / 80: the same tiles with 96 / 80 columns of MMA
     work, and the backward's query blocks narrowed likewise. Head dim 128 causal also from
-    build.BWD_SM90_Q80_CAUSAL_SEQLEN queries, where its backward takes 80-query blocks (dQ in plain rows)."""
-    from flashtrain.kernels import build
+    build.BWD_SM90_Q80_CAUSAL_SEQLEN queries, where its backward takes 80-query blocks (dq_accum in fragment order, and
+    in plain rows with build.BWD_DQ_FRAG = 0)."""
+    from flashtrain.kernels import build, ops
 
     long = build.LONG_KEYS_SEQLEN + 77  # (not a multiple of 192)
     assert build.fwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, seqlen_q=long, seqlen_k=long,
@@ -134,12 +135,19 @@ def test_long_keys_tiles_match_reference(causal, head_dim):
     _check_against_reference(q, k, v, dout, causal=causal)
     q, k, v, dout = _inputs((2, 333, 2, head_dim), (2, long, 2, head_dim), torch.bfloat16, seed=6)
     _check_against_reference(q, k, v, dout, causal=causal)
-    if head_dim == 128 and causal:
+    if head_dim == 128 and causal:  # the causal 80-query kernel, dq_accum in fragment order and in plain rows
         n = build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40
-        assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH,
-                                seqlen_q=n).name == "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows"
         q, k, v, dout = _inputs((1, n, 1, 128), (1, n, 1, 128), torch.bfloat16, seed=7)
-        _check_against_reference(q, k, v, dout, causal=True)
+        for frag, name in ((1, "flash_bwd_sm90_hdim128_bf16_causal_q80"),
+                           (0, "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows")):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(build, "BWD_DQ_FRAG", frag)
+                ops._bwd_plans.clear()  # (the launch plans hold the kernel they were built with)
+                ops.clear_host_plans()
+                assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, seqlen_q=n).name == name
+                _check_against_reference(q, k, v, dout, causal=True)
+        ops._bwd_plans.clear()
+        ops.clear_host_plans()
 
 
 def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):

@@ -243,11 +243,11 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case):
     assert [_canonical(bytes(record.numpy())) for record in cpp] == [_canonical(record) for record in records]
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_hopper_backward_plan_dq_layout_and_programmatic_launches(recording, causal, monkeypatch):
+@pytest.mark.parametrize("causal, frag", [(False, 1), (True, 1), (True, 0)])
+def test_hopper_backward_plan_dq_layout_and_programmatic_launches(recording, causal, frag, monkeypatch):
     """The Hopper hd128 backward at 4160 queries (80-query blocks): the main kernel and the dq conversion are programmatic
-    dependent launches (FLASHTRAIN_PDL=0: plain launches); non-causal, dq_accum in fragment order, converted by one CTA
-    per 80-row block without the plain-row tensor map; causal, plain rows (tma_dq, 32-row conversion CTAs)."""
+    dependent launches (FLASHTRAIN_PDL=0: plain launches); dq_accum in fragment order, converted by one CTA per 80-row
+    block without the plain-row tensor map; with build.BWD_DQ_FRAG = 0, plain rows (tma_dq, 32-row conversion CTAs)."""
     from flashtrain.kernels import launch, ops
 
     arch, _ = recording
@@ -255,6 +255,7 @@ def test_hopper_backward_plan_dq_layout_and_programmatic_launches(recording, cau
         pytest.skip("the Hopper backward")
     b, s, h, d = 2, 4160, 4, 128  # (52 blocks of 80 rows, 130 conversion CTAs of 32)
     monkeypatch.setattr(build, "BWD_SM90_Q80_CAUSAL_SEQLEN", 4096)  # (causal: 80-query blocks from 4K here)
+    monkeypatch.setattr(build, "BWD_DQ_FRAG", frag)
     q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
     lse = torch.zeros(b, h, s)
 
@@ -265,7 +266,7 @@ def test_hopper_backward_plan_dq_layout_and_programmatic_launches(recording, cau
     assert (preprocess.pdl, main.pdl, convert.pdl) == (False, True, True)
     assert main.kernel.threads == 384
     tma_dq = ops._offset(launch.BwdSm90Params, "tma_dq")
-    if causal:
+    if not frag:
         assert convert.params.dq_frag == 0 and convert.grid == (130, b, h)
         assert tma_dq in [offset for offset, _, _ in main.tensor_maps]
     else:

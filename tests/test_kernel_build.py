@@ -51,7 +51,7 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_narrow = len(build.SM90_NARROW_HEAD_DIMS) * (2 * 2 * 2 + 2 * 2 + (2 + 1 + 2 + 2) * 2)
     hopper_q80 = 2 * 2  # the hd128 backward's other query block (64 rows, or 80 with FLASHTRAIN_BWD_SM90_Q80=0), x dtype
     # x causal
-    hopper_q80 += 2  # the hd128 causal backward of long calls (80-query blocks, plain-row dQ^T), x dtype
+    hopper_q80 += 2  # the hd128 causal 80-query backward with plain-row dQ^T (A/B: BWD_DQ_FRAG=0), x dtype
     hopper_q80 += 2 * 2  # the hd192 backward's other key tile (64 keys, or 96 with BWD_SM90_HD192_N96=0), x dtype x causal
     # the forward and (head dims 64 / 128) the backward with score modifications, x dtype x causal, each without
     # softcap (`_nocap`, the calls without one) and with it (the backward where it has that variant: head dim 128)
@@ -455,7 +455,8 @@ def test_hd128_backward_query_blocks(monkeypatch):
     """The Hopper hd128 backward without dropout runs 80-query blocks (dQ^T): non-causal always, causal from
     BWD_SM90_Q80_CAUSAL_SEQLEN query tokens, head dims 65-96 (narrowed to 80 / 96 columns) too but 65-80 causal;
     deterministic, dropout and block-sparse keep 64; FLASHTRAIN_BWD_SM90_Q80=0 turns it off. dq_accum in the accumulator's fragment order
-    except at hd128 causal (plain rows, `_dqrows`); BWD_DQ_FRAG 0 / 2: plain rows / fragment order everywhere."""
+    (the hd128 causal score-modification kernels: plain rows, `_dqrows`); BWD_DQ_FRAG 0 / 2: plain rows / fragment
+    order everywhere."""
     monkeypatch.delenv("FLASHTRAIN_BWD_SM90_Q80", raising=False)
 
     def spec(causal=False, seqlen_q=None, **kwargs):
@@ -470,8 +471,11 @@ def test_hd128_backward_query_blocks(monkeypatch):
     # barriers, alignment: under the 227 KB a Hopper block may opt in to
     assert q80.smem_bytes == 81920 + 65536 + 40960 + 40960 + 1536 + 256 + 1024 == 232192 <= SM90_MAX_SMEM
     causal80 = spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN)
-    assert causal80.name == "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows" and not causal80.tiles.dq_frag
-    assert ("FT_BWD_DQ_FRAG", 0) in causal80.defines and causal80.smem_bytes == q80.smem_bytes
+    assert causal80.name == "flash_bwd_sm90_hdim128_bf16_causal_q80" and causal80.tiles.dq_frag
+    assert ("FT_BWD_DQ_FRAG", 0) not in causal80.defines and causal80.smem_bytes == q80.smem_bytes
+    mods80 = build.bwd_sm90_mods_kernel(128, "bf16", True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN)  # (no softcap)
+    assert mods80.name == "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows_mods_nocap" and not mods80.tiles.dq_frag
+    assert ("FT_BWD_DQ_FRAG", 0) in mods80.defines
     # head dims 65-80 causal: 64-query blocks at every length (warpgroup 0's m64n80 dQ); non-causal and hd96: 80
     assert spec(causal=True, seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_causal_lsebias"
     # ... from BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN (4K) queries there, hd128 from BWD_SM90_Q80_CAUSAL_SEQLEN (16K)
@@ -488,8 +492,10 @@ def test_hd128_backward_query_blocks(monkeypatch):
     monkeypatch.setattr(build, "BWD_SM90_HD80_CAUSAL_Q64", 1)
     monkeypatch.setattr(build, "BWD_DQ_FRAG", 2)
     assert spec(causal=True, seqlen_q=long).name == "flash_bwd_sm90_hdim128_bf16_causal_q80"
+    assert build.bwd_sm90_mods_kernel(128, "bf16", True, seqlen_q=long).tiles.dq_frag
     monkeypatch.setattr(build, "BWD_DQ_FRAG", 0)
     assert spec().name == "flash_bwd_sm90_hdim128_bf16_q80_dqrows"
+    assert spec(causal=True, seqlen_q=long).name == "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows"
     monkeypatch.setattr(build, "BWD_DQ_FRAG", 1)
     assert (spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN - 1).name
             == "flash_bwd_sm90_hdim128_bf16_causal_lsebias")

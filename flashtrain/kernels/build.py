@@ -252,7 +252,7 @@ class BwdSm90Tiles:
     persistent: bool = True  # one CTA per SM taking (key block, batch, kv head) tiles; False: one CTA per tile
     # 80-query blocks: each block's dQ^T staged and added to dq_accum in the MMA accumulator's order, converted by
     # flash_aux.cuh bwd_convert_dq_frag (BwdSm90Traits::kDqFrag); False: plain rows by tensor reduce-adds (the hd128
-    # causal kernels, _dq_frag_choice)
+    # causal score-modification kernels, _dq_frag_choice)
     dq_frag: bool = True
 
     def dq_slice_width(self, head_dim: int) -> int:  # dQ is computed in 64 x 64 pieces (80-query blocks: dQ^T,
@@ -834,7 +834,7 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
     if head_dim == 192 and tiles.split_keys and not BWD_SM90_HD192_N96:
         tiles = BWD_SM90_HD192_N64
     if head_dim == 128 and plain and _bwd_q80(causal, seqlen_q, head_dim_eff):
-        tiles = _dq_frag_choice(BWD_SM90_DENSE128_TILES, causal, head_dim_eff or head_dim)
+        tiles = _dq_frag_choice(BWD_SM90_DENSE128_TILES, causal, head_dim_eff or head_dim, False)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
                           head_dim_eff or head_dim, lse_bias=_bwd_lse_bias_rule(head_dim, head_dim_eff, plain, tiles))
 
@@ -866,12 +866,14 @@ def _bwd_lse_bias_rule(head_dim: int, head_dim_eff: int | None, plain: bool, til
     return head_dim_eff not in (None, head_dim) or (head_dim == 128 and tiles.block_m == 64)
 
 
-# The 80-query backward's dQ^T in fragment order (BwdSm90Tiles.dq_frag) where it measured faster: non-causal, and
-# head dims 65-96 (narrowed) causal or not. H200, interleaved CUDA-graph replays (ab_probe.py --pass bwd), fragment
-# order / plain rows, two runs in either order: hd128 full 4K 1.005-1.009, 16K 1.007-1.014; hd80 causal 4K 1.043, hd96
-# 1.031; hd128 causal 8K 0.973-0.975 and GQA 32/8 8K 0.973, which keep the plain rows. BWD_DQ_FRAG = 0 (or
-# FLASHTRAIN_BWD_DQ_FRAG=0 at import): plain rows everywhere; 2: fragment order everywhere (A/B:
-# ab_probe.py flashtrain@build.BWD_DQ_FRAG=0).
+# The 80-query backward's dQ^T in fragment order (BwdSm90Tiles.dq_frag) where it measured faster: every kernel
+# without score modifications (non-causal; causal, which runs them from BWD_SM90_Q80_CAUSAL_SEQLEN; head dims 65-96).
+# H200, interleaved CUDA-graph replays (ab_probe.py --pass bwd), fragment order / plain rows: hd128 full 4K
+# 1.005-1.009, 16K 1.007-1.014; hd80 causal 4K 1.043, hd96 1.031 (2026-11-29, two runs in either order); hd128 causal
+# 16K 1.017 at batch 1, 1.016 at batch 2 (2026-12-01, noise 1.000). (At causal 8K, when the 80-query kernel still
+# ran it: 0.973-0.975, GQA 32/8 0.973.) The score-modification kernels at head dim 128 causal keep the plain rows
+# (not measured with fragment order). BWD_DQ_FRAG = 0 (or FLASHTRAIN_BWD_DQ_FRAG=0 at import): plain rows
+# everywhere; 2: fragment order everywhere (A/B: ab_probe.py flashtrain@build.BWD_DQ_FRAG=0).
 BWD_DQ_FRAG = int(os.environ.get("FLASHTRAIN_BWD_DQ_FRAG", "1"))
 
 
@@ -887,8 +889,8 @@ def _bwd_lean_addr(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
     return plain and (tiles.swap_dq or (head_dim == 64 and not causal))
 
 
-def _dq_frag_choice(tiles: BwdSm90Tiles, causal: bool, head_dim_eff: int) -> BwdSm90Tiles:
-    frag = BWD_DQ_FRAG == 2 or (BWD_DQ_FRAG == 1 and not (causal and head_dim_eff == 128))
+def _dq_frag_choice(tiles: BwdSm90Tiles, causal: bool, head_dim_eff: int, score_mods: bool) -> BwdSm90Tiles:
+    frag = BWD_DQ_FRAG == 2 or (BWD_DQ_FRAG == 1 and not (score_mods and causal and head_dim_eff == 128))
     return tiles if not tiles.swap_dq or frag == tiles.dq_frag else dataclasses.replace(tiles, dq_frag=frag)
 
 
@@ -912,7 +914,7 @@ def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: 
     if (head_dim == 128 and mods in (2, 3) and causal and not mask_defines and not sliding
             and _bwd_q80(causal, seqlen_q, causal_seqlen=BWD_SM90_MODS_Q80_CAUSAL_SEQLEN)):
         tiles = BWD_SM90_DENSE128_TILES
-    tiles = _dq_frag_choice(tiles, causal, head_dim)
+    tiles = _dq_frag_choice(tiles, causal, head_dim, True)
     return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim, mods, tuple(mask_defines))
 
 
@@ -1059,8 +1061,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
     specs += [spec for dtype in DTYPES  # non-causal hd128 from FWD_SM90_CLUSTER_SEQLEN keys: 2-CTA clusters
               if _fits(spec := _fwd_sm90_spec(128, dtype, False, False, False, dataclasses.replace(
                   fwd_sm90_tiles(128, False, False, False, 0, FWD_SM90_CLUSTER_SEQLEN), cluster=2)), smem_limit)]
-    specs += [spec for dtype in DTYPES  # the hd128 causal backward of long calls (80-query blocks, plain-row dQ^T)
-              if _fits(spec := bwd_sm90_kernel(128, dtype, True, seqlen_q=1 << 20), smem_limit)]
+    specs += [spec for dtype in DTYPES  # the hd128 causal 80-query backward with plain-row dQ^T (A/B: BWD_DQ_FRAG=0)
+              if _fits(spec := _bwd_sm90_spec(128, dtype, True, False, False, False, dataclasses.replace(
+                  BWD_SM90_DENSE128_TILES, dq_frag=False), 128), smem_limit)]
     specs += [spec for dtype in DTYPES  # the hd128 backward's other query block (A/B: FLASHTRAIN_BWD_SM90_Q80)
               for causal in (False, True) for tiles in (BWD_SM90_TILES[128], BWD_SM90_DENSE128_TILES)
               for head_dim_eff in (128, *SM90_NARROW_HEAD_DIMS)
