@@ -22,6 +22,7 @@ seqlen 1K ... 64K.
 
     python benchmarks/attention.py                      # full run: table, benchmarks/results/attention-<gpu>.json/.png
     python benchmarks/attention.py --quick              # 2 seqlens, few repeats
+    python benchmarks/attention.py --seqlens 512 1024   # the grid's rows at these lengths only
     python benchmarks/attention.py --block-sparse --out DIR   # block-sparse scaling: DIR/block_sparse.json/.png
     python benchmarks/attention.py --workloads          # workloads table: results/attention_workloads-<gpu>.json/.png
     python benchmarks/attention.py --all                # the grid (+ memory, + sustained hd128 rows), then workloads
@@ -776,11 +777,11 @@ def selftest() -> None:
 
 def run_grid(args, env: dict, out: Path) -> str:
     """The 24-configuration grid (+ memory sweep): JSON and PNG at out; returns its markdown table."""
-    seqlens = [1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    seqlens = args.seqlens or ([1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384])
     print(GRID_HEADER)
     rows = speed(seqlens, 5 if args.quick else args.repeats, 1 if args.quick else args.rounds,
                  interleave=args.timing == "interleaved")
-    mem = [] if args.quick else memory([1024, 2048, 4096, 8192, 16384, 32768, 65536])
+    mem = [] if args.quick or args.seqlens else memory([1024, 2048, 4096, 8192, 16384, 32768, 65536])
     steady = (sustained([S for S in seqlens if S >= 4096], args.sustained, args.sustained_rounds)
               if args.sustained > 0 else [])
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -810,6 +811,9 @@ def run_workloads(args, env: dict, out: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="seqlens 1K and 4K, 5 repeats, 1 round, no memory sweep")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=None,
+                        help="the grid at these sequence lengths only (batch x seqlen = 16K tokens), no memory sweep "
+                             "(a check of some rows, not a record of the grid)")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timing", choices=("interleaved", "windows"), default="interleaved",
@@ -836,6 +840,8 @@ def main() -> None:
         args.sustained = 5.0 if args.all or args.sustained_only else 0.0
     if args.sustained < 0 or args.sustained_rounds < 1:
         parser.error("--sustained must be >= 0 and --sustained-rounds >= 1")
+    if args.seqlens and any(s < 1 or TOKENS % s for s in args.seqlens):
+        parser.error(f"--seqlens: each must divide the grid's {TOKENS} tokens per batch (got {args.seqlens})")
     if args.selftest:
         selftest()
         return

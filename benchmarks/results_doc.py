@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "results.md"
 MAX_COLUMNS = 12
-MAX_ROWS = 6
+MAX_ROWS = 5
 MAX_TEXT = 100
 TABLE_KEYS = ("table", "rows", "runs", "summary", "speed", "host", "calls")  # in order of preference
 

@@ -686,6 +686,22 @@ def test_causal_tile_groups(n_blocks, n_units, waves, expected, monkeypatch):
         assert group * n_blocks >= waves * 132 > (group - 1) * n_blocks
 
 
+def test_short_hd128_causal_tile_groups_fill_one_wave():
+    """Head-dim-128 causal calls on 128-row blocks take groups of one wave (ops.CAUSAL_GROUP_WAVES_SHORT) up to
+    CAUSAL_GROUP_SHORT_BLOCKS blocks (1K tokens), two above; head dims 65-96 on the hd128 tiles, hd64 and other block
+    sizes keep two."""
+    from flashtrain.kernels import ops
+
+    assert ops.CAUSAL_GROUP_WAVES_SHORT == 1.0 and ops.CAUSAL_GROUP_WAVES == 2.0 and ops.CAUSAL_GROUP_SHORT_BLOCKS == 8
+    assert ops._causal_tile_group(4, 512, 132, short_hd128=True) == 33  # 512 tokens: 33 units x 4 blocks = 132 tiles
+    assert ops._causal_tile_group(4, 512, 132) == 66
+    assert ops._causal_tile_group(8, 256, 132, short_hd128=True) == 17  # 1K
+    assert ops._causal_tile_group(16, 128, 132, short_hd128=True) == ops._causal_tile_group(16, 128, 132) == 17  # 2K
+    assert ops._short_group_hd128(128, 128, 128) and ops._short_group_hd128(128, 120, 128)
+    assert not ops._short_group_hd128(128, 96, 128) and not ops._short_group_hd128(128, 80, 128)  # (narrowed)
+    assert not ops._short_group_hd128(64, 64, 128) and not ops._short_group_hd128(128, 128, 192)
+
+
 def test_all_kernels_lists_what_calls_dispatch_to():
     """Every Hopper backward that a dense call at head dim 128 (causal or not, short or long, with or without a
     window) dispatches to is in all_kernels (which CI compiles and `python -m flashtrain.kernels.build` prebuilds)."""

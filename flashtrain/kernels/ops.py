@@ -434,7 +434,8 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
             grid = (max(grid[0] // cluster, 1) * cluster, 1, 1)
     if spec.persistent and causal and (head_dim >= FWD_CAUSAL_GROUP_HEAD_DIM or spec.block_m > 128):  # (fwd_tile)
         params.causal_tile_group = _causal_tile_group(math.ceil(params.seqlen_q / spec.block_m),
-                                                      params.batch * params.nheads, launch.sm_count(q.device))
+                                                      params.batch * params.nheads, launch.sm_count(q.device),
+                                                      _short_group_hd128(head_dim, q.shape[-1], spec.block_m))
     kernel = launch.get_kernel(spec, spec.symbols[0], q.device)
     varlen, maps, prefix = cu_seqlens_q is not None, [], ""
     if spec.source == "flash_fwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, out, then the same parameters
@@ -594,7 +595,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     ("cu_seqlens_q", (_INPUT, 7, 0)), ("cu_seqlens_k", (_INPUT, 7, 0)))]))
     if hopper and causal and not deterministic:  # (else 0: key blocks fastest)
         params.fwd.causal_tile_group = _causal_tile_group(n_kblocks, batch * nheads_kv * params.kv_splits,
-                                                          launch.sm_count(q.device))
+                                                          launch.sm_count(q.device),
+                                                          _short_group_hd128(head_dim, q.shape[-1], tiles.block_n))
     elif hopper and deterministic:
         m_blocks = math.ceil(fwd.seqlen_q / tiles.block_m)
         params.fwd.causal_tile_group = _det_tile_group(
@@ -645,17 +647,35 @@ CAUSAL_GROUP_WAVES = 2.0
 FWD_CAUSAL_GROUP_HEAD_DIM = 128
 
 
-def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int) -> int:
+# ... but one wave for short head-dim-128 calls (at most CAUSAL_GROUP_SHORT_BLOCKS blocks of 128 rows per unit, 1K
+# tokens; not head dims 65-96 on the hd128 tiles): H200, 2026-12-01, interleaved CUDA-graph A/B (ab_probe.py), one wave
+# / two: hd128 causal 512 backward 1.034, forward 1.053; 1K 1.014 / 1.021; 2K 0.999 / 0.997 and 4K 0.994 / 0.994 (so
+# not there); hd64 512 / 1K 0.995-0.997 backward (not there either); four waves and longest first over all units:
+# 0.81-0.95 and 0.68-0.82 at 512 / 1K. A group of two waves of 512-token hd128 units holds about 50 MB of their
+# inputs (and the backward's dq_accum rows), the size of the L2; one wave, half that (kernel_ab-h200.json).
+CAUSAL_GROUP_WAVES_SHORT = 1.0
+CAUSAL_GROUP_SHORT_BLOCKS = 8
+
+
+def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int, short_hd128: bool = False) -> int:
     """Units per group of the Hopper causal kernels' tile order (forward: (batch, head) with n_blocks query blocks;
     backward: (batch, kv head, GQA split) with n_blocks key blocks): enough that a group's tiles, longest first, fill
-    the SMs CAUSAL_GROUP_WAVES times over, so that the launch ends on short tiles; no more, so that concurrent tiles
-    share K / V (backward: Q / dO and dQ rows) in L2. (The kernel's last group also takes the remainder of n_units.)
-    Earlier orders: backward, key blocks fastest (CAUSAL_GROUP_WAVES = 0); forward, longest first over all units
-    (CAUSAL_GROUP_WAVES = inf)."""
-    if not math.isfinite(CAUSAL_GROUP_WAVES):
+    the SMs CAUSAL_GROUP_WAVES times over (CAUSAL_GROUP_WAVES_SHORT where short_hd128, a head-dim-128 call on 128-row
+    blocks, has at most CAUSAL_GROUP_SHORT_BLOCKS of them), so that the launch ends on short tiles; no more, so that
+    concurrent tiles share K / V (backward: Q / dO and dQ rows) in L2. (The kernel's last group also takes the
+    remainder of n_units.) Earlier orders: backward, key blocks fastest (CAUSAL_GROUP_WAVES = 0); forward, longest
+    first over all units (CAUSAL_GROUP_WAVES = inf)."""
+    waves = CAUSAL_GROUP_WAVES_SHORT if short_hd128 and n_blocks <= CAUSAL_GROUP_SHORT_BLOCKS else CAUSAL_GROUP_WAVES
+    if not math.isfinite(waves):
         return n_units
     # (n_blocks 0: max_seqlen 0, a call without work; no_work keeps such calls from launching)
-    return max(1, min(n_units, math.ceil(CAUSAL_GROUP_WAVES * sm_count / max(1, n_blocks))))
+    return max(1, min(n_units, math.ceil(waves * sm_count / max(1, n_blocks))))
+
+
+def _short_group_hd128(head_dim: int, call_head_dim: int, block: int) -> bool:
+    """Whether a causal call's tile groups take CAUSAL_GROUP_WAVES_SHORT when short: head dim 128 (instantiated, and
+    not a head dim 65-96 narrowed on its tiles), blocks of 128 rows."""
+    return head_dim == 128 and build.sm90_narrow_width(128, call_head_dim) is None and block == 128
 
 
 # The Hopper deterministic backward's tile order: units per group (FwdParams.causal_tile_group; 0: key blocks
