@@ -142,12 +142,10 @@ def test_long_keys_tiles_match_reference(causal, head_dim):
                            (0, "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows")):
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(build, "BWD_DQ_FRAG", frag)
-                ops._bwd_plans.clear()  # (the launch plans hold the kernel they were built with)
-                ops.clear_host_plans()
+                ops.clear_plans()  # (the launch plans hold the kernel they were built with)
                 assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, seqlen_q=n).name == name
                 _check_against_reference(q, k, v, dout, causal=True)
-        ops._bwd_plans.clear()
-        ops.clear_host_plans()
+        ops.clear_plans()
 
 
 @pytest.mark.parametrize("seqlen, batch", [(512, 5), (1024, 3)])
@@ -179,8 +177,7 @@ def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
 
     def clusters(on):
         monkeypatch.setattr(build, "FWD_SM90_CLUSTER", on)
-        ops._fwd_plans.clear()
-        ops.clear_host_plans()
+        ops.clear_plans()
 
     clusters(1)
     head_dim, n = 128, 66 * 128 - 40
@@ -205,8 +202,7 @@ def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
         (out1, lse1) = forward(q, k, v, 0)
         assert torch.equal(out, out1) and torch.equal(lse, lse1), (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
     monkeypatch.undo()
-    ops._fwd_plans.clear()
-    ops.clear_host_plans()
+    ops.clear_plans()
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -63,13 +63,6 @@ def loaded_kernels() -> tuple[dict, dict]:
     return launch._kernels, launch._modules
 
 
-def drop_plans() -> None:
-    """Forget the launch plans (Python and C++ executors): the next call rebuilds them with the current tables."""
-    ops._fwd_plans.clear()
-    ops._bwd_plans.clear()
-    ops.clear_host_plans()
-
-
 @contextlib.contextmanager
 def kernel_variant(name: str):
     """Kernels compiled with the macros after '+' in `name` (none: the default build)."""
@@ -81,7 +74,7 @@ def kernel_variant(name: str):
     def reset():
         kernels.clear()
         modules.clear()
-        drop_plans()
+        ops.clear_plans()
 
     if defines:
         os.environ["FLASHTRAIN_EXTRA_DEFINES"] = defines
@@ -131,7 +124,7 @@ def env_variant(name: str):
         build._bwd_tile_overrides()
         kernels.clear()
         modules.clear()
-    drop_plans()
+    ops.clear_plans()
     try:
         yield
     finally:
@@ -150,7 +143,7 @@ def env_variant(name: str):
                 os.environ[key] = value
         for (module, attr), value in saved_attrs.items():
             setattr(MODULES[module], attr, value)
-        drop_plans()
+        ops.clear_plans()
 
 
 @dataclasses.dataclass

@@ -805,6 +805,14 @@ def __getattr__(name: str):
 # The reference the C++ executor is tested against: the same plans, executed in Python.
 _fwd_plans: dict[tuple, _Plan] = {}
 _bwd_plans: dict[tuple, _Plan] = {}
+
+
+def clear_plans() -> None:
+    """Forget every launch plan (Python and C++ executors), so that the next calls rebuild them: after a dispatch
+    table or switch they read at plan time changed (A/B probes, tests)."""
+    _fwd_plans.clear()
+    _bwd_plans.clear()
+    clear_host_plans()
 _TMA_BYTES = ctypes.sizeof(tma.TmaDesc)
 
 
