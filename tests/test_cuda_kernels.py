@@ -149,19 +149,23 @@ def test_long_keys_tiles_match_reference(causal, head_dim):
 
 
 @pytest.mark.parametrize("seqlen, batch", [(512, 5), (1024, 3)])
-def test_short_hd128_causal_tile_groups_match_reference(seqlen, batch):
-    """Short head-dim-128 causal calls run their tiles in groups of one wave (ops.CAUSAL_GROUP_WAVES_SHORT): with 16
-    heads, two groups, the last one taking the remainder (tma.cuh tile_group_unit), forward and gradients against the
-    reference."""
+def test_short_hd128_causal_tile_groups_match_reference(seqlen, batch, monkeypatch):
+    """Short head-dim-128 causal calls with their tiles in groups of one wave (ops.CAUSAL_GROUP_WAVES_SHORT = 1): with
+    16 heads, two groups, the last one taking the remainder (tma.cuh tile_group_unit), forward and gradients against
+    the reference."""
     from flashtrain.kernels import launch
 
     if not _is_hopper():
         pytest.skip("the tile groups are the Hopper kernels'")
     ops, units = _ops(), batch * 16
+    monkeypatch.setattr(ops, "CAUSAL_GROUP_WAVES_SHORT", 1.0)
+    ops.clear_plans()  # (a plan holds the group it was built with)
     group = ops._causal_tile_group(seqlen // 128, units, launch.sm_count(torch.device("cuda")), short_hd128=True)
     assert 2 * group <= units < 3 * group and units % group  # (132 SMs: groups of 33 + 47 units at 512, 17 + 31 at 1K)
     q, k, v, dout = _inputs((batch, seqlen, 16, 128), (batch, seqlen, 16, 128), torch.bfloat16, seed=11)
     _check_against_reference(q, k, v, dout, causal=True)
+    monkeypatch.undo()
+    ops.clear_plans()
 
 
 def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):

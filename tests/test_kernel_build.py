@@ -686,13 +686,16 @@ def test_causal_tile_groups(n_blocks, n_units, waves, expected, monkeypatch):
         assert group * n_blocks >= waves * 132 > (group - 1) * n_blocks
 
 
-def test_short_hd128_causal_tile_groups_fill_one_wave():
-    """Head-dim-128 causal calls on 128-row blocks take groups of one wave (ops.CAUSAL_GROUP_WAVES_SHORT) up to
-    CAUSAL_GROUP_SHORT_BLOCKS blocks (1K tokens), two above; head dims 65-96 on the hd128 tiles, hd64 and other block
-    sizes keep two."""
+def test_short_hd128_causal_tile_groups_fill_one_wave(monkeypatch):
+    """With ops.CAUSAL_GROUP_WAVES_SHORT = 1 (default: 2, as every other call), head-dim-128 causal calls on 128-row
+    blocks take groups of one wave up to CAUSAL_GROUP_SHORT_BLOCKS blocks (1K tokens), two above; head dims 65-96 on
+    the hd128 tiles, hd64 and other block sizes keep two."""
     from flashtrain.kernels import ops
 
-    assert ops.CAUSAL_GROUP_WAVES_SHORT == 1.0 and ops.CAUSAL_GROUP_WAVES == 2.0 and ops.CAUSAL_GROUP_SHORT_BLOCKS == 8
+    assert ops.CAUSAL_GROUP_WAVES_SHORT == ops.CAUSAL_GROUP_WAVES == 2.0
+    assert ops._causal_tile_group(4, 512, 132, short_hd128=True) == ops._causal_tile_group(4, 512, 132) == 66
+    monkeypatch.setattr(ops, "CAUSAL_GROUP_WAVES_SHORT", 1.0)
+    assert ops.CAUSAL_GROUP_WAVES == 2.0 and ops.CAUSAL_GROUP_SHORT_BLOCKS == 8
     assert ops._causal_tile_group(4, 512, 132, short_hd128=True) == 33  # 512 tokens: 33 units x 4 blocks = 132 tiles
     assert ops._causal_tile_group(4, 512, 132) == 66
     assert ops._causal_tile_group(8, 256, 132, short_hd128=True) == 17  # 1K
