@@ -120,7 +120,7 @@ def test_long_causal_tiles_match_reference(dtype):
 @pytest.mark.parametrize("head_dim", [128, 96, 80])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_long_keys_tiles_match_reference(causal, head_dim):
-    """Head dim 128 from build.LONG_KEYS_SEQLEN keys on runs 192-key tiles (O stored from the registers): a partial
+    """Head dim 128 from build.long_keys_seqlen(causal) keys on runs 192-key tiles (O stored from the registers): a partial
     last key block, seqlen_q = seqlen_k and a short query block against the long keys (causal: aligned to the end),
     forward and gradients by FlashAttention-2's rule. Head dims 96 / 80: the same tiles with 96 / 80 columns of MMA
     work, and the backward's query blocks narrowed likewise. Head dim 128 causal also from
@@ -128,7 +128,7 @@ def test_long_keys_tiles_match_reference(causal, head_dim):
     in plain rows with build.BWD_DQ_FRAG = 0)."""
     from flashtrain.kernels import build, ops
 
-    long = build.LONG_KEYS_SEQLEN + 77  # (not a multiple of 192)
+    long = build.long_keys_seqlen(causal) + 77  # (not a multiple of 192)
     assert build.fwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, seqlen_q=long, seqlen_k=long,
                             effective_head_dim=head_dim).tiles.block_n == 192
     q, k, v, dout = _inputs((1, long, 2, head_dim), (1, long, 1, head_dim), torch.bfloat16, seed=5)
@@ -150,9 +150,9 @@ def test_long_keys_tiles_match_reference(causal, head_dim):
 
 @pytest.mark.parametrize("seqlen, batch", [(512, 5), (1024, 3)])
 def test_short_hd128_causal_tile_groups_match_reference(seqlen, batch, monkeypatch):
-    """Short head-dim-128 causal calls with their tiles in groups of one wave (ops.CAUSAL_GROUP_WAVES_SHORT = 1): with
-    16 heads, two groups, the last one taking the remainder (tma.cuh tile_group_unit), forward and gradients against
-    the reference."""
+    """Short head-dim-128 causal calls with their tiles in groups of one wave (ops.CAUSAL_GROUP_WAVES_SHORT = 1, the
+    default, set here whatever it is): with 16 heads, two groups, the last one taking the remainder (tma.cuh
+    tile_group_unit), forward and gradients against the reference."""
     from flashtrain.kernels import launch
 
     if not _is_hopper():

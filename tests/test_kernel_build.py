@@ -132,19 +132,25 @@ def test_long_causal_forward_tiles():
 
 
 def test_long_keys_forward_tiles(monkeypatch):
-    """Head dim 128 from LONG_KEYS_SEQLEN keys on (dense calls, causal or not): 192-key tiles with O from the registers
-    (a kernel of its own name, within the 227 KB an sm_90 block can have); fewer keys, unknown (0: varlen), dropout,
-    block-sparse, score modifications, head dim 64 and sm_80 keep their tiles."""
+    """Head dim 128 from LONG_KEYS_SEQLEN keys on (dense calls; causal ones from LONG_KEYS_CAUSAL_SEQLEN): 192-key
+    tiles with O from the registers (a kernel of its own name, within the 227 KB an sm_90 block can have); fewer keys,
+    unknown (0: varlen), dropout, block-sparse, score modifications, head dim 64 and sm_80 keep their tiles."""
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)  # (the default: non-causal in clusters, whatever the environment)
-    long = build.LONG_KEYS_SEQLEN
+    assert build.LONG_KEYS_SEQLEN == 8192 and build.LONG_KEYS_CAUSAL_SEQLEN == 16384
+    # causal calls between the two thresholds keep 128-key tiles
+    for seqlen in (build.LONG_KEYS_SEQLEN, build.LONG_KEYS_CAUSAL_SEQLEN - 1):
+        assert build.fwd_kernel(128, "bf16", True, False, arch="sm_90a", seqlen_q=seqlen,
+                                seqlen_k=seqlen).name == "flash_fwd_sm90_hdim128_bf16_causal"
     # (non-causal: in 2-CTA clusters, test_cluster_forward_tiles)
     for causal, name in ((False, "hdim128_bf16_128x192_c2"), (True, "hdim128_bf16_causal_128x192")):
+        long = build.long_keys_seqlen(causal)
         spec = build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=long, seqlen_k=long)
         assert (spec.name, spec.block_m, spec.tiles.block_n) == (f"flash_fwd_sm90_{name}", 128, 192)
         assert ("FT_SEPARATE_O", 0) in spec.defines and spec.smem_bytes <= SM90_MAX_SMEM
         assert spec in build.all_kernels()
         # a short causal query block against many keys takes the long-key tiles too
         assert build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=300, seqlen_k=long).tiles.block_n == 192
+    long = build.LONG_KEYS_SEQLEN
     for other in (build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", seqlen_k=long - 1),
                   build.fwd_kernel(128, "bf16", False, False, arch="sm_90a", seqlen_q=long, seqlen_k=0),
                   build.fwd_kernel(128, "bf16", False, True, arch="sm_90a", seqlen_k=long),
@@ -196,8 +202,8 @@ def test_narrow_head_dims_on_hopper(monkeypatch):
     (80-query blocks where hd128 takes them). Head dims above 96, block-sparse, the score-modification kernels and
     sm_80 keep all 128 columns; FLASHTRAIN_SM90_NARROW (A/B) picks the widths."""
     monkeypatch.delenv("FLASHTRAIN_SM90_NARROW", raising=False)
-    long = build.LONG_KEYS_SEQLEN
     for causal, suffix in ((False, ""), (True, "_causal")):
+        long = build.long_keys_seqlen(causal)
         for seqlen_q, seqlen_k, shape in ((0, 0, ""), (long, long, "_128x192")):
             spec = build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                     effective_head_dim=96)
@@ -687,15 +693,13 @@ def test_causal_tile_groups(n_blocks, n_units, waves, expected, monkeypatch):
 
 
 def test_short_hd128_causal_tile_groups_fill_one_wave(monkeypatch):
-    """With ops.CAUSAL_GROUP_WAVES_SHORT = 1 (default: 2, as every other call), head-dim-128 causal calls on 128-row
-    blocks take groups of one wave up to CAUSAL_GROUP_SHORT_BLOCKS blocks (1K tokens), two above; head dims 65-96 on
-    the hd128 tiles, hd64 and other block sizes keep two."""
+    """Head-dim-128 causal calls on 128-row blocks take groups of one wave (ops.CAUSAL_GROUP_WAVES_SHORT = 1) up to
+    CAUSAL_GROUP_SHORT_BLOCKS blocks (1K tokens), two above; head dims 65-96 on the hd128 tiles, hd64 and other block
+    sizes keep two; CAUSAL_GROUP_WAVES_SHORT = 2 (A/B) gives every call two."""
     from flashtrain.kernels import ops
 
-    assert ops.CAUSAL_GROUP_WAVES_SHORT == ops.CAUSAL_GROUP_WAVES == 2.0
-    assert ops._causal_tile_group(4, 512, 132, short_hd128=True) == ops._causal_tile_group(4, 512, 132) == 66
-    monkeypatch.setattr(ops, "CAUSAL_GROUP_WAVES_SHORT", 1.0)
-    assert ops.CAUSAL_GROUP_WAVES == 2.0 and ops.CAUSAL_GROUP_SHORT_BLOCKS == 8
+    assert ops.CAUSAL_GROUP_WAVES_SHORT == 1.0 and ops.CAUSAL_GROUP_WAVES == 2.0
+    assert ops.CAUSAL_GROUP_SHORT_BLOCKS == 8
     assert ops._causal_tile_group(4, 512, 132, short_hd128=True) == 33  # 512 tokens: 33 units x 4 blocks = 132 tiles
     assert ops._causal_tile_group(4, 512, 132) == 66
     assert ops._causal_tile_group(8, 256, 132, short_hd128=True) == 17  # 1K
@@ -703,6 +707,8 @@ def test_short_hd128_causal_tile_groups_fill_one_wave(monkeypatch):
     assert ops._short_group_hd128(128, 128, 128) and ops._short_group_hd128(128, 120, 128)
     assert not ops._short_group_hd128(128, 96, 128) and not ops._short_group_hd128(128, 80, 128)  # (narrowed)
     assert not ops._short_group_hd128(64, 64, 128) and not ops._short_group_hd128(128, 128, 192)
+    monkeypatch.setattr(ops, "CAUSAL_GROUP_WAVES_SHORT", 2.0)
+    assert ops._causal_tile_group(4, 512, 132, short_hd128=True) == ops._causal_tile_group(4, 512, 132) == 66
 
 
 def test_all_kernels_lists_what_calls_dispatch_to():

@@ -202,6 +202,13 @@ FWD_SM90_TILES_LONG_KEYS = {
     128: FwdSm90Tiles(128, 192, stages=2, separate_o=False),
 }
 LONG_KEYS_SEQLEN = 8192
+# ... causal calls from LONG_KEYS_CAUSAL_SEQLEN keys: a causal query tile of 128 rows ends inside a 192-key block two
+# times in three, so its last block computes more masked scores than with 128-key blocks. H200, 2026-12-01,
+# interleaved CUDA-graph replays (ab_probe.py), forward, 128 x 128 / 128 x 192: GQA 32 / 8 heads causal 8K
+# 1.026-1.027 (batch 1) and 1.025 (batch 2), hd96 causal 8K 1.010, hd128 causal 12K 1.005; forward + backward causal
+# 8K 1.007, GQA 32 / 8 8K 1.006; at 16K 0.998-1.002 (kernel_ab-h200.json). A/B: ab_probe.py
+# flashtrain@build.LONG_KEYS_CAUSAL_SEQLEN=8192.
+LONG_KEYS_CAUSAL_SEQLEN = 16384
 # Dense non-causal head-dim-128 calls without dropout, from FWD_SM90_CLUSTER_SEQLEN keys, whose query tiles per (batch,
 # head) are even (not varlen): clusters of two CTAs on neighbouring query tiles, each copying half of every K / V tile
 # into both (TMA multicast; FwdSm90Tiles.cluster, flash_fwd_sm90.cuh kCluster), on a static schedule of tile pairs.
@@ -698,12 +705,17 @@ def _mask_suffix(mask_defines: tuple) -> str:
     return f"_mask{hashlib.sha256(repr(mask_defines).encode()).hexdigest()[:16]}" if mask_defines else ""
 
 
+def long_keys_seqlen(causal: bool) -> int:
+    """The key length from which dense head-dim-128 forwards take FWD_SM90_TILES_LONG_KEYS (causal or not)."""
+    return LONG_KEYS_CAUSAL_SEQLEN if causal else LONG_KEYS_SEQLEN
+
+
 def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, seqlen_q: int = 0,
                    seqlen_k: int = 0, head_dim_eff: int | None = None) -> FwdSm90Tiles:
     """The Hopper forward's tiles for a call (seqlen_q / seqlen_k: 0 unknown or varlen; head_dim_eff: a narrowed
     width, sm90_narrow_width, or None)."""
     plain = not (dropout or block_sparse)  # the tables by mask and length are for calls without either
-    if plain and seqlen_k >= LONG_KEYS_SEQLEN and head_dim in FWD_SM90_TILES_LONG_KEYS:
+    if plain and seqlen_k >= long_keys_seqlen(causal) and head_dim in FWD_SM90_TILES_LONG_KEYS:
         tiles = FWD_SM90_TILES_LONG_KEYS[head_dim]
     elif plain and not causal and head_dim in FWD_SM90_TILES_NONCAUSAL:
         tiles = FWD_SM90_TILES_NONCAUSAL[head_dim]
@@ -1048,14 +1060,15 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
     specs += [spec for head_dim in FWD_SM90_TILES_SHORT_CAUSAL for dtype in DTYPES  # causal, short sequences
               if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=1), smem_limit)]
     specs += [spec for head_dim in FWD_SM90_TILES_LONG_KEYS for dtype in DTYPES for causal in (False, True)  # long
-              if _fits(spec := fwd_sm90_kernel(head_dim, dtype, causal, seqlen_k=LONG_KEYS_SEQLEN), smem_limit)]
+              if _fits(spec := fwd_sm90_kernel(head_dim, dtype, causal, seqlen_k=long_keys_seqlen(causal)),
+                       smem_limit)]
     specs += [spec for narrow in SM90_NARROW_HEAD_DIMS for dtype in DTYPES for causal in (False, True)  # 65-96
               for dropout in (False, True) for seqlen_q in (None, 1 << 20)
               if _fits(spec := bwd_sm90_kernel(128, dtype, causal, dropout, head_dim_eff=narrow, seqlen_q=seqlen_q),
                        smem_limit)]
     specs += [spec for narrow in SM90_NARROW_HEAD_DIMS for dtype in DTYPES for causal in (False, True)  # ... forward
               for dropout in (False, True)
-              for seqlen_q, seqlen_k in ((0, 0), (1, 0), (0, LONG_KEYS_SEQLEN))  # (hd128: no long-causal tiles)
+              for seqlen_q, seqlen_k in ((0, 0), (1, 0), (0, long_keys_seqlen(causal)))  # (hd128: no long-causal tiles)
               if _fits(spec := fwd_sm90_kernel(128, dtype, causal, dropout, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                                head_dim_eff=narrow), smem_limit)]
     specs += [spec for dtype in DTYPES  # non-causal hd128 from FWD_SM90_CLUSTER_SEQLEN keys: 2-CTA clusters
