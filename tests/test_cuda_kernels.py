@@ -120,10 +120,10 @@ def test_long_causal_tiles_match_reference(dtype):
 @pytest.mark.parametrize("head_dim", [128, 96, 80])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_long_keys_tiles_match_reference(causal, head_dim):
-    """Head dim 128 from build.long_keys_seqlen(causal) keys on runs 192-key tiles (O stored from the registers): a partial
-    last key block, seqlen_q = seqlen_k and a short query block against the long keys (causal: aligned to the end),
-    forward and gradients by FlashAttention-2's rule. Head dims 96 / 80: the same tiles with 96 / 80 columns of MMA
-    work, and the backward's query blocks narrowed likewise. Head dim 128 causal also from
+    """Head dim 128 from build.long_keys_seqlen(causal) keys on runs 192-key tiles (O stored from the registers): a
+    partial last key block, seqlen_q = seqlen_k and a short query block against the long keys (causal: aligned to the
+    end), forward and gradients by FlashAttention-2's rule. Head dims 96 / 80: the same tiles with 96 / 80 columns of
+    MMA work, and the backward's query blocks narrowed likewise. Head dim 128 causal also from
     build.BWD_SM90_Q80_CAUSAL_SEQLEN queries, where its backward takes 80-query blocks (dq_accum in fragment order, and
     in plain rows with build.BWD_DQ_FRAG = 0)."""
     from flashtrain.kernels import build, ops

@@ -651,9 +651,9 @@ FWD_CAUSAL_GROUP_HEAD_DIM = 128
 # per unit, 1K tokens; not head dims 65-96 on the hd128 tiles): one wave. H200, 2026-12-01, interleaved CUDA-graph A/B
 # (ab_probe.py), one wave / two: hd128 causal 512 backward 1.034, forward 1.053; 1K 1.014 / 1.021; 2K 0.999 / 0.997
 # and 4K 0.994 / 0.994 (so not there); hd64 512 / 1K 0.995-0.997 backward (not there either); four waves and longest
-# first over all units: 0.81-0.95 and 0.68-0.82 at 512 / 1K (kernel_ab-h200.json). A group of two waves of 512-token hd128 units spans about
-# 50 MB of their inputs (and the backward's dq_accum rows), the L2's size; one wave, half that. A/B:
-# ab_probe.py flashtrain@ops.CAUSAL_GROUP_WAVES_SHORT=2.
+# first over all units: 0.81-0.95 and 0.68-0.82 at 512 / 1K (kernel_ab-h200.json). A group of two waves of 512-token
+# hd128 units spans about 50 MB of their inputs (and the backward's dq_accum rows), the L2's size; one wave, half that.
+# A/B: ab_probe.py flashtrain@ops.CAUSAL_GROUP_WAVES_SHORT=2.
 CAUSAL_GROUP_WAVES_SHORT = 1.0
 CAUSAL_GROUP_SHORT_BLOCKS = 8
 
