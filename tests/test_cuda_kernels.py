@@ -168,6 +168,41 @@ def test_short_hd128_causal_tile_groups_match_reference(seqlen, batch, monkeypat
     ops.clear_plans()
 
 
+def test_aux_kernels_in_reverse_order_match_reference(monkeypatch):
+    """The backward's preprocess and dQ conversion with their CTAs in reverse grid order (flash_aux.cuh
+    FT_AUX_REVERSE = 3, an A/B build: kernels compiled with FLASHTRAIN_EXTRA_DEFINES): every row still written once,
+    checked against the reference on the dq_accum layouts they handle: scrambled 64-query blocks (hd128 causal), the
+    80-query fragment order (hd128 non-causal, a partial last block), hd64, GQA, and varlen (padded rows)."""
+    from flashtrain.kernels import launch
+
+    ops = _ops()
+    saved = dict(launch._kernels), dict(launch._modules)
+
+    def fresh_kernels():  # (the loaded kernels and the plans that hold them)
+        launch._kernels.clear()
+        launch._modules.clear()
+        ops.clear_plans()
+
+    monkeypatch.setenv("FLASHTRAIN_EXTRA_DEFINES", "FT_AUX_REVERSE=3")
+    fresh_kernels()
+    try:
+        for index, (batch, seqlen, heads, heads_kv, head_dim, causal) in enumerate(
+                [(3, 512, 16, 16, 128, True), (1, 1064, 4, 4, 128, False), (2, 700, 4, 4, 64, True),
+                 (2, 1024, 8, 2, 128, True)]):
+            q, k, v, dout = _inputs((batch, seqlen, heads, head_dim), (batch, seqlen, heads_kv, head_dim),
+                                    torch.bfloat16, seed=20 + index)
+            _check_against_reference(q, k, v, dout, causal=causal)
+        cu = torch.tensor([0, 33, 700, 1133], dtype=torch.int32, device="cuda")
+        q, k, v, dout = _inputs((1133, 4, 128), (1133, 4, 128), torch.bfloat16, seed=30)
+        _check_against_reference(q, k, v, dout, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=667,
+                                 max_seqlen_k=667)
+    finally:
+        monkeypatch.delenv("FLASHTRAIN_EXTRA_DEFINES")
+        fresh_kernels()
+        launch._kernels.update(saved[0])
+        launch._modules.update(saved[1])
+
+
 def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
     """The non-causal hd128 forward in 2-CTA clusters (build.FWD_SM90_CLUSTER: neighbouring query tiles share
     their K / V copies by TMA multicast) against the reference, on 66 query tiles per head with a partial last one, and

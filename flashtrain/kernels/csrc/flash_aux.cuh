@@ -18,19 +18,34 @@ namespace flashtrain {
 constexpr int kAuxThreads = 128, kRowsPerCta = 32;
 constexpr int kDqFragRows = 80;  // the fragment order's query blocks (bwd_convert_dq_frag)
 
-// Sequence bounds of CTA (blockIdx.y = batch); false when this CTA's rows are all past the end (padded: past the
+// FT_AUX_REVERSE (A/B; default 0): bit 0 the preprocess, bit 1 the dQ conversion take the grid's CTAs in reverse
+// order (row block, batch and head all descending: the last (head, batch) first). The Hopper backward takes its units
+// (kv head, batch) in ascending order, so the preprocess would then end on the rows it starts with (their zeroed
+// dq_accum and dO still in L2), and the conversion start on the rows it ended with.
+#ifndef FT_AUX_REVERSE
+#define FT_AUX_REVERSE 0
+#endif
+// This CTA's row block, batch and head (the grid's x, y, z), reversed where FT_AUX_REVERSE has kBit (kBit 0: never)
+template <int kBit> struct AuxBlock {
+    static constexpr bool kReverse = (FT_AUX_REVERSE & kBit) != 0;
+    __device__ __forceinline__ static int x() { return kReverse ? gridDim.x - 1 - blockIdx.x : blockIdx.x; }
+    __device__ __forceinline__ static int y() { return kReverse ? gridDim.y - 1 - blockIdx.y : blockIdx.y; }
+    __device__ __forceinline__ static int z() { return kReverse ? gridDim.z - 1 - blockIdx.z : blockIdx.z; }
+};
+
+// Sequence bounds of CTA B (B::y() = batch); false when this CTA's rows are all past the end (padded: past the
 // end of the sequence's last query block). pad_start: the sequence's first row in the padded arrays (padded layouts),
 // else q_start.
 struct AuxRows {
     int q_start, seqlen_q, k_start, seqlen_k, row_begin, pad_start, rows_end;
-    __device__ __forceinline__ bool init(const AuxParams& p) {
+    template <class B> __device__ __forceinline__ bool init(const AuxParams& p) {
         q_start = 0, seqlen_q = p.seqlen_q, k_start = 0, seqlen_k = p.seqlen_k;
-        if (p.cu_seqlens_q != nullptr) packed_seq(p.cu_seqlens_q, blockIdx.y, p.seqlen_q, p.total_q, q_start, seqlen_q);
-        if (p.cu_seqlens_k != nullptr) packed_seq(p.cu_seqlens_k, blockIdx.y, p.seqlen_k, p.total_k, k_start, seqlen_k);
-        row_begin = blockIdx.x * kRowsPerCta;
+        if (p.cu_seqlens_q != nullptr) packed_seq(p.cu_seqlens_q, B::y(), p.seqlen_q, p.total_q, q_start, seqlen_q);
+        if (p.cu_seqlens_k != nullptr) packed_seq(p.cu_seqlens_k, B::y(), p.seqlen_k, p.total_k, k_start, seqlen_k);
+        row_begin = B::x() * kRowsPerCta;
         pad_start = q_start, rows_end = seqlen_q;
         if (p.padded) {
-            pad_start = padded_row_start(p.cu_seqlens_q != nullptr, blockIdx.y, q_start, p.seqlen_q, p.dq_block_m);
+            pad_start = padded_row_start(p.cu_seqlens_q != nullptr, B::y(), q_start, p.seqlen_q, p.dq_block_m);
             rows_end = ceil_div(seqlen_q, p.dq_block_m) * p.dq_block_m;
         }
         return row_begin < rows_end;
@@ -79,9 +94,10 @@ struct AuxZeroRows {
 
 template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const AuxParams& p) {
     grid_launch_dependents();  // the Hopper backward may start its prologue (it waits for this grid's writes)
+    using B = AuxBlock<1>;
     AuxRows rows;
-    if (!rows.init(p)) return;
-    const int batch = blockIdx.y, head = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (!rows.init<B>(p)) return;
+    const int batch = B::y(), head = B::z(), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row_end = min_(rows.rows_end, rows.row_begin + kRowsPerCta);
     const AuxRowGroup grp(p.head_dim, lane);
     const int step = grp.rows_per_warp * (kAuxThreads / 32);
@@ -135,7 +151,7 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
     }
 }
 
-// dq of one 80-row query block (blockIdx.x) whose dQ^T the Hopper backward added in its accumulator's order
+// dq of one 80-row query block (B::x()) whose dQ^T the Hopper backward added in its accumulator's order
 // (p.dq_frag; BwdSm90Traits::kDqFrag): the block's 128 x 80 dQ^T is 8 slices of 16 head-dim columns x 80 queries,
 // 1280 contiguous floats each, float4 32 j + l of a slice holding (query 8 j + 2 (l % 4), column l / 4), (query + 1,
 // column), (query, column + 8), (query + 1, column + 8). A warp converts a slice at a time: coalesced float4 loads
@@ -145,13 +161,13 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
 // (the half slice's tile: kDqFragRows / 2 rows of kDqFragTileRow bytes)
 constexpr int kDqFragSliceCols = 16, kDqFragTileRow = 2 * kDqFragSliceCols + 16;
 constexpr int kDqFragTileBytes = kDqFragRows / 2 * kDqFragTileRow;
-template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq_frag(const AuxParams& p, u32 tile) {
+template <bool kIsBF16, class B> __device__ __forceinline__ void bwd_convert_dq_frag(const AuxParams& p, u32 tile) {
     constexpr int kRows = kDqFragRows, kCols = 128, kSliceCols = kDqFragSliceCols, kTileRow = kDqFragTileRow;
     constexpr int kHalf = kRows / 2;  // rows of the tile: a slice in two halves
-    const int batch = blockIdx.y, head = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int batch = B::y(), head = B::z(), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int q_start = 0, seqlen_q = p.seqlen_q;
     if (p.cu_seqlens_q != nullptr) packed_seq(p.cu_seqlens_q, batch, p.seqlen_q, p.total_q, q_start, seqlen_q);
-    const int row0 = blockIdx.x * kRows;
+    const int row0 = B::x() * kRows;
     if (row0 >= seqlen_q) return;
     const int pad_start = padded_row_start(p.cu_seqlens_q != nullptr, batch, q_start, p.seqlen_q, kRows);
     const float* block = p.dq_accum + batch * p.dqa_batch_stride + head * p.dqa_head_stride +
@@ -203,13 +219,14 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq(const Aux
     __shared__ __align__(16) unsigned char slice_tiles[kAuxThreads / 32][16 * (2 * kMaxSliceWidth + 16)];
     grid_dependency_wait();  // launched programmatically after the Hopper backward: its dq_accum is complete
     static_assert(kDqFragTileBytes <= sizeof(slice_tiles[0]), "half a fragment-order slice fits the tile");
+    using B = AuxBlock<2>;
     if (p.dq_frag) {
-        bwd_convert_dq_frag<kIsBF16>(p, smem_u32(slice_tiles[threadIdx.x / 32]));
+        bwd_convert_dq_frag<kIsBF16, B>(p, smem_u32(slice_tiles[threadIdx.x / 32]));
         return;
     }
     AuxRows rows;
-    if (!rows.init(p) || rows.row_begin >= rows.seqlen_q) return;
-    const int batch = blockIdx.y, head = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (!rows.init<B>(p) || rows.row_begin >= rows.seqlen_q) return;
+    const int batch = B::y(), head = B::z(), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row_end = min_(rows.seqlen_q, rows.row_begin + kRowsPerCta);
     const int W = p.dq_slice_width;
     // (padded: a sequence's last query block is whole in dq_accum too; its rows past the end are not written)
@@ -294,7 +311,7 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq(const Aux
 
 __device__ __forceinline__ void dropout_mask(const AuxParams& p) {
     AuxRows rows;
-    if (!rows.init(p)) return;
+    if (!rows.init<AuxBlock<0>>(p)) return;
     const int batch = blockIdx.y, head = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row_end = min_(rows.seqlen_q, rows.row_begin + kRowsPerCta);
     const DropoutRng rng(p.rng_state, p.keep_threshold);
