@@ -8,8 +8,9 @@ Setting of the FlashAttention-2/3 papers: bf16, head dim 64 and 128, hidden 2048
 (halved when causal), backward 2.5x forward. Each time is the median of timed repeats (CUDA events, after warm-up);
 the implementations' calls are interleaved (--timing interleaved, the default since 2026-11-26: the implementations
 take turns, each preceded equally often by every other, so all run under the same clocks and power state), in
---rounds rounds with fresh inputs, and each keeps its best round. (--timing windows: each implementation's repeats
-back to back, implementations in turn, the order reversed every other round; on an H200 at its 700 W cap the same
+--rounds rounds with fresh inputs, and each keeps its best round (the grid and the workloads take their rounds outer:
+every row's first round, then every row's second, attention_timing.rounds_over_cells). (--timing windows: each
+implementation's repeats back to back, implementations in turn, the order reversed every other round; on an H200 at its 700 W cap the same
 kernels measured 0.88-1.13x of cuDNN from run to run that way, interleaved within 0.3%. Interleaving measures the
 ratios; absolute TFLOP/s run higher than in sustained use of one implementation, as the slower backends' calls
 between them cool the GPU: benchmarks/probes/clock_probe.py measures sustained speed.)
@@ -70,7 +71,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashtrain.kernels import block_sparse, flash_attn_func, flash_attn_varlen_func
 import fa4_baseline  # FlashAttention-4 where installed
 import gpu_clocks  # SM clock and power beside the sustained rows
-from attention_timing import PASSES, keep_best, time_passes_interleaved  # shared with attention_features.py
+# (shared with attention_features.py)
+from attention_timing import PASSES, keep_best, rounds_over_cells, time_passes_interleaved
 from train_gpt2 import time_calls  # the sibling benchmark's timers
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -164,32 +166,31 @@ def round_order(impls, round_index: int) -> list:
 
 
 def speed(seqlens, repeats, rounds, interleave=True):
-    rows = []
-    for head_dim in (64, 128):
-        nheads = HIDDEN // head_dim
-        for seqlen in seqlens:
-            batch = TOKENS // seqlen
-            for causal in (False, True):
-                fwd_flops = 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
-                row = {"hd": head_dim, "S": seqlen, "B": batch, "H": nheads, "causal": causal}
-                for round_index in range(rounds):
-                    if interleave:  # naive (seconds per call at 16K) alone in round 0, the others interleaved
-                        if round_index == 0:
-                            keep_best(row, "naive", time_impl("naive", batch, seqlen, nheads, head_dim, causal,
-                                                              repeats), fwd_flops)
-                        cases = {impl: (attention_fn(impl, causal), *unpack_inputs(
-                            make_inputs(impl, batch, seqlen, nheads, head_dim, requires_grad=True)))
-                            for impl in IMPLS[:-1]}
-                        for impl, times in time_passes_interleaved(
-                                cases, repeats, f"hd{head_dim} S{seqlen} causal={causal}").items():
-                            keep_best(row, impl, times, fwd_flops)
-                        del cases
-                        continue
-                    for impl in round_order(IMPLS if round_index == 0 else IMPLS[:-1], round_index):
-                        keep_best(row, impl, time_impl(impl, batch, seqlen, nheads, head_dim, causal, repeats),
-                                  fwd_flops)
-                rows.append(row)
-                print(format_row(row), flush=True)
+    """The grid's rows, the best of `rounds` rounds each (rounds_over_cells: rounds outer); a row is printed once its
+    last round is in."""
+    rows = [{"hd": head_dim, "S": seqlen, "B": TOKENS // seqlen, "H": HIDDEN // head_dim, "causal": causal}
+            for head_dim in (64, 128) for seqlen in seqlens for causal in (False, True)]
+
+    def measure(row, round_index):
+        head_dim, seqlen, batch, nheads, causal = (row[key] for key in ("hd", "S", "B", "H", "causal"))
+        fwd_flops = 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
+        if interleave:  # naive (seconds per call at 16K) alone in round 0, the others interleaved
+            if round_index == 0:
+                keep_best(row, "naive", time_impl("naive", batch, seqlen, nheads, head_dim, causal, repeats),
+                          fwd_flops)
+            cases = {impl: (attention_fn(impl, causal), *unpack_inputs(
+                make_inputs(impl, batch, seqlen, nheads, head_dim, requires_grad=True))) for impl in IMPLS[:-1]}
+            for impl, times in time_passes_interleaved(
+                    cases, repeats, f"hd{head_dim} S{seqlen} causal={causal}").items():
+                keep_best(row, impl, times, fwd_flops)
+            del cases
+        else:
+            for impl in round_order(IMPLS if round_index == 0 else IMPLS[:-1], round_index):
+                keep_best(row, impl, time_impl(impl, batch, seqlen, nheads, head_dim, causal, repeats), fwd_flops)
+        if round_index == rounds - 1:
+            print(format_row(row), flush=True)
+
+    rounds_over_cells(rows, rounds, measure)
     return rows
 
 
@@ -559,29 +560,33 @@ def add_ratios(row: dict) -> None:
 
 
 def workload_speed(repeats: int, rounds: int, interleave: bool = True) -> list[dict]:
-    """One row per workload: best-round ms and TFLOP/s of each implementation per pass, and the ratios."""
-    rows = []
-    for w in workloads():
-        row = {"name": w.name, "shape": w.shape(), **asdict(w), "fwd_gflop": round(w.fwd_flops() / 1e9, 2)}
-        for round_index in range(rounds):
-            if interleave:
-                # (a backend that refused every pass in round 0 would again)
-                cases = {impl: workload_case(impl, w) for impl in WORKLOAD_IMPLS
-                         if not round_index or any(row[f"{impl}_{kind}"] is not None for kind, _ in PASSES)}
-                for impl, times in time_passes_interleaved(cases, repeats, w.name).items():
-                    keep_best(row, impl, times, w.fwd_flops())
-                del cases
-                continue
+    """One row per workload: best-round ms and TFLOP/s of each implementation per pass, and the ratios (rounds outer,
+    rounds_over_cells)."""
+    cells = [(w, {"name": w.name, "shape": w.shape(), **asdict(w), "fwd_gflop": round(w.fwd_flops() / 1e9, 2)})
+             for w in workloads()]
+
+    def measure(cell, round_index):
+        w, row = cell
+        if interleave:
+            # (a backend that refused every pass in round 0 would again)
+            cases = {impl: workload_case(impl, w) for impl in WORKLOAD_IMPLS
+                     if not round_index or any(row[f"{impl}_{kind}"] is not None for kind, _ in PASSES)}
+            for impl, times in time_passes_interleaved(cases, repeats, w.name).items():
+                keep_best(row, impl, times, w.fwd_flops())
+            del cases
+        else:
             for impl in round_order(WORKLOAD_IMPLS, round_index):
                 if round_index and all(row[f"{impl}_{kind}"] is None for kind, _ in PASSES):
                     continue  # refused every pass in round 0: it will again
                 fn, inputs, dout = workload_case(impl, w)
                 keep_best(row, impl, time_passes(fn, inputs, dout, repeats, f"{impl} {w.name}"), w.fwd_flops())
                 del fn, inputs, dout
-        add_ratios(row)
-        rows.append(row)
-        print(format_workload(row), flush=True)
-    return rows
+        if round_index == rounds - 1:
+            add_ratios(row)
+            print(format_workload(row), flush=True)
+
+    rounds_over_cells(cells, rounds, measure)
+    return [row for _, row in cells]
 
 
 def format_workload(row) -> str:
@@ -838,8 +843,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.sustained is None:
         args.sustained = 5.0 if args.all or args.sustained_only else 0.0
-    if args.sustained < 0 or args.sustained_rounds < 1:
-        parser.error("--sustained must be >= 0 and --sustained-rounds >= 1")
+    if args.sustained < 0 or args.sustained_rounds < 1 or args.rounds < 1:
+        parser.error("--sustained must be >= 0, --sustained-rounds >= 1 and --rounds >= 1")
     if args.seqlens and any(s < 1 or TOKENS % s for s in args.seqlens):
         parser.error(f"--seqlens: each must divide the grid's {TOKENS} tokens per batch (got {args.seqlens})")
     if args.selftest:

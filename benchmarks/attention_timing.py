@@ -52,6 +52,17 @@ def time_passes_interleaved(cases: dict, repeats: int, label: str, warmup: int =
     return times
 
 
+def rounds_over_cells(cells: list, rounds: int, measure) -> None:
+    """measure(cell, round_index) for each of `rounds` rounds over every cell, rounds outer: a round visits all cells
+    before the next one starts, so that a disturbance lasting seconds (a host hiccup under short, host-bound calls)
+    reaches one round of a cell, which keep_best's best round leaves out, and not every round of it, as back-to-back
+    rounds of one cell let it (the hd128 causal 512 forward of attention_fa4_r15-h200.json: flashtrain and FA4 both
+    slow in both rounds, cuDNN not)."""
+    for round_index in range(rounds):
+        for cell in cells:
+            measure(cell, round_index)
+
+
 def keep_best(row: dict, impl: str, times: dict, fwd_flops: float) -> None:
     """Fold one round's times into row: {impl}_{pass} = best TFLOP/s so far, {impl}_{pass}_ms = best ms (None: the
     pass never ran)."""

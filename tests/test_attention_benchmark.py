@@ -56,6 +56,28 @@ def test_sustained_arguments_are_checked():
                             env={**os.environ, "PYTHONPATH": str(BENCHMARKS.parent)})
     assert result.returncode == 2
     assert "--sustained-rounds >= 1" in result.stderr
+    result = subprocess.run([sys.executable, "attention.py", "--workloads", "--rounds", "0"], cwd=BENCHMARKS,
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(BENCHMARKS.parent)})
+    assert result.returncode == 2 and "--rounds >= 1" in result.stderr
+
+
+def test_rounds_visit_every_cell_before_the_next_round(attention):
+    """The grid and the workloads take their rounds outer (rounds_over_cells): round r of every cell, then round
+    r + 1, so that a disturbance lasting a few seconds reaches at most one round of a cell; each cell keeps its best
+    round (keep_best), here the second round of the cell the disturbance hit."""
+    visits, rows = [], [{"cell": name} for name in ("a", "b", "c")]
+    slow = {("b", 0)}  # a disturbance during the first round of cell b
+
+    def measure(row, round_index):
+        visits.append((row["cell"], round_index))
+        ms = 2.0 if (row["cell"], round_index) in slow else 1.0 + 0.1 * round_index
+        attention.keep_best(row, "flashtrain", {"fwd": ms, "bwd": 2 * ms, "fb": 3 * ms}, fwd_flops=1e9)
+
+    attention.rounds_over_cells(rows, 2, measure)
+    assert visits == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("b", 1), ("c", 1)]
+    assert [row["flashtrain_fwd_ms"] for row in rows] == [1.0, 1.1, 1.0]
+    assert rows[1]["flashtrain_fb_ms"] == 3.3 and rows[1]["flashtrain_fwd"] == round(1e9 / 1.1 / 1e9, 1)
 
 
 def test_sustained_clocks_come_with_the_speed(attention, monkeypatch):
@@ -99,3 +121,39 @@ def test_sustained_markdown_shows_clocks_and_work_per_ghz(attention):
     # 632 TFLOP/s at 1.6 GHz: 395 per GHz; FA4 659 / 1.65: 399
     assert clocks.startswith(
         "| 128 | full | 16384 | 1600 / 1650 / 1650 | 680 / 680 / 680 | 395 / 399 / 362 | - / - / - |")
+
+
+def test_grid_and_workloads_keep_each_cells_best_round(attention, monkeypatch, capsys):
+    """speed() and workload_speed() with the GPU measurement replaced (time_passes_interleaved, time_impl, the
+    cases): every cell measured once per round, rounds outer; each row keeps its best round and is printed once, after
+    its last round; the workloads' ratios come from the best rounds."""
+    calls = []
+
+    def interleaved(cases, repeats, label):
+        calls.append(label)
+        slow = 2.0 if len(calls) == 1 else 1.0  # the first cell's first round is disturbed
+        return {impl: {"fwd": slow * (1 + i), "bwd": 2 * slow * (1 + i), "fb": 3 * slow * (1 + i)}
+                for i, impl in enumerate(cases)}
+
+    monkeypatch.setattr(attention, "time_passes_interleaved", interleaved)
+    monkeypatch.setattr(attention, "time_impl", lambda impl, *args: {"fwd": 50.0, "bwd": 100.0, "fb": 150.0})
+    monkeypatch.setattr(attention, "attention_fn", lambda impl, causal: None)
+    monkeypatch.setattr(attention, "make_inputs", lambda *args, **kwargs: ())
+    monkeypatch.setattr(attention, "unpack_inputs", lambda tensors: ((), None))
+    rows = attention.speed([512, 1024], repeats=3, rounds=2)
+    cells = [f"hd{hd} S{s} causal={c}" for hd in (64, 128) for s in (512, 1024) for c in (False, True)]
+    assert calls == cells + cells  # round 0 of every cell, then round 1
+    assert [(r["hd"], r["S"], r["causal"]) for r in rows] == [(hd, s, c) for hd in (64, 128) for s in (512, 1024)
+                                                               for c in (False, True)]
+    assert rows[0]["flashtrain_fwd_ms"] == 1.0 and rows[0]["fa4_fwd_ms"] == 2.0  # the undisturbed round
+    assert rows[0]["naive_fwd_ms"] == 50.0
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("hd")]) == len(cells)
+
+    calls.clear()
+    monkeypatch.setattr(attention, "workload_case", lambda impl, w: None)
+    workload_rows = attention.workload_speed(repeats=3, rounds=2)
+    names = [w.name for w in attention.workloads()]
+    assert calls == names + names and [r["name"] for r in workload_rows] == names
+    first = workload_rows[0]
+    # FA4 twice flashtrain's time (the ratio of TFLOP/s rounded to 0.1)
+    assert first["flashtrain_fwd_ms"] == 1.0 and first["ratio_fa4_fwd"] == pytest.approx(2.0, abs=0.005)
