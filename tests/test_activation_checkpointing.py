@@ -41,7 +41,18 @@ class HeldActivations(TorchDispatchMode):
 
 def gpt2_step(mode: str, attn_impl: str):
     """(loss, gradients by parameter name, activation bytes held after the forward, block forward calls) of one
-    training step of a 3-layer GPT-2 with dropout everywhere."""
+    training step of a 3-layer GPT-2 with dropout everywhere, on one CPU thread: the runs are compared bit for bit,
+    and a reduction split over a varying number of threads need not add in the same order (in one full-suite run of
+    2026-12-01 the gradients differed, the first checked, the tied embedding's, named; not reproduced since)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _gpt2_step(mode, attn_impl)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gpt2_step(mode: str, attn_impl: str):
     torch.manual_seed(0)
     model = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=3, n_head=2, dropout=0.1, attn_dropout=0.1,
                        attn_impl=attn_impl).build()
@@ -67,8 +78,11 @@ def test_same_gradients_with_fewer_activations_kept(attn_impl):
     for mode in ("selective", "full"):
         mode_loss, mode_grads, kept[mode], mode_calls = gpt2_step(mode, attn_impl)
         assert mode_loss == loss and mode_grads.keys() == grads.keys()
-        for name in grads:  # the recomputation repeats the forward exactly, dropout masks included
-            torch.testing.assert_close(mode_grads[name], grads[name], rtol=0, atol=0, msg=name)
+        # the recomputation repeats the forward exactly, dropout masks included (a failure names every parameter
+        # whose gradient differs, with its largest difference)
+        differ = {name: (mode_grads[name] - grads[name]).abs().max().item() for name in grads
+                  if not torch.equal(mode_grads[name], grads[name])}
+        assert not differ, (mode, differ)
         assert (calls, mode_calls) == (3, 6)  # each block's forward runs again in the backward pass
     # measured (4 x 64 tokens, 64 wide): none ~4.7-5.8 MB, selective ~2.5-3.1 MB, full ~0.7 MB
     assert kept["full"] < 0.2 * held and 0.3 * held < kept["selective"] < 0.65 * held, (held, kept)

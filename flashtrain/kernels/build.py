@@ -206,7 +206,7 @@ LONG_KEYS_SEQLEN = 8192
 # times in three, and that block's keys past the tile's last row are masked for all its rows; 128-key blocks end where
 # the tile ends). H200, 2026-12-01, interleaved CUDA-graph replays (ab_probe.py), forward, 128 x 128 / 128 x 192:
 # GQA 32 / 8 heads causal 8K 1.026-1.027 (batch 1) and 1.025 (batch 2), hd96 causal 8K 1.010, hd128 causal 12K
-# 1.005; forward + backward causal 8K 1.007, GQA 32 / 8 8K 1.006; at 16K 0.998-1.002 (kernel_ab-h200.json). A/B:
+# 1.005; forward + backward causal 8K 1.007, GQA 32 / 8 8K 1.006; at 16K 0.999-1.002 (kernel_ab-h200.json). A/B:
 # ab_probe.py flashtrain@build.LONG_KEYS_CAUSAL_SEQLEN=8192.
 LONG_KEYS_CAUSAL_SEQLEN = 16384
 # Dense non-causal head-dim-128 calls without dropout, from FWD_SM90_CLUSTER_SEQLEN keys, whose query tiles per (batch,
