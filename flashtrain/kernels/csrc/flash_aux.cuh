@@ -20,8 +20,8 @@ constexpr int kDqFragRows = 80;  // the fragment order's query blocks (bwd_conve
 
 // FT_AUX_REVERSE (A/B; default 0): bit 0 the preprocess, bit 1 the dQ conversion take the grid's CTAs in reverse
 // order (row block, batch and head all descending: the last (head, batch) first). The Hopper backward takes its units
-// (kv head, batch) in ascending order, so the preprocess would then end on the rows it starts with (their zeroed
-// dq_accum and dO still in L2), and the conversion start on the rows it ended with.
+// (kv head, batch) in ascending order, so the preprocess would then end on the rows the backward starts with (their
+// zeroed dq_accum and dO still in L2), and the conversion start on the rows the backward ended with.
 #ifndef FT_AUX_REVERSE
 #define FT_AUX_REVERSE 0
 #endif
