@@ -10,6 +10,7 @@ low-precision inputs), plus the rounding error of the reference's values in that
 
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,19 +174,12 @@ def test_aux_kernels_in_reverse_order_match_reference(monkeypatch):
     FT_AUX_REVERSE = 3, an A/B build: kernels compiled with FLASHTRAIN_EXTRA_DEFINES): every row still written once,
     checked against the reference on the dq_accum layouts they handle: scrambled 64-query blocks (hd128 causal), the
     80-query fragment order (hd128 non-causal, a partial last block), hd64, GQA, and varlen (padded rows)."""
-    from flashtrain.kernels import launch
+    probes = Path(__file__).resolve().parents[1] / "benchmarks" / "probes"
+    monkeypatch.syspath_prepend(str(probes.parent))
+    monkeypatch.syspath_prepend(str(probes))
+    import ab_probe  # (its kernel_variant: the macros set, the loaded kernels and the plans dropped, then restored)
 
-    ops = _ops()
-    saved = dict(launch._kernels), dict(launch._modules)
-
-    def fresh_kernels():  # (the loaded kernels and the plans that hold them)
-        launch._kernels.clear()
-        launch._modules.clear()
-        ops.clear_plans()
-
-    monkeypatch.setenv("FLASHTRAIN_EXTRA_DEFINES", "FT_AUX_REVERSE=3")
-    fresh_kernels()
-    try:
+    with ab_probe.kernel_variant("flashtrain+FT_AUX_REVERSE=3"):
         for index, (batch, seqlen, heads, heads_kv, head_dim, causal) in enumerate(
                 [(3, 512, 16, 16, 128, True), (1, 1064, 4, 4, 128, False), (2, 700, 4, 4, 64, True),
                  (2, 1024, 8, 2, 128, True)]):
@@ -196,11 +190,6 @@ def test_aux_kernels_in_reverse_order_match_reference(monkeypatch):
         q, k, v, dout = _inputs((1133, 4, 128), (1133, 4, 128), torch.bfloat16, seed=30)
         _check_against_reference(q, k, v, dout, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=667,
                                  max_seqlen_k=667)
-    finally:
-        monkeypatch.delenv("FLASHTRAIN_EXTRA_DEFINES")
-        fresh_kernels()
-        launch._kernels.update(saved[0])
-        launch._modules.update(saved[1])
 
 
 def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):

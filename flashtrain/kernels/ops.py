@@ -653,7 +653,7 @@ FWD_CAUSAL_GROUP_HEAD_DIM = 128
 # and 4K 0.994 / 0.994 (so not there); hd64 512 / 1K 0.995-0.997 backward (not there either); four waves and longest
 # first over all units: 0.81-0.95 and 0.68-0.82 at 512 / 1K (kernel_ab-h200.json). A group of two waves of 512-token
 # hd128 units spans about 50 MB of their inputs (and the backward's dq_accum rows), the L2's size; one wave, half that.
-# A/B: ab_probe.py flashtrain@ops.CAUSAL_GROUP_WAVES_SHORT=2.
+# A/B: ab_probe.py flashtrain@ops.CAUSAL_GROUP_WAVES_SHORT=2 (two waves everywhere).
 CAUSAL_GROUP_WAVES_SHORT = 1.0
 CAUSAL_GROUP_SHORT_BLOCKS = 8
 
@@ -813,6 +813,8 @@ def clear_plans() -> None:
     _fwd_plans.clear()
     _bwd_plans.clear()
     clear_host_plans()
+
+
 _TMA_BYTES = ctypes.sizeof(tma.TmaDesc)
 
 
