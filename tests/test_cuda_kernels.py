@@ -169,17 +169,18 @@ def test_short_hd128_causal_tile_groups_match_reference(seqlen, batch, monkeypat
     ops.clear_plans()
 
 
-def test_aux_kernels_in_reverse_order_match_reference(monkeypatch):
-    """The backward's preprocess and dQ conversion with their CTAs in reverse grid order (flash_aux.cuh
-    FT_AUX_REVERSE = 3, an A/B build: kernels compiled with FLASHTRAIN_EXTRA_DEFINES): every row still written once,
-    checked against the reference on the dq_accum layouts they handle: scrambled 64-query blocks (hd128 causal), the
-    80-query fragment order (hd128 non-causal, a partial last block), hd64, GQA, and varlen (padded rows)."""
+def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
+    """The backward's preprocess and dQ conversion with their CTAs in ascending grid order (flash_aux.cuh
+    FT_AUX_REVERSE = 0, an A/B build: kernels compiled with FLASHTRAIN_EXTRA_DEFINES; the default is reversed):
+    every row still written once, checked against the reference on the dq_accum layouts they handle: scrambled
+    64-query blocks (hd128 causal), the 80-query fragment order (hd128 non-causal, a partial last block), hd64, GQA,
+    and varlen (padded rows)."""
     probes = Path(__file__).resolve().parents[1] / "benchmarks" / "probes"
     monkeypatch.syspath_prepend(str(probes.parent))
     monkeypatch.syspath_prepend(str(probes))
     import ab_probe  # (its kernel_variant: the macros set, the loaded kernels and the plans dropped, then restored)
 
-    with ab_probe.kernel_variant("flashtrain+FT_AUX_REVERSE=3"):
+    with ab_probe.kernel_variant("flashtrain+FT_AUX_REVERSE=0"):
         for index, (batch, seqlen, heads, heads_kv, head_dim, causal) in enumerate(
                 [(3, 512, 16, 16, 128, True), (1, 1064, 4, 4, 128, False), (2, 700, 4, 4, 64, True),
                  (2, 1024, 8, 2, 128, True)]):
