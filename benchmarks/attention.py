@@ -7,9 +7,12 @@ Setting of the FlashAttention-2/3 papers: bf16, head dim 64 and 128, hidden 2048
 512 ... 16K with batch * seqlen = 16K tokens, causal and not. FLOPs: forward 4 * batch * nheads * seqlen^2 * head_dim
 (halved when causal), backward 2.5x forward. Each time is the median of timed repeats (CUDA events, after warm-up);
 the implementations' calls are interleaved (--timing interleaved, the default since 2026-11-26: the implementations
-take turns, each preceded equally often by every other, so all run under the same clocks and power state), in
---rounds rounds with fresh inputs, and each keeps its best round (the grid and the workloads take their rounds outer:
-every row's first round, then every row's second, attention_timing.rounds_over_cells). (--timing windows: each
+take turns, each preceded equally often by every other, so all run under the same clocks and power state; the GPU
+held by a sleep while the host queues a pass's calls, so that they run back to back and each interval is its call's
+GPU time, not a short call's host path after a predecessor that left the GPU idle; each implementation's host time per
+call is kept beside it, {impl}_{pass}_host_us), in --rounds rounds with fresh inputs, and each keeps its best round
+(the grid and the workloads take their rounds outer: every row's first round, then every row's second,
+attention_timing.rounds_over_cells). (--timing windows: each
 implementation's repeats back to back, implementations in turn, the order reversed every other round; on an H200 at
 its 700 W cap the same kernels measured 0.88-1.13x of cuDNN from run to run that way, interleaved within 0.3%.
 Interleaving measures the ratios; absolute TFLOP/s run higher than in sustained use of one implementation, as the
@@ -854,7 +857,8 @@ def main() -> None:
     env = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "sms": torch.cuda.get_device_properties(0).multi_processor_count, "bf16_matmul_tflops": matmul_tflops(),
-           "timing": args.timing, "fa4": fa4_baseline.version()}
+           "timing": args.timing + (", GPU held while the host queues each pass's calls" if args.timing == "interleaved"
+                                     else ""), "fa4": fa4_baseline.version()}
     print(json.dumps(env))
     if args.block_sparse:
         out_dir = args.out or RESULTS

@@ -138,18 +138,32 @@ def balanced_order(n: int) -> list[int]:
     return circuit[::-1][:-1]  # (the circuit ends where it began)
 
 
-def time_interleaved(calls: dict, repeats: int) -> dict[str, list[float]]:
+def hold_gpu(seconds: float, clock_hz: float = 2.0e9) -> None:
+    """Queue a kernel that keeps the current stream busy for at least `seconds` (torch.cuda._sleep spins for a number
+    of cycles; counted at clock_hz, at least the GPU's highest clock, so that it lasts no less)."""
+    torch.cuda._sleep(int(seconds * clock_hz))
+
+
+def time_interleaved(calls: dict, repeats: int, hold_s: float = 0.0) -> dict[str, list[float]]:
     """Seconds of each call of each of `calls` ({name: fn}, already warmed up) when they take turns, each call between
     CUDA events, no host sync in between: every name then runs under the same clocks and power state (H200 at its
     700 W cap: windows of one implementation's calls back to back measured the same kernel 0.88-1.13x of cuDNN from
     run to run, interleaved within 0.3%). The turns follow balanced_order, so that every name is preceded equally
     often by every other (what ran before a call, its L2 contents and its power draw, is part of that call's
     conditions; a rotation of the names put each one after the same predecessor 3 times in 4). At least `repeats`
-    calls per name (whole circuits of the order)."""
+    calls per name (whole circuits of the order).
+
+    hold_s > 0: the GPU first runs a sleep of that long (hold_gpu) while the host queues the calls, so that they run
+    back to back and each interval is its call's GPU time. Without it a call whose predecessor left the GPU idle (a
+    host path longer than that call's kernels) is timed from its start event through its own host path: short calls
+    then measure the host's speed and their predecessor (benchmarks/results/timing_host_bound-h200.json). Whole
+    training steps (this file's use) count their host time and take no hold."""
     names, events = list(calls), {name: [] for name in calls}
     order = balanced_order(len(names))
     circuits = -(-repeats // max(len(names) - 1, 1))
     torch.cuda.synchronize()
+    if hold_s > 0:
+        hold_gpu(hold_s)
     for index in order * circuits if names else []:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

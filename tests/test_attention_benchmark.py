@@ -157,3 +157,58 @@ def test_grid_and_workloads_keep_each_cells_best_round(attention, monkeypatch, c
     first = workload_rows[0]
     # FA4 twice flashtrain's time (the ratio of TFLOP/s rounded to 0.1)
     assert first["flashtrain_fwd_ms"] == 1.0 and first["ratio_fa4_fwd"] == pytest.approx(2.0, abs=0.005)
+
+
+def test_interleaved_passes_hold_the_gpu_and_keep_host_times(attention, monkeypatch):
+    """time_passes_interleaved with the GPU timing replaced: each pass's calls are timed with the GPU held for 1.5x the
+    host time of all its timed calls + 2 ms (from each implementation's least warm-up host time; the first warm-up
+    call compiles), an implementation that refuses the pass is left out of it and of the hold, the host time per call
+    comes back beside the GPU time, keep_best keeps the least over rounds; the hold is capped at HOLD_MAX_S and is a
+    sleep of at least its length."""
+    import attention_timing as timing
+    import torch
+    import train_gpt2
+
+    ran, warmups = [], {"a": 0, "b": 0}
+    host = {"a": (0.004, 0.001, 0.0012), "b": (0.003, 0.0005, 0.0006)}  # seconds per warm-up call, in turn
+
+    def fn(name):
+        def call(x):
+            if name == "c":
+                raise RuntimeError("c refuses the shape")
+            ran.append(name)
+            return 2 * x
+        return call
+
+    def host_seconds(call):
+        call()
+        name = ran[-1]  # (the backward pass: its forward ran just before its warm-ups)
+        warmups[name] += 1
+        return host[name][(warmups[name] - 1) % 3]
+
+    holds = []
+
+    def interleaved(ready, repeats, hold_s=0.0):
+        holds.append((sorted(ready), round(hold_s, 6)))
+        return {name: [0.001 * (1 + i)] for i, name in enumerate(sorted(ready))}
+
+    monkeypatch.setattr(timing, "host_seconds", host_seconds)
+    monkeypatch.setattr(timing, "time_interleaved", interleaved)
+    cases = {name: (fn(name), (torch.ones(3, requires_grad=True),), torch.ones(3)) for name in ("a", "b", "c")}
+    times = timing.time_passes_interleaved(cases, repeats=4, label="cell", warmup=3)
+    # two implementations: 4 calls each (time_interleaved's circuits); 1.5 * 4 * (1 + 0.5) ms + 2 ms
+    assert holds == [(["a", "b"], 0.011)] * 3
+    assert times["a"] == {"fwd": 1.0, "fwd_host_us": 1000.0, "bwd": 1.0, "bwd_host_us": 1000.0, "fb": 1.0,
+                          "fb_host_us": 1000.0}
+    assert times["b"]["fb"] == 2.0 and times["b"]["fwd_host_us"] == 500.0 and times["c"] == {}
+
+    row = {}
+    for host_us in (1000.0, 800.0, 1200.0):
+        timing.keep_best(row, "a", {"fwd": 1.0, "fwd_host_us": host_us}, fwd_flops=1e9)
+    assert row["a_fwd_host_us"] == 800.0 and row["a_fwd_ms"] == 1.0 and "a_bwd_host_us" not in row
+
+    assert timing.hold_seconds({"a": 0.01, "b": 0.02}, 100) == timing.HOLD_MAX_S
+    cycles = []
+    monkeypatch.setattr(torch.cuda, "_sleep", cycles.append)
+    train_gpt2.hold_gpu(0.01)
+    assert cycles == [20_000_000]  # 10 ms at 2 GHz, above an H100 / H200's highest SM clock
