@@ -28,8 +28,8 @@ def time_passes_interleaved(cases: dict, repeats: int, label: str, warmup: int =
     per pass, at least r calls of each implementation, taking turns (each preceded equally often by every other), each
     call between CUDA events, no host sync in between (train_gpt2.time_interleaved), the GPU held while the host queues
     them (hold_seconds from the warm-up calls' host times): the GPU times of the calls run back to back, median per
-    implementation. Each implementation's host time per call (the least of its warm-up calls after the first,
-    perf_counter) is kept as times[impl]["{pass}_host_us"]: host time is measured, not mixed into the GPU's."""
+    implementation. Each implementation's host time per call (the least of its warm-up calls, perf_counter) is kept
+    as times[impl]["{pass}_host_us"]: host time is measured, not mixed into the GPU's."""
     times = {impl: {} for impl in cases}
     outs = {}
 
