@@ -2,7 +2,7 @@
 time_passes_interleaved as it is (held) and with the hold off (hold_seconds replaced by 0), taking turns, on short
 cells that can be host-bound and on a long one; flashtrain / FA2 / cuDNN / efficient. Where the host keeps ahead both
 give the same times; where it does not, only the unheld ones move (host_bound_probe.py shows why). Writes
-$OUT/hold_check.json (benchmarks/results/timing_hold_check-h200.json).
+$OUT/hold_check.json (held_timing_check in benchmarks/results/timing_host_bound-h200.json).
 Run from the repository root on a GPU machine: PYTHONPATH=$PWD python benchmarks/probes/held_timing_check.py"""
 import json
 import os
