@@ -12,11 +12,11 @@ held by a sleep while the host queues a pass's calls, so that they run back to b
 GPU time, not a short call's host path after a predecessor that left the GPU idle; each implementation's host time per
 call is kept beside it, {impl}_{pass}_host_us), in --rounds rounds with fresh inputs, and each keeps its best round
 (the grid and the workloads take their rounds outer: every row's first round, then every row's second,
-attention_timing.rounds_over_cells). (--timing windows: each
-implementation's repeats back to back, implementations in turn, the order reversed every other round; on an H200 at
-its 700 W cap the same kernels measured 0.88-1.13x of cuDNN from run to run that way, interleaved within 0.3%.
-Interleaving measures the ratios; absolute TFLOP/s run higher than in sustained use of one implementation, as the
-slower backends' calls between them cool the GPU: benchmarks/probes/clock_probe.py measures sustained speed.)
+attention_timing.rounds_over_cells). (--timing windows: each implementation's repeats back to back, implementations
+in turn, the order reversed every other round; on an H200 at its 700 W cap the same kernels measured 0.88-1.13x of
+cuDNN from run to run that way, interleaved within 0.3%. Interleaving measures the ratios; absolute TFLOP/s run
+higher than in sustained use of one implementation, as the slower backends' calls between them cool the GPU:
+benchmarks/probes/clock_probe.py measures sustained speed.)
 Sustained speed (--sustained SECONDS, default 5 with --all): training runs one implementation back to back at the
 clocks its own power draw settles at, which interleaving does not show. For the head dim 128 grid rows at S >= 4K,
 flashtrain, FA4 and cuDNN each run forward, then forward+backward, alone for SECONDS (the host keeps 16 calls queued,

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from train_gpt2 import time_interleaved  # the sibling benchmark's timers
+from train_gpt2 import calls_per_name, time_interleaved  # the sibling benchmark's timers
 
 PASSES = (("fwd", 1.0), ("bwd", 2.5), ("fb", 3.5))  # each pass's FLOPs in units of the forward's
 
@@ -57,9 +57,9 @@ def time_passes_interleaved(cases: dict, repeats: int, label: str, warmup: int =
                 print(f"  {impl} {label} {kind}: {type(error).__name__}: {str(error)[:120]}")
                 outs.pop(impl, None)
                 host_s.pop(impl, None)
-        calls_each = -(-repeats // max(len(ready) - 1, 1)) * max(len(ready) - 1, 1)  # (time_interleaved's circuits)
+        hold_s = hold_seconds(host_s, calls_per_name(len(ready), repeats))
         with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
-            seconds = time_interleaved(ready, repeats, hold_s=hold_seconds(host_s, calls_each))
+            seconds = time_interleaved(ready, repeats, hold_s=hold_s)
         for impl, values in seconds.items():
             times[impl][kind] = 1000 * statistics.median(values)
             times[impl][f"{kind}_host_us"] = 1e6 * host_s[impl]

@@ -144,6 +144,13 @@ def hold_gpu(seconds: float, clock_hz: float = 2.0e9) -> None:
     torch.cuda._sleep(int(seconds * clock_hz))
 
 
+def calls_per_name(n_names: int, repeats: int) -> int:
+    """How many calls of each name time_interleaved makes: whole circuits of balanced_order (n_names - 1 calls of
+    each per circuit), at least `repeats`."""
+    per_circuit = max(n_names - 1, 1)
+    return -(-repeats // per_circuit) * per_circuit
+
+
 def time_interleaved(calls: dict, repeats: int, hold_s: float = 0.0) -> dict[str, list[float]]:
     """Seconds of each call of each of `calls` ({name: fn}, already warmed up) when they take turns, each call between
     CUDA events, no host sync in between: every name then runs under the same clocks and power state (H200 at its
@@ -160,7 +167,7 @@ def time_interleaved(calls: dict, repeats: int, hold_s: float = 0.0) -> dict[str
     training steps (this file's use) count their host time and take no hold."""
     names, events = list(calls), {name: [] for name in calls}
     order = balanced_order(len(names))
-    circuits = -(-repeats // max(len(names) - 1, 1))
+    circuits = calls_per_name(len(names), repeats) // max(len(names) - 1, 1)
     torch.cuda.synchronize()
     if hold_s > 0:
         hold_gpu(hold_s)

@@ -42,8 +42,7 @@ class HeldActivations(TorchDispatchMode):
 def gpt2_step(mode: str, attn_impl: str):
     """(loss, gradients by parameter name, activation bytes held after the forward, block forward calls) of one
     training step of a 3-layer GPT-2 with dropout everywhere, on one CPU thread: the runs are compared bit for bit,
-    and a reduction split over a varying number of threads need not add in the same order (in one full-suite run of
-    2026-12-01 the gradients differed, the first checked, the tied embedding's, named; not reproduced since)."""
+    and a reduction split over a varying number of threads need not add in the same order."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -14,22 +14,36 @@ import torch  # noqa: E402
 import attention as A  # noqa: E402
 import attention_timing as T  # noqa: E402
 
-out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "utc_start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cells": {}}
-impls = ["flashtrain", "fa2", "cudnn", "efficient"]
-cells = [A.Workload("GPT-2 small 1K causal", 16, 1024, 12, 12, 64, True),
+CELLS = [A.Workload("GPT-2 small 1K causal", 16, 1024, 12, 12, 64, True),
          A.Workload("hd128 causal 512", 32, 512, 16, 16, 128, True),
          A.Workload("hd128 full 4K", 4, 4096, 16, 16, 128, False)]
-held = T.hold_seconds
-path = os.path.join(os.environ.get("OUT", "."), "hold_check.json")
-for w in cells:
-    cases = {impl: A.workload_case(impl, w) for impl in impls}
-    res = {}
-    for label in ("held", "not held", "held", "not held"):
-        T.hold_seconds = held if label == "held" else (lambda host_s, calls_each: 0.0)
-        t0 = time.perf_counter()
-        times = T.time_passes_interleaved(cases, 20, w.name)
-        res.setdefault(label, []).append({"seconds": round(time.perf_counter() - t0, 2), **{i: {k: round(v, 4) for k, v in t.items()} for i, t in times.items()}})
-        print(w.name, label, {i: (round(t["fwd"], 4), round(t["fb"], 4), round(t["fwd_host_us"]), round(t["fb_host_us"])) for i, t in times.items()}, flush=True)
-    out["cells"][w.name] = res
-    out["utc_end"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    json.dump(out, open(path, "w"), indent=1)
+IMPLS = ("flashtrain", "fa2", "cudnn", "efficient")
+
+
+def main() -> None:
+    utc = lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())  # noqa: E731
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "utc_start": utc(), "cells": {}}
+    held = T.hold_seconds
+    path = os.path.join(os.environ.get("OUT", "."), "hold_check.json")
+    try:
+        for w in CELLS:
+            cases = {impl: A.workload_case(impl, w) for impl in IMPLS}
+            runs = {}
+            for label in ("held", "not held", "held", "not held"):
+                T.hold_seconds = held if label == "held" else (lambda host_s, calls_each: 0.0)
+                start = time.perf_counter()
+                times = T.time_passes_interleaved(cases, 20, w.name)
+                runs.setdefault(label, []).append({"seconds": round(time.perf_counter() - start, 2), **{
+                    impl: {key: round(value, 4) for key, value in t.items()} for impl, t in times.items()}})
+                print(w.name, label, {impl: (round(t["fwd"], 4), round(t["fb"], 4)) for impl, t in times.items()},
+                      flush=True)
+            out["cells"][w.name] = runs
+            out["utc_end"] = utc()
+            with open(path, "w") as f:
+                json.dump(out, f, indent=1)
+    finally:
+        T.hold_seconds = held
+
+
+if __name__ == "__main__":
+    main()
