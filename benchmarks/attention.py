@@ -858,7 +858,8 @@ def main() -> None:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "sms": torch.cuda.get_device_properties(0).multi_processor_count, "bf16_matmul_tflops": matmul_tflops(),
            "timing": args.timing + (", GPU held while the host queues each pass's calls" if args.timing == "interleaved"
-                                     else ""), "fa4": fa4_baseline.version()}
+                                     else ""), "fa4": fa4_baseline.version(),
+           **gpu_clocks.board(), "commit": gpu_clocks.source_commit(Path(__file__).resolve().parent)}
     print(json.dumps(env))
     if args.block_sparse:
         out_dir = args.out or RESULTS

@@ -29,3 +29,28 @@ def steady_state(rows: list[list[float]]) -> tuple[float, float, float]:
     if not steady:
         raise RuntimeError("nvidia-smi gave no clock / power samples (is it on PATH, and did the run last 50 ms?)")
     return tuple(statistics.mean(r[i] for r in steady) for i in range(3))
+
+
+def board() -> dict:
+    """The driver version and board power limit (W) of GPU 0, for a record's env: the power cap sets the clock a long
+    kernel runs at. Empty where nvidia-smi is not on PATH or fails."""
+    try:
+        line = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,power.limit", "--format=csv,noheader,nounits",
+                               "-i", "0"], capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    except (FileNotFoundError, subprocess.SubprocessError):
+        return {}
+    driver, limit = (x.strip() for x in line.split(","))
+    return {"driver": driver, "power_limit_w": round(float(limit))}
+
+
+def source_commit(root) -> str | None:
+    """The checkout's commit, with "+changes" when tracked files differ from it (a record names the tree it ran on);
+    None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    except (FileNotFoundError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if dirty else "")

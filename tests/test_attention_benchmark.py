@@ -107,6 +107,37 @@ def test_sustained_clocks_come_with_the_speed(attention, monkeypatch):
     assert calls == ["a", "b"]  # one run each: the missing sampler does not repeat the measurement
 
 
+def test_record_env_names_the_board_and_the_tree(attention, monkeypatch, tmp_path):
+    """A record's env carries the driver and power limit (nvidia-smi's one line for GPU 0) and the commit it ran on,
+    marked when tracked files differ; both are left out (not guessed) where the tools are missing."""
+    import subprocess
+
+    import gpu_clocks
+
+    def fake_run(cmd, **kwargs):
+        assert cmd[0] == "nvidia-smi" and "--query-gpu=driver_version,power.limit" in cmd
+        return subprocess.CompletedProcess(cmd, 0, stdout="580.159.04, 700.00\n")
+
+    monkeypatch.setattr(gpu_clocks.subprocess, "run", fake_run)
+    assert gpu_clocks.board() == {"driver": "580.159.04", "power_limit_w": 700}
+
+    def missing(cmd, **kwargs):
+        raise FileNotFoundError(cmd[0])
+
+    monkeypatch.setattr(gpu_clocks.subprocess, "run", missing)
+    assert gpu_clocks.board() == {} and gpu_clocks.source_commit(tmp_path) is None
+    monkeypatch.undo()
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (tmp_path / "f.txt").write_text("a")
+    subprocess.run(git + ["add", "f.txt"], check=True)
+    subprocess.run(git + ["commit", "-qm", "c"], check=True)
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert gpu_clocks.source_commit(tmp_path) == head
+    (tmp_path / "f.txt").write_text("b")
+    assert gpu_clocks.source_commit(tmp_path) == head + "+changes"
+
+
 def test_sustained_markdown_shows_clocks_and_work_per_ghz(attention):
     row = {"hd": 128, "S": 16384, "causal": False, "seconds": 3, "rounds": 2}
     for impl, (fwd, mhz) in {"flashtrain": (632.0, 1600.0), "fa4": (659.0, 1650.0), "cudnn": (598.0, 1650.0)}.items():
