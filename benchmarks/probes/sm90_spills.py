@@ -6,8 +6,9 @@ those outside are the producer warpgroup's roles (24-40 registers) and set-up / 
     PYTHONPATH=$PWD python benchmarks/probes/sm90_spills.py [--kernels bwd:128:causal bwd:64 fwd:64:causal ...]
         [--defines FT_BWD_PRODUCER_REGS=40,...]
 
-A kernel is kind:head_dim[:causal][:dropout][:det][:mods] (kind fwd or bwd; det: the deterministic backward; mods: the
-score-modification variant; head dims 80 / 96: the hd128 kernels narrowed to that many columns, which head dims 65-96 run). --defines adds
+A kernel is kind:head_dim[:causal][:dropout][:det][:mods][:sN] (kind fwd or bwd; det: the deterministic backward; mods:
+the score-modification variant; sN, forward: the kernel a call of N query and key tokens runs, its tiles by length;
+head dims 80 / 96: the hd128 kernels narrowed to that many columns, which head dims 65-96 run). --defines adds
 macros to every compilation (as FLASHTRAIN_EXTRA_DEFINES does). Needs nvcc and cuobjdump (CUOBJDUMP=path, or on
 PATH; pip's nvidia-cuda-cuobjdump wheel carries one). The Hopper backward's speed moved with its spills' placement by
 up to 10% either way in 2026-11-25's measurements: compare a change's table with the default's
@@ -36,9 +37,13 @@ DEFAULT_KERNELS = ["bwd:64", "bwd:64:causal", "bwd:128", "bwd:128:causal", "bwd:
 
 def kernel_spec(item: str) -> build.KernelSpec:
     kind, head_dim, *flags = item.split(":")
+    seqlens = [int(f[1:]) for f in flags if re.fullmatch(r"s\d+", f)]  # sN: the kernel a call of N tokens runs
+    flags = [f for f in flags if not re.fullmatch(r"s\d+", f)]
+    seqlen = seqlens[-1] if seqlens else 0
     unknown = set(flags) - {"causal", "dropout", "det", "mods"}
     if kind not in ("fwd", "bwd") or unknown or (kind == "fwd" and "det" in flags):
-        raise SystemExit(f"--kernels: {item!r} is not kind:head_dim[:causal][:dropout][:det][:mods] (det: bwd only)")
+        raise SystemExit(f"--kernels: {item!r} is not kind:head_dim[:causal][:dropout][:det][:mods][:sN] (det: bwd "
+                         "only)")
     causal, dropout = "causal" in flags, "dropout" in flags
     if "mods" in flags:
         if kind == "fwd":
@@ -50,6 +55,9 @@ def kernel_spec(item: str) -> build.KernelSpec:
     narrow = int(head_dim) if int(head_dim) in build.SM90_NARROW_HEAD_DIMS else None
     head_dim = 128 if narrow else int(head_dim)
     if kind == "fwd":
+        if seqlen:
+            return build.fwd_kernel(head_dim, "bf16", causal, dropout, arch=build.SM90_ARCH, seqlen_q=seqlen,
+                                    seqlen_k=seqlen, effective_head_dim=narrow)
         return build.fwd_sm90_kernel(head_dim, "bf16", causal, dropout=dropout, head_dim_eff=narrow)
     return build.bwd_sm90_kernel(head_dim, "bf16", causal, dropout=dropout, deterministic="det" in flags,
                                  head_dim_eff=narrow)

@@ -80,6 +80,15 @@
 #endif
 // FT_FWD_STATIC=1 (A/B): the one-CTA kernels take their tiles in the 2-CTA cluster kernels' static round-robin
 // (FwdSm90Traits::kCluster) instead of from the dynamic scheduler.
+#ifndef FT_FWD_RING_NONCAUSAL
+#define FT_FWD_RING_NONCAUSAL 0
+#endif
+#ifndef FT_FWD_EPI_OPAQUE
+#define FT_FWD_EPI_OPAQUE 1
+#endif
+#ifndef FT_FWD_PV_FENCE
+#define FT_FWD_PV_FENCE 0
+#endif
 #ifndef FT_FWD_STATIC
 #define FT_FWD_STATIC 0
 #endif
@@ -159,7 +168,7 @@ struct FwdSm90Traits {
     // (FT_FWD_ROUND_ROBIN; H200, graph-interleaved, 2026-11-26, hd64 192-row tiles, causal 512 / 768 / 1K / 4K / 16K
     // 1.011 / 1.011 / 1.015 / 1.009 / 1.002x of issuing freely; non-causal 512 / 2K / 16K 0.998 / 1.000 / 0.992x)
     static constexpr bool kPingPong =
-        !kSplitD && (kNConsumers == 2 || (kNConsumers == 3 && kIsCausal_ && FT_FWD_ROUND_ROBIN));
+        !kSplitD && (kNConsumers == 2 || (kNConsumers == 3 && (kIsCausal_ || FT_FWD_RING_NONCAUSAL) && FT_FWD_ROUND_ROBIN));
     // Registers per thread after reallocation. The CTA's pool is what it got at launch, 65536 / kNThreads rounded
     // down to a multiple of 8 per thread (384 threads: 168); setmaxnreg.inc waits until the pool has the registers,
     // so asking for more than the pool holds hangs the CTA.
@@ -800,6 +809,13 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                  : softmax_exp_row<kNT, false, kRowBias>(s, hf, row_max[hf], row_sum[hf],
                                                                          p.softmax_scale_log2, row_bias[hf]);
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
+#if FT_FWD_PV_FENCE == 1
+                __syncwarp();
+#elif FT_FWD_PV_FENCE == 2
+                if (n_block == -12345) __trap();
+#elif FT_FWD_PV_FENCE == 3
+                named_bar_sync(15, 128);
+#endif
                 wgmma_wait<0>();  // P V done: O and the P registers are free
                 fence_operand(o);
                 if constexpr (kArrivePred) mbar_arrive_if(lead_lane, empty_v(prev));
@@ -876,8 +892,13 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             // (the warpgroup's reads of the previous tile's O, or the copy engine's, are done)
             if (T::kTmaStoreO && ctid == 0) bulk_wait_read<0>();
             named_bar_sync(T::kBarEpilogue + cw, 128);
+            // FT_FWD_EPI_OPAQUE: the thread's lane, row and chunk indices re-derived here, opaque to the compiler
+            int e_lane = lane, e_row0 = row0, e_ctid = ctid;
+#if FT_FWD_EPI_OPAQUE
+            asm volatile("" : "+r"(e_lane), "+r"(e_row0), "+r"(e_ctid));
+#endif
             float(&o1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&o);
-            store_acc<T::kIsBF16, TileQ>(sO, o1, row0, 0, 1.f, lane);
+            store_acc<T::kIsBF16, TileQ>(sO, o1, e_row0, 0, 1.f, e_lane);
             if (T::kTmaStoreO && (!varlen || rows_valid >= 64) && rows_first <= 0) {
                 // TMA stores of the warpgroup's 64 rows (rows past a batch's sequence lie outside the tensor map and
                 // are not written; a varlen sequence's partial last tile takes the loop below: its rows past the end
@@ -898,7 +919,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 constexpr int kChunksPerRow = T::kHeadDim / 8;
 #pragma unroll
                 for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
-                    const int chunk = ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+                    const int chunk = e_ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
                     if (row < rows_valid && row >= rows_first && col < p.head_dim) {
                         u32 v[4];
                         ld_shared_v4(TileQ::addr(sO, cw * 64 + row, col), v);
