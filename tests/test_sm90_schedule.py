@@ -42,8 +42,22 @@ def test_hd128_forward_exponentials_precede_the_pv_wait(tmp_path):
     cubin = tmp_path / "fwd.cubin"
     build._compile_nvcc(spec, build.SM90_ARCH, cubin)
     windows = probe.pv_wait_windows(probe.sass_instructions(tool, cubin))
-    # the loop's two paths (unmasked, masked): 15-18 of 66 exponentials and 156-282 instructions beside the P V GEMM
-    # with ptxas 13.0; 0 with the releases behind branches
+    # the loop's two paths (unmasked, masked): 25-26 of 66 exponentials and 197-318 instructions beside the P V GEMM
+    # with ptxas 13.0; 15-18 with the epilogue's indices derived before the tile loop (FT_FWD_EPI_OPAQUE=0), 0 with
+    # the releases behind branches
     assert len(windows) == 2, windows
-    assert min(exps for exps, _ in windows) >= 10, windows
+    assert min(exps for exps, _ in windows) >= 20, windows
     assert min(instrs for _, instrs in windows) >= 100, windows
+
+
+def test_kernel_items_pick_the_kernel_a_call_of_that_length_runs():
+    """sm90_spills.py's kind:head_dim[:flags][:sN]: with sN the forward kernel build dispatches for N query and key
+    tokens (its tiles by length), without it the default tiles."""
+    probe = _probe()
+    assert probe.kernel_spec("fwd:128:s16384").name == build.fwd_kernel(
+        128, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=16384, seqlen_k=16384).name
+    assert probe.kernel_spec("fwd:128:s16384").name != probe.kernel_spec("fwd:128").name
+    assert probe.kernel_spec("fwd:64:causal:s4096").name == build.fwd_kernel(
+        64, "bf16", True, False, arch=build.SM90_ARCH, seqlen_q=4096, seqlen_k=4096).name
+    with pytest.raises(SystemExit, match="kind:head_dim"):
+        probe.kernel_spec("fwd:128:sx")

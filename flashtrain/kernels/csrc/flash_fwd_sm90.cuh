@@ -80,14 +80,15 @@
 #endif
 // FT_FWD_STATIC=1 (A/B): the one-CTA kernels take their tiles in the 2-CTA cluster kernels' static round-robin
 // (FwdSm90Traits::kCluster) instead of from the dynamic scheduler.
-#ifndef FT_FWD_RING_NONCAUSAL
-#define FT_FWD_RING_NONCAUSAL 0
-#endif
+// FT_FWD_EPI_OPAQUE (default 1): the staged epilogue's lane, row and chunk indices hidden from the compiler where the
+// epilogue starts, so that it derives them there instead of hoisting them out of the tile loop: those ~14 registers
+// were live through the key-block loop, and at 128-row hd128 tiles ptxas then waited for the P V GEMM before more of
+// the softmax (18 -> 26 exponentials beside it in the non-causal loop, sm90_spills.py). 1: head dim 128 (not narrowed,
+// no score modifications, dropout or block mask); 2: every kernel with the staged epilogue (A/B); 0: none. H200,
+// interleaved CUDA-graph A/B, forward, with / without: hd128 non-causal 4K 1.014, 1K 1.013-1.035, causal 4K 1.002,
+// 512 1.005; at hd64's 192-row tiles (0 -> 19 exponentials beside the P V GEMM) 0.941-0.966, hd96 0.994.
 #ifndef FT_FWD_EPI_OPAQUE
 #define FT_FWD_EPI_OPAQUE 1
-#endif
-#ifndef FT_FWD_PV_FENCE
-#define FT_FWD_PV_FENCE 0
 #endif
 #ifndef FT_FWD_STATIC
 #define FT_FWD_STATIC 0
@@ -168,7 +169,7 @@ struct FwdSm90Traits {
     // (FT_FWD_ROUND_ROBIN; H200, graph-interleaved, 2026-11-26, hd64 192-row tiles, causal 512 / 768 / 1K / 4K / 16K
     // 1.011 / 1.011 / 1.015 / 1.009 / 1.002x of issuing freely; non-causal 512 / 2K / 16K 0.998 / 1.000 / 0.992x)
     static constexpr bool kPingPong =
-        !kSplitD && (kNConsumers == 2 || (kNConsumers == 3 && (kIsCausal_ || FT_FWD_RING_NONCAUSAL) && FT_FWD_ROUND_ROBIN));
+        !kSplitD && (kNConsumers == 2 || (kNConsumers == 3 && kIsCausal_ && FT_FWD_ROUND_ROBIN));
     // Registers per thread after reallocation. The CTA's pool is what it got at launch, 65536 / kNThreads rounded
     // down to a multiple of 8 per thread (384 threads: 168); setmaxnreg.inc waits until the pool has the registers,
     // so asking for more than the pool holds hangs the CTA.
@@ -809,13 +810,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                  : softmax_exp_row<kNT, false, kRowBias>(s, hf, row_max[hf], row_sum[hf],
                                                                          p.softmax_scale_log2, row_bias[hf]);
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
-#if FT_FWD_PV_FENCE == 1
-                __syncwarp();
-#elif FT_FWD_PV_FENCE == 2
-                if (n_block == -12345) __trap();
-#elif FT_FWD_PV_FENCE == 3
-                named_bar_sync(15, 128);
-#endif
                 wgmma_wait<0>();  // P V done: O and the P registers are free
                 fence_operand(o);
                 if constexpr (kArrivePred) mbar_arrive_if(lead_lane, empty_v(prev));
@@ -892,11 +886,12 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             // (the warpgroup's reads of the previous tile's O, or the copy engine's, are done)
             if (T::kTmaStoreO && ctid == 0) bulk_wait_read<0>();
             named_bar_sync(T::kBarEpilogue + cw, 128);
-            // FT_FWD_EPI_OPAQUE: the thread's lane, row and chunk indices re-derived here, opaque to the compiler
+            // (FT_FWD_EPI_OPAQUE: the thread's lane, row and chunk indices opaque here, so derived here)
             int e_lane = lane, e_row0 = row0, e_ctid = ctid;
-#if FT_FWD_EPI_OPAQUE
-            asm volatile("" : "+r"(e_lane), "+r"(e_row0), "+r"(e_ctid));
-#endif
+            constexpr bool kEpiOpaque =
+                FT_FWD_EPI_OPAQUE == 2 || (FT_FWD_EPI_OPAQUE == 1 && T::kHeadDim == 128 && T::kHeadDimEff == 128 &&
+                                           !T::kScoreMods && !T::kIsDropout && !T::kIsBlockSparse);
+            if constexpr (kEpiOpaque) asm volatile("" : "+r"(e_lane), "+r"(e_row0), "+r"(e_ctid));
             float(&o1)[1][kDT][4] = *reinterpret_cast<float(*)[1][kDT][4]>(&o);
             store_acc<T::kIsBF16, TileQ>(sO, o1, e_row0, 0, 1.f, e_lane);
             if (T::kTmaStoreO && (!varlen || rows_valid >= 64) && rows_first <= 0) {
