@@ -78,8 +78,6 @@
 #ifndef FT_FWD_ARRIVE_PRED
 #define FT_FWD_ARRIVE_PRED 1
 #endif
-// FT_FWD_STATIC=1 (A/B): the one-CTA kernels take their tiles in the 2-CTA cluster kernels' static round-robin
-// (FwdSm90Traits::kCluster) instead of from the dynamic scheduler.
 // FT_FWD_EPI_OPAQUE (default 1): the staged epilogue's lane, row and chunk indices hidden from the compiler where the
 // epilogue starts, so that it derives them there instead of hoisting them out of the tile loop: those ~14 registers
 // were live through the key-block loop, and at 128-row hd128 tiles ptxas then waited for the P V GEMM before more of
@@ -90,6 +88,8 @@
 #ifndef FT_FWD_EPI_OPAQUE
 #define FT_FWD_EPI_OPAQUE 1
 #endif
+// FT_FWD_STATIC=1 (A/B): the one-CTA kernels take their tiles in the 2-CTA cluster kernels' static round-robin
+// (FwdSm90Traits::kCluster) instead of from the dynamic scheduler.
 #ifndef FT_FWD_STATIC
 #define FT_FWD_STATIC 0
 #endif
