@@ -61,3 +61,5 @@ def test_kernel_items_pick_the_kernel_a_call_of_that_length_runs():
         64, "bf16", True, False, arch=build.SM90_ARCH, seqlen_q=4096, seqlen_k=4096).name
     with pytest.raises(SystemExit, match="kind:head_dim"):
         probe.kernel_spec("fwd:128:sx")
+    with pytest.raises(SystemExit, match="sN: fwd only"):
+        probe.kernel_spec("bwd:128:s16384")

@@ -13,7 +13,7 @@ sys.path.insert(0, "benchmarks")
 import torch  # noqa: E402
 import attention as A  # noqa: E402
 from attention_timing import host_seconds  # noqa: E402
-from train_gpt2 import balanced_order, hold_gpu  # noqa: E402
+from train_gpt2 import balanced_order, calls_per_name, hold_gpu  # noqa: E402
 
 CELLS = [A.Workload("GPT-2 small 1K causal", 16, 1024, 12, 12, 64, True),
          A.Workload("hd128 causal 512", 32, 512, 16, 16, 128, True),
@@ -26,7 +26,7 @@ def run(cases: dict, repeats: int, pad: bool) -> dict:
     """The interleaved timing (balanced order, CUDA events, no host sync), with a sleep queued before each call when
     pad: per implementation the median and least ms, and the median per predecessor implementation."""
     names = list(cases)
-    circuits = -(-repeats // (len(names) - 1))
+    circuits = calls_per_name(len(names), repeats) // (len(names) - 1)
     records, prev = [], None
     torch.cuda.synchronize()
     for index in balanced_order(len(names)) * circuits:

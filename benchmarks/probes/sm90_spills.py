@@ -41,9 +41,9 @@ def kernel_spec(item: str) -> build.KernelSpec:
     flags = [f for f in flags if not re.fullmatch(r"s\d+", f)]
     seqlen = seqlens[-1] if seqlens else 0
     unknown = set(flags) - {"causal", "dropout", "det", "mods"}
-    if kind not in ("fwd", "bwd") or unknown or (kind == "fwd" and "det" in flags):
+    if kind not in ("fwd", "bwd") or unknown or (kind == "fwd" and "det" in flags) or (kind == "bwd" and seqlen):
         raise SystemExit(f"--kernels: {item!r} is not kind:head_dim[:causal][:dropout][:det][:mods][:sN] (det: bwd "
-                         "only)")
+                         "only; sN: fwd only)")
     causal, dropout = "causal" in flags, "dropout" in flags
     if "mods" in flags:
         if kind == "fwd":
