@@ -128,6 +128,28 @@
 
 namespace flashtrain {
 
+// FT_BWD_DESC64 / FT_BWD_DESC32: a bit per wgmma descriptor call site of this file (bdesc's kSite, numbered in source
+// order) whose descriptor moves by one 64-bit add / by a 32-bit add to its address field (wgmma.cuh FT_DESC_ADD's forms
+// 2 / 1); the other sites take FT_DESC_ADD's form. Default: the split-keys kernel's dO (S / dP GEMM), dK /
+// dV and dQ operands (sites 17, 19, 20, 21) by 64-bit adds, for which ptxas emits one UIADD3.64 each instead of an
+// add and a move of the high word (99 fewer instructions between the kernel's HGMMAs). H200, interleaved CUDA-graph
+// A/B, hd192 causal 4K backward with / without 1.011. (The other kernels keep FT_DESC_ADD's form: fewer instructions
+// there did not make them faster.)
+#ifndef FT_BWD_DESC64
+#define FT_BWD_DESC64 0x3a0000ull
+#endif
+#ifndef FT_BWD_DESC32
+#define FT_BWD_DESC32 0ull
+#endif
+template <int kSite, int kSwizzle = 1>
+__device__ __forceinline__ u64 bdesc(u32 base, u32 offset_bytes, u32 leading_bytes, u32 stride_bytes) {
+    if constexpr ((((unsigned long long)(FT_BWD_DESC64)) >> kSite) & 1)
+        return gmma_desc_form<2, kSwizzle>(base, offset_bytes, leading_bytes, stride_bytes);
+    else if constexpr ((((unsigned long long)(FT_BWD_DESC32)) >> kSite) & 1)
+        return gmma_desc_form<1, kSwizzle>(base, offset_bytes, leading_bytes, stride_bytes);
+    else return gmma_desc_at<kSwizzle>(base, offset_bytes, leading_bytes, stride_bytes);
+}
+
 template <int kHeadDim_, int kBlockM_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
           bool kIsBlockSparse_, bool kIsDeterministic_, bool kPersistent_ = true, int kHeadDimEff_ = kHeadDim_,
           int kScoreMods_ = 0, bool kMaskMod_ = false, int kBlockN_ = 0>
@@ -893,7 +915,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < kBlockM / 16; ++ks)
-                wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc, a[ks], gmma_desc_at(b_tile, ks * 16 * 128, kBlockM * 128, 1024),
+                wgmma_rs<T::kHeadDimEff, T::kIsBF16>(acc, a[ks], bdesc<0>(b_tile, ks * 16 * 128, kBlockM * 128, 1024),
                                                      1);
             wgmma_commit();
         };
@@ -950,8 +972,8 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
             for (int kk = 0; kk < T::kHeadDimEff / 16; ++kk) {
                 const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
                 const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-                wgmma_ss<kBlockM, T::kIsBF16>(st, gmma_desc_at(sK_w, off_kv, 16, 1024),
-                                              gmma_desc_at(sQ_s, off_q, 16, 1024), T::kBiasS || kk > 0);
+                wgmma_ss<kBlockM, T::kIsBF16>(st, bdesc<1>(sK_w, off_kv, 16, 1024),
+                                              bdesc<2>(sQ_s, off_q, 16, 1024), T::kBiasS || kk > 0);
             }
             wgmma_commit();
             if (T::kDeferDq == 2 && dq_m0 >= 0) {  // the previous block's dQ piece (issued before S^T)
@@ -964,8 +986,8 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
             for (int kk = 0; kk < T::kHeadDimEff / 16; ++kk) {
                 const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
                 const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-                wgmma_ss<kBlockM, T::kIsBF16>(dpt, gmma_desc_at(sV_w, off_kv, 16, 1024),
-                                              gmma_desc_at(sdO_s, off_q, 16, 1024), kk > 0);
+                wgmma_ss<kBlockM, T::kIsBF16>(dpt, bdesc<3>(sV_w, off_kv, 16, 1024),
+                                              bdesc<4>(sdO_s, off_q, 16, 1024), kk > 0);
             }
             wgmma_commit();
             flush_dq();  // the previous block's dQ slice, stored before these GEMMs were issued
@@ -1172,14 +1194,14 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
 #pragma unroll
         for (int ks = 0; ks < kBlockN / 16; ++ks) {
             if constexpr (T::kSwapDq) {
-                const u64 desc_a = gmma_desc_at(sK_all, (FT_BWD_LEAN_ADDR ? 0 : w * kBlockN * 128) + ks * 16 * 128,
+                const u64 desc_a = bdesc<5>(sK_all, (FT_BWD_LEAN_ADDR ? 0 : w * kBlockN * 128) + ks * 16 * 128,
                                                    kBlockN * 128, 1024);
-                const u64 desc_b = gmma_desc_at(sdS, (ks / 4) * kBlockM * 128 + (ks % 4) * 32, 16, 1024);
+                const u64 desc_b = bdesc<6>(sdS, (ks / 4) * kBlockM * 128 + (ks % 4) * 32, 16, 1024);
                 if (ks == 0) wgmma_ss_tn_init<kBlockM, T::kIsBF16>(dq, desc_a, desc_b, 0);
                 else wgmma_ss_tn<kBlockM, T::kIsBF16>(dq, desc_a, desc_b, 1);
             } else {
-                const u64 desc_a = gmma_desc_at(sdS, mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
-                const u64 desc_b = gmma_desc_at(sK_all, hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+                const u64 desc_a = bdesc<7>(sdS, mi * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
+                const u64 desc_b = bdesc<8>(sK_all, hj * kBlockN * 128 + ks * 16 * 128, kBlockN * 128, 1024);
                 if (!T::kNarrowDq || w == 0) {  // (kNarrowDq: warpgroup 0's whole dQ, hj = 0)
                     if (ks == 0) wgmma_ss_tt_init<T::kDqCols, T::kIsBF16>(dq, desc_a, desc_b, 0);  // old values dead
                     else wgmma_ss_tt<T::kDqCols, T::kIsBF16>(dq, desc_a, desc_b, 1);
@@ -1441,8 +1463,8 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
             const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
             const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-            wgmma_ss<kBlockM, T::kIsBF16>(sdp, gmma_desc_at(W == 0 ? sK : sV, off_kv, 16, 1024),
-                                          gmma_desc_at(W == 0 ? sQ_s : sdO_s, off_q, 16, 1024), kk > 0);
+            wgmma_ss<kBlockM, T::kIsBF16>(sdp, bdesc<9>(W == 0 ? sK : sV, off_kv, 16, 1024),
+                                          bdesc<10>(W == 0 ? sQ_s : sdO_s, off_q, 16, 1024), kk > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -1455,7 +1477,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
 #pragma unroll
             for (int ks = 0; ks < kKS; ++ks)
                 wgmma_rs<kDvN, T::kIsBF16>(acc_dv, pa[ks],
-                                           gmma_desc_at(sdO_s, (kDvCol / 64) * kBlockM * 128 + ks * 16 * 128,
+                                           bdesc<11>(sdO_s, (kDvCol / 64) * kBlockM * 128 + ks * 16 * 128,
                                                         kBlockM * 128, 1024), 1);
             wgmma_commit();
         };
@@ -1515,7 +1537,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
 #pragma unroll
         for (int ks = 0; ks < kKS; ++ks)
             wgmma_rs<kDkN, T::kIsBF16>(acc_dk, dsa[ks],
-                                       gmma_desc_at(sQ_s, (kDkCol / 64) * kBlockM * 128 + ks * 16 * 128,
+                                       bdesc<12>(sQ_s, (kDkCol / 64) * kBlockM * 128 + ks * 16 * 128,
                                                     kBlockM * 128, 1024), 1);
         wgmma_commit();
         wgmma_wait<1>();  // dV done: its A fragments (P^T) are dead before the dQ accumulators are live
@@ -1531,8 +1553,8 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
         auto dq_gemm = [&](float (&dq)[8][4], int cb) {
 #pragma unroll
             for (int ks = 0; ks < kBlockN / 16; ++ks) {
-                const u64 desc_a = gmma_desc_at(sdS, ks * 16 * 128, kBlockN * 128, 1024);
-                const u64 desc_b = gmma_desc_at(sK + cb * kBlockN * 128, ks * 16 * 128, kBlockN * 128, 1024);
+                const u64 desc_a = bdesc<13>(sdS, ks * 16 * 128, kBlockN * 128, 1024);
+                const u64 desc_b = bdesc<14>(sK + cb * kBlockN * 128, ks * 16 * 128, kBlockN * 128, 1024);
                 if (ks == 0) wgmma_ss_tt_init<64, T::kIsBF16>(dq, desc_a, desc_b, 0);
                 else wgmma_ss_tt<64, T::kIsBF16>(dq, desc_a, desc_b, 1);
             }
@@ -1751,15 +1773,15 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
             const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
             const u32 off_k = (kk / (kKB / 16)) * kBlockN * kKB * 2 + kKeys * W * kKB * 2 + (kk % (kKB / 16)) * 32;
-            wgmma_ss<kKeys, T::kIsBF16>(st, gmma_desc_at(sQ_s, off_q, 16, 1024),
-                                        gmma_desc_at<2>(sK, off_k, 16, 8 * kKB * 2), kk > 0);
+            wgmma_ss<kKeys, T::kIsBF16>(st, bdesc<15>(sQ_s, off_q, 16, 1024),
+                                        bdesc<16, 2>(sK, off_k, 16, 8 * kKB * 2), kk > 0);
         }
         wgmma_commit();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
             const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
             const u32 off_v = (kk / 4) * kBlockN * 128 + kKeys * W * 128 + (kk % 4) * 32;
-            wgmma_ss<kKeys, T::kIsBF16>(dpt, gmma_desc_at(sdO_s, off_q, 16, 1024), gmma_desc_at(sV, off_v, 16, 1024),
+            wgmma_ss<kKeys, T::kIsBF16>(dpt, bdesc<17>(sdO_s, off_q, 16, 1024), bdesc<18>(sV, off_v, 16, 1024),
                                         kk > 0);
         }
         wgmma_commit();
@@ -1806,9 +1828,9 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
 #pragma unroll
                 for (int ks = 0; ks < kKQ; ++ks)
                     wgmma_ss_tn<kKeys, T::kIsBF16>(acc[i],
-                                                   gmma_desc_at(x_tile, i * kBlockM * 128 + ks * 16 * 128,
+                                                   bdesc<19>(x_tile, i * kBlockM * 128 + ks * 16 * 128,
                                                                 kBlockM * 128, 1024),
-                                                   gmma_desc_at(yt_tile, kKeys * W * 128 + ks * 32, 16, 1024), 1);
+                                                   bdesc<20>(yt_tile, kKeys * W * 128 + ks * 32, 16, 1024), 1);
         };
         // dV_w^T += dO^T P_w
         gemm_t(acc_dv, sdO_s, sP, true);
@@ -1842,8 +1864,8 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kBlockN / 16; ++ks) {
-            const u64 desc_a = gmma_desc_at(sdS, ks * 16 * 128, kBlockN * 128, 1024);
-            const u64 desc_b = gmma_desc_at<2>(sK, (kDqN * W / kKB) * kBlockN * kKB * 2 + ks * 16 * kKB * 2,
+            const u64 desc_a = bdesc<21>(sdS, ks * 16 * 128, kBlockN * 128, 1024);
+            const u64 desc_b = bdesc<22, 2>(sK, (kDqN * W / kKB) * kBlockN * kKB * 2 + ks * 16 * kKB * 2,
                                                kBlockN * kKB * 2, 8 * kKB * 2);
             if (ks == 0) wgmma_ss_tt_init<kDqN, T::kIsBF16>(dq, desc_a, desc_b, 0);  // dq's old values are dead
             else wgmma_ss_tt<kDqN, T::kIsBF16>(dq, desc_a, desc_b, 1);

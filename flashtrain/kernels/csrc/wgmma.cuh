@@ -34,22 +34,29 @@ namespace flashtrain {
 #ifndef FT_DESC_ADD
 #define FT_DESC_ADD 1
 #endif
-template <int kSwizzle = 1> __device__ __forceinline__ u64 gmma_desc(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
+// gmma_desc_form<kForm>: the descriptor in FT_DESC_ADD's form kForm whatever FT_DESC_ADD is (for call sites that pick
+// their own: flash_bwd_sm90.cuh bdesc).
+template <int kSwizzle = 1, int kForm = FT_DESC_ADD>
+__device__ __forceinline__ u64 gmma_desc(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
     static_assert(kSwizzle == 1 || kSwizzle == 2, "128-byte or 64-byte swizzle");
-    return (u64)((FT_DESC_ADD == 2 ? smem_addr : smem_addr & 0x3ffff) >> 4) |
+    return (u64)((kForm == 2 ? smem_addr : smem_addr & 0x3ffff) >> 4) |
            ((u64)((leading_bytes >> 4) & 0x3fff) << 16) | ((u64)((stride_bytes >> 4) & 0x3fff) << 32) |
            ((u64)kSwizzle << 62);
 }
-template <int kSwizzle = 1>
-__device__ __forceinline__ u64 gmma_desc_at(u32 base, u32 offset_bytes, u32 leading_bytes, u32 stride_bytes) {
-    if constexpr (FT_DESC_ADD == 2) {
-        return gmma_desc<kSwizzle>(base, leading_bytes, stride_bytes) + (u64)(offset_bytes >> 4);
-    } else if constexpr (FT_DESC_ADD) {
-        const u64 desc = gmma_desc<kSwizzle>(base, leading_bytes, stride_bytes);
+template <int kForm, int kSwizzle = 1>
+__device__ __forceinline__ u64 gmma_desc_form(u32 base, u32 offset_bytes, u32 leading_bytes, u32 stride_bytes) {
+    if constexpr (kForm == 2) {
+        return gmma_desc<kSwizzle, kForm>(base, leading_bytes, stride_bytes) + (u64)(offset_bytes >> 4);
+    } else if constexpr (kForm == 1) {
+        const u64 desc = gmma_desc<kSwizzle, kForm>(base, leading_bytes, stride_bytes);
         return ((desc >> 32) << 32) | (u32)((u32)desc + (offset_bytes >> 4));
     } else {
-        return gmma_desc<kSwizzle>(base + offset_bytes, leading_bytes, stride_bytes);
+        return gmma_desc<kSwizzle, kForm>(base + offset_bytes, leading_bytes, stride_bytes);
     }
+}
+template <int kSwizzle = 1>
+__device__ __forceinline__ u64 gmma_desc_at(u32 base, u32 offset_bytes, u32 leading_bytes, u32 stride_bytes) {
+    return gmma_desc_form<FT_DESC_ADD, kSwizzle>(base, offset_bytes, leading_bytes, stride_bytes);
 }
 // Before the first wgmma of a batch: the registers it reads (accumulators, A fragments) were written by plain code.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
