@@ -50,6 +50,32 @@ def test_hd128_forward_exponentials_precede_the_pv_wait(tmp_path):
     assert min(instrs for _, instrs in windows) >= 100, windows
 
 
+def test_between_hgmma_counts_the_gaps_inside_a_gemm():
+    code = ["HGMMA.64x96x16.F32.BF16 R24, gdesc[UR20], RZ, !UPT", "UIADD3.64 UR22, UR18, 0x80, URZ",
+            "HGMMA.64x96x16.F32.BF16 R24, gdesc[UR20], R24, gsb0"] + ["FMUL R1, R1, R2"] * 13 + [
+            "HGMMA.64x96x16.F32.BF16 R24, gdesc[UR20], RZ, !UPT", "HGMMA.64x96x16.F32.BF16 R24, gdesc[UR20], R24"]
+    assert _probe().between_hgmma(code) == 1  # (the 13-instruction gap lies between two GEMMs)
+
+
+@pytest.mark.slow
+def test_hd192_backward_moves_descriptors_by_64_bit_adds(tmp_path):
+    """The split-keys hd192 backward's dO, dK / dV and dQ descriptors move by one 64-bit add each (flash_bwd_sm90.cuh
+    FT_BWD_DESC64): ptxas emits UIADD3.64 for them instead of an add and a move of the high word."""
+    probe = _probe()
+    tool = probe.disassembler()
+    if build.nvcc_path() is None or tool is None:
+        pytest.skip("needs nvcc and nvdisasm or cuobjdump (pip install -e '.[dev]' brings nvidia-cuda-nvdisasm)")
+    spec = build.bwd_sm90_kernel(192, "bf16", True)
+    assert spec.tiles.block_n == 96  # the split-keys kernel
+    cubin = tmp_path / "bwd.cubin"
+    build._compile_nvcc(spec, build.SM90_ARCH, cubin)
+    code = probe.sass_instructions(tool, cubin)
+    # ptxas 13.0: 151 UIADD3.64 and 579 instructions between the HGMMAs of a GEMM; 0 and 678 with every site in the
+    # 32-bit form (FT_BWD_DESC64=0)
+    assert sum(ins.split()[0] == "UIADD3.64" for ins in code) >= 100
+    assert probe.between_hgmma(code) <= 620
+
+
 def test_kernel_items_pick_the_kernel_a_call_of_that_length_runs():
     """sm90_spills.py's kind:head_dim[:flags][:sN]: with sN the forward kernel build dispatches for N query and key
     tokens (its tiles by length), without it the default tiles."""

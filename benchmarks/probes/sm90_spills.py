@@ -85,6 +85,13 @@ def sass_instructions(tool: str, cubin: Path) -> list[str]:
     return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", text)]
 
 
+def between_hgmma(code: list[str], max_gap: int = 12) -> int:
+    """Instructions between consecutive HGMMAs at most max_gap apart (a GEMM's k-steps, issued back to back): their
+    operands' descriptor work (flash_bwd_sm90.cuh bdesc)."""
+    at = [i for i, ins in enumerate(code) if "HGMMA" in ins]
+    return sum(b - a - 1 for a, b in zip(at, at[1:]) if b - a - 1 <= max_gap)
+
+
 def pv_wait_windows(code: list[str]) -> list[tuple[int, int]]:
     """(exponentials, instructions) between each wgmma wait that leaves one group running (DEPBAR.LE gsb0, 0x1) and
     the full wait (0x0) right after it: in the forward's key-block loop, the softmax that runs beside the P V GEMM."""
