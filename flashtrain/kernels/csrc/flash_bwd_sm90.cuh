@@ -1195,7 +1195,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
         for (int ks = 0; ks < kBlockN / 16; ++ks) {
             if constexpr (T::kSwapDq) {
                 const u64 desc_a = bdesc<5>(sK_all, (FT_BWD_LEAN_ADDR ? 0 : w * kBlockN * 128) + ks * 16 * 128,
-                                                   kBlockN * 128, 1024);
+                                            kBlockN * 128, 1024);
                 const u64 desc_b = bdesc<6>(sdS, (ks / 4) * kBlockM * 128 + (ks % 4) * 32, 16, 1024);
                 if (ks == 0) wgmma_ss_tn_init<kBlockM, T::kIsBF16>(dq, desc_a, desc_b, 0);
                 else wgmma_ss_tn<kBlockM, T::kIsBF16>(dq, desc_a, desc_b, 1);
@@ -1478,7 +1478,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
             for (int ks = 0; ks < kKS; ++ks)
                 wgmma_rs<kDvN, T::kIsBF16>(acc_dv, pa[ks],
                                            bdesc<11>(sdO_s, (kDvCol / 64) * kBlockM * 128 + ks * 16 * 128,
-                                                        kBlockM * 128, 1024), 1);
+                                                     kBlockM * 128, 1024), 1);
             wgmma_commit();
         };
         if constexpr (W == 0) {
@@ -1538,7 +1538,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
         for (int ks = 0; ks < kKS; ++ks)
             wgmma_rs<kDkN, T::kIsBF16>(acc_dk, dsa[ks],
                                        bdesc<12>(sQ_s, (kDkCol / 64) * kBlockM * 128 + ks * 16 * 128,
-                                                    kBlockM * 128, 1024), 1);
+                                                 kBlockM * 128, 1024), 1);
         wgmma_commit();
         wgmma_wait<1>();  // dV done: its A fragments (P^T) are dead before the dQ accumulators are live
 
@@ -1829,7 +1829,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
                 for (int ks = 0; ks < kKQ; ++ks)
                     wgmma_ss_tn<kKeys, T::kIsBF16>(acc[i],
                                                    bdesc<19>(x_tile, i * kBlockM * 128 + ks * 16 * 128,
-                                                                kBlockM * 128, 1024),
+                                                             kBlockM * 128, 1024),
                                                    bdesc<20>(yt_tile, kKeys * W * 128 + ks * 32, 16, 1024), 1);
         };
         // dV_w^T += dO^T P_w
@@ -1866,7 +1866,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         for (int ks = 0; ks < kBlockN / 16; ++ks) {
             const u64 desc_a = bdesc<21>(sdS, ks * 16 * 128, kBlockN * 128, 1024);
             const u64 desc_b = bdesc<22, 2>(sK, (kDqN * W / kKB) * kBlockN * kKB * 2 + ks * 16 * kKB * 2,
-                                               kBlockN * kKB * 2, 8 * kKB * 2);
+                                            kBlockN * kKB * 2, 8 * kKB * 2);
             if (ks == 0) wgmma_ss_tt_init<kDqN, T::kIsBF16>(dq, desc_a, desc_b, 0);  // dq's old values are dead
             else wgmma_ss_tt<kDqN, T::kIsBF16>(dq, desc_a, desc_b, 1);
         }
