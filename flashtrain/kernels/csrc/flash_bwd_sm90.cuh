@@ -143,11 +143,10 @@ namespace flashtrain {
 #endif
 template <int kSite, int kSwizzle = 1>
 __device__ __forceinline__ u64 bdesc(u32 base, u32 offset_bytes, u32 leading_bytes, u32 stride_bytes) {
-    if constexpr ((((unsigned long long)(FT_BWD_DESC64)) >> kSite) & 1)
-        return gmma_desc_form<2, kSwizzle>(base, offset_bytes, leading_bytes, stride_bytes);
-    else if constexpr ((((unsigned long long)(FT_BWD_DESC32)) >> kSite) & 1)
-        return gmma_desc_form<1, kSwizzle>(base, offset_bytes, leading_bytes, stride_bytes);
-    else return gmma_desc_at<kSwizzle>(base, offset_bytes, leading_bytes, stride_bytes);
+    constexpr int kForm = ((unsigned long long)(FT_BWD_DESC64) >> kSite) & 1   ? 2
+                          : ((unsigned long long)(FT_BWD_DESC32) >> kSite) & 1 ? 1
+                                                                                : FT_DESC_ADD;
+    return gmma_desc_form<kForm, kSwizzle>(base, offset_bytes, leading_bytes, stride_bytes);
 }
 
 template <int kHeadDim_, int kBlockM_, int kStages_, bool kIsBF16_, bool kIsCausal_, bool kIsDropout_,
