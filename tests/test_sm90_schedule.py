@@ -41,13 +41,34 @@ def test_hd128_forward_exponentials_precede_the_pv_wait(tmp_path):
     spec = build.fwd_sm90_kernel(128, "bf16", False, seqlen_q=4096, seqlen_k=4096)  # the 128 x 128 tiles
     cubin = tmp_path / "fwd.cubin"
     build._compile_nvcc(spec, build.SM90_ARCH, cubin)
-    windows = probe.pv_wait_windows(probe.sass_instructions(tool, cubin))
+    code = probe.sass_instructions(tool, cubin)
+    windows = probe.pv_wait_windows(code)
+    # the unmasked steps' K and V descriptors move by one 64-bit add each (FT_FWD_DESC64): 14 UIADD3.64 with ptxas
+    # 13.0, 0 with FT_FWD_DESC64=0
+    assert sum(ins.split()[0] == "UIADD3.64" for ins in code) >= 8
     # the loop's two paths (unmasked, masked): 25-26 of 66 exponentials and 197-318 instructions beside the P V GEMM
     # with ptxas 13.0; 15-18 with the epilogue's indices derived before the tile loop (FT_FWD_EPI_OPAQUE=0), 0 with
     # the releases behind branches
     assert len(windows) == 2, windows
     assert min(exps for exps, _ in windows) >= 20, windows
     assert min(instrs for _, instrs in windows) >= 100, windows
+
+
+@pytest.mark.slow
+def test_cluster_forward_keeps_32_bit_descriptor_adds(tmp_path):
+    """The 2-CTA cluster forward moves its descriptors by 32-bit adds to the start-address field only: with
+    FT_FWD_DESC64's 64-bit form (which does not mask the address) it computed wrong outputs on an H200."""
+    probe = _probe()
+    tool = probe.disassembler()
+    if build.nvcc_path() is None or tool is None:
+        pytest.skip("needs nvcc and nvdisasm or cuobjdump (pip install -e '.[dev]' brings nvidia-cuda-nvdisasm)")
+    spec = build.fwd_kernel(128, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=16384, seqlen_k=16384)
+    assert spec.name.endswith("_c2"), spec.name
+    cubin = tmp_path / "fwd_c2.cubin"
+    build._compile_nvcc(spec, build.SM90_ARCH, cubin)
+    code = probe.sass_instructions(tool, cubin)
+    assert sum("HGMMA" in ins for ins in code) >= 50
+    assert not any(ins.split()[0] == "UIADD3.64" for ins in code)
 
 
 def test_between_hgmma_counts_the_gaps_inside_a_gemm():

@@ -88,6 +88,16 @@
 #ifndef FT_FWD_EPI_OPAQUE
 #define FT_FWD_EPI_OPAQUE 1
 #endif
+// FT_FWD_DESC64 (default 6; 0 for A/Bs): bits of the wgmma descriptors that move by one 64-bit add (wgmma.cuh
+// gmma_desc_form 2) in the key-block steps without a mask (1: Q, 2: K, 4: V); the others, and every masked step's, by
+// gmma_desc_at (a 32-bit add to the start-address field). H200, interleaved CUDA-graph A/B, forward, K and V by 64-bit
+// adds / by 32-bit adds: hd64 full 8K / 16K 1.001 / 1.005, causal 16K 1.002; hd128 full 4K 1.004, causal 512 / 16K
+// 1.004; hd96 / GQA / hd256 causal 0.999-1.002, hd192 causal 1.013 (the same build twice: 0.993-1.001). Adding Q too
+// (7) measured 0.94-0.95 at hd128 16K. Not in the 2-CTA cluster kernels, whose outputs it made wrong: the unmasked
+// form 2 keeps an address's bits above the 18 of the start-address field, and there they are evidently set.
+#ifndef FT_FWD_DESC64
+#define FT_FWD_DESC64 6
+#endif
 // FT_FWD_STATIC=1 (A/B): the one-CTA kernels take their tiles in the 2-CTA cluster kernels' static round-robin
 // (FwdSm90Traits::kCluster) instead of from the dynamic scheduler.
 #ifndef FT_FWD_STATIC
@@ -536,27 +546,35 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         [[maybe_unused]] const MaskRow mm_row = mask_row<T>(p, x.batch, x.head, m0, seqlen_k);
 
         // S of the block's first 8 * (tiles of s) keys (all kBlockN of them, or the lower half: FT_FWD_HALF_FIRST)
-        auto issue_s = [&](auto& s, int stage) {
+        auto issue_s = [&](auto& s, int stage, auto desc64_tag) {
+            constexpr bool kDesc64 = decltype(desc64_tag)::value && T::kCluster == 1;
             constexpr int kCols = sizeof(s) / sizeof(s[0]) * 8;
             const u32 k_tile = sK + stage * TileKV::kBytes;
 #pragma unroll
             for (int k = 0; k < T::kDCols / 16; ++k) {
                 const int kk = col0 / 16 + k;  // k-step of the head dim
-                const u64 desc_q =
-                    gmma_desc_at(sQ + wg_row0 * 128, (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
-                const u64 desc_k = gmma_desc_at(k_tile, (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
+                const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
+                const u32 off_k = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
+                const u64 desc_q = kDesc64 && (FT_FWD_DESC64 & 1)
+                                       ? gmma_desc_form<2>(sQ + wg_row0 * 128, off_q, 16, 1024)
+                                       : gmma_desc_at(sQ + wg_row0 * 128, off_q, 16, 1024);
+                const u64 desc_k = kDesc64 && (FT_FWD_DESC64 & 2) ? gmma_desc_form<2>(k_tile, off_k, 16, 1024)
+                                                                  : gmma_desc_at(k_tile, off_k, 16, 1024);
                 wgmma_ss<kCols, T::kIsBF16>(s, desc_q, desc_k, k > 0);
             }
             wgmma_commit();
         };
-        auto issue_pv = [&](int stage) {
+        auto issue_pv = [&](int stage, auto desc64_tag) {
+            constexpr bool kDesc64 = decltype(desc64_tag)::value && T::kCluster == 1;
             const u32 v_tile = sV + stage * TileKV::kBytes;
 #pragma unroll
             for (int ks = 0; ks < kNT / 2; ++ks)
-                wgmma_rs<T::kDCols, T::kIsBF16>(o, pa[ks],
-                                                gmma_desc_at(v_tile + (col0 / 64) * kBlockN * 128, ks * 16 * 128,
-                                                             kBlockN * 128, 1024),
-                                                1);
+                wgmma_rs<T::kDCols, T::kIsBF16>(
+                    o, pa[ks],
+                    kDesc64 && (FT_FWD_DESC64 & 4)
+                        ? gmma_desc_form<2>(v_tile + (col0 / 64) * kBlockN * 128, ks * 16 * 128, kBlockN * 128, 1024)
+                        : gmma_desc_at(v_tile + (col0 / 64) * kBlockN * 128, ks * 16 * 128, kBlockN * 128, 1024),
+                    1);
             wgmma_commit();
         };
         auto mask = [&](auto& s, int n_block) {
@@ -724,7 +742,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 mbar_wait(full_k(stage), (it / kStages) & 1);
                 schedule_wait();
                 wgmma_fence();
-                issue_s(s, stage);
+                issue_s(s, stage, BoolConstant<false>{});
                 const bool last = walk.next() < 0;
                 schedule_pass();
                 wgmma_wait<0>();
@@ -783,9 +801,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 mbar_wait(full_v(prev), ((it - 1) / kStages) & 1);  // copied before K[stage]: no wait in practice
                 schedule_wait();
                 wgmma_fence();
-                issue_s(s, stage);
+                issue_s(s, stage, BoolConstant<!kMask>{});
                 rescale_pending();
-                issue_pv(prev);
+                issue_pv(prev, BoolConstant<!kMask>{});
                 const bool last = walk.next() < 0;
                 schedule_pass();
                 wgmma_wait<1>();  // S done; P V may still run
@@ -833,7 +851,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             fence_operand(o);
             wgmma_fence();
             rescale_pending();
-            issue_pv(last_stage);
+            issue_pv(last_stage, BoolConstant<false>{});
             wgmma_wait<0>();
             fence_operand(o);
             FT_TIMELINE_MARK(wg, tile_iter, 4);

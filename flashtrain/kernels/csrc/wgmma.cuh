@@ -26,9 +26,11 @@ namespace flashtrain {
 // 2026-11-25; 0 for A/Bs): built once from base and moved by one 32-bit add to the start-address field (address / 16
 // of a shared-memory address below 256 KB: the add never carries out of it); with 0 each descriptor is built from its
 // address (five uniform instructions per wgmma operand in SASS against two; the forward's ping-pong turn, from
-// BAR.SYNC to BAR.ARV, 77 -> 47 instructions per block at hd64). 2 (the backward's FT_BWD_LEAN_ADDR kernels only): the
-// address field without its mask and one 64-bit add to the whole descriptor, so that ptxas keeps no separate high word
-// per operand.
+// BAR.SYNC to BAR.ARV, 77 -> 47 instructions per block at hd64). 2 (the backward's FT_BWD_LEAN_ADDR kernels, the call
+// sites of flash_bwd_sm90.cuh bdesc and flash_fwd_sm90.cuh FT_FWD_DESC64): the address field without its mask and one
+// 64-bit add to the whole descriptor, so that ptxas keeps no separate high word per operand. Form 2 needs addresses
+// below 256 KB: not in cluster launches (the 2-CTA forward computed wrong outputs with it; bits above 17 of its
+// addresses would land in the leading byte offset).
 // kSwizzle: the descriptor's swizzle mode (bits 62-63), 1 = 128-byte (every tile but one), 2 = 64-byte (SmemTile's
 // 32-column blocks: the hd192 backward's K tile, flash_bwd_sm90_split_keys_mma; 8-row groups 512 bytes apart).
 #ifndef FT_DESC_ADD
