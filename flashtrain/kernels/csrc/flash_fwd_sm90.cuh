@@ -95,8 +95,13 @@
 // 1.004; hd96 / GQA / hd256 causal 0.999-1.002, hd192 causal 1.013 (the same build twice: 0.993-1.001). Adding Q too
 // (7) measured 0.94-0.95 at hd128 16K. Not in the 2-CTA cluster kernels, whose outputs it made wrong: the unmasked
 // form 2 keeps an address's bits above the 18 of the start-address field, and there they are evidently set.
+// FT_FWD_DESC64_CLUSTER=1 (A/B, not yet measured on a GPU): the cluster kernels move the same descriptors by the
+// 64-bit add on the masked address (gmma_desc_form 3).
 #ifndef FT_FWD_DESC64
 #define FT_FWD_DESC64 6
+#endif
+#ifndef FT_FWD_DESC64_CLUSTER
+#define FT_FWD_DESC64_CLUSTER 0
 #endif
 // FT_FWD_STATIC=1 (A/B): the one-CTA kernels take their tiles in the 2-CTA cluster kernels' static round-robin
 // (FwdSm90Traits::kCluster) instead of from the dynamic scheduler.
@@ -547,7 +552,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 
         // S of the block's first 8 * (tiles of s) keys (all kBlockN of them, or the lower half: FT_FWD_HALF_FIRST)
         auto issue_s = [&](auto& s, int stage, auto desc64_tag) {
-            constexpr bool kDesc64 = decltype(desc64_tag)::value && T::kCluster == 1;
+            constexpr bool kDesc64 = decltype(desc64_tag)::value && (T::kCluster == 1 || FT_FWD_DESC64_CLUSTER);
+            constexpr int kForm64 = T::kCluster == 1 ? 2 : 3;
             constexpr int kCols = sizeof(s) / sizeof(s[0]) * 8;
             const u32 k_tile = sK + stage * TileKV::kBytes;
 #pragma unroll
@@ -556,23 +562,25 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
                 const u32 off_k = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
                 const u64 desc_q = kDesc64 && (FT_FWD_DESC64 & 1)
-                                       ? gmma_desc_form<2>(sQ + wg_row0 * 128, off_q, 16, 1024)
+                                       ? gmma_desc_form<kForm64>(sQ + wg_row0 * 128, off_q, 16, 1024)
                                        : gmma_desc_at(sQ + wg_row0 * 128, off_q, 16, 1024);
-                const u64 desc_k = kDesc64 && (FT_FWD_DESC64 & 2) ? gmma_desc_form<2>(k_tile, off_k, 16, 1024)
+                const u64 desc_k = kDesc64 && (FT_FWD_DESC64 & 2) ? gmma_desc_form<kForm64>(k_tile, off_k, 16, 1024)
                                                                   : gmma_desc_at(k_tile, off_k, 16, 1024);
                 wgmma_ss<kCols, T::kIsBF16>(s, desc_q, desc_k, k > 0);
             }
             wgmma_commit();
         };
         auto issue_pv = [&](int stage, auto desc64_tag) {
-            constexpr bool kDesc64 = decltype(desc64_tag)::value && T::kCluster == 1;
+            constexpr bool kDesc64 = decltype(desc64_tag)::value && (T::kCluster == 1 || FT_FWD_DESC64_CLUSTER);
+            constexpr int kForm64 = T::kCluster == 1 ? 2 : 3;
             const u32 v_tile = sV + stage * TileKV::kBytes;
 #pragma unroll
             for (int ks = 0; ks < kNT / 2; ++ks)
                 wgmma_rs<T::kDCols, T::kIsBF16>(
                     o, pa[ks],
                     kDesc64 && (FT_FWD_DESC64 & 4)
-                        ? gmma_desc_form<2>(v_tile + (col0 / 64) * kBlockN * 128, ks * 16 * 128, kBlockN * 128, 1024)
+                        ? gmma_desc_form<kForm64>(v_tile + (col0 / 64) * kBlockN * 128, ks * 16 * 128, kBlockN * 128,
+                                                  1024)
                         : gmma_desc_at(v_tile + (col0 / 64) * kBlockN * 128, ks * 16 * 128, kBlockN * 128, 1024),
                     1);
             wgmma_commit();

@@ -30,7 +30,8 @@ namespace flashtrain {
 // sites of flash_bwd_sm90.cuh bdesc and flash_fwd_sm90.cuh FT_FWD_DESC64): the address field without its mask and one
 // 64-bit add to the whole descriptor, so that ptxas keeps no separate high word per operand. Form 2 needs addresses
 // below 256 KB: not in cluster launches (the 2-CTA forward computed wrong outputs with it; bits above 17 of its
-// addresses would land in the leading byte offset).
+// addresses would land in the leading byte offset). Form 3 (call sites only): form 2's add on the masked address, for
+// cluster launches.
 // kSwizzle: the descriptor's swizzle mode (bits 62-63), 1 = 128-byte (every tile but one), 2 = 64-byte (SmemTile's
 // 32-column blocks: the hd192 backward's K tile, flash_bwd_sm90_split_keys_mma; 8-row groups 512 bytes apart).
 #ifndef FT_DESC_ADD
@@ -49,6 +50,8 @@ template <int kForm, int kSwizzle = 1>
 __device__ __forceinline__ u64 gmma_desc_form(u32 base, u32 offset_bytes, u32 leading_bytes, u32 stride_bytes) {
     if constexpr (kForm == 2) {
         return gmma_desc<kSwizzle, kForm>(base, leading_bytes, stride_bytes) + (u64)(offset_bytes >> 4);
+    } else if constexpr (kForm == 3) {  // form 2's 64-bit add on the masked address (any launch)
+        return gmma_desc<kSwizzle, 1>(base, leading_bytes, stride_bytes) + (u64)(offset_bytes >> 4);
     } else if constexpr (kForm == 1) {
         const u64 desc = gmma_desc<kSwizzle, kForm>(base, leading_bytes, stride_bytes);
         return ((desc >> 32) << 32) | (u32)((u32)desc + (offset_bytes >> 4));
