@@ -56,8 +56,9 @@ def test_hd128_forward_exponentials_precede_the_pv_wait(tmp_path):
 
 @pytest.mark.slow
 def test_cluster_forward_keeps_32_bit_descriptor_adds(tmp_path):
-    """The 2-CTA cluster forward moves its descriptors by 32-bit adds to the start-address field only: with
-    FT_FWD_DESC64's 64-bit form (which does not mask the address) it computed wrong outputs on an H200."""
+    """By default the 2-CTA cluster forward moves its descriptors by 32-bit adds to the start-address field only: with
+    FT_FWD_DESC64's 64-bit form (which does not mask the address) it computed wrong outputs on an H200
+    (FT_FWD_DESC64_CLUSTER=1 builds the masked 64-bit form for A/B runs)."""
     probe = _probe()
     tool = probe.disassembler()
     if build.nvcc_path() is None or tool is None:
