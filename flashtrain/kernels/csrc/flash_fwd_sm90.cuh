@@ -355,6 +355,16 @@ template <class T> __device__ __forceinline__ bool fwd_tile(const FwdParams& p, 
     return x.m0 < x.seqlen_q;  // varlen: blocks past a short sequence's end do nothing
 }
 
+// The descriptor of a key-block step's operand kOperand (FT_FWD_DESC64's bit: 1 Q, 2 K, 4 V): in a step without a
+// mask (kUnmasked) the bits of FT_FWD_DESC64 pick the 64-bit add (form 2; form 3, on the masked address, in the
+// cluster kernels with FT_FWD_DESC64_CLUSTER), otherwise gmma_desc_at's form.
+template <class T, int kOperand, bool kUnmasked>
+__device__ __forceinline__ u64 fdesc(u32 base, u32 offset_bytes, u32 leading_bytes, u32 stride_bytes) {
+    constexpr bool k64 = kUnmasked && (FT_FWD_DESC64 & kOperand) && (T::kCluster == 1 || FT_FWD_DESC64_CLUSTER);
+    constexpr int kForm = !k64 ? FT_DESC_ADD : T::kCluster == 1 ? 2 : 3;
+    return gmma_desc_form<kForm>(base, offset_bytes, leading_bytes, stride_bytes);
+}
+
 template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90Params& params) {
     extern __shared__ __align__(128) unsigned char smem[];
     const FwdParams& p = params.fwd;
@@ -551,38 +561,30 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         [[maybe_unused]] const MaskRow mm_row = mask_row<T>(p, x.batch, x.head, m0, seqlen_k);
 
         // S of the block's first 8 * (tiles of s) keys (all kBlockN of them, or the lower half: FT_FWD_HALF_FIRST)
-        auto issue_s = [&](auto& s, int stage, auto desc64_tag) {
-            constexpr bool kDesc64 = decltype(desc64_tag)::value && (T::kCluster == 1 || FT_FWD_DESC64_CLUSTER);
-            constexpr int kForm64 = T::kCluster == 1 ? 2 : 3;
+        auto issue_s = [&](auto& s, int stage, auto unmasked) {
+            constexpr bool kUnmasked = decltype(unmasked)::value;
             constexpr int kCols = sizeof(s) / sizeof(s[0]) * 8;
             const u32 k_tile = sK + stage * TileKV::kBytes;
 #pragma unroll
             for (int k = 0; k < T::kDCols / 16; ++k) {
                 const int kk = col0 / 16 + k;  // k-step of the head dim
-                const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-                const u32 off_k = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
-                const u64 desc_q = kDesc64 && (FT_FWD_DESC64 & 1)
-                                       ? gmma_desc_form<kForm64>(sQ + wg_row0 * 128, off_q, 16, 1024)
-                                       : gmma_desc_at(sQ + wg_row0 * 128, off_q, 16, 1024);
-                const u64 desc_k = kDesc64 && (FT_FWD_DESC64 & 2) ? gmma_desc_form<kForm64>(k_tile, off_k, 16, 1024)
-                                                                  : gmma_desc_at(k_tile, off_k, 16, 1024);
+                const u64 desc_q =
+                    fdesc<T, 1, kUnmasked>(sQ + wg_row0 * 128, (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
+                const u64 desc_k =
+                    fdesc<T, 2, kUnmasked>(k_tile, (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
                 wgmma_ss<kCols, T::kIsBF16>(s, desc_q, desc_k, k > 0);
             }
             wgmma_commit();
         };
-        auto issue_pv = [&](int stage, auto desc64_tag) {
-            constexpr bool kDesc64 = decltype(desc64_tag)::value && (T::kCluster == 1 || FT_FWD_DESC64_CLUSTER);
-            constexpr int kForm64 = T::kCluster == 1 ? 2 : 3;
+        auto issue_pv = [&](int stage, auto unmasked) {
+            constexpr bool kUnmasked = decltype(unmasked)::value;
             const u32 v_tile = sV + stage * TileKV::kBytes;
 #pragma unroll
             for (int ks = 0; ks < kNT / 2; ++ks)
-                wgmma_rs<T::kDCols, T::kIsBF16>(
-                    o, pa[ks],
-                    kDesc64 && (FT_FWD_DESC64 & 4)
-                        ? gmma_desc_form<kForm64>(v_tile + (col0 / 64) * kBlockN * 128, ks * 16 * 128, kBlockN * 128,
-                                                  1024)
-                        : gmma_desc_at(v_tile + (col0 / 64) * kBlockN * 128, ks * 16 * 128, kBlockN * 128, 1024),
-                    1);
+                wgmma_rs<T::kDCols, T::kIsBF16>(o, pa[ks],
+                                                fdesc<T, 4, kUnmasked>(v_tile + (col0 / 64) * kBlockN * 128,
+                                                                       ks * 16 * 128, kBlockN * 128, 1024),
+                                                1);
             wgmma_commit();
         };
         auto mask = [&](auto& s, int n_block) {
