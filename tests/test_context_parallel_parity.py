@@ -1,8 +1,9 @@
 """benchmarks/context_parallel_parity.py, the parity check of context parallelism against one GPU (trainings through
 launch.py: one-process runs A, B and C, and parallel.context=2 over 2 processes), in its CPU smoke mode: the default
-recipe's tiny GPT-2 at 256 tokens, 10 steps, the CP run on 2 gloo processes. On the CPU the one-process runs are
-deterministic, so B and C repeat A bit for bit, and the CP run gives A's losses within the DDP tests' float32
-tolerance; the verdict, the JSON's fields and the PNG are checked. Also: overrides the script sets itself are
+recipe's tiny GPT-2 at 256 tokens, 10 steps, the CP run on 2 gloo processes. On the CPU the one-process runs agree to
+float32 round-off (ROUND_OFF: bit for bit in most runs, one validation loss 1 ulp apart seen in CI), so the spread
+stays far below the floor, and the CP run gives A's losses within the DDP tests' float32 tolerance; the verdict, the
+JSON's fields and the PNG are checked. Also: overrides the script sets itself are
 refused, and the verdict's rule on given losses."""
 
 import importlib.util
@@ -14,6 +15,10 @@ import pytest
 import torch
 
 from test_processes import ENV, ROOT, TOLERANCE
+
+# how far two one-process CPU runs' losses (~6-7) may be apart: a few float32 ulps (1 ulp = 4.8e-7 there), a tenth of
+# the DDP tests' tolerance; seen: 0 in most runs, 2.4e-7 on one validation loss while other work shared the CPU
+ROUND_OFF = 1e-6
 
 
 def load_script():
@@ -61,13 +66,17 @@ def test_smoke_run_context_parallel_is_within_the_spread_of_one_process_runs(tmp
     # the weights move (the check would be empty otherwise): validation loss from ~6.95 at step 0, down by > 0.3
     assert runs["A"]["val_loss"]["10"] < runs["A"]["val_loss"]["0"] - 0.3
 
-    # B and C repeat A bit for bit: the spread is 0 (3 pairs), and the floor (the DDP tests' float32 tolerance) is
-    # the threshold
+    # B and C repeat A to float32 round-off (ROUND_OFF, a tenth of the floor): the spread over the 3 pairs stays
+    # below it, so the floor (the DDP tests' float32 tolerance) is the threshold
     for label in ("B", "C"):
-        assert runs[label]["train_loss"] == runs["A"]["train_loss"] and runs[label]["val_loss"] == runs["A"]["val_loss"]
-        assert comparison["one_gpu_vs_a"][label]["mean"] == comparison["one_gpu_vs_a"][label]["max"] == 0.0
-    assert comparison["spread"] == {"mean": 0.0, "max": 0.0, "pairs": 3, "pair_means": [0.0, 0.0, 0.0],
-                                    "pair_maxes": [0.0, 0.0, 0.0]}
+        for key in ("train_loss", "val_loss"):
+            assert runs[label][key].keys() == runs["A"][key].keys()
+            for step, loss in runs["A"][key].items():
+                assert abs(runs[label][key][step] - loss) <= ROUND_OFF, (label, key, step)
+        assert 0.0 <= comparison["one_gpu_vs_a"][label]["mean"] <= comparison["one_gpu_vs_a"][label]["max"] <= ROUND_OFF
+    spread = comparison["spread"]
+    assert spread["pairs"] == 3 and len(spread["pair_means"]) == len(spread["pair_maxes"]) == 3
+    assert spread["mean"] == max(spread["pair_means"]) and spread["max"] == max(spread["pair_maxes"]) <= ROUND_OFF
     assert comparison["floor"] == comparison["threshold"] == TOLERANCE["abs"] == 1e-5 and comparison["margin"] == 1.5
     # CP: A's losses up to float32 round-off (summation order over 2 processes), every step and validation within
     # the DDP tests' 1e-5 (seen: at most ~1e-6)
