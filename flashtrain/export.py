@@ -7,7 +7,7 @@ tokenizer is. OUT_DIR then holds what `AutoModelForCausalLM` / `AutoModelForMask
 
     config.json, model.safetensors      the transformers config and weights (flashtrain.models.hf_convert)
     tokenizer.json, tokenizer_config.json, special_tokens_map.json   a transformers fast tokenizer
-    generation_config.json              causal LMs (GPT-2, Llama-style): EOS and the sampling defaults of `flashtrain.generate`
+    generation_config.json              causal LMs (GPT-2, Llama-style): EOS and flashtrain.generate's sampling defaults
 
 Which transformers class a model becomes, and how its config and weights convert, is the model class's Hugging Face
 adapter (`flashtrain.models.hf_convert.register_hf_adapter`); the tokenizer is the data's (`Task.hf_tokenizer`). Runs
