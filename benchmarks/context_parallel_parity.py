@@ -16,10 +16,9 @@ benchmarks/multiprocess_gpu.py's for DDP and FSDP: CP is within the spread of on
 
 over the steps all runs logged. One pair is one sample of the spread; three runs give three pairs, and the 1.5 leaves
 the margin the DDP and FSDP checks leave. The floor (default 1e-5, the DDP tests' float32 tolerance) is for the CPU,
-where one-process runs agree to float32 round-off (B repeats A bit for bit in most runs; a validation loss 1 ulp
-apart, 2.4e-7, has been seen while other work shared the CPU: a spread near 0) and the CP run differs by float32
-round-off only (~1e-6 on losses of ~6). Read cp_over_spread (mean |CP - A| / threshold) with the verdict: near or
-below 1 is noise, many times 1 a real difference.
+where one-process runs agree to float32 round-off (B repeats A bit for bit in most runs: a spread of 0 or near it) and
+the CP run differs by float32 round-off only (~1e-6 on losses of ~6). Read cp_over_spread (mean |CP - A| / threshold)
+with the verdict: near or below 1 is noise, many times 1 a real difference.
 
 Default overrides (the GPU run): recipe=gpt2-small-4k with model.n_positions=16384 (data.seq_len follows), one
 sequence per optimizer step (16K tokens), 50 steps, a loss every step (trainer.log_interval=1) into the run's

@@ -1,10 +1,9 @@
 """benchmarks/context_parallel_parity.py, the parity check of context parallelism against one GPU (trainings through
 launch.py: one-process runs A, B and C, and parallel.context=2 over 2 processes), in its CPU smoke mode: the default
 recipe's tiny GPT-2 at 256 tokens, 10 steps, the CP run on 2 gloo processes. On the CPU the one-process runs agree to
-float32 round-off (ROUND_OFF: bit for bit in most runs, one validation loss 1 ulp apart seen in CI), so the spread
-stays far below the floor, and the CP run gives A's losses within the DDP tests' float32 tolerance; the verdict, the
-JSON's fields and the PNG are checked. Also: overrides the script sets itself are refused, and the verdict's rule on
-given losses."""
+float32 round-off (ROUND_OFF), so the spread stays far below the floor, and the CP run gives A's losses within the DDP
+tests' float32 tolerance; the verdict, the JSON's fields and the PNG are checked. Also: overrides the script sets
+itself are refused, and the verdict's rule on given losses."""
 
 import importlib.util
 import json
