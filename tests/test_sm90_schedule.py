@@ -55,10 +55,10 @@ def test_hd128_forward_exponentials_precede_the_pv_wait(tmp_path):
 
 
 @pytest.mark.slow
-def test_cluster_forward_keeps_32_bit_descriptor_adds(tmp_path):
-    """By default the 2-CTA cluster forward moves its descriptors by 32-bit adds to the start-address field only: with
-    FT_FWD_DESC64's 64-bit form (which does not mask the address) it computed wrong outputs on an H200
-    (FT_FWD_DESC64_CLUSTER=1 builds the masked 64-bit form for A/B runs)."""
+def test_cluster_forward_moves_descriptors_on_the_masked_address(tmp_path):
+    """The 2-CTA cluster forward moves its K / V descriptors by 64-bit adds on the address masked to the start-address
+    field (wgmma.cuh form 3, FT_FWD_DESC64_CLUSTER): with the unmasked form 2 of the one-CTA kernels it computed wrong
+    outputs on an H200."""
     probe = _probe()
     tool = probe.disassembler()
     if build.nvcc_path() is None or tool is None:
@@ -69,7 +69,8 @@ def test_cluster_forward_keeps_32_bit_descriptor_adds(tmp_path):
     build._compile_nvcc(spec, build.SM90_ARCH, cubin)
     code = probe.sass_instructions(tool, cubin)
     assert sum("HGMMA" in ins for ins in code) >= 50
-    assert not any(ins.split()[0] == "UIADD3.64" for ins in code)
+    # ptxas 13.0: UIADD3.64 moves the unmasked steps' K / V descriptors (none with FT_FWD_DESC64_CLUSTER=0)
+    assert sum(ins.split()[0] == "UIADD3.64" for ins in code) >= 8
 
 
 def test_between_hgmma_counts_the_gaps_inside_a_gemm():

@@ -93,15 +93,17 @@
 // gmma_desc_at (a 32-bit add to the start-address field). H200, interleaved CUDA-graph A/B, forward, K and V by 64-bit
 // adds / by 32-bit adds: hd64 full 8K / 16K 1.001 / 1.005, causal 16K 1.002; hd128 full 4K 1.004, causal 512 / 16K
 // 1.004; hd96 / GQA / hd256 causal 0.999-1.002, hd192 causal 1.013 (the same build twice: 0.993-1.001). Adding Q too
-// (7) measured 0.94-0.95 at hd128 16K. Not in the 2-CTA cluster kernels, whose outputs it made wrong: the unmasked
-// form 2 keeps an address's bits above the 18 of the start-address field, and there they are evidently set.
-// FT_FWD_DESC64_CLUSTER=1 (A/B, not yet measured on a GPU): the cluster kernels move the same descriptors by the
-// 64-bit add on the masked address (gmma_desc_form 3).
+// (7) measured 0.94-0.95 at hd128 16K. The 2-CTA cluster kernels cannot take form 2, whose outputs it made wrong
+// there: it keeps an address's bits above the 18 of the start-address field, and in a cluster launch they are set.
+// FT_FWD_DESC64_CLUSTER (default 1; 0 for A/Bs): the cluster kernels move the same descriptors by the 64-bit add on
+// the masked address (gmma_desc_form 3). H200, against the 32-bit form: interleaved CUDA-graph A/B, hd128 non-causal
+// 8K / 16K forward 1.002 / 1.003 (a second copy of the default 1.000 / 0.998); sustained (3 s x 2 rounds) 1.002 /
+// 1.002, with 0.5% more TFLOP/s per GHz of SM clock.
 #ifndef FT_FWD_DESC64
 #define FT_FWD_DESC64 6
 #endif
 #ifndef FT_FWD_DESC64_CLUSTER
-#define FT_FWD_DESC64_CLUSTER 0
+#define FT_FWD_DESC64_CLUSTER 1
 #endif
 // FT_FWD_STATIC=1 (A/B): the one-CTA kernels take their tiles in the 2-CTA cluster kernels' static round-robin
 // (FwdSm90Traits::kCluster) instead of from the dynamic scheduler.
@@ -357,7 +359,7 @@ template <class T> __device__ __forceinline__ bool fwd_tile(const FwdParams& p, 
 
 // The descriptor of a key-block step's operand kOperand (FT_FWD_DESC64's bit: 1 Q, 2 K, 4 V): in a step without a
 // mask (kUnmasked) the bits of FT_FWD_DESC64 pick the 64-bit add (form 2; form 3, on the masked address, in the
-// cluster kernels with FT_FWD_DESC64_CLUSTER), otherwise gmma_desc_at's form.
+// cluster kernels: FT_FWD_DESC64_CLUSTER), otherwise gmma_desc_at's form.
 template <class T, int kOperand, bool kUnmasked>
 __device__ __forceinline__ u64 fdesc(u32 base, u32 offset_bytes, u32 leading_bytes, u32 stride_bytes) {
     constexpr bool k64 = kUnmasked && (FT_FWD_DESC64 & kOperand) && (T::kCluster == 1 || FT_FWD_DESC64_CLUSTER);
