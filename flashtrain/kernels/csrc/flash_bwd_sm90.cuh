@@ -125,13 +125,6 @@
 #ifndef FT_BWD_TILE_RECORD
 #define FT_BWD_TILE_RECORD 1
 #endif
-// FT_BWD_SK_OVERLAP (A/B, 0 by default): in the head-dim-192 split-keys kernel a query block ends once its dQ is added,
-// without waiting for its dK^T GEMM; the next block's S and dP GEMMs are issued behind it, and its first wait (for S)
-// also covers that dK^T GEMM, after which the previous block's Q / dO stage is released. The tensor cores then run from
-// one block's dK^T into the next block's S without the drain of the wait at the block's end.
-#ifndef FT_BWD_SK_OVERLAP
-#define FT_BWD_SK_OVERLAP 0
-#endif
 
 namespace flashtrain {
 
@@ -1760,8 +1753,6 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         for (int j = 0; j < kDqN / 8; ++j) atomic_add4(dst + 128 * j, dq[j]);
     };
 
-    // FT_BWD_SK_OVERLAP: the stage whose dK^T GEMM may still run (released after the next block's S wait), or -1
-    int pending_stage = -1;
     auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
         const int head = walk.head, m0 = walk.m0;
@@ -1796,12 +1787,8 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         // lse of this thread's rows (queries row0 + g, + 8), loaded while the GEMMs run
         const u32 stat = sm.sLse(s) + 4 * (row0 + g);
         const float lse[2] = {ld_shared_f32(stat), ld_shared_f32(stat + 32)};
-        wgmma_wait<1>();  // S done (dP may still run); FT_BWD_SK_OVERLAP: the previous block's dK^T too
+        wgmma_wait<1>();  // S done (dP may still run)
         fence_operand(st);
-        if constexpr (FT_BWD_SK_OVERLAP) {
-            if (pending_stage >= 0 && lead_lane) mbar_arrive(sm.empty(pending_stage));
-            pending_stage = -1;
-        }
 
         // P_w = exp2(S_w scale - lse) (masked: 0), as A fragments (piece kp: keys 16 kp ..)
         u32 pa[kKP][4];
@@ -1888,12 +1875,8 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         wgmma_commit();
         wgmma_wait<1>();  // dV^T and dQ done (dK^T may still run)
         add_dq(dq, m0, head);
-        if constexpr (FT_BWD_SK_OVERLAP) {
-            pending_stage = s;  // (the next block's S wait, or the tile's end, waits for dK^T)
-        } else {
-            wgmma_wait<0>();  // dK^T done: Q, dO, the statistics of stage s are free
-            if (lead_lane) mbar_arrive(sm.empty(s));
-        }
+        wgmma_wait<0>();  // dK^T done: Q, dO, the statistics of stage s are free
+        if (lead_lane) mbar_arrive(sm.empty(s));
     };
 
     int gs = 0;
@@ -1912,12 +1895,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
             else
                 step(walk, gs, BoolConstant<false>{});
         }
-        if constexpr (FT_BWD_SK_OVERLAP) {  // the tile's last dK^T GEMM, then its stage
-            wgmma_wait<0>();
-            if (pending_stage >= 0 && lead_lane) mbar_arrive(sm.empty(pending_stage));
-            pending_stage = -1;
-        }
-        // (every step ended with wait_group 0; FT_BWD_SK_OVERLAP: waited for above)
+        // (every step ended with wait_group 0)
 #pragma unroll
         for (int i = 0; i < kMT; ++i) {
             fence_operand(acc_dk[i]);
