@@ -34,7 +34,9 @@ seqlen 1K ... 64K.
     python benchmarks/attention.py --selftest           # tables and plots on synthetic numbers (CPU, no GPU)
 
 Every run records GPU, torch, CUDA and cuDNN versions, the UTC date and the bf16 matmul rate (8192^3, the ceiling of
-the 75% target) in its JSON. The grid prints flashtrain / FA2 and / cuDNN per pass, a summary (worst ratios, hd128
+the 75% target) in its JSON. The JSON is written as soon as the grid (with the memory sweep) or the workloads rows are
+measured, again after each sustained row and after the feature rows, and its `complete` field is true once the run
+has finished: a run cut short keeps what it measured. The grid prints flashtrain / FA2 and / cuDNN per pass, a summary (worst ratios, hd128
 full S>=4K forward as a share of the matmul rate) and a markdown table.
 
 Workloads mode: rows outside the grid, bf16, each against every SDPA backend that runs it (a backend that
@@ -381,9 +383,10 @@ def sustained_fields(results: dict) -> dict:
     return row
 
 
-def sustained(seqlens, seconds: float, rounds: int = 1) -> list[dict]:
+def sustained(seqlens, seconds: float, rounds: int = 1, on_row=None) -> list[dict]:
     """Head dim 128 rows of the grid (full and causal at each seqlen): TFLOP/s of each SUSTAINED_IMPLS, forward and
-    forward+backward, each alone for `seconds`, in `rounds` rounds (sustained_rounds); sustained_fields' keys."""
+    forward+backward, each alone for `seconds`, in `rounds` rounds (sustained_rounds); sustained_fields' keys.
+    on_row(row): called with each row once it is measured (run_grid writes its record then)."""
     rows = []
     for seqlen in seqlens:
         batch, nheads = TOKENS // seqlen, HIDDEN // 128
@@ -416,6 +419,8 @@ def sustained(seqlens, seconds: float, rounds: int = 1) -> list[dict]:
 
             row.update(sustained_fields(sustained_rounds(measure, rounds)))
             rows.append(row)
+            if on_row is not None:
+                on_row(row)
             print(f"sustained hd128 {'causal' if causal else 'full'} S{seqlen}: " + "; ".join(
                 f"{kind} " + " ".join(f"{impl} {row[f'{impl}_{kind}_sustained'] or '-'}" for impl in SUSTAINED_IMPLS)
                 for kind in ("fwd", "fb")) + " TFLOP/s; SM MHz / W: " + "; ".join(
@@ -783,6 +788,14 @@ def selftest() -> None:
           + sustained_markdown(steady, "4.0") + "\n\n" + sustained_markdown(steady))
 
 
+def write_record(out: Path, record: dict) -> None:
+    """The record's JSON at out, replaced whole (written beside it, then renamed over it): a reader never finds half of
+    one."""
+    part = out.with_name(out.name + ".part")
+    part.write_text(json.dumps(record, indent=1))
+    part.replace(out)
+
+
 def run_grid(args, env: dict, out: Path) -> str:
     """The 24-configuration grid (+ memory sweep): JSON and PNG at out; returns its markdown table."""
     seqlens = args.seqlens or ([1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384])
@@ -790,11 +803,18 @@ def run_grid(args, env: dict, out: Path) -> str:
     rows = speed(seqlens, 5 if args.quick else args.repeats, 1 if args.quick else args.rounds,
                  interleave=args.timing == "interleaved")
     mem = [] if args.quick or args.seqlens else memory([1024, 2048, 4096, 8192, 16384, 32768, 65536])
-    steady = (sustained([S for S in seqlens if S >= 4096], args.sustained, args.sustained_rounds)
-              if args.sustained > 0 else [])
+    # The record is written before the sustained rows and again after each, "complete" once all are in: a run cut
+    # short (a time limit, a lost machine) keeps what it measured.
+    steady = []
+    record = {"env": env, "rows": rows, "memory": mem, "sustained": steady, "complete": False}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"env": env, "rows": rows, "memory": mem, "sustained": steady}, indent=1))
+    write_record(out, record)
     plot(rows, out.with_suffix(".png"))
+    if args.sustained > 0:
+        sustained([S for S in seqlens if S >= 4096], args.sustained, args.sustained_rounds,
+                  on_row=lambda row: (steady.append(row), write_record(out, record)))
+    record["complete"] = True
+    write_record(out, record)
     print(f"wrote {out}; {grid_summary(rows, env['bf16_matmul_tflops'])}")
     tables = [grid_markdown(rows, env["fa4"])]
     return "\n\n".join(tables + ([sustained_markdown(steady, env["fa4"])] if steady else []))
@@ -807,9 +827,10 @@ def run_workloads(args, env: dict, out: Path) -> str:
     # the feature rows: the features against FlexAttention and plain attention (benchmarks/attention_features.py)
     import attention_features
 
-    features = attention_features.run(5 if args.quick else args.repeats, 1 if args.quick else args.rounds)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"env": env, "rows": rows, "features": features}, indent=1))
+    write_record(out, {"env": env, "rows": rows, "features": [], "complete": False})  # (kept if the rest is cut)
+    features = attention_features.run(5 if args.quick else args.repeats, 1 if args.quick else args.rounds)
+    write_record(out, {"env": env, "rows": rows, "features": features, "complete": True})
     plot_workloads(rows, out.with_suffix(".png"), env["gpu"])
     below = [row["name"] for row in rows if (row["ratio_fwd"] or 0) < 1.0]
     print(f"wrote {out}; forward below the fastest SDPA backend in {len(below)} of {len(rows)} rows: {below}")

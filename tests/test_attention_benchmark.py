@@ -243,3 +243,67 @@ def test_interleaved_passes_hold_the_gpu_and_keep_host_times(attention, monkeypa
     monkeypatch.setattr(torch.cuda, "_sleep", cycles.append)
     train_gpt2.hold_gpu(0.01)
     assert cycles == [20_000_000]  # 10 ms at 2 GHz, above an H100 / H200's highest SM clock
+
+
+def test_grid_record_is_written_before_and_during_the_sustained_rows(attention, monkeypatch, tmp_path):
+    """run_grid writes its record once the grid and memory sweep are measured, again after each sustained row, and
+    marks it complete at the end: a run cut short keeps what it measured (and says it was cut). run_workloads keeps
+    its rows the same way while the feature rows run."""
+    import argparse
+    import json
+
+    out = tmp_path / "grid.json"
+    grid = []
+    for hd, causal in ((64, False), (64, True), (128, False), (128, True)):
+        row = {"hd": hd, "S": 4096, "B": 4, "H": 2048 // hd, "causal": causal}
+        row.update({f"{impl}_{kind}": 400.0 + 10 * i for i, impl in enumerate(attention.IMPLS)
+                    for kind, _ in attention.PASSES})
+        grid.append(row)
+    monkeypatch.setattr(attention, "speed", lambda *args, **kwargs: grid)
+    monkeypatch.setattr(attention, "memory", lambda seqlens: [{"S": 1024, "flashtrain": 49.5}])
+    seen = []
+
+    def fake_sustained(seqlens, seconds, rounds, on_row=None):
+        for causal in (False, True):
+            record = json.loads(out.read_text())
+            seen.append((len(record["sustained"]), record["complete"], len(record["rows"])))
+            row = {"hd": 128, "S": 4096, "B": 4, "H": 16, "causal": causal, "seconds": seconds, "rounds": rounds}
+            row.update(attention.sustained_fields(attention.sustained_rounds(
+                lambda impl: {"fwd": 600.0, "fb": 500.0, "fwd_mhz": 1600, "fwd_watts": 680, "fb_mhz": 1600,
+                              "fb_watts": 690}, rounds)))
+            on_row(row)
+            if cut:
+                raise TimeoutError("the run's time limit")
+
+    monkeypatch.setattr(attention, "sustained", fake_sustained)
+    args = argparse.Namespace(seqlens=None, quick=False, repeats=3, rounds=1, timing="interleaved", sustained=5.0,
+                              sustained_rounds=1)
+    env = {"gpu": "test", "fa4": "4.0", "bf16_matmul_tflops": 800.0}
+    cut = True
+    with pytest.raises(TimeoutError):
+        attention.run_grid(args, env, out)
+    record = json.loads(out.read_text())
+    assert seen == [(0, False, 4)] and len(record["sustained"]) == 1 and record["complete"] is False
+    assert record["rows"] == grid and record["memory"] == [{"S": 1024, "flashtrain": 49.5}]
+    assert not list(tmp_path.glob("*.part"))
+
+    cut, seen[:] = False, []
+    attention.run_grid(args, env, out)
+    record = json.loads(out.read_text())
+    assert seen == [(0, False, 4), (1, False, 4)] and len(record["sustained"]) == 2 and record["complete"] is True
+    assert out.with_suffix(".png").exists()
+
+    import attention_features
+
+    workloads_out = tmp_path / "workloads.json"
+
+    def features(repeats, rounds):
+        kept = json.loads(workloads_out.read_text())
+        assert kept["rows"] == [] and kept["complete"] is False
+        raise TimeoutError("cut during the feature rows")
+
+    monkeypatch.setattr(attention, "workload_speed", lambda *args, **kwargs: [])
+    monkeypatch.setattr(attention_features, "run", features)
+    with pytest.raises(TimeoutError):
+        attention.run_workloads(args, env, workloads_out)
+    assert json.loads(workloads_out.read_text())["complete"] is False
