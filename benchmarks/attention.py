@@ -36,8 +36,8 @@ seqlen 1K ... 64K.
 Every run records GPU, torch, CUDA and cuDNN versions, the UTC date and the bf16 matmul rate (8192^3, the ceiling of
 the 75% target) in its JSON. The JSON is written as soon as the grid (with the memory sweep) or the workloads rows are
 measured, again after each sustained row and after the feature rows, and its `complete` field is true once the run
-has finished: a run cut short keeps what it measured. The grid prints flashtrain / FA2 and / cuDNN per pass, a summary (worst ratios, hd128
-full S>=4K forward as a share of the matmul rate) and a markdown table.
+has finished: a run cut short keeps what it measured. The grid prints flashtrain / FA2 and / cuDNN per pass, a
+summary (worst ratios, hd128 full S>=4K forward as a share of the matmul rate) and a markdown table.
 
 Workloads mode: rows outside the grid, bf16, each against every SDPA backend that runs it (a backend that
 refuses a pass shows "-"): head dims 64, 80, 96, 128, 192, 256 at 4K causal (batch 4, nheads = 2048 / head_dim
@@ -894,8 +894,12 @@ def main() -> None:
     if args.sustained_only:
         out = args.out or RESULTS / f"attention_sustained-{tag}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        steady = sustained([4096, 8192, 16384], args.sustained, args.sustained_rounds)
-        out.write_text(json.dumps({"env": env, "sustained": steady}, indent=1))
+        steady = []
+        record = {"env": env, "sustained": steady, "complete": False}
+        sustained([4096, 8192, 16384], args.sustained, args.sustained_rounds,
+                  on_row=lambda row: (steady.append(row), write_record(out, record)))
+        record["complete"] = True
+        write_record(out, record)
         print(f"wrote {out}\n\n{sustained_markdown(steady, env['fa4'])}")
         return
     grid_out = (None if args.workloads else args.out) or RESULTS / f"attention-{tag}.json"
