@@ -296,14 +296,15 @@ def test_grid_record_is_written_before_and_during_the_sustained_rows(attention, 
     import attention_features
 
     workloads_out = tmp_path / "workloads.json"
+    workload_rows = [{"name": "hd64 4K causal", "flashtrain_fwd": 510.4, "ratio_fwd": 1.18}]
 
     def features(repeats, rounds):
         kept = json.loads(workloads_out.read_text())
-        assert kept["rows"] == [] and kept["complete"] is False
+        assert kept["rows"] == workload_rows and kept["features"] == [] and kept["complete"] is False
         raise TimeoutError("cut during the feature rows")
 
-    monkeypatch.setattr(attention, "workload_speed", lambda *args, **kwargs: [])
+    monkeypatch.setattr(attention, "workload_speed", lambda *args, **kwargs: workload_rows)
     monkeypatch.setattr(attention_features, "run", features)
     with pytest.raises(TimeoutError):
         attention.run_workloads(args, env, workloads_out)
-    assert json.loads(workloads_out.read_text())["complete"] is False
+    assert json.loads(workloads_out.read_text())["rows"] == workload_rows
