@@ -386,7 +386,7 @@ def sustained_fields(results: dict) -> dict:
 def sustained(seqlens, seconds: float, rounds: int = 1, on_row=None) -> list[dict]:
     """Head dim 128 rows of the grid (full and causal at each seqlen): TFLOP/s of each SUSTAINED_IMPLS, forward and
     forward+backward, each alone for `seconds`, in `rounds` rounds (sustained_rounds); sustained_fields' keys.
-    on_row(row): called with each row once it is measured (run_grid writes its record then)."""
+    on_row(rows): called with the rows so far each time one is measured (the callers write their record then)."""
     rows = []
     for seqlen in seqlens:
         batch, nheads = TOKENS // seqlen, HIDDEN // 128
@@ -420,7 +420,7 @@ def sustained(seqlens, seconds: float, rounds: int = 1, on_row=None) -> list[dic
             row.update(sustained_fields(sustained_rounds(measure, rounds)))
             rows.append(row)
             if on_row is not None:
-                on_row(row)
+                on_row(rows)
             print(f"sustained hd128 {'causal' if causal else 'full'} S{seqlen}: " + "; ".join(
                 f"{kind} " + " ".join(f"{impl} {row[f'{impl}_{kind}_sustained'] or '-'}" for impl in SUSTAINED_IMPLS)
                 for kind in ("fwd", "fb")) + " TFLOP/s; SM MHz / W: " + "; ".join(
@@ -805,16 +805,16 @@ def run_grid(args, env: dict, out: Path) -> str:
     mem = [] if args.quick or args.seqlens else memory([1024, 2048, 4096, 8192, 16384, 32768, 65536])
     # The record is written before the sustained rows and again after each, "complete" once all are in: a run cut
     # short (a time limit, a lost machine) keeps what it measured.
-    steady = []
-    record = {"env": env, "rows": rows, "memory": mem, "sustained": steady, "complete": False}
+    record = {"env": env, "rows": rows, "memory": mem, "sustained": [], "complete": False}
     out.parent.mkdir(parents=True, exist_ok=True)
     write_record(out, record)
     plot(rows, out.with_suffix(".png"))
     if args.sustained > 0:
-        sustained([S for S in seqlens if S >= 4096], args.sustained, args.sustained_rounds,
-                  on_row=lambda row: (steady.append(row), write_record(out, record)))
+        record["sustained"] = sustained([S for S in seqlens if S >= 4096], args.sustained, args.sustained_rounds,
+                                        on_row=lambda done: write_record(out, {**record, "sustained": done}))
     record["complete"] = True
     write_record(out, record)
+    steady = record["sustained"]
     print(f"wrote {out}; {grid_summary(rows, env['bf16_matmul_tflops'])}")
     tables = [grid_markdown(rows, env["fa4"])]
     return "\n\n".join(tables + ([sustained_markdown(steady, env["fa4"])] if steady else []))
@@ -894,12 +894,9 @@ def main() -> None:
     if args.sustained_only:
         out = args.out or RESULTS / f"attention_sustained-{tag}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        steady = []
-        record = {"env": env, "sustained": steady, "complete": False}
-        sustained([4096, 8192, 16384], args.sustained, args.sustained_rounds,
-                  on_row=lambda row: (steady.append(row), write_record(out, record)))
-        record["complete"] = True
-        write_record(out, record)
+        steady = sustained([4096, 8192, 16384], args.sustained, args.sustained_rounds,
+                           on_row=lambda done: write_record(out, {"env": env, "sustained": done, "complete": False}))
+        write_record(out, {"env": env, "sustained": steady, "complete": True})
         print(f"wrote {out}\n\n{sustained_markdown(steady, env['fa4'])}")
         return
     grid_out = (None if args.workloads else args.out) or RESULTS / f"attention-{tag}.json"

@@ -264,6 +264,7 @@ def test_grid_record_is_written_before_and_during_the_sustained_rows(attention, 
     seen = []
 
     def fake_sustained(seqlens, seconds, rounds, on_row=None):
+        rows = []
         for causal in (False, True):
             record = json.loads(out.read_text())
             seen.append((len(record["sustained"]), record["complete"], len(record["rows"])))
@@ -271,9 +272,11 @@ def test_grid_record_is_written_before_and_during_the_sustained_rows(attention, 
             row.update(attention.sustained_fields(attention.sustained_rounds(
                 lambda impl: {"fwd": 600.0, "fb": 500.0, "fwd_mhz": 1600, "fwd_watts": 680, "fb_mhz": 1600,
                               "fb_watts": 690}, rounds)))
-            on_row(row)
+            rows.append(row)
+            on_row(rows)
             if cut:
                 raise TimeoutError("the run's time limit")
+        return rows
 
     monkeypatch.setattr(attention, "sustained", fake_sustained)
     args = argparse.Namespace(seqlens=None, quick=False, repeats=3, rounds=1, timing="interleaved", sustained=5.0,
