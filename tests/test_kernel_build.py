@@ -62,7 +62,8 @@ def test_dispatch_table_covers_every_instantiation_once():
     window = (len(build.FWD_SM90_MODS_HEAD_DIMS) + len(build.BWD_SM90_MODS_HEAD_DIMS)) * 2 * 2 + 2
     hopper_mods = nocap + window + (len(build.FWD_SM90_MODS_HEAD_DIMS) + sum(build.BWD_SM90_MODS_SOFTCAP.values())) * 2 * 2
     assert sum(name.endswith("_mods_nocap") for name in names) == nocap
-    assert sum(name.endswith("_mods_window") for name in names) == window
+    # (at head dim 128 on 64-query blocks with S^T onto the lse term: `_mods_window_lsebias`)
+    assert sum(name.endswith(("_mods_window", "_mods_window_lsebias")) for name in names) == window
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
               + hopper_q80 + hopper_mods)
     cross_entropy = len(build.CE_DTYPES)  # the fused cross-entropy, one module per logits dtype
@@ -264,8 +265,9 @@ def test_kernel_scale():
 def test_lse_bias_kernels(monkeypatch):
     """The Hopper backward without dropout, block mask or determinism accumulates S^T onto the lse term (`_lsebias`,
     FT_BWD_LSE_BIAS; bwd_lse_bias tells the preprocess to write lse in raw score units) in the narrowed kernels and the
-    hd128 64-query ones; dropout, the hd128 80-query kernels, the other head dims and the score-modification kernels
-    keep the FFMA with lse; BWD_SM90_LSE_BIAS = 0 (A/B) none."""
+    hd128 64-query ones, and the hd128 64-query window-only kernels (BWD_SM90_WINDOW_LSE_BIAS); dropout, the hd128
+    80-query kernels, the other head dims and the other score-modification kernels keep the FFMA with lse;
+    BWD_SM90_LSE_BIAS = 0 (A/B) none."""
     def bwd(head_dim, effective, dropout=False, causal=True, **kw):
         return build.bwd_kernel(head_dim, "bf16", causal, dropout, arch="sm_90a", effective_head_dim=effective, **kw)
 
@@ -285,12 +287,22 @@ def test_lse_bias_kernels(monkeypatch):
                  build.bwd_kernel(128, "bf16", True, False, arch="sm_80", effective_head_dim=96)):
         assert not build.bwd_lse_bias(spec) and "lsebias" not in spec.name, spec.name
     assert bwd(128, 128, seqlen_q=1 << 16).tiles.block_m == 80
+    for causal in (False, True):  # a sliding window alone: the 64-query window-only kernel
+        window = build.bwd_sm90_mods_kernel(128, "bf16", causal, window_left=1024, window_only=True)
+        assert window.tiles.block_m == 64 and build.bwd_lse_bias(window) and window in build.all_kernels()
+        assert window.name.endswith("_mods_window_lsebias")
+    for spec in (build.bwd_sm90_mods_kernel(64, "bf16", True, window_left=1024, window_only=True),
+                 build.bwd_sm90_mods_kernel(128, "bf16", True, window_left=4096, window_only=True, seqlen_q=1 << 16)):
+        assert not build.bwd_lse_bias(spec) and spec.name.endswith("_mods_window"), spec.name
+    monkeypatch.setattr(build, "BWD_SM90_WINDOW_LSE_BIAS", 0)
+    window = build.bwd_sm90_mods_kernel(128, "bf16", True, window_left=1024, window_only=True)
+    assert not build.bwd_lse_bias(window) and window.name.endswith("_mods_window")
     monkeypatch.setattr(build, "BWD_SM90_LSE_BIAS", 0)
     for effective, name in ((96, "flash_bwd_sm90_hdim96_bf16_causal"), (128, "flash_bwd_sm90_hdim128_bf16_causal")):
         plain = bwd(128, effective)
         assert not build.bwd_lse_bias(plain) and plain.name == name
     with pytest.raises(ValueError, match="lse_bias"):
-        build._bwd_sm90_spec(128, "bf16", True, False, False, False, build.BWD_SM90_TILES[128], 128, 3, lse_bias=True)
+        build._bwd_sm90_spec(128, "bf16", True, False, False, False, build.BWD_SM90_TILES[128], 128, 2, lse_bias=True)
 
 
 def test_head_dim_512_dispatch(monkeypatch):
@@ -811,10 +823,13 @@ def test_hopper_window_only_calls_run_the_window_variant(monkeypatch):
                                             seqlen_q=seqlen_q, window_left=left, **options)
 
                 window, general = spec(window_only=True), spec()
-                assert window.name.endswith("_mods_window") and ("FT_SCORE_MODS", 3) in window.defines, window.name
+                # (hd128 on 64-query blocks: S^T onto the lse term too, `_lsebias`)
+                bias = head_dim == 128 and window.block_m == 64
+                assert window.name.endswith("_mods_window_lsebias" if bias else "_mods_window"), window.name
+                assert ("FT_SCORE_MODS", 3) in window.defines
                 assert general.name.endswith("_mods_nocap")
                 assert window.block_m == general.block_m
-                assert window.name.replace("_window", "_nocap") == general.name
+                assert window.name.replace("_window", "_nocap").removesuffix("_lsebias") == general.name
                 if head_dim == 128:  # softcap: the variant that has it
                     assert spec(window_only=True, softcap=True).name.endswith("_mods")
                 # a long causal call with a window past BWD_SM90_WINDOW_Q64_MAX_LEFT: the 80-query `_window` kernel

@@ -6,8 +6,9 @@ those outside are the producer warpgroup's roles (24-40 registers) and set-up / 
     PYTHONPATH=$PWD python benchmarks/probes/sm90_spills.py [--kernels bwd:128:causal bwd:64 fwd:64:causal ...]
         [--defines FT_BWD_PRODUCER_REGS=40,...]
 
-A kernel is kind:head_dim[:causal][:dropout][:det][:mods][:sN] (kind fwd or bwd; det: the deterministic backward; mods:
-the score-modification variant; sN, forward: the kernel a call of N query and key tokens runs, its tiles by length;
+A kernel is kind:head_dim[:causal][:dropout][:det][:mods|:window][:sN] (kind fwd or bwd; det: the deterministic
+backward; mods: the score-modification variant; window: the backward's window-only variant, as a sliding window of
+1024 keys runs it; sN, forward: the kernel a call of N query and key tokens runs, its tiles by length;
 head dims 80 / 96: the hd128 kernels narrowed to that many columns, which head dims 65-96 run). --defines adds
 macros to every compilation (as FLASHTRAIN_EXTRA_DEFINES does). Needs nvcc and cuobjdump (CUOBJDUMP=path, or on
 PATH; pip's nvidia-cuda-cuobjdump wheel carries one). The Hopper backward's speed moved with its spills' placement by
@@ -40,11 +41,14 @@ def kernel_spec(item: str) -> build.KernelSpec:
     seqlens = [int(f[1:]) for f in flags if re.fullmatch(r"s\d+", f)]  # sN: the kernel a call of N tokens runs
     flags = [f for f in flags if not re.fullmatch(r"s\d+", f)]
     seqlen = seqlens[-1] if seqlens else 0
-    unknown = set(flags) - {"causal", "dropout", "det", "mods"}
-    if kind not in ("fwd", "bwd") or unknown or (kind == "fwd" and "det" in flags) or (kind == "bwd" and seqlen):
-        raise SystemExit(f"--kernels: {item!r} is not kind:head_dim[:causal][:dropout][:det][:mods][:sN] (det: bwd "
-                         "only; sN: fwd only)")
+    unknown = set(flags) - {"causal", "dropout", "det", "mods", "window"}
+    if (kind not in ("fwd", "bwd") or unknown or (kind == "fwd" and {"det", "window"} & set(flags))
+            or (kind == "bwd" and seqlen)):
+        raise SystemExit(f"--kernels: {item!r} is not kind:head_dim[:causal][:dropout][:det][:mods|:window][:sN] "
+                         "(det, window: bwd only; sN: fwd only)")
     causal, dropout = "causal" in flags, "dropout" in flags
+    if "window" in flags:  # the window-only backward a causal sliding window of 1024 keys runs
+        return build.bwd_sm90_mods_kernel(int(head_dim), "bf16", causal, window_left=1024, window_only=True)
     if "mods" in flags:
         if kind == "fwd":
             return build._fwd_sm90_spec(int(head_dim), "bf16", causal, False, False,

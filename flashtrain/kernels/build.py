@@ -381,6 +381,10 @@ BWD_SM90_MODS_Q80_CAUSAL_SEQLEN = 2048
 # CUDA-graph replays, backward, `_window` / general: hd128 causal window 1024 at 16K 1.033, at 4K 1.015, window 256 at
 # 16K 1.001; hd64 causal window 256 at 16K 1.029 (kernel_ab-h200.json). BWD_SM90_WINDOW_ONLY = 0: the general one (A/B).
 BWD_SM90_WINDOW_ONLY = 1
+# ... and, at head dim 128 (64-query blocks), S^T accumulated onto the lse term as in the plain 64-query kernels
+# (BWD_SM90_LSE_BIAS): the window masks scores to -inf like the causal mask. BWD_SM90_WINDOW_LSE_BIAS = 0: the FFMA
+# form (A/B: flashtrain@build.BWD_SM90_WINDOW_LSE_BIAS=0).
+BWD_SM90_WINDOW_LSE_BIAS = 1
 BWD_SM90_MODS_HEAD_DIMS = tuple(BWD_SM90_MODS_TILES)
 # ... with softcap (its derivative kept per element for dS^T): head dim 128; at 64 (128-query blocks) those registers
 # spilled inside the loop (ptxas, 97 spill instructions between the first and last HGMMA), so the head-dim-64 kernel
@@ -927,7 +931,9 @@ def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: 
             and _bwd_q80(causal, seqlen_q, causal_seqlen=BWD_SM90_MODS_Q80_CAUSAL_SEQLEN)):
         tiles = BWD_SM90_DENSE128_TILES
     tiles = _dq_frag_choice(tiles, causal, head_dim, True)
-    return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim, mods, tuple(mask_defines))
+    lse_bias = mods == 3 and BWD_SM90_WINDOW_LSE_BIAS and _bwd_lse_bias_rule(head_dim, head_dim, True, tiles)
+    return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim, mods, tuple(mask_defines),
+                          lse_bias=bool(lse_bias))
 
 
 @functools.lru_cache(maxsize=None)
@@ -935,9 +941,9 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
                    tiles: BwdSm90Tiles, head_dim_eff: int, score_mods: int = 0,
                    mask_defines: tuple = (), lse_bias: bool = False) -> KernelSpec:
     """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi, 3 window (BwdSm90Traits' FT_SCORE_MODS).
-    lse_bias: S^T accumulated onto the lse term (BWD_SM90_LSE_BIAS; no score modifications)."""
-    if lse_bias and score_mods:
-        raise ValueError("lse_bias: the score modifications apply to the raw score")
+    lse_bias: S^T accumulated onto the lse term (BWD_SM90_LSE_BIAS; no score modifications but a window)."""
+    if lse_bias and score_mods not in (0, 3):
+        raise ValueError("lse_bias: softcap and ALiBi apply to the raw score")
     smem_bytes = tiles.smem_bytes(head_dim)
     name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"

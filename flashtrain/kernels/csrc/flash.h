@@ -10,7 +10,8 @@
 // total_q + batch * M rounded up to M; batch stride 0):
 //   lse_log2, softmax_d float32 (nheads, rows_pad): lse * log2(e) (+inf past a sequence's end and for rows that saw
 //                      no key), D (0 past the end); for the kernels whose S^T GEMM accumulates onto the lse term
-//                      (AuxParams::lse_bias) lse_log2 holds -lse / softmax_scale instead (-inf there)
+//                      (AuxParams::lse_bias) lse_log2 holds -lse / softmax_scale instead (-inf there) and
+//                      softmax_d holds -D
 //   dq_accum           float32 (nsplits, nheads, rows_pad, C): C = the instantiated head dim (AuxParams::dqa_cols)
 // Varlen: cu_seqlens_q/k (batch + 1, int32) give each sequence's first row; the batch strides are then 0.
 //   bs_rows            int32 (mask heads, n_qblocks, n_kblocks + 1): per query block of the block mask, the number c
@@ -203,7 +204,8 @@ struct AuxParams {
                               // accumulator's order (BwdSm90Traits::kDqFrag); the conversion's grid is one CTA per
                               // block (flash_aux.cuh bwd_convert_dq_frag)
     int lse_bias;             // 1 (padded): lse_log2 = -lse / softmax_scale, the lse in raw score units, onto which the
-                              // Hopper backward built with FT_BWD_LSE_BIAS accumulates S^T (flash_bwd_sm90.cuh kBiasS)
+                              // Hopper backward built with FT_BWD_LSE_BIAS accumulates S^T (flash_bwd_sm90.cuh kBiasS),
+                              // and softmax_d = -D, onto which it accumulates dP^T (kBiasD)
 };
 
 }  // namespace flashtrain

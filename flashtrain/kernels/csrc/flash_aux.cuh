@@ -6,7 +6,7 @@
 //               and dq_accum[:, row, :] = 0; padded (the Hopper
 //               backward, flash.h): also lse_log2[row] = lse * log2(e) (+inf for -inf; lse_bias: -lse / softmax_scale,
 //               -inf for -inf), and for the padding rows of a sequence's last query block lse_log2 = +inf (lse_bias:
-//               -inf), D = 0, dq_accum = 0;
+//               -inf; lse_bias also negates D), D = 0, dq_accum = 0;
 //   convert_dq: dq[row, :] = softmax_scale * sum_split dq_accum[split, row, :] in the input dtype (dq_frag: one CTA
 //               per 80-row block of the Hopper backward's fragment order, bwd_convert_dq_frag);
 //   dropout_mask: mask[row, j] = keep(row, j) for j < seqlen_k, the bits the forward and backward kernels draw.
@@ -133,7 +133,7 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
             const i64 at = batch * p.d_batch_stride + head * p.d_head_stride + pad_row;
             const i64 lse_at = batch * p.lse_batch_stride + head * p.lse_head_stride + q_row;
             if (p.dlse != nullptr && in_seq && p.lse[lse_at] != -infinity()) dot -= p.dlse[lse_at];
-            p.softmax_d[at] = dot;
+            p.softmax_d[at] = p.lse_bias ? -dot : dot;
             if (p.padded) {
                 const float raw = in_seq ? p.lse[lse_at] : -infinity();
                 p.lse_log2[at] = p.lse_bias ? (raw == -infinity() ? -infinity() : raw * (-1.f / p.softmax_scale))

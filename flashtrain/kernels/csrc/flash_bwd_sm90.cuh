@@ -392,7 +392,17 @@ struct BwdSm90Traits {
 #define FT_BWD_LSE_BIAS 0
 #endif
     static constexpr bool kBiasS = FT_BWD_LSE_BIAS;
-    static_assert(!kBiasS || !kScoreMods, "score modifications apply to the raw score: no lse term in their S^T");
+    // (the window-only kernels too: the window masks scores to -inf like the causal mask, which the lse term does not
+    // change; softcap and ALiBi apply to the raw score)
+    static_assert(!kBiasS || !kScoreMods || kScoreMods_ == 3,
+                  "softcap and ALiBi apply to the raw score: no lse term in their S^T");
+    // With it the preprocess writes -D (AuxParams::lse_bias), and the dP^T GEMM accumulates onto it (FT_BWD_D_BIAS,
+    // default 1; 0 for A/Bs): each n8 tile of dP^T starts at its two queries' -D, loaded with the lse term, so that
+    // dS^T = P^T (dP^T - D) is one FMUL: no FADD and no D loads next to dS^T.
+#ifndef FT_BWD_D_BIAS
+#define FT_BWD_D_BIAS 1
+#endif
+    static constexpr bool kBiasD = kBiasS && FT_BWD_D_BIAS;
 #ifdef FT_BWD_STATS_EARLY
     static constexpr bool kStatsEarly = FT_BWD_STATS_EARLY;
 #else
@@ -959,10 +969,14 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
 #pragma unroll
                 for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(stats_t + 32 * j, lse_r[j]);
             };
-            if constexpr (T::kBiasS) {  // S^T accumulated onto the lse term (kBiasS)
+            constexpr u32 kDOff = T::kStages * T::kStatsBytes;  // sD(s) - sLse(s)
+            if constexpr (T::kBiasS) {  // S^T accumulated onto the lse term (kBiasS), dP^T onto D (kBiasD)
                 if (FT_BWD_LEAN_ADDR) asm volatile("" : "+r"(stats_t));
 #pragma unroll
                 for (int j = 0; j < kNT; ++j) ld_stats_acc(stats_t + 32 * j, st[j]);
+                if constexpr (T::kBiasD)  // (-D: the preprocess negates D with the lse term)
+#pragma unroll
+                    for (int j = 0; j < kNT; ++j) ld_stats_acc(stats_t + kDOff + 32 * j, dpt[j]);
             } else if constexpr (T::kStatsEarly) {
                 load_first_lse();
             }
@@ -986,7 +1000,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
                 const u32 off_kv = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
                 const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
                 wgmma_ss<kBlockM, T::kIsBF16>(dpt, bdesc<3>(sV_w, off_kv, 16, 1024),
-                                              bdesc<4>(sdO_s, off_q, 16, 1024), kk > 0);
+                                              bdesc<4>(sdO_s, off_q, 16, 1024), T::kBiasD || kk > 0);
             }
             wgmma_commit();
             flush_dq();  // the previous block's dQ slice, stored before these GEMMs were issued
@@ -1136,10 +1150,10 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
             }
 
             rs_gemm(acc_dv, pa, sdO_s);  // dV_w += P^T dO (rows of dO = queries, the reduction)
-            constexpr u32 kDOff = T::kStages * T::kStatsBytes;  // sD(s) - sLse(s)
-            float d_r[kNT][2];  // D of the first kStatsAhead n8 tiles, as lse above
+            float d_r[kNT][2];  // D of the first kStatsAhead n8 tiles, as lse above (not with kBiasD)
+            if constexpr (!T::kBiasD)
 #pragma unroll
-            for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(stats_t + kDOff + 32 * j, d_r[j]);
+                for (int j = 0; j < T::kStatsAhead && j < kNT; ++j) ld_stats2(stats_t + kDOff + 32 * j, d_r[j]);
             // dP^T done; dV may still run unless its P^T registers are needed for dS^T (128-query blocks: ptxas keeps
             // the A fragments of an unfinished wgmma alive, and 64 more live registers would spill)
             if constexpr (T::kWaitDv) wgmma_wait<0>();
@@ -1149,9 +1163,9 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
             // dS^T = P^T (dP^T - D) (with dropout: dP^T of the kept entries / (1 - p)), A fragments and shared dS^T.
 #pragma unroll
             for (int j = 0; j < kNT; ++j) {
-                if (j + T::kStatsAhead < kNT)
+                if (!T::kBiasD && j + T::kStatsAhead < kNT)
                     ld_stats2(stats_t + kDOff + 32 * (j + T::kStatsAhead), d_r[j + T::kStatsAhead]);
-                const float(&dsum)[2] = d_r[j];
+                [[maybe_unused]] const float(&dsum)[2] = d_r[j];  // (not read with kBiasD)
                 float ds[4], pt[4];
                 if constexpr (T::kDsFromPa) {
                     unpack2<T::kIsBF16>(pa[j / 2][2 * (j % 2)], pt[0], pt[1]);
@@ -1165,7 +1179,9 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
                     float dp = dpt[j][e];
                     if constexpr (T::kIsDropout)
                         dp = (keep_bits[(4 * j + e) / 32] >> ((4 * j + e) % 32)) & 1 ? dp * f.rp_dropout : 0.f;
-                    ds[e] = pt[e] * (dp - dsum[e & 1]);
+                    if constexpr (T::kBiasD) ds[e] = pt[e] * dp;  // (dpt started at -D)
+                    else if constexpr (T::kBiasS) ds[e] = pt[e] * (dp + dsum[e & 1]);  // (-D with the lse term)
+                    else ds[e] = pt[e] * (dp - dsum[e & 1]);
                 }
                 if constexpr (T::kSoftcap) {  // softcap: d(capped) / d(score) = 1 - tanh^2
                     if (f.softcap_scale != 0.f) {
@@ -1712,6 +1728,9 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
 // and fragments on a model of shared memory and the canonical wgmma layouts against numpy.
 // Not done (next steps): skipping a warpgroup whose 48 keys are all hidden from a block (causal diagonal: half the
 // tiles have one such block), issuing the next block's S / dP before this block's dK^T is waited for.
+#ifndef FT_BWD_SK_STATS_EARLY
+#define FT_BWD_SK_STATS_EARLY 1
+#endif
 template <class T, int W>
 __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Params& params, const BwdSm90Smem<T>& sm) {
     const BwdParams& p = params.bwd;
@@ -1763,6 +1782,15 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
             sdS = sm.sdS0 + 2 * TileS::kBytes + buf;
         asm volatile("" : "+r"(sK), "+r"(sV), "+r"(sQ_s), "+r"(sdO_s), "+r"(sP), "+r"(sdS));
         mbar_wait(sm.full(s), (gs / kStages) & 1);
+        // lse and D of this thread's rows (queries row0 + g, + 8): loaded before the GEMMs are issued
+        // (FT_BWD_SK_STATS_EARLY, default 1; 0 for A/Bs: after them, where the loads queue behind the wgmmas)
+        const u32 stat = sm.sLse(s) + 4 * (row0 + g), stat_d = sm.sD(s) + 4 * (row0 + g);
+        float lse[2], dsum[2];
+        auto load_stats = [&]() {
+            lse[0] = ld_shared_f32(stat), lse[1] = ld_shared_f32(stat + 32);
+            dsum[0] = ld_shared_f32(stat_d), dsum[1] = ld_shared_f32(stat_d + 32);
+        };
+        if (FT_BWD_SK_STATS_EARLY) load_stats();
 
         // S_w = Q K_w^T, then dP_w = dO V_w^T: kHeadDim / 16 k-steps; Q / dO step kk in 64-column block kk / 4, K's
         // in 32-column block kk / 2 (64-byte swizzle), V's in block kk / 4
@@ -1784,9 +1812,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
                                         kk > 0);
         }
         wgmma_commit();
-        // lse of this thread's rows (queries row0 + g, + 8), loaded while the GEMMs run
-        const u32 stat = sm.sLse(s) + 4 * (row0 + g);
-        const float lse[2] = {ld_shared_f32(stat), ld_shared_f32(stat + 32)};
+        if (!FT_BWD_SK_STATS_EARLY) load_stats();
         wgmma_wait<1>();  // S done (dP may still run)
         fence_operand(st);
 
@@ -1834,8 +1860,6 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         // dV_w^T += dO^T P_w
         gemm_t(acc_dv, sdO_s, sP, true);
         wgmma_commit();
-        const u32 stat_d = sm.sD(s) + 4 * (row0 + g);
-        const float dsum[2] = {ld_shared_f32(stat_d), ld_shared_f32(stat_d + 32)};
         wgmma_wait<1>();  // dP done (dV^T may still run)
         fence_operand(dpt);
 
