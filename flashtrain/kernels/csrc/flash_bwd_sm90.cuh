@@ -396,13 +396,17 @@ struct BwdSm90Traits {
     // change; softcap and ALiBi apply to the raw score)
     static_assert(!kBiasS || !kScoreMods || kScoreMods_ == 3,
                   "softcap and ALiBi apply to the raw score: no lse term in their S^T");
-    // With it the preprocess writes -D (AuxParams::lse_bias), and the dP^T GEMM accumulates onto it (FT_BWD_D_BIAS,
-    // default 1; 0 for A/Bs): each n8 tile of dP^T starts at its two queries' -D, loaded with the lse term, so that
-    // dS^T = P^T (dP^T - D) is one FMUL: no FADD and no D loads next to dS^T.
+    // With it the preprocess writes -D (AuxParams::lse_bias), and the 64-query kernels' dP^T GEMM accumulates onto it
+    // (FT_BWD_D_BIAS, default 1; 0 for A/Bs): each n8 tile of dP^T starts at its two queries' -D, loaded with the lse
+    // term, so that dS^T = P^T (dP^T - D) is one FMUL: no FADD and no D loads next to dS^T. H200, interleaved
+    // CUDA-graph replays, backward, with / without: hd128 causal 512 1.004, 2K 1.009, 4K 1.013, GQA 32/8 8K 1.013, GQA
+    // 16/2 4K 1.012, hd80 causal 4K 1.010, window 1024 at 16K / 4K 1.000 / 1.002; the 80-query kernels of head dims
+    // 65-96 lost (hd96 causal 4K 0.972, hd80 non-causal 4K 0.884: 20 more loads and moves before their GEMMs) and
+    // keep the FADD (kernel_ab-h200.json).
 #ifndef FT_BWD_D_BIAS
 #define FT_BWD_D_BIAS 1
 #endif
-    static constexpr bool kBiasD = kBiasS && FT_BWD_D_BIAS;
+    static constexpr bool kBiasD = kBiasS && !kSwapDq && FT_BWD_D_BIAS;
 #ifdef FT_BWD_STATS_EARLY
     static constexpr bool kStatsEarly = FT_BWD_STATS_EARLY;
 #else
@@ -1728,9 +1732,6 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
 // and fragments on a model of shared memory and the canonical wgmma layouts against numpy.
 // Not done (next steps): skipping a warpgroup whose 48 keys are all hidden from a block (causal diagonal: half the
 // tiles have one such block), issuing the next block's S / dP before this block's dK^T is waited for.
-#ifndef FT_BWD_SK_STATS_EARLY
-#define FT_BWD_SK_STATS_EARLY 1
-#endif
 template <class T, int W>
 __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Params& params, const BwdSm90Smem<T>& sm) {
     const BwdParams& p = params.bwd;
@@ -1782,15 +1783,6 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
             sdS = sm.sdS0 + 2 * TileS::kBytes + buf;
         asm volatile("" : "+r"(sK), "+r"(sV), "+r"(sQ_s), "+r"(sdO_s), "+r"(sP), "+r"(sdS));
         mbar_wait(sm.full(s), (gs / kStages) & 1);
-        // lse and D of this thread's rows (queries row0 + g, + 8): loaded before the GEMMs are issued
-        // (FT_BWD_SK_STATS_EARLY, default 1; 0 for A/Bs: after them, where the loads queue behind the wgmmas)
-        const u32 stat = sm.sLse(s) + 4 * (row0 + g), stat_d = sm.sD(s) + 4 * (row0 + g);
-        float lse[2], dsum[2];
-        auto load_stats = [&]() {
-            lse[0] = ld_shared_f32(stat), lse[1] = ld_shared_f32(stat + 32);
-            dsum[0] = ld_shared_f32(stat_d), dsum[1] = ld_shared_f32(stat_d + 32);
-        };
-        if (FT_BWD_SK_STATS_EARLY) load_stats();
 
         // S_w = Q K_w^T, then dP_w = dO V_w^T: kHeadDim / 16 k-steps; Q / dO step kk in 64-column block kk / 4, K's
         // in 32-column block kk / 2 (64-byte swizzle), V's in block kk / 4
@@ -1812,7 +1804,9 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
                                         kk > 0);
         }
         wgmma_commit();
-        if (!FT_BWD_SK_STATS_EARLY) load_stats();
+        // lse of this thread's rows (queries row0 + g, + 8), loaded while the GEMMs run
+        const u32 stat = sm.sLse(s) + 4 * (row0 + g);
+        const float lse[2] = {ld_shared_f32(stat), ld_shared_f32(stat + 32)};
         wgmma_wait<1>();  // S done (dP may still run)
         fence_operand(st);
 
@@ -1860,6 +1854,8 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         // dV_w^T += dO^T P_w
         gemm_t(acc_dv, sdO_s, sP, true);
         wgmma_commit();
+        const u32 stat_d = sm.sD(s) + 4 * (row0 + g);
+        const float dsum[2] = {ld_shared_f32(stat_d), ld_shared_f32(stat_d + 32)};
         wgmma_wait<1>();  // dP done (dV^T may still run)
         fence_operand(dpt);
 
