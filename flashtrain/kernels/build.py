@@ -342,9 +342,11 @@ BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
 # 493.8 / 478.4; kernel_ab-h200.json). Head dims 81-96: from 4K; their 64-query kernel computes the dQ in one
 # warpgroup on 256 registers (flash_bwd_sm90.cuh kSplitRegs): H200, 2026-11-30 10:45 UTC, 64-query / 80-query, hd96
 # causal 2K 409.1 / 394.7, 4K 456.2 / 452.5 (level: within run-to-run noise; 8K not measured), 16K 504.4 / 521.3;
-# non-causal 4K 481.8 / 490.1.
+# non-causal 4K 481.8 / 490.1. With dP^T accumulated onto -D in the 64-query kernels (flash_bwd_sm90.cuh kBiasD),
+# from 8K: H200, 2026-12-02 12:29 UTC, 64-query / 80-query, hd96 causal 4K 504.8 / 493.3 (1.023), 8K 494.2 / 498.2,
+# 16K 517.6 / 529.3; hd128 causal 16K 580.1 / 583.9, at batch 2 574.4 / 575.6 (the 80-query kernel kept there).
 BWD_SM90_Q80_CAUSAL_SEQLEN = 16384
-BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN = 4096
+BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN = 8192
 # ... except head dims 65-80 causal, which keep the 64-query blocks at every length: there warpgroup 0 computes the
 # whole m64n80 dQ (flash_bwd_sm90.cuh FT_BWD_NARROW_DQ), where the 80-query kernel's transposed dQ^T still spends an
 # m64 GEMM on head-dim rows 64-127 of which 16 are non-zero. H200, 2026-11-30, interleaved CUDA-graph replays,
