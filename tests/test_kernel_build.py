@@ -496,8 +496,9 @@ def test_hd128_backward_query_blocks(monkeypatch):
     assert ("FT_BWD_DQ_FRAG", 0) in mods80.defines
     # head dims 65-80 causal: 64-query blocks at every length (warpgroup 0's m64n80 dQ); non-causal and hd96: 80
     assert spec(causal=True, seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_causal_lsebias"
-    # ... from BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN (4K) queries there, hd128 from BWD_SM90_Q80_CAUSAL_SEQLEN (16K)
+    # ... from BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN (8K) queries there, hd128 from BWD_SM90_Q80_CAUSAL_SEQLEN (16K)
     narrow, long = build.BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN, build.BWD_SM90_Q80_CAUSAL_SEQLEN
+    assert narrow == 8192 and spec(causal=True, seqlen_q=4096, effective_head_dim=96).block_m == 64
     assert (spec(causal=True, seqlen_q=narrow, effective_head_dim=96).name
             == "flash_bwd_sm90_hdim96_bf16_causal_q80_lsebias")
     assert (spec(causal=True, seqlen_q=narrow - 1, effective_head_dim=96).name
@@ -505,7 +506,7 @@ def test_hd128_backward_query_blocks(monkeypatch):
     assert spec(causal=True, seqlen_q=long // 2).block_m == 64 and spec(causal=True, seqlen_q=long).block_m == 80
     assert spec(seqlen_q=4096, effective_head_dim=80).name == "flash_bwd_sm90_hdim80_bf16_q80_lsebias"
     monkeypatch.setattr(build, "BWD_SM90_HD80_CAUSAL_Q64", 0)
-    assert (spec(causal=True, seqlen_q=4096, effective_head_dim=80).name
+    assert (spec(causal=True, seqlen_q=narrow, effective_head_dim=80).name
             == "flash_bwd_sm90_hdim80_bf16_causal_q80_lsebias")
     monkeypatch.setattr(build, "BWD_SM90_HD80_CAUSAL_Q64", 1)
     monkeypatch.setattr(build, "BWD_DQ_FRAG", 2)
