@@ -294,8 +294,7 @@ def test_hopper_backward_plan_sliding_window_blocks(recording):
         _, main, _ = ops._bwd_plan(dout, q, k, v, out, lse, None, None, s, s, 0.0, 0.088, True, False, None,
                                    window=window, alibi_slopes=alibi).launches
         name = _SYMBOLS[main.kernel.handle.value]
-        # (a window alone: the variant without ALiBi's code)
-        # (a window alone on 64-query blocks: S^T onto the lse term too)
+        # (a window alone: the variant without ALiBi's code; on 64-query blocks with S^T onto the lse term)
         assert name.endswith("_mods_nocap" if alibi is not None else "_mods_window_lsebias" if block_m == 64
                              else "_mods_window"), name
         assert ("_q80" in name) == (block_m == 80), name

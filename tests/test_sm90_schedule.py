@@ -99,6 +99,28 @@ def test_hd192_backward_moves_descriptors_by_64_bit_adds(tmp_path):
     assert probe.between_hgmma(code) <= 620
 
 
+@pytest.mark.slow
+def test_hd128_backward_starts_its_accumulators_at_the_statistics(tmp_path):
+    """The hd128 64-query backward (plain causal, and the window-only kernel) starts S^T at -lse / scale and dP^T at -D
+    (flash_bwd_sm90.cuh kBiasS, kBiasD; the preprocess writes both negated): its loop has no FFMA for the exponents'
+    lse and no FADD for dP^T - D."""
+    probe = _probe()
+    tool = probe.disassembler()
+    if build.nvcc_path() is None or tool is None:
+        pytest.skip("needs nvcc and nvdisasm or cuobjdump (pip install -e '.[dev]' brings nvidia-cuda-nvdisasm)")
+    for spec in (build.bwd_sm90_kernel(128, "bf16", True),
+                 build.bwd_sm90_mods_kernel(128, "bf16", True, window_left=1024, window_only=True)):
+        assert build.bwd_lse_bias(spec) and spec.tiles.block_m == 64, spec.name
+        cubin = tmp_path / f"{spec.name}.cubin"
+        build._compile_nvcc(spec, build.SM90_ARCH, cubin)
+        code = probe.sass_instructions(tool, cubin)
+        hgmma = [i for i, ins in enumerate(code) if "HGMMA" in ins]
+        loop = [ins.split()[1] if ins.startswith("@") else ins.split()[0] for ins in code[hgmma[0]:hgmma[-1] + 1]]
+        # ptxas 13.0: 64 MUFU.EX2 (two paths of 32 scores), 0 FADD / FFMA; 64 FADD with FT_BWD_D_BIAS=0
+        assert sum(op.startswith("MUFU.EX2") for op in loop) >= 32, spec.name
+        assert not any(op.split(".")[0] in ("FADD", "FFMA") for op in loop), spec.name
+
+
 def test_kernel_items_pick_the_kernel_a_call_of_that_length_runs():
     """sm90_spills.py's kind:head_dim[:flags][:sN]: with sN the forward kernel build dispatches for N query and key
     tokens (its tiles by length), without it the default tiles."""
@@ -112,3 +134,8 @@ def test_kernel_items_pick_the_kernel_a_call_of_that_length_runs():
         probe.kernel_spec("fwd:128:sx")
     with pytest.raises(SystemExit, match="sN: fwd only"):
         probe.kernel_spec("bwd:128:s16384")
+    # window: the backward a causal sliding window of 1024 keys runs (the window-only variant)
+    assert probe.kernel_spec("bwd:128:causal:window").name == build.bwd_sm90_mods_kernel(
+        128, "bf16", True, window_left=1024, window_only=True).name
+    with pytest.raises(SystemExit, match="window: bwd only"):
+        probe.kernel_spec("fwd:128:causal:window")

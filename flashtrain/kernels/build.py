@@ -339,7 +339,7 @@ BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
 # kKvReleaseLast) and keeps P^T in fp32 with 240 registers for its MMA warps (flash_bwd_sm90.cuh kPtFp32); it is ahead
 # below 16K and level at 16K (H200, 2026-11-30 10:37 UTC, interleaved CUDA-graph replays, backward TFLOP/s 64-query /
 # 80-query: hd128 causal 4K 558.8 / 543.8, 8K 547.0 / 542.3, 16K 569.9 / 571.7, GQA 32/8 8K 519.2 / 512.2, GQA 16/2 4K
-# 493.8 / 478.4; kernel_ab-h200.json). Head dims 81-96: from 4K; their 64-query kernel computes the dQ in one
+# 493.8 / 478.4; kernel_ab-h200.json). Head dims 81-96: from 8K (below); their 64-query kernel computes the dQ in one
 # warpgroup on 256 registers (flash_bwd_sm90.cuh kSplitRegs): H200, 2026-11-30 10:45 UTC, 64-query / 80-query, hd96
 # causal 2K 409.1 / 394.7, 4K 456.2 / 452.5 (level: within run-to-run noise; 8K not measured), 16K 504.4 / 521.3;
 # non-causal 4K 481.8 / 490.1. With dP^T accumulated onto -D in the 64-query kernels (flash_bwd_sm90.cuh kBiasD),
