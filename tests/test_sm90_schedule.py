@@ -113,9 +113,7 @@ def test_hd128_backward_starts_its_accumulators_at_the_statistics(tmp_path):
         assert build.bwd_lse_bias(spec) and spec.tiles.block_m == 64, spec.name
         cubin = tmp_path / f"{spec.name}.cubin"
         build._compile_nvcc(spec, build.SM90_ARCH, cubin)
-        code = probe.sass_instructions(tool, cubin)
-        hgmma = [i for i, ins in enumerate(code) if "HGMMA" in ins]
-        loop = [ins.split()[1] if ins.startswith("@") else ins.split()[0] for ins in code[hgmma[0]:hgmma[-1] + 1]]
+        loop = [ins.split()[0] for ins in probe.loop_instructions(probe.sass_instructions(tool, cubin))]
         # ptxas 13.0: 64 MUFU.EX2 (two paths of 32 scores), 0 FADD / FFMA; 64 FADD with FT_BWD_D_BIAS=0
         assert sum(op.startswith("MUFU.EX2") for op in loop) >= 32, spec.name
         assert not any(op.split(".")[0] in ("FADD", "FFMA") for op in loop), spec.name

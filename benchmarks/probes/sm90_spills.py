@@ -96,12 +96,24 @@ def between_hgmma(code: list[str], max_gap: int = 12) -> int:
     return sum(b - a - 1 for a, b in zip(at, at[1:]) if b - a - 1 <= max_gap)
 
 
+def unpredicated(ins: str) -> str:
+    """The instruction without its guard predicate (@P0, @!UP1, ...)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", ins)
+
+
+def loop_instructions(code: list[str]) -> list[str]:
+    """The instructions from the first HGMMA to the last, unpredicated: the kernels' main loops (where spills cost
+    time), with the code between their GEMMs."""
+    mma = [i for i, ins in enumerate(code) if "HGMMA" in ins]
+    return [unpredicated(ins) for ins in code[mma[0]:mma[-1] + 1]] if mma else []
+
+
 def pv_wait_windows(code: list[str]) -> list[tuple[int, int]]:
     """(exponentials, instructions) between each wgmma wait that leaves one group running (DEPBAR.LE gsb0, 0x1) and
     the full wait (0x0) right after it: in the forward's key-block loop, the softmax that runs beside the P V GEMM."""
     windows, current = [], None
     for ins in code:
-        op = re.sub(r"^@!?U?P\w+\s+", "", ins)
+        op = unpredicated(ins)
         if op.startswith("WARPGROUP.DEPBAR"):
             if op.endswith("0x1"):
                 current = [0, 0]
@@ -120,9 +132,8 @@ def report(item: str, tool: str, workdir: Path) -> str:
     cubin = workdir / f"{spec.name}.cubin"
     resources = build._compile_nvcc(spec, build.SM90_ARCH, cubin, ptxas_verbose=True)
     code = sass_instructions(tool, cubin)
-    mma = [i for i, ins in enumerate(code) if "HGMMA" in ins]
-    spills = [i for i, ins in enumerate(code) if re.search(r"\b(LDL|STL)\b", ins)]
-    in_loop = [i for i in spills if mma and mma[0] <= i <= mma[-1]]
+    spills = [ins for ins in code if re.search(r"\b(LDL|STL)\b", ins)]
+    in_loop = [ins for ins in loop_instructions(code) if re.search(r"\b(LDL|STL)\b", ins)]
     windows = (", P V wait after " + " / ".join(f"{e} exp2 ({n} instr)" for e, n in pv_wait_windows(code))
                if item.startswith("fwd") else "")
     return f"{item:<24} {spec.name:<48} {len(code):>6} instr  {resources}  spill instr {len(spills)} ({len(in_loop)} " \

@@ -933,9 +933,9 @@ def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: 
             and _bwd_q80(causal, seqlen_q, causal_seqlen=BWD_SM90_MODS_Q80_CAUSAL_SEQLEN)):
         tiles = BWD_SM90_DENSE128_TILES
     tiles = _dq_frag_choice(tiles, causal, head_dim, True)
-    lse_bias = mods == 3 and BWD_SM90_WINDOW_LSE_BIAS and _bwd_lse_bias_rule(head_dim, head_dim, True, tiles)
+    lse_bias = mods == 3 and bool(BWD_SM90_WINDOW_LSE_BIAS) and _bwd_lse_bias_rule(head_dim, head_dim, True, tiles)
     return _bwd_sm90_spec(head_dim, dtype, causal, False, False, False, tiles, head_dim, mods, tuple(mask_defines),
-                          lse_bias=bool(lse_bias))
+                          lse_bias=lse_bias)
 
 
 @functools.lru_cache(maxsize=None)
