@@ -724,6 +724,22 @@ def test_short_hd128_causal_tile_groups_fill_one_wave(monkeypatch):
     assert ops._causal_tile_group(4, 512, 132, short_hd128=True) == ops._causal_tile_group(4, 512, 132) == 66
 
 
+def test_tall_causal_forward_tile_groups_fill_four_waves(monkeypatch):
+    """The forward's causal tiles of more than 128 rows (hd64: 192) take groups of four waves
+    (ops.FWD_TALL_CAUSAL_GROUP_WAVES) from FWD_TALL_CAUSAL_GROUP_SEQLEN query rows; shorter calls keep two."""
+    from flashtrain.kernels import ops
+
+    assert ops.FWD_TALL_CAUSAL_GROUP_WAVES == 4.0 and ops.FWD_TALL_CAUSAL_GROUP_SEQLEN == 2048
+    # hd64 causal 16K, batch 1, 32 heads: 86 query tiles of 192 rows per head; 4 x 132 / 86 -> 7 heads per group
+    assert ops._causal_tile_group(86, 32, 132, tall=True) == 7
+    assert ops._causal_tile_group(86, 32, 132) == 4  # (two waves)
+    assert ops._causal_tile_group(11, 128, 132, tall=True) == 48  # 2K
+    # the tall switch outranks the short hd128 one (a 192-row call is never short_hd128 in dispatch)
+    assert ops._causal_tile_group(4, 512, 132, short_hd128=True, tall=True) == 132
+    monkeypatch.setattr(ops, "FWD_TALL_CAUSAL_GROUP_WAVES", 2.0)
+    assert ops._causal_tile_group(86, 32, 132, tall=True) == 4
+
+
 def test_all_kernels_lists_what_calls_dispatch_to():
     """Every Hopper backward that a dense call at head dim 128 (causal or not, short or long, with or without a
     window) dispatches to is in all_kernels (which CI compiles and `python -m flashtrain.kernels.build` prebuilds)."""

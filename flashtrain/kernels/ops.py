@@ -435,7 +435,9 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     if spec.persistent and causal and (head_dim >= FWD_CAUSAL_GROUP_HEAD_DIM or spec.block_m > 128):  # (fwd_tile)
         params.causal_tile_group = _causal_tile_group(math.ceil(params.seqlen_q / spec.block_m),
                                                       params.batch * params.nheads, launch.sm_count(q.device),
-                                                      _short_group_hd128(head_dim, q.shape[-1], spec.block_m))
+                                                      _short_group_hd128(head_dim, q.shape[-1], spec.block_m),
+                                                      tall=spec.block_m > 128
+                                                      and params.seqlen_q >= FWD_TALL_CAUSAL_GROUP_SEQLEN)
     kernel = launch.get_kernel(spec, spec.symbols[0], q.device)
     varlen, maps, prefix = cu_seqlens_q is not None, [], ""
     if spec.source == "flash_fwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, out, then the same parameters
@@ -658,15 +660,28 @@ CAUSAL_GROUP_WAVES_SHORT = 1.0
 CAUSAL_GROUP_SHORT_BLOCKS = 8
 
 
-def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int, short_hd128: bool = False) -> int:
+# ... and FWD_TALL_CAUSAL_GROUP_WAVES for the forward's tiles of more than 128 rows (head dim 64 causal: 192 rows,
+# build.FWD_SM90_TILES_LONG_CAUSAL) from FWD_TALL_CAUSAL_GROUP_SEQLEN query rows. H200, 2026-12-02, interleaved
+# CUDA-graph replays (ab_probe.py), forward, four waves / two: hd64 causal 2K / 4K / 8K / 16K 1.005 / 1.002 / 1.007 /
+# 1.006 (three: 1.000 / 1.000 / 1.006 / 1.005; all units, longest first: 0.963 / 0.992 / 1.007 / 1.007); but 512 /
+# 1K 0.986 / 0.994 (GPT-2 small's 12 heads at 1K: 1.013), hence the threshold (kernel_ab-h200.json). A/B: ab_probe.py
+# flashtrain@ops.FWD_TALL_CAUSAL_GROUP_WAVES=2.
+FWD_TALL_CAUSAL_GROUP_WAVES = 4.0
+FWD_TALL_CAUSAL_GROUP_SEQLEN = 2048
+
+
+def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int, short_hd128: bool = False,
+                       tall: bool = False) -> int:
     """Units per group of the Hopper causal kernels' tile order (forward: (batch, head) with n_blocks query blocks;
     backward: (batch, kv head, GQA split) with n_blocks key blocks): enough that a group's tiles, longest first, fill
     the SMs CAUSAL_GROUP_WAVES times over (CAUSAL_GROUP_WAVES_SHORT where short_hd128, a head-dim-128 call on 128-row
-    blocks, has at most CAUSAL_GROUP_SHORT_BLOCKS of them), so that the launch ends on short tiles; no more, so that
+    blocks, has at most CAUSAL_GROUP_SHORT_BLOCKS of them; FWD_TALL_CAUSAL_GROUP_WAVES where tall, a long forward
+    on query tiles of more than 128 rows), so that the launch ends on short tiles; no more, so that
     concurrent tiles share K / V (backward: Q / dO and dQ rows) in L2. (The kernel's last group also takes the
     remainder of n_units.) Earlier orders: backward, key blocks fastest (CAUSAL_GROUP_WAVES = 0); forward, longest
     first over all units (CAUSAL_GROUP_WAVES = inf)."""
-    waves = CAUSAL_GROUP_WAVES_SHORT if short_hd128 and n_blocks <= CAUSAL_GROUP_SHORT_BLOCKS else CAUSAL_GROUP_WAVES
+    waves = (FWD_TALL_CAUSAL_GROUP_WAVES if tall else CAUSAL_GROUP_WAVES_SHORT
+             if short_hd128 and n_blocks <= CAUSAL_GROUP_SHORT_BLOCKS else CAUSAL_GROUP_WAVES)
     if not math.isfinite(waves):
         return n_units
     # (n_blocks 0: max_seqlen 0, a call without work; no_work keeps such calls from launching)

@@ -1,6 +1,7 @@
 // Small memory-bound kernels around the backward, and the test-only dropout-mask kernel. kRowsPerCta query rows per
 // CTA, grid (ceil(R / kRowsPerCta), batch, nheads), R = max_seqlen_q (padded: rounded up to whole query blocks of
-// dq_block_m rows); rows in groups of lanes (AuxRowGroup), dq from the scrambled layout in whole slices.
+// dq_block_m rows); the preprocess's rows as one flat range of 16-byte chunks, the conversion's in groups of lanes
+// (AuxRowGroup), dq from the scrambled layout in whole slices.
 //   preprocess: D[row] = sum_d dout[row, d] * out[row, d] (fp32), minus dlse[row] when the gradient reaches lse
 //               (dS = P * (dP - D) + P * dlse: the lse term folds into D; not for rows that saw no key, whose P is 0)
 //               and dq_accum[:, row, :] = 0; padded (the Hopper
@@ -53,12 +54,12 @@ struct AuxRows {
     }
 };
 
-// A row takes `lanes` = the next power of two >= head_dim / 8 lanes (at most 32), each 8 columns (16 bytes of out /
-// dout, 32 of dq_accum) at a time, so that every lane of a warp has loads in flight; a warp works on 32 / lanes rows
-// at once. (One warp per row left 24 of 32 lanes idle at head dim 64: these kernels are memory-bound, and at short
-// sequences their traffic -- dout, out, dq_accum written, read, dq written -- is a tenth of the backward's time: with
-// these two kernels the whole backward got 1.02-1.31x faster at S 512-4K, hd64 512 227 -> 285 TFLOP/s, H200 A/B
-// 2026-11-24, and the two take as long as cuDNN's own pair, 75 + 58 us for 16 x 1K x 32 heads x hd64.)
+// The conversion's row-major rows: a row takes `lanes` = the next power of two >= head_dim / 8 lanes (at most 32),
+// each 8 columns (32 bytes of dq_accum) at a time, so that every lane of a warp has loads in flight; a warp works on
+// 32 / lanes rows at once. (One warp per row left 24 of 32 lanes idle at head dim 64: these kernels are memory-bound,
+// and at short sequences their traffic -- dout, out, dq_accum written, read, dq written -- is a tenth of the backward's
+// time: with these two kernels the whole backward got 1.02-1.31x faster at S 512-4K, hd64 512 227 -> 285 TFLOP/s, H200
+// A/B 2026-11-24, and the two take as long as cuDNN's own pair, 75 + 58 us for 16 x 1K x 32 heads x hd64.)
 struct AuxRowGroup {
     int lanes, sub, slot, rows_per_warp;
     __device__ __forceinline__ explicit AuxRowGroup(int head_dim, int lane) {
@@ -93,63 +94,100 @@ struct AuxZeroRows {
     __device__ __forceinline__ bool zero(int row) const { return group == 0 || row % group < rows; }
 };
 
-template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const AuxParams& p) {
-    grid_launch_dependents();  // the Hopper backward may start its prologue (it waits for this grid's writes)
+// The preprocess of a CTA's rows: its rows x head_dim / 8 chunks of 16 bytes of out / dout as one flat range, chunk
+// i = row * chunks + c, thread t taking chunks t + kAuxThreads k, kAuxChunks of them per pass with all of a pass's
+// loads issued before any is used; each chunk's partial dot product into shared memory, then four threads per row sum
+// the row's partials in a fixed order (deterministic) and the first writes D / lse_log2. dq_accum's rows (one
+// contiguous range per split) are zeroed as flat float4s while the first pass's loads are in flight. (Before, lanes
+// per row as in AuxRowGroup: at head dims whose 16-byte chunks are not a power of two -- 80, 96, 192 -- up to a
+// quarter of the lanes idle, and every lane's loads one row at a time.) H200, 2026-12-02, interleaved CUDA-graph
+// replays (ab_probe.py), whole backward, flat / lanes per row: hd64 512 non-causal 1.005, hd128 causal 512 1.004,
+// hd96 / hd192 causal 4K 1.005 / 1.007, hd64 causal 4K 1.002, GQA 32/8 8K 1.001. kAuxChunks (FT_AUX_CHUNKS, A/B):
+// 2 (56 registers); 4 (70) was 0.988 of it at hd64 512, 1.002-1.004 at hd96 / hd128; 8 (110) 0.955-0.989.
+#ifndef FT_AUX_CHUNKS
+#define FT_AUX_CHUNKS 2
+#endif
+constexpr int kAuxChunks = FT_AUX_CHUNKS, kAuxMaxChunksPerRow = 512 / 8;
+template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess_rows(const AuxParams& p, const AuxRows& rows) {
+    __shared__ float partial[kRowsPerCta * kAuxMaxChunksPerRow];
     using B = AuxBlock<1>;
-    AuxRows rows;
-    if (!rows.init<B>(p)) return;
-    const int batch = B::y(), head = B::z(), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row_end = min_(rows.rows_end, rows.row_begin + kRowsPerCta);
-    const AuxRowGroup grp(p.head_dim, lane);
-    const int step = grp.rows_per_warp * (kAuxThreads / 32);
-    const AuxZeroRows zero_rows(p);
-    // (the loop bound is the warp's, so that every lane takes part in the shuffles)
-    for (int base = rows.row_begin + warp * grp.rows_per_warp; base < row_end; base += step) {
-        const int row = base + grp.slot;
-        const bool valid = row < row_end, in_seq = row < rows.seqlen_q;  // (padded: rows past the end are padding)
-        const i64 q_row = rows.q_start + row, pad_row = rows.pad_start + row;
-        float dot = 0.f;
-        if (in_seq) {
-            const u16* out = (const u16*)p.out + batch * p.o_batch_stride + q_row * p.o_row_stride +
-                             head * p.o_head_stride;
-            const u16* dout = (const u16*)p.dout + batch * p.do_batch_stride + q_row * p.do_row_stride +
-                              head * p.do_head_stride;
-            for (int c = grp.sub * 8; c < p.head_dim; c += grp.lanes * 8) {
-                u32 o4[4], d4[4];
-                ld_global_v4(out + c, o4);
-                ld_global_v4(dout + c, d4);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    float o_lo, o_hi, d_lo, d_hi;
-                    unpack2<kIsBF16>(o4[i], o_lo, o_hi);
-                    unpack2<kIsBF16>(d4[i], d_lo, d_hi);
-                    dot += o_lo * d_lo + o_hi * d_hi;
-                }
-            }
-        }
-        for (int mask = grp.lanes / 2; mask > 0; mask /= 2) dot += shfl_xor(dot, mask);
-        if (!valid) continue;
-        if (grp.sub == 0) {
-            const i64 at = batch * p.d_batch_stride + head * p.d_head_stride + pad_row;
-            const i64 lse_at = batch * p.lse_batch_stride + head * p.lse_head_stride + q_row;
-            if (p.dlse != nullptr && in_seq && p.lse[lse_at] != -infinity()) dot -= p.dlse[lse_at];
-            p.softmax_d[at] = p.lse_bias ? -dot : dot;
-            if (p.padded) {
-                const float raw = in_seq ? p.lse[lse_at] : -infinity();
-                p.lse_log2[at] = p.lse_bias ? (raw == -infinity() ? -infinity() : raw * (-1.f / p.softmax_scale))
-                                            : (raw == -infinity() ? infinity() : raw * kLog2e);
-            }
-        }
-        if (!zero_rows.zero(row)) continue;  // (narrow head dims: past the prefix the backward adds into)
+    const int batch = B::y(), head = B::z(), tid = threadIdx.x;
+    const int row_end = min_(rows.rows_end, rows.row_begin + kRowsPerCta), n_rows = row_end - rows.row_begin;
+    const int data_rows = max_(0, min_(n_rows, rows.seqlen_q - rows.row_begin));  // rows with out / dout
+    const int chunks = p.head_dim / 8, n_chunks = data_rows * chunks;
+    const i64 q_row0 = rows.q_start + rows.row_begin;
+    const u16* out0 = (const u16*)p.out + batch * p.o_batch_stride + head * p.o_head_stride + q_row0 * p.o_row_stride;
+    const u16* dout0 = (const u16*)p.dout + batch * p.do_batch_stride + head * p.do_head_stride +
+                       q_row0 * p.do_row_stride;
+    auto zero_accum = [&]() {  // this CTA's dq_accum rows, each split's a contiguous range
+        const AuxZeroRows zero_rows(p);
+        const int quads = p.dqa_cols / 4, n_quads = n_rows * quads;
         for (int split = 0; split < p.nsplits; ++split) {
             float* acc = (float*)p.dq_accum + split * p.dqa_split_stride + batch * p.dqa_batch_stride +
-                         head * p.dqa_head_stride + pad_row * p.dqa_cols;
-            for (int c = grp.sub * 4; c < p.dqa_cols; c += grp.lanes * 4) {
+                         head * p.dqa_head_stride + (rows.pad_start + rows.row_begin) * (i64)p.dqa_cols;
+            for (int i = tid; i < n_quads; i += kAuxThreads) {
+                if (zero_rows.group != 0 && !zero_rows.zero(rows.row_begin + i / quads)) continue;
                 const u32 zeros[4] = {0u, 0u, 0u, 0u};
-                st_global_v4(acc + c, zeros);
+                st_global_v4(acc + 4 * i, zeros);
             }
         }
+    };
+    const int row_step = kAuxThreads / chunks, col_step = kAuxThreads % chunks;
+    for (int first = 0; first < n_chunks; first += kAuxThreads * kAuxChunks) {
+        u32 o[kAuxChunks][4], d[kAuxChunks][4];
+        int row = (first + tid) / chunks, col = (first + tid) % chunks;
+#pragma unroll
+        for (int k = 0; k < kAuxChunks; ++k) {
+            if (first + tid + kAuxThreads * k < n_chunks) {
+                ld_global_v4(out0 + row * p.o_row_stride + 8 * col, o[k]);
+                ld_global_v4(dout0 + row * p.do_row_stride + 8 * col, d[k]);
+            }
+            row += row_step, col += col_step;
+            if (col >= chunks) col -= chunks, ++row;
+        }
+        if (first == 0) zero_accum();  // while the loads are in flight
+#pragma unroll
+        for (int k = 0; k < kAuxChunks; ++k) {
+            const int i = first + tid + kAuxThreads * k;
+            if (i >= n_chunks) break;
+            float dot = 0.f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float o_lo, o_hi, d_lo, d_hi;
+                unpack2<kIsBF16>(o[k][j], o_lo, o_hi);
+                unpack2<kIsBF16>(d[k][j], d_lo, d_hi);
+                dot += o_lo * d_lo + o_hi * d_hi;
+            }
+            partial[i] = dot;
+        }
     }
+    if (n_chunks == 0) zero_accum();  // (a CTA of padding rows alone)
+    __syncthreads();
+    static_assert(kAuxThreads == 4 * kRowsPerCta, "four threads per row sum its partials");
+    const int r = tid / 4, part = tid % 4;
+    float dot = 0.f;
+    if (r < data_rows)
+        for (int c = part; c < chunks; c += 4) dot += partial[r * chunks + c];
+    dot += shfl_xor(dot, 1);
+    dot += shfl_xor(dot, 2);
+    if (part != 0 || r >= n_rows) return;
+    const int row = rows.row_begin + r;
+    const bool in_seq = row < rows.seqlen_q;  // (padded: rows past the end are padding)
+    const i64 at = batch * p.d_batch_stride + head * p.d_head_stride + rows.pad_start + row;
+    const i64 lse_at = batch * p.lse_batch_stride + head * p.lse_head_stride + rows.q_start + row;
+    if (p.dlse != nullptr && in_seq && p.lse[lse_at] != -infinity()) dot -= p.dlse[lse_at];
+    p.softmax_d[at] = p.lse_bias ? -dot : dot;
+    if (p.padded) {
+        const float raw = in_seq ? p.lse[lse_at] : -infinity();
+        p.lse_log2[at] = p.lse_bias ? (raw == -infinity() ? -infinity() : raw * (-1.f / p.softmax_scale))
+                                    : (raw == -infinity() ? infinity() : raw * kLog2e);
+    }
+}
+
+template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const AuxParams& p) {
+    grid_launch_dependents();  // the Hopper backward may start its prologue (it waits for this grid's writes)
+    AuxRows rows;
+    if (rows.init<AuxBlock<1>>(p)) bwd_preprocess_rows<kIsBF16>(p, rows);
 }
 
 // dq of one 80-row query block (B::x()) whose dQ^T the Hopper backward added in its accumulator's order
@@ -213,8 +251,8 @@ template <bool kIsBF16, class B> __device__ __forceinline__ void bwd_convert_dq_
 // reads float4s 32 j + l (coalesced) and stores its two rows' column pairs in the tile (rows padded by 16 bytes: the 8
 // rows x 4 pairs of one float4 index fall in 32 banks), then the slice's rows go out as 16-byte pieces, a row's from
 // consecutive lanes. (Writing the 4-byte pairs straight to global memory: 82 us against cuDNN's 59 us for its
-// conversion, hd128, 16K tokens x 2048 columns, H200 2026-11-25.) Otherwise row-major rows in groups of lanes, as the
-// preprocess.
+// conversion, hd128, 16K tokens x 2048 columns, H200 2026-11-25.) Otherwise row-major rows in groups of lanes
+// (AuxRowGroup).
 template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq(const AuxParams& p) {
     constexpr int kMaxSliceWidth = 64;  // = build.py MAX_DQ_SLICE_WIDTH, which checks the backward tiles against it
     __shared__ __align__(16) unsigned char slice_tiles[kAuxThreads / 32][16 * (2 * kMaxSliceWidth + 16)];
