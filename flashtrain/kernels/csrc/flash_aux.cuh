@@ -101,9 +101,9 @@ struct AuxZeroRows {
 // contiguous range per split) are zeroed as flat float4s while the first pass's loads are in flight. (Before, lanes
 // per row as in AuxRowGroup: at head dims whose 16-byte chunks are not a power of two -- 80, 96, 192 -- up to a
 // quarter of the lanes idle, and every lane's loads one row at a time.) H200, 2026-12-02, interleaved CUDA-graph
-// replays (ab_probe.py), whole backward, flat / lanes per row: hd64 512 non-causal 1.005, hd128 causal 512 1.004,
-// hd96 / hd192 causal 4K 1.005 / 1.007, hd64 causal 4K 1.002, GQA 32/8 8K 1.001. kAuxChunks (FT_AUX_CHUNKS, A/B):
-// 2 (56 registers); 4 (70) was 0.988 of it at hd64 512, 1.002-1.004 at hd96 / hd128; 8 (110) 0.955-0.989.
+// replays (ab_probe.py), whole backward, flat / lanes per row: hd64 512 non-causal 1.005, hd128 causal 512 1.005,
+// hd96 / hd192 causal 4K 1.005 / 1.006, hd64 causal 4K 1.002, GQA 32/8 8K 1.001. kAuxChunks (FT_AUX_CHUNKS, A/B):
+// 2 (56 registers); 4 (70) was 0.988 of it at hd64 512, 1.002-1.004 at hd96 / hd128; 8 (110) 0.944-1.001.
 #ifndef FT_AUX_CHUNKS
 #define FT_AUX_CHUNKS 2
 #endif
