@@ -680,8 +680,12 @@ def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int, short_hd128: 
     concurrent tiles share K / V (backward: Q / dO and dQ rows) in L2. (The kernel's last group also takes the
     remainder of n_units.) Earlier orders: backward, key blocks fastest (CAUSAL_GROUP_WAVES = 0); forward, longest
     first over all units (CAUSAL_GROUP_WAVES = inf)."""
-    waves = (FWD_TALL_CAUSAL_GROUP_WAVES if tall else CAUSAL_GROUP_WAVES_SHORT
-             if short_hd128 and n_blocks <= CAUSAL_GROUP_SHORT_BLOCKS else CAUSAL_GROUP_WAVES)
+    if tall:
+        waves = FWD_TALL_CAUSAL_GROUP_WAVES
+    elif short_hd128 and n_blocks <= CAUSAL_GROUP_SHORT_BLOCKS:
+        waves = CAUSAL_GROUP_WAVES_SHORT
+    else:
+        waves = CAUSAL_GROUP_WAVES
     if not math.isfinite(waves):
         return n_units
     # (n_blocks 0: max_seqlen 0, a call without work; no_work keeps such calls from launching)

@@ -107,10 +107,13 @@ struct AuxZeroRows {
 #ifndef FT_AUX_CHUNKS
 #define FT_AUX_CHUNKS 2
 #endif
-constexpr int kAuxChunks = FT_AUX_CHUNKS, kAuxMaxChunksPerRow = 512 / 8;
-template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess_rows(const AuxParams& p, const AuxRows& rows) {
+constexpr int kAuxChunks = FT_AUX_CHUNKS, kAuxMaxChunksPerRow = 512 / 8;  // (head dims up to interface.MAX_HEAD_DIM)
+template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const AuxParams& p) {
     __shared__ float partial[kRowsPerCta * kAuxMaxChunksPerRow];
+    grid_launch_dependents();  // the Hopper backward may start its prologue (it waits for this grid's writes)
     using B = AuxBlock<1>;
+    AuxRows rows;
+    if (!rows.init<B>(p)) return;
     const int batch = B::y(), head = B::z(), tid = threadIdx.x;
     const int row_end = min_(rows.rows_end, rows.row_begin + kRowsPerCta), n_rows = row_end - rows.row_begin;
     const int data_rows = max_(0, min_(n_rows, rows.seqlen_q - rows.row_begin));  // rows with out / dout
@@ -182,12 +185,6 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess_rows(cons
         p.lse_log2[at] = p.lse_bias ? (raw == -infinity() ? -infinity() : raw * (-1.f / p.softmax_scale))
                                     : (raw == -infinity() ? infinity() : raw * kLog2e);
     }
-}
-
-template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const AuxParams& p) {
-    grid_launch_dependents();  // the Hopper backward may start its prologue (it waits for this grid's writes)
-    AuxRows rows;
-    if (rows.init<AuxBlock<1>>(p)) bwd_preprocess_rows<kIsBF16>(p, rows);
 }
 
 // dq of one 80-row query block (B::x()) whose dQ^T the Hopper backward added in its accumulator's order
