@@ -137,3 +137,23 @@ def test_kernel_items_pick_the_kernel_a_call_of_that_length_runs():
         128, "bf16", True, window_left=1024, window_only=True).name
     with pytest.raises(SystemExit, match="window: bwd only"):
         probe.kernel_spec("fwd:128:causal:window")
+
+
+@pytest.mark.slow
+def test_register_epilogue_stores_whole_sectors(tmp_path):
+    """The hd192 / hd256 forward writes O from its registers (kDirectO) in 8-byte stores after one exchange between
+    neighbouring lanes, so that each store instruction of a warp writes whole 32-byte sectors (flash_fwd_sm90.cuh
+    FT_FWD_O_SECTORS; 4-byte stores left half-written sectors, which L2 fills from DRAM)."""
+    probe = _probe()
+    tool = probe.disassembler()
+    if build.nvcc_path() is None or tool is None:
+        pytest.skip("needs nvcc and nvdisasm or cuobjdump (pip install -e '.[dev]' brings nvidia-cuda-nvdisasm)")
+    spec = build.fwd_sm90_kernel(256, "bf16", True, seqlen_q=4096, seqlen_k=4096)
+    cubin = tmp_path / "fwd256.cubin"
+    build._compile_nvcc(spec, build.SM90_ARCH, cubin)
+    stores = [ins.split()[1] if ins.startswith("@") else ins.split()[0]
+              for ins in probe.sass_instructions(tool, cubin) if "STG" in ins]
+    # per thread: 2 rows x 16 pairs of n8 tiles, one 8-byte store each (ptxas 13.0: 32 STG.E.64); the 4-byte stores
+    # left are the row statistics (lse), 2 (with FT_FWD_O_SECTORS=0: 130 STG.E, no STG.E.64)
+    assert stores.count("STG.E.64") == 32, stores
+    assert stores.count("STG.E") <= 4, stores

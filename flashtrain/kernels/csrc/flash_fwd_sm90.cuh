@@ -107,6 +107,10 @@
 #endif
 // FT_FWD_STATIC=1 (A/B): the one-CTA kernels take their tiles in the 2-CTA cluster kernels' static round-robin
 // (FwdSm90Traits::kCluster) instead of from the dynamic scheduler.
+// The register epilogue (kDirectO) in 8-byte stores of whole sectors (0: 4-byte stores; A/B)
+#ifndef FT_FWD_O_SECTORS
+#define FT_FWD_O_SECTORS 1
+#endif
 #ifndef FT_FWD_STATIC
 #define FT_FWD_STATIC 0
 #endif
@@ -894,6 +898,30 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             // this form / branches: hd256 causal 4K 1.017, 1K 1.045, full 2K 1.036, 16K 1.017; hd192 causal 4K 1.019,
             // 1K 1.056, full 16K 1.002.)
             const int cols = p.head_dim - col0;  // columns of the call's head dim from this warpgroup's first
+#if FT_FWD_O_SECTORS
+            // Whole 32-byte sectors per store: a quad holds a row's 16 columns of an n8 tile pair (2 per lane and
+            // tile); one exchange between lanes t and t ^ 1 leaves each lane 4 adjacent columns (even t: the first
+            // tile's 2t .. 2t + 3, odd t: the second's 2t - 2 .. 2t + 1), one 8-byte store, so that each store of the
+            // warp writes whole sectors, which L2 takes without reading them from memory first (4-byte stores left
+            // half-written sectors: about O's size in extra DRAM reads at hd256, ncu).
+            static_assert(kDT % 2 == 0, "n8 tile pairs");
+            const bool odd = t & 1;
+            u16* out = out_rows() + (odd ? 8 + 2 * (t - 1) : 2 * t);
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = row0 - wg_row0 + g + 8 * hf;
+                const bool row_ok = row < rows_valid && row >= rows_first;
+                u16* out_row = out + (i64)row * p.o_row_stride;
+#pragma unroll
+                for (int dp = 0; dp < kDT / 2; ++dp) {
+                    const u32 a = pack2<T::kIsBF16>(o[2 * dp][2 * hf], o[2 * dp][2 * hf + 1]);
+                    const u32 b = pack2<T::kIsBF16>(o[2 * dp + 1][2 * hf], o[2 * dp + 1][2 * hf + 1]);
+                    const u32 recv = __shfl_xor_sync(0xffffffffu, odd ? a : b, 1);
+                    const bool col_ok = cols >= T::kDCols || 16 * dp + (odd ? 8 : 0) < cols;
+                    st_global_v2_if(row_ok && col_ok, out_row + 16 * dp, odd ? recv : a, odd ? b : recv);
+                }
+            }
+#else
             u16* out = out_rows() + 2 * t;
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
@@ -912,6 +940,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                          pack2<T::kIsBF16>(o[dt][2 * hf], o[dt][2 * hf + 1]));
                 }
             }
+#endif
         } else {
             // (the warpgroup's reads of the previous tile's O, or the copy engine's, are done)
             if (T::kTmaStoreO && ctid == 0) bulk_wait_read<0>();

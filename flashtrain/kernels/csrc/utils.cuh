@@ -184,6 +184,10 @@ __device__ __forceinline__ void st_global_b32_if(bool pred, void* ptr, u32 v) { 
     asm volatile("{ .reg .pred p; setp.ne.u32 p, %2, 0; @p st.global.b32 [%0], %1; }" ::"l"(ptr), "r"(v),
                  "r"((u32)pred) : "memory");
 }
+__device__ __forceinline__ void st_global_v2_if(bool pred, void* ptr, u32 a, u32 b) {  // (8-byte aligned ptr)
+    asm volatile("{ .reg .pred p; setp.ne.u32 p, %3, 0; @p st.global.v2.b32 [%0], {%1, %2}; }" ::"l"(ptr), "r"(a),
+                 "r"(b), "r"((u32)pred) : "memory");
+}
 __device__ __forceinline__ float4 ld_global_f4(const float* ptr) { return *reinterpret_cast<const float4*>(ptr); }
 __device__ __forceinline__ void ld_global_v4(const void* ptr, u32 (&v)[4]) {
     asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];"
