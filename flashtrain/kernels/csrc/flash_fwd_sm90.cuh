@@ -901,9 +901,10 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 #if FT_FWD_O_SECTORS
             // Whole 32-byte sectors per store: a quad holds a row's 16 columns of an n8 tile pair (2 per lane and
             // tile); one exchange between lanes t and t ^ 1 leaves each lane 4 adjacent columns (even t: the first
-            // tile's 2t .. 2t + 3, odd t: the second's 2t - 2 .. 2t + 1), one 8-byte store, so that each store of the
-            // warp writes whole sectors, which L2 takes without reading them from memory first (4-byte stores left
-            // half-written sectors: about O's size in extra DRAM reads at hd256, ncu).
+            // tile's 2t .. 2t + 3, odd t: the second's 2t - 2 .. 2t + 1), one 8-byte store: half the store
+            // instructions, each writing whole sectors where a 4-byte store wrote half of 8 sectors. H200, interleaved
+            // CUDA-graph A/B, forward, 4-byte / 8-byte: hd256 causal 4K 0.938, 1K 0.876; hd192 causal 4K 0.943; hd128
+            // 192-key tiles at 16K 0.984-0.993; ncu: the same DRAM bytes either way (kernel_ab-h200.json).
             static_assert(kDT % 2 == 0, "n8 tile pairs");
             const bool odd = t & 1;
             u16* out = out_rows() + (odd ? 8 + 2 * (t - 1) : 2 * t);
