@@ -152,8 +152,7 @@ def test_register_epilogue_stores_whole_sectors(tmp_path):
     spec = build.fwd_sm90_kernel(256, "bf16", True, seqlen_q=4096, seqlen_k=4096)
     cubin = tmp_path / "fwd256.cubin"
     build._compile_nvcc(spec, build.SM90_ARCH, cubin)
-    stores = [ins.split()[1] if ins.startswith("@") else ins.split()[0]
-              for ins in probe.sass_instructions(tool, cubin) if "STG" in ins]
+    stores = [probe.unpredicated(ins).split()[0] for ins in probe.sass_instructions(tool, cubin) if "STG" in ins]
     # per thread: 2 rows x 16 pairs of n8 tiles, one 8-byte store each (ptxas 13.0: 32 STG.E.64); the 4-byte stores
     # left are the row statistics (lse), 2 (with FT_FWD_O_SECTORS=0: 130 STG.E, no STG.E.64)
     assert stores.count("STG.E.64") == 32, stores

@@ -107,12 +107,12 @@
 #endif
 // FT_FWD_STATIC=1 (A/B): the one-CTA kernels take their tiles in the 2-CTA cluster kernels' static round-robin
 // (FwdSm90Traits::kCluster) instead of from the dynamic scheduler.
+#ifndef FT_FWD_STATIC
+#define FT_FWD_STATIC 0
+#endif
 // The register epilogue (kDirectO) in 8-byte stores of whole sectors (0: 4-byte stores; A/B)
 #ifndef FT_FWD_O_SECTORS
 #define FT_FWD_O_SECTORS 1
-#endif
-#ifndef FT_FWD_STATIC
-#define FT_FWD_STATIC 0
 #endif
 // Head dim 192 (O: 96 registers per thread): a block's O correction is applied once the next block's S GEMM is issued,
 // before its P V GEMM (FlashAttention-3's order above head dim 128), instead of after the P V wait. H200, interleaved
@@ -891,8 +891,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         };
         if constexpr (T::kDirectO) {
             // Each half-row's pointer is computed once and its kDT stores take immediate offsets from it, predicated on
-            // the row (no branches). The column check is one warp-uniform branch: all kDCols columns when the call's
-            // head dim reaches them (the usual case), else each n8 tile's store predicated on its column as well.
+            // the row (no branches), and on the column where the call's head dim ends before kDCols (the 4-byte
+            // form: one warp-uniform branch between the two cases).
             // (Behind a branch per store ptxas rebuilt the 64-bit address for each: ~25 SASS instructions per store,
             // ~1960 per warp and tile at hd256 causal against ~430 this way. H200, interleaved CUDA-graph A/B, forward,
             // this form / branches: hd256 causal 4K 1.017, 1K 1.045, full 2K 1.036, 16K 1.017; hd192 causal 4K 1.019,
