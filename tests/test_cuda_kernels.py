@@ -297,6 +297,27 @@ def _is_hopper() -> bool:
     return torch.cuda.get_device_capability() == (9, 0)
 
 
+@pytest.mark.parametrize("switch", ["BWD_SM90_HD192_STAGE_DQ", "BWD_SM90_HD192_N96"])
+def test_hd192_backward_alternatives_match_reference(switch, monkeypatch):
+    """The head-dim-192 Hopper backward's forms kept for A/Bs, by FlashAttention-2's rule: the 96-key kernel with dQ
+    added from the registers (BWD_SM90_HD192_STAGE_DQ = 0: two dO stages, P^T / dS^T double-buffered) and the 64-key
+    split-head-dim kernel (BWD_SM90_HD192_N96 = 0); causal or not, GQA 4 / 2, a partial last key tile."""
+    from flashtrain.kernels import build
+
+    if not _is_hopper():
+        pytest.skip("the head-dim-192 warpgroup-MMA backward is Hopper's")
+    ops = _ops()
+    monkeypatch.setattr(build, switch, 0)
+    ops.clear_plans()
+    try:
+        for causal in (False, True):
+            q, k, v, dout = _inputs((2, 1000 + 33, 4, 192), (2, 1000 + 33, 2, 192), torch.bfloat16, seed=int(causal))
+            _check_against_reference(q, k, v, dout, causal=causal)
+    finally:
+        monkeypatch.undo()
+        ops.clear_plans()
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 512])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_mma_sync_kernels_on_hopper_match_reference(head_dim, causal, monkeypatch):

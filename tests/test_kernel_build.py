@@ -53,6 +53,7 @@ def test_dispatch_table_covers_every_instantiation_once():
     # x causal
     hopper_q80 += 2  # the hd128 causal 80-query backward with plain-row dQ^T (A/B: BWD_DQ_FRAG=0), x dtype
     hopper_q80 += 2 * 2  # the hd192 backward's other key tile (64 keys, or 96 with BWD_SM90_HD192_N96=0), x dtype x causal
+    hopper_q80 += 2 * 2  # ... and its 96-key form with dQ from the registers (BWD_SM90_HD192_STAGE_DQ=0)
     # the forward and (head dims 64 / 128) the backward with score modifications, x dtype x causal, each without
     # softcap (`_nocap`, the calls without one) and with it (the backward where it has that variant: head dim 128)
     nocap = (len(build.FWD_SM90_MODS_HEAD_DIMS) + len(build.BWD_SM90_MODS_HEAD_DIMS)) * 2 * 2
@@ -382,7 +383,14 @@ def test_hopper_dispatch(monkeypatch):
     # (96-key tiles, 48 keys per warpgroup; BWD_SM90_HD192_N96 = 0: the 64-key split-head-dim kernel)
     n96 = build.bwd_kernel(192, "bf16", True, False, arch="sm_90a")
     assert (n96.block_n, n96.smem_bytes, ("FT_BLOCK_N", 96) in n96.defines) == (96, 223488, True)
-    assert n96.smem_bytes == 2 * 2 * 24576 + 2 * 36864 + 4 * 12288 + 2 * 2 * 256 + 256 + 1024 <= SM90_MAX_SMEM
+    # Q 2 stages, dO 1, K, V, single P^T and dS^T, 8 warps' 6 KB dQ slices, lse / D stages, barriers, alignment
+    assert n96.smem_bytes == 3 * 24576 + 2 * 36864 + 2 * 12288 + 8 * 6144 + 2 * 2 * 256 + 256 + 1024 <= SM90_MAX_SMEM
+    assert ("FT_BWD_SK_STAGE_DQ", 1) in n96.defines
+    with monkeypatch.context() as patch:  # dQ from the registers: two dO stages, P^T / dS^T double-buffered
+        patch.setattr(build, "BWD_SM90_HD192_STAGE_DQ", 0)
+        reg = build.bwd_kernel(192, "bf16", True, False, arch="sm_90a")
+        assert (reg.name, ("FT_BWD_SK_STAGE_DQ", 1) in reg.defines) == ("flash_bwd_sm90_hdim192_bf16_causal_n96_dqreg", False)
+        assert reg.smem_bytes == 2 * 2 * 24576 + 2 * 36864 + 4 * 12288 + 2 * 2 * 256 + 256 + 1024 <= SM90_MAX_SMEM
     with monkeypatch.context() as patch:
         patch.setattr(build, "BWD_SM90_HD192_N96", 0)
         n64 = build.bwd_kernel(192, "bf16", True, False, arch="sm_90a")

@@ -261,6 +261,10 @@ class BwdSm90Tiles:
     # flash_aux.cuh bwd_convert_dq_frag (BwdSm90Traits::kDqFrag); False: plain rows by tensor reduce-adds (the hd128
     # causal score-modification kernels, _dq_frag_choice)
     dq_frag: bool = True
+    # split keys: each MMA warp stages its block's dQ rows (16 x 96 fp32) and reduce-adds them with one bulk copy,
+    # in room made by one dO buffer and single P^T / dS^T tiles (BwdSm90Traits::kSkStageDq); False: dQ added from the
+    # registers (red.global.add.v4), two dO stages, P^T / dS^T double-buffered
+    stage_dq: bool = False
 
     def dq_slice_width(self, head_dim: int) -> int:  # dQ is computed in 64 x 64 pieces (80-query blocks: dQ^T,
         return 0 if self.swap_dq else 64              # added in plain rows)
@@ -295,10 +299,12 @@ class BwdSm90Tiles:
         80-query blocks: the block's fp32 dQ); lse, D stages (128-byte multiples); barriers and tile records; 1024 to
         align the tiles (128-byte swizzle)."""
         pieces = (self.block_m // 64) * (head_dim // 64)
-        dq_staging = (0 if self.split_head_dim else 4 * self.block_m * head_dim if self.swap_dq
+        stage_dq = self.split_keys and self.stage_dq
+        dq_staging = (4 * self.block_m * head_dim if stage_dq or self.swap_dq else 0 if self.split_head_dim
                       else 2 * 4 * ((pieces + 1) // 2) * 4096)
-        score_tiles = 4 if self.split_keys else 2
-        return (2 * (2 * self.stages * self.block_m * head_dim + 2 * self.block_n * head_dim
+        score_tiles = 4 if self.split_keys and not stage_dq else 2
+        do_stages = 1 if stage_dq else self.stages
+        return (2 * ((self.stages + do_stages) * self.block_m * head_dim + 2 * self.block_n * head_dim
                      + score_tiles * self.block_n * self.block_m) + dq_staging
                 + 2 * self.stages * -(-4 * self.block_m // 128) * 128 + 256 + 1024)
 
@@ -309,7 +315,9 @@ class BwdSm90Tiles:
 BWD_SM90_TILES = {
     64: BwdSm90Tiles(block_m=128),  # H200 backward, same process: 128 queries 0-4% faster than 64 (see the kernel)
     128: BwdSm90Tiles(block_m=64),  # (128 queries: S^T, dP^T, dK, dV accumulators alone exceed the registers)
-    192: BwdSm90Tiles(block_m=64, block_n=96),  # (96 keys: split keys; BWD_SM90_HD192_N96 = 0: BWD_SM90_HD192_N64)
+    # (96 keys: split keys, dQ staged; BWD_SM90_HD192_N96 = 0: BWD_SM90_HD192_N64; BWD_SM90_HD192_STAGE_DQ = 0: dQ from
+    # the registers)
+    192: BwdSm90Tiles(block_m=64, block_n=96, stage_dq=True),
     256: BwdSm90Tiles(block_m=64, block_n=64),
 }
 
@@ -322,6 +330,15 @@ BWD_SM90_TILES = {
 # ab_probe.py flashtrain@build.BWD_SM90_HD192_N96=0; read at plan time) takes the 64-key kernel.
 BWD_SM90_HD192_N64 = BwdSm90Tiles(block_m=64, block_n=64)
 BWD_SM90_HD192_N96 = int(os.environ.get("FLASHTRAIN_BWD_SM90_HD192_N96", "1"))
+# The 96-key kernel's dQ: each MMA warp stages its block's 16 x 96 fp32 slice in shared memory and reduce-adds it with
+# one bulk copy (BwdSm90Tiles.stage_dq; room from one dO buffer and single P^T / dS^T tiles), instead of 12
+# red.global.add.v4 per thread, which held the warps for the L2 write path at every block. H200, 2026-12-03,
+# interleaved CUDA-graph replays (kernel_ab-h200.json), staged / from the registers, backward TFLOP/s: causal 4K
+# 448.9 / 415.4, 1K 303.5 / 294.2, full 16K 506.2 / 458.1, GQA 16/2 8K causal 468.2 / 431.5.
+# BWD_SM90_HD192_STAGE_DQ = 0 (FLASHTRAIN_BWD_SM90_HD192_STAGE_DQ=0 at import, or ab_probe.py
+# flashtrain@build.BWD_SM90_HD192_STAGE_DQ=0; read at plan time) takes the register form.
+BWD_SM90_HD192_STAGE_DQ = int(os.environ.get("FLASHTRAIN_BWD_SM90_HD192_STAGE_DQ", "1"))
+BWD_SM90_HD192_REG_DQ = BwdSm90Tiles(block_m=64, block_n=96, stage_dq=False)
 
 
 # ... and for the head-dim-128 backward without dropout (not block-sparse, not deterministic; head dims 65-96 narrowed
@@ -851,6 +868,8 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
     plain = not (dropout or block_sparse or deterministic)
     if head_dim == 192 and tiles.split_keys and not BWD_SM90_HD192_N96:
         tiles = BWD_SM90_HD192_N64
+    if tiles.split_keys and not BWD_SM90_HD192_STAGE_DQ:
+        tiles = BWD_SM90_HD192_REG_DQ
     if head_dim == 128 and plain and _bwd_q80(causal, seqlen_q, head_dim_eff):
         tiles = _dq_frag_choice(BWD_SM90_DENSE128_TILES, causal, head_dim_eff or head_dim, False)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
@@ -950,7 +969,7 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"
             f"{'_q80' if tiles.swap_dq else ''}{'_dqrows' if tiles.swap_dq and not tiles.dq_frag else ''}"
-            f"{'_n96' if tiles.split_keys else ''}"
+            f"{'_n96' if tiles.split_keys else ''}{'_dqreg' if tiles.split_keys and not tiles.stage_dq else ''}"
             f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}"
             f"{'_window' if score_mods == 3 else ''}{_mask_suffix(mask_defines)}{'_lsebias' if lse_bias else ''}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
@@ -963,7 +982,7 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     if tiles.swap_dq and not tiles.dq_frag:
         defines += (("FT_BWD_DQ_FRAG", 0),)
     if tiles.split_keys:  # (the other kernels' macros, hence their cache keys, stay as they were)
-        defines += (("FT_BLOCK_N", tiles.block_n),)
+        defines += (("FT_BLOCK_N", tiles.block_n),) + ((("FT_BWD_SK_STAGE_DQ", 1),) if tiles.stage_dq else ())
     if _bwd_lean_addr(head_dim, causal, dropout, block_sparse, deterministic, tiles, score_mods):
         defines += (("FT_BWD_LEAN_ADDR", 1),)
     if lse_bias:  # (the other kernels' macros, hence their cache keys, stay as they were)
@@ -1091,7 +1110,7 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               if _fits(spec := _bwd_sm90_spec(128, dtype, causal, False, False, False, tiles, head_dim_eff,
                                               lse_bias=_bwd_lse_bias_rule(128, head_dim_eff, True, tiles)), smem_limit)]
     specs += [spec for dtype in DTYPES for causal in (False, True)  # the hd192 backward's other key tile (A/B:
-              for tiles in (BWD_SM90_TILES[192], BWD_SM90_HD192_N64)  # BWD_SM90_HD192_N96)
+              for tiles in (BWD_SM90_TILES[192], BWD_SM90_HD192_N64, BWD_SM90_HD192_REG_DQ)
               if _fits(spec := _bwd_sm90_spec(192, dtype, causal, False, False, False, tiles, 192), smem_limit)]
     specs += [spec for head_dim in BWD_SM90_TILES for dtype in DTYPES for causal in (False, True)  # deterministic
               for dropout in (False, True) if BWD_SM90_TILES[head_dim].supports(dropout, False, True)

@@ -122,6 +122,9 @@
 // varlen they are kernel parameters, which ptxas reloads where needed instead of keeping loaded values live (a
 // record of every BwdTile field raised the spills: hd64 causal MMA warps 12 / 20 -> 32 / 48 bytes; the head counts
 // computed per tile by the producer for the record spilled its loop: hd128 causal 0 -> 16 bytes).
+#ifndef FT_BWD_SK_STAGE_DQ
+#define FT_BWD_SK_STAGE_DQ 0
+#endif
 #ifndef FT_BWD_TILE_RECORD
 #define FT_BWD_TILE_RECORD 1
 #endif
@@ -444,7 +447,14 @@ struct BwdSm90Traits {
     // Split head dims add their dQ pieces to global memory from the registers (no staging, no dQ writer warp):
     // staged through shared memory for the writer's bulk reduce-adds (two rounds of 8 slices, 64 KB, fit at hd192)
     // they ran 0.72-0.81x as fast (H200, same process): the MMA warps waited for the writer at every block.
-    static constexpr int kDqStagingBytes = kSplitHd ? 0 : kNMma * 4 * kPiecesPerWg * kDqSliceBytes;
+    // Head dim 192 on 96-key tiles with kSkStageDq (build.py BwdSm90Tiles.stage_dq): each MMA warp stages its 16 rows x
+    // 96 columns of a block's dQ (6 KB, contiguous in dq_accum's scrambled order) and reduce-adds them with one bulk copy
+    // that it issues itself; one dO buffer and single P^T / dS^T tiles make the room (kDoStages, kScoreTiles).
+    static constexpr bool kSkStageDq = kSplitKeys && FT_BWD_SK_STAGE_DQ;
+    static constexpr int kDoStages = kSkStageDq ? 1 : kStages;
+    static constexpr int kSkDqSliceBytes = 16 * (kHeadDim / 2) * 4;
+    static constexpr int kDqStagingBytes = kSkStageDq ? kNMma * 4 * kSkDqSliceBytes
+                                           : kSplitHd ? 0 : kNMma * 4 * kPiecesPerWg * kDqSliceBytes;
     // dQ writer warps (producer warpgroup warps 2, 3): FT_BWD_DET_WRITERS for the deterministic kernels, else one
     static constexpr int kDqWriters = kIsDeterministic && !kSplitHd && FT_BWD_DET_WRITERS == 2 ? 2 : 1;
     // Head dims 64 / 128: the epilogue stages dK and dV in the score tiles and the dQ staging slices (one area, free
@@ -493,9 +503,9 @@ struct BwdSm90Traits {
     static_assert(!kSwapDq || (kEarlyKv && (TileS::kBytes / 2) % 1024 == 0 && 2 * TileDv::kBytes <= kDqStagingBytes),
                   "80-query blocks: dK column blocks 1024-byte aligned (TMA stores), dV in the dQ staging");
     // score tiles: dS^T double-buffered, or (split head dims) P^T and dS^T, or (kSplitKeys) P^T and dS^T both
-    // double-buffered
-    static constexpr int kScoreTiles = kSplitKeys ? 4 : 2;
-    static constexpr int kSmemBytes = 2 * kStages * TileQ::kBytes + 2 * TileKV::kBytes + kScoreTiles * TileS::kBytes +
+    // double-buffered (kSkStageDq: single)
+    static constexpr int kScoreTiles = kSplitKeys && !kSkStageDq ? 4 : 2;
+    static constexpr int kSmemBytes = (kStages + kDoStages) * TileQ::kBytes + 2 * TileKV::kBytes + kScoreTiles * TileS::kBytes +
                                       kDqStagingBytes + 2 * kStages * kStatsBytes + kBarrierBytes + 1024;
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then
     // one per warpgroup (its rows -- split head dims: columns -- of dK / dV staged); head dims 192 / 256: P^T stored
@@ -671,7 +681,7 @@ template <class T> struct BwdSm90Smem {
     int n_kblocks;
     __device__ __forceinline__ BwdSm90Smem(const unsigned char* smem, const BwdParams& params) : p(&params) {
         base = (smem_u32(smem) + 1023) & ~1023u;
-        sK = base + 2 * T::kStages * T::TileQ::kBytes, sV = sK + T::TileKV::kBytes;
+        sK = base + (T::kStages + T::kDoStages) * T::TileQ::kBytes, sV = sK + T::TileKV::kBytes;
         sdS0 = sV + T::TileKV::kBytes;
         sdQ = sdS0 + T::kScoreTiles * T::TileS::kBytes;
         sStats = sdQ + T::kDqStagingBytes;  // lse[kStages][M], D[kStages][M]
@@ -679,6 +689,7 @@ template <class T> struct BwdSm90Smem {
         full_kv = bars, empty_kv = bars + 8;
         dq_full = bars + 8 * (2 + 2 * T::kStages), dq_empty = dq_full + 8;  // the dQ staging slices
         dq_full1 = bars + 8 * (9 + 2 * T::kStages);  // two writers: the odd blocks' (after the tile slots)
+        // (kSkStageDq, no dQ writer: dq_full / dq_empty are the dO buffer's full / empty, dq_full1 mma_done)
         n_kblocks = ceil_div(params.fwd.seqlen_k, T::kBlockN);
     }
     __device__ __forceinline__ u32 sQ(int s) const { return base + s * T::TileQ::kBytes; }
@@ -686,6 +697,11 @@ template <class T> struct BwdSm90Smem {
     __device__ __forceinline__ u32 sLse(int s) const { return sStats + s * T::kStatsBytes; }
     __device__ __forceinline__ u32 sD(int s) const { return sStats + (T::kStages + s) * T::kStatsBytes; }
     __device__ __forceinline__ u32 full(int s) const { return bars + 8 * (2 + s); }
+    // kSkStageDq: the dO buffer's full / empty (the TMA thread's copy; one arrival per MMA warp after its dV^T GEMM),
+    // and the MMA warps' block-done barrier (one arrival per MMA warp after all its GEMMs of the block)
+    __device__ __forceinline__ u32 do_full() const { return dq_full; }
+    __device__ __forceinline__ u32 do_empty() const { return dq_empty; }
+    __device__ __forceinline__ u32 mma_done() const { return dq_full1; }
     __device__ __forceinline__ u32 empty(int s) const { return bars + 8 * (2 + T::kStages + s); }
     // Tile slots: the producer publishes each tile it takes (-1: no more) to the dQ writer (head dims 64 / 128) and
     // the MMA warps, two tiles ahead at most.
@@ -1692,9 +1708,11 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
 //                                            (the stage's dO, MN-major), B = P_w^T rows (K-major); 72 registers
 //   dS_w = P_w (dP_w - D)                    (P_w from its 16-bit values, as kDsFromPa) -> dS_w^T rows, kBarDs (both)
 //   dQ[:, 96 w .. 96 w + 96) = dS K          all 96 keys: 6 k-steps of m64n96k16, A = dS^T (MN-major: the queries
-//                                            contiguous), B = K (MN-major); 48 registers, added to dq_accum from
-//                                            the registers (12 red.global.add.v4.f32 per thread, convert_dq's
-//                                            scrambled order: column c of a 16-row group at float 16 c)
+//                                            contiguous), B = K (MN-major); 48 registers, in convert_dq's scrambled
+//                                            order (column c of a 16-row group at float 16 c) a contiguous 6 KB per
+//                                            warp: staged (12 st.shared.v4 per thread) and reduce-added into dq_accum
+//                                            by one bulk copy the warp's lead lane issues (T::kSkStageDq; without it,
+//                                            12 red.global.add.v4.f32 per thread from the registers)
 //   dK_w^T += Q^T dS_w                       as dV; 72 registers
 // With the queries as the rows of S / dP a thread needs the lse / D of its 2 rows only (4 shared loads per block,
 // against 16 in the transposed split kernel). The dQ GEMM reads K as an MN-major B operand, and warpgroup 1's 96
@@ -1705,9 +1723,19 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
 // consecutive rows at one logical 16-byte chunk per 8-lane phase: 8 distinct bank groups in both swizzles.
 // Registers (240 per MMA thread, the producer on 24): dK^T, dV^T 144 for the whole tile; per block S + dP 48 and the
 // 12 packed P values (S dies as it is packed), then dP + P + dS 48, then dQ 48 (S, dP dead): 192 + addresses.
-// Shared memory: Q, dO 2 stages x 24 KB each (96 KB), K, V 36 KB each, the P^T and dS^T tiles (96 keys x 64
-// queries, 12 KB) double-buffered (48 KB), lse / D 1 KB, barriers 256 B, alignment 1 KB: 223,488 of 232,448 bytes.
-// Ordering of the shared buffers (b = gs & 1: the CTA's query-block count, the same walk in both warpgroups):
+// Shared memory (kSkStageDq): Q 2 stages and dO 1 x 24 KB (72 KB), K, V 36 KB each, the P^T and dS^T tiles (96 keys
+// x 64 queries, 12 KB each), the 8 warps' dQ slices (48 KB), lse / D 1 KB, barriers 256 B, alignment 1 KB: 223,488 of
+// 232,448 bytes. (Without kSkStageDq: dO 2 stages, P^T and dS^T double-buffered, no slices; the same total.)
+// Ordering of the staged form's buffers (gs: the CTA's query-block count, the same walk in both warpgroups):
+//   P^T, dS^T: before a warp stores its P^T rows at block gs it waits on mma_done's phase gs - 1, which every MMA warp
+//     arrives on after its wait_group 0 at the end of block gs - 1: every reader of both tiles (dV^T, dK^T, both dQ
+//     GEMMs) of the previous block is done. The readers of block gs wait for the writes as below (kBarP + w, kBarDs).
+//   dO: the TMA thread copies block gs's once do_empty's phase gs - 1 completed (8 arrivals, each warp's after its
+//     wait_group 1: dP and dV^T, dO's readers, are done); the warps wait on do_full before the dP GEMM. Q / lse / D
+//     stay in stages (Q's last reader, dK^T, is the block's last GEMM).
+//   dQ slice of a warp: written by its 32 lanes after the lead lane's bulk wait_group.read 0 (the previous block's
+//     reduce-add has read it) and __syncwarp; proxy fence and __syncwarp before the lead lane's bulk reduce-add.
+// Ordering of the register form's buffers (b = gs & 1):
 //   P^T buffer b, rows of warpgroup w: written (stmatrix) by w's warps only, read only by w's dV^T GEMM. Before a
 //     warp writes it at block gs, dV^T(gs - 2) -- its last reader, by all 4 warps' parts -- is done: every warp of w
 //     waited for it (wait_group 0 at the end of block gs - 2) before it arrived at block gs - 1's dS^T barrier, which
@@ -1725,11 +1753,12 @@ __device__ __forceinline__ void flash_bwd_sm90_split_mma(const BwdSm90Params& pa
 //     rows, and each warp arrives on empty_kv (8 arrivals) after its loads, before the producer copies the next K / V.
 //   Every barrier is reached the same number of times by its participants: both warpgroups run the same walk with one
 //   kBarDs per block (masked or not: each warpgroup decides masking for its own 48 keys) and one kBarEpilogue per tile.
-// Static checks (2026-11-30, nvcc 13.0, no GPU run yet): the MMA warpgroups' code uses registers R0-R223 of their
+// Static checks (register form, 2026-11-30, nvcc 13.0): the MMA warpgroups' code uses registers R0-R223 of their
 // 240 and spills nothing (the kernel's 64-72 spilled bytes are the producer's, as in the 64-key kernel); a block is
 // 473-475 SASS instructions per warpgroup unmasked, 548-551 masked (bf16; 54 wgmmas, 24 MUFU.EX2, 6 stmatrix, 12
 // red.v4, 2 named barriers); benchmarks/probes/hd192_layout_model.py replays this function's offsets, descriptors
-// and fragments on a model of shared memory and the canonical wgmma layouts against numpy.
+// and fragments on a model of shared memory and the canonical wgmma layouts against numpy. The staged form spills
+// nothing between the first and last HGMMA either (the producer's 52-60 bytes).
 // Not done (next steps): skipping a warpgroup whose 48 keys are all hidden from a block (causal diagonal: half the
 // tiles have one such block), issuing the next block's S / dP before this block's dK^T is waited for.
 template <class T, int W>
@@ -1769,6 +1798,22 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         const int q_pad = padded_row_start(f.cu_seqlens_q != nullptr, x.batch, x.q_start, f.seqlen_q, kBlockM);
         float* dst = p.dq_accum + head * p.dqa_head_stride + (i64)(q_pad + m0 + row0) * kHeadDim + 16 * kDqN * W +
                      4 * lane;
+        if constexpr (T::kSkStageDq) {
+            // this warp's 6 KB slice: the copy engine has read the previous block's (lead lane), then the 12 float4s
+            // in dq_accum's order, then one bulk reduce-add
+            const u32 slice = sm.sdQ + (4 * W + wwarp) * T::kSkDqSliceBytes;
+            if (lead_lane) bulk_wait_read<0>();
+            __syncwarp();
+#pragma unroll
+            for (int j = 0; j < kDqN / 8; ++j) st_shared_v4f(slice + (128 * j + 4 * lane) * 4, dq[j]);
+            fence_proxy_async();
+            __syncwarp();
+            if (lead_lane) {
+                bulk_reduce_add_f32(dst - 4 * lane, slice, T::kSkDqSliceBytes);
+                bulk_commit();
+            }
+            return;
+        }
 #pragma unroll
         for (int j = 0; j < kDqN / 8; ++j) atomic_add4(dst + 128 * j, dq[j]);
     };
@@ -1777,10 +1822,10 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         constexpr bool kMask = decltype(mask_tag)::value;
         const int head = walk.head, m0 = walk.m0;
         const int s = gs % kStages;
-        const u32 buf = (gs & 1) * TileS::kBytes;
+        const u32 buf = T::kSkStageDq ? 0 : (gs & 1) * TileS::kBytes;
         // (opaque to the compiler, as in the other kernels: re-derived per block instead of kept across the loop)
-        u32 sK = sm.sK, sV = sm.sV, sQ_s = sm.sQ(s), sdO_s = sm.sdO(s), sP = sm.sdS0 + buf,
-            sdS = sm.sdS0 + 2 * TileS::kBytes + buf;
+        u32 sK = sm.sK, sV = sm.sV, sQ_s = sm.sQ(s), sdO_s = sm.sdO(T::kSkStageDq ? 0 : s), sP = sm.sdS0 + buf,
+            sdS = sm.sdS0 + (T::kSkStageDq ? 1 : 2) * TileS::kBytes + buf;
         asm volatile("" : "+r"(sK), "+r"(sV), "+r"(sQ_s), "+r"(sdO_s), "+r"(sP), "+r"(sdS));
         mbar_wait(sm.full(s), (gs / kStages) & 1);
 
@@ -1796,6 +1841,7 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
                                         bdesc<16, 2>(sK, off_k, 16, 8 * kKB * 2), kk > 0);
         }
         wgmma_commit();
+        if constexpr (T::kSkStageDq) mbar_wait(sm.do_full(), gs & 1);
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
             const u32 off_q = (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
@@ -1830,6 +1876,8 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
             pa[j / 2][2 * (j % 2) + 1] = pack2<T::kIsBF16>(pt[2], pt[3]);
         }
         // P_w^T: this warpgroup's key rows of P^T buffer b (see the ordering above), then the 4 warps' rows are there
+        // (kSkStageDq, one buffer each: once every MMA warp is done with the previous block's GEMMs)
+        if (T::kSkStageDq && gs > 0) mbar_wait(sm.mma_done(), (gs - 1) & 1);
 #pragma unroll
         for (int kp = 0; kp < kKP; ++kp) stmatrix_x4_trans(TileS::addr(sP, st_key + 16 * kp, st_col), pa[kp]);
         fence_proxy_async();
@@ -1894,9 +1942,11 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         gemm_t(acc_dk, sQ_s, sdS, false);
         wgmma_commit();
         wgmma_wait<1>();  // dV^T and dQ done (dK^T may still run)
+        if (T::kSkStageDq && lead_lane) mbar_arrive(sm.do_empty());  // (dO's readers: dP, dV^T)
         add_dq(dq, m0, head);
         wgmma_wait<0>();  // dK^T done: Q, dO, the statistics of stage s are free
         if (lead_lane) mbar_arrive(sm.empty(s));
+        if (T::kSkStageDq && lead_lane) mbar_arrive(sm.mma_done());
     };
 
     int gs = 0;
@@ -2000,6 +2050,8 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
         __syncwarp();
         if (lead_lane) mbar_arrive(sm.empty_kv);
     }
+    // (kSkStageDq: the last block's reduce-add has read its slice before the CTA's shared memory goes away)
+    if (T::kSkStageDq && lead_lane) bulk_wait<0>();
 }
 
 template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90Params& params) {
@@ -2017,9 +2069,15 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
     const int n_tiles = n_kblocks * f.batch * f.nheads_kv * p.kv_splits;
     const bool varlen = f.cu_seqlens_q != nullptr;  // varlen maps have one batch entry
     if (tid == 0) {
-        mbar_init(sm.dq_full, 4 * T::kNMma);  // one arrival per MMA warp (its slice is staged)
-        if (T::kDqWriters == 2) mbar_init(sm.dq_full1, 4 * T::kNMma);
-        mbar_init(sm.dq_empty, 1);            // the dQ writer (the copy engine has read the slices)
+        if constexpr (T::kSkStageDq) {
+            mbar_init(sm.do_full(), 1);
+            mbar_init(sm.do_empty(), 4 * T::kNMma);
+            mbar_init(sm.mma_done(), 4 * T::kNMma);
+        } else {
+            mbar_init(sm.dq_full, 4 * T::kNMma);  // one arrival per MMA warp (its slice is staged)
+            if (T::kDqWriters == 2) mbar_init(sm.dq_full1, 4 * T::kNMma);
+            mbar_init(sm.dq_empty, 1);            // the dQ writer (the copy engine has read the slices)
+        }
         mbar_init(sm.full_kv, 1);
         mbar_init(sm.empty_kv, 4 * T::kNMma);  // one arrival per MMA warp (its last GEMM reading K / V is done)
 #pragma unroll
@@ -2109,17 +2167,26 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                      walk.next(), ++gs) {
                     const int s = gs % kStages;
                     mbar_wait(sm.empty(s), ((gs / kStages) & 1) ^ 1);  // the first pass finds every stage empty
-                    mbar_arrive_expect_tx(sm.full(s), 2 * TileQ::kBytes + 2 * T::kStatsBoxBytes);
+                    mbar_arrive_expect_tx(sm.full(s), (T::kSkStageDq ? 1 : 2) * TileQ::kBytes + 2 * T::kStatsBoxBytes);
 #pragma unroll
                     for (int cb = 0; cb < kHeadDim / 64; ++cb) {
                         tma_load_4d(sm.sQ(s) + cb * kBlockM * 128, &params.tma_q, sm.full(s), cb * 64, x.q_start + walk.m0,
                                     walk.head, batch_coord);
-                        tma_load_4d(sm.sdO(s) + cb * kBlockM * 128, &params.tma_do, sm.full(s), cb * 64,
-                                    x.q_start + walk.m0, walk.head, batch_coord);
+                        if constexpr (!T::kSkStageDq)
+                            tma_load_4d(sm.sdO(s) + cb * kBlockM * 128, &params.tma_do, sm.full(s), cb * 64,
+                                        x.q_start + walk.m0, walk.head, batch_coord);
                     }
                     // the block's row statistics: a whole block of the padded rows (+inf / 0 past the end)
                     tma_load_4d(sm.sLse(s), &params.tma_stats, sm.full(s), q_pad + walk.m0, walk.head, 0, 0);
                     tma_load_4d(sm.sD(s), &params.tma_stats, sm.full(s), q_pad + walk.m0, f.nheads + walk.head, 0, 0);
+                    if constexpr (T::kSkStageDq) {  // dO into its one buffer once the previous block's dV^T is done
+                        mbar_wait(sm.do_empty(), (gs & 1) ^ 1);
+                        mbar_arrive_expect_tx(sm.do_full(), TileQ::kBytes);
+#pragma unroll
+                        for (int cb = 0; cb < kHeadDim / 64; ++cb)
+                            tma_load_4d(sm.sdO(0) + cb * kBlockM * 128, &params.tma_do, sm.do_full(), cb * 64,
+                                        x.q_start + walk.m0, walk.head, batch_coord);
+                    }
                     if (!kv_loaded) load_kv();
                 }
                 if (!kv_loaded) load_kv();  // no query block sees these keys: dK = dV = 0
