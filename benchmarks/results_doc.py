@@ -114,7 +114,7 @@ def _metadata(data) -> list[tuple[str, str]]:
 
 def _section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
-    lines = [f"## {path.stem}", ""]
+    lines = [f"## {path.stem}"]  # (the source line follows the heading directly: one line less per record)
     links = [f"[{path.name}](../benchmarks/results/{path.name})"]
     links += [f"[{png.name}](../benchmarks/results/{png.name})" for png in sorted(RESULTS.glob(f"{path.stem}*.png"))
               if png.stem == path.stem or png.stem[len(path.stem):].startswith("-")
@@ -125,7 +125,7 @@ def _section(path: Path) -> list[str]:
         # no blank line after it: the next heading ends the paragraph)
         env = data.get("env")
         date = (env if isinstance(env, dict) else data).get("date")
-        return lines[:1] + [f"{head} Superseded by [{successor}](#{Path(successor).stem.lower()})"
+        return lines + [f"{head} Superseded by [{successor}](#{Path(successor).stem.lower()})"
                         + (f" (this record: {date})" if date else "") + "; its numbers stay in the JSON."]
     meta = _metadata(data)
     if meta:
