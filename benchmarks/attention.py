@@ -30,13 +30,16 @@ seqlen 1K ... 64K.
     python benchmarks/attention.py --block-sparse --out DIR   # block-sparse scaling: DIR/block_sparse.json/.png
     python benchmarks/attention.py --workloads          # workloads table: results/attention_workloads-<gpu>.json/.png
     python benchmarks/attention.py --all                # the grid (+ memory, + sustained hd128 rows), then workloads
+    python benchmarks/attention.py --all --resume       # ... continuing the records a cut --all run left
     python benchmarks/attention.py --sustained-only     # the sustained hd128 rows only (S 4K, 8K, 16K)
     python benchmarks/attention.py --selftest           # tables and plots on synthetic numbers (CPU, no GPU)
 
 Every run records GPU, torch, CUDA and cuDNN versions, the UTC date and the bf16 matmul rate (8192^3, the ceiling of
 the 75% target) in its JSON. The JSON is written as soon as the grid (with the memory sweep) or the workloads rows are
 measured, again after each sustained row and after the feature rows, and its `complete` field is true once the run
-has finished: a run cut short keeps what it measured. The grid prints flashtrain / FA2 and / cuDNN per pass, a
+has finished: a run cut short keeps what it measured, and --resume continues it (the same GPU, source commit, FA4,
+torch and settings, else it stops): the parts a record holds are kept, the rest measured, and env.resumed lists each
+continuation's start. That is how one --all run (about 700 s with FA4) spans two time-limited device calls. The grid prints flashtrain / FA2 and / cuDNN per pass, a
 summary (worst ratios, hd128 full S>=4K forward as a share of the matmul rate) and a markdown table.
 
 Workloads mode: rows outside the grid, bf16, each against every SDPA backend that runs it (a backend that
@@ -383,14 +386,17 @@ def sustained_fields(results: dict) -> dict:
     return row
 
 
-def sustained(seqlens, seconds: float, rounds: int = 1, on_row=None) -> list[dict]:
+def sustained(seqlens, seconds: float, rounds: int = 1, on_row=None, done=()) -> list[dict]:
     """Head dim 128 rows of the grid (full and causal at each seqlen): TFLOP/s of each SUSTAINED_IMPLS, forward and
     forward+backward, each alone for `seconds`, in `rounds` rounds (sustained_rounds); sustained_fields' keys.
-    on_row(rows): called with the rows so far each time one is measured (the callers write their record then)."""
-    rows = []
+    on_row(rows): called with the rows so far each time one is measured (the callers write their record then).
+    done: the rows a cut run measured with the same seconds and rounds (--resume): kept first, not measured again."""
+    rows = [dict(row) for row in done]
     for seqlen in seqlens:
         batch, nheads = TOKENS // seqlen, HIDDEN // 128
         for causal in (False, True):
+            if any(row["S"] == seqlen and row["causal"] == causal for row in rows):
+                continue
             fwd_flops = 4 * batch * nheads * seqlen**2 * 128 / (2 if causal else 1)
             row = {"hd": 128, "S": seqlen, "B": batch, "H": nheads, "causal": causal, "seconds": seconds,
                    "rounds": rounds}
@@ -796,22 +802,62 @@ def write_record(out: Path, record: dict) -> None:
     part.replace(out)
 
 
+def resumable(out: Path, env: dict, settings: dict) -> dict | None:
+    """--resume: the record at out that a cut run of the same measurement left (None: there is none; a finished one
+    is returned too, complete). It must come from the same GPU, source commit, FA4 version and settings, else the
+    run stops: a resumed record mixes two processes' numbers only when nothing that could change them differs."""
+    if not out.exists():
+        return None
+    record = json.loads(out.read_text())
+    old = record.get("env", {})
+    for key in ("gpu", "commit", "fa4", "torch"):
+        if old.get(key) != env.get(key):
+            raise SystemExit(f"--resume: {out} was measured with {key} {old.get(key)!r}, this run has "
+                             f"{env.get(key)!r}; move it away to measure anew")
+    if record.get("settings") != settings:
+        raise SystemExit(f"--resume: {out} was measured with settings {record.get('settings')}, this run has "
+                         f"{settings}; move it away to measure anew")
+    return record
+
+
+def resumed_env(record: dict) -> dict:
+    """A resumed record's env: the first run's, plus the UTC start of each continuation (env["resumed"])."""
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {**record["env"], "resumed": [*record["env"].get("resumed", []), now]}
+
+
 def run_grid(args, env: dict, out: Path) -> str:
-    """The 24-configuration grid (+ memory sweep): JSON and PNG at out; returns its markdown table."""
+    """The 24-configuration grid (+ memory sweep): JSON and PNG at out; returns its markdown table. args.resume: a
+    cut run's record at out is continued (its grid rows and memory kept, the sustained rows it lacks measured); a
+    complete one is reported as it is."""
     seqlens = args.seqlens or ([1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384])
-    print(GRID_HEADER)
-    rows = speed(seqlens, 5 if args.quick else args.repeats, 1 if args.quick else args.rounds,
-                 interleave=args.timing == "interleaved")
-    mem = [] if args.quick or args.seqlens else memory([1024, 2048, 4096, 8192, 16384, 32768, 65536])
-    # The record is written before the sustained rows and again after each, "complete" once all are in: a run cut
-    # short (a time limit, a lost machine) keeps what it measured.
-    record = {"env": env, "rows": rows, "memory": mem, "sustained": [], "complete": False}
+    settings = {"seqlens": seqlens, "repeats": 5 if args.quick else args.repeats,
+                "rounds": 1 if args.quick else args.rounds, "timing": args.timing, "sustained": args.sustained,
+                "sustained_rounds": args.sustained_rounds}
+    record = resumable(out, env, settings) if args.resume else None
+    if record is not None and record.get("complete"):
+        print(f"--resume: {out} is complete; not measured again")
+        steady = record.get("sustained") or []
+        return "\n\n".join([grid_markdown(record["rows"], env["fa4"])]
+                             + ([sustained_markdown(steady, env["fa4"])] if steady else []))
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_record(out, record)
+    if record is not None:  # the grid rows and memory are written together: only sustained rows can be missing
+        print(f"--resume: {out} has the grid and {len(record.get('sustained') or [])} sustained rows; continuing")
+        record = {**record, "env": resumed_env(record)}
+        rows = record["rows"]
+    else:
+        print(GRID_HEADER)
+        rows = speed(seqlens, settings["repeats"], settings["rounds"], interleave=args.timing == "interleaved")
+        mem = [] if args.quick or args.seqlens else memory([1024, 2048, 4096, 8192, 16384, 32768, 65536])
+        # The record is written before the sustained rows and again after each, "complete" once all are in: a run
+        # cut short (a time limit, a lost machine) keeps what it measured, and --resume continues it.
+        record = {"env": env, "settings": settings, "rows": rows, "memory": mem, "sustained": [], "complete": False}
+        write_record(out, record)
     plot(rows, out.with_suffix(".png"))
     if args.sustained > 0:
         record["sustained"] = sustained([S for S in seqlens if S >= 4096], args.sustained, args.sustained_rounds,
-                                        on_row=lambda done: write_record(out, {**record, "sustained": done}))
+                                        on_row=lambda done: write_record(out, {**record, "sustained": done}),
+                                        done=record.get("sustained") or [])
     record["complete"] = True
     write_record(out, record)
     steady = record["sustained"]
@@ -821,16 +867,28 @@ def run_grid(args, env: dict, out: Path) -> str:
 
 
 def run_workloads(args, env: dict, out: Path) -> str:
-    """The workloads table: JSON and PNG at out; returns its markdown table."""
-    rows = workload_speed(5 if args.quick else args.repeats, 1 if args.quick else args.rounds,
-                          interleave=args.timing == "interleaved")
+    """The workloads table: JSON and PNG at out; returns its markdown table. args.resume: as run_grid's (a cut run's
+    workload rows kept, the feature rows measured)."""
     # the feature rows: the features against FlexAttention and plain attention (benchmarks/attention_features.py)
     import attention_features
 
+    repeats, rounds = 5 if args.quick else args.repeats, 1 if args.quick else args.rounds
+    settings = {"repeats": repeats, "rounds": rounds, "timing": args.timing}
+    record = resumable(out, env, settings) if args.resume else None
+    if record is not None and record.get("complete"):
+        print(f"--resume: {out} is complete; not measured again")
+        rows, features = record["rows"], record["features"]
+        return workloads_markdown(rows, env["fa4"]) + "\n\n" + attention_features.markdown(features, env["fa4"])
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_record(out, {"env": env, "rows": rows, "features": [], "complete": False})  # (kept if the rest is cut)
-    features = attention_features.run(5 if args.quick else args.repeats, 1 if args.quick else args.rounds)
-    write_record(out, {"env": env, "rows": rows, "features": features, "complete": True})
+    if record is not None:
+        print(f"--resume: {out} has the workload rows; measuring the feature rows")
+        rows, env = record["rows"], resumed_env(record)
+    else:
+        rows = workload_speed(repeats, rounds, interleave=args.timing == "interleaved")
+        write_record(out, {"env": env, "settings": settings, "rows": rows, "features": [],
+                           "complete": False})  # (kept if the rest is cut)
+    features = attention_features.run(repeats, rounds)
+    write_record(out, {"env": env, "settings": settings, "rows": rows, "features": features, "complete": True})
     plot_workloads(rows, out.with_suffix(".png"), env["gpu"])
     below = [row["name"] for row in rows if (row["ratio_fwd"] or 0) < 1.0]
     print(f"wrote {out}; forward below the fastest SDPA backend in {len(below)} of {len(rows)} rows: {below}")
@@ -862,6 +920,10 @@ def main() -> None:
     mode.add_argument("--block-sparse", action="store_true", help="block-sparse scaling against density only")
     mode.add_argument("--workloads", action="store_true", help="the workloads table only")
     mode.add_argument("--all", action="store_true", help="the grid (+ memory), then the workloads table")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the records at the output paths that a cut run left (same GPU, commit, FA4, "
+                             "torch and settings, else stop): the grid and workload rows they hold are kept, the rest "
+                             "measured; complete ones are reported as they are (--all across two time-limited calls)")
     mode.add_argument("--sustained-only", action="store_true", help="the sustained hd128 rows only (S 4K, 8K, 16K)")
     mode.add_argument("--selftest", action="store_true", help="tables and plots on synthetic numbers, CPU only")
     args = parser.parse_args()
@@ -869,6 +931,8 @@ def main() -> None:
         args.sustained = 5.0 if args.all or args.sustained_only else 0.0
     if args.sustained < 0 or args.sustained_rounds < 1 or args.rounds < 1:
         parser.error("--sustained must be >= 0, --sustained-rounds >= 1 and --rounds >= 1")
+    if args.resume and (args.block_sparse or args.sustained_only or args.selftest):
+        parser.error("--resume continues the grid and workloads records (the default, --workloads, --all)")
     if args.seqlens and any(s < 1 or TOKENS % s for s in args.seqlens):
         parser.error(f"--seqlens: each must divide the grid's {TOKENS} tokens per batch (got {args.seqlens})")
     if args.selftest:

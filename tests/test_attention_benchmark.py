@@ -263,7 +263,7 @@ def test_grid_record_is_written_before_and_during_the_sustained_rows(attention, 
     monkeypatch.setattr(attention, "memory", lambda seqlens: [{"S": 1024, "flashtrain": 49.5}])
     seen = []
 
-    def fake_sustained(seqlens, seconds, rounds, on_row=None):
+    def fake_sustained(seqlens, seconds, rounds, on_row=None, done=()):
         rows = []
         for causal in (False, True):
             record = json.loads(out.read_text())
@@ -280,7 +280,7 @@ def test_grid_record_is_written_before_and_during_the_sustained_rows(attention, 
 
     monkeypatch.setattr(attention, "sustained", fake_sustained)
     args = argparse.Namespace(seqlens=None, quick=False, repeats=3, rounds=1, timing="interleaved", sustained=5.0,
-                              sustained_rounds=1)
+                              sustained_rounds=1, resume=False)
     env = {"gpu": "test", "fa4": "4.0", "bf16_matmul_tflops": 800.0}
     cut = True
     with pytest.raises(TimeoutError):
@@ -311,3 +311,73 @@ def test_grid_record_is_written_before_and_during_the_sustained_rows(attention, 
     with pytest.raises(TimeoutError):
         attention.run_workloads(args, env, workloads_out)
     assert json.loads(workloads_out.read_text())["rows"] == workload_rows
+
+
+def test_resume_continues_a_cut_all_run(attention, tmp_path, monkeypatch):
+    """--all --resume: a cut run's grid record (same GPU, commit, FA4, torch and settings) keeps its grid rows, memory
+    and measured sustained rows, and only the missing sustained rows are measured; a complete record is reported as
+    it is; a record of another commit stops the run. The workloads record keeps its rows and measures the feature
+    rows. (sustained_rounds stands for the GPU: one value per implementation, pass and round.)"""
+    import argparse
+    import json
+
+    import attention_features
+
+    args = argparse.Namespace(seqlens=[4096, 8192], quick=False, repeats=30, rounds=3, timing="interleaved",
+                              sustained=3.0, sustained_rounds=2, resume=True)
+    env = {"gpu": "NVIDIA H200", "commit": "abc1234", "fa4": "4.0.0b36", "torch": "2.11.0+cu130",
+           "bf16_matmul_tflops": 800.0, "date": "2026-12-03T09:00:00+00:00"}
+    settings = {"seqlens": [4096, 8192], "repeats": 30, "rounds": 3, "timing": "interleaved", "sustained": 3.0,
+                "sustained_rounds": 2}
+    grid_rows = [{"hd": 128, "S": 4096, "causal": False, "flashtrain_fwd": 600.0}]
+    done = {"hd": 128, "S": 4096, "causal": False, "flashtrain_fwd_sustained": 610.0}
+    cut = {"env": {**env, "date": "2026-12-03T08:00:00+00:00"}, "settings": settings, "rows": grid_rows,
+           "memory": [{"S": 1024, "flashtrain_mib": 49.5}], "sustained": [done], "complete": False}
+    out = tmp_path / "attention.json"
+    out.write_text(json.dumps(cut))
+
+    def not_again(*args, **kwargs):
+        raise AssertionError("a kept part was measured again")
+
+    calls = []
+
+    def rounds(measure, n):
+        calls.append(n)
+        return {(impl, kind): [500.0 + len(calls)] * n for impl in attention.SUSTAINED_IMPLS for kind in ("fwd", "fb")}
+
+    for name in ("speed", "memory", "workload_speed"):
+        monkeypatch.setattr(attention, name, not_again)
+    monkeypatch.setattr(attention, "sustained_rounds", rounds)
+    monkeypatch.setattr(attention, "plot", lambda rows, path: None)
+    monkeypatch.setattr(attention, "plot_workloads", lambda rows, path, gpu: None)
+    monkeypatch.setattr(attention, "grid_summary", lambda rows, peak: "summary")
+    monkeypatch.setattr(attention, "grid_markdown", lambda rows, fa4="": f"{len(rows)} grid rows")
+    monkeypatch.setattr(attention, "sustained_markdown", lambda rows, fa4="": f"{len(rows)} sustained rows")
+    monkeypatch.setattr(attention, "workloads_markdown", lambda rows, fa4="": f"{len(rows)} workload rows")
+
+    assert attention.run_grid(args, env, out) == "1 grid rows\n\n4 sustained rows"
+    record = json.loads(out.read_text())
+    assert record["complete"] and record["rows"] == grid_rows and record["memory"] == cut["memory"]
+    assert [(row["S"], row["causal"]) for row in record["sustained"]] == [(4096, False), (4096, True), (8192, False),
+                                                                           (8192, True)]
+    assert record["sustained"][0] == done and calls == [2, 2, 2]
+    assert [row["flashtrain_fwd_sustained"] for row in record["sustained"]] == [610.0, 501.0, 502.0, 503.0]
+    assert record["sustained"][3]["ft_over_fa4_fb"] == 1.0
+    assert record["env"]["date"] == "2026-12-03T08:00:00+00:00" and len(record["env"]["resumed"]) == 1
+    assert attention.run_grid(args, env, out) == "1 grid rows\n\n4 sustained rows" and calls == [2, 2, 2]
+    with pytest.raises(SystemExit, match="commit 'abc1234'"):
+        attention.run_grid(args, {**env, "commit": "def5678"}, out)
+    with pytest.raises(SystemExit, match="settings"):
+        attention.run_grid(argparse.Namespace(**{**vars(args), "sustained": 5.0}), env, out)
+
+    workloads = tmp_path / "attention_workloads.json"
+    rows = [{"name": "hd64 4K causal", "flashtrain_fwd": 516.0, "ratio_fwd": 1.18}]
+    workloads.write_text(json.dumps({"env": env, "settings": {"repeats": 30, "rounds": 3, "timing": "interleaved"},
+                                     "rows": rows, "features": [], "complete": False}))
+    monkeypatch.setattr(attention_features, "run",
+                        lambda repeats, rounds: [{"name": "window 1024 at 16K", "vs_fa4_fwd": 1.02, "repeats": repeats}])
+    monkeypatch.setattr(attention_features, "markdown", lambda rows, fa4="": f"{len(rows)} feature rows")
+    assert attention.run_workloads(args, env, workloads) == "1 workload rows\n\n1 feature rows"
+    record = json.loads(workloads.read_text())
+    assert record["complete"] and record["rows"] == rows and len(record["env"]["resumed"]) == 1
+    assert record["features"] == [{"name": "window 1024 at 16K", "vs_fa4_fwd": 1.02, "repeats": 30}]
