@@ -39,8 +39,9 @@ the 75% target) in its JSON. The JSON is written as soon as the grid (with the m
 measured, again after each sustained row and after the feature rows, and its `complete` field is true once the run
 has finished: a run cut short keeps what it measured, and --resume continues it (the same GPU, source commit, FA4,
 torch and settings, else it stops): the parts a record holds are kept, the rest measured, and env.resumed lists each
-continuation's start. That is how one --all run (about 700 s with FA4) spans two time-limited device calls. The grid prints flashtrain / FA2 and / cuDNN per pass, a
-summary (worst ratios, hd128 full S>=4K forward as a share of the matmul rate) and a markdown table.
+continuation's start. That is how one --all run (about 700 s with FA4) spans two time-limited device calls. The
+grid prints flashtrain / FA2 and / cuDNN per pass, a summary (worst ratios, hd128 full S>=4K forward as a share of the
+matmul rate) and a markdown table.
 
 Workloads mode: rows outside the grid, bf16, each against every SDPA backend that runs it (a backend that
 refuses a pass shows "-"): head dims 64, 80, 96, 128, 192, 256 at 4K causal (batch 4, nheads = 2048 / head_dim
