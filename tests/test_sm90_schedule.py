@@ -88,15 +88,19 @@ def test_hd192_backward_moves_descriptors_by_64_bit_adds(tmp_path):
     tool = probe.disassembler()
     if build.nvcc_path() is None or tool is None:
         pytest.skip("needs nvcc and nvdisasm or cuobjdump (pip install -e '.[dev]' brings nvidia-cuda-nvdisasm)")
-    spec = build.bwd_sm90_kernel(192, "bf16", True)
-    assert spec.tiles.block_n == 96  # the split-keys kernel
-    cubin = tmp_path / "bwd.cubin"
-    build._compile_nvcc(spec, build.SM90_ARCH, cubin)
-    code = probe.sass_instructions(tool, cubin)
-    # ptxas 13.0: 151 UIADD3.64 and 579 instructions between the HGMMAs of a GEMM; 0 and 678 with every site in the
-    # 32-bit form (FT_BWD_DESC64=0)
-    assert sum(ins.split()[0] == "UIADD3.64" for ins in code) >= 100
-    assert probe.between_hgmma(code) <= 620
+    # ptxas 13.0, the register form (build.BWD_SM90_HD192_STAGE_DQ = 0): 151 UIADD3.64 and 579 instructions between
+    # the HGMMAs of a GEMM; 0 and 678 with every site in the 32-bit form (FT_BWD_DESC64=0). The staged form (the
+    # default): 85 and 751; 0 and 654 in the 32-bit form.
+    for stage_dq, least_adds, most_between in ((0, 100, 620), (1, 60, 800)):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(build, "BWD_SM90_HD192_STAGE_DQ", stage_dq)
+            spec = build.bwd_sm90_kernel(192, "bf16", True)
+        assert spec.tiles.block_n == 96 and spec.tiles.stage_dq == bool(stage_dq)  # the split-keys kernel
+        cubin = tmp_path / f"bwd{stage_dq}.cubin"
+        build._compile_nvcc(spec, build.SM90_ARCH, cubin)
+        code = probe.sass_instructions(tool, cubin)
+        assert sum(ins.split()[0] == "UIADD3.64" for ins in code) >= least_adds
+        assert probe.between_hgmma(code) <= most_between
 
 
 @pytest.mark.slow
