@@ -1809,13 +1809,15 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
             fence_proxy_async();
             __syncwarp();
             if (lead_lane) {
+                // (the warp's base: dst less the lane's offset, the measured schedule; a base of its own made ptxas
+                // emit 8 more instructions)
                 bulk_reduce_add_f32(dst - 4 * lane, slice, T::kSkDqSliceBytes);
                 bulk_commit();
             }
-            return;
-        }
+        } else {
 #pragma unroll
-        for (int j = 0; j < kDqN / 8; ++j) atomic_add4(dst + 128 * j, dq[j]);
+            for (int j = 0; j < kDqN / 8; ++j) atomic_add4(dst + 128 * j, dq[j]);
+        }
     };
 
     auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag) {
