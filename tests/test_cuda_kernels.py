@@ -169,6 +169,26 @@ def test_short_hd128_causal_tile_groups_match_reference(seqlen, batch, monkeypat
     ops.clear_plans()
 
 
+def test_hd192_short_causal_tile_groups_match_reference(monkeypatch):
+    """The hd192 causal backward (96-key blocks) with its tiles in groups of one wave up to
+    ops.BWD_SPLIT_KEYS_SHORT_BLOCKS key blocks (set here whatever the default is): 1K keys (11 blocks), 16 heads,
+    batch 2, so two groups, the last taking the remainder (132 SMs: 12 + 20 units); gradients against the reference."""
+    from flashtrain.kernels import launch
+
+    if not _is_hopper():
+        pytest.skip("the tile groups are the Hopper kernels'")
+    ops, units = _ops(), 2 * 16
+    monkeypatch.setattr(ops, "BWD_SPLIT_KEYS_SHORT_WAVES", 1.0)
+    monkeypatch.setattr(ops, "BWD_SPLIT_KEYS_SHORT_BLOCKS", 16)
+    ops.clear_plans()  # (a plan holds the group it was built with)
+    group = ops._causal_tile_group(11, units, launch.sm_count(torch.device("cuda")), split_keys=True)
+    assert 2 * group <= units < 3 * group and units % group
+    q, k, v, dout = _inputs((2, 1024, 16, 192), (2, 1024, 16, 192), torch.bfloat16, seed=12)
+    _check_against_reference(q, k, v, dout, causal=True)
+    monkeypatch.undo()
+    ops.clear_plans()
+
+
 def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
     """The backward's preprocess and dQ conversion with their CTAs in ascending grid order (flash_aux.cuh
     FT_AUX_REVERSE = 0, an A/B build: kernels compiled with FLASHTRAIN_EXTRA_DEFINES; the default is reversed):

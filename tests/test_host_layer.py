@@ -323,6 +323,33 @@ def test_hopper_deterministic_plan_tile_groups(recording, monkeypatch):
     assert group() == 1
 
 
+def test_hopper_hd192_causal_plan_tile_groups(recording, monkeypatch):
+    """The hd192 causal backward (the split-keys kernel, 96-key blocks) groups its (batch, head) units in one wave of
+    tiles up to ops.BWD_SPLIT_KEYS_SHORT_BLOCKS key blocks per unit: at 1K keys (11 blocks) 12 units per group on
+    132 SMs; at 2K (22 blocks) two waves, 12 units; BWD_SPLIT_KEYS_SHORT_BLOCKS = 0 (the A/B) two waves at 1K too
+    (24 units). The hd128 kernels keep their own rule (1K: 8 blocks of 128 keys, one wave, 17 units)."""
+    from flashtrain.kernels import ops
+
+    arch, _ = recording
+    if arch != "sm_90a":
+        pytest.skip("the Hopper backward")
+
+    def group(s, d=192, b=2, h=16):
+        q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
+        lse = torch.zeros(b, h, s)
+        main = ops._bwd_plan(dout, q, k, v, out, lse, None, None, s, s, 0.0, d ** -0.5, True, False, None).launches[1]
+        name = _SYMBOLS[main.kernel.handle.value]
+        assert name.startswith(f"flash_bwd_sm90_hdim{d}_bf16_causal") and ("_n96" in name) == (d == 192), name
+        return main.params.bwd.fwd.causal_tile_group
+
+    assert ops.BWD_SPLIT_KEYS_SHORT_WAVES == 1.0 and ops.BWD_SPLIT_KEYS_SHORT_BLOCKS == 16
+    assert (group(1024), group(1536), group(2048)) == (12, 9, 12)
+    assert group(1024, d=128) == 17
+    monkeypatch.setattr(ops, "BWD_SPLIT_KEYS_SHORT_BLOCKS", 0)
+    ops.clear_plans()
+    assert group(1024) == 24
+
+
 def test_hopper_cluster_forward_plan(recording, monkeypatch):
     """The dense non-causal hd128 forward from build.FWD_SM90_CLUSTER_SEQLEN keys runs in 2-CTA clusters: its kernel
     (`_c2`) on an even grid, also when the GPU's SM count is odd; an odd number of query tiles per head, fewer keys or

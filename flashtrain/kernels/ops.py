@@ -598,7 +598,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if hopper and causal and not deterministic:  # (else 0: key blocks fastest)
         params.fwd.causal_tile_group = _causal_tile_group(n_kblocks, batch * nheads_kv * params.kv_splits,
                                                           launch.sm_count(q.device),
-                                                          _short_group_hd128(head_dim, q.shape[-1], tiles.block_n))
+                                                          _short_group_hd128(head_dim, q.shape[-1], tiles.block_n),
+                                                          split_keys=tiles.split_keys)
     elif hopper and deterministic:
         m_blocks = math.ceil(fwd.seqlen_q / tiles.block_m)
         params.fwd.causal_tile_group = _det_tile_group(
@@ -660,6 +661,15 @@ CAUSAL_GROUP_WAVES_SHORT = 1.0
 CAUSAL_GROUP_SHORT_BLOCKS = 8
 
 
+# ... and BWD_SPLIT_KEYS_SHORT_WAVES for the head-dim-192 causal backward (the split-keys kernel, 96-key blocks) with
+# at most BWD_SPLIT_KEYS_SHORT_BLOCKS key blocks per unit (1.5K keys): one wave. H200, 2026-12-03, interleaved
+# CUDA-graph A/B (ab_probe.py --pass bwd), one wave / two: 512 1.014, 1K (10 heads, batch 16) 1.020-1.021 in two
+# runs, 1K 16 heads batch 8 1.000, GQA 16/2 1K 1.007, 1.5K 1.004; 2K 0.976 (so not there) (kernel_ab-h200.json).
+# A/B: ab_probe.py flashtrain@ops.BWD_SPLIT_KEYS_SHORT_BLOCKS=0 (two waves everywhere).
+BWD_SPLIT_KEYS_SHORT_WAVES = 1.0
+BWD_SPLIT_KEYS_SHORT_BLOCKS = 16
+
+
 # ... and FWD_TALL_CAUSAL_GROUP_WAVES for the forward's tiles of more than 128 rows (head dim 64 causal: 192 rows,
 # build.FWD_SM90_TILES_LONG_CAUSAL) from FWD_TALL_CAUSAL_GROUP_SEQLEN query rows. H200, 2026-12-02, interleaved
 # CUDA-graph replays (ab_probe.py), forward, four waves / two: hd64 causal 2K / 4K / 8K / 16K 1.005 / 1.002 / 1.007 /
@@ -671,12 +681,13 @@ FWD_TALL_CAUSAL_GROUP_SEQLEN = 2048
 
 
 def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int, short_hd128: bool = False,
-                       tall: bool = False) -> int:
+                       tall: bool = False, split_keys: bool = False) -> int:
     """Units per group of the Hopper causal kernels' tile order (forward: (batch, head) with n_blocks query blocks;
     backward: (batch, kv head, GQA split) with n_blocks key blocks): enough that a group's tiles, longest first, fill
     the SMs CAUSAL_GROUP_WAVES times over (CAUSAL_GROUP_WAVES_SHORT where short_hd128, a head-dim-128 call on 128-row
-    blocks, has at most CAUSAL_GROUP_SHORT_BLOCKS of them; FWD_TALL_CAUSAL_GROUP_WAVES where tall, a long forward
-    on query tiles of more than 128 rows), so that the launch ends on short tiles; no more, so that
+    blocks, has at most CAUSAL_GROUP_SHORT_BLOCKS of them; BWD_SPLIT_KEYS_SHORT_WAVES where split_keys, the hd192
+    backward's 96-key blocks, has at most BWD_SPLIT_KEYS_SHORT_BLOCKS; FWD_TALL_CAUSAL_GROUP_WAVES where tall, a long
+    forward on query tiles of more than 128 rows), so that the launch ends on short tiles; no more, so that
     concurrent tiles share K / V (backward: Q / dO and dQ rows) in L2. (The kernel's last group also takes the
     remainder of n_units.) Earlier orders: backward, key blocks fastest (CAUSAL_GROUP_WAVES = 0); forward, longest
     first over all units (CAUSAL_GROUP_WAVES = inf)."""
@@ -684,6 +695,8 @@ def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int, short_hd128: 
         waves = FWD_TALL_CAUSAL_GROUP_WAVES
     elif short_hd128 and n_blocks <= CAUSAL_GROUP_SHORT_BLOCKS:
         waves = CAUSAL_GROUP_WAVES_SHORT
+    elif split_keys and n_blocks <= BWD_SPLIT_KEYS_SHORT_BLOCKS:
+        waves = BWD_SPLIT_KEYS_SHORT_WAVES
     else:
         waves = CAUSAL_GROUP_WAVES
     if not math.isfinite(waves):
