@@ -169,21 +169,26 @@ def test_short_hd128_causal_tile_groups_match_reference(seqlen, batch, monkeypat
     ops.clear_plans()
 
 
-def test_hd192_short_causal_tile_groups_match_reference(monkeypatch):
-    """The hd192 causal backward (96-key blocks) with its tiles in groups of one wave up to
-    ops.BWD_SPLIT_KEYS_SHORT_BLOCKS key blocks (set here whatever the default is): 1K keys (11 blocks), 16 heads,
-    batch 2, so two groups, the last taking the remainder (132 SMs: 12 + 20 units); gradients against the reference."""
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_wide_head_dim_short_causal_tile_groups_match_reference(head_dim, monkeypatch):
+    """Short causal calls at head dims 192 / 256 with their tiles in the short groups (ops.FWD_WIDE_SHORT_WAVES,
+    BWD_WIDE_SHORT_WAVES, set here whatever the defaults are): 1K tokens, 16 heads, batch 4, so that both passes
+    run several groups, the last taking the remainder (132 SMs: forward 25 + 39 units, backward groups of 12 at
+    hd192's 11 key blocks, of 9 at hd256's 16); forward and gradients against the reference."""
     from flashtrain.kernels import launch
 
     if not _is_hopper():
         pytest.skip("the tile groups are the Hopper kernels'")
-    ops, units = _ops(), 2 * 16
-    monkeypatch.setattr(ops, "BWD_SPLIT_KEYS_SHORT_WAVES", 1.0)
-    monkeypatch.setattr(ops, "BWD_SPLIT_KEYS_SHORT_BLOCKS", 16)
+    ops, units, sms = _ops(), 4 * 16, launch.sm_count(torch.device("cuda"))
+    for name, value in (("FWD_WIDE_SHORT_WAVES", 1.5), ("FWD_WIDE_SHORT_BLOCKS", 8), ("BWD_WIDE_SHORT_WAVES", 1.0),
+                        ("BWD_WIDE_SHORT_BLOCKS", 16)):
+        monkeypatch.setattr(ops, name, value)
     ops.clear_plans()  # (a plan holds the group it was built with)
-    group = ops._causal_tile_group(11, units, launch.sm_count(torch.device("cuda")), split_keys=True)
-    assert 2 * group <= units < 3 * group and units % group
-    q, k, v, dout = _inputs((2, 1024, 16, 192), (2, 1024, 16, 192), torch.bfloat16, seed=12)
+    key_blocks = 1024 // (96 if head_dim == 192 else 64) + (head_dim == 192)
+    for group in (ops._causal_tile_group(8, units, sms, wide_fwd=True),
+                  ops._causal_tile_group(key_blocks, units, sms, wide_bwd=True)):
+        assert 2 * group <= units and units % group  # (two groups or more, the last one larger)
+    q, k, v, dout = _inputs((4, 1024, 16, head_dim), (4, 1024, 16, head_dim), torch.bfloat16, seed=12)
     _check_against_reference(q, k, v, dout, causal=True)
     monkeypatch.undo()
     ops.clear_plans()

@@ -323,31 +323,44 @@ def test_hopper_deterministic_plan_tile_groups(recording, monkeypatch):
     assert group() == 1
 
 
-def test_hopper_hd192_causal_plan_tile_groups(recording, monkeypatch):
-    """The hd192 causal backward (the split-keys kernel, 96-key blocks) groups its (batch, head) units in one wave of
-    tiles up to ops.BWD_SPLIT_KEYS_SHORT_BLOCKS key blocks per unit: at 1K keys (11 blocks) 12 units per group on
-    132 SMs; at 2K (22 blocks) two waves, 12 units; BWD_SPLIT_KEYS_SHORT_BLOCKS = 0 (the A/B) two waves at 1K too
-    (24 units). The hd128 kernels keep their own rule (1K: 8 blocks of 128 keys, one wave, 17 units)."""
+def test_hopper_wide_head_dim_causal_plan_tile_groups(recording, monkeypatch):
+    """Causal calls at head dims above 128 group their units in fewer waves of tiles when short: the backward one wave
+    up to ops.BWD_WIDE_SHORT_BLOCKS key blocks (hd192's 96-key blocks: 1K keys, 11 blocks, 12 units per group on 132
+    SMs; 2K, 22 blocks, two waves: 12; hd256's 64-key blocks: 1K, 16 blocks, 9 units), the forward 1.5 waves up to
+    ops.FWD_WIDE_SHORT_BLOCKS query blocks of 128 rows (1K: 8 blocks, 25 units; 2K: two waves, 17); the A/B switches
+    (blocks 0) give two waves everywhere. The hd128 kernels keep their own rule (1K: one wave, 17 units)."""
     from flashtrain.kernels import ops
 
     arch, _ = recording
     if arch != "sm_90a":
-        pytest.skip("the Hopper backward")
+        pytest.skip("the Hopper kernels")
 
-    def group(s, d=192, b=2, h=16):
-        q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
-        lse = torch.zeros(b, h, s)
+    def inputs(s, d, b=2, h=16):
+        return (*(torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5)), torch.zeros(b, h, s))
+
+    def bwd_group(s, d):
+        q, k, v, out, dout, lse = inputs(s, d)
         main = ops._bwd_plan(dout, q, k, v, out, lse, None, None, s, s, 0.0, d ** -0.5, True, False, None).launches[1]
         name = _SYMBOLS[main.kernel.handle.value]
         assert name.startswith(f"flash_bwd_sm90_hdim{d}_bf16_causal") and ("_n96" in name) == (d == 192), name
         return main.params.bwd.fwd.causal_tile_group
 
-    assert ops.BWD_SPLIT_KEYS_SHORT_WAVES == 1.0 and ops.BWD_SPLIT_KEYS_SHORT_BLOCKS == 16
-    assert (group(1024), group(1536), group(2048)) == (12, 9, 12)
-    assert group(1024, d=128) == 17
-    monkeypatch.setattr(ops, "BWD_SPLIT_KEYS_SHORT_BLOCKS", 0)
+    def fwd_group(s, d):
+        q, k, v, _, _, _ = inputs(s, d)
+        main = ops._fwd_plan(q, k, v, None, None, s, s, 0.0, d ** -0.5, True, None).launches[0]
+        assert _SYMBOLS[main.kernel.handle.value].startswith(f"flash_fwd_sm90_hdim{d}_bf16_causal")
+        return main.params.fwd.causal_tile_group
+
+    assert (ops.BWD_WIDE_SHORT_WAVES, ops.BWD_WIDE_SHORT_BLOCKS) == (1.0, 16)
+    assert (ops.FWD_WIDE_SHORT_WAVES, ops.FWD_WIDE_SHORT_BLOCKS) == (1.5, 8)
+    assert (bwd_group(1024, 192), bwd_group(1536, 192), bwd_group(2048, 192)) == (12, 9, 12)
+    assert (bwd_group(1024, 256), bwd_group(2048, 256)) == (9, 9)  # (2K: 32 blocks, two waves)
+    assert (fwd_group(1024, 192), fwd_group(1024, 256), fwd_group(2048, 256)) == (25, 25, 17)
+    assert bwd_group(1024, 128) == fwd_group(1024, 128) == 17
+    monkeypatch.setattr(ops, "BWD_WIDE_SHORT_BLOCKS", 0)
+    monkeypatch.setattr(ops, "FWD_WIDE_SHORT_BLOCKS", 0)
     ops.clear_plans()
-    assert group(1024) == 24
+    assert (bwd_group(1024, 192), bwd_group(1024, 256), fwd_group(1024, 256)) == (24, 17, 32)
 
 
 def test_hopper_cluster_forward_plan(recording, monkeypatch):

@@ -437,7 +437,8 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
                                                       params.batch * params.nheads, launch.sm_count(q.device),
                                                       _short_group_hd128(head_dim, q.shape[-1], spec.block_m),
                                                       tall=spec.block_m > 128
-                                                      and params.seqlen_q >= FWD_TALL_CAUSAL_GROUP_SEQLEN)
+                                                      and params.seqlen_q >= FWD_TALL_CAUSAL_GROUP_SEQLEN,
+                                                      wide_fwd=head_dim > 128 and spec.block_m == 128)
     kernel = launch.get_kernel(spec, spec.symbols[0], q.device)
     varlen, maps, prefix = cu_seqlens_q is not None, [], ""
     if spec.source == "flash_fwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, out, then the same parameters
@@ -599,7 +600,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         params.fwd.causal_tile_group = _causal_tile_group(n_kblocks, batch * nheads_kv * params.kv_splits,
                                                           launch.sm_count(q.device),
                                                           _short_group_hd128(head_dim, q.shape[-1], tiles.block_n),
-                                                          split_keys=tiles.split_keys)
+                                                          wide_bwd=tiles.split_head_dim)
     elif hopper and deterministic:
         m_blocks = math.ceil(fwd.seqlen_q / tiles.block_m)
         params.fwd.causal_tile_group = _det_tile_group(
@@ -661,13 +662,19 @@ CAUSAL_GROUP_WAVES_SHORT = 1.0
 CAUSAL_GROUP_SHORT_BLOCKS = 8
 
 
-# ... and BWD_SPLIT_KEYS_SHORT_WAVES for the head-dim-192 causal backward (the split-keys kernel, 96-key blocks) with
-# at most BWD_SPLIT_KEYS_SHORT_BLOCKS key blocks per unit (1.5K keys): one wave. H200, 2026-12-03, interleaved
-# CUDA-graph A/B (ab_probe.py --pass bwd), one wave / two: 512 1.014, 1K (10 heads, batch 16) 1.020-1.021 in two
-# runs, 1K 16 heads batch 8 1.000, GQA 16/2 1K 1.007, 1.5K 1.004; 2K 0.976 (so not there) (kernel_ab-h200.json).
-# A/B: ab_probe.py flashtrain@ops.BWD_SPLIT_KEYS_SHORT_BLOCKS=0 (two waves everywhere).
-BWD_SPLIT_KEYS_SHORT_WAVES = 1.0
-BWD_SPLIT_KEYS_SHORT_BLOCKS = 16
+# ... and, at head dims above 128 (192, 256), fewer waves for short calls too: the forward (128-row query tiles)
+# FWD_WIDE_SHORT_WAVES up to FWD_WIDE_SHORT_BLOCKS query blocks (1K tokens), the backward (96-key blocks at hd192,
+# 64-key at hd256) BWD_WIDE_SHORT_WAVES up to BWD_WIDE_SHORT_BLOCKS key blocks (1.5K / 1K keys). H200, 2026-12-03,
+# interleaved CUDA-graph A/B (ab_probe.py), against two waves: forward, 1.5 waves: hd192 512 / 1K 1.076 / 1.041, 16
+# heads batch 8 1.043; hd256 512 / 1K 1.133 / 1.050, 16 heads 1.045, GQA 16/2 1K 0.990 (one wave: 1.004 there, but
+# 1.047 / 1.105 at 512); 2K 1.000 (so not there); backward, one wave: hd256 512 1.062, 1K 1.019-1.036, 2K / 4K 1.008 / 1.004 (not there);
+# hd192 512 1.014-1.018, 1K 1.000-1.028, 1.5K 1.004-1.010, 2K 0.976; forward + backward 1.022-1.069
+# (kernel_ab-h200.json). A/B: ab_probe.py flashtrain@ops.FWD_WIDE_SHORT_BLOCKS=0, flashtrain@ops.BWD_WIDE_SHORT_BLOCKS=0
+# (two waves everywhere).
+FWD_WIDE_SHORT_WAVES = 1.5
+FWD_WIDE_SHORT_BLOCKS = 8
+BWD_WIDE_SHORT_WAVES = 1.0
+BWD_WIDE_SHORT_BLOCKS = 16
 
 
 # ... and FWD_TALL_CAUSAL_GROUP_WAVES for the forward's tiles of more than 128 rows (head dim 64 causal: 192 rows,
@@ -681,13 +688,14 @@ FWD_TALL_CAUSAL_GROUP_SEQLEN = 2048
 
 
 def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int, short_hd128: bool = False,
-                       tall: bool = False, split_keys: bool = False) -> int:
+                       tall: bool = False, wide_fwd: bool = False, wide_bwd: bool = False) -> int:
     """Units per group of the Hopper causal kernels' tile order (forward: (batch, head) with n_blocks query blocks;
     backward: (batch, kv head, GQA split) with n_blocks key blocks): enough that a group's tiles, longest first, fill
     the SMs CAUSAL_GROUP_WAVES times over (CAUSAL_GROUP_WAVES_SHORT where short_hd128, a head-dim-128 call on 128-row
-    blocks, has at most CAUSAL_GROUP_SHORT_BLOCKS of them; BWD_SPLIT_KEYS_SHORT_WAVES where split_keys, the hd192
-    backward's 96-key blocks, has at most BWD_SPLIT_KEYS_SHORT_BLOCKS; FWD_TALL_CAUSAL_GROUP_WAVES where tall, a long
-    forward on query tiles of more than 128 rows), so that the launch ends on short tiles; no more, so that
+    blocks, has at most CAUSAL_GROUP_SHORT_BLOCKS of them; FWD_WIDE_SHORT_WAVES / BWD_WIDE_SHORT_WAVES where
+    wide_fwd / wide_bwd, a forward / backward at a head dim above 128, has at most FWD_WIDE_SHORT_BLOCKS /
+    BWD_WIDE_SHORT_BLOCKS; FWD_TALL_CAUSAL_GROUP_WAVES where tall, a long forward on query tiles of more than 128
+    rows), so that the launch ends on short tiles; no more, so that
     concurrent tiles share K / V (backward: Q / dO and dQ rows) in L2. (The kernel's last group also takes the
     remainder of n_units.) Earlier orders: backward, key blocks fastest (CAUSAL_GROUP_WAVES = 0); forward, longest
     first over all units (CAUSAL_GROUP_WAVES = inf)."""
@@ -695,8 +703,10 @@ def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int, short_hd128: 
         waves = FWD_TALL_CAUSAL_GROUP_WAVES
     elif short_hd128 and n_blocks <= CAUSAL_GROUP_SHORT_BLOCKS:
         waves = CAUSAL_GROUP_WAVES_SHORT
-    elif split_keys and n_blocks <= BWD_SPLIT_KEYS_SHORT_BLOCKS:
-        waves = BWD_SPLIT_KEYS_SHORT_WAVES
+    elif wide_fwd and n_blocks <= FWD_WIDE_SHORT_BLOCKS:
+        waves = FWD_WIDE_SHORT_WAVES
+    elif wide_bwd and n_blocks <= BWD_WIDE_SHORT_BLOCKS:
+        waves = BWD_WIDE_SHORT_WAVES
     else:
         waves = CAUSAL_GROUP_WAVES
     if not math.isfinite(waves):
