@@ -175,7 +175,7 @@ def test_wide_head_dim_short_causal_tile_groups_match_reference(head_dim, monkey
     BWD_WIDE_SHORT_WAVES, set here whatever the defaults are): 1K tokens, 16 heads, batch 4, so that both passes
     run several groups, the last taking the remainder (132 SMs: forward 25 + 39 units, backward groups of 12 at
     hd192's 11 key blocks, of 9 at hd256's 16); forward and gradients against the reference."""
-    from flashtrain.kernels import launch
+    from flashtrain.kernels import build, launch
 
     if not _is_hopper():
         pytest.skip("the tile groups are the Hopper kernels'")
@@ -184,7 +184,7 @@ def test_wide_head_dim_short_causal_tile_groups_match_reference(head_dim, monkey
                         ("BWD_WIDE_SHORT_BLOCKS", 16)):
         monkeypatch.setattr(ops, name, value)
     ops.clear_plans()  # (a plan holds the group it was built with)
-    key_blocks = 1024 // (96 if head_dim == 192 else 64) + (head_dim == 192)
+    key_blocks = math.ceil(1024 / build.BWD_SM90_TILES[head_dim].block_n)  # (96 keys at hd192: 11; 64 at hd256: 16)
     for group in (ops._causal_tile_group(8, units, sms, wide_fwd=True),
                   ops._causal_tile_group(key_blocks, units, sms, wide_bwd=True)):
         assert 2 * group <= units and units % group  # (two groups or more, the last one larger)

@@ -667,10 +667,10 @@ CAUSAL_GROUP_SHORT_BLOCKS = 8
 # 64-key at hd256) BWD_WIDE_SHORT_WAVES up to BWD_WIDE_SHORT_BLOCKS key blocks (1.5K / 1K keys). H200, 2026-12-03,
 # interleaved CUDA-graph A/B (ab_probe.py), against two waves: forward, 1.5 waves: hd192 512 / 1K 1.076 / 1.041, 16
 # heads batch 8 1.043; hd256 512 / 1K 1.133 / 1.050, 16 heads 1.045, GQA 16/2 1K 0.990 (one wave: 1.004 there, but
-# 1.047 / 1.105 at 512); 2K 1.000 (so not there); backward, one wave: hd256 512 1.062, 1K 1.019-1.036, 2K / 4K 1.008 / 1.004 (not there);
-# hd192 512 1.014-1.018, 1K 1.000-1.028, 1.5K 1.004-1.010, 2K 0.976; forward + backward 1.022-1.069
-# (kernel_ab-h200.json). A/B: ab_probe.py flashtrain@ops.FWD_WIDE_SHORT_BLOCKS=0, flashtrain@ops.BWD_WIDE_SHORT_BLOCKS=0
-# (two waves everywhere).
+# 1.047 / 1.105 at 512); 2K 1.000 (so not there); backward, one wave: hd256 512 1.062, 1K 1.019-1.036, 2K / 4K
+# 1.008 / 1.004 (not there); hd192 512 1.014-1.018, 1K 1.000-1.028, 1.5K 1.004-1.010, 2K 0.976; forward + backward
+# 1.022-1.069 (kernel_ab-h200.json). A/B: ab_probe.py flashtrain@ops.FWD_WIDE_SHORT_BLOCKS=0,
+# flashtrain@ops.BWD_WIDE_SHORT_BLOCKS=0 (two waves everywhere).
 FWD_WIDE_SHORT_WAVES = 1.5
 FWD_WIDE_SHORT_BLOCKS = 8
 BWD_WIDE_SHORT_WAVES = 1.0
