@@ -110,6 +110,30 @@ def test_short_causal_forward_tiles():
     assert build.fwd_kernel(128, "fp16", True, False, arch="sm_80", seqlen_q=short).name == "flash_fwd_hdim128_fp16_causal"
 
 
+def test_short_causal_forward_tiles_wide_head_dims(monkeypatch):
+    """Causal forward at head dims 192 / 256 up to FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN query rows: 64-key blocks (three
+    stages at 192, two at 256; O from the registers), a kernel of its own name; longer, unknown length, non-causal and
+    dropout keep the default tiles, and the switch at 0 turns the rule off."""
+    short = build.FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN
+    assert 0 < short < build.SHORT_CAUSAL_SEQLEN
+    for head_dim, stages in ((192, 3), (256, 2)):
+        default = build.FWD_SM90_TILES[head_dim]
+        for seqlen_q in (1, 512, short):
+            spec = build.fwd_kernel(head_dim, "bf16", True, False, arch="sm_90a", seqlen_q=seqlen_q)
+            assert spec.name == f"flash_fwd_sm90_hdim{head_dim}_bf16_causal_128x64"
+            assert (spec.tiles.block_m, spec.tiles.block_n, spec.tiles.stages) == (128, 64, stages)
+            assert not spec.tiles.separate_o and spec.smem_bytes <= SM90_MAX_SMEM
+            assert ("FT_BLOCK_N", 64) in spec.defines and ("FT_STAGES", stages) in spec.defines
+        for other in (build.fwd_kernel(head_dim, "bf16", True, False, arch="sm_90a", seqlen_q=short + 1),
+                      build.fwd_kernel(head_dim, "bf16", True, False, arch="sm_90a", seqlen_q=0),
+                      build.fwd_kernel(head_dim, "bf16", False, False, arch="sm_90a", seqlen_q=512),
+                      build.fwd_kernel(head_dim, "bf16", True, True, arch="sm_90a", seqlen_q=512)):
+            assert other.tiles == default and not other.name.endswith("_128x64")
+        monkeypatch.setattr(build, "FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN", 0)
+        assert build.fwd_kernel(head_dim, "bf16", True, False, arch="sm_90a", seqlen_q=512).tiles == default
+        monkeypatch.undo()
+
+
 def test_fwd_q_buffers_switch(monkeypatch):
     monkeypatch.setenv("FLASHTRAIN_FWD_SM90_Q_BUFFERS", "1")
     assert build.fwd_kernel(128, "bf16", True, False, arch="sm_90a", seqlen_q=512).name == (

@@ -187,10 +187,22 @@ MASK_SM90_HEAD_DIMS = (64, 128)
 # leave little time after the last S GEMM, when one buffer frees). H200, 2026-11-26, CUDA-graph replays interleaved
 # in one process (benchmarks/probes/ab_probe.py), forward q2 / q1: hd128 causal 512 1.034 (1.029 in a second run);
 # 1K-16K 0.986-1.010; hd64 causal 512 0.987, so not there. Bitwise the same result (same tile shape).
+# Head dims 192 / 256 (O from the registers, no room for a second Q buffer), up to FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN
+# query rows: 64-key blocks, three stages at 192. A short causal tile's few key blocks then cover the diagonal with
+# less masked work (a 128-row tile's diagonal is two 64-key blocks against two of 112 / 80 keys). H200, 2026-12-04,
+# interleaved CUDA-graph replays (ab_probe.py, two runs in opposite orders), forward against 128 x 112 x 2 / 128 x 80
+# x 2: hd192 causal 512 1.062-1.076, 768 1.021-1.023, GQA 16/2 512 1.042-1.044, but 1000 0.936-0.940, 1K 0.989, 2K
+# 0.931; hd256 512 1.032-1.037, 768 1.004-1.009, GQA 16/2 512 1.035, 1000 0.982-0.986, 2K 0.984; forward + backward
+# 1.000-1.013 up to 768. (Also measured at hd192: 128 x 64 x 2, 128 x 80, 128 x 96 at 512: 1.048 / 1.018 / 1.013; at
+# hd256 128 x 48 x 3: 0.915-1.003.) FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN = 0 (ab_probe.py
+# flashtrain@build.FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN=0; read at plan time): their default tiles at every length.
 FWD_SM90_TILES_SHORT_CAUSAL = {
     128: FwdSm90Tiles(128, 128, stages=2, q_buffers=2),
+    192: FwdSm90Tiles(128, 64, stages=3, separate_o=False),
+    256: FwdSm90Tiles(128, 64, stages=2, separate_o=False),
 }
 SHORT_CAUSAL_SEQLEN = 1024
+FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN = 768
 # At least LONG_KEYS_SEQLEN keys (dense calls; not varlen, whose maximum says little about its documents), without
 # dropout / block-sparse: 192-key tiles at head dim 128, FlashAttention-3's longer key tile for the non-causal hd128
 # forward, with O stored from the registers (Q 32 KB + 2 x 2 x 48 KB of K / V leave no room for O's own tile). Fewer,
@@ -744,7 +756,8 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
         tiles = FWD_SM90_TILES_NONCAUSAL[head_dim]
     elif plain and causal and seqlen_q >= LONG_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_LONG_CAUSAL:
         tiles = FWD_SM90_TILES_LONG_CAUSAL[head_dim]
-    elif plain and causal and 0 < seqlen_q < SHORT_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_SHORT_CAUSAL:
+    elif (plain and causal and 0 < seqlen_q < SHORT_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_SHORT_CAUSAL
+          and (head_dim <= 128 or seqlen_q <= FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN)):
         tiles = FWD_SM90_TILES_SHORT_CAUSAL[head_dim]
     else:
         tiles = FWD_SM90_TILES[head_dim]

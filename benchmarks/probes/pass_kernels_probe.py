@@ -1,0 +1,98 @@
+"""Probe: the kernels of each pass, their device times and the gaps between them, per implementation: why a forward +
+backward call can take longer than its forward and its backward timed apart. Each (implementation, pass) is captured
+as a CUDA graph (ab_probe.capture), the graphs replayed in turn under torch.profiler (CUPTI); per replay, the kernels in
+launch order with their durations and the idle time from one kernel's end to the next one's start. Medians over the
+replays.
+
+    PYTHONPATH=$PWD python3 benchmarks/probes/pass_kernels_probe.py --impls flashtrain fa4 \
+        --configs 64:16384:causal 128:16384:causal [--replays 10] [--json OUT.json]
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_probe import Config, capture  # noqa: E402
+
+PASSES = ("fwd", "bwd", "fb")
+
+
+def replay_kernels(graphs: dict, replays: int) -> dict:
+    """{key: [[(kernel name, start us, end us), ...] per replay]} of CUDA graphs {key: graph}, replayed in turn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            for key, graph in graphs.items():
+                torch.cuda.synchronize()
+                time.sleep(0.002)  # a gap that separates the replays in the trace
+                graph.replay()
+                torch.cuda.synchronize()
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()]
+    return split_replays(kernels, list(graphs))
+
+
+def split_replays(kernels: list, keys: list, gap_us: float = 1000.0) -> dict:
+    """{key: [replay, ...]} from kernels [(name, start us, end us), ...] of replays run in turn over `keys`, one after
+    another with host sleeps between them: a new replay starts where the GPU was idle for more than gap_us."""
+    groups, current = [], []
+    for item in sorted(kernels, key=lambda x: x[1]):
+        if current and item[1] - current[-1][2] > gap_us:
+            groups.append(current)
+            current = []
+        current.append(item)
+    if current:
+        groups.append(current)
+    out = {key: [] for key in keys}
+    for i, group in enumerate(groups):
+        out[keys[i % len(keys)]].append(group)
+    return out
+
+
+def summarize(replays: list) -> dict:
+    """Medians over replays (lists of (name, start us, end us)): per kernel its duration and the idle time before it
+    (replays with another kernel count are left out of the per-kernel medians), the span and the sum."""
+    names = [k[0] for k in replays[0]]
+    rows = []
+    for j, name in enumerate(names):
+        durs = [g[j][2] - g[j][1] for g in replays if len(g) == len(names)]
+        gaps = [g[j][1] - g[j - 1][2] for g in replays if len(g) == len(names)] if j else [0.0]
+        rows.append({"kernel": name[:90], "us": round(statistics.median(durs), 1),
+                     "gap_before_us": round(statistics.median(gaps), 1)})
+    spans = [g[-1][2] - g[0][1] for g in replays]
+    return {"kernels": rows, "span_us": round(statistics.median(spans), 1),
+            "sum_us": round(sum(r["us"] for r in rows), 1), "replays": len(replays)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impls", nargs="+", default=["flashtrain"])
+    parser.add_argument("--configs", nargs="+", default=["64:16384:causal"])
+    parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for text in args.configs:
+        config = Config.parse(text)
+        graphs = {(impl, kind): capture(impl, config, kind) for impl in args.impls for kind in PASSES}
+        per = replay_kernels(graphs, args.replays)
+        for (impl, kind), replays in per.items():
+            summary = summarize(replays)
+            result[f"{config.label()} {impl} {kind}"] = summary
+            print(f"{config.label()} {impl:<12} {kind:<3} span {summary['span_us']:9.1f} us  sum {summary['sum_us']:9.1f}")
+            for row in summary["kernels"]:
+                print(f"    {row['us']:9.1f} us  (gap {row['gap_before_us']:6.1f})  {row['kernel']}")
+        del graphs
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
