@@ -194,6 +194,22 @@ def test_wide_head_dim_short_causal_tile_groups_match_reference(head_dim, monkey
     ops.clear_plans()
 
 
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_wide_head_dim_short_causal_forward_tiles_match_reference(head_dim):
+    """Causal calls at head dims 192 / 256 up to build.FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN query rows run the forward on
+    64-key tiles (three / two stages): 700 rows (the partial tile first), 16 query heads on 4 key / value heads, batch
+    4 (several tiles per CTA); forward and gradients against the reference."""
+    from flashtrain.kernels import build
+
+    if not _is_hopper():
+        pytest.skip("the 64-key tiles are the Hopper forward's")
+    assert 700 <= build.FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN
+    spec = build.fwd_kernel(head_dim, "bf16", True, False, arch=build.SM90_ARCH, seqlen_q=700)
+    assert (spec.tiles.block_n, spec.tiles.stages) == (64, 3 if head_dim == 192 else 2)
+    q, k, v, dout = _inputs((4, 700, 16, head_dim), (4, 700, 4, head_dim), torch.bfloat16, seed=13)
+    _check_against_reference(q, k, v, dout, causal=True)
+
+
 def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
     """The backward's preprocess and dQ conversion with their CTAs in ascending grid order (flash_aux.cuh
     FT_AUX_REVERSE = 0, an A/B build: kernels compiled with FLASHTRAIN_EXTRA_DEFINES; the default is reversed):
@@ -794,6 +810,11 @@ def _sanitizer_grid() -> None:
     # the causal hd128 forward below 1K query rows (two Q buffers) with several tiles per CTA (256 tiles)
     q, k, v, dout = _inputs((2, 960, 16, 128), (2, 960, 16, 128), torch.bfloat16)
     _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
+    # the causal forward at head dims 192 / 256 up to FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN query rows (64-key tiles),
+    # GQA, several tiles per CTA, the partial tile first
+    for head_dim in (192, 256):
+        q, k, v, dout = _inputs((4, 700, 16, head_dim), (4, 700, 4, head_dim), torch.bfloat16)
+        _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
     # the hd128 forward's long-key tiles (192 keys, O from registers) with a partial last key block
     for causal in (False, True):
         q, k, v, dout = _inputs((1, 333, 4, 128), (1, 8269, 2, 128), torch.bfloat16)
