@@ -2,12 +2,14 @@
 backward call can take longer than its forward and its backward timed apart. Each (implementation, pass) is captured
 as a CUDA graph (ab_probe.capture), the graphs replayed in turn under torch.profiler (CUPTI); per replay, the kernels in
 launch order with their durations and the idle time from one kernel's end to the next one's start. Medians over the
-replays.
+replays. --eager: the calls run eagerly instead (each launch from the host, as a training step without CUDA graphs),
+so that a gap also shows host work between two launches (an allocation, a synchronization, autograd's bookkeeping).
 
     PYTHONPATH=$PWD python3 benchmarks/probes/pass_kernels_probe.py --impls flashtrain fa4 \
-        --configs 64:16384:causal 128:16384:causal [--replays 10] [--json OUT.json]
+        --configs 64:16384:causal 128:16384:causal [--replays 10] [--eager] [--json OUT.json]
 """
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -17,13 +19,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_probe import Config, capture  # noqa: E402
+from ab_probe import Config, attention_call, capture, variant, variant_spec  # noqa: E402
 
 PASSES = ("fwd", "bwd", "fb")
 
 
 def replay_kernels(graphs: dict, replays: int) -> dict:
-    """{key: [[(kernel name, start us, end us), ...] per replay]} of CUDA graphs {key: graph}, replayed in turn."""
+    """{key: [[(kernel name, start us, end us), ...] per replay]} of calls {key: no-argument callable} (a CUDA graph's
+    replay, or an eager call), run in turn."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -31,7 +34,7 @@ def replay_kernels(graphs: dict, replays: int) -> dict:
             for key, graph in graphs.items():
                 torch.cuda.synchronize()
                 time.sleep(0.002)  # a gap that separates the replays in the trace
-                graph.replay()
+                graph()
                 torch.cuda.synchronize()
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()]
@@ -70,21 +73,44 @@ def summarize(replays: list) -> dict:
             "sum_us": round(sum(r["us"] for r in rows), 1), "replays": len(replays)}
 
 
+def eager_call(name: str, config: Config, kind: str):
+    """`name`'s call of `kind` run eagerly (no CUDA graph: each launch from the host, as a training step without
+    graphs), warmed up; its variant's settings active around each call (none for plain names)."""
+    spec = variant_spec(name)
+    call, inputs = attention_call(spec, config, kind)
+    plain = spec.split("+")[0].split("@")[0] == spec
+
+    def run():
+        with contextlib.ExitStack() as stack:
+            if spec.startswith("flashtrain") and not plain:
+                stack.enter_context(variant(spec))
+            if kind == "fwd":
+                stack.enter_context(torch.no_grad())
+            call()
+    for _ in range(3):
+        run()
+    run.inputs = inputs  # (kept alive with the call)
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impls", nargs="+", default=["flashtrain"])
     parser.add_argument("--configs", nargs="+", default=["64:16384:causal"])
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--eager", action="store_true",
+                        help="eager calls instead of CUDA-graph replays: gaps then include the host's launch path")
     args = parser.parse_args()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     for text in args.configs:
         config = Config.parse(text)
-        graphs = {(impl, kind): capture(impl, config, kind) for impl in args.impls for kind in PASSES}
+        graphs = {(impl, kind): eager_call(impl, config, kind) if args.eager else capture(impl, config, kind).replay
+                  for impl in args.impls for kind in PASSES}
         per = replay_kernels(graphs, args.replays)
         for (impl, kind), replays in per.items():
             summary = summarize(replays)
-            result[f"{config.label()} {impl} {kind}"] = summary
+            result[f"{config.label()} {impl} {kind}{' eager' if args.eager else ''}"] = summary
             print(f"{config.label()} {impl:<12} {kind:<3} span {summary['span_us']:9.1f} us  sum {summary['sum_us']:9.1f}")
             for row in summary["kernels"]:
                 print(f"    {row['us']:9.1f} us  (gap {row['gap_before_us']:6.1f})  {row['kernel']}")
