@@ -204,7 +204,7 @@ def test_wide_head_dim_short_causal_forward_tiles_match_reference(head_dim):
     if not _is_hopper():
         pytest.skip("the 64-key tiles are the Hopper forward's")
     assert 700 <= build.FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN
-    spec = build.fwd_kernel(head_dim, "bf16", True, False, arch=build.SM90_ARCH, seqlen_q=700)
+    spec = build.fwd_kernel(head_dim, "bf16", True, False, arch=build.SM90_ARCH, seqlen_q=700, seqlen_k=700)
     assert (spec.tiles.block_n, spec.tiles.stages) == (64, 3 if head_dim == 192 else 2)
     q, k, v, dout = _inputs((4, 700, 16, head_dim), (4, 700, 4, head_dim), torch.bfloat16, seed=13)
     _check_against_reference(q, k, v, dout, causal=True)

@@ -111,9 +111,9 @@ def test_short_causal_forward_tiles():
 
 
 def test_short_causal_forward_tiles_wide_head_dims(monkeypatch):
-    """Causal forward at head dims 192 / 256 up to FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN query rows: 64-key blocks (three
-    stages at 192, two at 256; O from the registers), a kernel of its own name; longer, unknown length, non-causal and
-    dropout keep the default tiles, and the switch at 0 turns the rule off."""
+    """Causal forward at head dims 192 / 256 up to FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN query and key rows: 64-key blocks
+    (three stages at 192, two at 256; O from the registers), a kernel of its own name; longer queries or keys, unknown
+    length, non-causal and dropout keep the default tiles, and the switch at 0 turns the rule off."""
     short = build.FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN
     assert 0 < short < build.SHORT_CAUSAL_SEQLEN
     for head_dim, stages in ((192, 3), (256, 2)):
@@ -126,11 +126,19 @@ def test_short_causal_forward_tiles_wide_head_dims(monkeypatch):
             assert ("FT_BLOCK_N", 64) in spec.defines and ("FT_STAGES", stages) in spec.defines
         for other in (build.fwd_kernel(head_dim, "bf16", True, False, arch="sm_90a", seqlen_q=short + 1),
                       build.fwd_kernel(head_dim, "bf16", True, False, arch="sm_90a", seqlen_q=0),
+                      build.fwd_kernel(head_dim, "bf16", True, False, arch="sm_90a", seqlen_q=512,
+                                       seqlen_k=short + 1),  # (a short query chunk over longer keys)
                       build.fwd_kernel(head_dim, "bf16", False, False, arch="sm_90a", seqlen_q=512),
                       build.fwd_kernel(head_dim, "bf16", True, True, arch="sm_90a", seqlen_q=512)):
             assert other.tiles == default and not other.name.endswith("_128x64")
+        assert build.fwd_kernel(head_dim, "bf16", True, False, arch="sm_90a", seqlen_q=short,
+                                seqlen_k=short).tiles.block_n == 64
         monkeypatch.setattr(build, "FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN", 0)
         assert build.fwd_kernel(head_dim, "bf16", True, False, arch="sm_90a", seqlen_q=512).tiles == default
+        # the threshold is its own, not capped by the hd128 rule's SHORT_CAUSAL_SEQLEN
+        monkeypatch.setattr(build, "FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN", 4 * build.SHORT_CAUSAL_SEQLEN)
+        assert build.fwd_kernel(head_dim, "bf16", True, False, arch="sm_90a",
+                                seqlen_q=2 * build.SHORT_CAUSAL_SEQLEN).tiles.block_n == 64
         monkeypatch.undo()
 
 

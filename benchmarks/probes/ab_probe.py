@@ -48,7 +48,7 @@ from train_gpt2 import time_interleaved  # noqa: E402
 
 MODULES = {"build": build, "ops": ops, "tma": tma}
 TILE_TABLES = (build.FWD_SM90_TILES, build.FWD_SM90_TILES_NONCAUSAL, build.FWD_SM90_TILES_LONG_CAUSAL,
-               build.FWD_SM90_TILES_LONG_KEYS, build.BWD_SM90_TILES)
+               build.FWD_SM90_TILES_SHORT_CAUSAL, build.FWD_SM90_TILES_LONG_KEYS, build.BWD_SM90_TILES)
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
 GRID = [f"{hd}:{s}:{m}" for hd in (64, 128) for s in (512, 1024, 2048, 4096, 8192, 16384) for m in ("full", "causal")]
 

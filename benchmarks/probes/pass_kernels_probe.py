@@ -14,12 +14,13 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_probe import Config, attention_call, capture, variant, variant_spec  # noqa: E402
+from ab_probe import Config, attention_call, capture, variant_spec  # noqa: E402
 
 PASSES = ("fwd", "bwd", "fb")
 
@@ -33,17 +34,19 @@ def replay_kernels(graphs: dict, replays: int) -> dict:
         for _ in range(replays):
             for key, graph in graphs.items():
                 torch.cuda.synchronize()
-                time.sleep(0.002)  # a gap that separates the replays in the trace
+                time.sleep(0.02)  # a gap that separates the replays in the trace (split_replays' 10 ms)
                 graph()
                 torch.cuda.synchronize()
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()]
-    return split_replays(kernels, list(graphs))
+    return split_replays(kernels, list(graphs), expected=replays)
 
 
-def split_replays(kernels: list, keys: list, gap_us: float = 1000.0) -> dict:
+def split_replays(kernels: list, keys: list, gap_us: float = 10_000.0, expected: int | None = None) -> dict:
     """{key: [replay, ...]} from kernels [(name, start us, end us), ...] of replays run in turn over `keys`, one after
-    another with host sleeps between them: a new replay starts where the GPU was idle for more than gap_us."""
+    another with host sleeps between them: a new replay starts where the GPU was idle for more than gap_us. expected:
+    replays per key; a different count of pieces (an idle gap that long inside a call) raises instead of handing the
+    pieces to the wrong keys."""
     groups, current = [], []
     for item in sorted(kernels, key=lambda x: x[1]):
         if current and item[1] - current[-1][2] > gap_us:
@@ -52,6 +55,9 @@ def split_replays(kernels: list, keys: list, gap_us: float = 1000.0) -> dict:
         current.append(item)
     if current:
         groups.append(current)
+    if expected is not None and len(groups) != expected * len(keys):
+        raise RuntimeError(f"{len(groups)} pieces of the trace for {expected} replays of {len(keys)} calls: some call "
+                           f"left the GPU idle for more than {gap_us / 1000:g} ms inside it")
     out = {key: [] for key in keys}
     for i, group in enumerate(groups):
         out[keys[i % len(keys)]].append(group)
@@ -59,33 +65,33 @@ def split_replays(kernels: list, keys: list, gap_us: float = 1000.0) -> dict:
 
 
 def summarize(replays: list) -> dict:
-    """Medians over replays (lists of (name, start us, end us)): per kernel its duration and the idle time before it
-    (replays with another kernel count are left out of the per-kernel medians), the span and the sum."""
-    names = [k[0] for k in replays[0]]
+    """Medians over replays (lists of (name, start us, end us)): per kernel its duration and the idle time before it,
+    over the replays that launched the most common sequence of kernels; the span over all replays, and the sum."""
+    sequences = Counter(tuple(k[0] for k in replay) for replay in replays)
+    names, _ = sequences.most_common(1)[0]
+    same = [replay for replay in replays if tuple(k[0] for k in replay) == names]
     rows = []
     for j, name in enumerate(names):
-        durs = [g[j][2] - g[j][1] for g in replays if len(g) == len(names)]
-        gaps = [g[j][1] - g[j - 1][2] for g in replays if len(g) == len(names)] if j else [0.0]
+        durs = [g[j][2] - g[j][1] for g in same]
+        gaps = [g[j][1] - g[j - 1][2] for g in same] if j else [0.0]
         rows.append({"kernel": name[:90], "us": round(statistics.median(durs), 1),
                      "gap_before_us": round(statistics.median(gaps), 1)})
     spans = [g[-1][2] - g[0][1] for g in replays]
     return {"kernels": rows, "span_us": round(statistics.median(spans), 1),
-            "sum_us": round(sum(r["us"] for r in rows), 1), "replays": len(replays)}
+            "sum_us": round(sum(r["us"] for r in rows), 1), "replays": len(replays), "same_sequence": len(same)}
 
 
 def eager_call(name: str, config: Config, kind: str):
     """`name`'s call of `kind` run eagerly (no CUDA graph: each launch from the host, as a training step without
-    graphs), warmed up; its variant's settings active around each call (none for plain names)."""
+    graphs), warmed up; plain implementation names only."""
     spec = variant_spec(name)
+    if spec.split("+")[0].split("@")[0] != spec:  # (variant() drops the launch plans on entry and exit)
+        raise SystemExit(f"--eager: {name}: plain implementations only (a variant's settings would rebuild its plans "
+                         "at each call, which the gaps would then show)")
     call, inputs = attention_call(spec, config, kind)
-    plain = spec.split("+")[0].split("@")[0] == spec
 
     def run():
-        with contextlib.ExitStack() as stack:
-            if spec.startswith("flashtrain") and not plain:
-                stack.enter_context(variant(spec))
-            if kind == "fwd":
-                stack.enter_context(torch.no_grad())
+        with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
             call()
     for _ in range(3):
         run()

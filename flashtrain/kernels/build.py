@@ -188,13 +188,13 @@ MASK_SM90_HEAD_DIMS = (64, 128)
 # in one process (benchmarks/probes/ab_probe.py), forward q2 / q1: hd128 causal 512 1.034 (1.029 in a second run);
 # 1K-16K 0.986-1.010; hd64 causal 512 0.987, so not there. Bitwise the same result (same tile shape).
 # Head dims 192 / 256 (O from the registers, no room for a second Q buffer), up to FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN
-# query rows: 64-key blocks, three stages at 192. A short causal tile's few key blocks then cover the diagonal with
-# less masked work (a 128-row tile's diagonal is two 64-key blocks against two of 112 / 80 keys). H200, 2026-12-04,
-# interleaved CUDA-graph replays (ab_probe.py, two runs in opposite orders), forward against 128 x 112 x 2 / 128 x 80
-# x 2: hd192 causal 512 1.062-1.076, 768 1.021-1.023, GQA 16/2 512 1.042-1.044, but 1000 0.936-0.940, 1K 0.989, 2K
-# 0.931; hd256 512 1.032-1.037, 768 1.004-1.009, GQA 16/2 512 1.035, 1000 0.982-0.986, 2K 0.984; forward + backward
-# 1.000-1.013 up to 768. (Also measured at hd192: 128 x 64 x 2, 128 x 80, 128 x 96 at 512: 1.048 / 1.018 / 1.013; at
-# hd256 128 x 48 x 3: 0.915-1.003.) FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN = 0 (ab_probe.py
+# query and key rows: 64-key blocks, three stages at 192. A short causal tile's few key blocks then cover the diagonal
+# with less masked work (a 128-row tile's diagonal is two 64-key blocks against two or three of 112 / 80 keys). H200,
+# 2026-12-04, interleaved CUDA-graph replays (ab_probe.py, two runs in opposite orders), forward against 128 x 112 x 2
+# / 128 x 80 x 2: hd192 causal 512 1.062-1.077, 768 1.021-1.023, GQA 16/2 512 1.042-1.044, but 1000 0.936-0.940, 1K
+# 0.989, 2K 0.931; hd256 512 1.032-1.038, 768 1.004-1.009, GQA 16/2 512 1.035, 1000 0.982-0.986, 2K 0.983; forward +
+# backward 0.999-1.013 up to 768. (Also measured at hd192: 128 x 64 x 2, 128 x 80, 128 x 96 at 512: 1.048 / 1.018 /
+# 1.013; at hd256 128 x 48 x 3: 0.915-1.003.) FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN = 0 (ab_probe.py
 # flashtrain@build.FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN=0; read at plan time): their default tiles at every length.
 FWD_SM90_TILES_SHORT_CAUSAL = {
     128: FwdSm90Tiles(128, 128, stages=2, q_buffers=2),
@@ -240,14 +240,14 @@ FWD_SM90_CLUSTER_HEAD_DIMS = (128,)
 def _tile_overrides() -> None:
     """FLASHTRAIN_FWD_SM90_TILES="64=192x128x2,128=128x128x2" (head dim = block_m x block_n x stages, then "o" or
     "q" for O in a tile of its own or from the registers) replaces entries of FWD_SM90_TILES in this process: tile A/B
-    measurements without editing the table."""
+    measurements without editing the table (and the head dim's entries of the tables by mask and length)."""
     for item in filter(None, os.environ.get("FLASHTRAIN_FWD_SM90_TILES", "").split(",")):
         head_dim, shape = item.split("=")
         separate_o = shape.endswith("o") or (not shape.endswith("q") and FWD_SM90_TILES[int(head_dim)].separate_o)
         block_m, block_n, stages = (int(x) for x in shape.rstrip("oq").split("x"))
         tiles = FwdSm90Tiles(block_m, block_n, stages, separate_o=separate_o, split_d=int(head_dim) > 256)
         FWD_SM90_TILES[int(head_dim)] = FWD_SM90_TILES_NONCAUSAL[int(head_dim)] = tiles
-        for table in (FWD_SM90_TILES_LONG_CAUSAL, FWD_SM90_TILES_LONG_KEYS):
+        for table in (FWD_SM90_TILES_LONG_CAUSAL, FWD_SM90_TILES_SHORT_CAUSAL, FWD_SM90_TILES_LONG_KEYS):
             if int(head_dim) in table:
                 table[int(head_dim)] = tiles
 
@@ -756,8 +756,13 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
         tiles = FWD_SM90_TILES_NONCAUSAL[head_dim]
     elif plain and causal and seqlen_q >= LONG_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_LONG_CAUSAL:
         tiles = FWD_SM90_TILES_LONG_CAUSAL[head_dim]
-    elif (plain and causal and 0 < seqlen_q < SHORT_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_SHORT_CAUSAL
-          and (head_dim <= 128 or seqlen_q <= FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN)):
+    elif plain and causal and 0 < seqlen_q < SHORT_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_SHORT_CAUSAL \
+            and head_dim <= 128:
+        tiles = FWD_SM90_TILES_SHORT_CAUSAL[head_dim]
+    elif (plain and causal and 0 < seqlen_q <= FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN and head_dim > 128
+          and seqlen_k <= FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_SHORT_CAUSAL):
+        # (a short query chunk over many keys walks long key rows, where the 64-key tiles lose: seqlen_k limited too;
+        # 0, varlen or unknown, passes)
         tiles = FWD_SM90_TILES_SHORT_CAUSAL[head_dim]
     else:
         tiles = FWD_SM90_TILES[head_dim]
