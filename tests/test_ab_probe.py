@@ -11,12 +11,8 @@ PROBES = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "probes"
 
 
 @pytest.fixture
-def ab_probe(monkeypatch):
-    monkeypatch.syspath_prepend(str(PROBES.parent))
-    monkeypatch.syspath_prepend(str(PROBES))
-    import ab_probe
-
-    return ab_probe
+def ab_probe(import_probe):
+    return import_probe("ab_probe")
 
 
 def test_sustained_rounds_alternate_and_average(ab_probe, monkeypatch):

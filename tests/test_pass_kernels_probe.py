@@ -1,20 +1,12 @@
 """benchmarks/probes/pass_kernels_probe.py's CPU side: a profiler trace of replays run in turn split back into the
 replays of each (implementation, pass), and the per-kernel medians, idle gaps and spans of one of them."""
 
-import pathlib
-
 import pytest
-
-PROBES = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "probes"
 
 
 @pytest.fixture
-def probe(monkeypatch):
-    monkeypatch.syspath_prepend(str(PROBES.parent))
-    monkeypatch.syspath_prepend(str(PROBES))
-    import pass_kernels_probe
-
-    return pass_kernels_probe
+def probe(import_probe):
+    return import_probe("pass_kernels_probe")
 
 
 def trace(replays: int) -> list:

@@ -745,6 +745,15 @@ def long_keys_seqlen(causal: bool) -> int:
     return LONG_KEYS_CAUSAL_SEQLEN if causal else LONG_KEYS_SEQLEN
 
 
+def _short_causal(head_dim: int, seqlen_q: int, seqlen_k: int) -> bool:
+    """Whether a causal call takes FWD_SM90_TILES_SHORT_CAUSAL: head dim 128 below SHORT_CAUSAL_SEQLEN query rows;
+    above 128 up to FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN query and key rows (a short query chunk over many keys walks
+    long key rows, where the 64-key tiles lose; seqlen_k 0, varlen or unknown, passes)."""
+    if head_dim <= 128:
+        return 0 < seqlen_q < SHORT_CAUSAL_SEQLEN
+    return 0 < seqlen_q <= FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN and seqlen_k <= FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN
+
+
 def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, seqlen_q: int = 0,
                    seqlen_k: int = 0, head_dim_eff: int | None = None) -> FwdSm90Tiles:
     """The Hopper forward's tiles for a call (seqlen_q / seqlen_k: 0 unknown or varlen; head_dim_eff: a narrowed
@@ -756,13 +765,7 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
         tiles = FWD_SM90_TILES_NONCAUSAL[head_dim]
     elif plain and causal and seqlen_q >= LONG_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_LONG_CAUSAL:
         tiles = FWD_SM90_TILES_LONG_CAUSAL[head_dim]
-    elif plain and causal and 0 < seqlen_q < SHORT_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_SHORT_CAUSAL \
-            and head_dim <= 128:
-        tiles = FWD_SM90_TILES_SHORT_CAUSAL[head_dim]
-    elif (plain and causal and 0 < seqlen_q <= FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN and head_dim > 128
-          and seqlen_k <= FWD_SM90_WIDE_SHORT_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_SHORT_CAUSAL):
-        # (a short query chunk over many keys walks long key rows, where the 64-key tiles lose: seqlen_k limited too;
-        # 0, varlen or unknown, passes)
+    elif plain and causal and head_dim in FWD_SM90_TILES_SHORT_CAUSAL and _short_causal(head_dim, seqlen_q, seqlen_k):
         tiles = FWD_SM90_TILES_SHORT_CAUSAL[head_dim]
     else:
         tiles = FWD_SM90_TILES[head_dim]
