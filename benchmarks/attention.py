@@ -927,7 +927,12 @@ def main() -> None:
                              "measured; complete ones are reported as they are (--all across two time-limited calls)")
     mode.add_argument("--sustained-only", action="store_true", help="the sustained hd128 rows only (S 4K, 8K, 16K)")
     mode.add_argument("--selftest", action="store_true", help="tables and plots on synthetic numbers, CPU only")
+    parser.add_argument("--require-fa4", action="store_true",
+                        help="stop at once, naming the import error, where flash-attn-4 cannot be imported (a run "
+                             "meant to compare with FA4 then measures nothing instead of leaving its columns empty)")
     args = parser.parse_args()
+    if args.require_fa4 and not args.selftest:
+        fa4_baseline.require()
     if args.sustained is None:
         args.sustained = 5.0 if args.all or args.sustained_only else 0.0
     if args.sustained < 0 or args.sustained_rounds < 1 or args.rounds < 1:

@@ -315,7 +315,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (the PNG beside it)")
     parser.add_argument("--only", default=None, help="only the rows whose name contains this text")
     parser.add_argument("--plot", type=Path, default=None, help="only redraw the PNG of this JSON (no GPU)")
+    parser.add_argument("--require-fa4", action="store_true",
+                        help="stop at once, naming the import error, where flash-attn-4 cannot be imported")
     args = parser.parse_args()
+    if args.require_fa4 and args.plot is None:
+        fa4_baseline.require()
     if args.plot:
         data = json.loads(args.plot.read_text())
         plot(data["rows"], args.plot.with_suffix(".png"), f"{data['env']['gpu']}, torch {data['env']['torch']}, "

@@ -36,6 +36,30 @@ def version() -> str:
         return NOT_INSTALLED
 
 
+def import_error() -> str | None:
+    """Why FA4's kernels cannot be imported ("ModuleNotFoundError: ..."), or None when they can."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as error:  # noqa: BLE001 -- any failure to import is the reason
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+REQUIRE_HINT = ("on the GPU machine FA4's install script (../shared/device/fa4.sh's third piece) prints a PYTHONPATH "
+                "export for its site directory: evaluate it after any PYTHONPATH of your own, or extend PYTHONPATH "
+                "(PYTHONPATH=$PWD:$PYTHONPATH) instead of setting it")
+
+
+def require(option: str = "--require-fa4") -> str:
+    """FA4's version, or SystemExit naming `option` and the import error: for runs that exist to compare with FA4
+    (attention.py / attention_features.py --require-fa4, an explicit fa4 implementation in the probes), which should
+    stop before measuring anything rather than fill a record with empty FA4 cells."""
+    error = import_error()
+    if error is not None:
+        raise SystemExit(f"{option}: flash-attn-4 cannot be imported ({error}); {REQUIRE_HINT}")
+    return version()
+
+
 def _module():
     """flash_attn.cute, or None when it cannot be imported."""
     try:

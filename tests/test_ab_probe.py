@@ -153,3 +153,12 @@ def test_ncu_probe_profiles_each_variant_inside_it(ab_probe, monkeypatch):
                                       "cudnn", "--config", "128:16384:full"])
     ncu_probe.main()
     assert seen == ([("flashtrain", 1)] * 4 + [("flashtrain@build.FWD_SM90_CLUSTER=0", 0)] * 4 + [("cudnn", 1)] * 4)
+
+
+def test_explicit_fa4_stops_where_it_cannot_be_imported(ab_probe, monkeypatch):
+    """--impls fa4 names FA4: where it cannot be imported the probe stops before allocating anything."""
+    import fa4_baseline
+
+    monkeypatch.setattr(fa4_baseline, "import_error", lambda: "ModuleNotFoundError: No module named 'flash_attn'")
+    with pytest.raises(SystemExit, match=r"--impls fa4: flash-attn-4 cannot be imported"):
+        ab_probe.attention_call("fa4", ab_probe.Config.parse("64:512:causal"), "fwd")

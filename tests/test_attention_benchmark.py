@@ -381,3 +381,32 @@ def test_resume_continues_a_cut_all_run(attention, tmp_path, monkeypatch):
     record = json.loads(workloads.read_text())
     assert record["complete"] and record["rows"] == rows and len(record["env"]["resumed"]) == 1
     assert record["features"] == [{"name": "window 1024 at 16K", "vs_fa4_fwd": 1.02, "repeats": 30}]
+
+
+
+@pytest.mark.parametrize("script,argv", [("attention", ["--all", "--require-fa4"]),
+                                         ("attention_features", ["--require-fa4"])])
+def test_require_fa4_stops_before_measuring(script, argv, monkeypatch):
+    """--require-fa4 where flash-attn-4 cannot be imported: SystemExit naming the option, the import error and how to
+    keep FA4's PYTHONPATH, before the benchmark touches the GPU (torch.cuda is never asked for the device name)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import importlib
+
+    import fa4_baseline
+    module = importlib.import_module(script)
+    monkeypatch.setattr(fa4_baseline, "import_error", lambda: "ModuleNotFoundError: No module named 'flash_attn'")
+    monkeypatch.setattr(module.torch.cuda, "get_device_name",
+                        lambda *_: pytest.fail("measured without FA4 although --require-fa4 was given"))
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit, match=r"--require-fa4: flash-attn-4 cannot be imported "
+                                         r"\(ModuleNotFoundError: No module named 'flash_attn'\).*PYTHONPATH"):
+        module.main()
+
+
+def test_require_fa4_returns_the_version_where_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import fa4_baseline
+
+    monkeypatch.setattr(fa4_baseline, "import_error", lambda: None)
+    monkeypatch.setattr(fa4_baseline, "version", lambda: "4.0.0b36")
+    assert fa4_baseline.require() == "4.0.0b36"

@@ -201,6 +201,8 @@ def attention_call(name: str, config: Config, kind: str):
     if not flash_layout and name not in BACKENDS:
         raise SystemExit(f"--impls: unknown implementation {name!r} (flashtrain[+/@variant], fa4, "
                          f"{', '.join(BACKENDS)})")
+    if name == "fa4":  # named explicitly: measure it or stop (fa4_baseline.require)
+        fa4_baseline.require("--impls fa4")
 
     def tensor(heads):
         shape = (c.batch, c.seqlen, heads, c.head_dim) if flash_layout else (c.batch, heads, c.seqlen, c.head_dim)
