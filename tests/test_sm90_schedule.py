@@ -5,6 +5,7 @@ FT_FWD_ARRIVE_PRED: none of the 66 exponentials of an hd128 block before it; H20
 with them beside it). benchmarks/probes/sm90_spills.py prints the same windows for any forward kernel."""
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,73 @@ def test_hd128_backward_starts_its_accumulators_at_the_statistics(tmp_path):
         assert not any(op.split(".")[0] in ("FADD", "FFMA") for op in loop), spec.name
 
 
+NVDISASM_LOOP = """
+        /*0100*/                   MOV R1, c[0x0][0x28] ;
+.L_x_7:
+        /*0110*/                   ISETP.GE.AND P0, PT, R2, R3, PT ;
+        /*0120*/              @P0 BRA `(.L_x_8) ;
+        /*0130*/                   HGMMA.64x80x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;
+        /*0140*/                   UIADD3.64 UR10, UR8, 0x2, URZ ;
+        /*0150*/                   HGMMA.64x80x16.F32.BF16 R24, gdesc[UR10], R24 ;
+        /*0160*/                   BRA `(.L_x_9) ;
+.L_x_8:
+        /*0170*/                   HGMMA.64x80x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;
+        /*0180*/                   FSEL R24, R24, -INF , !P1 ;
+        /*0190*/                   HGMMA.64x80x16.F32.BF16 R24, gdesc[UR10], R24 ;
+        /*01a0*/                   HGMMA.64x80x16.F32.BF16 R24, gdesc[UR12], R24 ;
+.L_x_9:
+        /*01b0*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*01c0*/              @P2 BRA `(.L_x_7) ;
+        /*01d0*/                   EXIT ;
+"""
+
+
+def test_unmasked_step_is_the_loop_piece_without_mask_selects():
+    """sm90_spills.py's unmasked step: in the innermost loop issuing HGMMAs, the piece between unconditional branches
+    with the most HGMMAs and no FSEL (the masked copy has more HGMMAs here, but selects masked scores)."""
+    probe = _probe()
+    code, addresses, labels = probe.sass_listing(NVDISASM_LOOP)
+    assert labels == {".L_x_7": 0x110, ".L_x_8": 0x170, ".L_x_9": 0x1b0} and len(code) == 14
+    assert probe.loops(code, addresses, labels) == [(1, 12)]
+    step = probe.unmasked_step(code, addresses, labels)
+    assert step == code[1:7]  # loop head to the unconditional branch: 2 HGMMAs, no FSEL
+    # cuobjdump -sass names branch targets by address, without labels: the same loop and step
+    cuobjdump = re.sub(r"^\.L_x_\d+:\n", "", NVDISASM_LOOP, flags=re.M)
+    for name, address in labels.items():
+        cuobjdump = cuobjdump.replace(f"`({name})", f"0x{address:x}")
+    code2, addresses2, labels2 = probe.sass_listing(cuobjdump)
+    assert labels2 == {} and probe.loops(code2, addresses2, labels2) == [(1, 12)]
+    assert [unpredicated_op(x) for x in probe.unmasked_step(code2, addresses2, labels2)] == \
+        [unpredicated_op(x) for x in step]
+    # without a loop (straight-line code) there is no step
+    assert probe.unmasked_step(code[:8], addresses[:8], {}) is None
+
+
+def unpredicated_op(ins: str) -> str:
+    return ins.split("`")[0].split(" 0x")[0].strip()
+
+
+@pytest.mark.slow
+def test_causal_backward_step_against_the_non_causal_one(tmp_path):
+    """The hd128 80-query backward's unmasked step as ptxas compiles it: the non-causal kernel's with one UIADD3.64 per
+    descriptor move; the causal kernel's, in one loop with its masked and hidden copies, longer (ptxas 13.0: 431
+    against 499 instructions, 0 against 21 UIADD3.X; kernel_ab-h200.json sass_causal_bwd_unmasked_step)."""
+    probe = _probe()
+    tool = probe.disassembler()
+    if build.nvcc_path() is None or tool is None:
+        pytest.skip("needs nvcc and nvdisasm or cuobjdump (pip install -e '.[dev]' brings nvidia-cuda-nvdisasm)")
+    steps = {}
+    for causal in (False, True):
+        spec = build.bwd_sm90_kernel(128, "bf16", causal, seqlen_q=16384)
+        cubin = tmp_path / f"{spec.name}.cubin"
+        build._compile_nvcc(spec, build.SM90_ARCH, cubin)
+        steps[causal] = probe.unmasked_step(*probe.sass_listing(probe.disassemble(tool, cubin)))
+    for step in steps.values():
+        assert sum("HGMMA" in x for x in step) == 34  # S^T, dP^T 8 + 8; dV, dK 5 + 5; dQ^T 8
+    assert not any(probe.unpredicated(x).startswith("UIADD3.X") for x in steps[False])
+    assert 400 <= len(steps[False]) < len(steps[True]) <= 560
+
+
 def test_kernel_items_pick_the_kernel_a_call_of_that_length_runs():
     """sm90_spills.py's kind:head_dim[:flags][:sN]: with sN the forward kernel build dispatches for N query and key
     tokens (its tiles by length), without it the default tiles."""
@@ -134,8 +202,13 @@ def test_kernel_items_pick_the_kernel_a_call_of_that_length_runs():
         64, "bf16", True, False, arch=build.SM90_ARCH, seqlen_q=4096, seqlen_k=4096).name
     with pytest.raises(SystemExit, match="kind:head_dim"):
         probe.kernel_spec("fwd:128:sx")
-    with pytest.raises(SystemExit, match="sN: fwd only"):
-        probe.kernel_spec("bwd:128:s16384")
+    # backward: the kernel a call of N query tokens runs (hd128 causal: 80-query blocks from 16K, 64 below)
+    assert probe.kernel_spec("bwd:128:causal:s16384").name == build.bwd_sm90_kernel(
+        128, "bf16", True, seqlen_q=16384).name
+    assert probe.kernel_spec("bwd:128:causal:s16384").tiles.block_m == 80
+    assert probe.kernel_spec("bwd:128:causal:s4096").tiles.block_m == 64
+    with pytest.raises(SystemExit, match="sN: not with mods / window"):
+        probe.kernel_spec("bwd:128:causal:window:s4096")
     # window: the backward a causal sliding window of 1024 keys runs (the window-only variant)
     assert probe.kernel_spec("bwd:128:causal:window").name == build.bwd_sm90_mods_kernel(
         128, "bf16", True, window_left=1024, window_only=True).name

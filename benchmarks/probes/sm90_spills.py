@@ -8,12 +8,15 @@ those outside are the producer warpgroup's roles (24-40 registers) and set-up / 
 
 A kernel is kind:head_dim[:causal][:dropout][:det][:mods|:window][:sN] (kind fwd or bwd; det: the deterministic
 backward; mods: the score-modification variant; window: the backward's window-only variant, as a sliding window of
-1024 keys runs it; sN, forward: the kernel a call of N query and key tokens runs, its tiles by length;
+1024 keys runs it; sN: the kernel a call of N query and key tokens runs, its tiles by length;
 head dims 80 / 96: the hd128 kernels narrowed to that many columns, which head dims 65-96 run). --defines adds
 macros to every compilation (as FLASHTRAIN_EXTRA_DEFINES does). Needs nvcc and cuobjdump (CUOBJDUMP=path, or on
 PATH; pip's nvidia-cuda-cuobjdump wheel carries one). The Hopper backward's speed moved with its spills' placement by
 up to 10% either way in 2026-11-25's measurements: compare a change's table with the default's
 before spending device time on it.
+
+Backward kernels also get their unmasked step (unmasked_step): the SASS of one query-block step that needs no mask,
+as compiled, with its HGMMAs and add-with-carry descriptor moves (UIADD3.X).
 
 Forward kernels also get their P V wait windows: for each wait on a key block's S GEMM that leaves the previous block's
 P V GEMM running (WARPGROUP.DEPBAR.LE gsb0, 0x1), the exponentials (MUFU.EX2) and instructions before the P V wait
@@ -43,9 +46,9 @@ def kernel_spec(item: str) -> build.KernelSpec:
     seqlen = seqlens[-1] if seqlens else 0
     unknown = set(flags) - {"causal", "dropout", "det", "mods", "window"}
     if (kind not in ("fwd", "bwd") or unknown or (kind == "fwd" and {"det", "window"} & set(flags))
-            or (kind == "bwd" and seqlen)):
+            or (seqlen and {"mods", "window"} & set(flags))):
         raise SystemExit(f"--kernels: {item!r} is not kind:head_dim[:causal][:dropout][:det][:mods|:window][:sN] "
-                         "(det, window: bwd only; sN: fwd only)")
+                         "(det, window: bwd only; sN: not with mods / window)")
     causal, dropout = "causal" in flags, "dropout" in flags
     if "window" in flags:  # the window-only backward a causal sliding window of 1024 keys runs
         return build.bwd_sm90_mods_kernel(int(head_dim), "bf16", causal, window_left=1024, window_only=True)
@@ -64,7 +67,7 @@ def kernel_spec(item: str) -> build.KernelSpec:
                                     seqlen_k=seqlen, effective_head_dim=narrow)
         return build.fwd_sm90_kernel(head_dim, "bf16", causal, dropout=dropout, head_dim_eff=narrow)
     return build.bwd_sm90_kernel(head_dim, "bf16", causal, dropout=dropout, deterministic="det" in flags,
-                                 head_dim_eff=narrow)
+                                 head_dim_eff=narrow, seqlen_q=seqlen or None)
 
 
 def disassembler() -> str | None:
@@ -82,11 +85,67 @@ def disassembler() -> str | None:
     return str(tool.locate()) if tool is not None else None
 
 
+def disassemble(tool: str, cubin: Path) -> str:
+    """The SASS text of `cubin` (tool: cuobjdump or nvdisasm)."""
+    command = [tool, "-c", str(cubin)] if Path(tool).name.startswith("nvdisasm") else [tool, "-sass", str(cubin)]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
 def sass_instructions(tool: str, cubin: Path) -> list[str]:
     """The SASS instructions of every kernel in `cubin`, in order (tool: cuobjdump or nvdisasm)."""
-    command = [tool, "-c", str(cubin)] if Path(tool).name.startswith("nvdisasm") else [tool, "-sass", str(cubin)]
-    text = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", text)]
+    return sass_listing(disassemble(tool, cubin))[0]
+
+
+def sass_listing(text: str) -> tuple[list[str], list[int], dict[str, int]]:
+    """(instructions, their addresses, label -> address) of a disassembly: nvdisasm -c (labels `.L_x_N:` before the
+    instruction they name) or cuobjdump -sass (branches to hex addresses)."""
+    code, addresses, labels, pending = [], [], {}, []
+    for line in text.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        found = re.search(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", line)
+        if found:
+            address = int(found.group(1), 16)
+            labels.update((name, address) for name in pending)
+            pending = []
+            code.append(found.group(2).strip())
+            addresses.append(address)
+    return code, addresses, labels
+
+
+def loops(code: list[str], addresses: list[int], labels: dict[str, int]) -> list[tuple[int, int]]:
+    """(first, last) instruction index of each loop: a branch back to an address at or before its own."""
+    index = {address: i for i, address in enumerate(addresses)}
+    spans = []
+    for i, ins in enumerate(code):
+        target = re.search(r"\bBRA\b.*?(?:`?\((\.L_x_\d+)\)|\b(0x[0-9a-f]+)\b)", ins)
+        if target:
+            address = labels.get(target.group(1)) if target.group(1) else int(target.group(2), 16)
+            if address is not None and address <= addresses[i] and address in index:
+                spans.append((index[address], i))
+    return spans
+
+
+def unmasked_step(code: list[str], addresses: list[int], labels: dict[str, int]) -> list[str] | None:
+    """The backward's unmasked query-block step as compiled: in the innermost loops that issue warpgroup MMAs, the
+    pieces between unconditional branches that select no masked score (no FSEL); the one with the most HGMMAs (the
+    shortest of those). A causal kernel keeps its masked, hidden and unmasked steps in one loop (the mask test
+    varies per block); a non-causal one's test is the tile's, and its unmasked step is a piece of its own too."""
+    spans = [(a, b) for a, b in loops(code, addresses, labels) if any("HGMMA" in x for x in code[a:b + 1])]
+    innermost = [(a, b) for a, b in spans if not any((c, d) != (a, b) and a <= c and d <= b for c, d in spans)]
+    best = None
+    for a, b in innermost:
+        start = a
+        for i in range(a, b + 1):
+            if re.match(r"BRA\b", code[i]) or i == b:  # (unpredicated: the piece ends here)
+                piece, start = code[start:i + 1], i + 1
+                mmas = sum("HGMMA" in x for x in piece)
+                if mmas and not any(unpredicated(x).startswith("FSEL") for x in piece):
+                    key = (-mmas, len(piece))
+                    best = min(best, (key, piece)) if best else (key, piece)
+    return best[1] if best else None
 
 
 def between_hgmma(code: list[str], max_gap: int = 12) -> int:
@@ -131,11 +190,15 @@ def report(item: str, tool: str, workdir: Path) -> str:
     spec = kernel_spec(item)
     cubin = workdir / f"{spec.name}.cubin"
     resources = build._compile_nvcc(spec, build.SM90_ARCH, cubin, ptxas_verbose=True)
-    code = sass_instructions(tool, cubin)
+    code, addresses, labels = sass_listing(disassemble(tool, cubin))
     spills = [ins for ins in code if re.search(r"\b(LDL|STL)\b", ins)]
     in_loop = [ins for ins in loop_instructions(code) if re.search(r"\b(LDL|STL)\b", ins)]
     windows = (", P V wait after " + " / ".join(f"{e} exp2 ({n} instr)" for e, n in pv_wait_windows(code))
                if item.startswith("fwd") else "")
+    if item.startswith("bwd"):
+        step = unmasked_step(code, addresses, labels)
+        windows = (f", unmasked step {len(step)} instr ({sum('HGMMA' in x for x in step)} HGMMA, "
+                   f"{sum(unpredicated(x).startswith('UIADD3.X') for x in step)} UIADD3.X)" if step else "")
     return f"{item:<24} {spec.name:<48} {len(code):>6} instr  {resources}  spill instr {len(spills)} ({len(in_loop)} " \
            f"between the first and last HGMMA){windows}"
 
