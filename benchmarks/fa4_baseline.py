@@ -60,6 +60,13 @@ def require(option: str = "--require-fa4") -> str:
     return version()
 
 
+def require_if_named(impls, option: str = "--impls") -> None:
+    """require() where the implementations a probe was given name FA4 (fa4, or fa4#tag): before it builds or measures
+    any of them."""
+    if any(name.split("#")[0] == "fa4" for name in impls):
+        require(f"{option} fa4")
+
+
 def _module():
     """flash_attn.cute, or None when it cannot be imported."""
     try:

@@ -162,3 +162,17 @@ def test_explicit_fa4_stops_where_it_cannot_be_imported(ab_probe, monkeypatch):
     monkeypatch.setattr(fa4_baseline, "import_error", lambda: "ModuleNotFoundError: No module named 'flash_attn'")
     with pytest.raises(SystemExit, match=r"--impls fa4: flash-attn-4 cannot be imported"):
         ab_probe.attention_call("fa4", ab_probe.Config.parse("64:512:causal"), "fwd")
+
+
+@pytest.mark.parametrize("probe", ["ab_probe", "ncu_probe", "pass_kernels_probe", "clock_probe"])
+def test_probes_check_fa4_before_building_anything(probe, import_probe, monkeypatch):
+    """A probe given fa4 (or fa4#tag) among its implementations stops before it builds or measures any of them."""
+    module = import_probe(probe)
+    import fa4_baseline
+
+    monkeypatch.setattr(fa4_baseline, "import_error", lambda: "ModuleNotFoundError: No module named 'flash_attn'")
+    monkeypatch.setattr(module.torch.cuda, "synchronize", lambda *_: pytest.fail("ran before the FA4 check"))
+    monkeypatch.setattr(module.torch, "randn", lambda *a, **k: pytest.fail("allocated before the FA4 check"))
+    monkeypatch.setattr(sys, "argv", [f"{probe}.py", "--impls", "flashtrain", "fa4#2"])
+    with pytest.raises(SystemExit, match=r"--impls fa4: flash-attn-4 cannot be imported"):
+        module.main()

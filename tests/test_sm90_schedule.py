@@ -142,6 +142,10 @@ NVDISASM_LOOP = """
         /*01b0*/                   IADD3 R2, R2, 0x1, RZ ;
         /*01c0*/              @P2 BRA `(.L_x_7) ;
         /*01d0*/                   EXIT ;
+.L_x_10:
+        /*01e0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R9 ;
+        /*01f0*/              @!P0 BRA `(.L_x_10) ;
+        /*0200*/                   BRA `(.L_x_8) ;
 """
 
 
@@ -150,8 +154,9 @@ def test_unmasked_step_is_the_loop_piece_without_mask_selects():
     with the most HGMMAs and no FSEL (the masked copy has more HGMMAs here, but selects masked scores)."""
     probe = _probe()
     code, addresses, labels = probe.sass_listing(NVDISASM_LOOP)
-    assert labels == {".L_x_7": 0x110, ".L_x_8": 0x170, ".L_x_9": 0x1b0} and len(code) == 14
-    assert probe.loops(code, addresses, labels) == [(1, 12)]
+    assert labels == {".L_x_7": 0x110, ".L_x_8": 0x170, ".L_x_9": 0x1b0, ".L_x_10": 0x1e0} and len(code) == 17
+    # the loop, and the retry block's wait loop; not the retry block's branch back into the loop (EXIT between)
+    assert probe.loops(code, addresses, labels) == [(1, 12), (14, 15)]
     step = probe.unmasked_step(code, addresses, labels)
     assert step == code[1:7]  # loop head to the unconditional branch: 2 HGMMAs, no FSEL
     # cuobjdump -sass names branch targets by address, without labels: the same loop and step
@@ -159,7 +164,7 @@ def test_unmasked_step_is_the_loop_piece_without_mask_selects():
     for name, address in labels.items():
         cuobjdump = cuobjdump.replace(f"`({name})", f"0x{address:x}")
     code2, addresses2, labels2 = probe.sass_listing(cuobjdump)
-    assert labels2 == {} and probe.loops(code2, addresses2, labels2) == [(1, 12)]
+    assert labels2 == {} and probe.loops(code2, addresses2, labels2) == [(1, 12), (14, 15)]
     assert [unpredicated_op(x) for x in probe.unmasked_step(code2, addresses2, labels2)] == \
         [unpredicated_op(x) for x in step]
     # without a loop (straight-line code) there is no step
@@ -173,7 +178,7 @@ def unpredicated_op(ins: str) -> str:
 @pytest.mark.slow
 def test_causal_backward_step_against_the_non_causal_one(tmp_path):
     """The hd128 80-query backward's unmasked step as ptxas compiles it: the non-causal kernel's with one UIADD3.64 per
-    descriptor move; the causal kernel's, in one loop with its masked and hidden copies, longer (ptxas 13.0: 431
+    descriptor move; the causal kernel's, in one loop with its masked and hidden copies, longer (ptxas 13.0: 450
     against 499 instructions, 0 against 21 UIADD3.X; kernel_ab-h200.json sass_causal_bwd_unmasked_step)."""
     probe = _probe()
     tool = probe.disassembler()
@@ -188,7 +193,9 @@ def test_causal_backward_step_against_the_non_causal_one(tmp_path):
     for step in steps.values():
         assert sum("HGMMA" in x for x in step) == 34  # S^T, dP^T 8 + 8; dV, dK 5 + 5; dQ^T 8
     assert not any(probe.unpredicated(x).startswith("UIADD3.X") for x in steps[False])
-    assert 400 <= len(steps[False]) < len(steps[True]) <= 560
+    if "cuda_13.0" in (build.nvcc_version() or ""):  # (another ptxas schedules otherwise)
+        assert (len(steps[False]), len(steps[True])) == (450, 499)
+    assert len(steps[False]) < len(steps[True])
 
 
 def test_kernel_items_pick_the_kernel_a_call_of_that_length_runs():

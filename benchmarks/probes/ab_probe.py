@@ -301,6 +301,7 @@ def main() -> None:
     parser.add_argument("--clocks", action="store_true",
                         help="with --sustained: also each implementation's SM clock and board power (nvidia-smi)")
     args = parser.parse_args()
+    fa4_baseline.require_if_named(args.impls)
     if args.sustained < 0 or args.rounds < 1:
         parser.error(f"--sustained must be >= 0 and --rounds >= 1 (got {args.sustained}, {args.rounds})")
     if args.clocks and args.sustained <= 0:

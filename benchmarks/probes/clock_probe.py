@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--impls", nargs="+", default=["flashtrain", "cudnn"])
     args = parser.parse_args()
+    fa4_baseline.require_if_named(args.impls)
     nheads, batch = 2048 // args.head_dim, max(1, 16384 // args.seqlen)
     shape = (batch, args.seqlen, nheads, args.head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward) for _ in range(3))

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_probe import Config, attention_call, variant, variant_spec  # noqa: E402
+import fa4_baseline  # noqa: E402 -- (benchmarks/ is on sys.path once ab_probe is imported)
 
 
 def main() -> None:
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--config", default="128:16384:full")
     parser.add_argument("--pass", dest="kind", choices=("fwd", "fb"), default="fwd")
     args = parser.parse_args()
+    fa4_baseline.require_if_named(args.impls)
     config = Config.parse(args.config)
     for name in args.impls:
         spec = variant_spec(name)

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_probe import Config, attention_call, capture, variant_spec  # noqa: E402
+import fa4_baseline  # noqa: E402 -- (benchmarks/ is on sys.path once ab_probe is imported)
 
 PASSES = ("fwd", "bwd", "fb")
 
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true",
                         help="eager calls instead of CUDA-graph replays: gaps then include the host's launch path")
     args = parser.parse_args()
+    fa4_baseline.require_if_named(args.impls)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     for text in args.configs:
         config = Config.parse(text)

@@ -116,7 +116,9 @@ def sass_listing(text: str) -> tuple[list[str], list[int], dict[str, int]]:
 
 
 def loops(code: list[str], addresses: list[int], labels: dict[str, int]) -> list[tuple[int, int]]:
-    """(first, last) instruction index of each loop: a branch back to an address at or before its own."""
+    """(first, last) instruction index of each loop: a branch back to an address at or before its own, with no EXIT
+    in between (ptxas places a wait's retry block after the kernel's EXIT: its branch back into the main code is not a
+    loop). One kernel per listing (addresses restart per function)."""
     index = {address: i for i, address in enumerate(addresses)}
     spans = []
     for i, ins in enumerate(code):
@@ -124,7 +126,9 @@ def loops(code: list[str], addresses: list[int], labels: dict[str, int]) -> list
         if target:
             address = labels.get(target.group(1)) if target.group(1) else int(target.group(2), 16)
             if address is not None and address <= addresses[i] and address in index:
-                spans.append((index[address], i))
+                first = index[address]
+                if not any(unpredicated(x).startswith("EXIT") for x in code[first:i + 1]):
+                    spans.append((first, i))
     return spans
 
 
@@ -139,7 +143,7 @@ def unmasked_step(code: list[str], addresses: list[int], labels: dict[str, int])
     for a, b in innermost:
         start = a
         for i in range(a, b + 1):
-            if re.match(r"BRA\b", code[i]) or i == b:  # (unpredicated: the piece ends here)
+            if re.match(r"BRA\s", code[i]) or i == b:  # (unpredicated, not BRA.DIV: the piece ends here)
                 piece, start = code[start:i + 1], i + 1
                 mmas = sum("HGMMA" in x for x in piece)
                 if mmas and not any(unpredicated(x).startswith("FSEL") for x in piece):

@@ -2197,9 +2197,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
 #pragma unroll
                             for (int cb = 0; cb < kHeadDim / 64; ++cb) {
                                 tma_prefetch_l2_4d(&params.tma_q, cb * 64, x.q_start + ahead.m0, ahead.head, batch_coord);
-                                if constexpr (!T::kSkStageDq)
-                                    tma_prefetch_l2_4d(&params.tma_do, cb * 64, x.q_start + ahead.m0, ahead.head,
-                                                       batch_coord);
+                                tma_prefetch_l2_4d(&params.tma_do, cb * 64, x.q_start + ahead.m0, ahead.head,
+                                                   batch_coord);
                             }
                             ahead.next();
                         }
