@@ -25,24 +25,24 @@ def _refusing(reason: str):
     return fn
 
 
-def version() -> str:
-    """FA4's version, or NOT_INSTALLED."""
-    try:
-        from importlib.metadata import version as package_version
-
-        import flash_attn.cute  # noqa: F401 -- the kernels themselves, not only the metadata
-        return package_version("flash-attn-4")
-    except Exception:  # noqa: BLE001 -- a missing or broken install is "not installed" either way
-        return NOT_INSTALLED
-
-
 def import_error() -> str | None:
     """Why FA4's kernels cannot be imported ("ModuleNotFoundError: ..."), or None when they can."""
     try:
-        import flash_attn.cute  # noqa: F401
-    except Exception as error:  # noqa: BLE001 -- any failure to import is the reason
+        import flash_attn.cute  # noqa: F401 -- the kernels themselves, not only the metadata
+    except Exception as error:  # noqa: BLE001 -- a missing or broken install: either way the reason
         return f"{type(error).__name__}: {error}"
     return None
+
+
+def version() -> str:
+    """FA4's version, or NOT_INSTALLED."""
+    if import_error() is not None:
+        return NOT_INSTALLED
+    from importlib.metadata import PackageNotFoundError, version as package_version
+    try:
+        return package_version("flash-attn-4")
+    except PackageNotFoundError:
+        return NOT_INSTALLED
 
 
 REQUIRE_HINT = ("on the GPU machine FA4's install script (../shared/device/fa4.sh's third piece) prints a PYTHONPATH "

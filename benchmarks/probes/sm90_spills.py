@@ -197,14 +197,14 @@ def report(item: str, tool: str, workdir: Path) -> str:
     code, addresses, labels = sass_listing(disassemble(tool, cubin))
     spills = [ins for ins in code if re.search(r"\b(LDL|STL)\b", ins)]
     in_loop = [ins for ins in loop_instructions(code) if re.search(r"\b(LDL|STL)\b", ins)]
-    windows = (", P V wait after " + " / ".join(f"{e} exp2 ({n} instr)" for e, n in pv_wait_windows(code))
+    extra = (", P V wait after " + " / ".join(f"{e} exp2 ({n} instr)" for e, n in pv_wait_windows(code))
                if item.startswith("fwd") else "")
     if item.startswith("bwd"):
         step = unmasked_step(code, addresses, labels)
-        windows = (f", unmasked step {len(step)} instr ({sum('HGMMA' in x for x in step)} HGMMA, "
+        extra = (f", unmasked step {len(step)} instr ({sum('HGMMA' in x for x in step)} HGMMA, "
                    f"{sum(unpredicated(x).startswith('UIADD3.X') for x in step)} UIADD3.X)" if step else "")
     return f"{item:<24} {spec.name:<48} {len(code):>6} instr  {resources}  spill instr {len(spills)} ({len(in_loop)} " \
-           f"between the first and last HGMMA){windows}"
+           f"between the first and last HGMMA){extra}"
 
 
 def main() -> None:

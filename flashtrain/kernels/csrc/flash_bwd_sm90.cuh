@@ -116,10 +116,9 @@
 #endif
 // FT_BWD_L2_AHEAD (A/B switch, default 0: off; not measured yet): the producer prefetches into L2 the Q and dO boxes
 // of the query block that many blocks ahead in the tile's walk (cp.async.bulk.prefetch.tensor, UTMAPF), each before
-// its wait for an empty stage. The question it asks: the causal 80-query kernel's steps at hd128 16K take ~5% longer
-// than the non-causal kernel's with the same step code (kernel_ab-h200.json, timeline and FT_DIAG_NOMASK rows) and
-// see more L2 misses (96.2% against 98.1% hits): concurrent causal tiles read different query blocks, non-causal ones
-// the same. Off, the kernels' SASS is as without it (the second walk is an empty type, AheadWalk).
+// its wait for an empty stage: concurrent causal tiles read different query blocks (non-causal ones the same), and
+// the causal kernels see more L2 misses. Off, the kernels' SASS is as without it (the second walk is an empty type,
+// AheadWalk).
 // FT_BWD_TILE_RECORD (default 1; 0 for A/Bs): the producer publishes each tile's decoded indices (n_block, batch,
 // head_kv, split) with the tile in its slot, and the MMA warps and the dQ writer read them (read_tile) instead of
 // each redoing the tile's 5 integer divisions (tile_group_unit, unit -> split / batch / head_kv); the query-block
