@@ -241,21 +241,3 @@ def test_register_epilogue_stores_whole_sectors(tmp_path):
     # left are the row statistics (lse), 2 (with FT_FWD_O_SECTORS=0: 130 STG.E, no STG.E.64)
     assert stores.count("STG.E.64") == 32, stores
     assert stores.count("STG.E") <= 4, stores
-
-
-@pytest.mark.slow
-def test_l2_prefetch_switch_adds_prefetches_only_where_on(tmp_path, monkeypatch):
-    """FT_BWD_L2_AHEAD (flash_bwd_sm90.cuh, an A/B switch): with it the producer issues L2 prefetches of Q / dO boxes
-    (UTMAPF); without it (the default) the kernel has none."""
-    probe = _probe()
-    tool = probe.disassembler()
-    if build.nvcc_path() is None or tool is None:
-        pytest.skip("needs nvcc and nvdisasm or cuobjdump (pip install -e '.[dev]' brings nvidia-cuda-nvdisasm)")
-    spec = build.bwd_sm90_kernel(128, "bf16", True, seqlen_q=16384)
-    counts = {}
-    for ahead in ("", "FT_BWD_L2_AHEAD=2"):
-        monkeypatch.setenv("FLASHTRAIN_EXTRA_DEFINES", ahead)
-        cubin = tmp_path / f"ahead{bool(ahead)}.cubin"
-        build._compile_nvcc(spec, build.SM90_ARCH, cubin)
-        counts[bool(ahead)] = sum(ins.startswith("UTMAPF.L2") for ins in probe.sass_instructions(tool, cubin))
-    assert counts == {False: 0, True: 4}  # (hd128: 2 column boxes x Q, dO; ptxas 13.0)

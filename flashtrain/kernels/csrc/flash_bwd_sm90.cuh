@@ -114,11 +114,6 @@
 #ifndef FT_BWD_SKIP_HIDDEN
 #define FT_BWD_SKIP_HIDDEN 1
 #endif
-// FT_BWD_L2_AHEAD (A/B switch, default 0: off; not measured yet): the producer prefetches into L2 the Q and dO boxes
-// of the query block that many blocks ahead in the tile's walk (cp.async.bulk.prefetch.tensor, UTMAPF), each before
-// its wait for an empty stage: concurrent causal tiles read different query blocks (non-causal ones the same), and
-// the causal kernels see more L2 misses. Off, the kernels' SASS is as without it (the second walk is an empty type,
-// AheadWalk).
 // FT_BWD_TILE_RECORD (default 1; 0 for A/Bs): the producer publishes each tile's decoded indices (n_block, batch,
 // head_kv, split) with the tile in its slot, and the MMA warps and the dQ writer read them (read_tile) instead of
 // each redoing the tile's 5 integer divisions (tile_group_unit, unit -> split / batch / head_kv); the query-block
@@ -129,9 +124,6 @@
 // computed per tile by the producer for the record spilled its loop: hd128 causal 0 -> 16 bytes).
 #ifndef FT_BWD_SK_STAGE_DQ
 #define FT_BWD_SK_STAGE_DQ 0
-#endif
-#ifndef FT_BWD_L2_AHEAD
-#define FT_BWD_L2_AHEAD 0
 #endif
 #ifndef FT_BWD_TILE_RECORD
 #define FT_BWD_TILE_RECORD 1
@@ -206,7 +198,6 @@ struct BwdSm90Traits {
     // each warpgroup for 64 head-dim rows x all 80 queries (dS stored row-major by queries), staged in fp32 boxes of
     // 32 columns (128-byte swizzle) and added to dq_accum's plain rows by tensor reduce-adds (tma_dq).
     static constexpr bool kSwapDq = kBlockM_ == 80;
-    static constexpr int kL2Ahead = kIsBlockSparse_ ? 0 : FT_BWD_L2_AHEAD;  // (block-sparse walks: not measured)
     // ... and the staged dQ^T in the accumulator's own order (kDqFrag; build.py BwdSm90Tiles.dq_frag picks the kernels
     // that take it, the others compile with FT_BWD_DQ_FRAG=0): each thread's
     // n8 tile j is one 16-byte store, warp (w, ww)'s 16 head-dim rows x 80 queries one contiguous 5 KB slice, added to
@@ -679,15 +670,6 @@ template <class T> struct QueryBlockWalk {
         }
         settle();
     }
-};
-
-// The producer's second walk, FT_BWD_L2_AHEAD blocks ahead of its copies (nothing where the prefetch is off, so that
-// ptxas allocates the producer's loop as without it)
-template <class T, bool kOn> struct AheadWalk : QueryBlockWalk<T> {
-    using QueryBlockWalk<T>::QueryBlockWalk;
-};
-template <class T> struct AheadWalk<T, false> {
-    __device__ __forceinline__ AheadWalk(const BwdParams&, const BwdTile&) {}
 };
 
 // The kernel's shared memory (tiles 1024-byte aligned for the 128-byte swizzle): kStages Q and kStages dO stages, K,
@@ -2183,25 +2165,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 };
                 const int q_pad = x.q_pad;
                 sm.tile_heads(x);
-                // FT_BWD_L2_AHEAD (A/B; default 0: none): Q and dO of the query block that many blocks ahead in the
-                // tile's walk prefetched into L2 before each stage's wait, so that its copy into the stage hits L2
-                [[maybe_unused]] AheadWalk<T, (T::kL2Ahead > 0)> ahead(p, x);
-                if constexpr (T::kL2Ahead > 0)
-                    for (int i = 0; i < T::kL2Ahead && ahead.has; ++i) ahead.next();
                 for (QueryBlockWalk<T> walk(p, x); walk.has;
                      walk.next(), ++gs) {
                     const int s = gs % kStages;
-                    if constexpr (T::kL2Ahead > 0) {
-                        if (ahead.has) {
-#pragma unroll
-                            for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-                                tma_prefetch_l2_4d(&params.tma_q, cb * 64, x.q_start + ahead.m0, ahead.head, batch_coord);
-                                tma_prefetch_l2_4d(&params.tma_do, cb * 64, x.q_start + ahead.m0, ahead.head,
-                                                   batch_coord);
-                            }
-                            ahead.next();
-                        }
-                    }
                     mbar_wait(sm.empty(s), ((gs / kStages) & 1) ^ 1);  // the first pass finds every stage empty
                     mbar_arrive_expect_tx(sm.full(s), (T::kSkStageDq ? 1 : 2) * TileQ::kBytes + 2 * T::kStatsBoxBytes);
 #pragma unroll
