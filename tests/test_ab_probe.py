@@ -176,3 +176,68 @@ def test_probes_check_fa4_before_building_anything(probe, import_probe, monkeypa
     monkeypatch.setattr(sys, "argv", [f"{probe}.py", "--impls", "flashtrain", "fa4#2"])
     with pytest.raises(SystemExit, match=r"--impls fa4: flash-attn-4 cannot be imported"):
         module.main()
+
+
+def test_row_record_ratios_and_printed_line(ab_probe):
+    """A configuration's record: TFLOP/s per implementation, the flashtrain variants' ratios to the first and to cuDNN
+    (none for cuDNN itself), the same numbers in the printed line."""
+    tflops = {"flashtrain": 500.0, "flashtrain#2": 501.0, "flashtrain+FT_X=1": 550.0, "cudnn": 400.0}
+    row = ab_probe.row_record(tflops)
+    assert row["tflops"] == tflops
+    assert row["over_first"] == {"flashtrain#2": 1.002, "flashtrain+FT_X=1": 1.1}
+    assert row["over_cudnn"] == {"flashtrain": 1.25, "flashtrain#2": 1.252, "flashtrain+FT_X=1": 1.375}
+    assert "sm_mhz" not in row
+    line = ab_probe.row_line("hd128 S4096 causal B4 bwd", tflops, row)
+    assert line.startswith("hd128 S4096 causal B4 bwd TFLOP/s flashtrain  500.0")
+    assert "/flashtrain: flashtrain+FT_X=1 1.100" in line and "flashtrain+FT_X=1/cudnn 1.375" in line
+    assert "cudnn/cudnn" not in line
+    # without cuDNN no such ratios; with --clocks each implementation's clock and power
+    measured = {"flashtrain": {"tflops": 600.0, "sm_mhz": 1601.4, "watts": 690.2},
+                "flashtrain+FT_X=1": {"tflops": 630.0, "sm_mhz": 1650.0, "watts": 689.0}}
+    row = ab_probe.row_record({name: m["tflops"] for name, m in measured.items()}, measured)
+    assert "over_cudnn" not in row and row["over_first"] == {"flashtrain+FT_X=1": 1.05}
+    assert row["sm_mhz"] == {"flashtrain": 1601, "flashtrain+FT_X=1": 1650}
+    assert row["watts"] == {"flashtrain": 690, "flashtrain+FT_X=1": 689}
+
+
+def test_json_record_is_written_after_each_configuration(ab_probe, monkeypatch, tmp_path):
+    """--json: the record holds the run's settings and one row per configuration, written as each one finishes (a run
+    cut after the first configuration keeps it)."""
+    import json
+    import types
+
+    out = tmp_path / "ab.json"
+    seen = []
+
+    class FakeGraph:
+        def replay(self):
+            pass
+
+    def fake_capture(name, config, kind):
+        return FakeGraph()
+
+    def fake_interleaved(replays, repeats):
+        if seen:  # the first configuration's row is on disk before the second one is measured
+            assert list(json.loads(out.read_text())["rows"]) == ["hd128 S4096 causal B4"]
+        seen.append(repeats)
+        return {"flashtrain": [2e-3] * 3, "flashtrain+FT_X=1": [1.6e-3] * 3}  # seconds
+
+    monkeypatch.setattr(ab_probe, "capture", fake_capture)
+    monkeypatch.setattr(ab_probe, "time_interleaved", fake_interleaved)
+    monkeypatch.setattr(ab_probe.torch, "cuda", types.SimpleNamespace(get_device_name=lambda: "Fake GPU"))
+    monkeypatch.setattr(ab_probe.gpu_clocks, "board", lambda: {"driver": "1.0", "power_limit_w": 700})
+    monkeypatch.setattr(ab_probe.sys, "argv", ["ab_probe.py", "--impls", "flashtrain", "flashtrain+FT_X=1", "--pass",
+                                               "bwd", "--repeats", "3", "--configs", "128:4096:causal",
+                                               "64:16384:full", "--json", str(out)])
+    ab_probe.main()
+    record = json.loads(out.read_text())
+    assert seen == [3, 3]
+    assert record["gpu"] == "Fake GPU" and record["power_limit_w"] == 700 and record["pass"] == "bwd"
+    assert record["what"].startswith("benchmarks/probes/ab_probe.py --impls flashtrain flashtrain+FT_X=1")
+    assert record["timing"] == "interleaved CUDA-graph replays, median of 3"
+    assert list(record["rows"]) == ["hd128 S4096 causal B4", "hd64 S16384 full B1"]
+    row = record["rows"]["hd64 S16384 full B1"]
+    # 4 * 1 * 32 * 16384^2 * 64 FLOPs x 2.5 (backward) in 2.0 ms and 1.6 ms
+    flops = 4 * 32 * 16384**2 * 64 * 2.5
+    assert row["tflops"] == {"flashtrain": round(flops / 2e9, 1), "flashtrain+FT_X=1": round(flops / 1.6e9, 1)}
+    assert row["over_first"] == {"flashtrain+FT_X=1": 1.25}

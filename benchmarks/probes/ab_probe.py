@@ -26,10 +26,16 @@ alone: the forward runs once before the capture, the graph holds the gradient ke
 the implementations' order reversed every other round; the mean of the rounds' medians. --clocks (with --sustained):
 each run's steady-state SM clock and board power too (attention.sustained_ms_clocks), and TFLOP/s per GHz: tells a variant
 that is slower because the power cap lowers its clock from one that does less per clock.
+
+--json PATH: the same rows as a record (GPU, driver, power limit, torch, cuDNN, UTC date, source commit, the command
+line; per configuration each implementation's TFLOP/s, its ratio to the first implementation and to cuDNN, and with
+--clocks its SM clock and board power), rewritten after each configuration, so that a cut run keeps what it measured.
 """
 import argparse
 import contextlib
 import dataclasses
+import datetime
+import json
 import os
 import statistics
 import sys
@@ -43,6 +49,7 @@ from flashtrain.kernels import build, flash_attn_func, ops, tma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fa4_baseline  # noqa: E402
+import gpu_clocks  # noqa: E402
 from attention_features import FeatureRow  # noqa: E402
 from train_gpt2 import time_interleaved  # noqa: E402
 
@@ -288,6 +295,32 @@ def sustained_measure(calls: dict, flops: float, seconds: float, rounds: int, cl
             for name in calls}
 
 
+def row_record(tflops: dict, measured: dict | None = None) -> dict:
+    """One configuration's results: {"tflops": {impl: TFLOP/s}, "over_first": {impl: ratio to the first
+    implementation} (the flashtrain variants after the first), "over_cudnn": {impl: ratio} (flashtrain ones, where cudnn
+    ran), and with --clocks "sm_mhz" / "watts" per implementation (measured: sustained_measure's dicts)."""
+    names = list(tflops)
+    row = {"tflops": {name: round(value, 1) for name, value in tflops.items()},
+           "over_first": {name: round(tflops[name] / tflops[names[0]], 3) for name in names[1:]
+                          if name.startswith("flashtrain")}}
+    if "cudnn" in tflops:
+        row["over_cudnn"] = {name: round(tflops[name] / tflops["cudnn"], 3) for name in names
+                             if name.startswith("flashtrain")}
+    if measured and all("sm_mhz" in m for m in measured.values()):
+        row["sm_mhz"] = {name: round(m["sm_mhz"]) for name, m in measured.items()}
+        row["watts"] = {name: round(m["watts"]) for name, m in measured.items()}
+    return row
+
+
+def row_line(label: str, tflops: dict, row: dict) -> str:
+    """The printed form of a row_record: TFLOP/s per implementation, then its ratios."""
+    line = "  ".join(f"{name} {value:6.1f}" for name, value in tflops.items())
+    first = next(iter(tflops))
+    ratios = "".join(f"  /{first}: {name} {ratio:.3f}" for name, ratio in row["over_first"].items())
+    ratios += "".join(f"  {name}/cudnn {ratio:.3f}" for name, ratio in row.get("over_cudnn", {}).items())
+    return f"{label} TFLOP/s {line}{ratios}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impls", nargs="+", default=["flashtrain", "cudnn"])
@@ -300,6 +333,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="with --sustained: rounds, alternating the order")
     parser.add_argument("--clocks", action="store_true",
                         help="with --sustained: also each implementation's SM clock and board power (nvidia-smi)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write the rows as a record (rewritten after each configuration)")
     args = parser.parse_args()
     fa4_baseline.require_if_named(args.impls)
     if args.sustained < 0 or args.rounds < 1:
@@ -308,6 +343,12 @@ def main() -> None:
         parser.error("--clocks needs --sustained SECONDS (clocks settle only in back-to-back runs)")
     print(torch.cuda.get_device_name(), torch.__version__, f"cuDNN {torch.backends.cudnn.version()}", args.kind,
           flush=True)
+    record = {"what": "benchmarks/probes/ab_probe.py " + " ".join(sys.argv[1:]), "gpu": torch.cuda.get_device_name(),
+              **gpu_clocks.board(), "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": gpu_clocks.source_commit(Path(__file__).resolve().parents[2]), "pass": args.kind,
+              "timing": f"sustained {args.sustained:g} s x {args.rounds}" if args.sustained > 0
+              else f"interleaved CUDA-graph replays, median of {args.repeats}", "rows": {}}
     for config in map(Config.parse, args.configs):
         graphs = {name: capture(name, config, args.kind) for name in args.impls}
         names = list(graphs)
@@ -315,7 +356,7 @@ def main() -> None:
             graph.replay()
         flops = config.flops(args.kind)
         replays = {name: graph.replay for name, graph in graphs.items()}
-        clock_line = ""
+        clock_line, measured = "", None
         if args.sustained > 0:
             measured = sustained_measure(replays, flops, args.sustained, args.rounds, args.clocks)
             tflops = {name: m["tflops"] for name, m in measured.items()}
@@ -326,13 +367,12 @@ def main() -> None:
         else:
             times = time_interleaved(replays, args.repeats)
             tflops = {name: flops / statistics.median(times[name]) / 1e12 for name in names}
-        line = "  ".join(f"{name} {tflops[name]:6.1f}" for name in names)
-        ratios = "".join(f"  /{names[0]}: {name} {tflops[name] / tflops[names[0]]:.3f}" for name in names[1:]
-                         if name.startswith("flashtrain"))
-        ratios += "".join(f"  {name}/cudnn {tflops[name] / tflops['cudnn']:.3f}" for name in names
-                          if "cudnn" in tflops and name.startswith("flashtrain"))
+        row = row_record(tflops, measured)
         mode = f" sustained {args.sustained:g} s x {args.rounds}" if args.sustained > 0 else ""
-        print(f"{config.label()} {args.kind}{mode} TFLOP/s {line}{ratios}{clock_line}", flush=True)
+        print(row_line(f"{config.label()} {args.kind}{mode}", tflops, row) + clock_line, flush=True)
+        if args.json is not None:
+            record["rows"][" ".join(config.label().split())] = row
+            args.json.write_text(json.dumps(record, indent=1) + "\n")
         del graphs
 
 
