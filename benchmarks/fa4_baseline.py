@@ -68,11 +68,10 @@ def require_if_named(impls, option: str = "--impls") -> None:
 
 
 def _module():
-    """flash_attn.cute, or None when it cannot be imported."""
-    try:
-        from flash_attn import cute
-    except Exception:  # noqa: BLE001
+    """flash_attn.cute, or None when it cannot be imported (import_error says why)."""
+    if import_error() is not None:
         return None
+    from flash_attn import cute
     return cute
 
 
