@@ -124,9 +124,9 @@ def test_long_keys_tiles_match_reference(causal, head_dim):
     """Head dim 128 from build.long_keys_seqlen(causal) keys on runs 192-key tiles (O stored from the registers): a
     partial last key block, seqlen_q = seqlen_k and a short query block against the long keys (causal: aligned to the
     end), forward and gradients by FlashAttention-2's rule. Head dims 96 / 80: the same tiles with 96 / 80 columns of
-    MMA work, and the backward's query blocks narrowed likewise. Head dim 128 causal also from
-    build.BWD_SM90_Q80_CAUSAL_SEQLEN queries, where its backward takes 80-query blocks (dq_accum in fragment order, and
-    in plain rows with build.BWD_DQ_FRAG = 0)."""
+    MMA work, and the backward's query blocks narrowed likewise. Head dim 128 causal also on the backward's 80-query
+    blocks (build.BWD_SM90_Q80_CAUSAL_SEQLEN set to 4K here; by default they take 64 at every length), dq_accum in
+    fragment order, and in plain rows with build.BWD_DQ_FRAG = 0."""
     from flashtrain.kernels import build, ops
 
     long = build.long_keys_seqlen(causal) + 77  # (not a multiple of 192)
@@ -137,11 +137,12 @@ def test_long_keys_tiles_match_reference(causal, head_dim):
     q, k, v, dout = _inputs((2, 333, 2, head_dim), (2, long, 2, head_dim), torch.bfloat16, seed=6)
     _check_against_reference(q, k, v, dout, causal=causal)
     if head_dim == 128 and causal:  # the causal 80-query kernel, dq_accum in fragment order and in plain rows
-        n = build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40
+        n = 4096 + 40
         q, k, v, dout = _inputs((1, n, 1, 128), (1, n, 1, 128), torch.bfloat16, seed=7)
         for frag, name in ((1, "flash_bwd_sm90_hdim128_bf16_causal_q80"),
                            (0, "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows")):
             with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(build, "BWD_SM90_Q80_CAUSAL_SEQLEN", 4096)
                 patch.setattr(build, "BWD_DQ_FRAG", frag)
                 ops.clear_plans()  # (the launch plans hold the kernel they were built with)
                 assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, seqlen_q=n).name == name
@@ -796,12 +797,17 @@ def _sanitizer_grid() -> None:
         q, k, v, dout = _inputs((1, 2048, 16, head_dim), (1, 2048, nheads_kv, head_dim), torch.bfloat16)
         _run(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, return_lse=True,
                                              impl="cuda"), q, k, v, dout)
-    # the causal hd128 backward's 80-query blocks (from BWD_SM90_Q80_CAUSAL_SEQLEN queries), with a partial last block
-    from flashtrain.kernels import build
+    # the causal hd128 backward at 16K + 40 queries (64-query blocks, S^T waited for before dP^T is issued), and on
+    # 80-query blocks (BWD_SM90_Q80_CAUSAL_SEQLEN set to 4K for it), each with a partial last block
+    from flashtrain.kernels import build, ops
 
-    q, k, v, dout = _inputs((1, build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40, 2, 128),
-                            (1, build.BWD_SM90_Q80_CAUSAL_SEQLEN + 40, 2, 128), torch.bfloat16)
-    _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
+    for n, q80_from in ((16384 + 40, build.BWD_SM90_Q80_CAUSAL_SEQLEN), (4096 + 40, 4096)):
+        saved, build.BWD_SM90_Q80_CAUSAL_SEQLEN = build.BWD_SM90_Q80_CAUSAL_SEQLEN, q80_from
+        ops.clear_plans()
+        q, k, v, dout = _inputs((1, n, 2, 128), (1, n, 2, 128), torch.bfloat16)
+        _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
+        build.BWD_SM90_Q80_CAUSAL_SEQLEN = saved
+    ops.clear_plans()
     # the causal hd128 mods backward with a sliding window (64-query blocks, K / V released by a tile's last query
     # block), GQA, more keys than queries (key blocks before the first query's window: tiles without query blocks)
     q, k, v, dout = _inputs((1, 700, 8, 128), (1, 1500, 2, 128), torch.bfloat16)

@@ -311,15 +311,15 @@ def test_lse_bias_kernels(monkeypatch):
         assert not build.bwd_lse_bias(bwd(128, effective, dropout=True))
     causal64 = bwd(128, 128)
     assert causal64.tiles.block_m == 64 and build.bwd_lse_bias(causal64) and causal64 in build.all_kernels()
-    assert causal64.name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias"
-    for spec in (bwd(128, 128, seqlen_q=1 << 16), bwd(128, 128, causal=False),  # (80-query blocks)
+    assert causal64.name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" == bwd(128, 128, seqlen_q=1 << 16).name
+    for spec in (bwd(128, 128, causal=False),  # (80-query blocks)
                  bwd(128, 128, dropout=True), bwd(64, 64), bwd(192, 192), bwd(256, 256),
                  bwd(128, 128, score_mods=True), bwd(64, 64, score_mods=True),
                  build.bwd_kernel(128, "bf16", True, False, True, arch="sm_90a"),
                  build.bwd_kernel(128, "bf16", True, False, arch="sm_90a", deterministic=True),
                  build.bwd_kernel(128, "bf16", True, False, arch="sm_80", effective_head_dim=96)):
         assert not build.bwd_lse_bias(spec) and "lsebias" not in spec.name, spec.name
-    assert bwd(128, 128, seqlen_q=1 << 16).tiles.block_m == 80
+    assert bwd(128, 128, causal=False, seqlen_q=1 << 16).tiles.block_m == 80
     for causal in (False, True):  # a sliding window alone: the 64-query window-only kernel
         window = build.bwd_sm90_mods_kernel(128, "bf16", causal, window_left=1024, window_only=True)
         assert window.tiles.block_m == 64 and build.bwd_lse_bias(window) and window in build.all_kernels()
@@ -511,7 +511,8 @@ def test_gpus_with_less_shared_memory_are_refused_by_name():
 
 def test_hd128_backward_query_blocks(monkeypatch):
     """The Hopper hd128 backward without dropout runs 80-query blocks (dQ^T): non-causal always, causal from
-    BWD_SM90_Q80_CAUSAL_SEQLEN query tokens, head dims 65-96 (narrowed to 80 / 96 columns) too but 65-80 causal;
+    BWD_SM90_Q80_CAUSAL_SEQLEN query tokens (None, the default: never at full width), head dims 65-96 (narrowed to
+    80 / 96 columns) too (81-96 causal from BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN) but 65-80 causal;
     deterministic, dropout and block-sparse keep 64; FLASHTRAIN_BWD_SM90_Q80=0 turns it off. dq_accum in the accumulator's fragment order
     (the hd128 causal score-modification kernels: plain rows, `_dqrows`); BWD_DQ_FRAG 0 / 2: plain rows / fragment
     order everywhere."""
@@ -528,6 +529,10 @@ def test_hd128_backward_query_blocks(monkeypatch):
     # Q / dO stages 80 KB, K / V 64 KB, two dS tiles 40 KB, dQ staging 40 KB, statistics in 128-byte slots 1.5 KB,
     # barriers, alignment: under the 227 KB a Hopper block may opt in to
     assert q80.smem_bytes == 81920 + 65536 + 40960 + 40960 + 1536 + 256 + 1024 == 232192 <= SM90_MAX_SMEM
+    # full-width causal: 64-query blocks at every length by default (S^T before dP^T's issue, kStFirst)
+    assert build.BWD_SM90_Q80_CAUSAL_SEQLEN is None
+    assert spec(causal=True, seqlen_q=1 << 20).name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias"
+    monkeypatch.setattr(build, "BWD_SM90_Q80_CAUSAL_SEQLEN", 16384)  # (the A/B setting: 80-query from 16K)
     causal80 = spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN)
     assert causal80.name == "flash_bwd_sm90_hdim128_bf16_causal_q80" and causal80.tiles.dq_frag
     assert ("FT_BWD_DQ_FRAG", 0) not in causal80.defines and causal80.smem_bytes == q80.smem_bytes
@@ -833,9 +838,9 @@ def test_hopper_mods_kernels_without_softcap_run_the_nocap_variants(monkeypatch)
                                 softcap=True).source == "flash_bwd.cu"
     with pytest.raises(ValueError, match="no softcap variant"):
         build.bwd_sm90_mods_kernel(64, "bf16", True, softcap=True)
-    # causal without softcap or a mask expression, the hd128 backward's 80-query blocks where the plain kernel takes
-    # them
-    long = build.BWD_SM90_Q80_CAUSAL_SEQLEN
+    # causal without softcap or a mask expression, the hd128 backward's 80-query blocks at long queries (from
+    # BWD_SM90_MODS_Q80_CAUSAL_SEQLEN, below)
+    long = 16384
     for causal, seqlen_q, block_m in ((False, long, 64), (True, None, 64), (True, long, 80)):
         spec = build.bwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=seqlen_q)
         assert spec.block_m == block_m and spec.name.endswith("_mods_nocap"), spec.name

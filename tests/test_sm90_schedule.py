@@ -209,10 +209,12 @@ def test_kernel_items_pick_the_kernel_a_call_of_that_length_runs():
         64, "bf16", True, False, arch=build.SM90_ARCH, seqlen_q=4096, seqlen_k=4096).name
     with pytest.raises(SystemExit, match="kind:head_dim"):
         probe.kernel_spec("fwd:128:sx")
-    # backward: the kernel a call of N query tokens runs (hd128 causal: 80-query blocks from 16K, 64 below)
+    # backward: the kernel a call of N query tokens runs (hd128: 80-query blocks non-causal, causal 64 at every length
+    # unless build.BWD_SM90_Q80_CAUSAL_SEQLEN gives a threshold)
     assert probe.kernel_spec("bwd:128:causal:s16384").name == build.bwd_sm90_kernel(
         128, "bf16", True, seqlen_q=16384).name
-    assert probe.kernel_spec("bwd:128:causal:s16384").tiles.block_m == 80
+    assert probe.kernel_spec("bwd:128:s16384").tiles.block_m == 80
+    assert probe.kernel_spec("bwd:128:causal:s16384").tiles.block_m == 64
     assert probe.kernel_spec("bwd:128:causal:s4096").tiles.block_m == 64
     with pytest.raises(SystemExit, match="sN: not with mods / window"):
         probe.kernel_spec("bwd:128:causal:window:s4096")

@@ -373,8 +373,12 @@ BWD_SM90_DENSE128_TILES = BwdSm90Tiles(block_m=80)
 # causal 2K 409.1 / 394.7, 4K 456.2 / 452.5 (level: within run-to-run noise; 8K not measured), 16K 504.4 / 521.3;
 # non-causal 4K 481.8 / 490.1. With dP^T accumulated onto -D in the 64-query kernels (flash_bwd_sm90.cuh kBiasD),
 # from 8K: H200, 2026-12-02 12:29 UTC, 64-query / 80-query, hd96 causal 4K 504.8 / 493.3 (1.023), 8K 494.2 / 498.2,
-# 16K 517.6 / 529.3; hd128 causal 16K 580.1 / 583.9, at batch 2 574.4 / 575.6 (the 80-query kernel kept there).
-BWD_SM90_Q80_CAUSAL_SEQLEN = 16384
+# 16K 517.6 / 529.3; hd128 causal 16K 580.1 / 583.9, at batch 2 574.4 / 575.6 (the 80-query kernel kept there then).
+# Head dim 128 causal now keeps the 64-query blocks at every length (None): with S^T waited for before dP^T is issued
+# (flash_bwd_sm90.cuh kStFirst, which only the 64-query kernels take) it ran 16K at 614.4 against the 80-query
+# kernel's 601.5 TFLOP/s (1.021x; H200, 2026-12-04, kernel_ab-h200.json). A query length here (A/B:
+# flashtrain@build.BWD_SM90_Q80_CAUSAL_SEQLEN=16384) gives the 80-query kernel from that length again.
+BWD_SM90_Q80_CAUSAL_SEQLEN: int | None = None
 BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN = 8192
 # ... except head dims 65-80 causal, which keep the 64-query blocks at every length: there warpgroup 0 computes the
 # whole m64n80 dQ (flash_bwd_sm90.cuh FT_BWD_NARROW_DQ), where the 80-query kernel's transposed dQ^T still spends an
@@ -443,13 +447,13 @@ def _bwd_q80(causal: bool, seqlen_q: int | None, head_dim_eff: int | None = None
              causal_seqlen: int | None = None) -> bool:
     """The hd128 Hopper backward's 80-query blocks for a call of this query length (None: a short one) and MMA width
     (head_dim_eff: one of SM90_NARROW_HEAD_DIMS, or None for all 128 columns); causal_seqlen: the causal threshold
-    (None: the plain kernels' for that width)."""
+    (None: the plain kernels' for that width; a threshold of None: 64-query blocks at every causal length)."""
     if causal and head_dim_eff == 80 and BWD_SM90_HD80_CAUSAL_Q64:
         return False
     if causal_seqlen is None:
         causal_seqlen = (BWD_SM90_Q80_CAUSAL_SEQLEN if head_dim_eff in (None, 128)
                          else BWD_SM90_NARROW_Q80_CAUSAL_SEQLEN)
-    return bwd_sm90_q80_enabled() and (not causal or (seqlen_q or 0) >= causal_seqlen)
+    return bwd_sm90_q80_enabled() and (not causal or (causal_seqlen is not None and (seqlen_q or 0) >= causal_seqlen))
 
 
 def _bwd_tile_overrides() -> None:
@@ -925,7 +929,7 @@ def _bwd_lse_bias_rule(head_dim: int, head_dim_eff: int | None, plain: bool, til
 
 
 # The 80-query backward's dQ^T in fragment order (BwdSm90Tiles.dq_frag) where it measured faster: every kernel
-# without score modifications (non-causal; causal, which runs them from BWD_SM90_Q80_CAUSAL_SEQLEN; head dims 65-96).
+# without score modifications (non-causal; causal where BWD_SM90_Q80_CAUSAL_SEQLEN gives them; head dims 65-96).
 # H200, interleaved CUDA-graph replays (ab_probe.py --pass bwd), fragment order / plain rows: hd128 full 4K
 # 1.005-1.009, 16K 1.007-1.014; hd80 causal 4K 1.043, hd96 1.031 (2026-11-29, two runs in either order); hd128 causal
 # 16K 1.017 at batch 1, 1.016 at batch 2 (2026-12-01, noise 1.000). (At causal 8K, when the 80-query kernel still

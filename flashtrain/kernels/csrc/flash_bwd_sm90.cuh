@@ -316,6 +316,18 @@ struct BwdSm90Traits {
 #else
     static constexpr int kDeferDq = kHeadDim == 64 && kIsDropout ? 2 : 0;
 #endif
+    // Each step waits for S^T (and the GEMMs issued before it) before issuing dP^T, so that the exponentials of P^T
+    // run while dP^T is issued and computed, instead of issuing S^T and dP^T back to back and waiting for S^T after:
+    // the 64-query hd128 causal kernels with the fp32 P^T (kPtFp32: plain and window-only). H200, interleaved
+    // CUDA-graph replays, backward, this / back to back: hd128 causal 4K 1.023, 8K 1.026, GQA 32/8 8K 1.024, window
+    // 1024 at 16K 1.023, 16K 1.021 (on 64-query blocks, against the 80-query kernel), 512 / 1K 1.001 / 1.004; the
+    // same order lost on the 80-query non-causal kernel (16K 0.981) and at head dim 64 (0.979-0.992), was level at
+    // head dims 65-96 (1.002) (kernel_ab-h200.json). FT_BWD_ST_FIRST=0 / 1 forces it off / on (A/B).
+#ifdef FT_BWD_ST_FIRST
+    static constexpr bool kStFirst = FT_BWD_ST_FIRST && kDeferDq == 0;
+#else
+    static constexpr bool kStFirst = kPtFp32 && kIsCausal && kHeadDimEff == 128 && kDeferDq == 0;
+#endif
     // 128-query blocks without dropout take P^T for dS^T = P^T (dP^T - D) from its 16-bit A fragments (the values
     // dV's GEMM reads): the fp32 P^T is dead once packed, which frees the 64 registers that let dS^T run while dV's
     // GEMM does. H200, same process, hd64 backward 1.03-1.13x (4K causal 352 -> 390 TFLOP/s); at hd128 (64-query
@@ -1009,6 +1021,10 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
                                               bdesc<2>(sQ_s, off_q, 16, 1024), T::kBiasS || kk > 0);
             }
             wgmma_commit();
+            if constexpr (T::kStFirst) {  // S^T done before dP^T is issued (kStFirst)
+                wgmma_wait<0>();
+                fence_operand(st);
+            }
             if (T::kDeferDq == 2 && dq_m0 >= 0) {  // the previous block's dQ piece (issued before S^T)
                 wgmma_wait<1>();
                 write_dq(dq_m0, dq_head);
@@ -1030,8 +1046,10 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
                 dq_m0 = -1;
             }
             if constexpr (!T::kStatsEarly && !T::kBiasS) load_first_lse();
-            wgmma_wait<1>();  // S^T done (dP^T may still run)
-            fence_operand(st);
+            if constexpr (!T::kStFirst) {
+                wgmma_wait<1>();  // S^T done (dP^T may still run)
+                fence_operand(st);
+            }
 
             // P^T (kept in st, fp32, for dS^T) and its A fragments (dropped and rescaled with dropout) for dV.
             // kScoreMods: softcap and ALiBi on S^T before the masks (the forward's order), each in a loop of its own
