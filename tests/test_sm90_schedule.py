@@ -176,10 +176,12 @@ def unpredicated_op(ins: str) -> str:
 
 
 @pytest.mark.slow
-def test_causal_backward_step_against_the_non_causal_one(tmp_path):
+def test_causal_backward_step_against_the_non_causal_one(tmp_path, monkeypatch):
     """The hd128 80-query backward's unmasked step as ptxas compiles it: the non-causal kernel's with one UIADD3.64 per
-    descriptor move; the causal kernel's, in one loop with its masked and hidden copies, longer (ptxas 13.0: 450
-    against 499 instructions, 0 against 21 UIADD3.X; kernel_ab-h200.json sass_causal_bwd_unmasked_step)."""
+    descriptor move; the causal kernel's (which calls reach only with build.BWD_SM90_Q80_CAUSAL_SEQLEN set, as here), in
+    one loop with its masked and hidden copies, longer (ptxas 13.0: 450 against 499 instructions, 0 against 21
+    UIADD3.X; kernel_ab-h200.json sass_causal_bwd_unmasked_step)."""
+    monkeypatch.setattr(build, "BWD_SM90_Q80_CAUSAL_SEQLEN", 16384)
     probe = _probe()
     tool = probe.disassembler()
     if build.nvcc_path() is None or tool is None:
@@ -187,6 +189,7 @@ def test_causal_backward_step_against_the_non_causal_one(tmp_path):
     steps = {}
     for causal in (False, True):
         spec = build.bwd_sm90_kernel(128, "bf16", causal, seqlen_q=16384)
+        assert spec.tiles.block_m == 80
         cubin = tmp_path / f"{spec.name}.cubin"
         build._compile_nvcc(spec, build.SM90_ARCH, cubin)
         steps[causal] = probe.unmasked_step(*probe.sass_listing(probe.disassemble(tool, cubin)))
