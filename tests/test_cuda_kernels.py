@@ -802,11 +802,11 @@ def _sanitizer_grid() -> None:
     from flashtrain.kernels import build, ops
 
     for n, q80_from in ((16384 + 40, build.BWD_SM90_Q80_CAUSAL_SEQLEN), (4096 + 40, 4096)):
-        saved, build.BWD_SM90_Q80_CAUSAL_SEQLEN = build.BWD_SM90_Q80_CAUSAL_SEQLEN, q80_from
-        ops.clear_plans()
-        q, k, v, dout = _inputs((1, n, 2, 128), (1, n, 2, 128), torch.bfloat16)
-        _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
-        build.BWD_SM90_Q80_CAUSAL_SEQLEN = saved
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(build, "BWD_SM90_Q80_CAUSAL_SEQLEN", q80_from)
+            ops.clear_plans()  # (the launch plans hold the kernel they were built with)
+            q, k, v, dout = _inputs((1, n, 2, 128), (1, n, 2, 128), torch.bfloat16)
+            _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
     ops.clear_plans()
     # the causal hd128 mods backward with a sliding window (64-query blocks, K / V released by a tile's last query
     # block), GQA, more keys than queries (key blocks before the first query's window: tiles without query blocks)
