@@ -838,9 +838,9 @@ def test_hopper_mods_kernels_without_softcap_run_the_nocap_variants(monkeypatch)
                                 softcap=True).source == "flash_bwd.cu"
     with pytest.raises(ValueError, match="no softcap variant"):
         build.bwd_sm90_mods_kernel(64, "bf16", True, softcap=True)
-    # causal without softcap or a mask expression, the hd128 backward's 80-query blocks at long queries (from
-    # BWD_SM90_MODS_Q80_CAUSAL_SEQLEN, below)
-    long = 16384
+    # causal without softcap or a mask expression, the hd128 backward's 80-query blocks from the mods kernels' own
+    # threshold (BWD_SM90_MODS_Q80_CAUSAL_SEQLEN)
+    long = build.BWD_SM90_MODS_Q80_CAUSAL_SEQLEN
     for causal, seqlen_q, block_m in ((False, long, 64), (True, None, 64), (True, long, 80)):
         spec = build.bwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=seqlen_q)
         assert spec.block_m == block_m and spec.name.endswith("_mods_nocap"), spec.name
@@ -848,12 +848,8 @@ def test_hopper_mods_kernels_without_softcap_run_the_nocap_variants(monkeypatch)
                                 seqlen_q=seqlen_q).block_m == 64
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=long,
                             mask_defines=(("FT_MASK_MOD", 1),)).block_m == 64
-    # (the mods kernels from their own threshold)
-    mods_long = build.BWD_SM90_MODS_Q80_CAUSAL_SEQLEN
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True,
-                            seqlen_q=mods_long).block_m == 80
-    assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True,
-                            seqlen_q=mods_long - 1).block_m == 64
+                            seqlen_q=long - 1).block_m == 64
     # ... but a sliding window of at most BWD_SM90_WINDOW_Q64_MAX_LEFT keys keeps the 64-query blocks
     # (BWD_SM90_WINDOW_Q64; A/B switch 0: the 80-query ones); a longer window, or none, takes 80
     def window_blocks(left):
