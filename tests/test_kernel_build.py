@@ -839,25 +839,29 @@ def test_hopper_mods_kernels_without_softcap_run_the_nocap_variants(monkeypatch)
     with pytest.raises(ValueError, match="no softcap variant"):
         build.bwd_sm90_mods_kernel(64, "bf16", True, softcap=True)
     # causal without softcap or a mask expression, the hd128 backward's 80-query blocks from the mods kernels' own
-    # threshold (BWD_SM90_MODS_Q80_CAUSAL_SEQLEN)
+    # threshold (BWD_SM90_MODS_Q80_CAUSAL_SEQLEN) on, at it and at the benchmark's longest rows (16K)
+    for long in (build.BWD_SM90_MODS_Q80_CAUSAL_SEQLEN, 16384):
+        for causal, seqlen_q, block_m in ((False, long, 64), (True, None, 64), (True, long, 80)):
+            spec = build.bwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True,
+                                    seqlen_q=seqlen_q)
+            assert spec.block_m == block_m and spec.name.endswith("_mods_nocap"), spec.name
+            assert build.bwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True, softcap=True,
+                                    seqlen_q=seqlen_q).block_m == 64
+        assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=long,
+                                mask_defines=(("FT_MASK_MOD", 1),)).block_m == 64
     long = build.BWD_SM90_MODS_Q80_CAUSAL_SEQLEN
-    for causal, seqlen_q, block_m in ((False, long, 64), (True, None, 64), (True, long, 80)):
-        spec = build.bwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=seqlen_q)
-        assert spec.block_m == block_m and spec.name.endswith("_mods_nocap"), spec.name
-        assert build.bwd_kernel(128, "bf16", causal, False, arch=build.SM90_ARCH, score_mods=True, softcap=True,
-                                seqlen_q=seqlen_q).block_m == 64
-    assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=long,
-                            mask_defines=(("FT_MASK_MOD", 1),)).block_m == 64
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True,
                             seqlen_q=long - 1).block_m == 64
     # ... but a sliding window of at most BWD_SM90_WINDOW_Q64_MAX_LEFT keys keeps the 64-query blocks
     # (BWD_SM90_WINDOW_Q64; A/B switch 0: the 80-query ones); a longer window, or none, takes 80
-    def window_blocks(left):
-        return build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=long,
+    def window_blocks(left, seqlen_q=long):
+        return build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=seqlen_q,
                                 window_left=left).block_m
 
-    assert [window_blocks(left) for left in (0, 256, build.BWD_SM90_WINDOW_Q64_MAX_LEFT,
-                                             build.BWD_SM90_WINDOW_Q64_MAX_LEFT + 1, -1)] == [64, 64, 64, 80, 80]
+    for seqlen_q in (long, 16384):
+        assert [window_blocks(left, seqlen_q) for left in (0, 256, build.BWD_SM90_WINDOW_Q64_MAX_LEFT,
+                                                           build.BWD_SM90_WINDOW_Q64_MAX_LEFT + 1, -1)] == \
+            [64, 64, 64, 80, 80]
     assert build.bwd_kernel(128, "bf16", True, False, arch=build.SM90_ARCH, score_mods=True, seqlen_q=long,
                             window_left=256).name.endswith("_mods_nocap")
     monkeypatch.setattr(build, "BWD_SM90_WINDOW_Q64", 0)
