@@ -426,6 +426,24 @@ def test_rows_without_visible_keys_give_zeros_and_no_nan():
     assert torch.equal(dq[:, :80], torch.zeros_like(dq[:, :80]))
 
 
+@pytest.mark.parametrize("head_dim", [128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_running_max_rising_by_steps(head_dim, causal):
+    """Scores rising toward the first keys (the forward walks key blocks from the last), by 3 or 10 binary orders per
+    64 keys in turn: the Hopper forward's conditional rescale (flash_fwd_sm90.cuh kLazyRescale) keeps a row's max
+    through rises of at most 2^8, so P reaches up to 2^8 there, and moves it past them; FlashAttention-2's rule against
+    the fp32 reference, outputs, lse and gradients."""
+    seqlen = 1024
+    q, k, v, dout = _inputs((2, seqlen, 2, head_dim), (2, seqlen, 2, head_dim), torch.bfloat16, scale=0.1, seed=5)
+    # score of key j ~ (log2 units) sum of the steps of the 64-key groups from j's on: q . k_j scale log2(e) = rise_j
+    steps = torch.tensor([3.0, 10.0], device="cuda").repeat(seqlen // 128)
+    rise = steps.flip(0).cumsum(0).flip(0).repeat_interleave(64)  # highest at key 0
+    unit = head_dim ** 0.5 * math.log2(math.e)  # q . k_j scale log2(e) for q = 1 and k_j = u: u * unit
+    q = (q.float() + 1.0).to(torch.bfloat16)
+    k = (k.float() + (rise / unit)[None, :, None, None]).to(torch.bfloat16)
+    _check_against_reference(q, k, v, dout, causal=causal)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_large_magnitude_inputs_do_not_overflow(dtype):
     """q, k of magnitude 1e3: scores ~1e7 overflow fp16 in plain PyTorch (NaN), not in the kernel (fp32 scores)."""

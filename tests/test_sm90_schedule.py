@@ -47,11 +47,11 @@ def test_hd128_forward_exponentials_precede_the_pv_wait(tmp_path):
     # the unmasked steps' K and V descriptors move by one 64-bit add each (FT_FWD_DESC64): 14 UIADD3.64 with ptxas
     # 13.0, 0 with FT_FWD_DESC64=0
     assert sum(ins.split()[0] == "UIADD3.64" for ins in code) >= 8
-    # the loop's two paths (unmasked, masked): 25-26 of 66 exponentials and 197-318 instructions beside the P V GEMM
-    # with ptxas 13.0; 15-18 with the epilogue's indices derived before the tile loop (FT_FWD_EPI_OPAQUE=0), 0 with
-    # the releases behind branches
+    # the loop's two paths (unmasked, masked): 12 of 66 exponentials and 184-294 instructions beside the P V GEMM with
+    # ptxas 13.0 (25-26 and 197-318 with O rescaled every step, FT_FWD_LAZY_RESCALE=0); 3 with the epilogue's indices
+    # derived before the tile loop (FT_FWD_EPI_OPAQUE=0), 0 with the releases behind branches
     assert len(windows) == 2, windows
-    assert min(exps for exps, _ in windows) >= 20, windows
+    assert min(exps for exps, _ in windows) >= 8, windows
     assert min(instrs for _, instrs in windows) >= 100, windows
 
 

@@ -170,10 +170,24 @@ struct FwdSm90Traits {
 #ifndef FT_FWD_POLY_EXP
 #define FT_FWD_POLY_EXP 0
 #endif
+// FT_FWD_LAZY_RESCALE (default 1; 0 for A/Bs; FwdSm90Traits::kLazyRescale): a row's running max moves only when a
+// block's exceeds it by more than 2^8 in the exponent (utils.cuh kLazyMax), and a warp rescales O only when one of its
+// rows moved (a warp vote), instead of 2 * kDT FMULs per step. H200, interleaved CUDA-graph A/B, forward, with /
+// without: hd128 full 512 / 2K / 4K 1.013 / 1.008 / 1.022, causal 512 / 1K / 4K 1.014 / 1.017 / 1.024, GQA 32/8 8K
+// causal 1.025; hd192 causal 4K 1.019; hd256 causal 4K 1.028, full 16K 1.023; forward + backward 1.007-1.009. Not
+// taken: hd64 0.988-0.995 (its 32 FMULs run in the exponentials' shadow), hd96 on the hd128 tiles 0.994, the 192-key
+// tiles of hd128 (the 2-CTA cluster kernels, full 16K 0.985, and their one-CTA twin, bitwise the same; causal 16K
+// 1.000).
+#ifndef FT_FWD_LAZY_RESCALE
+#define FT_FWD_LAZY_RESCALE 1
+#endif
 #ifndef FT_CAUSAL_SHIFT
 #define FT_CAUSAL_SHIFT 1
 #endif
     static constexpr bool kShiftRows = FT_CAUSAL_SHIFT && kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_ && !kScoreMods_;
+    // FT_FWD_LAZY_RESCALE (above): the kernels it was measured on (no score modifications or dropout)
+    static constexpr bool kLazyRescale = FT_FWD_LAZY_RESCALE && kHeadDim_ >= 128 && kHeadDim_ <= 256 &&
+                                         kHeadDimEff_ == kHeadDim_ && kBlockN_ <= 128 && !kScoreMods_ && !kIsDropout_;
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
                   "a block-sparse mask block must be a whole number of tiles");
     // Head dims above 256 (kSplitD): O of 64 rows x kHeadDim columns would take kHeadDim / 2 registers per thread, so
@@ -799,11 +813,17 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             constexpr bool kRescaleEarly = T::kHeadDim == 192;
 #endif
             float pending[2] = {1.f, 1.f};  // kRescaleEarly: the correction O still owes (the first block: none)
+            constexpr bool kLazy = T::kLazyRescale;  // O rescaled only where a row of the warp moved its max
+            auto rescale_o = [&](const float (&correction)[2]) {
+                if (!kLazy || __any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) rescale_row(o, hf, correction[hf]);
+                }
+            };
             auto rescale_pending = [&]() {
                 if constexpr (kRescaleEarly) {
                     fence_operand(o);
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) rescale_row(o, hf, pending[hf]);
+                    rescale_o(pending);
                     fence_operand(o);
                     wgmma_fence();  // (O's registers written since the fence before the S GEMM)
                 }
@@ -841,18 +861,15 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     correction[hf] =
                         poly_exp ? softmax_exp_row<kNT, T::kSoftcap>(s, hf, row_max[hf], row_sum[hf],
                                                                      p.softmax_scale_log2)
-                                 : softmax_exp_row<kNT, false, kRowBias>(s, hf, row_max[hf], row_sum[hf],
-                                                                         p.softmax_scale_log2, row_bias[hf]);
+                                 : softmax_exp_row<kNT, false, kRowBias, kLazy>(s, hf, row_max[hf], row_sum[hf],
+                                                                                p.softmax_scale_log2, row_bias[hf]);
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
                 wgmma_wait<0>();  // P V done: O and the P registers are free
                 fence_operand(o);
                 if constexpr (kArrivePred) mbar_arrive_if(lead_lane, empty_v(prev));
                 else if (lead_lane) mbar_arrive(empty_v(prev));
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    if constexpr (kRescaleEarly) pending[hf] = correction[hf];
-                    else rescale_row(o, hf, correction[hf]);
-                }
+                if constexpr (kRescaleEarly) pending[0] = correction[0], pending[1] = correction[1];
+                else rescale_o(correction);
                 pack_p(s);
                 ++it;
             };

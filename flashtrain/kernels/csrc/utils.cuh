@@ -601,7 +601,11 @@ __device__ __forceinline__ void window_query_blocks(int n0, int offset, int left
 // p = exp2(s * scale_log2 - m * scale_log2) and returns the factor the row's O accumulators must be rescaled by
 // (rescale_row; kept apart so that a kernel can rescale O only once an asynchronous P V product into it is done).
 // kPolyExp: the odd n8 tiles' exponentials on the FMA pipe (poly_exp2), the even ones' on MUFU.
-template <int kNT, bool kPolyExp = false, bool kRowBias = false>
+// kLazyMax: the row keeps its running max unless the block's exceeds it by more than kLazyMaxLog2 binary orders of
+// the exponent (FlashAttention-4's conditional rescaling): p is then up to 2^kLazyMaxLog2, and the correction exactly 1,
+// so that the caller may skip rescaling O (the Hopper forward, where no row of the warp moved its max).
+constexpr float kLazyMaxLog2 = 8.f;
+template <int kNT, bool kPolyExp = false, bool kRowBias = false, bool kLazyMax = false>
 __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, float& row_max, float& row_sum,
                                                  float scale_log2, float row_bias = 0.f) {
     static_assert(!(kPolyExp && kRowBias), "the FMA-pipe exponentials are softcap's, the row bias ALiBi's without it");
@@ -612,9 +616,12 @@ __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, flo
     if constexpr (kRowBias) mx = fmax_(row_max, mx + row_bias);
     mx = fmax_(mx, shfl_xor(mx, 1));  // the 4 lanes of a quad share a row
     mx = fmax_(mx, shfl_xor(mx, 2));
+    // (kLazyMax: an m of -inf always moves to a finite block max; -inf - -inf is NaN: kept)
+    if constexpr (kLazyMax) mx = (mx - row_max) * scale_log2 > kLazyMaxLog2 ? mx : row_max;
     // A row that saw only masked keys so far keeps m = -inf; subtract 0 instead to avoid inf - inf.
     const float m_scaled = mx == -infinity() ? 0.f : mx * scale_log2;
-    const float correction = fast_exp2(row_max * scale_log2 - m_scaled);
+    const float correction =
+        kLazyMax && mx == row_max ? 1.f : fast_exp2(row_max * scale_log2 - m_scaled);  // (kLazyMax: exactly 1 kept)
     row_max = mx;
     // kRowBias: exp2((s + row_bias) scale_log2 - m_scaled) with the bias in the constant
     const float shift = kRowBias ? fmaf(row_bias, scale_log2, -m_scaled) : -m_scaled;
