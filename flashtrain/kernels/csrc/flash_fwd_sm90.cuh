@@ -175,7 +175,7 @@ struct FwdSm90Traits {
 // rows moved (a warp vote), instead of 2 * kDT FMULs per step. H200, interleaved CUDA-graph A/B, forward, with /
 // without: hd128 full 512 / 2K / 4K 1.013 / 1.008 / 1.022, causal 512 / 1K / 4K 1.014 / 1.017 / 1.024, GQA 32/8 8K
 // causal 1.025; hd192 causal 4K 1.019; hd256 causal 4K 1.028, full 16K 1.023; forward + backward 1.007-1.009. Not
-// taken: hd64 0.988-0.995 (its 32 FMULs run in the exponentials' shadow), hd96 on the hd128 tiles 0.994, the 192-key
+// taken: hd64 0.987-0.995 (its 32 FMULs run in the exponentials' shadow), hd96 on the hd128 tiles 0.994, the 192-key
 // tiles of hd128 (the 2-CTA cluster kernels, full 16K 0.985, and their one-CTA twin, bitwise the same; causal 16K
 // 1.000).
 #ifndef FT_FWD_LAZY_RESCALE
