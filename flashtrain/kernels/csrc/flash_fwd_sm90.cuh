@@ -813,9 +813,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             constexpr bool kRescaleEarly = T::kHeadDim == 192;
 #endif
             float pending[2] = {1.f, 1.f};  // kRescaleEarly: the correction O still owes (the first block: none)
-            constexpr bool kLazy = T::kLazyRescale;  // O rescaled only where a row of the warp moved its max
+            // kLazyRescale: O rescaled only where a row of the warp moved its max
             auto rescale_o = [&](const float (&correction)[2]) {
-                if (!kLazy || __any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
+                if (!T::kLazyRescale || __any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) rescale_row(o, hf, correction[hf]);
                 }
@@ -861,8 +861,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     correction[hf] =
                         poly_exp ? softmax_exp_row<kNT, T::kSoftcap>(s, hf, row_max[hf], row_sum[hf],
                                                                      p.softmax_scale_log2)
-                                 : softmax_exp_row<kNT, false, kRowBias, kLazy>(s, hf, row_max[hf], row_sum[hf],
-                                                                                p.softmax_scale_log2, row_bias[hf]);
+                                 : softmax_exp_row<kNT, false, kRowBias, T::kLazyRescale>(
+                                       s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
                 wgmma_wait<0>();  // P V done: O and the P registers are free
                 fence_operand(o);
