@@ -23,13 +23,14 @@ def hold_seconds(host_s: dict, calls_each: int) -> float:
     return min(HOLD_MAX_S, 1.5 * calls_each * sum(host_s.values()) + 0.002)
 
 
-def time_passes_interleaved(cases: dict, repeats: int, label: str, warmup: int = 3) -> dict:
+def time_passes_interleaved(cases: dict, repeats: int, label: str, warmup: int = 3, passes=PASSES) -> dict:
     """{impl: times as time_passes} for cases {impl: (fn, inputs, dout)}, the implementations' calls interleaved:
     per pass, at least r calls of each implementation, taking turns (each preceded equally often by every other), each
     call between CUDA events, no host sync in between (train_gpt2.time_interleaved), the GPU held while the host queues
     them (hold_seconds from the warm-up calls' host times): the GPU times of the calls run back to back, median per
     implementation. Each implementation's host time per call (the least of its warm-up calls, perf_counter) is kept
-    as times[impl]["{pass}_host_us"]: host time is measured, not mixed into the GPU's."""
+    as times[impl]["{pass}_host_us"]: host time is measured, not mixed into the GPU's. passes: the (kind, factor) pairs
+    of PASSES to run (all by default)."""
     times = {impl: {} for impl in cases}
     outs = {}
 
@@ -43,7 +44,7 @@ def time_passes_interleaved(cases: dict, repeats: int, label: str, warmup: int =
             else:
                 yield impl, lambda fn=fn, inputs=inputs, dout=dout: torch.autograd.grad(fn(*inputs), inputs, dout)
 
-    for kind, _ in PASSES:
+    for kind, _ in passes:
         ready, host_s = {}, {}
         for impl, call in calls(kind):
             try:  # a backend that refuses the shape (or runs out of memory) misses this pass

@@ -232,6 +232,9 @@ def test_interleaved_passes_hold_the_gpu_and_keep_host_times(attention, monkeypa
     assert times["a"] == {"fwd": 1.0, "fwd_host_us": 1000.0, "bwd": 1.0, "bwd_host_us": 1000.0, "fb": 1.0,
                           "fb_host_us": 1000.0}
     assert times["b"]["fb"] == 2.0 and times["b"]["fwd_host_us"] == 500.0 and times["c"] == {}
+    holds.clear()  # passes: one pass only (benchmarks/probes/neighbors_probe.py profiles them one at a time)
+    one = timing.time_passes_interleaved(cases, repeats=4, label="cell", warmup=3, passes=(("bwd", 2.5),))
+    assert len(holds) == 1 and one["a"] == {"bwd": 1.0, "bwd_host_us": 1000.0} and one["c"] == {}
 
     row = {}
     for host_us in (1000.0, 800.0, 1200.0):

@@ -3,10 +3,10 @@ passes (attention_timing.time_passes_interleaved: the implementations take turns
 GPU held while the host queues) under torch.profiler, one pass per profile, and splits the GPU timeline back into
 calls by kernel name. Per implementation and pass: the benchmark's median, the median span of its calls (first
 kernel's start to last kernel's end), the median busy time, the idle time before each call, its kernels (median
-duration and the gap before each; pass_kernels_probe.summarize), and the median span by predecessor. A call after a
-power-hungry one runs at a lower clock, so a cell's median moves with the mix of implementations in the rotation;
-this says by how much, and whether a forward + backward that takes longer than its parts has gaps (span > busy) or
-slower kernels.
+duration and the gap before each; pass_kernels_probe.summarize), and the median span by predecessor. What ran before
+a call (its power draw, its L2 contents) is part of that call's conditions, so a cell's median moves with the mix of
+implementations in the rotation; this says by how much, and whether a forward + backward that takes longer than its
+parts has gaps (span > busy) or slower kernels.
 
     PYTHONPATH=$PWD python3 benchmarks/probes/neighbors_probe.py --impls flashtrain fa4 fa2 cudnn efficient \
         --configs 64:16384:causal 128:16384:full [--repeats 20] [--json OUT.json]
@@ -96,13 +96,9 @@ def profile_pass(cases: dict, kind: str, repeats: int, label: str) -> tuple[dict
     from torch.profiler import ProfilerActivity, profile
 
     factor = dict(attention_timing.PASSES)[kind]
-    saved, attention_timing.PASSES = attention_timing.PASSES, ((kind, factor),)
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            times = attention_timing.time_passes_interleaved(cases, repeats, label)
-            torch.cuda.synchronize()
-    finally:
-        attention_timing.PASSES = saved
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        times = attention_timing.time_passes_interleaved(cases, repeats, label, passes=((kind, factor),))
+        torch.cuda.synchronize()
     activities = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                   if e.device_type == torch.autograd.DeviceType.CUDA]
     return times, split_calls(activities)
