@@ -91,13 +91,13 @@ def per_impl(calls: list, impl: str) -> dict:
             "kernels": kernels["kernels"]}
 
 
-def profile_pass(cases: dict, kind: str, repeats: int, label: str) -> tuple[dict, list]:
-    """One pass of time_passes_interleaved over `cases` under torch.profiler: (its times, the calls)."""
+def profile_pass(cases: dict, one_pass: tuple, repeats: int, label: str) -> tuple[dict, list]:
+    """One pass (a (kind, factor) pair of attention_timing.PASSES) of time_passes_interleaved over `cases` under
+    torch.profiler: (its times, the calls)."""
     from torch.profiler import ProfilerActivity, profile
 
-    factor = dict(attention_timing.PASSES)[kind]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        times = attention_timing.time_passes_interleaved(cases, repeats, label, passes=((kind, factor),))
+        times = attention_timing.time_passes_interleaved(cases, repeats, label, passes=(one_pass,))
         torch.cuda.synchronize()
     activities = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                   if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -120,8 +120,9 @@ def main() -> None:
         for impl in args.impls:
             q, k, v, dout = attention.make_inputs(impl, c.batch, c.seqlen, c.nheads, c.head_dim, requires_grad=True)
             cases[impl] = (attention.attention_fn(impl, c.causal), (q, k, v), dout)
-        for kind, _ in attention_timing.PASSES:
-            times, calls = profile_pass(cases, kind, args.repeats, c.label())
+        for one_pass in attention_timing.PASSES:
+            kind = one_pass[0]
+            times, calls = profile_pass(cases, one_pass, args.repeats, c.label())
             cell = {}
             for impl in args.impls:
                 if kind not in times.get(impl, {}):
