@@ -276,6 +276,53 @@ def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
     ops.clear_plans()
 
 
+@pytest.mark.parametrize("head_dim, seqlen, nheads, nheads_kv, dropout_p", [
+    (64, 1024, 9, 9, 0.0), (128, 1040, 5, 5, 0.0), (96, 1000, 6, 3, 0.0), (64, 640, 6, 6, 0.1)])
+def test_backward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen, nheads, nheads_kv, dropout_p,
+                                                                monkeypatch):
+    """The Hopper backward with the launch's last tiles in pieces over their query blocks (build.BWD_TAIL_SPLIT = 1;
+    ops._tail_split forced to tails of 5 tiles and of every tile, in 2, 3 and one-block pieces, GQA pieces crossing a
+    query head, whose group is not split over tiles: ops._gqa_splits forced to 1): gradients against the reference; dk,
+    dv of two calls bitwise equal (the pieces' sums are added in piece order) and dq, dk, dv within bf16 rounding of
+    the whole tiles' (BWD_TAIL_SPLIT = 0)."""
+    from flashtrain.kernels import build
+
+    if not _is_hopper():
+        pytest.skip("the tail split is the Hopper backward's")
+    ops, calls = _ops(), []
+    monkeypatch.setattr(ops, "_gqa_splits", lambda *args: 1)
+    q, k, v, dout = _inputs((2, seqlen, nheads, head_dim), (2, seqlen, nheads_kv, head_dim), torch.bfloat16,
+                            seed=seqlen)
+    gen = {} if dropout_p == 0 else {"generator_seed": 5}
+
+    def grads(split, tail=None, pieces=None, reference=True):
+        monkeypatch.setattr(build, "BWD_TAIL_SPLIT", int(split))
+
+        def forced(n_tiles, sm_count, steps):
+            calls.append((n_tiles, steps))
+            return n_tiles - min(n_tiles, tail), min(pieces or steps, steps)
+
+        monkeypatch.setattr(ops, "_tail_split", forced)
+        ops.clear_plans()  # (a plan holds its kernel and tail split)
+        if split and reference:
+            return _check_against_reference(q, k, v, dout, causal=False, dropout_p=dropout_p, **gen)[2:]
+        seeded = {} if dropout_p == 0 else {"generator": torch.Generator("cuda").manual_seed(5)}
+        return _run(lambda q, k, v: flash_attn_func(q, k, v, dropout_p, return_lse=True, impl="cuda", **seeded),
+                    q, k, v, dout)[2:]
+
+    whole = grads(False)
+    assert not calls
+    for tail, pieces in ((5, 2), (5, 3), (10 ** 6, 3), (5, None)):
+        split = grads(True, tail, pieces)
+        assert calls and calls[-1][0] == 2 * nheads_kv * -(-seqlen // 128), calls  # (tiles of 128 keys)
+        again = grads(True, tail, pieces, reference=False)
+        assert torch.equal(split[1], again[1]) and torch.equal(split[2], again[2]), (tail, pieces)
+        for name, a, b in zip(("dq", "dk", "dv"), split, whole):
+            assert (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max(), (name, tail, pieces)
+    monkeypatch.undo()
+    ops.clear_plans()
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_negative_softmax_scale_matches_reference(causal, head_dim):
@@ -785,7 +832,7 @@ def _sanitizer_grid() -> None:
     """A small grid of forward + backward calls covering every kernel path (on Hopper the warpgroup-MMA kernels too:
     head dims 40, 64, 128 with and without dropout, the dense hd128 backward's 80-query blocks, the causal hd128
     forward's two Q buffers, its long-key tiles, alone and in 2-CTA clusters, head dims 72 / 80 / 96 on the hd128
-    tiles narrowed to 80 / 96 columns), for compute-sanitizer."""
+    tiles narrowed to 80 / 96 columns, the dense backward's tail split), for compute-sanitizer."""
     for head_dim, dtype, causal, dropout_p in [(64, torch.float16, False, 0.0), (128, torch.bfloat16, True, 0.1),
                                                 (96, torch.float16, True, 0.0), (256, torch.bfloat16, False, 0.0),
                                                 (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2),
@@ -825,6 +872,16 @@ def _sanitizer_grid() -> None:
             ops.clear_plans()  # (the launch plans hold the kernel they were built with)
             q, k, v, dout = _inputs((1, n, 2, 128), (1, n, 2, 128), torch.bfloat16)
             _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
+    ops.clear_plans()
+    # the dense backward with its last tiles in pieces (build.BWD_TAIL_SPLIT; the split forced: 7 tail tiles in 3
+    # pieces, hd64 and the hd128 80-query blocks)
+    for head_dim in (64, 128):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(build, "BWD_TAIL_SPLIT", 1)
+            patch.setattr(ops, "_tail_split", lambda n_tiles, sm_count, steps: (n_tiles - 7, 3))
+            ops.clear_plans()
+            q, k, v, dout = _inputs((1, 1000, 4, head_dim), (1, 1000, 4, head_dim), torch.bfloat16)
+            _run(lambda q, k, v: flash_attn_func(q, k, v, return_lse=True, impl="cuda"), q, k, v, dout)
     ops.clear_plans()
     # the causal hd128 mods backward with a sliding window (64-query blocks, K / V released by a tile's last query
     # block), GQA, more keys than queries (key blocks before the first query's window: tiles without query blocks)

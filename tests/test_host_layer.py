@@ -132,15 +132,22 @@ CASES = {
                               lengths=([0, 1, 170, 129], [0, 64, 96, 100]), mods=dict(window=(50, -1), alibi=(3, 4))),
     # a mask expression (mask_mod): document ids per sequence, the states of its 128-tiles
     "mask-mod": dict(shape_q=(2, 300, 4, 64), shape_k=(2, 300, 2, 64), causal=True, mask_mod=True),
+    # the Hopper backward's tail split (build.BWD_TAIL_SPLIT; ops._tail_split forced: 5 of 12 tiles in 2 pieces), its
+    # zero-filled counters and fp32 sums as workspaces
+    "tail-split": dict(shape_q=(1, 300, 4, 64), shape_k=(1, 300, 4, 64), causal=False, tail_split=(5, 2)),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_cpp_executor_issues_the_python_executors_launches(recording, case):
+def test_cpp_executor_issues_the_python_executors_launches(recording, case, monkeypatch):
     from flashtrain.kernels import ops
 
     arch, records = recording
     spec = CASES[case]
+    if "tail_split" in spec:
+        tail, pieces = spec["tail_split"]
+        monkeypatch.setattr(ops.build, "BWD_TAIL_SPLIT", 1)
+        monkeypatch.setattr(ops, "_tail_split", lambda n_tiles, sm_count, steps: (n_tiles - tail, pieces))
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(spec["shape_q"], generator=gen).to(torch.bfloat16)
     k = torch.randn(spec["shape_k"], generator=gen).to(torch.bfloat16)
@@ -387,3 +394,64 @@ def test_hopper_cluster_forward_plan(recording, monkeypatch):
     assert plan(long - 256) == ("flash_fwd_sm90_hdim128_bf16", (132, 1, 1))
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 0)
     assert plan(long) == ("flash_fwd_sm90_hdim128_bf16_128x192", (132, 1, 1))
+
+
+def test_tail_split_choice():
+    """ops._tail_split on 132 SMs: the hd64 non-causal 16K backward (4096 tiles of 128 query blocks) leaves 4 tiles for
+    a last wave, which runs in pieces whose modelled time is at most a fifth of a tile's; hd128 at 16K (2048 tiles of
+    205 80-query blocks, 68 in the last wave) in a few pieces; no split without a partial wave, for short tiles (BERT's
+    512 tokens: 4 blocks) or where the last wave nearly fills the GPU."""
+    from flashtrain.kernels import ops
+
+    def model(n_tiles, steps, pieces):
+        waves = -(-(n_tiles % 132) * pieces // 132)
+        return waves * (-(-steps // pieces) + ops.TAIL_PIECE_STEPS + ops.TAIL_MERGE_STEPS * pieces)
+
+    first, pieces = ops._tail_split(4096, 132, 128)
+    assert first == 4092 and 2 <= pieces <= ops.TAIL_MAX_PIECES and model(4096, 128, pieces) <= 128 / 5
+    first, pieces = ops._tail_split(2048, 132, 205)
+    assert first == 1980 and 3 <= pieces <= 8 and model(2048, 205, pieces) <= 0.75 * 205
+    assert all(model(2048, 205, pieces) <= model(2048, 205, other) for other in range(2, 33))
+    assert ops._tail_split(31 * 132, 132, 128) == (0, 1)  # whole waves
+    assert ops._tail_split(2048, 132, 4) == (0, 1)  # 32 x 512 tokens, 16 heads
+    assert ops._tail_split(512, 132, 205) == (0, 1)  # 116 of 132 SMs busy in the last wave
+    assert ops._tail_split(0, 132, 0) == (0, 1)
+
+
+def test_hopper_backward_plan_tail_split(recording, monkeypatch):
+    """With build.BWD_TAIL_SPLIT = 1 the dense hd64 backward at 2K tokens, 9 heads (144 tiles on 132 SMs) runs its 12
+    tail tiles in pieces: the `_tail` kernel, BwdParams' tail fields from ops._tail_split, one CTA per SM, a zero-filled
+    int per tail tile and the pieces' fp32 sums (2 warpgroups x 128 threads x 64 floats each) as workspaces of the
+    plan; the causal call (its own kernel) and 8 heads (128 tiles: one wave): no tail fields; the switch off: the
+    plain kernel."""
+    from flashtrain.kernels import ops
+
+    arch, _ = recording
+    if arch != "sm_90a":
+        pytest.skip("the Hopper backward")
+    b, s, h, d = 1, 2048, 9, 64
+    q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.zeros(b, h, s)
+
+    def plan(causal=False, heads=h):
+        x = q[:, :, :heads]
+        result = ops._bwd_plan(x, x, x, x, x, lse[:, :heads], None, None, s, s, 0.0, 0.125, causal, False, None)
+        main = result.launches[1]
+        return _SYMBOLS[main.kernel.handle.value], main, result.outputs
+
+    monkeypatch.setattr(build, "BWD_TAIL_SPLIT", 1)
+    first, pieces = ops._tail_split(144, 132, 16)
+    assert (first, pieces) != (0, 1)
+    name, main, outputs = plan()
+    assert name == "flash_bwd_sm90_hdim64_bf16_tail" and main.grid == (132, 1, 1)
+    assert (main.params.bwd.tail_first, main.params.bwd.tail_pieces) == (first, pieces) == (132, pieces)
+    assert outputs[-2:] == [((12,), torch.int32, ops._FILL_ZERO), ((12 * pieces * 2 * 128 * 64,), torch.float32,
+                                                                   ops._FILL_NONE)]
+    offsets = {offset for offset, *_ in main.addresses}
+    assert {ops._offset(type(main.params), f"bwd.tail_{name}") for name in ("counters", "partials")} <= offsets
+    for name, main, outputs in (plan(causal=True), plan(heads=8)):
+        assert main.params.bwd.tail_pieces in (0, 1) and len(outputs) == 4, name
+    assert plan(causal=True)[0] == "flash_bwd_sm90_hdim64_bf16_causal"
+    monkeypatch.setattr(build, "BWD_TAIL_SPLIT", 0)
+    name, main, outputs = plan()
+    assert name == "flash_bwd_sm90_hdim64_bf16" and main.params.bwd.tail_pieces == 0 and len(outputs) == 4

@@ -65,8 +65,12 @@ def test_dispatch_table_covers_every_instantiation_once():
     assert sum(name.endswith("_mods_nocap") for name in names) == nocap
     # (at head dim 128 on 64-query blocks with S^T onto the lse term: `_mods_window_lsebias`)
     assert sum(name.endswith(("_mods_window", "_mods_window_lsebias")) for name in names) == window
+    # the dense non-causal backward with the tail split (BWD_TAIL_SPLIT): head dims 64, 128 and the narrowed 80, 96, x
+    # dtype x dropout
+    hopper_tail = (2 + len(build.SM90_NARROW_HEAD_DIMS)) * 2 * 2
+    assert sum(name.endswith("_tail") for name in names) == hopper_tail
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
-              + hopper_q80 + hopper_mods)
+              + hopper_q80 + hopper_mods + hopper_tail)
     cross_entropy = len(build.CE_DTYPES)  # the fused cross-entropy, one module per logits dtype
     # the mma.sync forward and backward with score modifications (window, softcap, ALiBi): head dims x dtype x causal
     local_softcap = 2 * dense * 2 * 2

@@ -878,9 +878,9 @@ def bwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
 
 def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False, block_sparse: bool = False,
                     deterministic: bool = False, head_dim_eff: int | None = None,
-                    seqlen_q: int | None = None) -> KernelSpec:
+                    seqlen_q: int | None = None, tail_split: bool | None = None) -> KernelSpec:
     """head_dim_eff: one of SM90_NARROW_HEAD_DIMS on the hd128 tiles (dense, not deterministic); None or head_dim:
-    all."""
+    all. tail_split: the tail-split variant where there is one (None: BWD_TAIL_SPLIT decides)."""
     tiles = BWD_SM90_TILES[head_dim]
     head_dim_eff = None if head_dim_eff == head_dim else head_dim_eff
     if not tiles.supports(dropout, block_sparse, deterministic):
@@ -897,8 +897,24 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
         tiles = BWD_SM90_HD192_REG_DQ
     if head_dim == 128 and plain and _bwd_q80(causal, seqlen_q, head_dim_eff):
         tiles = _dq_frag_choice(BWD_SM90_DENSE128_TILES, causal, head_dim_eff or head_dim, False)
+    tail_split = (bool(BWD_TAIL_SPLIT if tail_split is None else tail_split)
+                  and not (causal or block_sparse or deterministic) and head_dim <= 128 and tiles.persistent)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
-                          head_dim_eff or head_dim, lse_bias=_bwd_lse_bias_rule(head_dim, head_dim_eff, plain, tiles))
+                          head_dim_eff or head_dim, lse_bias=_bwd_lse_bias_rule(head_dim, head_dim_eff, plain, tiles),
+                          tail_split=tail_split)
+
+
+# The Hopper backward's tail split (flash_bwd_sm90.cuh FT_BWD_TAIL_SPLIT; ops._tail_split picks the pieces): the
+# dense non-causal kernels of head dims up to 128 (not block-sparse or deterministic; dropout too) run the last,
+# partial wave of a launch's tiles as pieces over their query blocks, so that the SMs the last wave leaves idle share
+# its work. Not yet measured on a GPU, so off by default. BWD_TAIL_SPLIT = 1 (FLASHTRAIN_BWD_TAIL_SPLIT=1 at import,
+# or ab_probe.py flashtrain@build.BWD_TAIL_SPLIT=1; read at plan time): on.
+BWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_BWD_TAIL_SPLIT", "0"))
+
+
+def bwd_tail_split(spec: KernelSpec) -> bool:
+    """Whether this backward kernel runs a launch's tail tiles in pieces (BwdParams' tail fields; ops._tail_split)."""
+    return ("FT_BWD_TAIL_SPLIT", 1) in spec.defines
 
 
 # The Hopper backward kernels that accumulate S^T onto each query's lse term (flash_bwd_sm90.cuh kBiasS; the
@@ -985,18 +1001,24 @@ def bwd_sm90_mods_kernel(head_dim: int, dtype: str, causal: bool, mask_defines: 
 @functools.lru_cache(maxsize=None)
 def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool, deterministic: bool,
                    tiles: BwdSm90Tiles, head_dim_eff: int, score_mods: int = 0,
-                   mask_defines: tuple = (), lse_bias: bool = False) -> KernelSpec:
+                   mask_defines: tuple = (), lse_bias: bool = False, tail_split: bool = False) -> KernelSpec:
     """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi, 3 window (BwdSm90Traits' FT_SCORE_MODS).
-    lse_bias: S^T accumulated onto the lse term (BWD_SM90_LSE_BIAS; no score modifications but a window)."""
+    lse_bias: S^T accumulated onto the lse term (BWD_SM90_LSE_BIAS; no score modifications but a window). tail_split:
+    the launch's tail tiles in pieces (BWD_TAIL_SPLIT)."""
     if lse_bias and score_mods not in (0, 3):
         raise ValueError("lse_bias: softcap and ALiBi apply to the raw score")
+    if tail_split and (causal or block_sparse or deterministic or score_mods or head_dim > 128
+                       or not tiles.persistent):
+        raise ValueError("the tail split: dense non-causal persistent kernels of head dims up to 128, not "
+                         "deterministic, without score modifications")
     smem_bytes = tiles.smem_bytes(head_dim)
     name = (f"flash_bwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'_det' if deterministic else ''}{'' if tiles.persistent else '_grid'}"
             f"{'_q80' if tiles.swap_dq else ''}{'_dqrows' if tiles.swap_dq and not tiles.dq_frag else ''}"
             f"{'_n96' if tiles.split_keys else ''}{'_dqreg' if tiles.split_keys and not tiles.stage_dq else ''}"
             f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}"
-            f"{'_window' if score_mods == 3 else ''}{_mask_suffix(mask_defines)}{'_lsebias' if lse_bias else ''}")
+            f"{'_window' if score_mods == 3 else ''}{_mask_suffix(mask_defines)}{'_lsebias' if lse_bias else ''}"
+            f"{'_tail' if tail_split else ''}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
                ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
@@ -1012,6 +1034,8 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
         defines += (("FT_BWD_LEAN_ADDR", 1),)
     if lse_bias:  # (the other kernels' macros, hence their cache keys, stay as they were)
         defines += (("FT_BWD_LSE_BIAS", 1),)
+    if tail_split:  # (the same)
+        defines += (("FT_BWD_TAIL_SPLIT", 1),)
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
@@ -1118,6 +1142,10 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               for dropout in (False, True) for seqlen_q in (None, 1 << 20)
               if _fits(spec := bwd_sm90_kernel(128, dtype, causal, dropout, head_dim_eff=narrow, seqlen_q=seqlen_q),
                        smem_limit)]
+    specs += [spec for head_dim in (64, 128, *SM90_NARROW_HEAD_DIMS) for dtype in DTYPES  # tail split (BWD_TAIL_SPLIT)
+              for dropout in (False, True) for seqlen_q in (None, 1 << 20)
+              if _fits(spec := bwd_sm90_kernel(64 if head_dim == 64 else 128, dtype, False, dropout, seqlen_q=seqlen_q,
+                                               head_dim_eff=head_dim, tail_split=True), smem_limit)]
     specs += [spec for narrow in SM90_NARROW_HEAD_DIMS for dtype in DTYPES for causal in (False, True)  # ... forward
               for dropout in (False, True)
               for seqlen_q, seqlen_k in ((0, 0), (1, 0), (0, long_keys_seqlen(causal)))  # (hd128: no long-causal tiles)

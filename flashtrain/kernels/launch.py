@@ -72,6 +72,7 @@ class BwdParams(ctypes.Structure):
         ("dq_semaphore", _ptr), ("dq_sem_mblocks", _i32), ("dq_map_row0", _i32),
         ("dkv_accum", _ptr), ("dkv_split_stride", _i64), ("dkv_batch_stride", _i64), ("dkv_head_stride", _i64),
         ("kv_splits", _i32), ("dkv_cols", _i32),
+        ("tail_partials", _ptr), ("tail_counters", _ptr), ("tail_first", _i32), ("tail_pieces", _i32),
     ]
 
 

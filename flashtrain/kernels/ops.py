@@ -608,9 +608,21 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             8 * fwd.seqlen_q * head_dim * (nheads // nheads_kv // params.kv_splits), launch.sm_count(q.device),
             n_kblocks)
     grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)
+    n_units = n_tiles = math.prod(grid) * params.kv_splits
+    if hopper and build.bwd_tail_split(spec) and not varlen and params.kv_splits == 1:
+        # the last, partial wave's tiles in pieces over their query blocks (BwdParams' tail fields)
+        steps = nheads // nheads_kv * math.ceil(fwd.seqlen_q / tiles.block_m)
+        params.tail_first, params.tail_pieces = _tail_split(n_tiles, launch.sm_count(q.device), steps)
+        if params.tail_pieces > 1:
+            n_tail = n_tiles - params.tail_first
+            n_units = n_tiles + n_tail * (params.tail_pieces - 1)
+            outputs.append(((n_tail,), torch.int32, _FILL_ZERO))  # pieces done per tail tile
+            fields.append(("tail_counters", (_OUTPUT, len(outputs) - 1, 0)))
+            # per tail tile, piece and MMA warpgroup: its 128 threads' fp32 dK and dV sums, head_dim floats each
+            outputs.append(((n_tail * params.tail_pieces * 2 * 128 * head_dim,), torch.float32, _FILL_NONE))
+            fields.append(("tail_partials", (_OUTPUT, len(outputs) - 1, 0)))
     if hopper:  # tiles (key block, batch, kv head, GQA split) along x: at most one CTA per SM when persistent
-        n_tiles = math.prod(grid) * params.kv_splits
-        grid = (min(n_tiles, launch.sm_count(q.device)) if tiles.persistent else n_tiles, 1, 1)
+        grid = (min(n_units, launch.sm_count(q.device)) if tiles.persistent else n_tiles, 1, 1)
     maps, prefix = [], ""
     if hopper:  # the TMA kernel: tensor maps of q, k, v, dout, dk, dv, then the same parameters
         params, prefix = launch.BwdSm90Params(bwd=params), "bwd."
@@ -762,6 +774,35 @@ def _gqa_splits(group: int, seqlen_q: int, seqlen_k: int, tiles, causal: bool, n
         if group // splits * longest <= share / 4:
             return splits
     return group
+
+
+# The Hopper backward's tail split (build.BWD_TAIL_SPLIT, _tail_split): a piece's cost beyond its query blocks, in
+# query-block steps (its K / V copy, the pipeline's fill, its fp32 sums written), and per piece the cost of adding its
+# sums in the piece that completes the tile; a split is taken when it ends the launch at least TAIL_MIN_GAIN of a
+# tile's time earlier. (Estimates from the per-tile overheads of the timeline probe, ~3 us of ~250 us at hd128 16K:
+# not yet fitted to a measured split.)
+TAIL_PIECE_STEPS = 2.0
+TAIL_MERGE_STEPS = 0.5
+TAIL_MAX_PIECES = 32
+TAIL_MIN_GAIN = 0.1
+
+
+def _tail_split(n_tiles: int, sm_count: int, steps: int) -> tuple[int, int]:
+    """(tail_first, pieces) for a persistent launch of n_tiles equally long tiles of `steps` query-block steps each
+    on sm_count SMs: tiles tail_first .. n_tiles - 1, the last wave, which leaves the other SMs idle, run as `pieces`
+    pieces of steps / pieces query blocks each (the piece count that ends the launch earliest by the cost model
+    above); (0, 1): no split. E.g. the hd64 non-causal 16K backward, 4096 tiles of 128 steps on 132 SMs: 4 tail tiles
+    alone for a whole tile's time unless split."""
+    tail = n_tiles % sm_count if n_tiles > 0 and sm_count > 0 else 0
+    best, best_time = 1, float(steps)
+    for pieces in range(2, min(TAIL_MAX_PIECES, steps // 2) + 1):
+        waves = math.ceil(tail * pieces / sm_count)
+        time = waves * (math.ceil(steps / pieces) + TAIL_PIECE_STEPS + TAIL_MERGE_STEPS * pieces)
+        if time < best_time:
+            best, best_time = pieces, time
+    if tail == 0 or best == 1 or best_time > (1 - TAIL_MIN_GAIN) * steps:
+        return 0, 1
+    return n_tiles - tail, best
 
 
 # The plan builders as the C++ executor calls them (their inputs already aligned; the flat plan back).

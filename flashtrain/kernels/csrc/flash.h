@@ -150,6 +150,15 @@ struct BwdParams {
     float* dkv_accum;
     i64 dkv_split_stride, dkv_batch_stride, dkv_head_stride;
     int kv_splits, dkv_cols;
+    // Hopper backward, tail split (BwdSm90Traits::kTailSplit; ops._tail_split): tiles tail_first .. n_tiles - 1 (the
+    // launch's last, partial wave of equally long tiles) run as tail_pieces pieces each, a piece one run of the tile's
+    // query blocks. Each piece writes its fp32 dK / dV sums to tail_partials (per tail tile, piece and MMA warpgroup,
+    // in the threads' accumulator order) and counts itself in tail_counters (one int per tail tile, zero-filled per
+    // call); the piece that completes the count adds all pieces' sums in piece order and writes dK, dV. tail_pieces
+    // 0 or 1: no split.
+    float* tail_partials;
+    int* tail_counters;
+    int tail_first, tail_pieces;
 };
 
 // Parameters of the Hopper TMA backward (flash_bwd_sm90.cuh): tensor maps of q, k, v, dout, dk, dv, stats, dq (as

@@ -128,6 +128,13 @@
 #ifndef FT_BWD_TILE_RECORD
 #define FT_BWD_TILE_RECORD 1
 #endif
+// FT_BWD_TAIL_SPLIT (build.py BWD_TAIL_SPLIT, which also sets BwdParams' tail fields; default 0): the kernels of
+// BwdSm90Traits::kTailSplit run the last, partial wave of a launch's tiles as pieces over their query blocks
+// (BwdParams::tail_first / tail_pieces; bwd_unit_tile, QueryBlockWalk, tail_sum). A dense non-causal launch's tiles all
+// take the same time, so its last wave of n_tiles % SMs tiles otherwise leaves the other SMs idle for a whole tile.
+#ifndef FT_BWD_TAIL_SPLIT
+#define FT_BWD_TAIL_SPLIT 0
+#endif
 
 namespace flashtrain {
 
@@ -383,6 +390,10 @@ struct BwdSm90Traits {
           (!kScoreMods || (FT_BWD_MODS_DQ_FIRST && !kSoftcap && !kMaskMod))));
     // FT_BWD_SKIP_HIDDEN (the skipping step keeps no wgmma group across blocks: not with a deferred dQ)
     static constexpr bool kSkipHidden = FT_BWD_SKIP_HIDDEN && kDeferDq == 0;
+    // FT_BWD_TAIL_SPLIT: the dense non-causal persistent kernels whose MMA warpgroups own 64 keys each (head dims up to
+    // 128), not deterministic (its dQ turns are per key block)
+    static constexpr bool kTailSplit = FT_BWD_TAIL_SPLIT && FT_BWD_WALK_INC && kPersistent_ && !kIsCausal_ &&
+                                       !kIsDeterministic_ && !kIsBlockSparse_ && !kScoreMods && !kMaskMod && !kSplitHd;
     // The row statistics (lse for P^T, D for dS^T) of n8 tile j are read from shared memory kStatsAhead tiles before
     // their use (the first ones while the S^T / dP^T GEMMs finish), so that the FFMA / FADD consuming them do not wait
     // on the load (ncu, hd128 80-query blocks: those waits were 6-8% of the MMA warps' stall samples).
@@ -543,7 +554,24 @@ struct BwdTile {
     int n_block, n0, batch, head_kv, q_start, k_start, seqlen_q, seqlen_k, split;
     int q_pad;  // the sequence's first row in lse_log2 / softmax_d / dq_accum (utils.cuh padded_row_start)
     int group, heads;  // query heads per kv head; this tile's of them (group / kv_splits; QueryBlockWalk)
+    int piece;  // kTailSplit: the piece of a tail tile (its query blocks: QueryBlockWalk), -1 for a whole tile
+    int tail;   // kTailSplit, piece >= 0: the tile's index among the tail tiles (tile - tail_first)
 };
+// The scheduler hands out units: unit u < tail_first is tile u; kTailSplit, unit tail_first + r is piece r % tail_pieces
+// of tile tail_first + r / tail_pieces (n_tiles + (n_tiles - tail_first) (tail_pieces - 1) units in all).
+template <class T> __device__ __forceinline__ int bwd_unit_tile(const BwdParams& p, int unit, BwdTile& x) {
+    x.piece = -1;
+    if (T::kTailSplit && p.tail_pieces > 1 && unit >= p.tail_first) {
+        const int r = unit - p.tail_first;
+        x.piece = r % p.tail_pieces;
+        x.tail = r / p.tail_pieces;
+        return p.tail_first + x.tail;
+    }
+    return unit;
+}
+template <class T> __device__ __forceinline__ int bwd_units(const BwdParams& p, int n_tiles) {
+    return T::kTailSplit && p.tail_pieces > 1 ? n_tiles + (n_tiles - p.tail_first) * (p.tail_pieces - 1) : n_tiles;
+}
 // The fields of tile x that follow from x.n_block and x.batch (true: x has keys; varlen: key blocks past a short
 // sequence's end do nothing); and (bwd_tile_heads) the group's head counts, kernel-wide.
 template <class T> __device__ __forceinline__ bool bwd_tile_bounds(const BwdParams& p, BwdTile& x) {
@@ -672,6 +700,12 @@ template <class T> struct QueryBlockWalk {
         }
         n_mblocks = max_(0, m_block_end - m_block_min);
         n_iters = heads * n_mblocks;
+        if (T::kTailSplit && x.piece >= 0 && n_iters > 0) {
+            // a tail piece: steps [lo, hi) of the tile's walk, counted from 0 (FT_BWD_WALK_INC: from m_i, head_i)
+            const int pieces = params.tail_pieces, lo = x.piece * n_iters / pieces;
+            n_iters = (x.piece + 1) * n_iters / pieces - lo;
+            m_i = lo % n_mblocks, head_i = lo / n_mblocks;
+        }
         settle();
     }
     __device__ __forceinline__ void next() {
@@ -739,8 +773,9 @@ template <class T> struct BwdSm90Smem {
         else
             bwd_tile_heads(*p, x);
     }
-    // The producer's side: publish tile (-1: no more) and, FT_BWD_TILE_RECORD, its record in slot i (the slot is
-    // free: tile_empty waited for; tile_full's arrive orders these stores before the readers' loads).
+    // The producer's side: publish tile (the scheduler's unit: bwd_unit_tile; -1: no more) and, FT_BWD_TILE_RECORD,
+    // its record in slot i (the slot is free: tile_empty waited for; tile_full's arrive orders these stores before
+    // the readers' loads).
     __device__ __forceinline__ void publish_tile(int i, int tile, const BwdTile& x) const {
         atomic_store_shared(tile_slot(i), tile);
         if (FT_BWD_TILE_RECORD && tile >= 0) {
@@ -765,10 +800,11 @@ template <class T> struct BwdSm90Smem {
         if constexpr (FT_BWD_TILE_RECORD)  // (unconditionally: no old fields kept live across the tile loop)
             x.n_block = (int)((u32)v[0] / T::kBlockN), x.batch = v[1], x.head_kv = v[2], x.split = v[3];
         if (tile >= 0) {
+            const int tile_index = bwd_unit_tile<T>(*p, tile, x);
             if constexpr (FT_BWD_TILE_RECORD) {
                 bwd_tile_bounds<T>(*p, x);
             } else {
-                bwd_tile<T>(*p, tile, n_kblocks, x);
+                bwd_tile<T>(*p, tile_index, n_kblocks, x);
             }
             tile_heads(x);
         }
@@ -832,6 +868,51 @@ __device__ __forceinline__ void store_cols(u32 src, u16* dst, i64 row_stride, in
             st_global_v4(dst + row * row_stride + col, v);
         }
     }
+}
+
+// kTailSplit, a tail piece's end (both MMA warpgroups, after their last GEMM; x.piece >= 0): the piece's fp32 dK / dV
+// sums go to its slot of tail_partials (per warpgroup w, float4 k of thread ctid at (k * 128 + ctid) * 4: dK's kDT
+// float4, then dV's), and one thread counts the piece in. The piece that completes the count (true) then holds in dk /
+// dv the sum of every piece's slot, added in piece order (the same bits whichever piece finishes last) and goes on to
+// the tile's epilogue; the others (false) are done with the tile.
+template <class T, int kDT>
+__device__ __forceinline__ bool tail_sum(const BwdParams& p, const BwdTile& x, int w, int ctid, float (&dk)[kDT][4],
+                                         float (&dv)[kDT][4]) {
+    const int tail = x.tail;
+    auto slot = [&](int piece) {
+        return p.tail_partials + ((i64)(tail * p.tail_pieces + piece) * T::kNMma + w) * (128 * 8 * kDT) + 4 * ctid;
+    };
+    float* mine = slot(x.piece);
+#pragma unroll
+    for (int j = 0; j < kDT; ++j) {
+        *reinterpret_cast<float4*>(mine + 512 * j) = make_float4(dk[j][0], dk[j][1], dk[j][2], dk[j][3]);
+        *reinterpret_cast<float4*>(mine + 512 * (kDT + j)) = make_float4(dv[j][0], dv[j][1], dv[j][2], dv[j][3]);
+    }
+    __threadfence();  // (this thread's sums are visible GPU-wide before the count below)
+    named_bar_sync(T::kBarEpilogue, 128 * T::kNMma);
+    bool last = false;
+    if (w == 0 && ctid == 0) {  // (the fence again: every thread's sums, ordered before it by the barrier, first)
+        __threadfence();
+        last = atomicAdd(p.tail_counters + tail, 1) == p.tail_pieces - 1;
+    }
+    if (!named_bar_sync_or(T::kBarEpilogue, 128 * T::kNMma, last)) return false;
+    __threadfence();  // (the other pieces' sums, counted in before, are read after the count)
+#pragma unroll
+    for (int j = 0; j < kDT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+#pragma unroll 1
+    for (int piece = 0; piece < p.tail_pieces; ++piece) {
+        const float* src = slot(piece);
+#pragma unroll
+        for (int j = 0; j < kDT; ++j) {
+            const float4 a = __ldcg(reinterpret_cast<const float4*>(src + 512 * j));
+            const float4 b = __ldcg(reinterpret_cast<const float4*>(src + 512 * (kDT + j)));
+            dk[j][0] += a.x, dk[j][1] += a.y, dk[j][2] += a.z, dk[j][3] += a.w;
+            dv[j][0] += b.x, dv[j][1] += b.y, dv[j][2] += b.z, dv[j][3] += b.w;
+        }
+    }
+    return true;
 }
 
 // The MMA warpgroups (head dims 64 / 128): warpgroup w owns keys [64 w, 64 w + 64) of each 128-key tile.
@@ -1339,6 +1420,13 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
         wgmma_wait<0>();
         fence_operand(acc_dk);
         fence_operand(acc_dv);
+        // kTailSplit, a tail piece: its sums to tail_partials; the piece that completes the tile writes dK, dV, the
+        // others go through the epilogue without its global stores (a `continue` here, as the GQA split's below, made
+        // ptxas allocate the query-block loop differently: hd128 80-query unmasked step 450 -> 659 SASS instructions,
+        // 41 spill instructions in the loop)
+        bool write = true;
+        if constexpr (T::kTailSplit)
+            if (x.piece >= 0) write = tail_sum<T>(p, x, w, ctid, acc_dk, acc_dv);
         if (p.kv_splits > 1) {
             // GQA split: this tile's fp32 partial sums (dK unscaled) straight from the accumulators (8-byte pairs),
             // reduce-added into one zero-filled copy per gradient (H200, 8K 32/8 causal at batch 1 and 4K 16/2:
@@ -1399,7 +1487,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
             // dK first, so that its staging and store overlap the dQ writer's last reduction.
             // (column blocks block_rows rows apart)
             auto store_rows = [&](const TmaDesc* desc, u32 tile, int block_rows) {
-                if (ctid == 0) {
+                if (ctid == 0 && write) {
                     const int row = x.k_start + x.n0 + 64 * w, batch = f.cu_seqlens_q != nullptr ? 0 : x.batch;
 #pragma unroll
                     for (int cb = 0; cb < kHeadDim / 64; ++cb)
@@ -1429,7 +1517,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
             store_acc<T::kIsBF16, TileDk>(sdK, dk1, srow + 16 * wwarp, 0, f.softmax_scale, lane);
             store_acc<T::kIsBF16, TileDv>(sdV, dv1, srow + 16 * wwarp, 0, 1.f, lane);
             named_bar_sync(T::kBarEpilogue + 1 + w, 128);
-            store_dkv_rows<T, 64, T::kHeadDimEff>(p, sdK, sdV, x, 64 * w, ctid, srow);
+            if (write) store_dkv_rows<T, 64, T::kHeadDimEff>(p, sdK, sdV, x, 64 * w, ctid, srow);
         }
         if constexpr (!T::kEarlyKv) {
             __syncwarp();
@@ -2131,27 +2219,32 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             tma_prefetch_desc(&params.tma_do);
             tma_prefetch_desc(&params.tma_stats);
             grid_dependency_wait();
-            // Persistent: tiles gridDim.x .. n_tiles - 1 from the counter, then one past the end per CTA (n_tiles
-            // fetches in all; the fetch of n_tiles - 1 is the launch's last, so it resets the counter to 0).
+            // Persistent: units (bwd_unit_tile; without a tail split, tiles) gridDim.x .. n_units - 1 from the
+            // counter, then one past the end per CTA (n_units fetches in all; the fetch of n_units - 1 is the
+            // launch's last, so it resets the counter to 0).
+            const int n_units = bwd_units<T>(p, n_tiles);
             auto next_tile = [&](int tile) {
                 if constexpr (!T::kPersistent) {
-                    return n_tiles;
+                    return n_units;
                 } else {
                     const int fetched = atomic_fetch_add(params.tile_counter, 1);
-                    if (fetched == n_tiles - 1) atomic_store(params.tile_counter, 0);
+                    if (fetched == n_units - 1) atomic_store(params.tile_counter, 0);
                     return fetched + (int)gridDim.x;
                 }
             };
             int gs = 0, tile_iter = 0;  // query blocks and tiles so far: stages and phases of the rings
             BwdTile x;
-            for (int tile = blockIdx.x;; tile = next_tile(tile)) {
-                if (tile < n_tiles && !bwd_tile<T>(p, tile, n_kblocks, x)) continue;
+            for (int tile = blockIdx.x;; tile = next_tile(tile)) {  // (tile: the unit)
+                if (tile < n_units) {
+                    const int tile_index = bwd_unit_tile<T>(p, tile, x);
+                    if (!bwd_tile<T>(p, tile_index, n_kblocks, x)) continue;
+                }
                 const int slot = tile_iter & 1;
                 mbar_wait(sm.tile_empty(slot), ((tile_iter >> 1) & 1) ^ 1);  // (the first two pass at once)
-                sm.publish_tile(slot, tile < n_tiles ? tile : -1, x);
+                sm.publish_tile(slot, tile < n_units ? tile : -1, x);
                 mbar_arrive(sm.tile_full(slot));
                 FT_TIMELINE_MARK(0, tile_iter, 2);
-                if (tile >= n_tiles) break;
+                if (tile >= n_units) break;
                 const int batch_coord = varlen ? 0 : x.batch;
                 // K / V once the MMA warps are done with the previous tile's (after this tile's first Q / dO copy,
                 // which so overlaps the previous tile's last block)

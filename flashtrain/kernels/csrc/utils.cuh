@@ -173,6 +173,14 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
 __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// named_bar_sync that also returns whether `pred` held in any of the `threads` threads (bar.red.or)
+__device__ __forceinline__ bool named_bar_sync_or(int id, int threads, bool pred) {
+    u32 any;
+    asm volatile(
+        "{ .reg .pred p, q; setp.ne.u32 p, %1, 0; bar.red.or.pred q, %2, %3, p; selp.u32 %0, 1, 0, q; }"
+        : "=r"(any) : "r"((u32)pred), "r"(id), "r"(threads) : "memory");
+    return any != 0;
+}
 __device__ __forceinline__ void st_global_v4(void* ptr, const u32 (&v)[4]) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
                  : "memory");
