@@ -323,6 +323,52 @@ def test_backward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen,
     ops.clear_plans()
 
 
+@pytest.mark.parametrize("head_dim, seqlen_q, seqlen_k, nheads, nheads_kv", [
+    (64, 1000, 1000, 6, 6), (128, 700, 1100, 4, 2), (80, 1024, 1024, 5, 5), (256, 500, 900, 3, 3)])
+def test_forward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen_q, seqlen_k, nheads, nheads_kv,
+                                                               monkeypatch):
+    """The Hopper forward with the launch's last tiles in pieces over their key blocks (build.FWD_TAIL_SPLIT = 1;
+    ops._tail_split forced to tails of 5 tiles and of every tile, in 2, 3 and one-block pieces; a partial last key
+    block, more keys than queries, GQA, a narrowed head dim): out and lse against the reference (and the gradients
+    through them), out / lse of two calls bitwise equal (the pieces merged in piece order) and within rounding of the
+    whole tiles' (FWD_TAIL_SPLIT = 0)."""
+    from flashtrain.kernels import build
+
+    if not _is_hopper():
+        pytest.skip("the tail split is the Hopper forward's")
+    ops, calls = _ops(), []
+    q, k, v, dout = _inputs((2, seqlen_q, nheads, head_dim), (2, seqlen_k, nheads_kv, head_dim), torch.bfloat16,
+                            seed=seqlen_k)
+
+    def forward(split, tail=None, pieces=None, reference=False):
+        monkeypatch.setattr(build, "FWD_TAIL_SPLIT", int(split))
+
+        def forced(n_tiles, sm_count, steps):
+            calls.append((n_tiles, steps))
+            return n_tiles - min(n_tiles, tail), min(pieces or steps, steps)
+
+        monkeypatch.setattr(ops, "_tail_split", forced)
+        ops.clear_plans()  # (a plan holds its kernel and tail split)
+        if reference:
+            return _check_against_reference(q, k, v, dout, causal=False)[:2]
+        return flash_attn_func(q, k, v, return_lse=True, impl="cuda")
+
+    out0, lse0 = forward(False)
+    assert not calls
+    for tail, pieces in ((5, 2), (5, 3), (10 ** 6, 3), (5, None)):
+        out, lse = forward(True, tail, pieces, reference=True)
+        spec = build.fwd_kernel(build.rounded_head_dim(head_dim, False, build.SM90_ARCH), "bf16", False, False,
+                                arch=build.SM90_ARCH, seqlen_q=seqlen_q, seqlen_k=seqlen_k, effective_head_dim=head_dim)
+        assert spec.name.endswith("_tail"), spec.name
+        assert calls[-1] == (2 * nheads * -(-seqlen_q // spec.block_m), -(-seqlen_k // spec.tiles.block_n)), calls
+        again = forward(True, tail, pieces)
+        assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), (tail, pieces)
+        assert (out.float() - out0.float()).abs().max() <= 2 ** -7 * out0.float().abs().max(), (tail, pieces)
+        torch.testing.assert_close(lse, lse0, atol=1e-3, rtol=1e-4)
+    monkeypatch.undo()
+    ops.clear_plans()
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_negative_softmax_scale_matches_reference(causal, head_dim):
@@ -832,7 +878,7 @@ def _sanitizer_grid() -> None:
     """A small grid of forward + backward calls covering every kernel path (on Hopper the warpgroup-MMA kernels too:
     head dims 40, 64, 128 with and without dropout, the dense hd128 backward's 80-query blocks, the causal hd128
     forward's two Q buffers, its long-key tiles, alone and in 2-CTA clusters, head dims 72 / 80 / 96 on the hd128
-    tiles narrowed to 80 / 96 columns, the dense backward's tail split), for compute-sanitizer."""
+    tiles narrowed to 80 / 96 columns, the dense kernels' tail split), for compute-sanitizer."""
     for head_dim, dtype, causal, dropout_p in [(64, torch.float16, False, 0.0), (128, torch.bfloat16, True, 0.1),
                                                 (96, torch.float16, True, 0.0), (256, torch.bfloat16, False, 0.0),
                                                 (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2),
@@ -873,11 +919,12 @@ def _sanitizer_grid() -> None:
             q, k, v, dout = _inputs((1, n, 2, 128), (1, n, 2, 128), torch.bfloat16)
             _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
     ops.clear_plans()
-    # the dense backward with its last tiles in pieces (build.BWD_TAIL_SPLIT; the split forced: 7 tail tiles in 3
-    # pieces, hd64 and the hd128 80-query blocks)
+    # the dense forward and backward with their last tiles in pieces (build.FWD_TAIL_SPLIT, BWD_TAIL_SPLIT; the split
+    # forced: 7 tail tiles in 3 pieces, hd64 and hd128)
     for head_dim in (64, 128):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(build, "BWD_TAIL_SPLIT", 1)
+            patch.setattr(build, "FWD_TAIL_SPLIT", 1)
             patch.setattr(ops, "_tail_split", lambda n_tiles, sm_count, steps: (n_tiles - 7, 3))
             ops.clear_plans()
             q, k, v, dout = _inputs((1, 1000, 4, head_dim), (1, 1000, 4, head_dim), torch.bfloat16)

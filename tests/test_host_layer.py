@@ -132,8 +132,8 @@ CASES = {
                               lengths=([0, 1, 170, 129], [0, 64, 96, 100]), mods=dict(window=(50, -1), alibi=(3, 4))),
     # a mask expression (mask_mod): document ids per sequence, the states of its 128-tiles
     "mask-mod": dict(shape_q=(2, 300, 4, 64), shape_k=(2, 300, 2, 64), causal=True, mask_mod=True),
-    # the Hopper backward's tail split (build.BWD_TAIL_SPLIT; ops._tail_split forced: 5 of 12 tiles in 2 pieces), its
-    # zero-filled counters and fp32 sums as workspaces
+    # the Hopper kernels' tail split (build.FWD_TAIL_SPLIT, BWD_TAIL_SPLIT; ops._tail_split forced: the last 5 tiles
+    # in 2 pieces), their zero-filled counters and fp32 partial results as workspaces
     "tail-split": dict(shape_q=(1, 300, 4, 64), shape_k=(1, 300, 4, 64), causal=False, tail_split=(5, 2)),
 }
 
@@ -147,6 +147,7 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case, monk
     if "tail_split" in spec:
         tail, pieces = spec["tail_split"]
         monkeypatch.setattr(ops.build, "BWD_TAIL_SPLIT", 1)
+        monkeypatch.setattr(ops.build, "FWD_TAIL_SPLIT", 1)
         monkeypatch.setattr(ops, "_tail_split", lambda n_tiles, sm_count, steps: (n_tiles - tail, pieces))
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(spec["shape_q"], generator=gen).to(torch.bfloat16)
@@ -455,3 +456,38 @@ def test_hopper_backward_plan_tail_split(recording, monkeypatch):
     monkeypatch.setattr(build, "BWD_TAIL_SPLIT", 0)
     name, main, outputs = plan()
     assert name == "flash_bwd_sm90_hdim64_bf16" and main.params.bwd.tail_pieces == 0 and len(outputs) == 4
+
+
+def test_hopper_forward_plan_tail_split(recording, monkeypatch):
+    """With build.FWD_TAIL_SPLIT = 1 the dense hd128 forward at 2K tokens, 9 heads (144 tiles of 128 rows on 132 SMs)
+    runs its 12 tail tiles in pieces over their 16 key blocks: the `_tail` kernel, FwdSm90Params' tail fields from
+    ops._tail_split, one CTA per SM, a zero-filled int per tail tile and consumer warpgroup and the pieces' fp32 rows
+    (O and lse: 64 + 2 floats per thread) as workspaces after out and lse; the causal call, dropout (whose bits are
+    addressed by key) or the switch off: no tail fields."""
+    from flashtrain.kernels import launch, ops
+
+    arch, _ = recording
+    if arch != "sm_90a":
+        pytest.skip("the Hopper forward")
+    b, s, h, d = 1, 2048, 9, 128
+    q = torch.zeros(b, s, h, d, dtype=torch.bfloat16)
+
+    def plan(causal=False, dropout_p=0.0):
+        result = ops._fwd_plan(q, q, q, None, None, s, s, dropout_p, 0.088, causal, None)
+        return _SYMBOLS[result.launches[0].kernel.handle.value], result.launches[0], result.outputs
+
+    monkeypatch.setattr(build, "FWD_TAIL_SPLIT", 1)
+    first, pieces = ops._tail_split(144, 132, 16)
+    assert first == 132 and pieces > 1
+    name, item, outputs = plan()
+    assert name == "flash_fwd_sm90_hdim128_bf16_tail" and item.grid == (132, 1, 1)
+    assert (item.params.tail_first, item.params.tail_pieces) == (first, pieces)
+    assert outputs[2:] == [((12 * 2,), torch.int32, ops._FILL_ZERO),
+                           ((12 * pieces * 2 * 128 * (64 + 2),), torch.float32, ops._FILL_NONE)]
+    assert {(ops._offset(launch.FwdSm90Params, f"tail_{name}"), ops._OUTPUT, index, 0)
+            for name, index in (("counters", 2), ("partials", 3))} <= set(item.addresses)
+    for name, item, outputs in (plan(causal=True), plan(dropout_p=0.1)):
+        assert item.params.tail_pieces == 0 and len(outputs) == 2 and not name.endswith("_tail"), name
+    monkeypatch.setattr(build, "FWD_TAIL_SPLIT", 0)
+    name, item, outputs = plan()
+    assert name == "flash_fwd_sm90_hdim128_bf16" and item.params.tail_pieces == 0 and len(outputs) == 2

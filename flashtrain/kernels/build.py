@@ -708,7 +708,7 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
         for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k, narrow),
                       FWD_SM90_TILES[head_dim]):
             spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles,
-                                  head_dim_eff=narrow)
+                                  head_dim_eff=narrow, tail_split=_fwd_tail_split(head_dim, causal, dropout, block_sparse, tiles))
             if _fits(spec, smem_limit):  # (under a capped limit the non-causal tiles may not fit, the others may)
                 return spec
     return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
@@ -790,21 +790,46 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
 
 def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
                     block_sparse: bool = False, seqlen_q: int = 0, seqlen_k: int = 0,
-                    head_dim_eff: int | None = None) -> KernelSpec:
-    """head_dim_eff: one of SM90_NARROW_HEAD_DIMS on the hd128 tiles (no block mask); None or head_dim: all columns."""
-    return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse,
-                          fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k, head_dim_eff),
-                          head_dim_eff=head_dim_eff)
+                    head_dim_eff: int | None = None, tail_split: bool | None = None) -> KernelSpec:
+    """head_dim_eff: one of SM90_NARROW_HEAD_DIMS on the hd128 tiles (no block mask); None or head_dim: all columns.
+    tail_split: the tail-split variant where there is one (None: FWD_TAIL_SPLIT decides)."""
+    tiles = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k, head_dim_eff)
+    return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles, head_dim_eff=head_dim_eff,
+                          tail_split=_fwd_tail_split(head_dim, causal, dropout, block_sparse, tiles, tail_split))
+
+
+def _fwd_tail_split(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, tiles: FwdSm90Tiles,
+                    on: bool | None = None) -> bool:
+    """Whether a Hopper forward on these tiles takes the tail split (on: None, FWD_TAIL_SPLIT decides)."""
+    return (bool(FWD_TAIL_SPLIT if on is None else on) and not (causal or dropout or block_sparse)
+            and head_dim <= 256 and tiles.cluster == 1 and tiles.q_buffers == 1)
+
+
+# The Hopper forward's tail split (flash_fwd_sm90.cuh FT_FWD_TAIL_SPLIT; ops._tail_split picks the pieces): the dense
+# non-causal one-CTA kernels with one Q buffer (head dims up to 256, no dropout; not the 2-CTA cluster kernels) run
+# the last, partial wave of a launch's tiles as pieces over their key blocks, merged by the piece that ends last, as
+# the backward's BWD_TAIL_SPLIT does over query blocks. Not yet measured on a GPU, so off by default. FWD_TAIL_SPLIT = 1
+# (FLASHTRAIN_FWD_TAIL_SPLIT=1 at import, or ab_probe.py flashtrain@build.FWD_TAIL_SPLIT=1; read at plan time): on.
+FWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_FWD_TAIL_SPLIT", "0"))
+
+
+def fwd_tail_split(spec: KernelSpec) -> bool:
+    """Whether this forward kernel runs a launch's tail tiles in pieces (FwdSm90Params' tail fields)."""
+    return ("FT_FWD_TAIL_SPLIT", 1) in spec.defines
 
 
 @functools.lru_cache(maxsize=None)
 def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool,
                    tiles: FwdSm90Tiles, score_mods: int = 0, mask_defines: tuple = (),
-                   head_dim_eff: int | None = None) -> KernelSpec:
+                   head_dim_eff: int | None = None, tail_split: bool = False) -> KernelSpec:
     """score_mods: 0 none, 1 window / softcap / ALiBi, 2 window / ALiBi, 3 window (FwdSm90Traits' FT_SCORE_MODS);
     head_dim_eff: the columns of MMA work (one of SM90_NARROW_HEAD_DIMS of 128, without block mask or score
-    modifications; None: head_dim)."""
+    modifications; None: head_dim); tail_split: the launch's tail tiles in pieces (FWD_TAIL_SPLIT)."""
     head_dim_eff = head_dim_eff or head_dim
+    if tail_split and (causal or dropout or block_sparse or score_mods or head_dim > 256 or tiles.cluster > 1
+                       or tiles.q_buffers > 1):
+        raise ValueError("the forward's tail split: dense non-causal one-CTA kernels with one Q buffer, head dims up "
+                         "to 256, without dropout or score modifications")
     if head_dim_eff != head_dim and (head_dim != 128 or head_dim_eff not in SM90_NARROW_HEAD_DIMS or block_sparse
                                      or score_mods or tiles.cluster > 1):
         raise ValueError(f"no Hopper forward of head dim {head_dim} narrowed to {head_dim_eff} "
@@ -818,7 +843,7 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
             f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}"
             f"{'' if tiles.cluster == 1 else f'_c{tiles.cluster}'}"
             f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}"
-            f"{'_window' if score_mods == 3 else ''}{_mask_suffix(mask_defines)}")
+            f"{'_window' if score_mods == 3 else ''}{_mask_suffix(mask_defines)}{'_tail' if tail_split else ''}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
                ("FT_Q_BUFFERS", tiles.q_buffers),
@@ -831,6 +856,8 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
         defines += (("FT_HEAD_DIM_EFF", head_dim_eff),)
     if tiles.cluster > 1:  # (likewise)
         defines += (("FT_CLUSTER", tiles.cluster),)
+    if tail_split:  # (likewise)
+        defines += (("FT_FWD_TAIL_SPLIT", 1),)
     return KernelSpec("flash_fwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
@@ -1146,6 +1173,11 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               for dropout in (False, True) for seqlen_q in (None, 1 << 20)
               if _fits(spec := bwd_sm90_kernel(64 if head_dim == 64 else 128, dtype, False, dropout, seqlen_q=seqlen_q,
                                                head_dim_eff=head_dim, tail_split=True), smem_limit)]
+    specs += [spec for head_dim in (*(d for d in FWD_SM90_TILES if d <= 256), *SM90_NARROW_HEAD_DIMS)  # ... forward
+              for dtype in DTYPES for seqlen_k in (0, FWD_SM90_CLUSTER_SEQLEN)  # (the one-CTA long-key tiles too)
+              if _fits(spec := fwd_sm90_kernel(head_dim if head_dim in FWD_SM90_TILES else 128, dtype, False,
+                                               seqlen_k=seqlen_k, head_dim_eff=head_dim, tail_split=True), smem_limit)
+              and fwd_tail_split(spec)]
     specs += [spec for narrow in SM90_NARROW_HEAD_DIMS for dtype in DTYPES for causal in (False, True)  # ... forward
               for dropout in (False, True)
               for seqlen_q, seqlen_k in ((0, 0), (1, 0), (0, long_keys_seqlen(causal)))  # (hd128: no long-causal tiles)

@@ -53,11 +53,13 @@ class FwdParams(ctypes.Structure):
 
 class FwdSm90Params(ctypes.Structure):
     """csrc/flash.h FwdSm90Params: four 128-byte tensor maps (q, k, v, out), FwdParams (from 512), the tile counter,
-    then padding to a multiple of the struct's 64-byte alignment (the driver copies that many bytes)."""
+    the tail split's fields, then padding to a multiple of the struct's 64-byte alignment (the driver copies that many
+    bytes)."""
 
     _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("tma_o", TmaDesc), ("fwd", FwdParams),
-                ("tile_counter", _ptr),
-                ("pad_", ctypes.c_uint8 * (-(4 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(FwdParams) + 8) % 64))]
+                ("tile_counter", _ptr), ("tail_partials", _ptr), ("tail_counters", _ptr), ("tail_first", _i32),
+                ("tail_pieces", _i32),
+                ("pad_", ctypes.c_uint8 * (-(4 * ctypes.sizeof(TmaDesc) + ctypes.sizeof(FwdParams) + 32) % 64))]
 
 
 class BwdParams(ctypes.Structure):

@@ -423,7 +423,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                          bs_rows=bs_rows, window=window, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask,
                          mm_states=mm_states)
-    grid = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
+    grid = grid_tiles = (math.ceil(params.seqlen_q / spec.block_m), params.batch, params.nheads)
     if spec.persistent:  # at most one CTA per SM, each taking tiles from the dynamic scheduler
         grid = (min(math.prod(grid), launch.sm_count(q.device)), 1, 1)
         cluster = getattr(spec.tiles, "cluster", 1)
@@ -449,13 +449,27 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     fields = (("q", _INPUT, 0), ("k", _INPUT, 1), ("v", _INPUT, 2), ("out", _OUTPUT, 0), ("lse", _OUTPUT, 1),
               ("cu_seqlens_q", _INPUT, 3), ("cu_seqlens_k", _INPUT, 4), ("rng_state", _INPUT, 5),
               ("bs_rows", _INPUT, 6), ("alibi_slopes", _INPUT, 8))
-    item = _Launch(kernel, grid, params, [(_offset(type(params), prefix + name), source, index, 0)
-                                          for name, source, index in fields], maps)
+    addresses = [(_offset(type(params), prefix + name), source, index, 0) for name, source, index in fields]
+    outputs = [(shape, dtype, _FILL_NONE) for shape, dtype in outputs]
+    if build.fwd_tail_split(spec) and not varlen:  # the last, partial wave's tiles in pieces over their key blocks
+        n_tiles = math.prod(grid_tiles)
+        params.tail_first, params.tail_pieces = _tail_split(n_tiles, launch.sm_count(q.device),
+                                                            math.ceil(params.fwd.seqlen_k / spec.tiles.block_n))
+        if params.tail_pieces > 1:
+            n_tail, consumers = n_tiles - params.tail_first, spec.block_m // 64
+            outputs.append(((n_tail * consumers,), torch.int32, _FILL_ZERO))  # warpgroups done per tail tile
+            # per tail tile, piece and consumer warpgroup: its 128 threads' fp32 O (head_dim / 2) and lse (2)
+            outputs.append(((n_tail * params.tail_pieces * consumers * 128 * (head_dim // 2 + 2),), torch.float32,
+                            _FILL_NONE))
+            addresses += [(_offset(launch.FwdSm90Params, "tail_counters"), _OUTPUT, 2, 0),
+                          (_offset(launch.FwdSm90Params, "tail_partials"), _OUTPUT, 3, 0)]
+            grid = (min(n_tiles + n_tail * (params.tail_pieces - 1), launch.sm_count(q.device)), 1, 1)
+    item = _Launch(kernel, grid, params, addresses, maps)
     if mask is not None:  # inputs 9, 10, 11.. (the mma.sync kernel: FwdParams itself)
         item.addresses += _mask_addresses(type(params), prefix, 9, len(mask.tensors))
     if spec.persistent:
         item.tile_counter_offset = _offset(launch.FwdSm90Params, "tile_counter")
-    return _Plan([(shape, dtype, _FILL_NONE) for shape, dtype in outputs], [item])
+    return _Plan(outputs, [item])
 
 
 def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -972,7 +986,7 @@ def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_s
         window, softcap, alibi_slopes, mask_mod, mm_states, mm_tensors))
     # (the C++ executor's inputs, in order: the mask's four tensor slots too)
     out, lse = _execute(plan, [q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state, bs_rows, None, alibi_slopes,
-                               mm_states, mm_error, *mm_tensors, *[None] * (4 - len(mm_tensors))])
+                               mm_states, mm_error, *mm_tensors, *[None] * (4 - len(mm_tensors))])[:2]
     return out, lse
 
 

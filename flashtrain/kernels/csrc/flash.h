@@ -120,6 +120,14 @@ struct FwdSm90Params {
     TmaDesc tma_o;  // out, boxes of 64 rows (a consumer warpgroup's): the epilogue's TMA stores
     FwdParams fwd;
     int* tile_counter;
+    // Tail split (FwdSm90Traits::kTailSplit; ops._tail_split), as BwdParams' over key blocks: tiles tail_first ..
+    // n_tiles - 1 run as tail_pieces runs of their key blocks each. Each consumer warpgroup of a piece writes its rows'
+    // fp32 O (normalized) and lse to tail_partials and counts itself in tail_counters (one int per tail tile and
+    // consumer warpgroup, zero-filled per call); the one that completes the count merges the pieces' rows in piece
+    // order and writes out and lse. tail_pieces 0 or 1: no split.
+    float* tail_partials;
+    int* tail_counters;
+    int tail_first, tail_pieces;
 };
 
 struct BwdParams {

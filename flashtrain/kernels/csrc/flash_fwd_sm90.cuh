@@ -110,6 +110,14 @@
 #ifndef FT_FWD_STATIC
 #define FT_FWD_STATIC 0
 #endif
+// FT_FWD_TAIL_SPLIT (build.py FWD_TAIL_SPLIT, which also sets FwdSm90Params' tail fields; default 0): the kernels of
+// FwdSm90Traits::kTailSplit run the last, partial wave of a launch's tiles as pieces over their key blocks
+// (fwd_unit_tile, fwd_piece_keys, tail_merge), as the backward's FT_BWD_TAIL_SPLIT does over query blocks: a dense
+// non-causal launch's tiles all take the same time, so its last wave otherwise leaves the other SMs idle for a tile.
+#ifndef FT_FWD_TAIL_SPLIT
+#define FT_FWD_TAIL_SPLIT 0
+#endif
+
 // The register epilogue (kDirectO) in 8-byte stores of whole sectors (0: 4-byte stores; A/B)
 #ifndef FT_FWD_O_SECTORS
 #define FT_FWD_O_SECTORS 1
@@ -241,10 +249,15 @@ struct FwdSm90Traits {
     static_assert(kCluster == 1 || (kCluster == 2 && kColBlocks == 2 && !kIsCausal_ && !kIsBlockSparse_ &&
                                     !kScoreMods_ && !kSplitD && kQBuffers_ == 1),
                   "2-CTA clusters: head dim 128, dense non-causal, no score modifications, one Q buffer");
+    // FT_FWD_TAIL_SPLIT: the dense non-causal one-CTA kernels with one Q buffer (head dims up to 256)
+    static constexpr bool kTailSplit = FT_FWD_TAIL_SPLIT && !kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_ &&
+                                       !kScoreMods_ && !kMaskMod_ && !kSplitD && kCluster_ == 1 && kQBuffers_ == 1;
     // Barriers after the tiles: full_q, empty_q, then full_k, empty_k, full_v, empty_v (kStages each), then the second
     // Q buffer's full_q, empty_q, then (clusters) peer_empty_k, peer_empty_v (kStages each); 8 bytes apiece. The
     // area's last 48 bytes per Q buffer: its tile record and slot.
     static constexpr int kBarrierBytes = 256;
+    static_assert(!FT_FWD_TAIL_SPLIT || 8 * (4 + 4 * kStages_) + 4 * kNConsumers <= kBarrierBytes - 48 * kQBuffers_,
+                  "barrier area: the tail split's unit copies");
     static_assert(8 * (4 + 4 * kStages + 2 * kStages * (kCluster > 1)) <= kBarrierBytes - 48 * kQBuffers,
                   "barrier area");
     // Q (kQBuffers), O staging (kSeparateO: the next tile's Q is copied while this tile's O is written), K and V
@@ -375,6 +388,110 @@ template <class T> __device__ __forceinline__ bool fwd_tile(const FwdParams& p, 
     return x.m0 < x.seqlen_q;  // varlen: blocks past a short sequence's end do nothing
 }
 
+// kTailSplit: the scheduler hands out units: unit u < tail_first is tile u (piece -1), unit tail_first + r is piece
+// r % tail_pieces of tile tail_first + r / tail_pieces (n_tiles + (n_tiles - tail_first) (tail_pieces - 1) units).
+template <class T> __device__ __forceinline__ int fwd_unit_tile(const FwdSm90Params& params, int unit, int& piece) {
+    piece = -1;
+    if (T::kTailSplit && params.tail_pieces > 1 && unit >= params.tail_first) {
+        const int r = unit - params.tail_first;
+        piece = r % params.tail_pieces;
+        return params.tail_first + r / params.tail_pieces;
+    }
+    return unit;
+}
+template <class T> __device__ __forceinline__ int fwd_units(const FwdSm90Params& params, int n_tiles) {
+    return T::kTailSplit && params.tail_pieces > 1
+               ? n_tiles + (n_tiles - params.tail_first) * (params.tail_pieces - 1) : n_tiles;
+}
+// A piece of tile x: its key blocks [lo, hi) of the tile's ceil(seqlen_k / kBlockN) (non-causal: all of them), evenly
+// split, as a tile of its own over the keys from block lo on: k_start and seqlen_k moved, its blocks 0 .. hi - lo - 1
+// (the key walk and the masks of the last block unchanged; no dropout, whose bits are addressed by key)
+template <class T> __device__ __forceinline__ void fwd_piece_keys(const FwdSm90Params& params, int piece, FwdTile& x) {
+    const int n = ceil_div(x.seqlen_k, T::kBlockN), pieces = params.tail_pieces;
+    const int lo = piece * n / pieces, hi = (piece + 1) * n / pieces;
+    x.k_start += lo * T::kBlockN;
+    x.seqlen_k = min_(x.seqlen_k, hi * T::kBlockN) - lo * T::kBlockN;
+    x.n_block_max = hi - lo;
+}
+
+// kTailSplit, a tail piece's epilogue (one consumer warpgroup cw; its threads' rows g and g + 8 as finish_row left
+// them: o normalized, an lse per row): the rows' fp32 O and lse go to the piece's slot of tail_partials (per tail tile,
+// piece and warpgroup; float4 k of thread ctid at (k * 128 + ctid) * 4, then its two lse at kDT * 512 + 2 ctid), and
+// one thread counts the warpgroup in (an int per tail tile and warpgroup). The warpgroup that completes the count
+// writes the rows' result over every piece, lse = log sum_j exp(lse_j) and O = sum_j exp(lse_j - lse) O_j, the pieces
+// added in piece order (the same bits whichever piece ends last), straight from the slots to out (4-byte stores of
+// column pairs), so that O's registers are free once stored: merging into them kept them live through the merge and
+// changed ptxas's allocation of the key-block loop (hd64: 0 -> 20 exponentials ahead of the P V wait; hd256: 832
+// bytes of spills).
+template <class T, int kDT>
+__device__ __forceinline__ void tail_merge(const FwdSm90Params& params, const FwdTile& x, int tail, int piece, int cw,
+                                           int ctid, int out_row0, const float (&o)[kDT][4], const float (&lse)[2]) {
+    const FwdParams& p = params.fwd;
+    constexpr int kFloats = 128 * (4 * kDT + 2);
+    auto slot = [&](int j) {
+        return params.tail_partials + ((i64)(tail * params.tail_pieces + j) * T::kNConsumers + cw) * kFloats;
+    };
+    float* mine = slot(piece);
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt)
+        *reinterpret_cast<float4*>(mine + 512 * dt + 4 * ctid) = make_float4(o[dt][0], o[dt][1], o[dt][2], o[dt][3]);
+    *reinterpret_cast<float2*>(mine + 512 * kDT + 2 * ctid) = make_float2(lse[0], lse[1]);
+    __threadfence();  // (this thread's rows are visible GPU-wide before the count below)
+    named_bar_sync(T::kBarEpilogue + cw, 128);
+    bool last = false;
+    if (ctid == 0) {  // (the fence again: every thread's rows, ordered before it by the barrier, first)
+        __threadfence();
+        last = atomicAdd(params.tail_counters + tail * T::kNConsumers + cw, 1) == params.tail_pieces - 1;
+    }
+    if (!named_bar_sync_or(T::kBarEpilogue + cw, 128, last)) return;
+    __threadfence();  // (the other pieces' rows, counted in before, are read after the count)
+    const int lane = ctid % 32, g = lane >> 2, t = lane & 3;
+    const int row = out_row0 + ctid / 32 * 16 + g;  // the thread's first row in the sequence (the second: row + 8)
+    float mx[2] = {-infinity(), -infinity()}, total[2] = {0.f, 0.f};
+#pragma unroll 1
+    for (int j = 0; j < params.tail_pieces; ++j) {
+        const float2 l = __ldcg(reinterpret_cast<const float2*>(slot(j) + 512 * kDT + 2 * ctid));
+        mx[0] = fmax_(mx[0], l.x), mx[1] = fmax_(mx[1], l.y);
+    }
+    // exp(lse_j - max) of piece j's two rows (0 for a row no piece saw a key of: its lse stays -inf, O 0)
+    auto weights = [&](int j, float (&w)[2]) {
+        const float2 l = __ldcg(reinterpret_cast<const float2*>(slot(j) + 512 * kDT + 2 * ctid));
+        w[0] = mx[0] == -infinity() ? 0.f : fast_exp2((l.x - mx[0]) * kLog2e);
+        w[1] = mx[1] == -infinity() ? 0.f : fast_exp2((l.y - mx[1]) * kLog2e);
+    };
+#pragma unroll 1
+    for (int j = 0; j < params.tail_pieces; ++j) {
+        float w[2];
+        weights(j, w);
+        total[0] += w[0], total[1] += w[1];
+    }
+    const float inv[2] = {total[0] > 0.f ? 1.f / total[0] : 0.f, total[1] > 0.f ? 1.f / total[1] : 0.f};
+    u16* out = (u16*)p.out + x.batch * p.o_batch_stride + (i64)(x.q_start + row) * p.o_row_stride +
+               x.head * p.o_head_stride + 2 * t;
+    const bool ok0 = row < x.seqlen_q && row >= 0, ok1 = row + 8 < x.seqlen_q && row + 8 >= 0;
+#pragma unroll 1
+    for (int dt = 0; dt < kDT; ++dt) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+        for (int j = 0; j < params.tail_pieces; ++j) {
+            float w[2];
+            weights(j, w);
+            const float4 a = __ldcg(reinterpret_cast<const float4*>(slot(j) + 512 * dt + 4 * ctid));
+            acc[0] = fmaf(w[0], a.x, acc[0]), acc[1] = fmaf(w[0], a.y, acc[1]);
+            acc[2] = fmaf(w[1], a.z, acc[2]), acc[3] = fmaf(w[1], a.w, acc[3]);
+        }
+        const bool col_ok = 8 * dt + 2 * t < p.head_dim;  // (the call's head dim; 2 t even: the pair is whole)
+        st_global_b32_if(ok0 && col_ok, out + 8 * dt, pack2<T::kIsBF16>(acc[0] * inv[0], acc[1] * inv[0]));
+        st_global_b32_if(ok1 && col_ok, out + 8 * p.o_row_stride + 8 * dt,
+                         pack2<T::kIsBF16>(acc[2] * inv[1], acc[3] * inv[1]));
+    }
+    if (t == 0) {
+        float* lse_out = p.lse + x.batch * p.lse_batch_stride + x.head * p.lse_head_stride + x.q_start;
+        if (ok0) lse_out[row] = total[0] > 0.f ? mx[0] + fast_log2(total[0]) / kLog2e : -infinity();
+        if (ok1) lse_out[row + 8] = total[1] > 0.f ? mx[1] + fast_log2(total[1]) / kLog2e : -infinity();
+    }
+}
+
 // The descriptor of a key-block step's operand kOperand (FT_FWD_DESC64's bit: 1 Q, 2 K, 4 V): in a step without a
 // mask (kUnmasked) the bits of FT_FWD_DESC64 pick the 64-bit add (form 2; form 3, on the masked address, in the
 // cluster kernels: FT_FWD_DESC64_CLUSTER), otherwise gmma_desc_at's form.
@@ -409,6 +526,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     // FT_FWD_TILE_RECORD=1: the producer also stores the tile's FwdTile fields (it computes them anyway) for the
     // consumers, whose eight warps would otherwise each redo its divisions and sequence bounds
     auto tile_record = [&](int b) { return bars + T::kBarrierBytes - 48 * b - 48; };
+    // kTailSplit: consumer warpgroup c's copy of its tile's unit, read again in the epilogue (after the tile's last S
+    // GEMM the producer may write the next unit to the slot), where the clusters' peer barriers would be
+    auto unit_copy = [&](int c) { return bars + 8 * (4 + 4 * kStages) + 4 * c; };
     auto full_k = [&](int s) { return bars + 8 * (2 + s); };
     auto empty_k = [&](int s) { return bars + 8 * (2 + kStages + s); };
     auto full_v = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
@@ -447,29 +567,40 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             tma_prefetch_desc(&params.tma_v);
             int it = 0, tile_iter = 0;  // key blocks and tiles so far: stage and phase of the rings
             // Varlen: the tiles past a short sequence's end are skipped here; the consumers see only real ones.
+            // (kTailSplit: units, fwd_unit_tile; otherwise units are tiles)
+            const int n_units = fwd_units<T>(params, n_tiles);
             auto next_tile = [&](int tile) {
                 if constexpr (T::kCluster > 1 || FT_FWD_STATIC) return tile + (int)gridDim.x;  // (static)
-                // n_tiles fetches in all (gridDim.x <= n_tiles): tiles gridDim.x .. n_tiles - 1, then one past the
-                // end per CTA; the fetch of n_tiles - 1 is the launch's last, so it resets the counter.
+                // n_units fetches in all (gridDim.x <= n_units): units gridDim.x .. n_units - 1, then one past the
+                // end per CTA; the fetch of n_units - 1 is the launch's last, so it resets the counter.
                 const int fetched = atomic_fetch_add(params.tile_counter, 1);
-                if (fetched == n_tiles - 1) atomic_store(params.tile_counter, 0);
+                if (fetched == n_units - 1) atomic_store(params.tile_counter, 0);
                 return fetched + (int)gridDim.x;
             };
             FwdTile x;
-            for (int tile = blockIdx.x;; tile = next_tile(tile)) {
-                if (tile < n_tiles && !fwd_tile<T>(p, tile, n_mblocks, x)) continue;
+            for (int tile = blockIdx.x;; tile = next_tile(tile)) {  // (tile: the unit)
+                if constexpr (T::kTailSplit) {
+                    if (tile < n_units) {
+                        int piece;
+                        const int tile_index = fwd_unit_tile<T>(params, tile, piece);
+                        if (!fwd_tile<T>(p, tile_index, n_mblocks, x)) continue;
+                        if (piece >= 0) fwd_piece_keys<T>(params, piece, x);  // (the record holds the piece's keys)
+                    }
+                } else if (tile < n_tiles && !fwd_tile<T>(p, tile, n_mblocks, x)) {
+                    continue;
+                }
                 const int qb = tile_iter % T::kQBuffers;
                 const u32 sQ = sQ0 + qb * TileQ::kBytes;
                 // the consumers' last S GEMM of the buffer's previous tile is done
                 mbar_wait(empty_q(qb), ((tile_iter / T::kQBuffers) & 1) ^ 1);
-                atomic_store_shared(tile_slot(qb), tile < n_tiles ? tile : -1);  // (ordered by empty_q / full_q)
-                if (FT_FWD_TILE_RECORD && tile < n_tiles) {
+                atomic_store_shared(tile_slot(qb), tile < n_units ? tile : -1);  // (ordered by empty_q / full_q)
+                if (FT_FWD_TILE_RECORD && tile < n_units) {
                     const int fields[9] = {x.m0,      x.batch,    x.head,     x.head_kv,    x.q_start,
                                            x.k_start, x.seqlen_q, x.seqlen_k, x.n_block_max};
 #pragma unroll
                     for (int i = 0; i < 9; ++i) atomic_store_shared(tile_record(qb) + 4 * i, fields[i]);
                 }
-                if (tile >= n_tiles) {
+                if (tile >= n_units) {
                     mbar_arrive(full_q(qb));  // no copy: the consumers read the end mark and stop
                     break;
                 }
@@ -562,6 +693,11 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             break;
         }
         FwdTile x;
+        // kTailSplit: a piece is a tile over its keys (fwd_piece_keys; the record holds them), and the unit is kept in
+        // shared memory for the epilogue (in registers through the key-block loop it changed ptxas's schedule of the
+        // loop: hd64, 0 -> 21 exponentials ahead of the P V wait). (Every thread stores the same word and reads its
+        // own store back.)
+        if constexpr (T::kTailSplit) st_shared_b32(unit_copy(cw), tile);
         if constexpr (FT_FWD_TILE_RECORD) {
             int fields[9];
 #pragma unroll
@@ -569,7 +705,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             x = FwdTile{fields[0], fields[1], fields[2], fields[3], fields[4],
                         fields[5], fields[6], fields[7], fields[8]};
         } else {
-            fwd_tile<T>(p, tile, n_mblocks, x);
+            int piece = -1;
+            fwd_tile<T>(p, T::kTailSplit ? fwd_unit_tile<T>(params, tile, piece) : tile, n_mblocks, x);
+            if (T::kTailSplit && piece >= 0) fwd_piece_keys<T>(params, piece, x);
         }
         const int m0 = x.m0, seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
         float o[kDT][4];
@@ -894,12 +1032,34 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         // Epilogue: out = O / l, lse = m * scale + ln(l); O from the registers (kDirectO) or staged through this
         // warpgroup's rows of the O buffer.
         float* lse = p.lse + x.batch * p.lse_batch_stride + x.head * p.lse_head_stride + x.q_start;
+        // kTailSplit: a tail piece writes out and lse only where it completes the tile (tail_merge)
+        bool write = true;
+        if constexpr (!T::kTailSplit) {
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const float sum = finish_row<T::kIsDropout>(o, hf, row_sum[hf], p.rp_dropout);
-            const int row = m0 + row0 + g + 8 * hf;
-            if (t == 0 && row < seqlen_q && row >= 0 && col0 == 0)
-                lse[row] = row_lse(sum, row_max[hf], p.softmax_scale);
+            for (int hf = 0; hf < 2; ++hf) {
+                const float sum = finish_row<T::kIsDropout>(o, hf, row_sum[hf], p.rp_dropout);
+                const int row = m0 + row0 + g + 8 * hf;
+                if (t == 0 && row < seqlen_q && row >= 0 && col0 == 0)
+                    lse[row] = row_lse(sum, row_max[hf], p.softmax_scale);
+            }
+        } else {
+            float row_lses[2];
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+                row_lses[hf] = row_lse(finish_row<T::kIsDropout>(o, hf, row_sum[hf], p.rp_dropout), row_max[hf],
+                                       p.softmax_scale);
+            int unit_piece;
+            const int unit_tile = fwd_unit_tile<T>(params, ld_shared_b32(unit_copy(cw)), unit_piece);
+            if (unit_piece >= 0) {  // (every tail piece: the one that completes the tile writes its result itself)
+                tail_merge<T>(params, x, unit_tile - params.tail_first, unit_piece, cw, ctid, m0 + wg_row0, o,
+                              row_lses);
+                write = false;
+            }
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = m0 + row0 + g + 8 * hf;
+                if (write && t == 0 && row < seqlen_q && row >= 0 && col0 == 0) lse[row] = row_lses[hf];
+            }
         }
         const int rows_valid = seqlen_q - m0 - wg_row0, rows_first = -(m0 + wg_row0);  // rows [rows_first, rows_valid)
         auto out_rows = [&]() {  // the warpgroup's first row of out (the register and 16-byte stores)
@@ -928,7 +1088,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int row = row0 - wg_row0 + g + 8 * hf;
-                const bool row_ok = row < rows_valid && row >= rows_first;
+                const bool row_ok = write && row < rows_valid && row >= rows_first;
                 u16* out_row = out + (i64)row * p.o_row_stride;
 #pragma unroll
                 for (int dp = 0; dp < kDT / 2; ++dp) {
@@ -944,7 +1104,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int row = row0 - wg_row0 + g + 8 * hf;
-                const bool row_ok = row < rows_valid && row >= rows_first;
+                const bool row_ok = write && row < rows_valid && row >= rows_first;
                 u16* out_row = out + (i64)row * p.o_row_stride;
                 if (cols >= T::kDCols) {
 #pragma unroll
@@ -978,7 +1138,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 // the previous one)
                 fence_proxy_async();
                 named_bar_sync(T::kBarEpilogue + cw, 128);
-                if (ctid == 0) {
+                if (ctid == 0 && write) {
 #pragma unroll
                     for (int cb = 0; cb < T::kColBlocks; ++cb)
                         tma_store_4d(&params.tma_o, sO + cb * kBlockM * 128 + cw * 64 * 128, cb * 64,
@@ -992,7 +1152,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 #pragma unroll
                 for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
                     const int chunk = e_ctid + i * 128, row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-                    if (row < rows_valid && row >= rows_first && col < p.head_dim) {
+                    if (write && row < rows_valid && row >= rows_first && col < p.head_dim) {
                         u32 v[4];
                         ld_shared_v4(TileQ::addr(sO, cw * 64 + row, col), v);
                         st_global_v4(out + row * p.o_row_stride + col, v);
