@@ -891,12 +891,12 @@ __device__ __forceinline__ bool tail_sum(const BwdParams& p, const BwdTile& x, i
     __threadfence();  // (this thread's sums are visible GPU-wide before the count below)
     named_bar_sync(T::kBarEpilogue, 128 * T::kNMma);
     bool last = false;
-    if (w == 0 && ctid == 0) {  // (the fence again: every thread's sums, ordered before it by the barrier, first)
-        __threadfence();
+    if (w == 0 && ctid == 0) {
+        __threadfence();  // (release: every thread's sums, ordered before this fence by the barrier)
         last = atomicAdd(p.tail_counters + tail, 1) == p.tail_pieces - 1;
+        __threadfence();  // (acquire: the other pieces' sums, counted in before, for every thread after the barrier)
     }
     if (!named_bar_sync_or(T::kBarEpilogue, 128 * T::kNMma, last)) return false;
-    __threadfence();  // (the other pieces' sums, counted in before, are read after the count)
 #pragma unroll
     for (int j = 0; j < kDT; ++j)
 #pragma unroll

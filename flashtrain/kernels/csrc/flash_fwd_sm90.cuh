@@ -439,12 +439,12 @@ __device__ __forceinline__ void tail_merge(const FwdSm90Params& params, const Fw
     __threadfence();  // (this thread's rows are visible GPU-wide before the count below)
     named_bar_sync(T::kBarEpilogue + cw, 128);
     bool last = false;
-    if (ctid == 0) {  // (the fence again: every thread's rows, ordered before it by the barrier, first)
-        __threadfence();
+    if (ctid == 0) {
+        __threadfence();  // (release: every thread's rows, ordered before this fence by the barrier)
         last = atomicAdd(params.tail_counters + tail * T::kNConsumers + cw, 1) == params.tail_pieces - 1;
+        __threadfence();  // (acquire: the other pieces' rows, counted in before, for every thread after the barrier)
     }
     if (!named_bar_sync_or(T::kBarEpilogue + cw, 128, last)) return;
-    __threadfence();  // (the other pieces' rows, counted in before, are read after the count)
     const int lane = ctid % 32, g = lane >> 2, t = lane & 3;
     const int row = out_row0 + ctid / 32 * 16 + g;  // the thread's first row in the sequence (the second: row + 8)
     float mx[2] = {-infinity(), -infinity()}, total[2] = {0.f, 0.f};
