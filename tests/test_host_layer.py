@@ -463,7 +463,7 @@ def test_hopper_forward_plan_tail_split(recording, monkeypatch):
     runs its 12 tail tiles in pieces over their 16 key blocks: the `_tail` kernel, FwdSm90Params' tail fields from
     ops._tail_split, one CTA per SM, a zero-filled int per tail tile and consumer warpgroup and the pieces' fp32 rows
     (O and lse: 64 + 2 floats per thread) as workspaces after out and lse; the causal call, dropout (whose bits are
-    addressed by key) or the switch off: no tail fields."""
+    addressed by key), the 192-key tiles of 8K keys or the switch off: no tail fields."""
     from flashtrain.kernels import launch, ops
 
     arch, _ = recording
@@ -488,6 +488,12 @@ def test_hopper_forward_plan_tail_split(recording, monkeypatch):
             for name, index in (("counters", 2), ("partials", 3))} <= set(item.addresses)
     for name, item, outputs in (plan(causal=True), plan(dropout_p=0.1)):
         assert item.params.tail_pieces == 0 and len(outputs) == 2 and not name.endswith("_tail"), name
+    # the 192-key hd128 tiles from 8K keys (2-CTA clusters, or one CTA at an odd count of query tiles): no split
+    n = build.FWD_SM90_CLUSTER_SEQLEN
+    for seqlen_q in (n, n + 128):
+        k = torch.zeros(1, seqlen_q, 3, d, dtype=torch.bfloat16)
+        item = ops._fwd_plan(k, k, k, None, None, seqlen_q, n, 0.0, 0.088, False, None).launches[0]
+        assert "128x192" in _SYMBOLS[item.kernel.handle.value] and item.params.tail_pieces == 0
     monkeypatch.setattr(build, "FWD_TAIL_SPLIT", 0)
     name, item, outputs = plan()
     assert name == "flash_fwd_sm90_hdim128_bf16" and item.params.tail_pieces == 0 and len(outputs) == 2

@@ -66,12 +66,10 @@ def test_dispatch_table_covers_every_instantiation_once():
     # (at head dim 128 on 64-query blocks with S^T onto the lse term: `_mods_window_lsebias`)
     assert sum(name.endswith(("_mods_window", "_mods_window_lsebias")) for name in names) == window
     # the dense non-causal kernels with the tail split (BWD_TAIL_SPLIT, FWD_TAIL_SPLIT): the backward at head dims 64,
-    # 128 and the narrowed 80, 96, x dtype x dropout; the forward without dropout at head dims 64-256 and 80, 96, and
-    # on the one-CTA long-key tiles (128, 80, 96), x dtype
+    # 128 and the narrowed 80, 96, x dtype x dropout; the forward without dropout at head dims 64-256 and 80, 96
+    # (not on the 192-key tiles), x dtype
     narrow = len(build.SM90_NARROW_HEAD_DIMS)
-    hopper_tail = (2 + narrow) * 2 * 2
-    hopper_tail += (sum(d <= 256 for d in build.FWD_SM90_TILES) + narrow + len(build.FWD_SM90_TILES_LONG_KEYS)
-                    * (1 + narrow)) * 2
+    hopper_tail = (2 + narrow) * 2 * 2 + (sum(d <= 256 for d in build.FWD_SM90_TILES) + narrow) * 2
     assert sum(name.endswith("_tail") for name in names) == hopper_tail
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
               + hopper_q80 + hopper_mods + hopper_tail)

@@ -802,11 +802,12 @@ def _fwd_tail_split(head_dim: int, causal: bool, dropout: bool, block_sparse: bo
                     on: bool | None = None) -> bool:
     """Whether a Hopper forward on these tiles takes the tail split (on: None, FWD_TAIL_SPLIT decides)."""
     return (bool(FWD_TAIL_SPLIT if on is None else on) and not (causal or dropout or block_sparse)
-            and head_dim <= 256 and tiles.cluster == 1 and tiles.q_buffers == 1)
+            and head_dim <= 256 and tiles.q_buffers == 1 and tiles.cluster == 1 and tiles.block_n <= 128)
 
 
 # The Hopper forward's tail split (flash_fwd_sm90.cuh FT_FWD_TAIL_SPLIT; ops._tail_split picks the pieces): the dense
-# non-causal one-CTA kernels with one Q buffer (head dims up to 256, no dropout; not the 2-CTA cluster kernels) run
+# non-causal one-CTA kernels with one Q buffer and key blocks of at most 128 (head dims up to 256, no dropout; not
+# the 192-key hd128 tiles, see the kernel's traits) run
 # the last, partial wave of a launch's tiles as pieces over their key blocks, merged by the piece that ends last, as
 # the backward's BWD_TAIL_SPLIT does over query blocks. Not yet measured on a GPU, so off by default. FWD_TAIL_SPLIT = 1
 # (FLASHTRAIN_FWD_TAIL_SPLIT=1 at import, or ab_probe.py flashtrain@build.FWD_TAIL_SPLIT=1; read at plan time): on.
@@ -826,10 +827,10 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     head_dim_eff: the columns of MMA work (one of SM90_NARROW_HEAD_DIMS of 128, without block mask or score
     modifications; None: head_dim); tail_split: the launch's tail tiles in pieces (FWD_TAIL_SPLIT)."""
     head_dim_eff = head_dim_eff or head_dim
-    if tail_split and (causal or dropout or block_sparse or score_mods or head_dim > 256 or tiles.cluster > 1
-                       or tiles.q_buffers > 1):
-        raise ValueError("the forward's tail split: dense non-causal one-CTA kernels with one Q buffer, head dims up "
-                         "to 256, without dropout or score modifications")
+    if tail_split and (causal or dropout or block_sparse or score_mods or head_dim > 256 or tiles.q_buffers > 1
+                       or tiles.cluster > 1 or tiles.block_n > 128):
+        raise ValueError("the forward's tail split: dense non-causal one-CTA kernels with one Q buffer and key blocks "
+                         "of at most 128, head dims up to 256, without dropout or score modifications")
     if head_dim_eff != head_dim and (head_dim != 128 or head_dim_eff not in SM90_NARROW_HEAD_DIMS or block_sparse
                                      or score_mods or tiles.cluster > 1):
         raise ValueError(f"no Hopper forward of head dim {head_dim} narrowed to {head_dim_eff} "
@@ -1174,9 +1175,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               if _fits(spec := bwd_sm90_kernel(64 if head_dim == 64 else 128, dtype, False, dropout, seqlen_q=seqlen_q,
                                                head_dim_eff=head_dim, tail_split=True), smem_limit)]
     specs += [spec for head_dim in (*(d for d in FWD_SM90_TILES if d <= 256), *SM90_NARROW_HEAD_DIMS)  # ... forward
-              for dtype in DTYPES for seqlen_k in (0, FWD_SM90_CLUSTER_SEQLEN)  # (the one-CTA long-key tiles too)
+              for dtype in DTYPES
               if _fits(spec := fwd_sm90_kernel(head_dim if head_dim in FWD_SM90_TILES else 128, dtype, False,
-                                               seqlen_k=seqlen_k, head_dim_eff=head_dim, tail_split=True), smem_limit)
+                                               head_dim_eff=head_dim, tail_split=True), smem_limit)
               and fwd_tail_split(spec)]
     specs += [spec for narrow in SM90_NARROW_HEAD_DIMS for dtype in DTYPES for causal in (False, True)  # ... forward
               for dropout in (False, True)

@@ -249,14 +249,18 @@ struct FwdSm90Traits {
     static_assert(kCluster == 1 || (kCluster == 2 && kColBlocks == 2 && !kIsCausal_ && !kIsBlockSparse_ &&
                                     !kScoreMods_ && !kSplitD && kQBuffers_ == 1),
                   "2-CTA clusters: head dim 128, dense non-causal, no score modifications, one Q buffer");
-    // FT_FWD_TAIL_SPLIT: the dense non-causal one-CTA kernels with one Q buffer (head dims up to 256)
+    // FT_FWD_TAIL_SPLIT: the dense non-causal one-CTA kernels without dropout, with one Q buffer and key blocks of at
+    // most 128 (head dims up to 256). Not the 192-key hd128 tiles (one-CTA and 2-CTA clusters): with any code after
+    // tail_merge's count (even one store), ptxas moved their loop's P V wait above every exponential (sm90_spills.py:
+    // 30 / 21 -> 0 / 0 exponentials ahead of it), out-of-line merge code included.
     static constexpr bool kTailSplit = FT_FWD_TAIL_SPLIT && !kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_ &&
-                                       !kScoreMods_ && !kMaskMod_ && !kSplitD && kCluster_ == 1 && kQBuffers_ == 1;
+                                       !kScoreMods_ && !kMaskMod_ && !kSplitD && kQBuffers_ == 1 && kCluster_ == 1 &&
+                                       kBlockN_ <= 128;
     // Barriers after the tiles: full_q, empty_q, then full_k, empty_k, full_v, empty_v (kStages each), then the second
     // Q buffer's full_q, empty_q, then (clusters) peer_empty_k, peer_empty_v (kStages each); 8 bytes apiece. The
     // area's last 48 bytes per Q buffer: its tile record and slot.
     static constexpr int kBarrierBytes = 256;
-    static_assert(!FT_FWD_TAIL_SPLIT || 8 * (4 + 4 * kStages_) + 4 * kNConsumers <= kBarrierBytes - 48 * kQBuffers_,
+    static_assert(!kTailSplit || 8 * (4 + 4 * kStages_) + 4 * kNConsumers <= kBarrierBytes - 48 * kQBuffers_,
                   "barrier area: the tail split's unit copies");
     static_assert(8 * (4 + 4 * kStages + 2 * kStages * (kCluster > 1)) <= kBarrierBytes - 48 * kQBuffers,
                   "barrier area");
