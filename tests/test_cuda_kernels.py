@@ -277,20 +277,23 @@ def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim, seqlen, nheads, nheads_kv, dropout_p", [
-    (64, 1024, 9, 9, 0.0), (128, 1040, 5, 5, 0.0), (96, 1000, 6, 3, 0.0), (64, 640, 6, 6, 0.1)])
+    (64, 1024, 9, 9, 0.0), (128, 1040, 5, 5, 0.0), (96, 1000, 6, 3, 0.0), (64, 640, 6, 6, 0.1),
+    (128, 1040, 16, 16, 0.0)])
 def test_backward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen, nheads, nheads_kv, dropout_p,
                                                                 monkeypatch):
     """The Hopper backward with the launch's last tiles in pieces over their query blocks (build.BWD_TAIL_SPLIT = 1;
     ops._tail_split forced to tails of 5 tiles and of every tile, in 2, 3 and one-block pieces, GQA pieces crossing a
-    query head, whose group is not split over tiles: ops._gqa_splits forced to 1): gradients against the reference; dk,
-    dv of two calls bitwise equal (the pieces' sums are added in piece order) and dq, dk, dv within bf16 rounding of
-    the whole tiles' (BWD_TAIL_SPLIT = 0)."""
+    query head, whose group is not split over tiles: ops._gqa_splits forced to 1; 144 and 288 tiles on 132 SMs:
+    CTAs that take whole tiles, then pieces): gradients against the reference; dk, dv of two calls bitwise equal (the
+    pieces' sums are added in piece order) and dq, dk, dv within bf16 rounding of the whole tiles' (BWD_TAIL_SPLIT =
+    0). The forward runs whole tiles (FWD_TAIL_SPLIT = 0, whatever the environment says)."""
     from flashtrain.kernels import build
 
     if not _is_hopper():
         pytest.skip("the tail split is the Hopper backward's")
     ops, calls = _ops(), []
     monkeypatch.setattr(ops, "_gqa_splits", lambda *args: 1)
+    monkeypatch.setattr(build, "FWD_TAIL_SPLIT", 0)
     q, k, v, dout = _inputs((2, seqlen, nheads, head_dim), (2, seqlen, nheads_kv, head_dim), torch.bfloat16,
                             seed=seqlen)
     gen = {} if dropout_p == 0 else {"generator_seed": 5}
@@ -323,22 +326,25 @@ def test_backward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen,
     ops.clear_plans()
 
 
-@pytest.mark.parametrize("head_dim, seqlen_q, seqlen_k, nheads, nheads_kv", [
-    (64, 1000, 1000, 6, 6), (128, 700, 1100, 4, 2), (80, 1024, 1024, 5, 5), (256, 500, 900, 3, 3)])
-def test_forward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen_q, seqlen_k, nheads, nheads_kv,
+@pytest.mark.parametrize("head_dim, seqlen_q, seqlen_k, nheads, nheads_kv, batch", [
+    (64, 1000, 1000, 6, 6, 2), (128, 700, 1100, 4, 2, 2), (80, 1024, 1024, 5, 5, 2), (256, 500, 900, 3, 3, 2),
+    (64, 1024, 1024, 16, 16, 4), (192, 1000, 1000, 12, 12, 2), (256, 1024, 1024, 16, 8, 2)])
+def test_forward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen_q, seqlen_k, nheads, nheads_kv, batch,
                                                                monkeypatch):
     """The Hopper forward with the launch's last tiles in pieces over their key blocks (build.FWD_TAIL_SPLIT = 1;
     ops._tail_split forced to tails of 5 tiles and of every tile, in 2, 3 and one-block pieces; a partial last key
-    block, more keys than queries, GQA, a narrowed head dim): out and lse against the reference (and the gradients
-    through them), out / lse of two calls bitwise equal (the pieces merged in piece order) and within rounding of the
-    whole tiles' (FWD_TAIL_SPLIT = 0)."""
+    block, more keys than queries, GQA, a narrowed head dim; 192-384 tiles on 132 SMs: CTAs that take whole tiles,
+    then pieces, the register epilogue of head dims 192 / 256 among them): out and lse against the reference (and the
+    gradients through them; the backward on whole tiles, BWD_TAIL_SPLIT = 0), out / lse of two calls bitwise equal
+    (the pieces merged in piece order) and within rounding of the whole tiles' (FWD_TAIL_SPLIT = 0)."""
     from flashtrain.kernels import build
 
     if not _is_hopper():
         pytest.skip("the tail split is the Hopper forward's")
     ops, calls = _ops(), []
-    q, k, v, dout = _inputs((2, seqlen_q, nheads, head_dim), (2, seqlen_k, nheads_kv, head_dim), torch.bfloat16,
-                            seed=seqlen_k)
+    monkeypatch.setattr(build, "BWD_TAIL_SPLIT", 0)
+    q, k, v, dout = _inputs((batch, seqlen_q, nheads, head_dim), (batch, seqlen_k, nheads_kv, head_dim),
+                            torch.bfloat16, seed=seqlen_k)
 
     def forward(split, tail=None, pieces=None, reference=False):
         monkeypatch.setattr(build, "FWD_TAIL_SPLIT", int(split))
@@ -360,7 +366,7 @@ def test_forward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen_q
         spec = build.fwd_kernel(build.rounded_head_dim(head_dim, False, build.SM90_ARCH), "bf16", False, False,
                                 arch=build.SM90_ARCH, seqlen_q=seqlen_q, seqlen_k=seqlen_k, effective_head_dim=head_dim)
         assert spec.name.endswith("_tail"), spec.name
-        assert calls[-1] == (2 * nheads * -(-seqlen_q // spec.block_m), -(-seqlen_k // spec.tiles.block_n)), calls
+        assert calls[-1] == (batch * nheads * -(-seqlen_q // spec.block_m), -(-seqlen_k // spec.tiles.block_n)), calls
         again = forward(True, tail, pieces)
         assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), (tail, pieces)
         assert (out.float() - out0.float()).abs().max() <= 2 ** -7 * out0.float().abs().max(), (tail, pieces)
@@ -920,14 +926,14 @@ def _sanitizer_grid() -> None:
             _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
     ops.clear_plans()
     # the dense forward and backward with their last tiles in pieces (build.FWD_TAIL_SPLIT, BWD_TAIL_SPLIT; the split
-    # forced: 7 tail tiles in 3 pieces, hd64 and hd128)
-    for head_dim in (64, 128):
+    # forced: 7 tail tiles in 3 pieces, hd64 and hd128, and the hd256 forward over 320 tiles)
+    for head_dim, nheads in ((64, 4), (128, 4), (256, 40)):  # (hd256: 320 tiles, the register epilogue)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(build, "BWD_TAIL_SPLIT", 1)
             patch.setattr(build, "FWD_TAIL_SPLIT", 1)
             patch.setattr(ops, "_tail_split", lambda n_tiles, sm_count, steps: (n_tiles - 7, 3))
             ops.clear_plans()
-            q, k, v, dout = _inputs((1, 1000, 4, head_dim), (1, 1000, 4, head_dim), torch.bfloat16)
+            q, k, v, dout = _inputs((1, 1000, nheads, head_dim), (1, 1000, nheads, head_dim), torch.bfloat16)
             _run(lambda q, k, v: flash_attn_func(q, k, v, return_lse=True, impl="cuda"), q, k, v, dout)
     ops.clear_plans()
     # the causal hd128 mods backward with a sliding window (64-query blocks, K / V released by a tile's last query

@@ -557,8 +557,8 @@ struct BwdTile {
     int piece;  // kTailSplit: the piece of a tail tile (its query blocks: QueryBlockWalk), -1 for a whole tile
     int tail;   // kTailSplit, piece >= 0: the tile's index among the tail tiles (tile - tail_first)
 };
-// The scheduler hands out units: unit u < tail_first is tile u; kTailSplit, unit tail_first + r is piece r % tail_pieces
-// of tile tail_first + r / tail_pieces (n_tiles + (n_tiles - tail_first) (tail_pieces - 1) units in all).
+// The scheduler hands out units: unit u < tail_first is tile u; kTailSplit, unit tail_first + r is piece
+// r % tail_pieces of tile tail_first + r / tail_pieces (n_tiles + (n_tiles - tail_first) (tail_pieces - 1) units).
 template <class T> __device__ __forceinline__ int bwd_unit_tile(const BwdParams& p, int unit, BwdTile& x) {
     x.piece = -1;
     if (T::kTailSplit && p.tail_pieces > 1 && unit >= p.tail_first) {
@@ -1425,8 +1425,16 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
         // ptxas allocate the query-block loop differently: hd128 80-query unmasked step 450 -> 659 SASS instructions,
         // 41 spill instructions in the loop)
         bool write = true;
-        if constexpr (T::kTailSplit)
-            if (x.piece >= 0) write = tail_sum<T>(p, x, w, ctid, acc_dk, acc_dv);
+        if constexpr (T::kTailSplit) {
+            if (x.piece >= 0) {
+                if constexpr (T::kEarlyKv) {  // (K / V are read no more: the next unit's copy does not wait for the sums)
+                    __syncwarp();
+                    if (lead_lane && !kv_released) mbar_arrive(sm.empty_kv);
+                    kv_released = true;
+                }
+                write = tail_sum<T>(p, x, w, ctid, acc_dk, acc_dv);
+            }
+        }
         if (p.kv_splits > 1) {
             // GQA split: this tile's fp32 partial sums (dK unscaled) straight from the accumulators (8-byte pairs),
             // reduce-added into one zero-filled copy per gradient (H200, 8K 32/8 causal at batch 1 and 4K 16/2:

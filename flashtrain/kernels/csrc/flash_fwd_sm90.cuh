@@ -260,7 +260,7 @@ struct FwdSm90Traits {
     // Q buffer's full_q, empty_q, then (clusters) peer_empty_k, peer_empty_v (kStages each); 8 bytes apiece. The
     // area's last 48 bytes per Q buffer: its tile record and slot.
     static constexpr int kBarrierBytes = 256;
-    static_assert(!kTailSplit || 8 * (4 + 4 * kStages_) + 4 * kNConsumers <= kBarrierBytes - 48 * kQBuffers_,
+    static_assert(!kTailSplit || 8 * (4 + 4 * kStages_) + 16 * kNConsumers <= kBarrierBytes - 48 * kQBuffers_,
                   "barrier area: the tail split's unit copies");
     static_assert(8 * (4 + 4 * kStages + 2 * kStages * (kCluster > 1)) <= kBarrierBytes - 48 * kQBuffers,
                   "barrier area");
@@ -530,9 +530,13 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     // FT_FWD_TILE_RECORD=1: the producer also stores the tile's FwdTile fields (it computes them anyway) for the
     // consumers, whose eight warps would otherwise each redo its divisions and sequence bounds
     auto tile_record = [&](int b) { return bars + T::kBarrierBytes - 48 * b - 48; };
-    // kTailSplit: consumer warpgroup c's copy of its tile's unit, read again in the epilogue (after the tile's last S
-    // GEMM the producer may write the next unit to the slot), where the clusters' peer barriers would be
-    auto unit_copy = [&](int c) { return bars + 8 * (4 + 4 * kStages) + 4 * c; };
+    // kTailSplit: a consumer warpgroup's copy of its tile's unit, read again in the epilogue (after the tile's last S
+    // GEMM the producer may write the next unit to the slot), where the clusters' peer barriers would be. The staged
+    // epilogue's barriers keep a warpgroup's warps from writing the next tile's unit before all have read this one's;
+    // the register epilogue (kDirectO: head dims 192 / 256) has none, so there each warp has a word of its own (its
+    // lanes run the tile's wgmmas together: none writes the next unit before all have read this one). (One word per
+    // warp everywhere moved hd128's loop: 12 / 12 -> 11 / 11 exponentials ahead of the P V wait.)
+    auto unit_copy = [&]() { return bars + 8 * (4 + 4 * kStages) + 4 * (T::kDirectO ? tid / 32 - 4 : wg - 1); };
     auto full_k = [&](int s) { return bars + 8 * (2 + s); };
     auto empty_k = [&](int s) { return bars + 8 * (2 + kStages + s); };
     auto full_v = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
@@ -699,9 +703,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         FwdTile x;
         // kTailSplit: a piece is a tile over its keys (fwd_piece_keys; the record holds them), and the unit is kept in
         // shared memory for the epilogue (in registers through the key-block loop it changed ptxas's schedule of the
-        // loop: hd64, 0 -> 21 exponentials ahead of the P V wait). (Every thread stores the same word and reads its
-        // own store back.)
-        if constexpr (T::kTailSplit) st_shared_b32(unit_copy(cw), tile);
+        // loop: hd64, 0 -> 21 exponentials ahead of the P V wait); every thread stores it (unit_copy).
+        if constexpr (T::kTailSplit) st_shared_b32(unit_copy(), tile);
         if constexpr (FT_FWD_TILE_RECORD) {
             int fields[9];
 #pragma unroll
@@ -1053,7 +1056,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 row_lses[hf] = row_lse(finish_row<T::kIsDropout>(o, hf, row_sum[hf], p.rp_dropout), row_max[hf],
                                        p.softmax_scale);
             int unit_piece;
-            const int unit_tile = fwd_unit_tile<T>(params, ld_shared_b32(unit_copy(cw)), unit_piece);
+            const int unit_tile = fwd_unit_tile<T>(params, ld_shared_b32(unit_copy()), unit_piece);
             if (unit_piece >= 0) {  // (every tail piece: the one that completes the tile writes its result itself)
                 tail_merge<T>(params, x, unit_tile - params.tail_first, unit_piece, cw, ctid, m0 + wg_row0, o,
                               row_lses);
