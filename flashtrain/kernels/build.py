@@ -707,8 +707,9 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
         narrow = None if block_sparse else sm90_narrow_width(head_dim, effective_head_dim)
         for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k, narrow),
                       FWD_SM90_TILES[head_dim]):
-            spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles,
-                                  head_dim_eff=narrow, tail_split=_fwd_tail_split(head_dim, causal, dropout, block_sparse, tiles))
+            tail_split = _fwd_tail_split(head_dim, causal, dropout, block_sparse, tiles)
+            spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles, head_dim_eff=narrow,
+                                  tail_split=tail_split)
             if _fits(spec, smem_limit):  # (under a capped limit the non-causal tiles may not fit, the others may)
                 return spec
     return _fwd_spec(head_dim, dtype, causal, dropout, block_sparse,
@@ -806,11 +807,11 @@ def _fwd_tail_split(head_dim: int, causal: bool, dropout: bool, block_sparse: bo
 
 
 # The Hopper forward's tail split (flash_fwd_sm90.cuh FT_FWD_TAIL_SPLIT; ops._tail_split picks the pieces): the dense
-# non-causal one-CTA kernels with one Q buffer and key blocks of at most 128 (head dims up to 256, no dropout; not
-# the 192-key hd128 tiles, see the kernel's traits) run
-# the last, partial wave of a launch's tiles as pieces over their key blocks, merged by the piece that ends last, as
-# the backward's BWD_TAIL_SPLIT does over query blocks. Not yet measured on a GPU, so off by default. FWD_TAIL_SPLIT = 1
-# (FLASHTRAIN_FWD_TAIL_SPLIT=1 at import, or ab_probe.py flashtrain@build.FWD_TAIL_SPLIT=1; read at plan time): on.
+# non-causal one-CTA kernels with one Q buffer and key blocks of at most 128 (head dims up to 256, no dropout; not the
+# 192-key hd128 tiles, see the kernel's traits) run the last, partial wave of a launch's tiles as pieces over their key
+# blocks, merged by the piece that ends last, as the backward's BWD_TAIL_SPLIT does over query blocks. Not yet
+# measured on a GPU, so off by default. FWD_TAIL_SPLIT = 1 (FLASHTRAIN_FWD_TAIL_SPLIT=1 at import, or ab_probe.py
+# flashtrain@build.FWD_TAIL_SPLIT=1; read at plan time): on.
 FWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_FWD_TAIL_SPLIT", "0"))
 
 

@@ -790,11 +790,12 @@ def _gqa_splits(group: int, seqlen_q: int, seqlen_k: int, tiles, causal: bool, n
     return group
 
 
-# The Hopper backward's tail split (build.BWD_TAIL_SPLIT, _tail_split): a piece's cost beyond its query blocks, in
-# query-block steps (its K / V copy, the pipeline's fill, its fp32 sums written), and per piece the cost of adding its
-# sums in the piece that completes the tile; a split is taken when it ends the launch at least TAIL_MIN_GAIN of a
-# tile's time earlier. (Estimates from the per-tile overheads of the timeline probe, ~3 us of ~250 us at hd128 16K:
-# not yet fitted to a measured split.)
+# The Hopper kernels' tail split (build.BWD_TAIL_SPLIT / FWD_TAIL_SPLIT, _tail_split): a piece's cost beyond its steps
+# (query blocks in the backward, key blocks in the forward), in steps (its first copies, the pipeline's fill, its fp32
+# partial results written), and per piece the cost of merging its results in the piece that completes the tile; a
+# split is taken when it ends the launch at least TAIL_MIN_GAIN of a tile's time earlier. (Estimates from the
+# backward's per-tile overheads in the timeline probe, ~3 us of ~250 us at hd128 16K: not yet fitted to a measured
+# split.)
 TAIL_PIECE_STEPS = 2.0
 TAIL_MERGE_STEPS = 0.5
 TAIL_MAX_PIECES = 32
@@ -802,11 +803,11 @@ TAIL_MIN_GAIN = 0.1
 
 
 def _tail_split(n_tiles: int, sm_count: int, steps: int) -> tuple[int, int]:
-    """(tail_first, pieces) for a persistent launch of n_tiles equally long tiles of `steps` query-block steps each
-    on sm_count SMs: tiles tail_first .. n_tiles - 1, the last wave, which leaves the other SMs idle, run as `pieces`
-    pieces of steps / pieces query blocks each (the piece count that ends the launch earliest by the cost model
-    above); (0, 1): no split. E.g. the hd64 non-causal 16K backward, 4096 tiles of 128 steps on 132 SMs: 4 tail tiles
-    alone for a whole tile's time unless split."""
+    """(tail_first, pieces) for a persistent launch of n_tiles equally long tiles of `steps` steps each (query blocks
+    in the backward, key blocks in the forward) on sm_count SMs: tiles tail_first .. n_tiles - 1, the last wave, which
+    leaves the other SMs idle, run as `pieces` pieces of steps / pieces steps each (the piece count that ends the
+    launch earliest by the cost model above); (0, 1): no split. E.g. the hd64 non-causal 16K backward, 4096 tiles of
+    128 steps on 132 SMs: 4 tail tiles alone for a whole tile's time unless split."""
     tail = n_tiles % sm_count if n_tiles > 0 and sm_count > 0 else 0
     best, best_time = 1, float(steps)
     for pieces in range(2, min(TAIL_MAX_PIECES, steps // 2) + 1):

@@ -1427,7 +1427,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
         bool write = true;
         if constexpr (T::kTailSplit) {
             if (x.piece >= 0) {
-                if constexpr (T::kEarlyKv) {  // (K / V are read no more: the next unit's copy does not wait for the sums)
+                if constexpr (T::kEarlyKv) {  // (K / V read no more: the next unit's copy need not wait for the sums)
                     __syncwarp();
                     if (lead_lane && !kv_released) mbar_arrive(sm.empty_kv);
                     kv_released = true;
