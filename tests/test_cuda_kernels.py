@@ -276,10 +276,11 @@ def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
     ops.clear_plans()
 
 
-@pytest.mark.parametrize("head_dim, seqlen, nheads, nheads_kv, dropout_p", [
-    (64, 1024, 9, 9, 0.0), (128, 1040, 5, 5, 0.0), (96, 1000, 6, 3, 0.0), (64, 640, 6, 6, 0.1),
-    (128, 1040, 16, 16, 0.0)])
-def test_backward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen, nheads, nheads_kv, dropout_p,
+@pytest.mark.parametrize("head_dim, seqlen, nheads, nheads_kv, dropout_p, dtype", [
+    (64, 1024, 9, 9, 0.0, torch.bfloat16), (128, 1040, 5, 5, 0.0, torch.float16),
+    (96, 1000, 6, 3, 0.0, torch.bfloat16), (64, 640, 6, 6, 0.1, torch.float16),
+    (128, 1040, 16, 16, 0.0, torch.bfloat16)])
+def test_backward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen, nheads, nheads_kv, dropout_p, dtype,
                                                                 monkeypatch):
     """The Hopper backward with the launch's last tiles in pieces over their query blocks (build.BWD_TAIL_SPLIT = 1;
     ops._tail_split forced to tails of 5 tiles and of every tile, in 2, 3 and one-block pieces, GQA pieces crossing a
@@ -294,8 +295,7 @@ def test_backward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen,
     ops, calls = _ops(), []
     monkeypatch.setattr(ops, "_gqa_splits", lambda *args: 1)
     monkeypatch.setattr(build, "FWD_TAIL_SPLIT", 0)
-    q, k, v, dout = _inputs((2, seqlen, nheads, head_dim), (2, seqlen, nheads_kv, head_dim), torch.bfloat16,
-                            seed=seqlen)
+    q, k, v, dout = _inputs((2, seqlen, nheads, head_dim), (2, seqlen, nheads_kv, head_dim), dtype, seed=seqlen)
     gen = {} if dropout_p == 0 else {"generator_seed": 5}
 
     def grads(split, tail=None, pieces=None, reference=True):
@@ -326,11 +326,13 @@ def test_backward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen,
     ops.clear_plans()
 
 
-@pytest.mark.parametrize("head_dim, seqlen_q, seqlen_k, nheads, nheads_kv, batch", [
-    (64, 1000, 1000, 6, 6, 2), (128, 700, 1100, 4, 2, 2), (80, 1024, 1024, 5, 5, 2), (256, 500, 900, 3, 3, 2),
-    (64, 1024, 1024, 16, 16, 4), (192, 1000, 1000, 12, 12, 2), (256, 1024, 1024, 16, 8, 2)])
+@pytest.mark.parametrize("head_dim, seqlen_q, seqlen_k, nheads, nheads_kv, batch, dtype", [
+    (64, 1000, 1000, 6, 6, 2, torch.bfloat16), (128, 700, 1100, 4, 2, 2, torch.float16),
+    (80, 1024, 1024, 5, 5, 2, torch.bfloat16), (256, 500, 900, 3, 3, 2, torch.bfloat16),
+    (64, 1024, 1024, 16, 16, 4, torch.bfloat16), (192, 1000, 1000, 12, 12, 2, torch.float16),
+    (256, 1024, 1024, 16, 8, 2, torch.bfloat16)])
 def test_forward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen_q, seqlen_k, nheads, nheads_kv, batch,
-                                                               monkeypatch):
+                                                               dtype, monkeypatch):
     """The Hopper forward with the launch's last tiles in pieces over their key blocks (build.FWD_TAIL_SPLIT = 1;
     ops._tail_split forced to tails of 5 tiles and of every tile, in 2, 3 and one-block pieces; a partial last key
     block, more keys than queries, GQA, a narrowed head dim; 192-384 tiles on 132 SMs: CTAs that take whole tiles,
@@ -343,8 +345,8 @@ def test_forward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen_q
         pytest.skip("the tail split is the Hopper forward's")
     ops, calls = _ops(), []
     monkeypatch.setattr(build, "BWD_TAIL_SPLIT", 0)
-    q, k, v, dout = _inputs((batch, seqlen_q, nheads, head_dim), (batch, seqlen_k, nheads_kv, head_dim),
-                            torch.bfloat16, seed=seqlen_k)
+    q, k, v, dout = _inputs((batch, seqlen_q, nheads, head_dim), (batch, seqlen_k, nheads_kv, head_dim), dtype,
+                            seed=seqlen_k)
 
     def forward(split, tail=None, pieces=None, reference=False):
         monkeypatch.setattr(build, "FWD_TAIL_SPLIT", int(split))
@@ -363,7 +365,8 @@ def test_forward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen_q
     assert not calls
     for tail, pieces in ((5, 2), (5, 3), (10 ** 6, 3), (5, None)):
         out, lse = forward(True, tail, pieces, reference=True)
-        spec = build.fwd_kernel(build.rounded_head_dim(head_dim, False, build.SM90_ARCH), "bf16", False, False,
+        spec = build.fwd_kernel(build.rounded_head_dim(head_dim, False, build.SM90_ARCH),
+                                "bf16" if dtype == torch.bfloat16 else "fp16", False, False,
                                 arch=build.SM90_ARCH, seqlen_q=seqlen_q, seqlen_k=seqlen_k, effective_head_dim=head_dim)
         assert spec.name.endswith("_tail"), spec.name
         assert calls[-1] == (batch * nheads * -(-seqlen_q // spec.block_m), -(-seqlen_k // spec.tiles.block_n)), calls
