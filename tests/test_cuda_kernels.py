@@ -276,6 +276,23 @@ def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
     ops.clear_plans()
 
 
+def _force_tail_split(monkeypatch, switch: str, on: bool, tail=None, pieces=None, calls=None):
+    """build.<switch> (BWD_TAIL_SPLIT / FWD_TAIL_SPLIT) on or off, and ops._tail_split forced to run the last `tail`
+    tiles of a launch in `pieces` pieces (None: one step each), its arguments appended to `calls`; plans dropped (a
+    plan holds its kernel and tail split)."""
+    from flashtrain.kernels import build
+
+    ops = _ops()
+
+    def forced(n_tiles, sm_count, steps):
+        calls.append((n_tiles, steps))
+        return n_tiles - min(n_tiles, tail), min(pieces or steps, steps)
+
+    monkeypatch.setattr(build, switch, int(on))
+    monkeypatch.setattr(ops, "_tail_split", forced)
+    ops.clear_plans()
+
+
 @pytest.mark.parametrize("head_dim, seqlen, nheads, nheads_kv, dropout_p, dtype", [
     (64, 1024, 9, 9, 0.0, torch.bfloat16), (128, 1040, 5, 5, 0.0, torch.float16),
     (96, 1000, 6, 3, 0.0, torch.bfloat16), (64, 640, 6, 6, 0.1, torch.float16),
@@ -299,14 +316,7 @@ def test_backward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen,
     gen = {} if dropout_p == 0 else {"generator_seed": 5}
 
     def grads(split, tail=None, pieces=None, reference=True):
-        monkeypatch.setattr(build, "BWD_TAIL_SPLIT", int(split))
-
-        def forced(n_tiles, sm_count, steps):
-            calls.append((n_tiles, steps))
-            return n_tiles - min(n_tiles, tail), min(pieces or steps, steps)
-
-        monkeypatch.setattr(ops, "_tail_split", forced)
-        ops.clear_plans()  # (a plan holds its kernel and tail split)
+        _force_tail_split(monkeypatch, "BWD_TAIL_SPLIT", split, tail, pieces, calls)
         if split and reference:
             return _check_against_reference(q, k, v, dout, causal=False, dropout_p=dropout_p, **gen)[2:]
         seeded = {} if dropout_p == 0 else {"generator": torch.Generator("cuda").manual_seed(5)}
@@ -349,14 +359,7 @@ def test_forward_tail_split_matches_reference_and_whole_tiles(head_dim, seqlen_q
                             seed=seqlen_k)
 
     def forward(split, tail=None, pieces=None, reference=False):
-        monkeypatch.setattr(build, "FWD_TAIL_SPLIT", int(split))
-
-        def forced(n_tiles, sm_count, steps):
-            calls.append((n_tiles, steps))
-            return n_tiles - min(n_tiles, tail), min(pieces or steps, steps)
-
-        monkeypatch.setattr(ops, "_tail_split", forced)
-        ops.clear_plans()  # (a plan holds its kernel and tail split)
+        _force_tail_split(monkeypatch, "FWD_TAIL_SPLIT", split, tail, pieces, calls)
         if reference:
             return _check_against_reference(q, k, v, dout, causal=False)[:2]
         return flash_attn_func(q, k, v, return_lse=True, impl="cuda")

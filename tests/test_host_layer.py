@@ -431,8 +431,7 @@ def test_hopper_backward_plan_tail_split(recording, monkeypatch):
     if arch != "sm_90a":
         pytest.skip("the Hopper backward")
     b, s, h, d = 1, 2048, 9, 64
-    q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
-    lse = torch.zeros(b, h, s)
+    q, lse = torch.zeros(b, s, h, d, dtype=torch.bfloat16), torch.zeros(b, h, s)
 
     def plan(causal=False, heads=h):
         x = q[:, :, :heads]

@@ -130,7 +130,7 @@
 #endif
 // FT_BWD_TAIL_SPLIT (build.py BWD_TAIL_SPLIT, which also sets BwdParams' tail fields; default 0): the kernels of
 // BwdSm90Traits::kTailSplit run the last, partial wave of a launch's tiles as pieces over their query blocks
-// (BwdParams::tail_first / tail_pieces; bwd_unit_tile, QueryBlockWalk, tail_sum). A dense non-causal launch's tiles all
+// (BwdParams::tail_first / tail_pieces; utils.cuh tail_unit_tile, QueryBlockWalk, tail_sum). A dense non-causal launch's tiles all
 // take the same time, so its last wave of n_tiles % SMs tiles otherwise leaves the other SMs idle for a whole tile.
 #ifndef FT_BWD_TAIL_SPLIT
 #define FT_BWD_TAIL_SPLIT 0
@@ -557,20 +557,13 @@ struct BwdTile {
     int piece;  // kTailSplit: the piece of a tail tile (its query blocks: QueryBlockWalk), -1 for a whole tile
     int tail;   // kTailSplit, piece >= 0: the tile's index among the tail tiles (tile - tail_first)
 };
-// The scheduler hands out units: unit u < tail_first is tile u; kTailSplit, unit tail_first + r is piece
-// r % tail_pieces of tile tail_first + r / tail_pieces (n_tiles + (n_tiles - tail_first) (tail_pieces - 1) units).
+// The scheduler's unit (utils.cuh tail_unit_tile; without kTailSplit, the tile): its tile, and x.piece / x.tail
 template <class T> __device__ __forceinline__ int bwd_unit_tile(const BwdParams& p, int unit, BwdTile& x) {
     x.piece = -1;
-    if (T::kTailSplit && p.tail_pieces > 1 && unit >= p.tail_first) {
-        const int r = unit - p.tail_first;
-        x.piece = r % p.tail_pieces;
-        x.tail = r / p.tail_pieces;
-        return p.tail_first + x.tail;
-    }
-    return unit;
-}
-template <class T> __device__ __forceinline__ int bwd_units(const BwdParams& p, int n_tiles) {
-    return T::kTailSplit && p.tail_pieces > 1 ? n_tiles + (n_tiles - p.tail_first) * (p.tail_pieces - 1) : n_tiles;
+    if constexpr (!T::kTailSplit) return unit;
+    const int tile = tail_unit_tile(unit, p.tail_first, p.tail_pieces, x.piece);
+    x.tail = tile - p.tail_first;
+    return tile;
 }
 // The fields of tile x that follow from x.n_block and x.batch (true: x has keys; varlen: key blocks past a short
 // sequence's end do nothing); and (bwd_tile_heads) the group's head counts, kernel-wide.
@@ -888,15 +881,8 @@ __device__ __forceinline__ bool tail_sum(const BwdParams& p, const BwdTile& x, i
         *reinterpret_cast<float4*>(mine + 512 * j) = make_float4(dk[j][0], dk[j][1], dk[j][2], dk[j][3]);
         *reinterpret_cast<float4*>(mine + 512 * (kDT + j)) = make_float4(dv[j][0], dv[j][1], dv[j][2], dv[j][3]);
     }
-    __threadfence();  // (this thread's sums are visible GPU-wide before the count below)
-    named_bar_sync(T::kBarEpilogue, 128 * T::kNMma);
-    bool last = false;
-    if (w == 0 && ctid == 0) {
-        __threadfence();  // (release: every thread's sums, ordered before this fence by the barrier)
-        last = atomicAdd(p.tail_counters + tail, 1) == p.tail_pieces - 1;
-        __threadfence();  // (acquire: the other pieces' sums, counted in before, for every thread after the barrier)
-    }
-    if (!named_bar_sync_or(T::kBarEpilogue, 128 * T::kNMma, last)) return false;
+    if (!tail_count_last(p.tail_counters + tail, p.tail_pieces, T::kBarEpilogue, 128 * T::kNMma, w == 0 && ctid == 0))
+        return false;
 #pragma unroll
     for (int j = 0; j < kDT; ++j)
 #pragma unroll
@@ -2230,7 +2216,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             // Persistent: units (bwd_unit_tile; without a tail split, tiles) gridDim.x .. n_units - 1 from the
             // counter, then one past the end per CTA (n_units fetches in all; the fetch of n_units - 1 is the
             // launch's last, so it resets the counter to 0).
-            const int n_units = bwd_units<T>(p, n_tiles);
+            const int n_units = T::kTailSplit ? tail_units(n_tiles, p.tail_first, p.tail_pieces) : n_tiles;
             auto next_tile = [&](int tile) {
                 if constexpr (!T::kPersistent) {
                     return n_units;

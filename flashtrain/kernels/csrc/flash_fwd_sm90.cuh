@@ -112,7 +112,7 @@
 #endif
 // FT_FWD_TAIL_SPLIT (build.py FWD_TAIL_SPLIT, which also sets FwdSm90Params' tail fields; default 0): the kernels of
 // FwdSm90Traits::kTailSplit run the last, partial wave of a launch's tiles as pieces over their key blocks
-// (fwd_unit_tile, fwd_piece_keys, tail_merge), as the backward's FT_BWD_TAIL_SPLIT does over query blocks: a dense
+// (utils.cuh tail_unit_tile, fwd_piece_keys, tail_merge), as the backward's FT_BWD_TAIL_SPLIT does over query blocks: a dense
 // non-causal launch's tiles all take the same time, so its last wave otherwise leaves the other SMs idle for a tile.
 #ifndef FT_FWD_TAIL_SPLIT
 #define FT_FWD_TAIL_SPLIT 0
@@ -392,20 +392,11 @@ template <class T> __device__ __forceinline__ bool fwd_tile(const FwdParams& p, 
     return x.m0 < x.seqlen_q;  // varlen: blocks past a short sequence's end do nothing
 }
 
-// kTailSplit: the scheduler hands out units: unit u < tail_first is tile u (piece -1), unit tail_first + r is piece
-// r % tail_pieces of tile tail_first + r / tail_pieces (n_tiles + (n_tiles - tail_first) (tail_pieces - 1) units).
+// The scheduler's unit (utils.cuh tail_unit_tile; without kTailSplit, the tile): its tile and piece (-1: whole)
 template <class T> __device__ __forceinline__ int fwd_unit_tile(const FwdSm90Params& params, int unit, int& piece) {
     piece = -1;
-    if (T::kTailSplit && params.tail_pieces > 1 && unit >= params.tail_first) {
-        const int r = unit - params.tail_first;
-        piece = r % params.tail_pieces;
-        return params.tail_first + r / params.tail_pieces;
-    }
-    return unit;
-}
-template <class T> __device__ __forceinline__ int fwd_units(const FwdSm90Params& params, int n_tiles) {
-    return T::kTailSplit && params.tail_pieces > 1
-               ? n_tiles + (n_tiles - params.tail_first) * (params.tail_pieces - 1) : n_tiles;
+    if constexpr (!T::kTailSplit) return unit;
+    return tail_unit_tile(unit, params.tail_first, params.tail_pieces, piece);
 }
 // A piece of tile x: its key blocks [lo, hi) of the tile's ceil(seqlen_k / kBlockN) (non-causal: all of them), evenly
 // split, as a tile of its own over the keys from block lo on: k_start and seqlen_k moved, its blocks 0 .. hi - lo - 1
@@ -440,15 +431,9 @@ __device__ __forceinline__ void tail_merge(const FwdSm90Params& params, const Fw
     for (int dt = 0; dt < kDT; ++dt)
         *reinterpret_cast<float4*>(mine + 512 * dt + 4 * ctid) = make_float4(o[dt][0], o[dt][1], o[dt][2], o[dt][3]);
     *reinterpret_cast<float2*>(mine + 512 * kDT + 2 * ctid) = make_float2(lse[0], lse[1]);
-    __threadfence();  // (this thread's rows are visible GPU-wide before the count below)
-    named_bar_sync(T::kBarEpilogue + cw, 128);
-    bool last = false;
-    if (ctid == 0) {
-        __threadfence();  // (release: every thread's rows, ordered before this fence by the barrier)
-        last = atomicAdd(params.tail_counters + tail * T::kNConsumers + cw, 1) == params.tail_pieces - 1;
-        __threadfence();  // (acquire: the other pieces' rows, counted in before, for every thread after the barrier)
-    }
-    if (!named_bar_sync_or(T::kBarEpilogue + cw, 128, last)) return;
+    if (!tail_count_last(params.tail_counters + tail * T::kNConsumers + cw, params.tail_pieces, T::kBarEpilogue + cw,
+                         128, ctid == 0))
+        return;
     const int lane = ctid % 32, g = lane >> 2, t = lane & 3;
     const int row = out_row0 + ctid / 32 * 16 + g;  // the thread's first row in the sequence (the second: row + 8)
     float mx[2] = {-infinity(), -infinity()}, total[2] = {0.f, 0.f};
@@ -576,7 +561,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             int it = 0, tile_iter = 0;  // key blocks and tiles so far: stage and phase of the rings
             // Varlen: the tiles past a short sequence's end are skipped here; the consumers see only real ones.
             // (kTailSplit: units, fwd_unit_tile; otherwise units are tiles)
-            const int n_units = fwd_units<T>(params, n_tiles);
+            const int n_units = T::kTailSplit ? tail_units(n_tiles, params.tail_first, params.tail_pieces) : n_tiles;
             auto next_tile = [&](int tile) {
                 if constexpr (T::kCluster > 1 || FT_FWD_STATIC) return tile + (int)gridDim.x;  // (static)
                 // n_units fetches in all (gridDim.x <= n_units): units gridDim.x .. n_units - 1, then one past the

@@ -181,6 +181,34 @@ __device__ __forceinline__ bool named_bar_sync_or(int id, int threads, bool pred
         : "=r"(any) : "r"((u32)pred), "r"(id), "r"(threads) : "memory");
     return any != 0;
 }
+
+// The tail split of the persistent Hopper kernels (flash_fwd_sm90.cuh / flash_bwd_sm90.cuh kTailSplit). The scheduler
+// hands out units: unit u < tail_first is tile u, unit tail_first + r is piece r % pieces of tile tail_first + r /
+// pieces (tail_units of them in all); tail_unit_tile gives a unit's tile and piece (-1: a whole tile).
+__device__ __forceinline__ int tail_units(int n_tiles, int tail_first, int pieces) {
+    return pieces > 1 ? n_tiles + (n_tiles - tail_first) * (pieces - 1) : n_tiles;
+}
+__device__ __forceinline__ int tail_unit_tile(int unit, int tail_first, int pieces, int& piece) {
+    piece = -1;
+    if (pieces <= 1 || unit < tail_first) return unit;
+    piece = (unit - tail_first) % pieces;
+    return tail_first + (unit - tail_first) / pieces;
+}
+// A tail piece's count, once each of the `threads` threads at named barrier `id` has stored its part of the piece's
+// results: one thread (counting) counts the piece in; true, in every thread, in the piece that completes the count of
+// `pieces`, whose threads then see the other pieces' stores. (Release: each thread's fence, the barrier, the counting
+// thread's fence before its add; acquire: its fence after the add, before the barrier that hands the result on.)
+__device__ __forceinline__ bool tail_count_last(int* counter, int pieces, int id, int threads, bool counting) {
+    __threadfence();
+    named_bar_sync(id, threads);
+    bool last = false;
+    if (counting) {
+        __threadfence();
+        last = atomicAdd(counter, 1) == pieces - 1;
+        __threadfence();
+    }
+    return named_bar_sync_or(id, threads, last);
+}
 __device__ __forceinline__ void st_global_v4(void* ptr, const u32 (&v)[4]) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
                  : "memory");
