@@ -241,3 +241,35 @@ def test_json_record_is_written_after_each_configuration(ab_probe, monkeypatch, 
     flops = 4 * 32 * 16384**2 * 64 * 2.5
     assert row["tflops"] == {"flashtrain": round(flops / 2e9, 1), "flashtrain+FT_X=1": round(flops / 1.6e9, 1)}
     assert row["over_first"] == {"flashtrain+FT_X=1": 1.25}
+
+
+def test_tail_split_check_variants_split_as_named(ab_probe):
+    """benchmarks/probes/tail_split_check.sh's implementations, as its A/B runs them: the whole-tile kernels, the
+    backward's split with the cost model's piece count, and capped at 4 and 8 pieces; on the hd64 16K row (4096
+    tiles on 132 SMs, 128 query blocks each) the last wave's 4 tiles in 16, 4 and 8 pieces, and no split without the
+    switch. Its configurations are the dense hd64 / hd128 rows, and each is split by the cost model."""
+    import re
+
+    from flashtrain.kernels import build, ops
+
+    script = (PROBES / "tail_split_check.sh").read_text()
+    split = re.search(r"^split=(\S+)$", script, re.M).group(1)
+    names = [name.replace("$split", split) for name in re.findall(r'"(\$split[^"]*)"', script)]
+    assert [split, *names] == ["flashtrain@build.BWD_TAIL_SPLIT=1", "flashtrain@build.BWD_TAIL_SPLIT=1",
+                               "flashtrain@build.BWD_TAIL_SPLIT=1@ops.TAIL_MAX_PIECES=4",
+                               "flashtrain@build.BWD_TAIL_SPLIT=1@ops.TAIL_MAX_PIECES=8"]
+    chosen = []
+    for name in names:
+        with ab_probe.env_variant(name):
+            assert build.BWD_TAIL_SPLIT == 1
+            chosen.append(ops._tail_split(4096, 132, 128))
+    assert chosen == [(4092, 16), (4092, 4), (4092, 8)]
+    assert build.BWD_TAIL_SPLIT == 0 and ops.TAIL_MAX_PIECES == 32  # (undone after each variant)
+    rows = re.search(r"^bwd_rows=\((.*)\)$", script, re.M).group(1).split()
+    for row in rows:
+        config = ab_probe.Config.parse(row)
+        assert not config.causal and config.head_dim in (64, 128)
+        tiles = build.bwd_kernel(config.head_dim, "bf16", False, False, arch=build.SM90_ARCH,
+                                 seqlen_q=config.seqlen).tiles
+        n_tiles = config.batch * config.nheads_kv * -(-config.seqlen // tiles.block_n)
+        assert ops._tail_split(n_tiles, 132, -(-config.seqlen // tiles.block_m))[1] > 1, row
