@@ -243,16 +243,26 @@ def test_json_record_is_written_after_each_configuration(ab_probe, monkeypatch, 
     assert row["over_first"] == {"flashtrain+FT_X=1": 1.25}
 
 
-def test_tail_split_check_variants_split_as_named(ab_probe):
-    """benchmarks/probes/tail_split_check.sh's implementations, as its A/B runs them: the whole-tile kernels, the
-    backward's split with the cost model's piece count, and capped at 4 and 8 pieces; on the hd64 16K row (4096
-    tiles on 132 SMs, 128 query blocks each) the last wave's 4 tiles in 16, 4 and 8 pieces, and no split without the
-    switch. Its configurations are the dense hd64 / hd128 rows, and each is split by the cost model."""
+def test_gated_kernels_check_variants_are_what_they_name(ab_probe, monkeypatch):
+    """benchmarks/probes/gated_kernels_check.sh's implementations, as its A/Bs run them: the hd64 forward in clusters
+    at 16K (one CTA per tile without the switch); for the tail split the whole-tile kernels, the backward's split
+    with the cost model's piece count, and capped at 4 and 8 pieces; on the hd64 16K row (4096 tiles on 132 SMs, 128
+    query blocks each) the last wave's 4 tiles in 16, 4 and 8 pieces, and no split without the switch. Its tail-split
+    configurations are the dense hd64 / hd128 rows, and each is split by the cost model."""
     import re
 
     from flashtrain.kernels import build, ops
 
-    script = (PROBES / "tail_split_check.sh").read_text()
+    for name, value in (("FWD_SM90_CLUSTER", 1), ("FWD_SM90_CLUSTER_HD64", 0), ("BWD_TAIL_SPLIT", 0)):
+        monkeypatch.setattr(build, name, value)  # (the defaults, whatever the environment says)
+
+    script = (PROBES / "gated_kernels_check.sh").read_text()
+    clusters = re.search(r"^clusters=(\S+)$", script, re.M).group(1)
+    assert clusters == "flashtrain@build.FWD_SM90_CLUSTER_HD64=1"
+    for name, cluster in (("flashtrain", 1), (clusters, 2)):
+        with ab_probe.env_variant(name):
+            assert build.fwd_kernel(64, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=16384,
+                                    seqlen_k=16384).tiles.cluster == cluster
     split = re.search(r"^split=(\S+)$", script, re.M).group(1)
     names = [name.replace("$split", split) for name in re.findall(r'"(\$split[^"]*)"', script)]
     assert [split, *names] == ["flashtrain@build.BWD_TAIL_SPLIT=1", "flashtrain@build.BWD_TAIL_SPLIT=1",

@@ -276,6 +276,43 @@ def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
     ops.clear_plans()
 
 
+def test_hd64_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
+    """The dense non-causal hd64 forward in 2-CTA clusters (build.FWD_SM90_CLUSTER_HD64: each CTA copies half of a
+    key block's rows into both) against the reference, with a partial last query tile and a last key block of 30 rows
+    (the second CTA's half entirely past the keys: zero-filled), and bitwise against the one-CTA kernel
+    (FWD_SM90_CLUSTER_HD64 = 0: the same 192 x 128 tiles and order of operations) on batch / GQA / key length / dtype
+    variations, among them launches with more tiles than CTAs."""
+    from flashtrain.kernels import build
+
+    if not _is_hopper():
+        pytest.skip("the 2-CTA clusters are a Hopper forward's")
+    ops = _ops()
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)
+
+    def forward(q, k, v, cluster):
+        monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", cluster)
+        ops.clear_plans()
+        spec = build.fwd_kernel(64, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=q.shape[1],
+                                seqlen_k=k.shape[1])
+        assert spec.tiles.cluster == 1 + cluster, (q.shape, k.shape)
+        return flash_attn_func(q, k, v, return_lse=True, impl="cuda")
+
+    long = build.FWD_SM90_CLUSTER_SEQLEN
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", 1)
+    ops.clear_plans()
+    q, k, v, dout = _inputs((1, 4 * 192 - 7, 2, 64), (1, long + 30, 1, 64), torch.bfloat16, seed=9)
+    _check_against_reference(q, k, v, dout, causal=False)
+    for batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype in (
+            (1, 2 * long, 2 * long, 4, 4, torch.bfloat16), (2, 384, long + 808, 8, 2, torch.float16),
+            (3, 4 * 192 - 7, long + 30, 16, 4, torch.bfloat16), (1, 2 * 192, long, 40, 40, torch.bfloat16)):
+        q, k, v, _ = _inputs((batch, seqlen_q, nheads, 64), (batch, seqlen_k, nheads_kv, 64), dtype, seed=seqlen_k)
+        (out, lse) = forward(q, k, v, 1)
+        (out1, lse1) = forward(q, k, v, 0)
+        assert torch.equal(out, out1) and torch.equal(lse, lse1), (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
+    monkeypatch.undo()
+    ops.clear_plans()
+
+
 def _force_tail_split(monkeypatch, switch: str, on: bool, tail=None, pieces=None, calls=None):
     """build.<switch> (BWD_TAIL_SPLIT / FWD_TAIL_SPLIT) on or off, and ops._tail_split forced to run the last `tail`
     tiles of a launch in `pieces` pieces (None: one step each), its arguments appended to `calls`; plans dropped (a
@@ -889,8 +926,9 @@ def test_cuda_graph_capture_replays_a_mask_mod_with_new_tensor_contents():
 def _sanitizer_grid() -> None:
     """A small grid of forward + backward calls covering every kernel path (on Hopper the warpgroup-MMA kernels too:
     head dims 40, 64, 128 with and without dropout, the dense hd128 backward's 80-query blocks, the causal hd128
-    forward's two Q buffers, its long-key tiles, alone and in 2-CTA clusters, head dims 72 / 80 / 96 on the hd128
-    tiles narrowed to 80 / 96 columns, the dense kernels' tail split), for compute-sanitizer."""
+    forward's two Q buffers, its long-key tiles, alone and in 2-CTA clusters, the hd64 forward in clusters, head
+    dims 72 / 80 / 96 on the hd128 tiles narrowed to 80 / 96 columns, the dense kernels' tail split), for
+    compute-sanitizer."""
     for head_dim, dtype, causal, dropout_p in [(64, torch.float16, False, 0.0), (128, torch.bfloat16, True, 0.1),
                                                 (96, torch.float16, True, 0.0), (256, torch.bfloat16, False, 0.0),
                                                 (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2),
@@ -964,6 +1002,17 @@ def _sanitizer_grid() -> None:
     assert not build.FWD_SM90_CLUSTER or build.fwd_kernel(128, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=250,
                                                           seqlen_k=8269).tiles.cluster == 2
     _run(lambda q, k, v: flash_attn_func(q, k, v, return_lse=True, impl="cuda"), q, k, v, dout)
+    # ... and at head dim 64 (build.FWD_SM90_CLUSTER_HD64: halves of a key block's rows; the last block's 30 rows
+    # leave the second half past the keys), more tiles than CTAs
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "FWD_SM90_CLUSTER_HD64", 1)
+        ops.clear_plans()
+        q, k, v, dout = _inputs((2, 4 * 192 - 7, 40, 64), (2, 8192 + 30, 10, 64), torch.bfloat16)
+        spec = build.fwd_kernel(64, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=q.shape[1],
+                                seqlen_k=k.shape[1])
+        assert not build.FWD_SM90_CLUSTER or spec.tiles.cluster == 2
+        _run(lambda q, k, v: flash_attn_func(q, k, v, return_lse=True, impl="cuda"), q, k, v, dout)
+    ops.clear_plans()
     torch.cuda.synchronize()
     print("sanitizer grid done")
 

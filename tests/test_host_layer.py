@@ -135,6 +135,9 @@ CASES = {
     # the Hopper kernels' tail split (build.FWD_TAIL_SPLIT, BWD_TAIL_SPLIT; ops._tail_split forced: the last 5 tiles
     # in 2 pieces), their zero-filled counters and fp32 partial results as workspaces
     "tail-split": dict(shape_q=(1, 300, 4, 64), shape_k=(1, 300, 4, 64), causal=False, tail_split=(5, 2)),
+    # (Hopper, build.FWD_SM90_CLUSTER_HD64: the hd64 forward in 2-CTA clusters, K / V maps of half a key block's rows)
+    "hd64-full-clusters": dict(shape_q=(1, 16384, 1, 64), shape_k=(1, 16384, 1, 64), causal=False,
+                               switches=dict(FWD_SM90_CLUSTER=1, FWD_SM90_CLUSTER_HD64=1)),
 }
 
 
@@ -144,6 +147,8 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case, monk
 
     arch, records = recording
     spec = CASES[case]
+    for name, value in spec.get("switches", {}).items():
+        monkeypatch.setattr(ops.build, name, value)
     if "tail_split" in spec:
         tail, pieces = spec["tail_split"]
         monkeypatch.setattr(ops.build, "BWD_TAIL_SPLIT", 1)
@@ -197,6 +202,9 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case, monk
     cpp = torch.ops.flashtrain._recorded_launches()
     # forward; preprocess, backward, dq conversion (+ dk, dv conversions when the Hopper backward splits a GQA group)
     assert len(cpp) in (4, 6)
+    if case == "hd64-full-clusters" and arch == "sm_90a":  # (the cluster kernel on an even grid: 86 query tiles)
+        assert _SYMBOLS[_canonical(bytes(cpp[0].numpy()))[0]] == "flash_fwd_sm90_hdim64_bf16_c2"
+        assert _canonical(bytes(cpp[0].numpy()))[1:4] == [86, 1, 1]
     # the Hopper backward and the conversions after it are programmatic dependent launches, nothing else is
     hopper_main = _SYMBOLS[_canonical(bytes(cpp[2].numpy()))[0]].startswith("flash_bwd_sm90")
     assert hopper_main == (arch == "sm_90a") or case in ("score-mods", "block-sparse", "mask-mod")
@@ -395,6 +403,35 @@ def test_hopper_cluster_forward_plan(recording, monkeypatch):
     assert plan(long - 256) == ("flash_fwd_sm90_hdim128_bf16", (132, 1, 1))
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 0)
     assert plan(long) == ("flash_fwd_sm90_hdim128_bf16_128x192", (132, 1, 1))
+
+
+def test_hopper_hd64_cluster_forward_plan(recording, monkeypatch):
+    """With build.FWD_SM90_CLUSTER_HD64, the dense non-causal hd64 forward at 16K (86 query tiles of 192 rows per
+    head) runs in 2-CTA clusters on an even grid, its K and V maps in boxes of half a key block's rows (64: each CTA
+    copies one half into both), Q's and O's unchanged; at 8K (43 tiles per head) or with the switch off, the one-CTA
+    kernel with whole 128-row K / V boxes."""
+    from flashtrain.kernels import launch, ops
+
+    arch, _ = recording
+    if arch != "sm_90a":
+        pytest.skip("the Hopper forward")
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 131)
+    offsets = {ops._offset(launch.FwdSm90Params, name): name for name in ("tma_q", "tma_k", "tma_v", "tma_o")}
+
+    def plan(seqlen, on):
+        monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", on)
+        ops.clear_plans()
+        q = torch.zeros(1, seqlen, 32, 64, dtype=torch.bfloat16)
+        item = ops._fwd_plan(q, q, q, None, None, seqlen, seqlen, 0.0, 0.125, False, None).launches[0]
+        rows = {offsets[offset]: layout[4] for offset, _, layout in item.tensor_maps}
+        return _SYMBOLS[item.kernel.handle.value], item.grid, rows
+
+    whole = {"tma_q": 192, "tma_k": 128, "tma_v": 128, "tma_o": 64}
+    assert plan(16384, 1) == ("flash_fwd_sm90_hdim64_bf16_c2", (130, 1, 1), {**whole, "tma_k": 64, "tma_v": 64})
+    assert plan(8192, 1) == ("flash_fwd_sm90_hdim64_bf16", (131, 1, 1), whole)
+    assert plan(16384, 0) == ("flash_fwd_sm90_hdim64_bf16", (131, 1, 1), whole)
+    ops.clear_plans()
 
 
 def test_tail_split_choice():

@@ -43,8 +43,8 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_long = len(build.FWD_SM90_TILES_LONG_CAUSAL) * 2  # the causal forward's long-sequence tiles (x dtype)
     hopper_long += len(build.FWD_SM90_TILES_SHORT_CAUSAL) * 2  # ... and its short-sequence ones
     hopper_long += len(build.FWD_SM90_TILES_LONG_KEYS) * 2 * 2  # the forward's long-key tiles (x dtype x causal)
-    hopper_long += 2  # ... non-causal in 2-CTA clusters (head dim 128), x dtype
-    assert sum(name.endswith("_c2") for name in names) == 2
+    hopper_long += 2 * 2  # ... non-causal in 2-CTA clusters (head dims 64 and 128), x dtype
+    assert sum(name.endswith("_c2") for name in names) == 4
     # head dims 65-96 (x the narrowed widths 80, 96): the hd128 backward with that many columns of MMA work, x dtype x
     # causal x dropout, and its other query block (64 or 80 rows) x dtype x causal; the forward's (x dtype): causal or
     # not, the short causal and the long-key tiles (x causal), with dropout (x causal)
@@ -205,8 +205,10 @@ def test_cluster_forward_tiles(monkeypatch):
     """The dense non-causal forward at head dim 128 from FWD_SM90_CLUSTER_SEQLEN keys, with an even number of query
     tiles per head: the long-key tiles in 2-CTA clusters (FT_CLUSTER 2, `_c2`); head dims 65-96 (narrowed), causal,
     dropout, block-sparse, score modifications, varlen (seqlen_k 0), an unknown query length, an odd number of query
-    tiles, fewer keys, head dim 64, and the switch off (FWD_SM90_CLUSTER = 0) keep one CTA per tile."""
+    tiles, fewer keys, head dim 64 (unless FWD_SM90_CLUSTER_HD64), and the switch off (FWD_SM90_CLUSTER = 0) keep
+    one CTA per tile."""
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)  # (the default, whatever the environment says)
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", 0)  # (likewise)
     long = build.FWD_SM90_CLUSTER_SEQLEN
     for dtype in ("bf16", "fp16"):
         spec = build.fwd_kernel(128, dtype, False, False, arch="sm_90a", seqlen_q=long, seqlen_k=long)
@@ -963,3 +965,31 @@ def test_check_nvcc_fails_on_a_new_serialized_wgmma_pipeline(monkeypatch, capsys
     assert "ptxas serialized the wgmmas of flash_fwd_sm90_hdim128_bf16_causal" in capsys.readouterr().err
     sm80 = build.fwd_kernel(128, "bf16", True, False, arch="sm_80")
     assert build.check_nvcc(["sm_80"], 1, [sm80]) == 0 and reports[sm80.name, "sm_80"] is False
+
+
+def test_hd64_cluster_forward_tiles(monkeypatch):
+    """FWD_SM90_CLUSTER_HD64: the dense non-causal hd64 forward (192 x 128 tiles, three consumer warpgroups) from
+    FWD_SM90_CLUSTER_SEQLEN keys in 2-CTA clusters where a head has an even number of 192-row query tiles (16K: 86;
+    8K: 43, odd); causal, dropout, fewer keys and either switch off keep one CTA per tile. Both dtypes' kernels are in
+    all_kernels (CI compiles them) and fit the shared memory of one CTA per SM."""
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", 1)
+    long = build.FWD_SM90_CLUSTER_SEQLEN
+
+    def tiles(seqlen_q, seqlen_k, causal=False, dropout=False):
+        return build.fwd_kernel(64, "bf16", causal, dropout, arch="sm_90a", seqlen_q=seqlen_q, seqlen_k=seqlen_k).tiles
+
+    for dtype in ("bf16", "fp16"):
+        spec = build.fwd_kernel(64, dtype, False, False, arch="sm_90a", seqlen_q=2 * long, seqlen_k=2 * long)
+        assert spec.name == f"flash_fwd_sm90_hdim64_{dtype}_c2" and ("FT_CLUSTER", 2) in spec.defines
+        assert (spec.tiles.block_m, spec.tiles.block_n, spec.tiles.cluster) == (192, 128, 2)
+        assert spec in build.all_kernels() and spec.smem_bytes <= SM90_MAX_SMEM
+    assert tiles(2 * long, long).cluster == 2 and tiles(4 * 192 - 7, long).cluster == 2  # (a partial last tile)
+    assert tiles(long, long).cluster == 1  # 43 query tiles per head
+    assert tiles(2 * long, long - 1).cluster == 1 and tiles(2 * long, 2 * long, causal=True).cluster == 1
+    assert tiles(2 * long, 2 * long, dropout=True).cluster == 1
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", 0)
+    assert tiles(2 * long, 2 * long).cluster == 1
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", 1)
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 0)
+    assert tiles(2 * long, 2 * long).cluster == 1

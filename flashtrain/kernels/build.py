@@ -235,6 +235,22 @@ LONG_KEYS_CAUSAL_SEQLEN = 16384
 FWD_SM90_CLUSTER = int(os.environ.get("FLASHTRAIN_FWD_SM90_CLUSTER", "1"))
 FWD_SM90_CLUSTER_SEQLEN = LONG_KEYS_SEQLEN
 FWD_SM90_CLUSTER_HEAD_DIMS = (128,)
+# The same clusters for the dense non-causal head-dim-64 forward (192 x 128 tiles, three consumer warpgroups; from
+# FWD_SM90_CLUSTER_SEQLEN keys, an even number of 192-row query tiles per (batch, head): 16K, not 8K), each CTA copying
+# half of every K / V tile's 128 rows into both (K / V maps of 64-row boxes, ops._fwd_plan). Per FLOP this forward
+# copies twice head dim 128's K / V bytes from L2 (hd64 16K: 11.3 GB of L2 traffic per call, FA4's 10.0 GB;
+# kernel_ab-h200.json ncu_source_fwd_hd64_16k_vs_fa4), and under sustained load it ran at 0.976 of FA4 at the same
+# clock and power (sustained_hd64_16k_vs_fa4). Not yet measured on a GPU, so off by default: FWD_SM90_CLUSTER_HD64 = 1
+# (FLASHTRAIN_FWD_SM90_CLUSTER_HD64=1 at import, or ab_probe.py flashtrain@build.FWD_SM90_CLUSTER_HD64=1; read at plan
+# time) turns it on.
+FWD_SM90_CLUSTER_HD64 = int(os.environ.get("FLASHTRAIN_FWD_SM90_CLUSTER_HD64", "0"))
+
+
+def fwd_sm90_cluster_head_dim(head_dim: int) -> bool:
+    """Whether the dense non-causal Hopper forward at this head dim runs in 2-CTA clusters (from
+    FWD_SM90_CLUSTER_SEQLEN keys, an even number of query tiles per (batch, head))."""
+    return bool(FWD_SM90_CLUSTER) and (head_dim in FWD_SM90_CLUSTER_HEAD_DIMS
+                                       or (head_dim == 64 and bool(FWD_SM90_CLUSTER_HD64)))
 
 
 def _tile_overrides() -> None:
@@ -775,7 +791,7 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
     else:
         tiles = FWD_SM90_TILES[head_dim]
     # (clusters: query tiles in pairs of one (batch, head), so an even number of them; seqlen_k 0: varlen or unknown)
-    if (FWD_SM90_CLUSTER and plain and not causal and head_dim in FWD_SM90_CLUSTER_HEAD_DIMS
+    if (fwd_sm90_cluster_head_dim(head_dim) and plain and not causal
             and head_dim_eff in (None, head_dim) and seqlen_k >= max(FWD_SM90_CLUSTER_SEQLEN, 1) and seqlen_q > 0
             and -(-seqlen_q // tiles.block_m) % 2 == 0 and tiles.q_buffers == 1):
         return dataclasses.replace(tiles, cluster=2)
@@ -1185,9 +1201,10 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               for seqlen_q, seqlen_k in ((0, 0), (1, 0), (0, long_keys_seqlen(causal)))  # (hd128: no long-causal tiles)
               if _fits(spec := fwd_sm90_kernel(128, dtype, causal, dropout, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                                head_dim_eff=narrow), smem_limit)]
-    specs += [spec for dtype in DTYPES  # non-causal hd128 from FWD_SM90_CLUSTER_SEQLEN keys: 2-CTA clusters
-              if _fits(spec := _fwd_sm90_spec(128, dtype, False, False, False, dataclasses.replace(
-                  fwd_sm90_tiles(128, False, False, False, 0, FWD_SM90_CLUSTER_SEQLEN), cluster=2)), smem_limit)]
+    # non-causal hd128 from FWD_SM90_CLUSTER_SEQLEN keys in 2-CTA clusters (and hd64: FWD_SM90_CLUSTER_HD64)
+    specs += [spec for head_dim in (64, 128) for dtype in DTYPES
+              if _fits(spec := _fwd_sm90_spec(head_dim, dtype, False, False, False, dataclasses.replace(
+                  fwd_sm90_tiles(head_dim, False, False, False, 0, FWD_SM90_CLUSTER_SEQLEN), cluster=2)), smem_limit)]
     specs += [spec for dtype in DTYPES  # the hd128 causal 80-query backward with plain-row dQ^T (A/B: BWD_DQ_FRAG=0)
               if _fits(spec := _bwd_sm90_spec(128, dtype, True, False, False, False, dataclasses.replace(
                   BWD_SM90_DENSE128_TILES, dq_frag=False), 128), smem_limit)]

@@ -25,10 +25,11 @@
 //     (FwdSm90Traits::kQBuffers; build.py dispatches them to causal hd128 below 1K rows) tile i uses buffer i % 2, its
 //     slot, tile record and full_q / empty_q pair, so the producer copies the next tile's Q as soon as the tile before
 //     the current one has released that buffer.
-//   Clusters (FwdSm90Traits::kCluster; build.py FWD_SM90_CLUSTER: dense non-causal hd128 from 8K keys): two CTAs on
-//     neighbouring query tiles of one (batch, head), tiles in a static round-robin of pairs; each producer copies one
-//     half of every K / V tile into both CTAs (TMA multicast) and refills a stage once both CTAs' consumers released
-//     it (a hand-over between the producers); the consumers run the one-CTA code.
+//   Clusters (FwdSm90Traits::kCluster; build.py FWD_SM90_CLUSTER: dense non-causal hd128 from 8K keys, and hd64's
+//     192-row tiles with FWD_SM90_CLUSTER_HD64): two CTAs on neighbouring query tiles of one (batch, head), tiles in
+//     a static round-robin of pairs; each producer copies one half of every K / V tile (hd128: a 64-column box;
+//     hd64: half of the box's rows) into both CTAs (TMA multicast) and refills a stage once both CTAs' consumers
+//     released it (a hand-over between the producers); the consumers run the one-CTA code.
 //
 // Key blocks are walked from the last to the first (the blocks that need a mask come first); block-sparse walks the
 // non-zero blocks of the query block's row of the block mask (utils.cuh SparseWalkDesc). Dropout draws the same
@@ -240,15 +241,17 @@ struct FwdSm90Traits {
     static constexpr int kColBlocks = kHeadDim / 64;  // TMA boxes per tile
     // Clusters of two CTAs (FT_CLUSTER 2; build.py FWD_SM90_CLUSTER): the two take query tiles 2 i and 2 i + 1 of a
     // static round-robin (every tile of a dense non-causal call has the same key blocks), i.e. neighbouring query
-    // blocks of one (batch, head), and each copies one of the two 64-column halves of every K / V tile into both CTAs'
-    // shared memory (TMA multicast): each K / V tile is requested from L2 once per pair of query tiles.
+    // blocks of one (batch, head), and each copies one of the two 64-column halves of every K / V tile (head dim 64,
+    // one such box: one half of its rows) into both CTAs' shared memory (TMA multicast): each K / V tile is
+    // requested from L2 once per pair of query tiles.
     // A stage is refilled once both CTAs' consumers have released it: each producer, once its own consumers have,
     // arrives on the peer's "peer_empty" barrier of the stage and waits on its own (the consumers' code is the
     // one-CTA kernel's).
     static constexpr int kCluster = kCluster_;
-    static_assert(kCluster == 1 || (kCluster == 2 && kColBlocks == 2 && !kIsCausal_ && !kIsBlockSparse_ &&
-                                    !kScoreMods_ && !kSplitD && kQBuffers_ == 1),
-                  "2-CTA clusters: head dim 128, dense non-causal, no score modifications, one Q buffer");
+    static_assert(kCluster == 1 || (kCluster == 2 && (kColBlocks == 2 || (kColBlocks == 1 && kBlockN_ % 16 == 0)) &&
+                                    !kIsCausal_ && !kIsBlockSparse_ && !kScoreMods_ && !kSplitD && kQBuffers_ == 1),
+                  "2-CTA clusters: head dim 128 (or 64, halves of 8-row swizzle atoms), dense non-causal, no score "
+                  "modifications, one Q buffer");
     // FT_FWD_TAIL_SPLIT: the dense non-causal one-CTA kernels without dropout, with one Q buffer and key blocks of at
     // most 128 (head dims up to 256). Not the 192-key hd128 tiles (one-CTA and 2-CTA clusters): with any code after
     // tail_merge's count (even one store), ptxas moved their loop's P V wait above every exponential (sm90_spills.py:
@@ -623,7 +626,10 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                             mbar_wait(peer_empty, parity);
                         }
                         mbar_arrive_expect_tx(full, TileKV::kBytes);
-                        if constexpr (T::kCluster > 1) {
+                        if constexpr (T::kCluster > 1 && T::kColBlocks == 1) {  // (the map's boxes: kBlockN / 2 rows)
+                            tma_load_4d_multicast_rows(dst, desc, full, kBlockN / 2 * 128, kBlockN / 2, row, x.head_kv,
+                                                       batch_coord);
+                        } else if constexpr (T::kCluster > 1) {
                             tma_load_4d_multicast_pair(dst, desc, full, kBlockN * 128, row, x.head_kv, batch_coord);
                         } else {
 #pragma unroll
