@@ -293,7 +293,7 @@ def test_hd64_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypat
         monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", cluster)
         ops.clear_plans()
         spec = build.fwd_kernel(64, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=q.shape[1],
-                                seqlen_k=k.shape[1])
+                                seqlen_k=k.shape[1], effective_head_dim=q.shape[-1])
         assert spec.tiles.cluster == 1 + cluster, (q.shape, k.shape)
         return flash_attn_func(q, k, v, return_lse=True, impl="cuda")
 
@@ -302,13 +302,15 @@ def test_hd64_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypat
     ops.clear_plans()
     q, k, v, dout = _inputs((1, 4 * 192 - 7, 2, 64), (1, long + 30, 1, 64), torch.bfloat16, seed=9)
     _check_against_reference(q, k, v, dout, causal=False)
-    for batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype in (
-            (1, 2 * long, 2 * long, 4, 4, torch.bfloat16), (2, 384, long + 808, 8, 2, torch.float16),
-            (3, 4 * 192 - 7, long + 30, 16, 4, torch.bfloat16), (1, 2 * 192, long, 40, 40, torch.bfloat16)):
-        q, k, v, _ = _inputs((batch, seqlen_q, nheads, 64), (batch, seqlen_k, nheads_kv, 64), dtype, seed=seqlen_k)
+    for batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype in (
+            (1, 2 * long, 2 * long, 4, 4, 64, torch.bfloat16), (2, 384, long + 808, 8, 2, 64, torch.float16),
+            (3, 4 * 192 - 7, long + 30, 16, 4, 64, torch.bfloat16), (1, 2 * 192, long, 40, 40, 64, torch.bfloat16),
+            (1, 2 * 192, long + 5, 8, 8, 40, torch.bfloat16)):  # (head dim 40: the hd64 kernel, zero-filled columns)
+        q, k, v, _ = _inputs((batch, seqlen_q, nheads, head_dim), (batch, seqlen_k, nheads_kv, head_dim), dtype,
+                             seed=seqlen_k)
         (out, lse) = forward(q, k, v, 1)
         (out1, lse1) = forward(q, k, v, 0)
-        assert torch.equal(out, out1) and torch.equal(lse, lse1), (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
+        assert torch.equal(out, out1) and torch.equal(lse, lse1), (batch, seqlen_q, seqlen_k, nheads, head_dim)
     monkeypatch.undo()
     ops.clear_plans()
 
