@@ -245,10 +245,11 @@ def test_json_record_is_written_after_each_configuration(ab_probe, monkeypatch, 
 
 def test_gated_kernels_check_variants_are_what_they_name(ab_probe, monkeypatch):
     """benchmarks/probes/gated_kernels_check.sh's implementations, as its A/Bs run them: the hd64 forward in clusters
-    at 16K (one CTA per tile without the switch); for the tail split the whole-tile kernels, the backward's split
-    with the cost model's piece count, and capped at 4 and 8 pieces; on the hd64 16K row (4096 tiles on 132 SMs, 128
-    query blocks each) the last wave's 4 tiles in 16, 4 and 8 pieces, and no split without the switch. Its tail-split
-    configurations are the dense hd64 / hd128 rows, and each is split by the cost model."""
+    at 16K, and at 4K with its threshold lowered (one CTA per tile without the switch); for the tail split the
+    whole-tile kernels, the backward's split with the cost model's piece count, and capped at 4 and 8 pieces; on the
+    hd64 16K row (4096 tiles on 132 SMs, 128 query blocks each) the last wave's 4 tiles in 16, 4 and 8 pieces, and no
+    split without the switch. Its tail-split configurations are the dense hd64 / hd128 rows, and each is split by the
+    cost model."""
     import re
 
     from flashtrain.kernels import build, ops
@@ -259,10 +260,12 @@ def test_gated_kernels_check_variants_are_what_they_name(ab_probe, monkeypatch):
     script = (PROBES / "gated_kernels_check.sh").read_text()
     clusters = re.search(r"^clusters=(\S+)$", script, re.M).group(1)
     assert clusters == "flashtrain@build.FWD_SM90_CLUSTER_HD64=1"
-    for name, cluster in (("flashtrain", 1), (clusters, 2)):
+    assert f'"$clusters@build.FWD_SM90_CLUSTER_SEQLEN=4096"' in script
+    for name, cluster_16k, cluster_4k in (("flashtrain", 1, 1), (clusters, 2, 1),
+                                          (f"{clusters}@build.FWD_SM90_CLUSTER_SEQLEN=4096", 2, 2)):
         with ab_probe.env_variant(name):
-            assert build.fwd_kernel(64, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=16384,
-                                    seqlen_k=16384).tiles.cluster == cluster
+            assert [build.fwd_kernel(64, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=n,
+                                     seqlen_k=n).tiles.cluster for n in (16384, 4096)] == [cluster_16k, cluster_4k]
     split = re.search(r"^split=(\S+)$", script, re.M).group(1)
     names = [name.replace("$split", split) for name in re.findall(r'"(\$split[^"]*)"', script)]
     assert [split, *names] == ["flashtrain@build.BWD_TAIL_SPLIT=1", "flashtrain@build.BWD_TAIL_SPLIT=1",

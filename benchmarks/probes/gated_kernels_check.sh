@@ -7,7 +7,8 @@
 # Steps: every kernel built; their cuda tests; the sanitizer grid (which runs both); interleaved CUDA-graph A/Bs of
 # the backward's split against the whole-tile kernels at the rows it splits (with the cost model's piece count, and
 # capped at 4 and 8 pieces, which is what fitting ops.TAIL_PIECE_STEPS / TAIL_MERGE_STEPS needs), backward alone and
-# forward + backward; the hd64 clusters against one CTA per tile at 16K, interleaved and sustained with clocks.
+# forward + backward; the hd64 clusters against one CTA per tile at 16K (and 4K, their threshold lowered),
+# interleaved, and at 16K sustained with clocks.
 # Each step's output goes to its own log under OUT (default out/gated_kernels_check), the A/Bs' records as JSON
 # beside them; a failed step does not stop the later ones, and the last lines say which failed.
 #
@@ -46,8 +47,10 @@ for kind in bwd fb; do
 done
 
 clusters=flashtrain@build.FWD_SM90_CLUSTER_HD64=1
-step ab_hd64_clusters python benchmarks/probes/ab_probe.py --impls flashtrain "$clusters" flashtrain#2 \
-    --configs 64:16384:full 64:16384:full:16:2 --pass fwd --repeats 30 --json "$out/ab_hd64_clusters.json"
+# (from 4K keys too: 22 query tiles per head at 4K; 8K's 43 stay on one CTA per tile)
+step ab_hd64_clusters python benchmarks/probes/ab_probe.py --impls flashtrain "$clusters" \
+    "$clusters@build.FWD_SM90_CLUSTER_SEQLEN=4096" flashtrain#2 --configs 64:16384:full 64:16384:full:16:2 \
+    64:4096:full --pass fwd --repeats 30 --json "$out/ab_hd64_clusters.json"
 step ab_hd64_clusters_sustained python benchmarks/probes/ab_probe.py --impls flashtrain "$clusters" \
     --configs 64:16384:full --pass fwd --sustained 3 --rounds 2 --clocks \
     --json "$out/ab_hd64_clusters_sustained.json"
