@@ -74,6 +74,34 @@ def test_cluster_forward_moves_descriptors_on_the_masked_address(tmp_path):
     assert sum(ins.split()[0] == "UIADD3.64" for ins in code) >= 8
 
 
+@pytest.mark.slow
+def test_hd64_cluster_forward_multicasts_kv_and_keeps_the_one_cta_loop(tmp_path, monkeypatch):
+    """The hd64 forward in 2-CTA clusters (build.FWD_SM90_CLUSTER_HD64) copies K and V by TMA multicast (half a key
+    block's rows each, tma_load_4d_multicast_rows), Q by a plain copy, moves its descriptors on the masked address as
+    the hd128 cluster kernel does, and keeps the one-CTA kernel's key-block loop: no spills, the same P V wait
+    windows (ptxas 13.0: 0 / 2 exponentials ahead of the wait, both kernels)."""
+    probe = _probe()
+    tool = probe.disassembler()
+    if build.nvcc_path() is None or tool is None:
+        pytest.skip("needs nvcc and nvdisasm or cuobjdump (pip install -e '.[dev]' brings nvidia-cuda-nvdisasm)")
+    monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)
+    windows = {}
+    for cluster in (0, 1):
+        monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", cluster)
+        spec = build.fwd_kernel(64, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=16384, seqlen_k=16384)
+        assert spec.tiles.cluster == 1 + cluster, spec.name
+        cubin = tmp_path / f"fwd64_{cluster}.cubin"
+        resources = build._compile_nvcc(spec, build.SM90_ARCH, cubin, ptxas_verbose=True)
+        assert "0 / 0 bytes spilled" in resources, resources
+        code = probe.sass_instructions(tool, cubin)
+        loads = [ins.split()[0] for ins in code if ins.split()[0].startswith("UTMALDG")]
+        assert loads == (["UTMALDG.4D"] + ["UTMALDG.4D.MULTICAST"] * 2 if cluster else ["UTMALDG.4D"] * 3), loads
+        # (ptxas 13.0: 10 UIADD3.64 in the one-CTA kernel, 7 in the cluster kernel, 0 there with FT_FWD_DESC64_CLUSTER=0)
+        assert sum(ins.split()[0] == "UIADD3.64" for ins in code) >= 5
+        windows[cluster] = probe.pv_wait_windows(code)
+    assert windows[1] == [(e, windows[1][i][1]) for i, (e, _) in enumerate(windows[0])], windows
+
+
 def test_between_hgmma_counts_the_gaps_inside_a_gemm():
     code = ["HGMMA.64x96x16.F32.BF16 R24, gdesc[UR20], RZ, !UPT", "UIADD3.64 UR22, UR18, 0x80, URZ",
             "HGMMA.64x96x16.F32.BF16 R24, gdesc[UR20], R24, gsb0"] + ["FMUL R1, R1, R2"] * 13 + [
