@@ -96,7 +96,8 @@ def test_hd64_cluster_forward_multicasts_kv_and_keeps_the_one_cta_loop(tmp_path,
         code = probe.sass_instructions(tool, cubin)
         loads = [ins.split()[0] for ins in code if ins.split()[0].startswith("UTMALDG")]
         assert loads == (["UTMALDG.4D"] + ["UTMALDG.4D.MULTICAST"] * 2 if cluster else ["UTMALDG.4D"] * 3), loads
-        # (ptxas 13.0: 10 UIADD3.64 in the one-CTA kernel, 7 in the cluster kernel, 0 there with FT_FWD_DESC64_CLUSTER=0)
+        # (ptxas 13.0: 10 UIADD3.64 in the one-CTA kernel, 7 in the cluster kernel; 0 there with
+        # FT_FWD_DESC64_CLUSTER=0)
         assert sum(ins.split()[0] == "UIADD3.64" for ins in code) >= 5
         windows[cluster] = probe.pv_wait_windows(code)
     assert windows[1] == [(e, windows[1][i][1]) for i, (e, _) in enumerate(windows[0])], windows
