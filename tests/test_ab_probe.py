@@ -271,6 +271,8 @@ def test_gated_kernels_check_variants_are_what_they_name(ab_probe, monkeypatch):
     assert [split, *names] == ["flashtrain@build.BWD_TAIL_SPLIT=1", "flashtrain@build.BWD_TAIL_SPLIT=1",
                                "flashtrain@build.BWD_TAIL_SPLIT=1@ops.TAIL_MAX_PIECES=4",
                                "flashtrain@build.BWD_TAIL_SPLIT=1@ops.TAIL_MAX_PIECES=8"]
+    with ab_probe.env_variant("flashtrain"):  # (no split without the switch: the whole-tile kernel)
+        assert not build.bwd_tail_split(build.bwd_sm90_kernel(64, "bf16", False, seqlen_q=16384))
     chosen = []
     for name in names:
         with ab_probe.env_variant(name):

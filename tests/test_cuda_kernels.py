@@ -279,15 +279,16 @@ def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
 def test_hd64_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
     """The dense non-causal hd64 forward in 2-CTA clusters (build.FWD_SM90_CLUSTER_HD64: each CTA copies half of a
     key block's rows into both) against the reference, with a partial last query tile and a last key block of 30 rows
-    (the second CTA's half entirely past the keys: zero-filled), and bitwise against the one-CTA kernel
-    (FWD_SM90_CLUSTER_HD64 = 0: the same 192 x 128 tiles and order of operations) on batch / GQA / key length / dtype
-    variations, among them launches with more tiles than CTAs."""
+    (the second CTA's half starts at the last key instead of past the keys) or 100, and bitwise against the one-CTA
+    kernel (FWD_SM90_CLUSTER_HD64 = 0: the same 192 x 128 tiles and order of operations) on batch / GQA / key length /
+    dtype variations, among them launches with more tiles than CTAs."""
     from flashtrain.kernels import build
 
     if not _is_hopper():
         pytest.skip("the 2-CTA clusters are a Hopper forward's")
     ops = _ops()
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)
+    monkeypatch.setattr(build, "FWD_TAIL_SPLIT", 0)  # (the one-CTA kernel whole tiles, whatever the environment)
 
     def forward(q, k, v, cluster):
         monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", cluster)
@@ -300,10 +301,14 @@ def test_hd64_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypat
     long = build.FWD_SM90_CLUSTER_SEQLEN
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", 1)
     ops.clear_plans()
-    q, k, v, dout = _inputs((1, 4 * 192 - 7, 2, 64), (1, long + 30, 1, 64), torch.bfloat16, seed=9)
-    _check_against_reference(q, k, v, dout, causal=False)
+    for seqlen_k in (long + 30, long + 100):  # (the last key block's second half past the keys, or cut part-way)
+        q, k, v, dout = _inputs((1, 4 * 192 - 7, 2, 64), (1, seqlen_k, 1, 64), torch.bfloat16, seed=9)
+        assert build.fwd_kernel(64, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=q.shape[1],
+                                seqlen_k=seqlen_k).tiles.cluster == 2
+        _check_against_reference(q, k, v, dout, causal=False)
     for batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype in (
             (1, 2 * long, 2 * long, 4, 4, 64, torch.bfloat16), (2, 384, long + 808, 8, 2, 64, torch.float16),
+            (2, 384, long + 100, 8, 8, 64, torch.bfloat16),
             (3, 4 * 192 - 7, long + 30, 16, 4, 64, torch.bfloat16), (1, 2 * 192, long, 40, 40, 64, torch.bfloat16),
             (1, 2 * 192, long + 5, 8, 8, 40, torch.bfloat16)):  # (head dim 40: the hd64 kernel, zero-filled columns)
         q, k, v, _ = _inputs((batch, seqlen_q, nheads, head_dim), (batch, seqlen_k, nheads_kv, head_dim), dtype,
@@ -1008,6 +1013,7 @@ def _sanitizer_grid() -> None:
     # leave the second half past the keys), more tiles than CTAs
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(build, "FWD_SM90_CLUSTER_HD64", 1)
+        patch.setattr(build, "FWD_TAIL_SPLIT", 0)
         ops.clear_plans()
         q, k, v, dout = _inputs((2, 4 * 192 - 7, 40, 64), (2, 8192 + 30, 10, 64), torch.bfloat16)
         spec = build.fwd_kernel(64, "bf16", False, False, arch=build.SM90_ARCH, seqlen_q=q.shape[1],

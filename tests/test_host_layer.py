@@ -137,7 +137,7 @@ CASES = {
     "tail-split": dict(shape_q=(1, 300, 4, 64), shape_k=(1, 300, 4, 64), causal=False, tail_split=(5, 2)),
     # (Hopper, build.FWD_SM90_CLUSTER_HD64: the hd64 forward in 2-CTA clusters, K / V maps of half a key block's rows)
     "hd64-full-clusters": dict(shape_q=(1, 16384, 1, 64), shape_k=(1, 16384, 1, 64), causal=False,
-                               switches=dict(FWD_SM90_CLUSTER=1, FWD_SM90_CLUSTER_HD64=1)),
+                               switches=dict(FWD_SM90_CLUSTER=1, FWD_SM90_CLUSTER_HD64=1, FWD_TAIL_SPLIT=0)),
 }
 
 
@@ -389,6 +389,7 @@ def test_hopper_cluster_forward_plan(recording, monkeypatch):
     if arch != "sm_90a":
         pytest.skip("the Hopper forward")
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)  # (the default, whatever the environment says)
+    monkeypatch.setattr(build, "FWD_TAIL_SPLIT", 0)  # (likewise)
     long = build.FWD_SM90_CLUSTER_SEQLEN
 
     def plan(seqlen, sms=132):
@@ -416,6 +417,7 @@ def test_hopper_hd64_cluster_forward_plan(recording, monkeypatch):
     if arch != "sm_90a":
         pytest.skip("the Hopper forward")
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)
+    monkeypatch.setattr(build, "FWD_TAIL_SPLIT", 0)  # (whole tiles in the one-CTA kernel, whatever the environment)
     monkeypatch.setattr(launch, "sm_count", lambda device: 131)
     offsets = {ops._offset(launch.FwdSm90Params, name): name for name in ("tma_q", "tma_k", "tma_v", "tma_o")}
 

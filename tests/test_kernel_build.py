@@ -974,6 +974,7 @@ def test_hd64_cluster_forward_tiles(monkeypatch):
     all_kernels (CI compiles them) and fit the shared memory of one CTA per SM."""
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", 1)
+    monkeypatch.setattr(build, "FWD_TAIL_SPLIT", 0)
     long = build.FWD_SM90_CLUSTER_SEQLEN
 
     def tiles(seqlen_q, seqlen_k, causal=False, dropout=False):

@@ -85,6 +85,7 @@ def test_hd64_cluster_forward_multicasts_kv_and_keeps_the_one_cta_loop(tmp_path,
     if build.nvcc_path() is None or tool is None:
         pytest.skip("needs nvcc and nvdisasm or cuobjdump (pip install -e '.[dev]' brings nvidia-cuda-nvdisasm)")
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 1)
+    monkeypatch.setattr(build, "FWD_TAIL_SPLIT", 0)
     windows = {}
     for cluster in (0, 1):
         monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", cluster)

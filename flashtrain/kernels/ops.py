@@ -443,8 +443,9 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     varlen, maps, prefix = cu_seqlens_q is not None, [], ""
     if spec.source == "flash_fwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, out, then the same parameters
         params, prefix = launch.FwdSm90Params(fwd=params), "fwd."
-        # (head dim 64 in clusters: each CTA copies half of a K / V tile's rows, tma_load_4d_multicast_rows)
-        kv_rows = spec.tiles.block_n // (spec.tiles.cluster if head_dim == 64 else 1)
+        # (clusters at head dims of one 64-column box, FwdSm90Traits::kColBlocks 1: each CTA copies half of a K / V
+        # tile's rows, tma_load_4d_multicast_rows)
+        kv_rows = spec.tiles.block_n // (spec.tiles.cluster if head_dim // 64 == 1 else 1)
         maps = [(_offset(launch.FwdSm90Params, name), index, tma.layout(x, varlen, rows)) for name, index, x, rows in
                 (("tma_q", 0, q, spec.tiles.block_m), ("tma_k", 1, k, kv_rows),
                  ("tma_v", 2, v, kv_rows), ("tma_o", -1, out, 64))]  # (-1: output 0)

@@ -627,8 +627,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                         }
                         mbar_arrive_expect_tx(full, TileKV::kBytes);
                         if constexpr (T::kCluster > 1 && T::kColBlocks == 1) {  // (the map's boxes: kBlockN / 2 rows)
-                            tma_load_4d_multicast_rows(dst, desc, full, kBlockN / 2 * 128, kBlockN / 2, row, x.head_kv,
-                                                       batch_coord);
+                            tma_load_4d_multicast_rows(dst, desc, full, kBlockN / 2 * 128, kBlockN / 2, row,
+                                                       x.k_start + x.seqlen_k - 1, x.head_kv, batch_coord);
                         } else if constexpr (T::kCluster > 1) {
                             tma_load_4d_multicast_pair(dst, desc, full, kBlockN * 128, row, x.head_kv, batch_coord);
                         } else {

@@ -132,16 +132,19 @@ __device__ __forceinline__ void tma_load_4d_multicast_pair(u32 dst, const TmaDes
         : "memory");
 }
 // The same for a K / V tile of one 64-column box (head dim 64), split by rows: this CTA (rank r) copies rows c1 + r *
-// half_rows.. of the box (a tensor map of half_rows-row boxes), landing at dst + r * half_bytes, into both CTAs. (A
-// half of rows past the tensor's end is zero-filled and completes its bytes, as any out-of-range part of a box does.)
+// half_rows.. of the box (a tensor map of half_rows-row boxes), landing at dst + r * half_bytes, into both CTAs. A
+// half that would start past last_row (the keys' last row) starts at last_row instead, so that no box lies wholly
+// outside the tensor (a box crossing its end is zero-filled there and completes all its bytes; one wholly outside is
+// not described by the PTX ISA): those rows are keys past the end, which the last block's mask hides, and they now
+// hold real rows' finite values instead of zeros, so P (0 there) times V adds the same zeros.
 __device__ __forceinline__ void tma_load_4d_multicast_rows(u32 dst, const TmaDesc* desc, u32 bar, u32 half_bytes,
-                                                           int half_rows, int c1, int c2, int c3) {
+                                                           int half_rows, int c1, int last_row, int c2, int c3) {
     asm volatile(
         "{ .reg .b32 r, d, c; .reg .b16 m; mov.u32 r, %%cluster_ctarank; mad.lo.u32 d, r, %3, %0;"
-        " mad.lo.u32 c, r, %4, %5; mov.b16 m, 3;"
+        " mad.lo.u32 c, r, %4, %5; min.s32 c, c, %6; mov.b16 m, 3;"
         " cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [d], [%1, {0, c, %6, %7}], [%2], m; }" ::"r"(dst), "l"(desc), "r"(bar), "r"(half_bytes), "r"(half_rows),
-        "r"(c1), "r"(c2), "r"(c3)
+        " [d], [%1, {0, c, %7, %8}], [%2], m; }" ::"r"(dst), "l"(desc), "r"(bar), "r"(half_bytes), "r"(half_rows),
+        "r"(c1), "r"(last_row), "r"(c2), "r"(c3)
         : "memory");
 }
 
