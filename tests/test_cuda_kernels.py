@@ -558,6 +558,8 @@ def test_hopper_runs_the_warpgroup_mma_kernels():
     expected = [f"flash_{pass_}{kind}_hdim{head_dim}_bf16" for pass_ in ("fwd", "bwd") for head_dim in (64, 128)]
     if _is_hopper() and build.bwd_sm90_q80_enabled():  # the dense hd128 backward's 80-query blocks
         expected[-1] += "_q80"
+    if _is_hopper() and build.BWD_TAIL_SPLIT:  # the dense backward's kernels with the tail split (BWD_TAIL_SPLIT)
+        expected[2:] = [name + "_tail" for name in expected[2:]]
     assert names == expected
 
 

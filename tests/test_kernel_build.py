@@ -243,6 +243,7 @@ def test_narrow_head_dims_on_hopper(monkeypatch):
     (every tile shape: default, short causal, long keys; dropout too), the backward dense and not deterministic
     (80-query blocks where hd128 takes them). Head dims above 96, block-sparse, the score-modification kernels and
     sm_80 keep all 128 columns; FLASHTRAIN_SM90_NARROW (A/B) picks the widths."""
+    monkeypatch.setattr(build, "BWD_TAIL_SPLIT", 0)  # (the whole-tile kernels' names; the tail split: its own tests)
     monkeypatch.delenv("FLASHTRAIN_SM90_NARROW", raising=False)
     for causal, suffix in ((False, ""), (True, "_causal")):
         long = build.long_keys_seqlen(causal)
@@ -382,6 +383,7 @@ def test_hopper_dispatch(monkeypatch):
     """sm_90a runs the warpgroup-MMA forward at head dims 64, 128, 192, 256 and backward at 64, 128 (dense or
     block-sparse, dropout too; the backward deterministic too, except block-sparse) and at 192, 256 (dense, no
     dropout, not deterministic); head dims 65-96 round up to 128 there; head dims <= 32 and other GPUs run the mma.sync kernels; FLASHTRAIN_SM90=0 turns the Hopper kernels off."""
+    monkeypatch.setattr(build, "BWD_TAIL_SPLIT", 0)  # (the whole-tile kernels' names; the tail split: its own tests)
     def name(head_dim, arch, causal=False, dropout=False, block_sparse=False):
         return build.fwd_kernel(head_dim, "fp16", causal, dropout, block_sparse, arch=arch).name
 
@@ -524,6 +526,7 @@ def test_hd128_backward_query_blocks(monkeypatch):
     deterministic, dropout and block-sparse keep 64; FLASHTRAIN_BWD_SM90_Q80=0 turns it off. dq_accum in the accumulator's fragment order
     (the hd128 causal score-modification kernels: plain rows, `_dqrows`); BWD_DQ_FRAG 0 / 2: plain rows / fragment
     order everywhere."""
+    monkeypatch.setattr(build, "BWD_TAIL_SPLIT", 0)  # (the whole-tile kernels' names; the tail split: its own tests)
     monkeypatch.delenv("FLASHTRAIN_BWD_SM90_Q80", raising=False)
 
     def spec(causal=False, seqlen_q=None, **kwargs):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The Hopper kernels built behind switches that are off by default until a GPU has measured them, checked in one
-# device call (about 8 minutes on an H200 with an empty kernel cache):
-#   - the dense kernels' tail split (build.BWD_TAIL_SPLIT / FWD_TAIL_SPLIT): the last, partial wave of a launch's tiles
-#     in pieces;
-#   - the hd64 forward in 2-CTA clusters (build.FWD_SM90_CLUSTER_HD64): K / V tiles shared by TMA multicast.
+# The Hopper kernels behind switches, checked in one device call (about 8 minutes on an H200 with an empty kernel
+# cache), again after a change to them:
+#   - the dense kernels' tail split (build.BWD_TAIL_SPLIT, on by default; FWD_TAIL_SPLIT, off): the last, partial wave
+#     of a launch's tiles in pieces;
+#   - the hd64 forward in 2-CTA clusters (build.FWD_SM90_CLUSTER_HD64, off): K / V tiles shared by TMA multicast.
 # Steps: every kernel built; their cuda tests; the sanitizer grid (which runs both); interleaved CUDA-graph A/Bs of
 # the backward's split against the whole-tile kernels at the rows it splits (with the cost model's piece count, and
 # capped at 4 and 8 pieces, which is what fitting ops.TAIL_PIECE_STEPS / TAIL_MERGE_STEPS needs), backward alone and
@@ -41,7 +41,7 @@ step memcheck compute-sanitizer --tool memcheck --report-api-errors no --error-e
 bwd_rows=(64:16384:full 64:8192:full 64:4096:full 64:2048:full 128:16384:full 128:8192:full 128:4096:full)
 split=flashtrain@build.BWD_TAIL_SPLIT=1
 for kind in bwd fb; do
-    step "ab_tail_$kind" python benchmarks/probes/ab_probe.py --impls flashtrain "$split" \
+    step "ab_tail_$kind" python benchmarks/probes/ab_probe.py --impls flashtrain@build.BWD_TAIL_SPLIT=0 "$split" \
         "$split@ops.TAIL_MAX_PIECES=4" "$split@ops.TAIL_MAX_PIECES=8" flashtrain#2 --configs "${bwd_rows[@]}" \
         --pass "$kind" --repeats 30 --json "$out/ab_tail_$kind.json"
 done

@@ -237,12 +237,11 @@ FWD_SM90_CLUSTER_SEQLEN = LONG_KEYS_SEQLEN
 FWD_SM90_CLUSTER_HEAD_DIMS = (128,)
 # The same clusters for the dense non-causal head-dim-64 forward (192 x 128 tiles, three consumer warpgroups; from
 # FWD_SM90_CLUSTER_SEQLEN keys, an even number of 192-row query tiles per (batch, head): 16K, not 8K), each CTA copying
-# half of every K / V tile's 128 rows into both (K / V maps of 64-row boxes, ops._fwd_plan). Per FLOP this forward
-# copies twice head dim 128's K / V bytes from L2 (hd64 16K: 11.3 GB of L2 traffic per call, FA4's 10.0 GB;
-# kernel_ab-h200.json ncu_source_fwd_hd64_16k_vs_fa4), and under sustained load it ran at 0.976 of FA4 at the same
-# clock and power (sustained_hd64_16k_vs_fa4). Not yet measured on a GPU, so off by default: FWD_SM90_CLUSTER_HD64 = 1
-# (FLASHTRAIN_FWD_SM90_CLUSTER_HD64=1 at import, or ab_probe.py flashtrain@build.FWD_SM90_CLUSTER_HD64=1; read at plan
-# time) turns it on.
+# half of every K / V tile's 128 rows into both (K / V maps of 64-row boxes, ops._fwd_plan). Off: H200, ab_probe.py,
+# forward, clusters / one CTA: interleaved 16K 0.984-0.986, 4K (threshold lowered) 0.952; sustained 16K 1.011 at a 35
+# MHz higher SM clock but 0.991 of the TFLOP/s per GHz (kernel_ab-h200.json hd64_clusters_ab). FWD_SM90_CLUSTER_HD64 =
+# 1 (FLASHTRAIN_FWD_SM90_CLUSTER_HD64=1 at import, or ab_probe.py flashtrain@build.FWD_SM90_CLUSTER_HD64=1; read at
+# plan time) turns it on.
 FWD_SM90_CLUSTER_HD64 = int(os.environ.get("FLASHTRAIN_FWD_SM90_CLUSTER_HD64", "0"))
 
 
@@ -952,9 +951,11 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
 # The Hopper backward's tail split (flash_bwd_sm90.cuh FT_BWD_TAIL_SPLIT; ops._tail_split picks the pieces): the
 # dense non-causal kernels of head dims up to 128 (not block-sparse or deterministic; dropout too) run the last,
 # partial wave of a launch's tiles as pieces over their query blocks, so that the SMs the last wave leaves idle share
-# its work. Not yet measured on a GPU, so off by default. BWD_TAIL_SPLIT = 1 (FLASHTRAIN_BWD_TAIL_SPLIT=1 at import,
-# or ab_probe.py flashtrain@build.BWD_TAIL_SPLIT=1; read at plan time): on.
-BWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_BWD_TAIL_SPLIT", "0"))
+# its work. H200, ab_probe.py, backward against whole tiles (a second copy of those: 0.999-1.017): hd64 16K / 8K / 4K
+# / 2K 1.023 / 1.022 / 1.016 / 1.010, hd128 16K / 8K / 4K 1.025 / 1.022 / 1.012; forward + backward 1.007-1.015
+# (kernel_ab-h200.json tail_split_ab). BWD_TAIL_SPLIT = 0 (FLASHTRAIN_BWD_TAIL_SPLIT=0 at import, or ab_probe.py
+# flashtrain@build.BWD_TAIL_SPLIT=0; read at plan time): whole tiles only.
+BWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_BWD_TAIL_SPLIT", "1"))
 
 
 def bwd_tail_split(spec: KernelSpec) -> bool:
@@ -1187,10 +1188,11 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               for dropout in (False, True) for seqlen_q in (None, 1 << 20)
               if _fits(spec := bwd_sm90_kernel(128, dtype, causal, dropout, head_dim_eff=narrow, seqlen_q=seqlen_q),
                        smem_limit)]
-    specs += [spec for head_dim in (64, 128, *SM90_NARROW_HEAD_DIMS) for dtype in DTYPES  # tail split (BWD_TAIL_SPLIT)
-              for dropout in (False, True) for seqlen_q in (None, 1 << 20)
+    # the dense backward with and without the tail split (BWD_TAIL_SPLIT)
+    specs += [spec for head_dim in (64, 128, *SM90_NARROW_HEAD_DIMS) for dtype in DTYPES
+              for dropout in (False, True) for seqlen_q in (None, 1 << 20) for tail in (True, False)
               if _fits(spec := bwd_sm90_kernel(64 if head_dim == 64 else 128, dtype, False, dropout, seqlen_q=seqlen_q,
-                                               head_dim_eff=head_dim, tail_split=True), smem_limit)]
+                                               head_dim_eff=head_dim, tail_split=tail), smem_limit)]
     specs += [spec for head_dim in (*(d for d in FWD_SM90_TILES if d <= 256), *SM90_NARROW_HEAD_DIMS)  # ... forward
               for dtype in DTYPES
               if _fits(spec := fwd_sm90_kernel(head_dim if head_dim in FWD_SM90_TILES else 128, dtype, False,
