@@ -938,7 +938,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     if (poly_exp)  // (softcap only: no row bias)
                         softmax_exp_row<sizeof(s) / sizeof(s[0]), sizeof(s) / sizeof(s[0]) / 2>(
                             s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
-                    else softmax_exp_row<sizeof(s) / sizeof(s[0]), false, kRowBias>(
+                    else softmax_exp_row<sizeof(s) / sizeof(s[0]), 0, kRowBias>(
                             s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 }
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);

@@ -676,7 +676,7 @@ __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, flo
                 x = fast_exp2(fmaf(x, scale_log2, shift));
             else
                 x = kPolyTiles && nt % kPolyEvery == kPolyEvery - 1 ? poly_exp2(x * scale_log2 - m_scaled)
-                                            : fast_exp2(x * scale_log2 - m_scaled);
+                                                                      : fast_exp2(x * scale_log2 - m_scaled);
             sum += x;
         }
     row_sum = row_sum * correction + sum;  // the max moved: rescale the running sum
