@@ -195,7 +195,9 @@ struct FwdSm90Traits {
 // poly_exp2, softmax_exp_row's kPolyTiles) in the key-block steps after the first. At hd64 the exponentials load
 // each SM sub-partition's MUFU pipe as much as the GEMMs load its tensor core: per 192 x 128 block, three warps of 66
 // MUFU instructions at 8 cycles each (1584 cycles) against 1536 cycles of GEMMs; each exponential moved to the FMA
-// pipe costs about 7 more issued instructions.
+// pipe costs about 7 more issued instructions. H200, interleaved, forward, 1 / 2 / 4 tiles against 0, 2026-12-05:
+// non-causal 16K 0.943 / 0.864 / 0.791, causal 16K 0.969 / 0.892 / 0.891, 4K 0.822-0.974: the step is bound by the
+// consumers' issue slots, not by the MUFU pipe alone (kernel_ab-h200.json poly_tiles_hd64_ab).
 #ifndef FT_FWD_POLY_TILES_HD64
 #define FT_FWD_POLY_TILES_HD64 0
 #endif
