@@ -190,17 +190,6 @@ struct FwdSm90Traits {
 #ifndef FT_FWD_LAZY_RESCALE
 #define FT_FWD_LAZY_RESCALE 1
 #endif
-// FT_FWD_POLY_TILES_HD64 (default 0; A/B): in the plain hd64 kernels (no score modifications, no dropout), that many
-// of a row's n8 tiles per key block (of 16 at 128 keys) take their exponentials on the FMA pipe (utils.cuh
-// poly_exp2, softmax_exp_row's kPolyTiles) in the key-block steps after the first. At hd64 the exponentials load
-// each SM sub-partition's MUFU pipe as much as the GEMMs load its tensor core: per 192 x 128 block, three warps of 66
-// MUFU instructions at 8 cycles each (1584 cycles) against 1536 cycles of GEMMs; each exponential moved to the FMA
-// pipe costs about 7 more issued instructions. H200, interleaved, forward, 1 / 2 / 4 tiles against 0, 2026-12-05:
-// non-causal 16K 0.943 / 0.864 / 0.791, causal 16K 0.969 / 0.892 / 0.891, 4K 0.822-0.974: the step is bound by the
-// consumers' issue slots, not by the MUFU pipe alone (kernel_ab-h200.json poly_tiles_hd64_ab).
-#ifndef FT_FWD_POLY_TILES_HD64
-#define FT_FWD_POLY_TILES_HD64 0
-#endif
 #ifndef FT_CAUSAL_SHIFT
 #define FT_CAUSAL_SHIFT 1
 #endif
@@ -208,9 +197,6 @@ struct FwdSm90Traits {
     // FT_FWD_LAZY_RESCALE (above): the kernels it was measured on (no score modifications or dropout)
     static constexpr bool kLazyRescale = FT_FWD_LAZY_RESCALE && kHeadDim_ >= 128 && kHeadDim_ <= 256 &&
                                          kHeadDimEff_ == kHeadDim_ && kBlockN_ <= 128 && !kScoreMods_ && !kIsDropout_;
-    // FT_FWD_POLY_TILES_HD64 (above): exponentials of that many n8 tiles per row on the FMA pipe
-    static constexpr int kPolyTiles =
-        kHeadDim_ == 64 && !kScoreMods_ && !kIsDropout_ && !kIsBlockSparse_ ? FT_FWD_POLY_TILES_HD64 : 0;
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
                   "a block-sparse mask block must be a whole number of tiles");
     // Head dims above 256 (kSplitD): O of 64 rows x kHeadDim columns would take kHeadDim / 2 registers per thread, so
@@ -938,9 +924,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     if (poly_exp)  // (softcap only: no row bias)
-                        softmax_exp_row<sizeof(s) / sizeof(s[0]), sizeof(s) / sizeof(s[0]) / 2>(
-                            s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
-                    else softmax_exp_row<sizeof(s) / sizeof(s[0]), 0, kRowBias>(
+                        softmax_exp_row<sizeof(s) / sizeof(s[0]), T::kSoftcap>(s, hf, row_max[hf], row_sum[hf],
+                                                                              p.softmax_scale_log2);
+                    else softmax_exp_row<sizeof(s) / sizeof(s[0]), false, kRowBias>(
                             s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 }
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
@@ -1009,8 +995,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf)
                     correction[hf] =
-                        poly_exp ? softmax_exp_row<kNT, kNT / 2>(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2)
-                                 : softmax_exp_row<kNT, T::kPolyTiles, kRowBias, T::kLazyRescale>(
+                        poly_exp ? softmax_exp_row<kNT, T::kSoftcap>(s, hf, row_max[hf], row_sum[hf],
+                                                                     p.softmax_scale_log2)
+                                 : softmax_exp_row<kNT, false, kRowBias, T::kLazyRescale>(
                                        s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
                 wgmma_wait<0>();  // P V done: O and the P registers are free

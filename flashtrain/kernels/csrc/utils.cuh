@@ -43,12 +43,11 @@ __device__ __forceinline__ float fast_tanh(float x) {
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-// 2^x on the FMA and integer pipes instead of MUFU (FlashAttention-4's trick on Blackwell; on Hopper it relieves
-// the MUFU pipe, which the hd64 forward's exponentials load as much as its GEMMs load the tensor cores, and where
-// softcap's tanh shares it): x clamped to -127 (masked scores' -inf too), x = j + f with j = round(x) (the low bits of
-// x + 1.5 * 2^23), |f| <= 1/2; 2^f by a cubic with p(0) = 1 (relative error 1.0e-4 = 2^-13.3, below the 2^-9 of the
-// 16-bit P it becomes); j added to the exponent bits. x = -127 gives exactly 0 (p = 1 and the exponent field 0 after
-// the add), as ex2.approx.ftz gives 0 below 2^-126; up to 2^-126 between -127 and -126.
+// 2^x on the FMA and integer pipes instead of MUFU (FlashAttention-4's trick on Blackwell; here it relieves the MUFU
+// pipe where softcap's tanh shares it, FT_FWD_POLY_EXP): x clamped to -127 (masked scores' -inf too), x = j + f with
+// j = round(x) (the low bits of x + 1.5 * 2^23), |f| <= 1/2; 2^f by a cubic with p(0) = 1 (relative error 1.0e-4 =
+// 2^-13.3, below the 2^-9 of the 16-bit P it becomes); j added to the exponent bits. x = -127 gives exactly 0 (p = 1
+// and the exponent field 0 after the add), as ex2.approx.ftz gives 0 below 2^-126; up to 2^-126 between -127 and -126.
 __device__ __forceinline__ float poly_exp2(float x) {
     x = fmaxf(x, -127.f);
     const float t = x + 12582912.f;
@@ -637,19 +636,15 @@ __device__ __forceinline__ void window_query_blocks(int n0, int offset, int left
 // online softmax in base 2. Updates the running max m and the thread's partial sum l, turns s into
 // p = exp2(s * scale_log2 - m * scale_log2) and returns the factor the row's O accumulators must be rescaled by
 // (rescale_row; kept apart so that a kernel can rescale O only once an asynchronous P V product into it is done).
-// kPolyTiles: kPolyTiles of the row's kNT n8 tiles, spread evenly (the last of every kNT / kPolyTiles), take their
-// exponentials on the FMA pipe (poly_exp2), the others on MUFU.
+// kPolyExp: the odd n8 tiles' exponentials on the FMA pipe (poly_exp2), the even ones' on MUFU.
 // kLazyMax: the row keeps its running max unless the block's exceeds it by more than kLazyMaxLog2 binary orders of
 // the exponent (FlashAttention-4's conditional rescaling): p is then up to 2^kLazyMaxLog2, and the correction exactly 1,
 // so that the caller may skip rescaling O (the Hopper forward, where no row of the warp moved its max).
 constexpr float kLazyMaxLog2 = 8.f;
-template <int kNT, int kPolyTiles = 0, bool kRowBias = false, bool kLazyMax = false>
+template <int kNT, bool kPolyExp = false, bool kRowBias = false, bool kLazyMax = false>
 __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, float& row_max, float& row_sum,
                                                  float scale_log2, float row_bias = 0.f) {
-    static_assert(!(kPolyTiles && kRowBias), "the FMA-pipe exponentials are not combined with a row bias (ALiBi)");
-    static_assert(kPolyTiles >= 0 && kPolyTiles <= kNT && (kPolyTiles == 0 || kNT % kPolyTiles == 0),
-                  "kPolyTiles: a divisor of the row's n8 tiles");
-    constexpr int kPolyEvery = kPolyTiles ? kNT / kPolyTiles : 1;
+    static_assert(!(kPolyExp && kRowBias), "the FMA-pipe exponentials are softcap's, the row bias ALiBi's without it");
     float mx = kRowBias ? -infinity() : row_max;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) mx = fmax_(mx, fmax_(s[nt][2 * hf], s[nt][2 * hf + 1]));
@@ -675,8 +670,8 @@ __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, flo
             if constexpr (kRowBias)
                 x = fast_exp2(fmaf(x, scale_log2, shift));
             else
-                x = kPolyTiles && nt % kPolyEvery == kPolyEvery - 1 ? poly_exp2(x * scale_log2 - m_scaled)
-                                                                      : fast_exp2(x * scale_log2 - m_scaled);
+                x = kPolyExp && nt % 2 == 1 ? poly_exp2(x * scale_log2 - m_scaled)
+                                            : fast_exp2(x * scale_log2 - m_scaled);
             sum += x;
         }
     row_sum = row_sum * correction + sum;  // the max moved: rescale the running sum
