@@ -82,6 +82,9 @@ def kernel_variant(name: str):
         kernels.clear()
         modules.clear()
         ops.clear_plans()
+        for cached in vars(build).values():  # kernel specs (a macro may change one's shared-memory size)
+            if hasattr(cached, "cache_clear"):
+                cached.cache_clear()
 
     if defines:
         os.environ["FLASHTRAIN_EXTRA_DEFINES"] = defines
