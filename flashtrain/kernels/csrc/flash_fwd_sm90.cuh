@@ -203,7 +203,10 @@ struct FwdSm90Traits {
 #endif
     static constexpr bool kShiftRows = FT_CAUSAL_SHIFT && kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_ && !kScoreMods_;
     // FT_FWD_LAZY_RESCALE (above): the kernels it was measured on (no score modifications or dropout)
-    static constexpr bool kLazyRescale = FT_FWD_LAZY_RESCALE && kHeadDim_ >= 128 && kHeadDim_ <= 256 &&
+    // (FT_FWD_LAZY_RESCALE=2, A/B: head dim 64 as well)
+    static constexpr bool kLazyRescale = FT_FWD_LAZY_RESCALE &&
+                                         ((kHeadDim_ >= 128 && kHeadDim_ <= 256) ||
+                                          (FT_FWD_LAZY_RESCALE == 2 && kHeadDim_ == 64)) &&
                                          kHeadDimEff_ == kHeadDim_ && kBlockN_ <= 128 && !kScoreMods_ && !kIsDropout_;
     static constexpr bool kRowSumMma = FT_FWD_ROWSUM_MMA && kHeadDim_ == 64 && !kScoreMods_ && !kIsDropout_;
     // the row sums' B operand (ones): reserved at head dim 64 under the macro (build.py FwdSm90Tiles.smem_bytes)
