@@ -135,9 +135,7 @@ class FwdSm90Tiles:
     def smem_bytes(self, head_dim: int) -> int:  # Q, O, K and V stages; 1024 to align them (128-byte swizzle); barriers
         q_and_o = (self.q_buffers + (1 if self.separate_o else 0)) * self.block_m
         partial_s = 2 * 2 * 128 * self.block_n // 2 * 4 if self.split_d else 0  # (two buffers of two warpgroups')
-        # FT_FWD_ROWSUM_MMA=1 (an A/B macro): head dim 64's block of ones for the row sums
-        ones = 512 if head_dim == 64 and "FT_FWD_ROWSUM_MMA=1" in _extra_defines() else 0
-        return 2 * (q_and_o + 2 * self.stages * self.block_n) * head_dim + 1024 + 256 + partial_s + ones
+        return 2 * (q_and_o + 2 * self.stages * self.block_n) * head_dim + 1024 + 256 + partial_s
 
 
 FWD_SM90_TILES = {

@@ -11,10 +11,9 @@ from pathlib import Path
 
 OUTPUT = Path(__file__).resolve().parent / "csrc" / "wgmma_ops.cuh"
 # N of the m64nNk16 instructions the kernels issue: S / dP tiles (block_n) and O / dK / dV widths (head dims).
-# (rs 8: the forward's row sums, P times a block of ones: flash_fwd_sm90.cuh FT_FWD_ROWSUM_MMA)
 # (48: the hd192 backward's 48 keys per warpgroup, S / dP and dK^T / dV^T; ss_tt 96: its dQ columns per warpgroup;
 # ss_tt 80: head dim 80's dQ on the hd128 tiles, one warpgroup)
-WIDTHS = {"ss": (32, 48, 64, 80, 96, 112, 128, 176, 192, 256), "rs": (8, 64, 80, 96, 128, 192, 256),
+WIDTHS = {"ss": (32, 48, 64, 80, 96, 112, 128, 176, 192, 256), "rs": (64, 80, 96, 128, 192, 256),
           "ss_tt": (64, 80, 96, 128), "ss_tt_init": (64, 80, 96), "ss_tn": (48, 80), "ss_tn_init": (80,)}
 # (A operand, transpose flags of A and B): ss = both K-major; rs = A in registers, B MN-major; ss_tt = both MN-major;
 # ss_tn = A MN-major, B K-major (the backward's dQ^T = K^T dS^T at 80-query blocks);

@@ -190,27 +190,13 @@ struct FwdSm90Traits {
 #ifndef FT_FWD_LAZY_RESCALE
 #define FT_FWD_LAZY_RESCALE 1
 #endif
-// FT_FWD_ROWSUM_MMA (A/B): the softmax's row sums l by the tensor cores instead of 64 FADDs per thread and key block:
-// each P V k-step also issues P (the same A registers) times a 16 x 8 matrix of ones (m64n8k16, B from a 512-byte
-// block of ones in shared memory) into a 4-register accumulator that is rescaled with O, so every column of it holds
-// the row's sum of the bf16 / fp16 P that O's numerator used (no quad reduction in the epilogue). Head dim 64 without
-// dropout (whose sum is of the kept P) or score modifications.
-#ifndef FT_FWD_ROWSUM_MMA
-#define FT_FWD_ROWSUM_MMA 0
-#endif
 #ifndef FT_CAUSAL_SHIFT
 #define FT_CAUSAL_SHIFT 1
 #endif
     static constexpr bool kShiftRows = FT_CAUSAL_SHIFT && kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_ && !kScoreMods_;
     // FT_FWD_LAZY_RESCALE (above): the kernels it was measured on (no score modifications or dropout)
-    // (FT_FWD_LAZY_RESCALE=2, A/B: head dim 64 as well)
-    static constexpr bool kLazyRescale = FT_FWD_LAZY_RESCALE &&
-                                         ((kHeadDim_ >= 128 && kHeadDim_ <= 256) ||
-                                          (FT_FWD_LAZY_RESCALE == 2 && kHeadDim_ == 64)) &&
+    static constexpr bool kLazyRescale = FT_FWD_LAZY_RESCALE && kHeadDim_ >= 128 && kHeadDim_ <= 256 &&
                                          kHeadDimEff_ == kHeadDim_ && kBlockN_ <= 128 && !kScoreMods_ && !kIsDropout_;
-    static constexpr bool kRowSumMma = FT_FWD_ROWSUM_MMA && kHeadDim_ == 64 && !kScoreMods_ && !kIsDropout_;
-    // the row sums' B operand (ones): reserved at head dim 64 under the macro (build.py FwdSm90Tiles.smem_bytes)
-    static constexpr int kOnesBytes = FT_FWD_ROWSUM_MMA && kHeadDim_ == 64 ? 512 : 0;
     static_assert(!kIsBlockSparse || (kBlockSparseSize % kBlockM == 0 && kBlockSparseSize % kBlockN == 0),
                   "a block-sparse mask block must be a whole number of tiles");
     // Head dims above 256 (kSplitD): O of 64 rows x kHeadDim columns would take kHeadDim / 2 registers per thread, so
@@ -287,8 +273,7 @@ struct FwdSm90Traits {
     // parity (a warpgroup may store the next block's while the other still reads this one's)
     static constexpr int kPartialSBytes = kSplitD ? 2 * kNConsumers * 128 * kBlockN / 2 * 4 : 0;
     static constexpr int kSmemBytes = (kQBuffers + (kSeparateO ? 1 : 0)) * TileQ::kBytes +
-                                      2 * kStages * TileKV::kBytes + 1024 + kBarrierBytes + kPartialSBytes +
-                                      kOnesBytes;
+                                      2 * kStages * TileKV::kBytes + 1024 + kBarrierBytes + kPartialSBytes;
     // Named barrier ids (0 is __syncthreads): 1 + c = consumer c's turn to issue GEMMs, 3 + c = its epilogue;
     // kSplitD: kBarPartialS, the two consumers' partial S stored.
     static constexpr int kBarSchedule = 1, kBarEpilogue = 1 + kNConsumers, kBarPartialS = 1 + 2 * kNConsumers;
@@ -565,15 +550,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         }
         mbar_fence_init();
     }
-    // kRowSumMma: the ones block after the barriers (and kSplitD's partial S), written through the generic proxy and
-    // read by wgmma through the async one
-    const u32 sOnes = bars + T::kBarrierBytes + T::kPartialSBytes;
-    if constexpr (T::kRowSumMma) {
-        if (tid < T::kOnesBytes / 4) {
-            st_shared_b32(sOnes + 4 * tid, T::kIsBF16 ? 0x3f803f80u : 0x3c003c00u);
-            fence_proxy_async();
-        }
-    }
     __syncthreads();
     if constexpr (T::kCluster > 1) cluster_sync();  // both CTAs' barriers are set up before either signals the other's
     if (threadIdx.x == 0) FT_TIMELINE_START();
@@ -736,12 +712,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 #pragma unroll
         for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
         float row_max[2] = {-infinity(), -infinity()}, row_sum[2] = {0.f, 0.f};  // rows g, g + 8 (partial sums)
-        // kRowSumMma: the row sums by the tensor cores (element 2 hf: row g + 8 hf's whole sum); row_sum unused
-        float lsum[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-        auto fence_o = [&]() {  // O's accumulators (and the row sums') pinned around the asynchronous P V batches
-            fence_operand(o);
-            if constexpr (T::kRowSumMma) fence_operand(lsum);
-        };
         u32 pa[kNT / 2][4];  // P of the previous block as wgmma A fragments (16 keys per k-step)
         const int bh = x.batch * p.nheads + x.head;
         [[maybe_unused]] const MaskRow mm_row = mask_row<T>(p, x.batch, x.head, m0, seqlen_k);
@@ -771,12 +741,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                                 fdesc<T, 4, kUnmasked>(v_tile + (col0 / 64) * kBlockN * 128,
                                                                        ks * 16 * 128, kBlockN * 128, 1024),
                                                 1);
-            if constexpr (T::kRowSumMma) {
-                // no swizzle, 128-byte core-matrix strides: every address it reads lies in the ones block
-                const u64 ones = (u64)((sOnes & 0x3ffff) >> 4) | ((u64)(128 >> 4) << 16) | ((u64)(128 >> 4) << 32);
-#pragma unroll
-                for (int ks = 0; ks < kNT / 2; ++ks) wgmma_rs<8, T::kIsBF16>(lsum, pa[ks], ones, 1);
-            }
             wgmma_commit();
         };
         auto mask = [&](auto& s, int n_block) {
@@ -962,7 +926,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     if (poly_exp)  // (softcap only: no row bias)
                         softmax_exp_row<sizeof(s) / sizeof(s[0]), T::kSoftcap>(s, hf, row_max[hf], row_sum[hf],
                                                                               p.softmax_scale_log2);
-                    else softmax_exp_row<sizeof(s) / sizeof(s[0]), false, kRowBias, false, T::kRowSumMma>(
+                    else softmax_exp_row<sizeof(s) / sizeof(s[0]), false, kRowBias>(
                             s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 }
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
@@ -989,17 +953,14 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             auto rescale_o = [&](const float (&correction)[2]) {
                 if (!T::kLazyRescale || __any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        rescale_row(o, hf, correction[hf]);
-                        if constexpr (T::kRowSumMma) lsum[0][2 * hf] *= correction[hf];  // (the element read)
-                    }
+                    for (int hf = 0; hf < 2; ++hf) rescale_row(o, hf, correction[hf]);
                 }
             };
             auto rescale_pending = [&]() {
                 if constexpr (kRescaleEarly) {
-                    fence_o();
+                    fence_operand(o);
                     rescale_o(pending);
-                    fence_o();
+                    fence_operand(o);
                     wgmma_fence();  // (O's registers written since the fence before the S GEMM)
                 }
             };
@@ -1036,11 +997,11 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     correction[hf] =
                         poly_exp ? softmax_exp_row<kNT, T::kSoftcap>(s, hf, row_max[hf], row_sum[hf],
                                                                      p.softmax_scale_log2)
-                                 : softmax_exp_row<kNT, false, kRowBias, T::kLazyRescale, T::kRowSumMma>(
+                                 : softmax_exp_row<kNT, false, kRowBias, T::kLazyRescale>(
                                        s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
                 wgmma_wait<0>();  // P V done: O and the P registers are free
-                fence_o();
+                fence_operand(o);
                 if constexpr (kArrivePred) mbar_arrive_if(lead_lane, empty_v(prev));
                 else if (lead_lane) mbar_arrive(empty_v(prev));
                 if constexpr (kRescaleEarly) pending[0] = correction[0], pending[1] = correction[1];
@@ -1056,12 +1017,12 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             FT_TIMELINE_MARK(wg, tile_iter, 3);
             const int last_stage = (it - 1) % kStages;
             mbar_wait(full_v(last_stage), ((it - 1) / kStages) & 1);
-            fence_o();
+            fence_operand(o);
             wgmma_fence();
             rescale_pending();
             issue_pv(last_stage, BoolConstant<false>{});
             wgmma_wait<0>();
-            fence_o();
+            fence_operand(o);
             FT_TIMELINE_MARK(wg, tile_iter, 4);
             if (lead_lane) mbar_arrive(empty_v(last_stage));
         }
@@ -1074,8 +1035,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         if constexpr (!T::kTailSplit) {
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                const float sum = finish_row<T::kIsDropout, kDT, T::kRowSumMma>(
-                    o, hf, T::kRowSumMma ? lsum[0][2 * hf] : row_sum[hf], p.rp_dropout);
+                const float sum = finish_row<T::kIsDropout>(o, hf, row_sum[hf], p.rp_dropout);
                 const int row = m0 + row0 + g + 8 * hf;
                 if (t == 0 && row < seqlen_q && row >= 0 && col0 == 0)
                     lse[row] = row_lse(sum, row_max[hf], p.softmax_scale);
@@ -1084,9 +1044,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             float row_lses[2];
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf)
-                row_lses[hf] = row_lse(finish_row<T::kIsDropout, kDT, T::kRowSumMma>(
-                                           o, hf, T::kRowSumMma ? lsum[0][2 * hf] : row_sum[hf], p.rp_dropout),
-                                       row_max[hf], p.softmax_scale);
+                row_lses[hf] = row_lse(finish_row<T::kIsDropout>(o, hf, row_sum[hf], p.rp_dropout), row_max[hf],
+                                       p.softmax_scale);
             int unit_piece;
             const int unit_tile = fwd_unit_tile<T>(params, ld_shared_b32(unit_copy()), unit_piece);
             if (unit_piece >= 0) {  // (every tail piece: the one that completes the tile writes its result itself)

@@ -640,9 +640,8 @@ __device__ __forceinline__ void window_query_blocks(int n0, int offset, int left
 // kLazyMax: the row keeps its running max unless the block's exceeds it by more than kLazyMaxLog2 binary orders of
 // the exponent (FlashAttention-4's conditional rescaling): p is then up to 2^kLazyMaxLog2, and the correction exactly 1,
 // so that the caller may skip rescaling O (the Hopper forward, where no row of the warp moved its max).
-// kNoSum: l is left alone (the Hopper forward's FT_FWD_ROWSUM_MMA sums P on the tensor cores).
 constexpr float kLazyMaxLog2 = 8.f;
-template <int kNT, bool kPolyExp = false, bool kRowBias = false, bool kLazyMax = false, bool kNoSum = false>
+template <int kNT, bool kPolyExp = false, bool kRowBias = false, bool kLazyMax = false>
 __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, float& row_max, float& row_sum,
                                                  float scale_log2, float row_bias = 0.f) {
     static_assert(!(kPolyExp && kRowBias), "the FMA-pipe exponentials are softcap's, the row bias ALiBi's without it");
@@ -673,9 +672,9 @@ __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, flo
             else
                 x = kPolyExp && nt % 2 == 1 ? poly_exp2(x * scale_log2 - m_scaled)
                                             : fast_exp2(x * scale_log2 - m_scaled);
-            if constexpr (!kNoSum) sum += x;
+            sum += x;
         }
-    if constexpr (!kNoSum) row_sum = row_sum * correction + sum;  // the max moved: rescale the running sum
+    row_sum = row_sum * correction + sum;  // the max moved: rescale the running sum
     return correction;
 }
 template <int kDT> __device__ __forceinline__ void rescale_row(float (&o)[kDT][4], int hf, float correction) {
@@ -693,14 +692,11 @@ __device__ __forceinline__ void softmax_update_row(float (&s)[kNT][4], float (&o
 
 // Forward epilogue of one row (half hf): sums the quad's partial sums l, scales the row's O accumulators by 1 / l
 // (times 1 / (1 - p) with dropout; 0 for a row with no visible key or an underflowed sum) and returns l.
-// kWholeSum: row_sum is already the row's whole sum (the Hopper forward's FT_FWD_ROWSUM_MMA).
-template <bool kIsDropout, int kDT, bool kWholeSum = false>
+template <bool kIsDropout, int kDT>
 __device__ __forceinline__ float finish_row(float (&o)[kDT][4], int hf, float row_sum, float rp_dropout) {
     float sum = row_sum;
-    if constexpr (!kWholeSum) {
-        sum += shfl_xor(sum, 1);
-        sum += shfl_xor(sum, 2);
-    }
+    sum += shfl_xor(sum, 1);
+    sum += shfl_xor(sum, 2);
     const float inv = !(sum > 0.f) ? 0.f : (kIsDropout ? rp_dropout : 1.f) / sum;
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {

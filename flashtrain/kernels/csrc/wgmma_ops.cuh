@@ -164,22 +164,6 @@ __device__ __forceinline__ void wgmma_ss<256, true>(float (&d)[32][4], u64 desc_
 }
 
 template <>
-__device__ __forceinline__ void wgmma_rs<8, false>(float (&d)[1][4], const u32 (&a)[4], u64 desc_b, int scale_d) {
-    asm volatile("{ .reg .pred p; setp.ne.b32 p, %9, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 1; }"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_rs<8, true>(float (&d)[1][4], const u32 (&a)[4], u64 desc_b, int scale_d) {
-    asm volatile("{ .reg .pred p; setp.ne.b32 p, %9, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 1; }"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
-
-template <>
 __device__ __forceinline__ void wgmma_rs<64, false>(float (&d)[8][4], const u32 (&a)[4], u64 desc_b, int scale_d) {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1; }"
