@@ -131,8 +131,8 @@ def _section(path: Path) -> list[str]:
     if meta:
         head += " " + "; ".join(f"{k}: {v}" for k, v in meta) + "."
     table = _records(data)
-    if table is None:
-        return lines + [head + " (No table: see the JSON.)", ""]
+    if table is None:  # (no blank line after it, nor after a table: the next heading ends either)
+        return lines + [head + " (No table: see the JSON.)"]
     key, rows = table
     columns, left_out = _columns(rows)
     head += (f" Table: `{key}`" + (f", first {MAX_ROWS} of {len(rows)} rows" if len(rows) > MAX_ROWS else "")
@@ -142,7 +142,6 @@ def _section(path: Path) -> list[str]:
     lines.append("|" + "---|" * len(columns))
     for row in rows[:MAX_ROWS]:
         lines.append("| " + " | ".join(_cell(row.get(c)) for c in columns) + " |")
-    lines.append("")
     return lines
 
 
