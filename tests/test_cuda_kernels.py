@@ -170,6 +170,31 @@ def test_short_hd128_causal_tile_groups_match_reference(seqlen, batch, monkeypat
     ops.clear_plans()
 
 
+@pytest.mark.parametrize("head_dim, seqlen, batch", [(64, 512, 5), (64, 1024, 3), (128, 512, 5)])
+def test_small_l2_short_causal_forward_matches_reference(head_dim, seqlen, batch, monkeypatch):
+    """The short causal forward as a GPU with a small L2 runs it (launch.l2_bytes set to an H100's 50 MB, whatever this
+    GPU has): hd64 on 192-row tiles with two Q buffers (`_q2`), hd128 in tile groups of half a wave (two groups or
+    more at 16 heads, the last taking the remainder); forward and gradients against the reference."""
+    from flashtrain.kernels import build, launch
+
+    if not _is_hopper():
+        pytest.skip("the Hopper forward")
+    ops = _ops()
+    monkeypatch.setattr(launch, "l2_bytes", lambda device: 50 << 20)
+    monkeypatch.setattr(build, "SMALL_L2_BYTES", 50 << 20)
+    ops.clear_plans()  # (a plan holds the tiles and group it was built with)
+    q, k, v, dout = _inputs((batch, seqlen, 16, head_dim), (batch, seqlen, 16, head_dim), torch.bfloat16, seed=13)
+    plan = ops._fwd_plan(q, k, v, None, None, seqlen, seqlen, 0.0, head_dim ** -0.5, True, None).launches[0]
+    spec = build.fwd_kernel(head_dim, "bf16", True, False, arch=build.SM90_ARCH, seqlen_q=seqlen, small_l2=True)
+    assert spec.tiles.q_buffers == 2 and plan.kernel.smem_bytes == spec.smem_bytes  # (the _q2 kernel runs)
+    if head_dim == 128:
+        group = plan.params.fwd.causal_tile_group
+        assert 2 * group <= batch * 16 and (batch * 16) % group, group
+    _check_against_reference(q, k, v, dout, causal=True)
+    monkeypatch.undo()
+    ops.clear_plans()
+
+
 @pytest.mark.parametrize("head_dim", [192, 256])
 def test_wide_head_dim_short_causal_tile_groups_match_reference(head_dim, monkeypatch):
     """Short causal calls at head dims 192 / 256 with their tiles in the short groups (ops.FWD_WIDE_SHORT_WAVES,
@@ -936,8 +961,8 @@ def _sanitizer_grid() -> None:
     """A small grid of forward + backward calls covering every kernel path (on Hopper the warpgroup-MMA kernels too:
     head dims 40, 64, 128 with and without dropout, the dense hd128 backward's 80-query blocks, the causal hd128
     forward's two Q buffers, its long-key tiles, alone and in 2-CTA clusters, the hd64 forward in clusters, head
-    dims 72 / 80 / 96 on the hd128 tiles narrowed to 80 / 96 columns, the dense kernels' tail split), for
-    compute-sanitizer."""
+    dims 72 / 80 / 96 on the hd128 tiles narrowed to 80 / 96 columns, the dense kernels' tail split, the hd64 causal
+    forward's two Q buffers on a small L2), for compute-sanitizer."""
     for head_dim, dtype, causal, dropout_p in [(64, torch.float16, False, 0.0), (128, torch.bfloat16, True, 0.1),
                                                 (96, torch.float16, True, 0.0), (256, torch.bfloat16, False, 0.0),
                                                 (40, torch.bfloat16, True, 0.0), (192, torch.float16, False, 0.2),
@@ -1022,6 +1047,19 @@ def _sanitizer_grid() -> None:
                                 seqlen_k=k.shape[1])
         assert not build.FWD_SM90_CLUSTER or spec.tiles.cluster == 2
         _run(lambda q, k, v: flash_attn_func(q, k, v, return_lse=True, impl="cuda"), q, k, v, dout)
+    ops.clear_plans()
+    # the short causal forward on a GPU with a small L2 (launch.l2_bytes as an H100's): hd64 on 192-row tiles with two
+    # Q buffers, several tiles per CTA, the partial tile first, GQA
+    with pytest.MonkeyPatch.context() as patch:
+        from flashtrain.kernels import launch
+
+        patch.setattr(launch, "l2_bytes", lambda device: 50 << 20)
+        patch.setattr(build, "SMALL_L2_BYTES", 50 << 20)
+        ops.clear_plans()
+        q, k, v, dout = _inputs((4, 700, 16, 64), (4, 700, 4, 64), torch.bfloat16)
+        assert build.fwd_kernel(64, "bf16", True, False, arch=build.SM90_ARCH, seqlen_q=700,
+                                small_l2=True).tiles.q_buffers == 2
+        _run(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True, impl="cuda"), q, k, v, dout)
     ops.clear_plans()
     torch.cuda.synchronize()
     print("sanitizer grid done")

@@ -85,6 +85,7 @@ def recording(request, monkeypatch):
     monkeypatch.setattr(launch, "device_arch", lambda device: arch)
     monkeypatch.setattr(launch, "device_smem_limit", lambda device: build.ARCH_SMEM_OPTIN[arch])
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch, "l2_bytes", lambda device: 60 << 20)  # (an H200's: build.SMALL_L2_BYTES' rules off)
     monkeypatch.setattr(launch, "stream_of", lambda device: 0)
     monkeypatch.setattr(launch, "tile_counter", lambda kernel, device, stream=None: kernel.tile_counters)
     monkeypatch.setattr(tma, "_encoder", lambda: _fake_encoder)
@@ -377,6 +378,40 @@ def test_hopper_wide_head_dim_causal_plan_tile_groups(recording, monkeypatch):
     monkeypatch.setattr(ops, "FWD_WIDE_SHORT_BLOCKS", 0)
     ops.clear_plans()
     assert (bwd_group(1024, 192), bwd_group(1024, 256), fwd_group(1024, 256)) == (24, 17, 32)
+
+
+def test_hopper_small_l2_short_causal_forward_plan(recording, monkeypatch):
+    """On a GPU with at most build.SMALL_L2_BYTES of L2 (an H100's 50 MB) the hd64 causal forward on 192-row tiles
+    takes two Q buffers (`_q2`) up to build.SMALL_L2_Q_BUFFERS_SEQLEN query rows, and the short hd128 causal forward
+    without GQA groups its tiles by ops.FWD_SHORT_WAVES_SMALL_L2 waves; with 60 MB, GQA, longer calls, or the
+    backward, the tiles and groups stay as they are."""
+    from flashtrain.kernels import launch, ops
+
+    arch, _ = recording
+    if arch != "sm_90a":
+        pytest.skip("the Hopper forward")
+    monkeypatch.setattr(ops, "CAUSAL_GROUP_WAVES_SHORT", 1.0)  # (the defaults, whatever they become)
+    monkeypatch.setattr(ops, "FWD_SHORT_WAVES_SMALL_L2", 0.5)
+
+    def plan(l2_mb, seqlen, head_dim, nheads_kv=16, batch=8):
+        monkeypatch.setattr(launch, "l2_bytes", lambda device: l2_mb << 20)
+        ops.clear_plans()
+        q = torch.zeros(batch, seqlen, 16, head_dim, dtype=torch.bfloat16)
+        k = torch.zeros(batch, seqlen, nheads_kv, head_dim, dtype=torch.bfloat16)
+        item = ops._fwd_plan(q, k, k, None, None, seqlen, seqlen, 0.0, 0.1, True, None).launches[0]
+        return _SYMBOLS[item.kernel.handle.value], item.params.fwd.causal_tile_group
+
+    assert plan(50, 512, 64) == ("flash_fwd_sm90_hdim64_bf16_causal_192x128_q2", 88)  # (2 waves of 3 tiles, 132 SMs)
+    assert plan(50, 1024, 64) == ("flash_fwd_sm90_hdim64_bf16_causal_192x128_q2", 44)  # (6 tiles)
+    assert plan(60, 512, 64) == ("flash_fwd_sm90_hdim64_bf16_causal_192x128", 88)
+    assert plan(50, 1536, 64)[0] == "flash_fwd_sm90_hdim64_bf16_causal_192x128"
+    assert plan(50, 512, 128) == ("flash_fwd_sm90_hdim128_bf16_causal_q2", 17)  # half a wave of 4 tiles
+    assert plan(60, 512, 128) == ("flash_fwd_sm90_hdim128_bf16_causal_q2", 33)  # one wave
+    assert plan(50, 512, 128, nheads_kv=4) == ("flash_fwd_sm90_hdim128_bf16_causal_q2", 33)  # GQA
+    assert plan(50, 1024, 128) == ("flash_fwd_sm90_hdim128_bf16_causal", 9)  # (8 tiles; one Q buffer from 1K)
+    monkeypatch.setattr(build, "SMALL_L2_BYTES", 0)  # the switch off
+    assert plan(50, 512, 64)[0] == "flash_fwd_sm90_hdim64_bf16_causal_192x128"
+    assert plan(50, 512, 128)[1] == 33
 
 
 def test_hopper_cluster_forward_plan(recording, monkeypatch):

@@ -41,6 +41,7 @@ def test_dispatch_table_covers_every_instantiation_once():
     assert split == [192, 256]
     hopper_det = (len(build.BWD_SM90_TILES) - len(split)) * 2 * 2 * 2  # the deterministic backward (dense only)
     hopper_long = len(build.FWD_SM90_TILES_LONG_CAUSAL) * 2  # the causal forward's long-sequence tiles (x dtype)
+    hopper_long += len(build.FWD_SM90_TILES_LONG_CAUSAL) * 2  # ... with two Q buffers (short calls, small L2)
     hopper_long += len(build.FWD_SM90_TILES_SHORT_CAUSAL) * 2  # ... and its short-sequence ones
     hopper_long += len(build.FWD_SM90_TILES_LONG_KEYS) * 2 * 2  # the forward's long-key tiles (x dtype x causal)
     hopper_long += 2 * 2  # ... non-causal in 2-CTA clusters (head dims 64 and 128), x dtype

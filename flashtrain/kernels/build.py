@@ -167,6 +167,18 @@ FWD_SM90_TILES_LONG_CAUSAL = {
     64: FwdSm90Tiles(192, 128, stages=2),
 }
 LONG_CAUSAL_SEQLEN = 512
+# Hopper parts with at most SMALL_L2_BYTES of L2 (the H100's 50 MB, against the H200's 60 MB; its HBM3 also moves
+# 3.35 against 4.8 TB/s) spend more of a short causal forward waiting on memory: at hd128 causal 512 our forward and
+# cuDNN's both ran at 75% of the H100's DRAM throughput (Nsight Compute). There the head-dim-64 causal tiles of
+# FWD_SM90_TILES_LONG_CAUSAL take two Q buffers up to SMALL_L2_Q_BUFFERS_SEQLEN query rows (the producer copies the
+# next tile's Q while this one runs), and short head-dim-128 causal forwards take smaller tile groups
+# (ops.FWD_SHORT_WAVES_SMALL_L2). H100 80GB HBM3, 2026-12-05, interleaved CUDA-graph replays (ab_probe.py), two
+# machines, forward, two Q buffers / one: hd64 causal 512 1.021-1.027, 768 1.021-1.023, 1K 1.009-1.014, 12 heads 1K
+# (GPT-2 small) 1.003-1.006 (kernel_ab-h100.json). On the H200 two Q buffers measured 0.987 at hd64 causal 512 on
+# 128-row tiles (before the 192-row ones); neither rule was measured there, so parts with a larger L2 keep the tiles
+# and groups above. A/B: ab_probe.py flashtrain@build.SMALL_L2_BYTES=0 (read at plan time).
+SMALL_L2_BYTES = 50 << 20
+SMALL_L2_Q_BUFFERS_SEQLEN = 1024
 # Forward calls whose one score modification is a window (no softcap, no ALiBi, no mask expression) take a variant
 # compiled without ALiBi (FT_SCORE_MODS 3, `_window`; the backward's BWD_SM90_WINDOW_ONLY): no slope load, no ALiBi
 # branch, no row bias in the exponentials (hd128 causal: 36 bytes of spills -> none, ptxas 13.0) ...
@@ -687,7 +699,8 @@ def _check_score_mods(score_mods: bool, dropout: bool, block_sparse: bool) -> No
 def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_sparse: bool = False,
                arch: str | None = None, smem_limit: int | None = None, seqlen_q: int = 0,
                score_mods: bool = False, softcap: bool = False, mask_defines: tuple = (),
-               seqlen_k: int = 0, effective_head_dim: int | None = None, window_only: bool = False) -> KernelSpec:
+               seqlen_k: int = 0, effective_head_dim: int | None = None, window_only: bool = False,
+               small_l2: bool = False) -> KernelSpec:
     """The forward kernel for these features; on arch sm_90a the warpgroup-MMA kernel where it exists and fits
     smem_limit (bytes of shared memory per block; None: no limit). seqlen_q: the call's (maximum) query length;
     seqlen_k: its key length (0: unknown or varlen); effective_head_dim: the call's head dim when smaller than
@@ -696,7 +709,7 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
     score_mods (window_size, softcap, alibi_slopes; without dropout or a block mask): the `_mods` variants (SCORE_MODS),
     on sm_90a the warpgroup-MMA forward with FWD_SM90_TILES, built without the tanh path (`_nocap`) unless softcap (the
     call has one); window_only (the call's one modification is its window): without ALiBi's code either (`_window`,
-    FWD_SM90_WINDOW_ONLY)."""
+    FWD_SM90_WINDOW_ONLY). small_l2: the GPU has at most SMALL_L2_BYTES of L2 (its short causal tiles)."""
     _check_score_mods(score_mods, dropout, block_sparse)
     if mask_defines:  # a mask expression (MaskMod.kernel_defines) compiled into the mods kernel
         if arch == SM90_ARCH and head_dim in MASK_SM90_HEAD_DIMS and sm90_enabled():
@@ -720,7 +733,7 @@ def fwd_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool, block_spa
                          fwd_tiles(head_dim, causal, dropout, block_sparse, smem_limit), True)
     if arch == SM90_ARCH and head_dim in FWD_SM90_TILES and sm90_enabled():
         narrow = None if block_sparse else sm90_narrow_width(head_dim, effective_head_dim)
-        for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k, narrow),
+        for tiles in (fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k, narrow, small_l2),
                       FWD_SM90_TILES[head_dim]):
             tail_split = _fwd_tail_split(head_dim, causal, dropout, block_sparse, tiles)
             spec = _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles, head_dim_eff=narrow,
@@ -775,9 +788,9 @@ def _short_causal(head_dim: int, seqlen_q: int, seqlen_k: int) -> bool:
 
 
 def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: bool, seqlen_q: int = 0,
-                   seqlen_k: int = 0, head_dim_eff: int | None = None) -> FwdSm90Tiles:
+                   seqlen_k: int = 0, head_dim_eff: int | None = None, small_l2: bool = False) -> FwdSm90Tiles:
     """The Hopper forward's tiles for a call (seqlen_q / seqlen_k: 0 unknown or varlen; head_dim_eff: a narrowed
-    width, sm90_narrow_width, or None)."""
+    width, sm90_narrow_width, or None; small_l2: the GPU has at most SMALL_L2_BYTES of L2)."""
     plain = not (dropout or block_sparse)  # the tables by mask and length are for calls without either
     if plain and seqlen_k >= long_keys_seqlen(causal) and head_dim in FWD_SM90_TILES_LONG_KEYS:
         tiles = FWD_SM90_TILES_LONG_KEYS[head_dim]
@@ -785,6 +798,8 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
         tiles = FWD_SM90_TILES_NONCAUSAL[head_dim]
     elif plain and causal and seqlen_q >= LONG_CAUSAL_SEQLEN and head_dim in FWD_SM90_TILES_LONG_CAUSAL:
         tiles = FWD_SM90_TILES_LONG_CAUSAL[head_dim]
+        if small_l2 and seqlen_q <= SMALL_L2_Q_BUFFERS_SEQLEN and tiles.separate_o:
+            tiles = dataclasses.replace(tiles, q_buffers=2)
     elif plain and causal and head_dim in FWD_SM90_TILES_SHORT_CAUSAL and _short_causal(head_dim, seqlen_q, seqlen_k):
         tiles = FWD_SM90_TILES_SHORT_CAUSAL[head_dim]
     else:
@@ -806,10 +821,12 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
 
 def fwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = False,
                     block_sparse: bool = False, seqlen_q: int = 0, seqlen_k: int = 0,
-                    head_dim_eff: int | None = None, tail_split: bool | None = None) -> KernelSpec:
+                    head_dim_eff: int | None = None, tail_split: bool | None = None,
+                    small_l2: bool = False) -> KernelSpec:
     """head_dim_eff: one of SM90_NARROW_HEAD_DIMS on the hd128 tiles (no block mask); None or head_dim: all columns.
-    tail_split: the tail-split variant where there is one (None: FWD_TAIL_SPLIT decides)."""
-    tiles = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k, head_dim_eff)
+    tail_split: the tail-split variant where there is one (None: FWD_TAIL_SPLIT decides). small_l2: as
+    fwd_sm90_tiles'."""
+    tiles = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse, seqlen_q, seqlen_k, head_dim_eff, small_l2)
     return _fwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, tiles, head_dim_eff=head_dim_eff,
                           tail_split=_fwd_tail_split(head_dim, causal, dropout, block_sparse, tiles, tail_split))
 
@@ -1177,8 +1194,10 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
                   if head_dim in BLOCK_SPARSE_HEAD_DIMS or not block_sparse
                   if sm90_kernel is fwd_sm90_kernel or BWD_SM90_TILES[head_dim].supports(dropout, block_sparse, False)
                   if _fits(spec := sm90_kernel(head_dim, dtype, causal, dropout, block_sparse), smem_limit)]
-    specs += [spec for head_dim in FWD_SM90_TILES_LONG_CAUSAL for dtype in DTYPES  # causal, long sequences
-              if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=LONG_CAUSAL_SEQLEN), smem_limit)]
+    specs += [spec for head_dim in FWD_SM90_TILES_LONG_CAUSAL for dtype in DTYPES  # causal, long sequences (and
+              for small_l2 in (False, True)                                    # short ones on a small L2)
+              if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=LONG_CAUSAL_SEQLEN, small_l2=small_l2),
+                       smem_limit)]
     specs += [spec for head_dim in FWD_SM90_TILES_SHORT_CAUSAL for dtype in DTYPES  # causal, short sequences
               if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=1), smem_limit)]
     specs += [spec for head_dim in FWD_SM90_TILES_LONG_KEYS for dtype in DTYPES for causal in (False, True)  # long

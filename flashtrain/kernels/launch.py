@@ -244,6 +244,17 @@ def sm_count(device: torch.device) -> int:
     return count
 
 
+_l2_bytes: dict[int, int] = {}  # device index -> bytes of L2 cache
+
+
+def l2_bytes(device: torch.device) -> int:
+    """Bytes of L2 cache of a CUDA device (the dispatch's memory-system rules, build.SMALL_L2_BYTES), read once."""
+    size = _l2_bytes.get(device.index)
+    if size is None:
+        size = _l2_bytes.setdefault(device.index, torch.cuda.get_device_properties(device).L2_cache_size)
+    return size
+
+
 _stream_slots: dict[tuple[int, int], int] = {}  # (device index, stream handle) -> tile counter slot
 
 

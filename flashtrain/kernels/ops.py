@@ -410,6 +410,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     arch = launch.device_arch(q.device)
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
     mask = mask_mod_from_text(mask_mod, mm_tensors)
+    small_l2 = arch == build.SM90_ARCH and launch.l2_bytes(q.device) <= build.SMALL_L2_BYTES
     spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
                             smem_limit=launch.device_smem_limit(q.device),
                             seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
@@ -417,7 +418,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
                             effective_head_dim=q.shape[-1],
                             score_mods=_score_mods(window, softcap, alibi_slopes) or mask is not None,
                             softcap=softcap > 0, mask_defines=mask.kernel_defines() if mask is not None else (),
-                            window_only=_window_only(mask, softcap, alibi_slopes))
+                            window_only=_window_only(mask, softcap, alibi_slopes), small_l2=small_l2)
     outputs = _output_shapes(q, cu_seqlens_q)
     out, lse = (torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in outputs)
     params = _fwd_params(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -438,7 +439,8 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
                                                       _short_group_hd128(head_dim, q.shape[-1], spec.block_m),
                                                       tall=spec.block_m > 128
                                                       and params.seqlen_q >= FWD_TALL_CAUSAL_GROUP_SEQLEN,
-                                                      wide_fwd=head_dim > 128 and spec.block_m == 128)
+                                                      wide_fwd=head_dim > 128 and spec.block_m == 128,
+                                                      small_l2_fwd=small_l2 and params.nheads == params.nheads_kv)
     kernel = launch.get_kernel(spec, spec.symbols[0], q.device)
     varlen, maps, prefix = cu_seqlens_q is not None, [], ""
     if spec.source == "flash_fwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, out, then the same parameters
@@ -689,6 +691,12 @@ FWD_CAUSAL_GROUP_HEAD_DIM = 128
 # A/B: ab_probe.py flashtrain@ops.CAUSAL_GROUP_WAVES_SHORT=2 (two waves everywhere).
 CAUSAL_GROUP_WAVES_SHORT = 1.0
 CAUSAL_GROUP_SHORT_BLOCKS = 8
+# ... but half a wave for those forwards (not GQA) on a GPU with a small L2 (build.SMALL_L2_BYTES: the H100). H100
+# 80GB HBM3, 2026-12-05, interleaved CUDA-graph replays (ab_probe.py), two machines, forward against one wave: hd128
+# causal 512 1.028-1.031, 768 1.027-1.028, 1K 1.019-1.026 (a quarter wave 1.026-1.027, three quarters 1.010-1.034);
+# but GQA 32/8 at 512 0.986-0.988, and the backward 0.988-0.994 at 512, 1.014-1.019 at 1K, so neither takes it
+# (kernel_ab-h100.json). A/B: ab_probe.py flashtrain@build.SMALL_L2_BYTES=0.
+FWD_SHORT_WAVES_SMALL_L2 = 0.5
 
 
 # ... and, at head dims above 128 (192, 256), fewer waves for short calls too: the forward (128-row query tiles)
@@ -717,11 +725,13 @@ FWD_TALL_CAUSAL_GROUP_SEQLEN = 2048
 
 
 def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int, short_hd128: bool = False,
-                       tall: bool = False, wide_fwd: bool = False, wide_bwd: bool = False) -> int:
+                       tall: bool = False, wide_fwd: bool = False, wide_bwd: bool = False,
+                       small_l2_fwd: bool = False) -> int:
     """Units per group of the Hopper causal kernels' tile order (forward: (batch, head) with n_blocks query blocks;
     backward: (batch, kv head, GQA split) with n_blocks key blocks): enough that a group's tiles, longest first, fill
     the SMs CAUSAL_GROUP_WAVES times over (CAUSAL_GROUP_WAVES_SHORT where short_hd128, a head-dim-128 call on 128-row
-    blocks, has at most CAUSAL_GROUP_SHORT_BLOCKS of them; FWD_WIDE_SHORT_WAVES / BWD_WIDE_SHORT_WAVES where
+    blocks, has at most CAUSAL_GROUP_SHORT_BLOCKS of them, FWD_SHORT_WAVES_SMALL_L2 if it is also small_l2_fwd, a
+    forward without GQA on a GPU of build.SMALL_L2_BYTES; FWD_WIDE_SHORT_WAVES / BWD_WIDE_SHORT_WAVES where
     wide_fwd / wide_bwd, a forward / backward at a head dim above 128, has at most FWD_WIDE_SHORT_BLOCKS /
     BWD_WIDE_SHORT_BLOCKS; FWD_TALL_CAUSAL_GROUP_WAVES where tall, a long forward on query tiles of more than 128
     rows), so that the launch ends on short tiles; no more, so that
@@ -731,7 +741,7 @@ def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int, short_hd128: 
     if tall:
         waves = FWD_TALL_CAUSAL_GROUP_WAVES
     elif short_hd128 and n_blocks <= CAUSAL_GROUP_SHORT_BLOCKS:
-        waves = CAUSAL_GROUP_WAVES_SHORT
+        waves = FWD_SHORT_WAVES_SMALL_L2 if small_l2_fwd else CAUSAL_GROUP_WAVES_SHORT
     elif wide_fwd and n_blocks <= FWD_WIDE_SHORT_BLOCKS:
         waves = FWD_WIDE_SHORT_WAVES
     elif wide_bwd and n_blocks <= BWD_WIDE_SHORT_BLOCKS:
