@@ -383,8 +383,9 @@ def test_hopper_wide_head_dim_causal_plan_tile_groups(recording, monkeypatch):
 def test_hopper_small_l2_short_causal_forward_plan(recording, monkeypatch):
     """On a GPU with at most build.SMALL_L2_BYTES of L2 (an H100's 50 MB) the hd64 causal forward on 192-row tiles
     takes two Q buffers (`_q2`) up to build.SMALL_L2_Q_BUFFERS_SEQLEN query rows, and the short hd128 causal forward
-    without GQA groups its tiles by ops.FWD_SHORT_WAVES_SMALL_L2 waves; with 60 MB, GQA, longer calls, or the
-    backward, the tiles and groups stay as they are."""
+    without GQA, and the hd64 one up to ops.FWD_TALL_SHORT_BLOCKS_SMALL_L2 tiles (768 rows), group their tiles by
+    ops.FWD_SHORT_WAVES_SMALL_L2 waves; with 60 MB, GQA, longer calls, or the backward, the tiles and groups stay as
+    they are."""
     from flashtrain.kernels import launch, ops
 
     arch, _ = recording
@@ -392,6 +393,7 @@ def test_hopper_small_l2_short_causal_forward_plan(recording, monkeypatch):
         pytest.skip("the Hopper forward")
     monkeypatch.setattr(ops, "CAUSAL_GROUP_WAVES_SHORT", 1.0)  # (the defaults, whatever they become)
     monkeypatch.setattr(ops, "FWD_SHORT_WAVES_SMALL_L2", 0.5)
+    monkeypatch.setattr(ops, "FWD_TALL_SHORT_BLOCKS_SMALL_L2", 4)
 
     def plan(l2_mb, seqlen, head_dim, nheads_kv=16, batch=8):
         monkeypatch.setattr(launch, "l2_bytes", lambda device: l2_mb << 20)
@@ -401,8 +403,10 @@ def test_hopper_small_l2_short_causal_forward_plan(recording, monkeypatch):
         item = ops._fwd_plan(q, k, k, None, None, seqlen, seqlen, 0.0, 0.1, True, None).launches[0]
         return _SYMBOLS[item.kernel.handle.value], item.params.fwd.causal_tile_group
 
-    assert plan(50, 512, 64) == ("flash_fwd_sm90_hdim64_bf16_causal_192x128_q2", 88)  # (2 waves of 3 tiles, 132 SMs)
-    assert plan(50, 1024, 64) == ("flash_fwd_sm90_hdim64_bf16_causal_192x128_q2", 44)  # (6 tiles)
+    assert plan(50, 512, 64) == ("flash_fwd_sm90_hdim64_bf16_causal_192x128_q2", 22)  # (half a wave of 3 tiles)
+    assert plan(50, 768, 64) == ("flash_fwd_sm90_hdim64_bf16_causal_192x128_q2", 17)  # (4 tiles)
+    assert plan(50, 1024, 64) == ("flash_fwd_sm90_hdim64_bf16_causal_192x128_q2", 44)  # (2 waves of 6 tiles)
+    assert plan(50, 512, 64, nheads_kv=4) == ("flash_fwd_sm90_hdim64_bf16_causal_192x128_q2", 88)  # GQA
     assert plan(60, 512, 64) == ("flash_fwd_sm90_hdim64_bf16_causal_192x128", 88)
     assert plan(50, 1536, 64)[0] == "flash_fwd_sm90_hdim64_bf16_causal_192x128"
     assert plan(50, 512, 128) == ("flash_fwd_sm90_hdim128_bf16_causal_q2", 17)  # half a wave of 4 tiles
@@ -410,7 +414,7 @@ def test_hopper_small_l2_short_causal_forward_plan(recording, monkeypatch):
     assert plan(50, 512, 128, nheads_kv=4) == ("flash_fwd_sm90_hdim128_bf16_causal_q2", 33)  # GQA
     assert plan(50, 1024, 128) == ("flash_fwd_sm90_hdim128_bf16_causal", 9)  # (8 tiles; one Q buffer from 1K)
     monkeypatch.setattr(build, "SMALL_L2_BYTES", 0)  # the switch off
-    assert plan(50, 512, 64)[0] == "flash_fwd_sm90_hdim64_bf16_causal_192x128"
+    assert plan(50, 512, 64) == ("flash_fwd_sm90_hdim64_bf16_causal_192x128", 88)
     assert plan(50, 512, 128)[1] == 33
 
 

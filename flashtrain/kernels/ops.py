@@ -434,13 +434,17 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
                                      f"tiles per head (seqlen_q {params.seqlen_q})")
             grid = (max(grid[0] // cluster, 1) * cluster, 1, 1)
     if spec.persistent and causal and (head_dim >= FWD_CAUSAL_GROUP_HEAD_DIM or spec.block_m > 128):  # (fwd_tile)
-        params.causal_tile_group = _causal_tile_group(math.ceil(params.seqlen_q / spec.block_m),
-                                                      params.batch * params.nheads, launch.sm_count(q.device),
-                                                      _short_group_hd128(head_dim, q.shape[-1], spec.block_m),
+        n_blocks, short_hd128 = math.ceil(params.seqlen_q / spec.block_m), _short_group_hd128(head_dim, q.shape[-1],
+                                                                                              spec.block_m)
+        small_l2_short = small_l2 and params.nheads == params.nheads_kv and (
+            (short_hd128 and n_blocks <= CAUSAL_GROUP_SHORT_BLOCKS)
+            or (spec.block_m > 128 and n_blocks <= FWD_TALL_SHORT_BLOCKS_SMALL_L2))
+        params.causal_tile_group = _causal_tile_group(n_blocks, params.batch * params.nheads,
+                                                      launch.sm_count(q.device), short_hd128,
                                                       tall=spec.block_m > 128
                                                       and params.seqlen_q >= FWD_TALL_CAUSAL_GROUP_SEQLEN,
                                                       wide_fwd=head_dim > 128 and spec.block_m == 128,
-                                                      small_l2_fwd=small_l2 and params.nheads == params.nheads_kv)
+                                                      small_l2_short=small_l2_short)
     kernel = launch.get_kernel(spec, spec.symbols[0], q.device)
     varlen, maps, prefix = cu_seqlens_q is not None, [], ""
     if spec.source == "flash_fwd_sm90.cu":  # the TMA kernel: tensor maps of q, k, v, out, then the same parameters
@@ -691,12 +695,16 @@ FWD_CAUSAL_GROUP_HEAD_DIM = 128
 # A/B: ab_probe.py flashtrain@ops.CAUSAL_GROUP_WAVES_SHORT=2 (two waves everywhere).
 CAUSAL_GROUP_WAVES_SHORT = 1.0
 CAUSAL_GROUP_SHORT_BLOCKS = 8
-# ... but half a wave for those forwards (not GQA) on a GPU with a small L2 (build.SMALL_L2_BYTES: the H100). H100
-# 80GB HBM3, 2026-12-05, interleaved CUDA-graph replays (ab_probe.py), two machines, forward against one wave: hd128
-# causal 512 1.028-1.031, 768 1.027-1.028, 1K 1.019-1.026 (a quarter wave 1.026-1.027, three quarters 1.010-1.034);
-# but GQA 32/8 at 512 0.986-0.988, and the backward 0.988-0.994 at 512, 1.014-1.019 at 1K, so neither takes it
-# (kernel_ab-h100.json). A/B: ab_probe.py flashtrain@build.SMALL_L2_BYTES=0.
+# ... but half a wave for those forwards (not GQA) on a GPU with a small L2 (build.SMALL_L2_BYTES: the H100), and for
+# the hd64 causal forward on 192-row tiles with at most FWD_TALL_SHORT_BLOCKS_SMALL_L2 of them (768 rows; two Q
+# buffers there, build.SMALL_L2_Q_BUFFERS_SEQLEN). H100 80GB HBM3, 2026-12-05, interleaved CUDA-graph replays
+# (ab_probe.py), forward against one wave: hd128 causal 512 1.028-1.031, 768 1.027-1.028, 1K 1.019-1.026 (two
+# machines; a quarter wave 1.026-1.027, three quarters 1.010-1.034); but GQA 32/8 at 512 0.986-0.988, and the
+# backward 0.988-0.994 at 512, 1.014-1.019 at 1K, so neither takes it. hd64 (two Q buffers) against two waves: 512
+# 1.008-1.021, 768 1.024, but 1K 0.986-0.997 and 12 heads at 1K 0.972-0.977 (kernel_ab-h100.json). A/B: ab_probe.py
+# flashtrain@build.SMALL_L2_BYTES=0.
 FWD_SHORT_WAVES_SMALL_L2 = 0.5
+FWD_TALL_SHORT_BLOCKS_SMALL_L2 = 4
 
 
 # ... and, at head dims above 128 (192, 256), fewer waves for short calls too: the forward (128-row query tiles)
@@ -726,12 +734,12 @@ FWD_TALL_CAUSAL_GROUP_SEQLEN = 2048
 
 def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int, short_hd128: bool = False,
                        tall: bool = False, wide_fwd: bool = False, wide_bwd: bool = False,
-                       small_l2_fwd: bool = False) -> int:
+                       small_l2_short: bool = False) -> int:
     """Units per group of the Hopper causal kernels' tile order (forward: (batch, head) with n_blocks query blocks;
     backward: (batch, kv head, GQA split) with n_blocks key blocks): enough that a group's tiles, longest first, fill
     the SMs CAUSAL_GROUP_WAVES times over (CAUSAL_GROUP_WAVES_SHORT where short_hd128, a head-dim-128 call on 128-row
-    blocks, has at most CAUSAL_GROUP_SHORT_BLOCKS of them, FWD_SHORT_WAVES_SMALL_L2 if it is also small_l2_fwd, a
-    forward without GQA on a GPU of build.SMALL_L2_BYTES; FWD_WIDE_SHORT_WAVES / BWD_WIDE_SHORT_WAVES where
+    blocks, has at most CAUSAL_GROUP_SHORT_BLOCKS of them; FWD_SHORT_WAVES_SMALL_L2 where small_l2_short, a short
+    forward without GQA on a GPU of build.SMALL_L2_BYTES, decided by the caller; FWD_WIDE_SHORT_WAVES / BWD_WIDE_SHORT_WAVES where
     wide_fwd / wide_bwd, a forward / backward at a head dim above 128, has at most FWD_WIDE_SHORT_BLOCKS /
     BWD_WIDE_SHORT_BLOCKS; FWD_TALL_CAUSAL_GROUP_WAVES where tall, a long forward on query tiles of more than 128
     rows), so that the launch ends on short tiles; no more, so that
@@ -740,8 +748,10 @@ def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int, short_hd128: 
     first over all units (CAUSAL_GROUP_WAVES = inf)."""
     if tall:
         waves = FWD_TALL_CAUSAL_GROUP_WAVES
+    elif small_l2_short:
+        waves = FWD_SHORT_WAVES_SMALL_L2
     elif short_hd128 and n_blocks <= CAUSAL_GROUP_SHORT_BLOCKS:
-        waves = FWD_SHORT_WAVES_SMALL_L2 if small_l2_fwd else CAUSAL_GROUP_WAVES_SHORT
+        waves = CAUSAL_GROUP_WAVES_SHORT
     elif wide_fwd and n_blocks <= FWD_WIDE_SHORT_BLOCKS:
         waves = FWD_WIDE_SHORT_WAVES
     elif wide_bwd and n_blocks <= BWD_WIDE_SHORT_BLOCKS:
