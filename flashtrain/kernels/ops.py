@@ -701,8 +701,9 @@ CAUSAL_GROUP_SHORT_BLOCKS = 8
 # (ab_probe.py), forward against one wave: hd128 causal 512 1.028-1.031, 768 1.027-1.028, 1K 1.019-1.026 (two
 # machines; a quarter wave 1.026-1.027, three quarters 1.010-1.034); but GQA 32/8 at 512 0.986-0.988, and the
 # backward 0.988-0.994 at 512, 1.014-1.019 at 1K, so neither takes it. hd64 (two Q buffers) against two waves: 512
-# 1.008-1.021, 768 1.024, but 1K 0.986-0.997 and 12 heads at 1K 0.972-0.977 (kernel_ab-h100.json). A/B: ab_probe.py
-# flashtrain@build.SMALL_L2_BYTES=0.
+# 1.008, 768 1.024, but 1K 0.986 and 12 heads at 1K 0.972. Both rules and the two Q buffers against none of them
+# (build.SMALL_L2_BYTES = 0): hd64 512 / 768 / 1K 1.033 / 1.045 / 1.010, hd128 512 / 1K 1.032 / 1.018
+# (kernel_ab-h100.json). A/B: ab_probe.py flashtrain@build.SMALL_L2_BYTES=0.
 FWD_SHORT_WAVES_SMALL_L2 = 0.5
 FWD_TALL_SHORT_BLOCKS_SMALL_L2 = 4
 
