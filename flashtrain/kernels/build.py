@@ -171,8 +171,8 @@ LONG_CAUSAL_SEQLEN = 512
 # 3.35 against 4.8 TB/s) spend more of a short causal forward waiting on memory: at hd128 causal 512 our forward and
 # cuDNN's both ran at 75% of the H100's DRAM throughput (Nsight Compute). There the head-dim-64 causal tiles of
 # FWD_SM90_TILES_LONG_CAUSAL take two Q buffers up to SMALL_L2_Q_BUFFERS_SEQLEN query rows (the producer copies the
-# next tile's Q while this one runs), and short head-dim-128 causal forwards take smaller tile groups
-# (ops.FWD_SHORT_WAVES_SMALL_L2). H100 80GB HBM3, 2026-12-05, interleaved CUDA-graph replays (ab_probe.py), two
+# next tile's Q while this one runs), and the short causal forwards at head dims 64 and 128 take smaller tile
+# groups (ops.FWD_SHORT_WAVES_SMALL_L2). H100 80GB HBM3, 2026-12-05, interleaved CUDA-graph replays (ab_probe.py), two
 # machines, forward, two Q buffers / one: hd64 causal 512 1.021-1.027, 768 1.021-1.023, 1K 1.009-1.014, 12 heads 1K
 # (GPT-2 small) 1.003-1.006 (kernel_ab-h100.json). On the H200 two Q buffers measured 0.987 at hd64 causal 512 on
 # 128-row tiles (before the 192-row ones); neither rule was measured there, so parts with a larger L2 keep the tiles
