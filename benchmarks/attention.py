@@ -950,7 +950,8 @@ def main() -> None:
            "sms": torch.cuda.get_device_properties(0).multi_processor_count, "bf16_matmul_tflops": matmul_tflops(),
            "timing": args.timing + (", GPU held while the host queues each pass's calls" if args.timing == "interleaved"
                                      else ""), "fa4": fa4_baseline.version(),
-           **gpu_clocks.board(), "commit": gpu_clocks.source_commit(Path(__file__).resolve().parent)}
+           **gpu_clocks.board(), **gpu_clocks.memory_system(torch.cuda.get_device_properties(0).L2_cache_size),
+           "commit": gpu_clocks.source_commit(Path(__file__).resolve().parent)}
     print(json.dumps(env))
     if args.block_sparse:
         out_dir = args.out or RESULTS

@@ -43,6 +43,15 @@ def board() -> dict:
     return {"driver": driver, "power_limit_w": round(float(limit))}
 
 
+def memory_system(l2_bytes: int) -> dict:
+    """A record's L2 size (MB) and whether flashtrain's small-L2 dispatch ran (its short causal forwards' tiles and
+    tile groups on GPUs with at most build.SMALL_L2_BYTES of L2: the H100, not the H200), from the GPU's L2 bytes
+    (torch.cuda.get_device_properties(...).L2_cache_size)."""
+    from flashtrain.kernels import build
+
+    return {"l2_mb": round(l2_bytes / 2 ** 20), "small_l2_dispatch": l2_bytes <= build.SMALL_L2_BYTES}
+
+
 def source_commit(root) -> str | None:
     """The checkout's commit, with "+changes" when tracked files differ from it (a record names the tree it ran on);
     None outside a git checkout."""

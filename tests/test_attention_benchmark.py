@@ -108,8 +108,9 @@ def test_sustained_clocks_come_with_the_speed(attention, monkeypatch):
 
 
 def test_record_env_names_the_board_and_the_tree(attention, monkeypatch, tmp_path):
-    """A record's env carries the driver and power limit (nvidia-smi's one line for GPU 0) and the commit it ran on,
-    marked when tracked files differ; both are left out (not guessed) where the tools are missing."""
+    """A record's env carries the driver and power limit (nvidia-smi's one line for GPU 0), the L2 size with the
+    dispatch it selects, and the commit it ran on, marked when tracked files differ; the board and commit are left out
+    (not guessed) where the tools are missing."""
     import subprocess
 
     import gpu_clocks
@@ -126,6 +127,9 @@ def test_record_env_names_the_board_and_the_tree(attention, monkeypatch, tmp_pat
 
     monkeypatch.setattr(gpu_clocks.subprocess, "run", missing)
     assert gpu_clocks.board() == {} and gpu_clocks.source_commit(tmp_path) is None
+    # the L2 size and whether the short causal forwards took the small-L2 dispatch (an H100's 50 MB, an H200's 60)
+    assert gpu_clocks.memory_system(50 << 20) == {"l2_mb": 50, "small_l2_dispatch": True}
+    assert gpu_clocks.memory_system(60 << 20) == {"l2_mb": 60, "small_l2_dispatch": False}
     monkeypatch.undo()
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run(git + ["init", "-q"], check=True)

@@ -27,9 +27,10 @@ the implementations' order reversed every other round; the mean of the rounds' m
 each run's steady-state SM clock and board power too (attention.sustained_ms_clocks), and TFLOP/s per GHz: tells a variant
 that is slower because the power cap lowers its clock from one that does less per clock.
 
---json PATH: the same rows as a record (GPU, driver, power limit, torch, cuDNN, UTC date, source commit, the command
-line; per configuration each implementation's TFLOP/s, its ratio to the first implementation and to cuDNN, and with
---clocks its SM clock and board power), rewritten after each configuration, so that a cut run keeps what it measured.
+--json PATH: the same rows as a record (GPU, driver, power limit, L2 size and whether the small-L2 dispatch ran, torch,
+cuDNN, UTC date, source commit, the command line; per configuration each implementation's TFLOP/s, its ratio to the
+first implementation and to cuDNN, and with --clocks its SM clock and board power), rewritten after each
+configuration, so that a cut run keeps what it measured.
 """
 import argparse
 import contextlib
@@ -347,7 +348,8 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__, f"cuDNN {torch.backends.cudnn.version()}", args.kind,
           flush=True)
     record = {"what": "benchmarks/probes/ab_probe.py " + " ".join(sys.argv[1:]), "gpu": torch.cuda.get_device_name(),
-              **gpu_clocks.board(), "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+              **gpu_clocks.board(), **gpu_clocks.memory_system(torch.cuda.get_device_properties(0).L2_cache_size),
+              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": gpu_clocks.source_commit(Path(__file__).resolve().parents[2]), "pass": args.kind,
               "timing": f"sustained {args.sustained:g} s x {args.rounds}" if args.sustained > 0

@@ -740,11 +740,11 @@ def _causal_tile_group(n_blocks: int, n_units: int, sm_count: int, short_hd128: 
     backward: (batch, kv head, GQA split) with n_blocks key blocks): enough that a group's tiles, longest first, fill
     the SMs CAUSAL_GROUP_WAVES times over (CAUSAL_GROUP_WAVES_SHORT where short_hd128, a head-dim-128 call on 128-row
     blocks, has at most CAUSAL_GROUP_SHORT_BLOCKS of them; FWD_SHORT_WAVES_SMALL_L2 where small_l2_short, a short
-    forward without GQA on a GPU of build.SMALL_L2_BYTES, decided by the caller; FWD_WIDE_SHORT_WAVES / BWD_WIDE_SHORT_WAVES where
-    wide_fwd / wide_bwd, a forward / backward at a head dim above 128, has at most FWD_WIDE_SHORT_BLOCKS /
-    BWD_WIDE_SHORT_BLOCKS; FWD_TALL_CAUSAL_GROUP_WAVES where tall, a long forward on query tiles of more than 128
-    rows), so that the launch ends on short tiles; no more, so that
-    concurrent tiles share K / V (backward: Q / dO and dQ rows) in L2. (The kernel's last group also takes the
+    forward without GQA on a GPU of build.SMALL_L2_BYTES, decided by the caller; FWD_WIDE_SHORT_WAVES /
+    BWD_WIDE_SHORT_WAVES where wide_fwd / wide_bwd, a forward / backward at a head dim above 128, has at most
+    FWD_WIDE_SHORT_BLOCKS / BWD_WIDE_SHORT_BLOCKS; FWD_TALL_CAUSAL_GROUP_WAVES where tall, a long forward on query
+    tiles of more than 128 rows), so that the launch ends on short tiles; no more, so that concurrent tiles share K / V
+    (backward: Q / dO and dQ rows) in L2. (The kernel's last group also takes the
     remainder of n_units.) Earlier orders: backward, key blocks fastest (CAUSAL_GROUP_WAVES = 0); forward, longest
     first over all units (CAUSAL_GROUP_WAVES = inf)."""
     if tall:
