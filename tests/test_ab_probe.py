@@ -224,7 +224,9 @@ def test_json_record_is_written_after_each_configuration(ab_probe, monkeypatch, 
 
     monkeypatch.setattr(ab_probe, "capture", fake_capture)
     monkeypatch.setattr(ab_probe, "time_interleaved", fake_interleaved)
-    monkeypatch.setattr(ab_probe.torch, "cuda", types.SimpleNamespace(get_device_name=lambda: "Fake GPU"))
+    monkeypatch.setattr(ab_probe.torch, "cuda", types.SimpleNamespace(
+        get_device_name=lambda: "Fake GPU",
+        get_device_properties=lambda device: types.SimpleNamespace(L2_cache_size=50 << 20)))
     monkeypatch.setattr(ab_probe.gpu_clocks, "board", lambda: {"driver": "1.0", "power_limit_w": 700})
     monkeypatch.setattr(ab_probe.sys, "argv", ["ab_probe.py", "--impls", "flashtrain", "flashtrain+FT_X=1", "--pass",
                                                "bwd", "--repeats", "3", "--configs", "128:4096:causal",
@@ -233,6 +235,7 @@ def test_json_record_is_written_after_each_configuration(ab_probe, monkeypatch, 
     record = json.loads(out.read_text())
     assert seen == [3, 3]
     assert record["gpu"] == "Fake GPU" and record["power_limit_w"] == 700 and record["pass"] == "bwd"
+    assert record["l2_mb"] == 50 and record["small_l2_dispatch"] is True
     assert record["what"].startswith("benchmarks/probes/ab_probe.py --impls flashtrain flashtrain+FT_X=1")
     assert record["timing"] == "interleaved CUDA-graph replays, median of 3"
     assert list(record["rows"]) == ["hd128 S4096 causal B4", "hd64 S16384 full B1"]
