@@ -49,7 +49,7 @@ def memory_system(l2_bytes: int) -> dict:
     (torch.cuda.get_device_properties(...).L2_cache_size)."""
     from flashtrain.kernels import build
 
-    return {"l2_mb": round(l2_bytes / 2 ** 20), "small_l2_dispatch": l2_bytes <= build.SMALL_L2_BYTES}
+    return {"l2_mb": round(l2_bytes / 2 ** 20), "small_l2_dispatch": build.is_small_l2(l2_bytes)}
 
 
 def source_commit(root) -> str | None:

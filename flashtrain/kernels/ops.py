@@ -410,7 +410,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     arch = launch.device_arch(q.device)
     head_dim = build.rounded_head_dim(q.shape[-1], block_sparse, arch)
     mask = mask_mod_from_text(mask_mod, mm_tensors)
-    small_l2 = arch == build.SM90_ARCH and launch.l2_bytes(q.device) <= build.SMALL_L2_BYTES
+    small_l2 = arch == build.SM90_ARCH and build.is_small_l2(launch.l2_bytes(q.device))
     spec = build.fwd_kernel(head_dim, _DTYPE_NAMES[q.dtype], causal, dropout_p > 0, block_sparse, arch=arch,
                             smem_limit=launch.device_smem_limit(q.device),
                             seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
