@@ -107,14 +107,6 @@ struct AuxZeroRows {
 #ifndef FT_AUX_CHUNKS
 #define FT_AUX_CHUNKS 2
 #endif
-// FT_AUX_PTR_STEP (A/B build, 0 by default): the thread's out / dout pointers and (row, chunk) kept across passes and
-// stepped by precomputed 64-bit deltas (a step adds row_step rows and col_step chunks; a chunk index past the row's
-// end wraps to the next row), instead of each pass dividing its first chunk index by the row's chunks and each load
-// multiplying its row by the 64-bit row stride; and dq_accum zeroed by a stepped pointer in a loop of its own where
-// every row is zeroed (AuxZeroRows group 0), without the per-store row test.
-#ifndef FT_AUX_PTR_STEP
-#define FT_AUX_PTR_STEP 0
-#endif
 constexpr int kAuxChunks = FT_AUX_CHUNKS, kAuxMaxChunksPerRow = 512 / 8;  // (head dims up to interface.MAX_HEAD_DIM)
 template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const AuxParams& p) {
     __shared__ float partial[kRowsPerCta * kAuxMaxChunksPerRow];
@@ -136,12 +128,6 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
         for (int split = 0; split < p.nsplits; ++split) {
             float* acc = (float*)p.dq_accum + split * p.dqa_split_stride + batch * p.dqa_batch_stride +
                          head * p.dqa_head_stride + (rows.pad_start + rows.row_begin) * (i64)p.dqa_cols;
-            if (FT_AUX_PTR_STEP && zero_rows.group == 0) {  // every row: one stepped pointer
-                const u32 zeros[4] = {0u, 0u, 0u, 0u};
-                float* at = acc + 4 * tid;
-                for (int i = tid; i < n_quads; i += kAuxThreads, at += 4 * kAuxThreads) st_global_v4(at, zeros);
-                continue;
-            }
             for (int i = tid; i < n_quads; i += kAuxThreads) {
                 if (zero_rows.group != 0 && !zero_rows.zero(rows.row_begin + i / quads)) continue;
                 const u32 zeros[4] = {0u, 0u, 0u, 0u};
@@ -150,27 +136,11 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
         }
     };
     const int row_step = kAuxThreads / chunks, col_step = kAuxThreads % chunks;
-    // (FT_AUX_PTR_STEP: the state carried across passes; a step's deltas, and the wrap's to the next row)
-    int step_col = chunks > 0 ? tid % chunks : 0;
-    const u16* o_at = out0 + (chunks > 0 ? tid / chunks : 0) * p.o_row_stride + 8 * step_col;
-    const u16* d_at = dout0 + (chunks > 0 ? tid / chunks : 0) * p.do_row_stride + 8 * step_col;
-    const i64 o_step = row_step * p.o_row_stride + 8 * col_step, o_wrap = p.o_row_stride - 8 * chunks;
-    const i64 d_step = row_step * p.do_row_stride + 8 * col_step, d_wrap = p.do_row_stride - 8 * chunks;
     for (int first = 0; first < n_chunks; first += kAuxThreads * kAuxChunks) {
         u32 o[kAuxChunks][4], d[kAuxChunks][4];
-        int row = 0, col = 0;
-        if (!FT_AUX_PTR_STEP) row = (first + tid) / chunks, col = (first + tid) % chunks;
+        int row = (first + tid) / chunks, col = (first + tid) % chunks;
 #pragma unroll
         for (int k = 0; k < kAuxChunks; ++k) {
-            if (FT_AUX_PTR_STEP) {
-                if (first + tid + kAuxThreads * k < n_chunks) {
-                    ld_global_v4(o_at, o[k]);
-                    ld_global_v4(d_at, d[k]);
-                }
-                o_at += o_step, d_at += d_step, step_col += col_step;
-                if (step_col >= chunks) step_col -= chunks, o_at += o_wrap, d_at += d_wrap;
-                continue;
-            }
             if (first + tid + kAuxThreads * k < n_chunks) {
                 ld_global_v4(out0 + row * p.o_row_stride + 8 * col, o[k]);
                 ld_global_v4(dout0 + row * p.do_row_stride + 8 * col, d[k]);
