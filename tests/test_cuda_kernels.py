@@ -260,6 +260,28 @@ def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
                                  max_seqlen_k=667)
 
 
+def test_backward_kv_l2_prefetch_matches_reference(monkeypatch):
+    """The Hopper backward with its producer's L2 prefetch of each tile's K / V (FT_BWD_KV_PREFETCH=1, an A/B build:
+    kernels compiled with FLASHTRAIN_EXTRA_DEFINES) against the reference: several tiles per CTA, hd64 and hd128
+    causal and non-causal, GQA, a partial last key block, varlen."""
+    probes = Path(__file__).resolve().parents[1] / "benchmarks" / "probes"
+    monkeypatch.syspath_prepend(str(probes.parent))
+    monkeypatch.syspath_prepend(str(probes))
+    import ab_probe
+
+    with ab_probe.kernel_variant("flashtrain+FT_BWD_KV_PREFETCH=1"):
+        for index, (batch, seqlen, heads, heads_kv, head_dim, causal) in enumerate(
+                [(4, 512, 16, 16, 64, True), (2, 700, 6, 2, 64, False), (2, 1064, 4, 4, 128, False),
+                 (2, 520, 8, 2, 128, True)]):
+            q, k, v, dout = _inputs((batch, seqlen, heads, head_dim), (batch, seqlen, heads_kv, head_dim),
+                                    torch.bfloat16, seed=80 + index)
+            _check_against_reference(q, k, v, dout, causal=causal)
+        cu = torch.tensor([0, 33, 700, 1133], dtype=torch.int32, device="cuda")
+        q, k, v, dout = _inputs((1133, 4, 64), (1133, 4, 64), torch.bfloat16, seed=90)
+        _check_against_reference(q, k, v, dout, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=667,
+                                 max_seqlen_k=667)
+
+
 def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
     """The non-causal hd128 forward in 2-CTA clusters (build.FWD_SM90_CLUSTER: neighbouring query tiles share
     their K / V copies by TMA multicast) against the reference, on 66 query tiles per head with a partial last one, and
