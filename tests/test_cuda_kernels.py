@@ -236,50 +236,44 @@ def test_wide_head_dim_short_causal_forward_tiles_match_reference(head_dim):
     _check_against_reference(q, k, v, dout, causal=True)
 
 
-def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
-    """The backward's preprocess and dQ conversion with their CTAs in ascending grid order (flash_aux.cuh
-    FT_AUX_REVERSE = 0, an A/B build: kernels compiled with FLASHTRAIN_EXTRA_DEFINES; the default is reversed):
-    every row still written once, checked against the reference on the dq_accum layouts they handle: scrambled
-    64-query blocks (hd128 causal), the 80-query fragment order (hd128 non-causal, a partial last block), hd64, GQA,
-    and varlen (padded rows)."""
-    probes = Path(__file__).resolve().parents[1] / "benchmarks" / "probes"
-    monkeypatch.syspath_prepend(str(probes.parent))
-    monkeypatch.syspath_prepend(str(probes))
-    import ab_probe  # (its kernel_variant: the macros set, the loaded kernels and the plans dropped, then restored)
-
-    with ab_probe.kernel_variant("flashtrain+FT_AUX_REVERSE=0"):
-        for index, (batch, seqlen, heads, heads_kv, head_dim, causal) in enumerate(
-                [(3, 512, 16, 16, 128, True), (1, 1064, 4, 4, 128, False), (2, 700, 4, 4, 64, True),
-                 (2, 1024, 8, 2, 128, True)]):
-            q, k, v, dout = _inputs((batch, seqlen, heads, head_dim), (batch, seqlen, heads_kv, head_dim),
-                                    torch.bfloat16, seed=20 + index)
-            _check_against_reference(q, k, v, dout, causal=causal)
-        cu = torch.tensor([0, 33, 700, 1133], dtype=torch.int32, device="cuda")
-        q, k, v, dout = _inputs((1133, 4, 128), (1133, 4, 128), torch.bfloat16, seed=30)
-        _check_against_reference(q, k, v, dout, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=667,
-                                 max_seqlen_k=667)
-
-
-def test_backward_kv_l2_prefetch_matches_reference(monkeypatch):
-    """The Hopper backward with its producer's L2 prefetch of each tile's K / V (FT_BWD_KV_PREFETCH=1, an A/B build:
-    kernels compiled with FLASHTRAIN_EXTRA_DEFINES) against the reference: several tiles per CTA, hd64 and hd128
-    causal and non-causal, GQA, a partial last key block, varlen."""
+def _variant_matches_reference(monkeypatch, variant, cases, varlen_head_dim, seed):
+    """Under ab_probe's kernel_variant (its macros set through FLASHTRAIN_EXTRA_DEFINES, the loaded kernels and the
+    plans dropped, then restored): each (batch, seqlen, heads, heads_kv, head_dim, causal) case and one causal varlen
+    batch of three sequences (33, 667 and 433 tokens, 4 heads) against the reference."""
     probes = Path(__file__).resolve().parents[1] / "benchmarks" / "probes"
     monkeypatch.syspath_prepend(str(probes.parent))
     monkeypatch.syspath_prepend(str(probes))
     import ab_probe
 
-    with ab_probe.kernel_variant("flashtrain+FT_BWD_KV_PREFETCH=1"):
-        for index, (batch, seqlen, heads, heads_kv, head_dim, causal) in enumerate(
-                [(4, 512, 16, 16, 64, True), (2, 700, 6, 2, 64, False), (2, 1064, 4, 4, 128, False),
-                 (2, 520, 8, 2, 128, True)]):
+    with ab_probe.kernel_variant(variant):
+        for index, (batch, seqlen, heads, heads_kv, head_dim, causal) in enumerate(cases):
             q, k, v, dout = _inputs((batch, seqlen, heads, head_dim), (batch, seqlen, heads_kv, head_dim),
-                                    torch.bfloat16, seed=80 + index)
+                                    torch.bfloat16, seed=seed + index)
             _check_against_reference(q, k, v, dout, causal=causal)
         cu = torch.tensor([0, 33, 700, 1133], dtype=torch.int32, device="cuda")
-        q, k, v, dout = _inputs((1133, 4, 64), (1133, 4, 64), torch.bfloat16, seed=90)
+        shape = (1133, 4, varlen_head_dim)
+        q, k, v, dout = _inputs(shape, shape, torch.bfloat16, seed=seed + 10)
         _check_against_reference(q, k, v, dout, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=667,
                                  max_seqlen_k=667)
+
+
+def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
+    """The backward's preprocess and dQ conversion with their CTAs in ascending grid order (flash_aux.cuh
+    FT_AUX_REVERSE = 0, an A/B build; the default is reversed): every row still written once, checked against the
+    reference on the dq_accum layouts they handle: scrambled 64-query blocks (hd128 causal), the 80-query fragment
+    order (hd128 non-causal, a partial last block), hd64, GQA, and varlen (padded rows)."""
+    _variant_matches_reference(monkeypatch, "flashtrain+FT_AUX_REVERSE=0",
+                               [(3, 512, 16, 16, 128, True), (1, 1064, 4, 4, 128, False), (2, 700, 4, 4, 64, True),
+                                (2, 1024, 8, 2, 128, True)], varlen_head_dim=128, seed=20)
+
+
+def test_backward_kv_l2_prefetch_matches_reference(monkeypatch):
+    """The Hopper backward with its producer's L2 prefetch of each tile's K / V (FT_BWD_KV_PREFETCH=1, an A/B build)
+    against the reference: several tiles per CTA, hd64 and hd128 causal and non-causal, GQA, a partial last key
+    block, varlen."""
+    _variant_matches_reference(monkeypatch, "flashtrain+FT_BWD_KV_PREFETCH=1",
+                               [(4, 512, 16, 16, 64, True), (2, 700, 6, 2, 64, False), (2, 1064, 4, 4, 128, False),
+                                (2, 520, 8, 2, 128, True)], varlen_head_dim=64, seed=80)
 
 
 def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):

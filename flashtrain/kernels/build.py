@@ -184,6 +184,8 @@ SMALL_L2_Q_BUFFERS_SEQLEN = 1024
 def is_small_l2(l2_bytes: int) -> bool:
     """Whether a GPU with this many bytes of L2 takes the small-L2 rules above (launch.l2_bytes gives a device's)."""
     return l2_bytes <= SMALL_L2_BYTES
+
+
 # Forward calls whose one score modification is a window (no softcap, no ALiBi, no mask expression) take a variant
 # compiled without ALiBi (FT_SCORE_MODS 3, `_window`; the backward's BWD_SM90_WINDOW_ONLY): no slope load, no ALiBi
 # branch, no row bias in the exponentials (hd128 causal: 36 bytes of spills -> none, ptxas 13.0) ...
