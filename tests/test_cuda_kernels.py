@@ -267,15 +267,6 @@ def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
                                 (2, 1024, 8, 2, 128, True)], varlen_head_dim=128, seed=20)
 
 
-def test_backward_kv_l2_prefetch_matches_reference(monkeypatch):
-    """The Hopper backward with its producer's L2 prefetch of each tile's K / V (FT_BWD_KV_PREFETCH=1, an A/B build)
-    against the reference: several tiles per CTA, hd64 and hd128 causal and non-causal, GQA, a partial last key
-    block, varlen."""
-    _variant_matches_reference(monkeypatch, "flashtrain+FT_BWD_KV_PREFETCH=1",
-                               [(4, 512, 16, 16, 64, True), (2, 700, 6, 2, 64, False), (2, 1064, 4, 4, 128, False),
-                                (2, 520, 8, 2, 128, True)], varlen_head_dim=64, seed=80)
-
-
 def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
     """The non-causal hd128 forward in 2-CTA clusters (build.FWD_SM90_CLUSTER: neighbouring query tiles share
     their K / V copies by TMA multicast) against the reference, on 66 query tiles per head with a partial last one, and

@@ -502,9 +502,6 @@ struct BwdSm90Traits {
 #ifndef FT_BWD_KV_RELEASE_LAST
 #define FT_BWD_KV_RELEASE_LAST 1
 #endif
-#ifndef FT_BWD_KV_PREFETCH  // (the producer's L2 prefetch of a tile's K / V: flash_bwd_sm90 below; A/B build)
-#define FT_BWD_KV_PREFETCH 0
-#endif
     // The score-modification kernels without a mask expression: the 64-query ones (FT_BWD_MODS_KV_RELEASE_LAST,
     // default 1: a sliding window's tiles are short, so the next tile's K / V wait counts more; 0: none, 2: the
     // 80-query ones too, for A/Bs)
@@ -2247,20 +2244,6 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 // which so overlaps the previous tile's last block)
                 bool kv_loaded = false;
                 auto load_kv = [&]() {
-                    // FT_BWD_KV_PREFETCH (A/B build, 0 by default): the tile's K / V boxes fetched into L2 first --
-                    // here, after its first Q / dO copy, the MMA warps are still in the previous tile's last query
-                    // block -- so that the copy below, issued once they release K / V, reads L2 instead of memory.
-                    // (Nsight Compute, hd64 causal 512 on an H100: the MMA warps' wait for K / V at a tile's start
-                    // is a fifth of the kernel's stall samples.)
-                    if constexpr (FT_BWD_KV_PREFETCH != 0) {
-                        constexpr int kKB = T::kKBoxCols;
-#pragma unroll
-                        for (int cb = 0; cb < kHeadDim / kKB; ++cb)
-                            tma_prefetch_l2_4d(&params.tma_k, cb * kKB, x.k_start + x.n0, x.head_kv, batch_coord);
-#pragma unroll
-                        for (int cb = 0; cb < kHeadDim / 64; ++cb)
-                            tma_prefetch_l2_4d(&params.tma_v, cb * 64, x.k_start + x.n0, x.head_kv, batch_coord);
-                    }
                     mbar_wait(sm.empty_kv, (tile_iter & 1) ^ 1);
                     mbar_arrive_expect_tx(sm.full_kv, 2 * TileKV::kBytes);
                     if constexpr (T::kKBoxCols == 64) {

@@ -103,14 +103,6 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* desc, u32 ba
         : "memory");
 }
 
-// The box at these coordinates fetched into L2 only (no shared-memory destination, no barrier): a later tma_load_4d
-// of it then reads L2.
-__device__ __forceinline__ void tma_prefetch_l2_4d(const TmaDesc* desc, int c0, int c1, int c2, int c3) {
-    asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];" ::"l"(desc), "r"(c0),
-                 "r"(c1), "r"(c2), "r"(c3)
-                 : "memory");
-}
-
 // ---------------------------------------------------------------------------------------------- clusters
 // An arrive on the mbarrier at shared-memory offset bar in the other CTA of a 2-CTA cluster, predicated inside the
 // instruction block, which also computes the peer's rank and address (mapa): no registers live outside it. (The
