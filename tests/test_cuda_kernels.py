@@ -267,6 +267,45 @@ def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
                                 (2, 1024, 8, 2, 128, True)], varlen_head_dim=128, seed=20)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("fused", [1, 0], ids=["fused", "kernel"])
+def test_causal_backward_dq_conversion_matches_reference(head_dim, fused, monkeypatch):
+    """The causal Hopper backward converting dq itself (build.BWD_FUSED_DQ: the key block that completes a query
+    block's count converts it) and with the conversion kernel after it, against the reference: many tiles per CTA,
+    queries past the keys (whole query blocks that no key block sees, whose dq the preprocess zeroes), keys past the
+    queries, a partial last query block, GQA with its group split over tiles, fp16, varlen with a sequence without
+    keys."""
+    from flashtrain.kernels import build
+
+    if not _is_hopper():
+        pytest.skip("the Hopper backward")
+    ops = _ops()
+    monkeypatch.setattr(build, "BWD_FUSED_DQ", fused)
+    ops.clear_plans()  # (a plan holds the kernel it was built with)
+    spec = build.bwd_sm90_kernel(head_dim, "bf16", True, seqlen_q=1024)
+    assert build.bwd_fused_dq(spec) == bool(fused)
+    cases = [((4, 1000, 8, head_dim), (4, 1000, 8, head_dim), torch.bfloat16),
+             ((2, 700, 4, head_dim), (2, 300, 4, head_dim), torch.bfloat16),
+             ((2, 300, 4, head_dim), (2, 777, 4, head_dim), torch.float16),
+             ((1, 2048, 16, head_dim), (1, 2048, 2, head_dim), torch.bfloat16)]
+    for index, (shape_q, shape_k, dtype) in enumerate(cases):
+        q, k, v, dout = _inputs(shape_q, shape_k, dtype, seed=90 + index)
+        _, _, dq, _, _ = _check_against_reference(q, k, v, dout, causal=True)
+        if shape_q[1] > shape_k[1]:  # rows that see no key
+            unseen = shape_q[1] - shape_k[1]
+            assert torch.equal(dq[:, :unseen], torch.zeros_like(dq[:, :unseen]))
+    lengths_q, lengths_k = [129, 0, 640, 70, 300], [129, 5, 640, 0, 100]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v, dout = _inputs((sum(lengths_q), 4, head_dim), (sum(lengths_k), 2, head_dim), torch.bfloat16, seed=99)
+    _, _, dq, _, _ = _check_against_reference(q, k, v, dout, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                              max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+    no_keys = slice(129 + 640, 129 + 640 + 70)
+    assert torch.equal(dq[no_keys], torch.zeros_like(dq[no_keys]))
+    monkeypatch.undo()
+    ops.clear_plans()
+
+
 def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
     """The non-causal hd128 forward in 2-CTA clusters (build.FWD_SM90_CLUSTER: neighbouring query tiles share
     their K / V copies by TMA multicast) against the reference, on 66 query tiles per head with a partial last one, and

@@ -201,8 +201,10 @@ def test_cpp_executor_issues_the_python_executors_launches(recording, case, monk
     dout = torch.randn(out.shape, generator=gen).to(out.dtype)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     cpp = torch.ops.flashtrain._recorded_launches()
-    # forward; preprocess, backward, dq conversion (+ dk, dv conversions when the Hopper backward splits a GQA group)
-    assert len(cpp) in (4, 6)
+    # forward; preprocess, backward, dq conversion (+ dk, dv conversions when the Hopper backward splits a GQA group;
+    # no dq conversion where the Hopper backward converts dq itself: build.bwd_fused_dq)
+    fused_dq = arch == "sm_90a" and _SYMBOLS[_canonical(bytes(cpp[2].numpy()))[0]].endswith("_fdq")
+    assert len(cpp) in ((3, 5) if fused_dq else (4, 6))
     if case == "hd64-full-clusters" and arch == "sm_90a":  # (the cluster kernel on an even grid: 86 query tiles)
         assert _SYMBOLS[_canonical(bytes(cpp[0].numpy()))[0]] == "flash_fwd_sm90_hdim64_bf16_c2"
         assert _canonical(bytes(cpp[0].numpy()))[1:4] == [86, 1, 1]
@@ -292,6 +294,49 @@ def test_hopper_backward_plan_dq_layout_and_programmatic_launches(recording, cau
     assert main.params.bwd.fwd.seqlen_q == s and preprocess.grid == (130, b, h)
     monkeypatch.setenv("FLASHTRAIN_PDL", "0")
     assert [item.pdl for item in plan().launches] == [False, False, False]
+
+
+@pytest.mark.parametrize("head_dim, block_m", [(64, 128), (128, 64)])
+def test_hopper_causal_backward_plan_converts_dq_in_the_kernel(recording, head_dim, block_m, monkeypatch):
+    """The causal hd64 / hd128 Hopper backward converts dq itself (build.BWD_FUSED_DQ): two launches, the preprocess
+    zeroing one count per (query head, query block of the padded rows) after dq_accum and the rows no key sees
+    (fused_dq 2: causal), the kernel holding dq's address and strides and the same counts; BWD_FUSED_DQ = 0, or a
+    non-causal call, adds the conversion kernel (its counts unused)."""
+    from flashtrain.kernels import launch, ops
+
+    arch, _ = recording
+    if arch != "sm_90a":
+        pytest.skip("the Hopper backward")
+    b, s, h, d = 3, 1000, 4, head_dim
+    q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.zeros(b, h, s)
+
+    def plan(causal):
+        return ops._bwd_plan(dout, q, k, v, out, lse, None, None, s, s, 0.0, 0.088, causal, False, None)
+
+    result = plan(True)
+    preprocess, main = result.launches
+    assert _SYMBOLS[main.kernel.handle.value].endswith("_fdq")
+    rows_pad = b * -(-s // block_m) * block_m
+    aux, bwd = preprocess.params, main.params.bwd
+    assert (aux.fused_dq, aux.dq_counts_head_stride, bwd.dq_counts_head_stride) == (2, rows_pad // block_m,
+                                                                                    rows_pad // block_m)
+    assert (bwd.dq_batch_stride, bwd.dq_row_stride, bwd.dq_head_stride) == (s * h * d, h * d, d)
+    # the counts after dq_accum in the workspace (output 3), as both launches address them
+    workspace = result.outputs[3][0][0]
+    counts = [source for offset, *source in main.addresses if offset == ops._offset(launch.BwdSm90Params,
+                                                                                      "bwd.dq_counts")]
+    dq_accum = [source for offset, *source in main.addresses if offset == ops._offset(launch.BwdSm90Params,
+                                                                                        "bwd.dq_accum")]
+    assert counts and counts[0][:2] == [ops._OUTPUT, 3] and dq_accum[0][:2] == [ops._OUTPUT, 3]
+    assert counts[0][2] == dq_accum[0][2] + 4 * h * rows_pad * d
+    assert workspace * 4 == counts[0][2] + 4 * h * rows_pad // block_m
+    assert [source for offset, *source in preprocess.addresses
+            if offset == ops._offset(launch.AuxParams, "dq_counts")] == counts
+    assert len(plan(False).launches) == 3 and plan(False).launches[0].params.fused_dq == 0
+    monkeypatch.setattr(build, "BWD_FUSED_DQ", 0)
+    preprocess, main, convert = plan(True).launches
+    assert not _SYMBOLS[main.kernel.handle.value].endswith("_fdq") and preprocess.params.fused_dq == 0
 
 
 def test_hopper_backward_plan_sliding_window_blocks(recording):
@@ -529,7 +574,7 @@ def test_hopper_backward_plan_tail_split(recording, monkeypatch):
     assert {ops._offset(type(main.params), f"bwd.tail_{name}") for name in ("counters", "partials")} <= offsets
     for name, main, outputs in (plan(causal=True), plan(heads=8)):
         assert main.params.bwd.tail_pieces in (0, 1) and len(outputs) == 4, name
-    assert plan(causal=True)[0] == "flash_bwd_sm90_hdim64_bf16_causal"
+    assert plan(causal=True)[0] == "flash_bwd_sm90_hdim64_bf16_causal_fdq"  # (causal: dq converted in the kernel)
     monkeypatch.setattr(build, "BWD_TAIL_SPLIT", 0)
     name, main, outputs = plan()
     assert name == "flash_bwd_sm90_hdim64_bf16" and main.params.bwd.tail_pieces == 0 and len(outputs) == 4

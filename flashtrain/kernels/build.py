@@ -311,6 +311,9 @@ class BwdSm90Tiles:
     # in room made by one dO buffer and single P^T / dS^T tiles (BwdSm90Traits::kSkStageDq); False: dQ added from the
     # registers (red.global.add.v4), two dO stages, P^T / dS^T double-buffered
     stage_dq: bool = False
+    # the dQ conversion in the kernel (flash_bwd_sm90.cuh kFusedDq; BWD_FUSED_DQ): the key block that completes a
+    # query block converts it, no conversion kernel runs after the backward
+    fused_dq: bool = False
 
     def dq_slice_width(self, head_dim: int) -> int:  # dQ is computed in 64 x 64 pieces (80-query blocks: dQ^T,
         return 0 if self.swap_dq else 64              # added in plain rows)
@@ -350,9 +353,10 @@ class BwdSm90Tiles:
                       else 2 * 4 * ((pieces + 1) // 2) * 4096)
         score_tiles = 4 if self.split_keys and not stage_dq else 2
         do_stages = 1 if stage_dq else self.stages
+        fused_dq = 2 * 8192 + 256 if self.fused_dq else 0  # the converter's two chunk buffers, barriers, requests
         return (2 * ((self.stages + do_stages) * self.block_m * head_dim + 2 * self.block_n * head_dim
                      + score_tiles * self.block_n * self.block_m) + dq_staging
-                + 2 * self.stages * -(-4 * self.block_m // 128) * 128 + 256 + 1024)
+                + 2 * self.stages * -(-4 * self.block_m // 128) * 128 + fused_dq + 256 + 1024)
 
 
 # Hopper backward: dense or block-sparse, dropout too, deterministic too (not with block-sparse), these head dims
@@ -965,6 +969,9 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
         tiles = BWD_SM90_HD192_REG_DQ
     if head_dim == 128 and plain and _bwd_q80(causal, seqlen_q, head_dim_eff):
         tiles = _dq_frag_choice(BWD_SM90_DENSE128_TILES, causal, head_dim_eff or head_dim, False)
+    if BWD_FUSED_DQ and plain and causal and head_dim_eff is None and head_dim in (64, 128) and tiles.block_m in (64, 128) \
+            and tiles.block_m * head_dim == 8192:
+        tiles = dataclasses.replace(tiles, fused_dq=True)
     tail_split = (bool(BWD_TAIL_SPLIT if tail_split is None else tail_split)
                   and not (causal or block_sparse or deterministic) and head_dim <= 128 and tiles.persistent)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
@@ -980,6 +987,18 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
 # (kernel_ab-h200.json tail_split_ab). BWD_TAIL_SPLIT = 0 (FLASHTRAIN_BWD_TAIL_SPLIT=0 at import, or ab_probe.py
 # flashtrain@build.BWD_TAIL_SPLIT=0; read at plan time): whole tiles only.
 BWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_BWD_TAIL_SPLIT", "1"))
+
+
+# The Hopper backward's dQ conversion in the kernel (flash_bwd_sm90.cuh kFusedDq; BwdSm90Tiles.fused_dq): the dense
+# causal kernels of head dims 64 and 128 on 128- / 64-query blocks without dropout. BWD_FUSED_DQ = 0
+# (FLASHTRAIN_BWD_FUSED_DQ=0 at import, or ab_probe.py flashtrain@build.BWD_FUSED_DQ=0; read at plan time): the
+# conversion kernel after the backward.
+BWD_FUSED_DQ = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ", "1"))
+
+
+def bwd_fused_dq(spec: KernelSpec) -> bool:
+    """Whether this backward kernel converts dq itself (BwdParams.dq, dq_counts; no conversion launch)."""
+    return ("FT_BWD_FUSED_DQ", 1) in spec.defines
 
 
 def bwd_tail_split(spec: KernelSpec) -> bool:
@@ -1088,7 +1107,7 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
             f"{'_n96' if tiles.split_keys else ''}{'_dqreg' if tiles.split_keys and not tiles.stage_dq else ''}"
             f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}"
             f"{'_window' if score_mods == 3 else ''}{_mask_suffix(mask_defines)}{'_lsebias' if lse_bias else ''}"
-            f"{'_tail' if tail_split else ''}")
+            f"{'_tail' if tail_split else ''}{'_fdq' if tiles.fused_dq else ''}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
                ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
@@ -1106,6 +1125,8 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
         defines += (("FT_BWD_LSE_BIAS", 1),)
     if tail_split:  # (the same)
         defines += (("FT_BWD_TAIL_SPLIT", 1),)
+    if tiles.fused_dq:  # (the same)
+        defines += (("FT_BWD_FUSED_DQ", 1),)
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
@@ -1241,6 +1262,11 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               for head_dim_eff in (128, *SM90_NARROW_HEAD_DIMS)
               if _fits(spec := _bwd_sm90_spec(128, dtype, causal, False, False, False, tiles, head_dim_eff,
                                               lse_bias=_bwd_lse_bias_rule(128, head_dim_eff, True, tiles)), smem_limit)]
+    specs += [spec for head_dim in (64, 128) for dtype in DTYPES  # the causal backward with the conversion kernel
+              if _fits(spec := _bwd_sm90_spec(head_dim, dtype, True, False, False, False,  # (A/B: BWD_FUSED_DQ=0)
+                                              BWD_SM90_TILES[head_dim], head_dim,
+                                              lse_bias=_bwd_lse_bias_rule(head_dim, None, True,
+                                                                          BWD_SM90_TILES[head_dim])), smem_limit)]
     specs += [spec for dtype in DTYPES for causal in (False, True)  # the hd192 backward's other key tile (A/B:
               for tiles in (BWD_SM90_TILES[192], BWD_SM90_HD192_N64, BWD_SM90_HD192_REG_DQ)
               if _fits(spec := _bwd_sm90_spec(192, dtype, causal, False, False, False, tiles, 192), smem_limit)]

@@ -75,6 +75,8 @@ class BwdParams(ctypes.Structure):
         ("dkv_accum", _ptr), ("dkv_split_stride", _i64), ("dkv_batch_stride", _i64), ("dkv_head_stride", _i64),
         ("kv_splits", _i32), ("dkv_cols", _i32),
         ("tail_partials", _ptr), ("tail_counters", _ptr), ("tail_first", _i32), ("tail_pieces", _i32),
+        ("dq", _ptr), ("dq_batch_stride", _i64), ("dq_row_stride", _i64), ("dq_head_stride", _i64),
+        ("dq_counts", _ptr), ("dq_counts_head_stride", _i32),
     ]
 
 
@@ -103,6 +105,7 @@ class AuxParams(ctypes.Structure):
         ("nsplits", _i32), ("softmax_scale", _f32), ("keep_threshold", _u32),
         ("dq_slice_width", _i32), ("dq_block_m", _i32), ("total_q", _i32), ("total_k", _i32),
         ("dqa_cols", _i32), ("padded", _i32), ("dq_frag", _i32), ("lse_bias", _i32),
+        ("fused_dq", _i32), ("dq_counts", _ptr), ("dq_counts_head_stride", _i32),
     ]
 
 

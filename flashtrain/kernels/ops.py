@@ -544,9 +544,15 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         dq_accum = torch.empty(dqa_shape, dtype=torch.float32, device="meta")
         dqa_strides = (dq_accum.stride(0), 0, dq_accum.stride(1)) if varlen else dq_accum.stride()[:3]
         d_strides = lse_strides
+    # the kernel converts dq itself (build.bwd_fused_dq): per (query head, query block of the padded rows) a count of
+    # the key blocks added, after dq_accum in the workspace (zeroed by the preprocess)
+    fused_dq = hopper and build.bwd_fused_dq(spec)
+    counts_per_head = rows_pad // tiles.block_m if fused_dq else 0
     outputs = [(tuple(q.shape), q.dtype, _FILL_NONE), (tuple(k.shape), q.dtype, _FILL_NONE),
-               (tuple(v.shape), q.dtype, _FILL_NONE), ((d_floats + math.prod(dqa_shape),), torch.float32, _FILL_NONE)]
+               (tuple(v.shape), q.dtype, _FILL_NONE),
+               ((d_floats + math.prod(dqa_shape) + nheads * counts_per_head,), torch.float32, _FILL_NONE)]
     softmax_d, dq_accum_address = (_OUTPUT, 3, d_offset), (_OUTPUT, 3, 4 * d_floats)
+    dq_counts_address = (_OUTPUT, 3, 4 * (d_floats + math.prod(dqa_shape)))
 
     aux_spec = build.aux_kernels(_DTYPE_NAMES[q.dtype])
     aux = launch.AuxParams(
@@ -558,7 +564,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         # the backward adds whole blocks in a scrambled order unless deterministic or head_dim is padded (mma.sync)
         dq_slice_width=(tiles.dq_slice_width(head_dim)
                         if tiles.scramble_dq and (hopper or not deterministic) and dqa_cols == head_dim else 0),
-        dq_frag=int(hopper and tiles.swap_dq and tiles.dq_frag), lse_bias=int(build.bwd_lse_bias(spec)))
+        dq_frag=int(hopper and tiles.swap_dq and tiles.dq_frag), lse_bias=int(build.bwd_lse_bias(spec)),
+        fused_dq=(2 if causal else 1) if fused_dq else 0, dq_counts_head_stride=counts_per_head)
     (aux.o_batch_stride, aux.o_row_stride, aux.o_head_stride) = _strides(out, varlen)
     (aux.do_batch_stride, aux.do_row_stride, aux.do_head_stride) = _strides(dout, varlen)
     (aux.dq_batch_stride, aux.dq_row_stride, aux.dq_head_stride) = _strides(dq, varlen)
@@ -566,7 +573,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         ("out", (_INPUT, 4, 0)), ("dout", (_INPUT, 0, 0)), ("dq", (_OUTPUT, 0, 0)), ("softmax_d", softmax_d),
         ("dq_accum", dq_accum_address), ("cu_seqlens_q", (_INPUT, 6, 0)), ("cu_seqlens_k", (_INPUT, 7, 0)),
         ("rng_state", (_INPUT, 8, 0)), ("lse", (_INPUT, 5, 0)), ("lse_log2", (_OUTPUT, 3, 0)),
-        ("dlse", (_INPUT, _DLSE_INPUT, 0)))]
+        ("dlse", (_INPUT, _DLSE_INPUT, 0)), *((("dq_counts", dq_counts_address),) if fused_dq else ()))]
     # (padded: the preprocess also writes the padding rows of each sequence's last query block)
     aux_rows = -(-fwd.seqlen_q // tiles.block_m) * tiles.block_m if hopper else fwd.seqlen_q
     aux_grid = (math.ceil(aux_rows / build.AUX_ROWS_PER_CTA), batch, nheads)
@@ -587,6 +594,10 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               ("fwd.bs_cols", (_INPUT, 9, 0)), ("fwd.alibi_slopes", (_INPUT, 10, 0)), ("dout", (_INPUT, 0, 0)),
               ("dk", (_OUTPUT, 1, 0)),
               ("dv", (_OUTPUT, 2, 0)), ("dq_accum", dq_accum_address), ("softmax_d", softmax_d)]
+    if fused_dq:
+        (params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride) = _strides(dq, varlen)
+        params.dq_counts_head_stride = counts_per_head
+        fields += [("dq", (_OUTPUT, 0, 0)), ("dq_counts", dq_counts_address)]
     if deterministic and hopper:  # per (batch, head, query block): MMA warps of lower key blocks done adding dQ
         params.dq_sem_mblocks = math.ceil(fwd.seqlen_q / tiles.block_m)
         outputs.append(((nsplits, batch, nheads, params.dq_sem_mblocks), torch.int32, _FILL_ZERO))  # output 4
@@ -671,10 +682,11 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     # Hopper: the main kernel and the conversions are programmatic dependent launches (build.pdl_enabled): the main
     # kernel's prologue (barrier set-up, tensor-map prefetches) overlaps the preprocess's tail, then its threads wait
     # for the preprocess's writes; each conversion waits for the kernel before it at its start
+    converts = [*([] if fused_dq else [convert]), *kv_converts]
     if hopper and build.pdl_enabled():
-        for item in (main, convert, *kv_converts):
+        for item in (main, *converts):
             item.pdl = True
-    return _Plan(outputs, [preprocess, main, convert, *kv_converts])
+    return _Plan(outputs, [preprocess, main, *converts])
 
 
 # Hopper causal kernels: tiles per group of units (FwdParams.causal_tile_group) about this many times the SM count

@@ -167,6 +167,14 @@ struct BwdParams {
     float* tail_partials;
     int* tail_counters;
     int tail_first, tail_pieces;
+    // Hopper backward with the dQ conversion in the kernel (BwdSm90Traits::kFusedDq; build.py BwdSm90Tiles.fused_dq):
+    // dq itself (q's layout), and per (query head, query block of the padded rows) the number of key blocks whose
+    // dQ has landed in dq_accum (zeroed by the preprocess, dq_counts_head_stride ints per head); the key block that
+    // completes a query block's count converts it into dq.
+    void* dq;
+    i64 dq_batch_stride, dq_row_stride, dq_head_stride;
+    int* dq_counts;
+    int dq_counts_head_stride;
 };
 
 // Parameters of the Hopper TMA backward (flash_bwd_sm90.cuh): tensor maps of q, k, v, dout, dk, dv, stats, dq (as
@@ -223,6 +231,13 @@ struct AuxParams {
     int lse_bias;             // 1 (padded): lse_log2 = -lse / softmax_scale, the lse in raw score units, onto which the
                               // Hopper backward built with FT_BWD_LSE_BIAS accumulates S^T (flash_bwd_sm90.cuh kBiasS),
                               // and softmax_d = -D, onto which it accumulates dP^T (kBiasD)
+    // The Hopper backward converts dq itself (BwdParams::dq_counts): 0 no (the conversion kernel runs); 1 (non-causal),
+    // 2 (causal): the preprocess also zeroes each query block's count, and writes dq = 0 for the rows that no key
+    // block sees (all of a sequence without keys; causal, the rows above the first key's diagonal), which no
+    // conversion reaches
+    int fused_dq;
+    int* dq_counts;
+    int dq_counts_head_stride;
 };
 
 }  // namespace flashtrain

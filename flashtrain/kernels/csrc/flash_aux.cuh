@@ -4,7 +4,8 @@
 // (AuxRowGroup), dq from the scrambled layout in whole slices.
 //   preprocess: D[row] = sum_d dout[row, d] * out[row, d] (fp32), minus dlse[row] when the gradient reaches lse
 //               (dS = P * (dP - D) + P * dlse: the lse term folds into D; not for rows that saw no key, whose P is 0)
-//               and dq_accum[:, row, :] = 0; padded (the Hopper
+//               and dq_accum[:, row, :] = 0 (fused_dq: also the query blocks' counts, and dq = 0 on rows no key
+//               block sees); padded (the Hopper
 //               backward, flash.h): also lse_log2[row] = lse * log2(e) (+inf for -inf; lse_bias: -lse / softmax_scale,
 //               -inf for -inf), and for the padding rows of a sequence's last query block lse_log2 = +inf (lse_bias:
 //               -inf; lse_bias also negates D), D = 0, dq_accum = 0;
@@ -116,6 +117,20 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_preprocess(const Aux
     if (!rows.init<B>(p)) return;
     const int batch = B::y(), head = B::z(), tid = threadIdx.x;
     const int row_end = min_(rows.rows_end, rows.row_begin + kRowsPerCta), n_rows = row_end - rows.row_begin;
+    if (p.fused_dq) {  // the Hopper backward converts dq itself (flash.h AuxParams::fused_dq)
+        if (tid == 0 && rows.row_begin % p.dq_block_m == 0)
+            p.dq_counts[head * p.dq_counts_head_stride + (rows.pad_start + rows.row_begin) / p.dq_block_m] = 0;
+        const int unseen_end = rows.seqlen_k == 0 ? rows.seqlen_q
+                               : p.fused_dq == 2  ? max_(0, rows.seqlen_q - rows.seqlen_k)
+                                                  : 0;
+        const int pieces = p.head_dim / 8, n_pieces = (min_(unseen_end, row_end) - rows.row_begin) * pieces;
+        u16* dq0 = (u16*)p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride;
+        for (int i = tid; i < n_pieces; i += kAuxThreads) {
+            const u32 zeros[4] = {0u, 0u, 0u, 0u};
+            st_global_v4(dq0 + (rows.q_start + rows.row_begin + i / pieces) * (i64)p.dq_row_stride + 8 * (i % pieces),
+                         zeros);
+        }
+    }
     const int data_rows = max_(0, min_(n_rows, rows.seqlen_q - rows.row_begin));  // rows with out / dout
     const int chunks = p.head_dim / 8, n_chunks = data_rows * chunks;
     const i64 q_row0 = rows.q_start + rows.row_begin;

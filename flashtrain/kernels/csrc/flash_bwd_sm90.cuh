@@ -480,6 +480,24 @@ struct BwdSm90Traits {
                                            : kSplitHd ? 0 : kNMma * 4 * kPiecesPerWg * kDqSliceBytes;
     // dQ writer warps (producer warpgroup warps 2, 3): FT_BWD_DET_WRITERS for the deterministic kernels, else one
     static constexpr int kDqWriters = kIsDeterministic && !kSplitHd && FT_BWD_DET_WRITERS == 2 ? 2 : 1;
+    // The dQ conversion in the kernel (FT_BWD_FUSED_DQ, defined by build.py for BwdSm90Tiles.fused_dq): once the dQ
+    // writer's reduce-adds of a query block have completed, it counts them in (BwdParams::dq_counts); the key block
+    // that completes the count -- every key block that sees the query block has added to it -- hands the block to the
+    // converter warp (producer warp 3), which copies its 32 KB of dq_accum from L2 into shared memory in 8 KB chunks
+    // (bulk copies) and writes dq = softmax_scale * dq_accum. No conversion kernel after the backward: its re-read of
+    // dq_accum from memory is gone, and the conversion of a block overlaps the other tiles' GEMMs. The scrambled
+    // layout's 64-query (hd128) and 128-query (hd64) blocks, dense, not deterministic.
+#ifndef FT_BWD_FUSED_DQ
+#define FT_BWD_FUSED_DQ 0
+#endif
+    static constexpr bool kFusedDq = FT_BWD_FUSED_DQ != 0;
+    static_assert(!kFusedDq || (!kSplitHd && !kSwapDq && !kNarrowDq && !kIsDeterministic && !kIsBlockSparse &&
+                                !kScoreMods && !kMaskMod && kDqWriters == 1 && kHeadDimEff == kHeadDim &&
+                                kBlockM * kHeadDim == 8192),
+                  "the fused dQ conversion: dense scrambled 32 KB query blocks, one dQ writer");
+    // its shared memory: two chunk buffers, then the barriers (request full / empty, chunk full; two each), two
+    // request slots of 32 bytes and the dQ writer's record of its last block
+    static constexpr int kFdqChunkBytes = 8192, kFdqBytes = kFusedDq ? 2 * kFdqChunkBytes + 256 : 0;
     // Head dims 64 / 128: the epilogue stages dK and dV in the score tiles and the dQ staging slices (one area, free
     // once both warpgroups' last GEMMs are done and the dQ writer has taken the last slices) instead of in K / V, so
     // K / V are released before the epilogue and the next tile's copy overlaps it. Split head dims: no room;
@@ -529,7 +547,7 @@ struct BwdSm90Traits {
     // double-buffered (kSkStageDq: single)
     static constexpr int kScoreTiles = kSplitKeys && !kSkStageDq ? 4 : 2;
     static constexpr int kSmemBytes = (kStages + kDoStages) * TileQ::kBytes + 2 * TileKV::kBytes + kScoreTiles * TileS::kBytes +
-                                      kDqStagingBytes + 2 * kStages * kStatsBytes + kBarrierBytes + 1024;
+                                      kDqStagingBytes + 2 * kStages * kStatsBytes + kFdqBytes + kBarrierBytes + 1024;
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then
     // one per warpgroup (its rows -- split head dims: columns -- of dK / dV staged); head dims 192 / 256: P^T stored
     // (warpgroup 0 to 1); kSplitKeys: kBarP + w, warpgroup w's P^T rows stored (its 128 threads).
@@ -715,7 +733,7 @@ template <class T> struct QueryBlockWalk {
 // V, two 16 x 16-bit score tiles (dS^T double-buffered; head dims 192 / 256: P^T and dS^T), the dQ staging slices
 // (head dims 64 / 128), lse and D per stage, mbarriers, tile slots; and the reader side of the tile slots.
 template <class T> struct BwdSm90Smem {
-    u32 base, sK, sV, sdS0, sdQ, sStats, bars, full_kv, empty_kv, dq_full, dq_empty, dq_full1;
+    u32 base, sK, sV, sdS0, sdQ, sStats, sFdq, bars, full_kv, empty_kv, dq_full, dq_empty, dq_full1;
     const BwdParams* p;
     int n_kblocks;
     __device__ __forceinline__ BwdSm90Smem(const unsigned char* smem, const BwdParams& params) : p(&params) {
@@ -724,13 +742,19 @@ template <class T> struct BwdSm90Smem {
         sdS0 = sV + T::TileKV::kBytes;
         sdQ = sdS0 + T::kScoreTiles * T::TileS::kBytes;
         sStats = sdQ + T::kDqStagingBytes;  // lse[kStages][M], D[kStages][M]
-        bars = sStats + 2 * T::kStages * T::kStatsBytes;
+        sFdq = sStats + 2 * T::kStages * T::kStatsBytes;  // kFusedDq: the converter's chunks, barriers, requests
+        bars = sFdq + T::kFdqBytes;
         full_kv = bars, empty_kv = bars + 8;
         dq_full = bars + 8 * (2 + 2 * T::kStages), dq_empty = dq_full + 8;  // the dQ staging slices
         dq_full1 = bars + 8 * (9 + 2 * T::kStages);  // two writers: the odd blocks' (after the tile slots)
         // (kSkStageDq, no dQ writer: dq_full / dq_empty are the dO buffer's full / empty, dq_full1 mma_done)
         n_kblocks = ceil_div(params.fwd.seqlen_k, T::kBlockN);
     }
+    __device__ __forceinline__ u32 fdq_chunk(int i) const { return sFdq + i * T::kFdqChunkBytes; }
+    __device__ __forceinline__ u32 fdq_req_full(int i) const { return sFdq + 2 * T::kFdqChunkBytes + 8 * i; }
+    __device__ __forceinline__ u32 fdq_req_empty(int i) const { return sFdq + 2 * T::kFdqChunkBytes + 16 + 8 * i; }
+    __device__ __forceinline__ u32 fdq_chunk_full(int i) const { return sFdq + 2 * T::kFdqChunkBytes + 32 + 8 * i; }
+    __device__ __forceinline__ u32 fdq_req(int i) const { return sFdq + 2 * T::kFdqChunkBytes + 64 + 32 * i; }
     __device__ __forceinline__ u32 sQ(int s) const { return base + s * T::TileQ::kBytes; }
     __device__ __forceinline__ u32 sdO(int s) const { return base + (T::kStages + s) * T::TileQ::kBytes; }
     __device__ __forceinline__ u32 sLse(int s) const { return sStats + s * T::kStatsBytes; }
@@ -2156,6 +2180,28 @@ __device__ __forceinline__ void flash_bwd_sm90_split_keys_mma(const BwdSm90Param
     if (T::kSkStageDq && lead_lane) bulk_wait<0>();
 }
 
+// kFusedDq: a query block of a head whose dQ the dQ writer has added (one key block's part): where it goes in dq
+// and dq_accum (elements from their bases), its rows in the sequence (at most kBlockM), its count (BwdParams::
+// dq_counts) and the count that completes it: the key blocks whose walk (QueryBlockWalk) visits it -- all of the
+// sequence's, or (causal, bottom-right aligned) those whose first key lies at or before the block's last row's
+// diagonal.
+struct FdqBlock {
+    i64 dq_off, acc_off;
+    int rows, count_at, target;
+};
+template <class T>
+__device__ __forceinline__ FdqBlock fdq_block(const BwdParams& p, const BwdTile& x, int head, int m0) {
+    FdqBlock b;
+    b.dq_off = x.batch * p.dq_batch_stride + head * p.dq_head_stride + (i64)(x.q_start + m0) * p.dq_row_stride;
+    b.acc_off = head * p.dqa_head_stride + (i64)(x.q_pad + m0) * T::kHeadDim;
+    b.rows = min_(x.seqlen_q - m0, T::kBlockM);
+    b.count_at = head * p.dq_counts_head_stride + (x.q_pad + m0) / T::kBlockM;
+    const int n_kblocks = ceil_div(x.seqlen_k, T::kBlockN);
+    b.target = T::kIsCausal ? min_(n_kblocks, ceil_div(m0 + T::kBlockM + x.seqlen_k - x.seqlen_q, T::kBlockN))
+                            : n_kblocks;
+    return b;
+}
+
 template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90Params& params) {
     extern __shared__ __align__(128) unsigned char smem[];
     const BwdParams& p = params.bwd;
@@ -2182,6 +2228,14 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         }
         mbar_init(sm.full_kv, 1);
         mbar_init(sm.empty_kv, 4 * T::kNMma);  // one arrival per MMA warp (its last GEMM reading K / V is done)
+        if constexpr (T::kFusedDq) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                mbar_init(sm.fdq_req_full(i), 1);    // the dQ writer's lane 0 (a request stored)
+                mbar_init(sm.fdq_req_empty(i), 1);   // the converter's lane 0 (the request read)
+                mbar_init(sm.fdq_chunk_full(i), 1);  // the converter's expect_tx arrival (its bulk copy)
+            }
+        }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             mbar_init(sm.tile_full(i), 1);
@@ -2309,6 +2363,41 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             // other's); the "empty" arrivals alternate in block order (block n + 1 is staged after block n's).
             int n = 0;
             BwdTile x;
+            // kFusedDq (lane 0): the block whose reduce-adds were issued last, counted in once they have completed
+            // (one block later, so that the wait overlaps the next block's GEMMs); the requests handed to the
+            // converter warp so far
+            // (its record in shared memory, sm.fdq_req(2): the writer's registers are few)
+            bool has_prev = false;
+            int n_req = 0;
+            auto fdq_store = [&](u32 at, const FdqBlock& b) {
+                st_shared_b32(at, (u32)b.dq_off);
+                st_shared_b32(at + 4, (u32)(b.dq_off >> 32));
+                st_shared_b32(at + 8, (u32)b.acc_off);
+                st_shared_b32(at + 12, (u32)(b.acc_off >> 32));
+                st_shared_b32(at + 16, (u32)b.rows);
+                st_shared_b32(at + 20, (u32)b.count_at);
+                st_shared_b32(at + 24, (u32)b.target);
+            };
+            auto fdq_post = [&](bool stop) {  // the recorded block (stop: rows -1, no more) to the converter
+                const int slot = n_req & 1;
+                mbar_wait(sm.fdq_req_empty(slot), ((n_req >> 1) & 1) ^ 1);  // (the first two pass at once)
+                const u32 at = sm.fdq_req(slot);
+                if (stop) {
+                    st_shared_b32(at + 16, (u32)-1);
+                } else {
+                    u32 w[4];
+                    ld_shared_v4(sm.fdq_req(2), w);
+                    st_shared_v4(at, w);
+                    st_shared_b32(at + 16, ld_shared_b32(sm.fdq_req(2) + 16));
+                }
+                mbar_arrive(sm.fdq_req_full(slot));
+                ++n_req;
+            };
+            auto fdq_count = [&]() {  // the recorded block's reduce-adds have completed (bulk wait)
+                fence_proxy_async_global();
+                const int count_at = ld_shared_b32(sm.fdq_req(2) + 20), target = ld_shared_b32(sm.fdq_req(2) + 24);
+                if (atom_add_acq_rel_gpu(p.dq_counts + count_at, 1) + 1 == target) fdq_post(false);
+            };
             for (int tile_iter = 0; sm.read_tile(tile_iter, x); ++tile_iter) {
                 for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++n) {
                     if (T::kDqWriters == 2 && n % 2 != warp - 2) continue;
@@ -2354,6 +2443,14 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         bulk_commit();
                         bulk_wait_read<0>();
                         mbar_arrive(sm.dq_empty);
+                        if constexpr (T::kFusedDq) {
+                            if (has_prev) {
+                                bulk_wait<1>();  // the previous block's reduce-adds have landed (this one's may run)
+                                fdq_count();
+                            }
+                            fdq_store(sm.fdq_req(2), fdq_block<T>(p, x, walk.head, m0));
+                            has_prev = true;
+                        }
                     }
                     __syncwarp();
                     if (T::kIsDeterministic && !FT_BWD_DET_NO_TURNS) {  // complete (not only read) before the
@@ -2367,7 +2464,73 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     }
                 }
             }
-            if (lane == 0) bulk_wait<0>();  // the reductions are complete before the CTA's shared memory goes away
+            if (lane == 0) {
+                bulk_wait<0>();  // the reductions are complete before the CTA's shared memory goes away
+                if constexpr (T::kFusedDq) {
+                    if (has_prev) fdq_count();
+                    fdq_post(true);
+                }
+            }
+        } else if (T::kFusedDq && warp == 3) {
+            // The converter: per request, the query block's 32 KB of dq_accum (8 slices of 16 rows x 64 columns in
+            // the scrambled order, flash_aux.cuh convert_dq) in four 8 KB chunks through two buffers, each slice's
+            // float4 32 j + l holding rows l / 4 and l / 4 + 8, columns 8 j + 2 (l % 4) and + 1 of its 16-row group;
+            // dq = softmax_scale * dq_accum in 4-byte pairs (rows past the sequence's end and columns past head_dim
+            // are not written).
+            constexpr int kChunk = T::kFdqChunkBytes, kChunks = kBlockM * kHeadDim * 4 / kChunk;
+            constexpr int kSlicesPerRow = kHeadDim / 64, kSlicesPerChunk = kChunk / 4096;
+            const float scale = f.softmax_scale;
+            const int rs = (int)p.dq_row_stride;
+            for (int r = 0;; ++r) {
+                const int slot = r & 1;
+                mbar_wait(sm.fdq_req_full(slot), (r >> 1) & 1);
+                const u32 at = sm.fdq_req(slot);
+                const i64 dq_off = (i64)(u32)ld_shared_b32(at) | ((i64)ld_shared_b32(at + 4) << 32);
+                const i64 acc_off = (i64)(u32)ld_shared_b32(at + 8) | ((i64)ld_shared_b32(at + 12) << 32);
+                const int rows = ld_shared_b32(at + 16);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(sm.fdq_req_empty(slot));
+                if (rows < 0) break;
+                const float* src = p.dq_accum + acc_off;
+                u16* dq0 = (u16*)p.dq + dq_off;
+                if (lane == 0) {
+                    fence_proxy_async_global();  // (the counts' acquire, then the copy engine's reads)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        mbar_arrive_expect_tx(sm.fdq_chunk_full(c), kChunk);
+                        bulk_load(sm.fdq_chunk(c), src + c * (kChunk / 4), kChunk, sm.fdq_chunk_full(c));
+                    }
+                }
+#pragma unroll 1
+                for (int c = 0; c < kChunks; ++c) {
+                    const int b = c & 1;
+                    mbar_wait(sm.fdq_chunk_full(b), (c >> 1) & 1);  // (each buffer fills twice per block)
+#pragma unroll 1
+                    for (int i = 0; i < kSlicesPerChunk; ++i) {  // (few registers: the producer warpgroup's)
+                        const int slice = c * kSlicesPerChunk + i;
+                        const int row = 16 * (slice / kSlicesPerRow) + lane / 4;
+                        const int col0 = 64 * (slice % kSlicesPerRow) + 2 * (lane % 4);
+                        u16* d0 = dq0 + row * rs + col0;
+                        const bool in0 = row < rows, in8 = row + 8 < rows;
+                        const int cols = f.head_dim - col0;  // (column col0 + 8 j is written where 8 j < cols)
+                        const u32 a = sm.fdq_chunk(b) + 4096 * i + 16 * lane;
+#pragma unroll 2
+                        for (int j = 0; j < 8; ++j) {
+                            float v[4];
+                            ld_shared_v4f(a + 512 * j, v);
+                            if (8 * j >= cols) continue;
+                            if (in0) *(u32*)(d0 + 8 * j) = pack2<T::kIsBF16>(v[0] * scale, v[1] * scale);
+                            if (in8) *(u32*)(d0 + 8 * rs + 8 * j) = pack2<T::kIsBF16>(v[2] * scale, v[3] * scale);
+                        }
+                    }
+                    __syncwarp();
+                    if (c + 2 < kChunks && lane == 0) {  // the buffer's next chunk (its reads above are done)
+                        fence_proxy_async();
+                        mbar_arrive_expect_tx(sm.fdq_chunk_full(b), kChunk);
+                        bulk_load(sm.fdq_chunk(b), src + (c + 2) * (kChunk / 4), kChunk, sm.fdq_chunk_full(b));
+                    }
+                }
+            }
         }
         return;
     }

@@ -87,6 +87,13 @@ __device__ __forceinline__ void red_release_gpu_add(int* ptr, int v) {
 }
 // Order this thread's completed bulk (async proxy) writes to global memory before its later generic accesses.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+// atomicAdd returning the old value, acquire and release at GPU scope (a count whose last arrival reads what the
+// earlier ones released)
+__device__ __forceinline__ int atom_add_acq_rel_gpu(int* ptr, int v) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
+    return old;
+}
 __device__ __forceinline__ void atomic_store(int* ptr, int v) {
     asm volatile("atom.global.exch.b32 _, [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
@@ -159,6 +166,15 @@ __device__ __forceinline__ void tma_load_4d_multicast_rows(u32 dst, const TmaDes
 __device__ __forceinline__ void tma_store_4d(const TmaDesc* desc, u32 src, int c0, int c1, int c2, int c3) {
     asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(desc),
                  "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+
+// Bulk (non-tensor) copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory,
+// completing on mbarrier bar (expect_tx first). Global data other threads wrote through the generic proxy needs
+// fence_proxy_async_global before the issue.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
 

@@ -157,6 +157,10 @@ __device__ __forceinline__ void ld_shared_v4(u32 smem_addr, u32 (&v)[4]) {
     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "r"(smem_addr));
 }
+__device__ __forceinline__ void st_shared_v4(u32 smem_addr, const u32 (&v)[4]) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr), "r"(v[0]), "r"(v[1]), "r"(v[2]),
+                 "r"(v[3]));
+}
 __device__ __forceinline__ void st_shared_v4f(u32 smem_addr, const float (&v)[4]) {
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr), "f"(v[0]), "f"(v[1]), "f"(v[2]),
                  "f"(v[3]));
