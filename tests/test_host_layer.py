@@ -307,6 +307,7 @@ def test_hopper_causal_backward_plan_converts_dq_in_the_kernel(recording, head_d
     arch, _ = recording
     if arch != "sm_90a":
         pytest.skip("the Hopper backward")
+    monkeypatch.setattr(build, "BWD_FUSED_DQ", 1)
     b, s, h, d = 3, 1000, 4, head_dim
     q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
     lse = torch.zeros(b, h, s)
@@ -574,7 +575,8 @@ def test_hopper_backward_plan_tail_split(recording, monkeypatch):
     assert {ops._offset(type(main.params), f"bwd.tail_{name}") for name in ("counters", "partials")} <= offsets
     for name, main, outputs in (plan(causal=True), plan(heads=8)):
         assert main.params.bwd.tail_pieces in (0, 1) and len(outputs) == 4, name
-    assert plan(causal=True)[0] == "flash_bwd_sm90_hdim64_bf16_causal_fdq"  # (causal: dq converted in the kernel)
+    # (causal: dq converted in the kernel where build.BWD_FUSED_DQ says so)
+    assert plan(causal=True)[0] == "flash_bwd_sm90_hdim64_bf16_causal" + ("_fdq" if build.BWD_FUSED_DQ else "")
     monkeypatch.setattr(build, "BWD_TAIL_SPLIT", 0)
     name, main, outputs = plan()
     assert name == "flash_bwd_sm90_hdim64_bf16" and main.params.bwd.tail_pieces == 0 and len(outputs) == 4

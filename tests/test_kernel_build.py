@@ -72,8 +72,8 @@ def test_dispatch_table_covers_every_instantiation_once():
     narrow = len(build.SM90_NARROW_HEAD_DIMS)
     hopper_tail = (2 + narrow) * 2 * 2 + (sum(d <= 256 for d in build.FWD_SM90_TILES) + narrow) * 2
     assert sum(name.endswith("_tail") for name in names) == hopper_tail
-    # the causal hd64 / hd128 backward converting dq itself (`_fdq`, the default) and with the conversion kernel after
-    # it (A/B: BWD_FUSED_DQ=0), x dtype
+    # the causal hd64 / hd128 backward converting dq itself (`_fdq`) and with the conversion kernel after it
+    # (build.BWD_FUSED_DQ picks one), x dtype
     hopper_fused = 2 * 2
     assert sum(name.endswith("_fdq") for name in names) == hopper_fused
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
@@ -325,7 +325,8 @@ def test_lse_bias_kernels(monkeypatch):
         assert not build.bwd_lse_bias(bwd(128, effective, dropout=True))
     causal64 = bwd(128, 128)
     assert causal64.tiles.block_m == 64 and build.bwd_lse_bias(causal64) and causal64 in build.all_kernels()
-    assert causal64.name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias_fdq" == bwd(128, 128, seqlen_q=1 << 16).name
+    assert causal64.name == bwd(128, 128, seqlen_q=1 << 16).name
+    assert causal64.name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + ("_fdq" if build.BWD_FUSED_DQ else "")
     for spec in (bwd(128, 128, causal=False),  # (80-query blocks)
                  bwd(128, 128, dropout=True), bwd(64, 64), bwd(192, 192), bwd(256, 256),
                  bwd(128, 128, score_mods=True), bwd(64, 64, score_mods=True),
@@ -345,7 +346,8 @@ def test_lse_bias_kernels(monkeypatch):
     window = build.bwd_sm90_mods_kernel(128, "bf16", True, window_left=1024, window_only=True)
     assert not build.bwd_lse_bias(window) and window.name.endswith("_mods_window")
     monkeypatch.setattr(build, "BWD_SM90_LSE_BIAS", 0)
-    for effective, name in ((96, "flash_bwd_sm90_hdim96_bf16_causal"), (128, "flash_bwd_sm90_hdim128_bf16_causal_fdq")):
+    fdq = "_fdq" if build.BWD_FUSED_DQ else ""  # (the causal hd128 kernel converting dq itself)
+    for effective, name in ((96, "flash_bwd_sm90_hdim96_bf16_causal"), (128, "flash_bwd_sm90_hdim128_bf16_causal" + fdq)):
         plain = bwd(128, effective)
         assert not build.bwd_lse_bias(plain) and plain.name == name
     with pytest.raises(ValueError, match="lse_bias"):
@@ -547,7 +549,7 @@ def test_hd128_backward_query_blocks(monkeypatch):
     assert q80.smem_bytes == 81920 + 65536 + 40960 + 40960 + 1536 + 256 + 1024 == 232192 <= SM90_MAX_SMEM
     # full-width causal: 64-query blocks at every length by default (S^T before dP^T's issue, kStFirst)
     assert build.BWD_SM90_Q80_CAUSAL_SEQLEN is None
-    assert spec(causal=True, seqlen_q=1 << 20).name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias_fdq"
+    assert spec(causal=True, seqlen_q=1 << 20).name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + ("_fdq" if build.BWD_FUSED_DQ else "")
     monkeypatch.setattr(build, "BWD_SM90_Q80_CAUSAL_SEQLEN", 16384)  # (the A/B setting: 80-query from 16K)
     causal80 = spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN)
     assert causal80.name == "flash_bwd_sm90_hdim128_bf16_causal_q80" and causal80.tiles.dq_frag
@@ -578,7 +580,7 @@ def test_hd128_backward_query_blocks(monkeypatch):
     assert spec(causal=True, seqlen_q=long).name == "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows"
     monkeypatch.setattr(build, "BWD_DQ_FRAG", 1)
     assert (spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN - 1).name
-            == "flash_bwd_sm90_hdim128_bf16_causal_lsebias_fdq")
+            == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + ("_fdq" if build.BWD_FUSED_DQ else ""))
     assert spec(causal=True).block_m == 64
     assert spec(deterministic=True).name == "flash_bwd_sm90_hdim128_bf16_det"
     assert spec(dropout=True).block_m == 64 and spec(block_sparse=True).block_m == 64

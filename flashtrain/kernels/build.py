@@ -1262,9 +1262,10 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               for head_dim_eff in (128, *SM90_NARROW_HEAD_DIMS)
               if _fits(spec := _bwd_sm90_spec(128, dtype, causal, False, False, False, tiles, head_dim_eff,
                                               lse_bias=_bwd_lse_bias_rule(128, head_dim_eff, True, tiles)), smem_limit)]
-    specs += [spec for head_dim in (64, 128) for dtype in DTYPES  # the causal backward with the conversion kernel
-              if _fits(spec := _bwd_sm90_spec(head_dim, dtype, True, False, False, False,  # (A/B: BWD_FUSED_DQ=0)
-                                              BWD_SM90_TILES[head_dim], head_dim,
+    specs += [spec for head_dim in (64, 128) for dtype in DTYPES  # the causal backward converting dq itself and
+              for fused in (True, False)                            # with the conversion kernel (BWD_FUSED_DQ)
+              if _fits(spec := _bwd_sm90_spec(head_dim, dtype, True, False, False, False,
+                                              dataclasses.replace(BWD_SM90_TILES[head_dim], fused_dq=fused), head_dim,
                                               lse_bias=_bwd_lse_bias_rule(head_dim, None, True,
                                                                           BWD_SM90_TILES[head_dim])), smem_limit)]
     specs += [spec for dtype in DTYPES for causal in (False, True)  # the hd192 backward's other key tile (A/B:
