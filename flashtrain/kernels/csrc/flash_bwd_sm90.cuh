@@ -498,6 +498,18 @@ struct BwdSm90Traits {
     // its shared memory: two chunk buffers, then the barriers (request full / empty, chunk full; two each), two
     // request slots of 32 bytes and the dQ writer's record of its last block
     static constexpr int kFdqChunkBytes = 8192, kFdqBytes = kFusedDq ? 2 * kFdqChunkBytes + 256 : 0;
+    // the dQ writer's blocks in flight before it waits for the oldest one's reduce-adds to complete (FT_BWD_FDQ_DEPTH;
+    // kFdqDepth + 1 records of 32 bytes in the last 128 bytes of the converter's control area)
+#ifndef FT_BWD_FDQ_DEPTH
+#define FT_BWD_FDQ_DEPTH 3
+#endif
+    static constexpr int kFdqDepth = FT_BWD_FDQ_DEPTH;
+    // FT_BWD_FDQ_DIAG (timing diagnostics only, wrong dq): 1 the writer waits and counts but hands nothing to the
+    // converter; 2 the writer neither waits nor counts
+#ifndef FT_BWD_FDQ_DIAG
+#define FT_BWD_FDQ_DIAG 0
+#endif
+    static_assert(kFdqDepth >= 1 && kFdqDepth <= 3, "kFdqDepth + 1 records fit");
     // Head dims 64 / 128: the epilogue stages dK and dV in the score tiles and the dQ staging slices (one area, free
     // once both warpgroups' last GEMMs are done and the dQ writer has taken the last slices) instead of in K / V, so
     // K / V are released before the epilogue and the next tile's copy overlaps it. Split head dims: no room;
@@ -755,6 +767,7 @@ template <class T> struct BwdSm90Smem {
     __device__ __forceinline__ u32 fdq_req_empty(int i) const { return sFdq + 2 * T::kFdqChunkBytes + 16 + 8 * i; }
     __device__ __forceinline__ u32 fdq_chunk_full(int i) const { return sFdq + 2 * T::kFdqChunkBytes + 32 + 8 * i; }
     __device__ __forceinline__ u32 fdq_req(int i) const { return sFdq + 2 * T::kFdqChunkBytes + 64 + 32 * i; }
+    __device__ __forceinline__ u32 fdq_rec(int i) const { return sFdq + 2 * T::kFdqChunkBytes + 128 + 32 * i; }
     __device__ __forceinline__ u32 sQ(int s) const { return base + s * T::TileQ::kBytes; }
     __device__ __forceinline__ u32 sdO(int s) const { return base + (T::kStages + s) * T::TileQ::kBytes; }
     __device__ __forceinline__ u32 sLse(int s) const { return sStats + s * T::kStatsBytes; }
@@ -2363,12 +2376,14 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             // other's); the "empty" arrivals alternate in block order (block n + 1 is staged after block n's).
             int n = 0;
             BwdTile x;
-            // kFusedDq (lane 0): the block whose reduce-adds were issued last, counted in once they have completed
-            // (one block later, so that the wait overlaps the next block's GEMMs); the requests handed to the
-            // converter warp so far
-            // (its record in shared memory, sm.fdq_req(2): the writer's registers are few)
-            bool has_prev = false;
+            // kFusedDq (lane 0): the blocks whose reduce-adds were issued last (kFdqDepth of them, their records in
+            // shared memory, sm.fdq_rec: the writer's registers are few); the oldest is counted in once its reduce-adds
+            // have completed, and the count's old value read one block later (the atomic's round trip overlaps the
+            // wait for the next block); the requests handed to the converter warp so far
+            int n_blk = 0;  // blocks recorded
             int n_req = 0;
+            int pend_old = 0, pend_target = -1;  // the last count's old value and its block's target (-1: none)
+            u32 pend_rec = 0;
             auto fdq_store = [&](u32 at, const FdqBlock& b) {
                 st_shared_b32(at, (u32)b.dq_off);
                 st_shared_b32(at + 4, (u32)(b.dq_off >> 32));
@@ -2378,7 +2393,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 st_shared_b32(at + 20, (u32)b.count_at);
                 st_shared_b32(at + 24, (u32)b.target);
             };
-            auto fdq_post = [&](bool stop) {  // the recorded block (stop: rows -1, no more) to the converter
+            auto fdq_post = [&](bool stop, u32 rec) {  // block rec (stop: rows -1, no more) to the converter
                 const int slot = n_req & 1;
                 mbar_wait(sm.fdq_req_empty(slot), ((n_req >> 1) & 1) ^ 1);  // (the first two pass at once)
                 const u32 at = sm.fdq_req(slot);
@@ -2386,17 +2401,24 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     st_shared_b32(at + 16, (u32)-1);
                 } else {
                     u32 w[4];
-                    ld_shared_v4(sm.fdq_req(2), w);
+                    ld_shared_v4(rec, w);
                     st_shared_v4(at, w);
-                    st_shared_b32(at + 16, ld_shared_b32(sm.fdq_req(2) + 16));
+                    st_shared_b32(at + 16, ld_shared_b32(rec + 16));
                 }
                 mbar_arrive(sm.fdq_req_full(slot));
                 ++n_req;
             };
-            auto fdq_count = [&]() {  // the recorded block's reduce-adds have completed (bulk wait)
+            auto fdq_resolve = [&]() {  // the last count: the block it completed goes to the converter
+                asm volatile("" : "+r"(pend_old));  // (its first use here, not right after the atomic)
+                if (pend_old + 1 == pend_target && FT_BWD_FDQ_DIAG == 0) fdq_post(false, pend_rec);
+                pend_target = -1;
+            };
+            auto fdq_count = [&](u32 rec) {  // block rec's reduce-adds have completed (bulk wait)
                 fence_proxy_async_global();
-                const int count_at = ld_shared_b32(sm.fdq_req(2) + 20), target = ld_shared_b32(sm.fdq_req(2) + 24);
-                if (atom_add_acq_rel_gpu(p.dq_counts + count_at, 1) + 1 == target) fdq_post(false);
+                pend_target = ld_shared_b32(rec + 24), pend_rec = rec;
+                // (relaxed: the block's reduce-adds have completed in L2, the coherence point that the converter's
+                // bulk copy reads; an acq_rel atomic's MEMBAR.ALL.GPU held the writer at every block)
+                pend_old = atom_add_relaxed_gpu(p.dq_counts + ld_shared_b32(rec + 20), 1);
             };
             for (int tile_iter = 0; sm.read_tile(tile_iter, x); ++tile_iter) {
                 for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++n) {
@@ -2444,12 +2466,15 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         bulk_wait_read<0>();
                         mbar_arrive(sm.dq_empty);
                         if constexpr (T::kFusedDq) {
-                            if (has_prev) {
-                                bulk_wait<1>();  // the previous block's reduce-adds have landed (this one's may run)
-                                fdq_count();
+                            // the last count resolved (its record's slot is this block's), then the block
+                            // kFdqDepth before this one counted: its reduce-adds have landed (the later ones' may run)
+                            if (pend_target >= 0) fdq_resolve();
+                            if (n_blk >= T::kFdqDepth && FT_BWD_FDQ_DIAG != 2) {
+                                bulk_wait<T::kFdqDepth>();
+                                fdq_count(sm.fdq_rec((n_blk - T::kFdqDepth) % (T::kFdqDepth + 1)));
                             }
-                            fdq_store(sm.fdq_req(2), fdq_block<T>(p, x, walk.head, m0));
-                            has_prev = true;
+                            fdq_store(sm.fdq_rec(n_blk % (T::kFdqDepth + 1)), fdq_block<T>(p, x, walk.head, m0));
+                            ++n_blk;
                         }
                     }
                     __syncwarp();
@@ -2467,8 +2492,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             if (lane == 0) {
                 bulk_wait<0>();  // the reductions are complete before the CTA's shared memory goes away
                 if constexpr (T::kFusedDq) {
-                    if (has_prev) fdq_count();
-                    fdq_post(true);
+                    if (pend_target >= 0) fdq_resolve();
+                    for (int i = max_(0, n_blk - T::kFdqDepth); i < n_blk && FT_BWD_FDQ_DIAG != 2; ++i) {
+                        fdq_count(sm.fdq_rec(i % (T::kFdqDepth + 1)));
+                        fdq_resolve();
+                    }
+                    fdq_post(true, 0);
                 }
             }
         } else if (T::kFusedDq && warp == 3) {

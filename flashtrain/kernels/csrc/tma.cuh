@@ -87,11 +87,10 @@ __device__ __forceinline__ void red_release_gpu_add(int* ptr, int v) {
 }
 // Order this thread's completed bulk (async proxy) writes to global memory before its later generic accesses.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
-// atomicAdd returning the old value, acquire and release at GPU scope (a count whose last arrival reads what the
-// earlier ones released)
-__device__ __forceinline__ int atom_add_acq_rel_gpu(int* ptr, int v) {
+// atomicAdd returning the old value, relaxed at GPU scope (no fence: acq_rel costs a MEMBAR.ALL.GPU per call)
+__device__ __forceinline__ int atom_add_relaxed_gpu(int* ptr, int v) {
     int old;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
+    asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
     return old;
 }
 __device__ __forceinline__ void atomic_store(int* ptr, int v) {
