@@ -993,7 +993,7 @@ BWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_BWD_TAIL_SPLIT", "1"))
 # causal kernels of head dims 64 and 128 on 128- / 64-query blocks without dropout. BWD_FUSED_DQ = 0
 # (FLASHTRAIN_BWD_FUSED_DQ=0 at import, or ab_probe.py flashtrain@build.BWD_FUSED_DQ=0; read at plan time): the
 # conversion kernel after the backward.
-BWD_FUSED_DQ = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ", "1"))
+BWD_FUSED_DQ = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ", "0"))
 
 
 def bwd_fused_dq(spec: KernelSpec) -> bool:
