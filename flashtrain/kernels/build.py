@@ -989,10 +989,10 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
 BWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_BWD_TAIL_SPLIT", "1"))
 
 
-# The Hopper backward's dQ conversion in the kernel (flash_bwd_sm90.cuh kFusedDq; BwdSm90Tiles.fused_dq): the dense
-# causal kernels of head dims 64 and 128 on 128- / 64-query blocks without dropout. BWD_FUSED_DQ = 0
-# (FLASHTRAIN_BWD_FUSED_DQ=0 at import, or ab_probe.py flashtrain@build.BWD_FUSED_DQ=0; read at plan time): the
-# conversion kernel after the backward.
+# The Hopper backward's dQ conversion in the kernel (flash_bwd_sm90.cuh kFusedDq; BwdSm90Tiles.fused_dq) for the dense
+# causal kernels of head dims 64 and 128 on 128- / 64-query blocks without dropout, where BWD_FUSED_DQ = 1
+# (FLASHTRAIN_BWD_FUSED_DQ=1 at import, or ab_probe.py flashtrain@build.BWD_FUSED_DQ=1; read at plan time). Off (0,
+# the conversion kernel after the backward): the fused form measured slower (kernel_ab-h100.json bwd_fused_dq_ab).
 BWD_FUSED_DQ = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ", "0"))
 
 
