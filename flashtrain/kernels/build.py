@@ -969,9 +969,8 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
         tiles = BWD_SM90_HD192_REG_DQ
     if head_dim == 128 and plain and _bwd_q80(causal, seqlen_q, head_dim_eff):
         tiles = _dq_frag_choice(BWD_SM90_DENSE128_TILES, causal, head_dim_eff or head_dim, False)
-    if BWD_FUSED_DQ and plain and causal and head_dim_eff is None and head_dim in (64, 128) and tiles.block_m in (64, 128) \
-            and tiles.block_m * head_dim == 8192:
-        tiles = dataclasses.replace(tiles, fused_dq=True)
+    if BWD_FUSED_DQ and plain and causal and head_dim_eff is None and tiles.block_m * head_dim == 8192:
+        tiles = dataclasses.replace(tiles, fused_dq=True)  # (hd64 on 128-query blocks, hd128 on 64-query ones)
     tail_split = (bool(BWD_TAIL_SPLIT if tail_split is None else tail_split)
                   and not (causal or block_sparse or deterministic) and head_dim <= 128 and tiles.persistent)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,

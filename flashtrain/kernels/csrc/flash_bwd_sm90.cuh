@@ -496,7 +496,7 @@ struct BwdSm90Traits {
                                 kBlockM * kHeadDim == 8192),
                   "the fused dQ conversion: dense scrambled 32 KB query blocks, one dQ writer");
     // its shared memory: two chunk buffers, then the barriers (request full / empty, chunk full; two each), two
-    // request slots of 32 bytes and the dQ writer's record of its last block
+    // request slots of 32 bytes and the dQ writer's records of its last blocks
     static constexpr int kFdqChunkBytes = 8192, kFdqBytes = kFusedDq ? 2 * kFdqChunkBytes + 256 : 0;
     // the dQ writer's blocks in flight before it waits for the oldest one's reduce-adds to complete (FT_BWD_FDQ_DEPTH;
     // kFdqDepth + 1 records of 32 bytes in the last 128 bytes of the converter's control area)
@@ -504,12 +504,12 @@ struct BwdSm90Traits {
 #define FT_BWD_FDQ_DEPTH 3
 #endif
     static constexpr int kFdqDepth = FT_BWD_FDQ_DEPTH;
+    static_assert(kFdqDepth >= 1 && kFdqDepth <= 3, "kFdqDepth + 1 records fit");
     // FT_BWD_FDQ_DIAG (timing diagnostics only, wrong dq): 1 the writer waits and counts but hands nothing to the
     // converter; 2 the writer neither waits nor counts
 #ifndef FT_BWD_FDQ_DIAG
 #define FT_BWD_FDQ_DIAG 0
 #endif
-    static_assert(kFdqDepth >= 1 && kFdqDepth <= 3, "kFdqDepth + 1 records fit");
     // Head dims 64 / 128: the epilogue stages dK and dV in the score tiles and the dQ staging slices (one area, free
     // once both warpgroups' last GEMMs are done and the dQ writer has taken the last slices) instead of in K / V, so
     // K / V are released before the epilogue and the next tile's copy overlaps it. Split head dims: no room;
