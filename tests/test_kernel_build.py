@@ -22,6 +22,11 @@ SM90_MAX_SMEM = 227 * 1024  # opt-in shared memory per block on H100 / H200
 SM80_MAX_SMEM = 163 * 1024  # dynamic shared memory a CTA may opt in to on A100 (H100: 227 KB)
 
 
+def _fdq() -> str:
+    """The name suffix of the causal hd64 / hd128 backward where build.BWD_FUSED_DQ has it convert dq itself."""
+    return "_fdq" if build.BWD_FUSED_DQ else ""
+
+
 def test_rounded_head_dim():
     assert [build.rounded_head_dim(d) for d in (8, 32, 40, 64, 72, 96, 128, 136, 160, 192, 200, 256, 264, 512)] == [
         32, 32, 64, 64, 96, 96, 128, 192, 192, 192, 256, 256, 512, 512]
@@ -326,7 +331,7 @@ def test_lse_bias_kernels(monkeypatch):
     causal64 = bwd(128, 128)
     assert causal64.tiles.block_m == 64 and build.bwd_lse_bias(causal64) and causal64 in build.all_kernels()
     assert causal64.name == bwd(128, 128, seqlen_q=1 << 16).name
-    assert causal64.name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + ("_fdq" if build.BWD_FUSED_DQ else "")
+    assert causal64.name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + _fdq()
     for spec in (bwd(128, 128, causal=False),  # (80-query blocks)
                  bwd(128, 128, dropout=True), bwd(64, 64), bwd(192, 192), bwd(256, 256),
                  bwd(128, 128, score_mods=True), bwd(64, 64, score_mods=True),
@@ -346,8 +351,7 @@ def test_lse_bias_kernels(monkeypatch):
     window = build.bwd_sm90_mods_kernel(128, "bf16", True, window_left=1024, window_only=True)
     assert not build.bwd_lse_bias(window) and window.name.endswith("_mods_window")
     monkeypatch.setattr(build, "BWD_SM90_LSE_BIAS", 0)
-    fdq = "_fdq" if build.BWD_FUSED_DQ else ""  # (the causal hd128 kernel converting dq itself)
-    for effective, name in ((96, "flash_bwd_sm90_hdim96_bf16_causal"), (128, "flash_bwd_sm90_hdim128_bf16_causal" + fdq)):
+    for effective, name in ((96, "flash_bwd_sm90_hdim96_bf16_causal"), (128, "flash_bwd_sm90_hdim128_bf16_causal" + _fdq())):
         plain = bwd(128, effective)
         assert not build.bwd_lse_bias(plain) and plain.name == name
     with pytest.raises(ValueError, match="lse_bias"):
@@ -549,7 +553,7 @@ def test_hd128_backward_query_blocks(monkeypatch):
     assert q80.smem_bytes == 81920 + 65536 + 40960 + 40960 + 1536 + 256 + 1024 == 232192 <= SM90_MAX_SMEM
     # full-width causal: 64-query blocks at every length by default (S^T before dP^T's issue, kStFirst)
     assert build.BWD_SM90_Q80_CAUSAL_SEQLEN is None
-    assert spec(causal=True, seqlen_q=1 << 20).name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + ("_fdq" if build.BWD_FUSED_DQ else "")
+    assert spec(causal=True, seqlen_q=1 << 20).name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + _fdq()
     monkeypatch.setattr(build, "BWD_SM90_Q80_CAUSAL_SEQLEN", 16384)  # (the A/B setting: 80-query from 16K)
     causal80 = spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN)
     assert causal80.name == "flash_bwd_sm90_hdim128_bf16_causal_q80" and causal80.tiles.dq_frag
@@ -580,7 +584,7 @@ def test_hd128_backward_query_blocks(monkeypatch):
     assert spec(causal=True, seqlen_q=long).name == "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows"
     monkeypatch.setattr(build, "BWD_DQ_FRAG", 1)
     assert (spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN - 1).name
-            == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + ("_fdq" if build.BWD_FUSED_DQ else ""))
+            == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + _fdq())
     assert spec(causal=True).block_m == 64
     assert spec(deterministic=True).name == "flash_bwd_sm90_hdim128_bf16_det"
     assert spec(dropout=True).block_m == 64 and spec(block_sparse=True).block_m == 64

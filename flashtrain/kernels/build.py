@@ -991,7 +991,9 @@ BWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_BWD_TAIL_SPLIT", "1"))
 # The Hopper backward's dQ conversion in the kernel (flash_bwd_sm90.cuh kFusedDq; BwdSm90Tiles.fused_dq) for the dense
 # causal kernels of head dims 64 and 128 on 128- / 64-query blocks without dropout, where BWD_FUSED_DQ = 1
 # (FLASHTRAIN_BWD_FUSED_DQ=1 at import, or ab_probe.py flashtrain@build.BWD_FUSED_DQ=1; read at plan time). Off (0,
-# the conversion kernel after the backward): the fused form measured slower (kernel_ab-h100.json bwd_fused_dq_ab).
+# the conversion kernel after the backward) until it measures faster: a first form, whose writer waited for each
+# block's reduce-adds one block later and counted with an acq_rel atomic, ran 0.60-0.90x (H100, kernel_ab-h100.json
+# bwd_fused_dq_ab); the current one (FT_BWD_FDQ_DEPTH blocks in flight, a relaxed count) is not yet measured.
 BWD_FUSED_DQ = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ", "0"))
 
 
