@@ -353,7 +353,7 @@ class BwdSm90Tiles:
                       else 2 * 4 * ((pieces + 1) // 2) * 4096)
         score_tiles = 4 if self.split_keys and not stage_dq else 2
         do_stages = 1 if stage_dq else self.stages
-        fused_dq = 2 * 8192 + 256 if self.fused_dq else 0  # the converter's two chunk buffers, barriers, requests
+        fused_dq = 2 * 8192 + 1024 if self.fused_dq else 0  # the converter's chunk buffers, 1 KB of control
         return (2 * ((self.stages + do_stages) * self.block_m * head_dim + 2 * self.block_n * head_dim
                      + score_tiles * self.block_n * self.block_m) + dq_staging
                 + 2 * self.stages * -(-4 * self.block_m // 128) * 128 + fused_dq + 256 + 1024)

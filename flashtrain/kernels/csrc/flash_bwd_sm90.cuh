@@ -495,16 +495,29 @@ struct BwdSm90Traits {
                                 !kScoreMods && !kMaskMod && kDqWriters == 1 && kHeadDimEff == kHeadDim &&
                                 kBlockM * kHeadDim == 8192),
                   "the fused dQ conversion: dense scrambled 32 KB query blocks, one dQ writer");
-    // its shared memory: two chunk buffers, then the barriers (request full / empty, chunk full; two each), two
-    // request slots of 32 bytes and the dQ writer's records of its last blocks
-    static constexpr int kFdqChunkBytes = 8192, kFdqBytes = kFusedDq ? 2 * kFdqChunkBytes + 256 : 0;
+    // its shared memory: 16 KB of chunk buffers, then a 1 KB control area: the barriers (request full / empty,
+    // kFdqReqs each; chunk full, one per buffer), the request ring (kFdqReqs slots of 32 bytes: the writer posts without waiting for
+    // the converter while it has free slots) and the dQ writer's records of its last blocks (16 of 32 bytes)
+#ifndef FT_BWD_FDQ_REQS
+#define FT_BWD_FDQ_REQS 8
+#endif
+    static constexpr int kFdqReqs = FT_BWD_FDQ_REQS;
+    static_assert(kFdqReqs >= 2 && kFdqReqs <= 8 && (kFdqReqs & (kFdqReqs - 1)) == 0, "the request ring fits");
+    static constexpr int kFdqBufBytes = 2 * 8192, kFdqBytes = kFusedDq ? kFdqBufBytes + 1024 : 0;
+    // the converter warps: producer warp 3, and (2) warp 1, each with two of the four 4 KB buffers
+#ifndef FT_BWD_FDQ_CONVERTERS
+#define FT_BWD_FDQ_CONVERTERS 2
+#endif
+    static constexpr int kFdqConverters = FT_BWD_FDQ_CONVERTERS;
+    static_assert(kFdqConverters == 1 || kFdqConverters == 2, "one or two converter warps");
+    static constexpr int kFdqChunkBytes = 8192 / kFdqConverters;
     // the dQ writer's blocks in flight before it waits for the oldest one's reduce-adds to complete (FT_BWD_FDQ_DEPTH;
-    // kFdqDepth + 1 records of 32 bytes in the last 128 bytes of the converter's control area)
+    // kFdqDepth + 1 records of 32 bytes in the converter's control area)
 #ifndef FT_BWD_FDQ_DEPTH
 #define FT_BWD_FDQ_DEPTH 3
 #endif
     static constexpr int kFdqDepth = FT_BWD_FDQ_DEPTH;
-    static_assert(kFdqDepth >= 1 && kFdqDepth <= 3, "kFdqDepth + 1 records fit");
+    static_assert(kFdqDepth >= 1 && kFdqDepth <= 15, "kFdqDepth + 1 records fit");
     // FT_BWD_FDQ_DIAG (timing diagnostics only, wrong dq): 1 the writer waits and counts but hands nothing to the
     // converter; 2 the writer neither waits nor counts
 #ifndef FT_BWD_FDQ_DIAG
@@ -763,11 +776,11 @@ template <class T> struct BwdSm90Smem {
         n_kblocks = ceil_div(params.fwd.seqlen_k, T::kBlockN);
     }
     __device__ __forceinline__ u32 fdq_chunk(int i) const { return sFdq + i * T::kFdqChunkBytes; }
-    __device__ __forceinline__ u32 fdq_req_full(int i) const { return sFdq + 2 * T::kFdqChunkBytes + 8 * i; }
-    __device__ __forceinline__ u32 fdq_req_empty(int i) const { return sFdq + 2 * T::kFdqChunkBytes + 16 + 8 * i; }
-    __device__ __forceinline__ u32 fdq_chunk_full(int i) const { return sFdq + 2 * T::kFdqChunkBytes + 32 + 8 * i; }
-    __device__ __forceinline__ u32 fdq_req(int i) const { return sFdq + 2 * T::kFdqChunkBytes + 64 + 32 * i; }
-    __device__ __forceinline__ u32 fdq_rec(int i) const { return sFdq + 2 * T::kFdqChunkBytes + 128 + 32 * i; }
+    __device__ __forceinline__ u32 fdq_req_full(int i) const { return sFdq + T::kFdqBufBytes + 8 * i; }
+    __device__ __forceinline__ u32 fdq_req_empty(int i) const { return sFdq + T::kFdqBufBytes + 64 + 8 * i; }
+    __device__ __forceinline__ u32 fdq_chunk_full(int i) const { return sFdq + T::kFdqBufBytes + 128 + 8 * i; }
+    __device__ __forceinline__ u32 fdq_req(int i) const { return sFdq + T::kFdqBufBytes + 256 + 32 * i; }
+    __device__ __forceinline__ u32 fdq_rec(int i) const { return sFdq + T::kFdqBufBytes + 512 + 32 * i; }
     __device__ __forceinline__ u32 sQ(int s) const { return base + s * T::TileQ::kBytes; }
     __device__ __forceinline__ u32 sdO(int s) const { return base + (T::kStages + s) * T::TileQ::kBytes; }
     __device__ __forceinline__ u32 sLse(int s) const { return sStats + s * T::kStatsBytes; }
@@ -2243,11 +2256,13 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
         mbar_init(sm.empty_kv, 4 * T::kNMma);  // one arrival per MMA warp (its last GEMM reading K / V is done)
         if constexpr (T::kFusedDq) {
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                mbar_init(sm.fdq_req_full(i), 1);    // the dQ writer's lane 0 (a request stored)
-                mbar_init(sm.fdq_req_empty(i), 1);   // the converter's lane 0 (the request read)
-                mbar_init(sm.fdq_chunk_full(i), 1);  // the converter's expect_tx arrival (its bulk copy)
+            for (int i = 0; i < T::kFdqReqs; ++i) {
+                mbar_init(sm.fdq_req_full(i), 1);   // the dQ writer's lane 0 (a request stored)
+                mbar_init(sm.fdq_req_empty(i), T::kFdqConverters);  // the converters' lanes 0 (request read)
             }
+#pragma unroll
+            for (int i = 0; i < 2 * T::kFdqConverters; ++i)
+                mbar_init(sm.fdq_chunk_full(i), 1);  // a converter's expect_tx arrival (its bulk copy)
         }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -2394,8 +2409,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 st_shared_b32(at + 24, (u32)b.target);
             };
             auto fdq_post = [&](bool stop, u32 rec) {  // block rec (stop: rows -1, no more) to the converter
-                const int slot = n_req & 1;
-                mbar_wait(sm.fdq_req_empty(slot), ((n_req >> 1) & 1) ^ 1);  // (the first two pass at once)
+                const int slot = n_req % T::kFdqReqs;  // (the ring's first pass waits for nothing)
+                mbar_wait(sm.fdq_req_empty(slot), ((n_req / T::kFdqReqs) & 1) ^ 1);
                 const u32 at = sm.fdq_req(slot);
                 if (stop) {
                     st_shared_b32(at + 16, (u32)-1);
@@ -2500,19 +2515,22 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     fdq_post(true, 0);
                 }
             }
-        } else if (T::kFusedDq && warp == 3) {
-            // The converter: per request, the query block's 32 KB of dq_accum (8 slices of 16 rows x 64 columns in
-            // the scrambled order, flash_aux.cuh convert_dq) in four 8 KB chunks through two buffers, each slice's
-            // float4 32 j + l holding rows l / 4 and l / 4 + 8, columns 8 j + 2 (l % 4) and + 1 of its 16-row group;
-            // dq = softmax_scale * dq_accum in 4-byte pairs (rows past the sequence's end and columns past head_dim
-            // are not written).
-            constexpr int kChunk = T::kFdqChunkBytes, kChunks = kBlockM * kHeadDim * 4 / kChunk;
+        } else if (T::kFusedDq && (warp == 3 || (T::kFdqConverters == 2 && warp == 1))) {
+            // The converters (warp 3; two: warps 3 and 1, each taking every other chunk of every request): per
+            // request, the query block's 32 KB of dq_accum (8 slices of 16 rows x 64 columns in the scrambled order,
+            // flash_aux.cuh convert_dq) in 8 KB / kFdqConverters chunks, a converter's through its two buffers, each
+            // slice's float4 32 j + l holding rows l / 4 and l / 4 + 8, columns 8 j + 2 (l % 4) and + 1 of its 16-row
+            // group; dq = softmax_scale * dq_accum in 4-byte pairs (rows past the sequence's end and columns past
+            // head_dim are not written).
+            constexpr int kConv = T::kFdqConverters, kChunk = T::kFdqChunkBytes;
+            constexpr int kMine = kBlockM * kHeadDim * 4 / kChunk / kConv;  // chunks per request and converter
             constexpr int kSlicesPerRow = kHeadDim / 64, kSlicesPerChunk = kChunk / 4096;
+            const int ci = warp == 3 ? 0 : 1;  // chunks ci + kConv k, in buffers 2 ci + k % 2
             const float scale = f.softmax_scale;
             const int rs = (int)p.dq_row_stride;
             for (int r = 0;; ++r) {
-                const int slot = r & 1;
-                mbar_wait(sm.fdq_req_full(slot), (r >> 1) & 1);
+                const int slot = r % T::kFdqReqs;
+                mbar_wait(sm.fdq_req_full(slot), (r / T::kFdqReqs) & 1);
                 const u32 at = sm.fdq_req(slot);
                 const i64 dq_off = (i64)(u32)ld_shared_b32(at) | ((i64)ld_shared_b32(at + 4) << 32);
                 const i64 acc_off = (i64)(u32)ld_shared_b32(at + 8) | ((i64)ld_shared_b32(at + 12) << 32);
@@ -2522,41 +2540,56 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 if (rows < 0) break;
                 const float* src = p.dq_accum + acc_off;
                 u16* dq0 = (u16*)p.dq + dq_off;
+                const bool full = rows == kBlockM && f.head_dim == kHeadDim;  // (a whole block: no guards)
                 if (lane == 0) {
                     fence_proxy_async_global();  // (the counts' acquire, then the copy engine's reads)
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        mbar_arrive_expect_tx(sm.fdq_chunk_full(c), kChunk);
-                        bulk_load(sm.fdq_chunk(c), src + c * (kChunk / 4), kChunk, sm.fdq_chunk_full(c));
+                    for (int k = 0; k < 2 && k < kMine; ++k) {
+                        const int buf = 2 * ci + k;
+                        mbar_arrive_expect_tx(sm.fdq_chunk_full(buf), kChunk);
+                        bulk_load(sm.fdq_chunk(buf), src + (ci + kConv * k) * (kChunk / 4), kChunk,
+                                  sm.fdq_chunk_full(buf));
                     }
                 }
 #pragma unroll 1
-                for (int c = 0; c < kChunks; ++c) {
-                    const int b = c & 1;
-                    mbar_wait(sm.fdq_chunk_full(b), (c >> 1) & 1);  // (each buffer fills twice per block)
+                for (int k = 0; k < kMine; ++k) {
+                    const int c = ci + kConv * k, buf = 2 * ci + (k & 1);
+                    mbar_wait(sm.fdq_chunk_full(buf), (k >> 1) & 1);  // (each buffer fills kMine / 2 times a block)
 #pragma unroll 1
                     for (int i = 0; i < kSlicesPerChunk; ++i) {  // (few registers: the producer warpgroup's)
                         const int slice = c * kSlicesPerChunk + i;
                         const int row = 16 * (slice / kSlicesPerRow) + lane / 4;
                         const int col0 = 64 * (slice % kSlicesPerRow) + 2 * (lane % 4);
                         u16* d0 = dq0 + row * rs + col0;
+                        u16* d8 = d0 + 8 * rs;
+                        const u32 a = sm.fdq_chunk(buf) + 4096 * i + 16 * lane;
+                        if (full) {
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) {
+                                float v[4];
+                                ld_shared_v4f(a + 512 * j, v);
+                                *(u32*)(d0 + 8 * j) = pack2<T::kIsBF16>(v[0] * scale, v[1] * scale);
+                                *(u32*)(d8 + 8 * j) = pack2<T::kIsBF16>(v[2] * scale, v[3] * scale);
+                            }
+                            continue;
+                        }
                         const bool in0 = row < rows, in8 = row + 8 < rows;
                         const int cols = f.head_dim - col0;  // (column col0 + 8 j is written where 8 j < cols)
-                        const u32 a = sm.fdq_chunk(b) + 4096 * i + 16 * lane;
 #pragma unroll 2
                         for (int j = 0; j < 8; ++j) {
                             float v[4];
                             ld_shared_v4f(a + 512 * j, v);
                             if (8 * j >= cols) continue;
                             if (in0) *(u32*)(d0 + 8 * j) = pack2<T::kIsBF16>(v[0] * scale, v[1] * scale);
-                            if (in8) *(u32*)(d0 + 8 * rs + 8 * j) = pack2<T::kIsBF16>(v[2] * scale, v[3] * scale);
+                            if (in8) *(u32*)(d8 + 8 * j) = pack2<T::kIsBF16>(v[2] * scale, v[3] * scale);
                         }
                     }
                     __syncwarp();
-                    if (c + 2 < kChunks && lane == 0) {  // the buffer's next chunk (its reads above are done)
+                    if (k + 2 < kMine && lane == 0) {  // the buffer's next chunk (its reads above are done)
                         fence_proxy_async();
-                        mbar_arrive_expect_tx(sm.fdq_chunk_full(b), kChunk);
-                        bulk_load(sm.fdq_chunk(b), src + (c + 2) * (kChunk / 4), kChunk, sm.fdq_chunk_full(b));
+                        mbar_arrive_expect_tx(sm.fdq_chunk_full(buf), kChunk);
+                        bulk_load(sm.fdq_chunk(buf), src + (c + 2 * kConv) * (kChunk / 4), kChunk,
+                                  sm.fdq_chunk_full(buf));
                     }
                 }
             }
