@@ -268,10 +268,11 @@ def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("fused", [1, 0], ids=["fused", "kernel"])
+@pytest.mark.parametrize("fused", [2, 0], ids=["fused", "kernel"])
 def test_causal_backward_dq_conversion_matches_reference(head_dim, fused, monkeypatch):
-    """The causal Hopper backward converting dq itself (build.BWD_FUSED_DQ: the key block that completes a query
-    block's count converts it) and with the conversion kernel after it, against the reference: many tiles per CTA,
+    """The causal Hopper backward converting dq itself (build.BWD_FUSED_DQ 2: head dims 64 and 128; the key block
+    that completes a query block's count hands it to the converter warps; whole blocks and partial ones) and with the
+    conversion kernel after it, against the reference: many tiles per CTA,
     queries past the keys (whole query blocks that no key block sees, whose dq the preprocess zeroes), keys past the
     queries, a partial last query block, GQA with its group split over tiles, fp16, varlen with a sequence without
     keys."""

@@ -298,16 +298,17 @@ def test_hopper_backward_plan_dq_layout_and_programmatic_launches(recording, cau
 
 @pytest.mark.parametrize("head_dim, block_m", [(64, 128), (128, 64)])
 def test_hopper_causal_backward_plan_converts_dq_in_the_kernel(recording, head_dim, block_m, monkeypatch):
-    """The causal hd64 / hd128 Hopper backward converts dq itself (build.BWD_FUSED_DQ): two launches, the preprocess
-    zeroing one count per (query head, query block of the padded rows) after dq_accum and the rows no key sees
-    (fused_dq 2: causal), the kernel holding dq's address and strides and the same counts; BWD_FUSED_DQ = 0, or a
-    non-causal call, adds the conversion kernel (its counts unused)."""
+    """The causal Hopper backward converts dq itself (build.BWD_FUSED_DQ 1: head dim 64, 2: 64 and 128): two
+    launches, the preprocess zeroing one count per (query head, query block of the padded rows) after dq_accum and the
+    rows no key sees (fused_dq 2: causal), the kernel holding dq's address and strides and the same counts;
+    BWD_FUSED_DQ = 0, a non-causal call or one past build.BWD_FUSED_DQ_MAX_SEQLEN queries adds the conversion
+    kernel (its counts unused)."""
     from flashtrain.kernels import launch, ops
 
     arch, _ = recording
     if arch != "sm_90a":
         pytest.skip("the Hopper backward")
-    monkeypatch.setattr(build, "BWD_FUSED_DQ", 1)
+    monkeypatch.setattr(build, "BWD_FUSED_DQ", 2)
     b, s, h, d = 3, 1000, 4, head_dim
     q, k, v, out, dout = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
     lse = torch.zeros(b, h, s)
@@ -335,6 +336,11 @@ def test_hopper_causal_backward_plan_converts_dq_in_the_kernel(recording, head_d
     assert [source for offset, *source in preprocess.addresses
             if offset == ops._offset(launch.AuxParams, "dq_counts")] == counts
     assert len(plan(False).launches) == 3 and plan(False).launches[0].params.fused_dq == 0
+    monkeypatch.setattr(build, "BWD_FUSED_DQ_MAX_SEQLEN", s - 1)
+    assert len(plan(True).launches) == 3 and plan(True).launches[0].params.fused_dq == 0
+    monkeypatch.setattr(build, "BWD_FUSED_DQ_MAX_SEQLEN", s)
+    monkeypatch.setattr(build, "BWD_FUSED_DQ", 1)
+    assert len(plan(True).launches) == (2 if head_dim == 64 else 3)
     monkeypatch.setattr(build, "BWD_FUSED_DQ", 0)
     preprocess, main, convert = plan(True).launches
     assert not _SYMBOLS[main.kernel.handle.value].endswith("_fdq") and preprocess.params.fused_dq == 0

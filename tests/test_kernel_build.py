@@ -22,9 +22,31 @@ SM90_MAX_SMEM = 227 * 1024  # opt-in shared memory per block on H100 / H200
 SM80_MAX_SMEM = 163 * 1024  # dynamic shared memory a CTA may opt in to on A100 (H100: 227 KB)
 
 
-def _fdq() -> str:
-    """The name suffix of the causal hd64 / hd128 backward where build.BWD_FUSED_DQ has it convert dq itself."""
-    return "_fdq" if build.BWD_FUSED_DQ else ""
+def _fdq(head_dim: int, seqlen_q: int | None = None) -> str:
+    """The name suffix of the dense causal Hopper backward where build.BWD_FUSED_DQ has it convert dq itself (1: head
+    dim 64; 2: 64 and 128), up to build.BWD_FUSED_DQ_MAX_SEQLEN queries."""
+    head_dims = {1: (64,), 2: (64, 128)}.get(build.BWD_FUSED_DQ, ())
+    short = seqlen_q is None or seqlen_q <= build.BWD_FUSED_DQ_MAX_SEQLEN
+    return "_fdq" if head_dim in head_dims and short else ""
+
+
+def test_fused_dq_rule(monkeypatch):
+    """The causal hd64 Hopper backward converts dq itself up to 4K queries by default; head dim 128 only with
+    BWD_FUSED_DQ = 2; never with dropout, deterministic, block-sparse or non-causal."""
+    monkeypatch.setattr(build, "BWD_FUSED_DQ", 1)
+    assert build.BWD_FUSED_DQ_MAX_SEQLEN == 4096
+
+    def fused(head_dim=64, causal=True, seqlen_q=None, **kw):
+        return build.bwd_fused_dq(build.bwd_sm90_kernel(head_dim, "bf16", causal, seqlen_q=seqlen_q, **kw))
+
+    assert fused() and fused(seqlen_q=4096) and not fused(seqlen_q=4097)
+    assert build.bwd_sm90_kernel(64, "fp16", True).name == "flash_bwd_sm90_hdim64_fp16_causal_fdq"
+    assert not fused(causal=False) and not fused(dropout=True) and not fused(deterministic=True)
+    assert not fused(block_sparse=True) and not fused(128)
+    monkeypatch.setattr(build, "BWD_FUSED_DQ", 2)
+    assert fused(128, seqlen_q=1024) and not fused(128, seqlen_q=8192) and fused()
+    monkeypatch.setattr(build, "BWD_FUSED_DQ", 0)
+    assert not fused() and not fused(128)
 
 
 def test_rounded_head_dim():
@@ -331,7 +353,7 @@ def test_lse_bias_kernels(monkeypatch):
     causal64 = bwd(128, 128)
     assert causal64.tiles.block_m == 64 and build.bwd_lse_bias(causal64) and causal64 in build.all_kernels()
     assert causal64.name == bwd(128, 128, seqlen_q=1 << 16).name
-    assert causal64.name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + _fdq()
+    assert causal64.name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + _fdq(128)
     for spec in (bwd(128, 128, causal=False),  # (80-query blocks)
                  bwd(128, 128, dropout=True), bwd(64, 64), bwd(192, 192), bwd(256, 256),
                  bwd(128, 128, score_mods=True), bwd(64, 64, score_mods=True),
@@ -351,7 +373,7 @@ def test_lse_bias_kernels(monkeypatch):
     window = build.bwd_sm90_mods_kernel(128, "bf16", True, window_left=1024, window_only=True)
     assert not build.bwd_lse_bias(window) and window.name.endswith("_mods_window")
     monkeypatch.setattr(build, "BWD_SM90_LSE_BIAS", 0)
-    for effective, name in ((96, "flash_bwd_sm90_hdim96_bf16_causal"), (128, "flash_bwd_sm90_hdim128_bf16_causal" + _fdq())):
+    for effective, name in ((96, "flash_bwd_sm90_hdim96_bf16_causal"), (128, "flash_bwd_sm90_hdim128_bf16_causal" + _fdq(128))):
         plain = bwd(128, effective)
         assert not build.bwd_lse_bias(plain) and plain.name == name
     with pytest.raises(ValueError, match="lse_bias"):
@@ -553,7 +575,7 @@ def test_hd128_backward_query_blocks(monkeypatch):
     assert q80.smem_bytes == 81920 + 65536 + 40960 + 40960 + 1536 + 256 + 1024 == 232192 <= SM90_MAX_SMEM
     # full-width causal: 64-query blocks at every length by default (S^T before dP^T's issue, kStFirst)
     assert build.BWD_SM90_Q80_CAUSAL_SEQLEN is None
-    assert spec(causal=True, seqlen_q=1 << 20).name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + _fdq()
+    assert spec(causal=True, seqlen_q=1 << 20).name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + _fdq(128, 1 << 20)
     monkeypatch.setattr(build, "BWD_SM90_Q80_CAUSAL_SEQLEN", 16384)  # (the A/B setting: 80-query from 16K)
     causal80 = spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN)
     assert causal80.name == "flash_bwd_sm90_hdim128_bf16_causal_q80" and causal80.tiles.dq_frag
@@ -584,7 +606,7 @@ def test_hd128_backward_query_blocks(monkeypatch):
     assert spec(causal=True, seqlen_q=long).name == "flash_bwd_sm90_hdim128_bf16_causal_q80_dqrows"
     monkeypatch.setattr(build, "BWD_DQ_FRAG", 1)
     assert (spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN - 1).name
-            == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + _fdq())
+            == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + _fdq(128, build.BWD_SM90_Q80_CAUSAL_SEQLEN - 1))
     assert spec(causal=True).block_m == 64
     assert spec(deterministic=True).name == "flash_bwd_sm90_hdim128_bf16_det"
     assert spec(dropout=True).block_m == 64 and spec(block_sparse=True).block_m == 64

@@ -311,8 +311,8 @@ class BwdSm90Tiles:
     # in room made by one dO buffer and single P^T / dS^T tiles (BwdSm90Traits::kSkStageDq); False: dQ added from the
     # registers (red.global.add.v4), two dO stages, P^T / dS^T double-buffered
     stage_dq: bool = False
-    # the dQ conversion in the kernel (flash_bwd_sm90.cuh kFusedDq; BWD_FUSED_DQ): the key block that completes a
-    # query block converts it, no conversion kernel runs after the backward
+    # the dQ conversion in the kernel (flash_bwd_sm90.cuh kFusedDq; _bwd_fused_dq_rule): the key block that completes
+    # a query block hands it to the converter warps, no conversion kernel runs after the backward
     fused_dq: bool = False
 
     def dq_slice_width(self, head_dim: int) -> int:  # dQ is computed in 64 x 64 pieces (80-query blocks: dQ^T,
@@ -969,8 +969,8 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
         tiles = BWD_SM90_HD192_REG_DQ
     if head_dim == 128 and plain and _bwd_q80(causal, seqlen_q, head_dim_eff):
         tiles = _dq_frag_choice(BWD_SM90_DENSE128_TILES, causal, head_dim_eff or head_dim, False)
-    if BWD_FUSED_DQ and plain and causal and head_dim_eff is None and tiles.block_m * head_dim == 8192:
-        tiles = dataclasses.replace(tiles, fused_dq=True)  # (hd64 on 128-query blocks, hd128 on 64-query ones)
+    if _bwd_fused_dq_rule(head_dim, causal, plain and head_dim_eff is None, seqlen_q, tiles):
+        tiles = dataclasses.replace(tiles, fused_dq=True)
     tail_split = (bool(BWD_TAIL_SPLIT if tail_split is None else tail_split)
                   and not (causal or block_sparse or deterministic) and head_dim <= 128 and tiles.persistent)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
@@ -988,13 +988,22 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
 BWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_BWD_TAIL_SPLIT", "1"))
 
 
-# The Hopper backward's dQ conversion in the kernel (flash_bwd_sm90.cuh kFusedDq; BwdSm90Tiles.fused_dq) for the dense
-# causal kernels of head dims 64 and 128 on 128- / 64-query blocks without dropout, where BWD_FUSED_DQ = 1
-# (FLASHTRAIN_BWD_FUSED_DQ=1 at import, or ab_probe.py flashtrain@build.BWD_FUSED_DQ=1; read at plan time). Off (0,
-# the conversion kernel after the backward) until it measures faster: a first form, whose writer waited for each
-# block's reduce-adds one block later and counted with an acq_rel atomic, ran 0.60-0.90x (H100, kernel_ab-h100.json
-# bwd_fused_dq_ab); the current one (FT_BWD_FDQ_DEPTH blocks in flight, a relaxed count) is not yet measured.
-BWD_FUSED_DQ = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ", "0"))
+# The Hopper backward's dQ conversion in the kernel (flash_bwd_sm90.cuh kFusedDq; BwdSm90Tiles.fused_dq): the dense
+# causal backward without dropout at head dim 64 (128-query blocks) converts dq itself, with no conversion kernel
+# after it, for query lengths up to BWD_FUSED_DQ_MAX_SEQLEN (None: a short call). H200, interleaved CUDA-graph
+# replays, backward against the conversion kernel: hd64 causal 512 1.063, 1K (12 heads) 1.034, 4K 1.011, 16K 0.981;
+# at head dim 128 (64-query blocks) 0.81-0.89 at 512-16K (kernel_ab-h200.json bwd_fused_dq_ab). BWD_FUSED_DQ
+# (FLASHTRAIN_BWD_FUSED_DQ at import, or ab_probe.py flashtrain@build.BWD_FUSED_DQ=N; read at plan time): 0 the
+# conversion kernel everywhere, 1 head dim 64, 2 head dims 64 and 128 (A/B).
+BWD_FUSED_DQ = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ", "1"))
+BWD_FUSED_DQ_MAX_SEQLEN = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ_MAX_SEQLEN", "4096"))
+
+
+def _bwd_fused_dq_rule(head_dim: int, causal: bool, plain: bool, seqlen_q: int | None, tiles: BwdSm90Tiles) -> bool:
+    """Whether the Hopper backward of these tiles converts dq itself (plain: dense, no dropout, all head-dim columns)."""
+    head_dims = {1: (64,), 2: (64, 128)}.get(BWD_FUSED_DQ, ())
+    return (plain and causal and head_dim in head_dims and tiles.block_m * head_dim == 8192
+            and (seqlen_q is None or seqlen_q <= BWD_FUSED_DQ_MAX_SEQLEN))
 
 
 def bwd_fused_dq(spec: KernelSpec) -> bool:
