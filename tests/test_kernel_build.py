@@ -31,10 +31,10 @@ def _fdq(head_dim: int, seqlen_q: int | None = None) -> str:
 
 
 def test_fused_dq_rule(monkeypatch):
-    """The causal hd64 Hopper backward converts dq itself up to 4K queries by default; head dim 128 only with
-    BWD_FUSED_DQ = 2; never with dropout, deterministic, block-sparse or non-causal."""
-    monkeypatch.setattr(build, "BWD_FUSED_DQ", 1)
+    """With BWD_FUSED_DQ = 1 the causal hd64 Hopper backward converts dq itself up to 4K queries; head dim 128 only
+    with BWD_FUSED_DQ = 2; never with dropout, deterministic, block-sparse or non-causal; 0: never."""
     assert build.BWD_FUSED_DQ_MAX_SEQLEN == 4096
+    monkeypatch.setattr(build, "BWD_FUSED_DQ", 1)
 
     def fused(head_dim=64, causal=True, seqlen_q=None, **kw):
         return build.bwd_fused_dq(build.bwd_sm90_kernel(head_dim, "bf16", causal, seqlen_q=seqlen_q, **kw))

@@ -497,8 +497,9 @@ struct BwdSm90Traits {
                                 kBlockM * kHeadDim == 8192),
                   "the fused dQ conversion: dense scrambled 32 KB query blocks, one dQ writer");
     // its shared memory: 16 KB of chunk buffers, then a 1 KB control area: the barriers (request full / empty,
-    // kFdqReqs each; chunk full, one per buffer), the request ring (kFdqReqs slots of 32 bytes: the writer posts without waiting for
-    // the converter while it has free slots) and the dQ writer's records of its last blocks (16 of 32 bytes)
+    // kFdqReqs each; chunk full, one per buffer), the request ring (kFdqReqs slots of 32 bytes: the writer posts
+    // without waiting for the converters while it has free slots) and the dQ writer's records of its last blocks (16
+    // of 32 bytes)
 #ifndef FT_BWD_FDQ_REQS
 #define FT_BWD_FDQ_REQS 8
 #endif
