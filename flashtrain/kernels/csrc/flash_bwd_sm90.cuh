@@ -496,23 +496,13 @@ struct BwdSm90Traits {
                                 !kScoreMods && !kMaskMod && kDqWriters == 1 && kHeadDimEff == kHeadDim &&
                                 kBlockM * kHeadDim == 8192),
                   "the fused dQ conversion: dense scrambled 32 KB query blocks, one dQ writer");
-    // its shared memory: 16 KB of chunk buffers, then a 1 KB control area: the barriers (request full / empty,
-    // kFdqReqs each; chunk full, one per buffer), the request ring (kFdqReqs slots of 32 bytes: the writer posts
-    // without waiting for the converters while it has free slots) and the dQ writer's records of its last blocks (16
-    // of 32 bytes)
-#ifndef FT_BWD_FDQ_REQS
-#define FT_BWD_FDQ_REQS 8
-#endif
-    static constexpr int kFdqReqs = FT_BWD_FDQ_REQS;
-    static_assert(kFdqReqs >= 2 && kFdqReqs <= 8 && (kFdqReqs & (kFdqReqs - 1)) == 0, "the request ring fits");
-    static constexpr int kFdqBufBytes = 2 * 8192, kFdqBytes = kFusedDq ? kFdqBufBytes + 1024 : 0;
-    // the converter warps: producer warp 3, and (2) warp 1, each with two of the four 4 KB buffers
-#ifndef FT_BWD_FDQ_CONVERTERS
-#define FT_BWD_FDQ_CONVERTERS 2
-#endif
-    static constexpr int kFdqConverters = FT_BWD_FDQ_CONVERTERS;
-    static_assert(kFdqConverters == 1 || kFdqConverters == 2, "one or two converter warps");
-    static constexpr int kFdqChunkBytes = 8192 / kFdqConverters;
+    // its shared memory: the two converter warps' 4 KB chunk buffers (two each), then a 1 KB control area: the
+    // barriers (request full / empty, kFdqReqs each; chunk full, one per buffer), the request ring (kFdqReqs slots of
+    // 32 bytes: the writer posts without waiting for the converters while it has free slots) and the dQ writer's
+    // records of its last blocks (16 of 32 bytes)
+    static constexpr int kFdqReqs = 8, kFdqConverters = 2, kFdqChunkBytes = 4096;
+    static constexpr int kFdqBufBytes = 2 * kFdqConverters * kFdqChunkBytes;
+    static constexpr int kFdqBytes = kFusedDq ? kFdqBufBytes + 1024 : 0;
     // the dQ writer's blocks in flight before it waits for the oldest one's reduce-adds to complete (FT_BWD_FDQ_DEPTH;
     // kFdqDepth + 1 records of 32 bytes in the converter's control area)
 #ifndef FT_BWD_FDQ_DEPTH
@@ -2517,10 +2507,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     fdq_post(true, 0);
                 }
             }
-        } else if (T::kFusedDq && (warp == 3 || (T::kFdqConverters == 2 && warp == 1))) {
-            // The converters (warp 3; two: warps 3 and 1, each taking every other chunk of every request): per
+        } else if (T::kFusedDq && (warp == 3 || warp == 1)) {
+            // The converters (warps 3 and 1, each taking every other chunk of every request): per
             // request, the query block's 32 KB of dq_accum (8 slices of 16 rows x 64 columns in the scrambled order,
-            // flash_aux.cuh convert_dq) in 8 KB / kFdqConverters chunks, a converter's through its two buffers, each
+            // flash_aux.cuh convert_dq) in 4 KB chunks, a converter's through its two buffers, each
             // slice's float4 32 j + l holding rows l / 4 and l / 4 + 8, columns 8 j + 2 (l % 4) and + 1 of its 16-row
             // group; dq = softmax_scale * dq_accum in 4-byte pairs (rows past the sequence's end and columns past
             // head_dim are not written).
