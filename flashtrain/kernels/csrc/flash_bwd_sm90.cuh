@@ -480,8 +480,8 @@ struct BwdSm90Traits {
                                            : kSplitHd ? 0 : kNMma * 4 * kPiecesPerWg * kDqSliceBytes;
     // dQ writer warps (producer warpgroup warps 2, 3): FT_BWD_DET_WRITERS for the deterministic kernels, else one
     static constexpr int kDqWriters = kIsDeterministic && !kSplitHd && FT_BWD_DET_WRITERS == 2 ? 2 : 1;
-    // The dQ conversion in the kernel (FT_BWD_FUSED_DQ, defined by build.py for BwdSm90Tiles.fused_dq: an option, off
-    // by default; build.BWD_FUSED_DQ = 1: the causal hd64 kernel at up to 4K queries, build._bwd_fused_dq_rule):
+    // The dQ conversion in the kernel (FT_BWD_FUSED_DQ, defined by build.py for BwdSm90Tiles.fused_dq; by default
+    // build.BWD_FUSED_DQ = 1: the causal hd64 kernel at up to 4K queries, build._bwd_fused_dq_rule):
     // once the dQ writer's reduce-adds of a query block have completed, it counts them in (BwdParams::dq_counts); the
     // key block that completes the count -- every key block that sees the query block has added to it -- posts the
     // block to the converter warps (producer warps 3 and 1), which copy its 32 KB of dq_accum from L2 into shared
