@@ -662,9 +662,7 @@ __device__ __forceinline__ void wait_turn(const int* counter, int turn) {
 // the lowest key block last (which, with the fused dQ conversion, then converts all of its head's blocks). H100,
 // backward against the default: alone hd64 causal 512 / 1K 0.977 / 0.968, 4K / 16K and hd128 1.00-1.01; hd128 with
 // the fused conversion (40 producer registers) 512 0.985-0.989, 768 1.008, 1K 1.038-1.042, 1536 0.970, 2K / 4K
-// 1.000-1.002 (kernel_ab-h100.json bwd_walk_rev_ab, bwd_walk_rev_fused_hd128_ab). FT_BWD_WALK_REV=2 (A/B, not yet
-// measured on a GPU): the same downward walk in groups of 4 steps, each key block starting a group at its own offset
-// (its index mod the group's size), so that fewer of a head's key blocks reduce-add into one query block at once.
+// 1.000-1.002 (kernel_ab-h100.json bwd_walk_rev_ab, bwd_walk_rev_fused_hd128_ab).
 #ifndef FT_BWD_WALK_REV
 #define FT_BWD_WALK_REV 0
 #endif
@@ -685,15 +683,6 @@ template <class T> struct QueryBlockWalk {
         return f.bs_cols + (head_kv * group + i) * f.bs_cols_head_stride +
                (i64)(n0 / kBlockSparseSize) * (f.bs_n_qblocks + 1);
     }
-    // kRev: the query block of step p of a head's walk, from the last down (FT_BWD_WALK_REV=2: in groups of 4 steps,
-    // rotated by the key block)
-    __device__ __forceinline__ int rev_block(int p) const {
-        if constexpr (FT_BWD_WALK_REV == 2) {
-            const int base = p & ~3, size = min_(4, n_mblocks - base), r = p - base + n0 / T::kBlockN;
-            p = base + (size == 4 ? r & 3 : r % size);
-        }
-        return m_block_end - 1 - p;
-    }
     __device__ __forceinline__ void settle() {
         if constexpr (T::kIsBlockSparse) {
             has = sparse.settle([&](int i) { return col_list(i); }, group, m_block_min, m_block_end);
@@ -707,10 +696,10 @@ template <class T> struct QueryBlockWalk {
                 if (!has) break;
                 if constexpr (FT_BWD_WALK_INC) {
                     head = head_kv * group + head0 + head_i;
-                    m0 = (kRev ? rev_block(m_i) : m_block_min + m_i) * T::kBlockM;
+                    m0 = (kRev ? m_block_end - 1 - m_i : m_block_min + m_i) * T::kBlockM;
                 } else {
                     head = head_kv * group + head0 + it / n_mblocks;
-                    m0 = (kRev ? rev_block(it % n_mblocks) : m_block_min + it % n_mblocks) * T::kBlockM;
+                    m0 = (kRev ? m_block_end - 1 - it % n_mblocks : m_block_min + it % n_mblocks) * T::kBlockM;
                 }
                 if constexpr (!T::kMaskMod) {
                     break;
