@@ -995,7 +995,7 @@ BWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_BWD_TAIL_SPLIT", "1"))
 # 1.034, 4K 1.011, 16K 0.981; at head dim 128 (64-query blocks) 0.81-0.89 at 512-16K (kernel_ab-h200.json
 # bwd_fused_dq_ab); H100 hd64 causal 512 0.994, 1K 1.050, 2K 1.038, 4K 1.022, 8K 1.000 (kernel_ab-h100.json
 # bwd_fused_dq_validation_hd64_ab). Its GPU tests and memcheck grid: gpu_tests_all-h100.json fused_dq_on_run. Head
-# dim 128 gains only on FT_BWD_WALK_REV's walk at 1K queries (bwd_walk_rev_fused_hd128_ab; flash_bwd_sm90.cuh).
+# dim 128 gained only with the query blocks walked from the last down, at 1K queries (bwd_walk_rev_fused_hd128_ab).
 # BWD_FUSED_DQ (FLASHTRAIN_BWD_FUSED_DQ at import, or ab_probe.py flashtrain@build.BWD_FUSED_DQ=N; read at plan
 # time): 0 the conversion kernel everywhere, 1 head dim 64, 2 head dims 64 and 128 (A/B).
 BWD_FUSED_DQ = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ", "1"))

@@ -657,18 +657,8 @@ __device__ __forceinline__ void wait_turn(const int* counter, int turn) {
 // key block, for each query head of the group; block-sparse, the column list of the key block's mask block.
 // FT_BWD_WALK_INC=1 (default since 2026-11-25; 0 for A/Bs): the dense walk advances (head, query block) by additions
 // instead of a division and a remainder per block; every role of the CTA runs the walk, the producer warpgroup's on
-// 24-40 registers. FT_BWD_WALK_REV=1 (A/B, off): the dense causal walk (not deterministic) visits each head's query
-// blocks from the last down, so that the key blocks of a head visit a query block at the same step of their walks, not
-// the lowest key block last (which, with the fused dQ conversion, then converts all of its head's blocks). H100,
-// backward against the default: alone hd64 causal 512 / 1K 0.977 / 0.968, 4K / 16K and hd128 1.00-1.01; hd128 with
-// the fused conversion (40 producer registers) 512 0.985-0.989, 768 1.008, 1K 1.038-1.042, 1536 0.970, 2K / 4K
-// 1.000-1.002 (kernel_ab-h100.json bwd_walk_rev_ab, bwd_walk_rev_fused_hd128_ab).
-#ifndef FT_BWD_WALK_REV
-#define FT_BWD_WALK_REV 0
-#endif
+// 24-40 registers.
 template <class T> struct QueryBlockWalk {
-    static constexpr bool kRev = FT_BWD_WALK_REV && T::kIsCausal && !T::kIsDeterministic && !T::kIsBlockSparse &&
-                                 !T::kMaskMod && !T::kScoreMods;
     SparseWalkAsc<kBlockSparseSize / T::kBlockM> sparse;
     int it = 0, n_iters = 0, n_mblocks = 0, m_block_min = 0, m_block_end = 0, group = 0, heads = 0, head0 = 0;
     int m_i = 0, head_i = 0;  // FT_BWD_WALK_INC: query block and head of step it
@@ -696,10 +686,10 @@ template <class T> struct QueryBlockWalk {
                 if (!has) break;
                 if constexpr (FT_BWD_WALK_INC) {
                     head = head_kv * group + head0 + head_i;
-                    m0 = (kRev ? m_block_end - 1 - m_i : m_block_min + m_i) * T::kBlockM;
+                    m0 = (m_block_min + m_i) * T::kBlockM;
                 } else {
                     head = head_kv * group + head0 + it / n_mblocks;
-                    m0 = (kRev ? m_block_end - 1 - it % n_mblocks : m_block_min + it % n_mblocks) * T::kBlockM;
+                    m0 = (m_block_min + it % n_mblocks) * T::kBlockM;
                 }
                 if constexpr (!T::kMaskMod) {
                     break;
