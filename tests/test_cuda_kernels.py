@@ -307,6 +307,44 @@ def test_causal_backward_dq_conversion_matches_reference(head_dim, fused, monkey
     ops.clear_plans()
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_backward_two_kv_buffers_matches_reference(causal, monkeypatch):
+    """The hd64 Hopper backward with two K / V buffers (build.BWD_SM90_HD64_KV2_*_SEQLEN; tile t's K / V in buffer
+    t % 2, copied before the tile's first Q / dO) against the reference: many tiles per CTA (both buffers, both
+    phases of each), tiles without query blocks (keys past the queries), queries past the keys, a partial last block,
+    GQA with its group split over tiles, fp16, the non-causal tail pieces, varlen with a sequence without keys."""
+    from flashtrain.kernels import build
+
+    if not _is_hopper():
+        pytest.skip("the Hopper backward")
+    ops = _ops()
+    monkeypatch.setattr(build, "BWD_SM90_HD64_KV2_CAUSAL_SEQLEN" if causal else "BWD_SM90_HD64_KV2_FULL_SEQLEN", 1 << 20)
+    ops.clear_plans()  # (a plan holds the kernel it was built with)
+    spec = build.bwd_sm90_kernel(64, "bf16", causal, seqlen_q=1024)
+    assert spec.name.endswith("_kv2") and not build.bwd_fused_dq(spec)
+    cases = [((4, 1000, 8, 64), (4, 1000, 8, 64), torch.bfloat16),
+             ((2, 700, 4, 64), (2, 300, 4, 64), torch.bfloat16),
+             ((2, 300, 4, 64), (2, 777, 4, 64), torch.float16),
+             ((1, 2048, 16, 64), (1, 2048, 2, 64), torch.bfloat16),
+             ((8, 512, 32, 64), (8, 512, 32, 64), torch.bfloat16)]
+    for index, (shape_q, shape_k, dtype) in enumerate(cases):
+        q, k, v, dout = _inputs(shape_q, shape_k, dtype, seed=190 + index)
+        _, _, dq, _, _ = _check_against_reference(q, k, v, dout, causal=causal)
+        if causal and shape_q[1] > shape_k[1]:  # rows that see no key
+            unseen = shape_q[1] - shape_k[1]
+            assert torch.equal(dq[:, :unseen], torch.zeros_like(dq[:, :unseen]))
+    lengths_q, lengths_k = [129, 0, 640, 70, 300], [129, 5, 640, 0, 100]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v, dout = _inputs((sum(lengths_q), 4, 64), (sum(lengths_k), 2, 64), torch.bfloat16, seed=199)
+    _, _, dq, _, _ = _check_against_reference(q, k, v, dout, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                              max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+    no_keys = slice(129 + 640, 129 + 640 + 70)
+    assert torch.equal(dq[no_keys], torch.zeros_like(dq[no_keys]))
+    monkeypatch.undo()
+    ops.clear_plans()
+
+
 def test_cluster_forward_matches_reference_and_the_one_cta_kernel(monkeypatch):
     """The non-causal hd128 forward in 2-CTA clusters (build.FWD_SM90_CLUSTER: neighbouring query tiles share
     their K / V copies by TMA multicast) against the reference, on 66 query tiles per head with a partial last one, and

@@ -49,6 +49,34 @@ def test_fused_dq_rule(monkeypatch):
     assert not fused() and not fused(128)
 
 
+def test_two_kv_buffers_rule(monkeypatch):
+    """The hd64 Hopper backward's two K / V buffers (BwdSm90Tiles.kv_stages): off by default; with a switch set, the
+    dense calls without dropout of known query length up to it (causal and non-causal switches apart), in place of the
+    fused dQ conversion, with the second K / V buffer's 32 KB of shared memory and no alignment slack (within the
+    227 KB a block may have); never at head dim 128, with dropout, deterministic or block-sparse."""
+    def spec(head_dim=64, causal=True, seqlen_q=1024, **kw):
+        return build.bwd_sm90_kernel(head_dim, "bf16", causal, seqlen_q=seqlen_q, **kw)
+
+    assert build.BWD_SM90_HD64_KV2_CAUSAL_SEQLEN == build.BWD_SM90_HD64_KV2_FULL_SEQLEN == 0
+    assert not any(s.name.endswith("_kv2") for s in build.all_kernels())
+    assert spec().name == "flash_bwd_sm90_hdim64_bf16_causal_fdq"
+    monkeypatch.setattr(build, "BWD_SM90_HD64_KV2_CAUSAL_SEQLEN", 2048)
+    two = spec(seqlen_q=2048)
+    assert two.name == "flash_bwd_sm90_hdim64_bf16_causal_kv2" and not build.bwd_fused_dq(two)
+    assert ("FT_BWD_KV_STAGES", 2) in two.defines
+    one = build._bwd_sm90_spec(64, "bf16", True, False, False, False, build.BWD_SM90_TILES[64], 64, lse_bias=True)
+    assert two.smem_bytes == one.smem_bytes + 2 * 128 * 64 * 2 - 1024 == 231680 <= SM90_MAX_SMEM
+    assert spec(seqlen_q=2049).name.endswith("_fdq") and spec(seqlen_q=None).name.endswith("_fdq")
+    assert not spec(causal=False).name.endswith("_kv2")
+    for kw in ({"dropout": True}, {"deterministic": True}, {"block_sparse": True}):
+        assert not spec(**kw).name.endswith("_kv2")
+    assert not spec(128).name.endswith("_kv2")
+    assert sorted(s.name for s in build.all_kernels() if s.name.endswith("_kv2")) == [
+        "flash_bwd_sm90_hdim64_bf16_causal_kv2", "flash_bwd_sm90_hdim64_fp16_causal_kv2"]
+    monkeypatch.setattr(build, "BWD_SM90_HD64_KV2_FULL_SEQLEN", 512)
+    assert spec(causal=False, seqlen_q=512).name == "flash_bwd_sm90_hdim64_bf16_tail_kv2"
+
+
 def test_rounded_head_dim():
     assert [build.rounded_head_dim(d) for d in (8, 32, 40, 64, 72, 96, 128, 136, 160, 192, 200, 256, 264, 512)] == [
         32, 32, 64, 64, 96, 96, 128, 192, 192, 192, 256, 256, 512, 512]

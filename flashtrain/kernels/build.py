@@ -314,6 +314,10 @@ class BwdSm90Tiles:
     # the dQ conversion in the kernel (flash_bwd_sm90.cuh kFusedDq; _bwd_fused_dq_rule): the key block that completes
     # a query block hands it to the converter warps, no conversion kernel runs after the backward
     fused_dq: bool = False
+    # K / V buffers (flash_bwd_sm90.cuh kKvStages; _bwd_kv2_rule): 2, tile t's K / V copied into buffer t % 2 before
+    # the tile's first Q / dO, under the previous tile's last query blocks; the 128-query hd64 kernels without the
+    # fused dQ conversion only (no room for both), and with no alignment slack (the kernel checks the alignment)
+    kv_stages: int = 1
 
     def dq_slice_width(self, head_dim: int) -> int:  # dQ is computed in 64 x 64 pieces (80-query blocks: dQ^T,
         return 0 if self.swap_dq else 64              # added in plain rows)
@@ -354,9 +358,10 @@ class BwdSm90Tiles:
         score_tiles = 4 if self.split_keys and not stage_dq else 2
         do_stages = 1 if stage_dq else self.stages
         fused_dq = 2 * 8192 + 1024 if self.fused_dq else 0  # the converter's chunk buffers, 1 KB of control
-        return (2 * ((self.stages + do_stages) * self.block_m * head_dim + 2 * self.block_n * head_dim
+        return (2 * ((self.stages + do_stages) * self.block_m * head_dim + 2 * self.kv_stages * self.block_n * head_dim
                      + score_tiles * self.block_n * self.block_m) + dq_staging
-                + 2 * self.stages * -(-4 * self.block_m // 128) * 128 + fused_dq + 256 + 1024)
+                + 2 * self.stages * -(-4 * self.block_m // 128) * 128 + fused_dq + 256
+                + (1024 if self.kv_stages == 1 else 0))
 
 
 # Hopper backward: dense or block-sparse, dropout too, deterministic too (not with block-sparse), these head dims
@@ -971,6 +976,8 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
         tiles = _dq_frag_choice(BWD_SM90_DENSE128_TILES, causal, head_dim_eff or head_dim, False)
     if _bwd_fused_dq_rule(head_dim, causal, plain and head_dim_eff is None, seqlen_q, tiles):
         tiles = dataclasses.replace(tiles, fused_dq=True)
+    if _bwd_kv2_rule(head_dim, causal, plain and head_dim_eff is None, seqlen_q, tiles):
+        tiles = dataclasses.replace(tiles, kv_stages=2, fused_dq=False)
     tail_split = (bool(BWD_TAIL_SPLIT if tail_split is None else tail_split)
                   and not (causal or block_sparse or deterministic) and head_dim <= 128 and tiles.persistent)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
@@ -1007,6 +1014,21 @@ def _bwd_fused_dq_rule(head_dim: int, causal: bool, plain: bool, seqlen_q: int |
     head_dims = {1: (64,), 2: (64, 128)}.get(BWD_FUSED_DQ, ())
     return (plain and causal and head_dim in head_dims and tiles.block_m * head_dim == 8192
             and (seqlen_q is None or seqlen_q <= BWD_FUSED_DQ_MAX_SEQLEN))
+
+
+# The Hopper backward's second K / V buffer (flash_bwd_sm90.cuh kKvStages; BwdSm90Tiles.kv_stages = 2): the dense
+# hd64 backward without dropout (128-query blocks) with known query lengths up to BWD_SM90_HD64_KV2_CAUSAL_SEQLEN
+# (causal) / BWD_SM90_HD64_KV2_FULL_SEQLEN (non-causal) takes it, in place of the fused dQ conversion. 0: never
+# (FLASHTRAIN_BWD_SM90_HD64_KV2_CAUSAL_SEQLEN / _FULL_SEQLEN at import, or ab_probe.py
+# flashtrain@build.BWD_SM90_HD64_KV2_CAUSAL_SEQLEN=N; read at plan time).
+BWD_SM90_HD64_KV2_CAUSAL_SEQLEN = int(os.environ.get("FLASHTRAIN_BWD_SM90_HD64_KV2_CAUSAL_SEQLEN", "0"))
+BWD_SM90_HD64_KV2_FULL_SEQLEN = int(os.environ.get("FLASHTRAIN_BWD_SM90_HD64_KV2_FULL_SEQLEN", "0"))
+
+
+def _bwd_kv2_rule(head_dim: int, causal: bool, plain: bool, seqlen_q: int | None, tiles: BwdSm90Tiles) -> bool:
+    """Whether the Hopper backward of these tiles takes two K / V buffers (plain: dense, no dropout, all columns)."""
+    limit = BWD_SM90_HD64_KV2_CAUSAL_SEQLEN if causal else BWD_SM90_HD64_KV2_FULL_SEQLEN
+    return (plain and head_dim == 64 and tiles.block_m == 128 and seqlen_q is not None and seqlen_q <= limit)
 
 
 def bwd_fused_dq(spec: KernelSpec) -> bool:
@@ -1120,7 +1142,7 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
             f"{'_n96' if tiles.split_keys else ''}{'_dqreg' if tiles.split_keys and not tiles.stage_dq else ''}"
             f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}"
             f"{'_window' if score_mods == 3 else ''}{_mask_suffix(mask_defines)}{'_lsebias' if lse_bias else ''}"
-            f"{'_tail' if tail_split else ''}{'_fdq' if tiles.fused_dq else ''}")
+            f"{'_tail' if tail_split else ''}{'_fdq' if tiles.fused_dq else ''}{'_kv2' if tiles.kv_stages == 2 else ''}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_HEAD_DIM_EFF", head_dim_eff), ("FT_BLOCK_M", tiles.block_m),
                ("FT_STAGES", tiles.stages), ("FT_THREADS", tiles.threads), ("FT_BF16", int(dtype == "bf16")), ("FT_CAUSAL", int(causal)),
                ("FT_DROPOUT", int(dropout)), ("FT_BLOCK_SPARSE", int(block_sparse)),
@@ -1140,6 +1162,8 @@ def _bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
         defines += (("FT_BWD_TAIL_SPLIT", 1),)
     if tiles.fused_dq:  # (the same)
         defines += (("FT_BWD_FUSED_DQ", 1),)
+    if tiles.kv_stages != 1:  # (the same)
+        defines += (("FT_BWD_KV_STAGES", tiles.kv_stages),)
     return KernelSpec("flash_bwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       block_n=tiles.block_n, archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
@@ -1281,6 +1305,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
                                               dataclasses.replace(BWD_SM90_TILES[head_dim], fused_dq=fused), head_dim,
                                               lse_bias=_bwd_lse_bias_rule(head_dim, None, True,
                                                                           BWD_SM90_TILES[head_dim])), smem_limit)]
+    specs += [spec for dtype in DTYPES for causal in (False, True)  # two K / V buffers, where a switch asks for them
+              if (BWD_SM90_HD64_KV2_CAUSAL_SEQLEN if causal else BWD_SM90_HD64_KV2_FULL_SEQLEN)
+              if _fits(spec := bwd_sm90_kernel(64, dtype, causal, seqlen_q=1), smem_limit)]
     specs += [spec for dtype in DTYPES for causal in (False, True)  # the hd192 backward's other key tile (A/B:
               for tiles in (BWD_SM90_TILES[192], BWD_SM90_HD192_N64, BWD_SM90_HD192_REG_DQ)
               if _fits(spec := _bwd_sm90_spec(192, dtype, causal, False, False, False, tiles, 192), smem_limit)]

@@ -563,8 +563,23 @@ struct BwdSm90Traits {
     // score tiles: dS^T double-buffered, or (split head dims) P^T and dS^T, or (kSplitKeys) P^T and dS^T both
     // double-buffered (kSkStageDq: single)
     static constexpr int kScoreTiles = kSplitKeys && !kSkStageDq ? 4 : 2;
-    static constexpr int kSmemBytes = (kStages + kDoStages) * TileQ::kBytes + 2 * TileKV::kBytes + kScoreTiles * TileS::kBytes +
-                                      kDqStagingBytes + 2 * kStages * kStatsBytes + kFdqBytes + kBarrierBytes + 1024;
+    // K / V buffers (FT_BWD_KV_STAGES, defined by build.py for BwdSm90Tiles.kv_stages): 2, tile t's K / V in buffer
+    // t % 2 (its own full / empty barriers), copied by the producer before the tile's first Q / dO, so that the copy
+    // runs under the previous tile's last query blocks instead of after its release. The 128-query head-dim-64
+    // kernels without the fused dQ conversion only (shared memory: 231,680 of 232,448 bytes, with no 1 KB alignment
+    // slack: the dynamic shared memory must start 1024-aligned, which the kernel checks).
+#ifndef FT_BWD_KV_STAGES
+#define FT_BWD_KV_STAGES 1
+#endif
+    static constexpr int kKvStages = FT_BWD_KV_STAGES;
+    static_assert(kKvStages == 1 || (kKvStages == 2 && kHeadDim == 64 && kBlockM == 128 && !kFusedDq && kEarlyKv &&
+                                     !kIsDeterministic && kDqWriters == 1),
+                  "two K / V buffers: the 128-query head-dim-64 kernels without the fused dQ conversion");
+    static constexpr int kAlignSlack = kKvStages > 1 ? 0 : 1024;
+    static_assert(8 * (16 + 2 * kStages) + 8 <= kBarrierBytes, "barrier area (the second K / V buffer's barriers)");
+    static constexpr int kSmemBytes = (kStages + kDoStages) * TileQ::kBytes + 2 * kKvStages * TileKV::kBytes +
+                                      kScoreTiles * TileS::kBytes + kDqStagingBytes + 2 * kStages * kStatsBytes +
+                                      kFdqBytes + kBarrierBytes + kAlignSlack;
     // Named barriers (0 is __syncthreads): both warpgroups' dS^T rows stored; both done reading K (epilogue), then
     // one per warpgroup (its rows -- split head dims: columns -- of dK / dV staged); head dims 192 / 256: P^T stored
     // (warpgroup 0 to 1); kSplitKeys: kBarP + w, warpgroup w's P^T rows stored (its 128 threads).
@@ -754,9 +769,10 @@ template <class T> struct BwdSm90Smem {
     const BwdParams* p;
     int n_kblocks;
     __device__ __forceinline__ BwdSm90Smem(const unsigned char* smem, const BwdParams& params) : p(&params) {
-        base = (smem_u32(smem) + 1023) & ~1023u;
+        base = T::kAlignSlack ? (smem_u32(smem) + 1023) & ~1023u : smem_u32(smem);
+        // (T::kKvStages == 2: buffer b's K at sK + b * kKvBytes, its V kKvBytes / 2 after it)
         sK = base + (T::kStages + T::kDoStages) * T::TileQ::kBytes, sV = sK + T::TileKV::kBytes;
-        sdS0 = sV + T::TileKV::kBytes;
+        sdS0 = sV + T::TileKV::kBytes + (T::kKvStages - 1) * kKvBytes;
         sdQ = sdS0 + T::kScoreTiles * T::TileS::kBytes;
         sStats = sdQ + T::kDqStagingBytes;  // lse[kStages][M], D[kStages][M]
         sFdq = sStats + 2 * T::kStages * T::kStatsBytes;  // kFusedDq: the converter's chunks, barriers, requests
@@ -766,6 +782,15 @@ template <class T> struct BwdSm90Smem {
         dq_full1 = bars + 8 * (9 + 2 * T::kStages);  // two writers: the odd blocks' (after the tile slots)
         // (kSkStageDq, no dQ writer: dq_full / dq_empty are the dO buffer's full / empty, dq_full1 mma_done)
         n_kblocks = ceil_div(params.fwd.seqlen_k, T::kBlockN);
+    }
+    static constexpr u32 kKvBytes = 2 * T::TileKV::kBytes;  // one K / V buffer
+    // K / V buffer b's full / empty barriers (b = 1: after the tile records and head counts)
+    __device__ __forceinline__ u32 kv_full(int b) const { return b ? bars + 8 * (15 + 2 * T::kStages) : full_kv; }
+    __device__ __forceinline__ u32 kv_empty(int b) const { return b ? bars + 8 * (16 + 2 * T::kStages) : empty_kv; }
+    // tile_iter's K / V buffer and the parity of its barriers' phase
+    __device__ __forceinline__ static int kv_buf(int tile_iter) { return T::kKvStages > 1 ? tile_iter & 1 : 0; }
+    __device__ __forceinline__ static u32 kv_parity(int tile_iter) {
+        return (T::kKvStages > 1 ? tile_iter >> 1 : tile_iter) & 1;
     }
     __device__ __forceinline__ u32 fdq_chunk(int i) const { return sFdq + i * T::kFdqChunkBytes; }
     __device__ __forceinline__ u32 fdq_req_full(int i) const { return sFdq + T::kFdqBufBytes + 8 * i; }
@@ -1038,6 +1063,8 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
     // kHidden: none of this warpgroup's keys is visible to the block (FT_BWD_SKIP_HIDDEN): only its zero dS^T and its
     // dQ piece
     bool kv_released = false;  // kKvReleaseLast: this tile's K / V released by its last query block
+    int kvb = 0;       // the tile's K / V buffer (T::kKvStages)
+    u32 kv_off = 0;    // ... its offset from buffer 0
     auto step = [&](const QueryBlockWalk<T>& walk, int gs, auto mask_tag, auto hidden_tag) {
         constexpr bool kMask = decltype(mask_tag)::value, kHidden = decltype(hidden_tag)::value;
         const int head = walk.head, m0 = walk.m0, n0 = x.n0, seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
@@ -1048,6 +1075,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
         // descriptors out of the tile loop costs more registers than recomputing them (hd128 spills 452 -> 60 bytes,
         // 5-10% faster; H200 A/B 2026-11-24)
         u32 sK_w = sK_w0, sV_w = sV_w0, sK_all = sm.sK + (T::kSwapDq && FT_BWD_LEAN_ADDR ? w * kBlockN * 128 : 0);
+        if constexpr (T::kKvStages > 1) sK_w += kv_off, sV_w += kv_off, sK_all += kv_off;
         u32 sQ_s = sm.sQ(s), sdO_s = sm.sdO(s);
         asm volatile("" : "+r"(sK_w), "+r"(sV_w), "+r"(sK_all), "+r"(sQ_s), "+r"(sdO_s));
         // kScoreMods: ALiBi's slope of this (batch, head) in raw score units (0: none), loaded while the GEMMs run
@@ -1377,7 +1405,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
             if constexpr (T::kKvReleaseLast) {
                 if (walk.it + 1 >= walk.n_iters) {  // the tile's last query block: K / V are read no more
                     __syncwarp();
-                    if (lead_lane) mbar_arrive(sm.empty_kv);
+                    if (lead_lane) mbar_arrive(sm.kv_empty(kvb));
                     kv_released = true;
                 }
             }
@@ -1404,7 +1432,8 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc_dk[i][j] = acc_dv[i][j] = 0.f;
         kv_released = false;
-        mbar_wait(sm.full_kv, tile_iter & 1);
+        kvb = sm.kv_buf(tile_iter), kv_off = kvb * sm.kKvBytes;
+        mbar_wait(sm.kv_full(kvb), sm.kv_parity(tile_iter));
         FT_TIMELINE_MARK(wg, tile_iter, 1);
         // (FT_BWD_SKIP_HIDDEN) the warpgroup's first key, and the last one some row of a block ending at row m_end sees
         const int wg_key0 = x.n0 + 64 * w;
@@ -1457,7 +1486,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
             if (x.piece >= 0) {
                 if constexpr (T::kEarlyKv) {  // (K / V read no more: the next unit's copy need not wait for the sums)
                     __syncwarp();
-                    if (lead_lane && !kv_released) mbar_arrive(sm.empty_kv);
+                    if (lead_lane && !kv_released) mbar_arrive(sm.kv_empty(kvb));
                     kv_released = true;
                 }
                 write = tail_sum<T>(p, x, w, ctid, acc_dk, acc_dv);
@@ -1469,7 +1498,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
             // forward + backward 1.017x over a copy per split); deterministic calls write a copy per split, summed
             // in split order by the convert kernel. K / V are released at once.
             __syncwarp();
-            if (lead_lane && !kv_released) mbar_arrive(sm.empty_kv);
+            if (lead_lane && !kv_released) mbar_arrive(sm.kv_empty(kvb));
             constexpr bool kReduce = !T::kIsDeterministic;  // one zero-filled copy, reduce-added in L2
             const i64 base = (kReduce ? 0 : x.split * p.dkv_split_stride) + x.batch * p.dkv_batch_stride +
                              x.head_kv * p.dkv_head_stride + (i64)(x.k_start + x.n0 + key_row0 + g) * p.dkv_cols + 2 * t;
@@ -1502,7 +1531,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
         if constexpr (T::kEarlyKv) {
             // (each warp after its warpgroup's last GEMM: the K / V copy of the next tile overlaps this epilogue)
             __syncwarp();
-            if (lead_lane && !kv_released) mbar_arrive(sm.empty_kv);
+            if (lead_lane && !kv_released) mbar_arrive(sm.kv_empty(kvb));
             if constexpr (T::kSwapDq) sdK = sm.sdS0 + w * (TileS::kBytes / 2), sdV = sm.sdQ + w * TileDv::kBytes;
             else sdK = sm.sdS0, sdV = sm.sdS0 + TileKV::kBytes;
             // (a tile without query blocks has written no dS^T, so nothing has waited for the last stores yet)
@@ -1557,7 +1586,7 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
         }
         if constexpr (!T::kEarlyKv) {
             __syncwarp();
-            if (lead_lane && !kv_released) mbar_arrive(sm.empty_kv);  // (this warp's reads of K / V are done)
+            if (lead_lane && !kv_released) mbar_arrive(sm.kv_empty(kvb));  // (this warp's reads of K / V are done)
         }
         FT_TIMELINE_MARK(wg, tile_iter, 4);
     }
@@ -2244,8 +2273,12 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             if (T::kDqWriters == 2) mbar_init(sm.dq_full1, 4 * T::kNMma);
             mbar_init(sm.dq_empty, 1);            // the dQ writer (the copy engine has read the slices)
         }
-        mbar_init(sm.full_kv, 1);
-        mbar_init(sm.empty_kv, 4 * T::kNMma);  // one arrival per MMA warp (its last GEMM reading K / V is done)
+#pragma unroll
+        for (int b = 0; b < T::kKvStages; ++b) {
+            mbar_init(sm.kv_full(b), 1);
+            mbar_init(sm.kv_empty(b), 4 * T::kNMma);  // one arrival per MMA warp (its last GEMM reading K / V is done)
+        }
+        if (T::kAlignSlack == 0 && (smem_u32(smem) & 1023u) != 0) __trap();  // (the tiles' 128-byte swizzle)
         if constexpr (T::kFusedDq) {
 #pragma unroll
             for (int i = 0; i < T::kFdqReqs; ++i) {
@@ -2315,33 +2348,37 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 if (tile >= n_units) break;
                 const int batch_coord = varlen ? 0 : x.batch;
                 // K / V once the MMA warps are done with the previous tile's (after this tile's first Q / dO copy,
-                // which so overlaps the previous tile's last block)
+                // which so overlaps the previous tile's last block); two buffers (kKvStages): before it, into the
+                // buffer that the tile before the previous one has released
                 bool kv_loaded = false;
                 auto load_kv = [&]() {
-                    mbar_wait(sm.empty_kv, (tile_iter & 1) ^ 1);
-                    mbar_arrive_expect_tx(sm.full_kv, 2 * TileKV::kBytes);
+                    const int kvb = sm.kv_buf(tile_iter);
+                    const u32 kv_full = sm.kv_full(kvb), sK = sm.sK + kvb * sm.kKvBytes, sV = sm.sV + kvb * sm.kKvBytes;
+                    mbar_wait(sm.kv_empty(kvb), sm.kv_parity(tile_iter) ^ 1);
+                    mbar_arrive_expect_tx(kv_full, 2 * TileKV::kBytes);
                     if constexpr (T::kKBoxCols == 64) {
 #pragma unroll
                         for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-                            tma_load_4d(sm.sK + cb * kBlockN * 128, &params.tma_k, sm.full_kv, cb * 64,
+                            tma_load_4d(sK + cb * kBlockN * 128, &params.tma_k, kv_full, cb * 64,
                                         x.k_start + x.n0, x.head_kv, batch_coord);
-                            tma_load_4d(sm.sV + cb * kBlockN * 128, &params.tma_v, sm.full_kv, cb * 64,
+                            tma_load_4d(sV + cb * kBlockN * 128, &params.tma_v, kv_full, cb * 64,
                                         x.k_start + x.n0, x.head_kv, batch_coord);
                         }
                     } else {  // K in T::TileK's 32-column blocks (the K map's boxes: 32 columns, 64-byte swizzle)
                         constexpr int kKB = T::kKBoxCols;
 #pragma unroll
                         for (int cb = 0; cb < kHeadDim / kKB; ++cb)
-                            tma_load_4d(sm.sK + cb * kBlockN * kKB * 2, &params.tma_k, sm.full_kv, cb * kKB,
+                            tma_load_4d(sK + cb * kBlockN * kKB * 2, &params.tma_k, kv_full, cb * kKB,
                                         x.k_start + x.n0, x.head_kv, batch_coord);
 #pragma unroll
                         for (int cb = 0; cb < kHeadDim / 64; ++cb)
-                            tma_load_4d(sm.sV + cb * kBlockN * 128, &params.tma_v, sm.full_kv, cb * 64,
+                            tma_load_4d(sV + cb * kBlockN * 128, &params.tma_v, kv_full, cb * 64,
                                         x.k_start + x.n0, x.head_kv, batch_coord);
                     }
                     kv_loaded = true;
                     FT_TIMELINE_MARK(0, tile_iter, 3);
                 };
+                if constexpr (T::kKvStages > 1) load_kv();
                 const int q_pad = x.q_pad;
                 sm.tile_heads(x);
                 for (QueryBlockWalk<T> walk(p, x); walk.has;
