@@ -50,31 +50,32 @@ def test_fused_dq_rule(monkeypatch):
 
 
 def test_two_kv_buffers_rule(monkeypatch):
-    """The hd64 Hopper backward's two K / V buffers (BwdSm90Tiles.kv_stages): off by default; with a switch set, the
-    dense calls without dropout of known query length up to it (causal and non-causal switches apart), in place of the
-    fused dQ conversion, with the second K / V buffer's 32 KB of shared memory and no alignment slack (within the
-    227 KB a block may have); never at head dim 128, with dropout, deterministic or block-sparse."""
-    def spec(head_dim=64, causal=True, seqlen_q=1024, **kw):
+    """The hd64 Hopper backward's two K / V buffers (BwdSm90Tiles.kv_stages): by default the dense non-causal calls
+    without dropout of known query length up to 1K (tail split or not), never the causal ones; with the causal switch
+    set, those up to it in place of the fused dQ conversion. The second K / V buffer adds 32 KB of shared memory and
+    drops the 1 KB alignment slack (within the 227 KB a block may have); never at head dim 128, with dropout,
+    deterministic or block-sparse."""
+    def spec(head_dim=64, causal=False, seqlen_q=1024, **kw):
         return build.bwd_sm90_kernel(head_dim, "bf16", causal, seqlen_q=seqlen_q, **kw)
 
-    assert build.BWD_SM90_HD64_KV2_CAUSAL_SEQLEN == build.BWD_SM90_HD64_KV2_FULL_SEQLEN == 0
-    assert not any(s.name.endswith("_kv2") for s in build.all_kernels())
-    assert spec().name == "flash_bwd_sm90_hdim64_bf16_causal_fdq"
-    monkeypatch.setattr(build, "BWD_SM90_HD64_KV2_CAUSAL_SEQLEN", 2048)
-    two = spec(seqlen_q=2048)
-    assert two.name == "flash_bwd_sm90_hdim64_bf16_causal_kv2" and not build.bwd_fused_dq(two)
-    assert ("FT_BWD_KV_STAGES", 2) in two.defines
-    one = build._bwd_sm90_spec(64, "bf16", True, False, False, False, build.BWD_SM90_TILES[64], 64, lse_bias=True)
+    assert (build.BWD_SM90_HD64_KV2_FULL_SEQLEN, build.BWD_SM90_HD64_KV2_CAUSAL_SEQLEN) == (1024, 0)
+    two = spec()
+    assert two.name == "flash_bwd_sm90_hdim64_bf16_tail_kv2" and ("FT_BWD_KV_STAGES", 2) in two.defines
+    assert spec(seqlen_q=512, tail_split=False).name == "flash_bwd_sm90_hdim64_bf16_kv2"
+    one = spec(seqlen_q=1025)
+    assert one.name == "flash_bwd_sm90_hdim64_bf16_tail" and spec(seqlen_q=None).name == one.name
     assert two.smem_bytes == one.smem_bytes + 2 * 128 * 64 * 2 - 1024 == 231680 <= SM90_MAX_SMEM
-    assert spec(seqlen_q=2049).name.endswith("_fdq") and spec(seqlen_q=None).name.endswith("_fdq")
-    assert not spec(causal=False).name.endswith("_kv2")
     for kw in ({"dropout": True}, {"deterministic": True}, {"block_sparse": True}):
         assert not spec(**kw).name.endswith("_kv2")
-    assert not spec(128).name.endswith("_kv2")
+    assert not spec(128).name.endswith("_kv2") and spec(causal=True).name.endswith("_causal_fdq")
     assert sorted(s.name for s in build.all_kernels() if s.name.endswith("_kv2")) == [
-        "flash_bwd_sm90_hdim64_bf16_causal_kv2", "flash_bwd_sm90_hdim64_fp16_causal_kv2"]
-    monkeypatch.setattr(build, "BWD_SM90_HD64_KV2_FULL_SEQLEN", 512)
-    assert spec(causal=False, seqlen_q=512).name == "flash_bwd_sm90_hdim64_bf16_tail_kv2"
+        f"flash_bwd_sm90_hdim64_{dtype}{tail}_kv2" for dtype in ("bf16", "fp16") for tail in ("", "_tail")]
+    monkeypatch.setattr(build, "BWD_SM90_HD64_KV2_CAUSAL_SEQLEN", 2048)
+    causal = spec(causal=True, seqlen_q=2048)
+    assert causal.name == "flash_bwd_sm90_hdim64_bf16_causal_kv2" and not build.bwd_fused_dq(causal)
+    assert spec(causal=True, seqlen_q=2049).name.endswith("_fdq")
+    monkeypatch.setattr(build, "BWD_SM90_HD64_KV2_FULL_SEQLEN", 0)
+    assert not spec(seqlen_q=512).name.endswith("_kv2")
 
 
 def test_rounded_head_dim():
@@ -131,8 +132,12 @@ def test_dispatch_table_covers_every_instantiation_once():
     # (build.BWD_FUSED_DQ picks one), x dtype
     hopper_fused = 2 * 2
     assert sum(name.endswith("_fdq") for name in names) == hopper_fused
+    # the non-causal hd64 backward with two K / V buffers (`_kv2`, short calls: BWD_SM90_HD64_KV2_FULL_SEQLEN), with
+    # and without the tail split, x dtype
+    hopper_kv2 = 2 * 2
+    assert sum(name.endswith("_kv2") for name in names) == hopper_kv2
     hopper = (len(hopper_dims) * 2 * 2 * 2 - len(split) * 2 * 2 + hopper_sparse + hopper_det + hopper_long + hopper_narrow
-              + hopper_q80 + hopper_mods + hopper_tail + hopper_fused)
+              + hopper_q80 + hopper_mods + hopper_tail + hopper_fused + hopper_kv2)
     cross_entropy = len(build.CE_DTYPES)  # the fused cross-entropy, one module per logits dtype
     # the mma.sync forward and backward with score modifications (window, softcap, ALiBi): head dims x dtype x causal
     local_softcap = 2 * dense * 2 * 2

@@ -1017,12 +1017,16 @@ def _bwd_fused_dq_rule(head_dim: int, causal: bool, plain: bool, seqlen_q: int |
 
 
 # The Hopper backward's second K / V buffer (flash_bwd_sm90.cuh kKvStages; BwdSm90Tiles.kv_stages = 2): the dense
-# hd64 backward without dropout (128-query blocks) with known query lengths up to BWD_SM90_HD64_KV2_CAUSAL_SEQLEN
-# (causal) / BWD_SM90_HD64_KV2_FULL_SEQLEN (non-causal) takes it, in place of the fused dQ conversion. 0: never
-# (FLASHTRAIN_BWD_SM90_HD64_KV2_CAUSAL_SEQLEN / _FULL_SEQLEN at import, or ab_probe.py
-# flashtrain@build.BWD_SM90_HD64_KV2_CAUSAL_SEQLEN=N; read at plan time).
+# hd64 backward without dropout (128-query blocks) with a known query length up to BWD_SM90_HD64_KV2_FULL_SEQLEN
+# (non-causal) / BWD_SM90_HD64_KV2_CAUSAL_SEQLEN (causal; in place of the fused dQ conversion) takes it. H100,
+# 2026-12-06, interleaved CUDA-graph replays (ab_probe.py), backward against one buffer: non-causal 512 1.018-1.020
+# (12 heads 1.019), 768 1.014, 1K 1.009, 2K 1.002, 4K / 8K 1.001-1.002, forward + backward 512 1.012-1.017, 1K
+# 1.008, 2K 0.993; causal 512 1.012-1.022, the same as the conversion kernel without the second buffer
+# (BWD_FUSED_DQ = 0), and 768-4K 0.969-0.989 against the fused conversion it replaces (kernel_ab-h100.json
+# bwd_kv2_ab): non-causal up to 1K, never causal. 0: never (FLASHTRAIN_BWD_SM90_HD64_KV2_FULL_SEQLEN /
+# _CAUSAL_SEQLEN at import, or ab_probe.py flashtrain@build.BWD_SM90_HD64_KV2_FULL_SEQLEN=N; read at plan time).
+BWD_SM90_HD64_KV2_FULL_SEQLEN = int(os.environ.get("FLASHTRAIN_BWD_SM90_HD64_KV2_FULL_SEQLEN", "1024"))
 BWD_SM90_HD64_KV2_CAUSAL_SEQLEN = int(os.environ.get("FLASHTRAIN_BWD_SM90_HD64_KV2_CAUSAL_SEQLEN", "0"))
-BWD_SM90_HD64_KV2_FULL_SEQLEN = int(os.environ.get("FLASHTRAIN_BWD_SM90_HD64_KV2_FULL_SEQLEN", "0"))
 
 
 def _bwd_kv2_rule(head_dim: int, causal: bool, plain: bool, seqlen_q: int | None, tiles: BwdSm90Tiles) -> bool:
@@ -1305,9 +1309,10 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
                                               dataclasses.replace(BWD_SM90_TILES[head_dim], fused_dq=fused), head_dim,
                                               lse_bias=_bwd_lse_bias_rule(head_dim, None, True,
                                                                           BWD_SM90_TILES[head_dim])), smem_limit)]
-    specs += [spec for dtype in DTYPES for causal in (False, True)  # two K / V buffers, where a switch asks for them
-              if (BWD_SM90_HD64_KV2_CAUSAL_SEQLEN if causal else BWD_SM90_HD64_KV2_FULL_SEQLEN)
-              if _fits(spec := bwd_sm90_kernel(64, dtype, causal, seqlen_q=1), smem_limit)]
+    specs += [spec for dtype in DTYPES for causal in (False, True)  # two K / V buffers (hd64, short calls; and
+              if (BWD_SM90_HD64_KV2_CAUSAL_SEQLEN if causal else BWD_SM90_HD64_KV2_FULL_SEQLEN)  # without the
+              for tail in (True, False)                                                          # tail split)
+              if _fits(spec := bwd_sm90_kernel(64, dtype, causal, seqlen_q=1, tail_split=tail), smem_limit)]
     specs += [spec for dtype in DTYPES for causal in (False, True)  # the hd192 backward's other key tile (A/B:
               for tiles in (BWD_SM90_TILES[192], BWD_SM90_HD192_N64, BWD_SM90_HD192_REG_DQ)
               if _fits(spec := _bwd_sm90_spec(192, dtype, causal, False, False, False, tiles, 192), smem_limit)]
