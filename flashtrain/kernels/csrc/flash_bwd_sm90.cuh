@@ -509,6 +509,12 @@ struct BwdSm90Traits {
 #define FT_BWD_FDQ_DEPTH 1
 #endif
     static constexpr int kFdqDepth = FT_BWD_FDQ_DEPTH;
+    // FT_BWD_FDQ_DISCARD (A/B, default 0): 1, each converter lane drops its 128-byte line of a chunk of dq_accum from
+    // L2 once the chunk's copy has landed (discard_l2_line: dq_accum is read no more, so its dirty lines need not be
+    // written back to memory)
+#ifndef FT_BWD_FDQ_DISCARD
+#define FT_BWD_FDQ_DISCARD 0
+#endif
     static_assert(kFdqDepth >= 1 && kFdqDepth <= 15, "kFdqDepth + 1 records fit");
     // FT_BWD_FDQ_DIAG (timing diagnostics only, wrong dq): 1 the writer waits and counts but hands nothing to the
     // converter; 2 the writer neither waits nor counts
@@ -2584,6 +2590,10 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 for (int k = 0; k < kMine; ++k) {
                     const int c = ci + kConv * k, buf = 2 * ci + (k & 1);
                     mbar_wait(sm.fdq_chunk_full(buf), (k >> 1) & 1);  // (each buffer fills kMine / 2 times a block)
+                    if constexpr (FT_BWD_FDQ_DISCARD != 0) {
+                        static_assert(kChunk == 32 * 128, "one 128-byte line per lane");
+                        discard_l2_line(src + c * (kChunk / 4) + 32 * lane);
+                    }
 #pragma unroll 1
                     for (int i = 0; i < kSlicesPerChunk; ++i) {  // (few registers: the producer warpgroup's)
                         const int slice = c * kSlicesPerChunk + i;

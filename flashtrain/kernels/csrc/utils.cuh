@@ -27,6 +27,13 @@ template <int kValue> struct IntConstant {
 };
 
 // ---------------------------------------------------------------------------------------------- scalar helpers
+// Drops the 128-byte line at `line` (global, 128-byte aligned) from L2 without writing it back to memory: its
+// contents become indeterminate until written again (PTX discard.global.L2, sm_80+). For a scratch buffer whose
+// values were read for the last time.
+__device__ __forceinline__ void discard_l2_line(const void* line) {
+    asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
+}
+
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
