@@ -588,6 +588,35 @@ def test_hopper_backward_plan_tail_split(recording, monkeypatch):
     assert name == "flash_bwd_sm90_hdim64_bf16" and main.params.bwd.tail_pieces == 0 and len(outputs) == 4
 
 
+def test_hopper_backward_plan_two_kv_buffers(recording, monkeypatch):
+    """The dense non-causal hd64 backward of up to build.BWD_SM90_HD64_KV2_FULL_SEQLEN queries runs the `_kv2` kernel
+    (two K / V buffers: 231,680 bytes of shared memory) followed by the dq conversion; longer calls and causal ones
+    keep their kernels (causal: dq converted in the kernel where build.BWD_FUSED_DQ says so); the switch at 0: none."""
+    from flashtrain.kernels import ops
+
+    arch, _ = recording
+    if arch != "sm_90a":
+        pytest.skip("the Hopper backward")
+
+    def plan(s, causal=False):
+        x, lse = torch.zeros(2, s, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 4, s)
+        result = ops._bwd_plan(x, x, x, x, x, lse, None, None, s, s, 0.0, 0.125, causal, False, None)
+        return [(_SYMBOLS[launch.kernel.handle.value], launch.kernel.smem_bytes) for launch in result.launches]
+
+    limit = build.BWD_SM90_HD64_KV2_FULL_SEQLEN
+    assert limit == 1024
+    for s in (1, 512, limit):
+        launches = plan(s)
+        assert launches[1] == ("flash_bwd_sm90_hdim64_bf16_tail_kv2", 231680), (s, launches)
+        assert [name for name, _ in launches] == ["flash_aux_bf16_preprocess", "flash_bwd_sm90_hdim64_bf16_tail_kv2",
+                                                  "flash_aux_bf16_convert_dq"]
+    assert plan(limit + 1)[1][0] == "flash_bwd_sm90_hdim64_bf16_tail"
+    assert plan(512, causal=True)[1][0] == "flash_bwd_sm90_hdim64_bf16_causal" + ("_fdq" if build.BWD_FUSED_DQ else "")
+    monkeypatch.setattr(build, "BWD_SM90_HD64_KV2_FULL_SEQLEN", 0)
+    monkeypatch.setattr(ops, "_bwd_plans", {})
+    assert plan(512)[1][0] == "flash_bwd_sm90_hdim64_bf16_tail"
+
+
 def test_hopper_forward_plan_tail_split(recording, monkeypatch):
     """With build.FWD_TAIL_SPLIT = 1 the dense hd128 forward at 2K tokens, 9 heads (144 tiles of 128 rows on 132 SMs)
     runs its 12 tail tiles in pieces over their 16 key blocks: the `_tail` kernel, FwdSm90Params' tail fields from
