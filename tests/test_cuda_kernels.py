@@ -267,6 +267,32 @@ def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
                                 (2, 1024, 8, 2, 128, True)], varlen_head_dim=128, seed=20)
 
 
+def _backward_cases_match_reference(head_dim, causal, seed, extra_cases=()):
+    """The Hopper backward's tile-walk cases against the reference (seeds seed, seed + 1, ..., varlen seed + 9): many
+    tiles per CTA, queries past the keys (whole query blocks that no key block sees: zero dq where causal), keys past
+    the queries, a partial last query block, GQA with its group split over tiles, fp16, and varlen with a sequence
+    without keys (zero dq)."""
+    cases = [((4, 1000, 8, head_dim), (4, 1000, 8, head_dim), torch.bfloat16),
+             ((2, 700, 4, head_dim), (2, 300, 4, head_dim), torch.bfloat16),
+             ((2, 300, 4, head_dim), (2, 777, 4, head_dim), torch.float16),
+             ((1, 2048, 16, head_dim), (1, 2048, 2, head_dim), torch.bfloat16), *extra_cases]
+    for index, (shape_q, shape_k, dtype) in enumerate(cases):
+        q, k, v, dout = _inputs(shape_q, shape_k, dtype, seed=seed + index)
+        _, _, dq, _, _ = _check_against_reference(q, k, v, dout, causal=causal)
+        if causal and shape_q[1] > shape_k[1]:  # rows that see no key
+            unseen = shape_q[1] - shape_k[1]
+            assert torch.equal(dq[:, :unseen], torch.zeros_like(dq[:, :unseen]))
+    lengths_q, lengths_k = [129, 0, 640, 70, 300], [129, 5, 640, 0, 100]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v, dout = _inputs((sum(lengths_q), 4, head_dim), (sum(lengths_k), 2, head_dim), torch.bfloat16,
+                            seed=seed + 9)
+    _, _, dq, _, _ = _check_against_reference(q, k, v, dout, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                              max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+    no_keys = slice(129 + 640, 129 + 640 + 70)
+    assert torch.equal(dq[no_keys], torch.zeros_like(dq[no_keys]))
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("fused", [2, 0], ids=["fused", "kernel"])
 def test_causal_backward_dq_conversion_matches_reference(head_dim, fused, monkeypatch):
@@ -285,24 +311,7 @@ def test_causal_backward_dq_conversion_matches_reference(head_dim, fused, monkey
     ops.clear_plans()  # (a plan holds the kernel it was built with)
     spec = build.bwd_sm90_kernel(head_dim, "bf16", True, seqlen_q=1024)
     assert build.bwd_fused_dq(spec) == bool(fused)
-    cases = [((4, 1000, 8, head_dim), (4, 1000, 8, head_dim), torch.bfloat16),
-             ((2, 700, 4, head_dim), (2, 300, 4, head_dim), torch.bfloat16),
-             ((2, 300, 4, head_dim), (2, 777, 4, head_dim), torch.float16),
-             ((1, 2048, 16, head_dim), (1, 2048, 2, head_dim), torch.bfloat16)]
-    for index, (shape_q, shape_k, dtype) in enumerate(cases):
-        q, k, v, dout = _inputs(shape_q, shape_k, dtype, seed=90 + index)
-        _, _, dq, _, _ = _check_against_reference(q, k, v, dout, causal=True)
-        if shape_q[1] > shape_k[1]:  # rows that see no key
-            unseen = shape_q[1] - shape_k[1]
-            assert torch.equal(dq[:, :unseen], torch.zeros_like(dq[:, :unseen]))
-    lengths_q, lengths_k = [129, 0, 640, 70, 300], [129, 5, 640, 0, 100]
-    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    q, k, v, dout = _inputs((sum(lengths_q), 4, head_dim), (sum(lengths_k), 2, head_dim), torch.bfloat16, seed=99)
-    _, _, dq, _, _ = _check_against_reference(q, k, v, dout, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                              max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
-    no_keys = slice(129 + 640, 129 + 640 + 70)
-    assert torch.equal(dq[no_keys], torch.zeros_like(dq[no_keys]))
+    _backward_cases_match_reference(head_dim, True, seed=90)
     monkeypatch.undo()
     ops.clear_plans()
 
@@ -322,25 +331,8 @@ def test_backward_two_kv_buffers_matches_reference(causal, monkeypatch):
     ops.clear_plans()  # (a plan holds the kernel it was built with)
     spec = build.bwd_sm90_kernel(64, "bf16", causal, seqlen_q=1024)
     assert spec.name.endswith("_kv2") and not build.bwd_fused_dq(spec)
-    cases = [((4, 1000, 8, 64), (4, 1000, 8, 64), torch.bfloat16),
-             ((2, 700, 4, 64), (2, 300, 4, 64), torch.bfloat16),
-             ((2, 300, 4, 64), (2, 777, 4, 64), torch.float16),
-             ((1, 2048, 16, 64), (1, 2048, 2, 64), torch.bfloat16),
-             ((8, 512, 32, 64), (8, 512, 32, 64), torch.bfloat16)]
-    for index, (shape_q, shape_k, dtype) in enumerate(cases):
-        q, k, v, dout = _inputs(shape_q, shape_k, dtype, seed=190 + index)
-        _, _, dq, _, _ = _check_against_reference(q, k, v, dout, causal=causal)
-        if causal and shape_q[1] > shape_k[1]:  # rows that see no key
-            unseen = shape_q[1] - shape_k[1]
-            assert torch.equal(dq[:, :unseen], torch.zeros_like(dq[:, :unseen]))
-    lengths_q, lengths_k = [129, 0, 640, 70, 300], [129, 5, 640, 0, 100]
-    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    q, k, v, dout = _inputs((sum(lengths_q), 4, 64), (sum(lengths_k), 2, 64), torch.bfloat16, seed=199)
-    _, _, dq, _, _ = _check_against_reference(q, k, v, dout, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                              max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
-    no_keys = slice(129 + 640, 129 + 640 + 70)
-    assert torch.equal(dq[no_keys], torch.zeros_like(dq[no_keys]))
+    _backward_cases_match_reference(64, causal, seed=190,
+                                    extra_cases=[((8, 512, 32, 64), (8, 512, 32, 64), torch.bfloat16)])
     monkeypatch.undo()
     ops.clear_plans()
 

@@ -1309,9 +1309,11 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
                                               dataclasses.replace(BWD_SM90_TILES[head_dim], fused_dq=fused), head_dim,
                                               lse_bias=_bwd_lse_bias_rule(head_dim, None, True,
                                                                           BWD_SM90_TILES[head_dim])), smem_limit)]
-    specs += [spec for dtype in DTYPES for causal in (False, True)  # two K / V buffers (hd64, short calls; and
-              if (BWD_SM90_HD64_KV2_CAUSAL_SEQLEN if causal else BWD_SM90_HD64_KV2_FULL_SEQLEN)  # without the
-              for tail in (True, False)                                                          # tail split)
+    # the hd64 backward with two K / V buffers (short calls, where BWD_SM90_HD64_KV2_*_SEQLEN has them), with and
+    # without the tail split
+    specs += [spec for dtype in DTYPES for causal in (False, True)
+              if (BWD_SM90_HD64_KV2_CAUSAL_SEQLEN if causal else BWD_SM90_HD64_KV2_FULL_SEQLEN)
+              for tail in (True, False)
               if _fits(spec := bwd_sm90_kernel(64, dtype, causal, seqlen_q=1, tail_split=tail), smem_limit)]
     specs += [spec for dtype in DTYPES for causal in (False, True)  # the hd192 backward's other key tile (A/B:
               for tiles in (BWD_SM90_TILES[192], BWD_SM90_HD192_N64, BWD_SM90_HD192_REG_DQ)
