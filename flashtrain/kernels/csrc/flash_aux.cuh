@@ -77,12 +77,6 @@ struct AuxRowGroup {
 // j of a slice at 128 j floats), 80 round_up(head_dim, 16) of each 80-row block of the fragment order (16-column
 // slices). The preprocess zeroes that prefix, rounded up to whole rows, and the scrambled conversion reads only the n8
 // tiles below head_dim (FT_AUX_NARROW; 0: every column of dqa_cols).
-// FT_AUX_DQ_DISCARD (A/B, default 0): 1, the dq conversion of the scrambled layout (one copy of dq_accum) drops each
-// 128-byte line of dq_accum from L2 once its values are read (discard_l2_line: read no more, so lines still dirty in
-// L2 from the backward's reduce-adds need not be written back to memory)
-#ifndef FT_AUX_DQ_DISCARD
-#define FT_AUX_DQ_DISCARD 0
-#endif
 #ifndef FT_AUX_NARROW
 #define FT_AUX_NARROW 1
 #endif
@@ -325,12 +319,6 @@ template <bool kIsBF16> __device__ __forceinline__ void bwd_convert_dq(const Aux
                     const u32 at = tile + (lane / 4) * tile_row + 16 * (j0 + jj) + 4 * (lane % 4);
                     st_shared_b32(at, pack2<kIsBF16>(v.x * p.softmax_scale, v.y * p.softmax_scale));
                     st_shared_b32(at + 8 * tile_row, pack2<kIsBF16>(v.z * p.softmax_scale, v.w * p.softmax_scale));
-                }
-                if (FT_AUX_DQ_DISCARD && p.nsplits == 1) {  // (the warp's 512 bytes per n8 tile: 4 lines, read)
-                    __syncwarp();
-#pragma unroll
-                    for (int jj = 0; jj < 4; ++jj)
-                        if (lane % 8 == 0 && j0 + jj < tiles) discard_l2_line(src + 4 * 32 * (j0 + jj) + 4 * lane);
                 }
             }
             warp_sync();

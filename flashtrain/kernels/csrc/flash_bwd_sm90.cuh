@@ -509,11 +509,12 @@ struct BwdSm90Traits {
 #define FT_BWD_FDQ_DEPTH 1
 #endif
     static constexpr int kFdqDepth = FT_BWD_FDQ_DEPTH;
-    // FT_BWD_FDQ_DISCARD (A/B, default 0): 1, each converter lane drops its 128-byte line of a chunk of dq_accum from
-    // L2 once the chunk's copy has landed (discard_l2_line: dq_accum is read no more, so its dirty lines need not be
-    // written back to memory)
+    // FT_BWD_FDQ_DISCARD (default 1; 0 is the A/B build without it): each converter lane drops its 128-byte line of a
+    // chunk of dq_accum from L2 once the chunk's copy has landed (discard_l2_line: a converted block of dq_accum is read
+    // no more -- each sequence's blocks are whole blocks of padded rows, zero-filled again by the next call's
+    // preprocess -- so its lines, dirty from the reduce-adds, are never written back to memory)
 #ifndef FT_BWD_FDQ_DISCARD
-#define FT_BWD_FDQ_DISCARD 0
+#define FT_BWD_FDQ_DISCARD 1
 #endif
     static_assert(kFdqDepth >= 1 && kFdqDepth <= 15, "kFdqDepth + 1 records fit");
     // FT_BWD_FDQ_DIAG (timing diagnostics only, wrong dq): 1 the writer waits and counts but hands nothing to the
