@@ -134,13 +134,16 @@ def _section(path: Path) -> list[str]:
     if table is None:  # (no blank line after it, nor after a table: the next heading ends either)
         return lines + [head + " (No table: see the JSON.)"]
     key, rows = table
+    latest = key == "runs"  # (a log of runs, oldest first: the page shows the latest)
+    shown = rows[-MAX_ROWS:] if latest else rows[:MAX_ROWS]
     columns, left_out = _columns(rows)
-    head += (f" Table: `{key}`" + (f", first {MAX_ROWS} of {len(rows)} rows" if len(rows) > MAX_ROWS else "")
+    head += (f" Table: `{key}`" + (f", {'last' if latest else 'first'} {MAX_ROWS} of {len(rows)} rows"
+                                   if len(rows) > MAX_ROWS else "")
              + (f", {left_out} more columns in the JSON" if left_out else "") + ".")
     lines += [head, ""]
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
-    for row in rows[:MAX_ROWS]:
+    for row in shown:
         lines.append("| " + " | ".join(_cell(row.get(c)) for c in columns) + " |")
     return lines
 

@@ -296,9 +296,9 @@ def _backward_cases_match_reference(head_dim, causal, seed, extra_cases=()):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("fused", [2, 0], ids=["fused", "kernel"])
 def test_causal_backward_dq_conversion_matches_reference(head_dim, fused, monkeypatch):
-    """The causal Hopper backward converting dq itself (build.BWD_FUSED_DQ 2: head dims 64 and 128; the key block
-    that completes a query block's count hands it to the converter warps, which drop the converted lines of dq_accum
-    from L2; whole blocks and partial ones) and with the conversion kernel after it, against the reference: many
+    """The causal Hopper backward converting dq itself (build.BWD_FUSED_DQ 2: head dims 64 and 128, hd128 on the
+    descending walk; the key block that completes a query block's count hands it to the converter warps, which drop
+    the converted lines of dq_accum from L2; whole blocks and partial ones) and with the conversion kernel after it, against the reference: many
     tiles per CTA, queries past the keys (whole query blocks that no key block sees, whose dq the preprocess zeroes),
     keys past the queries, a partial last query block, GQA with its group split over tiles, fp16, varlen with a
     sequence without keys. The cases run twice, so the second calls' preprocess zero-fills the dropped lines again."""
@@ -308,8 +308,10 @@ def test_causal_backward_dq_conversion_matches_reference(head_dim, fused, monkey
         pytest.skip("the Hopper backward")
     ops = _ops()
     monkeypatch.setattr(build, "BWD_FUSED_DQ", fused)
+    monkeypatch.setattr(build, "BWD_FUSED_DQ_MAX_SEQLEN", 1 << 20)  # (every case, the 2048-row one too)
+    monkeypatch.setattr(build, "BWD_FUSED_DQ_HD128_MAX_SEQLEN", 1 << 20)
     ops.clear_plans()  # (a plan holds the kernel it was built with)
-    spec = build.bwd_sm90_kernel(head_dim, "bf16", True, seqlen_q=1024)
+    spec = build.bwd_sm90_kernel(head_dim, "bf16", True, seqlen_q=2048)
     assert build.bwd_fused_dq(spec) == bool(fused)
     for _ in range(2):
         _backward_cases_match_reference(head_dim, True, seed=90)

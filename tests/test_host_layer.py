@@ -301,8 +301,8 @@ def test_hopper_causal_backward_plan_converts_dq_in_the_kernel(recording, head_d
     """The causal Hopper backward converts dq itself (build.BWD_FUSED_DQ 1: head dim 64, 2: 64 and 128): two
     launches, the preprocess zeroing one count per (query head, query block of the padded rows) after dq_accum and the
     rows no key sees (fused_dq 2: causal), the kernel holding dq's address and strides and the same counts;
-    BWD_FUSED_DQ = 0, a non-causal call or one past build.BWD_FUSED_DQ_MAX_SEQLEN queries adds the conversion
-    kernel (its counts unused)."""
+    BWD_FUSED_DQ = 0, a non-causal call or one past build.BWD_FUSED_DQ_MAX_SEQLEN (hd128:
+    BWD_FUSED_DQ_HD128_MAX_SEQLEN) queries adds the conversion kernel (its counts unused)."""
     from flashtrain.kernels import launch, ops
 
     arch, _ = recording
@@ -336,9 +336,10 @@ def test_hopper_causal_backward_plan_converts_dq_in_the_kernel(recording, head_d
     assert [source for offset, *source in preprocess.addresses
             if offset == ops._offset(launch.AuxParams, "dq_counts")] == counts
     assert len(plan(False).launches) == 3 and plan(False).launches[0].params.fused_dq == 0
-    monkeypatch.setattr(build, "BWD_FUSED_DQ_MAX_SEQLEN", s - 1)
+    limit = "BWD_FUSED_DQ_HD128_MAX_SEQLEN" if head_dim == 128 else "BWD_FUSED_DQ_MAX_SEQLEN"
+    monkeypatch.setattr(build, limit, s - 1)
     assert len(plan(True).launches) == 3 and plan(True).launches[0].params.fused_dq == 0
-    monkeypatch.setattr(build, "BWD_FUSED_DQ_MAX_SEQLEN", s)
+    monkeypatch.setattr(build, limit, s)
     monkeypatch.setattr(build, "BWD_FUSED_DQ", 1)
     assert len(plan(True).launches) == (2 if head_dim == 64 else 3)
     monkeypatch.setattr(build, "BWD_FUSED_DQ", 0)

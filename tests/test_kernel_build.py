@@ -24,9 +24,10 @@ SM80_MAX_SMEM = 163 * 1024  # dynamic shared memory a CTA may opt in to on A100 
 
 def _fdq(head_dim: int, seqlen_q: int | None = None) -> str:
     """The name suffix of the dense causal Hopper backward where build.BWD_FUSED_DQ has it convert dq itself (1: head
-    dim 64; 2: 64 and 128), up to build.BWD_FUSED_DQ_MAX_SEQLEN queries."""
+    dim 64; 2: 64 and 128), up to build.BWD_FUSED_DQ_MAX_SEQLEN (hd128: BWD_FUSED_DQ_HD128_MAX_SEQLEN) queries."""
     head_dims = {1: (64,), 2: (64, 128)}.get(build.BWD_FUSED_DQ, ())
-    short = seqlen_q is None or seqlen_q <= build.BWD_FUSED_DQ_MAX_SEQLEN
+    limit = build.BWD_FUSED_DQ_HD128_MAX_SEQLEN if head_dim == 128 else build.BWD_FUSED_DQ_MAX_SEQLEN
+    short = seqlen_q is None or seqlen_q <= limit
     return "_fdq" if head_dim in head_dims and short else ""
 
 
@@ -385,8 +386,10 @@ def test_lse_bias_kernels(monkeypatch):
         assert not build.bwd_lse_bias(bwd(128, effective, dropout=True))
     causal64 = bwd(128, 128)
     assert causal64.tiles.block_m == 64 and build.bwd_lse_bias(causal64) and causal64 in build.all_kernels()
-    assert causal64.name == bwd(128, 128, seqlen_q=1 << 16).name
     assert causal64.name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + _fdq(128)
+    long64 = bwd(128, 128, seqlen_q=1 << 16)
+    assert long64.name == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + _fdq(128, 1 << 16)
+    assert long64.tiles.block_m == 64 and build.bwd_lse_bias(long64) and long64 in build.all_kernels()
     for spec in (bwd(128, 128, causal=False),  # (80-query blocks)
                  bwd(128, 128, dropout=True), bwd(64, 64), bwd(192, 192), bwd(256, 256),
                  bwd(128, 128, score_mods=True), bwd(64, 64, score_mods=True),

@@ -996,7 +996,7 @@ BWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_BWD_TAIL_SPLIT", "1"))
 
 
 # The Hopper backward's dQ conversion in the kernel (flash_bwd_sm90.cuh kFusedDq; BwdSm90Tiles.fused_dq): with
-# BWD_FUSED_DQ = 1 (the default) the dense causal backward without dropout at head dim 64 (128-query blocks) converts
+# BWD_FUSED_DQ >= 1 the dense causal backward without dropout at head dim 64 (128-query blocks) converts
 # dq itself, with no conversion kernel after it, for query lengths up to BWD_FUSED_DQ_MAX_SEQLEN (None: a short call).
 # Interleaved CUDA-graph replays, backward against the conversion kernel: H200 hd64 causal 512 1.063, 1K (12 heads)
 # 1.034, 4K 1.011, 16K 0.981; at head dim 128 (64-query blocks) 0.81-0.89 at 512-16K (kernel_ab-h200.json
@@ -1005,19 +1005,29 @@ BWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_BWD_TAIL_SPLIT", "1"))
 # dim 128 gained only with the query blocks walked from the last down, at 1K queries (bwd_walk_rev_fused_hd128_ab).
 # Since the converters drop the converted lines of dq_accum from L2 (flash_bwd_sm90.cuh FT_BWD_FDQ_DISCARD), H100:
 # hd64 causal 512 1.066-1.080 over the kernel without the drop, 1K 1.018-1.021, 2K-4K 0.998-1.001; the reach
-# rechecked with it: fused past 4K 0.985-0.993 at 8K / 16K, head dim 128 0.875-0.928, hd64 non-causal 0.92-0.93 of
+# rechecked with it: fused past 4K 0.985-0.993 at 8K / 16K, head dim 128 on the ascending walk 0.875-0.928, hd64
+# non-causal 0.92-0.93 of
 # the two K / V buffers (kernel_ab-h100.json bwd_fdq_discard_ab, bwd_fdq_reach_ab).
-# BWD_FUSED_DQ (FLASHTRAIN_BWD_FUSED_DQ at import, or ab_probe.py flashtrain@build.BWD_FUSED_DQ=N; read at plan
-# time): 0 the conversion kernel everywhere, 1 head dim 64, 2 head dims 64 and 128 (A/B).
+# With BWD_FUSED_DQ = 2 head dim 128 (64-query blocks) takes it for causal calls up to BWD_FUSED_DQ_HD128_MAX_SEQLEN
+# queries, in a kernel
+# whose walk visits each head's query blocks from the last down, with 40 producer registers (flash_bwd_sm90.cuh
+# QueryBlockWalk::kRev, kProducerRegs): H100, backward against the conversion kernel, causal 512 1.013, 768 1.049, 1K
+# 1.059, 1536 1.004, 2K 1.011; forward + backward 512 1.016, 1K 1.037 (kernel_ab-h100.json bwd_fdq_rev_hd128_ab).
+# That kernel passed its reference test on an H100 (bwd_fdq_rev_hd128_ab gpu_tests) but has not yet run under
+# compute-sanitizer, so head dim 128 is not in the default. BWD_FUSED_DQ (FLASHTRAIN_BWD_FUSED_DQ at import, or
+# ab_probe.py flashtrain@build.BWD_FUSED_DQ=N; read at plan time): 0 the conversion kernel everywhere, 1 head dim 64
+# (the default), 2 head dims 64 and 128.
 BWD_FUSED_DQ = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ", "1"))
 BWD_FUSED_DQ_MAX_SEQLEN = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ_MAX_SEQLEN", "4096"))
+BWD_FUSED_DQ_HD128_MAX_SEQLEN = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ_HD128_MAX_SEQLEN", "1024"))
 
 
 def _bwd_fused_dq_rule(head_dim: int, causal: bool, plain: bool, seqlen_q: int | None, tiles: BwdSm90Tiles) -> bool:
     """Whether the Hopper backward of these tiles converts dq itself (plain: dense, no dropout, all head-dim columns)."""
     head_dims = {1: (64,), 2: (64, 128)}.get(BWD_FUSED_DQ, ())
+    limit = BWD_FUSED_DQ_HD128_MAX_SEQLEN if head_dim == 128 else BWD_FUSED_DQ_MAX_SEQLEN
     return (plain and causal and head_dim in head_dims and tiles.block_m * head_dim == 8192
-            and (seqlen_q is None or seqlen_q <= BWD_FUSED_DQ_MAX_SEQLEN))
+            and (seqlen_q is None or seqlen_q <= limit))
 
 
 # The Hopper backward's second K / V buffer (flash_bwd_sm90.cuh kKvStages; BwdSm90Tiles.kv_stages = 2): the dense

@@ -263,12 +263,18 @@ struct BwdSm90Traits {
     static constexpr bool kPtFp32 =
         FT_BWD_PT_FP32 && kHd128DsFromPa && !kSwapDq && !kIsDeterministic && !kIsDropout &&
         (!kScoreMods || (kScoreMods_ == 3 && FT_BWD_WINDOW_PT_FP32));
+#ifndef FT_BWD_FUSED_DQ  // (the in-kernel dQ conversion: kFusedDq below)
+#define FT_BWD_FUSED_DQ 0
+#endif
 #ifdef FT_BWD_PRODUCER_REGS
     static constexpr int kProducerRegs = FT_BWD_PRODUCER_REGS;
 #else
-    // 80-query blocks: 24 (their MMA warps need 240: on 232 ptxas serializes the wgmmas, C7512).
+    // 80-query blocks: 24 (their MMA warps need 240: on 232 ptxas serializes the wgmmas, C7512). The hd128 kernel
+    // with the in-kernel dQ conversion: 40, for the converter warps' loops (H100, backward, 40 / 24: causal 512 1.038,
+    // 1K 1.066, 4K 1.138; kernel_ab-h100.json bwd_fused_dq_hd128_producer_regs_ab).
     static constexpr int kProducerRegs =
-        kSwapDq || kPtFp32 ? 24
+        FT_BWD_FUSED_DQ != 0 && kHeadDim == 128 ? 40
+        : kSwapDq || kPtFp32 ? 24
         : kIsDeterministic || (kIsCausal && (kHeadDimEff <= 96 || kHd128DsFromPa)) ? 40 : kHd128DsFromPa ? 32 : 24;
 #endif
     // (the rest, in multiples of 8)
@@ -487,10 +493,8 @@ struct BwdSm90Traits {
     // block to the converter warps (producer warps 3 and 1), which copy its 32 KB of dq_accum from L2 into shared
     // memory in 4 KB chunks (bulk copies) and write dq = softmax_scale * dq_accum, so that no conversion kernel
     // re-reads dq_accum from memory after the backward. The scrambled layout's 64-query (hd128) and 128-query (hd64)
-    // blocks, dense, not deterministic.
-#ifndef FT_BWD_FUSED_DQ
-#define FT_BWD_FUSED_DQ 0
-#endif
+    // blocks, dense, not deterministic. At hd128 (causal calls up to 1K queries) the walk visits each head's query
+    // blocks from the last down (QueryBlockWalk::kRev).
     static constexpr bool kFusedDq = FT_BWD_FUSED_DQ != 0;
     static_assert(!kFusedDq || (!kSplitHd && !kSwapDq && !kNarrowDq && !kIsDeterministic && !kIsBlockSparse &&
                                 !kScoreMods && !kMaskMod && kDqWriters == 1 && kHeadDimEff == kHeadDim &&
@@ -679,8 +683,16 @@ __device__ __forceinline__ void wait_turn(const int* counter, int turn) {
 // key block, for each query head of the group; block-sparse, the column list of the key block's mask block.
 // FT_BWD_WALK_INC=1 (default since 2026-11-25; 0 for A/Bs): the dense walk advances (head, query block) by additions
 // instead of a division and a remainder per block; every role of the CTA runs the walk, the producer warpgroup's on
-// 24-40 registers.
+// 24-40 registers. kRev, the hd128 kernel with the in-kernel dQ conversion (dense, causal, not deterministic): each
+// head's query blocks from the last down, so that the key blocks of a head visit a query block at the same step of
+// their walks; ascending, the lowest key block of a head (the longest tile) adds to each query block last and so
+// converts all of them. H100, backward against the conversion kernel (both with dq_accum's converted lines dropped from
+// L2): causal 512 1.013, 768 1.049, 1K 1.059, 1536 1.004, 2K 1.011, ascending 0.939-0.972 at 512-1K
+// (kernel_ab-h100.json bwd_fdq_rev_hd128_ab); the descending walk without the conversion: hd64 causal 512 / 1K 0.977 /
+// 0.968, hd128 1.00-1.01 (bwd_walk_rev_ab).
 template <class T> struct QueryBlockWalk {
+    static constexpr bool kRev = T::kFusedDq && T::kHeadDim == 128 && T::kIsCausal && !T::kIsDeterministic &&
+                                 !T::kIsBlockSparse && !T::kMaskMod && !T::kScoreMods;
     SparseWalkAsc<kBlockSparseSize / T::kBlockM> sparse;
     int it = 0, n_iters = 0, n_mblocks = 0, m_block_min = 0, m_block_end = 0, group = 0, heads = 0, head0 = 0;
     int m_i = 0, head_i = 0;  // FT_BWD_WALK_INC: query block and head of step it
@@ -708,10 +720,10 @@ template <class T> struct QueryBlockWalk {
                 if (!has) break;
                 if constexpr (FT_BWD_WALK_INC) {
                     head = head_kv * group + head0 + head_i;
-                    m0 = (m_block_min + m_i) * T::kBlockM;
+                    m0 = (kRev ? m_block_end - 1 - m_i : m_block_min + m_i) * T::kBlockM;
                 } else {
                     head = head_kv * group + head0 + it / n_mblocks;
-                    m0 = (m_block_min + it % n_mblocks) * T::kBlockM;
+                    m0 = (kRev ? m_block_end - 1 - it % n_mblocks : m_block_min + it % n_mblocks) * T::kBlockM;
                 }
                 if constexpr (!T::kMaskMod) {
                     break;
