@@ -298,8 +298,8 @@ def _backward_cases_match_reference(head_dim, causal, seed, extra_cases=()):
 def test_causal_backward_dq_conversion_matches_reference(head_dim, fused, monkeypatch):
     """The causal Hopper backward converting dq itself (build.BWD_FUSED_DQ 2: head dims 64 and 128, hd128 on the
     descending walk; the key block that completes a query block's count hands it to the converter warps, which drop
-    the converted lines of dq_accum from L2; whole blocks and partial ones) and with the conversion kernel after it, against the reference: many
-    tiles per CTA, queries past the keys (whole query blocks that no key block sees, whose dq the preprocess zeroes),
+    the converted lines of dq_accum from L2; whole blocks and partial ones) and with the conversion kernel after it,
+    against the reference: many tiles per CTA, queries past the keys (whole query blocks that no key block sees, whose dq the preprocess zeroes),
     keys past the queries, a partial last query block, GQA with its group split over tiles, fp16, varlen with a
     sequence without keys. The cases run twice, so the second calls' preprocess zero-fills the dropped lines again."""
     from flashtrain.kernels import build

@@ -1003,20 +1003,18 @@ BWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_BWD_TAIL_SPLIT", "1"))
 # bwd_fused_dq_ab); H100 hd64 causal 512 0.994, 1K 1.050, 2K 1.038, 4K 1.022, 8K 1.000 (kernel_ab-h100.json
 # bwd_fused_dq_validation_hd64_ab). Its GPU tests and memcheck grid: gpu_tests_all-h100.json fused_dq_on_run. Head
 # dim 128 gained only with the query blocks walked from the last down, at 1K queries (bwd_walk_rev_fused_hd128_ab).
-# Since the converters drop the converted lines of dq_accum from L2 (flash_bwd_sm90.cuh FT_BWD_FDQ_DISCARD), H100:
-# hd64 causal 512 1.066-1.080 over the kernel without the drop, 1K 1.018-1.021, 2K-4K 0.998-1.001; the reach
-# rechecked with it: fused past 4K 0.985-0.993 at 8K / 16K, head dim 128 on the ascending walk 0.875-0.928, hd64
-# non-causal 0.92-0.93 of
-# the two K / V buffers (kernel_ab-h100.json bwd_fdq_discard_ab, bwd_fdq_reach_ab).
+# Since the converters drop the converted lines of dq_accum from L2 (flash_bwd_sm90.cuh FT_BWD_FDQ_DISCARD), H100: hd64
+# causal 512 1.066-1.080 over the kernel without the drop, 1K 1.018-1.021, 2K-4K 0.998-1.001; the reach rechecked with
+# it: fused past 4K 0.985-0.993 at 8K / 16K, head dim 128 on the ascending walk 0.875-0.928, hd64 non-causal 0.92-0.93
+# of the two K / V buffers (kernel_ab-h100.json bwd_fdq_discard_ab, bwd_fdq_reach_ab).
 # With BWD_FUSED_DQ = 2 head dim 128 (64-query blocks) takes it for causal calls up to BWD_FUSED_DQ_HD128_MAX_SEQLEN
-# queries, in a kernel
-# whose walk visits each head's query blocks from the last down, with 40 producer registers (flash_bwd_sm90.cuh
-# QueryBlockWalk::kRev, kProducerRegs): H100, backward against the conversion kernel, causal 512 1.013, 768 1.049, 1K
-# 1.059, 1536 1.004, 2K 1.011; forward + backward 512 1.016, 1K 1.037 (kernel_ab-h100.json bwd_fdq_rev_hd128_ab).
-# That kernel passed its reference test on an H100 (bwd_fdq_rev_hd128_ab gpu_tests) but has not yet run under
-# compute-sanitizer, so head dim 128 is not in the default. BWD_FUSED_DQ (FLASHTRAIN_BWD_FUSED_DQ at import, or
-# ab_probe.py flashtrain@build.BWD_FUSED_DQ=N; read at plan time): 0 the conversion kernel everywhere, 1 head dim 64
-# (the default), 2 head dims 64 and 128.
+# queries, in a kernel whose walk visits each head's query blocks from the last down, with 40 producer registers
+# (flash_bwd_sm90.cuh QueryBlockWalk::kRev, kProducerRegs): H100, backward against the conversion kernel, causal 512
+# 1.013, 768 1.049, 1K 1.059, 1536 1.004, 2K 1.011; forward + backward 512 1.016, 1K 1.037 (kernel_ab-h100.json
+# bwd_fdq_rev_hd128_ab). That kernel passed its reference test on an H100 (bwd_fdq_rev_hd128_ab gpu_tests) but has not
+# yet run under compute-sanitizer, so head dim 128 is not in the default. BWD_FUSED_DQ (FLASHTRAIN_BWD_FUSED_DQ at
+# import, or ab_probe.py flashtrain@build.BWD_FUSED_DQ=N; read at plan time): 0 the conversion kernel everywhere, 1 head
+# dim 64 (the default), 2 head dims 64 and 128.
 BWD_FUSED_DQ = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ", "1"))
 BWD_FUSED_DQ_MAX_SEQLEN = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ_MAX_SEQLEN", "4096"))
 BWD_FUSED_DQ_HD128_MAX_SEQLEN = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ_HD128_MAX_SEQLEN", "1024"))
