@@ -679,6 +679,26 @@ __device__ __forceinline__ void wait_turn(const int* counter, int turn) {
     }
 }
 
+// FT_BWD_L2_HINTS (A/B, default 0; not measured yet): L2 eviction priorities on the backward's copies, a bit each:
+// 1, dQ's bulk reduce-adds into dq_accum evict_last (the partial sums stay in L2 for the later adds and the
+// conversion); 2, dK / dV's TMA stores evict_first (nothing in the call reads them); 4, K / V's TMA loads evict_first
+// (each tile reads its K / V once).
+#ifndef FT_BWD_L2_HINTS
+#define FT_BWD_L2_HINTS 0
+#endif
+__device__ __forceinline__ void bwd_kv_load(u32 dst, const TmaDesc* desc, u32 bar, int c0, int c1, int c2, int c3) {
+    if constexpr ((FT_BWD_L2_HINTS & 4) != 0) tma_load_4d_hint(dst, desc, bar, c0, c1, c2, c3, l2_evict_first());
+    else tma_load_4d(dst, desc, bar, c0, c1, c2, c3);
+}
+__device__ __forceinline__ void bwd_dkv_store(const TmaDesc* desc, u32 src, int c0, int c1, int c2, int c3) {
+    if constexpr ((FT_BWD_L2_HINTS & 2) != 0) tma_store_4d_hint(desc, src, c0, c1, c2, c3, l2_evict_first());
+    else tma_store_4d(desc, src, c0, c1, c2, c3);
+}
+__device__ __forceinline__ void bwd_dq_reduce_add(float* dst, u32 src, u32 bytes) {
+    if constexpr ((FT_BWD_L2_HINTS & 1) != 0) bulk_reduce_add_f32_hint(dst, src, bytes, l2_evict_last());
+    else bulk_reduce_add_f32(dst, src, bytes);
+}
+
 // The (query head, query block) pairs a CTA visits, in order: dense, every query block from the first that sees the
 // key block, for each query head of the group; block-sparse, the column list of the key block's mask block.
 // FT_BWD_WALK_INC=1 (default since 2026-11-25; 0 for A/Bs): the dense walk advances (head, query block) by additions
@@ -689,10 +709,15 @@ __device__ __forceinline__ void wait_turn(const int* counter, int turn) {
 // converts all of them. H100, backward against the conversion kernel (both with dq_accum's converted lines dropped from
 // L2): causal 512 1.013, 768 1.049, 1K 1.059, 1536 1.004, 2K 1.011, ascending 0.939-0.972 at 512-1K
 // (kernel_ab-h100.json bwd_fdq_rev_hd128_ab); the descending walk without the conversion: hd64 causal 512 / 1K 0.977 /
-// 0.968, hd128 1.00-1.01 (bwd_walk_rev_ab).
+// 0.968, hd128 1.00-1.01 (bwd_walk_rev_ab). FT_BWD_FDQ_REV=1 (A/B, off; not measured yet): the hd64 kernel with the
+// in-kernel conversion on the descending walk too (with build.BWD_FUSED_DQ_MAX_SEQLEN raised, the long hd64 causal
+// calls, where the ascending walk's conversion measured 0.985-0.993 of the conversion kernel).
+#ifndef FT_BWD_FDQ_REV
+#define FT_BWD_FDQ_REV 0
+#endif
 template <class T> struct QueryBlockWalk {
-    static constexpr bool kRev = T::kFusedDq && T::kHeadDim == 128 && T::kIsCausal && !T::kIsDeterministic &&
-                                 !T::kIsBlockSparse && !T::kMaskMod && !T::kScoreMods;
+    static constexpr bool kRev = T::kFusedDq && (T::kHeadDim == 128 || FT_BWD_FDQ_REV) && T::kIsCausal &&
+                                 !T::kIsDeterministic && !T::kIsBlockSparse && !T::kMaskMod && !T::kScoreMods;
     SparseWalkAsc<kBlockSparseSize / T::kBlockM> sparse;
     int it = 0, n_iters = 0, n_mblocks = 0, m_block_min = 0, m_block_end = 0, group = 0, heads = 0, head0 = 0;
     int m_i = 0, head_i = 0;  // FT_BWD_WALK_INC: query block and head of step it
@@ -1576,8 +1601,8 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
 #pragma unroll
                     for (int cb = 0; cb < kHeadDim / 64; ++cb)
                         if (cb * 64 < T::kHeadDimEff)
-                            tma_store_4d(desc, tile + cb * block_rows * 128 + srow * 128, cb * 64, row, x.head_kv,
-                                         batch);
+                            bwd_dkv_store(desc, tile + cb * block_rows * 128 + srow * 128, cb * 64, row, x.head_kv,
+                                          batch);
                 }
             };
             store_acc<T::kIsBF16, TileDk>(sdK, dk1, srow + 16 * wwarp, 0, f.softmax_scale, lane);
@@ -2378,20 +2403,20 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     if constexpr (T::kKBoxCols == 64) {
 #pragma unroll
                         for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-                            tma_load_4d(sK + cb * kBlockN * 128, &params.tma_k, kv_full, cb * 64,
+                            bwd_kv_load(sK + cb * kBlockN * 128, &params.tma_k, kv_full, cb * 64,
                                         x.k_start + x.n0, x.head_kv, batch_coord);
-                            tma_load_4d(sV + cb * kBlockN * 128, &params.tma_v, kv_full, cb * 64,
+                            bwd_kv_load(sV + cb * kBlockN * 128, &params.tma_v, kv_full, cb * 64,
                                         x.k_start + x.n0, x.head_kv, batch_coord);
                         }
                     } else {  // K in T::TileK's 32-column blocks (the K map's boxes: 32 columns, 64-byte swizzle)
                         constexpr int kKB = T::kKBoxCols;
 #pragma unroll
                         for (int cb = 0; cb < kHeadDim / kKB; ++cb)
-                            tma_load_4d(sK + cb * kBlockN * kKB * 2, &params.tma_k, kv_full, cb * kKB,
+                            bwd_kv_load(sK + cb * kBlockN * kKB * 2, &params.tma_k, kv_full, cb * kKB,
                                         x.k_start + x.n0, x.head_kv, batch_coord);
 #pragma unroll
                         for (int cb = 0; cb < kHeadDim / 64; ++cb)
-                            tma_load_4d(sV + cb * kBlockN * 128, &params.tma_v, kv_full, cb * 64,
+                            bwd_kv_load(sV + cb * kBlockN * 128, &params.tma_v, kv_full, cb * 64,
                                         x.k_start + x.n0, x.head_kv, batch_coord);
                     }
                     kv_loaded = true;
@@ -2502,8 +2527,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         constexpr int kHalf1Cols = FT_BWD_NARROW_FRAG_ADD ? T::kHeadDimEff - 64 : 64;
 #pragma unroll
                         for (int half = 0; half < 2; ++half)
-                            bulk_reduce_add_f32(dq_acc + (i64)m0 * kHeadDim + half * kBlockM * 64,
-                                                sm.sdQ + half * kBlockM * 64 * 4, kBlockM * (half ? kHalf1Cols : 64) * 4);
+                            bwd_dq_reduce_add(dq_acc + (i64)m0 * kHeadDim + half * kBlockM * 64,
+                                              sm.sdQ + half * kBlockM * 64 * 4, kBlockM * (half ? kHalf1Cols : 64) * 4);
                         bulk_commit();
                         bulk_wait_read<0>();
                         mbar_arrive(sm.dq_empty);
@@ -2521,9 +2546,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                             const int piece = slice / 4, row0 = m0 + 16 * ((piece / (kHeadDim / 64)) * 4 + slice % 4);
                             const int col0 = 64 * (piece % (kHeadDim / 64));
                             // (kNarrowDq: piece 1's first kDqN1 / 8 n8 tiles, 512 bytes each)
-                            bulk_reduce_add_f32(dq_acc + (i64)row0 * kHeadDim + col0 * 16,
-                                                sm.sdQ + slice * T::kDqSliceBytes,
-                                                T::kNarrowDq && piece == 1 ? T::kDqN1 * 64 : T::kDqSliceBytes);
+                            bwd_dq_reduce_add(dq_acc + (i64)row0 * kHeadDim + col0 * 16,
+                                              sm.sdQ + slice * T::kDqSliceBytes,
+                                              T::kNarrowDq && piece == 1 ? T::kDqN1 * 64 : T::kDqSliceBytes);
                         }
                         bulk_commit();
                         bulk_wait_read<0>();
