@@ -299,9 +299,10 @@ def test_causal_backward_dq_conversion_matches_reference(head_dim, fused, monkey
     """The causal Hopper backward converting dq itself (build.BWD_FUSED_DQ 2: head dims 64 and 128, hd128 on the
     descending walk; the key block that completes a query block's count hands it to the converter warps, which drop
     the converted lines of dq_accum from L2; whole blocks and partial ones) and with the conversion kernel after it,
-    against the reference: many tiles per CTA, queries past the keys (whole query blocks that no key block sees, whose dq the preprocess zeroes),
-    keys past the queries, a partial last query block, GQA with its group split over tiles, fp16, varlen with a
-    sequence without keys. The cases run twice, so the second calls' preprocess zero-fills the dropped lines again."""
+    against the reference: many tiles per CTA, queries past the keys (whole query blocks that no key block sees, whose
+    dq the preprocess zeroes), keys past the queries, a partial last query block, GQA with its group split over tiles,
+    fp16, varlen with a sequence without keys. The cases run twice, so the second calls' preprocess zero-fills the
+    dropped lines again."""
     from flashtrain.kernels import build
 
     if not _is_hopper():
@@ -330,7 +331,8 @@ def test_backward_two_kv_buffers_matches_reference(causal, monkeypatch):
     if not _is_hopper():
         pytest.skip("the Hopper backward")
     ops = _ops()
-    monkeypatch.setattr(build, "BWD_SM90_HD64_KV2_CAUSAL_SEQLEN" if causal else "BWD_SM90_HD64_KV2_FULL_SEQLEN", 1 << 20)
+    switch = "BWD_SM90_HD64_KV2_CAUSAL_SEQLEN" if causal else "BWD_SM90_HD64_KV2_FULL_SEQLEN"
+    monkeypatch.setattr(build, switch, 1 << 20)
     ops.clear_plans()  # (a plan holds the kernel it was built with)
     spec = build.bwd_sm90_kernel(64, "bf16", causal, seqlen_q=1024)
     assert spec.name.endswith("_kv2") and not build.bwd_fused_dq(spec)

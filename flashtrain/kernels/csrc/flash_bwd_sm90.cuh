@@ -679,26 +679,6 @@ __device__ __forceinline__ void wait_turn(const int* counter, int turn) {
     }
 }
 
-// FT_BWD_L2_HINTS (A/B, default 0; not measured yet): L2 eviction priorities on the backward's copies, a bit each:
-// 1, dQ's bulk reduce-adds into dq_accum evict_last (the partial sums stay in L2 for the later adds and the
-// conversion); 2, dK / dV's TMA stores evict_first (nothing in the call reads them); 4, K / V's TMA loads evict_first
-// (each tile reads its K / V once).
-#ifndef FT_BWD_L2_HINTS
-#define FT_BWD_L2_HINTS 0
-#endif
-__device__ __forceinline__ void bwd_kv_load(u32 dst, const TmaDesc* desc, u32 bar, int c0, int c1, int c2, int c3) {
-    if constexpr ((FT_BWD_L2_HINTS & 4) != 0) tma_load_4d_hint(dst, desc, bar, c0, c1, c2, c3, l2_evict_first());
-    else tma_load_4d(dst, desc, bar, c0, c1, c2, c3);
-}
-__device__ __forceinline__ void bwd_dkv_store(const TmaDesc* desc, u32 src, int c0, int c1, int c2, int c3) {
-    if constexpr ((FT_BWD_L2_HINTS & 2) != 0) tma_store_4d_hint(desc, src, c0, c1, c2, c3, l2_evict_first());
-    else tma_store_4d(desc, src, c0, c1, c2, c3);
-}
-__device__ __forceinline__ void bwd_dq_reduce_add(float* dst, u32 src, u32 bytes) {
-    if constexpr ((FT_BWD_L2_HINTS & 1) != 0) bulk_reduce_add_f32_hint(dst, src, bytes, l2_evict_last());
-    else bulk_reduce_add_f32(dst, src, bytes);
-}
-
 // The (query head, query block) pairs a CTA visits, in order: dense, every query block from the first that sees the
 // key block, for each query head of the group; block-sparse, the column list of the key block's mask block.
 // FT_BWD_WALK_INC=1 (default since 2026-11-25; 0 for A/Bs): the dense walk advances (head, query block) by additions
@@ -1601,8 +1581,8 @@ template <class T, int kW = -1> __device__ __forceinline__ void flash_bwd_sm90_m
 #pragma unroll
                     for (int cb = 0; cb < kHeadDim / 64; ++cb)
                         if (cb * 64 < T::kHeadDimEff)
-                            bwd_dkv_store(desc, tile + cb * block_rows * 128 + srow * 128, cb * 64, row, x.head_kv,
-                                          batch);
+                            tma_store_4d(desc, tile + cb * block_rows * 128 + srow * 128, cb * 64, row, x.head_kv,
+                                         batch);
                 }
             };
             store_acc<T::kIsBF16, TileDk>(sdK, dk1, srow + 16 * wwarp, 0, f.softmax_scale, lane);
@@ -2403,20 +2383,20 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     if constexpr (T::kKBoxCols == 64) {
 #pragma unroll
                         for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-                            bwd_kv_load(sK + cb * kBlockN * 128, &params.tma_k, kv_full, cb * 64,
+                            tma_load_4d(sK + cb * kBlockN * 128, &params.tma_k, kv_full, cb * 64,
                                         x.k_start + x.n0, x.head_kv, batch_coord);
-                            bwd_kv_load(sV + cb * kBlockN * 128, &params.tma_v, kv_full, cb * 64,
+                            tma_load_4d(sV + cb * kBlockN * 128, &params.tma_v, kv_full, cb * 64,
                                         x.k_start + x.n0, x.head_kv, batch_coord);
                         }
                     } else {  // K in T::TileK's 32-column blocks (the K map's boxes: 32 columns, 64-byte swizzle)
                         constexpr int kKB = T::kKBoxCols;
 #pragma unroll
                         for (int cb = 0; cb < kHeadDim / kKB; ++cb)
-                            bwd_kv_load(sK + cb * kBlockN * kKB * 2, &params.tma_k, kv_full, cb * kKB,
+                            tma_load_4d(sK + cb * kBlockN * kKB * 2, &params.tma_k, kv_full, cb * kKB,
                                         x.k_start + x.n0, x.head_kv, batch_coord);
 #pragma unroll
                         for (int cb = 0; cb < kHeadDim / 64; ++cb)
-                            bwd_kv_load(sV + cb * kBlockN * 128, &params.tma_v, kv_full, cb * 64,
+                            tma_load_4d(sV + cb * kBlockN * 128, &params.tma_v, kv_full, cb * 64,
                                         x.k_start + x.n0, x.head_kv, batch_coord);
                     }
                     kv_loaded = true;
@@ -2527,8 +2507,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                         constexpr int kHalf1Cols = FT_BWD_NARROW_FRAG_ADD ? T::kHeadDimEff - 64 : 64;
 #pragma unroll
                         for (int half = 0; half < 2; ++half)
-                            bwd_dq_reduce_add(dq_acc + (i64)m0 * kHeadDim + half * kBlockM * 64,
-                                              sm.sdQ + half * kBlockM * 64 * 4, kBlockM * (half ? kHalf1Cols : 64) * 4);
+                            bulk_reduce_add_f32(dq_acc + (i64)m0 * kHeadDim + half * kBlockM * 64,
+                                                sm.sdQ + half * kBlockM * 64 * 4, kBlockM * (half ? kHalf1Cols : 64) * 4);
                         bulk_commit();
                         bulk_wait_read<0>();
                         mbar_arrive(sm.dq_empty);
@@ -2546,9 +2526,9 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                             const int piece = slice / 4, row0 = m0 + 16 * ((piece / (kHeadDim / 64)) * 4 + slice % 4);
                             const int col0 = 64 * (piece % (kHeadDim / 64));
                             // (kNarrowDq: piece 1's first kDqN1 / 8 n8 tiles, 512 bytes each)
-                            bwd_dq_reduce_add(dq_acc + (i64)row0 * kHeadDim + col0 * 16,
-                                              sm.sdQ + slice * T::kDqSliceBytes,
-                                              T::kNarrowDq && piece == 1 ? T::kDqN1 * 64 : T::kDqSliceBytes);
+                            bulk_reduce_add_f32(dq_acc + (i64)row0 * kHeadDim + col0 * 16,
+                                                sm.sdQ + slice * T::kDqSliceBytes,
+                                                T::kNarrowDq && piece == 1 ? T::kDqN1 * 64 : T::kDqSliceBytes);
                         }
                         bulk_commit();
                         bulk_wait_read<0>();

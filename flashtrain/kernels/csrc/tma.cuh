@@ -194,38 +194,6 @@ __device__ __forceinline__ void tma_reduce_add_4d(const TmaDesc* desc, u32 src, 
                  ::"l"(desc), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                  : "memory");
 }
-// L2 eviction priorities for the .L2::cache_hint forms below (createpolicy, the whole access range): evict_last keeps
-// a line in L2 ahead of normal ones, evict_first lets it go first.
-__device__ __forceinline__ u64 l2_evict_last() {
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
-__device__ __forceinline__ u64 l2_evict_first() {
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
-// tma_load_4d, tma_store_4d and bulk_reduce_add_f32 with an L2 cache policy
-__device__ __forceinline__ void tma_load_4d_hint(u32 dst, const TmaDesc* desc, u32 bar, int c0, int c1, int c2, int c3,
-                                                 u64 policy) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0],"
-        " [%1, {%3, %4, %5, %6}], [%2], %7;" ::"r"(dst), "l"(desc), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
-        "l"(policy)
-        : "memory");
-}
-__device__ __forceinline__ void tma_store_4d_hint(const TmaDesc* desc, u32 src, int c0, int c1, int c2, int c3,
-                                                  u64 policy) {
-    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3, %4, %5}], [%1],"
-                 " %6;" ::"l"(desc), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "l"(policy)
-                 : "memory");
-}
-__device__ __forceinline__ void bulk_reduce_add_f32_hint(float* dst, u32 src, u32 bytes, u64 policy) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;"
-                 ::"l"(dst), "r"(src), "r"(bytes), "l"(policy)
-                 : "memory");
-}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
