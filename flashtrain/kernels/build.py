@@ -1011,11 +1011,10 @@ BWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_BWD_TAIL_SPLIT", "1"))
 # queries, in a kernel whose walk visits each head's query blocks from the last down, with 40 producer registers
 # (flash_bwd_sm90.cuh QueryBlockWalk::kRev, kProducerRegs): H100, backward against the conversion kernel, causal 512
 # 1.013, 768 1.049, 1K 1.059, 1536 1.004, 2K 1.011; forward + backward 512 1.016, 1K 1.037 (kernel_ab-h100.json
-# bwd_fdq_rev_hd128_ab). That kernel passed its reference test on an H100 (bwd_fdq_rev_hd128_ab gpu_tests) but has not
-# yet run under compute-sanitizer, so head dim 128 is not in the default. BWD_FUSED_DQ (FLASHTRAIN_BWD_FUSED_DQ at
-# import, or ab_probe.py flashtrain@build.BWD_FUSED_DQ=N; read at plan time): 0 the conversion kernel everywhere, 1 head
-# dim 64 (the default), 2 head dims 64 and 128.
-BWD_FUSED_DQ = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ", "1"))
+# bwd_fdq_rev_hd128_ab). Its GPU tests and memcheck grid: gpu_tests_all-h100.json fused_dq_hd128_default_run.
+# BWD_FUSED_DQ (FLASHTRAIN_BWD_FUSED_DQ at import, or ab_probe.py flashtrain@build.BWD_FUSED_DQ=N; read at plan time):
+# 0 the conversion kernel everywhere, 1 head dim 64 only, 2 head dims 64 and 128 (the default).
+BWD_FUSED_DQ = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ", "2"))
 BWD_FUSED_DQ_MAX_SEQLEN = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ_MAX_SEQLEN", "4096"))
 BWD_FUSED_DQ_HD128_MAX_SEQLEN = int(os.environ.get("FLASHTRAIN_BWD_FUSED_DQ_HD128_MAX_SEQLEN", "1024"))
 

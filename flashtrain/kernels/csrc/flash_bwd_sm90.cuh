@@ -487,7 +487,7 @@ struct BwdSm90Traits {
     // dQ writer warps (producer warpgroup warps 2, 3): FT_BWD_DET_WRITERS for the deterministic kernels, else one
     static constexpr int kDqWriters = kIsDeterministic && !kSplitHd && FT_BWD_DET_WRITERS == 2 ? 2 : 1;
     // The dQ conversion in the kernel (FT_BWD_FUSED_DQ, defined by build.py for BwdSm90Tiles.fused_dq; by default
-    // build.BWD_FUSED_DQ = 1: the causal hd64 kernel at up to 4K queries, build._bwd_fused_dq_rule):
+    // build.BWD_FUSED_DQ = 2: the causal hd64 kernel up to 4K queries, hd128 up to 1K, build._bwd_fused_dq_rule):
     // once the dQ writer's reduce-adds of a query block have completed, it counts them in (BwdParams::dq_counts); the
     // key block that completes the count -- every key block that sees the query block has added to it -- posts the
     // block to the converter warps (producer warps 3 and 1), which copy its 32 KB of dq_accum from L2 into shared
@@ -689,14 +689,10 @@ __device__ __forceinline__ void wait_turn(const int* counter, int turn) {
 // converts all of them. H100, backward against the conversion kernel (both with dq_accum's converted lines dropped from
 // L2): causal 512 1.013, 768 1.049, 1K 1.059, 1536 1.004, 2K 1.011, ascending 0.939-0.972 at 512-1K
 // (kernel_ab-h100.json bwd_fdq_rev_hd128_ab); the descending walk without the conversion: hd64 causal 512 / 1K 0.977 /
-// 0.968, hd128 1.00-1.01 (bwd_walk_rev_ab). FT_BWD_FDQ_REV=1 (A/B, off; not measured yet): the hd64 kernel with the
-// in-kernel conversion on the descending walk too (with build.BWD_FUSED_DQ_MAX_SEQLEN raised, the long hd64 causal
-// calls, where the ascending walk's conversion measured 0.985-0.993 of the conversion kernel).
-#ifndef FT_BWD_FDQ_REV
-#define FT_BWD_FDQ_REV 0
-#endif
+// 0.968, hd128 1.00-1.01 (bwd_walk_rev_ab); the hd64 kernel with the conversion on the descending walk, long causal
+// calls, against the conversion kernel: 16K 0.996, 8K 0.988, 4K 1.001 (kernel_ab-h100.json bwd_fdq_rev_hd64_ab).
 template <class T> struct QueryBlockWalk {
-    static constexpr bool kRev = T::kFusedDq && (T::kHeadDim == 128 || FT_BWD_FDQ_REV) && T::kIsCausal &&
+    static constexpr bool kRev = T::kFusedDq && T::kHeadDim == 128 && T::kIsCausal &&
                                  !T::kIsDeterministic && !T::kIsBlockSparse && !T::kMaskMod && !T::kScoreMods;
     SparseWalkAsc<kBlockSparseSize / T::kBlockM> sparse;
     int it = 0, n_iters = 0, n_mblocks = 0, m_block_min = 0, m_block_end = 0, group = 0, heads = 0, head0 = 0;
