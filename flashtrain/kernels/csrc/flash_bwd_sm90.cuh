@@ -692,8 +692,7 @@ __device__ __forceinline__ void wait_turn(const int* counter, int turn) {
 // 0.968, hd128 1.00-1.01 (bwd_walk_rev_ab); the hd64 kernel with the conversion on the descending walk, long causal
 // calls, against the conversion kernel: 16K 0.996, 8K 0.988, 4K 1.001 (kernel_ab-h100.json bwd_fdq_rev_hd64_ab).
 template <class T> struct QueryBlockWalk {
-    static constexpr bool kRev = T::kFusedDq && T::kHeadDim == 128 && T::kIsCausal &&
-                                 !T::kIsDeterministic && !T::kIsBlockSparse && !T::kMaskMod && !T::kScoreMods;
+    static constexpr bool kRev = T::kFusedDq && T::kHeadDim == 128 && T::kIsCausal;  // (kFusedDq: dense, plain)
     SparseWalkAsc<kBlockSparseSize / T::kBlockM> sparse;
     int it = 0, n_iters = 0, n_mblocks = 0, m_block_min = 0, m_block_end = 0, group = 0, heads = 0, head0 = 0;
     int m_i = 0, head_i = 0;  // FT_BWD_WALK_INC: query block and head of step it
