@@ -640,7 +640,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         params.fwd.causal_tile_group = _det_tile_group(
             (m_blocks + 1) / 2 if causal else m_blocks, batch * nheads_kv * params.kv_splits,
             8 * fwd.seqlen_q * head_dim * (nheads // nheads_kv // params.kv_splits), launch.sm_count(q.device),
-            n_kblocks)
+            n_kblocks, _det_group_steps(causal, head_dim, q.shape[-1], fwd.seqlen_q))
     grid = (nsplits if deterministic and not hopper else n_kblocks, batch, nheads_kv)
     n_units = n_tiles = math.prod(grid) * params.kv_splits
     if hopper and build.bwd_tail_split(spec) and not varlen and params.kv_splits == 1:
@@ -792,18 +792,45 @@ DET_GROUP_L2_BYTES = 24 << 20
 # SMs idle until its last tiles end (hd128 16K non-causal, 64-query blocks: one 16 MiB unit is 128 key blocks on 132
 # SMs; two units measured 1.011x, H200, 2026-11-30). 0: the L2 bound alone (A/B).
 DET_GROUP_FULL_WAVE = 1
+# ... with DET_CAUSAL_GROUP_STEPS in place of DET_GROUP_STEPS for causal calls at head dims 64 and 128 (the call's own
+# head dim: not 65-96 on the hd128 kernels), the first (queries, waves) entry that covers the call: one wave of steps
+# per group up to 2K queries, half a wave up to 4K. After the default backward's short causal calls gained the
+# in-kernel dQ conversion, their deterministic ones fell to 0.77-0.83x of it with two waves. H100 80GB HBM3,
+# 2026-12-06, interleaved CUDA-graph replays (ab_probe.py flashtrain-det@ops.DET_GROUP_STEPS=...), deterministic /
+# default backward, two waves -> this rule: hd128 causal 512 0.81 -> 0.90, 768 0.78 -> 0.86, 1K 0.77 -> 0.85, 2K
+# 0.87 -> 0.91, 4K 0.87 -> 0.89; hd64 causal 512 0.83 -> 0.89, 768 0.81 -> 0.86, 1K 0.81 -> 0.87, 2K 0.88 -> 0.89, 4K
+# 0.91 -> 0.94. Key blocks fastest (0 waves) measured higher at hd128 causal up to 2K (512 0.98, 1K 0.92, 2K 0.92) but
+# lower at hd64 (0.75-0.84); at 8K / 16K and in non-causal calls no setting measured better than two waves
+# (kernel_ab-h100.json det_group_steps_ab). DET_CAUSAL_GROUP_RULE = 0: DET_GROUP_STEPS for every call (A/B:
+# ab_probe.py flashtrain-det@ops.DET_CAUSAL_GROUP_RULE=0).
+DET_CAUSAL_GROUP_STEPS = ((2048, 1.0), (4096, 0.5))
+DET_CAUSAL_GROUP_HEAD_DIMS = (64, 128)
+DET_CAUSAL_GROUP_RULE = 1
 
 
-def _det_tile_group(steps_per_tile: float, n_units: int, unit_bytes: int, sm_count: int, n_kblocks: int = 0) -> int:
+def _det_group_steps(causal: bool, head_dim: int, call_head_dim: int, seqlen_q: int) -> float:
+    """Waves of steps per tile group of a Hopper deterministic backward call (DET_CAUSAL_GROUP_STEPS, else
+    DET_GROUP_STEPS)."""
+    if DET_CAUSAL_GROUP_RULE and causal and call_head_dim == head_dim and head_dim in DET_CAUSAL_GROUP_HEAD_DIMS:
+        for seqlen, steps in DET_CAUSAL_GROUP_STEPS:
+            if seqlen_q <= seqlen:
+                return steps
+    return DET_GROUP_STEPS
+
+
+def _det_tile_group(steps_per_tile: float, n_units: int, unit_bytes: int, sm_count: int, n_kblocks: int = 0,
+                    group_steps: float | None = None) -> int:
     """Units per tile group of the Hopper deterministic backward (0: key blocks fastest; steps_per_tile: a tile's
     query blocks, unit_bytes: a unit's Q, dO and dq_accum rows, n_kblocks: a unit's tiles). Fewer of a unit's key
     blocks then run at once, in one chain of turns. H200, 2026-11-25, deterministic / default backward at 2K-16K, hd64
     and hd128: these groups 0.73-0.91x; key blocks fastest 0.67-0.84x with 2-4 chains of their own dq_accum, 0.49-0.83x
     with one; 4 units per group within 0.01 of these except hd128 causal 16K (0.72 vs 0.79); 33 units 0.57-0.84x and
-    all units 0.56-0.79x (the units' Q, dO and dq_accum leave L2)."""
-    if DET_GROUP_STEPS <= 0:
+    all units 0.56-0.79x (the units' Q, dO and dq_accum leave L2). group_steps: waves of steps in place of
+    DET_GROUP_STEPS (_det_group_steps)."""
+    steps = DET_GROUP_STEPS if group_steps is None else group_steps
+    if steps <= 0:
         return 0
-    want = math.ceil(DET_GROUP_STEPS * sm_count / max(1.0, steps_per_tile))
+    want = math.ceil(steps * sm_count / max(1.0, steps_per_tile))
     group = min(want, DET_GROUP_L2_BYTES // max(1, unit_bytes))
     if DET_GROUP_FULL_WAVE and n_kblocks > 0:
         group = max(group, math.ceil(sm_count / n_kblocks))
