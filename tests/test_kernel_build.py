@@ -414,6 +414,15 @@ def test_lse_bias_kernels(monkeypatch):
         assert not build.bwd_lse_bias(plain) and plain.name == name
     with pytest.raises(ValueError, match="lse_bias"):
         build._bwd_sm90_spec(128, "bf16", True, False, False, False, build.BWD_SM90_TILES[128], 128, 2, lse_bias=True)
+    # BWD_SM90_DET_LSE_BIAS = 1 (A/B): the deterministic hd128 kernels too (with BWD_SM90_LSE_BIAS), not hd64's
+    monkeypatch.setattr(build, "BWD_SM90_LSE_BIAS", 1)
+    monkeypatch.setattr(build, "BWD_SM90_DET_LSE_BIAS", 1)
+    for causal in (False, True):
+        det = build.bwd_kernel(128, "bf16", causal, False, arch="sm_90a", deterministic=True)
+        assert build.bwd_lse_bias(det) and det.tiles.block_m == 64
+        assert det.name == f"flash_bwd_sm90_hdim128_bf16{'_causal' if causal else ''}_det_lsebias"
+    det64 = build.bwd_kernel(64, "bf16", True, False, arch="sm_90a", deterministic=True)
+    assert not build.bwd_lse_bias(det64) and det64.name == "flash_bwd_sm90_hdim64_bf16_causal_det"
 
 
 def test_head_dim_512_dispatch(monkeypatch):

@@ -980,8 +980,9 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
         tiles = dataclasses.replace(tiles, kv_stages=2, fused_dq=False)
     tail_split = (bool(BWD_TAIL_SPLIT if tail_split is None else tail_split)
                   and not (causal or block_sparse or deterministic) and head_dim <= 128 and tiles.persistent)
+    lse_plain = plain or (deterministic and bool(BWD_SM90_DET_LSE_BIAS) and not (dropout or block_sparse))
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
-                          head_dim_eff or head_dim, lse_bias=_bwd_lse_bias_rule(head_dim, head_dim_eff, plain, tiles),
+                          head_dim_eff or head_dim, lse_bias=_bwd_lse_bias_rule(head_dim, head_dim_eff, lse_plain, tiles),
                           tail_split=tail_split)
 
 
@@ -1068,6 +1069,11 @@ def bwd_tail_split(spec: KernelSpec) -> bool:
 # BWD_SM90_LSE_BIAS = 0 (FLASHTRAIN_BWD_SM90_LSE_BIAS=0 at import, or ab_probe.py flashtrain@build.BWD_SM90_LSE_BIAS=0;
 # read at plan time): none.
 BWD_SM90_LSE_BIAS = int(os.environ.get("FLASHTRAIN_BWD_SM90_LSE_BIAS", "1"))
+# BWD_SM90_DET_LSE_BIAS = 1: the deterministic hd128 kernels (64-query blocks, no dropout or block mask) start S^T at
+# the lse term too (nvcc 13.0 sm_90a: no spills, as without it). An A/B setting, off: not yet measured on a GPU (the
+# deterministic hd128 backward at 8K / 16K is 0.83-0.86x of the default, kernel_ab-h100.json det_group_steps_ab; A/B:
+# ab_probe.py flashtrain-det@build.BWD_SM90_DET_LSE_BIAS=1, read at plan time).
+BWD_SM90_DET_LSE_BIAS = 0
 
 
 def bwd_lse_bias(spec: KernelSpec) -> bool:
