@@ -254,6 +254,11 @@ struct BwdSm90Traits {
 #ifndef FT_BWD_PT_FP32
 #define FT_BWD_PT_FP32 1
 #endif
+    // (FT_BWD_DET_PT_FP32=1, an A/B setting not yet measured on a GPU: the deterministic hd128 kernels too, their
+    // producer and dQ writer warps then on 24 registers; nvcc 13.0 sm_90a: 124-148 bytes spilled, none in the MMA loop)
+#ifndef FT_BWD_DET_PT_FP32
+#define FT_BWD_DET_PT_FP32 0
+#endif
     // ... and the window-only score-modification kernels (FT_SCORE_MODS 3; FT_BWD_WINDOW_PT_FP32,
     // default 1; 0 for A/Bs): H200, interleaved CUDA-graph replays, backward against the general variant, hd128 causal
     // window 1024 at 16K 1.033, at 4K 1.015, window 256 at 16K 1.001 (kernel_ab-h200.json).
@@ -261,7 +266,7 @@ struct BwdSm90Traits {
 #define FT_BWD_WINDOW_PT_FP32 1
 #endif
     static constexpr bool kPtFp32 =
-        FT_BWD_PT_FP32 && kHd128DsFromPa && !kSwapDq && !kIsDeterministic && !kIsDropout &&
+        FT_BWD_PT_FP32 && kHd128DsFromPa && !kSwapDq && (!kIsDeterministic || FT_BWD_DET_PT_FP32) && !kIsDropout &&
         (!kScoreMods || (kScoreMods_ == 3 && FT_BWD_WINDOW_PT_FP32));
 #ifndef FT_BWD_FUSED_DQ  // (the in-kernel dQ conversion: kFusedDq below)
 #define FT_BWD_FUSED_DQ 0
