@@ -41,6 +41,32 @@ def test_deterministic_backward_is_bitwise_repeatable(head_dim, causal, nheads_k
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("group_steps", [0, 0.5], ids=["key_blocks_fastest", "half_wave"])
+def test_deterministic_tile_orders_are_bitwise_repeatable(head_dim, causal, group_steps, monkeypatch):
+    """Hopper: the deterministic backward's other tile orders give repeatable gradients too: key blocks fastest, one
+    unit after the other (ops.DET_GROUP_STEPS = 0, the order of a one-unit call), and small groups (half a wave of
+    steps), with ops.DET_CAUSAL_GROUP_RULE off so that the setting reaches causal calls."""
+    from flashtrain.kernels import ops
+
+    monkeypatch.setattr(ops, "DET_CAUSAL_GROUP_RULE", 0)
+    monkeypatch.setattr(ops, "DET_GROUP_STEPS", group_steps)
+    ops.clear_plans()
+    try:
+        gen = torch.Generator("cuda").manual_seed(2)
+        q, k, v, dout = (torch.randn(4, 1024, 8, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+                         for _ in range(4))
+        fn = lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=True, impl="cuda")  # noqa: E731
+        first, again = _grads(fn, q, k, v, dout), _grads(fn, q, k, v, dout)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+        default = _grads(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, impl="cuda"), q, k, v, dout)
+        for a, b in zip(first, default):
+            assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()
+    finally:
+        ops.clear_plans()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_deterministic_varlen_backward_is_bitwise_repeatable(causal, head_dim):
     """Varlen, every length class (empty, 1 token, partial blocks)."""
     lengths = torch.tensor([0, 300, 1, 1000, 129], device="cuda")
