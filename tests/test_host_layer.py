@@ -396,7 +396,7 @@ def test_hopper_deterministic_plan_tile_groups(recording, monkeypatch):
 def test_hopper_deterministic_causal_plan_tile_groups(recording, monkeypatch):
     """Deterministic causal calls at head dims 64 / 128 take their group's waves of steps from
     ops.DET_CAUSAL_GROUP_STEPS: one wave up to 2K queries, half a wave at 4K; longer calls, non-causal ones and head
-    dim 96 on the hd128 kernels keep ops.DET_GROUP_STEPS (two), as every call does with ops.DET_CAUSAL_GROUP_RULE = 0."""
+    dim 96 on the hd128 kernels keep ops.DET_GROUP_STEPS (two), as every call does with DET_CAUSAL_GROUP_RULE = 0."""
     from flashtrain.kernels import ops
 
     arch, _ = recording
@@ -418,8 +418,7 @@ def test_hopper_deterministic_causal_plan_tile_groups(recording, monkeypatch):
              ((16, 512, 16, 128, False), 33, 33)]
     assert [group(*shape) for shape, _, _ in cases] == [rule for _, rule, _ in cases]
     monkeypatch.setattr(ops, "DET_CAUSAL_GROUP_RULE", 0)
-    torch.ops.flashtrain._clear_plans()
-    monkeypatch.setattr(ops, "_bwd_plans", {})
+    ops.clear_plans()
     assert [group(*shape) for shape, _, _ in cases] == [two_waves for _, _, two_waves in cases]
 
 

@@ -981,9 +981,9 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
     tail_split = (bool(BWD_TAIL_SPLIT if tail_split is None else tail_split)
                   and not (causal or block_sparse or deterministic) and head_dim <= 128 and tiles.persistent)
     lse_plain = plain or (deterministic and bool(BWD_SM90_DET_LSE_BIAS) and not (dropout or block_sparse))
+    lse_bias = _bwd_lse_bias_rule(head_dim, head_dim_eff, lse_plain, tiles)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
-                          head_dim_eff or head_dim, lse_bias=_bwd_lse_bias_rule(head_dim, head_dim_eff, lse_plain, tiles),
-                          tail_split=tail_split)
+                          head_dim_eff or head_dim, lse_bias=lse_bias, tail_split=tail_split)
 
 
 # The Hopper backward's tail split (flash_bwd_sm90.cuh FT_BWD_TAIL_SPLIT; ops._tail_split picks the pieces): the
