@@ -1072,8 +1072,9 @@ BWD_SM90_LSE_BIAS = int(os.environ.get("FLASHTRAIN_BWD_SM90_LSE_BIAS", "1"))
 # BWD_SM90_DET_LSE_BIAS = 1: the deterministic hd128 kernels (64-query blocks, no dropout or block mask) start S^T at
 # the lse term too (nvcc 13.0 sm_90a: no spills, as without it). An A/B setting, off: not yet measured on a GPU (the
 # deterministic hd128 backward at 8K / 16K is 0.83-0.86x of the default, kernel_ab-h100.json det_group_steps_ab; A/B:
-# ab_probe.py flashtrain-det@build.BWD_SM90_DET_LSE_BIAS=1, read at plan time).
-BWD_SM90_DET_LSE_BIAS = 0
+# ab_probe.py flashtrain-det@build.BWD_SM90_DET_LSE_BIAS=1, read at plan time; FLASHTRAIN_BWD_SM90_DET_LSE_BIAS=1 at
+# import).
+BWD_SM90_DET_LSE_BIAS = int(os.environ.get("FLASHTRAIN_BWD_SM90_DET_LSE_BIAS", "0"))
 
 
 def bwd_lse_bias(spec: KernelSpec) -> bool:
