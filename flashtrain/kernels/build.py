@@ -980,7 +980,7 @@ def bwd_sm90_kernel(head_dim: int, dtype: str, causal: bool, dropout: bool = Fal
         tiles = dataclasses.replace(tiles, kv_stages=2, fused_dq=False)
     tail_split = (bool(BWD_TAIL_SPLIT if tail_split is None else tail_split)
                   and not (causal or block_sparse or deterministic) and head_dim <= 128 and tiles.persistent)
-    lse_plain = plain or (deterministic and bool(BWD_SM90_DET_LSE_BIAS) and not (dropout or block_sparse))
+    lse_plain = not (dropout or block_sparse or (deterministic and not BWD_SM90_DET_LSE_BIAS))
     lse_bias = _bwd_lse_bias_rule(head_dim, head_dim_eff, lse_plain, tiles)
     return _bwd_sm90_spec(head_dim, dtype, causal, dropout, block_sparse, deterministic, tiles,
                           head_dim_eff or head_dim, lse_bias=lse_bias, tail_split=tail_split)
