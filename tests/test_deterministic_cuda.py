@@ -18,12 +18,13 @@ def _grads(fn, q, k, v, dout):
     return torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 512])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 512])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nheads_kv", [8, 2], ids=["mha", "gqa"])
 def test_deterministic_backward_is_bitwise_repeatable(head_dim, causal, nheads_kv):
-    """Hopper: the tiles in groups of units (ops._det_tile_group), key blocks taking turns at every query block; head
-    dim 512: the mma.sync backward's dQ pieces with the deterministic splits."""
+    """Hopper: the tiles in groups of units (ops._det_tile_group), key blocks taking turns at every query block (head
+    dim 96: the hd128 kernels with the head dim narrowed, their S^T started at the lse term); head dim 512: the mma.sync
+    backward's dQ pieces with the deterministic splits."""
     gen = torch.Generator("cuda").manual_seed(0)
     q, dout = (torch.randn(2, 2048, 8, head_dim, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(2, 2048, nheads_kv, head_dim, device="cuda", generator=gen).to(torch.bfloat16)

@@ -394,7 +394,6 @@ def test_lse_bias_kernels(monkeypatch):
                  bwd(128, 128, dropout=True), bwd(64, 64), bwd(192, 192), bwd(256, 256),
                  bwd(128, 128, score_mods=True), bwd(64, 64, score_mods=True),
                  build.bwd_kernel(128, "bf16", True, False, True, arch="sm_90a"),
-                 build.bwd_kernel(128, "bf16", True, False, arch="sm_90a", deterministic=True),
                  build.bwd_kernel(128, "bf16", True, False, arch="sm_80", effective_head_dim=96)):
         assert not build.bwd_lse_bias(spec) and "lsebias" not in spec.name, spec.name
     assert bwd(128, 128, causal=False, seqlen_q=1 << 16).tiles.block_m == 80
@@ -414,13 +413,15 @@ def test_lse_bias_kernels(monkeypatch):
         assert not build.bwd_lse_bias(plain) and plain.name == name
     with pytest.raises(ValueError, match="lse_bias"):
         build._bwd_sm90_spec(128, "bf16", True, False, False, False, build.BWD_SM90_TILES[128], 128, 2, lse_bias=True)
-    # BWD_SM90_DET_LSE_BIAS = 1 (A/B): the deterministic hd128 kernels too (with BWD_SM90_LSE_BIAS), not hd64's
+    # the deterministic hd128 kernels too (BWD_SM90_DET_LSE_BIAS, with BWD_SM90_LSE_BIAS), not hd64's; 0: from zero
     monkeypatch.setattr(build, "BWD_SM90_LSE_BIAS", 1)
-    monkeypatch.setattr(build, "BWD_SM90_DET_LSE_BIAS", 1)
-    for causal in (False, True):
-        det = build.bwd_kernel(128, "bf16", causal, False, arch="sm_90a", deterministic=True)
-        assert build.bwd_lse_bias(det) and det.tiles.block_m == 64
-        assert det.name == f"flash_bwd_sm90_hdim128_bf16{'_causal' if causal else ''}_det_lsebias"
+    for det_bias in (1, 0):
+        monkeypatch.setattr(build, "BWD_SM90_DET_LSE_BIAS", det_bias)
+        for causal in (False, True):
+            det = build.bwd_kernel(128, "bf16", causal, False, arch="sm_90a", deterministic=True)
+            assert build.bwd_lse_bias(det) == bool(det_bias) and det.tiles.block_m == 64
+            assert det.name == f"flash_bwd_sm90_hdim128_bf16{'_causal' if causal else ''}_det{'_lsebias' * det_bias}"
+            assert det_bias == 0 or det in build.all_kernels()
     det64 = build.bwd_kernel(64, "bf16", True, False, arch="sm_90a", deterministic=True)
     assert not build.bwd_lse_bias(det64) and det64.name == "flash_bwd_sm90_hdim64_bf16_causal_det"
 
@@ -495,7 +496,7 @@ def test_hopper_dispatch(monkeypatch):
     assert build.bwd_kernel(128, "bf16", True, False, arch="sm_90a", effective_head_dim=128).name.startswith(
         "flash_bwd_sm90_hdim128")
     assert build.bwd_kernel(128, "bf16", True, False, arch="sm_90a", deterministic=True,
-                            effective_head_dim=96).name == "flash_bwd_sm90_hdim128_bf16_causal_det"
+                            effective_head_dim=96).name == "flash_bwd_sm90_hdim128_bf16_causal_det_lsebias"
     assert build.bwd_kernel(128, "bf16", True, False, True, arch="sm_90a",
                             effective_head_dim=96).name == "flash_bwd_sm90_hdim128_bf16_causal_sparse"
     # head dims 192 / 256: the split-head-dim Hopper backward, dense without dropout, not deterministic
@@ -653,7 +654,7 @@ def test_hd128_backward_query_blocks(monkeypatch):
     assert (spec(causal=True, seqlen_q=build.BWD_SM90_Q80_CAUSAL_SEQLEN - 1).name
             == "flash_bwd_sm90_hdim128_bf16_causal_lsebias" + _fdq(128, build.BWD_SM90_Q80_CAUSAL_SEQLEN - 1))
     assert spec(causal=True).block_m == 64
-    assert spec(deterministic=True).name == "flash_bwd_sm90_hdim128_bf16_det"
+    assert spec(deterministic=True).name == "flash_bwd_sm90_hdim128_bf16_det_lsebias"
     assert spec(dropout=True).block_m == 64 and spec(block_sparse=True).block_m == 64
     assert spec(effective_head_dim=96).name == "flash_bwd_sm90_hdim96_bf16_q80_lsebias"  # (head dims 65-96 too)
     assert spec(effective_head_dim=96, dropout=True).block_m == 64

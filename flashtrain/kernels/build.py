@@ -1069,12 +1069,13 @@ def bwd_tail_split(spec: KernelSpec) -> bool:
 # BWD_SM90_LSE_BIAS = 0 (FLASHTRAIN_BWD_SM90_LSE_BIAS=0 at import, or ab_probe.py flashtrain@build.BWD_SM90_LSE_BIAS=0;
 # read at plan time): none.
 BWD_SM90_LSE_BIAS = int(os.environ.get("FLASHTRAIN_BWD_SM90_LSE_BIAS", "1"))
-# BWD_SM90_DET_LSE_BIAS = 1: the deterministic hd128 kernels (64-query blocks, no dropout or block mask) start S^T at
-# the lse term too (nvcc 13.0 sm_90a: no spills, as without it). An A/B setting, off: not yet measured on a GPU (the
-# deterministic hd128 backward at 8K / 16K is 0.83-0.86x of the default, kernel_ab-h100.json det_group_steps_ab; A/B:
-# ab_probe.py flashtrain-det@build.BWD_SM90_DET_LSE_BIAS=1, read at plan time; FLASHTRAIN_BWD_SM90_DET_LSE_BIAS=1 at
-# import).
-BWD_SM90_DET_LSE_BIAS = int(os.environ.get("FLASHTRAIN_BWD_SM90_DET_LSE_BIAS", "0"))
+# The deterministic hd128 kernels (64-query blocks, no dropout or block mask) start S^T at the lse term too, with fp32
+# P^T (flash_bwd_sm90.cuh FT_BWD_DET_PT_FP32): H100, interleaved CUDA-graph replays, deterministic / default backward,
+# without -> with both: hd128 full 16K 0.838 -> 0.850, 8K 0.858 -> 0.867, 4K 0.861 -> 0.878; causal 16K 0.848 ->
+# 0.869, 8K 0.856 -> 0.873, 4K 0.875 -> 0.898, 2K 0.887 -> 0.901; either alone less (kernel_ab-h100.json
+# det_hd128_builds_ab). BWD_SM90_DET_LSE_BIAS = 0 (FLASHTRAIN_BWD_SM90_DET_LSE_BIAS=0 at import, or ab_probe.py
+# flashtrain-det@build.BWD_SM90_DET_LSE_BIAS=0; read at plan time): S^T from zero.
+BWD_SM90_DET_LSE_BIAS = int(os.environ.get("FLASHTRAIN_BWD_SM90_DET_LSE_BIAS", "1"))
 
 
 def bwd_lse_bias(spec: KernelSpec) -> bool:

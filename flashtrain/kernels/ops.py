@@ -792,27 +792,26 @@ DET_GROUP_L2_BYTES = 24 << 20
 # SMs idle until its last tiles end (hd128 16K non-causal, 64-query blocks: one 16 MiB unit is 128 key blocks on 132
 # SMs; two units measured 1.011x, H200, 2026-11-30). 0: the L2 bound alone (A/B).
 DET_GROUP_FULL_WAVE = 1
-# ... with DET_CAUSAL_GROUP_STEPS in place of DET_GROUP_STEPS for causal calls at head dims 64 and 128 (the call's own
-# head dim: not 65-96 on the hd128 kernels), the first (queries, waves) entry that covers the call: one wave of steps
-# per group up to 2K queries, half a wave up to 4K. After the default backward's short causal calls gained the
-# in-kernel dQ conversion, their deterministic ones fell to 0.77-0.83x of it with two waves. H100 80GB HBM3,
-# 2026-12-06, interleaved CUDA-graph replays (ab_probe.py flashtrain-det@ops.DET_GROUP_STEPS=...), deterministic /
-# default backward, two waves -> this rule: hd128 causal 512 0.81 -> 0.90, 768 0.78 -> 0.86, 1K 0.77 -> 0.85, 2K
+# ... with DET_CAUSAL_GROUP_STEPS[head dim] in place of DET_GROUP_STEPS for causal calls at head dims 64 and 128 (the
+# call's own head dim: not 65-96 on the hd128 kernels), the first (queries, waves) entry that covers the call: hd64 one
+# wave of steps per group up to 2K queries, half a wave up to 4K; hd128 key blocks fastest (0) up to 1K, then as hd64.
+# After the default backward's short causal calls gained the in-kernel dQ conversion, their deterministic ones fell to
+# 0.77-0.83x of it with two waves. H100 80GB HBM3, 2026-12-06, interleaved CUDA-graph replays (ab_probe.py
+# flashtrain-det@ops.DET_GROUP_STEPS=...), deterministic / default backward, two waves -> this rule: hd128 causal 2K
 # 0.87 -> 0.91, 4K 0.87 -> 0.89; hd64 causal 512 0.83 -> 0.89, 768 0.81 -> 0.86, 1K 0.81 -> 0.87, 2K 0.88 -> 0.89, 4K
-# 0.91 -> 0.94. Key blocks fastest (0 waves) measured higher at hd128 causal up to 2K (512 0.98, 1K 0.92, 2K 0.92) but
-# lower at hd64 (0.75-0.84); at 8K / 16K and in non-causal calls no setting measured better than two waves
-# (kernel_ab-h100.json det_group_steps_ab). DET_CAUSAL_GROUP_RULE = 0: DET_GROUP_STEPS for every call (A/B:
-# ab_probe.py flashtrain-det@ops.DET_CAUSAL_GROUP_RULE=0).
-DET_CAUSAL_GROUP_STEPS = ((2048, 1.0), (4096, 0.5))
-DET_CAUSAL_GROUP_HEAD_DIMS = (64, 128)
+# 0.91 -> 0.94 (kernel_ab-h100.json det_group_steps_ab); hd128 causal with one wave / key blocks fastest: 512 0.89 /
+# 0.96, 768 0.84 / 0.91, 1K 0.85 / 0.89, 2K 0.89 / 0.89 (det_hd128_builds_ab). Key blocks fastest measured lower at
+# hd64 (0.75-0.84) and in non-causal calls (0.55-0.94); at 8K / 16K no setting measured better than two waves.
+# DET_CAUSAL_GROUP_RULE = 0: DET_GROUP_STEPS for every call (A/B: ab_probe.py flashtrain-det@ops.DET_CAUSAL_GROUP_RULE=0).
+DET_CAUSAL_GROUP_STEPS = {64: ((2048, 1.0), (4096, 0.5)), 128: ((1024, 0.0), (2048, 1.0), (4096, 0.5))}
 DET_CAUSAL_GROUP_RULE = 1
 
 
 def _det_group_steps(causal: bool, head_dim: int, call_head_dim: int, seqlen_q: int) -> float:
     """Waves of steps per tile group of a Hopper deterministic backward call (DET_CAUSAL_GROUP_STEPS, else
     DET_GROUP_STEPS)."""
-    if DET_CAUSAL_GROUP_RULE and causal and call_head_dim == head_dim and head_dim in DET_CAUSAL_GROUP_HEAD_DIMS:
-        for seqlen, steps in DET_CAUSAL_GROUP_STEPS:
+    if DET_CAUSAL_GROUP_RULE and causal and call_head_dim == head_dim:
+        for seqlen, steps in DET_CAUSAL_GROUP_STEPS.get(head_dim, ()):
             if seqlen_q <= seqlen:
                 return steps
     return DET_GROUP_STEPS
