@@ -213,7 +213,7 @@ struct FwdSm90Traits {
     // (FT_FWD_ROUND_ROBIN; H200, graph-interleaved, 2026-11-26, hd64 192-row tiles, causal 512 / 768 / 1K / 4K / 16K
     // 1.011 / 1.011 / 1.015 / 1.009 / 1.002x of issuing freely; non-causal 512 / 2K / 16K 0.998 / 1.000 / 0.992x)
     static constexpr bool kPingPong =
-        !kSplitD && (kNConsumers == 2 || (kNConsumers == 3 && kIsCausal_ && FT_FWD_ROUND_ROBIN));
+        !kSplitD && (kNConsumers == 2 || (kNConsumers == 3 && (kIsCausal_ || FT_FWD_ROUND_ROBIN >= 2) && FT_FWD_ROUND_ROBIN));
     // Registers per thread after reallocation. The CTA's pool is what it got at launch, 65536 / kNThreads rounded
     // down to a multiple of 8 per thread (384 threads: 168); setmaxnreg.inc waits until the pool has the registers,
     // so asking for more than the pool holds hangs the CTA.
