@@ -211,9 +211,10 @@ struct FwdSm90Traits {
     static constexpr int kNThreads = 128 * (kNConsumers + 1);        // + the producer warpgroup
     // Turns for the GEMM issues: two consumers ping-pong; three (causal) take turns in a ring, 0 -> 1 -> 2 -> 0
     // (FT_FWD_ROUND_ROBIN; H200, graph-interleaved, 2026-11-26, hd64 192-row tiles, causal 512 / 768 / 1K / 4K / 16K
-    // 1.011 / 1.011 / 1.015 / 1.009 / 1.002x of issuing freely; non-causal 512 / 2K / 16K 0.998 / 1.000 / 0.992x)
-    static constexpr bool kPingPong =
-        !kSplitD && (kNConsumers == 2 || (kNConsumers == 3 && (kIsCausal_ || FT_FWD_ROUND_ROBIN >= 2) && FT_FWD_ROUND_ROBIN));
+    // 1.011 / 1.011 / 1.015 / 1.009 / 1.002x of issuing freely; non-causal 512 / 2K / 16K 0.998 / 1.000 / 0.992x;
+    // FT_FWD_ROUND_ROBIN=2, an A/B build: non-causal too)
+    static constexpr bool kRing = FT_FWD_ROUND_ROBIN >= 2 || (kIsCausal_ && FT_FWD_ROUND_ROBIN == 1);
+    static constexpr bool kPingPong = !kSplitD && (kNConsumers == 2 || (kNConsumers == 3 && kRing));
     // Registers per thread after reallocation. The CTA's pool is what it got at launch, 65536 / kNThreads rounded
     // down to a multiple of 8 per thread (384 threads: 168); setmaxnreg.inc waits until the pool has the registers,
     // so asking for more than the pool holds hangs the CTA.
