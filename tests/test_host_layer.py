@@ -412,11 +412,12 @@ def test_hopper_deterministic_causal_plan_tile_groups(recording, monkeypatch):
 
     # (b, s, h, d, causal), group by the rule, group with two waves. 512 / 1K queries (64-query blocks at hd128, 128
     # at hd64), units of 0.5 MiB: (8 + 1) / 2 steps per tile, one wave 30 units (hd128 512: key blocks fastest, 0),
-    # two waves 59, the L2 bound 48 (hd128 1K: 1 MiB units, the L2 bound 24); hd128 2K, units of 2 MiB: 16.5 steps, one wave 9, two 16, the L2
-    # bound 12; 4K, 4 MiB: half a wave 3 but a full wave of tiles 5, two waves 9, the L2 bound 6
-    cases = [((16, 512, 16, 128, True), 0, 48), ((8, 1024, 16, 128, True), 0, 24), ((4, 1024, 16, 64, True), 30, 48), ((4, 2048, 16, 128, True), 9, 12),
-             ((1, 4096, 8, 128, True), 5, 6), ((1, 16384, 2, 128, True), 2, 2), ((16, 512, 16, 96, True), 48, 48),
-             ((16, 512, 16, 128, False), 33, 33)]
+    # two waves 59, the L2 bound 48 (hd128 1K: 1 MiB units, the L2 bound 24); hd128 2K, units of 2 MiB: 16.5 steps,
+    # one wave 9, two 16, the L2 bound 12; 4K, 4 MiB: half a wave 3 but a full wave of tiles 5, two waves 9, the L2
+    # bound 6
+    cases = [((16, 512, 16, 128, True), 0, 48), ((8, 1024, 16, 128, True), 0, 24), ((4, 1024, 16, 64, True), 30, 48),
+             ((4, 2048, 16, 128, True), 9, 12), ((1, 4096, 8, 128, True), 5, 6), ((1, 16384, 2, 128, True), 2, 2),
+             ((16, 512, 16, 96, True), 48, 48), ((16, 512, 16, 128, False), 33, 33)]
     assert [group(*shape) for shape, _, _ in cases] == [rule for _, rule, _ in cases]
     monkeypatch.setattr(ops, "DET_CAUSAL_GROUP_RULE", 0)
     ops.clear_plans()

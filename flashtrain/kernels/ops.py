@@ -802,7 +802,8 @@ DET_GROUP_FULL_WAVE = 1
 # 0.91 -> 0.94 (kernel_ab-h100.json det_group_steps_ab); hd128 causal with one wave / key blocks fastest: 512 0.89 /
 # 0.96, 768 0.84 / 0.91, 1K 0.85 / 0.89, 2K 0.89 / 0.89 (det_hd128_builds_ab). Key blocks fastest measured lower at
 # hd64 (0.75-0.84) and in non-causal calls (0.55-0.94); at 8K / 16K no setting measured better than two waves.
-# DET_CAUSAL_GROUP_RULE = 0: DET_GROUP_STEPS for every call (A/B: ab_probe.py flashtrain-det@ops.DET_CAUSAL_GROUP_RULE=0).
+# DET_CAUSAL_GROUP_RULE = 0: DET_GROUP_STEPS for every call (A/B: ab_probe.py
+# flashtrain-det@ops.DET_CAUSAL_GROUP_RULE=0).
 DET_CAUSAL_GROUP_STEPS = {64: ((2048, 1.0), (4096, 0.5)), 128: ((1024, 0.0), (2048, 1.0), (4096, 0.5))}
 DET_CAUSAL_GROUP_RULE = 1
 

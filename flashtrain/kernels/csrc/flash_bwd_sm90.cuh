@@ -255,8 +255,9 @@ struct BwdSm90Traits {
 #define FT_BWD_PT_FP32 1
 #endif
     // ... and the deterministic hd128 kernels (FT_BWD_DET_PT_FP32, default 1; 0 for A/Bs), their producer and dQ writer
-    // warps then on 24 registers (nvcc 13.0 sm_90a: 124-148 bytes spilled, none in the MMA loop); with the lse start of
-    // S^T (build.BWD_SM90_DET_LSE_BIAS) hd128 8K / 16K 1.010-1.025x of neither (kernel_ab-h100.json det_hd128_builds_ab)
+    // warps then on 24 registers (nvcc 13.0 sm_90a: 124-148 bytes spilled, none in the MMA loop); with the lse start
+    // of S^T (build.BWD_SM90_DET_LSE_BIAS) hd128 8K / 16K 1.010-1.025x of neither (kernel_ab-h100.json
+    // det_hd128_builds_ab)
 #ifndef FT_BWD_DET_PT_FP32
 #define FT_BWD_DET_PT_FP32 1
 #endif
