@@ -900,12 +900,12 @@ def test_deterministic_tile_groups(steps_per_tile, n_units, unit_bytes, n_kblock
     steps, at most DET_GROUP_L2_BYTES of rows, at least one tile per SM (DET_GROUP_FULL_WAVE)."""
     from flashtrain.kernels import ops
 
-    group = ops._det_tile_group(steps_per_tile, n_units, unit_bytes, 132, n_kblocks)
+    group = ops._det_tile_group(steps_per_tile, n_units, unit_bytes, 132, n_kblocks, ops.DET_GROUP_STEPS)
     assert group == expected and 1 <= group <= n_units
     assert (group == n_units or group * unit_bytes <= ops.DET_GROUP_L2_BYTES or group == 1
             or (group - 1) * n_kblocks < 132)
     monkeypatch.setattr(ops, "DET_GROUP_FULL_WAVE", 0)  # the L2 bound alone
-    group = ops._det_tile_group(steps_per_tile, n_units, unit_bytes, 132, n_kblocks)
+    group = ops._det_tile_group(steps_per_tile, n_units, unit_bytes, 132, n_kblocks, ops.DET_GROUP_STEPS)
     assert group == n_units or group * unit_bytes <= ops.DET_GROUP_L2_BYTES or group == 1
 
 

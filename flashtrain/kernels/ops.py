@@ -818,19 +818,18 @@ def _det_group_steps(causal: bool, head_dim: int, call_head_dim: int, seqlen_q: 
     return DET_GROUP_STEPS
 
 
-def _det_tile_group(steps_per_tile: float, n_units: int, unit_bytes: int, sm_count: int, n_kblocks: int = 0,
-                    group_steps: float | None = None) -> int:
+def _det_tile_group(steps_per_tile: float, n_units: int, unit_bytes: int, sm_count: int, n_kblocks: int,
+                    group_steps: float) -> int:
     """Units per tile group of the Hopper deterministic backward (0: key blocks fastest; steps_per_tile: a tile's
     query blocks, unit_bytes: a unit's Q, dO and dq_accum rows, n_kblocks: a unit's tiles). Fewer of a unit's key
     blocks then run at once, in one chain of turns. H200, 2026-11-25, deterministic / default backward at 2K-16K, hd64
     and hd128: these groups 0.73-0.91x; key blocks fastest 0.67-0.84x with 2-4 chains of their own dq_accum, 0.49-0.83x
     with one; 4 units per group within 0.01 of these except hd128 causal 16K (0.72 vs 0.79); 33 units 0.57-0.84x and
-    all units 0.56-0.79x (the units' Q, dO and dq_accum leave L2). group_steps: waves of steps in place of
-    DET_GROUP_STEPS (_det_group_steps)."""
-    steps = DET_GROUP_STEPS if group_steps is None else group_steps
-    if steps <= 0:
+    all units 0.56-0.79x (the units' Q, dO and dq_accum leave L2). group_steps: the call's waves of steps
+    (_det_group_steps: DET_GROUP_STEPS or the causal rule's)."""
+    if group_steps <= 0:
         return 0
-    want = math.ceil(steps * sm_count / max(1.0, steps_per_tile))
+    want = math.ceil(group_steps * sm_count / max(1.0, steps_per_tile))
     group = min(want, DET_GROUP_L2_BYTES // max(1, unit_bytes))
     if DET_GROUP_FULL_WAVE and n_kblocks > 0:
         group = max(group, math.ceil(sm_count / n_kblocks))
