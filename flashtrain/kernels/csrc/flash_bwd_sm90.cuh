@@ -2367,7 +2367,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     if (!bwd_tile<T>(p, tile_index, n_kblocks, x)) continue;
                 }
                 const int slot = tile_iter & 1;
-                mbar_wait_idle(sm.tile_empty(slot), ((tile_iter >> 1) & 1) ^ 1);  // (the first two pass at once)
+                mbar_wait(sm.tile_empty(slot), ((tile_iter >> 1) & 1) ^ 1);  // (the first two pass at once)
                 sm.publish_tile(slot, tile < n_units ? tile : -1, x);
                 mbar_arrive(sm.tile_full(slot));
                 FT_TIMELINE_MARK(0, tile_iter, 2);
@@ -2380,7 +2380,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 auto load_kv = [&]() {
                     const int kvb = sm.kv_buf(tile_iter);
                     const u32 kv_full = sm.kv_full(kvb), sK = sm.sK + kvb * sm.kKvBytes, sV = sm.sV + kvb * sm.kKvBytes;
-                    mbar_wait_idle(sm.kv_empty(kvb), sm.kv_parity(tile_iter) ^ 1);
+                    mbar_wait(sm.kv_empty(kvb), sm.kv_parity(tile_iter) ^ 1);
                     mbar_arrive_expect_tx(kv_full, 2 * TileKV::kBytes);
                     if constexpr (T::kKBoxCols == 64) {
 #pragma unroll
@@ -2410,7 +2410,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                 for (QueryBlockWalk<T> walk(p, x); walk.has;
                      walk.next(), ++gs) {
                     const int s = gs % kStages;
-                    mbar_wait_idle(sm.empty(s), ((gs / kStages) & 1) ^ 1);  // the first pass finds every stage empty
+                    mbar_wait(sm.empty(s), ((gs / kStages) & 1) ^ 1);  // the first pass finds every stage empty
                     mbar_arrive_expect_tx(sm.full(s), (T::kSkStageDq ? 1 : 2) * TileQ::kBytes + 2 * T::kStatsBoxBytes);
 #pragma unroll
                     for (int cb = 0; cb < kHeadDim / 64; ++cb) {
@@ -2424,7 +2424,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
                     tma_load_4d(sm.sLse(s), &params.tma_stats, sm.full(s), q_pad + walk.m0, walk.head, 0, 0);
                     tma_load_4d(sm.sD(s), &params.tma_stats, sm.full(s), q_pad + walk.m0, f.nheads + walk.head, 0, 0);
                     if constexpr (T::kSkStageDq) {  // dO into its one buffer once the previous block's dV^T is done
-                        mbar_wait_idle(sm.do_empty(), (gs & 1) ^ 1);
+                        mbar_wait(sm.do_empty(), (gs & 1) ^ 1);
                         mbar_arrive_expect_tx(sm.do_full(), TileQ::kBytes);
 #pragma unroll
                         for (int cb = 0; cb < kHeadDim / 64; ++cb)
@@ -2465,7 +2465,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             };
             auto fdq_post = [&](bool stop, u32 rec) {  // block rec (stop: rows -1, no more) to the converter
                 const int slot = n_req % T::kFdqReqs;  // (the ring's first pass waits for nothing)
-                mbar_wait_idle(sm.fdq_req_empty(slot), ((n_req / T::kFdqReqs) & 1) ^ 1);
+                mbar_wait(sm.fdq_req_empty(slot), ((n_req / T::kFdqReqs) & 1) ^ 1);
                 const u32 at = sm.fdq_req(slot);
                 if (stop) {
                     st_shared_b32(at + 16, (u32)-1);
@@ -2493,8 +2493,8 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             for (int tile_iter = 0; sm.read_tile(tile_iter, x); ++tile_iter) {
                 for (QueryBlockWalk<T> walk(p, x); walk.has; walk.next(), ++n) {
                     if (T::kDqWriters == 2 && n % 2 != warp - 2) continue;
-                    if (T::kDqWriters == 2) mbar_wait_idle(warp == 3 ? sm.dq_full1 : sm.dq_full, (n / 2) & 1);
-                    else mbar_wait_idle(sm.dq_full, n & 1);
+                    if (T::kDqWriters == 2) mbar_wait(warp == 3 ? sm.dq_full1 : sm.dq_full, (n / 2) & 1);
+                    else mbar_wait(sm.dq_full, n & 1);
                     const int m0 = walk.m0;
                     float* dq_acc = p.dq_accum + walk.head * p.dqa_head_stride + (i64)x.q_pad * kHeadDim;
                     int turn = 0;
@@ -2585,7 +2585,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
             const int rs = (int)p.dq_row_stride;
             for (int r = 0;; ++r) {
                 const int slot = r % T::kFdqReqs;
-                mbar_wait_idle(sm.fdq_req_full(slot), (r / T::kFdqReqs) & 1);
+                mbar_wait(sm.fdq_req_full(slot), (r / T::kFdqReqs) & 1);
                 const u32 at = sm.fdq_req(slot);
                 const i64 dq_off = (i64)(u32)ld_shared_b32(at) | ((i64)ld_shared_b32(at + 4) << 32);
                 const i64 acc_off = (i64)(u32)ld_shared_b32(at + 8) | ((i64)ld_shared_b32(at + 12) << 32);
@@ -2609,7 +2609,7 @@ template <class T> __device__ __forceinline__ void flash_bwd_sm90(const BwdSm90P
 #pragma unroll 1
                 for (int k = 0; k < kMine; ++k) {
                     const int c = ci + kConv * k, buf = 2 * ci + (k & 1);
-                    mbar_wait_idle(sm.fdq_chunk_full(buf), (k >> 1) & 1);  // (a buffer fills kMine / 2 times a block)
+                    mbar_wait(sm.fdq_chunk_full(buf), (k >> 1) & 1);  // (each buffer fills kMine / 2 times a block)
                     if constexpr (FT_BWD_FDQ_DISCARD != 0) {
                         static_assert(kChunk == 32 * 128, "one 128-byte line per lane");
                         discard_l2_line(src + c * (kChunk / 4) + 32 * lane);

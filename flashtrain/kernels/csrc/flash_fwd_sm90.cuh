@@ -589,7 +589,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 const int qb = tile_iter % T::kQBuffers;
                 const u32 sQ = sQ0 + qb * TileQ::kBytes;
                 // the consumers' last S GEMM of the buffer's previous tile is done
-                mbar_wait_idle(empty_q(qb), ((tile_iter / T::kQBuffers) & 1) ^ 1);
+                mbar_wait(empty_q(qb), ((tile_iter / T::kQBuffers) & 1) ^ 1);
                 atomic_store_shared(tile_slot(qb), tile < n_units ? tile : -1);  // (ordered by empty_q / full_q)
                 if (FT_FWD_TILE_RECORD && tile < n_units) {
                     const int fields[9] = {x.m0,      x.batch,    x.head,     x.head_kv,    x.q_start,
@@ -621,10 +621,10 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     // peer's wait, before they release it again, so no producer completes two phases of the peer's
                     // peer_empty barrier before the peer has waited for the first.) K, then V.
                     auto load = [&](u32 empty, u32 peer_empty, u32 full, u32 dst, const TmaDesc* desc) {
-                        mbar_wait_idle(empty, parity);
+                        mbar_wait(empty, parity);
                         if constexpr (T::kCluster > 1) {
                             mbar_arrive_peer_if(it >= kStages, peer_empty);
-                            mbar_wait_idle(peer_empty, parity);
+                            mbar_wait(peer_empty, parity);
                         }
                         mbar_arrive_expect_tx(full, TileKV::kBytes);
                         if constexpr (T::kCluster > 1 && T::kColBlocks == 1) {  // (the map's boxes: kBlockN / 2 rows)

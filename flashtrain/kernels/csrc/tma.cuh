@@ -41,37 +41,9 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     return done != 0;
 }
-// try_wait with a suspend-time hint: a thread whose phase is not complete yet is suspended by the hardware until the
-// phase completes or the hint's time passes (ptxas: TRYWAIT, then NANOSLEEP.SYNCS and PHASECHK on the miss path),
-// instead of returning at once to a retry loop (TRYWAIT, YIELD, branch) that takes issue slots from the warps sharing
-// the warp scheduler, e.g. the consumer warps' softmax.
-#ifndef FT_MBAR_SUSPEND
-#define FT_MBAR_SUSPEND 0
-#endif
-__device__ __forceinline__ bool mbar_try_wait_suspend(u32 bar, u32 parity) {
-    u32 done;
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(bar), "r"(parity), "n"(10000000) : "memory");
-    return done != 0;
-}
 // Wait until the barrier's phase with this parity has completed.
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    if constexpr (FT_MBAR_SUSPEND >= 2) {
-        while (!mbar_try_wait_suspend(bar, parity)) {
-        }
-    } else {
-        while (!mbar_try_wait(bar, parity)) {
-        }
-    }
-}
-// The producer warpgroup's waits (TMA issue, dQ writers): these wait most of the time (FT_MBAR_SUSPEND 1 or 2: with the
-// suspend-time hint; 2 also the consumers' waits).
-__device__ __forceinline__ void mbar_wait_idle(u32 bar, u32 parity) {
-    if constexpr (FT_MBAR_SUSPEND >= 1) {
-        while (!mbar_try_wait_suspend(bar, parity)) {
-        }
-    } else {
-        mbar_wait(bar, parity);
+    while (!mbar_try_wait(bar, parity)) {
     }
 }
 
