@@ -277,3 +277,40 @@ def test_register_epilogue_stores_whole_sectors(tmp_path):
     # left are the row statistics (lse), 2 (with FT_FWD_O_SECTORS=0: 130 STG.E, no STG.E.64)
     assert stores.count("STG.E.64") == 32, stores
     assert stores.count("STG.E") <= 4, stores
+
+
+def _listing(lines):
+    """cuobjdump-style code and addresses from lines whose branch targets are {name}s of labelled lines (name: ...)."""
+    names = {line.split(":")[0]: 0x10 * i for i, line in enumerate(lines) if re.match(r"\w+: ", line)}
+    code = [re.sub(r"^\w+: ", "", line).format(**{k: f"0x{v:x}" for k, v in names.items()}) for line in lines]
+    return code, [0x10 * i for i in range(len(lines))]
+
+
+def test_forward_step_path_follows_the_unmasked_copy_without_retries():
+    """sm90_spills.py's forward step: from the loop head to the branch back, the path with no masked selects and no
+    wait retry (the retry block lies after EXIT; the masked copy selects with FSEL); an unconditional branch to the
+    loop's latch is followed."""
+    gemm = ["HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24, gsb0"] * 4
+    lines = ["MOV R1, RZ",
+             "head: ISETP.GT.AND P0, PT, R2, R3, PT",
+             "@P0 BRA {masked}",
+             "wait: SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R2",
+             "@!P1 BRA {retry}",
+             *gemm, "WARPGROUP.DEPBAR.LE gsb0, 0x1", "MUFU.EX2 R5, R6", "FSEL R9, R9, RZ, P2",
+             "BRA {latch}",
+             "masked: ISETP.GE.AND P3, PT, R7, R8, PT", *gemm, "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+             "FSEL R5, R5, -INF , P3", "FSEL R6, R6, -INF , P3", "MUFU.EX2 R5, R5",
+             "latch: IADD3 R2, R2, 0x1, RZ",
+             "@P4 BRA {head}",
+             "EXIT",
+             "retry: SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R2",
+             "@!P1 BRA {retry}",
+             "BRA {wait}"]
+    code, addresses = _listing(lines)
+    probe = _probe()
+    step = probe.forward_step_path(code, addresses, {})
+    unmasked = code[1:13] + code[22:24]  # head ... BRA latch, then the latch and its branch back
+    assert step == unmasked and len(step) == 14
+    assert sum(x.startswith("FSEL") for x in step) == 1  # (a select of the unmasked copy's own stays in)
+    # no loop issuing 8 HGMMAs with a one-group wait: no step
+    assert probe.forward_step_path(code[:13], addresses[:13], {}) is None
