@@ -79,6 +79,12 @@
 #ifndef FT_FWD_ARRIVE_PRED
 #define FT_FWD_ARRIVE_PRED 1
 #endif
+// FT_FWD_SPLIT_LOOP (default 0, an A/B build): in the kernels without score modifications, the key-block steps that
+// need a mask in a loop of their own, then a loop of steps without one (no per-block mask test or branch). Not on
+// 192-key blocks (the hd128 forward from 8K keys: 111 spill instructions in its loop, ptxas 13.0).
+#ifndef FT_FWD_SPLIT_LOOP
+#define FT_FWD_SPLIT_LOOP 0
+#endif
 // FT_FWD_EPI_OPAQUE (default 1): the staged epilogue's lane, row and chunk indices hidden from the compiler where the
 // epilogue starts, so that it derives them there instead of hoisting them out of the tile loop: those ~14 registers
 // were live through the key-block loop, and at 128-row hd128 tiles ptxas then waited for the P V GEMM before more of
@@ -1010,9 +1016,16 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 pack_p(s);
                 ++it;
             };
-            while (walk.n_block >= 0) {
-                if (needs_mask(walk.n_block)) step(BoolConstant<true>{});
-                else step(BoolConstant<false>{});
+            if constexpr (FT_FWD_SPLIT_LOOP && !T::kScoreMods && kBlockN <= 128) {
+                // (without score modifications a block needs a mask only at the sequence end or past the diagonal:
+                // the walk goes down, so the masked blocks come first and the rest need none)
+                while (walk.n_block >= 0 && needs_mask(walk.n_block)) step(BoolConstant<true>{});
+                while (walk.n_block >= 0) step(BoolConstant<false>{});
+            } else {
+                while (walk.n_block >= 0) {
+                    if (needs_mask(walk.n_block)) step(BoolConstant<true>{});
+                    else step(BoolConstant<false>{});
+                }
             }
             // The last block's P V.
             FT_TIMELINE_MARK(wg, tile_iter, 3);
