@@ -79,9 +79,10 @@
 #ifndef FT_FWD_ARRIVE_PRED
 #define FT_FWD_ARRIVE_PRED 1
 #endif
-// FT_FWD_SPLIT_LOOP (default 0, an A/B build): in the kernels without score modifications, the key-block steps that
-// need a mask in a loop of their own, then a loop of steps without one (no per-block mask test or branch). Not on
-// 192-key blocks (the hd128 forward from 8K keys: 111 spill instructions in its loop, ptxas 13.0).
+// FT_FWD_SPLIT_LOOP (default 0, an A/B build): in the kernels without score modifications or dropout, the key-block
+// steps that need a mask in a loop of their own, then a loop of steps without one (no per-block mask test or branch);
+// 2 also takes the steps' stage and phase from the block count as unsigned. Not on 192-key blocks (the hd128 forward
+// from 8K keys: 111 spill instructions in its loop) nor with dropout (hd128 causal: 32 bytes of spills; ptxas 13.0).
 #ifndef FT_FWD_SPLIT_LOOP
 #define FT_FWD_SPLIT_LOOP 0
 #endif
@@ -971,13 +972,17 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     wgmma_fence();  // (O's registers written since the fence before the S GEMM)
                 }
             };
+            constexpr bool kSplitLoop = FT_FWD_SPLIT_LOOP >= 1 && !T::kScoreMods && !T::kIsDropout && kBlockN <= 128;
             auto step = [&](auto mask_tag) {
                 constexpr bool kMask = decltype(mask_tag)::value;
                 const int n_block = walk.n_block;
-                const int stage = it % kStages, prev = (it - 1) % kStages;
+                // (FT_FWD_SPLIT_LOOP 2: stage and phase from the count as unsigned, it >= 1 here: no sign fix-ups)
+                constexpr bool kU = FT_FWD_SPLIT_LOOP >= 2 && kSplitLoop;
+                const int stage = kU ? (unsigned)it % kStages : it % kStages;
+                const int prev = kU ? (unsigned)(it - 1) % kStages : (it - 1) % kStages;
                 float s[kNT][4];
-                mbar_wait(full_k(stage), (it / kStages) & 1);
-                mbar_wait(full_v(prev), ((it - 1) / kStages) & 1);  // copied before K[stage]: no wait in practice
+                mbar_wait(full_k(stage), (kU ? (unsigned)it / kStages : it / kStages) & 1);
+                mbar_wait(full_v(prev), (kU ? (unsigned)(it - 1) / kStages : (it - 1) / kStages) & 1);
                 schedule_wait();
                 wgmma_fence();
                 issue_s(s, stage, BoolConstant<!kMask>{});
@@ -1016,7 +1021,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 pack_p(s);
                 ++it;
             };
-            if constexpr (FT_FWD_SPLIT_LOOP && !T::kScoreMods && kBlockN <= 128) {
+            if constexpr (kSplitLoop) {
                 // (without score modifications a block needs a mask only at the sequence end or past the diagonal:
                 // the walk goes down, so the masked blocks come first and the rest need none)
                 while (walk.n_block >= 0 && needs_mask(walk.n_block)) step(BoolConstant<true>{});
