@@ -982,6 +982,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 const int prev = kU ? (unsigned)(it - 1) % kStages : (it - 1) % kStages;
                 float s[kNT][4];
                 mbar_wait(full_k(stage), (kU ? (unsigned)it / kStages : it / kStages) & 1);
+                // (V[prev] was copied before K[stage]: no wait in practice)
                 mbar_wait(full_v(prev), (kU ? (unsigned)(it - 1) / kStages : (it - 1) / kStages) & 1);
                 schedule_wait();
                 wgmma_fence();
