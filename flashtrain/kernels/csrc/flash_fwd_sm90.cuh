@@ -79,13 +79,6 @@
 #ifndef FT_FWD_ARRIVE_PRED
 #define FT_FWD_ARRIVE_PRED 1
 #endif
-// FT_FWD_SPLIT_LOOP (default 0, an A/B build): in the kernels without score modifications or dropout, the key-block
-// steps that need a mask in a loop of their own, then a loop of steps without one (no per-block mask test or branch);
-// 2 also takes the steps' stage and phase from the block count as unsigned. Not on 192-key blocks (the hd128 forward
-// from 8K keys: 111 spill instructions in its loop) nor with dropout (hd128 causal: 32 bytes of spills; ptxas 13.0).
-#ifndef FT_FWD_SPLIT_LOOP
-#define FT_FWD_SPLIT_LOOP 0
-#endif
 // FT_FWD_EPI_OPAQUE (default 1): the staged epilogue's lane, row and chunk indices hidden from the compiler where the
 // epilogue starts, so that it derives them there instead of hoisting them out of the tile loop: those ~14 registers
 // were live through the key-block loop, and at 128-row hd128 tiles ptxas then waited for the P V GEMM before more of
@@ -972,18 +965,13 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     wgmma_fence();  // (O's registers written since the fence before the S GEMM)
                 }
             };
-            constexpr bool kSplitLoop = FT_FWD_SPLIT_LOOP >= 1 && !T::kScoreMods && !T::kIsDropout && kBlockN <= 128;
             auto step = [&](auto mask_tag) {
                 constexpr bool kMask = decltype(mask_tag)::value;
                 const int n_block = walk.n_block;
-                // (FT_FWD_SPLIT_LOOP 2: stage and phase from the count as unsigned, it >= 1 here: no sign fix-ups)
-                constexpr bool kU = FT_FWD_SPLIT_LOOP >= 2 && kSplitLoop;
-                const int stage = kU ? (unsigned)it % kStages : it % kStages;
-                const int prev = kU ? (unsigned)(it - 1) % kStages : (it - 1) % kStages;
+                const int stage = it % kStages, prev = (it - 1) % kStages;
                 float s[kNT][4];
-                mbar_wait(full_k(stage), (kU ? (unsigned)it / kStages : it / kStages) & 1);
-                // (V[prev] was copied before K[stage]: no wait in practice)
-                mbar_wait(full_v(prev), (kU ? (unsigned)(it - 1) / kStages : (it - 1) / kStages) & 1);
+                mbar_wait(full_k(stage), (it / kStages) & 1);
+                mbar_wait(full_v(prev), ((it - 1) / kStages) & 1);  // copied before K[stage]: no wait in practice
                 schedule_wait();
                 wgmma_fence();
                 issue_s(s, stage, BoolConstant<!kMask>{});
@@ -1022,16 +1010,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 pack_p(s);
                 ++it;
             };
-            if constexpr (kSplitLoop) {
-                // (without score modifications a block needs a mask only at the sequence end or past the diagonal:
-                // the walk goes down, so the masked blocks come first and the rest need none)
-                while (walk.n_block >= 0 && needs_mask(walk.n_block)) step(BoolConstant<true>{});
-                while (walk.n_block >= 0) step(BoolConstant<false>{});
-            } else {
-                while (walk.n_block >= 0) {
-                    if (needs_mask(walk.n_block)) step(BoolConstant<true>{});
-                    else step(BoolConstant<false>{});
-                }
+            while (walk.n_block >= 0) {
+                if (needs_mask(walk.n_block)) step(BoolConstant<true>{});
+                else step(BoolConstant<false>{});
             }
             // The last block's P V.
             FT_TIMELINE_MARK(wg, tile_iter, 3);
