@@ -165,8 +165,7 @@ def forward_step_path(code: list[str], addresses: list[int], labels: dict[str, i
     HGMMAs and waits with one wgmma group left (S done, P V running), the path from the loop's head to the branch back
     to it (conditional branches taken or not, unconditional ones followed) with the fewest selects (FSEL: the masked
     copy selects masked scores), then the fewest instructions (no wait's retry). Nsight Compute's executed counts per
-    SASS line give the same count (hd64 192-row non-causal forward: 423, an H100 profile of 2026-12); the
-    instructions a step issues bound the hd64 forward."""
+    SASS line give the same count (hd64 192-row non-causal forward: 423, an H100 profile of 2026-12)."""
     index = {address: i for i, address in enumerate(addresses)}
     spans = [(a, b) for a, b in loops(code, addresses, labels) if sum("HGMMA" in x for x in code[a:b + 1]) >= 8
              and any("DEPBAR.LE gsb0, 0x1" in x for x in code[a:b + 1])]
