@@ -1,4 +1,4 @@
-"""Training on several GPUs against one (issues 17 and 18), through the commands a user types: the same seed, data and
+"""Training on several GPUs against one, through the commands a user types: the same seed, data and
 global batch on one GPU, with DDP or FSDP on 2 GPUs, with FSDP on one process, with activation checkpointing, and
 checkpoints that continue on another number of GPUs. Loss curves must agree up to bf16 noise (a second one-GPU run
 measures that noise: the kernel's backward adds dQ with atomics, so two plain runs differ too); tokens/s and every

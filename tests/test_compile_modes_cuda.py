@@ -1,5 +1,4 @@
-"""GPU: GPT-2 trains under every trainer.compile_mode with our attention ops, reduce-overhead on CUDA graphs (issue
-14, item 3).
+"""GPU: GPT-2 trains under every trainer.compile_mode with our attention ops, reduce-overhead on CUDA graphs.
 
     pytest -m cuda tests/test_compile_modes_cuda.py
 """

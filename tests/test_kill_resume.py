@@ -9,7 +9,7 @@ checkpoint is the newest intact one; the resumed process must name exactly that 
 none). A lineage of kills ends when a launch finishes; its metrics.jsonl must hold every step once, with the
 uninterrupted run's train and validation losses exactly.
 
-The suite runs FLASHTRAIN_KILL_POINTS (default 4) kill points; the full loop of the issue's closing note:
+The suite runs FLASHTRAIN_KILL_POINTS (default 4) kill points; the full loop:
 
     FLASHTRAIN_KILL_POINTS=20 python -m pytest tests/test_kill_resume.py -s   # prints the counts (about 3 minutes)
 

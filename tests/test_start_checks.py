@@ -44,7 +44,7 @@ def local_overrides(cache, corpus, *extra):
                           "data.val_samples=2", *extra)
 
 
-# ---- item 5: unknown keys, folders, vocabularies ------------------------------------------------------------------
+# ---- unknown keys, folders, vocabularies --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("override, key, schema", [
     ("+optim.lr_typo=1", "lr_typo", "OptimConfig"),  # the fix Hydra's own error message suggests
@@ -117,7 +117,7 @@ def test_model_that_cannot_take_the_data_stops_before_it_is_generated(tmp_path):
     assert not cache.exists()
 
 
-# ---- item 6: bad data ---------------------------------------------------------------------------------------------
+# ---- bad data -----------------------------------------------------------------------------------------------------
 
 def test_empty_corpus_stops_the_start(tmp_path):
     corpus = corpus_dir(tmp_path / "corpus", [0, 0, 0])
