@@ -858,8 +858,8 @@ def _fwd_tail_split(head_dim: int, causal: bool, dropout: bool, block_sparse: bo
 # non-causal one-CTA kernels with one Q buffer and key blocks of at most 128 (head dims up to 256, no dropout; not the
 # 192-key hd128 tiles, see the kernel's traits) run the last, partial wave of a launch's tiles as pieces over their key
 # blocks, merged by the piece that ends last, as the backward's BWD_TAIL_SPLIT does over query blocks. Off by
-# default: the _tail kernels measured slower at hd64 non-causal 2K-16K (docs/kernels.md). FWD_TAIL_SPLIT = 1 (FLASHTRAIN_FWD_TAIL_SPLIT=1 at import, or ab_probe.py
-# flashtrain@build.FWD_TAIL_SPLIT=1; read at plan time): on.
+# default: the _tail kernels measured slower at hd64 non-causal 2K-16K (docs/kernels.md). FWD_TAIL_SPLIT = 1
+# (FLASHTRAIN_FWD_TAIL_SPLIT=1 at import, or ab_probe.py flashtrain@build.FWD_TAIL_SPLIT=1; read at plan time): on.
 FWD_TAIL_SPLIT = int(os.environ.get("FLASHTRAIN_FWD_TAIL_SPLIT", "0"))
 
 
