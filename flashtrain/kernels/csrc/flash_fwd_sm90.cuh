@@ -103,12 +103,6 @@
 #ifndef FT_FWD_DESC64
 #define FT_FWD_DESC64 6
 #endif
-// FT_FWD_STAGE_STEPS (two K / V stages): the key-block step without a mask in one copy per stage (the block count's
-// parity picks it), so that the stages' barrier addresses, phases and tile descriptors are compile-time offsets instead
-// of being derived from the block count in every step; masked steps keep the one copy that derives them.
-#ifndef FT_FWD_STAGE_STEPS
-#define FT_FWD_STAGE_STEPS 0
-#endif
 #ifndef FT_FWD_DESC64_CLUSTER
 #define FT_FWD_DESC64_CLUSTER 1
 #endif
@@ -971,22 +965,13 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     wgmma_fence();  // (O's registers written since the fence before the S GEMM)
                 }
             };
-            // stage_tag: the stage of K (block count it % kStages) as a constant, or -1 (derived from it)
-            auto step = [&](auto mask_tag, auto stage_tag) {
+            auto step = [&](auto mask_tag) {
                 constexpr bool kMask = decltype(mask_tag)::value;
-                constexpr int kStage = decltype(stage_tag)::value;
                 const int n_block = walk.n_block;
-                const int stage = kStage >= 0 ? kStage : it % kStages;
-                const int prev = kStage >= 0 ? (kStage + kStages - 1) % kStages : (it - 1) % kStages;
+                const int stage = it % kStages, prev = (it - 1) % kStages;
                 float s[kNT][4];
-                if constexpr (kStage >= 0) {  // (it >= 1: V's phase is K's, flipped where prev wraps round)
-                    const u32 phase = (it / kStages) & 1;
-                    mbar_wait(full_k(stage), phase);
-                    mbar_wait(full_v(prev), kStage == 0 ? phase ^ 1u : phase);
-                } else {
-                    mbar_wait(full_k(stage), (it / kStages) & 1);
-                    mbar_wait(full_v(prev), ((it - 1) / kStages) & 1);  // copied before K[stage]: no wait in practice
-                }
+                mbar_wait(full_k(stage), (it / kStages) & 1);
+                mbar_wait(full_v(prev), ((it - 1) / kStages) & 1);  // copied before K[stage]: no wait in practice
                 schedule_wait();
                 wgmma_fence();
                 issue_s(s, stage, BoolConstant<!kMask>{});
@@ -1025,12 +1010,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 pack_p(s);
                 ++it;
             };
-            constexpr bool kStageSteps = FT_FWD_STAGE_STEPS && kStages == 2;
             while (walk.n_block >= 0) {
-                if (needs_mask(walk.n_block)) step(BoolConstant<true>{}, IntConstant<-1>{});
-                else if constexpr (!kStageSteps) step(BoolConstant<false>{}, IntConstant<-1>{});
-                else if (it & 1) step(BoolConstant<false>{}, IntConstant<1>{});
-                else step(BoolConstant<false>{}, IntConstant<0>{});
+                if (needs_mask(walk.n_block)) step(BoolConstant<true>{});
+                else step(BoolConstant<false>{});
             }
             // The last block's P V.
             FT_TIMELINE_MARK(wg, tile_iter, 3);
