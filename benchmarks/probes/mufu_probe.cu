@@ -4,7 +4,15 @@
 //     nvcc -arch=sm_90a -O3 -o /tmp/mufu_probe benchmarks/probes/mufu_probe.cu && /tmp/mufu_probe
 #include <cstdio>
 #include <cstdint>
+#include <cstdlib>
 #include <cuda_runtime.h>
+
+// Stops with the CUDA error's text instead of printing rates from a failed launch or copy.
+static void check(cudaError_t e, const char* what) {
+    if (e == cudaSuccess) return;
+    fprintf(stderr, "mufu_probe: %s: %s\n", what, cudaGetErrorString(e));
+    exit(1);
+}
 
 template <int kMode> __device__ __forceinline__ uint32_t ex2_step(uint32_t x) {
     uint32_t y;
@@ -42,9 +50,10 @@ template <int kMode> void run(const char* name, int sms, uint32_t* out, long lon
     const int threads = 1024, iters = 4096;
     ex2_loop<kMode><<<sms, threads>>>(out, cycles, iters);  // warm-up
     ex2_loop<kMode><<<sms, threads>>>(out, cycles, iters);
-    cudaDeviceSynchronize();
+    check(cudaGetLastError(), name);
+    check(cudaDeviceSynchronize(), name);
     long long host[1024];
-    cudaMemcpy(host, cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost);
+    check(cudaMemcpy(host, cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost), "cycles copy");
     double mean = 0;
     for (int b = 0; b < sms; ++b) mean += host[b];
     mean /= sms;
@@ -56,15 +65,17 @@ template <int kMode> void run(const char* name, int sms, uint32_t* out, long lon
 
 int main() {
     int sms = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "device query");
+    if (sms < 1 || sms > 1024) {
+        fprintf(stderr, "mufu_probe: %d SMs (the probe handles 1-1024)\n", sms);
+        return 1;
+    }
     uint32_t* out;
     long long* cycles;
-    cudaMalloc(&out, sms * 1024 * sizeof(uint32_t));
-    cudaMalloc(&cycles, sms * sizeof(long long));
+    check(cudaMalloc(&out, sms * 1024 * sizeof(uint32_t)), "allocation");
+    check(cudaMalloc(&cycles, sms * sizeof(long long)), "allocation");
     run<0>("ex2.approx.ftz.f32", sms, out, cycles);
     run<1>("ex2.approx.f16x2", sms, out, cycles);
     run<2>("ex2.approx.ftz.bf16x2", sms, out, cycles);
-    cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) { printf("error: %s\n", cudaGetErrorString(e)); return 1; }
     return 0;
 }
