@@ -621,7 +621,13 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     // peer's wait, before they release it again, so no producer completes two phases of the peer's
                     // peer_empty barrier before the peer has waited for the first.) K, then V.
                     auto load = [&](u32 empty, u32 peer_empty, u32 full, u32 dst, const TmaDesc* desc) {
+#if defined(FT_STEPS) && FT_STEPS > 1  // (the loader's marks: its own stores sit on its sub-partition)
+                        FT_STEP_MARK(0, it, full == full_k(stage) ? 0 : 2);
+#endif
                         mbar_wait(empty, parity);
+#if defined(FT_STEPS) && FT_STEPS > 1
+                        FT_STEP_MARK(0, it, full == full_k(stage) ? 1 : 3);
+#endif
                         if constexpr (T::kCluster > 1) {
                             mbar_arrive_peer_if(it >= kStages, peer_empty);
                             mbar_wait(peer_empty, parity);
@@ -906,14 +912,18 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             auto first_block = [&](auto cols_tag) {
                 float s[decltype(cols_tag)::value / 8][4];
                 const int n_block = walk.n_block, stage = it % kStages;
+                FT_STEP_MARK(wg, it, 0);
                 mbar_wait(full_k(stage), (it / kStages) & 1);
                 schedule_wait();
+                FT_STEP_MARK(wg, it, 1);
                 wgmma_fence();
                 issue_s(s, stage, BoolConstant<false>{});
+                FT_STEP_MARK(wg, it, 2);
                 const bool last = walk.next() < 0;
                 schedule_pass();
                 wgmma_wait<0>();
                 fence_operand(s);
+                FT_STEP_MARK(wg, it, 3);
                 FT_TIMELINE_MARK(wg, tile_iter, 2);
                 if (lead_lane) {
                     mbar_arrive(empty_k(stage));
@@ -932,6 +942,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 }
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
                 pack_p(s);
+                FT_STEP_MARK(wg, it, 6);
                 ++it;
             };
             if constexpr (FT_FWD_HALF_FIRST && kBlockN == 128) {
@@ -970,17 +981,21 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 const int n_block = walk.n_block;
                 const int stage = it % kStages, prev = (it - 1) % kStages;
                 float s[kNT][4];
+                FT_STEP_MARK(wg, it, 0);
                 mbar_wait(full_k(stage), (it / kStages) & 1);
                 mbar_wait(full_v(prev), ((it - 1) / kStages) & 1);  // copied before K[stage]: no wait in practice
                 schedule_wait();
+                FT_STEP_MARK(wg, it, 1);
                 wgmma_fence();
                 issue_s(s, stage, BoolConstant<!kMask>{});
                 rescale_pending();
                 issue_pv(prev, BoolConstant<!kMask>{});
+                FT_STEP_MARK(wg, it, 2);
                 const bool last = walk.next() < 0;
                 schedule_pass();
                 wgmma_wait<1>();  // S done; P V may still run
                 fence_operand(s);
+                FT_STEP_MARK(wg, it, 3);
                 constexpr bool kArrivePred = FT_FWD_ARRIVE_PRED && !T::kIsDropout;
                 if constexpr (kArrivePred) {
                     mbar_arrive_if(lead_lane, empty_k(stage));
@@ -1001,13 +1016,16 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                  : softmax_exp_row<kNT, false, kRowBias, T::kLazyRescale>(
                                        s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
+                FT_STEP_MARK(wg, it, 4);
                 wgmma_wait<0>();  // P V done: O and the P registers are free
                 fence_operand(o);
+                FT_STEP_MARK(wg, it, 5);
                 if constexpr (kArrivePred) mbar_arrive_if(lead_lane, empty_v(prev));
                 else if (lead_lane) mbar_arrive(empty_v(prev));
                 if constexpr (kRescaleEarly) pending[0] = correction[0], pending[1] = correction[1];
                 else rescale_o(correction);
                 pack_p(s);
+                FT_STEP_MARK(wg, it, 6);
                 ++it;
             };
             while (walk.n_block >= 0) {

@@ -263,4 +263,29 @@ __device__ __forceinline__ void timeline_end(int role) {
 #define FT_TIMELINE_START()
 #define FT_TIMELINE_END(role)
 #endif
+
+// Diagnostics (FT_STEPS builds only; benchmarks/probes/step_timeline_probe.py reads them): per CTA (the first
+// kStepCtas), role (the producer 0, consumer warpgroups 1..3), warp of the warpgroup and key-block step (the stage
+// counter, the first kSteps of the CTA), kStepEvents 64-bit slots of the SM's clock64 at the step's marks, written by
+// each warp's first lane (FT_STEPS=2: the forward loader's marks too). Compiled out otherwise.
+#ifdef FT_STEPS
+constexpr int kStepCtas = 4, kStepRoles = 4, kStepWarps = 4, kSteps = 1024, kStepEvents = 8;
+}  // namespace flashtrain
+extern "C" __device__ unsigned long long flashtrain_steps[flashtrain::kStepCtas * flashtrain::kStepRoles *
+                                                         flashtrain::kStepWarps * flashtrain::kSteps *
+                                                         flashtrain::kStepEvents];
+namespace flashtrain {
+__device__ __forceinline__ void step_mark(int role, int step, int event) {
+    if (threadIdx.x % 32 == 0 && blockIdx.x < kStepCtas && step < kSteps) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+        const int warp = threadIdx.x / 32 % kStepWarps;
+        flashtrain_steps[(((blockIdx.x * kStepRoles + role) * kStepWarps + warp) * kSteps + step) * kStepEvents +
+                         event] = t;
+    }
+}
+#define FT_STEP_MARK(role, step, event) ::flashtrain::step_mark(role, step, event)
+#else
+#define FT_STEP_MARK(role, step, event)
+#endif
 }  // namespace flashtrain
