@@ -62,6 +62,11 @@
 // only, its P for the upper half is zero. H200, same process, causal forward 1.07x (hd64) / 1.01x (hd128) at 512,
 // 1.03 / 1.02x at 1K, 1.01-1.02x at 2K-4K, 2026-11-25. (Also halving that block's P V product, the step after the
 // first block peeled off, measured 1.04x at 512 and 0.97-0.99x at 2K-4K.)
+// FT_FWD_V_LOADER (A/B; three-consumer, cluster-free kernels): a second loader thread, on warp 2 of the producer
+// warpgroup (another sub-partition), copies the V blocks; thread 0 keeps the tiles, Q and K
+#ifndef FT_FWD_V_LOADER
+#define FT_FWD_V_LOADER 0
+#endif
 #ifndef FT_FWD_ROUND_ROBIN
 #define FT_FWD_ROUND_ROBIN 1
 #endif
@@ -502,6 +507,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     using TileQ = typename T::TileQ;
     using TileKV = typename T::TileKV;
     const int tid = threadIdx.x;
+    constexpr bool kVLoader = FT_FWD_V_LOADER && T::kCluster == 1 && T::kNConsumers == 3 && !T::kSplitD;
     const int wg = warp_uniform(tid / 128);
     const int n_mblocks = ceil_div(p.seqlen_q, kBlockM);
     const int n_tiles = n_mblocks * p.batch * p.nheads;
@@ -536,7 +542,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 #pragma unroll
         for (int b = 0; b < T::kQBuffers; ++b) {
             mbar_init(full_q(b), 1);
-            mbar_init(empty_q(b), 4 * T::kNConsumers);  // one arrival per consumer warp
+            // one arrival per consumer warp (and the V loader's, which has read the buffer's tile)
+            mbar_init(empty_q(b), 4 * T::kNConsumers + (kVLoader ? 1 : 0));
         }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
@@ -647,10 +654,49 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                     };
                     load(empty_k(stage), peer_empty_k(stage), full_k(stage), sK + stage * TileKV::kBytes,
                          &params.tma_k);
-                    load(empty_v(stage), peer_empty_v(stage), full_v(stage), sV + stage * TileKV::kBytes,
-                         &params.tma_v);
+                    if constexpr (!kVLoader)
+                        load(empty_v(stage), peer_empty_v(stage), full_v(stage), sV + stage * TileKV::kBytes,
+                             &params.tma_v);
                 }
                 ++tile_iter;
+            }
+        } else if (kVLoader && tid == 64) {
+            // The V loader: the tiles thread 0 published, in its order (each buffer's tile once Q landed, as the
+            // consumers read it); an arrival on the buffer's empty barrier says it has read the tile
+            int it = 0;
+            for (int tile_iter = 0;; ++tile_iter) {
+                const int qb = tile_iter % T::kQBuffers;
+                mbar_wait(full_q(qb), (tile_iter / T::kQBuffers) & 1);
+                const int tile = ld_shared_b32(tile_slot(qb));
+                FwdTile x;
+                if (tile >= 0) {
+                    if constexpr (FT_FWD_TILE_RECORD) {
+                        int fields[9];
+#pragma unroll
+                        for (int i = 0; i < 9; ++i) fields[i] = ld_shared_b32(tile_record(qb) + 4 * i);
+                        x = FwdTile{fields[0], fields[1], fields[2], fields[3], fields[4],
+                                    fields[5], fields[6], fields[7], fields[8]};
+                    } else {
+                        int piece = -1;
+                        fwd_tile<T>(p, T::kTailSplit ? fwd_unit_tile<T>(params, tile, piece) : tile, n_mblocks, x);
+                        if (T::kTailSplit && piece >= 0) fwd_piece_keys<T>(params, piece, x);
+                    }
+                }
+                mbar_arrive(empty_q(qb));
+                if (tile < 0) break;
+                const int batch_coord = varlen ? 0 : x.batch;
+                KeyBlockWalk<T> walk(p, x.head, x.m0, x.n_block_max,
+                                     window_block_min<T>(p, x.m0, x.seqlen_q, x.seqlen_k),
+                                     mask_row<T>(p, x.batch, x.head, x.m0, x.seqlen_k));
+                for (; walk.n_block >= 0; walk.next(), ++it) {
+                    const int stage = it % kStages;
+                    mbar_wait(empty_v(stage), ((it / kStages) & 1) ^ 1);
+                    mbar_arrive_expect_tx(full_v(stage), TileKV::kBytes);
+#pragma unroll
+                    for (int cb = 0; cb < T::kColBlocks; ++cb)
+                        tma_load_4d(sV + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_v, full_v(stage),
+                                    cb * 64, x.k_start + walk.n_block * kBlockN, x.head_kv, batch_coord);
+                }
             }
         }
         if constexpr (T::kCluster > 1) cluster_sync();  // (with the consumers' at their end)
