@@ -62,8 +62,10 @@
 // only, its P for the upper half is zero. H200, same process, causal forward 1.07x (hd64) / 1.01x (hd128) at 512,
 // 1.03 / 1.02x at 1K, 1.01-1.02x at 2K-4K, 2026-11-25. (Also halving that block's P V product, the step after the
 // first block peeled off, measured 1.04x at 512 and 0.97-0.99x at 2K-4K.)
-// FT_FWD_V_LOADER (A/B; three-consumer, cluster-free kernels): a second loader thread, on warp 2 of the producer
-// warpgroup (another sub-partition), copies the V blocks; thread 0 keeps the tiles, Q and K
+// FT_FWD_V_LOADER (A/B; three-consumer, cluster-free kernels): 1: a second loader thread, on warp 2 of the producer
+// warpgroup (another sub-partition), copies the V blocks; thread 0 keeps the tiles, Q and K. 2: four loader threads,
+// one per sub-partition: K of stage 0 (thread 0, with the tiles and Q), K of stage 1 (warp 1), V of stage 0 / 1
+// (warps 2 / 3)
 #ifndef FT_FWD_V_LOADER
 #define FT_FWD_V_LOADER 0
 #endif
@@ -508,6 +510,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     using TileKV = typename T::TileKV;
     const int tid = threadIdx.x;
     constexpr bool kVLoader = FT_FWD_V_LOADER && T::kCluster == 1 && T::kNConsumers == 3 && !T::kSplitD;
+    constexpr int kFollowers = !kVLoader ? 0 : FT_FWD_V_LOADER == 2 && kStages == 2 ? 3 : 1;  // loaders besides 0
     const int wg = warp_uniform(tid / 128);
     const int n_mblocks = ceil_div(p.seqlen_q, kBlockM);
     const int n_tiles = n_mblocks * p.batch * p.nheads;
@@ -543,7 +546,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
         for (int b = 0; b < T::kQBuffers; ++b) {
             mbar_init(full_q(b), 1);
             // one arrival per consumer warp (and the V loader's, which has read the buffer's tile)
-            mbar_init(empty_q(b), 4 * T::kNConsumers + (kVLoader ? 1 : 0));
+            mbar_init(empty_q(b), 4 * T::kNConsumers + kFollowers);
         }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
@@ -652,17 +655,23 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                             batch_coord);
                         }
                     };
-                    load(empty_k(stage), peer_empty_k(stage), full_k(stage), sK + stage * TileKV::kBytes,
-                         &params.tma_k);
+                    if (kFollowers < 3 || stage == 0)
+                        load(empty_k(stage), peer_empty_k(stage), full_k(stage), sK + stage * TileKV::kBytes,
+                             &params.tma_k);
                     if constexpr (!kVLoader)
                         load(empty_v(stage), peer_empty_v(stage), full_v(stage), sV + stage * TileKV::kBytes,
                              &params.tma_v);
                 }
                 ++tile_iter;
             }
-        } else if (kVLoader && tid == 64) {
-            // The V loader: the tiles thread 0 published, in its order (each buffer's tile once Q landed, as the
-            // consumers read it); an arrival on the buffer's empty barrier says it has read the tile
+        } else if (kVLoader && tid % 32 == 0 && (kFollowers == 3 || tid == 64)) {
+            // A following loader: the tiles thread 0 published, in its order (each buffer's tile once Q landed, as
+            // the consumers read it); an arrival on the buffer's empty barrier says it has read the tile. One
+            // follower (warp 2) copies V of every key block; of three, each copies K (warp 1) or V (warps 2, 3) of the
+            // key blocks of one stage.
+            const int warp = tid / 32;
+            const bool copies_v = warp >= 2;
+            const int my_stage = kFollowers == 3 ? warp % 2 : -1;
             int it = 0;
             for (int tile_iter = 0;; ++tile_iter) {
                 const int qb = tile_iter % T::kQBuffers;
@@ -690,12 +699,16 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                      mask_row<T>(p, x.batch, x.head, x.m0, x.seqlen_k));
                 for (; walk.n_block >= 0; walk.next(), ++it) {
                     const int stage = it % kStages;
-                    mbar_wait(empty_v(stage), ((it / kStages) & 1) ^ 1);
-                    mbar_arrive_expect_tx(full_v(stage), TileKV::kBytes);
+                    if (my_stage >= 0 && stage != my_stage) continue;
+                    const u32 empty = copies_v ? empty_v(stage) : empty_k(stage);
+                    const u32 full = copies_v ? full_v(stage) : full_k(stage);
+                    mbar_wait(empty, ((it / kStages) & 1) ^ 1);
+                    mbar_arrive_expect_tx(full, TileKV::kBytes);
 #pragma unroll
                     for (int cb = 0; cb < T::kColBlocks; ++cb)
-                        tma_load_4d(sV + stage * TileKV::kBytes + cb * kBlockN * 128, &params.tma_v, full_v(stage),
-                                    cb * 64, x.k_start + walk.n_block * kBlockN, x.head_kv, batch_coord);
+                        tma_load_4d((copies_v ? sV : sK) + stage * TileKV::kBytes + cb * kBlockN * 128,
+                                    copies_v ? &params.tma_v : &params.tma_k, full, cb * 64,
+                                    x.k_start + walk.n_block * kBlockN, x.head_kv, batch_coord);
                 }
             }
         }
