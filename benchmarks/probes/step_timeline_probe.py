@@ -23,9 +23,9 @@ with --raw the marks themselves.
 
 Marks (flash_fwd_sm90.cuh): consumer 0 step start, 1 K / V landed and turn taken, 2 GEMMs issued, 3 S done,
 4 softmax done, 5 P V done, 6 step end (a tile's first block has no P V: marks 4 / 5 absent); loader (role 0,
-FT_STEPS=2): 0 / 2 before the K / V stage's empty wait, 1 / 3 after it (the copy is issued next). The marks slow the kernel (their
-clock reads and stores sit in the step). Batch x seqlen = 16K tokens, 2048 / head_dim heads, bf16 (the benchmark
-grid's setting).
+FT_STEPS=2): 0 / 2 before the K / V stage's empty wait, 1 / 3 after it (the copy is issued next). The marks slow
+the kernel (their clock reads and stores sit in the step). Batch x seqlen = 16K tokens, 2048 / head_dim heads, bf16
+(the benchmark grid's setting).
 """
 import argparse
 import json
