@@ -116,16 +116,18 @@ def analyse(data: np.ndarray, consumers: int) -> dict:
             ev = data[c, r][full[r]]
             if len(ev):
                 phases[r].append(np.stack([ev[:, i + 1] - ev[:, i] for i in range(6)] + [ev[:, 6] - ev[:, 0]], 1))
-        # S issues of every warpgroup in time order (the end of the issue, mark 2), with (role, step)
-        issues = sorted((data[c, r, s, 2], r, s) for r in roles for s in range(STEPS) if full[r][s])
-        times = np.array([t for t, _, _ in issues], dtype=np.int64)
-        for k, (t, r, s) in enumerate(issues):
-            nxt = next((t2 for t2, r2, _ in issues[k + 1:] if r2 != r), None)
-            if nxt is not None:
-                issue_gap.append(nxt - t)
-            busy = int(np.sum((times >= t - 512) & (times < t))) - sum(
-                1 for t2, r2, _ in issues[max(0, k - 8):k] if r2 == r and t2 >= t - 512)
-            s_wait_by_busy.setdefault(busy, []).append(data[c, r, s, 3] - data[c, r, s, 2])
+        # S issues of every warpgroup (the end of the issue, mark 2): for each, the next issue by another warpgroup,
+        # and the other warpgroups' issues in the 512 cycles before it
+        times = np.concatenate([data[c, r, full[r], 2] for r in roles])
+        owner = np.concatenate([np.full(int(full[r].sum()), r) for r in roles])
+        s_wait = np.concatenate([data[c, r, full[r], 3] - data[c, r, full[r], 2] for r in roles])
+        for r in roles:
+            mine, others = times[owner == r], np.sort(times[owner != r])
+            nxt = np.searchsorted(others, mine, side="right")
+            issue_gap.extend((others[nxt[nxt < len(others)]] - mine[nxt < len(others)]).tolist())
+            busy = np.searchsorted(others, mine, side="left") - np.searchsorted(others, mine - 512, side="left")
+            for n, w in zip(busy, s_wait[owner == r]):
+                s_wait_by_busy.setdefault(int(n), []).append(int(w))
         # softmax intervals and how many other warpgroups' softmax intervals overlap each (a warpgroup's own
         # intervals are disjoint and in order: the last one starting before this one's end decides)
         spans = {r: (data[c, r, full[r], 3], data[c, r, full[r], 4]) for r in roles}

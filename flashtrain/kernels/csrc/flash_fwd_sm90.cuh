@@ -528,6 +528,21 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     // FT_FWD_TILE_RECORD=1: the producer also stores the tile's FwdTile fields (it computes them anyway) for the
     // consumers, whose eight warps would otherwise each redo its divisions and sequence bounds
     auto tile_record = [&](int b) { return bars + T::kBarrierBytes - 48 * b - 48; };
+    // A published tile as the consumers (and the following loaders) see it: from the record, or computed again
+    // (kTailSplit: a piece is a tile over its keys, fwd_piece_keys; the record holds them)
+    auto read_tile = [&](int b, int tile, FwdTile& x) {
+        if constexpr (FT_FWD_TILE_RECORD) {
+            int fields[9];
+#pragma unroll
+            for (int i = 0; i < 9; ++i) fields[i] = ld_shared_b32(tile_record(b) + 4 * i);
+            x = FwdTile{fields[0], fields[1], fields[2], fields[3], fields[4],
+                        fields[5], fields[6], fields[7], fields[8]};
+        } else {
+            int piece = -1;
+            fwd_tile<T>(p, T::kTailSplit ? fwd_unit_tile<T>(params, tile, piece) : tile, n_mblocks, x);
+            if (T::kTailSplit && piece >= 0) fwd_piece_keys<T>(params, piece, x);
+        }
+    };
     // kTailSplit: a consumer warpgroup's copy of its tile's unit, read again in the epilogue (after the tile's last S
     // GEMM the producer may write the next unit to the slot), where the clusters' peer barriers would be. The staged
     // epilogue's barriers keep a warpgroup's warps from writing the next tile's unit before all have read this one's;
@@ -678,19 +693,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 mbar_wait(full_q(qb), (tile_iter / T::kQBuffers) & 1);
                 const int tile = ld_shared_b32(tile_slot(qb));
                 FwdTile x;
-                if (tile >= 0) {
-                    if constexpr (FT_FWD_TILE_RECORD) {
-                        int fields[9];
-#pragma unroll
-                        for (int i = 0; i < 9; ++i) fields[i] = ld_shared_b32(tile_record(qb) + 4 * i);
-                        x = FwdTile{fields[0], fields[1], fields[2], fields[3], fields[4],
-                                    fields[5], fields[6], fields[7], fields[8]};
-                    } else {
-                        int piece = -1;
-                        fwd_tile<T>(p, T::kTailSplit ? fwd_unit_tile<T>(params, tile, piece) : tile, n_mblocks, x);
-                        if (T::kTailSplit && piece >= 0) fwd_piece_keys<T>(params, piece, x);
-                    }
-                }
+                if (tile >= 0) read_tile(qb, tile, x);
                 mbar_arrive(empty_q(qb));
                 if (tile < 0) break;
                 const int batch_coord = varlen ? 0 : x.batch;
@@ -758,21 +761,11 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             break;
         }
         FwdTile x;
-        // kTailSplit: a piece is a tile over its keys (fwd_piece_keys; the record holds them), and the unit is kept in
-        // shared memory for the epilogue (in registers through the key-block loop it changed ptxas's schedule of the
-        // loop: hd64, 0 -> 21 exponentials ahead of the P V wait); every thread stores it (unit_copy).
+        // kTailSplit: the unit is kept in shared memory for the epilogue (in registers through the key-block loop it
+        // changed ptxas's schedule of the loop: hd64, 0 -> 21 exponentials ahead of the P V wait); every thread stores
+        // it (unit_copy).
         if constexpr (T::kTailSplit) st_shared_b32(unit_copy(), tile);
-        if constexpr (FT_FWD_TILE_RECORD) {
-            int fields[9];
-#pragma unroll
-            for (int i = 0; i < 9; ++i) fields[i] = ld_shared_b32(tile_record(qb) + 4 * i);
-            x = FwdTile{fields[0], fields[1], fields[2], fields[3], fields[4],
-                        fields[5], fields[6], fields[7], fields[8]};
-        } else {
-            int piece = -1;
-            fwd_tile<T>(p, T::kTailSplit ? fwd_unit_tile<T>(params, tile, piece) : tile, n_mblocks, x);
-            if (T::kTailSplit && piece >= 0) fwd_piece_keys<T>(params, piece, x);
-        }
+        read_tile(qb, tile, x);
         const int m0 = x.m0, seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
         float o[kDT][4];
 #pragma unroll
