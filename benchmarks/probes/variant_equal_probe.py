@@ -6,7 +6,9 @@ settings), or both.
 
 Cases per head dim (bf16): full and partial query / key tiles, causal and not, a short causal batch (the small-L2
 kernels at 512-1K rows), GQA (32 query heads on 8 key / value heads), and variable-length sequences (one of a single
-token), forward only or forward + backward (--pass fb: dQ, dK, dV compared too).
+token), forward only or forward + backward (--pass fb: dQ, dK, dV compared too, from the deterministic backward:
+the default one sums dQ, and dK / dV across GQA heads, with atomics, so two runs of the same kernels differ in the last
+bits).
 
     PYTHONPATH=$PWD python3 benchmarks/probes/variant_equal_probe.py --variant flashtrain+FT_FWD_X=1 \
         [--head-dims 64 128] [--pass fwd|fb] [--json out.json]
@@ -68,7 +70,8 @@ def main() -> None:
             k, v = (torch.randn(b, s, hk, hd, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
                     for _ in range(2))
             rows.append(compare(f"hd{hd} B{b} S{s} H{h}/{hk} {'causal' if causal else 'full'}", args.variant,
-                                lambda q, k, v, c=causal: flash_attn_func(q, k, v, causal=c, impl="cuda"),
+                                lambda q, k, v, c=causal: flash_attn_func(q, k, v, causal=c, impl="cuda",
+                                                                         deterministic=backward),
                                 (q, k, v), backward))
         total = sum(VARLEN_LENGTHS)
         cu = torch.tensor([0] + VARLEN_LENGTHS, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -78,7 +81,8 @@ def main() -> None:
             rows.append(compare(
                 f"hd{hd} varlen {VARLEN_LENGTHS} {'causal' if causal else 'full'}", args.variant,
                 lambda q, k, v, c=causal: flash_attn_varlen_func(q, k, v, cu, cu, max(VARLEN_LENGTHS),
-                                                                 max(VARLEN_LENGTHS), causal=c, impl="cuda"),
+                                                                 max(VARLEN_LENGTHS), causal=c, impl="cuda",
+                                                                 deterministic=backward),
                 (q, k, v), backward))
     equal = all(r["equal"] for r in rows)
     print("all cases bitwise equal" if equal else "SOME CASES DIFFER")

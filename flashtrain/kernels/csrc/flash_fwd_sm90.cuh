@@ -69,6 +69,35 @@
 #ifndef FT_FWD_V_LOADER
 #define FT_FWD_V_LOADER 0
 #endif
+// Three A/B switches that each take instructions out of the key-block step, none of them faster (H100, interleaved
+// CUDA-graph replays, kernel_ab-h100.json fwd_step_instructions_ab / fwd_softmax_bits_ab): FT_FWD_SIGNED_STEPS=0,
+// unsigned key-block counts (stage and phase by mask and shift; ptxas cannot prove a signed count non-negative): the
+// hd128 cluster kernel then spills inside the loop, 0.92-0.94 at hd128 16K / 8K. FT_FWD_FINITE_MAX=1: no test for a
+// row max of -inf in steps without a mask and score modifications (utils.cuh softmax_exp_row kFiniteMax): 0.99-1.01.
+// FT_FWD_LOOP_MASK_TEST=0: no mask test in a non-causal tile's later key blocks (only the first, highest block can be
+// partial): ptxas then moves the P V wait of the hd128 cluster kernel above its softmax, and the hd64 forward is 2-3%
+// slower.
+#ifndef FT_FWD_SIGNED_STEPS
+#define FT_FWD_SIGNED_STEPS 1
+#endif
+#ifndef FT_FWD_FINITE_MAX
+#define FT_FWD_FINITE_MAX 0
+#endif
+#ifndef FT_FWD_LOOP_MASK_TEST
+#define FT_FWD_LOOP_MASK_TEST 1
+#endif
+// FT_FWD_PV_SPLIT (A/B, default 0): the P V GEMM of a key-block step committed as two groups (the first and second
+// half of its k-steps), so that the step packs the first half of the next P once the first group is done and waits
+// for the second only before the second half (ptxas places the P V wait where the packing into P's registers starts).
+#ifndef FT_FWD_PV_SPLIT
+#define FT_FWD_PV_SPLIT 0
+#endif
+// FT_FWD_V_RELEASE_LATE (A/B, default 0): the V stage a key-block step's P V GEMM read is released by the next step
+// (after its GEMM issue) instead of right after the P V wait: ptxas hoists that wait, with the release, above the
+// softmax's exponentials
+#ifndef FT_FWD_V_RELEASE_LATE
+#define FT_FWD_V_RELEASE_LATE 0
+#endif
 #ifndef FT_FWD_ROUND_ROBIN
 #define FT_FWD_ROUND_ROBIN 1
 #endif
@@ -137,6 +166,12 @@
 // off / on at head dims 192 and 256 (A/B).
 
 namespace flashtrain {
+
+#if FT_FWD_SIGNED_STEPS  // key-block counts (FT_FWD_SIGNED_STEPS above: unsigned was slower)
+using StepCount = int;
+#else
+using StepCount = unsigned;
+#endif
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kSeparateO_, bool kIsBF16_, bool kIsCausal_,
           bool kIsDropout_, bool kIsBlockSparse_, int kQBuffers_ = 1, int kScoreMods_ = 0, bool kMaskMod_ = false,
@@ -587,7 +622,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             tma_prefetch_desc(&params.tma_q);
             tma_prefetch_desc(&params.tma_k);
             tma_prefetch_desc(&params.tma_v);
-            int it = 0, tile_iter = 0;  // key blocks and tiles so far: stage and phase of the rings
+            StepCount it = 0;  // key blocks so far: stage and phase of the rings
+            int tile_iter = 0;  // tiles so far
             // Varlen: the tiles past a short sequence's end are skipped here; the consumers see only real ones.
             // (kTailSplit: units, fwd_unit_tile; otherwise units are tiles)
             const int n_units = T::kTailSplit ? tail_units(n_tiles, params.tail_first, params.tail_pieces) : n_tiles;
@@ -687,7 +723,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             const int warp = tid / 32;
             const bool copies_v = warp >= 2;
             const int my_stage = kFollowers == 3 ? warp % 2 : -1;
-            int it = 0;
+            StepCount it = 0;
             for (int tile_iter = 0;; ++tile_iter) {
                 const int qb = tile_iter % T::kQBuffers;
                 mbar_wait(full_q(qb), (tile_iter / T::kQBuffers) & 1);
@@ -747,7 +783,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     if constexpr (T::kPingPong)
         if (cw == T::kNConsumers - 1) named_bar_arrive(T::kBarSchedule, 256);
 
-    int it = 0;
+    StepCount it = 0;
     for (int tile_iter = 0;; ++tile_iter) {
         FT_TIMELINE_MARK(wg, tile_iter, 0);
         const int qb = tile_iter % T::kQBuffers;
@@ -791,15 +827,19 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             }
             wgmma_commit();
         };
+        // kPvSplit: two commit groups, k-steps [0, kNT / 4) and [kNT / 4, kNT / 2) (FT_FWD_PV_SPLIT)
+        constexpr bool kPvSplit = FT_FWD_PV_SPLIT && !T::kSplitD && kNT % 4 == 0;
         auto issue_pv = [&](int stage, auto unmasked) {
             constexpr bool kUnmasked = decltype(unmasked)::value;
             const u32 v_tile = sV + stage * TileKV::kBytes;
 #pragma unroll
-            for (int ks = 0; ks < kNT / 2; ++ks)
+            for (int ks = 0; ks < kNT / 2; ++ks) {
                 wgmma_rs<T::kDCols, T::kIsBF16>(o, pa[ks],
                                                 fdesc<T, 4, kUnmasked>(v_tile + (col0 / 64) * kBlockN * 128,
                                                                        ks * 16 * 128, kBlockN * 128, 1024),
                                                 1);
+                if (kPvSplit && ks == kNT / 4 - 1) wgmma_commit();
+            }
             wgmma_commit();
         };
         auto mask = [&](auto& s, int n_block) {
@@ -868,19 +908,22 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                         if (n0 + nt * 8 + 2 * t + e >= col_end) s[nt][2 * hf + e] = -infinity();
             }
         };
-        // P as A fragments; the k-steps past a half block's are zero (its P V product runs over the whole block)
-        auto pack_p = [&](const auto& s) {
+        // P as A fragments, its k-steps [first, last) (pack_p: all); the k-steps past a half block's are zero (its P V
+        // product runs over the whole block)
+        auto pack_p_steps = [&](const auto& s, auto first, auto last) {
             constexpr int kTiles = sizeof(s) / sizeof(s[0]);
+            constexpr int kFirst = decltype(first)::value, kLast = decltype(last)::value;
 #pragma unroll
-            for (int ks = kTiles / 2; ks < kNT / 2; ++ks) pa[ks][0] = pa[ks][1] = pa[ks][2] = pa[ks][3] = 0u;
+            for (int ks = max_(kTiles / 2, kFirst); ks < kLast; ++ks) pa[ks][0] = pa[ks][1] = pa[ks][2] = pa[ks][3] = 0u;
 #pragma unroll
-            for (int ks = 0; ks < kTiles / 2; ++ks) {
+            for (int ks = kFirst; ks < min_(kTiles / 2, kLast); ++ks) {
                 pa[ks][0] = pack2<T::kIsBF16>(s[2 * ks][0], s[2 * ks][1]);
                 pa[ks][1] = pack2<T::kIsBF16>(s[2 * ks][2], s[2 * ks][3]);
                 pa[ks][2] = pack2<T::kIsBF16>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
                 pa[ks][3] = pack2<T::kIsBF16>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
             }
         };
+        auto pack_p = [&](const auto& s) { pack_p_steps(s, IntConstant<0>{}, IntConstant<kNT / 2>{}); };
         auto needs_mask = [&](int n_block) {
             if constexpr (T::kScoreMods) {  // also where some row's window starts inside the block or ends before it
                 const int n0 = n_block * kBlockN, offset = seqlen_k - seqlen_q;
@@ -1013,6 +1056,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             constexpr bool kRescaleEarly = T::kHeadDim == 192;
 #endif
             float pending[2] = {1.f, 1.f};  // kRescaleEarly: the correction O still owes (the first block: none)
+            bool v_held = false;  // FT_FWD_V_RELEASE_LATE: the last step's V stage is not yet released
             // kLazyRescale: O rescaled only where a row of the warp moved its max
             auto rescale_o = [&](const float (&correction)[2]) {
                 if (!T::kLazyRescale || __any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
@@ -1042,10 +1086,12 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 issue_s(s, stage, BoolConstant<!kMask>{});
                 rescale_pending();
                 issue_pv(prev, BoolConstant<!kMask>{});
+                if constexpr (FT_FWD_V_RELEASE_LATE)  // the V stage the previous step's P V GEMM read
+                    mbar_arrive_if(lead_lane && v_held, empty_v((it - 2) % kStages));
                 FT_STEP_MARK(wg, it, 2);
                 const bool last = walk.next() < 0;
                 schedule_pass();
-                wgmma_wait<1>();  // S done; P V may still run
+                wgmma_wait<kPvSplit ? 2 : 1>();  // S done; P V may still run
                 fence_operand(s);
                 FT_STEP_MARK(wg, it, 3);
                 constexpr bool kArrivePred = FT_FWD_ARRIVE_PRED && !T::kIsDropout;
@@ -1060,32 +1106,44 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 score_mods(s, n_block);
                 if constexpr (kMask) mask(s, n_block);
                 float correction[2];
+                // an unmasked block without score modifications: finite scores, seen by every row of the tile
+                constexpr bool kFiniteMax = FT_FWD_FINITE_MAX && !kMask && !T::kScoreMods && !T::kMaskMod;
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf)
                     correction[hf] =
                         poly_exp ? softmax_exp_row<kNT, T::kSoftcap>(s, hf, row_max[hf], row_sum[hf],
                                                                      p.softmax_scale_log2)
-                                 : softmax_exp_row<kNT, false, kRowBias, T::kLazyRescale>(
+                                 : softmax_exp_row<kNT, false, kRowBias, T::kLazyRescale, kFiniteMax>(
                                        s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
                 FT_STEP_MARK(wg, it, 4);
+                if constexpr (kPvSplit) {
+                    wgmma_wait<1>();  // the first half of P V done: its P registers are free
+                    pack_p_steps(s, IntConstant<0>{}, IntConstant<kNT / 4>{});
+                }
                 wgmma_wait<0>();  // P V done: O and the P registers are free
                 fence_operand(o);
                 FT_STEP_MARK(wg, it, 5);
-                if constexpr (kArrivePred) mbar_arrive_if(lead_lane, empty_v(prev));
+                if constexpr (FT_FWD_V_RELEASE_LATE) v_held = true;  // released by the next step (or after the loop)
+                else if constexpr (kArrivePred) mbar_arrive_if(lead_lane, empty_v(prev));
                 else if (lead_lane) mbar_arrive(empty_v(prev));
                 if constexpr (kRescaleEarly) pending[0] = correction[0], pending[1] = correction[1];
                 else rescale_o(correction);
-                pack_p(s);
+                if constexpr (kPvSplit) pack_p_steps(s, IntConstant<kNT / 4>{}, IntConstant<kNT / 2>{});
+                else pack_p(s);
                 FT_STEP_MARK(wg, it, 6);
                 ++it;
             };
+            // Non-causal without score modifications only the first (highest) key block can need a mask (a partial
+            // last block of the keys), which first_block took; FT_FWD_LOOP_MASK_TEST=0 skips the test (slower, above)
+            constexpr bool kFirstOnlyMasked = !FT_FWD_LOOP_MASK_TEST && !T::kIsCausal && !T::kScoreMods;
             while (walk.n_block >= 0) {
-                if (needs_mask(walk.n_block)) step(BoolConstant<true>{});
+                if (!kFirstOnlyMasked && needs_mask(walk.n_block)) step(BoolConstant<true>{});
                 else step(BoolConstant<false>{});
             }
             // The last block's P V.
             FT_TIMELINE_MARK(wg, tile_iter, 3);
+            if constexpr (FT_FWD_V_RELEASE_LATE) mbar_arrive_if(lead_lane && v_held, empty_v((it - 2) % kStages));
             const int last_stage = (it - 1) % kStages;
             mbar_wait(full_v(last_stage), ((it - 1) / kStages) & 1);
             fence_operand(o);
