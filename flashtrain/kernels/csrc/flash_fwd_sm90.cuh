@@ -86,15 +86,14 @@
 #ifndef FT_FWD_LOOP_MASK_TEST
 #define FT_FWD_LOOP_MASK_TEST 1
 #endif
-// FT_FWD_PV_SPLIT (A/B, default 0): the P V GEMM of a key-block step committed as two groups (the first and second
-// half of its k-steps), so that the step packs the first half of the next P once the first group is done and waits
-// for the second only before the second half (ptxas places the P V wait where the packing into P's registers starts).
+// Two A/B switches (default 0) for the P V wait, which ptxas puts above all of a step's exponentials (FA4: after 12 of
+// 66 at hd64); neither moved it (H100, kernel_ab-h100.json fwd_pv_wait_ab). FT_FWD_PV_SPLIT=1: the P V GEMM committed
+// as two groups (the halves of its k-steps), the first half of the next P packed once the first is done: 0.98-1.01.
+// FT_FWD_V_RELEASE_LATE=1: the V stage released by the next step, after its GEMM issue, instead of after the P V wait:
+// 0.66-0.85 (the loader's next K copy waits behind that V stage).
 #ifndef FT_FWD_PV_SPLIT
 #define FT_FWD_PV_SPLIT 0
 #endif
-// FT_FWD_V_RELEASE_LATE (A/B, default 0): the V stage a key-block step's P V GEMM read is released by the next step
-// (after its GEMM issue) instead of right after the P V wait: ptxas hoists that wait, with the release, above the
-// softmax's exponentials
 #ifndef FT_FWD_V_RELEASE_LATE
 #define FT_FWD_V_RELEASE_LATE 0
 #endif
@@ -914,7 +913,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             constexpr int kTiles = sizeof(s) / sizeof(s[0]);
             constexpr int kFirst = decltype(first)::value, kLast = decltype(last)::value;
 #pragma unroll
-            for (int ks = max_(kTiles / 2, kFirst); ks < kLast; ++ks) pa[ks][0] = pa[ks][1] = pa[ks][2] = pa[ks][3] = 0u;
+            for (int ks = max_(kTiles / 2, kFirst); ks < kLast; ++ks)
+                pa[ks][0] = pa[ks][1] = pa[ks][2] = pa[ks][3] = 0u;
 #pragma unroll
             for (int ks = kFirst; ks < min_(kTiles / 2, kLast); ++ks) {
                 pa[ks][0] = pack2<T::kIsBF16>(s[2 * ks][0], s[2 * ks][1]);
