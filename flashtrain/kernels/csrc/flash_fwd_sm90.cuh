@@ -73,7 +73,7 @@
 // CUDA-graph replays, kernel_ab-h100.json fwd_step_instructions_ab / fwd_softmax_bits_ab): FT_FWD_SIGNED_STEPS=0,
 // unsigned key-block counts (stage and phase by mask and shift; ptxas cannot prove a signed count non-negative): the
 // hd128 cluster kernel then spills inside the loop, 0.92-0.94 at hd128 16K / 8K. FT_FWD_FINITE_MAX=1: no test for a
-// row max of -inf in steps without a mask and score modifications (utils.cuh softmax_exp_row kFiniteMax): 0.99-1.01.
+// row max of -inf in steps without a mask and score modifications (utils.cuh softmax_exp_row kFiniteMax): 0.99-1.02.
 // FT_FWD_LOOP_MASK_TEST=0: no mask test in a non-causal tile's later key blocks (only the first, highest block can be
 // partial): ptxas then moves the P V wait of the hd128 cluster kernel above its softmax, and the hd64 forward is 2-3%
 // slower.
