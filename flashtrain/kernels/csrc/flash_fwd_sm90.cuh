@@ -62,41 +62,6 @@
 // only, its P for the upper half is zero. H200, same process, causal forward 1.07x (hd64) / 1.01x (hd128) at 512,
 // 1.03 / 1.02x at 1K, 1.01-1.02x at 2K-4K, 2026-11-25. (Also halving that block's P V product, the step after the
 // first block peeled off, measured 1.04x at 512 and 0.97-0.99x at 2K-4K.)
-// FT_FWD_V_LOADER (A/B; three-consumer, cluster-free kernels): 1: a second loader thread, on warp 2 of the producer
-// warpgroup (another sub-partition), copies the V blocks; thread 0 keeps the tiles, Q and K. 2: four loader threads,
-// one per sub-partition: K of stage 0 (thread 0, with the tiles and Q), K of stage 1 (warp 1), V of stage 0 / 1
-// (warps 2 / 3)
-#ifndef FT_FWD_V_LOADER
-#define FT_FWD_V_LOADER 0
-#endif
-// Three A/B switches that each take instructions out of the key-block step, none of them faster (H100, interleaved
-// CUDA-graph replays, kernel_ab-h100.json fwd_step_instructions_ab / fwd_softmax_bits_ab): FT_FWD_SIGNED_STEPS=0,
-// unsigned key-block counts (stage and phase by mask and shift; ptxas cannot prove a signed count non-negative): the
-// hd128 cluster kernel then spills inside the loop, 0.92-0.94 at hd128 16K / 8K. FT_FWD_FINITE_MAX=1: no test for a
-// row max of -inf in steps without a mask and score modifications (utils.cuh softmax_exp_row kFiniteMax): 0.99-1.02.
-// FT_FWD_LOOP_MASK_TEST=0: no mask test in a non-causal tile's later key blocks (only the first, highest block can be
-// partial): ptxas then moves the P V wait of the hd128 cluster kernel above its softmax, and the hd64 forward is 2-3%
-// slower.
-#ifndef FT_FWD_SIGNED_STEPS
-#define FT_FWD_SIGNED_STEPS 1
-#endif
-#ifndef FT_FWD_FINITE_MAX
-#define FT_FWD_FINITE_MAX 0
-#endif
-#ifndef FT_FWD_LOOP_MASK_TEST
-#define FT_FWD_LOOP_MASK_TEST 1
-#endif
-// Two A/B switches (default 0) for the P V wait, which ptxas puts above all of a step's exponentials (FA4: after 12 of
-// 66 at hd64); neither moved it (H100, kernel_ab-h100.json fwd_pv_wait_ab). FT_FWD_PV_SPLIT=1: the P V GEMM committed
-// as two groups (the halves of its k-steps), the first half of the next P packed once the first is done: 0.98-1.01.
-// FT_FWD_V_RELEASE_LATE=1: the V stage released by the next step, after its GEMM issue, instead of after the P V wait:
-// 0.66-0.85 (the loader's next K copy waits behind that V stage).
-#ifndef FT_FWD_PV_SPLIT
-#define FT_FWD_PV_SPLIT 0
-#endif
-#ifndef FT_FWD_V_RELEASE_LATE
-#define FT_FWD_V_RELEASE_LATE 0
-#endif
 #ifndef FT_FWD_ROUND_ROBIN
 #define FT_FWD_ROUND_ROBIN 1
 #endif
@@ -165,12 +130,6 @@
 // off / on at head dims 192 and 256 (A/B).
 
 namespace flashtrain {
-
-#if FT_FWD_SIGNED_STEPS  // key-block counts (FT_FWD_SIGNED_STEPS above: unsigned was slower)
-using StepCount = int;
-#else
-using StepCount = unsigned;
-#endif
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kSeparateO_, bool kIsBF16_, bool kIsCausal_,
           bool kIsDropout_, bool kIsBlockSparse_, int kQBuffers_ = 1, int kScoreMods_ = 0, bool kMaskMod_ = false,
@@ -543,8 +502,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     using TileQ = typename T::TileQ;
     using TileKV = typename T::TileKV;
     const int tid = threadIdx.x;
-    constexpr bool kVLoader = FT_FWD_V_LOADER && T::kCluster == 1 && T::kNConsumers == 3 && !T::kSplitD;
-    constexpr int kFollowers = !kVLoader ? 0 : FT_FWD_V_LOADER == 2 && kStages == 2 ? 3 : 1;  // loaders besides 0
     const int wg = warp_uniform(tid / 128);
     const int n_mblocks = ceil_div(p.seqlen_q, kBlockM);
     const int n_tiles = n_mblocks * p.batch * p.nheads;
@@ -562,21 +519,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     // FT_FWD_TILE_RECORD=1: the producer also stores the tile's FwdTile fields (it computes them anyway) for the
     // consumers, whose eight warps would otherwise each redo its divisions and sequence bounds
     auto tile_record = [&](int b) { return bars + T::kBarrierBytes - 48 * b - 48; };
-    // A published tile as the consumers (and the following loaders) see it: from the record, or computed again
-    // (kTailSplit: a piece is a tile over its keys, fwd_piece_keys; the record holds them)
-    auto read_tile = [&](int b, int tile, FwdTile& x) {
-        if constexpr (FT_FWD_TILE_RECORD) {
-            int fields[9];
-#pragma unroll
-            for (int i = 0; i < 9; ++i) fields[i] = ld_shared_b32(tile_record(b) + 4 * i);
-            x = FwdTile{fields[0], fields[1], fields[2], fields[3], fields[4],
-                        fields[5], fields[6], fields[7], fields[8]};
-        } else {
-            int piece = -1;
-            fwd_tile<T>(p, T::kTailSplit ? fwd_unit_tile<T>(params, tile, piece) : tile, n_mblocks, x);
-            if (T::kTailSplit && piece >= 0) fwd_piece_keys<T>(params, piece, x);
-        }
-    };
     // kTailSplit: a consumer warpgroup's copy of its tile's unit, read again in the epilogue (after the tile's last S
     // GEMM the producer may write the next unit to the slot), where the clusters' peer barriers would be. The staged
     // epilogue's barriers keep a warpgroup's warps from writing the next tile's unit before all have read this one's;
@@ -594,8 +536,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
 #pragma unroll
         for (int b = 0; b < T::kQBuffers; ++b) {
             mbar_init(full_q(b), 1);
-            // one arrival per consumer warp (and the V loader's, which has read the buffer's tile)
-            mbar_init(empty_q(b), 4 * T::kNConsumers + kFollowers);
+            mbar_init(empty_q(b), 4 * T::kNConsumers);  // one arrival per consumer warp
         }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
@@ -621,8 +562,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             tma_prefetch_desc(&params.tma_q);
             tma_prefetch_desc(&params.tma_k);
             tma_prefetch_desc(&params.tma_v);
-            StepCount it = 0;  // key blocks so far: stage and phase of the rings
-            int tile_iter = 0;  // tiles so far
+            int it = 0, tile_iter = 0;  // key blocks and tiles so far: stage and phase of the rings
             // Varlen: the tiles past a short sequence's end are skipped here; the consumers see only real ones.
             // (kTailSplit: units, fwd_unit_tile; otherwise units are tiles)
             const int n_units = T::kTailSplit ? tail_units(n_tiles, params.tail_first, params.tail_pieces) : n_tiles;
@@ -705,49 +645,12 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                             batch_coord);
                         }
                     };
-                    if (kFollowers < 3 || stage == 0)
-                        load(empty_k(stage), peer_empty_k(stage), full_k(stage), sK + stage * TileKV::kBytes,
-                             &params.tma_k);
-                    if constexpr (!kVLoader)
-                        load(empty_v(stage), peer_empty_v(stage), full_v(stage), sV + stage * TileKV::kBytes,
-                             &params.tma_v);
+                    load(empty_k(stage), peer_empty_k(stage), full_k(stage), sK + stage * TileKV::kBytes,
+                         &params.tma_k);
+                    load(empty_v(stage), peer_empty_v(stage), full_v(stage), sV + stage * TileKV::kBytes,
+                         &params.tma_v);
                 }
                 ++tile_iter;
-            }
-        } else if (kVLoader && tid % 32 == 0 && (kFollowers == 3 || tid == 64)) {
-            // A following loader: the tiles thread 0 published, in its order (each buffer's tile once Q landed, as
-            // the consumers read it); an arrival on the buffer's empty barrier says it has read the tile. One
-            // follower (warp 2) copies V of every key block; of three, each copies K (warp 1) or V (warps 2, 3) of the
-            // key blocks of one stage.
-            const int warp = tid / 32;
-            const bool copies_v = warp >= 2;
-            const int my_stage = kFollowers == 3 ? warp % 2 : -1;
-            StepCount it = 0;
-            for (int tile_iter = 0;; ++tile_iter) {
-                const int qb = tile_iter % T::kQBuffers;
-                mbar_wait(full_q(qb), (tile_iter / T::kQBuffers) & 1);
-                const int tile = ld_shared_b32(tile_slot(qb));
-                FwdTile x;
-                if (tile >= 0) read_tile(qb, tile, x);
-                mbar_arrive(empty_q(qb));
-                if (tile < 0) break;
-                const int batch_coord = varlen ? 0 : x.batch;
-                KeyBlockWalk<T> walk(p, x.head, x.m0, x.n_block_max,
-                                     window_block_min<T>(p, x.m0, x.seqlen_q, x.seqlen_k),
-                                     mask_row<T>(p, x.batch, x.head, x.m0, x.seqlen_k));
-                for (; walk.n_block >= 0; walk.next(), ++it) {
-                    const int stage = it % kStages;
-                    if (my_stage >= 0 && stage != my_stage) continue;
-                    const u32 empty = copies_v ? empty_v(stage) : empty_k(stage);
-                    const u32 full = copies_v ? full_v(stage) : full_k(stage);
-                    mbar_wait(empty, ((it / kStages) & 1) ^ 1);
-                    mbar_arrive_expect_tx(full, TileKV::kBytes);
-#pragma unroll
-                    for (int cb = 0; cb < T::kColBlocks; ++cb)
-                        tma_load_4d((copies_v ? sV : sK) + stage * TileKV::kBytes + cb * kBlockN * 128,
-                                    copies_v ? &params.tma_v : &params.tma_k, full, cb * 64,
-                                    x.k_start + walk.n_block * kBlockN, x.head_kv, batch_coord);
-                }
             }
         }
         if constexpr (T::kCluster > 1) cluster_sync();  // (with the consumers' at their end)
@@ -782,7 +685,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
     if constexpr (T::kPingPong)
         if (cw == T::kNConsumers - 1) named_bar_arrive(T::kBarSchedule, 256);
 
-    StepCount it = 0;
+    int it = 0;
     for (int tile_iter = 0;; ++tile_iter) {
         FT_TIMELINE_MARK(wg, tile_iter, 0);
         const int qb = tile_iter % T::kQBuffers;
@@ -796,11 +699,21 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             break;
         }
         FwdTile x;
-        // kTailSplit: the unit is kept in shared memory for the epilogue (in registers through the key-block loop it
-        // changed ptxas's schedule of the loop: hd64, 0 -> 21 exponentials ahead of the P V wait); every thread stores
-        // it (unit_copy).
+        // kTailSplit: a piece is a tile over its keys (fwd_piece_keys; the record holds them), and the unit is kept in
+        // shared memory for the epilogue (in registers through the key-block loop it changed ptxas's schedule of the
+        // loop: hd64, 0 -> 21 exponentials ahead of the P V wait); every thread stores it (unit_copy).
         if constexpr (T::kTailSplit) st_shared_b32(unit_copy(), tile);
-        read_tile(qb, tile, x);
+        if constexpr (FT_FWD_TILE_RECORD) {
+            int fields[9];
+#pragma unroll
+            for (int i = 0; i < 9; ++i) fields[i] = ld_shared_b32(tile_record(qb) + 4 * i);
+            x = FwdTile{fields[0], fields[1], fields[2], fields[3], fields[4],
+                        fields[5], fields[6], fields[7], fields[8]};
+        } else {
+            int piece = -1;
+            fwd_tile<T>(p, T::kTailSplit ? fwd_unit_tile<T>(params, tile, piece) : tile, n_mblocks, x);
+            if (T::kTailSplit && piece >= 0) fwd_piece_keys<T>(params, piece, x);
+        }
         const int m0 = x.m0, seqlen_q = x.seqlen_q, seqlen_k = x.seqlen_k;
         float o[kDT][4];
 #pragma unroll
@@ -826,19 +739,15 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             }
             wgmma_commit();
         };
-        // kPvSplit: two commit groups, k-steps [0, kNT / 4) and [kNT / 4, kNT / 2) (FT_FWD_PV_SPLIT)
-        constexpr bool kPvSplit = FT_FWD_PV_SPLIT && !T::kSplitD && kNT % 4 == 0;
         auto issue_pv = [&](int stage, auto unmasked) {
             constexpr bool kUnmasked = decltype(unmasked)::value;
             const u32 v_tile = sV + stage * TileKV::kBytes;
 #pragma unroll
-            for (int ks = 0; ks < kNT / 2; ++ks) {
+            for (int ks = 0; ks < kNT / 2; ++ks)
                 wgmma_rs<T::kDCols, T::kIsBF16>(o, pa[ks],
                                                 fdesc<T, 4, kUnmasked>(v_tile + (col0 / 64) * kBlockN * 128,
                                                                        ks * 16 * 128, kBlockN * 128, 1024),
                                                 1);
-                if (kPvSplit && ks == kNT / 4 - 1) wgmma_commit();
-            }
             wgmma_commit();
         };
         auto mask = [&](auto& s, int n_block) {
@@ -907,23 +816,19 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                         if (n0 + nt * 8 + 2 * t + e >= col_end) s[nt][2 * hf + e] = -infinity();
             }
         };
-        // P as A fragments, its k-steps [first, last) (pack_p: all); the k-steps past a half block's are zero (its P V
-        // product runs over the whole block)
-        auto pack_p_steps = [&](const auto& s, auto first, auto last) {
+        // P as A fragments; the k-steps past a half block's are zero (its P V product runs over the whole block)
+        auto pack_p = [&](const auto& s) {
             constexpr int kTiles = sizeof(s) / sizeof(s[0]);
-            constexpr int kFirst = decltype(first)::value, kLast = decltype(last)::value;
 #pragma unroll
-            for (int ks = max_(kTiles / 2, kFirst); ks < kLast; ++ks)
-                pa[ks][0] = pa[ks][1] = pa[ks][2] = pa[ks][3] = 0u;
+            for (int ks = kTiles / 2; ks < kNT / 2; ++ks) pa[ks][0] = pa[ks][1] = pa[ks][2] = pa[ks][3] = 0u;
 #pragma unroll
-            for (int ks = kFirst; ks < min_(kTiles / 2, kLast); ++ks) {
+            for (int ks = 0; ks < kTiles / 2; ++ks) {
                 pa[ks][0] = pack2<T::kIsBF16>(s[2 * ks][0], s[2 * ks][1]);
                 pa[ks][1] = pack2<T::kIsBF16>(s[2 * ks][2], s[2 * ks][3]);
                 pa[ks][2] = pack2<T::kIsBF16>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
                 pa[ks][3] = pack2<T::kIsBF16>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
             }
         };
-        auto pack_p = [&](const auto& s) { pack_p_steps(s, IntConstant<0>{}, IntConstant<kNT / 2>{}); };
         auto needs_mask = [&](int n_block) {
             if constexpr (T::kScoreMods) {  // also where some row's window starts inside the block or ends before it
                 const int n0 = n_block * kBlockN, offset = seqlen_k - seqlen_q;
@@ -1056,7 +961,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             constexpr bool kRescaleEarly = T::kHeadDim == 192;
 #endif
             float pending[2] = {1.f, 1.f};  // kRescaleEarly: the correction O still owes (the first block: none)
-            bool v_held = false;  // FT_FWD_V_RELEASE_LATE: the last step's V stage is not yet released
             // kLazyRescale: O rescaled only where a row of the warp moved its max
             auto rescale_o = [&](const float (&correction)[2]) {
                 if (!T::kLazyRescale || __any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
@@ -1086,12 +990,10 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 issue_s(s, stage, BoolConstant<!kMask>{});
                 rescale_pending();
                 issue_pv(prev, BoolConstant<!kMask>{});
-                if constexpr (FT_FWD_V_RELEASE_LATE)  // the V stage the previous step's P V GEMM read
-                    mbar_arrive_if(lead_lane && v_held, empty_v((it - 2) % kStages));
                 FT_STEP_MARK(wg, it, 2);
                 const bool last = walk.next() < 0;
                 schedule_pass();
-                wgmma_wait<kPvSplit ? 2 : 1>();  // S done; P V may still run
+                wgmma_wait<1>();  // S done; P V may still run
                 fence_operand(s);
                 FT_STEP_MARK(wg, it, 3);
                 constexpr bool kArrivePred = FT_FWD_ARRIVE_PRED && !T::kIsDropout;
@@ -1106,44 +1008,32 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 score_mods(s, n_block);
                 if constexpr (kMask) mask(s, n_block);
                 float correction[2];
-                // an unmasked block without score modifications: finite scores, seen by every row of the tile
-                constexpr bool kFiniteMax = FT_FWD_FINITE_MAX && !kMask && !T::kScoreMods && !T::kMaskMod;
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf)
                     correction[hf] =
                         poly_exp ? softmax_exp_row<kNT, T::kSoftcap>(s, hf, row_max[hf], row_sum[hf],
                                                                      p.softmax_scale_log2)
-                                 : softmax_exp_row<kNT, false, kRowBias, T::kLazyRescale, kFiniteMax>(
+                                 : softmax_exp_row<kNT, false, kRowBias, T::kLazyRescale>(
                                        s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
                 FT_STEP_MARK(wg, it, 4);
-                if constexpr (kPvSplit) {
-                    wgmma_wait<1>();  // the first half of P V done: its P registers are free
-                    pack_p_steps(s, IntConstant<0>{}, IntConstant<kNT / 4>{});
-                }
                 wgmma_wait<0>();  // P V done: O and the P registers are free
                 fence_operand(o);
                 FT_STEP_MARK(wg, it, 5);
-                if constexpr (FT_FWD_V_RELEASE_LATE) v_held = true;  // released by the next step (or after the loop)
-                else if constexpr (kArrivePred) mbar_arrive_if(lead_lane, empty_v(prev));
+                if constexpr (kArrivePred) mbar_arrive_if(lead_lane, empty_v(prev));
                 else if (lead_lane) mbar_arrive(empty_v(prev));
                 if constexpr (kRescaleEarly) pending[0] = correction[0], pending[1] = correction[1];
                 else rescale_o(correction);
-                if constexpr (kPvSplit) pack_p_steps(s, IntConstant<kNT / 4>{}, IntConstant<kNT / 2>{});
-                else pack_p(s);
+                pack_p(s);
                 FT_STEP_MARK(wg, it, 6);
                 ++it;
             };
-            // Non-causal without score modifications only the first (highest) key block can need a mask (a partial
-            // last block of the keys), which first_block took; FT_FWD_LOOP_MASK_TEST=0 skips the test (slower, above)
-            constexpr bool kFirstOnlyMasked = !FT_FWD_LOOP_MASK_TEST && !T::kIsCausal && !T::kScoreMods;
             while (walk.n_block >= 0) {
-                if (!kFirstOnlyMasked && needs_mask(walk.n_block)) step(BoolConstant<true>{});
+                if (needs_mask(walk.n_block)) step(BoolConstant<true>{});
                 else step(BoolConstant<false>{});
             }
             // The last block's P V.
             FT_TIMELINE_MARK(wg, tile_iter, 3);
-            if constexpr (FT_FWD_V_RELEASE_LATE) mbar_arrive_if(lead_lane && v_held, empty_v((it - 2) % kStages));
             const int last_stage = (it - 1) % kStages;
             mbar_wait(full_v(last_stage), ((it - 1) / kStages) & 1);
             fence_operand(o);

@@ -651,13 +651,8 @@ __device__ __forceinline__ void window_query_blocks(int n0, int offset, int left
 // kLazyMax: the row keeps its running max unless the block's exceeds it by more than kLazyMaxLog2 binary orders of
 // the exponent (FlashAttention-4's conditional rescaling): p is then up to 2^kLazyMaxLog2, and the correction exactly 1,
 // so that the caller may skip rescaling O (the Hopper forward, where no row of the warp moved its max).
-// kFiniteMax: the caller knows the block's scores are all finite (a block no mask touched: every row sees every key),
-// so the new max is too, and the test for a row that has seen only masked keys is left out.
 constexpr float kLazyMaxLog2 = 8.f;
-#ifndef FT_ROWSUM_FROM_ZERO  // each block's row sum starts from +0 (0 for A/Bs: from -0, kernel_ab-h100.json)
-#define FT_ROWSUM_FROM_ZERO 1
-#endif
-template <int kNT, bool kPolyExp = false, bool kRowBias = false, bool kLazyMax = false, bool kFiniteMax = false>
+template <int kNT, bool kPolyExp = false, bool kRowBias = false, bool kLazyMax = false>
 __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, float& row_max, float& row_sum,
                                                  float scale_log2, float row_bias = 0.f) {
     static_assert(!(kPolyExp && kRowBias), "the FMA-pipe exponentials are softcap's, the row bias ALiBi's without it");
@@ -671,14 +666,13 @@ __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, flo
     // (kLazyMax: an m of -inf always moves to a finite block max; -inf - -inf is NaN: kept)
     if constexpr (kLazyMax) mx = (mx - row_max) * scale_log2 > kLazyMaxLog2 ? mx : row_max;
     // A row that saw only masked keys so far keeps m = -inf; subtract 0 instead to avoid inf - inf.
-    const float m_scaled = !kFiniteMax && mx == -infinity() ? 0.f : mx * scale_log2;
+    const float m_scaled = mx == -infinity() ? 0.f : mx * scale_log2;
     const float correction =
         kLazyMax && mx == row_max ? 1.f : fast_exp2(row_max * scale_log2 - m_scaled);  // (kLazyMax: exactly 1 kept)
     row_max = mx;
     // kRowBias: exp2((s + row_bias) scale_log2 - m_scaled) with the bias in the constant
     const float shift = kRowBias ? fmaf(row_bias, scale_log2, -m_scaled) : -m_scaled;
-    // (FT_ROWSUM_FROM_ZERO=0: from -0, whose first addition ptxas folds away; the same bits, no faster)
-    float sum = FT_ROWSUM_FROM_ZERO ? 0.f : -0.f;
+    float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
