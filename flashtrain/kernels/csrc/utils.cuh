@@ -651,25 +651,34 @@ __device__ __forceinline__ void window_query_blocks(int n0, int offset, int left
 // kLazyMax: the row keeps its running max unless the block's exceeds it by more than kLazyMaxLog2 binary orders of
 // the exponent (FlashAttention-4's conditional rescaling): p is then up to 2^kLazyMaxLog2, and the correction exactly 1,
 // so that the caller may skip rescaling O (the Hopper forward, where no row of the warp moved its max).
+// kRefMax (the Hopper forward's A/B probe FT_FWD_REF_MAX, flash_fwd_sm90.cuh): no block max at all; the exponentials
+// against the running max as it stands (finite: set by an earlier block), the correction exactly 1. No overflow guard
+// (a score 128 binary orders above the running max gives inf): an A/B probe only.
 constexpr float kLazyMaxLog2 = 8.f;
-template <int kNT, bool kPolyExp = false, bool kRowBias = false, bool kLazyMax = false>
+template <int kNT, bool kPolyExp = false, bool kRowBias = false, bool kLazyMax = false, bool kRefMax = false>
 __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, float& row_max, float& row_sum,
                                                  float scale_log2, float row_bias = 0.f) {
     static_assert(!(kPolyExp && kRowBias), "the FMA-pipe exponentials are softcap's, the row bias ALiBi's without it");
-    float mx = kRowBias ? -infinity() : row_max;
+    static_assert(!kRefMax || !(kPolyExp || kRowBias || kLazyMax), "kRefMax: the plain exponentials only");
+    float m_scaled, correction = 1.f;
+    if constexpr (kRefMax) {
+        m_scaled = row_max * scale_log2;
+    } else {
+        float mx = kRowBias ? -infinity() : row_max;
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) mx = fmax_(mx, fmax_(s[nt][2 * hf], s[nt][2 * hf + 1]));
-    // kRowBias: this lane's scores are s + row_bias (alibi_by_rows; the bias differs between a quad's lanes)
-    if constexpr (kRowBias) mx = fmax_(row_max, mx + row_bias);
-    mx = fmax_(mx, shfl_xor(mx, 1));  // the 4 lanes of a quad share a row
-    mx = fmax_(mx, shfl_xor(mx, 2));
-    // (kLazyMax: an m of -inf always moves to a finite block max; -inf - -inf is NaN: kept)
-    if constexpr (kLazyMax) mx = (mx - row_max) * scale_log2 > kLazyMaxLog2 ? mx : row_max;
-    // A row that saw only masked keys so far keeps m = -inf; subtract 0 instead to avoid inf - inf.
-    const float m_scaled = mx == -infinity() ? 0.f : mx * scale_log2;
-    const float correction =
-        kLazyMax && mx == row_max ? 1.f : fast_exp2(row_max * scale_log2 - m_scaled);  // (kLazyMax: exactly 1 kept)
-    row_max = mx;
+        for (int nt = 0; nt < kNT; ++nt) mx = fmax_(mx, fmax_(s[nt][2 * hf], s[nt][2 * hf + 1]));
+        // kRowBias: this lane's scores are s + row_bias (alibi_by_rows; the bias differs between a quad's lanes)
+        if constexpr (kRowBias) mx = fmax_(row_max, mx + row_bias);
+        mx = fmax_(mx, shfl_xor(mx, 1));  // the 4 lanes of a quad share a row
+        mx = fmax_(mx, shfl_xor(mx, 2));
+        // (kLazyMax: an m of -inf always moves to a finite block max; -inf - -inf is NaN: kept)
+        if constexpr (kLazyMax) mx = (mx - row_max) * scale_log2 > kLazyMaxLog2 ? mx : row_max;
+        // A row that saw only masked keys so far keeps m = -inf; subtract 0 instead to avoid inf - inf.
+        m_scaled = mx == -infinity() ? 0.f : mx * scale_log2;
+        // (kLazyMax: exactly 1 kept)
+        correction = kLazyMax && mx == row_max ? 1.f : fast_exp2(row_max * scale_log2 - m_scaled);
+        row_max = mx;
+    }
     // kRowBias: exp2((s + row_bias) scale_log2 - m_scaled) with the bias in the constant
     const float shift = kRowBias ? fmaf(row_bias, scale_log2, -m_scaled) : -m_scaled;
     float sum = 0.f;
