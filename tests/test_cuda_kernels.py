@@ -267,6 +267,29 @@ def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
                                 (2, 1024, 8, 2, 128, True)], varlen_head_dim=128, seed=20)
 
 
+def test_forward_without_block_max_matches_reference(monkeypatch):
+    """The Hopper forward whose unmasked key-block steps skip the block's row max (flash_fwd_sm90.cuh
+    FT_FWD_REF_MAX=2, an A/B build): plain inputs (hd64 / hd128, causal or not, GQA, a partial tile, fp16 through the
+    varlen batch), then inputs whose first 16 keys score 10 or 150 binary orders above the others. The walk takes
+    key block 0 last, so there every warp's exponentials against the running max exceed 2^8 or overflow, and the
+    warp computes its S again and runs the plain softmax."""
+    if not _is_hopper():
+        pytest.skip("the Hopper forward's switch")
+    variant = "flashtrain+FT_FWD_REF_MAX=2"
+    _variant_matches_reference(monkeypatch, variant,
+                               [(2, 1000, 8, 8, 64, False), (2, 1000, 8, 8, 128, True), (1, 2048, 16, 4, 128, False),
+                                (2, 777, 4, 4, 64, True)], varlen_head_dim=64, seed=40)
+    import ab_probe  # (on the path: _variant_matches_reference)
+
+    with ab_probe.kernel_variant(variant):
+        for index, (head_dim, causal, jump) in enumerate([(64, False, 10), (64, True, 150), (128, False, 150),
+                                                           (128, True, 10)]):
+            q, k, v, dout = _inputs((2, 1024, 4, head_dim), (2, 1024, 4, head_dim), torch.bfloat16, seed=50 + index)
+            q[..., 0] = 4.0
+            k[:, :16, :, 0] = jump / (4.0 * head_dim**-0.5 * math.log2(math.e))
+            _check_against_reference(q, k, v, dout, causal=causal)
+
+
 def _backward_cases_match_reference(head_dim, causal, seed, extra_cases=()):
     """The Hopper backward's tile-walk cases against the reference (seeds seed, seed + 1, ..., varlen seed + 9): many
     tiles per CTA, queries past the keys (whole query blocks that no key block sees: zero dq where causal), keys past

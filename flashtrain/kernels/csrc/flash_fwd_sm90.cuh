@@ -190,12 +190,15 @@ struct FwdSm90Traits {
 #ifndef FT_FWD_LAZY_RESCALE
 #define FT_FWD_LAZY_RESCALE 1
 #endif
-// FT_FWD_REF_MAX=1 (off; an A/B probe, never a default): the unmasked key-block steps of the kernels without score
-// modifications skip the block's row max: the exponentials are taken against the row's running max as it stands
-// (set by the tile's first, or a masked, block), the row sums add up unscaled and O is never rescaled
-// (utils.cuh softmax_exp_row, kRefMax). It measures what the max, its quad shuffles and the O rescale cost the step. It
-// has no overflow guard: a score 128 binary orders above the running max overflows its exponential, so the tests do
-// not run it.
+// FT_FWD_REF_MAX (off by default; A/B): the unmasked key-block steps of the kernels without score modifications or
+// dropout skip the block's row max: the exponentials are taken against the row's running max as it stands (set by the
+// tile's first, or a masked, block), the row sums add up unscaled and O is not rescaled (utils.cuh softmax_exp_row,
+// kRefMax). =1, a probe of what the max, its quad shuffles and the O rescale cost the step: no overflow guard (a
+// score 128 binary orders above the running max overflows its exponential), so the tests do not run it. =2, the
+// guarded form: a warp keeps the block's exponentials only where every thread's partial row sums are at most
+// 2^kLazyMaxLog2 (so is every exponential, as with kLazyMax); otherwise (a row's max moved by more, an exponential
+// overflowed, NaN) it computes its 16 rows of S again by mma.sync from the Q and K tiles in shared memory, which it
+// releases only after that check, and runs the plain softmax on them.
 #ifndef FT_FWD_REF_MAX
 #define FT_FWD_REF_MAX 0
 #endif
@@ -759,6 +762,31 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                                 1);
             wgmma_commit();
         };
+        // FT_FWD_REF_MAX=2: this warp's 16 rows of S of the key block in stage `stage` again, by mma.sync from the Q
+        // and K tiles (TMA's 128-byte swizzle: 16-byte chunk c of row r of a 64-column block at r * 128 + ((c ^ r % 8)
+        // << 4)); the lanes' ldmatrix rows as in utils.cuh a_frag_ptr / b_frag_ptr
+        auto recompute_s = [&](float (&s)[kNT][4], int stage) {
+            const u32 k_tile = sK + stage * TileKV::kBytes;
+            const int ar = wg_row0 + ctid / 32 * 16 + (lane & 15);  // the lane's row of Q
+            const int bk = ((lane >> 4) << 3) + (lane & 7);         // its key inside a pair of n8 tiles
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+            for (int k = 0; k < T::kDCols / 16; ++k) {
+                const int kk = col0 / 16 + k, c0 = (kk % 4) * 2;  // k-step of the head dim, its first chunk
+                u32 a[4];
+                ldmatrix_x4(a, sQ + (kk / 4) * kBlockM * 128 + ar * 128 + (((c0 + (lane >> 4)) ^ (ar & 7)) << 4));
+#pragma unroll
+                for (int np = 0; np < kNT / 2; ++np) {
+                    const int key = np * 16 + bk;
+                    u32 b[4];
+                    ldmatrix_x4(b, k_tile + (kk / 4) * kBlockN * 128 + key * 128 +
+                                       (((c0 + ((lane >> 3) & 1)) ^ (key & 7)) << 4));
+                    mma_16816<T::kIsBF16>(s[2 * np], a, b[0], b[1]);
+                    mma_16816<T::kIsBF16>(s[2 * np + 1], a, b[2], b[3]);
+                }
+            }
+        };
         auto mask = [&](auto& s, int n_block) {
             constexpr int kTiles = sizeof(s) / sizeof(s[0]);
             const int n0 = n_block * kBlockN;
@@ -1006,7 +1034,11 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 fence_operand(s);
                 FT_STEP_MARK(wg, it, 3);
                 constexpr bool kArrivePred = FT_FWD_ARRIVE_PRED && !T::kIsDropout;
-                if constexpr (kArrivePred) {
+                // FT_FWD_REF_MAX (an A/B, above): no block max in the unmasked steps; =2 keeps K and Q until its check
+                constexpr bool kRefMax = FT_FWD_REF_MAX && !kMask && !T::kScoreMods && !T::kSplitD && !T::kIsDropout;
+                constexpr bool kRefSafe = kRefMax && FT_FWD_REF_MAX == 2;
+                if constexpr (kRefSafe) {
+                } else if constexpr (kArrivePred) {
                     mbar_arrive_if(lead_lane, empty_k(stage));
                     mbar_arrive_if(lead_lane && last, empty_qb);
                 } else if (lead_lane) {
@@ -1016,13 +1048,12 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 sum_partial_s(s, it);
                 score_mods(s, n_block);
                 if constexpr (kMask) mask(s, n_block);
-                float correction[2] = {1.f, 1.f};
-                // FT_FWD_REF_MAX (an A/B probe, above): no block max in the unmasked steps
-                constexpr bool kRefMax = FT_FWD_REF_MAX && !kMask && !T::kScoreMods && !T::kSplitD;
+                float correction[2] = {1.f, 1.f}, block_sum[2] = {0.f, 0.f};  // (kRefSafe: the sums, unchecked)
                 if constexpr (kRefMax) {
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf)
-                        softmax_exp_row<kNT, false, false, false, true>(s, hf, row_max[hf], row_sum[hf],
+                        softmax_exp_row<kNT, false, false, false, true>(s, hf, row_max[hf],
+                                                                        kRefSafe ? block_sum[hf] : row_sum[hf],
                                                                         p.softmax_scale_log2);
                 } else {
 #pragma unroll
@@ -1040,6 +1071,24 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 FT_STEP_MARK(wg, it, 5);
                 if constexpr (kArrivePred) mbar_arrive_if(lead_lane, empty_v(prev));
                 else if (lead_lane) mbar_arrive(empty_v(prev));
+                if constexpr (kRefSafe) {
+                    // every thread's partial sums at most 2^kLazyMaxLog2 (false for inf and NaN): the exponentials
+                    // stand; otherwise the warp's S again and the plain softmax
+                    constexpr float kLimit = 1 << (int)kLazyMaxLog2;
+                    if (__all_sync(0xffffffffu, block_sum[0] <= kLimit && block_sum[1] <= kLimit)) {
+                        row_sum[0] += block_sum[0];
+                        row_sum[1] += block_sum[1];
+                    } else {
+                        recompute_s(s, stage);
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf)
+                            correction[hf] = softmax_exp_row<kNT, false, false, T::kLazyRescale>(
+                                s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
+                        if constexpr (!kRescaleEarly) rescale_o(correction);
+                    }
+                    mbar_arrive_if(lead_lane, empty_k(stage));  // (the releases held back above, after the check)
+                    mbar_arrive_if(lead_lane && last, empty_qb);
+                }
                 if constexpr (kRescaleEarly) pending[0] = correction[0], pending[1] = correction[1];
                 else if constexpr (!kRefMax) rescale_o(correction);
                 pack_p(s);
