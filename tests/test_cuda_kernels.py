@@ -269,10 +269,10 @@ def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
 
 def test_forward_without_block_max_matches_reference(monkeypatch):
     """The Hopper forward whose unmasked key-block steps skip the block's row max (flash_fwd_sm90.cuh
-    FT_FWD_REF_MAX=2, an A/B build): plain inputs (hd64 / hd128, causal or not, GQA, a partial tile, fp16 through the
-    varlen batch), then inputs whose first 16 keys score 10 or 150 binary orders above the others. The walk takes
-    key block 0 last, so there every warp's exponentials against the running max exceed 2^8 or overflow, and the
-    warp computes its S again and runs the plain softmax."""
+    FT_FWD_REF_MAX=2, an A/B build): plain inputs (hd64 / hd128, causal or not, GQA, a partial tile, a varlen batch),
+    then inputs whose first 16 keys score 10 or 150 binary orders above the others (bf16, and fp16 for the hd128
+    causal case). The walk takes key block 0 last, so there every warp's exponentials against the running max exceed
+    2^8 or overflow, and the warp computes its S again and runs the plain softmax."""
     if not _is_hopper():
         pytest.skip("the Hopper forward's switch")
     variant = "flashtrain+FT_FWD_REF_MAX=2"
@@ -282,9 +282,11 @@ def test_forward_without_block_max_matches_reference(monkeypatch):
     import ab_probe  # (on the path: _variant_matches_reference)
 
     with ab_probe.kernel_variant(variant):
-        for index, (head_dim, causal, jump) in enumerate([(64, False, 10), (64, True, 150), (128, False, 150),
-                                                           (128, True, 10)]):
-            q, k, v, dout = _inputs((2, 1024, 4, head_dim), (2, 1024, 4, head_dim), torch.bfloat16, seed=50 + index)
+        for index, (head_dim, causal, jump, dtype) in enumerate([(64, False, 10, torch.bfloat16),
+                                                                  (64, True, 150, torch.bfloat16),
+                                                                  (128, False, 150, torch.bfloat16),
+                                                                  (128, True, 10, torch.float16)]):
+            q, k, v, dout = _inputs((2, 1024, 4, head_dim), (2, 1024, 4, head_dim), dtype, seed=50 + index)
             q[..., 0] = 4.0
             k[:, :16, :, 0] = jump / (4.0 * head_dim**-0.5 * math.log2(math.e))
             _check_against_reference(q, k, v, dout, causal=causal)
