@@ -1079,11 +1079,13 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                         row_sum[0] += block_sum[0];
                         row_sum[1] += block_sum[1];
                     } else {
+                        // (the max always moves here, lazy kernels too: a row 3-8 binary orders above the running max
+                        // would otherwise fail the check again at every block)
                         recompute_s(s, stage);
 #pragma unroll
                         for (int hf = 0; hf < 2; ++hf)
-                            correction[hf] = softmax_exp_row<kNT, false, false, T::kLazyRescale>(
-                                s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
+                            correction[hf] =
+                                softmax_exp_row<kNT>(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
                         if constexpr (!kRescaleEarly) rescale_o(correction);
                     }
                     mbar_arrive_if(lead_lane, empty_k(stage));  // (the releases held back above, after the check)
