@@ -763,29 +763,14 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
             wgmma_commit();
         };
         // FT_FWD_REF_MAX=2: this warp's 16 rows of S of the key block in stage `stage` again, by mma.sync from the Q
-        // and K tiles (TMA's 128-byte swizzle: 16-byte chunk c of row r of a 64-column block at r * 128 + ((c ^ r % 8)
-        // << 4)); the lanes' ldmatrix rows as in utils.cuh a_frag_ptr / b_frag_ptr
+        // and K tiles (utils.cuh warp_gemm_ss: SmemTile's 64-column blocks are TMA's 128-byte swizzle)
         auto recompute_s = [&](float (&s)[kNT][4], int stage) {
-            const u32 k_tile = sK + stage * TileKV::kBytes;
-            const int ar = wg_row0 + ctid / 32 * 16 + (lane & 15);  // the lane's row of Q
-            const int bk = ((lane >> 4) << 3) + (lane & 7);         // its key inside a pair of n8 tiles
+            float(&acc)[1][kNT][4] = reinterpret_cast<float(&)[1][kNT][4]>(s);
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-            for (int k = 0; k < T::kDCols / 16; ++k) {
-                const int kk = col0 / 16 + k, c0 = (kk % 4) * 2;  // k-step of the head dim, its first chunk
-                u32 a[4];
-                ldmatrix_x4(a, sQ + (kk / 4) * kBlockM * 128 + ar * 128 + (((c0 + (lane >> 4)) ^ (ar & 7)) << 4));
-#pragma unroll
-                for (int np = 0; np < kNT / 2; ++np) {
-                    const int key = np * 16 + bk;
-                    u32 b[4];
-                    ldmatrix_x4(b, k_tile + (kk / 4) * kBlockN * 128 + key * 128 +
-                                       (((c0 + ((lane >> 3) & 1)) ^ (key & 7)) << 4));
-                    mma_16816<T::kIsBF16>(s[2 * np], a, b[0], b[1]);
-                    mma_16816<T::kIsBF16>(s[2 * np + 1], a, b[2], b[3]);
-                }
-            }
+            warp_gemm_ss<T::kIsBF16, 1, kNT, T::kDCols, false, false>(
+                acc, a_frag_ptr<TileQ, false>(sQ, row0, col0, lane),
+                b_frag_ptr<TileKV, false>(sK + stage * TileKV::kBytes, 0, col0, lane));
         };
         auto mask = [&](auto& s, int n_block) {
             constexpr int kTiles = sizeof(s) / sizeof(s[0]);
@@ -1037,13 +1022,14 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 // FT_FWD_REF_MAX (an A/B, above): no block max in the unmasked steps; =2 keeps K and Q until its check
                 constexpr bool kRefMax = FT_FWD_REF_MAX && !kMask && !T::kScoreMods && !T::kSplitD && !T::kIsDropout;
                 constexpr bool kRefSafe = kRefMax && FT_FWD_REF_MAX == 2;
-                if constexpr (kRefSafe) {
-                } else if constexpr (kArrivePred) {
-                    mbar_arrive_if(lead_lane, empty_k(stage));
-                    mbar_arrive_if(lead_lane && last, empty_qb);
-                } else if (lead_lane) {
-                    mbar_arrive(empty_k(stage));
-                    if (last) mbar_arrive(empty_qb);
+                if constexpr (!kRefSafe) {
+                    if constexpr (kArrivePred) {
+                        mbar_arrive_if(lead_lane, empty_k(stage));
+                        mbar_arrive_if(lead_lane && last, empty_qb);
+                    } else if (lead_lane) {
+                        mbar_arrive(empty_k(stage));
+                        if (last) mbar_arrive(empty_qb);
+                    }
                 }
                 sum_partial_s(s, it);
                 score_mods(s, n_block);
