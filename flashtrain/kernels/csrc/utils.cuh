@@ -653,7 +653,7 @@ __device__ __forceinline__ void window_query_blocks(int n0, int offset, int left
 // so that the caller may skip rescaling O (the Hopper forward, where no row of the warp moved its max).
 // kRefMax (the Hopper forward's A/B probe FT_FWD_REF_MAX, flash_fwd_sm90.cuh): no block max at all; the exponentials
 // against the running max as it stands (finite: set by an earlier block), the correction exactly 1. No overflow guard
-// (a score 128 binary orders above the running max gives inf): an A/B probe only.
+// here (a score 128 binary orders above the running max gives inf): the caller checks the sums (FT_FWD_REF_MAX=2).
 constexpr float kLazyMaxLog2 = 8.f;
 template <int kNT, bool kPolyExp = false, bool kRowBias = false, bool kLazyMax = false, bool kRefMax = false>
 __device__ __forceinline__ float softmax_exp_row(float (&s)[kNT][4], int hf, float& row_max, float& row_sum,
