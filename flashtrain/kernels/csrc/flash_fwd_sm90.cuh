@@ -190,22 +190,31 @@ struct FwdSm90Traits {
 #ifndef FT_FWD_LAZY_RESCALE
 #define FT_FWD_LAZY_RESCALE 1
 #endif
-// FT_FWD_REF_MAX (off by default; A/B): the unmasked key-block steps of the kernels without score modifications or
-// dropout skip the block's row max: the exponentials are taken against the row's running max as it stands (set by the
-// tile's first, or a masked, block), the row sums add up unscaled and O is not rescaled (utils.cuh softmax_exp_row,
-// kRefMax). =1, a probe of what the max, its quad shuffles and the O rescale cost the step: no overflow guard (a
-// score 128 binary orders above the running max overflows its exponential), so the tests do not run it. =2, the
+// FT_FWD_REF_MAX: the unmasked key-block steps of the kernels without score modifications or dropout skip the block's
+// row max: the exponentials are taken against the row's running max as it stands (set by the tile's first, or a
+// masked, block), the row sums add up unscaled and O is not rescaled (utils.cuh softmax_exp_row, kRefMax). =2, the
 // guarded form: a warp keeps the block's exponentials only where every thread's partial row sums are at most
 // 2^kLazyMaxLog2 (so is every exponential, as with kLazyMax); otherwise (a row's max moved by more, an exponential
 // overflowed, NaN) it computes its 16 rows of S again by mma.sync from the Q and K tiles in shared memory, which it
-// releases only after that check, and runs the plain softmax on them.
+// releases only after that check, and runs the plain softmax on them. =1, a probe of what the max, its quad shuffles
+// and the O rescale cost the step: no overflow guard (a score 128 binary orders above the running max overflows its
+// exponential), so the tests do not run it. =0: the block max everywhere. Unset (-1): =2 in the non-causal kernels at
+// head dims 64 and 128 (kRefMaxMode below), the block max elsewhere. H100, 2026-12-07, interleaved CUDA-graph replays
+// (ab_probe.py), forward, =2 against the block max: hd64 non-causal 4K / 8K / 16K 1.042 / 1.051 / 1.058, hd128
+// non-causal 4K / 8K / 16K 1.017 / 1.023 / 1.025 (sustained 4K / 16K 1.018 / 1.035); not taken: hd64 causal 1K 0.928
+// (4K 1.034, 16K 1.062: the same 192-row kernel), hd128 causal 1K / 4K / 16K 0.991 / 0.999 / 0.992, where holding
+// K until the check costs more than the step saves (kernel_ab-h100.json refmax_fwd_ab).
 #ifndef FT_FWD_REF_MAX
-#define FT_FWD_REF_MAX 0
+#define FT_FWD_REF_MAX -1
 #endif
 #ifndef FT_CAUSAL_SHIFT
 #define FT_CAUSAL_SHIFT 1
 #endif
     static constexpr bool kShiftRows = FT_CAUSAL_SHIFT && kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_ && !kScoreMods_;
+    // FT_FWD_REF_MAX (above): the unmasked steps' form; by default the guarded form where it measured faster
+    static constexpr int kRefMaxMode =
+        FT_FWD_REF_MAX >= 0 ? FT_FWD_REF_MAX
+        : !kIsCausal_ && (kHeadDim_ == 64 || kHeadDim_ == 128) && kHeadDimEff_ == kHeadDim_ ? 2 : 0;
     // FT_FWD_LAZY_RESCALE (above): the kernels it was measured on (no score modifications or dropout)
     static constexpr bool kLazyRescale = FT_FWD_LAZY_RESCALE && kHeadDim_ >= 128 && kHeadDim_ <= 256 &&
                                          kHeadDimEff_ == kHeadDim_ && kBlockN_ <= 128 && !kScoreMods_ && !kIsDropout_;
@@ -762,8 +771,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                                 1);
             wgmma_commit();
         };
-        // FT_FWD_REF_MAX=2: this warp's 16 rows of S of the key block in stage `stage` again, by mma.sync from the Q
-        // and K tiles (utils.cuh warp_gemm_ss: SmemTile's 64-column blocks are TMA's 128-byte swizzle)
+        // FT_FWD_REF_MAX=2 (kRefMaxMode): this warp's 16 rows of S of the key block in stage `stage` again, by mma.sync
+        // from the Q and K tiles (utils.cuh warp_gemm_ss: SmemTile's 64-column blocks are TMA's 128-byte swizzle)
         auto recompute_s = [&](float (&s)[kNT][4], int stage) {
             float(&acc)[1][kNT][4] = reinterpret_cast<float(&)[1][kNT][4]>(s);
 #pragma unroll
@@ -1019,9 +1028,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 fence_operand(s);
                 FT_STEP_MARK(wg, it, 3);
                 constexpr bool kArrivePred = FT_FWD_ARRIVE_PRED && !T::kIsDropout;
-                // FT_FWD_REF_MAX (an A/B, above): no block max in the unmasked steps; =2 keeps K and Q until its check
-                constexpr bool kRefMax = FT_FWD_REF_MAX && !kMask && !T::kScoreMods && !T::kSplitD && !T::kIsDropout;
-                constexpr bool kRefSafe = kRefMax && FT_FWD_REF_MAX == 2;
+                // FT_FWD_REF_MAX (above): no block max in the unmasked steps; =2 keeps K and Q until its check
+                constexpr bool kRefMax = T::kRefMaxMode && !kMask && !T::kScoreMods && !T::kSplitD && !T::kIsDropout;
+                constexpr bool kRefSafe = kRefMax && T::kRefMaxMode == 2;
                 if constexpr (!kRefSafe) {
                     if constexpr (kArrivePred) {
                         mbar_arrive_if(lead_lane, empty_k(stage));
