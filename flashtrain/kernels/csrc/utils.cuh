@@ -651,7 +651,7 @@ __device__ __forceinline__ void window_query_blocks(int n0, int offset, int left
 // kLazyMax: the row keeps its running max unless the block's exceeds it by more than kLazyMaxLog2 binary orders of
 // the exponent (FlashAttention-4's conditional rescaling): p is then up to 2^kLazyMaxLog2, and the correction exactly 1,
 // so that the caller may skip rescaling O (the Hopper forward, where no row of the warp moved its max).
-// kRefMax (the Hopper forward's A/B probe FT_FWD_REF_MAX, flash_fwd_sm90.cuh): no block max at all; the exponentials
+// kRefMax (the Hopper forward's unmasked steps, flash_fwd_sm90.cuh FT_FWD_REF_MAX): no block max; the exponentials
 // against the running max as it stands (finite: set by an earlier block), the correction exactly 1. No overflow guard
 // here (a score 128 binary orders above the running max gives inf): the caller checks the sums (FT_FWD_REF_MAX=2).
 constexpr float kLazyMaxLog2 = 8.f;
