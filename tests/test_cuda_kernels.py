@@ -267,18 +267,21 @@ def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
                                 (2, 1024, 8, 2, 128, True)], varlen_head_dim=128, seed=20)
 
 
-def test_forward_without_block_max_matches_reference(monkeypatch):
+@pytest.mark.parametrize("variant", ["flashtrain+FT_FWD_REF_MAX=2",
+                                     "flashtrain+FT_FWD_REF_MAX=2+FT_FWD_REF_EARLY=1+FT_FWD_REF_LIMIT_LOG2=15"],
+                         ids=["late", "early_limit15"])
+def test_forward_without_block_max_matches_reference(monkeypatch, variant):
     """The Hopper forward whose unmasked key-block steps skip the block's row max (flash_fwd_sm90.cuh
-    FT_FWD_REF_MAX=2; the default of the non-causal hd64 / hd128 kernels, here built into every kernel): plain
-    inputs (hd64 / hd128, causal or not, GQA, a partial tile, a varlen batch), then inputs where 15 keys spread over
-    key block 0 (every pair of n8 tiles) score 10 or 150 binary orders above the others (bf16, and fp16 for the
-    hd128 causal case). The walk takes key block 0 last, so there every warp's exponentials against the running max
-    exceed 2^8 or overflow, and the warp computes its S again (mma.sync) and runs the plain softmax. Besides the
-    FlashAttention-2 rule (loose here: the low-precision comparison rounds the large scores), the output must be
+    FT_FWD_REF_MAX=2, here built into every kernel; late: the default's guard, its vote after the P V wait, at 2^8;
+    early_limit15: the vote before it, at 2^15): plain inputs (hd64 / hd128, causal or not, GQA, a partial tile, a
+    varlen batch), then inputs where 15 keys spread over key block 0 (every pair of n8 tiles) score 10, 14, 20 or 150
+    binary orders above the others (bf16, and fp16 for hd128 causal). The walk takes key block 0 last, so there the
+    exponentials against the running max exceed the guard's bound or overflow, and the warp computes its S again
+    (mma.sync) and runs the plain softmax, or (below the bound: 10 orders at 2^15) they stand, far above 1. Besides
+    the FlashAttention-2 rule (loose here: the low-precision comparison rounds the large scores), the output must be
     within 0.02 of the fp32 reference's: a wrong key or head-dim chunk in the recomputation moves it by far more."""
     if not _is_hopper():
         pytest.skip("the Hopper forward's switch")
-    variant = "flashtrain+FT_FWD_REF_MAX=2"
     _variant_matches_reference(monkeypatch, variant,
                                [(2, 1000, 8, 8, 64, False), (2, 1000, 8, 8, 128, True), (1, 2048, 16, 4, 128, False),
                                 (2, 777, 4, 4, 64, True)], varlen_head_dim=64, seed=40)
@@ -289,7 +292,9 @@ def test_forward_without_block_max_matches_reference(monkeypatch):
         for index, (head_dim, causal, jump, dtype) in enumerate([(64, False, 10, torch.bfloat16),
                                                                   (64, True, 150, torch.bfloat16),
                                                                   (128, False, 150, torch.bfloat16),
-                                                                  (128, True, 10, torch.float16)]):
+                                                                  (128, False, 20, torch.bfloat16),
+                                                                  (128, True, 10, torch.float16),
+                                                                  (128, True, 14, torch.float16)]):
             q, k, v, dout = _inputs((2, 1024, 4, head_dim), (2, 1024, 4, head_dim), dtype, seed=50 + index)
             q[..., 0] = 4.0
             k[:, spread, :, 0] = jump / (4.0 * head_dim**-0.5 * math.log2(math.e))

@@ -207,6 +207,15 @@ struct FwdSm90Traits {
 #ifndef FT_FWD_REF_MAX
 #define FT_FWD_REF_MAX -1
 #endif
+// FT_FWD_REF_LIMIT_LOG2: the guarded form's bound on a thread's partial row sums of one block, in binary orders (the
+// exponentials are at most that much; fp16's P holds up to 2^15). FT_FWD_REF_EARLY=1: the guard's vote (and, where it
+// fails, the recomputation) before the P V wait, and K and Q released right after it.
+#ifndef FT_FWD_REF_LIMIT_LOG2
+#define FT_FWD_REF_LIMIT_LOG2 8
+#endif
+#ifndef FT_FWD_REF_EARLY
+#define FT_FWD_REF_EARLY 0
+#endif
 #ifndef FT_CAUSAL_SHIFT
 #define FT_CAUSAL_SHIFT 1
 #endif
@@ -1060,16 +1069,37 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                            s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 }
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
+                // every thread's partial sums at most 2^FT_FWD_REF_LIMIT_LOG2 (false for inf and NaN): the
+                // exponentials stand; otherwise the warp's S again and the plain softmax
+                constexpr float kLimit = float(1u << FT_FWD_REF_LIMIT_LOG2);
+                constexpr bool kRefEarly = kRefSafe && FT_FWD_REF_EARLY;
+                bool ref_ok = true;
+                if constexpr (kRefEarly) {
+                    ref_ok = __all_sync(0xffffffffu, block_sum[0] <= kLimit && block_sum[1] <= kLimit);
+                    if (ref_ok) {
+                        row_sum[0] += block_sum[0];
+                        row_sum[1] += block_sum[1];
+                    } else {
+                        recompute_s(s, stage);  // (O is rescaled once P V is done, below)
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf)
+                            correction[hf] =
+                                softmax_exp_row<kNT>(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
+                    }
+                    mbar_arrive_if(lead_lane, empty_k(stage));
+                    mbar_arrive_if(lead_lane && last, empty_qb);
+                }
                 FT_STEP_MARK(wg, it, 4);
                 wgmma_wait<0>();  // P V done: O and the P registers are free
                 fence_operand(o);
                 FT_STEP_MARK(wg, it, 5);
                 if constexpr (kArrivePred) mbar_arrive_if(lead_lane, empty_v(prev));
                 else if (lead_lane) mbar_arrive(empty_v(prev));
-                if constexpr (kRefSafe) {
-                    // every thread's partial sums at most 2^kLazyMaxLog2 (false for inf and NaN): the exponentials
-                    // stand; otherwise the warp's S again and the plain softmax
-                    constexpr float kLimit = 1 << (int)kLazyMaxLog2;
+                if constexpr (kRefEarly) {
+                    if constexpr (!kRescaleEarly) {
+                        if (!ref_ok) rescale_o(correction);
+                    }
+                } else if constexpr (kRefSafe) {
                     if (__all_sync(0xffffffffu, block_sum[0] <= kLimit && block_sum[1] <= kLimit)) {
                         row_sum[0] += block_sum[0];
                         row_sum[1] += block_sum[1];
