@@ -267,19 +267,18 @@ def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
                                 (2, 1024, 8, 2, 128, True)], varlen_head_dim=128, seed=20)
 
 
-@pytest.mark.parametrize("variant", ["flashtrain+FT_FWD_REF_MAX=2",
-                                     "flashtrain+FT_FWD_REF_MAX=2+FT_FWD_REF_EARLY=1+FT_FWD_REF_LIMIT_LOG2=15"],
-                         ids=["late", "early_limit15"])
+@pytest.mark.parametrize("variant", ["flashtrain+FT_FWD_REF_MAX=2", "flashtrain+FT_FWD_REF_MAX=2+FT_FWD_REF_EARLY=1"],
+                         ids=["late", "early"])
 def test_forward_without_block_max_matches_reference(monkeypatch, variant):
     """The Hopper forward whose unmasked key-block steps skip the block's row max (flash_fwd_sm90.cuh
-    FT_FWD_REF_MAX=2, here built into every kernel; late: the default's guard, its vote after the P V wait, at 2^8;
-    early_limit15: the vote before it, at 2^15): plain inputs (hd64 / hd128, causal or not, GQA, a partial tile, a
-    varlen batch), then inputs where 15 keys spread over key block 0 (every pair of n8 tiles) score 10, 14, 20 or 150
-    binary orders above the others (bf16, and fp16 for hd128 causal). The walk takes key block 0 last, so there the
-    exponentials against the running max exceed the guard's bound or overflow, and the warp computes its S again
-    (mma.sync) and runs the plain softmax, or (below the bound: 10 orders at 2^15) they stand, far above 1. Besides
-    the FlashAttention-2 rule (loose here: the low-precision comparison rounds the large scores), the output must be
-    within 0.02 of the fp32 reference's: a wrong key or head-dim chunk in the recomputation moves it by far more."""
+    FT_FWD_REF_MAX=2, here built into every kernel; late: the guard's vote after the P V wait, early: before it,
+    FT_FWD_REF_EARLY=1): plain inputs (hd64 / hd128, causal or not, GQA, a partial tile, a varlen batch), then inputs
+    where 15 keys spread over key block 0 (every pair of n8 tiles) score 10, 14, 20 or 150 binary orders above the
+    others (bf16, and fp16 for hd128 causal). The walk takes key block 0 last, so there every warp's exponentials
+    against the running max exceed 2^8 or overflow, and the warp computes its S again (mma.sync) and runs the plain
+    softmax. Besides the FlashAttention-2 rule (loose here: the low-precision comparison rounds the large scores), the
+    output must be within 0.02 of the fp32 reference's: a wrong key or head-dim chunk in the recomputation moves it by
+    far more."""
     if not _is_hopper():
         pytest.skip("the Hopper forward's switch")
     _variant_matches_reference(monkeypatch, variant,

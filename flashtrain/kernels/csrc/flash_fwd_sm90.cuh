@@ -207,12 +207,8 @@ struct FwdSm90Traits {
 #ifndef FT_FWD_REF_MAX
 #define FT_FWD_REF_MAX -1
 #endif
-// FT_FWD_REF_LIMIT_LOG2: the guarded form's bound on a thread's partial row sums of one block, in binary orders (the
-// exponentials are at most that much; fp16's P holds up to 2^15). FT_FWD_REF_EARLY=1: the guard's vote (and, where it
-// fails, the recomputation) before the P V wait, and K and Q released right after it.
-#ifndef FT_FWD_REF_LIMIT_LOG2
-#define FT_FWD_REF_LIMIT_LOG2 8
-#endif
+// FT_FWD_REF_EARLY=1: the guard's vote (and, where it fails, the recomputation) before the P V wait, and K and Q
+// released right after it.
 #ifndef FT_FWD_REF_EARLY
 #define FT_FWD_REF_EARLY 0
 #endif
@@ -1069,9 +1065,9 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                                            s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2, row_bias[hf]);
                 }
                 if constexpr (T::kIsDropout) rng.drop(s, bh, m0 + row0 + g, n_block * kBlockN + 2 * t);
-                // every thread's partial sums at most 2^FT_FWD_REF_LIMIT_LOG2 (false for inf and NaN): the
-                // exponentials stand; otherwise the warp's S again and the plain softmax
-                constexpr float kLimit = float(1u << FT_FWD_REF_LIMIT_LOG2);
+                // every thread's partial sums at most 2^kLazyMaxLog2 (false for inf and NaN): the exponentials
+                // stand; otherwise the warp's S again and the plain softmax
+                constexpr float kLimit = 1 << (int)kLazyMaxLog2;
                 constexpr bool kRefEarly = kRefSafe && FT_FWD_REF_EARLY;
                 bool ref_ok = true;
                 if constexpr (kRefEarly) {
