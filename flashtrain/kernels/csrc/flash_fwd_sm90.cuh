@@ -208,18 +208,21 @@ struct FwdSm90Traits {
 #define FT_FWD_REF_MAX -1
 #endif
 // FT_FWD_REF_EARLY=1: the guard's vote (and, where it fails, the recomputation) before the P V wait, and K and Q
-// released right after it.
+// released right after it. FT_FWD_REF_CAUSAL=1: the default's guarded form in the causal hd64 / hd128 kernels too.
 #ifndef FT_FWD_REF_EARLY
 #define FT_FWD_REF_EARLY 0
+#endif
+#ifndef FT_FWD_REF_CAUSAL
+#define FT_FWD_REF_CAUSAL 0
 #endif
 #ifndef FT_CAUSAL_SHIFT
 #define FT_CAUSAL_SHIFT 1
 #endif
     static constexpr bool kShiftRows = FT_CAUSAL_SHIFT && kIsCausal_ && !kIsDropout_ && !kIsBlockSparse_ && !kScoreMods_;
     // FT_FWD_REF_MAX (above): the unmasked steps' form; by default the guarded form where it measured faster
-    static constexpr int kRefMaxMode =
-        FT_FWD_REF_MAX >= 0 ? FT_FWD_REF_MAX
-        : !kIsCausal_ && (kHeadDim_ == 64 || kHeadDim_ == 128) && kHeadDimEff_ == kHeadDim_ ? 2 : 0;
+    static constexpr bool kRefMaxDefault =
+        (!kIsCausal_ || FT_FWD_REF_CAUSAL) && (kHeadDim_ == 64 || kHeadDim_ == 128) && kHeadDimEff_ == kHeadDim_;
+    static constexpr int kRefMaxMode = FT_FWD_REF_MAX >= 0 ? FT_FWD_REF_MAX : kRefMaxDefault ? 2 : 0;
     // FT_FWD_LAZY_RESCALE (above): the kernels it was measured on (no score modifications or dropout)
     static constexpr bool kLazyRescale = FT_FWD_LAZY_RESCALE && kHeadDim_ >= 128 && kHeadDim_ <= 256 &&
                                          kHeadDimEff_ == kHeadDim_ && kBlockN_ <= 128 && !kScoreMods_ && !kIsDropout_;
