@@ -267,39 +267,52 @@ def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
                                 (2, 1024, 8, 2, 128, True)], varlen_head_dim=128, seed=20)
 
 
-@pytest.mark.parametrize("variant", ["flashtrain+FT_FWD_REF_MAX=2", "flashtrain+FT_FWD_REF_MAX=2+FT_FWD_REF_EARLY=1"],
-                         ids=["late", "early"])
-def test_forward_without_block_max_matches_reference(monkeypatch, variant):
+@pytest.mark.parametrize("early", [0, 1, 2], ids=["late", "early", "early_global"])
+def test_forward_without_block_max_matches_reference(monkeypatch, early):
     """The Hopper forward whose unmasked key-block steps skip the block's row max (flash_fwd_sm90.cuh
-    FT_FWD_REF_MAX=2, here built into every kernel; late: the guard's vote after the P V wait, early: before it,
-    FT_FWD_REF_EARLY=1): plain inputs (hd64 / hd128, causal or not, GQA, a partial tile, a varlen batch), then inputs
-    where 15 keys spread over key block 0 (every pair of n8 tiles) score 10, 14, 20 or 150 binary orders above the
-    others (bf16, and fp16 for hd128 causal). The walk takes key block 0 last, so there every warp's exponentials
-    against the running max exceed 2^8 or overflow, and the warp computes its S again (mma.sync) and runs the plain
-    softmax. Besides the FlashAttention-2 rule (loose here: the low-precision comparison rounds the large scores), the
-    output must be within 0.02 of the fp32 reference's: a wrong key or head-dim chunk in the recomputation moves it by
-    far more."""
+    FT_FWD_REF_MAX=2, here built into every kernel; late: the guard's vote after the P V wait; early: before it,
+    FT_FWD_REF_EARLY=1; early_global: K and Q released before the vote, a failed check reading them from global
+    memory, FT_FWD_REF_EARLY=2): plain inputs (hd64 / hd128, causal or not, GQA, a partial tile, a varlen batch), then
+    inputs where 15 keys spread over key block 0 (every pair of n8 tiles) score 10 to 150 binary orders above the
+    others: bf16, fp16 for hd128 causal, GQA over a partial last tile, and the second sequence of a varlen batch. The
+    walk takes key block 0 last, so there every warp's exponentials against the running max exceed 2^8 or overflow,
+    and the warp computes its S again (mma.sync) and runs the plain softmax. Besides the FlashAttention-2 rule (loose
+    here: the low-precision comparison rounds the large scores), the output must be within 0.02 of the fp32
+    reference's: a wrong row, key, head or head-dim chunk in the recomputation moves it by far more."""
     if not _is_hopper():
         pytest.skip("the Hopper forward's switch")
+    variant = "flashtrain+FT_FWD_REF_MAX=2" + (f"+FT_FWD_REF_EARLY={early}" if early else "")
     _variant_matches_reference(monkeypatch, variant,
                                [(2, 1000, 8, 8, 64, False), (2, 1000, 8, 8, 128, True), (1, 2048, 16, 4, 128, False),
                                 (2, 777, 4, 4, 64, True)], varlen_head_dim=64, seed=40)
     import ab_probe  # (on the path: _variant_matches_reference)
 
-    spread = torch.arange(0, 128, 9, device="cuda")  # keys 0, 9, ..., 126
+    def boost(q, k, jump, head_dim, first_key=0):  # keys first_key + 0, 9, ..., 126 score `jump` orders higher
+        q[..., 0] = 4.0
+        keys = first_key + torch.arange(0, 128, 9, device="cuda")
+        k[..., keys, :, 0] = jump / (4.0 * head_dim**-0.5 * math.log2(math.e))
+
     with ab_probe.kernel_variant(variant):
-        for index, (head_dim, causal, jump, dtype) in enumerate([(64, False, 10, torch.bfloat16),
-                                                                  (64, True, 150, torch.bfloat16),
-                                                                  (128, False, 150, torch.bfloat16),
-                                                                  (128, False, 20, torch.bfloat16),
-                                                                  (128, True, 10, torch.float16),
-                                                                  (128, True, 14, torch.float16)]):
-            q, k, v, dout = _inputs((2, 1024, 4, head_dim), (2, 1024, 4, head_dim), dtype, seed=50 + index)
-            q[..., 0] = 4.0
-            k[:, spread, :, 0] = jump / (4.0 * head_dim**-0.5 * math.log2(math.e))
+        for index, (head_dim, causal, jump, dtype, seqlen, heads_kv) in enumerate([
+                (64, False, 10, torch.bfloat16, 1024, 4), (64, True, 150, torch.bfloat16, 1024, 4),
+                (128, False, 150, torch.bfloat16, 1024, 4), (128, False, 20, torch.bfloat16, 1024, 4),
+                (128, True, 10, torch.float16, 1024, 4), (128, True, 14, torch.float16, 1024, 4),
+                (128, True, 20, torch.bfloat16, 1000, 2), (64, False, 150, torch.bfloat16, 1000, 1)]):
+            q, k, v, dout = _inputs((2, seqlen, 4, head_dim), (2, seqlen, heads_kv, head_dim), dtype, seed=50 + index)
+            boost(q, k, jump, head_dim)
             out = _check_against_reference(q, k, v, dout, causal=causal)[0]
             ref = flash_attn_func(q.float(), k.float(), v.float(), causal=causal, impl="reference")
             assert (out.float() - ref).abs().max().item() <= 0.02
+        for head_dim in (64, 128):  # varlen: sequences of 300 and 1024 tokens, the second one's key block 0 boosted
+            cu = torch.tensor([0, 300, 1324], dtype=torch.int32, device="cuda")
+            q, k, v, dout = _inputs((1324, 4, head_dim), (1324, 2, head_dim), torch.bfloat16, seed=60 + head_dim)
+            boost(q, k, 20, head_dim, first_key=300)
+            for causal in (False, True):
+                out = _check_against_reference(q, k, v, dout, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                               max_seqlen_q=1024, max_seqlen_k=1024)[0]
+                ref = flash_attn_varlen_func(q.float(), k.float(), v.float(), cu, cu, 1024, 1024, causal=causal,
+                                             impl="reference")
+                assert (out.float() - ref).abs().max().item() <= 0.02
 
 
 def _backward_cases_match_reference(head_dim, causal, seed, extra_cases=()):

@@ -208,7 +208,9 @@ struct FwdSm90Traits {
 #define FT_FWD_REF_MAX -1
 #endif
 // FT_FWD_REF_EARLY=1: the guard's vote (and, where it fails, the recomputation) before the P V wait, and K and Q
-// released right after it. FT_FWD_REF_CAUSAL=1: the default's guarded form in the causal hd64 / hd128 kernels too.
+// released right after it. =2: the same vote, with K and Q released as in the block-max steps (right after the S
+// wait): a failed check computes the warp's S again from Q and K in global memory. FT_FWD_REF_CAUSAL=1: the
+// default's guarded form in the causal hd64 / hd128 kernels too.
 #ifndef FT_FWD_REF_EARLY
 #define FT_FWD_REF_EARLY 0
 #endif
@@ -789,6 +791,31 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 acc, a_frag_ptr<TileQ, false>(sQ, row0, col0, lane),
                 b_frag_ptr<TileKV, false>(sK + stage * TileKV::kBytes, 0, col0, lane));
         };
+        // FT_FWD_REF_EARLY=2: the same from global memory (rows g and g + 8 of this warp, clamped into the sequence:
+        // a partial or shifted tile's rows outside it are never stored; the keys of an unmasked block are all inside)
+        auto recompute_s_global = [&](float (&s)[kNT][4], int n_block) {
+            const u32* q_rows[2];
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = min_(max_(m0 + row0 + g + 8 * hf, 0), seqlen_q - 1);
+                q_rows[hf] = reinterpret_cast<const u32*>((const u16*)p.q + x.batch * p.q_batch_stride +
+                                                          (i64)(x.q_start + row) * p.q_row_stride +
+                                                          x.head * p.q_head_stride);
+            }
+            const u16* k_row = (const u16*)p.k + x.batch * p.k_batch_stride +
+                               (i64)(x.k_start + n_block * kBlockN + g) * p.k_row_stride + x.head_kv * p.k_head_stride;
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) {  // (8 keys at a time, 16 columns of the head dim per mma)
+                const u32* k = reinterpret_cast<const u32*>(k_row);
+                s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll 1
+                for (int c = t; c < T::kDCols / 2; c += 8) {
+                    const u32 a[4] = {q_rows[0][c], q_rows[1][c], q_rows[0][c + 4], q_rows[1][c + 4]};
+                    mma_16816<T::kIsBF16>(s[nt], a, k[c], k[c + 4]);
+                }
+                k_row += 8 * p.k_row_stride;
+            }
+        };
         auto mask = [&](auto& s, int n_block) {
             constexpr int kTiles = sizeof(s) / sizeof(s[0]);
             const int n0 = n_block * kBlockN;
@@ -1039,7 +1066,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 // FT_FWD_REF_MAX (above): no block max in the unmasked steps; =2 keeps K and Q until its check
                 constexpr bool kRefMax = T::kRefMaxMode && !kMask && !T::kScoreMods && !T::kSplitD && !T::kIsDropout;
                 constexpr bool kRefSafe = kRefMax && T::kRefMaxMode == 2;
-                if constexpr (!kRefSafe) {
+                constexpr bool kRefHold = kRefSafe && FT_FWD_REF_EARLY != 2;  // K and Q kept for the check
+                if constexpr (!kRefHold) {
                     if constexpr (kArrivePred) {
                         mbar_arrive_if(lead_lane, empty_k(stage));
                         mbar_arrive_if(lead_lane && last, empty_qb);
@@ -1079,14 +1107,18 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                         row_sum[0] += block_sum[0];
                         row_sum[1] += block_sum[1];
                     } else {
-                        recompute_s(s, stage);  // (O is rescaled once P V is done, below)
+                        // (O is rescaled once P V is done, below)
+                        if constexpr (FT_FWD_REF_EARLY == 2) recompute_s_global(s, n_block);
+                        else recompute_s(s, stage);
 #pragma unroll
                         for (int hf = 0; hf < 2; ++hf)
                             correction[hf] =
                                 softmax_exp_row<kNT>(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
                     }
-                    mbar_arrive_if(lead_lane, empty_k(stage));
-                    mbar_arrive_if(lead_lane && last, empty_qb);
+                    if constexpr (kRefHold) {
+                        mbar_arrive_if(lead_lane, empty_k(stage));
+                        mbar_arrive_if(lead_lane && last, empty_qb);
+                    }
                 }
                 FT_STEP_MARK(wg, it, 4);
                 wgmma_wait<0>();  // P V done: O and the P registers are free
