@@ -102,6 +102,8 @@ def test_dispatch_table_covers_every_instantiation_once():
     hopper_long += len(build.FWD_SM90_TILES_SHORT_CAUSAL) * 2  # ... and its short-sequence ones
     hopper_long += len(build.FWD_SM90_TILES_LONG_KEYS) * 2 * 2  # the forward's long-key tiles (x dtype x causal)
     hopper_long += 2 * 2  # ... non-causal in 2-CTA clusters (head dims 64 and 128), x dtype
+    hopper_long += len(build.FWD_SM90_REF_CAUSAL_SEQLEN) * 2  # ... causal without the block max (`_ref`), x dtype
+    assert sum(name.endswith("_ref") for name in names) == len(build.FWD_SM90_REF_CAUSAL_SEQLEN) * 2
     assert sum(name.endswith("_c2") for name in names) == 4
     # head dims 65-96 (x the narrowed widths 80, 96): the hd128 backward with that many columns of MMA work, x dtype x
     # causal x dropout, and its other query block (64 or 80 rows) x dtype x causal; the forward's (x dtype): causal or
@@ -248,7 +250,7 @@ def test_long_keys_forward_tiles(monkeypatch):
         assert build.fwd_kernel(128, "bf16", True, False, arch="sm_90a", seqlen_q=seqlen,
                                 seqlen_k=seqlen).name == "flash_fwd_sm90_hdim128_bf16_causal"
     # (non-causal: in 2-CTA clusters, test_cluster_forward_tiles)
-    for causal, name in ((False, "hdim128_bf16_128x192_c2"), (True, "hdim128_bf16_causal_128x192")):
+    for causal, name in ((False, "hdim128_bf16_128x192_c2"), (True, "hdim128_bf16_causal_128x192_ref")):
         long = build.long_keys_seqlen(causal)
         spec = build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=long, seqlen_k=long)
         assert (spec.name, spec.block_m, spec.tiles.block_n) == (f"flash_fwd_sm90_{name}", 128, 192)
@@ -318,8 +320,9 @@ def test_narrow_head_dims_on_hopper(monkeypatch):
                                     effective_head_dim=96)
             wide = build.fwd_kernel(128, "bf16", causal, False, arch="sm_90a", seqlen_q=seqlen_q, seqlen_k=seqlen_k)
             assert spec.name == f"flash_fwd_sm90_hdim96_bf16{suffix}{shape}" and ("FT_HEAD_DIM_EFF", 96) in spec.defines
-            # (the same tiles, but not in 2-CTA clusters: test_cluster_forward_tiles)
-            assert (spec.tiles, spec.smem_bytes) == (dataclasses.replace(wide.tiles, cluster=1), wide.smem_bytes)
+            # (the same tiles, but not in 2-CTA clusters, test_cluster_forward_tiles, nor without the block max)
+            assert (spec.tiles, spec.smem_bytes) == (dataclasses.replace(wide.tiles, cluster=1, ref_causal=False),
+                                                     wide.smem_bytes)
             assert spec in build.all_kernels()
         bwd = build.bwd_kernel(128, "bf16", causal, False, arch="sm_90a", effective_head_dim=96, seqlen_q=long)
         assert bwd.name == f"flash_bwd_sm90_hdim96_bf16{suffix}_q80_lsebias" and bwd in build.all_kernels()
@@ -1076,3 +1079,30 @@ def test_hd64_cluster_forward_tiles(monkeypatch):
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER_HD64", 1)
     monkeypatch.setattr(build, "FWD_SM90_CLUSTER", 0)
     assert tiles(2 * long, 2 * long).cluster == 1
+
+
+def test_long_causal_forwards_without_the_block_max():
+    """Causal Hopper forwards of FWD_SM90_REF_CAUSAL_SEQLEN query rows or more on the tiles it names take the kernels
+    whose unmasked steps skip the block's row max (`_ref`, FT_FWD_REF_CAUSAL=1): head dim 64 from 4K rows (the
+    192-row tiles), head dim 128 on the 192-key tiles (16K keys); shorter calls, other tiles, dropout, varlen (length
+    unknown) and the narrowed head dims keep the block max."""
+    ref = ("FT_FWD_REF_CAUSAL", 1)
+
+    def spec(head_dim, seqlen_q, seqlen_k=None, **kw):
+        return build.fwd_kernel(head_dim, "bf16", True, kw.pop("dropout", False), arch="sm_90a", seqlen_q=seqlen_q,
+                                seqlen_k=seqlen_q if seqlen_k is None else seqlen_k, **kw)
+
+    assert {head_dim: seqlen for head_dim, (seqlen, _) in build.FWD_SM90_REF_CAUSAL_SEQLEN.items()} == {
+        64: 4096, 128: build.LONG_KEYS_CAUSAL_SEQLEN}
+    for head_dim, seqlen, name in ((64, 4096, "hdim64_bf16_causal_192x128_ref"),
+                                   (64, 16384, "hdim64_bf16_causal_192x128_ref"),
+                                   (128, 16384, "hdim128_bf16_causal_128x192_ref")):
+        kernel = spec(head_dim, seqlen)
+        assert kernel.name == f"flash_fwd_sm90_{name}" and ref in kernel.defines and kernel.tiles.ref_causal
+        assert kernel in build.all_kernels()
+    # one row short of the thresholds (hd128: the 128-key tiles), and other calls: the block max
+    for other in (spec(64, 4095), spec(128, 16383), spec(64, 2048), spec(64, 16384, dropout=True), spec(64, 0, 0), spec(128, 8192),
+                  spec(128, 16384, 8192), spec(128, 300, 16384), spec(128, 16384, effective_head_dim=96)):
+        assert ref not in other.defines and not other.tiles.ref_causal, other.name
+    assert ref not in build.fwd_kernel(64, "bf16", False, False, arch="sm_90a", seqlen_q=16384,
+                                       seqlen_k=16384).defines

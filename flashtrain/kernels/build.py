@@ -127,6 +127,8 @@ class FwdSm90Tiles:
     # CTAs per cluster (flash_fwd_sm90.cuh kCluster): 2, neighbouring query tiles share their K / V copies (TMA
     # multicast), on a static schedule of tile pairs; the grid is even (FWD_SM90_CLUSTER)
     cluster: int = 1
+    # causal kernels: the unmasked key-block steps without the block's row max (FWD_SM90_REF_CAUSAL_SEQLEN)
+    ref_causal: bool = False
 
     @property
     def threads(self) -> int:  # consumer warpgroups + the producer warpgroup
@@ -240,6 +242,14 @@ LONG_KEYS_SEQLEN = 8192
 # 1.005; forward + backward causal 8K 1.007, GQA 32 / 8 8K 1.006; at 16K 0.999-1.002 (kernel_ab-h200.json). A/B:
 # ab_probe.py flashtrain@build.LONG_KEYS_CAUSAL_SEQLEN=8192.
 LONG_KEYS_CAUSAL_SEQLEN = 16384
+# Causal calls without dropout / block-sparse from this many query rows, on the tiles the table names (FwdSm90Tiles
+# .ref_causal; the kernels' names end in _ref): the unmasked key-block steps skip the block's row max, as the
+# non-causal head-dim-64 / 128 kernels always do (flash_fwd_sm90.cuh FT_FWD_REF_CAUSAL, its guarded form). H100,
+# 2026-12-08, interleaved CUDA-graph replays (ab_probe.py), forward, against the block max: hd64 causal 4K / 16K
+# 1.023 / 1.060 (the 192-row tiles), hd128 causal 16K 1.030 (the 192-key tiles); hd64 causal 1K 0.925 and hd128
+# causal 1K 0.998 keep the block max (kernel_ab-h100.json guard_early_ab).
+FWD_SM90_REF_CAUSAL_SEQLEN = {64: (4096, FwdSm90Tiles(192, 128, stages=2)),
+                              128: (LONG_KEYS_CAUSAL_SEQLEN, FwdSm90Tiles(128, 192, stages=2, separate_o=False))}
 # Dense non-causal head-dim-128 calls without dropout, from FWD_SM90_CLUSTER_SEQLEN keys, whose query tiles per (batch,
 # head) are even (not varlen): clusters of two CTAs on neighbouring query tiles, each copying half of every K / V tile
 # into both (TMA multicast; FwdSm90Tiles.cluster, flash_fwd_sm90.cuh kCluster), on a static schedule of tile pairs.
@@ -820,6 +830,10 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
         tiles = FWD_SM90_TILES_SHORT_CAUSAL[head_dim]
     else:
         tiles = FWD_SM90_TILES[head_dim]
+    ref_seqlen, ref_tiles = FWD_SM90_REF_CAUSAL_SEQLEN.get(head_dim, (0, None))
+    if (plain and causal and head_dim_eff in (None, head_dim) and 0 < ref_seqlen <= seqlen_q
+            and dataclasses.replace(tiles, q_buffers=1) == ref_tiles):
+        tiles = dataclasses.replace(tiles, ref_causal=True)
     # (clusters: query tiles in pairs of one (batch, head), so an even number of them; seqlen_k 0: varlen or unknown)
     if (fwd_sm90_cluster_head_dim(head_dim) and plain and not causal
             and head_dim_eff in (None, head_dim) and seqlen_k >= max(FWD_SM90_CLUSTER_SEQLEN, 1) and seqlen_q > 0
@@ -888,12 +902,14 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
     # tiles other than the features' first choice (long causal sequences, a capped shared-memory limit) get names of
     # their own: a process may load both, and kernels are looked up by name
     first_choice = fwd_sm90_tiles(head_dim, causal, dropout, block_sparse)
-    same_shape = dataclasses.replace(tiles, q_buffers=first_choice.q_buffers, cluster=1) == first_choice
+    same_shape = (dataclasses.replace(tiles, q_buffers=first_choice.q_buffers, cluster=1, ref_causal=False)
+                  == first_choice)
     name = (f"flash_fwd_sm90_hdim{head_dim_eff}_{dtype}{_suffix(causal, dropout, block_sparse)}"
             f"{'' if same_shape else f'_{tiles.block_m}x{tiles.block_n}'}{'' if tiles.q_buffers == 1 else '_q2'}"
             f"{'' if tiles.cluster == 1 else f'_c{tiles.cluster}'}"
             f"{'_mods' if score_mods else ''}{'_nocap' if score_mods == 2 else ''}"
-            f"{'_window' if score_mods == 3 else ''}{_mask_suffix(mask_defines)}{'_tail' if tail_split else ''}")
+            f"{'_window' if score_mods == 3 else ''}{_mask_suffix(mask_defines)}{'_tail' if tail_split else ''}"
+            f"{'_ref' if tiles.ref_causal else ''}")
     defines = (("FT_HEAD_DIM", head_dim), ("FT_BLOCK_M", tiles.block_m), ("FT_BLOCK_N", tiles.block_n),
                ("FT_STAGES", tiles.stages), ("FT_SEPARATE_O", int(tiles.separate_o)), ("FT_THREADS", tiles.threads),
                ("FT_Q_BUFFERS", tiles.q_buffers),
@@ -908,6 +924,8 @@ def _fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, dropout: bool, block
         defines += (("FT_CLUSTER", tiles.cluster),)
     if tail_split:  # (likewise)
         defines += (("FT_FWD_TAIL_SPLIT", 1),)
+    if tiles.ref_causal:  # (likewise)
+        defines += (("FT_FWD_REF_CAUSAL", 1),)
     return KernelSpec("flash_fwd_sm90.cu", defines, (name,), tiles.threads, smem_bytes, block_m=tiles.block_m,
                       archs=(SM90_ARCH,), tiles=tiles, persistent=True)
 
@@ -1286,6 +1304,9 @@ def all_kernels(smem_limit: int | None = None) -> list[KernelSpec]:
               for small_l2 in (False, True)                                    # short ones on a small L2)
               if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=LONG_CAUSAL_SEQLEN, small_l2=small_l2),
                        smem_limit)]
+    specs += [spec for head_dim, (seqlen, _) in FWD_SM90_REF_CAUSAL_SEQLEN.items() for dtype in DTYPES  # causal,
+              if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=seqlen, seqlen_k=seqlen),  # without
+                       smem_limit)]                                                                # the block max
     specs += [spec for head_dim in FWD_SM90_TILES_SHORT_CAUSAL for dtype in DTYPES  # causal, short sequences
               if _fits(spec := fwd_sm90_kernel(head_dim, dtype, True, seqlen_q=1), smem_limit)]
     specs += [spec for head_dim in FWD_SM90_TILES_LONG_KEYS for dtype in DTYPES for causal in (False, True)  # long

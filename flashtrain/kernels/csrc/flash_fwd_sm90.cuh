@@ -207,12 +207,15 @@ struct FwdSm90Traits {
 #ifndef FT_FWD_REF_MAX
 #define FT_FWD_REF_MAX -1
 #endif
-// FT_FWD_REF_EARLY=1: the guard's vote (and, where it fails, the recomputation) before the P V wait, and K and Q
-// released right after it. =2: the same vote, with K and Q released as in the block-max steps (right after the S
-// wait): a failed check computes the warp's S again from Q and K in global memory. FT_FWD_REF_CAUSAL=1: the
-// default's guarded form in the causal hd64 / hd128 kernels too.
+// FT_FWD_REF_EARLY (default 1): the guard's vote (and, where it fails, the recomputation) before the P V wait, and K
+// and Q released right after it; =0 after the P V wait. H100, 2026-12-08, forward, early against late: hd128
+// non-causal 4K / 16K 1.037 / 1.011, hd64 non-causal 16K 1.012 (kernel_ab-h100.json guard_early_ab). Releasing K and Q
+// before the vote, with a failed check reading them from global memory, measured 0.99-1.02 non-causal and 0.59-1.03
+// causal. FT_FWD_REF_CAUSAL=1 (build.py FWD_SM90_REF_CAUSAL_SEQLEN sets it for the long causal calls it measured
+// faster in): the guarded form in the causal hd64 / hd128 kernels too; early, against the block max: hd64 causal 4K /
+// 16K 1.023 / 1.060, hd128 causal 16K (192-key tiles) 1.030; not taken: hd64 causal 1K 0.925, hd128 causal 1K 0.998.
 #ifndef FT_FWD_REF_EARLY
-#define FT_FWD_REF_EARLY 0
+#define FT_FWD_REF_EARLY 1
 #endif
 #ifndef FT_FWD_REF_CAUSAL
 #define FT_FWD_REF_CAUSAL 0
@@ -791,31 +794,6 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 acc, a_frag_ptr<TileQ, false>(sQ, row0, col0, lane),
                 b_frag_ptr<TileKV, false>(sK + stage * TileKV::kBytes, 0, col0, lane));
         };
-        // FT_FWD_REF_EARLY=2: the same from global memory (rows g and g + 8 of this warp, clamped into the sequence:
-        // a partial or shifted tile's rows outside it are never stored; the keys of an unmasked block are all inside)
-        auto recompute_s_global = [&](float (&s)[kNT][4], int n_block) {
-            const u32* q_rows[2];
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int row = min_(max_(m0 + row0 + g + 8 * hf, 0), seqlen_q - 1);
-                q_rows[hf] = reinterpret_cast<const u32*>((const u16*)p.q + x.batch * p.q_batch_stride +
-                                                          (i64)(x.q_start + row) * p.q_row_stride +
-                                                          x.head * p.q_head_stride);
-            }
-            const u16* k_row = (const u16*)p.k + x.batch * p.k_batch_stride +
-                               (i64)(x.k_start + n_block * kBlockN + g) * p.k_row_stride + x.head_kv * p.k_head_stride;
-#pragma unroll
-            for (int nt = 0; nt < kNT; ++nt) {  // (8 keys at a time, 16 columns of the head dim per mma)
-                const u32* k = reinterpret_cast<const u32*>(k_row);
-                s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll 1
-                for (int c = t; c < T::kDCols / 2; c += 8) {
-                    const u32 a[4] = {q_rows[0][c], q_rows[1][c], q_rows[0][c + 4], q_rows[1][c + 4]};
-                    mma_16816<T::kIsBF16>(s[nt], a, k[c], k[c + 4]);
-                }
-                k_row += 8 * p.k_row_stride;
-            }
-        };
         auto mask = [&](auto& s, int n_block) {
             constexpr int kTiles = sizeof(s) / sizeof(s[0]);
             const int n0 = n_block * kBlockN;
@@ -1066,8 +1044,7 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 // FT_FWD_REF_MAX (above): no block max in the unmasked steps; =2 keeps K and Q until its check
                 constexpr bool kRefMax = T::kRefMaxMode && !kMask && !T::kScoreMods && !T::kSplitD && !T::kIsDropout;
                 constexpr bool kRefSafe = kRefMax && T::kRefMaxMode == 2;
-                constexpr bool kRefHold = kRefSafe && FT_FWD_REF_EARLY != 2;  // K and Q kept for the check
-                if constexpr (!kRefHold) {
+                if constexpr (!kRefSafe) {
                     if constexpr (kArrivePred) {
                         mbar_arrive_if(lead_lane, empty_k(stage));
                         mbar_arrive_if(lead_lane && last, empty_qb);
@@ -1107,18 +1084,14 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                         row_sum[0] += block_sum[0];
                         row_sum[1] += block_sum[1];
                     } else {
-                        // (O is rescaled once P V is done, below)
-                        if constexpr (FT_FWD_REF_EARLY == 2) recompute_s_global(s, n_block);
-                        else recompute_s(s, stage);
+                        recompute_s(s, stage);  // (O is rescaled once P V is done, below)
 #pragma unroll
                         for (int hf = 0; hf < 2; ++hf)
                             correction[hf] =
                                 softmax_exp_row<kNT>(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
                     }
-                    if constexpr (kRefHold) {
-                        mbar_arrive_if(lead_lane, empty_k(stage));
-                        mbar_arrive_if(lead_lane && last, empty_qb);
-                    }
+                    mbar_arrive_if(lead_lane, empty_k(stage));  // (the releases held back above, after the check)
+                    mbar_arrive_if(lead_lane && last, empty_qb);
                 }
                 FT_STEP_MARK(wg, it, 4);
                 wgmma_wait<0>();  // P V done: O and the P registers are free
