@@ -1101,8 +1101,9 @@ def test_long_causal_forwards_without_the_block_max():
         assert kernel.name == f"flash_fwd_sm90_{name}" and ref in kernel.defines and kernel.tiles.ref_causal
         assert kernel in build.all_kernels()
     # one row short of the thresholds (hd128: the 128-key tiles), and other calls: the block max
-    for other in (spec(64, 4095), spec(128, 16383), spec(64, 2048), spec(64, 16384, dropout=True), spec(64, 0, 0), spec(128, 8192),
-                  spec(128, 16384, 8192), spec(128, 300, 16384), spec(128, 16384, effective_head_dim=96)):
+    for other in (spec(64, 4095), spec(128, 16383), spec(64, 2048), spec(64, 16384, dropout=True), spec(64, 0, 0),
+                  spec(128, 8192), spec(128, 16384, 8192), spec(128, 300, 16384),
+                  spec(128, 16384, effective_head_dim=96)):
         assert ref not in other.defines and not other.tiles.ref_causal, other.name
     assert ref not in build.fwd_kernel(64, "bf16", False, False, arch="sm_90a", seqlen_q=16384,
                                        seqlen_k=16384).defines
