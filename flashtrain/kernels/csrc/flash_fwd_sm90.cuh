@@ -199,11 +199,11 @@ struct FwdSm90Traits {
 // releases only after that check, and runs the plain softmax on them. =1, a probe of what the max, its quad shuffles
 // and the O rescale cost the step: no overflow guard (a score 128 binary orders above the running max overflows its
 // exponential), so the tests do not run it. =0: the block max everywhere. Unset (-1): =2 in the non-causal kernels at
-// head dims 64 and 128 (kRefMaxMode below), the block max elsewhere. H100, 2026-12-07, interleaved CUDA-graph replays
-// (ab_probe.py), forward, =2 against the block max: hd64 non-causal 4K / 8K / 16K 1.042 / 1.051 / 1.058, hd128
-// non-causal 4K / 8K / 16K 1.017 / 1.023 / 1.025 (sustained 4K / 16K 1.018 / 1.035); not taken: hd64 causal 1K 0.928
-// (4K 1.034, 16K 1.062: the same 192-row kernel), hd128 causal 1K / 4K / 16K 0.991 / 0.999 / 0.992, where holding
-// K until the check costs more than the step saves (kernel_ab-h100.json refmax_fwd_ab).
+// head dims 64 and 128 and in the causal ones built with FT_FWD_REF_CAUSAL=1 (kRefMaxMode below), the block max
+// elsewhere. H100, 2026-12-07, interleaved CUDA-graph replays (ab_probe.py), forward, =2 (its vote after the P V
+// wait) against the block max: hd64 non-causal 4K / 8K / 16K 1.042 / 1.051 / 1.058, hd128 non-causal 4K / 8K / 16K
+// 1.017 / 1.023 / 1.025 (sustained 4K / 16K 1.018 / 1.035); causal 0.928-0.999 at 1K-16K, except hd64 causal 4K /
+// 16K 1.034 / 1.062 (kernel_ab-h100.json refmax_fwd_ab). FT_FWD_REF_EARLY below moved the vote.
 #ifndef FT_FWD_REF_MAX
 #define FT_FWD_REF_MAX -1
 #endif
