@@ -248,8 +248,8 @@ LONG_KEYS_CAUSAL_SEQLEN = 16384
 # 2026-12-08, interleaved CUDA-graph replays (ab_probe.py), forward, against the block max: hd64 causal 4K / 16K
 # 1.023 / 1.060 (the 192-row tiles), hd128 causal 16K 1.030 (the 192-key tiles); hd64 causal 1K 0.925 and hd128
 # causal 1K 0.998 keep the block max (kernel_ab-h100.json guard_early_ab).
-FWD_SM90_REF_CAUSAL_SEQLEN = {64: (4096, FwdSm90Tiles(192, 128, stages=2)),
-                              128: (LONG_KEYS_CAUSAL_SEQLEN, FwdSm90Tiles(128, 192, stages=2, separate_o=False))}
+FWD_SM90_REF_CAUSAL_SEQLEN = {64: (4096, FWD_SM90_TILES_LONG_CAUSAL[64]),
+                              128: (LONG_KEYS_CAUSAL_SEQLEN, FWD_SM90_TILES_LONG_KEYS[128])}
 # Dense non-causal head-dim-128 calls without dropout, from FWD_SM90_CLUSTER_SEQLEN keys, whose query tiles per (batch,
 # head) are even (not varlen): clusters of two CTAs on neighbouring query tiles, each copying half of every K / V tile
 # into both (TMA multicast; FwdSm90Tiles.cluster, flash_fwd_sm90.cuh kCluster), on a static schedule of tile pairs.
