@@ -203,20 +203,17 @@ struct FwdSm90Traits {
 // elsewhere. H100, 2026-12-07, interleaved CUDA-graph replays (ab_probe.py), forward, =2 (its vote after the P V
 // wait) against the block max: hd64 non-causal 4K / 8K / 16K 1.042 / 1.051 / 1.058, hd128 non-causal 4K / 8K / 16K
 // 1.017 / 1.023 / 1.025 (sustained 4K / 16K 1.018 / 1.035); causal 0.928-0.999 at 1K-16K, except hd64 causal 4K /
-// 16K 1.034 / 1.062 (kernel_ab-h100.json refmax_fwd_ab). FT_FWD_REF_EARLY below moved the vote.
+// 16K 1.034 / 1.062 (kernel_ab-h100.json refmax_fwd_ab), with the vote after the P V wait (moved since: below).
 #ifndef FT_FWD_REF_MAX
 #define FT_FWD_REF_MAX -1
 #endif
-// FT_FWD_REF_EARLY (default 1): the guard's vote (and, where it fails, the recomputation) before the P V wait, and K
-// and Q released right after it; =0 after the P V wait. H100, 2026-12-08, forward, early against late: hd128
+// The guard votes (and, where it fails, recomputes) right after the exponentials, before the P V wait, and K and Q
+// are released right after the vote. H100, 2026-12-08, forward, against the vote after the P V wait: hd128
 // non-causal 4K / 16K 1.037 / 1.011, hd64 non-causal 16K 1.012 (kernel_ab-h100.json guard_early_ab). Releasing K and Q
 // before the vote, with a failed check reading them from global memory, measured 0.99-1.02 non-causal and 0.59-1.03
 // causal. FT_FWD_REF_CAUSAL=1 (build.py FWD_SM90_REF_CAUSAL_SEQLEN sets it for the long causal calls it measured
-// faster in): the guarded form in the causal hd64 / hd128 kernels too; early, against the block max: hd64 causal 4K /
+// faster in): the guarded form in the causal hd64 / hd128 kernels too, against the block max: hd64 causal 4K /
 // 16K 1.023 / 1.060, hd128 causal 16K (192-key tiles) 1.030; not taken: hd64 causal 1K 0.925, hd128 causal 1K 0.998.
-#ifndef FT_FWD_REF_EARLY
-#define FT_FWD_REF_EARLY 1
-#endif
 #ifndef FT_FWD_REF_CAUSAL
 #define FT_FWD_REF_CAUSAL 0
 #endif
@@ -1076,15 +1073,16 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 // every thread's partial sums at most 2^kLazyMaxLog2 (false for inf and NaN): the exponentials
                 // stand; otherwise the warp's S again and the plain softmax
                 constexpr float kLimit = 1 << (int)kLazyMaxLog2;
-                constexpr bool kRefEarly = kRefSafe && FT_FWD_REF_EARLY;
                 bool ref_ok = true;
-                if constexpr (kRefEarly) {
+                if constexpr (kRefSafe) {
                     ref_ok = __all_sync(0xffffffffu, block_sum[0] <= kLimit && block_sum[1] <= kLimit);
                     if (ref_ok) {
                         row_sum[0] += block_sum[0];
                         row_sum[1] += block_sum[1];
                     } else {
-                        recompute_s(s, stage);  // (O is rescaled once P V is done, below)
+                        // (O is rescaled once P V is done, below. The max always moves here, lazy kernels too: a row
+                        // 3-8 binary orders above the running max would otherwise fail the check again at every block)
+                        recompute_s(s, stage);
 #pragma unroll
                         for (int hf = 0; hf < 2; ++hf)
                             correction[hf] =
@@ -1099,26 +1097,8 @@ template <class T> __device__ __forceinline__ void flash_fwd_sm90(const FwdSm90P
                 FT_STEP_MARK(wg, it, 5);
                 if constexpr (kArrivePred) mbar_arrive_if(lead_lane, empty_v(prev));
                 else if (lead_lane) mbar_arrive(empty_v(prev));
-                if constexpr (kRefEarly) {
-                    if constexpr (!kRescaleEarly) {
-                        if (!ref_ok) rescale_o(correction);
-                    }
-                } else if constexpr (kRefSafe) {
-                    if (__all_sync(0xffffffffu, block_sum[0] <= kLimit && block_sum[1] <= kLimit)) {
-                        row_sum[0] += block_sum[0];
-                        row_sum[1] += block_sum[1];
-                    } else {
-                        // (the max always moves here, lazy kernels too: a row 3-8 binary orders above the running max
-                        // would otherwise fail the check again at every block)
-                        recompute_s(s, stage);
-#pragma unroll
-                        for (int hf = 0; hf < 2; ++hf)
-                            correction[hf] =
-                                softmax_exp_row<kNT>(s, hf, row_max[hf], row_sum[hf], p.softmax_scale_log2);
-                        if constexpr (!kRescaleEarly) rescale_o(correction);
-                    }
-                    mbar_arrive_if(lead_lane, empty_k(stage));  // (the releases held back above, after the check)
-                    mbar_arrive_if(lead_lane && last, empty_qb);
+                if constexpr (kRefSafe && !kRescaleEarly) {
+                    if (!ref_ok) rescale_o(correction);
                 }
                 if constexpr (kRescaleEarly) pending[0] = correction[0], pending[1] = correction[1];
                 else if constexpr (!kRefMax) rescale_o(correction);
