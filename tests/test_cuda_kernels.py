@@ -268,14 +268,14 @@ def test_aux_kernels_in_ascending_order_match_reference(monkeypatch):
 
 
 def test_forward_without_block_max_matches_reference(monkeypatch):
-    """The Hopper forward whose unmasked key-block steps skip the block's row max (flash_fwd_sm90.cuh
-    FT_FWD_REF_MAX=2, here built into every kernel, the guard's vote before the P V wait): plain inputs (hd64 /
-    hd128, causal or not, GQA, a partial tile, a varlen batch), then inputs where 15 keys spread over key block 0
-    (every pair of n8 tiles) score 10 to 150 binary orders above the others: bf16, fp16 for hd128 causal, GQA over a partial last tile, and the second sequence of a varlen batch. The
-    walk takes key block 0 last, so there every warp's exponentials against the running max exceed 2^8 or overflow,
-    and the warp computes its S again (mma.sync) and runs the plain softmax. Besides the FlashAttention-2 rule (loose
-    here: the low-precision comparison rounds the large scores), the output must be within 0.02 of the fp32
-    reference's: a wrong row, key, head or head-dim chunk in the recomputation moves it by far more."""
+    """The Hopper forward whose unmasked key-block steps skip the block's row max (flash_fwd_sm90.cuh FT_FWD_REF_MAX=2,
+    here built into every kernel, the guard's vote before the P V wait): plain inputs (hd64 / hd128, causal or not, GQA,
+    a partial tile, a varlen batch), then inputs where 15 keys spread over key block 0 (every pair of n8 tiles) score 10
+    to 150 binary orders above the others: bf16, fp16 for hd128 causal, GQA over a partial last tile, and the second
+    sequence of a varlen batch. The walk takes key block 0 last, so there every warp's exponentials against the running
+    max exceed 2^8 or overflow, and the warp computes its S again (mma.sync) and runs the plain softmax. Besides the
+    FlashAttention-2 rule (loose here: the low-precision comparison rounds the large scores), the output must be within
+    0.02 of the fp32 reference's: a wrong row, key, head or head-dim chunk in the recomputation moves it by far more."""
     if not _is_hopper():
         pytest.skip("the Hopper forward's switch")
     variant = "flashtrain+FT_FWD_REF_MAX=2"
