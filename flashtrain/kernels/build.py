@@ -831,9 +831,8 @@ def fwd_sm90_tiles(head_dim: int, causal: bool, dropout: bool, block_sparse: boo
     else:
         tiles = FWD_SM90_TILES[head_dim]
     ref_seqlen, ref_tiles = FWD_SM90_REF_CAUSAL_SEQLEN.get(head_dim, (0, None))
-    if (plain and causal and head_dim_eff in (None, head_dim) and 0 < ref_seqlen <= seqlen_q
-            and dataclasses.replace(tiles, q_buffers=1) == ref_tiles):
-        tiles = dataclasses.replace(tiles, ref_causal=True)
+    if plain and causal and head_dim_eff in (None, head_dim) and 0 < ref_seqlen <= seqlen_q and tiles == ref_tiles:
+        tiles = dataclasses.replace(tiles, ref_causal=True)  # (the tiles all_kernels() builds the `_ref` kernels on)
     # (clusters: query tiles in pairs of one (batch, head), so an even number of them; seqlen_k 0: varlen or unknown)
     if (fwd_sm90_cluster_head_dim(head_dim) and plain and not causal
             and head_dim_eff in (None, head_dim) and seqlen_k >= max(FWD_SM90_CLUSTER_SEQLEN, 1) and seqlen_q > 0
